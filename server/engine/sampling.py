@@ -1,0 +1,154 @@
+"""The in-process flow-matching sampler.
+
+The sampler owns the noise, the sigma schedule, classifier-free guidance and the update rule; it
+calls the model only through a step function `step_fn(x, timestep, rows) -> out`, where `out` is
+the step route's answer (sign x dx/dsigma, float32, the shape of `x`). Two step functions exist:
+the direct one calls `ImageModel.denoise_step` in process, and the via-steps one sends the same
+arrays and rows to `POST step` over HTTP (`gmlx_contract.client.StepClient.step`). Both see the
+same batch composition (x duplicated, the cond row then the uncond row) and this module does every
+piece of arithmetic between the calls in numpy float32, so the two paths give bit-identical final
+latents (DESIGN.md, "Equal to direct").
+
+Noise is `numpy.random.default_rng(seed).standard_normal(shape, dtype=float32)` with shape
+(1, C, H / stride, W / stride) in the DiT's model latent space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+SAMPLERS = ("euler",)
+
+# A step function: latents (B, C, h, w) f32, timestep (B,) f32, one row per batch entry -> the
+# model output (B, C, h, w) f32. Rows are opaque here: StepRow objects for the direct path, wire
+# row dicts for the via-steps path.
+StepFn = Callable[[np.ndarray, np.ndarray, Sequence[Any]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """The rows of one sampling: the prompt's row and, when guided, the negative prompt's row."""
+
+    cond: Any
+    uncond: Any | None = None
+    cfg: float = 1.0
+
+    @property
+    def guided(self) -> bool:
+        """True classifier-free guidance runs only with a negative row and a scale other than 1."""
+        return self.uncond is not None and self.cfg != 1.0
+
+    def rows(self) -> list[Any]:
+        return [self.cond, self.uncond] if self.guided else [self.cond]
+
+
+def initial_noise(seed: int, channels: int, latent_height: int, latent_width: int) -> np.ndarray:
+    """The starting latents (1, C, h, w), float32, in model space; the same for a seed everywhere."""
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((1, channels, latent_height, latent_width), dtype=np.float32)
+
+
+def linear_sigmas(steps: int) -> np.ndarray:
+    """steps + 1 sigmas evenly from 1 to 0: the schedule when a model publishes none."""
+    return np.linspace(1.0, 0.0, steps + 1, dtype=np.float32)
+
+
+def resolve_sigmas(
+    sampling: dict | None, steps: int | None, width: int, height: int, *, pixels_per_token: int
+) -> np.ndarray:
+    """The sigma schedule (float32, ending in 0) for a model's status `sampling` object.
+
+    A variant's fixed `sigmas` win (a `steps` that disagrees with their count is refused), else the
+    size-dependent `schedule` rule of CONTRACT.md 5.3, else a linear schedule. `steps` None means
+    the variant's own step count.
+    """
+    sampling = sampling or {}
+    fixed = sampling.get("sigmas")
+    if fixed:
+        sigmas = np.asarray(fixed, dtype=np.float32)
+        if steps not in (None, 0, len(sigmas) - 1):
+            raise ValueError(
+                f"this model samples with its fixed {len(sigmas) - 1}-step schedule; "
+                f"leave --steps out or set it to {len(sigmas) - 1}"
+            )
+        return sigmas
+    steps = steps or int(sampling.get("steps") or 0)
+    if steps < 1:
+        raise ValueError("give a step count of at least 1")
+    rule = sampling.get("schedule")
+    if rule:
+        from gmlx_server.engine import schedules
+
+        tokens = (height // pixels_per_token) * (width // pixels_per_token)
+        return np.asarray(schedules.sigmas(rule, steps, tokens), dtype=np.float32)
+    return linear_sigmas(steps)
+
+
+def step_batch(
+    x: np.ndarray, sigma: np.float32, guidance: Guidance, timestep_scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, list[Any]]:
+    """The arrays and rows of one step call: x once per row, one timestep per row."""
+    rows = guidance.rows()
+    batch = np.concatenate([x] * len(rows), axis=0) if len(rows) > 1 else x
+    timestep = np.full(len(rows), np.float32(sigma) / np.float32(timestep_scale), dtype=np.float32)
+    return np.ascontiguousarray(batch, dtype=np.float32), timestep, rows
+
+
+def guided_velocity(out: np.ndarray, guidance: Guidance) -> np.ndarray:
+    """dx/dsigma (1, C, h, w): the cond row alone, or uncond + cfg * (cond - uncond)."""
+    out = np.asarray(out, dtype=np.float32)
+    if not guidance.guided:
+        return out[:1]
+    cond, uncond = out[0:1], out[1:2]
+    return uncond + np.float32(guidance.cfg) * (cond - uncond)
+
+
+def euler_update(
+    x: np.ndarray, velocity: np.ndarray, sigma: np.float32, sigma_next: np.float32
+) -> np.ndarray:
+    """One Euler step of dx/dsigma = velocity from sigma to sigma_next, in float32."""
+    dt = np.float32(sigma_next) - np.float32(sigma)
+    return (x + dt * velocity).astype(np.float32, copy=False)
+
+
+def sample(
+    step_fn: StepFn,
+    noise: np.ndarray,
+    sigmas: np.ndarray,
+    guidance: Guidance,
+    *,
+    sampler: str = "euler",
+    timestep_scale: float = 1.0,
+    progress: bool = False,
+    on_step: Callable[[int, np.ndarray], None] | None = None,
+) -> np.ndarray:
+    """Sample from `noise` along `sigmas`; returns the final latents (1, C, h, w) float32.
+
+    The starting latents are noise x sigmas[0] (pure noise at sigma 1). `on_step(i, x)` is called
+    after each update, e.g. to time steps or to stop.
+    """
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    sigmas = np.asarray(sigmas, dtype=np.float32)
+    if sigmas.ndim != 1 or len(sigmas) < 2:
+        raise ValueError("a schedule needs at least two sigmas")
+    x = (np.asarray(noise, dtype=np.float32) * sigmas[0]).astype(np.float32)
+    for i in _step_indices(len(sigmas) - 1, progress):
+        batch, timestep, rows = step_batch(x, sigmas[i], guidance, timestep_scale)
+        velocity = guided_velocity(step_fn(batch, timestep, rows), guidance)
+        x = euler_update(x, velocity, sigmas[i], sigmas[i + 1])
+        if on_step is not None:
+            on_step(i, x)
+    return x
+
+
+def _step_indices(count: int, progress: bool):
+    if not progress:
+        return range(count)
+    from tqdm import tqdm
+
+    return tqdm(range(count), desc="sampling", unit="step")
