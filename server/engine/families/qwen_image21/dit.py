@@ -1,0 +1,451 @@
+"""The Qwen-Image 2.1 diffusion transformer in MLX.
+
+A single-stream DiT (diffusers' `QwenImage21Transformer2DModel`, same weight names): one joint
+sequence of text rows, reference-image tokens spliced into the text at their slots, and the target
+image's tokens appended. Attention is block-causal (causal over the sequence, bidirectional inside
+each image block), so the prefix (text and reference tokens) never sees the target, and under
+`causal_condition` the prefix is modulated from t = 0: its keys and values in every block are the
+same at every step. The forward is therefore split in two:
+
+- `prefix_state(layout, text, refs)`: runs the prefix alone once, keeping K and V per block;
+- `target_forward(x, t, states, h, w)`: runs only the target tokens, attending to [prefix, target].
+
+Both are free of host synchronisation (no `.item()`, no branching on array values): every shape
+and mask comes from the host-side `PrefixLayout`, so `mx.compile` can trace them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...weights import load_weights, read_config
+
+ROPE_THETA = 10000.0
+TIME_PROJ_DIM = 256
+TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
+TIME_MAX_PERIOD = 10000.0
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    in_channels: int
+    out_channels: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    context_in_dim: int
+    mlp_ratio: int
+    axes_dims_rope: tuple[int, int, int]
+    eps: float
+    patch_size: int = 1
+    causal_condition: bool = True
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DiTConfig:
+        return cls(
+            in_channels=config.get("in_channels", 64),
+            out_channels=config.get("out_channels") or config.get("in_channels", 64),
+            num_layers=config.get("num_layers", 32),
+            num_heads=config.get("num_attention_heads", 32),
+            head_dim=config.get("attention_head_dim", 128),
+            context_in_dim=config.get("context_in_dim", 4096),
+            mlp_ratio=config.get("mlp_ratio", 3),
+            axes_dims_rope=tuple(config.get("axes_dims_rope", (16, 56, 56))),
+            eps=config.get("eps", 1e-6),
+            patch_size=config.get("patch_size", 1),
+            causal_condition=config.get("causal_condition", True),
+        )
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout of the prefix: host-side integers only
+
+
+@dataclass(frozen=True)
+class PrefixLayout:
+    """Where the reference blocks sit in the text: `slots[i]` is the text row before which
+    reference i's tokens go (ascending, within 0..text_len), `ref_shapes[i]` its latent (h, w)."""
+
+    text_len: int
+    ref_shapes: tuple[tuple[int, int], ...] = ()
+    slots: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if len(self.slots) != len(self.ref_shapes):
+            raise ValueError("one slot per reference")
+        if list(self.slots) != sorted(self.slots) or any(
+            s < 0 or s > self.text_len for s in self.slots
+        ):
+            raise ValueError("slots must ascend within 0..text_len")
+
+    @cached_property
+    def pieces(self) -> tuple[tuple[str, int, int], ...]:
+        """The prefix in order as (kind, index, length): ("text", start row, rows) pieces and
+        ("ref", reference index, tokens) blocks; empty text pieces are left out."""
+        pieces, row = [], 0
+        for index, (slot, (h, w)) in enumerate(zip(self.slots, self.ref_shapes, strict=True)):
+            if slot > row:
+                pieces.append(("text", row, slot - row))
+                row = slot
+            pieces.append(("ref", index, h * w))
+        if row < self.text_len:
+            pieces.append(("text", row, self.text_len - row))
+        return tuple(pieces)
+
+    @property
+    def length(self) -> int:
+        return self.text_len + sum(h * w for h, w in self.ref_shapes)
+
+    @cached_property
+    def positions(self) -> tuple[np.ndarray, int]:
+        """Per prefix token (frame, height, width) RoPE positions, shape (P, 3), and the frame
+        position the target block takes, exactly as diffusers' QwenImage21Rope lays them out:
+        text advances one position on all axes; an image block freezes the frame axis, centres
+        its grid on zero and advances the position by max(h, w)."""
+        rows, position = [], 0
+        for kind, index, length in self.pieces:
+            if kind == "text":
+                line = np.arange(position, position + length)
+                rows.append(np.stack([line, line, line], axis=1))
+                position += length
+            else:
+                h, w = self.ref_shapes[index]
+                rows.append(image_positions(position, h, w))
+                position += max(h, w)
+        table = np.concatenate(rows) if rows else np.zeros((0, 3), np.int64)
+        return table, position
+
+
+def image_positions(frame: int, h: int, w: int) -> np.ndarray:
+    """(h*w, 3) positions of an image block in raster order: frame fixed, grid centred on zero."""
+    hh = np.arange(-(h - h // 2), h // 2)
+    ww = np.arange(-(w - w // 2), w // 2)
+    grid_h = np.repeat(hh, w)
+    grid_w = np.tile(ww, h)
+    return np.stack([np.full(h * w, frame), grid_h, grid_w], axis=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small numerical pieces
+
+
+def rope_angles(positions: np.ndarray, axes_dims: tuple[int, ...]) -> np.ndarray:
+    """Angles (N, head_dim/2) float32: each axis's positions times its inverse frequencies."""
+    parts = []
+    for axis, dim in enumerate(axes_dims):
+        exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+        inv_freq = (1.0 / np.power(np.float32(ROPE_THETA), exponent)).astype(np.float32)
+        parts.append(positions[:, axis : axis + 1].astype(np.float32) * inv_freq[None, :])
+    return np.concatenate(parts, axis=1).astype(np.float32)
+
+
+def rope_tables(positions: np.ndarray, axes_dims: tuple[int, ...]) -> tuple[mx.array, mx.array]:
+    """cos and sin tables (N, 1, head_dim/2) float32, to broadcast over heads."""
+    angles = mx.array(rope_angles(positions, axes_dims))[:, None, :]
+    return mx.cos(angles), mx.sin(angles)
+
+
+def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x (..., N, H, D) as complex numbers, in f32."""
+    pairs = x.astype(mx.float32).reshape(*x.shape[:-1], -1, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    out = mx.stack([real * cos - imag * sin, real * sin + imag * cos], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def time_frequencies() -> mx.array:
+    half = TIME_PROJ_DIM // 2
+    exponent = (-math.log(TIME_MAX_PERIOD) * np.arange(half, dtype=np.float32)) / np.float32(half)
+    return mx.array(np.exp(exponent.astype(np.float32)).astype(np.float32))
+
+
+def layer_norm(x: mx.array, eps: float) -> mx.array:
+    return mx.fast.layer_norm(x, None, None, eps)
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    return x @ weight.T
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: the diffusers names mapped to fused arrays, in one place
+
+
+def fuse_weights(files: dict[str, mx.array], config: DiTConfig) -> dict:
+    """The file's tensors arranged for the forward: q/k/v and the SwiGLU gate/up are concatenated
+    so each runs as one matmul; the zero-centred text norm stores scale - 1, so 1 is added."""
+    blocks = []
+    for i in range(config.num_layers):
+        p = f"transformer_blocks.{i}."
+        blocks.append(
+            {
+                "qkv": mx.concatenate(
+                    [files[p + f"attn.to_{n}.weight"] for n in ("q", "k", "v")], axis=0
+                ),
+                "norm_q": files[p + "attn.norm_q.weight"],
+                "norm_k": files[p + "attn.norm_k.weight"],
+                "out": files[p + "attn.to_out.0.weight"],
+                "gate_up": mx.concatenate(
+                    [files[p + "img_mlp.gate_layer.weight"], files[p + "img_mlp.proj.weight"]],
+                    axis=0,
+                ),
+                "down": files[p + "img_mlp.out.weight"],
+            }
+        )
+    return {
+        "time_1": files["time_text_embed.timestep_embedder.linear_1.weight"],
+        "time_2": files["time_text_embed.timestep_embedder.linear_2.weight"],
+        "text_norm": files["txt_in.text_norm.weight"] + 1.0,
+        "text_in": files["txt_in.in_layer.weight"],
+        "text_out": files["txt_in.out_layer.weight"],
+        "img_in": files["img_in.weight"],
+        "modulation": files["modulation.1.weight"],
+        "norm_out": files["norm_out.linear.weight"],
+        "proj_out": files["proj_out.weight"],
+        "blocks": blocks,
+    }
+
+
+@dataclass
+class PrefixState:
+    """K and V of the prefix in every block, each (1, heads, P, head_dim), and the target's frame
+    position. Independent of the timestep, so computed once per conditioning."""
+
+    keys: list[mx.array]
+    values: list[mx.array]
+    length: int
+    target_frame: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+
+class QwenImage21DiT:
+    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
+        if config.patch_size != 1:
+            raise ValueError("Qwen-Image 2.1 consumes latents unpatched (patch_size 1)")
+        if not config.causal_condition:
+            raise ValueError("the prefix split needs causal_condition=True")
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self._time_freqs = time_frequencies()
+        self._zero_time = mx.zeros((1,), mx.float32)
+
+    @classmethod
+    def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> QwenImage21DiT:
+        dtype = dtype or default_compute_dtype()
+        config = DiTConfig.from_dict(read_config(transformer_dir))
+        files = load_weights(transformer_dir, mx.float32)
+        weights = fuse_weights(files, config)
+        weights = _cast_tree(weights, dtype, keep_f32={"text_norm", "norm_q", "norm_k"})
+        mx.eval(weights)
+        return cls(config, weights, dtype)
+
+    # -- shared pieces --------------------------------------------------------------------
+
+    def time_embedding(self, sigma: mx.array) -> mx.array:
+        """(B,) sigma in [0, 1] -> (B, inner): sinusoid of 1000 sigma (cos first), then the MLP."""
+        args = (TIME_FACTOR * sigma.astype(mx.float32))[:, None] * self._time_freqs[None, :]
+        embedding = mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1).astype(self.dtype)
+        w = self.weights
+        return linear(silu(linear(embedding, w["time_1"])), w["time_2"])
+
+    def modulation(self, temb: mx.array) -> list[mx.array]:
+        """Shared by every block: [scale1, gate1, scale2, gate2], each (B, 1, inner)."""
+        params = linear(silu(temb), self.weights["modulation"])[:, None, :]
+        return mx.split(params, 4, axis=-1)
+
+    def text_in(self, text: mx.array) -> mx.array:
+        w = self.weights
+        normed = mx.fast.rms_norm(text.astype(mx.float32), w["text_norm"], self.config.eps)
+        hidden = linear(normed.astype(self.dtype), w["text_in"])
+        return linear(gelu_tanh(hidden), w["text_out"])
+
+    def qkv(self, block: dict, x: mx.array, cos: mx.array, sin: mx.array):
+        """q, k, v as (B, heads, N, head_dim): fused projection, RMS norm of q and k, RoPE."""
+        batch, length, _ = x.shape
+        heads, head_dim = self.config.num_heads, self.config.head_dim
+        fused = linear(x, block["qkv"]).reshape(batch, length, 3, heads, head_dim)
+        q, k, v = fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
+        eps = self.config.eps
+        q = mx.fast.rms_norm(q.astype(mx.float32), block["norm_q"], eps).astype(self.dtype)
+        k = mx.fast.rms_norm(k.astype(mx.float32), block["norm_k"], eps).astype(self.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def attention_out(self, block: dict, attended: mx.array) -> mx.array:
+        batch, _, length, _ = attended.shape
+        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, self.config.inner_dim)
+        return linear(merged, block["out"])
+
+    def mlp(self, block: dict, x: mx.array) -> mx.array:
+        gate, up = mx.split(linear(x, block["gate_up"]), 2, axis=-1)
+        return linear(silu(gate) * up, block["down"])
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.config.head_dim)
+
+    # -- the prefix ------------------------------------------------------------------------
+
+    def prefix_state(
+        self, layout: PrefixLayout, text: mx.array, refs: list[mx.array]
+    ) -> PrefixState:
+        """Run the prefix (text (L, D) and reference tokens, each (h*w, C)) at t = 0 through
+        every block, keeping each block's K and V."""
+        x = self._prefix_tokens(layout, text, refs)
+        table, target_frame = layout.positions
+        cos, sin = rope_tables(table, self.config.axes_dims_rope)
+        scale1, gate1, scale2, gate2 = self.modulation(self.time_embedding(self._zero_time))
+        gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
+        eps, keys, values = self.config.eps, [], []
+        blocks = self.weights["blocks"]
+        for index, block in enumerate(blocks):
+            q, k, v = self.qkv(block, layer_norm(x, eps) * (1 + scale1), cos, sin)
+            keys.append(k)
+            values.append(v)
+            if index == len(blocks) - 1:
+                break  # the last block's prefix outputs feed nothing
+            attended = self._block_causal_attention(layout, q, k, v)
+            x = x + gate1 * self.attention_out(block, attended)
+            x = x + gate2 * self.mlp(block, layer_norm(x, eps) * (1 + scale2))
+        return PrefixState(keys, values, layout.length, target_frame)
+
+    def _prefix_tokens(self, layout: PrefixLayout, text: mx.array, refs: list[mx.array]):
+        text_hidden = self.text_in(text.astype(self.dtype)[None])
+        parts = []
+        for kind, index, length in layout.pieces:
+            if kind == "text":
+                parts.append(text_hidden[:, index : index + length])
+            else:
+                parts.append(linear(refs[index].astype(self.dtype)[None], self.weights["img_in"]))
+        return mx.concatenate(parts, axis=1)
+
+    def _block_causal_attention(self, layout: PrefixLayout, q, k, v) -> mx.array:
+        """Each prefix piece attends to every key before it and to its own piece: causally
+        inside text pieces, bidirectionally inside a reference block (the reference's
+        segmented SDPA path). MLX's causal mask is aligned to the end of the keys, which is
+        exactly 'everything before, plus causal inside'."""
+        outputs, start = [], 0
+        for kind, _, length in layout.pieces:
+            end = start + length
+            outputs.append(
+                mx.fast.scaled_dot_product_attention(
+                    q[:, :, start:end],
+                    k[:, :, :end],
+                    v[:, :, :end],
+                    scale=self.scale,
+                    mask="causal" if kind == "text" else None,
+                )
+            )
+            start = end
+        return mx.concatenate(outputs, axis=2)
+
+    # -- the target ------------------------------------------------------------------------
+
+    def target_forward(
+        self, x: mx.array, sigma: mx.array, states: list[PrefixState], h: int, w: int
+    ) -> mx.array:
+        """Model output (B, h*w, out_channels) for target tokens x (B, h*w, C) at sigma (B,),
+        row b attending to its own prefix state `states[b]` (lengths may differ)."""
+        cos, sin = self._target_rope(states, h, w)
+        temb = self.time_embedding(sigma)
+        scale1, gate1, scale2, gate2 = self.modulation(temb)
+        gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
+        eps = self.config.eps
+        hidden = linear(x.astype(self.dtype), self.weights["img_in"])
+        for index, block in enumerate(self.weights["blocks"]):
+            q, k, v = self.qkv(block, layer_norm(hidden, eps) * (1 + scale1), cos, sin)
+            attended = self._target_attention(index, states, q, k, v)
+            hidden = hidden + gate1 * self.attention_out(block, attended)
+            hidden = hidden + gate2 * self.mlp(block, layer_norm(hidden, eps) * (1 + scale2))
+        out_scale = linear(silu(temb), self.weights["norm_out"])[:, None, :]
+        hidden = layer_norm(hidden, eps) * (1 + out_scale)
+        return linear(hidden, self.weights["proj_out"])
+
+    def _target_rope(self, states: list[PrefixState], h: int, w: int):
+        """(B, N, 1, D/2) tables; rows differ only by their frame position."""
+        frames = [state.target_frame for state in states]
+        tables = [rope_tables(image_positions(f, h, w), self.config.axes_dims_rope) for f in frames]
+        if len(set(frames)) == 1:
+            return tables[0][0][None], tables[0][1][None]
+        return mx.stack([c for c, _ in tables]), mx.stack([s for _, s in tables])
+
+    def _target_attention(self, index: int, states: list[PrefixState], q, k, v) -> mx.array:
+        """Target queries see the whole prefix and the whole target block: no mask. Each row
+        attends over its own [prefix, target] keys, so rows of different prefix lengths batch
+        exactly, with no padding."""
+        outputs = []
+        for row, state in enumerate(states):
+            keys = mx.concatenate([state.keys[index], k[row : row + 1]], axis=2)
+            values = mx.concatenate([state.values[index], v[row : row + 1]], axis=2)
+            outputs.append(
+                mx.fast.scaled_dot_product_attention(
+                    q[row : row + 1], keys, values, scale=self.scale
+                )
+            )
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(a.nbytes for a in _leaves(self.weights))
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+def default_compute_dtype() -> mx.Dtype:
+    """float32 on the CPU backend (its bf16 matmuls are slow and lossy), bf16 on GPU backends."""
+    return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}[dtype]
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _leaves(value)
+    else:
+        yield tree
+
+
+def _cast_tree(tree, dtype: mx.Dtype, keep_f32: set[str]):
+    """Cast weights to the compute dtype; norm scales stay float32 (the norms run in float32)."""
+    if isinstance(tree, list):
+        return [_cast_tree(value, dtype, keep_f32) for value in tree]
+    return {
+        key: (
+            _cast_tree(value, dtype, keep_f32)
+            if isinstance(value, (dict, list))
+            else value
+            if key in keep_f32
+            else value.astype(dtype)
+        )
+        for key, value in tree.items()
+    }
