@@ -1,0 +1,104 @@
+"""Error types of the step contract.
+
+Server side: `ContractError` carries the HTTP status and the JSON body of a refusal
+(CONTRACT §1.9); `WireError` is the container reader's 400.
+
+Client side: `StepError` is what a caller of the step routes sees; its text starts with
+"gmlx:" and quotes the server's `error` text and the status (CONTRACT §7.8).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# How much of a body that is not JSON an error message quotes (CONTRACT §7.8).
+QUOTED_BODY_BYTES = 300
+
+
+class ContractError(Exception):
+    """A refusal with an HTTP status and a body `{"error": message, **extra}`."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.body: dict[str, Any] = {"error": message, **extra}
+
+
+class WireError(ContractError):
+    """A container the reader refuses (always 400, CONTRACT §1.3)."""
+
+    def __init__(self, message: str, **extra: Any) -> None:
+        super().__init__(400, message, **extra)
+
+
+class StepError(Exception):
+    """A failed call to a step server, as the client reports it.
+
+    `status` is the HTTP status (None when no answer came back), `body` the parsed JSON
+    body when there was one (else None).
+    """
+
+    def __init__(self, message: str, status: int | None = None, body: Any = None) -> None:
+        if not message.startswith("gmlx:"):
+            message = "gmlx: " + message
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+    @property
+    def code(self) -> str | None:
+        """The body's `code` member (e.g. "interrupted", "busy"), if any."""
+        if isinstance(self.body, dict) and isinstance(self.body.get("code"), str):
+            return self.body["code"]
+        return None
+
+    @property
+    def missing(self) -> list[str]:
+        """The body's `missing` list of a 409 (empty when absent)."""
+        if isinstance(self.body, dict) and isinstance(self.body.get("missing"), list):
+            return [str(item) for item in self.body["missing"]]
+        return []
+
+    @classmethod
+    def from_response(
+        cls, what: str, status: int, body: bytes, hint: str | None = None
+    ) -> StepError:
+        """Build the error for a non-success answer to `what` (e.g. "POST step")."""
+        parsed = parse_json_or_none(body)
+        text = error_text(parsed, body)
+        message = f'gmlx: {what} failed with status {status}: "{text}"'
+        if hint:
+            message += f" ({hint})"
+        return cls(message, status=status, body=parsed)
+
+
+class NotGmlxServer(StepError):
+    """The address answers, or does not, but not as a gmlx image step server."""
+
+
+class ContractMismatch(StepError):
+    """The server speaks a step contract this client cannot use."""
+
+
+def parse_json_or_none(body: bytes) -> Any:
+    """The JSON document in `body`, or None when it is not JSON."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def error_text(parsed: Any, body: bytes) -> str:
+    """The error text of an answer: the route shape `{"error": "..."}`, the middleware shape
+    `{"error": {"message": "..."}}` (CONTRACT §1.9), or else the start of the raw body."""
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, str):
+            return error
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(parsed.get("detail"), str):
+            return parsed["detail"]
+    return bytes(body[:QUOTED_BODY_BYTES]).decode("utf-8", errors="replace")

@@ -1,0 +1,58 @@
+"""Error types (CONTRACT §1.9, §7.8)."""
+
+import json
+
+from gmlx_contract.errors import (
+    ContractError,
+    ContractMismatch,
+    NotGmlxServer,
+    StepError,
+    WireError,
+)
+
+
+def test_contract_error_body_and_status():
+    error = ContractError(409, "not held", missing=["a", "b"])
+    assert error.status == 409
+    assert error.body == {"error": "not held", "missing": ["a", "b"]}
+    assert str(error) == "not held"
+
+
+def test_wire_error_is_a_400_contract_error():
+    error = WireError("bad header")
+    assert isinstance(error, ContractError)
+    assert error.status == 400 and error.body == {"error": "bad header"}
+
+
+def test_step_error_quotes_route_error_and_status():
+    body = json.dumps({"error": "run abc was interrupted", "code": "interrupted"}).encode()
+    error = StepError.from_response("POST step", 409, body)
+    text = str(error)
+    assert text.startswith("gmlx:")
+    assert '"run abc was interrupted"' in text and "409" in text and "POST step" in text
+    assert error.status == 409 and error.code == "interrupted" and error.missing == []
+
+
+def test_step_error_reads_middleware_shape_and_missing():
+    nested = json.dumps({"error": {"type": "authentication_error", "message": "bad key"}})
+    error = StepError.from_response("GET models", 401, nested.encode(), hint="set the key")
+    assert (
+        '"bad key"' in str(error) and "401" in str(error) and str(error).endswith("(set the key)")
+    )
+    missing = StepError.from_response("POST step", 409, b'{"error":"x","missing":["h1","h2"]}')
+    assert missing.missing == ["h1", "h2"]
+
+
+def test_step_error_quotes_start_of_non_json_body():
+    body = b"<html>" + b"x" * 1000
+    error = StepError.from_response("GET capabilities", 502, body)
+    assert "<html>" + "x" * 294 + '"' in str(error)
+    assert "x" * 295 not in str(error)
+    assert error.body is None and error.code is None
+
+
+def test_client_errors_are_step_errors_with_prefix():
+    for kind in (NotGmlxServer, ContractMismatch, StepError):
+        error = kind("no server here")
+        assert isinstance(error, StepError)
+        assert str(error) == "gmlx: no server here"
