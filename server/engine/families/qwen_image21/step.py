@@ -1,0 +1,235 @@
+"""One denoise step of Qwen-Image 2.1: rows -> joint sequences, prefix states, the target pass.
+
+Each row of a step is computed independently: its conditioning (text rows, references spliced in
+at their wire-form slots) forms a prefix whose K/V per block is a `PrefixState`, held in a
+`PrefixCache` (CONTRACT.md 3.3); the target tokens of all rows then run as one batch, each row
+attending to its own prefix, which is exact for rows of any lengths (no padding, no masks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ...base import EngineInputError, StepResult, StepRow
+from .dit import PrefixLayout, PrefixState, QwenImage21DiT, dtype_name
+
+# Step conventions of this family (CONTRACT.md 5.2): both read the timestep as sigma
+# (scale 1, shift 0), return +dx/dsigma, and embed the time by the DiT's reference rule.
+CONVENTIONS = {"comfy": (1.0, 0.0, 1.0), "reference": (1.0, 0.0, 1.0)}
+
+SLOT_TOKENS = 4  # one image slot of the text encoder stands for 2x2 latent tokens
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """A row turned into what the DiT needs: its prefix layout, inputs and cache key."""
+
+    layout: PrefixLayout
+    cond: np.ndarray  # (L, D) float32
+    refs: tuple[np.ndarray, ...]  # each (h*w, C), packed in raster order
+    key: tuple
+    cache: bool
+
+
+class PrefixCache:
+    """Prefix states by key. States a run used are pinned until the run ends (then shed); the
+    others are bounded by `budget_bytes` and shed least-recently-used."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._states: OrderedDict[tuple, PrefixState] = OrderedDict()
+        self._pins: dict[tuple, set[str]] = {}
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._states
+
+    def get(self, key: tuple) -> PrefixState | None:
+        state = self._states.get(key)
+        if state is not None:
+            self._states.move_to_end(key)
+        return state
+
+    def put(self, key: tuple, state: PrefixState, run: str | None) -> None:
+        self._states[key] = state
+        self._states.move_to_end(key)
+        self.pin(key, run)
+        self._shed_unpinned()
+
+    def pin(self, key: tuple, run: str | None) -> None:
+        if run is not None and key in self._states:
+            self._pins.setdefault(key, set()).add(run)
+
+    def end_run(self, run: str) -> None:
+        for key in [k for k, runs in self._pins.items() if run in runs]:
+            runs = self._pins[key]
+            runs.discard(run)
+            if not runs:
+                del self._pins[key]
+                self._states.pop(key, None)
+
+    def clear(self) -> None:
+        self._states.clear()
+        self._pins.clear()
+
+    @property
+    def unpinned_bytes(self) -> int:
+        return sum(s.nbytes for k, s in self._states.items() if k not in self._pins)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self._states.values())
+
+    def _shed_unpinned(self) -> None:
+        excess = self.unpinned_bytes - self.budget_bytes
+        for key in list(self._states):
+            if excess <= 0:
+                break
+            if key not in self._pins:
+                excess -= self._states.pop(key).nbytes
+
+
+def sigmas_for(timestep: np.ndarray, batch: int, convention: str) -> np.ndarray:
+    """The per-row sigma (float32) of a step's timestep under a convention (CONTRACT.md 5.2)."""
+    if convention not in CONVENTIONS:
+        raise EngineInputError(
+            f"unknown convention {convention!r} for qwen_image21; use one of {sorted(CONVENTIONS)}"
+        )
+    scale, shift, _ = CONVENTIONS[convention]
+    values = np.asarray(timestep, dtype=np.float64).reshape(-1)
+    if values.size == 1:
+        values = np.repeat(values, batch)
+    if values.size != batch:
+        raise EngineInputError(f"timestep has {values.size} values for {batch} rows")
+    return (scale * values + shift).astype(np.float32)
+
+
+def plan_row(
+    row: StepRow, dit: QwenImage21DiT, latent_hw: tuple[int, int], table_id: str | None
+) -> RowPlan:
+    config = dit.config
+    cond = np.asarray(row.cond, dtype=np.float32)
+    if cond.ndim == 3 and cond.shape[0] == 1:
+        cond = cond[0]
+    if cond.ndim != 2 or cond.shape[1] != config.context_in_dim or cond.shape[0] < 1:
+        raise EngineInputError(
+            f"conditioning must be (1, L, {config.context_in_dim}) or (L, {config.context_in_dim})"
+            f" with L >= 1, got {tuple(np.shape(row.cond))}"
+        )
+    refs, shapes = [], []
+    for index, latent in enumerate(row.ref_latents):
+        packed, shape = _pack_reference(latent, config.in_channels, index)
+        refs.append(packed)
+        shapes.append(shape)
+    slots = wire_slots(row.image_slots, len(refs), cond.shape[0])
+    layout = PrefixLayout(cond.shape[0], tuple(shapes), slots)
+    key = (
+        row.cond_key,
+        tuple(row.ref_keys),
+        slots,
+        latent_hw,
+        table_id,
+        dtype_name(dit.dtype),
+    )
+    return RowPlan(layout, cond, tuple(refs), key, row.prefix_cache)
+
+
+def wire_slots(slots, num_refs: int, text_len: int) -> tuple[int, ...]:
+    """Wire-form slots (CONTRACT.md 2.11): extra slots are dropped, missing ones put the
+    reference after the text; kept slots must ascend within 0..text_len."""
+    kept = [int(s) for s in list(slots)[:num_refs]]
+    if any(s < 0 or s > text_len for s in kept):
+        raise EngineInputError(f"image_slots {kept} must lie within 0..{text_len} (the text rows)")
+    if kept != sorted(kept):
+        raise EngineInputError(f"image_slots {kept} must be ascending")
+    return tuple(kept + [text_len] * (num_refs - len(kept)))
+
+
+def _pack_reference(latent, channels: int, index: int) -> tuple[np.ndarray, tuple[int, int]]:
+    latent = np.asarray(latent, dtype=np.float32)
+    if latent.ndim == 4 and latent.shape[0] == 1:
+        latent = latent[0]
+    if latent.ndim != 3 or latent.shape[0] != channels:
+        raise EngineInputError(
+            f"reference latent {index} must be ({channels}, h, w) or (1, {channels}, h, w),"
+            f" got {tuple(np.shape(latent))}"
+        )
+    _, h, w = latent.shape
+    if (h * w) % SLOT_TOKENS:
+        raise EngineInputError(
+            f"reference latent {index} is {h}x{w}: h*w must be divisible by {SLOT_TOKENS}"
+            " (each image slot holds 2x2 latent tokens)"
+        )
+    return latent.reshape(channels, h * w).T, (h, w)
+
+
+def prefix_header(plans: list[RowPlan], cache: PrefixCache) -> str:
+    if any(not plan.cache for plan in plans):
+        return "off"
+    return "hit" if all(plan.key in cache for plan in plans) else "miss"
+
+
+def denoise_step(
+    dit: QwenImage21DiT,
+    cache: PrefixCache,
+    x: np.ndarray,
+    timestep: np.ndarray,
+    rows: list[StepRow],
+    *,
+    convention: str = "comfy",
+    run: str | None = None,
+    table_id: str | None = None,
+) -> StepResult:
+    """Model output sign * dx/dsigma (float32, x's shape) for x (B, C, h, w), one row per entry."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != dit.config.in_channels:
+        raise EngineInputError(
+            f"x must be (rows, {dit.config.in_channels}, h, w) with one row per batch entry,"
+            f" got {x.shape} for {len(rows)} rows"
+        )
+    batch, channels, h, w = x.shape
+    sigma = sigmas_for(timestep, batch, convention)
+    sign = CONVENTIONS[convention][2]
+    plans = [plan_row(row, dit, (h, w), table_id) for row in rows]
+    header = prefix_header(plans, cache)
+
+    started = time.perf_counter()
+    states, fresh = _states_for(dit, cache, plans, run)
+    tokens = mx.array(x.reshape(batch, channels, h * w).transpose(0, 2, 1))
+    out = dit.target_forward(tokens, mx.array(sigma), states, h, w)
+    mx.eval(out, *[array for state in fresh for array in (*state.keys, *state.values)])
+    forward_ms = (time.perf_counter() - started) * 1000.0
+
+    result = np.array(out.astype(mx.float32)).transpose(0, 2, 1).reshape(x.shape)
+    if sign != 1.0:
+        result = sign * result
+    return StepResult(out=result, prefix_cache=header, forward_ms=forward_ms)
+
+
+def _states_for(dit, cache: PrefixCache, plans: list[RowPlan], run: str | None):
+    """The prefix state of each row: held ones reused, the others built (once per key within the
+    call) and stored unless the row opted out. Returns (states, those built now)."""
+    states, fresh, built = [], [], {}
+    for plan in plans:
+        state = cache.get(plan.key) if plan.cache else None
+        if state is None:
+            state = built.get(plan.key) if plan.cache else None
+        if state is None:
+            state = dit.prefix_state(
+                plan.layout, mx.array(plan.cond), [mx.array(r) for r in plan.refs]
+            )
+            fresh.append(state)
+            if plan.cache:
+                built[plan.key] = state
+        states.append(state)
+    # store after evaluation is scheduled by the caller; pin every state the run used
+    for key, state in built.items():
+        cache.put(key, state, run)
+    for plan in plans:
+        if plan.cache:
+            cache.pin(plan.key, run)
+    return states, fresh
