@@ -1,0 +1,555 @@
+"""Qwen-Image 2.1's VAE (diffusers' `AutoencoderKLQwenImage21`) in MLX, for single images.
+
+The reference is a video VAE (Wan's residual design) specialised to images: its "causal 3D"
+convolutions are already 2D convolutions over one frame. What stays temporal reduces, for one
+frame, as follows (checked by the parity tests):
+- `time_conv` of the 3D resamplers is never applied to a first chunk: the encoder only caches the
+  frame, the decoder marks the cache "Rep". Those weights are not loaded.
+- The encoder's `AvgDown3D` shortcut with a temporal factor of 2 pads one zero frame in front, so
+  half of the values it averages are zeros.
+- The decoder's `DupUp3D` shortcut with a temporal factor of 2 keeps only the second temporal copy
+  (`first_chunk`), which picks a fixed subset of the repeated channels.
+
+Arrays are channels-last (NHWC) inside; the public methods take and give the layouts of APIS.md.
+Large images are processed in tiles (see `_run_tiled`): everything local runs per tile with a halo
+as wide as its receptive field, and the global self-attention of the mid blocks runs once on the
+whole latent, so a tiled pass equals the untiled one up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ...base import EngineInputError
+from ...weights import load_weights, read_config
+
+# F.normalize clamps the L2 norm at 1e-12; the RMS form below adds eps to the mean square.
+_NORM_EPS = 1e-24
+# Queries per attention call: bounds the (queries x keys) score matrix of the mid blocks.
+_ATTENTION_QUERY_CHUNK = 4096
+# Largest tile side, in latent cells (16 pixels each): 64 cells is a 1024-pixel tile, which keeps a
+# 2048x2048 pass at about a quarter of the untiled peak memory.
+DEFAULT_TILE_CELLS = 64
+
+
+class RMSNorm(nn.Module):
+    """`QwenImage21RMS_norm` over the channel axis: x / |x| * sqrt(dim) * gamma (no bias)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = mx.ones((dim,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        # x / sqrt(mean(x^2)) equals x / |x| * sqrt(dim); rms_norm accumulates in float32.
+        return mx.fast.rms_norm(x, self.gamma, _NORM_EPS)
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.norm1 = RMSNorm(in_dim)
+        self.conv1 = nn.Conv2d(in_dim, out_dim, 3, padding=1)
+        self.norm2 = RMSNorm(out_dim)
+        self.conv2 = nn.Conv2d(out_dim, out_dim, 3, padding=1)
+        if in_dim != out_dim:
+            self.conv_shortcut = nn.Conv2d(in_dim, out_dim, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shortcut = self.conv_shortcut(x) if "conv_shortcut" in self else x
+        x = self.conv1(nn.silu(self.norm1(x)))
+        x = self.conv2(nn.silu(self.norm2(x)))
+        return x + shortcut
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over all pixels of the (latent-size) image."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, height, width, dim = x.shape
+        qkv = self.to_qkv(self.norm(x)).reshape(batch, 1, height * width, 3 * dim)
+        q, k, v = mx.split(qkv, 3, axis=-1)
+        scale = dim**-0.5
+        chunks = [
+            mx.fast.scaled_dot_product_attention(
+                q[:, :, start : start + _ATTENTION_QUERY_CHUNK], k, v, scale=scale
+            )
+            for start in range(0, height * width, _ATTENTION_QUERY_CHUNK)
+        ]
+        out = mx.concatenate(chunks, axis=2) if len(chunks) > 1 else chunks[0]
+        return x + self.proj(out.reshape(batch, height, width, dim))
+
+
+class MidBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.resnets = [ResidualBlock(dim, dim), ResidualBlock(dim, dim)]
+        self.attentions = [AttentionBlock(dim)]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self.resnets[0](x)
+        return self.resnets[1](self.attentions[0](x))
+
+
+def _upsample_nearest(x: mx.array) -> mx.array:
+    """2x nearest ("nearest-exact" at an integer factor picks the same pixels)."""
+    batch, height, width, channels = x.shape
+    x = mx.broadcast_to(x[:, :, None, :, None, :], (batch, height, 2, width, 2, channels))
+    return x.reshape(batch, height * 2, width * 2, channels)
+
+
+class Downsampler(nn.Module):
+    """`Resample` in a downsample mode: zero-pad right and bottom by one, 3x3 conv at stride 2."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.resample_conv = nn.Conv2d(dim, dim, 3, stride=2)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.resample_conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))
+
+
+class Upsampler(nn.Module):
+    """`Resample` in an upsample mode: 2x nearest, then a 3x3 conv."""
+
+    def __init__(self, dim: int, out_dim: int):
+        super().__init__()
+        self.resample_conv = nn.Conv2d(dim, out_dim, 3, padding=1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.resample_conv(_upsample_nearest(x))
+
+
+class AvgDownShortcut:
+    """`AvgDown3D` on one frame: space-to-depth, then the mean of each group of channels.
+
+    With a temporal factor of 2 the reference pads one zero frame in front of the single frame,
+    so the zeros take part in the mean.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, factor_t: int, factor_s: int):
+        self.out_dim = out_dim
+        self.factor_t = factor_t
+        self.factor_s = factor_s
+        self.group = in_dim * factor_t * factor_s * factor_s // out_dim
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, height, width, channels = x.shape
+        fs, ft = self.factor_s, self.factor_t
+        h, w = height // fs, width // fs
+        x = x.reshape(batch, h, fs, w, fs, channels).transpose(0, 1, 3, 5, 2, 4)
+        x = x[:, :, :, :, None]  # (b, h, w, c, t, fs, fs), the real frame last in time
+        if ft > 1:
+            zeros = mx.zeros((batch, h, w, channels, ft - 1, fs, fs), dtype=x.dtype)
+            x = mx.concatenate([zeros, x], axis=4)
+        x = x.reshape(batch, h, w, self.out_dim, self.group)
+        return x.mean(axis=-1)
+
+
+class DupUpShortcut:
+    """`DupUp3D` on a first chunk: repeat channels, depth-to-space, keep the last time copy."""
+
+    def __init__(self, in_dim: int, out_dim: int, factor_t: int):
+        factor = factor_t * 4
+        repeats = out_dim * factor // in_dim
+        # Repeated channel r = ((o * ft + t) * 2 + i) * 2 + j comes from input channel r // repeats;
+        # the first chunk keeps t = ft - 1 only.
+        out_c, row, col = np.meshgrid(np.arange(out_dim), [0, 1], [0, 1], indexing="ij")
+        repeated = ((out_c * factor_t + factor_t - 1) * 2 + row) * 2 + col
+        self.out_dim = out_dim
+        self.source = mx.array((repeated // repeats).reshape(-1).astype(np.int32))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, height, width, _ = x.shape
+        x = mx.take(x, self.source, axis=-1).reshape(batch, height, width, self.out_dim, 2, 2)
+        x = x.transpose(0, 1, 4, 2, 5, 3)
+        return x.reshape(batch, height * 2, width * 2, self.out_dim)
+
+
+class DownBlock(nn.Module):
+    """`QwenImage21ResidualDownBlock`."""
+
+    def __init__(self, in_dim, out_dim, num_res_blocks, temporal: bool, down: bool):
+        super().__init__()
+        dims = [in_dim] + [out_dim] * num_res_blocks
+        self.resnets = [ResidualBlock(a, b) for a, b in pairwise(dims)]
+        if down:
+            self.downsampler = Downsampler(out_dim)
+        self._shortcut = AvgDownShortcut(in_dim, out_dim, 2 if temporal else 1, 2 if down else 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shortcut = self._shortcut(x)
+        for resnet in self.resnets:
+            x = resnet(x)
+        if "downsampler" in self:
+            x = self.downsampler(x)
+        return x + shortcut
+
+
+class UpBlock(nn.Module):
+    """`QwenImage21ResidualUpBlock` on a first chunk."""
+
+    def __init__(self, in_dim, out_dim, num_res_blocks, temporal: bool, up: bool):
+        super().__init__()
+        dims = [in_dim] + [out_dim] * (num_res_blocks + 1)
+        self.resnets = [ResidualBlock(a, b) for a, b in pairwise(dims)]
+        if up:
+            self.upsampler = Upsampler(out_dim, out_dim)
+            self._shortcut = DupUpShortcut(in_dim, out_dim, 2 if temporal else 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        shortcut = x
+        for resnet in self.resnets:
+            x = resnet(x)
+        if "upsampler" in self:
+            x = self.upsampler(x) + self._shortcut(shortcut)
+        return x
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A local part of a network, as the tiler sees it.
+
+    `reach` is how far, in latent cells, values spoiled at a window's edge (by zero padding where
+    the image goes on) can travel inward through this stage; `px_per_cell` is the resolution of the
+    stage's output (pixels per latent cell).
+    """
+
+    run: Callable[[mx.array], mx.array]
+    reach: float
+    px_per_cell: int
+
+
+def _block_reach(convs: int, extra_px: int, px_per_cell: int) -> float:
+    """Reach of `convs` 3x3 convolutions plus `extra_px` pixels of resampling, in cells."""
+    return (convs + extra_px) / px_per_cell
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        base, mults = config["base_dim"], list(config["dim_mult"])
+        dims = [base * m for m in [1, *mults]]
+        last = len(mults) - 1
+        self.num_res_blocks = config["num_res_blocks"]
+        self.conv_in = nn.Conv2d(config["in_channels"], dims[0], 3, padding=1)
+        self.down_blocks = [
+            DownBlock(
+                dims[i],
+                dims[i + 1],
+                self.num_res_blocks,
+                temporal=bool(config["temperal_downsample"][i]) if i != last else False,
+                down=i != last,
+            )
+            for i in range(len(mults))
+        ]
+        self.mid_block = MidBlock(dims[-1])
+        self.norm_out = RMSNorm(dims[-1])
+        self.conv_out = nn.Conv2d(dims[-1], config["z_dim"] * 2, 3, padding=1)
+        self.stride = 2**last
+
+    def stages(self) -> list[Stage]:
+        """The local part (conv_in and the down blocks), one stage per block."""
+        stages, px_per_cell = [], self.stride
+        for index, block in enumerate(self.down_blocks):
+            down = "downsampler" in block
+            # A stride-2 3x3 conv over a right/bottom pad reads two pixels past its own.
+            reach = _block_reach(2 * self.num_res_blocks, 2 if down else 0, px_per_cell)
+            run = block
+            if index == 0:
+                reach += _block_reach(1, 0, px_per_cell)
+                run = _chain(self.conv_in, block)
+            px_per_cell //= 2 if down else 1
+            stages.append(Stage(run, reach, px_per_cell))
+        return stages
+
+    def tail(self, x: mx.array) -> mx.array:
+        """The global part at latent size: mid block (with attention) and the output head."""
+        x = self.mid_block(x)
+        return self.conv_out(nn.silu(self.norm_out(x)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        base = config.get("decoder_base_dim") or config["base_dim"]
+        mults = list(config["dim_mult"])
+        dims = [base * m for m in [mults[-1], *mults[::-1]]]
+        last = len(mults) - 1
+        temporal = list(config["temperal_downsample"])[::-1]
+        self.num_res_blocks = config["num_res_blocks"]
+        self.conv_in = nn.Conv2d(config["z_dim"], dims[0], 3, padding=1)
+        self.mid_block = MidBlock(dims[0])
+        self.up_blocks = [
+            UpBlock(
+                dims[i],
+                dims[i + 1],
+                self.num_res_blocks,
+                temporal=bool(temporal[i]) if i != last else False,
+                up=i != last,
+            )
+            for i in range(len(mults))
+        ]
+        self.norm_out = RMSNorm(dims[-1])
+        self.conv_out = nn.Conv2d(dims[-1], config["out_channels"], 3, padding=1)
+
+    def head(self, x: mx.array) -> mx.array:
+        """The global part at latent size: conv_in and the mid block (with attention)."""
+        return self.mid_block(self.conv_in(x))
+
+    def output(self, x: mx.array) -> mx.array:
+        return self.conv_out(nn.silu(self.norm_out(x)))
+
+    def stages(self) -> list[Stage]:
+        """The local part (the up blocks and the output head), one stage per block."""
+        stages, px_per_cell = [], 1
+        last = len(self.up_blocks) - 1
+        for index, block in enumerate(self.up_blocks):
+            up = "upsampler" in block
+            # The upsampler's conv at twice the size reaches half an input pixel; count a whole one.
+            reach = _block_reach(2 * (self.num_res_blocks + 1), 1 if up else 0, px_per_cell)
+            run = block
+            px_per_cell *= 2 if up else 1
+            if index == last:
+                reach += _block_reach(1, 0, px_per_cell)
+                run = _chain(block, self.output)
+            stages.append(Stage(run, reach, px_per_cell))
+        return stages
+
+
+def _chain(*parts: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+    def run(x: mx.array) -> mx.array:
+        for part in parts:
+            x = part(x)
+        return x
+
+    return run
+
+
+def _spans(cells: int, tile_cells: int) -> list[tuple[int, int]]:
+    """Split [0, cells) into the fewest near-equal spans of at most tile_cells."""
+    count = max(1, math.ceil(cells / tile_cells))
+    bounds = [round(i * cells / count) for i in range(count + 1)]
+    return list(pairwise(bounds))
+
+
+def _run_stages(x: mx.array, stages: list[Stage]) -> mx.array:
+    for stage in stages:
+        x = stage.run(x)
+    return x
+
+
+def _run_tiled(
+    x: mx.array, stages: list[Stage], px_per_cell: int, cells: tuple[int, int], tile_cells: int
+) -> mx.array:
+    """Run local `stages` over `x` (NHWC, `px_per_cell` pixels per latent cell) tile by tile.
+
+    Each tile is a core of latent cells plus a halo covering the reach of the remaining stages;
+    after each stage the halo is cut down to what the later stages still need, so the work
+    spent on halos shrinks as the resolution grows. Tiles are evaluated one at a time, which
+    bounds memory by the largest tile.
+    """
+    halos = [math.ceil(sum(stage.reach for stage in stages[k:])) for k in range(len(stages))]
+    rows = []
+    for core_y in _spans(cells[0], tile_cells):
+        row = []
+        for core_x in _spans(cells[1], tile_cells):
+            tile = _run_tile(x, stages, halos, px_per_cell, (core_y, core_x), cells)
+            mx.eval(tile)
+            row.append(tile)
+        rows.append(mx.concatenate(row, axis=2) if len(row) > 1 else row[0])
+    return mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+
+
+def _window(core: tuple[int, int], halo: int, size: int) -> tuple[int, int]:
+    return max(0, core[0] - halo), min(size, core[1] + halo)
+
+
+def _run_tile(x, stages, halos, px_per_cell, cores, cells) -> mx.array:
+    windows = [_window(core, halos[0], size) for core, size in zip(cores, cells, strict=True)]
+    (y0, y1), (x0, x1) = windows
+    tile = x[:, y0 * px_per_cell : y1 * px_per_cell, x0 * px_per_cell : x1 * px_per_cell]
+    for index, stage in enumerate(stages):
+        tile = stage.run(tile)
+        px_per_cell = stage.px_per_cell
+        halo = halos[index + 1] if index + 1 < len(stages) else 0
+        inner = [_window(core, halo, size) for core, size in zip(cores, cells, strict=True)]
+        tile = _crop(tile, windows, inner, px_per_cell)
+        windows = inner
+    return tile
+
+
+def _crop(tile: mx.array, outer, inner, px_per_cell: int) -> mx.array:
+    """Cut `tile`, which covers the cell window `outer`, down to the window `inner`."""
+    (oy, _), (ox, _) = outer
+    (iy0, iy1), (ix0, ix1) = inner
+    return tile[
+        :,
+        (iy0 - oy) * px_per_cell : (iy1 - oy) * px_per_cell,
+        (ix0 - ox) * px_per_cell : (ix1 - ox) * px_per_cell,
+    ]
+
+
+def _check_config(config: dict) -> None:
+    if not config.get("is_residual", True):
+        raise ValueError("only the residual VAE design of Qwen-Image 2.1 (is_residual: true) loads")
+    if config.get("patch_size") not in (None, 1):
+        raise ValueError(f"a VAE patch_size of {config['patch_size']} is not supported")
+    if len(config["temperal_downsample"]) < len(config["dim_mult"]) - 1:
+        raise ValueError("temperal_downsample needs one entry per downsampling")
+
+
+def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
+    """The file's weights under this module's names and layouts, time_conv left out."""
+    converted = []
+    for name, value in weights.items():
+        if ".time_conv." in name:
+            continue  # never applied to a single frame (see the module docstring)
+        name = name.replace(".resample.1.", ".resample_conv.")
+        if name.endswith(".gamma"):  # (dim, 1, 1[, 1]) -> (dim,)
+            value = value.reshape(-1)
+        elif value.ndim == 4:  # conv (out, in, kh, kw) -> MLX (out, kh, kw, in)
+            value = value.transpose(0, 2, 3, 1)
+        converted.append((name, value))
+    return converted
+
+
+class _Autoencoder(nn.Module):
+    """The weight tree, named as in the checkpoint."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        z_dim = config["z_dim"]
+        self.encoder = Encoder(config)
+        self.quant_conv = nn.Conv2d(z_dim * 2, z_dim * 2, 1)
+        self.post_quant_conv = nn.Conv2d(z_dim, z_dim, 1)
+        self.decoder = Decoder(config)
+
+
+class QwenImage21VAE:
+    """Encode images to raw latents (distribution mean) and decode raw latents to images.
+
+    Images are channels-last in [0, 1]; latents are (B, z_dim, h, w) in the VAE's own space.
+    Batches are processed one image at a time.
+    """
+
+    def __init__(self, config: dict, dtype: mx.Dtype = mx.float32):
+        _check_config(config)
+        self.config = config
+        self.dtype = dtype
+        self.z_dim = int(config["z_dim"])
+        self.in_channels = int(config["in_channels"])
+        self.out_channels = int(config["out_channels"])
+        self.stride = 2 ** (len(config["dim_mult"]) - 1)
+        self.latents_mean = np.asarray(config["latents_mean"], dtype=np.float32)
+        self.latents_std = np.asarray(config["latents_std"], dtype=np.float32)
+        if self.latents_mean.shape != (self.z_dim,) or self.latents_std.shape != (self.z_dim,):
+            raise ValueError("latents_mean and latents_std need one value per latent channel")
+        self.tile_cells = DEFAULT_TILE_CELLS
+        self.model = _Autoencoder(config)
+        self.weight_bytes = 0
+
+    @classmethod
+    def load(cls, vae_dir: Path, dtype: mx.Dtype = mx.float32) -> QwenImage21VAE:
+        vae = cls(read_config(Path(vae_dir)), dtype)
+        vae.load_weights(load_weights(Path(vae_dir), dtype))
+        return vae
+
+    def load_weights(self, weights: dict[str, mx.array]) -> None:
+        """Take the checkpoint's weights (file names and layouts); every parameter must be there."""
+        converted = _mlx_weights(weights)
+        try:
+            self.model.load_weights(converted, strict=True)
+        except ValueError as error:
+            raise ValueError(f"VAE weights do not match its config: {error}") from None
+        mx.eval(self.model.parameters())
+        self.weight_bytes = sum(value.nbytes for _, value in converted)
+
+    # Latent normalisation of the family: the DiT works on (raw - mean) / std.
+
+    def to_model_space(self, latents: mx.array) -> mx.array:
+        mean, std = self._stats(latents.dtype)
+        return (latents - mean) / std
+
+    def from_model_space(self, latents: mx.array) -> mx.array:
+        mean, std = self._stats(latents.dtype)
+        return latents * std + mean
+
+    def _stats(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        shape = (1, self.z_dim, 1, 1)
+        mean = mx.array(self.latents_mean).reshape(shape).astype(dtype)
+        return mean, mx.array(self.latents_std).reshape(shape).astype(dtype)
+
+    # Passes.
+
+    def encode(self, image: mx.array) -> mx.array:
+        """(B, H, W, C) in [0, 1], H and W multiples of the stride -> (B, z_dim, H/16, W/16)."""
+        if image.ndim != 4:
+            raise EngineInputError(f"an image batch is (B, H, W, C); got shape {image.shape}")
+        image = self._input_channels(image)
+        _, height, width, _ = image.shape
+        if height % self.stride or width % self.stride or height == 0 or width == 0:
+            raise EngineInputError(
+                f"image size {width}x{height} is not a multiple of the VAE stride {self.stride}"
+            )
+        latents = [self._encode_one(image[i : i + 1]) for i in range(image.shape[0])]
+        return mx.concatenate(latents, axis=0) if len(latents) > 1 else latents[0]
+
+    def decode(self, latents: mx.array) -> mx.array:
+        """(B, z_dim, h, w) raw latents -> (B, 16h, 16w, out_channels) in [0, 1], float32."""
+        if latents.ndim != 4 or latents.shape[1] != self.z_dim:
+            raise EngineInputError(
+                f"latents are (B, {self.z_dim}, h, w) for this VAE; got shape {latents.shape}"
+            )
+        images = [self._decode_one(latents[i : i + 1]) for i in range(latents.shape[0])]
+        return mx.concatenate(images, axis=0) if len(images) > 1 else images[0]
+
+    def _input_channels(self, image: mx.array) -> mx.array:
+        """Drop channels the VAE does not read; give an RGB image an opaque alpha."""
+        channels = image.shape[-1]
+        if channels >= self.in_channels:
+            return image[..., : self.in_channels]
+        if channels == 3 and self.in_channels == 4:
+            alpha = mx.ones((*image.shape[:-1], 1), dtype=image.dtype)
+            return mx.concatenate([image, alpha], axis=-1)
+        raise EngineInputError(f"the VAE reads {self.in_channels} image channels; got {channels}")
+
+    def _encode_one(self, image: mx.array) -> mx.array:
+        encoder = self.model.encoder
+        x = (image.astype(self.dtype) * 2.0) - 1.0  # diffusers' image processor: [0, 1] -> [-1, 1]
+        cells = (image.shape[1] // self.stride, image.shape[2] // self.stride)
+        x = self._run_local(x, encoder.stages(), self.stride, cells)
+        moments = self.model.quant_conv(encoder.tail(x))
+        mean = moments[..., : self.z_dim]  # the distribution's mode; the log-variance is unused
+        out = mean.transpose(0, 3, 1, 2).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    def _decode_one(self, latents: mx.array) -> mx.array:
+        decoder = self.model.decoder
+        z = latents.transpose(0, 2, 3, 1).astype(self.dtype)
+        x = decoder.head(self.model.post_quant_conv(z))
+        x = self._run_local(x, decoder.stages(), 1, (z.shape[1], z.shape[2]))
+        # diffusers clamps to [-1, 1]; its image processor maps x / 2 + 0.5 and clamps to [0, 1].
+        image = mx.clip(mx.clip(x.astype(mx.float32), -1.0, 1.0) / 2 + 0.5, 0.0, 1.0)
+        mx.eval(image)
+        return image
+
+    def _run_local(self, x, stages, px_per_cell, cells) -> mx.array:
+        if max(cells) <= self.tile_cells:
+            return _run_stages(x, stages)
+        mx.eval(x)  # the global part first, so each tile graph stands alone
+        return _run_tiled(x, stages, px_per_cell, cells, self.tile_cells)
