@@ -1,0 +1,247 @@
+"""Qwen-Image 2.1 as an `ImageModel`: the DiT, the VAE and the prompt encoder of one folder.
+
+The folder is in diffusers layout (model_index.json with `_class_name` "QwenImage21Pipeline",
+transformer/, vae/, text_encoder/, processor/, scheduler/). The variant is `turbo` when
+model_index.json carries `sample_sigmas` (a fixed schedule), else `base`. The constants of the
+family live here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...base import EncodeResult, EngineInputError, StepResult, StepRow
+from ...schedules import qwen_image21_rule
+from ...weights import component_bytes, read_config, read_header, weight_files
+from .dit import QwenImage21DiT, default_compute_dtype, dtype_name
+from .step import PrefixCache, denoise_step
+
+FAMILY = "qwen_image21"
+PIPELINE_CLASS = "QwenImage21Pipeline"
+COMFY = {"model_class": "QwenImage21", "image_model": "qwen_image21"}
+LATENT_STRIDE = 16
+LATENT_PATCH = 1
+VAE_STRIDE = 16
+BASE_SAMPLING = {"steps": 40, "cfg": 1.0, "shift": 1.0}
+TURBO_SAMPLING = {"cfg": 1.0, "shift": 1.0}
+# Prefix states kept outside runs (CONTRACT.md 3.3), least recently used shed first.
+PREFIX_BUDGET_BYTES = 2 << 30
+# scheduler_config.json keys -> keys of the qwen_image21 schedule object (CONTRACT.md 5.3).
+SCHEDULER_KEYS = {
+    "base_image_seq_len": "base_len",
+    "max_image_seq_len": "max_len",
+    "base_shift": "base_shift",
+    "max_shift": "max_shift",
+    "shift_terminal": "terminal",
+}
+MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
+def _model_index(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+
+
+def identify(model_dir: Path) -> tuple[str, str] | None:
+    """(family, variant) of a folder of this family, else None."""
+    index = _model_index(model_dir)
+    if index.get("_class_name") != PIPELINE_CLASS:
+        return None
+    return FAMILY, "turbo" if index.get("sample_sigmas") else "base"
+
+
+def sampling_row(model_dir: Path) -> dict:
+    """The variant's own settings (CONTRACT.md 2.3): turbo samples its fixed sigmas (with the
+    terminal 0.0 appended); base uses the size-dependent rule with the scheduler's constants."""
+    model_dir = Path(model_dir)
+    fixed = _model_index(model_dir).get("sample_sigmas")
+    if fixed:
+        sigmas = [float(s) for s in fixed] + [0.0]
+        return {
+            **TURBO_SAMPLING,
+            "steps": len(sigmas) - 1,
+            "sigmas": sigmas,
+            "schedule": None,
+            "neg_skip": [],
+        }
+    overrides = {}
+    config_path = model_dir / "scheduler" / "scheduler_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        overrides = {
+            ours: config[theirs]
+            for theirs, ours in SCHEDULER_KEYS.items()
+            if config.get(theirs) is not None
+        }
+    return {
+        **BASE_SAMPLING,
+        "sigmas": None,
+        "schedule": qwen_image21_rule(**overrides),
+        "neg_skip": [],
+    }
+
+
+def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
+    """The family part of the status (CONTRACT.md 2.3), from config files and headers alone."""
+    model_dir = Path(model_dir)
+    dit_config = read_config(model_dir / "transformer")
+    vae_config = read_config(model_dir / "vae")
+    return {
+        "comfy": dict(COMFY),
+        "latent": {
+            "channels": dit_config.get("in_channels", 64),
+            "stride": LATENT_STRIDE,
+            "patch": LATENT_PATCH,
+        },
+        "vae": {"channels_out": vae_config.get("out_channels", 4), "stride": VAE_STRIDE},
+        "edit_capable": True,
+        "sampling": sampling_row(model_dir),
+        "compute_dtype": dtype_name(dtype or default_compute_dtype()),
+        "memory": {
+            "dit_bytes": component_bytes(model_dir / "transformer"),
+            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+            "vae_bytes": component_bytes(model_dir / "vae"),
+        },
+    }
+
+
+def manifest(model_dir: Path) -> dict:
+    """The DiT's tensors by their diffusers names (CONTRACT.md 2.4 with naming "diffusers")."""
+    tensors = []
+    for path in weight_files(Path(model_dir) / "transformer"):
+        for name, entry in read_header(path).items():
+            if entry["dtype"] not in MANIFEST_DTYPES:
+                raise EngineInputError(
+                    f"tensor {name} is stored as {entry['dtype']}; Qwen-Image 2.1 weights must be"
+                    " F32, F16 or BF16"
+                )
+            tensors.append(
+                {
+                    "name": name,
+                    "shape": list(entry["shape"]),
+                    "dtype": MANIFEST_DTYPES[entry["dtype"]],
+                }
+            )
+    tensors.sort(key=lambda tensor: tensor["name"])
+    return {
+        "family": FAMILY,
+        "naming": "diffusers",
+        "arch": None,
+        "count": len(tensors),
+        "tensors": tensors,
+        "inline": {},
+    }
+
+
+def load(model_dir: Path, model_id: str) -> QwenImage21Model:
+    # Imported here so the DiT side of the family works while its siblings are absent.
+    from .text_encoder import QwenImage21PromptEncoder
+    from .vae import QwenImage21VAE
+
+    model_dir = Path(model_dir)
+    found = identify(model_dir)
+    if found is None:
+        raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
+    dit = QwenImage21DiT.load(model_dir / "transformer")
+    vae = QwenImage21VAE.load(model_dir / "vae")
+    encoder = QwenImage21PromptEncoder.load(model_dir)
+    return QwenImage21Model(model_dir, model_id, found[1], dit, vae, encoder)
+
+
+class QwenImage21Model:
+    family = FAMILY
+
+    def __init__(
+        self,
+        model_dir: Path,
+        model_id: str,
+        variant: str,
+        dit,
+        vae,
+        encoder,
+        prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
+    ):
+        self.model_dir = Path(model_dir)
+        self.model_id = model_id
+        self.variant = variant
+        self.dit = dit
+        self.vae = vae
+        self.encoder = encoder
+        self.prefix_cache = PrefixCache(prefix_budget_bytes)
+        self._status = describe(self.model_dir, model_id, dit.dtype)
+
+    def status(self) -> dict:
+        return json.loads(json.dumps(self._status))  # a copy the caller may change
+
+    def manifest(self) -> dict:
+        return manifest(self.model_dir)
+
+    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
+        encoding = self.encoder.encode(text, list(images))
+        ref_latents = []
+        if refs:
+            for image in encoding.vae_images:
+                raw = self.vae.encode(mx.array(np.asarray(image, np.float32))[None])
+                latents = self.vae.to_model_space(raw)
+                ref_latents.append(np.array(latents.astype(mx.float32)))
+        return EncodeResult(
+            cond=np.asarray(encoding.cond, np.float32),
+            ref_latents=ref_latents,
+            image_slots=list(encoding.image_slots),
+        )
+
+    def denoise_step(
+        self,
+        x: np.ndarray,
+        timestep: np.ndarray,
+        rows: list[StepRow],
+        *,
+        convention: str = "comfy",
+        run: str | None = None,
+        table: object | None = None,
+    ) -> StepResult:
+        return denoise_step(
+            self.dit,
+            self.prefix_cache,
+            x,
+            timestep,
+            rows,
+            convention=convention,
+            run=run,
+            table_id=_table_id(table),
+        )
+
+    def end_run(self, run: str) -> None:
+        self.prefix_cache.end_run(run)
+
+    def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
+        latents = np.asarray(latents, np.float32)
+        if latents.ndim != 3:
+            raise EngineInputError(f"latents must be (C, h, w), got {latents.shape}")
+        if alpha and self.vae.out_channels < 4:
+            raise EngineInputError("this VAE has no alpha channel; decode without alpha")
+        image = self.vae.decode(mx.array(latents)[None])[0]
+        image = image if alpha else image[..., :3]
+        return np.array(image.astype(mx.float32))
+
+    def vae_encode(self, image: np.ndarray) -> np.ndarray:
+        image = np.asarray(image, np.float32)
+        if image.ndim != 3:
+            raise EngineInputError(f"image must be (H, W, C), got {image.shape}")
+        latents = self.vae.encode(mx.array(image)[None])[0]
+        return np.array(latents.astype(mx.float32))
+
+    def close(self) -> None:
+        self.prefix_cache.clear()
+        self.dit = self.vae = self.encoder = None
+        mx.clear_cache()
+
+
+def _table_id(table: object | None) -> str | None:
+    """The patch table's id for the prefix-state key (a table object carries it as `id`)."""
+    if table is None or isinstance(table, str):
+        return table
+    return getattr(table, "id", None) or getattr(table, "table_id", None)
