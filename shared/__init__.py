@@ -4,6 +4,7 @@ Constants and the version rule, the tensor container, content hashes, error type
 requests-based step client. Depends on numpy and requests only.
 """
 
+from .client import StepAnswer, StepClient
 from .errors import ContractError, ContractMismatch, NotGmlxServer, StepError, WireError
 from .hashing import canonical_json, hash_parts, is_digest, table_id, tensor_hash
 from .version import CONTRACT_VERSION, HEADER, MIN_CLIENT, check_request_version
@@ -27,6 +28,8 @@ __all__ = [
     "ContractError",
     "ContractMismatch",
     "NotGmlxServer",
+    "StepAnswer",
+    "StepClient",
     "StepError",
     "WireError",
     "canonical_json",
