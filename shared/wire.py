@@ -280,6 +280,8 @@ def write_container(
     chunks: list[Any] = []
     offset = 0
     for name, array in tensors.items():
+        if name == METADATA_KEY:
+            raise ValueError(f"a tensor cannot be named {METADATA_KEY}")
         wire_name, data = wire_array(array, dtypes.get(name))
         size = data.nbytes
         header[name] = {

@@ -127,6 +127,8 @@ def test_writer_refuses_unknown_or_mismatched_dtypes():
         write_container({"x": np.zeros(2)})
     with pytest.raises(ValueError, match="cannot be written as F16"):
         write_container({"x": np.zeros(2, np.float32)}, dtypes={"x": "F16"})
+    with pytest.raises(ValueError, match="cannot be named"):
+        write_container({"__metadata__": np.zeros(2, np.float32)})
     with pytest.raises(ValueError, match="not one of"):
         write_container({"x": np.zeros(2, np.float32)}, dtypes={"x": "F64"})
 
