@@ -1,0 +1,24 @@
+"""The pack's own error: text that starts with "gmlx:" (CONTRACT §7.8). Pure."""
+
+from __future__ import annotations
+
+
+class GmlxError(Exception):
+    """A refusal or failure the pack reports to ComfyUI.
+
+    The text always starts with "gmlx:" so a user sees at once which part refused; it names
+    what was refused and, where it can, the node upstream that caused it.
+    """
+
+    def __init__(self, message: str) -> None:
+        if not message.startswith("gmlx:"):
+            message = "gmlx: " + message
+        super().__init__(message)
+
+
+def named_nodes(names: list[str]) -> str:
+    """' (from node X, Y)' naming upstream nodes, or '' when none were found."""
+    names = sorted({n for n in names if n})
+    if not names:
+        return ""
+    return " (from node " + ", ".join(names) + ")"

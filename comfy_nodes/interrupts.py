@@ -1,0 +1,53 @@
+"""Run a server call on a worker thread while polling a cancel flag (CONTRACT §7.8). Pure."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
+
+T = TypeVar("T")
+
+POLL_S = 0.1
+
+
+class Cancelled(Exception):
+    """The user cancelled while the call was in flight (the call itself may still finish)."""
+
+
+def call_interruptible(
+    work: Callable[[], T],
+    cancelled: Callable[[], bool],
+    on_cancel: Callable[[], None],
+    *,
+    lock: AbstractContextManager | None = None,
+    poll_s: float = POLL_S,
+) -> T:
+    """Run `work()` on a daemon thread and wait, checking `cancelled()` every `poll_s`.
+
+    On cancel, `on_cancel()` runs (e.g. POST interrupt) and Cancelled is raised at once; the
+    abandoned call keeps `lock` until the server answers, so the next call on the same
+    connection waits for it instead of sharing its socket.
+    """
+    outcome: dict[str, object] = {}
+    done = threading.Event()
+    guard = lock if lock is not None else nullcontext()
+
+    def run() -> None:
+        try:
+            with guard:
+                outcome["value"] = work()
+        except BaseException as error:  # handed to the waiting thread
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="gmlx-step", daemon=True).start()
+    while not done.wait(poll_s):
+        if cancelled():
+            on_cancel()
+            raise Cancelled()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]

@@ -1,0 +1,433 @@
+"""The remote MODEL: a ComfyUI ModelPatcher over a flow BaseModel whose DiT is one HTTP step.
+
+ComfyUI's own samplers, guiders, model-sampling patches and LoRA loaders work unchanged: the
+`diffusion_model` of the BaseModel sends one `POST step` per call (CONTRACT §7.5), the patcher
+begins a run at sampling start and ends it at cleanup (§7.8), and LoRA patches become a patch
+table (§7.7). Imports ComfyUI; only ever imported inside a ComfyUI process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import comfy.conds
+import comfy.latent_formats
+import comfy.model_base
+import comfy.model_management
+import comfy.model_patcher
+import comfy.patcher_extension
+import comfy.supported_models_base
+import numpy as np
+import torch
+from gmlx_contract.errors import StepError
+
+from .connection import Connection
+from .errors import GmlxError, named_nodes
+from .families import DEFAULT_REF_METHOD, PACK_BUILT_CLASSES, latent_normalisation
+from .interrupts import Cancelled, call_interruptible
+from .patches import AdapterHashes, build_table
+from .request import (
+    build_rows,
+    check_call,
+    prefix_cache_enabled,
+    refusal_text,
+    step_timestep,
+    suspects,
+)
+
+log = logging.getLogger("gmlx_comfy")
+
+# Bytes the patcher claims for its (remote) weights: ComfyUI must see the model as loaded,
+# yet never plan host memory for weights that live on the server.
+REMOTE_WEIGHT_BYTES = 1
+# Calls whose timings are kept for diagnostics.
+TIMINGS_KEPT = 256
+WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ---------------------------------------------------------------- latent format and conds
+
+
+class GmlxLatentFormat(comfy.latent_formats.LatentFormat):
+    """Latent format of a server model: LATENT carries what the VAE routes carry, the DiT
+    takes model space; `normalisation` (mean, std) maps one to the other, None = identity."""
+
+    latent_dimensions = 2
+
+    def __init__(self, channels: int, normalisation: tuple[list, list] | None) -> None:
+        self.latent_channels = channels
+        self.scale_factor = 1.0
+        self.latent_rgb_factors = None
+        if normalisation is None:
+            self.mean = self.std = None
+        else:
+            self.mean = torch.tensor(normalisation[0], dtype=torch.float32).view(1, -1, 1, 1)
+            self.std = torch.tensor(normalisation[1], dtype=torch.float32).view(1, -1, 1, 1)
+
+    def process_in(self, latent: torch.Tensor) -> torch.Tensor:
+        if self.mean is None:
+            return latent
+        mean = self.mean.to(latent.device, latent.dtype)
+        return (latent - mean) / self.std.to(latent.device, latent.dtype)
+
+    def process_out(self, latent: torch.Tensor) -> torch.Tensor:
+        if self.mean is None:
+            return latent
+        mean = self.mean.to(latent.device, latent.dtype)
+        return latent * self.std.to(latent.device, latent.dtype) + mean
+
+
+class GmlxCrossAttn(comfy.conds.CONDRegular):
+    """A conditioning that batches with others of any length: shorter rows are zero-padded
+    and the real lengths travel in `num_tokens`, so cond and uncond share one step call."""
+
+    def can_concat(self, other: Any) -> bool:
+        a, b = self.cond.shape, other.cond.shape
+        return len(a) == len(b) == 3 and a[2] == b[2] and self.cond.device == other.cond.device
+
+    def concat(self, others: list) -> torch.Tensor:
+        conds = [self.cond] + [o.cond for o in others]
+        longest = max(c.shape[1] for c in conds)
+        padded = [torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[1])) for c in conds]
+        return torch.cat(padded)
+
+
+class GmlxRowValues(comfy.conds.CONDRegular):
+    """Plain per-row values (token counts, image slots) that follow the batch rows."""
+
+    def process_cond(self, batch_size: int, **kwargs: Any) -> GmlxRowValues:
+        values = self.cond if len(self.cond) == batch_size else self.cond[:1] * batch_size
+        return self._copy_with(list(values))
+
+    def can_concat(self, other: Any) -> bool:
+        return True
+
+    def concat(self, others: list) -> list:
+        out = list(self.cond)
+        for other in others:
+            out += other.cond
+        return out
+
+    def size(self) -> list[int]:
+        return [1]
+
+
+# ---------------------------------------------------------------- the DiT stand-in
+
+
+class RemoteDiT(torch.nn.Module):
+    """Stands where ComfyUI expects the DiT: its forward is one `POST step`.
+
+    Its state dict holds the server manifest's weight names as zero-stride placeholders so
+    that stock LoRA loaders map their keys to this model.
+    """
+
+    def __init__(self, conn: Connection, model_id: str, status: dict, manifest: dict) -> None:
+        super().__init__()
+        self.conn = conn
+        self.model_id = model_id
+        self.status = status
+        self.family = status.get("family")
+        self.dtype = torch.float32
+        self.placeholders = _placeholders(manifest)
+        self.hashes = AdapterHashes()
+        self.tables: dict[Any, str | None] = {}
+        self.timings: list[dict[str, Any]] = []
+        self.warned: set[str] = set()
+        self.owner: Any = None  # the GmlxModel; set by it, kept out of the module tree
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        for name, tensor in self.placeholders.items():
+            destination[prefix + name] = tensor
+
+    # -------------------------------------------------------- LoRA table
+
+    def sync_table(self, patcher: Any) -> str | None:
+        """The patch table id of `patcher`'s live patches, defined on the server once per
+        patch uuid (a strength change is one small PUT; matrices go up once)."""
+        uuid = getattr(patcher, "patches_uuid", None)
+        if uuid in self.tables:
+            return self.tables[uuid]
+        table = build_table(
+            self.model_id, patcher.patches, self.hashes, getattr(patcher, "hook_patches", None)
+        )
+        table_id = None
+        if table.doc is not None:
+            client = self.conn.client
+            with self.conn.lock:
+                for digest, array in table.adapters.items():
+                    if digest not in self.conn.adapters_held:
+                        if not client.has_adapter(digest):
+                            client.put_adapter(array)
+                        self.conn.adapters_held.add(digest)
+                table_id = client.put_patch_table(table.doc, self.model_id, table.adapters)
+        self.tables[uuid] = table_id
+        return table_id
+
+    # -------------------------------------------------------- forward
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timesteps: torch.Tensor,
+        context: torch.Tensor | None = None,
+        control: Any = None,
+        transformer_options: dict | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        options = transformer_options or {}
+        self._check(kwargs, options, control)
+        patcher = getattr(self.owner, "current_patcher", None)
+        table_id = self.sync_table(patcher) if patcher is not None else None
+        run = getattr(patcher, "gmlx_run", None)
+        if context is None:
+            raise GmlxError("gmlx: the remote model needs a text conditioning")
+        batch = x.shape[0]
+        refs = [_f32(r) for r in (kwargs.get("ref_latents") or [])]
+        rows = build_rows(
+            batch,
+            _f32(context),
+            num_tokens=kwargs.get("num_tokens"),
+            ref_latents=refs,
+            image_slots=kwargs.get("image_slots"),
+            prefix_cache=prefix_cache_enabled(options),
+        )
+        x_np, t_np = _f32(x), step_timestep(_f32(timesteps), batch)
+
+        def work():
+            return self.conn.client.step(
+                x_np,
+                t_np,
+                rows.rows,
+                model=self.model_id,
+                run=run,
+                convention="comfy",
+                patch_table=table_id,
+                uploads=rows.tensors,
+            )
+
+        answer = self._call(work, run)
+        self._keep_timing(answer)
+        out = torch.from_numpy(np.array(answer.out, dtype=np.float32))
+        return out.to(device=x.device, dtype=x.dtype)
+
+    def _check(self, kwargs: dict, options: dict, control: Any) -> None:
+        check = check_call(
+            kwargs,
+            options,
+            control=control,
+            edit_capable=bool(self.status.get("edit_capable", True)),
+            default_ref_method=DEFAULT_REF_METHOD.get(self.family),
+        )
+        for key in check.unknown_options:
+            if key not in self.warned:
+                self.warned.add(key)
+                log.warning("gmlx: ignoring transformer_options key %r (unknown to the pack)", key)
+        if check.refusals:
+            upstream = named_nodes(suspects(running_prompt_classes(), check.suspect_words))
+            raise GmlxError(refusal_text(check.refusals, upstream))
+
+    def _call(self, work, run: str | None):
+        mm = comfy.model_management
+
+        def on_cancel() -> None:
+            if run is None:
+                return
+            try:
+                self.conn.control_client(5.0).interrupt(run)
+            except (StepError, OSError) as err:
+                log.warning("gmlx: could not interrupt run %s: %s", run, err)
+
+        try:
+            return call_interruptible(
+                work, mm.processing_interrupted, on_cancel, lock=self.conn.lock
+            )
+        except Cancelled:
+            mm.throw_exception_if_processing_interrupted()
+            raise mm.InterruptProcessingException() from None
+        except StepError as err:
+            if err.code == "interrupted" and mm.processing_interrupted():
+                mm.throw_exception_if_processing_interrupted()
+            raise GmlxError(str(err)) from err
+
+    def _keep_timing(self, answer: Any) -> None:
+        self.timings.append(
+            {
+                "wall_ms": answer.wall_ms,
+                "server_ms": answer.server_ms,
+                "forward_ms": answer.forward_ms,
+                "prefix_cache": answer.prefix_cache,
+            }
+        )
+        del self.timings[:-TIMINGS_KEPT]
+
+
+def _f32(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32).contiguous().numpy()
+
+
+def _placeholders(manifest: dict) -> dict[str, torch.Tensor]:
+    """Zero-stride tensors of the manifest's shapes (quantised tensors count as bf16)."""
+    singles: dict[torch.dtype, torch.Tensor] = {}
+    out = {}
+    for entry in manifest.get("tensors", []):
+        dtype = WIRE_DTYPES.get(entry.get("dtype"), torch.bfloat16)
+        single = singles.setdefault(dtype, torch.zeros((), dtype=dtype))
+        out[entry["name"]] = single.expand(*[int(d) for d in entry["shape"]])
+    return out
+
+
+def running_prompt_classes() -> list[str]:
+    """Class names of the nodes in the prompt ComfyUI is running (for naming culprits)."""
+    try:
+        import server  # ComfyUI's own module
+
+        queue = server.PromptServer.instance.prompt_queue
+        running = list(queue.currently_running.values())
+    except Exception:  # noqa: BLE001 - naming culprits is best effort
+        return []
+    classes: list[str] = []
+    for item in running:
+        prompt = item[2] if len(item) > 2 else {}
+        classes += [n.get("class_type", "") for n in prompt.values() if isinstance(n, dict)]
+    return classes
+
+
+# ---------------------------------------------------------------- BaseModel and patcher
+
+
+class GmlxModelConfig(comfy.supported_models_base.BASE):
+    """Model config of a pack-built family; its values come from the server's status."""
+
+    unet_config: dict = {}
+    sampling_settings: dict = {}
+    latent_format = comfy.latent_formats.LatentFormat
+    supported_inference_dtypes = [torch.float32]
+    memory_usage_factor = 1.0
+
+
+def model_config_for(status: dict) -> GmlxModelConfig:
+    comfy_info = status.get("comfy") or {}
+    config = GmlxModelConfig(
+        {"image_model": comfy_info.get("image_model"), "disable_unet_model_creation": True}
+    )
+    sampling = status.get("sampling") or {}
+    # Flow matching with timestep = sigma (CONTRACT §5.2, comfy convention, scale 1).
+    config.sampling_settings = {"multiplier": 1.0, "shift": float(sampling.get("shift") or 1.0)}
+    channels = int((status.get("latent") or {}).get("channels", 16))
+    try:
+        normalisation = latent_normalisation(status)
+    except ValueError as err:
+        raise GmlxError(str(err)) from err
+    config.latent_format = GmlxLatentFormat(channels, normalisation)
+    return config
+
+
+class GmlxModel(comfy.model_base.BaseModel):
+    """A flow BaseModel whose diffusion_model is a RemoteDiT."""
+
+    def __init__(self, config: GmlxModelConfig, remote: RemoteDiT) -> None:
+        super().__init__(config, comfy.model_base.ModelType.FLOW, device=torch.device("cpu"))
+        self.diffusion_model = remote
+        remote.owner = self
+
+    def get_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def extra_conds(self, **kwargs: Any) -> dict:
+        out = super().extra_conds(**kwargs)
+        cross_attn = kwargs.get("cross_attn")
+        if cross_attn is not None:
+            out["c_crossattn"] = GmlxCrossAttn(cross_attn)
+            out["num_tokens"] = GmlxRowValues([int(cross_attn.shape[1])] * cross_attn.shape[0])
+        slots = kwargs.get("image_slots")
+        if slots:
+            out["image_slots"] = GmlxRowValues([[int(s) for s in slots]])
+        refs = kwargs.get("reference_latents")
+        if refs:
+            out["ref_latents"] = comfy.conds.CONDList([self.process_latent_in(r) for r in refs])
+            method = kwargs.get("reference_latents_method")
+            if method is not None:
+                out["ref_latents_method"] = comfy.conds.CONDConstant(method)
+        return out
+
+    def memory_required(self, input_shape: Any, cond_shapes: dict | None = None) -> float:
+        # The forward runs on the server: ComfyUI may batch every row into one call.
+        return 1.0
+
+
+class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher with no local weights: loading only marks it loaded and defines the
+    LoRA table; sampling start begins a server run and cleanup ends it."""
+
+    gmlx_run: str | None = None
+
+    @property
+    def remote(self) -> RemoteDiT:
+        return self.model.diffusion_model
+
+    def load(
+        self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False
+    ):
+        with self.use_ejected():
+            self.model.device = device_to or self.load_device
+            self.model.model_lowvram = False
+            self.model.model_loaded_weight_memory = REMOTE_WEIGHT_BYTES
+            self.model.current_weight_patches_uuid = self.patches_uuid
+            for callback in self.get_all_callbacks(comfy.patcher_extension.CallbacksMP.ON_LOAD):
+                callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
+        self.remote.sync_table(self)
+
+    def partially_unload(self, device_to, memory_to_free=0):
+        return 0
+
+    def pre_run(self):
+        super().pre_run()
+        self.remote.sync_table(self)
+        with self.remote.conn.lock:
+            try:
+                self.gmlx_run = self.remote.conn.client.begin_run(self.remote.model_id)
+            except StepError as err:
+                raise GmlxError(str(err)) from err
+
+    def cleanup(self):
+        run, self.gmlx_run = self.gmlx_run, None
+        try:
+            if run is not None:
+                self.remote.conn.control_client(30.0).end_run(run)
+        except (StepError, OSError) as err:
+            log.warning("gmlx: could not end run %s: %s", run, err)
+        finally:
+            super().cleanup()
+
+
+def load_remote_model(conn: Connection, model_id: str) -> GmlxModelPatcher:
+    """Build the MODEL of `model_id` from its status and manifest (CONTRACT §7.3)."""
+    with conn.lock:
+        status = conn.client.status(model_id)
+        manifest = conn.client.manifest(model_id)
+    model_class = (status.get("comfy") or {}).get("model_class")
+    if not model_class:
+        raise GmlxError(f"gmlx: the server's status of {model_id!r} names no comfy.model_class")
+    if model_class not in PACK_BUILT_CLASSES:
+        raise GmlxError(
+            f"gmlx: {model_id!r} is a {model_class} model; this pack builds "
+            f"{', '.join(sorted(PACK_BUILT_CLASSES))} models only"
+        )
+    fused = [
+        t["name"]
+        for t in manifest.get("tensors", [])
+        if ".qkv." in t["name"] or "to_qkv" in t["name"]
+    ]
+    if fused:
+        raise GmlxError(
+            f"gmlx: {model_id!r} stores fused qkv weights ({fused[0]}, ...); LoRA keys cannot "
+            "map to that layout"
+        )
+    remote = RemoteDiT(conn, model_id, status, manifest)
+    base = GmlxModel(model_config_for(status), remote)
+    device = torch.device("cpu")
+    return GmlxModelPatcher(
+        base, load_device=device, offload_device=device, size=REMOTE_WEIGHT_BYTES
+    )

@@ -1,0 +1,310 @@
+"""The pack's ComfyUI nodes (CONTRACT §7.3), in ComfyUI's classic node form so that both
+ComfyUI 0.3.64 and current releases load them. Imports ComfyUI lazily, inside the node
+functions, so that importing this module needs only torch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import torch
+
+from .clip import GmlxCLIP
+from .connection import MODEL_LIST, Connection, connect
+from .errors import GmlxError
+from .schedule import ScheduleError, cfg_of, default_steps, server_sigmas
+from .settings import load_settings
+from .vae import GmlxVAE
+
+CATEGORY = "gmlx"
+# CONTRACT §2.6: reference images are encoded at 256² ... 1024² pixels, sides in 32s.
+REF_MIN_AREA, REF_MAX_AREA, REF_MULTIPLE = 65_536, 1_048_576, 32
+MAX_EDIT_IMAGES = 4
+
+
+def _loader_inputs() -> dict:
+    names = MODEL_LIST.names()
+    default = load_settings().default_model
+    if default in names:
+        names = [default] + [n for n in names if n != default]
+    return {
+        "required": {
+            "model_name": (names,),
+            "server_url": (
+                "STRING",
+                {
+                    "default": "",
+                    "tooltip": "empty: GMLX_BASE_URL, the settings file, then discovery",
+                },
+            ),
+            "start_server": ("BOOLEAN", {"default": True}),
+        }
+    }
+
+
+def _connect(model_name: str, server_url: str, start_server: bool) -> tuple[Connection, dict]:
+    """Handshake (each time a loader runs, never per step), check the model, read status."""
+    conn = connect(server_url, start_server)
+    conn.require_model(model_name)
+    with conn.lock:
+        status = conn.client.status(model_name)
+    return conn, status
+
+
+class GmlxModelLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _loader_inputs()
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "The server's DiT as a MODEL: every model call is one step on the server."
+
+    def load(self, model_name, server_url, start_server):
+        from .model import load_remote_model  # imports ComfyUI
+
+        conn, _ = _connect(model_name, server_url, start_server)
+        return (load_remote_model(conn, model_name),)
+
+
+class GmlxCLIPLoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _loader_inputs()
+
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+
+    def load(self, model_name, server_url, start_server):
+        conn, status = _connect(model_name, server_url, start_server)
+        return (GmlxCLIP(conn, model_name, status),)
+
+
+class GmlxVAELoader:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _loader_inputs()
+
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "load"
+    CATEGORY = CATEGORY
+
+    def load(self, model_name, server_url, start_server):
+        conn, status = _connect(model_name, server_url, start_server)
+        return (GmlxVAE(conn, model_name, status),)
+
+
+class GmlxServerStatus:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return _loader_inputs()
+
+    RETURN_TYPES = ("STRING",)
+    FUNCTION = "status"
+    CATEGORY = CATEGORY
+    OUTPUT_NODE = True
+
+    def status(self, model_name, server_url, start_server):
+        conn, status = _connect(model_name, server_url, start_server)
+        text = status_text(conn, status)
+        return {"ui": {"text": [text]}, "result": (text,)}
+
+
+def status_text(conn: Connection, status: dict) -> str:
+    caps = conn.capabilities
+    lines = [
+        f"server {conn.url}: gmlx {caps.get('gmlx_version', '?')}, contract "
+        f"{(caps.get('contract') or {}).get('major')}.{(caps.get('contract') or {}).get('minor')}",
+        f"model {status.get('model')}: {status.get('family')} {status.get('variant')}, "
+        f"{'resident' if status.get('resident') else 'not loaded'}",
+        "sampling " + json.dumps(status.get("sampling")),
+        "features " + ", ".join(caps.get("features") or []),
+    ]
+    return "\n".join(lines)
+
+
+def remote_status(model) -> dict:
+    """The server status a gmlx MODEL was built from; refuses any other MODEL."""
+    status = getattr(getattr(model.model, "diffusion_model", None), "status", None)
+    if not isinstance(status, dict):
+        raise GmlxError("gmlx: the gmlx Sigmas node needs a MODEL from the gmlx Model Loader")
+    return status
+
+
+class GmlxSigmas:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL",),
+                "steps": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 1000,
+                        "tooltip": "0: the variant's own step count",
+                    },
+                ),
+                "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}),
+            },
+            "optional": {
+                "width": ("INT", {"default": 0, "min": 0, "max": 16384, "step": 16}),
+                "height": ("INT", {"default": 0, "min": 0, "max": 16384, "step": 16}),
+            },
+        }
+
+    RETURN_TYPES = ("SIGMAS", "FLOAT")
+    RETURN_NAMES = ("sigmas", "cfg")
+    FUNCTION = "sigmas"
+    CATEGORY = CATEGORY
+
+    def sigmas(self, model, steps, denoise, width=0, height=0):
+        status = remote_status(model)
+        sampling = status.get("sampling")
+        try:
+            sigmas = server_sigmas(
+                sampling, status.get("latent") or {}, steps, denoise, width, height
+            )
+        except ScheduleError as err:
+            raise GmlxError(str(err)) from err
+        if sigmas is None:
+            sigmas = simple_sigmas(model, default_steps(sampling, steps), denoise)
+        else:
+            sigmas = torch.from_numpy(np.array(sigmas, dtype=np.float32))
+        return (sigmas, cfg_of(sampling))
+
+
+def simple_sigmas(model, steps: int, denoise: float) -> torch.Tensor:
+    """ComfyUI's own "simple" schedule, shortened for denoise as BasicScheduler does."""
+    import comfy.samplers
+
+    if denoise <= 0.0:
+        return torch.FloatTensor([])
+    total = steps if denoise >= 1.0 else int(steps / denoise)
+    sigmas = comfy.samplers.simple_scheduler(model.get_model_object("model_sampling"), total)
+    return sigmas[-(steps + 1) :]
+
+
+def reference_size(width: int, height: int) -> tuple[int, int]:
+    """The size to send a reference image at, so the server encodes it without resizing and
+    the VAE sees the same pixels: area within 256²...1024², sides in multiples of 32."""
+    area = width * height
+    scale = math.sqrt(min(max(area, REF_MIN_AREA), REF_MAX_AREA) / area)
+    w = max(REF_MULTIPLE, round(width * scale / REF_MULTIPLE) * REF_MULTIPLE)
+    h = max(REF_MULTIPLE, round(height * scale / REF_MULTIPLE) * REF_MULTIPLE)
+    while w * h > REF_MAX_AREA:  # rounding up may overshoot: trim the longer side
+        if w >= h:
+            w -= REF_MULTIPLE
+        else:
+            h -= REF_MULTIPLE
+    while w * h < REF_MIN_AREA:  # or undershoot: grow the shorter side
+        if w <= h:
+            w += REF_MULTIPLE
+        else:
+            h += REF_MULTIPLE
+    return w, h
+
+
+class GmlxTextEncodeEdit:
+    """Prompt plus reference images for Qwen-Image 2.1 edits: the server's encoder reads the
+    images, the VAE encodes the same pixels as reference latents."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        optional = {"vae": ("VAE",)}
+        optional.update({f"image{i}": ("IMAGE",) for i in range(1, MAX_EDIT_IMAGES + 1)})
+        return {
+            "required": {
+                "clip": ("CLIP",),
+                "prompt": ("STRING", {"multiline": True, "dynamicPrompts": True}),
+            },
+            "optional": optional,
+        }
+
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "encode"
+    CATEGORY = CATEGORY
+
+    def encode(self, clip, prompt, vae=None, **images):
+        import comfy.utils
+
+        resized = []
+        for i in range(1, MAX_EDIT_IMAGES + 1):
+            image = images.get(f"image{i}")
+            if image is None:
+                continue
+            w, h = reference_size(image.shape[2], image.shape[1])
+            samples = comfy.utils.common_upscale(image.movedim(-1, 1), w, h, "lanczos", "disabled")
+            resized.append(samples.movedim(1, -1)[..., :3].clamp(0.0, 1.0))
+        tokens = clip.tokenize(prompt, images=resized)
+        conditioning = clip.encode_from_tokens_scheduled(tokens)
+        if resized and vae is not None:
+            refs = [vae.encode(image) for image in resized]
+            conditioning = [
+                [c, {**d, "reference_latents": list(d.get("reference_latents", [])) + refs}]
+                for c, d in conditioning
+            ]
+        return (conditioning,)
+
+
+class ServerNoise:
+    """NOISE that equals `gmlx image sample`'s: numpy default_rng(seed) standard normal."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def generate_noise(self, input_latent: dict) -> torch.Tensor:
+        shape = tuple(input_latent["samples"].shape)
+        rng = np.random.default_rng(self.seed)
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+
+
+class GmlxNoise:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "noise_seed": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 0xFFFFFFFFFFFFFFFF,
+                        "control_after_generate": True,
+                    },
+                )
+            }
+        }
+
+    RETURN_TYPES = ("NOISE",)
+    FUNCTION = "noise"
+    CATEGORY = CATEGORY
+    DESCRIPTION = "The server's own starting noise, so a run matches `gmlx image sample`."
+
+    def noise(self, noise_seed):
+        return (ServerNoise(noise_seed),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "GmlxModelLoader": GmlxModelLoader,
+    "GmlxCLIPLoader": GmlxCLIPLoader,
+    "GmlxVAELoader": GmlxVAELoader,
+    "GmlxServerStatus": GmlxServerStatus,
+    "GmlxSigmas": GmlxSigmas,
+    "GmlxTextEncodeEdit": GmlxTextEncodeEdit,
+    "GmlxNoise": GmlxNoise,
+}
+
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "GmlxModelLoader": "gmlx Model Loader",
+    "GmlxCLIPLoader": "gmlx CLIP Loader",
+    "GmlxVAELoader": "gmlx VAE Loader",
+    "GmlxServerStatus": "gmlx Server Status",
+    "GmlxSigmas": "gmlx Sigmas",
+    "GmlxTextEncodeEdit": "gmlx Text Encode (Qwen-Image 2.1 edit)",
+    "GmlxNoise": "gmlx Noise (server seed)",
+}

@@ -1,0 +1,185 @@
+"""ComfyUI LoRA weight patches -> adapter matrices and a patch table (CONTRACT §7.7, §2.9).
+
+ComfyUI's LoRA loaders add patches to a clone of the MODEL: `ModelPatcher.patches` maps a
+weight key to a list of `(strength_patch, value, strength_model, offset, function)`. A plain
+LoRA value is a `comfy.weight_adapter.LoRAAdapter` whose `.name` is "lora" and whose `.weights`
+are `(up, down, alpha, mid, dora_scale, reshape)` (ComfyUI 0.3.x); older ComfyUI used the tuple
+`("lora", (up, down, alpha, mid, dora_scale, reshape))`. Both are read here.
+
+Pure: works on anything tensor-like (torch tensors in ComfyUI, numpy arrays in tests); imports
+neither ComfyUI nor torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from gmlx_contract.hashing import tensor_hash
+
+from .errors import GmlxError
+
+# Other ComfyUI weight-adapter kinds, by their `.name` / tuple tag, as a user knows them.
+ADAPTER_TITLES = {
+    "loha": "LoHa",
+    "lokr": "LoKr",
+    "glora": "GLoRA",
+    "oft": "OFT",
+    "boft": "BOFT",
+    "diff": "a weight diff (tuple patch)",
+    "set": "a weight set (tuple patch)",
+    "model_as_lora": "a model-as-LoRA diff (tuple patch)",
+}
+
+
+@dataclass
+class PatchTable:
+    """A table document (None when no patch is live) and the adapter matrices it names."""
+
+    doc: dict[str, Any] | None
+    adapters: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _is_lora_value(value: Any) -> tuple[str, Any]:
+    """(kind, weights) of a patch value: kind "lora" or another tag, "merge", "unknown"."""
+    if isinstance(value, list):
+        return "merge", None
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and hasattr(value, "weights"):
+        return name.lower(), value.weights
+    if isinstance(value, tuple):
+        if len(value) == 1:
+            return "diff", None
+        if len(value) == 2 and isinstance(value[0], str):
+            return value[0].lower(), value[1]
+    return "unknown", None
+
+
+def _refusal(key: str, what: str) -> GmlxError:
+    return GmlxError(f"gmlx: the server applies plain LoRA only; {key} carries {what}")
+
+
+def to_wire_array(tensor: Any) -> np.ndarray:
+    """An adapter matrix as it travels: F32, F16 or BF16 (uint16 bits) stay; others -> F32."""
+    if isinstance(tensor, np.ndarray):
+        array = tensor
+    else:
+        array = _torch_to_numpy(tensor)
+    if array.dtype not in (np.float32, np.float16, np.uint16):
+        array = array.astype(np.float32)
+    return np.ascontiguousarray(array)
+
+
+def _torch_to_numpy(tensor: Any) -> np.ndarray:
+    t = tensor.detach().cpu()
+    if str(t.dtype) == "torch.bfloat16":
+        import torch  # present whenever a torch tensor is
+
+        return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+    if str(t.dtype) in ("torch.float32", "torch.float16"):
+        return t.contiguous().numpy()
+    return t.float().contiguous().numpy()
+
+
+class AdapterHashes:
+    """Hashes of adapter matrices, memoised per tensor object and its in-place version."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Any, int, str, np.ndarray]] = {}
+
+    def hash(self, tensor: Any) -> tuple[str, np.ndarray]:
+        version = int(getattr(tensor, "_version", 0))
+        held = self._memo.get(id(tensor))
+        if held is not None and held[0]() is tensor and held[1] == version:
+            return held[2], held[3]
+        array = to_wire_array(tensor)
+        digest = tensor_hash(array)
+        try:
+            ref = weakref.ref(tensor)
+        except TypeError:  # numpy arrays take weak references; plain objects may not
+            return digest, array
+        self._memo[id(tensor)] = (ref, version, digest, array)
+        return digest, array
+
+
+def _band(offset: Any) -> list[int] | None:
+    if offset is None:
+        return None
+    return [int(v) for v in offset]
+
+
+def _alpha(alpha: Any) -> float | None:
+    if alpha is None:
+        return None
+    return float(alpha.item() if hasattr(alpha, "item") else alpha)
+
+
+def lora_patch(
+    key: str, patch: tuple, hashes: AdapterHashes, adapters: dict[str, np.ndarray]
+) -> dict[str, Any] | None:
+    """The table patch of one ComfyUI patch entry, None when its strength is 0; refusals raise."""
+    strength, value, strength_model, _offset, function = patch[:5]
+    if float(strength) == 0.0 and float(strength_model) == 1.0:
+        return None  # a switched-off patch changes nothing, whatever its kind
+    kind, weights = _is_lora_value(value)
+    if kind == "merge":
+        raise _refusal(key, "a merge list")
+    if kind != "lora":
+        raise _refusal(key, ADAPTER_TITLES.get(kind, f"an unknown patch kind {kind!r}"))
+    if float(strength_model) != 1.0:
+        raise _refusal(key, f"strength_model {float(strength_model)} (a base-weight scale)")
+    if function is not None:
+        raise _refusal(key, "a patch function")
+    up, down, alpha, mid, dora_scale, reshape = tuple(weights) + (None,) * (6 - len(weights))
+    if mid is not None:
+        raise _refusal(key, "a mid tensor (LoCon/Tucker)")
+    if dora_scale is not None:
+        raise _refusal(key, "DoRA")
+    if reshape is not None:
+        raise _refusal(key, "a reshape")
+    up_hash, up_array = hashes.hash(up)
+    down_hash, down_array = hashes.hash(down)
+    adapters[up_hash] = up_array
+    adapters[down_hash] = down_array
+    return {
+        "up": up_hash,
+        "down": down_hash,
+        "alpha": _alpha(alpha),
+        "strength": float(strength),
+        "strength_model": 1.0,
+    }
+
+
+def build_table(
+    model_id: str,
+    patches: dict[str, list[tuple]],
+    hashes: AdapterHashes,
+    hook_patches: dict | None = None,
+) -> PatchTable:
+    """The patch table of a patcher's `patches` (CONTRACT §7.7)."""
+    if hook_patches:
+        raise GmlxError("gmlx: hook patches (scheduled LoRA hooks) are not supported")
+    adapters: dict[str, np.ndarray] = {}
+    groups: dict[tuple[str, tuple | None], list[dict[str, Any]]] = {}
+    for key, entries in patches.items():
+        for patch in entries:
+            table_patch = lora_patch(key, patch, hashes, adapters)
+            if table_patch is None:
+                continue
+            band = _band(patch[3])
+            groups.setdefault((key, None if band is None else tuple(band)), []).append(table_patch)
+    if not groups:
+        return PatchTable(doc=None)
+    entries_out = [
+        {"key": key, "band": None if band is None else list(band), "patches": groups[(key, band)]}
+        for key, band in sorted(groups, key=_group_order)
+    ]
+    return PatchTable(doc={"model": model_id, "entries": entries_out}, adapters=adapters)
+
+
+def _group_order(group: tuple[str, tuple | None]) -> tuple:
+    key, band = group
+    # null band first, then bands in numeric order
+    return (key, band is not None, band or ())

@@ -1,0 +1,209 @@
+"""From ComfyUI's DiT call to the rows of a step request (CONTRACT §7.5). Pure: numpy only.
+
+The ComfyUI glue (model.py) turns torch tensors into float32 numpy arrays and calls these
+functions; everything here is testable without ComfyUI or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from gmlx_contract.hashing import tensor_hash
+
+from .errors import GmlxError
+
+# DiT inputs the server honours (the rest of a call with a value is refused by name).
+ACCEPTED_INPUTS = frozenset(
+    ("num_tokens", "attention_mask", "ref_latents", "image_slots", "ref_latents_method")
+)
+# transformer_options keys ComfyUI sets on every call, or that carry nothing for the DiT.
+KNOWN_OPTIONS = frozenset(
+    (
+        "cond_or_uncond",
+        "uuids",
+        "sigmas",
+        "sample_sigmas",
+        "wrappers",
+        "callbacks",
+        "patches",
+        "patches_replace",
+        "rope_options",
+        "qwen_image21_cache",
+        "transformer_index",
+        "block_index",
+        "original_shape",
+        "activations_shape",
+        "hooks",
+        "model_options",
+    )
+)
+# The wrapper type whose functions replace the DiT forward itself (ComfyUI's WrappersMP).
+DIFFUSION_MODEL_WRAPPER = "diffusion_model"
+
+
+@dataclass
+class StepRows:
+    """The rows of one step request and the row tensors they name, by hash."""
+
+    rows: list[dict[str, Any]]
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def as_f32(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous float32 copy-if-needed: the form tensors are hashed and sent in."""
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def row_of(batch: np.ndarray, i: int) -> np.ndarray:
+    """Row i of a batched tensor, or row 0 when its batch is 1 (broadcast)."""
+    return batch[0:1] if batch.shape[0] == 1 else batch[i : i + 1]
+
+
+def build_rows(
+    batch_size: int,
+    context: np.ndarray,
+    *,
+    num_tokens: list[int] | None = None,
+    ref_latents: list[np.ndarray] | None = None,
+    image_slots: list[list[int]] | None = None,
+    prefix_cache: bool = True,
+) -> StepRows:
+    """One row per batch entry of x.
+
+    `context` is (B or 1, L, D); `num_tokens[i]` the real length of row i when the pack padded
+    rows of different lengths to one tensor (else L). The row's `cond` is the hash of its
+    context rows [0, n) as F32 (1, n, D), which is exactly what `encode` answered, so an encoded
+    conditioning needs no upload. `ref_latents` are (B or 1, C, h, w) tensors in model space;
+    `image_slots[i]` the wire-form slots of row i.
+    """
+    if context.ndim != 3:
+        raise GmlxError(f"gmlx: the conditioning has shape {list(context.shape)}, not (B, L, D)")
+    if context.shape[0] not in (1, batch_size):
+        raise GmlxError(
+            f"gmlx: the conditioning batch {context.shape[0]} does not match the latent "
+            f"batch {batch_size}"
+        )
+    out = StepRows(rows=[])
+    for i in range(batch_size):
+        out.rows.append(
+            _row(i, context, num_tokens, ref_latents or [], image_slots, prefix_cache, out.tensors)
+        )
+    return out
+
+
+def _row(
+    i: int,
+    context: np.ndarray,
+    num_tokens: list[int] | None,
+    ref_latents: list[np.ndarray],
+    image_slots: list[list[int]] | None,
+    prefix_cache: bool,
+    tensors: dict[str, np.ndarray],
+) -> dict[str, Any]:
+    ctx = row_of(context, i)
+    length = ctx.shape[1]
+    if num_tokens is not None:
+        length = int(num_tokens[0] if len(num_tokens) == 1 else num_tokens[i])
+        if not 0 < length <= ctx.shape[1]:
+            raise GmlxError(f"gmlx: row {i} names {length} tokens of {ctx.shape[1]}")
+    cond = as_f32(ctx[:, :length])
+    row: dict[str, Any] = {"cond": _named(cond, tensors), "num_tokens": length}
+    if ref_latents:
+        row["ref_latents"] = [_named(as_f32(row_of(ref, i)), tensors) for ref in ref_latents]
+    if image_slots:
+        slots = image_slots[0] if len(image_slots) == 1 else image_slots[i]
+        if slots:
+            row["image_slots"] = [int(s) for s in slots]
+    if not prefix_cache:
+        row["prefix_cache"] = False
+    return row
+
+
+def _named(array: np.ndarray, tensors: dict[str, np.ndarray]) -> str:
+    digest = tensor_hash(array)
+    tensors.setdefault(digest, array)
+    return digest
+
+
+def step_timestep(timestep: np.ndarray, batch_size: int) -> np.ndarray:
+    """ComfyUI's timesteps as F32 (B,): one per row, broadcast when ComfyUI gives one."""
+    t = as_f32(np.asarray(timestep).reshape(-1))
+    if t.size == 1 and batch_size > 1:
+        t = np.full(batch_size, t[0], dtype=np.float32)
+    if t.size != batch_size:
+        raise GmlxError(f"gmlx: {t.size} timesteps for a batch of {batch_size}")
+    return t
+
+
+def prefix_cache_enabled(transformer_options: dict[str, Any]) -> bool:
+    """False when ComfyUI's Qwen-Image 2.1 cache option turns the device cache off."""
+    cache = transformer_options.get("qwen_image21_cache")
+    return not (isinstance(cache, dict) and cache.get("device") == "off")
+
+
+@dataclass
+class CallCheck:
+    """What a DiT call asks that the server cannot honour, and the option keys nobody knows."""
+
+    refusals: list[str]
+    unknown_options: list[str]
+    # Words that name the upstream ComfyUI nodes likely to have caused the refusals.
+    suspect_words: list[str] = field(default_factory=list)
+
+
+def check_call(
+    extra_inputs: dict[str, Any],
+    transformer_options: dict[str, Any],
+    *,
+    control: Any = None,
+    guidance_embedder: bool = False,
+    edit_capable: bool = True,
+    default_ref_method: str | None = "index",
+) -> CallCheck:
+    """Collect refusals for one DiT call (CONTRACT §7.5), without raising."""
+    refusals: list[str] = []
+    words: list[str] = []
+    if control is not None:
+        refusals.append("ControlNet (the server runs no control models)")
+        words += ["ControlNet"]
+    for name in ("patches", "patches_replace"):
+        if transformer_options.get(name):
+            kinds = ", ".join(sorted(map(str, transformer_options[name])))
+            refusals.append(f"transformer_options {name} ({kinds}): attention/block patches")
+            words += ["Attention", "Patch", "FreeU", "Perturbed", "SkipLayer", "Block", "Hook"]
+    if transformer_options.get("rope_options"):
+        refusals.append("transformer_options rope_options")
+        words += ["Rope", "RoPE"]
+    wrappers = transformer_options.get("wrappers") or {}
+    if isinstance(wrappers, dict) and any(wrappers.get(DIFFUSION_MODEL_WRAPPER, {}).values()):
+        refusals.append("a diffusion-model wrapper")
+        words += ["Wrapper", "Cache"]
+    for name, value in sorted(extra_inputs.items()):
+        if value is None or name in ACCEPTED_INPUTS:
+            continue
+        if name == "guidance" and not guidance_embedder:
+            continue
+        refusals.append(f"the DiT input {name!r}")
+    if extra_inputs.get("ref_latents") and not edit_capable:
+        refusals.append("reference latents on a model that takes none (edit_capable is false)")
+    method = extra_inputs.get("ref_latents_method")
+    if method is not None and method != default_ref_method:
+        refusals.append(
+            f"reference placement method {method!r} (the DiT's is {default_ref_method!r})"
+        )
+    unknown = sorted(k for k in transformer_options if k not in KNOWN_OPTIONS)
+    return CallCheck(refusals=refusals, unknown_options=unknown, suspect_words=words)
+
+
+def suspects(class_types: list[str], words: list[str]) -> list[str]:
+    """The node classes of a prompt whose names contain any of `words`."""
+    lowered = [w.lower() for w in words]
+    return sorted({c for c in class_types if any(w in c.lower() for w in lowered)})
+
+
+def refusal_text(refusals: list[str], upstream: str = "") -> str:
+    """The error text for a refused call."""
+    what = "; ".join(refusals)
+    return f"gmlx: the remote model cannot honour {what}{upstream}"
