@@ -1,0 +1,193 @@
+"""The `gmlx` command line.
+
+Subcommands are registered in two ways, so another part of the project adds one with one line:
+  * `COMMANDS`: functions `register(subparsers)` that add a parser and `set_defaults(func=...)`,
+    where func(args) -> exit code (`serve` is one);
+  * `DELEGATED`: (words, "module:function", help) for a command whose module parses its own
+    arguments: `function(argv) -> exit code` gets everything after the words. A module that
+    cannot be imported leaves its command out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from . import __version__
+
+log = logging.getLogger("gmlx.server")
+
+DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
+    (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
+]
+
+
+def register_serve(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve the image step routes over HTTP")
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file")
+    parser.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port to listen on (8080)")
+    parser.set_defaults(func=serve)
+
+
+COMMANDS: list[Callable] = [register_serve]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gmlx", description="gmlx image step server")
+    parser.add_argument("--version", action="version", version=f"gmlx {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for register in COMMANDS:
+        register(subparsers)
+    _add_delegated(subparsers)
+    return parser
+
+
+def _add_delegated(subparsers) -> None:
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for words, target, help_text in DELEGATED:
+        if _resolve(target) is None:
+            continue
+        parent = subparsers
+        for depth, word in enumerate(words[:-1]):
+            key = " ".join(words[: depth + 1])
+            if key not in groups:
+                group = parent.add_parser(word, help=f"{word} commands")
+                groups[key] = group.add_subparsers(dest=f"sub_{depth}", metavar="COMMAND")
+                groups[key].required = True
+            parent = groups[key]
+        leaf = parent.add_parser(words[-1], help=help_text, add_help=False)
+        leaf.add_argument("rest", nargs=argparse.REMAINDER)
+        leaf.set_defaults(func=lambda args, target=target: _resolve(target)(args.rest))
+
+
+def _resolve(target: str) -> Callable | None:
+    module_name, _, function = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+# ---------------------------------------------------------------- serve
+
+
+def serve(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+
+    setup_logging()
+    try:
+        config = load_config(args.config, host=args.host, port=args.port)
+        config.check_startable()
+    except ConfigError as exc:
+        print(f"gmlx serve: {exc}", file=sys.stderr)
+        return 2
+    tune_malloc()
+    _fast_blas()  # before anything imports mlx
+
+    from .app import build_context, create_app, make_server
+    from .engine.registry import ModelRegistry
+
+    extra, default = _embedded_default(config.default_model)
+    registry = ModelRegistry(config.model_dirs, default, extra_models=extra)
+    ctx = build_context(config, registry)
+    try:
+        server = make_server(create_app(ctx), config)
+    except OSError as exc:
+        ctx.service.close()
+        print(f"gmlx serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
+        return 1
+    _stop_on_signals()
+    log.info(
+        "gmlx %s serving on http://%s:%s (models: %s; default: %s)",
+        __version__,
+        config.host,
+        server.effective_port,
+        ", ".join(str(d) for d in [*extra, *config.model_dirs]) or "none",
+        default or "none",
+    )
+    try:
+        server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
+    finally:
+        log.info("stopping: ending runs and letting the models go")
+        ctx.service.close()
+        server.close()
+    return 0
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=os.environ.get("GMLX_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _stop_on_signals() -> None:
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def _fast_blas() -> None:
+    try:
+        from .engine.blas import ensure_fast_blas
+    except ImportError:
+        return
+    ensure_fast_blas()
+
+
+def _embedded_default(default_model: str | None) -> tuple[list[Path], str | None]:
+    """With no default_model configured, the embedded default model is the default: its
+    folder joins the registry as an extra model folder. Returns (extra folders, default id)."""
+    if default_model:
+        return [], default_model
+    try:
+        from .engine.families.qwen_image21.embedded import ensure_embedded_model
+    except ImportError:
+        log.warning("no default_model configured and no embedded default model available")
+        return [], None
+    folder = Path(ensure_embedded_model())
+    return [folder], folder.name
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# glibc's largest allowed mmap threshold on 64-bit systems.
+_MMAP_THRESHOLD_BYTES = 32 << 20
+_TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+def tune_malloc() -> bool:
+    """Keep freed megabyte buffers in the process instead of returning them to the OS per
+    request (DESIGN.md: about 1,500 page faults for a 2 MiB step each way otherwise). This is
+    what MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would do at process start, set through
+    mallopt so no re-exec is needed; variables the user set win. glibc only."""
+    if not sys.platform.startswith("linux"):
+        return False
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1 and ok
+    return ok

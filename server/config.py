@@ -1,0 +1,195 @@
+"""The server's configuration: a TOML file, then environment variables, then flags.
+
+File (default ~/.config/gmlx-steps/config.toml):
+
+    [server]
+    host = "127.0.0.1"
+    port = 8080
+    api_key = "..."                 # required for a non-loopback bind
+    model_dirs = ["~/models"]
+    default_model = "qwen-image-2.1"
+    threads = 8
+
+    [server.image]
+    tensor_cache_mb = 64
+    adapter_cache_mb = 256
+    steps_api = true
+    steps_remote = false
+    run_idle_s = 120.0              # a run idle this long is ended
+    run_sweep_s = 5.0               # how often idle runs are looked for
+
+Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
+GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`) override both.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = Path("~/.config/gmlx-steps/config.toml")
+
+
+class ConfigError(ValueError):
+    """A configuration the server cannot start with; the text says what to change."""
+
+
+@dataclass
+class ImageConfig:
+    tensor_cache_mb: int = 64
+    adapter_cache_mb: int = 256
+    steps_api: bool = True
+    steps_remote: bool = False
+    run_idle_s: float = 120.0
+    run_sweep_s: float = 5.0
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    model_dirs: list[Path] = field(default_factory=list)
+    default_model: str | None = None
+    threads: int = 8
+    image: ImageConfig = field(default_factory=ImageConfig)
+    source: Path | None = None  # the file read, if any
+
+    @property
+    def loopback_bind(self) -> bool:
+        return is_loopback_host(self.host)
+
+    def check_startable(self) -> None:
+        """Refuse settings that would expose the server without protection."""
+        if not self.loopback_bind and not self.api_key:
+            raise ConfigError(
+                f"refusing to listen on {self.host!r} without server.api_key: a non-loopback "
+                "bind needs an API key (set [server] api_key or GMLX_API_KEY), or bind 127.0.0.1"
+            )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for names and addresses that only this machine can reach."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    host: str | None = None,
+    port: int | None = None,
+) -> ServerConfig:
+    """Read the file (a missing default file is fine, a missing named file is not), apply the
+    environment, then the flags, and validate the result."""
+    env = os.environ if env is None else env
+    config = ServerConfig()
+    config_path = Path(path).expanduser() if path else DEFAULT_CONFIG_PATH.expanduser()
+    if config_path.is_file():
+        _apply_file(config, config_path)
+    elif path:
+        raise ConfigError(f"config file {config_path} does not exist")
+    _apply_env(config, env)
+    if host is not None:
+        config.host = host
+    if port is not None:
+        config.port = port
+    _validate(config)
+    return config
+
+
+def _apply_file(config: ServerConfig, path: Path) -> None:
+    try:
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    config.source = path
+    server = _table(doc, "server", path)
+    image = _table(server, "image", path)
+    if "host" in server:
+        config.host = _typed(server, "host", str)
+    if "port" in server:
+        config.port = _typed(server, "port", int)
+    if "api_key" in server:
+        config.api_key = _typed(server, "api_key", str) or None
+    if "model_dirs" in server:
+        dirs = server["model_dirs"]
+        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+            raise ConfigError("server.model_dirs must be a list of folder paths")
+        config.model_dirs = [Path(d).expanduser() for d in dirs]
+    if "default_model" in server:
+        config.default_model = _typed(server, "default_model", str) or None
+    if "threads" in server:
+        config.threads = _typed(server, "threads", int)
+    for name in ("tensor_cache_mb", "adapter_cache_mb"):
+        if name in image:
+            setattr(config.image, name, _typed(image, name, int))
+    for name in ("steps_api", "steps_remote"):
+        if name in image:
+            setattr(config.image, name, _typed(image, name, bool))
+    for name in ("run_idle_s", "run_sweep_s"):
+        if name in image:
+            setattr(config.image, name, float(_typed(image, name, (int, float))))
+
+
+def _table(doc: dict, name: str, path: Path) -> dict:
+    value = doc.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: [{name}] must be a table")
+    return value
+
+
+def _typed(table: dict, key: str, kind):
+    value = table[key]
+    # bool is an int in Python; a flag written as `port = true` is still a mistake.
+    if isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"config key {key!r} has the wrong type")
+    if not isinstance(value, kind):
+        raise ConfigError(f"config key {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
+    if env.get("GMLX_HOST"):
+        config.host = env["GMLX_HOST"]
+    if env.get("GMLX_PORT"):
+        try:
+            config.port = int(env["GMLX_PORT"])
+        except ValueError as exc:
+            raise ConfigError(f"GMLX_PORT must be an integer, not {env['GMLX_PORT']!r}") from exc
+    if env.get("GMLX_API_KEY"):
+        config.api_key = env["GMLX_API_KEY"]
+    if env.get("GMLX_MODEL_DIRS"):
+        parts = [p for p in env["GMLX_MODEL_DIRS"].split(os.pathsep) if p]
+        config.model_dirs = [Path(p).expanduser() for p in parts]
+    if env.get("GMLX_DEFAULT_MODEL"):
+        config.default_model = env["GMLX_DEFAULT_MODEL"]
+
+
+def _validate(config: ServerConfig) -> None:
+    if not 0 <= config.port <= 65535:
+        raise ConfigError(f"port {config.port} is outside 0..65535")
+    if config.threads < 2:
+        # One thread could not answer an interrupt while a step is in flight.
+        raise ConfigError("server.threads must be at least 2")
+    image = config.image
+    for name in ("tensor_cache_mb", "adapter_cache_mb"):
+        if getattr(image, name) <= 0:
+            raise ConfigError(f"server.image.{name} must be a positive integer")
+    if image.run_idle_s <= 0 or image.run_sweep_s <= 0:
+        raise ConfigError("server.image.run_idle_s and run_sweep_s must be positive")

@@ -1,0 +1,322 @@
+"""The model registry: which image models exist, which is the default, which are loaded.
+
+A model is a folder holding a diffusers `model_index.json`, found directly under one of the
+configured model dirs (or given as an extra folder, e.g. the embedded default); its id is the
+folder's name. The family is found by asking each family module of `FAMILIES` to `identify` the
+folder; the module's `load(model_dir, model_id)` builds the `ImageModel`.
+
+Loading, unloading and everything a loaded model does happen on the image worker thread; the
+methods that do so say so. Holds (an open run, a step between its checks and its forward) keep
+a model loaded: unloading a held model is refused 409 `busy`, and so is evicting it to make
+room for another, which is answered 503 (load deferred for capacity).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gmlx_contract.errors import ContractError
+
+from .base import EngineInputError, ImageModel
+
+log = logging.getLogger("gmlx.server")
+
+MODEL_INDEX = "model_index.json"
+
+# Family name -> the family module (or its import path, imported on first use). A family module
+# provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
+# of that family) and `load(model_dir, model_id) -> ImageModel`; optionally `describe(model_dir,
+# model_id) -> dict` (the status of a model that is not loaded) and `manifest(model_dir) -> dict`.
+# Tests add their own family here.
+FAMILIES: dict[str, Any] = {
+    "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
+}
+
+
+def family_module(name: str, families: dict[str, Any] | None = None) -> Any | None:
+    """The module of a family, importing it on first use; None when it cannot be imported."""
+    table = FAMILIES if families is None else families
+    module = table.get(name)
+    if isinstance(module, str):
+        try:
+            module = importlib.import_module(module)
+        except ImportError as exc:
+            log.debug("family %s is not available: %s", name, exc)
+            return None
+        table[name] = module
+    return module
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    model_id: str
+    path: Path
+    family: str | None  # None: no family module recognises the folder
+    variant: str | None
+
+
+@dataclass
+class ModelFacts:
+    """What the routes check before running work, read once when the model loads."""
+
+    latent_channels: int
+    latent_stride: int
+    vae_stride: int
+    vae_channels_out: int
+    edit_capable: bool
+    max_refs: int = 10
+    conventions: tuple[str, ...] = ("comfy", "reference")
+    ref_cache: bool = False  # the DiT can extract reference K/V (CONTRACT 3.4)
+    skip_blocks: int = 0  # how many DiT blocks `skip` may name (0: the DiT skips none)
+    flow_map: bool = False  # needs `sample_sigmas`
+
+    @classmethod
+    def of(cls, model: ImageModel, status: dict) -> ModelFacts:
+        latent, vae = status.get("latent", {}), status.get("vae", {})
+        return cls(
+            latent_channels=int(latent.get("channels", 0)),
+            latent_stride=int(latent.get("stride", 1)),
+            vae_stride=int(vae.get("stride", 1)),
+            vae_channels_out=int(vae.get("channels_out", 3)),
+            edit_capable=bool(status.get("edit_capable", False)),
+            max_refs=int(getattr(model, "max_refs", 10)),
+            conventions=tuple(getattr(model, "conventions", ("comfy", "reference"))),
+            ref_cache=bool(getattr(model, "supports_ref_cache", False)),
+            skip_blocks=int(getattr(model, "skip_blocks", 0)),
+            flow_map=bool(getattr(model, "flow_map", False)),
+        )
+
+
+@dataclass
+class LoadedModel:
+    """One loaded instance of a model. Patch tables live here, so a reload forgets them."""
+
+    entry: ModelEntry
+    model: ImageModel
+    generation: int
+    facts: ModelFacts
+    tables: dict[str, Any] = field(default_factory=dict)
+    holds: int = 0
+
+    @property
+    def model_id(self) -> str:
+        return self.entry.model_id
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        model_dirs: Iterable[Path] = (),
+        default_model: str | None = None,
+        extra_models: Iterable[Path] = (),
+        families: dict[str, Any] | None = None,
+        max_resident: int = 1,
+    ) -> None:
+        self.model_dirs = [Path(d).expanduser() for d in model_dirs]
+        self.extra_models = [Path(p).expanduser() for p in extra_models]
+        self.default_model = default_model or None
+        self.families = FAMILIES if families is None else families
+        self.max_resident = max_resident
+        self._lock = threading.RLock()
+        self._loaded: dict[str, LoadedModel] = {}
+        self._generation = 0
+        self._identified: dict[Path, tuple[float, str | None, str | None]] = {}
+
+    # ------------------------------------------------------------ discovery
+
+    def available_families(self) -> list[str]:
+        """The families this server can load: those whose module imports."""
+        return sorted(n for n in list(self.families) if family_module(n, self.families))
+
+    def folders(self) -> dict[str, Path]:
+        """Model id -> folder, first found wins (extra folders first, then the model dirs)."""
+        found: dict[str, Path] = {}
+        for path in self.extra_models:
+            if (path / MODEL_INDEX).is_file():
+                found.setdefault(path.name, path)
+        for root in self.model_dirs:
+            try:
+                children = sorted(root.iterdir())
+            except OSError:
+                continue
+            for child in children:
+                if (child / MODEL_INDEX).is_file():
+                    found.setdefault(child.name, child)
+        return found
+
+    def entries(self) -> list[ModelEntry]:
+        return [self._identify(mid, path) for mid, path in sorted(self.folders().items())]
+
+    def _identify(self, model_id: str, path: Path) -> ModelEntry:
+        try:
+            stamp = (path / MODEL_INDEX).stat().st_mtime
+        except OSError:
+            return ModelEntry(model_id, path, None, None)
+        cached = self._identified.get(path)
+        if cached and cached[0] == stamp:
+            return ModelEntry(model_id, path, cached[1], cached[2])
+        family, variant = None, None
+        for name in list(self.families):
+            module = family_module(name, self.families)
+            if module is None:
+                continue
+            try:
+                found = module.identify(path)
+            except Exception:  # noqa: BLE001 - "not this family" may be said by raising
+                found = None
+            if found:
+                family, variant = found
+                break
+        self._identified[path] = (stamp, family, variant)
+        return ModelEntry(model_id, path, family, variant)
+
+    def default_id(self) -> str | None:
+        return self.default_model
+
+    def resolve(self, model_id: Any) -> ModelEntry:
+        """The entry of a model id ('' or None: the default), or a ContractError with the
+        statuses of CONTRACT 2 for the routes that load on demand (404 unknown or vanished,
+        400 no default / not of a family the server has)."""
+        if model_id is not None and not isinstance(model_id, str):
+            raise ContractError(400, f"model must be a string, not {type(model_id).__name__}")
+        if not model_id:
+            model_id = self.default_model
+            if not model_id:
+                raise ContractError(
+                    400, "no model named and the server has no default model; name one"
+                )
+        path = self.folders().get(model_id)
+        if path is None:
+            raise ContractError(404, f"unknown image model {model_id!r}")
+        entry = self._identify(model_id, path)
+        if entry.family is None:
+            raise ContractError(
+                400,
+                f"model {model_id!r} at {path} is not of a family this server can load "
+                f"({', '.join(self.available_families()) or 'none'})",
+            )
+        return entry
+
+    # ------------------------------------------------------------ resident state
+
+    def loaded(self, model_id: str) -> LoadedModel | None:
+        with self._lock:
+            return self._loaded.get(model_id)
+
+    def resident_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._loaded)
+
+    def holds(self, model_id: str) -> int:
+        with self._lock:
+            loaded = self._loaded.get(model_id)
+            return loaded.holds if loaded else 0
+
+    def release(self, loaded: LoadedModel) -> None:
+        with self._lock:
+            loaded.holds = max(0, loaded.holds - 1)
+
+    # ------------------------------------------------------------ worker-thread work
+
+    def acquire(self, model_id: Any) -> LoadedModel:
+        """Worker thread: resolve, load if needed, and take a hold (release it with `release`)."""
+        entry = self.resolve(model_id)
+        with self._lock:
+            loaded = self._loaded.get(entry.model_id)
+            if loaded is not None and loaded.entry.path == entry.path:
+                loaded.holds += 1
+                return loaded
+        loaded = self._load(entry)
+        with self._lock:
+            loaded.holds += 1
+        return loaded
+
+    def _load(self, entry: ModelEntry) -> LoadedModel:
+        self._make_room(entry.model_id)
+        module = family_module(entry.family, self.families)
+        if module is None:
+            raise ContractError(400, f"family {entry.family!r} is not available in this server")
+        if not (entry.path / MODEL_INDEX).is_file():
+            raise ContractError(404, f"model {entry.model_id!r} has vanished from {entry.path}")
+        try:
+            model = module.load(entry.path, entry.model_id)
+        except FileNotFoundError as exc:
+            raise ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}") from exc
+        except (EngineInputError, ValueError, KeyError) as exc:
+            raise ContractError(
+                400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
+            ) from exc
+        try:
+            facts = ModelFacts.of(model, model.status())
+        except Exception:
+            model.close()
+            raise
+        with self._lock:
+            self._generation += 1
+            loaded = LoadedModel(entry, model, self._generation, facts)
+            self._loaded[entry.model_id] = loaded
+        log.info("loaded model %s (%s %s)", entry.model_id, entry.family, entry.variant)
+        return loaded
+
+    def _make_room(self, model_id: str) -> None:
+        with self._lock:
+            others = [m for m in self._loaded.values() if m.model_id != model_id]
+            stale = self._loaded.get(model_id)
+        if stale is not None:  # the folder moved: the old instance goes
+            self._drop(stale)
+        excess = len(others) + 1 - self.max_resident
+        for loaded in sorted(others, key=lambda m: m.holds)[: max(0, excess)]:
+            if loaded.holds:
+                raise ContractError(
+                    503,
+                    f"cannot load {model_id!r} now: model {loaded.model_id!r} is held by "
+                    f"{loaded.holds} run(s) or step(s); retry after they end",
+                )
+            self._drop(loaded)
+
+    def unload(self, model_id: str) -> bool:
+        """Worker thread: unload a model; False when it was not loaded; 409 busy when held."""
+        with self._lock:
+            loaded = self._loaded.get(model_id)
+            if loaded is None:
+                return False
+            if loaded.holds:
+                raise ContractError(
+                    409,
+                    f"model {model_id!r} is in use by {loaded.holds} run(s) or step(s); end "
+                    "them first",
+                    code="busy",
+                    in_flight=loaded.holds,
+                )
+        self._drop(loaded)
+        return True
+
+    def unload_all(self) -> None:
+        """Worker thread: let every model go, held or not (shutdown)."""
+        with self._lock:
+            everything = list(self._loaded.values())
+        for loaded in everything:
+            self._drop(loaded)
+
+    def _drop(self, loaded: LoadedModel) -> None:
+        with self._lock:
+            if self._loaded.get(loaded.model_id) is loaded:
+                del self._loaded[loaded.model_id]
+        loaded.tables.clear()
+        try:
+            loaded.model.close()
+        except Exception:  # noqa: BLE001 - a failing close must not keep the slot
+            log.exception("closing model %s failed", loaded.model_id)
+        log.info("unloaded model %s", loaded.model_id)
+
+
+def read_model_index(model_dir: Path) -> dict:
+    """The parsed model_index.json of a folder (a helper for family `identify` functions)."""
+    return json.loads((Path(model_dir) / MODEL_INDEX).read_text(encoding="utf-8"))
