@@ -1,0 +1,301 @@
+"""The Falcon app: front gates, error shapes, the routes; and serving it on Waitress.
+
+Order of checks on a request (CONTRACT 1.2, 1.9, 4):
+  1. host guard (loopback bind: non-loopback peers and Host headers)    403 nested
+  2. API key (every path but /health)                                    401 nested
+  3. step gate (non-loopback or unknown peer without steps_remote)      403 flat
+  4. size gate (Content-Length against the limit, before reading)       413 nested
+  5. JSON gate (a non-container body must be JSON)                       400 nested
+  6. contract version header (every step route but capabilities)        400 flat
+  7. the route's own checks                                              flat
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from http import HTTPStatus
+from typing import Any
+
+import falcon
+from gmlx_contract import version, wire
+from gmlx_contract.errors import ContractError
+
+from .config import ServerConfig, is_loopback_host
+from .engine.registry import ModelRegistry
+from .routes import encode, models, runs, step, uploads, vae
+from .routes.common import PREFIX, Resource, ServerContext
+from .service import StepsService
+from .worker import ImageWorker
+
+log = logging.getLogger("gmlx.server")
+HEALTH_PATH = "/health"
+
+
+class GateError(Exception):
+    """A refusal of the front middleware, answered in the nested shape
+    {"error": {"type": ..., "message": ...}} (CONTRACT 1.9)."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+def nested_body(kind: str, message: str) -> bytes:
+    return json.dumps({"error": {"type": kind, "message": message}}).encode("utf-8")
+
+
+def flat_body(body: dict) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+def peer_is_loopback(peer: str | None) -> bool:
+    """Loopback IPv4, IPv6 or IPv4-mapped loopback; an unknown peer is not."""
+    if not peer:
+        return False
+    try:
+        address = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def host_header_name(host: str | None) -> str:
+    """The name part of a Host header ("[::1]:8080" -> "::1", "localhost:80" -> "localhost")."""
+    host = (host or "").strip()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host[1:]
+    if host.count(":") == 1:
+        return host.split(":", 1)[0]
+    return host
+
+
+class FrontGate:
+    """Access, size and JSON checks, before routing; also the request log line."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.key = config.api_key.encode("utf-8") if config.api_key else None
+
+    def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
+        req.context.started = time.perf_counter()
+        peer = req.env.get("REMOTE_ADDR")
+        req.context.peer = peer
+        if self.config.loopback_bind:
+            self._host_guard(req, peer)
+        if self.key is not None and req.path != HEALTH_PATH:
+            self._check_key(req)
+        if req.path.startswith(PREFIX + "/") and self.config.image.steps_api:
+            self._step_gate(peer)
+        req.context.body = self._read_body(req)
+        req.context.gate_passed = time.perf_counter()
+
+    def _host_guard(self, req: falcon.Request, peer: str | None) -> None:
+        if not peer_is_loopback(peer):
+            raise GateError(
+                403,
+                "permission_error",
+                f"this server listens on loopback only and refuses peer {peer or 'unknown'}",
+            )
+        name = host_header_name(req.get_header("Host"))
+        if name and not is_loopback_host(name):
+            raise GateError(
+                403,
+                "permission_error",
+                f"Host {name!r} is not a loopback name; this server answers localhost only",
+            )
+
+    def _check_key(self, req: falcon.Request) -> None:
+        sent = None
+        auth = req.get_header("Authorization") or ""
+        if auth[:7].lower() == "bearer ":
+            sent = auth[7:].strip()
+        if sent is None:
+            sent = req.get_header("X-Api-Key")
+        if sent is None or not hmac.compare_digest(sent.encode("utf-8"), self.key):
+            raise GateError(
+                401,
+                "authentication_error",
+                "a valid API key is required: send Authorization: Bearer <key> or x-api-key",
+            )
+
+    def _step_gate(self, peer: str | None) -> None:
+        if self.config.image.steps_remote or peer_is_loopback(peer):
+            return
+        raise ContractError(
+            403,
+            f"the image step routes serve loopback peers only; peer {peer or 'unknown'} is "
+            "refused. Set server.image.steps_remote = true to serve other peers (with the API "
+            "key), or run the client on the server's machine",
+        )
+
+    def _read_body(self, req: falcon.Request) -> bytes:
+        container = wire.is_container_type(req.content_type)
+        limit = wire.MAX_CONTAINER_BYTES if container else wire.MAX_JSON_BYTES
+        length = req.content_length
+        if length is not None and length > limit:
+            raise GateError(
+                413,
+                "request_too_large",
+                f"request body of {length} bytes is over the limit of {limit} bytes",
+            )
+        body = req.bounded_stream.read(limit + 1) if length is None else req.bounded_stream.read()
+        if len(body) > limit:
+            raise GateError(
+                413, "request_too_large", f"request body is over the limit of {limit} bytes"
+            )
+        req.context.json_parsed = False
+        if body and not container and body.strip():
+            try:
+                req.context.json = json.loads(body)
+            except (ValueError, RecursionError):
+                raise GateError(
+                    400,
+                    "invalid_request_error",
+                    "the request body is not JSON (tensor bodies need Content-Type "
+                    f"{wire.CONTAINER_TYPE})",
+                ) from None
+            req.context.json_parsed = True
+        return body
+
+    def process_resource(self, req, resp, resource: Any, params: dict) -> None:
+        if getattr(resource, "versioned", False):
+            version.check_request_version(req.get_header(version.HEADER))
+
+    def process_response(self, req, resp, resource, req_succeeded: bool) -> None:
+        started = getattr(req.context, "started", None)
+        ms = (time.perf_counter() - started) * 1000.0 if started else 0.0
+        log.info("%s %s %s %.1f ms", req.method, req.path, resp.status_code, ms)
+
+
+# ---------------------------------------------------------------- error shapes
+
+
+def _in_steps(req: falcon.Request) -> bool:
+    return req.path.startswith(PREFIX + "/")
+
+
+def handle_contract_error(req, resp, exc: ContractError, params) -> None:
+    resp.status = exc.status
+    resp.content_type = "application/json"
+    resp.data = flat_body(exc.body)
+
+
+def handle_gate_error(req, resp, exc: GateError, params) -> None:
+    resp.status = exc.status
+    resp.content_type = "application/json"
+    resp.data = nested_body(exc.kind, exc.message)
+
+
+def handle_http_error(req, resp, exc: falcon.HTTPError, params) -> None:
+    """Falcon's own refusals (no route, method not allowed, ...) in the nested shape."""
+    resp.status = exc.status
+    resp.content_type = "application/json"
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "error")
+    resp.data = nested_body(kind, HTTPStatus(exc.status_code).phrase)
+    for name, value in (exc.headers or {}).items():
+        resp.set_header(name, value)
+
+
+def handle_value_error(req, resp, exc: ValueError, params) -> None:
+    """A value error anywhere in a step route's work is the client's: 400 with its text."""
+    if not _in_steps(req):
+        handle_unexpected(req, resp, exc, params)
+        return
+    resp.status = 400
+    resp.content_type = "application/json"
+    resp.data = flat_body({"error": str(exc) or type(exc).__name__})
+
+
+def handle_unexpected(req, resp, exc: Exception, params) -> None:
+    log.exception("%s %s failed", req.method, req.path, exc_info=exc)
+    resp.status = 500
+    resp.content_type = "application/json"
+    if _in_steps(req):
+        template = req.uri_template or req.path
+        text = f"internal error in {req.method} {template}: {type(exc).__name__}"
+        resp.data = flat_body({"error": text})
+    else:
+        resp.data = nested_body("server_error", f"internal error: {type(exc).__name__}")
+
+
+# ---------------------------------------------------------------- the app
+
+
+def create_app(ctx: ServerContext) -> falcon.App:
+    app = falcon.App(middleware=[FrontGate(ctx.config)])
+    app.req_options.strip_url_path_trailing_slash = False
+    app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(ValueError, handle_value_error)
+    app.add_error_handler(falcon.HTTPError, handle_http_error)
+    app.add_error_handler(ContractError, handle_contract_error)
+    app.add_error_handler(GateError, handle_gate_error)
+    app.add_route(HEALTH_PATH, models.Health(ctx))
+    if ctx.config.image.steps_api:
+        for path, resource in step_routes(ctx):
+            app.add_route(PREFIX + "/" + path, resource)
+    return app
+
+
+def step_routes(ctx: ServerContext) -> list[tuple[str, Resource]]:
+    return [
+        ("capabilities", models.Capabilities(ctx)),
+        ("models", models.Models(ctx)),
+        ("models/{model}/status", models.ModelStatus(ctx)),
+        ("models/{model}/manifest", models.ModelManifest(ctx)),
+        ("models/load", models.LoadModel(ctx)),
+        ("models/unload", models.UnloadModel(ctx)),
+        ("encode", encode.Encode(ctx)),
+        ("tensors/{digest}", uploads.CachedUpload(ctx, "tensors")),
+        ("adapters/register", uploads.RegisterAdapters(ctx)),
+        ("adapters/{digest}", uploads.CachedUpload(ctx, "adapters")),
+        ("patch-tables/{digest}", uploads.PatchTables(ctx)),
+        ("step", step.Step(ctx)),
+        ("vae/decode", vae.VaeDecode(ctx)),
+        ("vae/encode", vae.VaeEncode(ctx)),
+        ("runs/begin", runs.BeginRun(ctx)),
+        ("runs/{run}/end", runs.EndRun(ctx)),
+        ("interrupt", runs.Interrupt(ctx)),
+    ]
+
+
+def build_context(config: ServerConfig, registry: ModelRegistry) -> ServerContext:
+    """The registry, a started worker and service, ready for `create_app`."""
+    service = StepsService(registry, ImageWorker(), config.image)
+    service.start()
+    return ServerContext(config=config, registry=registry, service=service)
+
+
+# ---------------------------------------------------------------- Waitress
+
+# Step bodies reach megabytes: 16 rows of 64x128x128 float32 latents are 64 MiB each way. Bodies
+# below these thresholds stay in memory instead of spilling to temporary files.
+BUFFER_BYTES = 96 * (1 << 20)
+RECV_BYTES = 256 * 1024
+
+
+def waitress_options(config: ServerConfig) -> dict:
+    return {
+        "threads": config.threads,
+        "inbuf_overflow": BUFFER_BYTES,
+        "outbuf_overflow": BUFFER_BYTES,
+        "outbuf_high_watermark": 2 * BUFFER_BYTES,
+        "recv_bytes": RECV_BYTES,
+        # Waitress refuses larger bodies itself, before reading them; ours answer 413 in JSON.
+        "max_request_body_size": wire.MAX_CONTAINER_BYTES,
+        "channel_timeout": 300,
+        "ident": "gmlx",
+        "clear_untrusted_proxy_headers": True,
+    }
+
+
+def make_server(app: falcon.App, config: ServerConfig, port: int | None = None):
+    """A Waitress server for the app (port 0: an ephemeral port, see `.effective_port`)."""
+    from waitress.server import create_server
+
+    port = config.port if port is None else port
+    return create_server(app, host=config.host, port=port, **waitress_options(config))

@@ -1,0 +1,155 @@
+"""What every step route shares: reading bodies, writing answers, small checks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import falcon
+from gmlx_contract import wire
+from gmlx_contract.errors import ContractError
+from gmlx_contract.hashing import is_digest
+
+from ..config import ServerConfig
+from ..engine.registry import ModelRegistry
+from ..service import StepsService
+
+PREFIX = "/internal/image-steps/v1"
+JSON_TYPE = "application/json"
+
+
+@dataclass
+class ServerContext:
+    """What the resources need: the configuration, the registry and the steps service."""
+
+    config: ServerConfig
+    registry: ModelRegistry
+    service: StepsService
+
+
+class Resource:
+    """Base of the step resources. `versioned` resources need the contract header."""
+
+    versioned = True
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+
+    @property
+    def service(self) -> StepsService:
+        return self.ctx.service
+
+    @property
+    def registry(self) -> ModelRegistry:
+        return self.ctx.registry
+
+
+# ---------------------------------------------------------------- answers
+
+
+def send_json(resp: falcon.Response, doc: Any, status: int = 200) -> None:
+    resp.status = status
+    resp.content_type = JSON_TYPE
+    resp.data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def send_container(resp: falcon.Response, body: bytes) -> None:
+    resp.status = 200
+    resp.content_type = wire.CONTAINER_TYPE
+    resp.data = body
+
+
+def send_empty(resp: falcon.Response, status: int) -> None:
+    resp.status = status
+    resp.data = b""
+
+
+# ---------------------------------------------------------------- request bodies
+
+
+def body_bytes(req: falcon.Request) -> bytes:
+    """The request body, read once by the front gate (which checked its size first)."""
+    return req.context.body
+
+
+def json_body(req: falcon.Request) -> dict:
+    """A JSON route's body: empty reads as {}, anything but a JSON object is refused 400."""
+    doc = raw_json_body(req)
+    if not isinstance(doc, dict):
+        raise ContractError(400, f"the request body must be a JSON object, not {_kind(doc)}")
+    return doc
+
+
+def raw_json_body(req: falcon.Request) -> Any:
+    """The parsed JSON document whatever its kind (patch tables check the object rule later);
+    an empty body reads as {}."""
+    if getattr(req.context, "json_parsed", False):
+        return req.context.json
+    body = body_bytes(req)
+    if not body.strip():
+        return {}
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        raise ContractError(400, "the request body is not JSON") from None
+
+
+def is_container_request(req: falcon.Request) -> bool:
+    return wire.is_container_type(req.get_header("Content-Type"))
+
+
+def container_body(req: falcon.Request, limit: int = wire.MAX_CONTAINER_BYTES) -> wire.Container:
+    """A tensor route's body: 415 for another content type, 413 over the limit, 400 malformed."""
+    if not is_container_request(req):
+        raise ContractError(
+            415,
+            f"send the tensors as Content-Type {wire.CONTAINER_TYPE}, not "
+            f"{req.get_header('Content-Type') or 'none'}",
+        )
+    body = body_bytes(req)
+    wire.check_body_size(len(body), limit)
+    return wire.read_container(body)
+
+
+def _kind(doc: Any) -> str:
+    return {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(
+        type(doc), "a number"
+    )
+
+
+# ---------------------------------------------------------------- small checks
+
+
+def check_digest(digest: str, what: str = "digest") -> str:
+    if not is_digest(digest):
+        raise ContractError(400, f"{what} {digest!r} must be 64 lowercase hexadecimal characters")
+    return digest
+
+
+def flag(fields: dict, name: str, default: bool) -> bool:
+    value = fields.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ContractError(400, f"{name} must be true or false")
+    return value
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_pixels(width: int, height: int, what: str) -> None:
+    """The pixel limits of steps and VAE passes (CONTRACT 1.5): 413 over them."""
+    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
+        raise ContractError(
+            413,
+            f"{what} of {width}x{height} pixels is over the limit of {wire.MAX_PIXELS} pixels "
+            f"(2048x2048) or {wire.MAX_SIDE} pixels a side",
+        )
+
+
+def model_field(fields: dict) -> Any:
+    """The `model` member of a request ('' and absent both mean the default)."""
+    return fields.get("model") or None

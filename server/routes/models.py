@@ -1,0 +1,143 @@
+"""Health, capabilities and the model routes (CONTRACT 2.1-2.5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import falcon
+from gmlx_contract import version, wire
+from gmlx_contract.errors import ContractError
+
+from .. import __version__
+from ..engine.registry import ModelEntry, family_module
+from .common import Resource, json_body, model_field, send_json
+
+# Features every family of this server provides (CONTRACT 5.4); a family module may publish its
+# own `FEATURES` instead. `ref_cache` and `skip_blocks` are listed only by families that have them.
+BASE_FEATURES = ("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae")
+FEATURE_ORDER = ("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae", "ref_cache", "skip_blocks")
+CONVENTIONS = ["comfy", "reference"]
+
+
+class Health(Resource):
+    versioned = False
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        send_json(resp, {"status": "ok", "gmlx_version": __version__})
+
+
+class Capabilities(Resource):
+    versioned = False
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        send_json(resp, self.document())
+
+    def document(self) -> dict:
+        families = self.registry.available_families()
+        return {
+            "contract": _version_object(version.CONTRACT_VERSION),
+            "min_client": _version_object(version.MIN_CLIENT),
+            "gmlx_version": __version__,
+            "wire": {"container": "safetensors", "dtypes": list(wire.CAPABILITY_DTYPES)},
+            "families": families,
+            "conventions": CONVENTIONS,
+            "patch_kinds": ["lora"],
+            "features": self._features(families),
+            "limits": {
+                "max_tensor_bytes": self.service.tensors.limit,
+                "max_adapter_bytes": self.service.adapters.limit,
+                "max_rows": wire.MAX_ROWS,
+                "max_runs": wire.MAX_RUNS,
+            },
+        }
+
+    def _features(self, families: list[str]) -> list[str]:
+        found: set[str] = set()
+        for name in families:
+            module = family_module(name, self.registry.families)
+            found.update(getattr(module, "FEATURES", BASE_FEATURES))
+        return [f for f in FEATURE_ORDER if f in found]
+
+
+def _version_object(v: tuple[int, int]) -> dict:
+    return {"major": v[0], "minor": v[1]}
+
+
+class Models(Resource):
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        resident = set(self.registry.resident_ids())
+        models = [_listing(entry, entry.model_id in resident) for entry in self.registry.entries()]
+        send_json(resp, {"models": models, "default_model": self.registry.default_id()})
+
+
+def _listing(entry: ModelEntry, resident: bool) -> dict:
+    if entry.family is None:
+        return {"model": entry.model_id, "family": None}
+    return {
+        "model": entry.model_id,
+        "family": entry.family,
+        "variant": entry.variant,
+        "resident": resident,
+    }
+
+
+def resolve_or_404(registry, model_id: Any) -> ModelEntry:
+    """status, manifest, load and unload answer every resolution failure 404 (CONTRACT 2)."""
+    try:
+        return registry.resolve(model_id)
+    except ContractError as exc:
+        raise ContractError(404, exc.message) from None
+
+
+class ModelStatus(Resource):
+    def on_get(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
+        entry = resolve_or_404(self.registry, model)
+        loaded = self.registry.loaded(entry.model_id)
+        module = family_module(entry.family, self.registry.families)
+        if loaded is None and hasattr(module, "describe"):
+            body = self.service.worker.call(module.describe, entry.path, entry.model_id)
+        else:
+            # No way to describe it unloaded: load it (it then stays resident).
+            loaded = self.service.acquire(entry.model_id)
+            try:
+                body = self.service.on_model(loaded, lambda m: m.status())
+            finally:
+                self.service.release(loaded)
+        head = {
+            "model": entry.model_id,
+            "family": entry.family,
+            "variant": entry.variant,
+            "resident": self.registry.loaded(entry.model_id) is not None,
+        }
+        send_json(resp, {**body, **head})
+
+
+class ModelManifest(Resource):
+    def on_get(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
+        entry = resolve_or_404(self.registry, model)
+        loaded = self.registry.loaded(entry.model_id)
+        module = family_module(entry.family, self.registry.families)
+        if loaded is None and hasattr(module, "manifest"):
+            body = self.service.worker.call(module.manifest, entry.path)
+        else:
+            loaded = self.service.acquire(entry.model_id)
+            try:
+                body = self.service.on_model(loaded, lambda m: m.manifest())
+            finally:
+                self.service.release(loaded)
+        send_json(resp, {"model": entry.model_id, **body})
+
+
+class LoadModel(Resource):
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        entry = resolve_or_404(self.registry, model_field(json_body(req)))
+        loaded = self.service.acquire(entry.model_id)
+        self.service.release(loaded)
+        send_json(resp, {"model": entry.model_id, "resident": True})
+
+
+class UnloadModel(Resource):
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        entry = resolve_or_404(self.registry, model_field(json_body(req)))
+        unloaded = self.service.worker.call(self.registry.unload, entry.model_id)
+        send_json(resp, {"model": entry.model_id, "unloaded": bool(unloaded)})
