@@ -107,6 +107,29 @@ def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return x * cos + rotate_half(x) * sin
 
 
+# Attention runs over at most this many query rows at a time, so that where MLX materialises the
+# scores (its CPU backend) they stay bounded: ten 1024x1024 references make ~10k text-encoder rows.
+QUERY_CHUNK = 1024
+
+
+def chunked_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool
+) -> mx.array:
+    """Scaled dot-product attention over (B, H, L, D), query rows in chunks. A causal chunk of
+    rows [start, end) sees keys [0, end): MLX aligns its causal mask to the last key."""
+    length = q.shape[2]
+    outputs = []
+    for start in range(0, length, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, length)
+        keys, values = (k[:, :, :end], v[:, :, :end]) if causal else (k, v)
+        outputs.append(
+            mx.fast.scaled_dot_product_attention(
+                q[:, :, start:end], keys, values, scale=scale, mask="causal" if causal else None
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
+
+
 def inverse_frequencies(theta: float, dim: int) -> np.ndarray:
     """1 / theta^(2i/dim) in float32, computed the way transformers does."""
     exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
@@ -146,7 +169,7 @@ class TextAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(shape)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(shape).transpose(0, 2, 1, 3)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal")
+        out = chunked_attention(q, k, v, self.scale, causal=True)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
@@ -231,9 +254,7 @@ class VisionAttention(nn.Module):
         qkv = self.qkv(x).reshape(length, 3, self.num_heads, self.head_dim).transpose(1, 2, 0, 3)
         q, k, v = qkv[0], qkv[1], qkv[2]  # (heads, N, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = mx.fast.scaled_dot_product_attention(
-            q[None], k[None], v[None], scale=self.head_dim**-0.5
-        )
+        out = chunked_attention(q[None], k[None], v[None], self.head_dim**-0.5, causal=False)
         return self.proj(out[0].transpose(1, 0, 2).reshape(length, -1))
 
 
