@@ -15,11 +15,16 @@ Noise is `numpy.random.default_rng(seed).standard_normal(shape, dtype=float32)` 
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
+from gmlx_contract.hashing import tensor_hash
+
+from .base import EncodeResult, StepRow
 
 SAMPLERS = ("euler",)
 
@@ -152,3 +157,208 @@ def _step_indices(count: int, progress: bool):
     from tqdm import tqdm
 
     return tqdm(range(count), desc="sampling", unit="step")
+
+
+# ---------------------------------------------------------------- one image, any transport
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """What one sampled image asks for. `cfg`/`steps` None: the variant's own settings."""
+
+    prompt: str
+    width: int
+    height: int
+    seed: int = 0
+    steps: int | None = None
+    cfg: float | None = None
+    negative: str | None = None
+    images: tuple[np.ndarray, ...] = ()  # reference images, uint8 (H, W, 3 or 4)
+    sampler: str = "euler"
+
+
+@dataclass
+class ImageTimings:
+    """Seconds per phase of one image (the bench's per-run record is built from these)."""
+
+    encode_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+    decode_s: float = 0.0
+    image_s: float = 0.0
+
+
+class Transport(Protocol):
+    """How a sampling reaches the model: in process (`DirectTransport`) or over the step routes
+    (the bench's via-steps transport). Encoding and decoding always run in process."""
+
+    def encode(self, text: str, images: Sequence[np.ndarray]) -> EncodeResult: ...
+
+    def row(self, encoding: EncodeResult) -> Any: ...
+
+    def begin(self) -> None: ...
+
+    def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray: ...
+
+    def end(self) -> None: ...
+
+    def decode(self, latents: np.ndarray) -> np.ndarray: ...
+
+
+def guidance_scale(request: ImageRequest, sampling_row: dict | None) -> float:
+    if request.cfg is not None:
+        return float(request.cfg)
+    return float((sampling_row or {}).get("cfg") or 1.0)
+
+
+def generate(
+    transport: Transport,
+    status: dict,
+    request: ImageRequest,
+    *,
+    progress: bool = False,
+) -> tuple[np.ndarray, ImageTimings]:
+    """Encode, sample and leave the final latents (1, C, h, w) in model space; with timings.
+
+    With guidance (cfg != 1) the negative prompt (empty when not given) is encoded too and both
+    rows go in one step call. Decoding is the caller's (`transport.decode`), so a bench can time
+    it and a test can compare latents.
+    """
+    timings = ImageTimings()
+    started = time.perf_counter()
+    latent = status["latent"]
+    stride = int(latent["stride"]) * int(latent.get("patch", 1))
+    check_image_size(request.width, request.height, stride)
+    sigmas = resolve_sigmas(
+        status.get("sampling"),
+        request.steps,
+        request.width,
+        request.height,
+        pixels_per_token=stride,
+    )
+    cfg = guidance_scale(request, status.get("sampling"))
+
+    begin = time.perf_counter()
+    cond = transport.row(transport.encode(request.prompt, request.images))
+    uncond = None
+    if cfg != 1.0:
+        uncond = transport.row(transport.encode(request.negative or "", request.images))
+    timings.encode_s = time.perf_counter() - begin
+
+    noise = initial_noise(
+        request.seed,
+        int(latent["channels"]),
+        request.height // int(latent["stride"]),
+        request.width // int(latent["stride"]),
+    )
+    last = [time.perf_counter()]
+
+    def on_step(i: int, x: np.ndarray) -> None:
+        now = time.perf_counter()
+        timings.step_s.append(now - last[0])
+        last[0] = now
+
+    transport.begin()
+    try:
+        latents = sample(
+            transport.step,
+            noise,
+            sigmas,
+            Guidance(cond, uncond, cfg),
+            sampler=request.sampler,
+            progress=progress,
+            on_step=on_step,
+        )
+    finally:
+        transport.end()
+    timings.image_s = time.perf_counter() - started
+    return latents, timings
+
+
+def check_image_size(width: int, height: int, stride: int) -> None:
+    """Sides must be positive multiples of the latent stride (the model has no padding)."""
+    for name, side in (("width", width), ("height", height)):
+        if side < stride or side % stride:
+            raise ValueError(f"{name} {side} must be a positive multiple of {stride}")
+
+
+# ---------------------------------------------------------------- the direct transport
+
+
+def direct_row(encoding: EncodeResult, prefix_cache: bool = True) -> StepRow:
+    """The StepRow the step route builds for `{"cond": hash, "num_tokens": L, "ref_latents":
+    [...], "image_slots": [...]}` naming these tensors: same arrays, same cache keys."""
+    cond = np.asarray(encoding.cond, dtype=np.float32)
+    refs = tuple(np.asarray(r, dtype=np.float32) for r in encoding.ref_latents)
+    return StepRow(
+        cond=np.ascontiguousarray(cond.reshape(cond.shape[-2:])),
+        cond_key=f"wire:{tensor_hash(cond)}",
+        ref_latents=tuple(np.ascontiguousarray(r.reshape(r.shape[-3:])) for r in refs),
+        ref_keys=tuple(tensor_hash(r) for r in refs),
+        image_slots=tuple(encoding.image_slots[: len(refs)]),
+        prefix_cache=prefix_cache,
+    )
+
+
+def _inline(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+class DirectTransport:
+    """Sampling in process: `denoise_step` of the loaded model, called through `call` (the image
+    worker's `call` in a server, plain calls in the CLI), under convention `reference` and a
+    run id of its own, exactly as the step route calls it."""
+
+    convention = "reference"
+
+    def __init__(self, model: Any, call: Callable[..., Any] = _inline, run_id: str | None = None):
+        self.model = model
+        self.call = call
+        self.run_id = run_id or "direct-" + secrets.token_hex(8)
+
+    def encode(self, text: str, images: Sequence[np.ndarray]) -> EncodeResult:
+        return self.call(self.model.encode, text, list(images), True)
+
+    def row(self, encoding: EncodeResult) -> StepRow:
+        return direct_row(encoding)
+
+    def begin(self) -> None:
+        pass
+
+    def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray:
+        result = self.call(
+            self.model.denoise_step,
+            x,
+            timestep,
+            list(rows),
+            convention=self.convention,
+            run=self.run_id,
+            table=None,
+        )
+        return result.out
+
+    def end(self) -> None:
+        self.call(self.model.end_run, self.run_id)
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        return self.call(decode_latents, self.model, latents)
+
+
+def decode_latents(model: Any, latents: np.ndarray) -> np.ndarray:
+    """Final latents (1, C, h, w) in model space -> RGB (H, W, 3) float32 in [0, 1].
+
+    The VAE routes take the VAE's own latent space unless the family's status says
+    `vae.space: "model"`; otherwise the family's VAE maps model space back (Qwen-Image 2.1:
+    latents x std + mean). Runs on the image worker.
+    """
+    latents = np.asarray(latents, dtype=np.float32)[0]
+    if model.status().get("vae", {}).get("space") != "model":
+        import mlx.core as mx
+
+        vae_space = model.vae.from_model_space(mx.array(latents)[None])[0]
+        latents = np.array(vae_space.astype(mx.float32))
+    return model.vae_decode(latents, False)
+
+
+def to_uint8(image: np.ndarray) -> np.ndarray:
+    """[0, 1] float pixels -> uint8, rounding to nearest."""
+    return np.clip(np.rint(np.asarray(image, dtype=np.float32) * 255.0), 0, 255).astype(np.uint8)

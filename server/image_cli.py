@@ -1,0 +1,635 @@
+"""`gmlx image sample` and `gmlx image bench`: sample in process, and time the step routes.
+
+sample   encode the prompt (and references), sample with the in-process sampler, decode, write a
+         PNG. With no model named or configured it uses the embedded default model.
+bench    time whole images and print the record of CONTRACT.md 6 (schema gmlx.image.bench/1).
+         With --via-steps it serves the step routes on an ephemeral 127.0.0.1 port of its own
+         process and drives them with the shared StepClient, one request per step; the last
+         timed run's latents are compared with a direct run's (`equal_to_direct`).
+
+Both commands call the same `denoise_step` through `gmlx_server.engine.sampling`, so a sample
+and a bench at the same seed reach the same latents bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .engine.sampling import (
+    DirectTransport,
+    ImageRequest,
+    ImageTimings,
+    generate,
+    to_uint8,
+)
+
+SCHEMA = "gmlx.image.bench/1"
+EXIT_USAGE = 2
+
+
+# ---------------------------------------------------------------- process setup
+
+
+def prepare_process() -> None:
+    """What `gmlx serve` does first: keep megabyte buffers in the allocator and give MLX an
+    optimised BLAS (which must happen before mlx is imported)."""
+    from .cli import _fast_blas, tune_malloc
+
+    tune_malloc()
+    _fast_blas()
+
+
+# ---------------------------------------------------------------- choosing and loading a model
+
+
+@dataclass
+class ModelChoice:
+    """A registry that knows the chosen model, and the chosen model's id."""
+
+    registry: Any
+    model_id: str
+    prepare_s: float  # finding the folder (and generating the embedded default on first use)
+
+
+def choose_model(model: str | None, config_path: Path | None = None) -> ModelChoice:
+    """A folder (holding model_index.json), a model id of the configuration, or, with neither,
+    the configured default model or else the embedded default."""
+    from .cli import _embedded_default
+    from .config import load_config
+    from .engine.registry import MODEL_INDEX, ModelRegistry
+
+    started = time.perf_counter()
+    if model and (Path(model).expanduser() / MODEL_INDEX).is_file():
+        folder = Path(model).expanduser().resolve()
+        registry = ModelRegistry(extra_models=[folder], default_model=folder.name)
+        return ModelChoice(registry, folder.name, time.perf_counter() - started)
+    config = load_config(config_path)
+    extra, default = _embedded_default(model or config.default_model)
+    registry = ModelRegistry(config.model_dirs, default, extra_models=extra)
+    model_id = model or default
+    if not model_id:
+        raise ValueError("no model named, none configured and no embedded default available")
+    return ModelChoice(registry, model_id, time.perf_counter() - started)
+
+
+@contextmanager
+def loading_bar(model_id: str):
+    """A progress bar over the two loading stages (folder, weights)."""
+    from tqdm import tqdm
+
+    with tqdm(total=2, desc=f"loading {model_id}", unit="stage", leave=False) as bar:
+        yield bar
+
+
+# ---------------------------------------------------------------- gmlx image sample
+
+
+def sample_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gmlx image sample", description="Sample one image in process and write a PNG."
+    )
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--negative", default=None, help="negative prompt (with --cfg above 1)")
+    parser.add_argument(
+        "--ref",
+        action="append",
+        default=[],
+        metavar="IMAGE",
+        help="reference image for an edit (repeatable)",
+    )
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=None, help="default: the model's own")
+    parser.add_argument("--cfg", type=float, default=None, help="default: the model's own")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampler", default="euler", choices=["euler"])
+    parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model id or folder (default: configured, else the embedded default)",
+    )
+    parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
+    return parser
+
+
+def sample_main(argv: Sequence[str] | None = None) -> int:
+    args = sample_parser().parse_args(argv)
+    prepare_process()
+    try:
+        images = tuple(read_image(path) for path in args.ref)
+    except (OSError, ValueError) as exc:
+        print(f"gmlx image sample: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    request = ImageRequest(
+        prompt=args.prompt,
+        negative=args.negative,
+        images=images,
+        width=args.width,
+        height=args.height,
+        steps=args.steps,
+        cfg=args.cfg,
+        seed=args.seed,
+        sampler=args.sampler,
+    )
+    try:
+        choice = choose_model(args.model, args.config)
+        with loading_bar(choice.model_id) as bar:
+            bar.update()
+            loaded = choice.registry.acquire(choice.model_id)
+            bar.update()
+        transport = DirectTransport(loaded.model)
+        latents, timings = generate(transport, loaded.model.status(), request, progress=True)
+        pixels = transport.decode(latents)
+    except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
+        if os.environ.get("GMLX_DEBUG"):
+            raise
+        print(f"gmlx image sample: {_message(exc)}", file=sys.stderr)
+        return 1
+    write_png(pixels, args.out)
+    print(
+        f"wrote {args.out} ({request.width}x{request.height}, {len(timings.step_s)} steps, "
+        f"seed {request.seed}, model {choice.model_id})"
+    )
+    return 0
+
+
+def _message(exc: Exception) -> str:
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return body["error"]
+    return str(exc) or type(exc).__name__
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """An image file as uint8 (H, W, 3 or 4), EXIF orientation applied."""
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as image:
+        image = ImageOps.exif_transpose(image)
+        if image.mode not in ("RGB", "RGBA"):
+            image = image.convert("RGBA" if "A" in image.getbands() else "RGB")
+        return np.asarray(image, dtype=np.uint8).copy()
+
+
+def write_png(pixels: np.ndarray, path: Path) -> None:
+    from PIL import Image
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(to_uint8(pixels)).save(path, format="PNG")
+
+
+# ---------------------------------------------------------------- the loopback server
+
+
+class LoopbackServer:
+    """A WSGI app on Waitress on an ephemeral 127.0.0.1 port, served by a thread of this process."""
+
+    def __init__(self, app: Any, options: dict | None = None) -> None:
+        from waitress.server import create_server
+
+        options = dict(options or {})
+        options.update(host="127.0.0.1", port=0)
+        self.server = create_server(app, **options)
+        self.base_url = f"http://127.0.0.1:{self.server.effective_port}"
+        self._thread = threading.Thread(target=self.server.run, name="gmlx-loopback", daemon=True)
+
+    def __enter__(self) -> LoopbackServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        # Closing every channel empties Waitress' socket map, which ends its loop.
+        for channel in list(self.server._map.values()):
+            try:
+                channel.close()
+            except OSError:
+                pass
+        self.server.task_dispatcher.shutdown()
+        self._thread.join(timeout=10)
+
+
+class StepServer:
+    """The server's own app (registry, worker, service, step routes) for one model, on a
+    loopback port of this process: what `gmlx image bench --via-steps` drives."""
+
+    def __init__(self, choice: ModelChoice) -> None:
+        from .app import build_context, create_app, waitress_options
+        from .config import ServerConfig
+
+        self.choice = choice
+        self.config = ServerConfig(host="127.0.0.1", port=0, default_model=choice.model_id)
+        self.ctx = build_context(self.config, choice.registry)
+        self.http = LoopbackServer(create_app(self.ctx), waitress_options(self.config))
+        self.loaded = None
+
+    @property
+    def base_url(self) -> str:
+        return self.http.base_url
+
+    @property
+    def service(self):
+        return self.ctx.service
+
+    def __enter__(self) -> StepServer:
+        self.http.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.loaded is not None:
+            self.service.release(self.loaded)
+        self.http.close()
+        self.service.close()
+
+    def load(self):
+        """Load (and hold) the model on the worker: the loaded instance the routes use."""
+        self.loaded = self.service.acquire(self.choice.model_id)
+        return self.loaded
+
+    def direct(self) -> DirectTransport:
+        """The in-process transport on the same loaded model, through the same worker."""
+        return DirectTransport(self.loaded.model, call=self.service.worker.call)
+
+
+class ViaStepsTransport:
+    """Sampling through the step routes (CONTRACT.md 6): encode and decode in process, the
+    conditionings uploaded by hash (HEAD, then PUT), rows `{"cond": hash, "num_tokens": L}`,
+    a run, one step request per step under convention `reference`."""
+
+    convention = "reference"
+
+    def __init__(self, client: Any, direct: DirectTransport, model_id: str) -> None:
+        self.client = client
+        self.direct = direct
+        self.model_id = model_id
+        self.run: str | None = None
+        self.transport_ms: list[float] = []
+        self.uploads: dict[str, np.ndarray] = {}
+
+    def encode(self, text: str, images: Sequence[np.ndarray]):
+        return self.direct.encode(text, images)
+
+    def row(self, encoding) -> dict:
+        cond = np.ascontiguousarray(encoding.cond, dtype=np.float32)
+        row: dict[str, Any] = {"cond": self._upload(cond), "num_tokens": int(cond.shape[-2])}
+        if encoding.ref_latents:
+            refs = [np.ascontiguousarray(r, dtype=np.float32) for r in encoding.ref_latents]
+            row["ref_latents"] = [self._upload(r) for r in refs]
+            row["image_slots"] = list(encoding.image_slots[: len(refs)])
+        return row
+
+    def _upload(self, array: np.ndarray) -> str:
+        from gmlx_contract.hashing import tensor_hash
+
+        digest = tensor_hash(array)
+        self.uploads[digest] = array
+        if not self.client.has_tensor(digest):
+            self.client.put_tensor(array)
+        return digest
+
+    def begin(self) -> None:
+        self.run = self.client.begin_run(self.model_id)
+
+    def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray:
+        answer = self.client.step(
+            x,
+            timestep,
+            list(rows),
+            model=self.model_id,
+            run=self.run,
+            convention=self.convention,
+            uploads=self.uploads,
+        )
+        self.transport_ms.append(answer.wall_ms - (answer.forward_ms or 0.0))
+        return answer.out
+
+    def end(self) -> None:
+        if self.run is not None:
+            self.client.end_run(self.run)
+            self.run = None
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        return self.direct.decode(latents)
+
+
+# ---------------------------------------------------------------- gmlx image bench
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gmlx image bench",
+        description="Time whole images in process, or through the step routes (--via-steps).",
+    )
+    parser.add_argument(
+        "--via-steps",
+        action="store_true",
+        help="serve the step routes on a loopback port and sample through them",
+    )
+    parser.add_argument("--json", action="store_true", help="print the JSON record")
+    parser.add_argument("--json-out", type=Path, default=None, help="write the JSON record here")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=None, help="default: the model's own")
+    parser.add_argument("--cfg", type=float, default=None, help="default: the model's own")
+    parser.add_argument("--runs", type=int, default=2, help="timed runs")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up runs (not counted)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampler", default="euler", choices=["euler"])
+    parser.add_argument("--prompt", default="a lighthouse on a cliff at dusk, oil painting")
+    parser.add_argument("--negative", default=None)
+    parser.add_argument("--label", default=None)
+    parser.add_argument("--model", default=None, help="model id or folder")
+    parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
+    parser.add_argument("--ref", action="append", default=[], metavar="IMAGE")
+    parser.add_argument("--adapter", action="append", default=[], metavar="LORA")
+    return parser
+
+
+def bench_main(argv: Sequence[str] | None = None) -> int:
+    args = bench_parser().parse_args(argv)
+    if args.via_steps and (args.ref or args.adapter):
+        print("gmlx image bench: --ref and --adapter are refused with --via-steps", file=sys.stderr)
+        return EXIT_USAGE
+    if args.adapter:
+        print(
+            "gmlx image bench: --adapter is not supported by the in-process sampler yet",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    if args.runs < 1 or args.warmup < 0:
+        print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
+        return EXIT_USAGE
+    prepare_process()
+    request = ImageRequest(
+        prompt=args.prompt,
+        negative=args.negative,
+        images=tuple(read_image(path) for path in args.ref),
+        width=args.width,
+        height=args.height,
+        steps=args.steps,
+        cfg=args.cfg,
+        seed=args.seed,
+        sampler=args.sampler,
+    )
+    try:
+        choice = choose_model(args.model, args.config)
+        record = run_bench(choice, request, args.runs, args.warmup, args.via_steps, args.label)
+    except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
+        if os.environ.get("GMLX_DEBUG"):
+            raise
+        print(f"gmlx image bench: {_message(exc)}", file=sys.stderr)
+        return 1
+    text = json.dumps(record, indent=2)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print(summary_text(record))
+    return 0
+
+
+@dataclass
+class BenchRun:
+    timings: ImageTimings
+    decode_s: float
+    peak_bytes: int
+    latents: np.ndarray
+    transport_ms: list[float] = field(default_factory=list)
+
+    def record(self, via_steps: bool) -> dict:
+        doc = {
+            "encode_s": round(self.timings.encode_s, 6),
+            "step_s": [round(s, 6) for s in self.timings.step_s],
+            "decode_s": round(self.decode_s, 6),
+            "image_s": round(self.timings.image_s + self.decode_s, 6),
+            "peak_bytes": self.peak_bytes,
+        }
+        if via_steps:
+            doc["transport_ms"] = [round(ms, 3) for ms in self.transport_ms]
+        return doc
+
+
+def run_bench(
+    choice: ModelChoice,
+    request: ImageRequest,
+    runs: int,
+    warmup: int,
+    via_steps: bool,
+    label: str | None = None,
+) -> dict:
+    """The bench record of CONTRACT.md 6 for one size."""
+    from gmlx_contract.client import StepClient
+
+    with StepServer(choice) as server:
+        started = time.perf_counter()
+        loaded = server.load()
+        weights_s = time.perf_counter() - started
+        status = loaded.model.status()
+        direct = server.direct()
+        timed: list[BenchRun] = []
+        client = StepClient(server.base_url) if via_steps else None
+        try:
+            for i in range(warmup + runs):
+                if via_steps:
+                    server.service.tensors.clear()  # each run uploads its conditionings
+                    client.forget_known()
+                    transport = ViaStepsTransport(client, direct, choice.model_id)
+                else:
+                    transport = direct
+                run = one_image(transport, status, request)
+                if i >= warmup:
+                    timed.append(run)
+            equal = None
+            if via_steps:
+                reference = one_image(direct, status, request)
+                equal = bool(np.array_equal(timed[-1].latents, reference.latents, equal_nan=True))
+        finally:
+            if client is not None:
+                client.close()
+    load_s = {"prepare": round(choice.prepare_s, 6), "weights": round(weights_s, 6)}
+    load_s["total"] = round(choice.prepare_s + weights_s, 6)
+    return bench_record(choice, loaded, status, request, timed, load_s, via_steps, equal, label)
+
+
+def one_image(transport: Any, status: dict, request: ImageRequest) -> BenchRun:
+    import mlx.core as mx
+
+    mx.reset_peak_memory()
+    latents, timings = generate(transport, status, request)
+    started = time.perf_counter()
+    transport.decode(latents)
+    decode_s = time.perf_counter() - started
+    return BenchRun(
+        timings=timings,
+        decode_s=decode_s,
+        peak_bytes=int(mx.get_peak_memory()),
+        latents=latents,
+        transport_ms=list(getattr(transport, "transport_ms", [])),
+    )
+
+
+def bench_record(
+    choice: ModelChoice,
+    loaded: Any,
+    status: dict,
+    request: ImageRequest,
+    runs: list[BenchRun],
+    load_s: dict,
+    via_steps: bool,
+    equal_to_direct: bool | None,
+    label: str | None,
+) -> dict:
+    import mlx.core as mx
+
+    steps_per_run = [run.timings.step_s for run in runs]
+    all_steps = [s for steps in steps_per_run for s in steps]
+    sampling = status.get("sampling") or {}
+    settings = {
+        "width": request.width,
+        "height": request.height,
+        "steps": len(steps_per_run[0]),
+        "sampler": request.sampler,
+        "scheduler": None,
+        "guidance": float(request.cfg if request.cfg is not None else sampling.get("cfg") or 1.0),
+        "batch": 1,
+        "adapters": [],
+        "seed": request.seed,
+        "prompt": request.prompt,
+    }
+    if request.images and not via_steps:
+        settings["refs"] = [list(image.shape) for image in request.images]
+    if via_steps:
+        transport_all = [ms for run in runs for ms in run.transport_ms]
+        transport = {
+            "mode": "steps",
+            "overhead_ms_median": round(statistics.median(transport_all), 3),
+            "equal_to_direct": equal_to_direct,
+        }
+    else:
+        transport = {"mode": "direct", "overhead_ms_median": None}
+    return {
+        "schema": SCHEMA,
+        "gmlx_version": __version__,
+        "mlx_version": mx.__version__,
+        "label": label,
+        "machine": machine(),
+        "model": model_record(loaded, status),
+        "settings": settings,
+        "runs": [run.record(via_steps) for run in runs],
+        "summary": {
+            "load_s": load_s,
+            "encode_s": round(statistics.median(r.timings.encode_s for r in runs), 6),
+            "s_per_step": {
+                "first": round(statistics.median(steps[0] for steps in steps_per_run), 6),
+                "median": round(statistics.median(all_steps), 6),
+                "mean": round(statistics.fmean(all_steps), 6),
+            },
+            "decode_s": round(statistics.median(r.decode_s for r in runs), 6),
+            "s_per_image": round(
+                statistics.median(r.timings.image_s + r.decode_s for r in runs), 6
+            ),
+            "peak_bytes": max(r.peak_bytes for r in runs),
+        },
+        "transport": transport,
+    }
+
+
+def model_record(loaded: Any, status: dict) -> dict:
+    folder = Path(loaded.entry.path)
+    memory = status.get("memory", {})
+    dtypes = sorted({t["dtype"] for t in loaded.model.manifest().get("tensors", [])})
+    return {
+        "id": loaded.model_id,
+        "family": loaded.entry.family,
+        "variant": loaded.entry.variant,
+        "dit": {
+            "file": str(folder / "transformer"),
+            "bytes": int(memory.get("dit_bytes", 0)),
+            "quant": "+".join(dtypes) or None,
+        },
+        "encoder": {
+            "file": str(folder / "text_encoder"),
+            "bytes": int(memory.get("encoder_bytes", 0)),
+            "shared": False,
+        },
+        "vae": {
+            "file": str(folder / "vae"),
+            "bytes": int(memory.get("vae_bytes", 0)),
+            "dtype": "f32",
+        },
+    }
+
+
+def machine() -> dict:
+    return {"chip": chip_name(), "ram_bytes": ram_bytes(), "os": platform.platform()}
+
+
+def chip_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def summary_text(record: dict) -> str:
+    s, t = record["summary"], record["transport"]
+    settings = record["settings"]
+    lines = [
+        f"{record['model']['id']} {settings['width']}x{settings['height']}, "
+        f"{settings['steps']} steps, cfg {settings['guidance']}, {record['machine']['chip']}",
+        f"  load {s['load_s']['total']:.2f} s, encode {s['encode_s']:.3f} s, "
+        f"step median {s['s_per_step']['median'] * 1000:.1f} ms (first "
+        f"{s['s_per_step']['first'] * 1000:.1f} ms), decode {s['decode_s']:.3f} s, "
+        f"image {s['s_per_image']:.2f} s",
+    ]
+    if t["mode"] == "steps":
+        lines.append(
+            f"  via steps: transport {t['overhead_ms_median']:.2f} ms per step (median), "
+            f"equal_to_direct {t['equal_to_direct']}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`gmlx image sample ...` / `gmlx image bench ...` when run as a module."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"sample": sample_main, "bench": bench_main}
+    if not argv or argv[0] not in commands:
+        print("usage: gmlx image {sample,bench} ...", file=sys.stderr)
+        return EXIT_USAGE
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
