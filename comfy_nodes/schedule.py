@@ -45,15 +45,16 @@ def flux2_sigmas(steps: int, tokens: int) -> np.ndarray:
 
 def _torch_linspace(start: float, end: float, count: int) -> np.ndarray:
     """torch.linspace in float32, bit for bit: the first half steps up from `start`, the second
-    half steps down from `end` (that is how torch's CPU kernel fills it)."""
+    half steps down from `end`, each value one fused multiply-add (torch's vectorised CPU
+    kernel); a float32 product is exact in float64, so float64 then one rounding is that FMA."""
     if count == 1:
         return np.array([start], dtype=np.float32)
-    step = (_f32(end) - _f32(start)) / _f32(count - 1)
-    index = np.arange(count)
+    step = np.float64((_f32(end) - _f32(start)) / _f32(count - 1))
+    index = np.arange(count, dtype=np.float64)
     half = count // 2
     out = np.empty(count, dtype=np.float32)
-    out[:half] = _f32(start) + step * index[:half].astype(np.float32)
-    out[half:] = _f32(end) - step * (count - 1 - index[half:]).astype(np.float32)
+    out[:half] = (np.float64(_f32(start)) + step * index[:half]).astype(np.float32)
+    out[half:] = (np.float64(_f32(end)) - step * (count - 1 - index[half:])).astype(np.float32)
     return out
 
 

@@ -1,0 +1,38 @@
+"""Calls on a worker thread with the cancel flag polled (CONTRACT §7.8)."""
+
+import threading
+import time
+
+import pytest
+from gmlx_comfy.interrupts import Cancelled, call_interruptible
+
+
+def test_result_and_error_come_back():
+    assert call_interruptible(lambda: 42, lambda: False, lambda: None) == 42
+
+    def fail():
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        call_interruptible(fail, lambda: False, lambda: None)
+
+
+def test_cancel_is_seen_within_a_poll_and_calls_on_cancel():
+    release = threading.Event()
+    flag = {"cancel": False, "sent": 0}
+    threading.Timer(0.2, lambda: flag.update(cancel=True)).start()
+    lock = threading.Lock()
+    start = time.monotonic()
+    with pytest.raises(Cancelled):
+        call_interruptible(
+            release.wait,
+            lambda: flag["cancel"],
+            lambda: flag.update(sent=flag["sent"] + 1),
+            lock=lock,
+            poll_s=0.05,
+        )
+    assert time.monotonic() - start < 1.0 and flag["sent"] == 1
+    # the abandoned call still holds the connection lock until it ends
+    assert lock.locked()
+    release.set()
+    assert lock.acquire(timeout=2.0)

@@ -1,0 +1,142 @@
+"""Step rows from ComfyUI's DiT call (CONTRACT §7.5) and the refusals by name."""
+
+import numpy as np
+import pytest
+from gmlx_comfy.errors import GmlxError
+from gmlx_comfy.request import (
+    build_rows,
+    check_call,
+    prefix_cache_enabled,
+    refusal_text,
+    step_timestep,
+    suspects,
+)
+from gmlx_contract.hashing import tensor_hash
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def test_cond_and_uncond_rows_name_their_unpadded_conditioning():
+    rng = _rng()
+    cond = rng.standard_normal((1, 7, 16), dtype=np.float32)
+    uncond = rng.standard_normal((1, 3, 16), dtype=np.float32)
+    # GmlxCrossAttn pads uncond to 7 rows with zeros when ComfyUI batches the two
+    padded = np.concatenate([cond, np.pad(uncond, ((0, 0), (0, 4), (0, 0)))])
+    out = build_rows(2, padded, num_tokens=[7, 3])
+    assert [r["num_tokens"] for r in out.rows] == [7, 3]
+    assert out.rows[0]["cond"] == tensor_hash(cond)
+    assert out.rows[1]["cond"] == tensor_hash(uncond)  # the hash `encode` answered
+    assert set(out.tensors) == {tensor_hash(cond), tensor_hash(uncond)}
+    np.testing.assert_array_equal(out.tensors[out.rows[1]["cond"]], uncond)
+
+
+def test_context_of_batch_one_is_broadcast_and_uploaded_once():
+    ctx = _rng(1).standard_normal((1, 5, 8), dtype=np.float32)
+    out = build_rows(3, ctx)
+    assert len(out.rows) == 3 and len({r["cond"] for r in out.rows}) == 1
+    assert len(out.tensors) == 1 and out.rows[0]["num_tokens"] == 5
+
+
+def test_reference_latents_and_slots_per_row():
+    rng = _rng(2)
+    ctx = rng.standard_normal((2, 4, 8), dtype=np.float32)
+    ref_a = rng.standard_normal((2, 16, 4, 4), dtype=np.float32)  # batch 2: row i takes i
+    ref_b = rng.standard_normal((1, 16, 2, 2), dtype=np.float32)  # batch 1: every row takes 0
+    out = build_rows(2, ctx, ref_latents=[ref_a, ref_b], image_slots=[[1, 3], [0, 2]])
+    assert out.rows[0]["ref_latents"] == [tensor_hash(ref_a[0:1]), tensor_hash(ref_b)]
+    assert out.rows[1]["ref_latents"] == [tensor_hash(ref_a[1:2]), tensor_hash(ref_b)]
+    assert out.rows[0]["image_slots"] == [1, 3] and out.rows[1]["image_slots"] == [0, 2]
+    assert "prefix_cache" not in out.rows[0]
+
+
+def test_rows_without_references_carry_no_reference_members():
+    out = build_rows(1, np.zeros((1, 2, 4), np.float32), prefix_cache=False)
+    assert out.rows == [
+        {
+            "cond": tensor_hash(np.zeros((1, 2, 4), np.float32)),
+            "num_tokens": 2,
+            "prefix_cache": False,
+        }
+    ]
+
+
+def test_row_tensors_are_float32_even_from_float16():
+    ctx = _rng(3).standard_normal((1, 3, 4)).astype(np.float16)
+    out = build_rows(1, ctx)
+    (array,) = out.tensors.values()
+    assert array.dtype == np.float32 and out.rows[0]["cond"] == tensor_hash(ctx.astype(np.float32))
+
+
+def test_mismatched_batches_and_token_counts_are_refused():
+    with pytest.raises(GmlxError, match="batch"):
+        build_rows(3, np.zeros((2, 4, 8), np.float32))
+    with pytest.raises(GmlxError, match="tokens"):
+        build_rows(1, np.zeros((1, 4, 8), np.float32), num_tokens=[5])
+
+
+def test_timestep_broadcast_and_count():
+    np.testing.assert_array_equal(step_timestep(np.array([0.5]), 3), np.full(3, 0.5, np.float32))
+    assert step_timestep(np.array([0.5, 0.25], np.float64), 2).dtype == np.float32
+    with pytest.raises(GmlxError):
+        step_timestep(np.array([0.5, 0.25]), 3)
+
+
+def test_prefix_cache_option():
+    assert prefix_cache_enabled({})
+    assert not prefix_cache_enabled({"qwen_image21_cache": {"device": "off"}})
+    assert prefix_cache_enabled({"qwen_image21_cache": {"device": "auto"}})
+
+
+def test_plain_call_passes():
+    check = check_call(
+        {"num_tokens": [3], "image_slots": None, "ref_latents": None},
+        {"cond_or_uncond": [0, 1], "sigmas": 1.0, "wrappers": {"apply_model": {}}},
+    )
+    assert check.refusals == [] and check.unknown_options == []
+
+
+def test_refusals_are_named():
+    check = check_call(
+        {"ref_latents": [1], "ref_latents_method": "offset", "y": 1, "guidance": 3.5},
+        {
+            "patches": {"attn1_patch": [print]},
+            "patches_replace": {"dit": {}},
+            "rope_options": {"scale_x": 2},
+            "wrappers": {"diffusion_model": {"teacache": [print]}},
+            "my_custom_key": 1,
+        },
+        control=object(),
+        edit_capable=False,
+        default_ref_method="index",
+    )
+    text = refusal_text(check.refusals, " (from node ControlNetApply)")
+    for word in (
+        "ControlNet",
+        "patches (attn1_patch)",
+        "patches_replace",
+        "rope_options",
+        "diffusion-model wrapper",
+        "'y'",
+        "edit_capable",
+        "'offset'",
+        "from node ControlNetApply",
+    ):
+        assert word in text
+    assert text.startswith("gmlx:")
+    assert check.unknown_options == ["my_custom_key"]
+    assert "'guidance'" not in text  # ignored where the DiT has no guidance embedder
+    assert "'guidance'" in refusal_text(
+        check_call({"guidance": 3.5}, {}, guidance_embedder=True).refusals
+    )
+
+
+def test_empty_patch_dicts_are_not_refusals():
+    assert check_call({}, {"patches": {}, "patches_replace": {}}).refusals == []
+
+
+def test_suspects_name_matching_nodes():
+    classes = ["KSampler", "ControlNetApplyAdvanced", "PerturbedAttentionGuidance"]
+    assert suspects(classes, ["ControlNet"]) == ["ControlNetApplyAdvanced"]
+    assert suspects(classes, ["attention"]) == ["PerturbedAttentionGuidance"]
