@@ -26,6 +26,8 @@ log = logging.getLogger("gmlx.server")
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
+    (("image", "sample"), "gmlx_server.image_cli:sample_main", "sample one image to a PNG"),
+    (("image", "bench"), "gmlx_server.image_cli:bench_main", "time images (direct or via steps)"),
 ]
 
 
