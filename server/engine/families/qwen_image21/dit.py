@@ -17,6 +17,7 @@ and mask comes from the host-side `PrefixLayout`, so `mx.compile` can trace them
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -242,6 +243,10 @@ class QwenImage21DiT:
         self.dtype = dtype
         self._time_freqs = time_frequencies()
         self._zero_time = mx.zeros((1,), mx.float32)
+        # The target pass runs every step: compiled, its elementwise work (RoPE, norms,
+        # modulation, gates) fuses. GMLX_DIT_COMPILE=0 runs it eagerly.
+        self.compiled = os.environ.get("GMLX_DIT_COMPILE", "1") != "0"
+        self._compiled_target = mx.compile(self._target_pass)
 
     @classmethod
     def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> QwenImage21DiT:
@@ -255,16 +260,15 @@ class QwenImage21DiT:
 
     # -- shared pieces --------------------------------------------------------------------
 
-    def time_embedding(self, sigma: mx.array) -> mx.array:
+    def time_embedding(self, w: dict, sigma: mx.array) -> mx.array:
         """(B,) sigma in [0, 1] -> (B, inner): sinusoid of 1000 sigma (cos first), then the MLP."""
         args = (TIME_FACTOR * sigma.astype(mx.float32))[:, None] * self._time_freqs[None, :]
         embedding = mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1).astype(self.dtype)
-        w = self.weights
         return linear(silu(linear(embedding, w["time_1"])), w["time_2"])
 
-    def modulation(self, temb: mx.array) -> list[mx.array]:
+    def modulation(self, w: dict, temb: mx.array) -> list[mx.array]:
         """Shared by every block: [scale1, gate1, scale2, gate2], each (B, 1, inner)."""
-        params = linear(silu(temb), self.weights["modulation"])[:, None, :]
+        params = linear(silu(temb), w["modulation"])[:, None, :]
         return mx.split(params, 4, axis=-1)
 
     def text_in(self, text: mx.array) -> mx.array:
@@ -308,7 +312,8 @@ class QwenImage21DiT:
         x = self._prefix_tokens(layout, text, refs)
         table, target_frame = layout.positions
         cos, sin = rope_tables(table, self.config.axes_dims_rope)
-        scale1, gate1, scale2, gate2 = self.modulation(self.time_embedding(self._zero_time))
+        zero_time = self.time_embedding(self.weights, self._zero_time)
+        scale1, gate1, scale2, gate2 = self.modulation(self.weights, zero_time)
         gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
         eps, keys, values = self.config.eps, [], []
         blocks = self.weights["blocks"]
@@ -361,36 +366,48 @@ class QwenImage21DiT:
         """Model output (B, h*w, out_channels) for target tokens x (B, h*w, C) at sigma (B,),
         row b attending to its own prefix state `states[b]` (lengths may differ)."""
         cos, sin = self._target_rope(states, h, w)
-        temb = self.time_embedding(sigma)
-        scale1, gate1, scale2, gate2 = self.modulation(temb)
+        keys = [state.keys for state in states]
+        values = [state.values for state in states]
+        target_pass = self._compiled_target if self.compiled else self._target_pass
+        return target_pass(self.weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
+
+    def _target_pass(self, w: dict, x, sigma, cos, sin, keys, values) -> mx.array:
+        """The target pass as a pure function of arrays (weights included), so `mx.compile`
+        traces it once per shape and fuses its elementwise work."""
+        temb = self.time_embedding(w, sigma)
+        scale1, gate1, scale2, gate2 = self.modulation(w, temb)
         gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
         eps = self.config.eps
-        hidden = linear(x.astype(self.dtype), self.weights["img_in"])
-        for index, block in enumerate(self.weights["blocks"]):
+        hidden = linear(x, w["img_in"])
+        for index, block in enumerate(w["blocks"]):
             q, k, v = self.qkv(block, layer_norm(hidden, eps) * (1 + scale1), cos, sin)
-            attended = self._target_attention(index, states, q, k, v)
+            prefix = [
+                (row_keys[index], row_values[index])
+                for row_keys, row_values in zip(keys, values, strict=True)
+            ]
+            attended = self._target_attention(prefix, q, k, v)
             hidden = hidden + gate1 * self.attention_out(block, attended)
             hidden = hidden + gate2 * self.mlp(block, layer_norm(hidden, eps) * (1 + scale2))
-        out_scale = linear(silu(temb), self.weights["norm_out"])[:, None, :]
+        out_scale = linear(silu(temb), w["norm_out"])[:, None, :]
         hidden = layer_norm(hidden, eps) * (1 + out_scale)
-        return linear(hidden, self.weights["proj_out"])
+        return linear(hidden, w["proj_out"])
 
     def _target_rope(self, states: list[PrefixState], h: int, w: int):
-        """(B, N, 1, D/2) tables; rows differ only by their frame position."""
+        """(B or 1, N, 1, D/2) tables; rows differ only by their frame position."""
         frames = [state.target_frame for state in states]
         tables = [rope_tables(image_positions(f, h, w), self.config.axes_dims_rope) for f in frames]
         if len(set(frames)) == 1:
             return tables[0][0][None], tables[0][1][None]
         return mx.stack([c for c, _ in tables]), mx.stack([s for _, s in tables])
 
-    def _target_attention(self, index: int, states: list[PrefixState], q, k, v) -> mx.array:
+    def _target_attention(self, prefix: list[tuple[mx.array, mx.array]], q, k, v) -> mx.array:
         """Target queries see the whole prefix and the whole target block: no mask. Each row
         attends over its own [prefix, target] keys, so rows of different prefix lengths batch
         exactly, with no padding."""
         outputs = []
-        for row, state in enumerate(states):
-            keys = mx.concatenate([state.keys[index], k[row : row + 1]], axis=2)
-            values = mx.concatenate([state.values[index], v[row : row + 1]], axis=2)
+        for row, (prefix_keys, prefix_values) in enumerate(prefix):
+            keys = mx.concatenate([prefix_keys, k[row : row + 1]], axis=2)
+            values = mx.concatenate([prefix_values, v[row : row + 1]], axis=2)
             outputs.append(
                 mx.fast.scaled_dot_product_attention(
                     q[row : row + 1], keys, values, scale=self.scale
