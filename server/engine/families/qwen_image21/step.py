@@ -226,7 +226,8 @@ def _states_for(dit, cache: PrefixCache, plans: list[RowPlan], run: str | None):
             if plan.cache:
                 built[plan.key] = state
         states.append(state)
-    # store after evaluation is scheduled by the caller; pin every state the run used
+    # New states go in still lazy (the caller evaluates them with the output); every state a
+    # row used is pinned to the run, so it lives until the run ends.
     for key, state in built.items():
         cache.put(key, state, run)
     for plan in plans:
