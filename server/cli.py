@@ -26,8 +26,6 @@ log = logging.getLogger("gmlx.server")
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
-    (("image", "sample"), "gmlx_server.image_cli:sample_main", "sample one image to a PNG"),
-    (("image", "bench"), "gmlx_server.image_cli:bench_main", "time images (direct or via steps)"),
 ]
 
 
@@ -39,7 +37,13 @@ def register_serve(subparsers) -> None:
     parser.set_defaults(func=serve)
 
 
-COMMANDS: list[Callable] = [register_serve]
+def register_image(subparsers) -> None:
+    from .image_cli import register  # `gmlx image sample` and `gmlx image bench`
+
+    register(subparsers)
+
+
+COMMANDS: list[Callable] = [register_serve, register_image]
 
 
 def build_parser() -> argparse.ArgumentParser:

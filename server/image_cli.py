@@ -99,9 +99,28 @@ def loading_bar(model_id: str):
 # ---------------------------------------------------------------- gmlx image sample
 
 
-def sample_parser() -> argparse.ArgumentParser:
+SAMPLE_HELP = "sample one image in process and write a PNG"
+BENCH_HELP = "time whole images in process, or through the step routes (--via-steps)"
+
+
+def register(subparsers) -> None:
+    """Add `image sample` and `image bench` to the `gmlx` command line (server/cli.py)."""
+    image = subparsers.add_parser("image", help="sample and bench images")
+    commands = image.add_subparsers(dest="image_command", metavar="COMMAND")
+    commands.required = True
+    sample = commands.add_parser(
+        "sample", help=SAMPLE_HELP, description=SAMPLE_HELP, parents=[sample_parser(False)]
+    )
+    sample.set_defaults(func=run_sample)
+    bench = commands.add_parser(
+        "bench", help=BENCH_HELP, description=BENCH_HELP, parents=[bench_parser(False)]
+    )
+    bench.set_defaults(func=run_bench_command)
+
+
+def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gmlx image sample", description="Sample one image in process and write a PNG."
+        prog="gmlx image sample", description=SAMPLE_HELP, add_help=add_help
     )
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--negative", default=None, help="negative prompt (with --cfg above 1)")
@@ -129,7 +148,10 @@ def sample_parser() -> argparse.ArgumentParser:
 
 
 def sample_main(argv: Sequence[str] | None = None) -> int:
-    args = sample_parser().parse_args(argv)
+    return run_sample(sample_parser().parse_args(argv))
+
+
+def run_sample(args: argparse.Namespace) -> int:
     prepare_process()
     try:
         images = tuple(read_image(path) for path in args.ref)
@@ -218,14 +240,20 @@ class LoopbackServer:
         self.close()
 
     def close(self) -> None:
-        # Closing every channel empties Waitress' socket map, which ends its loop.
-        for channel in list(self.server._map.values()):
+        if not self._thread.is_alive():
+            return
+        # Close every dispatcher from Waitress' own loop thread (closing a socket under its
+        # select() from here fails it); an empty socket map ends the loop.
+        self.server.trigger.pull_trigger(self._close_all)
+        self._thread.join(timeout=10)
+        self.server.task_dispatcher.shutdown()
+
+    def _close_all(self) -> None:
+        for dispatcher in list(self.server._map.values()):
             try:
-                channel.close()
+                dispatcher.close()
             except OSError:
                 pass
-        self.server.task_dispatcher.shutdown()
-        self._thread.join(timeout=10)
 
 
 class StepServer:
@@ -334,10 +362,9 @@ class ViaStepsTransport:
 # ---------------------------------------------------------------- gmlx image bench
 
 
-def bench_parser() -> argparse.ArgumentParser:
+def bench_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gmlx image bench",
-        description="Time whole images in process, or through the step routes (--via-steps).",
+        prog="gmlx image bench", description=BENCH_HELP, add_help=add_help
     )
     parser.add_argument(
         "--via-steps",
@@ -365,7 +392,10 @@ def bench_parser() -> argparse.ArgumentParser:
 
 
 def bench_main(argv: Sequence[str] | None = None) -> int:
-    args = bench_parser().parse_args(argv)
+    return run_bench_command(bench_parser().parse_args(argv))
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
     if args.via_steps and (args.ref or args.adapter):
         print("gmlx image bench: --ref and --adapter are refused with --via-steps", file=sys.stderr)
         return EXIT_USAGE
