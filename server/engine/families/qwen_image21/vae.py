@@ -163,19 +163,17 @@ class DupUpShortcut:
     """`DupUp3D` on a first chunk: repeat channels, depth-to-space, keep the last time copy."""
 
     def __init__(self, in_dim: int, out_dim: int, factor_t: int):
-        factor = factor_t * 4
-        repeats = out_dim * factor // in_dim
-        # Repeated channel r = ((o * ft + t) * 2 + i) * 2 + j comes from input channel r // repeats;
-        # the first chunk keeps t = ft - 1 only.
-        out_c, row, col = np.meshgrid(np.arange(out_dim), [0, 1], [0, 1], indexing="ij")
-        repeated = ((out_c * factor_t + factor_t - 1) * 2 + row) * 2 + col
         self.out_dim = out_dim
-        self.source = mx.array((repeated // repeats).reshape(-1).astype(np.int32))
+        self.factor_t = factor_t
+        self.repeats = out_dim * factor_t * 4 // in_dim
 
     def __call__(self, x: mx.array) -> mx.array:
-        batch, height, width, _ = x.shape
-        x = mx.take(x, self.source, axis=-1).reshape(batch, height, width, self.out_dim, 2, 2)
-        x = x.transpose(0, 1, 4, 2, 5, 3)
+        batch, height, width, channels = x.shape
+        # repeat_interleave over channels, as a broadcast (a copy, cheaper than a gather)
+        x = mx.broadcast_to(x[..., None], (batch, height, width, channels, self.repeats))
+        x = x.reshape(batch, height, width, self.out_dim, self.factor_t, 2, 2)
+        x = x[:, :, :, :, -1]  # the first chunk keeps the last temporal copy only
+        x = x.transpose(0, 1, 4, 2, 5, 3)  # (b, h, i, w, j, c)
         return x.reshape(batch, height * 2, width * 2, self.out_dim)
 
 
