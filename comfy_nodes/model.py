@@ -330,7 +330,8 @@ class GmlxModel(comfy.model_base.BaseModel):
     def __init__(self, config: GmlxModelConfig, remote: RemoteDiT) -> None:
         super().__init__(config, comfy.model_base.ModelType.FLOW, device=torch.device("cpu"))
         self.diffusion_model = remote
-        remote.owner = self
+        # A plain attribute, not a submodule: the module tree must not loop back.
+        object.__setattr__(remote, "owner", self)
 
     def get_dtype(self) -> torch.dtype:
         return torch.float32
