@@ -16,6 +16,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import threading
 import time
 from http import HTTPStatus
 from typing import Any
@@ -299,3 +300,35 @@ def make_server(app: falcon.App, config: ServerConfig, port: int | None = None):
 
     port = config.port if port is None else port
     return create_server(app, host=config.host, port=port, **waitress_options(config))
+
+
+class ServerThread:
+    """Run a Waitress server on a thread of its own, and stop it cleanly from another thread
+    (closing its sockets from outside would race the poll loop). For tests and the bench."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gmlx-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self.server.effective_port
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.server.pull_trigger()  # wake the poll loop now
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        from waitress import wasyncore
+
+        try:
+            while not self._stop.is_set():
+                wasyncore.loop(timeout=1.0, map=self.server._map, count=1)
+        finally:
+            self.server.close()

@@ -1,0 +1,226 @@
+"""Runs: begin/end/interrupt, 32 and 429, idle end, interrupts of steps in flight, and the holds
+that keep a model loaded (CONTRACT 2.10, 3.2)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import requests
+from gmlx_contract import wire
+
+from .conftest import CONTAINER, VERSION
+
+X = np.zeros((1, 4, 2, 2), np.float32)
+T = np.zeros(1, np.float32)
+
+
+def begin(server, model=None):
+    r = server.post_json("runs/begin", {} if model is None else {"model": model})
+    assert r.status_code == 200, r.text
+    return r.json()["run"]
+
+
+def step_fields(server, cond, run=None):
+    fields = {"rows": [{"cond": cond}]}
+    if run is not None:
+        fields["run"] = run
+    return fields
+
+
+def send_step(server, cond, run=None) -> requests.Response:
+    # A session of its own: the shared one is not for concurrent use.
+    body = wire.write_container({"x": X, "timestep": T}, step_fields(server, cond, run))
+    return requests.post(
+        server.url + "/step", data=body, headers={**VERSION, **CONTAINER}, timeout=30
+    )
+
+
+def test_begin_end_interrupt_basics(fresh):
+    r = fresh.post_json("runs/begin", {"model": "alpha"})
+    assert r.status_code == 200
+    run = r.json()["run"]
+    assert re.fullmatch(r"[0-9a-f]{16}", run) and r.json()["idle_s"] == 120.0
+    assert fresh.post_json("interrupt", {"run": None}).json() == {"interrupted": 0}
+    assert fresh.post_json("interrupt", {"run": "0" * 16}).json() == {"interrupted": 0}
+    assert fresh.post_json("interrupt", {"run": run}).json() == {"interrupted": 1}
+    assert fresh.post_json(f"runs/{run}/end", {}).json() == {"run": run, "ended": True}
+    assert fresh.post_json(f"runs/{run}/end").json() == {"run": run, "ended": False}
+    assert fresh.post_json("runs/unknown/end").json() == {"run": "unknown", "ended": False}
+    assert fresh.post_json("interrupt", {"run": run}).json() == {"interrupted": 0}
+    assert fresh.model().ended_runs == [run]
+
+
+def test_begin_refusals(fresh):
+    assert fresh.post_json("runs/begin", {"model": "ghost"}).status_code == 404
+    assert fresh.post_json("runs/begin", {"model": "broken"}).status_code == 400
+    assert fresh.post_json("runs/begin", {"model": 3}).status_code == 400
+    assert fresh.ctx.service.run_count() == 0
+
+
+def test_no_default_model_is_400(server_factory):
+    server = server_factory(default_model=None)
+    assert server.post_json("runs/begin", {}).status_code == 400
+    assert (
+        server.post_container(
+            "step", {"x": X, "timestep": T}, {"rows": [{"cond": "a"}]}
+        ).status_code
+        == 400
+    )
+
+
+def test_thirty_third_run_is_429_and_holds_nothing(fresh):
+    runs = [begin(fresh) for _ in range(32)]
+    assert len(set(runs)) == 32
+    r = fresh.post_json("runs/begin", {})
+    assert r.status_code == 429 and isinstance(r.json()["error"], str)
+    assert fresh.ctx.registry.holds("alpha") == 32
+    fresh.post_json(f"runs/{runs[0]}/end")
+    assert fresh.ctx.registry.holds("alpha") == 31
+    begin(fresh)
+
+
+def test_unload_is_busy_while_a_run_holds_the_model(fresh):
+    run = begin(fresh)
+    r = fresh.post_json("models/unload", {"model": "alpha"})
+    assert r.status_code == 409
+    assert r.json()["code"] == "busy" and r.json()["in_flight"] == 1
+    fresh.post_json(f"runs/{run}/end")
+    r = fresh.post_json("models/unload", {"model": "alpha"})
+    assert r.json() == {"model": "alpha", "unloaded": True}
+    assert fresh.post_json("models/unload", {"model": "alpha"}).json()["unloaded"] is False
+
+
+def test_interrupt_of_a_step_in_flight(fresh):
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    run = begin(fresh)
+    model = fresh.model()
+    model.hold_steps()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(send_step, fresh, cond, run)
+        assert model.step_started.wait(10)
+        # answered while the step still runs on the worker
+        assert fresh.post_json("interrupt", {"run": run}).json() == {"interrupted": 1}
+        assert not pending.done()
+        model.release_steps()
+        r = pending.result(30)
+    assert r.status_code == 409 and r.json()["code"] == "interrupted"
+    assert model.step_calls == 1  # it ran to completion, and was discarded
+    again = send_step(fresh, cond, run)
+    assert again.status_code == 409 and again.json()["code"] == "interrupted"
+    assert model.step_calls == 1  # later steps never reach the model
+    assert fresh.post_json(f"runs/{run}/end").json()["ended"] is True
+    assert send_step(fresh, cond, run).status_code == 404
+
+
+def test_end_of_a_run_with_a_step_in_flight(fresh):
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    run = begin(fresh)
+    model = fresh.model()
+    model.hold_steps()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(send_step, fresh, cond, run)
+        assert model.step_started.wait(10)
+        assert fresh.post_json(f"runs/{run}/end").json()["ended"] is True
+        model.release_steps()
+        r = pending.result(30)
+    assert r.status_code == 409 and r.json()["code"] == "interrupted"
+    assert send_step(fresh, cond, run).status_code == 404
+
+
+def test_a_queued_step_of_an_interrupted_run_is_not_computed(fresh):
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    run = begin(fresh)
+    model = fresh.model()
+    model.hold_steps()
+    with ThreadPoolExecutor(2) as pool:
+        blocker = pool.submit(send_step, fresh, cond)  # no run: occupies the worker
+        assert model.step_started.wait(10)
+        queued = pool.submit(send_step, fresh, cond, run)
+        deadline = time.monotonic() + 10
+        while fresh.ctx.service._runs[run].in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # let it reach the worker queue
+        assert fresh.post_json("interrupt", {"run": run}).json() == {"interrupted": 1}
+        model.release_steps()
+        assert blocker.result(30).status_code == 200
+        r = queued.result(30)
+    assert r.status_code == 409 and r.json()["code"] == "interrupted"
+    assert model.step_calls == 1
+
+
+def test_idle_runs_end_and_let_the_model_go(server_factory):
+    server = server_factory(run_idle_s=0.4, run_sweep_s=0.1)
+    cond = server.put_tensor(np.ones((1, 2, 8), np.float32))
+    run = begin(server)
+    assert server.post_json("runs/begin", {}).json()["idle_s"] == 0.4
+    assert send_step(server, cond, run).status_code == 200  # activity keeps it
+    time.sleep(0.25)
+    assert send_step(server, cond, run).status_code == 200
+    deadline = time.monotonic() + 5
+    while server.ctx.service.run_count() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.ctx.service.run_count() == 0
+    assert send_step(server, cond, run).status_code == 404
+    assert server.post_json("models/unload", {"model": "alpha"}).json()["unloaded"] is True
+
+
+def test_begin_sweeps_first(server_factory):
+    server = server_factory(run_idle_s=0.2, run_sweep_s=3600)
+    for _ in range(32):
+        begin(server)
+    time.sleep(0.3)
+    begin(server)  # the 32 idle runs are swept by this begin, no 429
+    assert server.ctx.service.run_count() == 1
+
+
+def test_a_held_model_is_not_evicted_for_another(fresh):
+    run = begin(fresh, "alpha")
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    r = fresh.post_container(
+        "step", {"x": X, "timestep": T}, {"rows": [{"cond": cond}], "model": "beta"}
+    )
+    assert r.status_code == 503
+    fresh.post_json(f"runs/{run}/end")
+    r = fresh.post_container(
+        "step", {"x": X, "timestep": T}, {"rows": [{"cond": cond}], "model": "beta"}
+    )
+    assert r.status_code == 200
+    assert fresh.ctx.registry.resident_ids() == ["beta"]
+
+
+def test_runs_are_logged_when_they_end(fresh, caplog):
+    caplog.set_level("INFO", logger="gmlx.server")
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    run = begin(fresh)
+    for _ in range(3):
+        assert send_step(fresh, cond, run).status_code == 200
+    fresh.post_json(f"runs/{run}/end")
+    lines = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith(f"run {run} ended")
+    ]
+    assert lines and "3 steps, 3 rows" in lines[0] and "hit=2 miss=1" in lines[0]
+
+
+def test_concurrent_clients_get_their_own_rows(fresh):
+    conds = [np.full((1, 2, 8), i, np.float32) for i in range(4)]
+    hashes = [fresh.put_tensor(c) for c in conds]
+    barrier = threading.Barrier(4)
+
+    def client(i):
+        barrier.wait()
+        outs = []
+        for _ in range(5):
+            r = send_step(fresh, hashes[i])
+            outs.append(wire.read_container(r.content).tensors["out"].copy())
+        return outs
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(client, range(4)))
+    for i, outs in enumerate(results):
+        for out in outs:
+            np.testing.assert_array_equal(out, outs[0])
+        assert not np.array_equal(outs[0], results[(i + 1) % 4][0])
