@@ -309,6 +309,8 @@ class ServerThread:
     def __init__(self, server) -> None:
         self.server = server
         self._stop = threading.Event()
+        self._closing = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="gmlx-http", daemon=True)
 
     @property
@@ -320,8 +322,10 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self.server.pull_trigger()  # wake the poll loop now
+        with self._closing:
+            self._stop.set()
+            if not self._closed:
+                self.server.pull_trigger()  # wake the poll loop now
         self._thread.join(timeout)
 
     def _loop(self) -> None:
@@ -330,5 +334,10 @@ class ServerThread:
         try:
             while not self._stop.is_set():
                 wasyncore.loop(timeout=1.0, map=self.server._map, count=1)
+        except Exception:
+            log.exception("the HTTP server loop failed")
+            raise
         finally:
-            self.server.close()
+            with self._closing:  # never pull a trigger whose pipe is closed (or reused)
+                self._closed = True
+                self.server.close()
