@@ -251,6 +251,31 @@ class GmlxTextEncodeEdit:
         return (conditioning,)
 
 
+class GmlxEmptyLatent:
+    """Zero latents of the server model's channels and stride (stock empty-latent nodes
+    assume other formats, e.g. 4 or 16 channels at stride 8)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "vae": ("VAE",),
+                "width": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
+                "height": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": 16}),
+            }
+        }
+
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "empty"
+    CATEGORY = CATEGORY
+
+    def empty(self, vae, width, height, batch_size):
+        stride = vae.spacial_compression_encode()
+        shape = (batch_size, vae.latent_channels, height // stride, width // stride)
+        return ({"samples": torch.zeros(shape, dtype=torch.float32)},)
+
+
 class ServerNoise:
     """NOISE that equals `gmlx image sample`'s: numpy default_rng(seed) standard normal."""
 
@@ -297,6 +322,7 @@ NODE_CLASS_MAPPINGS = {
     "GmlxSigmas": GmlxSigmas,
     "GmlxTextEncodeEdit": GmlxTextEncodeEdit,
     "GmlxNoise": GmlxNoise,
+    "GmlxEmptyLatent": GmlxEmptyLatent,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -307,4 +333,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "GmlxSigmas": "gmlx Sigmas",
     "GmlxTextEncodeEdit": "gmlx Text Encode (Qwen-Image 2.1 edit)",
     "GmlxNoise": "gmlx Noise (server seed)",
+    "GmlxEmptyLatent": "gmlx Empty Latent",
 }
