@@ -1,0 +1,225 @@
+"""Config precedence and validation, the command line, and `gmlx serve` as a real process that
+stops cleanly on SIGTERM and SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from gmlx_server import cli
+from gmlx_server.config import ConfigError, ServerConfig, is_loopback_host, load_config
+
+CONFIG = """
+[server]
+host = "127.0.0.2"
+port = 9000
+api_key = "file-key"
+model_dirs = ["~/models-a", "/srv/models-b"]
+default_model = "m1"
+threads = 6
+
+[server.image]
+tensor_cache_mb = 32
+adapter_cache_mb = 128
+steps_api = false
+steps_remote = true
+run_idle_s = 2
+run_sweep_s = 0.5
+"""
+
+
+def test_defaults_without_a_file(tmp_path):
+    config = load_config(None, env={"HOME": str(tmp_path)})
+    assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8080, None)
+    assert config.model_dirs == [] and config.default_model is None and config.threads == 8
+    image = config.image
+    assert (image.tensor_cache_mb, image.adapter_cache_mb) == (64, 256)
+    assert (image.steps_api, image.steps_remote) == (True, False)
+    assert (image.run_idle_s, image.run_sweep_s) == (120.0, 5.0)
+
+
+def test_file_then_env_then_flags(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text(CONFIG)
+    config = load_config(path, env={})
+    assert (config.host, config.port, config.api_key, config.default_model) == (
+        "127.0.0.2",
+        9000,
+        "file-key",
+        "m1",
+    )
+    assert config.model_dirs == [Path("~/models-a").expanduser(), Path("/srv/models-b")]
+    assert config.image.steps_api is False and config.image.steps_remote is True
+    assert (config.image.run_idle_s, config.image.run_sweep_s) == (2.0, 0.5)
+    assert config.source == path
+    env = {
+        "GMLX_HOST": "127.0.0.3",
+        "GMLX_PORT": "9100",
+        "GMLX_API_KEY": "env-key",
+        "GMLX_MODEL_DIRS": os.pathsep.join(["/x", "/y"]),
+        "GMLX_DEFAULT_MODEL": "m2",
+    }
+    config = load_config(path, env=env)
+    assert (config.host, config.port, config.api_key, config.default_model) == (
+        "127.0.0.3",
+        9100,
+        "env-key",
+        "m2",
+    )
+    assert config.model_dirs == [Path("/x"), Path("/y")]
+    config = load_config(path, env=env, host="::1", port=9200)
+    assert (config.host, config.port) == ("::1", 9200)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[server]\nport = 'x'",
+        "[server]\nport = true",
+        "[server]\nport = 70000",
+        "[server]\nmodel_dirs = 'one'",
+        "[server.image]\ntensor_cache_mb = 0",
+        "[server.image]\nsteps_api = 1",
+        "[server]\nthreads = 1",
+        "server = 3",
+        "not toml [",
+    ],
+)
+def test_bad_files_are_refused(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError):
+        load_config(path, env={})
+
+
+def test_a_named_file_must_exist(tmp_path):
+    with pytest.raises(ConfigError):
+        load_config(tmp_path / "absent.toml", env={})
+    with pytest.raises(ConfigError):
+        load_config(None, env={"GMLX_PORT": "eighty"})
+
+
+def test_non_loopback_bind_needs_a_key():
+    ServerConfig(host="127.0.0.1").check_startable()
+    ServerConfig(host="0.0.0.0", api_key="k").check_startable()
+    with pytest.raises(ConfigError, match="api_key"):
+        ServerConfig(host="0.0.0.0").check_startable()
+    assert cli.main(["serve", "--host", "0.0.0.0", "--config", "/dev/null"]) == 2
+
+
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.9.9.9", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.1", False),
+        ("example.com", False),
+    ],
+)
+def test_is_loopback_host(host, loopback):
+    assert is_loopback_host(host) is loopback
+
+
+def test_parser_lists_serve_and_delegated_commands(capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["serve", "--port", "1234"])
+    assert args.func is cli.serve and args.port == 1234 and args.host is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert "serve" in capsys.readouterr().out
+
+
+def test_commands_are_easy_to_add(monkeypatch):
+    seen = []
+
+    def register(subparsers):
+        p = subparsers.add_parser("hello")
+        p.set_defaults(func=lambda args: seen.append("hi") or 3)
+
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, register])
+    monkeypatch.setattr(
+        cli, "DELEGATED", [*cli.DELEGATED, (("tool", "echo"), "builtins:list", "echo words")]
+    )
+    assert cli.main(["hello"]) == 3 and seen == ["hi"]
+    # a delegated command receives everything after its words
+    parser = cli.build_parser()
+    args = parser.parse_args(["tool", "echo", "a b"])
+    assert args.func(args) == ["a b"]
+
+
+def test_tune_malloc_runs():
+    assert cli.tune_malloc() in (True, False)
+
+
+# ---------------------------------------------------------------- gmlx serve as a process
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if requests.get(url, timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            time.sleep(0.1)
+    raise AssertionError("the server never became healthy")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_serve_starts_and_stops_cleanly(tmp_path, signum):
+    models = tmp_path / "models"
+    models.mkdir()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nmodel_dirs = ["{models}"]\ndefault_model = "none-yet"\n')
+    port = free_port()
+    env = {**os.environ, "GMLX_BLAS": "off"}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gmlx_server",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process)
+        base = f"http://127.0.0.1:{port}/internal/image-steps/v1"
+        r = requests.get(base + "/models", headers={"X-Gmlx-Steps-Contract": "1.0"}, timeout=5)
+        assert r.json() == {"models": [], "default_model": "none-yet"}
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert "serving on http://127.0.0.1:" in err
+    assert "GET /internal/image-steps/v1/models 200" in err
+    assert "stopping" in err

@@ -1,0 +1,139 @@
+"""The parts under the routes: the LRU cache, the image worker, the registry."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from gmlx_contract.errors import ContractError
+from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.service import ByteLRU, CachedTensor
+from gmlx_server.worker import ImageWorker, WorkerStopped
+
+from . import linear_family
+from .conftest import model_root
+
+
+def tensor(nbytes: int) -> CachedTensor:
+    return CachedTensor(np.zeros(nbytes, np.uint8), "U8")
+
+
+def test_lru_bounds_recency_and_the_newest_stays():
+    cache = ByteLRU("t", 100)
+    cache.put("a", tensor(40))
+    cache.put("b", tensor(40))
+    assert cache.has("a")  # no refresh
+    cache.put("c", tensor(40))
+    assert (cache.has("a"), cache.has("b"), cache.has("c")) == (False, True, True)
+    assert cache.get("b") is not None  # refresh
+    cache.put("d", tensor(40))
+    assert (cache.has("b"), cache.has("c"), cache.has("d")) == (True, False, True)
+    cache.put("huge", tensor(500))  # over the bound alone: it stays, everything else goes
+    assert len(cache) == 1 and cache.has("huge") and cache.total == 500
+    cache.put("e", tensor(10))
+    assert not cache.has("huge") and cache.has("e")
+    cache.put("e", tensor(20))  # replacing counts bytes once
+    assert cache.total == 20
+    cache.set_bound(5)
+    assert len(cache) == 1
+    assert ByteLRU("x", 4 << 30).limit == 1 << 30
+
+
+def test_worker_runs_jobs_in_order_and_survives_their_failures():
+    worker = ImageWorker()
+    worker.start()
+    try:
+        seen, names = [], set()
+
+        def job(i):
+            names.add(threading.current_thread().name)
+            seen.append(i)
+            if i == 2:
+                raise ValueError("two")
+            return i * 10
+
+        futures = [worker.submit(job, i) for i in range(5)]
+        assert [f.exception() is None for f in futures] == [True, True, False, True, True]
+        with pytest.raises(ValueError, match="two"):
+            futures[2].result()
+        assert [futures[i].result() for i in (0, 1, 3, 4)] == [0, 10, 30, 40]
+        assert seen == list(range(5)) and names == {"gmlx-image"}
+        assert worker.call(lambda: worker.call(lambda: 7)) == 7  # nested call runs inline
+        with pytest.raises(KeyboardInterrupt):
+            worker.call(_raise_keyboard_interrupt)
+        assert worker.alive and worker.call(lambda: 1) == 1
+    finally:
+        worker.stop()
+    assert not worker.alive
+    with pytest.raises(WorkerStopped):
+        worker.submit(lambda: 1)
+
+
+def _raise_keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+def registry(tmp_path, default="alpha", **kw) -> ModelRegistry:
+    root = model_root(tmp_path)
+    return ModelRegistry([root], default, families={"test_linear": linear_family}, **kw)
+
+
+def test_registry_resolution_statuses(tmp_path):
+    reg = registry(tmp_path)
+    assert reg.resolve(None).model_id == "alpha" and reg.resolve("").model_id == "alpha"
+    assert reg.resolve("beta").variant == "turbo"
+    for model_id, status in [("ghost", 404), ("stranger", 400), (5, 400)]:
+        with pytest.raises(ContractError) as info:
+            reg.resolve(model_id)
+        assert info.value.status == status
+    with pytest.raises(ContractError) as info:
+        registry(tmp_path / "other", default=None).resolve(None)
+    assert info.value.status == 400
+
+
+def test_registry_extra_folder_and_first_wins(tmp_path):
+    extra = linear_family.make_model_folder(tmp_path / "embedded", "alpha", variant="embedded")
+    reg = ModelRegistry(
+        [model_root(tmp_path)],
+        None,
+        extra_models=[extra],
+        families={"test_linear": linear_family},
+    )
+    assert reg.resolve("alpha").path == extra and reg.resolve("alpha").variant == "embedded"
+
+
+def test_registry_load_hold_unload(tmp_path):
+    reg = registry(tmp_path)
+    first = reg.acquire("alpha")
+    assert reg.holds("alpha") == 1 and reg.resident_ids() == ["alpha"]
+    with pytest.raises(ContractError) as info:
+        reg.unload("alpha")
+    assert info.value.status == 409 and info.value.body["in_flight"] == 1
+    with pytest.raises(ContractError) as info:
+        reg.acquire("beta")  # one resident model at a time, alpha is held
+    assert info.value.status == 503
+    reg.release(first)
+    second = reg.acquire("beta")  # evicts alpha
+    assert first.model.closed and reg.resident_ids() == ["beta"]
+    reg.release(second)
+    assert reg.unload("beta") is True and reg.unload("beta") is False
+    again = reg.acquire("alpha")
+    assert again.generation > first.generation and again.tables == {}
+
+
+def test_registry_vanished_and_broken_models(tmp_path):
+    reg = registry(tmp_path)
+    with pytest.raises(ContractError) as info:
+        reg.acquire("broken")
+    assert info.value.status == 400
+    (reg.model_dirs[0] / "beta" / "model_index.json").unlink()
+    with pytest.raises(ContractError) as info:
+        reg.acquire("beta")
+    assert info.value.status == 404
+
+
+def test_the_product_family_table_names_qwen_image21():
+    from gmlx_server.engine.registry import FAMILIES
+
+    assert list(FAMILIES) == ["qwen_image21"]
