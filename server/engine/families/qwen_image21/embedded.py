@@ -1,0 +1,670 @@
+"""The embedded default model: a small Qwen-Image 2.1 with random weights, generated on first use.
+
+With no model configured, the server and `gmlx image sample` use this folder so the whole pipeline
+(prompt encoder, DiT, VAE, step routes) can be tried without downloading anything. It is a
+complete diffusers-layout checkpoint with the real file formats, config keys and weight names of
+Qwen-Image 2.1, at a small size, with weights drawn from a fixed seed: it makes noise-like
+pictures, and its name says so ("qwen-image21-random-tiny"). A real model folder replaces it.
+
+Choices worth knowing:
+- Interface sizes match the real model where clients can see them: 64 latent channels at stride
+  16, an RGBA VAE, the Qwen token ids' order; the networks inside are narrow and shallow (a
+  2-block DiT of width 128, a VAE whose full-resolution stage has 8 channels) so a 512x512
+  image takes seconds on a CPU and the folder is a few MB.
+- `sample_sigmas` holds the turbo variant's eight fixed sigmas, so an image takes 8 steps rather
+  than the base variant's 40: MLX's CPU backend is slow at the element-wise work of attention
+  and convolutions, and trying the pipeline should take seconds. The scheduler config still
+  carries the base rule's constants (CONTRACT.md 5.3). Set SAMPLE_SIGMAS to None for a base
+  variant whose step count is the caller's choice.
+- Made with numpy, safetensors and tokenizers only (no torch, diffusers or transformers), in a
+  temporary folder renamed into place, with a stamp whose fingerprint covers the generator's
+  version, seed and configs: a different generator regenerates, the same one reuses the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import processors as token_processors
+from tokenizers.trainers import BpeTrainer
+
+MODEL_NAME = "qwen-image21-random-tiny"
+# Bump when the code below writes something different for the same configs.
+GENERATOR_VERSION = 1
+SEED = 0
+STAMP_FILE = "gmlx_embedded.json"
+# The diffusers release whose file layout and config keys these files follow.
+DIFFUSERS_FORMAT = "0.42.1"
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+# A turbo-like variant: these fixed sigmas (Qwen-Image 2.1 turbo's, CONTRACT.md 2.3) set 8 steps.
+SAMPLE_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568]
+
+TRANSFORMER_CONFIG = {
+    "_class_name": "QwenImage21Transformer2DModel",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "patch_size": 1,
+    "in_channels": 64,
+    "out_channels": 64,
+    "num_layers": 2,
+    "attention_head_dim": 64,
+    "num_attention_heads": 2,
+    "context_in_dim": 128,  # = the text encoder's hidden size and the vision output width
+    "mlp_ratio": 3,
+    "axes_dims_rope": [16, 24, 24],  # sums to attention_head_dim, all even
+    "eps": 1e-06,
+    "causal_condition": True,
+}
+
+VAE_CONFIG = {
+    "_class_name": "AutoencoderKLQwenImage21",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "base_dim": 4,
+    "decoder_base_dim": 8,
+    "z_dim": 64,  # = the transformer's channels
+    "dim_mult": [1, 2, 4, 4, 4],  # five entries: four 2x downsamplings, stride 16
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True, True],  # the config's own spelling
+    "dropout": 0.0,
+    "is_residual": True,
+    "in_channels": 4,  # RGBA
+    "out_channels": 4,
+    "patch_size": None,
+    "scale_factor_spatial": 16,
+    "scale_factor_temporal": 8,
+    # latents_mean and latents_std are drawn with the weights (see _vae_config).
+}
+
+TEXT_CONFIG = {
+    "model_type": "qwen3_vl_text",
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 262144,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "use_cache": True,
+    # Interleaved multimodal RoPE: the (T, H, W) sections sum to half the head dim.
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    },
+    # vocab_size and the token ids come from the tokenizer (see _text_encoder_config).
+}
+
+VISION_CONFIG = {
+    "model_type": "qwen3_vl_vision",
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "hidden_act": "gelu_pytorch_tanh",
+    "in_channels": 3,
+    "patch_size": 16,  # patch 16 x merge 2 = 32 pixels = one image-pad slot = 2x2 latents
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 128,  # = the text hidden size
+    "num_position_embeddings": 64,  # a square: an 8x8 grid, interpolated to any image
+    "deepstack_visual_indexes": [0],
+    "initializer_range": 0.02,
+}
+
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+    # The qwen_image21 rule's constants (CONTRACT.md 5.3).
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "shift_terminal": 0.02,
+}
+
+IMAGE_PROCESSOR_CONFIG = {
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+    "processor_class": "Qwen3VLProcessor",
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "resample": 3,
+    "patch_size": VISION_CONFIG["patch_size"],
+    "temporal_patch_size": VISION_CONFIG["temporal_patch_size"],
+    "merge_size": VISION_CONFIG["spatial_merge_size"],
+    # Qwen3-VL's stock minimum (256x256) upscales smaller references, so their image-pad slots
+    # would outnumber their latents' 2x2 groups; one 32x32 slot keeps small references usable.
+    "size": {"shortest_edge": 32 * 32, "longest_edge": 16777216},
+}
+
+# transformers' Qwen3VLProcessor also wants its video processor (torchvision-gated); the server
+# never reads this file.
+VIDEO_PROCESSOR_CONFIG = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "processor_class": "Qwen3VLProcessor",
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "patch_size": VISION_CONFIG["patch_size"],
+    "temporal_patch_size": VISION_CONFIG["temporal_patch_size"],
+    "merge_size": VISION_CONFIG["spatial_merge_size"],
+}
+
+# Qwen's added tokens in the order of their ids (151643 onwards in the real vocabulary); the
+# last four are added but not special.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|fim_prefix|>",
+    "<|fim_middle|>",
+    "<|fim_suffix|>",
+    "<|fim_pad|>",
+    "<|repo_name|>",
+    "<|file_sep|>",
+]
+PLAIN_ADDED_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
+BPE_VOCAB_SIZE = 640  # an upper bound; the small corpus below yields what it yields
+
+# Qwen2's pre-tokenizer split, as Qwen's tokenizer.json carries it.
+SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# What the BPE learns its merges from: the pipeline's system prompt and prompt-like phrases.
+TOKENIZER_CORPUS = [
+    "Comprehend and analyze the provided prompt.",
+    "A photograph of a cat sitting on a wooden table next to a window, soft morning light.",
+    "An oil painting of a lighthouse on a cliff above a stormy sea at night.",
+    "A watercolor illustration of a small red fox in the snow, white background.",
+    "Replace the background of picture 1 with the sky of picture 2, keep the person.",
+    "A cozy kitchen with plants, a teapot and a bowl of oranges, studio lighting, 35mm.",
+    "Portrait of an old man with a beard and a blue hat, detailed, realistic, close-up.",
+    "A city street in the rain with neon signs and reflections, cinematic, wide angle.",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+    "user assistant system image picture the of and with in on at a an is to for",
+]
+
+# A compact Qwen3-VL chat template: system, user and assistant turns whose content is a string
+# or a list of text and image parts; the pipeline reads the system turn's length from it.
+CHAT_TEMPLATE = (
+    "{%- set image_count = namespace(value=0) -%}\n"
+    "{%- for message in messages -%}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}\n"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}\n"
+    "{%- else -%}{%- for part in message['content'] -%}\n"
+    "{%- if part['type'] == 'image' or 'image' in part -%}\n"
+    "{%- set image_count.value = image_count.value + 1 -%}\n"
+    "{%- if add_vision_id -%}Picture {{ image_count.value }}: {% endif -%}\n"
+    "<|vision_start|><|image_pad|><|vision_end|>\n"
+    "{%- elif 'text' in part -%}{{- part['text'] -}}\n"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}\n"
+    "{{- '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}\n"
+)
+
+# How each tensor starts before saving. Default initialisation makes the prompt move the output
+# by about 0.1 % (DESIGN.md), so matrices get a full 1/sqrt(fan_in) spread and parameters that
+# start constant get a little noise, as the project's tiny test checkpoints do.
+MATRIX, GAIN, SHIFT = "matrix", "gain", "shift"
+CONSTANT_NOISE = 0.1
+
+
+def default_cache_dir() -> Path:
+    """~/.cache/gmlx-steps/models, or under $XDG_CACHE_HOME when that is set."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "gmlx-steps" / "models"
+
+
+def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
+    """The embedded model's folder under `cache_dir` (default: `default_cache_dir()`), generated
+    first if it is missing or was made by a different generator."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / MODEL_NAME
+    stamp = _stamp()
+    if _read_stamp(target) == stamp:
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(cache_dir)
+    building = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=cache_dir))
+    try:
+        write_embedded_model(building, SEED)
+        (building / STAMP_FILE).write_text(_dumps(stamp))
+        _move_into_place(building, target, stamp)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return target
+
+
+def write_embedded_model(root: Path, seed: int = SEED) -> None:
+    """Write every file of the embedded checkpoint into the existing folder `root`."""
+    root = Path(root)
+    tokenizer = build_tokenizer()
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
+    rng = np.random.default_rng(seed)
+    text_encoder_config = _text_encoder_config(tokenizer.get_vocab_size(), ids)
+    vae_config = _vae_config(rng)
+    components = {
+        "transformer": (TRANSFORMER_CONFIG, transformer_tensors(TRANSFORMER_CONFIG)),
+        "vae": (vae_config, vae_tensors(vae_config)),
+        "text_encoder": (text_encoder_config, text_encoder_tensors(text_encoder_config)),
+    }
+    for index, (name, (config, inventory)) in enumerate(components.items()):
+        weights = _draw(inventory, np.random.default_rng([seed, index]))
+        file_name = "model.safetensors" if name == "text_encoder" else DIFFUSERS_WEIGHTS
+        _write_component(root / name, config, weights, file_name)
+    _write_processor(root / "processor", tokenizer, ids)
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(_dumps(SCHEDULER_CONFIG))
+    (root / "model_index.json").write_text(_dumps(_model_index()))
+
+
+def _model_index() -> dict:
+    return {
+        "_class_name": "QwenImage21Pipeline",
+        "_diffusers_version": DIFFUSERS_FORMAT,
+        "processor": ["transformers", "Qwen3VLProcessor"],
+        "sample_sigmas": SAMPLE_SIGMAS,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
+        "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage21"],
+    }
+
+
+# ---- stamp and atomic placement -----------------------------------------------------------
+
+
+def _stamp() -> dict:
+    """Who made the folder: a fingerprint over everything that decides its contents."""
+    recipe = {
+        "generator": GENERATOR_VERSION,
+        "seed": SEED,
+        "transformer": TRANSFORMER_CONFIG,
+        "vae": VAE_CONFIG,
+        "text": TEXT_CONFIG,
+        "vision": VISION_CONFIG,
+        "scheduler": SCHEDULER_CONFIG,
+        "image_processor": IMAGE_PROCESSOR_CONFIG,
+        "video_processor": VIDEO_PROCESSOR_CONFIG,
+        "tokens": [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+        "chat_template": CHAT_TEMPLATE,
+        "sample_sigmas": SAMPLE_SIGMAS,
+    }
+    fingerprint = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+    return {
+        "name": MODEL_NAME,
+        "note": "random weights from a fixed seed, for trying the pipeline; not a trained model",
+        "generator": GENERATOR_VERSION,
+        "fingerprint": fingerprint,
+    }
+
+
+def _read_stamp(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / STAMP_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _remove_abandoned_builds(cache_dir: Path, older_than_s: float = 3600.0) -> None:
+    """Temporary folders that an interrupted generation left behind (a live one is seconds old)."""
+    cutoff = time.time() - older_than_s
+    for folder in cache_dir.glob(f".{MODEL_NAME}-*"):
+        try:
+            if folder.is_dir() and folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _move_into_place(building: Path, target: Path, stamp: dict) -> None:
+    """Rename the finished folder to `target`; an outdated `target` is moved aside first. If
+    another process placed a current one meanwhile, keep theirs."""
+    if target.exists():
+        if _read_stamp(target) == stamp:
+            return
+        outdated = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-old-", dir=target.parent))
+        os.replace(target, outdated / MODEL_NAME)
+        shutil.rmtree(outdated, ignore_errors=True)
+    try:
+        os.rename(building, target)
+    except OSError:
+        if _read_stamp(target) != stamp:
+            raise
+
+
+# ---- weights ------------------------------------------------------------------------------
+
+
+def _draw(inventory: dict[str, tuple[tuple[int, ...], str]], rng) -> dict[str, np.ndarray]:
+    """Random float32 tensors for an inventory of name -> (shape, kind), in sorted-name order."""
+    weights = {}
+    for name in sorted(inventory):
+        shape, kind = inventory[name]
+        noise = rng.standard_normal(shape, dtype=np.float32)
+        if kind == MATRIX:
+            fan_in = int(np.prod(shape[1:]))
+            weights[name] = noise / np.float32(np.sqrt(fan_in))
+        elif kind == GAIN:
+            weights[name] = np.float32(1.0) + np.float32(CONSTANT_NOISE) * noise
+        else:
+            weights[name] = np.float32(CONSTANT_NOISE) * noise
+    return weights
+
+
+def _write_component(folder: Path, config: dict, weights: dict, file_name: str) -> None:
+    folder.mkdir()
+    (folder / "config.json").write_text(_dumps(config))
+    save_file(weights, str(folder / file_name), metadata={"format": "pt"})
+
+
+def _dumps(document: dict) -> str:
+    return json.dumps(document, indent=2, sort_keys=True) + "\n"
+
+
+def transformer_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Names, shapes and kinds of QwenImage21Transformer2DModel's parameters for `config`."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    head = config["attention_head_dim"]
+    patch = config["patch_size"]
+    hidden = width * config["mlp_ratio"]
+    out = patch * patch * (config["out_channels"] or config["in_channels"])
+    tensors = {
+        "img_in.weight": ((width, config["in_channels"] * patch * patch), MATRIX),
+        "modulation.1.weight": ((4 * width, width), MATRIX),
+        "norm_out.linear.weight": ((width, width), MATRIX),
+        "proj_out.weight": ((out, width), MATRIX),
+        # The timestep's sinusoidal features are 256 wide whatever the model's width.
+        "time_text_embed.timestep_embedder.linear_1.weight": ((width, 256), MATRIX),
+        "time_text_embed.timestep_embedder.linear_2.weight": ((width, width), MATRIX),
+        "txt_in.text_norm.weight": ((config["context_in_dim"],), SHIFT),  # zero-centred norm
+        "txt_in.in_layer.weight": ((width, config["context_in_dim"]), MATRIX),
+        "txt_in.out_layer.weight": ((width, width), MATRIX),
+    }
+    for block in range(config["num_layers"]):
+        prefix = f"transformer_blocks.{block}."
+        for projection in ("to_q", "to_k", "to_v"):
+            tensors[f"{prefix}attn.{projection}.weight"] = ((width, width), MATRIX)
+        tensors[f"{prefix}attn.to_out.0.weight"] = ((width, width), MATRIX)
+        tensors[f"{prefix}attn.norm_q.weight"] = ((head,), GAIN)
+        tensors[f"{prefix}attn.norm_k.weight"] = ((head,), GAIN)
+        tensors[f"{prefix}img_mlp.proj.weight"] = ((hidden, width), MATRIX)
+        tensors[f"{prefix}img_mlp.gate_layer.weight"] = ((hidden, width), MATRIX)
+        tensors[f"{prefix}img_mlp.out.weight"] = ((width, hidden), MATRIX)
+    return tensors
+
+
+def _vae_config(rng) -> dict:
+    """The VAE config with per-channel latent statistics drawn away from 0 and 1, so a loader
+    that skips the normalisation shows."""
+    z_dim = VAE_CONFIG["z_dim"]
+    means = rng.standard_normal(z_dim) * 0.5
+    stds = 0.5 + rng.random(z_dim) * 2.0
+    return {
+        **VAE_CONFIG,
+        "latents_mean": [round(float(v), 4) for v in means],
+        "latents_std": [round(float(v), 4) for v in stds],
+    }
+
+
+def vae_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Names, shapes and kinds of AutoencoderKLQwenImage21's parameters (the residual form with no
+    attention scales and no patching, as Qwen-Image 2.1 ships it) for `config`."""
+    if not config["is_residual"] or config["attn_scales"] or config["patch_size"] not in (None, 1):
+        raise ValueError("only the residual VAE without attention scales or patching is described")
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    z_dim, mults, blocks = config["z_dim"], config["dim_mult"], config["num_res_blocks"]
+    last = len(mults) - 1
+
+    # Encoder: dims base x [1, *mults]; every stage but the last downsamples by 2.
+    dims = [config["base_dim"] * m for m in [1, *mults]]
+    _conv(tensors, "encoder.conv_in", config["in_channels"], dims[0], 3)
+    for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=False)):
+        prefix = f"encoder.down_blocks.{i}"
+        for r in range(blocks):
+            _residual(tensors, f"{prefix}.resnets.{r}", in_dim if r == 0 else out_dim, out_dim)
+        if i != last:
+            _conv(tensors, f"{prefix}.downsampler.resample.1", out_dim, out_dim, 3)
+            if config["temperal_downsample"][i]:
+                _conv(tensors, f"{prefix}.downsampler.time_conv", out_dim, out_dim, 1)
+    _mid_block(tensors, "encoder.mid_block", dims[-1])
+    _norm(tensors, "encoder.norm_out", dims[-1], images=False)
+    _conv(tensors, "encoder.conv_out", dims[-1], 2 * z_dim, 3)
+    _conv(tensors, "quant_conv", 2 * z_dim, 2 * z_dim, 1)
+    _conv(tensors, "post_quant_conv", z_dim, z_dim, 1)
+
+    # Decoder: dims decoder_base x [mults[-1], *reversed(mults)]; every stage but the last
+    # upsamples by 2, with a time conv where the reversed temporal flags say so.
+    base = config["decoder_base_dim"] or config["base_dim"]
+    dims = [base * m for m in [mults[-1], *mults[::-1]]]
+    temporal_up = config["temperal_downsample"][::-1]
+    _conv(tensors, "decoder.conv_in", z_dim, dims[0], 3)
+    _mid_block(tensors, "decoder.mid_block", dims[0])
+    for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=False)):
+        prefix = f"decoder.up_blocks.{i}"
+        for r in range(blocks + 1):
+            _residual(tensors, f"{prefix}.resnets.{r}", in_dim if r == 0 else out_dim, out_dim)
+        if i != last:
+            _conv(tensors, f"{prefix}.upsampler.resample.1", out_dim, out_dim, 3)
+            if temporal_up[i]:
+                _conv(tensors, f"{prefix}.upsampler.time_conv", out_dim, 2 * out_dim, 1)
+    _norm(tensors, "decoder.norm_out", dims[-1], images=False)
+    _conv(tensors, "decoder.conv_out", dims[-1], config["out_channels"], 3)
+    return tensors
+
+
+def _conv(tensors: dict, prefix: str, in_dim: int, out_dim: int, kernel: int) -> None:
+    # The VAE's "3D" convolutions are stored as 2D kernels: the checkpoint is single-frame.
+    tensors[f"{prefix}.weight"] = ((out_dim, in_dim, kernel, kernel), MATRIX)
+    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
+
+
+def _norm(tensors: dict, prefix: str, dim: int, images: bool) -> None:
+    # RMS-norm gains broadcast over (H, W) for images, over (T, H, W) otherwise.
+    tensors[f"{prefix}.gamma"] = ((dim, 1, 1) if images else (dim, 1, 1, 1), GAIN)
+
+
+def _residual(tensors: dict, prefix: str, in_dim: int, out_dim: int) -> None:
+    _norm(tensors, f"{prefix}.norm1", in_dim, images=False)
+    _conv(tensors, f"{prefix}.conv1", in_dim, out_dim, 3)
+    _norm(tensors, f"{prefix}.norm2", out_dim, images=False)
+    _conv(tensors, f"{prefix}.conv2", out_dim, out_dim, 3)
+    if in_dim != out_dim:
+        _conv(tensors, f"{prefix}.conv_shortcut", in_dim, out_dim, 1)
+
+
+def _mid_block(tensors: dict, prefix: str, dim: int) -> None:
+    _residual(tensors, f"{prefix}.resnets.0", dim, dim)
+    _norm(tensors, f"{prefix}.attentions.0.norm", dim, images=True)
+    _conv(tensors, f"{prefix}.attentions.0.to_qkv", dim, 3 * dim, 1)
+    _conv(tensors, f"{prefix}.attentions.0.proj", dim, dim, 1)
+    _residual(tensors, f"{prefix}.resnets.1", dim, dim)
+
+
+def _text_encoder_config(vocab_size: int, ids: dict[str, int]) -> dict:
+    """Qwen3VLForConditionalGeneration's config, with the token ids of this tokenizer."""
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "dtype": "float32",
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            **TEXT_CONFIG,
+            "vocab_size": vocab_size,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        "vision_config": dict(VISION_CONFIG),
+    }
+
+
+def text_encoder_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Names, shapes and kinds of Qwen3VLForConditionalGeneration's parameters for `config`."""
+    text, vision = config["text_config"], config["vision_config"]
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    hidden, head = text["hidden_size"], text["head_dim"]
+    q_width = text["num_attention_heads"] * head
+    kv_width = text["num_key_value_heads"] * head
+    lm = "model.language_model"
+    tensors[f"{lm}.embed_tokens.weight"] = ((text["vocab_size"], hidden), MATRIX)
+    tensors[f"{lm}.norm.weight"] = ((hidden,), GAIN)
+    tensors["lm_head.weight"] = ((text["vocab_size"], hidden), MATRIX)
+    for layer in range(text["num_hidden_layers"]):
+        prefix = f"{lm}.layers.{layer}"
+        tensors[f"{prefix}.input_layernorm.weight"] = ((hidden,), GAIN)
+        tensors[f"{prefix}.post_attention_layernorm.weight"] = ((hidden,), GAIN)
+        tensors[f"{prefix}.self_attn.q_proj.weight"] = ((q_width, hidden), MATRIX)
+        tensors[f"{prefix}.self_attn.k_proj.weight"] = ((kv_width, hidden), MATRIX)
+        tensors[f"{prefix}.self_attn.v_proj.weight"] = ((kv_width, hidden), MATRIX)
+        tensors[f"{prefix}.self_attn.o_proj.weight"] = ((hidden, q_width), MATRIX)
+        tensors[f"{prefix}.self_attn.q_norm.weight"] = ((head,), GAIN)
+        tensors[f"{prefix}.self_attn.k_norm.weight"] = ((head,), GAIN)
+        inner = text["intermediate_size"]
+        tensors[f"{prefix}.mlp.gate_proj.weight"] = ((inner, hidden), MATRIX)
+        tensors[f"{prefix}.mlp.up_proj.weight"] = ((inner, hidden), MATRIX)
+        tensors[f"{prefix}.mlp.down_proj.weight"] = ((hidden, inner), MATRIX)
+
+    width, patch = vision["hidden_size"], vision["patch_size"]
+    merged = width * vision["spatial_merge_size"] ** 2
+    visual = "model.visual"
+    patch_shape = (width, vision["in_channels"], vision["temporal_patch_size"], patch, patch)
+    tensors[f"{visual}.patch_embed.proj.weight"] = (patch_shape, MATRIX)
+    tensors[f"{visual}.patch_embed.proj.bias"] = ((width,), SHIFT)
+    tensors[f"{visual}.pos_embed.weight"] = ((vision["num_position_embeddings"], width), MATRIX)
+    for block in range(vision["depth"]):
+        prefix = f"{visual}.blocks.{block}"
+        _layer_norm(tensors, f"{prefix}.norm1", width)
+        _layer_norm(tensors, f"{prefix}.norm2", width)
+        _linear(tensors, f"{prefix}.attn.qkv", width, 3 * width)
+        _linear(tensors, f"{prefix}.attn.proj", width, width)
+        _linear(tensors, f"{prefix}.mlp.linear_fc1", width, vision["intermediate_size"])
+        _linear(tensors, f"{prefix}.mlp.linear_fc2", vision["intermediate_size"], width)
+    # The final merger normalises before the 2x2 shuffle, the deepstack mergers after it.
+    _merger(tensors, f"{visual}.merger", merged, vision["out_hidden_size"], norm=width)
+    for index in range(len(vision["deepstack_visual_indexes"])):
+        prefix = f"{visual}.deepstack_merger_list.{index}"
+        _merger(tensors, prefix, merged, vision["out_hidden_size"], norm=merged)
+    return tensors
+
+
+def _linear(tensors: dict, prefix: str, in_dim: int, out_dim: int) -> None:
+    tensors[f"{prefix}.weight"] = ((out_dim, in_dim), MATRIX)
+    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
+
+
+def _layer_norm(tensors: dict, prefix: str, dim: int) -> None:
+    tensors[f"{prefix}.weight"] = ((dim,), GAIN)
+    tensors[f"{prefix}.bias"] = ((dim,), SHIFT)
+
+
+def _merger(tensors: dict, prefix: str, merged: int, out: int, norm: int) -> None:
+    _layer_norm(tensors, f"{prefix}.norm", norm)
+    _linear(tensors, f"{prefix}.linear_fc1", merged, merged)
+    _linear(tensors, f"{prefix}.linear_fc2", merged, out)
+
+
+# ---- tokenizer and processor files --------------------------------------------------------
+
+
+def build_tokenizer() -> Tokenizer:
+    """A byte-level BPE with Qwen's normalizer, split and decoder, trained on a fixed corpus,
+    then Qwen's added tokens in Qwen's order (so their ids follow the learned vocabulary)."""
+    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = token_processors.ByteLevel(trim_offsets=False)
+    trainer = BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TOKENIZER_CORPUS, trainer=trainer)
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    tokenizer.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED_TOKENS]
+    )
+    return tokenizer
+
+
+def _write_processor(folder: Path, tokenizer: Tokenizer, ids: dict[str, int]) -> None:
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
+    added = {
+        str(ids[token]): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": token in SPECIAL_TOKENS,
+        }
+        for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS
+    }
+    tokenizer_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "processor_class": "Qwen3VLProcessor",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": 262144,
+        "split_special_tokens": False,
+    }
+    (folder / "tokenizer_config.json").write_text(_dumps(tokenizer_config))
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (folder / "preprocessor_config.json").write_text(_dumps(IMAGE_PROCESSOR_CONFIG))
+    (folder / "video_preprocessor_config.json").write_text(_dumps(VIDEO_PROCESSOR_CONFIG))
