@@ -1,8 +1,8 @@
 """The `gmlx` command line.
 
 Subcommands are registered in two ways, so another part of the project adds one with one line:
-  * `COMMANDS`: functions `register(subparsers)` that add a parser and `set_defaults(func=...)`,
-    where func(args) -> exit code (`serve` is one);
+  * `COMMANDS`: functions `register(subparsers)` (or their "module:function" paths) that add a
+    parser and `set_defaults(func=...)`, where func(args) -> exit code (`serve` is one);
   * `DELEGATED`: (words, "module:function", help) for a command whose module parses its own
     arguments: `function(argv) -> exit code` gets everything after the words. A module that
     cannot be imported leaves its command out.
@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     for register in COMMANDS:
-        register(subparsers)
+        if isinstance(register, str):
+            register = _resolve(register)
+        if register is not None:
+            register(subparsers)
     _add_delegated(subparsers)
     return parser
 
