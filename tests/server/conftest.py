@@ -79,10 +79,18 @@ def model_root(tmp: Path) -> Path:
 def start_server(
     tmp: Path, *, config: ServerConfig | None = None, default_model: str | None = "alpha", **image
 ) -> LiveServer:
+    """A server over a folder of test-family models (see `model_root`)."""
     root = model_root(tmp)
     config = config or ServerConfig(host="127.0.0.1", port=0)
     config = replace(config, port=0, model_dirs=[root], image=replace(ImageConfig(), **image))
-    registry = ModelRegistry([root], default_model, families={linear_family.FAMILY: linear_family})
+    registry = ModelRegistry(
+        [root], default_model, families={linear_family.FAMILY: linear_family}
+    )
+    return serve(config, registry)
+
+
+def serve(config: ServerConfig, registry: ModelRegistry) -> LiveServer:
+    """Serve the app for `registry` on an ephemeral port of config.host."""
     ctx = build_context(config, registry)
     server = make_server(create_app(ctx), config, port=0)
     thread = ServerThread(server).start()
