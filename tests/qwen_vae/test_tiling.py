@@ -8,11 +8,14 @@ halos to a third must break that bound, which shows the comparison can see a sea
 
 from __future__ import annotations
 
+import inspect
+
 import mlx.core as mx
 import numpy as np
 import pytest
+from diffusers import AutoencoderKLQwenImage21
 from gmlx_server.engine.families.qwen_image21 import vae as vae_module
-from gmlx_server.engine.families.qwen_image21.vae import DEFAULT_TILE_CELLS, QwenImage21VAE
+from gmlx_server.engine.families.qwen_image21.vae import QwenImage21VAE
 
 from tests.qwen_vae.conftest import rel_l2
 from tests.qwen_vae.reference import reference_decode, reference_encode
@@ -69,7 +72,7 @@ def test_short_halos_leave_seams(vae, monkeypatch):
 
 
 def test_big_images_tile_by_default(vae, monkeypatch):
-    """A latent wider than DEFAULT_TILE_CELLS goes through the tiler without being asked."""
+    """A latent wider than the chosen tile side goes through the tiler without being asked."""
     calls = []
     real = vae_module._run_tiled
 
@@ -78,11 +81,26 @@ def test_big_images_tile_by_default(vae, monkeypatch):
         return real(x, stages, px_per_cell, cells, tile_cells)
 
     monkeypatch.setattr(vae_module, "_run_tiled", spy)
-    assert vae.tile_cells == DEFAULT_TILE_CELLS
-    latents = mx.zeros((1, vae.z_dim, 1, DEFAULT_TILE_CELLS + 1))
-    assert vae.decode(latents).shape == (1, 16, 16 * (DEFAULT_TILE_CELLS + 1), vae.out_channels)
-    vae.decode(mx.zeros((1, vae.z_dim, 1, DEFAULT_TILE_CELLS)))
-    assert calls == [((1, DEFAULT_TILE_CELLS + 1), DEFAULT_TILE_CELLS)]
+    side = vae.tile_cells
+    assert side == vae_module.MAX_TILE_CELLS  # the tiny VAE is far under the budget
+    assert vae.decode(mx.zeros((1, vae.z_dim, 1, side + 1))).shape == (1, 16, 16 * (side + 1), 4)
+    vae.decode(mx.zeros((1, vae.z_dim, 1, side)))
+    assert calls == [((1, side + 1), side)]
+
+
+@pytest.mark.parametrize(("dtype", "expected"), [(mx.float32, 38), (mx.bfloat16, 56)])
+def test_full_size_tiles_fit_the_budget(dtype, expected):
+    """The real VAE's default config (diffusers' defaults): tiles shrink to fit the budget."""
+    defaults = inspect.signature(AutoencoderKLQwenImage21.__init__).parameters
+    config = {name: p.default for name, p in defaults.items() if name != "self"}
+    vae = QwenImage21VAE(config, dtype)  # no weights needed to plan tiles
+    stage_lists = [vae.model.encoder.stages(), vae.model.decoder.stages()]
+
+    def largest(cells):
+        return max(vae_module._largest_tile_bytes(s, cells, dtype.size) for s in stage_lists)
+
+    assert vae.tile_cells == expected
+    assert largest(expected) <= vae_module.TILE_ACTIVATION_BUDGET < largest(expected + 1)
 
 
 def test_spans_cover_the_latent_in_near_equal_parts():

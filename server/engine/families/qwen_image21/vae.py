@@ -35,9 +35,13 @@ from ...weights import load_weights, read_config
 _NORM_EPS = 1e-24
 # Queries per attention call: bounds the (queries x keys) score matrix of the mid blocks.
 _ATTENTION_QUERY_CHUNK = 4096
-# Largest tile side, in latent cells (16 pixels each): 64 cells is a 1024-pixel tile, which keeps a
-# 2048x2048 pass at about a quarter of the untiled peak memory.
-DEFAULT_TILE_CELLS = 64
+# Tile sides, in latent cells (16 pixels each): at most 64 (a 1024-pixel tile), shrunk until the
+# largest activation of a tile, halo included, fits TILE_ACTIVATION_BUDGET. The peak of a pass is
+# a small multiple of that activation (on the CPU backend, whose convolutions unfold their input
+# 9x, measured about 35x), so memory stays bounded whatever the image size.
+MAX_TILE_CELLS = 64
+MIN_TILE_CELLS = 8
+TILE_ACTIVATION_BUDGET = 512 * 2**20
 
 
 class RMSNorm(nn.Module):
@@ -187,6 +191,7 @@ class DownBlock(nn.Module):
         if down:
             self.downsampler = Downsampler(out_dim)
         self._shortcut = AvgDownShortcut(in_dim, out_dim, 2 if temporal else 1, 2 if down else 1)
+        self.in_dim, self.out_dim = in_dim, out_dim
 
     def __call__(self, x: mx.array) -> mx.array:
         shortcut = self._shortcut(x)
@@ -207,6 +212,7 @@ class UpBlock(nn.Module):
         if up:
             self.upsampler = Upsampler(out_dim, out_dim)
             self._shortcut = DupUpShortcut(in_dim, out_dim, 2 if temporal else 1)
+        self.in_dim, self.out_dim = in_dim, out_dim
 
     def __call__(self, x: mx.array) -> mx.array:
         shortcut = x
@@ -223,12 +229,14 @@ class Stage:
 
     `reach` is how far, in latent cells, values spoiled at a window's edge (by zero padding where
     the image goes on) can travel inward through this stage; `px_per_cell` is the resolution of the
-    stage's output (pixels per latent cell).
+    stage's output (pixels per latent cell). `cell_values` is the number of values per latent cell
+    of its largest activation, for sizing tiles.
     """
 
     run: Callable[[mx.array], mx.array]
     reach: float
     px_per_cell: int
+    cell_values: int = 1
 
 
 def _block_reach(convs: int, extra_px: int, px_per_cell: int) -> float:
@@ -270,8 +278,10 @@ class Encoder(nn.Module):
             if index == 0:
                 reach += _block_reach(1, 0, px_per_cell)
                 run = _chain(self.conv_in, block)
+            # the widest activations are the block's input-size ones
+            cell_values = px_per_cell**2 * max(block.in_dim, block.out_dim)
             px_per_cell //= 2 if down else 1
-            stages.append(Stage(run, reach, px_per_cell))
+            stages.append(Stage(run, reach, px_per_cell, cell_values))
         return stages
 
     def tail(self, x: mx.array) -> mx.array:
@@ -320,11 +330,14 @@ class Decoder(nn.Module):
             # The upsampler's conv at twice the size reaches half an input pixel; count a whole one.
             reach = _block_reach(2 * (self.num_res_blocks + 1), 1 if up else 0, px_per_cell)
             run = block
+            # resnets at the input size (in and out channels), the upsampler's out at twice the size
+            cell_values = px_per_cell**2 * max(block.in_dim, block.out_dim)
             px_per_cell *= 2 if up else 1
+            cell_values = max(cell_values, px_per_cell**2 * block.out_dim)
             if index == last:
                 reach += _block_reach(1, 0, px_per_cell)
                 run = _chain(block, self.output)
-            stages.append(Stage(run, reach, px_per_cell))
+            stages.append(Stage(run, reach, px_per_cell, cell_values))
         return stages
 
 
@@ -360,7 +373,7 @@ def _run_tiled(
     spent on halos shrinks as the resolution grows. Tiles are evaluated one at a time, which
     bounds memory by the largest tile.
     """
-    halos = [math.ceil(sum(stage.reach for stage in stages[k:])) for k in range(len(stages))]
+    halos = _halos(stages)
     rows = []
     for core_y in _spans(cells[0], tile_cells):
         row = []
@@ -370,6 +383,28 @@ def _run_tiled(
             row.append(tile)
         rows.append(mx.concatenate(row, axis=2) if len(row) > 1 else row[0])
     return mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+
+
+def _halos(stages: list[Stage]) -> list[int]:
+    """Halo, in cells, of the window entering each stage: the reach of it and all later ones."""
+    return [math.ceil(sum(stage.reach for stage in stages[k:])) for k in range(len(stages))]
+
+
+def _largest_tile_bytes(stages: list[Stage], tile_cells: int, itemsize: int) -> int:
+    sizes = []
+    for stage, halo in zip(stages, _halos(stages), strict=True):
+        side = tile_cells + 2 * halo
+        sizes.append(side * side * stage.cell_values * itemsize)
+    return max(sizes)
+
+
+def choose_tile_cells(stage_lists: list[list[Stage]], itemsize: int) -> int:
+    """The largest tile side whose biggest activation fits TILE_ACTIVATION_BUDGET."""
+    for cells in range(MAX_TILE_CELLS, MIN_TILE_CELLS, -1):
+        largest = max(_largest_tile_bytes(stages, cells, itemsize) for stages in stage_lists)
+        if largest <= TILE_ACTIVATION_BUDGET:
+            return cells
+    return MIN_TILE_CELLS
 
 
 def _window(core: tuple[int, int], halo: int, size: int) -> tuple[int, int]:
@@ -456,8 +491,9 @@ class QwenImage21VAE:
         self.latents_std = np.asarray(config["latents_std"], dtype=np.float32)
         if self.latents_mean.shape != (self.z_dim,) or self.latents_std.shape != (self.z_dim,):
             raise ValueError("latents_mean and latents_std need one value per latent channel")
-        self.tile_cells = DEFAULT_TILE_CELLS
         self.model = _Autoencoder(config)
+        stage_lists = [self.model.encoder.stages(), self.model.decoder.stages()]
+        self.tile_cells = choose_tile_cells(stage_lists, dtype.size)
         self.weight_bytes = 0
 
     @classmethod
