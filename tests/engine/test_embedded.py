@@ -175,34 +175,16 @@ def test_components_load_in_the_reference_classes_without_missing_keys(model_dir
         assert problems == {}, f"{component}: {problems}"
 
 
-def _image_only_processor(model_dir: Path):
-    """transformers 5.24 builds Qwen3VLProcessor only with its video processor, which needs
-    torchvision (absent here): the pipeline's paths never touch video, so build the processor
-    from its image processor (PIL implementation) and tokenizer alone."""
-    from transformers import AutoTokenizer, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
-        @classmethod
-        def get_attributes(cls):
-            return ["image_processor", "tokenizer"]
-
-    processor_dir = model_dir / "processor"
-    return ImageOnlyQwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(processor_dir),
-        tokenizer=AutoTokenizer.from_pretrained(processor_dir),
-        chat_template=(processor_dir / "chat_template.jinja").read_text(),
-    )
-
-
 def test_diffusers_pipeline_runs_on_it(model_dir):
     torch = pytest.importorskip("torch")
     from diffusers import QwenImage21Pipeline
 
+    # transformers 5.24 builds Qwen3VLProcessor only with its torchvision-gated video processor;
+    # this helper builds it from the image processor and tokenizer alone (DESIGN.md).
+    from tests.qwen_text.reference import load_processor
+
     pipe = QwenImage21Pipeline.from_pretrained(
-        model_dir, processor=_image_only_processor(model_dir), dtype=torch.float32
+        model_dir, processor=load_processor(model_dir), dtype=torch.float32
     )
     assert pipe.config.sample_sigmas == embedded.SAMPLE_SIGMAS
     steps = []

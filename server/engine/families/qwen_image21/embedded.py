@@ -293,15 +293,16 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     _write_processor(root / "processor", tokenizer, ids)
     (root / "scheduler").mkdir()
     (root / "scheduler" / "scheduler_config.json").write_text(_dumps(SCHEDULER_CONFIG))
-    (root / "model_index.json").write_text(_dumps(_model_index()))
+    (root / "model_index.json").write_text(_dumps(model_index()))
 
 
-def _model_index() -> dict:
+def model_index(sample_sigmas: list[float] | None = SAMPLE_SIGMAS) -> dict:
+    """model_index.json of a Qwen-Image 2.1 folder; fixed `sample_sigmas` make it a turbo variant."""
     return {
         "_class_name": "QwenImage21Pipeline",
         "_diffusers_version": DIFFUSERS_FORMAT,
         "processor": ["transformers", "Qwen3VLProcessor"],
-        "sample_sigmas": SAMPLE_SIGMAS,
+        "sample_sigmas": sample_sigmas,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
         "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
