@@ -83,9 +83,7 @@ def start_server(
     root = model_root(tmp)
     config = config or ServerConfig(host="127.0.0.1", port=0)
     config = replace(config, port=0, model_dirs=[root], image=replace(ImageConfig(), **image))
-    registry = ModelRegistry(
-        [root], default_model, families={linear_family.FAMILY: linear_family}
-    )
+    registry = ModelRegistry([root], default_model, families={linear_family.FAMILY: linear_family})
     return serve(config, registry)
 
 
