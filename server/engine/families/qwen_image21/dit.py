@@ -178,8 +178,66 @@ def linear(x: mx.array, weight: mx.array) -> mx.array:
     return x @ weight.T
 
 
+# Keys of a LoRA table's low-rank pair beside a fused weight `name` in the weight tree: the
+# down matrix (R, in) and the up matrix (out, R) with strength and scale folded in.
+LORA_DOWN = ".lora_down"
+LORA_UP = ".lora_up"
+
+
+def project(w: dict, name: str, x: mx.array) -> mx.array:
+    """x through the linear weight w[name], plus the low-rank term (x A^T) B^T of a LoRA table
+    when the tree carries a pair for it (server/engine/lora.py builds such trees)."""
+    out = linear(x, w[name])
+    down = w.get(name + LORA_DOWN)
+    if down is not None:
+        out = out + linear(linear(x, down), w[name + LORA_UP])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights: the diffusers names mapped to fused arrays, in one place
+
+BLOCK_PREFIX = "transformer_blocks.{}."
+# Linear layers of a block by diffusers name, grouped into the fused weights the forward uses:
+# the parts (all the same shape) are stacked along the output rows in this order.
+BLOCK_LINEARS = {
+    "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "out": ("attn.to_out.0",),
+    "gate_up": ("img_mlp.gate_layer", "img_mlp.proj"),
+    "down": ("img_mlp.out",),
+}
+# Linear layers outside the blocks: tree key -> diffusers name.
+TOP_LINEARS = {
+    "time_1": "time_text_embed.timestep_embedder.linear_1",
+    "time_2": "time_text_embed.timestep_embedder.linear_2",
+    "text_in": "txt_in.in_layer",
+    "text_out": "txt_in.out_layer",
+    "img_in": "img_in",
+    "modulation": "modulation.1",
+    "norm_out": "norm_out.linear",
+    "proj_out": "proj_out",
+}
+
+
+@dataclass(frozen=True)
+class LinearSlot:
+    """Where a linear layer (diffusers name) lives in the weight tree: the fused weight's tree
+    key, its block index (None outside the blocks), and which of `parts` row groups it is."""
+
+    key: str
+    block: int | None
+    part: int = 0
+    parts: int = 1
+
+
+def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
+    """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
+    slots = {name: LinearSlot(key, None) for key, name in TOP_LINEARS.items()}
+    for i in range(config.num_layers):
+        for key, parts in BLOCK_LINEARS.items():
+            for part, name in enumerate(parts):
+                slots[BLOCK_PREFIX.format(i) + name] = LinearSlot(key, i, part, len(parts))
+    return slots
 
 
 def fuse_weights(files: dict[str, mx.array], config: DiTConfig) -> dict:
@@ -187,34 +245,20 @@ def fuse_weights(files: dict[str, mx.array], config: DiTConfig) -> dict:
     so each runs as one matmul; the zero-centred text norm stores scale - 1, so 1 is added."""
     blocks = []
     for i in range(config.num_layers):
-        p = f"transformer_blocks.{i}."
-        blocks.append(
-            {
-                "qkv": mx.concatenate(
-                    [files[p + f"attn.to_{n}.weight"] for n in ("q", "k", "v")], axis=0
-                ),
-                "norm_q": files[p + "attn.norm_q.weight"],
-                "norm_k": files[p + "attn.norm_k.weight"],
-                "out": files[p + "attn.to_out.0.weight"],
-                "gate_up": mx.concatenate(
-                    [files[p + "img_mlp.gate_layer.weight"], files[p + "img_mlp.proj.weight"]],
-                    axis=0,
-                ),
-                "down": files[p + "img_mlp.out.weight"],
-            }
-        )
-    return {
-        "time_1": files["time_text_embed.timestep_embedder.linear_1.weight"],
-        "time_2": files["time_text_embed.timestep_embedder.linear_2.weight"],
-        "text_norm": files["txt_in.text_norm.weight"] + 1.0,
-        "text_in": files["txt_in.in_layer.weight"],
-        "text_out": files["txt_in.out_layer.weight"],
-        "img_in": files["img_in.weight"],
-        "modulation": files["modulation.1.weight"],
-        "norm_out": files["norm_out.linear.weight"],
-        "proj_out": files["proj_out.weight"],
-        "blocks": blocks,
-    }
+        p = BLOCK_PREFIX.format(i)
+        block = {
+            key: mx.concatenate([files[p + name + ".weight"] for name in parts], axis=0)
+            if len(parts) > 1
+            else files[p + parts[0] + ".weight"]
+            for key, parts in BLOCK_LINEARS.items()
+        }
+        block["norm_q"] = files[p + "attn.norm_q.weight"]
+        block["norm_k"] = files[p + "attn.norm_k.weight"]
+        blocks.append(block)
+    weights = {key: files[name + ".weight"] for key, name in TOP_LINEARS.items()}
+    weights["text_norm"] = files["txt_in.text_norm.weight"] + 1.0
+    weights["blocks"] = blocks
+    return weights
 
 
 @dataclass
@@ -264,24 +308,23 @@ class QwenImage21DiT:
         """(B,) sigma in [0, 1] -> (B, inner): sinusoid of 1000 sigma (cos first), then the MLP."""
         args = (TIME_FACTOR * sigma.astype(mx.float32))[:, None] * self._time_freqs[None, :]
         embedding = mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1).astype(self.dtype)
-        return linear(silu(linear(embedding, w["time_1"])), w["time_2"])
+        return project(w, "time_2", silu(project(w, "time_1", embedding)))
 
     def modulation(self, w: dict, temb: mx.array) -> list[mx.array]:
         """Shared by every block: [scale1, gate1, scale2, gate2], each (B, 1, inner)."""
-        params = linear(silu(temb), w["modulation"])[:, None, :]
+        params = project(w, "modulation", silu(temb))[:, None, :]
         return mx.split(params, 4, axis=-1)
 
-    def text_in(self, text: mx.array) -> mx.array:
-        w = self.weights
+    def text_in(self, w: dict, text: mx.array) -> mx.array:
         normed = mx.fast.rms_norm(text.astype(mx.float32), w["text_norm"], self.config.eps)
-        hidden = linear(normed.astype(self.dtype), w["text_in"])
-        return linear(gelu_tanh(hidden), w["text_out"])
+        hidden = project(w, "text_in", normed.astype(self.dtype))
+        return project(w, "text_out", gelu_tanh(hidden))
 
     def qkv(self, block: dict, x: mx.array, cos: mx.array, sin: mx.array):
         """q, k, v as (B, heads, N, head_dim): fused projection, RMS norm of q and k, RoPE."""
         batch, length, _ = x.shape
         heads, head_dim = self.config.num_heads, self.config.head_dim
-        fused = linear(x, block["qkv"]).reshape(batch, length, 3, heads, head_dim)
+        fused = project(block, "qkv", x).reshape(batch, length, 3, heads, head_dim)
         q, k, v = fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
         eps = self.config.eps
         q = mx.fast.rms_norm(q.astype(mx.float32), block["norm_q"], eps).astype(self.dtype)
@@ -292,11 +335,11 @@ class QwenImage21DiT:
     def attention_out(self, block: dict, attended: mx.array) -> mx.array:
         batch, _, length, _ = attended.shape
         merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, self.config.inner_dim)
-        return linear(merged, block["out"])
+        return project(block, "out", merged)
 
     def mlp(self, block: dict, x: mx.array) -> mx.array:
-        gate, up = mx.split(linear(x, block["gate_up"]), 2, axis=-1)
-        return linear(silu(gate) * up, block["down"])
+        gate, up = mx.split(project(block, "gate_up", x), 2, axis=-1)
+        return project(block, "down", silu(gate) * up)
 
     @property
     def scale(self) -> float:
@@ -305,18 +348,24 @@ class QwenImage21DiT:
     # -- the prefix ------------------------------------------------------------------------
 
     def prefix_state(
-        self, layout: PrefixLayout, text: mx.array, refs: list[mx.array]
+        self,
+        layout: PrefixLayout,
+        text: mx.array,
+        refs: list[mx.array],
+        weights: dict | None = None,
     ) -> PrefixState:
         """Run the prefix (text (L, D) and reference tokens, each (h*w, C)) at t = 0 through
-        every block, keeping each block's K and V."""
-        x = self._prefix_tokens(layout, text, refs)
+        every block, keeping each block's K and V. `weights`: a tree carrying a LoRA table's
+        pairs (default: the plain weights)."""
+        w = self.weights if weights is None else weights
+        x = self._prefix_tokens(w, layout, text, refs)
         table, target_frame = layout.positions
         cos, sin = rope_tables(table, self.config.axes_dims_rope)
-        zero_time = self.time_embedding(self.weights, self._zero_time)
-        scale1, gate1, scale2, gate2 = self.modulation(self.weights, zero_time)
+        zero_time = self.time_embedding(w, self._zero_time)
+        scale1, gate1, scale2, gate2 = self.modulation(w, zero_time)
         gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
         eps, keys, values = self.config.eps, [], []
-        blocks = self.weights["blocks"]
+        blocks = w["blocks"]
         for index, block in enumerate(blocks):
             q, k, v = self.qkv(block, layer_norm(x, eps) * (1 + scale1), cos, sin)
             keys.append(k)
@@ -328,14 +377,14 @@ class QwenImage21DiT:
             x = x + gate2 * self.mlp(block, layer_norm(x, eps) * (1 + scale2))
         return PrefixState(keys, values, layout.length, target_frame)
 
-    def _prefix_tokens(self, layout: PrefixLayout, text: mx.array, refs: list[mx.array]):
-        text_hidden = self.text_in(text.astype(self.dtype)[None])
+    def _prefix_tokens(self, w: dict, layout: PrefixLayout, text: mx.array, refs: list[mx.array]):
+        text_hidden = self.text_in(w, text.astype(self.dtype)[None])
         parts = []
         for kind, index, length in layout.pieces:
             if kind == "text":
                 parts.append(text_hidden[:, index : index + length])
             else:
-                parts.append(linear(refs[index].astype(self.dtype)[None], self.weights["img_in"]))
+                parts.append(project(w, "img_in", refs[index].astype(self.dtype)[None]))
         return mx.concatenate(parts, axis=1)
 
     def _block_causal_attention(self, layout: PrefixLayout, q, k, v) -> mx.array:
@@ -361,15 +410,23 @@ class QwenImage21DiT:
     # -- the target ------------------------------------------------------------------------
 
     def target_forward(
-        self, x: mx.array, sigma: mx.array, states: list[PrefixState], h: int, w: int
+        self,
+        x: mx.array,
+        sigma: mx.array,
+        states: list[PrefixState],
+        h: int,
+        w: int,
+        weights: dict | None = None,
     ) -> mx.array:
         """Model output (B, h*w, out_channels) for target tokens x (B, h*w, C) at sigma (B,),
-        row b attending to its own prefix state `states[b]` (lengths may differ)."""
+        row b attending to its own prefix state `states[b]` (lengths may differ). `weights`: as
+        in `prefix_state`; the states must have been built under the same weights."""
+        weights = self.weights if weights is None else weights
         cos, sin = self._target_rope(states, h, w)
         keys = [state.keys for state in states]
         values = [state.values for state in states]
         target_pass = self._compiled_target if self.compiled else self._target_pass
-        return target_pass(self.weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
+        return target_pass(weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
 
     def _target_pass(self, w: dict, x, sigma, cos, sin, keys, values) -> mx.array:
         """The target pass as a pure function of arrays (weights included), so `mx.compile`
@@ -378,7 +435,7 @@ class QwenImage21DiT:
         scale1, gate1, scale2, gate2 = self.modulation(w, temb)
         gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
         eps = self.config.eps
-        hidden = linear(x, w["img_in"])
+        hidden = project(w, "img_in", x)
         for index, block in enumerate(w["blocks"]):
             q, k, v = self.qkv(block, layer_norm(hidden, eps) * (1 + scale1), cos, sin)
             prefix = [
@@ -388,9 +445,9 @@ class QwenImage21DiT:
             attended = self._target_attention(prefix, q, k, v)
             hidden = hidden + gate1 * self.attention_out(block, attended)
             hidden = hidden + gate2 * self.mlp(block, layer_norm(hidden, eps) * (1 + scale2))
-        out_scale = linear(silu(temb), w["norm_out"])[:, None, :]
+        out_scale = project(w, "norm_out", silu(temb))[:, None, :]
         hidden = layer_norm(hidden, eps) * (1 + out_scale)
-        return linear(hidden, w["proj_out"])
+        return project(w, "proj_out", hidden)
 
     def _target_rope(self, states: list[PrefixState], h: int, w: int):
         """(B or 1, N, 1, D/2) tables; rows differ only by their frame position."""
