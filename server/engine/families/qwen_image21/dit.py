@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...lora import LinearSlot, project
 from ...weights import load_weights, read_config
 
 ROPE_THETA = 10000.0
@@ -174,26 +175,6 @@ def layer_norm(x: mx.array, eps: float) -> mx.array:
     return mx.fast.layer_norm(x, None, None, eps)
 
 
-def linear(x: mx.array, weight: mx.array) -> mx.array:
-    return x @ weight.T
-
-
-# Keys of a LoRA table's low-rank pair beside a fused weight `name` in the weight tree: the
-# down matrix (R, in) and the up matrix (out, R) with strength and scale folded in.
-LORA_DOWN = ".lora_down"
-LORA_UP = ".lora_up"
-
-
-def project(w: dict, name: str, x: mx.array) -> mx.array:
-    """x through the linear weight w[name], plus the low-rank term (x A^T) B^T of a LoRA table
-    when the tree carries a pair for it (server/engine/lora.py builds such trees)."""
-    out = linear(x, w[name])
-    down = w.get(name + LORA_DOWN)
-    if down is not None:
-        out = out + linear(linear(x, down), w[name + LORA_UP])
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Weights: the diffusers names mapped to fused arrays, in one place
 
@@ -217,17 +198,6 @@ TOP_LINEARS = {
     "norm_out": "norm_out.linear",
     "proj_out": "proj_out",
 }
-
-
-@dataclass(frozen=True)
-class LinearSlot:
-    """Where a linear layer (diffusers name) lives in the weight tree: the fused weight's tree
-    key, its block index (None outside the blocks), and which of `parts` row groups it is."""
-
-    key: str
-    block: int | None
-    part: int = 0
-    parts: int = 1
 
 
 def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:

@@ -15,9 +15,10 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
+from ...lora import TableWeights
 from ...schedules import qwen_image21_rule
 from ...weights import component_bytes, read_config, read_header, weight_files
-from .dit import QwenImage21DiT, default_compute_dtype, dtype_name
+from .dit import QwenImage21DiT, default_compute_dtype, dtype_name, linear_slots
 from .step import PrefixCache, denoise_step
 
 FAMILY = "qwen_image21"
@@ -171,6 +172,7 @@ class QwenImage21Model:
         self.vae = vae
         self.encoder = encoder
         self.prefix_cache = PrefixCache(prefix_budget_bytes)
+        self.tables = TableWeights(dit.weights, linear_slots(dit.config), dit.dtype)
         self._status = describe(self.model_dir, model_id, dit.dtype)
 
     def status(self) -> dict:
@@ -212,7 +214,12 @@ class QwenImage21Model:
             convention=convention,
             run=run,
             table_id=_table_id(table),
+            weights=self.tables.weights_for(table),
         )
+
+    def check_patch_table(self, table) -> None:
+        """Refuse a patch table whose keys or shapes do not fit this DiT (called at PUT time)."""
+        self.tables.check(table)
 
     def end_run(self, run: str) -> None:
         self.prefix_cache.end_run(run)
@@ -236,6 +243,7 @@ class QwenImage21Model:
 
     def close(self) -> None:
         self.prefix_cache.clear()
+        self.tables.clear()
         self.dit = self.vae = self.encoder = None
         mx.clear_cache()
 

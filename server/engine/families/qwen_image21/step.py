@@ -183,8 +183,10 @@ def denoise_step(
     convention: str = "comfy",
     run: str | None = None,
     table_id: str | None = None,
+    weights: dict | None = None,
 ) -> StepResult:
-    """Model output sign * dx/dsigma (float32, x's shape) for x (B, C, h, w), one row per entry."""
+    """Model output sign * dx/dsigma (float32, x's shape) for x (B, C, h, w), one row per entry.
+    `weights`: the tree of the patch table `table_id` (server/engine/lora.py), None for none."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != dit.config.in_channels:
         raise EngineInputError(
@@ -198,9 +200,9 @@ def denoise_step(
     header = prefix_header(plans, cache)
 
     started = time.perf_counter()
-    states, fresh = _states_for(dit, cache, plans, run)
+    states, fresh = _states_for(dit, cache, plans, run, weights)
     tokens = mx.array(x.reshape(batch, channels, h * w).transpose(0, 2, 1))
-    out = dit.target_forward(tokens, mx.array(sigma), states, h, w)
+    out = dit.target_forward(tokens, mx.array(sigma), states, h, w, weights)
     mx.eval(out, *[array for state in fresh for array in (*state.keys, *state.values)])
     forward_ms = (time.perf_counter() - started) * 1000.0
 
@@ -210,7 +212,7 @@ def denoise_step(
     return StepResult(out=result, prefix_cache=header, forward_ms=forward_ms)
 
 
-def _states_for(dit, cache: PrefixCache, plans: list[RowPlan], run: str | None):
+def _states_for(dit, cache: PrefixCache, plans: list[RowPlan], run: str | None, weights):
     """The prefix state of each row: held ones reused, the others built (once per key within the
     call) and stored unless the row opted out. Returns (states, those built now)."""
     states, fresh, built = [], [], {}
@@ -220,7 +222,7 @@ def _states_for(dit, cache: PrefixCache, plans: list[RowPlan], run: str | None):
             state = built.get(plan.key) if plan.cache else None
         if state is None:
             state = dit.prefix_state(
-                plan.layout, mx.array(plan.cond), [mx.array(r) for r in plan.refs]
+                plan.layout, mx.array(plan.cond), [mx.array(r) for r in plan.refs], weights
             )
             fresh.append(state)
             if plan.cache:

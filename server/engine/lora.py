@@ -1,0 +1,225 @@
+"""LoRA patch tables applied to an MLX DiT as low-rank pairs (CONTRACT.md 2.9).
+
+A table (built and schema-checked by the steps service: `PatchTable` of `PatchEntry` of
+`LoraPatch`, up/down as float32 matrices) patches linear layers named as the model's manifest
+names them. A DiT declares its linear layers as `LinearSlot`s: where each one lives in its
+weight tree, which may hold several layers fused along the output rows (q/k/v as one matrix).
+
+Application is low-rank: a linear with a table's pair computes x W^T + (x A^T) B^T (see
+`project`), never a merged copy of W. Measured in docs/benchmarks.md ("LoRA"): the low-rank
+term costs a few per cent of a step, while a merged copy costs a second copy of every patched
+weight per table (gigabytes at full size) and a merge whenever tables alternate.
+
+Every patch of a fused weight becomes one pair over the whole fused weight: its up matrix is
+placed at the layer's rows (and at a band's rows), its down matrix at a band's columns, the rest
+zero; strength x scale is folded into up. All pairs of one fused weight are concatenated along the
+rank, so patches on the same key and band add up and each fused weight gets one extra pair of
+matmuls whatever the number of patches. A tree carrying the pairs beside the plain weights (keys
+`<name>.lora_down`, `<name>.lora_up`) is what the forward receives for a step naming the table.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from .base import EngineInputError
+
+# Keys of a table's pair beside a linear weight `name` in a weight tree: the down matrix (R, in)
+# and the up matrix (out, R) with strength and scale folded in.
+LORA_DOWN = ".lora_down"
+LORA_UP = ".lora_up"
+
+# Weight trees of tables kept per model instance (least recently used dropped first).
+TABLE_BUDGET_BYTES = 1 << 30
+
+
+def linear(x: mx.array, weight: mx.array) -> mx.array:
+    return x @ weight.T
+
+
+def project(w: dict, name: str, x: mx.array) -> mx.array:
+    """x through the linear weight w[name], plus the low-rank term (x A^T) B^T of a LoRA table
+    when the tree carries a pair for it."""
+    out = linear(x, w[name])
+    down = w.get(name + LORA_DOWN)
+    if down is not None:
+        out = out + linear(linear(x, down), w[name + LORA_UP])
+    return out
+
+
+@dataclass(frozen=True)
+class LinearSlot:
+    """Where a linear layer lives in a weight tree: the key of its (possibly fused) weight, at the
+    top of the tree (`block` None) or in `tree["blocks"][block]`, and which of `parts` equal row
+    groups of that weight it is."""
+
+    key: str
+    block: int | None
+    part: int = 0
+    parts: int = 1
+
+    def node(self, tree: dict) -> dict:
+        return tree if self.block is None else tree["blocks"][self.block]
+
+    def layer_shape(self, tree: dict) -> tuple[int, int]:
+        rows, cols = self.node(tree)[self.key].shape
+        return rows // self.parts, cols
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One patch over its whole fused weight: down (r, in) and up (fused rows, r), float32."""
+
+    down: np.ndarray
+    up: np.ndarray
+
+
+def table_pairs(
+    table: Any, slots: dict[str, LinearSlot], tree: dict
+) -> dict[LinearSlot, list[Pair]]:
+    """Every live patch of a table placed on its fused weight, grouped by the weight it patches
+    (slots of one fused weight share it: keyed by (block, key) through a part-0 slot). Refuses,
+    as EngineInputError, a key that is not a linear layer and shapes that do not fit."""
+    grouped: dict[LinearSlot, list[Pair]] = {}
+    for index, entry in enumerate(table.entries):
+        where = f"entries[{index}] (key {entry.key!r})"
+        slot = slots.get(entry.layer)  # the key less its prefix and `.weight` (the service's)
+        if slot is None:
+            raise EngineInputError(
+                f"{where}: {entry.layer!r} is not a linear layer of this DiT; keys name the manifest's "
+                "linear weights, e.g. transformer_blocks.0.attn.to_q.weight"
+            )
+        rows, cols = _band_window(slot.layer_shape(tree), entry.band, where)
+        fused = LinearSlot(slot.key, slot.block, 0, slot.parts)
+        for j, patch in enumerate(entry.patches):
+            pair = _place(slot, tree, rows, cols, patch, f"{where} patches[{j}]")
+            if pair is not None:
+                grouped.setdefault(fused, []).append(pair)
+    return grouped
+
+
+def _band_window(shape: tuple[int, int], band, where: str) -> tuple[range, range]:
+    """The rows and columns of the layer a patch covers: all, or the band's slice."""
+    out_dim, in_dim = shape
+    rows, cols = range(out_dim), range(in_dim)
+    if band is None:
+        return rows, cols
+    dim, start, length = band
+    size = out_dim if dim == 0 else in_dim
+    if start + length > size:
+        side = "output rows" if dim == 0 else "input columns"
+        raise EngineInputError(
+            f"{where}: band {list(band)} runs past the layer's {size} {side} (weight {list(shape)})"
+        )
+    window = range(start, start + length)
+    return (window, cols) if dim == 0 else (rows, window)
+
+
+def _place(slot: LinearSlot, tree: dict, rows: range, cols: range, patch, where: str):
+    """A patch as a Pair over the fused weight, or None when its strength is 0 (no change)."""
+    up, down = patch.up, patch.down
+    if up.shape[0] != len(rows) or down.shape[1] != len(cols):
+        raise EngineInputError(
+            f"{where}: up {list(up.shape)} and down {list(down.shape)} do not fit a patch of "
+            f"{len(rows)} output rows and {len(cols)} input columns (the layer or its band)"
+        )
+    factor = float(patch.strength) * float(patch.scale)
+    if factor == 0.0:
+        return None
+    out_dim, in_dim = slot.layer_shape(tree)
+    rank = down.shape[0]
+    first_row = slot.part * out_dim + rows.start
+    placed_up = np.zeros((out_dim * slot.parts, rank), np.float32)
+    placed_up[first_row : first_row + len(rows)] = up * np.float32(factor)
+    placed_down = np.zeros((rank, in_dim), np.float32)
+    placed_down[:, cols.start : cols.stop] = down
+    return Pair(down=placed_down, up=placed_up)
+
+
+def patched_tree(tree: dict, grouped: dict[LinearSlot, list[Pair]], dtype: mx.Dtype) -> dict:
+    """A shallow copy of the weight tree with each patched weight's concatenated pair beside it
+    (the plain weights are shared, never copied); the tree itself when nothing is patched."""
+    if not grouped:
+        return tree
+    patched = dict(tree)
+    patched["blocks"] = [dict(block) for block in tree["blocks"]]
+    for slot, pairs in grouped.items():
+        node = slot.node(patched)
+        node[slot.key + LORA_DOWN] = mx.array(np.concatenate([p.down for p in pairs])).astype(dtype)
+        node[slot.key + LORA_UP] = mx.array(np.concatenate([p.up for p in pairs], 1)).astype(dtype)
+    return patched
+
+
+def pair_bytes(tree: dict) -> int:
+    """Bytes of the pairs a patched tree carries."""
+    nodes = [tree, *tree["blocks"]]
+    return sum(
+        array.nbytes
+        for node in nodes
+        for key, array in node.items()
+        if key.endswith(LORA_DOWN) or key.endswith(LORA_UP)
+    )
+
+
+class TableWeights:
+    """The weight trees of one model instance's patch tables, built on demand from the tables
+    and kept least-recently-used within a byte budget (the newest always stays). They die with
+    the instance, as its tables do."""
+
+    def __init__(
+        self,
+        tree: dict,
+        slots: dict[str, LinearSlot],
+        dtype: mx.Dtype,
+        budget_bytes: int = TABLE_BUDGET_BYTES,
+    ):
+        self.tree = tree
+        self.slots = slots
+        self.dtype = dtype
+        self.budget_bytes = budget_bytes
+        self._trees: OrderedDict[str, tuple[dict, int]] = OrderedDict()
+
+    def check(self, table: Any) -> None:
+        """Refuse a table that does not fit this DiT (EngineInputError, answered 400); a table
+        that fits is prepared now, so its first step need not."""
+        self._prepare(table)
+
+    def weights_for(self, table: Any | None) -> dict:
+        """The tree a step runs under: the plain weights, or the table's patched tree."""
+        if table is None:
+            return self.tree
+        held = self._trees.get(table.table_id)
+        if held is not None:
+            self._trees.move_to_end(table.table_id)
+            return held[0]
+        return self._prepare(table)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(size for _, size in self._trees.values())
+
+    def __len__(self) -> int:
+        return len(self._trees)
+
+    def clear(self) -> None:
+        self._trees.clear()
+
+    def _prepare(self, table: Any) -> dict:
+        grouped = table_pairs(table, self.slots, self.tree)
+        tree = patched_tree(self.tree, grouped, self.dtype)
+        mx.eval([leaf for slot in grouped for leaf in _pair_leaves(tree, slot)])
+        self._trees[table.table_id] = (tree, pair_bytes(tree))
+        self._trees.move_to_end(table.table_id)
+        while self.held_bytes > self.budget_bytes and len(self._trees) > 1:
+            self._trees.popitem(last=False)
+        return tree
+
+
+def _pair_leaves(tree: dict, slot: LinearSlot) -> list[mx.array]:
+    node = slot.node(tree)
+    return [node[slot.key + LORA_DOWN], node[slot.key + LORA_UP]]
