@@ -1,0 +1,187 @@
+"""LoRA over HTTP on a live server with the real Qwen-Image 2.1 family: adapters, patch tables,
+steps naming a table, refusals and a table dying with its model instance."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import requests
+from gmlx_contract import wire
+from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
+from gmlx_server.app import ServerThread, build_context, create_app, make_server
+from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine.base import StepRow
+from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.routes.common import PREFIX
+
+from tests.lora.conftest import MODEL_ID
+from tests.lora.forms import client_table, manifest_layers, random_lora, write_form
+from tests.lora.reference import layer_shapes, plain_model
+
+HEADERS = {"X-Gmlx-Steps-Contract": "1.0"}
+CONTAINER = {**HEADERS, "Content-Type": wire.CONTAINER_TYPE}
+
+
+class Server:
+    def __init__(self, root) -> None:
+        config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
+        config = replace(config, image=ImageConfig())
+        self.ctx = build_context(config, ModelRegistry([root], MODEL_ID))
+        self.thread = ServerThread(make_server(create_app(self.ctx), config, port=0)).start()
+        self.url = f"http://127.0.0.1:{self.thread.port}{PREFIX}/"
+        self.session = requests.Session()
+
+    def put(self, path: str, body: bytes, json_body: bool = False, **params):
+        headers = {**HEADERS, "Content-Type": "application/json"} if json_body else CONTAINER
+        return self.session.put(self.url + path, data=body, headers=headers, params=params)
+
+    def upload(self, kind: str, array: np.ndarray) -> str:
+        digest = tensor_hash(array)
+        r = self.put(f"{kind}/{digest}", wire.write_container({"t": array}))
+        assert r.status_code == 200, r.text
+        return digest
+
+    def put_table(self, doc: dict, digest: str | None = None):
+        digest = digest or table_id(doc)
+        return self.put(f"patch-tables/{digest}", canonical_json(doc), True, model=MODEL_ID)
+
+    def step(self, x, sigma, cond_hash, table=None):
+        fields = {"rows": [{"cond": cond_hash}], "model": MODEL_ID, "patch_table": table}
+        body = wire.write_container({"x": x, "timestep": np.array([sigma], np.float32)}, fields)
+        return self.session.post(self.url + "step", data=body, headers=CONTAINER)
+
+    def close(self) -> None:
+        self.session.close()
+        self.thread.stop()
+        self.ctx.service.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder) -> Iterator[Server]:
+    live = Server(tiny_folder[0])
+    yield live
+    live.close()
+
+
+@pytest.fixture(scope="module")
+def lora_doc(tiny_folder, engine):
+    shapes = layer_shapes(plain_model(tiny_folder[1]))
+    files = [
+        (write_form(random_lora(shapes, seed=40), "kohya"), 0.9),
+        (write_form(random_lora(shapes, seed=41, rank=2), "comfy"), 0.5),
+    ]
+    return client_table(MODEL_ID, files, manifest_layers(engine.manifest()))
+
+
+def inputs(seed: int):
+    rng = np.random.default_rng(seed)
+    cond = rng.standard_normal((1, 7, 64)).astype(np.float32)
+    x = rng.standard_normal((1, 16, 4, 4)).astype(np.float32)
+    return cond, x
+
+
+def out_of(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return wire.read_container(response.content).tensors["out"]
+
+
+def test_a_step_with_a_table_equals_the_engine_direct(server, lora_doc):
+    doc, adapters = lora_doc
+    for array in adapters.values():
+        server.upload("adapters", array)
+    r = server.put_table(doc)
+    assert r.status_code == 200 and r.json() == {"id": table_id(doc)}
+    cond, x = inputs(50)
+    cond_hash = server.upload("tensors", cond)
+
+    first = server.step(x, 0.6, cond_hash, table_id(doc))
+    assert first.headers["X-Gmlx-Prefix-Cache"] == "miss"
+    again = server.step(x, 0.6, cond_hash, table_id(doc))
+    assert again.headers["X-Gmlx-Prefix-Cache"] == "hit"
+    untabled = server.step(x, 0.6, cond_hash)
+    assert untabled.headers["X-Gmlx-Prefix-Cache"] == "miss"  # the table is in the state's key
+
+    loaded = server.ctx.registry.loaded(MODEL_ID)
+    table = loaded.tables[table_id(doc)]
+    row = StepRow(cond=cond[0], cond_key=f"wire:{cond_hash}")
+
+    def direct(table):
+        return loaded.model.denoise_step(x, np.array([0.6], np.float32), [row], table=table).out
+
+    np.testing.assert_array_equal(out_of(first), server.ctx.service.worker.call(direct, table))
+    np.testing.assert_array_equal(out_of(again), out_of(first))
+    np.testing.assert_array_equal(out_of(untabled), server.ctx.service.worker.call(direct, None))
+    assert not np.allclose(out_of(first), out_of(untabled), atol=1e-3)
+
+
+def bad_table(key: str, up_shape, down_shape, band=None, **patch):
+    rng = np.random.default_rng(60)
+    up = rng.standard_normal(up_shape).astype(np.float32)
+    down = rng.standard_normal(down_shape).astype(np.float32)
+    entry = {
+        "key": key,
+        "band": band,
+        "patches": [{"up": tensor_hash(up), "down": tensor_hash(down), **patch}],
+    }
+    return {"entries": [entry]}, (up, down)
+
+
+TO_Q = "diffusion_model.transformer_blocks.0.attn.to_q.weight"
+
+
+@pytest.mark.parametrize(
+    "doc_and_pair, message",
+    [
+        (bad_table("diffusion_model.transformer_blocks.9.attn.to_q.weight", (32, 2), (2, 32)),
+         "not a linear layer"),
+        (bad_table("diffusion_model.transformer_blocks.0.attn.to_q.bias", (32, 2), (2, 32)),
+         "bias"),
+        (bad_table(TO_Q, (32, 2), (2, 31)), "do not fit"),
+        (bad_table(TO_Q, (8, 2), (2, 32), band=[0, 30, 8]), "runs past"),
+        (bad_table(TO_Q, (32, 2), (2, 32), kind="loha"), "kind"),
+        (bad_table(TO_Q, (32, 2), (2, 32), strength_model=2.0), "strength_model"),
+        (bad_table(TO_Q, (32, 2), (2, 32), dora_scale=1.0), "unknown members"),
+    ],
+)  # fmt: skip
+def test_refusals_are_400_with_the_reason(server, doc_and_pair, message):
+    doc, pair = doc_and_pair
+    for array in pair:
+        server.upload("adapters", array)
+    r = server.put_table(doc)
+    assert r.status_code == 400 and message in r.json()["error"], r.text
+
+
+def test_absent_matrices_are_409_missing(server):
+    doc, (up, down) = bad_table(TO_Q, (32, 3), (3, 32))
+    r = server.put_table(doc)
+    assert r.status_code == 409
+    assert r.json()["missing"] == sorted({tensor_hash(up), tensor_hash(down)})
+
+
+def test_a_table_dies_with_its_model_instance(server, lora_doc):
+    doc, adapters = lora_doc
+    for array in adapters.values():
+        server.upload("adapters", array)
+    digest = table_id(doc)
+    assert server.put_table(doc).status_code == 200
+    cond, x = inputs(51)
+    cond_hash = server.upload("tensors", cond)
+    before = out_of(server.step(x, 0.3, cond_hash, digest))
+
+    r = server.session.post(server.url + "models/unload", json={"model": MODEL_ID}, headers=HEADERS)
+    assert r.status_code == 200 and r.json()["unloaded"] is True
+    r = server.step(x, 0.3, cond_hash, digest)  # the model loads again, without its tables
+    assert r.status_code == 409 and r.json()["missing"] == [digest]
+
+    assert server.put_table(doc).status_code == 200
+    np.testing.assert_array_equal(out_of(server.step(x, 0.3, cond_hash, digest)), before)
+
+
+def test_an_unknown_table_is_409_missing(server):
+    cond, x = inputs(52)
+    cond_hash = server.upload("tensors", cond)
+    r = server.step(x, 0.5, cond_hash, "ab" * 32)
+    assert r.status_code == 409 and r.json()["missing"] == ["ab" * 32]
