@@ -25,6 +25,7 @@ import falcon
 from gmlx_contract import version, wire
 from gmlx_contract.errors import ContractError
 
+from . import openai
 from .config import ServerConfig, is_loopback_host
 from .engine.registry import ModelRegistry
 from .routes import encode, models, runs, step, uploads, vae
@@ -150,7 +151,9 @@ class FrontGate:
                 413, "request_too_large", f"request body is over the limit of {limit} bytes"
             )
         req.context.json_parsed = False
-        if body and not container and body.strip():
+        # Multipart bodies (OpenAI image edits) are read by their route, not as JSON.
+        multipart = (req.content_type or "").split(";", 1)[0].strip() == "multipart/form-data"
+        if body and not container and not multipart and body.strip():
             try:
                 req.context.json = json.loads(body)
             except (ValueError, RecursionError):
@@ -239,6 +242,7 @@ def create_app(ctx: ServerContext) -> falcon.App:
     if ctx.config.image.steps_api:
         for path, resource in step_routes(ctx):
             app.add_route(PREFIX + "/" + path, resource)
+    openai.add_routes(app, ctx)
     return app
 
 

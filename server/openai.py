@@ -1,0 +1,369 @@
+"""The OpenAI image routes: POST /v1/images/generations and POST /v1/images/edits.
+
+They answer the OpenAI images API's shape, `{"created": <unix time>, "data": [{"b64_json":
+"<base64 PNG>"}, ...]}`, and refuse in its error shape, `{"error": {"message", "type", "param",
+"code"}}`. Images are sampled with the in-process sampler (`engine/sampling.py`) on the server's
+loaded model. Every model call (each encode, each step, each decode) is its own job on the image
+worker, so the steps of step clients and of these routes interleave in arrival order instead of
+one image holding the worker for its whole duration.
+
+Fields beyond OpenAI's, all optional: `seed` (int; default random), `steps` (int; default the
+model's own), `cfg` or `guidance` (float; default the model's own), `negative_prompt` (str),
+`sampler` ("euler"). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this
+server keeps no files). Sizes are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a
+generation, the first reference's size for an edit); over 2048x2048 pixels or a side over 4096
+is refused 413, as on the step routes.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import re
+import secrets
+import time
+from typing import Any
+
+import falcon
+import numpy as np
+from gmlx_contract import wire
+from gmlx_contract.errors import ContractError
+
+from .engine.sampling import SAMPLERS, DirectTransport, ImageRequest, generate, to_uint8
+
+log = logging.getLogger("gmlx.server")
+
+GENERATIONS_PATH = "/v1/images/generations"
+EDITS_PATH = "/v1/images/edits"
+MAX_IMAGES_PER_REQUEST = 10  # OpenAI's bound on n
+MAX_REFERENCES = 10
+DEFAULT_SIZE = (1024, 1024)
+SIZE_MULTIPLE = 16
+OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+
+
+class OpenAIError(Exception):
+    """A refusal in the OpenAI error shape."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def kind(self) -> str:
+        return {
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+            503: "server_error",
+        }.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return json.dumps({"error": error}).encode("utf-8")
+
+
+def handle_openai_error(req, resp, exc: OpenAIError, params) -> None:
+    resp.status = exc.status
+    resp.content_type = "application/json"
+    resp.data = exc.body()
+
+
+def add_routes(app: falcon.App, ctx: Any) -> None:
+    """Add the OpenAI image routes to the server's app (called by `app.create_app`)."""
+    app.add_error_handler(OpenAIError, handle_openai_error)
+    app.add_route(GENERATIONS_PATH, Generations(ctx))
+    app.add_route(EDITS_PATH, Edits(ctx))
+
+
+# ---------------------------------------------------------------- request fields
+
+
+def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
+    if value is None or value == "auto":
+        width, height = default
+    else:
+        match = SIZE_RE.match(value) if isinstance(value, str) else None
+        if match is None:
+            raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' or 'auto', not {value!r}", "size")
+        width, height = int(match.group(1)), int(match.group(2))
+    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
+        raise OpenAIError(
+            413,
+            f"size {width}x{height} is over the limit of 2048x2048 pixels or {wire.MAX_SIDE} "
+            "pixels a side",
+            "size",
+        )
+    if (
+        width < SIZE_MULTIPLE
+        or height < SIZE_MULTIPLE
+        or width % SIZE_MULTIPLE
+        or height % SIZE_MULTIPLE
+    ):
+        raise OpenAIError(
+            400,
+            f"size {width}x{height}: both sides must be positive multiples of {SIZE_MULTIPLE}",
+            "size",
+        )
+    return width, height
+
+
+def _int(fields: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = fields.get(name)
+    if value is None or value == "":
+        return default
+    if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise OpenAIError(400, f"{name} must be an integer from {low} to {high}", name)
+    return value
+
+
+def _float(fields: dict, name: str) -> float | None:
+    value = fields.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not np.isfinite(number) or not 0.0 <= number <= 100.0:
+        raise OpenAIError(400, f"{name} must be a number from 0 to 100", name)
+    return number
+
+
+def _text(fields: dict, name: str, required: bool = False) -> str | None:
+    value = fields.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or (required and not value.strip()):
+        raise OpenAIError(400, f"{name} must be a non-empty string", name)
+    return value
+
+
+def parse_job(fields: dict, default_size: tuple[int, int]) -> tuple[ImageRequest, int, str]:
+    """(the request of the first image, the number of images, the output format)."""
+    response_format = fields.get("response_format") or "b64_json"
+    if response_format == "url":
+        raise OpenAIError(
+            400,
+            "response_format 'url' is not served: this server keeps no image files; use 'b64_json'",
+            "response_format",
+        )
+    if response_format != "b64_json":
+        raise OpenAIError(400, "response_format must be 'b64_json'", "response_format")
+    output_format = fields.get("output_format") or "png"
+    if output_format not in OUTPUT_FORMATS:
+        raise OpenAIError(
+            400, f"output_format must be one of {', '.join(OUTPUT_FORMATS)}", "output_format"
+        )
+    sampler = fields.get("sampler") or "euler"
+    if sampler not in SAMPLERS:
+        raise OpenAIError(400, f"sampler must be one of {', '.join(SAMPLERS)}", "sampler")
+    guidance = _float(fields, "cfg")
+    if guidance is None:
+        guidance = _float(fields, "guidance")
+    width, height = parse_size(fields.get("size"), default_size)
+    seed = _int(fields, "seed", None, 0, 2**63 - 1)
+    request = ImageRequest(
+        prompt=_text(fields, "prompt", required=True),
+        negative=_text(fields, "negative_prompt"),
+        width=width,
+        height=height,
+        seed=secrets.randbelow(2**31) if seed is None else seed,
+        steps=_int(fields, "steps", None, 1, 1000),
+        cfg=guidance,
+        sampler=sampler,
+    )
+    count = _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST)
+    return request, count, output_format
+
+
+# ---------------------------------------------------------------- the work
+
+
+class ImageRoute:
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    @property
+    def service(self):
+        return self.ctx.service
+
+    def answer(
+        self,
+        resp: falcon.Response,
+        model: Any,
+        request: ImageRequest,
+        count: int,
+        output_format: str,
+    ) -> None:
+        try:
+            loaded = self.service.acquire(model or None)
+        except ContractError as exc:
+            raise OpenAIError(exc.status, exc.message, "model") from None
+        try:
+            images = [
+                self.one_image(loaded, _with_seed(request, request.seed + i), output_format)
+                for i in range(count)
+            ]
+        except ContractError as exc:
+            raise OpenAIError(exc.status, exc.message) from None
+        except ValueError as exc:  # engine input errors and sampler refusals are the client's
+            raise OpenAIError(400, str(exc) or type(exc).__name__) from None
+        finally:
+            self.service.release(loaded)
+        resp.status = 200
+        resp.content_type = "application/json"
+        resp.data = json.dumps(
+            {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
+        ).encode("utf-8")
+
+    def one_image(self, loaded: Any, request: ImageRequest, output_format: str) -> str:
+        transport = DirectTransport(loaded.model, call=self.service.worker.call)
+        status = self.service.worker.call(loaded.model.status)
+        latents, timings = generate(transport, status, request)
+        pixels = transport.decode(latents)
+        log.info(
+            "image %dx%d, %d steps, seed %d in %.2f s",
+            request.width,
+            request.height,
+            len(timings.step_s),
+            request.seed,
+            timings.image_s,
+        )
+        return encode_image(pixels, output_format)
+
+
+def _with_seed(request: ImageRequest, seed: int) -> ImageRequest:
+    from dataclasses import replace
+
+    return replace(request, seed=seed)
+
+
+def encode_image(pixels: np.ndarray, output_format: str) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(to_uint8(pixels)).save(buffer, format=OUTPUT_FORMATS[output_format])
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+class Generations(ImageRoute):
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        fields = json_fields(req)
+        request, count, output_format = parse_job(fields, DEFAULT_SIZE)
+        self.answer(resp, fields.get("model"), request, count, output_format)
+
+
+class Edits(ImageRoute):
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        if (req.content_type or "").split(";", 1)[0].strip() == "multipart/form-data":
+            fields, images = multipart_fields(req)
+        else:
+            fields = json_fields(req)
+            images = json_images(fields)
+        if not images:
+            raise OpenAIError(400, "an edit needs at least one reference image", "image")
+        if len(images) > MAX_REFERENCES:
+            raise OpenAIError(400, f"at most {MAX_REFERENCES} reference images", "image")
+        if fields.get("mask") is not None:
+            raise OpenAIError(400, "masks are not supported; send the image(s) only", "mask")
+        request, count, output_format = parse_job(fields, edit_size(images[0]))
+        from dataclasses import replace
+
+        request = replace(request, images=tuple(images))
+        self.answer(resp, fields.get("model"), request, count, output_format)
+
+
+def edit_size(image: np.ndarray) -> tuple[int, int]:
+    """The 'auto' size of an edit: the first reference's, down to multiples of 16 and within
+    the pixel limit (else the default size)."""
+    height, width = image.shape[:2]
+    width, height = width - width % SIZE_MULTIPLE, height - height % SIZE_MULTIPLE
+    if width < SIZE_MULTIPLE or height < SIZE_MULTIPLE or width * height > wire.MAX_PIXELS:
+        return DEFAULT_SIZE
+    return width, height
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def json_fields(req: falcon.Request) -> dict:
+    """The JSON object of the body (the front gate has parsed it already)."""
+    if getattr(req.context, "json_parsed", False):
+        doc = req.context.json
+    else:
+        body = getattr(req.context, "body", b"")
+        try:
+            doc = json.loads(body) if body and body.strip() else {}
+        except ValueError:
+            raise OpenAIError(400, "the body must be a JSON object") from None
+    if not isinstance(doc, dict):
+        raise OpenAIError(400, "the body must be a JSON object")
+    return doc
+
+
+def json_images(fields: dict) -> list[np.ndarray]:
+    """References of a JSON edit: `image` or `images`, each a base64 string, a base64 data URI,
+    or an object with `image_url` (data URI) or `b64_json`. Remote URLs are refused."""
+    values = fields.get("images", fields.get("image"))
+    if values is None:
+        return []
+    if not isinstance(values, list):
+        values = [values]
+    return [_decode(i, _base64_of(i, value)) for i, value in enumerate(values)]
+
+
+def _base64_of(index: int, value: Any) -> str:
+    if isinstance(value, dict):
+        value = value.get("b64_json") or value.get("image_url")
+        if isinstance(value, dict):
+            value = value.get("url")
+    if not isinstance(value, str):
+        raise OpenAIError(400, f"image {index} must be base64 text or a data URI", "image")
+    if value.startswith("data:"):
+        head, _, data = value.partition(",")
+        if not head.endswith(";base64"):
+            raise OpenAIError(400, f"image {index}: only base64 data URIs are read", "image")
+        return data
+    if value.startswith(("http://", "https://")):
+        raise OpenAIError(400, f"image {index}: remote URLs are not fetched; send base64", "image")
+    return value
+
+
+def _decode(index: int, text: str) -> np.ndarray:
+    from .routes.encode import decode_image
+
+    try:
+        return decode_image(index, text.strip())
+    except ContractError as exc:
+        raise OpenAIError(400, exc.message.replace("images[", "image["), "image") from None
+
+
+def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
+    """Fields and reference images of a multipart edit (`image`, `image[]` or `images[]`)."""
+    body = getattr(req.context, "body", None)
+    if body is None:
+        body = req.bounded_stream.read()
+    handler = req.options.media_handlers["multipart/form-data"]
+    fields: dict[str, Any] = {}
+    images: list[np.ndarray] = []
+    try:
+        for part in handler.deserialize(io.BytesIO(body), req.content_type, len(body)):
+            name = part.name or ""
+            if name in ("image", "image[]", "images", "images[]"):
+                data = part.stream.read()
+                images.append(_decode(len(images), base64.b64encode(data).decode("ascii")))
+            elif name == "mask":
+                fields["mask"] = True
+            else:
+                fields[name] = part.text
+    except falcon.HTTPError as exc:  # malformed multipart (Falcon's MediaMalformedError etc.)
+        raise OpenAIError(400, f"the multipart body could not be read: {exc.title}") from None
+    return fields, images

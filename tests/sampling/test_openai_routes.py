@@ -1,0 +1,132 @@
+"""The OpenAI image routes on a real server (loopback port) with the deterministic test model."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import requests
+from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.engine.sampling import ImageRequest, generate, to_uint8
+from gmlx_server.image_cli import ModelChoice, StepServer
+from PIL import Image
+
+from . import toy_family
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = toy_family.make_folder(tmp_path_factory.mktemp("models"))
+    registry = ModelRegistry(
+        extra_models=[folder], default_model=folder.name, families={"toy": toy_family}
+    )
+    with StepServer(ModelChoice(registry, folder.name, 0.0)) as running:
+        running.load()
+        yield running
+
+
+def png_pixels(b64: str) -> np.ndarray:
+    with Image.open(io.BytesIO(base64.b64decode(b64))) as image:
+        assert image.format == "PNG"
+        return np.asarray(image.convert("RGB"))
+
+
+def png_file(width: int, height: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def post(server, path, **kwargs):
+    return requests.post(server.base_url + path, timeout=60, **kwargs)
+
+
+def direct_pixels(server, request):
+    status = server.loaded.model.status()
+    transport = server.direct()
+    latents, _ = generate(transport, status, request)
+    return to_uint8(transport.decode(latents))
+
+
+def test_generation_answers_the_openai_shape_and_equals_direct(server):
+    doc = {"prompt": "a green hill", "size": "64x32", "n": 2, "seed": 11, "steps": 3, "cfg": 2.0}
+    resp = post(server, "/v1/images/generations", json=doc)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert set(body) == {"created", "data"} and isinstance(body["created"], int)
+    assert len(body["data"]) == 2 and set(body["data"][0]) == {"b64_json"}
+    first, second = (png_pixels(item["b64_json"]) for item in body["data"])
+    assert first.shape == (32, 64, 3)
+    assert not np.array_equal(first, second)  # seeds 11 and 12
+    request = ImageRequest(prompt="a green hill", width=64, height=32, seed=11, steps=3, cfg=2.0)
+    np.testing.assert_array_equal(first, direct_pixels(server, request))
+
+
+def test_generation_refusals(server):
+    cases = [
+        ({"prompt": "x", "response_format": "url"}, 400, "response_format"),
+        ({"prompt": "x", "size": "2064x2048"}, 413, "size"),
+        ({"prompt": "x", "size": "4112x16"}, 413, "size"),
+        ({"prompt": "x", "size": "100x100"}, 400, "size"),
+        ({"prompt": "x", "size": "big"}, 400, "size"),
+        ({"prompt": "", "size": "32x32"}, 400, "prompt"),
+        ({"size": "32x32"}, 400, "prompt"),
+        ({"prompt": "x", "n": 11}, 400, "n"),
+        ({"prompt": "x", "steps": 0}, 400, "steps"),
+        ({"prompt": "x", "model": "no-such-model", "size": "32x32"}, 404, "model"),
+    ]
+    for doc, status, param in cases:
+        resp = post(server, "/v1/images/generations", json=doc)
+        assert resp.status_code == status, (doc, resp.text)
+        error = resp.json()["error"]
+        assert isinstance(error["message"], str) and error["param"] == param, doc
+
+
+def test_edit_multipart_and_json_agree(server):
+    image = png_file(48, 32, 3)
+    fields = {"prompt": "make it blue", "seed": "5", "steps": "2", "size": "48x32"}
+    multipart = post(server, "/v1/images/edits", data=fields, files={"image": ("a.png", image)})
+    assert multipart.status_code == 200, multipart.text
+    uri = "data:image/png;base64," + base64.b64encode(image).decode()
+    as_json = post(
+        server, "/v1/images/edits", json={**fields, "seed": 5, "steps": 2, "images": [uri]}
+    )
+    assert as_json.status_code == 200, as_json.text
+    a = png_pixels(multipart.json()["data"][0]["b64_json"])
+    b = png_pixels(as_json.json()["data"][0]["b64_json"])
+    np.testing.assert_array_equal(a, b)
+    plain = post(server, "/v1/images/generations", json={**fields, "seed": 5, "steps": 2})
+    assert not np.array_equal(a, png_pixels(plain.json()["data"][0]["b64_json"]))
+
+
+def test_edit_auto_size_and_refusals(server):
+    image = png_file(40, 72, 4)  # auto size: 32x64 (down to multiples of 16)
+    resp = post(
+        server,
+        "/v1/images/edits",
+        data={"prompt": "x", "steps": "1"},
+        files={"image": ("a.png", image)},
+    )
+    assert resp.status_code == 200, resp.text
+    assert png_pixels(resp.json()["data"][0]["b64_json"]).shape == (64, 32, 3)
+    no_image = post(server, "/v1/images/edits", json={"prompt": "x"})
+    assert no_image.status_code == 400 and no_image.json()["error"]["param"] == "image"
+    masked = post(
+        server,
+        "/v1/images/edits",
+        data={"prompt": "x"},
+        files={"image": ("a.png", image), "mask": ("m.png", image)},
+    )
+    assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
+    remote = post(
+        server, "/v1/images/edits", json={"prompt": "x", "image": "https://example.com/a.png"}
+    )
+    assert remote.status_code == 400
+    garbage = post(
+        server,
+        "/v1/images/edits",
+        data={"prompt": "x"},
+        files={"image": ("a.png", b"not an image")},
+    )
+    assert garbage.status_code == 400
