@@ -49,7 +49,13 @@ def test_status_of_the_base_variant(loaded, base_folder):
     status = model.status()
     assert status["comfy"] == {"model_class": "QwenImage21", "image_model": "qwen_image21"}
     assert status["latent"] == {"channels": 16, "stride": 16, "patch": 1}
-    assert status["vae"] == {"channels_out": 4, "stride": 16}
+    vae_config = json.loads((base_folder[0] / "vae" / "config.json").read_text())
+    assert status["vae"] == {
+        "channels_out": 4,
+        "stride": 16,
+        "latents_mean": vae_config["latents_mean"],
+        "latents_std": vae_config["latents_std"],
+    }
     assert status["edit_capable"] is True
     assert status["compute_dtype"] == "f32"
     assert status["sampling"] == {

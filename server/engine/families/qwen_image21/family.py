@@ -97,7 +97,15 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
             "stride": LATENT_STRIDE,
             "patch": LATENT_PATCH,
         },
-        "vae": {"channels_out": vae_config.get("out_channels", 4), "stride": VAE_STRIDE},
+        "vae": {
+            "channels_out": vae_config.get("out_channels", 4),
+            "stride": VAE_STRIDE,
+            # Extension of CONTRACT.md 2.3: the normalisation from the VAE routes' latent space
+            # to the DiT's model space, (z - mean) / std, which a client such as the ComfyUI
+            # pack needs to move ComfyUI's LATENT into the step's space.
+            "latents_mean": [float(v) for v in vae_config["latents_mean"]],
+            "latents_std": [float(v) for v in vae_config["latents_std"]],
+        },
         "edit_capable": True,
         "sampling": sampling_row(model_dir),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
