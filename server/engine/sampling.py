@@ -9,8 +9,9 @@ same batch composition (x duplicated, the cond row then the uncond row) and this
 piece of arithmetic between the calls in numpy float32, so the two paths give bit-identical final
 latents (DESIGN.md, "Equal to direct").
 
-Noise is `numpy.random.default_rng(seed).standard_normal(shape, dtype=float32)` with shape
-(1, C, H / stride, W / stride) in the DiT's model latent space.
+Noise is ComfyUI's: `noise.comfy_noise(seed, (1, C, H / stride, W / stride))`, what torch's CPU
+`randn` gives after `manual_seed(seed)`, in the DiT's model latent space, so that ComfyUI's stock
+samplers and this sampler start from the same latents at the same seed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from gmlx_contract.hashing import tensor_hash
 
 from .base import EncodeResult, StepRow
+from .noise import comfy_noise
 
 SAMPLERS = ("euler",)
 
@@ -52,9 +54,9 @@ class Guidance:
 
 
 def initial_noise(seed: int, channels: int, latent_height: int, latent_width: int) -> np.ndarray:
-    """The starting latents (1, C, h, w), float32, in model space; the same for a seed everywhere."""
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((1, channels, latent_height, latent_width), dtype=np.float32)
+    """The starting latents (1, C, h, w), float32, in model space: ComfyUI's noise for the seed
+    (its `prepare_noise` on a LATENT of this shape)."""
+    return comfy_noise(seed, (1, channels, latent_height, latent_width))
 
 
 def linear_sigmas(steps: int) -> np.ndarray:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from gmlx_server.engine import sampling
+from gmlx_server.engine.noise import comfy_noise
 from gmlx_server.engine.sampling import Guidance
 
 
@@ -76,9 +77,8 @@ def test_noise_is_seeded_float32_in_model_space():
     assert a.shape == (1, 64, 4, 6) and a.dtype == np.float32
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
-    np.testing.assert_array_equal(
-        a, np.random.default_rng(7).standard_normal((1, 64, 4, 6), dtype=np.float32)
-    )
+    # ComfyUI's noise: torch.randn after torch.manual_seed(7) (tests/comfy/test_noise.py)
+    np.testing.assert_array_equal(a, comfy_noise(7, (1, 64, 4, 6)))
 
 
 def test_fixed_sigmas_win_and_refuse_another_step_count():
