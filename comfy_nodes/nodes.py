@@ -276,44 +276,6 @@ class GmlxEmptyLatent:
         return ({"samples": torch.zeros(shape, dtype=torch.float32)},)
 
 
-class ServerNoise:
-    """NOISE that equals `gmlx image sample`'s: numpy default_rng(seed) standard normal."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-
-    def generate_noise(self, input_latent: dict) -> torch.Tensor:
-        shape = tuple(input_latent["samples"].shape)
-        rng = np.random.default_rng(self.seed)
-        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
-
-
-class GmlxNoise:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "noise_seed": (
-                    "INT",
-                    {
-                        "default": 0,
-                        "min": 0,
-                        "max": 0xFFFFFFFFFFFFFFFF,
-                        "control_after_generate": True,
-                    },
-                )
-            }
-        }
-
-    RETURN_TYPES = ("NOISE",)
-    FUNCTION = "noise"
-    CATEGORY = CATEGORY
-    DESCRIPTION = "The server's own starting noise, so a run matches `gmlx image sample`."
-
-    def noise(self, noise_seed):
-        return (ServerNoise(noise_seed),)
-
-
 NODE_CLASS_MAPPINGS = {
     "GmlxModelLoader": GmlxModelLoader,
     "GmlxCLIPLoader": GmlxCLIPLoader,
@@ -321,7 +283,6 @@ NODE_CLASS_MAPPINGS = {
     "GmlxServerStatus": GmlxServerStatus,
     "GmlxSigmas": GmlxSigmas,
     "GmlxTextEncodeEdit": GmlxTextEncodeEdit,
-    "GmlxNoise": GmlxNoise,
     "GmlxEmptyLatent": GmlxEmptyLatent,
 }
 
@@ -332,6 +293,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "GmlxServerStatus": "gmlx Server Status",
     "GmlxSigmas": "gmlx Sigmas",
     "GmlxTextEncodeEdit": "gmlx Text Encode (Qwen-Image 2.1 edit)",
-    "GmlxNoise": "gmlx Noise (server seed)",
     "GmlxEmptyLatent": "gmlx Empty Latent",
 }

@@ -5,7 +5,7 @@ import pytest
 import torch
 from gmlx_comfy.clip import image_to_u8, prompt_text
 from gmlx_comfy.families import latent_normalisation
-from gmlx_comfy.nodes import ServerNoise, reference_size
+from gmlx_comfy.nodes import reference_size
 from gmlx_comfy.vae import chunks, crop_to_stride, match_channels
 
 
@@ -52,9 +52,13 @@ def test_reference_size_is_what_the_server_encodes_unchanged(w, h):
         assert (nw, nh) == (w, h)
 
 
-def test_server_noise_matches_the_server_sampler():
+def test_server_sampler_starts_from_comfy_noise():
+    """The stock RandomNoise / KSampler noise (comfy.sample.prepare_noise: manual_seed, then a
+    CPU randn of the LATENT's shape) is the server sampler's initial noise."""
     sampling = pytest.importorskip("gmlx_server.engine.sampling")
-    noise = ServerNoise(7).generate_noise({"samples": torch.zeros(1, 64, 4, 6)})
+    latent = torch.zeros(1, 64, 4, 6)
+    generator = torch.manual_seed(7)
+    noise = torch.randn(latent.size(), dtype=latent.dtype, generator=generator, device="cpu")
     np.testing.assert_array_equal(noise.numpy(), sampling.initial_noise(7, 64, 4, 6))
 
 
