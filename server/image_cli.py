@@ -310,7 +310,8 @@ class ViaStepsTransport:
         self.direct = direct
         self.model_id = model_id
         self.run: str | None = None
-        self.transport_ms: list[float] = []
+        self.transport_ms: list[float] = []  # wall - forward per step request
+        self.server_ms: list[float] = []  # X-Gmlx-Server-Ms - forward: the route's own part
         self.uploads: dict[str, np.ndarray] = {}
 
     def encode(self, text: str, images: Sequence[np.ndarray]):
@@ -347,7 +348,9 @@ class ViaStepsTransport:
             convention=self.convention,
             uploads=self.uploads,
         )
-        self.transport_ms.append(answer.wall_ms - (answer.forward_ms or 0.0))
+        forward = answer.forward_ms or 0.0
+        self.transport_ms.append(answer.wall_ms - forward)
+        self.server_ms.append((answer.server_ms or forward) - forward)
         return answer.out
 
     def end(self) -> None:
