@@ -11,11 +11,13 @@ same at every step. The forward is therefore split in two:
 - `target_forward(x, t, states, h, w)`: runs only the target tokens, attending to [prefix, target].
 
 Both are free of host synchronisation (no `.item()`, no branching on array values): every shape
-and mask comes from the host-side `PrefixLayout`, so `mx.compile` can trace them.
+and mask comes from the host-side `PrefixLayout`, so `mx.compile` can trace them. On the CPU
+backend in float32, attention and SiLU use `engine/cpu_ops.py` (MLX's CPU exp is scalar: see there).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -25,8 +27,11 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ... import cpu_ops
 from ...lora import LinearSlot, project
 from ...weights import load_weights, read_config
+
+log = logging.getLogger(__name__)
 
 ROPE_THETA = 10000.0
 TIME_PROJ_DIM = 256
@@ -261,6 +266,9 @@ class QwenImage21DiT:
         # modulation, gates) fuses. GMLX_DIT_COMPILE=0 runs it eagerly.
         self.compiled = os.environ.get("GMLX_DIT_COMPILE", "1") != "0"
         self._compiled_target = mx.compile(self._target_pass)
+        if self.compiled:
+            cpu_ops.note_missing_compiler()
+        self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod
     def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> QwenImage21DiT:
@@ -315,6 +323,13 @@ class QwenImage21DiT:
     def scale(self) -> float:
         return 1.0 / math.sqrt(self.config.head_dim)
 
+    def attention(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """Unmasked attention; on the CPU backend in float32 the blocked exp2 form of cpu_ops
+        (MLX's CPU SDPA is matmul, scalar-exp softmax, matmul over the whole score matrix)."""
+        if self.cpu_ops:
+            return cpu_ops.attention(q, k, v, self.scale)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+
     # -- the prefix ------------------------------------------------------------------------
 
     def prefix_state(
@@ -365,15 +380,15 @@ class QwenImage21DiT:
         outputs, start = [], 0
         for kind, _, length in layout.pieces:
             end = start + length
-            outputs.append(
-                mx.fast.scaled_dot_product_attention(
-                    q[:, :, start:end],
-                    k[:, :, :end],
-                    v[:, :, :end],
-                    scale=self.scale,
-                    mask="causal" if kind == "text" else None,
+            piece_q, piece_k, piece_v = q[:, :, start:end], k[:, :, :end], v[:, :, :end]
+            if kind == "text":
+                outputs.append(
+                    mx.fast.scaled_dot_product_attention(
+                        piece_q, piece_k, piece_v, scale=self.scale, mask="causal"
+                    )
                 )
-            )
+            else:
+                outputs.append(self.attention(piece_q, piece_k, piece_v))
             start = end
         return mx.concatenate(outputs, axis=2)
 
@@ -395,8 +410,19 @@ class QwenImage21DiT:
         cos, sin = self._target_rope(states, h, w)
         keys = [state.keys for state in states]
         values = [state.values for state in states]
-        target_pass = self._compiled_target if self.compiled else self._target_pass
-        return target_pass(weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
+        arguments = (weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
+        if self.compiled:
+            try:
+                out = self._compiled_target(*arguments)
+                # Evaluated here so that a failing run-time compile surfaces in this try.
+                mx.eval(out)
+                return out
+            except RuntimeError as error:
+                if not cpu_ops.compile_failed(error):
+                    raise
+                self.compiled = False
+                log.warning("mx.compile failed, the DiT runs eagerly from now on: %s", error)
+        return self._target_pass(*arguments)
 
     def _target_pass(self, w: dict, x, sigma, cos, sin, keys, values) -> mx.array:
         """The target pass as a pure function of arrays (weights included), so `mx.compile`
@@ -435,11 +461,7 @@ class QwenImage21DiT:
         for row, (prefix_keys, prefix_values) in enumerate(prefix):
             keys = mx.concatenate([prefix_keys, k[row : row + 1]], axis=2)
             values = mx.concatenate([prefix_values, v[row : row + 1]], axis=2)
-            outputs.append(
-                mx.fast.scaled_dot_product_attention(
-                    q[row : row + 1], keys, values, scale=self.scale
-                )
-            )
+            outputs.append(self.attention(q[row : row + 1], keys, values))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
 
     @property
@@ -456,7 +478,8 @@ def gelu_tanh(x: mx.array) -> mx.array:
 
 
 def silu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(x)
+    sigmoid = cpu_ops.sigmoid if cpu_ops.use_cpu_ops(x.dtype) else mx.sigmoid
+    return x * sigmoid(x)
 
 
 def default_compute_dtype() -> mx.Dtype:

@@ -1,0 +1,145 @@
+"""Transcendental-heavy ops rewritten for MLX's Linux CPU backend, and a guard for `mx.compile`.
+
+Why this exists (measured in bench/mlx_ops.py, docs/benchmarks.md "DiT forward"): the Linux
+`mlx[cpu]` wheel is built for baseline x86-64 and its CPU kernels run one element at a time
+(`Simd<T, 1>`). `mx.exp` is a Cephes polynomial whose `floor` is a libm call per element, so it
+never vectorises: about 18 ns per float32, 50x numpy's. `mx.softmax` and the CPU fallback of
+`mx.fast.scaled_dot_product_attention` pay that per score, and `mx.sigmoid`/`mx.tanh` (libm)
+about 40 ns. Plain arithmetic, integer shifts and casts do vectorise, eager and in the kernels
+that `mx.compile` builds with g++ at run time. So exp2 is written here from those pieces:
+round by a magic-number add, a degree-6 polynomial for the fraction, and the power of two built
+in the exponent bits. Attention then runs in blocks of query rows whose scores stay in cache,
+with the softmax denominator taken by the P @ [V, 1] matmul instead of a separate reduction.
+
+Everything here is free of host synchronisation, so it traces under `mx.compile`.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+LOG2_E = 1.4426950408889634
+# 2**f for f in [-0.5, 0.5], highest power first (the Cephes exp2f coefficients MLX uses too).
+_EXP2_COEFFICIENTS = (
+    1.535336188319500e-4,
+    1.339887440266574e-3,
+    9.618437357674640e-3,
+    5.550332471162809e-2,
+    2.402264791363012e-1,
+    6.931472028550421e-1,
+    1.0,
+)
+# 1.5 * 2**23: (x + c) - c rounds a float32 |x| < 2**22 to the nearest integer, with no libm call.
+_ROUND_MAGIC = 12582912.0
+# Bytes of scores one attention block may hold: small enough to stay in a core's L2 with the
+# exponentials beside it, large enough that each block's matmuls keep the BLAS busy.
+SCORE_BLOCK_BYTES = 2 << 20
+_MIN_BLOCK_ROWS = 32
+
+
+def exp2_nonpositive(x: mx.array) -> mx.array:
+    """2**x for finite float32 x <= 0, relative error about 1e-7. Below -127 it returns 0
+    (2**-127 is under float32's normal range; nothing here needs subnormals); -inf gives NaN,
+    so masks must use a finite large negative instead."""
+    rounded = (x + _ROUND_MAGIC) - _ROUND_MAGIC
+    fraction = x - rounded
+    power = _EXP2_COEFFICIENTS[0]
+    for coefficient in _EXP2_COEFFICIENTS[1:]:
+        power = power * fraction + coefficient
+    exponent = mx.maximum(rounded.astype(mx.int32), -127) + 127
+    return power * (exponent << 23).view(mx.float32)
+
+
+def sigmoid(x: mx.array) -> mx.array:
+    """1 / (1 + e^-x) for float32 x, from e = e^-|x| <= 1 (no overflow): 1 / (1 + e) where
+    x >= 0 and e / (1 + e) below, picked by arithmetic on sign(x) rather than a select (MLX's
+    boolean kernels do not vectorise). Relative error about 2e-6. Finite |x| < 2e38 (beyond,
+    -|x| log2 e overflows to -inf and exp2 has no infinity path)."""
+    e = exp2_nonpositive(mx.abs(x) * -LOG2_E)
+    step = (mx.sign(x) + 1.0) * 0.5
+    return (e + (1.0 - e) * step) / (1.0 + e)
+
+
+def use_cpu_ops(dtype: mx.Dtype) -> bool:
+    """Whether the rewritten ops apply: float32 on the CPU backend (GPU backends have fused,
+    vectorised kernels of their own, and the rounding trick is float32's)."""
+    return dtype == mx.float32 and mx.default_device() == mx.cpu
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """softmax(q k^T * scale) v without a mask, for float32 q (B, H, N, D), k and v (B, H, M, D).
+
+    Scores are computed in blocks of (heads, query rows) of about SCORE_BLOCK_BYTES each, in
+    log2 units (scale * log2 e folded into q), so each block's max, exp2 and matmuls run on
+    data in cache. A dependency chains the blocks: MLX would otherwise schedule up to 20 of
+    them side by side (its breadth-first evaluation), and blocks too large for its allocator's
+    cache cost a page fault per 4 KiB on every call."""
+    heads, rows_total, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    keys = k.shape[2]
+    q = q * (scale * LOG2_E)
+    keys_t = k.swapaxes(-1, -2)
+    # A ones column: P @ [V, 1] yields the numerator and the softmax denominator together.
+    values = mx.concatenate([v, mx.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
+    rows, group = _block_shape(heads, rows_total, keys)
+    head_outputs, previous = [], None
+    for h0 in range(0, heads, group):
+        heads_here = slice(h0, h0 + group)
+        row_outputs = []
+        for r0 in range(0, rows_total, rows):
+            block_q = q[:, heads_here, r0 : r0 + rows]
+            if previous is not None:
+                block_q = mx.depends(block_q, previous)
+            scores = block_q @ keys_t[:, heads_here]
+            weights = exp2_nonpositive(scores - scores.max(axis=-1, keepdims=True))
+            weighted = weights @ values[:, heads_here]
+            previous = weighted[..., :head_dim] / weighted[..., head_dim:]
+            row_outputs.append(previous)
+        head_outputs.append(_concatenate(row_outputs, axis=2))
+    return _concatenate(head_outputs, axis=1)
+
+
+def _block_shape(heads: int, rows_total: int, keys: int) -> tuple[int, int]:
+    """(query rows, heads) per block: whole heads while a head's rows fit the budget, else at
+    least _MIN_BLOCK_ROWS rows of one head."""
+    rows_in_budget = SCORE_BLOCK_BYTES // (4 * keys)
+    if rows_in_budget >= rows_total:
+        return rows_total, max(1, min(heads, rows_in_budget // rows_total))
+    return max(_MIN_BLOCK_ROWS, rows_in_budget), 1
+
+
+def _concatenate(arrays: list[mx.array], axis: int) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# mx.compile on the CPU backend
+
+
+def compile_failed(error: BaseException) -> bool:
+    """Whether `error` (raised while evaluating a compiled function) is MLX's CPU compiler
+    failing: g++ present but unable to build the kernel, or no usable temporary directory for
+    the kernel sources (TMPDIR naming a missing folder)."""
+    text = str(error)
+    return "[Compile::" in text or "temp_directory_path" in text
+
+
+def note_missing_compiler() -> None:
+    """Log once when mx.compile cannot fuse on the CPU backend: MLX runs `g++` from PATH to
+    build fused kernels, and without it compiled functions silently run op by op."""
+    global _compiler_noted
+    if _compiler_noted or mx.default_device() != mx.cpu:
+        return
+    _compiler_noted = True
+    if shutil.which("g++") is None:
+        log.info(
+            "no g++ on PATH: mx.compile runs op by op on the CPU backend "
+            "(install g++ for fused elementwise kernels)"
+        )
+
+
+_compiler_noted = False
