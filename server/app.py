@@ -277,10 +277,12 @@ def build_context(config: ServerConfig, registry: ModelRegistry) -> ServerContex
 
 # ---------------------------------------------------------------- Waitress
 
-# Step bodies reach megabytes: 16 rows of 64x128x128 float32 latents are 64 MiB each way. Bodies
-# below these thresholds stay in memory instead of spilling to temporary files.
-BUFFER_BYTES = 96 * (1 << 20)
+# Step bodies reach megabytes: 16 rows of 64x128x128 float32 latents are 64 MiB each way, and a
+# VAE decode of 16 RGBA 2048x2048 images answers 1 GiB. No body may spill to a temporary file
+# (nothing a request carries is written to disk), so the buffers hold the largest body the gate
+# lets in, plus one read that may carry a chunked body past its limit before it is refused.
 RECV_BYTES = 256 * 1024
+BUFFER_BYTES = wire.MAX_CONTAINER_BYTES + RECV_BYTES + 1
 
 
 def waitress_options(config: ServerConfig) -> dict:
@@ -290,8 +292,9 @@ def waitress_options(config: ServerConfig) -> dict:
         "outbuf_overflow": BUFFER_BYTES,
         "outbuf_high_watermark": 2 * BUFFER_BYTES,
         "recv_bytes": RECV_BYTES,
-        # Waitress refuses larger bodies itself, before reading them; ours answer 413 in JSON.
-        "max_request_body_size": wire.MAX_CONTAINER_BYTES,
+        # Waitress' own check refuses Content-Length >= this; http_gate refuses a body over the
+        # limit of its content type before reading it, so this only backs it up.
+        "max_request_body_size": BUFFER_BYTES,
         "channel_timeout": 300,
         "ident": "gmlx",
         "clear_untrusted_proxy_headers": True,
@@ -300,10 +303,10 @@ def waitress_options(config: ServerConfig) -> dict:
 
 def make_server(app: falcon.App, config: ServerConfig, port: int | None = None):
     """A Waitress server for the app (port 0: an ephemeral port, see `.effective_port`)."""
-    from waitress.server import create_server
+    from .http_gate import gated_server
 
     port = config.port if port is None else port
-    return create_server(app, host=config.host, port=port, **waitress_options(config))
+    return gated_server(app, host=config.host, port=port, **waitress_options(config))
 
 
 class ServerThread:
