@@ -83,6 +83,16 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
     return t.float().contiguous().numpy()
 
 
+def _version(tensor: Any) -> int:
+    """A tensor's in-place version counter. Inference tensors keep none (ComfyUI loads LoRA
+    files under torch.inference_mode) and count as version 0, as numpy arrays do: they are
+    then memoised by object alone, which holds because nothing edits LoRA matrices in place."""
+    try:
+        return int(getattr(tensor, "_version", 0))
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return 0
+
+
 class AdapterHashes:
     """Hashes of adapter matrices, memoised per tensor object and its in-place version."""
 
@@ -90,7 +100,7 @@ class AdapterHashes:
         self._memo: dict[int, tuple[Any, int, str, np.ndarray]] = {}
 
     def hash(self, tensor: Any) -> tuple[str, np.ndarray]:
-        version = int(getattr(tensor, "_version", 0))
+        version = _version(tensor)
         held = self._memo.get(id(tensor))
         if held is not None and held[0]() is tensor and held[1] == version:
             return held[2], held[3]

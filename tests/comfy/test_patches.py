@@ -172,3 +172,13 @@ def test_refusals_by_name(value, entry_kw, words):
 def test_hook_patches_are_refused():
     with pytest.raises(GmlxError, match="hook"):
         build_table("m", {}, AdapterHashes(), hook_patches={"ref": {KEY_Q: []}})
+
+
+def test_inference_tensors_hash_without_a_version_counter():
+    """ComfyUI loads LoRA files under torch.inference_mode; their tensors keep no version."""
+    with torch.inference_mode():
+        up = torch.randn(6, 2)
+    hashes = AdapterHashes()
+    digest, array = hashes.hash(up)
+    assert digest == tensor_hash(up.numpy())
+    assert hashes.hash(up)[0] == digest
