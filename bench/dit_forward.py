@@ -10,9 +10,16 @@ each latent size it times, median of `--repeats` after one warm-up:
   mlx cached     target pass on a held prefix state, what a step with a prefix-cache hit runs
 
 and prints the ratios torch / mlx (above 1: MLX is faster). MLX time is taken after mx.eval.
+With --variants it also times the cached step of the same weights on
+  mlx-ops       MLX's own ops on the CPU (mx.fast SDPA, mx.sigmoid): engine/cpu_ops.py turned off
+  mlx-eager     the target pass without mx.compile
+so before/after figures come from one run on one machine state. `first_call_ms` is the first
+cached call of the default model (mx.compile traces and g++ builds any kernel not yet in
+$TMPDIR/mlx), `load` the 1-minute load average when the run ended.
 
     .venv/bin/python bench/dit_forward.py [--sizes 32x32,64x64] [--layers 4] [--heads 4]
-        [--head-dim 64] [--text 128] [--refs 0] [--repeats 3] [--reference-blas] [--json]
+        [--head-dim 64] [--text 128] [--refs 0] [--repeats 3] [--reference-blas]
+        [--variants] [--json]
 
 The optimised BLAS for MLX's CPU backend (gmlx_server.engine.blas) is loaded first unless
 --reference-blas is given. Results go to docs/benchmarks.md ("DiT forward").
@@ -21,6 +28,7 @@ The optimised BLAS for MLX's CPU backend (gmlx_server.engine.blas) is loaded fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -44,6 +52,7 @@ def parse_args(argv=None):
     parser.add_argument("--refs", type=int, default=0, help="16x16-latent references")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--reference-blas", action="store_true", help="keep MLX's netlib BLAS")
+    parser.add_argument("--variants", action="store_true", help="also time mlx-ops, mlx-eager")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
 
@@ -53,6 +62,20 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
     frame = max(2, (head_dim // 8) // 2 * 2)
     side = (head_dim - frame) // 2 // 2 * 2
     return frame, side, head_dim - frame - side
+
+
+@contextlib.contextmanager
+def mlx_own_ops():
+    """Turn engine/cpu_ops.py off while a model is loaded, traced and timed: MLX's own SDPA and
+    sigmoid, as the DiT ran before it (a compiled pass keeps the ops it was traced with)."""
+    from gmlx_server.engine import cpu_ops
+
+    use_cpu_ops = cpu_ops.use_cpu_ops
+    cpu_ops.use_cpu_ops = lambda dtype: False
+    try:
+        yield
+    finally:
+        cpu_ops.use_cpu_ops = use_cpu_ops
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -68,8 +91,9 @@ def median_ms(fn, repeats: int) -> float:
 class Bench:
     """One model pair and prompt; `time_size` times the four forwards at one latent size."""
 
-    def __init__(self, model, dit, cond, ref_tokens, layout, args):
+    def __init__(self, model, dit, variants, cond, ref_tokens, layout, args):
         self.model, self.dit, self.layout, self.args = model, dit, layout, args
+        self.variants = variants  # name -> another QwenImage21DiT of the same weights
         self.cond, self.ref_tokens = cond, ref_tokens
 
     def torch_inputs(self, x, sigma, h, w) -> dict:
@@ -122,10 +146,26 @@ class Bench:
 
         state = dit.prefix_state(layout, text, refs)
         mx.eval(state.keys, state.values)
+        started = time.perf_counter()
+        mx.eval(dit.target_forward(tokens, mx_sigma, [state], h, w))
+        first_call = (time.perf_counter() - started) * 1000.0
         m_full = median_ms(mlx_full, args.repeats)
         m_cached = median_ms(
             lambda: mx.eval(dit.target_forward(tokens, mx_sigma, [state], h, w)), args.repeats
         )
+        variants = {}
+        for name, other in self.variants.items():
+            with mlx_own_ops() if name == "mlx-ops" else contextlib.nullcontext():
+                other_state = other.prefix_state(layout, text, refs)
+                mx.eval(other_state.keys, other_state.values)
+                ms = median_ms(
+                    lambda o=other, s=other_state: mx.eval(
+                        o.target_forward(tokens, mx_sigma, [s], h, w)
+                    ),
+                    args.repeats,
+                )
+            variants[f"{name}_cached_ms"] = round(ms, 2)
+            variants[f"ratio_cached_{name}"] = round(t_cached / ms, 3)
         return {
             "latent": f"{h}x{w}",
             "tokens": {"prefix": layout.length, "target": h * w},
@@ -135,6 +175,8 @@ class Bench:
             "mlx_cached_ms": round(m_cached, 2),
             "ratio_full": round(t_full / m_full, 3),
             "ratio_cached": round(t_cached / m_cached, 3),
+            "first_call_ms": round(first_call, 1),
+            **variants,
         }
 
 
@@ -165,6 +207,12 @@ def main(argv=None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="dit_bench_"))
     model = build_transformer(folder, seed=0, **config)
     dit = QwenImage21DiT.load(folder)
+    variants = {}
+    if args.variants:
+        variants["mlx-eager"] = QwenImage21DiT.load(folder)
+        variants["mlx-eager"].compiled = False
+        with mlx_own_ops():
+            variants["mlx-ops"] = QwenImage21DiT.load(folder)
     rng = np.random.default_rng(0)
     cond = rng.standard_normal((args.text, args.context)).astype(np.float32)
     refs = [
@@ -174,7 +222,7 @@ def main(argv=None) -> int:
     slots = [args.text // 2] * args.refs
     layout = PrefixLayout(args.text, tuple((16, 16) for _ in refs), tuple(slots))
 
-    bench = Bench(model, dit, cond, ref_tokens, layout, args)
+    bench = Bench(model, dit, variants, cond, ref_tokens, layout, args)
     results = [
         bench.time_size(*(int(v) for v in size.lower().split("x")))
         for size in args.sizes.split(",")
@@ -187,13 +235,18 @@ def main(argv=None) -> int:
         "blas": blas.message,
         "torch_threads": torch.get_num_threads(),
         "mlx_device": str(mx.default_device()),
+        "compiled": dit.compiled,
+        "load": round(os.getloadavg()[0], 2),
         "results": results,
     }
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"config {config}, text {args.text} rows, refs {args.refs}")
-    print(f"{report['blas']}; torch threads {report['torch_threads']}; mlx {report['mlx_device']}")
+    print(
+        f"{report['blas']}; torch threads {report['torch_threads']}; mlx {report['mlx_device']};"
+        f" compiled {report['compiled']}; load {report['load']}"
+    )
     print(
         f"{'latent':>8} {'torch full':>11} {'mlx full':>9} {'ratio':>6}   "
         f"{'torch cached':>12} {'mlx cached':>10} {'ratio':>6}"
@@ -203,6 +256,7 @@ def main(argv=None) -> int:
             f"{r['latent']:>8} {r['torch_full_ms']:>11.1f} {r['mlx_full_ms']:>9.1f} "
             f"{r['ratio_full']:>6.2f}   {r['torch_cached_ms']:>12.1f} "
             f"{r['mlx_cached_ms']:>10.1f} {r['ratio_cached']:>6.2f}"
+            + "".join(f"   {k} {v}" for k, v in r.items() if k.startswith("ratio_cached_"))
         )
     return 0
 
