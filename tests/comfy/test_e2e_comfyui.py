@@ -1,14 +1,21 @@
-"""End to end: a real ComfyUI (headless, CPU) with the pack, driving a real `gmlx serve` on a
-tiny Qwen-Image 2.1 folder, through ComfyUI's HTTP API.
+"""End to end: a real ComfyUI (headless, CPU) with the pack, driving a real `gmlx serve` on the
+embedded tiny Qwen-Image 2.1 model, through ComfyUI's HTTP API.
 
 Runs only when COMFYUI_DIR names a ComfyUI checkout (CI has none). COMFYUI_PYTHON names the
 interpreter with ComfyUI's requirements (default: this one). See docs/comfyui.md.
+
+Results are compared as latents (a SaveLatent node beside each SaveImage) against the same
+engine called in this process: `sampling.generate` (what `gmlx image sample` runs) or
+`sampling.sample` with ComfyUI's own sigmas and, for LoRA, a patch table built here from the
+LoRA file. ComfyUI's euler computes x + (x - denoised) / sigma * dt where the server sampler
+computes x + v * dt, both in float32, so the latents agree to rounding, not bit for bit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,13 +33,18 @@ pytestmark = [
 ]
 
 WORKFLOWS = Path(__file__).resolve().parents[2] / "comfy_nodes" / "example_workflows"
-MODEL_ID = "qwen-tiny"
 SIZE = 64
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
-# ComfyUI uses a torch-side euler (x + d * dt with d = (x - denoised) / sigma) where the
-# server uses x + dt * v; both float32, so images agree to rounding, then 8-bit quantisation.
-PIXEL_TOLERANCE = 2
+# Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
+LATENT_RTOL = 1e-5
+# ComfyUI's SaveImage truncates to 8 bits where `gmlx image sample` rounds.
+PIXEL_TOLERANCE = 1
+LORA_STRENGTH = 0.8
+LORA_RANK, LORA_ALPHA = 2, 1.0
+# The interrupt test's image: big enough that one step of the tiny model takes a while.
+INTERRUPT_SIZE = 1024
+STEP_LINE = re.compile(r"POST \S*/step (\d{3}) ([0-9.]+) ms")
 
 # ComfyUI imports torchvision only for model families the pack never builds; where the local
 # torch wheel has no matching torchvision this stands in a module transformers reads as absent.
@@ -43,6 +55,9 @@ if importlib.util.find_spec("torchvision") is None:
     tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
     sys.modules["torchvision"] = tv; sys.modules["torchvision.transforms"] = tv.transforms
 """
+
+
+# ---------------------------------------------------------------- processes
 
 
 def _free_port() -> int:
@@ -71,6 +86,15 @@ def _json(url: str, doc=None):
         return json.loads(answer.read())
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e")
@@ -78,51 +102,41 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gmlx_server(workdir):
-    from tests.qwen_dit.folder import build_folder
-
-    models = workdir / "models"
-    build_folder(models / MODEL_ID, variant="base")
+    """`gmlx serve` with no model configured: it serves the embedded default model."""
     config = workdir / "config.toml"
-    config.write_text(
-        f'[server]\nmodel_dirs = ["{models}"]\ndefault_model = "{MODEL_ID}"\n', encoding="utf-8"
-    )
+    config.write_text("[server]\nmodel_dirs = []\n", encoding="utf-8")
     port = _free_port()
-    log = open(workdir / "gmlx.log", "w")  # noqa: SIM115 - closed with the process
+    log_path = workdir / "gmlx.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gmlx_server",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ],
+        [sys.executable, "-m", "gmlx_server", "serve", "--config", str(config)]
+        + ["--port", str(port)],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_http(url + "/health", proc)
-        yield {"url": url, "config": config}
+        from gmlx_contract.client import StepClient
+
+        model = StepClient(url).models()["default_model"]
+        yield {"url": url, "config": config, "log": log_path, "model": model}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        _stop(proc)
         log.close()
 
 
 @pytest.fixture(scope="module")
 def comfyui(workdir, gmlx_server):
+    """ComfyUI with its base directory (custom_nodes, models, user) in the work folder, so
+    the checkout itself is never written to."""
     from gmlx_comfy.install import link_pack
 
     comfy_dir = Path(os.environ["COMFYUI_DIR"]).resolve()
-    custom_nodes = comfy_dir / "custom_nodes"
-    custom_nodes.mkdir(exist_ok=True)
-    link_pack(custom_nodes)
-    inputs, outputs = workdir / "input", workdir / "output"
-    inputs.mkdir()
-    outputs.mkdir()
+    base = workdir / "comfy"
+    for sub in ("custom_nodes", "models/loras", "input", "output"):
+        (base / sub).mkdir(parents=True)
+    link_pack(base / "custom_nodes")
     stub = workdir / "stub"
     stub.mkdir()
     (stub / "sitecustomize.py").write_text(TORCHVISION_STUB, encoding="utf-8")
@@ -131,26 +145,15 @@ def comfyui(workdir, gmlx_server):
         **os.environ,
         "GMLX_BASE_URL": gmlx_server["url"],
         "GMLX_COMFY_SETTINGS": str(workdir / "comfyui.json"),
-        "GMLX_DEFAULT_IMAGE_MODEL": MODEL_ID,
+        "GMLX_DEFAULT_IMAGE_MODEL": gmlx_server["model"],
         "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
     }
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)
-    log = open(workdir / "comfyui.log", "w")  # noqa: SIM115
+    log_path = workdir / "comfyui.log"
+    log = open(log_path, "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [
-            python,
-            "main.py",
-            "--cpu",
-            "--listen",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--disable-auto-launch",
-            "--input-directory",
-            str(inputs),
-            "--output-directory",
-            str(outputs),
-        ],
+        [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)]
+        + ["--disable-auto-launch", "--base-directory", str(base)],
         cwd=comfy_dir,
         env=env,
         stdout=log,
@@ -159,22 +162,43 @@ def comfyui(workdir, gmlx_server):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_http(url + "/object_info/GmlxModelLoader", proc)
-        yield {"url": url, "inputs": inputs, "outputs": outputs, "log": workdir / "comfyui.log"}
+        yield {"url": url, "base": base, "log": log_path}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        _stop(proc)
         log.close()
 
 
-def _workflow(name: str, **size) -> dict:
+@pytest.fixture(scope="module")
+def engine(gmlx_server):
+    """The same model loaded in this process, for direct engine calls."""
+    from gmlx_server.image_cli import choose_model
+
+    choice = choose_model(None, gmlx_server["config"])
+    loaded = choice.registry.acquire(choice.model_id)
+    assert choice.model_id == gmlx_server["model"]
+    return loaded.model
+
+
+# ---------------------------------------------------------------- ComfyUI prompts
+
+
+def _workflow(name: str, model: str, size: int = SIZE) -> dict:
     wf = json.loads((WORKFLOWS / f"{name}.api.json").read_text())
     for node in wf.values():
         inputs = node["inputs"]
         if "model_name" in inputs:
-            inputs["model_name"] = MODEL_ID
+            inputs["model_name"] = model
         for key in ("width", "height"):
             if key in inputs:
-                inputs[key] = size.get(key, SIZE)
+                inputs[key] = size
+    return wf
+
+
+def _save_latent(wf: dict, sampler_node: str) -> dict:
+    wf["90"] = {
+        "class_type": "SaveLatent",
+        "inputs": {"samples": [sampler_node, 0], "filename_prefix": "latents/e2e"},
+    }
     return wf
 
 
@@ -183,118 +207,275 @@ def _queue(comfy: dict, workflow: dict) -> str:
     return answer["prompt_id"]
 
 
-def _wait_done(comfy: dict, prompt_id: str) -> dict:
+def _wait_done(comfy: dict, prompt_id: str, poll_s: float = 0.2) -> dict:
     deadline = time.monotonic() + PROMPT_TIMEOUT_S
     while time.monotonic() < deadline:
         history = _json(f"{comfy['url']}/history/{prompt_id}")
-        if (
-            prompt_id in history
-            and history[prompt_id].get("status", {}).get("completed") is not None
-        ):
-            return history[prompt_id]
-        time.sleep(0.5)
+        entry = history.get(prompt_id)
+        if entry and entry.get("status", {}).get("completed") is not None:
+            return entry
+        time.sleep(poll_s)
     raise TimeoutError(prompt_id)
 
 
-def _image(comfy: dict, entry: dict) -> np.ndarray:
+def _run(comfy: dict, workflow: dict) -> dict:
+    entry = _wait_done(comfy, _queue(comfy, workflow))
+    assert entry["status"]["status_str"] == "success", (
+        json.dumps(entry["status"])[-3000:],
+        comfy["log"].read_text()[-3000:],
+    )
+    return entry
+
+
+def _output_files(comfy: dict, entry: dict, kind: str) -> list[Path]:
+    return [
+        comfy["base"] / "output" / item.get("subfolder", "") / item["filename"]
+        for output in entry["outputs"].values()
+        for item in output.get(kind, [])
+    ]
+
+
+def _latent(comfy: dict, entry: dict) -> np.ndarray:
+    from safetensors.numpy import load_file
+
+    (path,) = _output_files(comfy, entry, "latents")
+    return load_file(path)["latent_tensor"]
+
+
+def _rgb(path: Path) -> np.ndarray:
     from PIL import Image
 
-    for output in entry["outputs"].values():
-        for image in output.get("images", []):
-            path = comfy["outputs"] / image.get("subfolder", "") / image["filename"]
-            return np.asarray(Image.open(path)).astype(np.int16)
-    raise AssertionError(f"no image in {entry}")
+    return np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
 
 
-def _run(comfy: dict, workflow: dict) -> np.ndarray:
-    entry = _wait_done(comfy, _queue(comfy, workflow))
-    assert entry["status"]["status_str"] == "success", (entry["status"], comfy["log"].read_text())
-    return _image(comfy, entry)
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
-def test_text_to_image_equals_gmlx_image_sample(comfyui, gmlx_server, workdir):
-    wf = _workflow("text_to_image")
-    wf["8"]["inputs"]["noise_seed"] = 3
-    steps, prompt = 4, wf["4"]["inputs"]["text"]
-    wf["7"]["inputs"]["steps"] = steps
-    got = _run(comfyui, wf)
+# ---------------------------------------------------------------- direct engine calls
+
+
+def _to_vae_space(model, latents: np.ndarray) -> np.ndarray:
+    """Model-space latents as ComfyUI's LATENT carries them (status vae.latents_mean/std)."""
+    vae = model.status()["vae"]
+    mean = np.asarray(vae["latents_mean"], np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(vae["latents_std"], np.float32).reshape(1, -1, 1, 1)
+    return latents * std + mean
+
+
+def comfy_simple_sigmas(steps: int) -> np.ndarray:
+    """ComfyUI's "simple" schedule for the pack's model sampling (flow, shift 1, multiplier
+    1): ModelSamplingDiscreteFlow's sigmas are float32 k / 1000 for k = 1..1000."""
+    table = np.arange(1, 1001).astype(np.float32) / np.float32(1000.0)
+    stride = len(table) / steps
+    picked = [table[-(1 + int(x * stride))] for x in range(steps)]
+    return np.asarray(picked + [0.0], dtype=np.float32)
+
+
+def direct_sample(model, prompt: str, seed: int, sigmas: np.ndarray, table=None) -> np.ndarray:
+    """The in-process sampler (euler, cfg 1) along `sigmas`, under a patch table."""
+    from gmlx_server.engine import sampling
+
+    class TableTransport(sampling.DirectTransport):
+        def step(self, x, timestep, rows):
+            result = self.call(
+                self.model.denoise_step,
+                x,
+                timestep,
+                list(rows),
+                convention=self.convention,
+                run=self.run_id,
+                table=table,
+            )
+            return result.out
+
+    transport = TableTransport(model)
+    row = transport.row(transport.encode(prompt, []))
+    latent = model.status()["latent"]
+    side = SIZE // int(latent["stride"])
+    noise = sampling.initial_noise(seed, int(latent["channels"]), side, side)
+    try:
+        latents = sampling.sample(transport.step, noise, sigmas, sampling.Guidance(row, None, 1.0))
+    finally:
+        transport.end()
+    return _to_vae_space(model, latents)
+
+
+def direct_generate(model, prompt: str, seed: int, images=()) -> np.ndarray:
+    """What `gmlx image sample` computes: the variant's own sigmas, cfg 1."""
+    from gmlx_server.engine import sampling
+
+    request = sampling.ImageRequest(
+        prompt=prompt, width=SIZE, height=SIZE, seed=seed, cfg=1.0, images=tuple(images)
+    )
+    latents, _ = sampling.generate(sampling.DirectTransport(model), model.status(), request)
+    return _to_vae_space(model, latents)
+
+
+# ---------------------------------------------------------------- text to image
+
+
+def test_text_to_image_equals_gmlx_image_sample(comfyui, gmlx_server, engine, workdir):
+    """Stock RandomNoise + CFGGuider + euler SamplerCustomAdvanced over gmlx Sigmas."""
+    seed = 3
+    wf = _save_latent(_workflow("text_to_image", gmlx_server["model"]), "11")
+    wf["8"]["inputs"]["noise_seed"] = seed
+    prompt = wf["4"]["inputs"]["text"]
+    entry = _run(comfyui, wf)
+    got = _latent(comfyui, entry)
+    want = direct_generate(engine, prompt, seed)
+    assert got.shape == want.shape
+    assert _rel(got, want) <= LATENT_RTOL
+
     out = workdir / "direct.png"
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gmlx_server",
-            "image",
-            "sample",
-            "--config",
-            str(gmlx_server["config"]),
-            "--model",
-            MODEL_ID,
-            "--prompt",
-            prompt,
-            "--width",
-            str(SIZE),
-            "--height",
-            str(SIZE),
-            "--steps",
-            str(steps),
-            "--cfg",
-            "1",
-            "--seed",
-            "3",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", "gmlx_server", "image", "sample"]
+        + ["--config", str(gmlx_server["config"]), "--prompt", prompt]
+        + ["--width", str(SIZE), "--height", str(SIZE), "--cfg", "1", "--seed", str(seed)]
+        + ["--out", str(out)],
         check=True,
     )
+    (image,) = _output_files(comfyui, entry, "images")
+    assert np.abs(_rgb(image) - _rgb(out)).max() <= PIXEL_TOLERANCE
+
+
+def test_stock_ksampler_euler_simple_equals_the_in_process_sampler(comfyui, gmlx_server, engine):
+    """The stock KSampler (its own noise and "simple" sigmas) against the engine's sampler
+    started from the same seed along the same sigmas."""
+    seed, steps = 11, 6
+    wf = _save_latent(_workflow("lora", gmlx_server["model"]), "11")
+    wf["11"]["inputs"].update(model=["1", 0], seed=seed, steps=steps)
+    del wf["30"]
+    got = _latent(comfyui, _run(comfyui, wf))
+    want = direct_sample(engine, wf["4"]["inputs"]["text"], seed, comfy_simple_sigmas(steps))
+    assert _rel(got, want) <= LATENT_RTOL
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def _lora_file(engine, path: Path):
+    """A LoRA on three linear weights of the tiny DiT (two of them fused on the server as
+    one qkv weight), in ComfyUI's generic key form; and the server-side table it means at
+    LORA_STRENGTH, built directly from the same matrices."""
+    from gmlx_server.service import LoraPatch, PatchEntry, PatchTable
+    from safetensors.numpy import save_file
+
+    shapes = {t["name"]: t["shape"] for t in engine.manifest()["tensors"]}
+    layers = [
+        "transformer_blocks.0.attn.to_q",
+        "transformer_blocks.0.attn.to_v",
+        "transformer_blocks.1.attn.to_out.0",
+    ]
+    rng = np.random.default_rng(0)
+    tensors, entries = {}, []
+    for layer in layers:
+        out_dim, in_dim = shapes[layer + ".weight"]
+        up = (rng.standard_normal((out_dim, LORA_RANK)) * 0.3).astype(np.float32)
+        down = (rng.standard_normal((LORA_RANK, in_dim)) * 0.3).astype(np.float32)
+        tensors[f"diffusion_model.{layer}.lora_up.weight"] = up
+        tensors[f"diffusion_model.{layer}.lora_down.weight"] = down
+        tensors[f"diffusion_model.{layer}.alpha"] = np.array(LORA_ALPHA, np.float32)
+        patch = LoraPatch(up=up, down=down, scale=LORA_ALPHA / LORA_RANK, strength=LORA_STRENGTH)
+        entries.append(PatchEntry(key=layer + ".weight", layer=layer, band=None, patches=(patch,)))
+    save_file(tensors, path)
+    return PatchTable(table_id="e2e-direct", model_id=engine.model_id, entries=tuple(entries))
+
+
+def test_lora_changes_the_output_as_the_server_table_does(comfyui, gmlx_server, engine):
+    """LoraLoaderModelOnly + stock KSampler against the engine under the same table."""
+    seed, steps = 5, 8
+    table = _lora_file(engine, comfyui["base"] / "models" / "loras" / "gmlx_e2e.safetensors")
+    wf = _save_latent(_workflow("lora", gmlx_server["model"]), "11")
+    wf["30"]["inputs"].update(lora_name="gmlx_e2e.safetensors", strength_model=LORA_STRENGTH)
+    wf["11"]["inputs"].update(seed=seed, steps=steps)
+    prompt, sigmas = wf["4"]["inputs"]["text"], comfy_simple_sigmas(steps)
+
+    with_lora = _latent(comfyui, _run(comfyui, wf))
+    want = direct_sample(engine, prompt, seed, sigmas, table)
+    plain = direct_sample(engine, prompt, seed, sigmas)
+    assert _rel(with_lora, want) <= LATENT_RTOL
+    assert _rel(want, plain) > 1000 * LATENT_RTOL  # the LoRA really moves the output
+
+    wf["30"]["inputs"]["strength_model"] = 0.0  # strength 0: no table at all
+    assert _rel(_latent(comfyui, _run(comfyui, wf)), plain) <= LATENT_RTOL
+
+
+# ---------------------------------------------------------------- edit
+
+
+def test_edit_with_two_references(comfyui, gmlx_server, engine):
+    """Two LoadImage references through the gmlx edit encode node. The images are already of
+    a size the server encodes as is, so both paths see the same pixels."""
     from PIL import Image
 
-    want = np.asarray(Image.open(out)).astype(np.int16)
-    assert got.shape == want.shape
-    assert np.abs(got - want).max() <= PIXEL_TOLERANCE
+    rng = np.random.default_rng(1)
+    refs = [
+        rng.integers(0, 256, (256, 256, 3), dtype=np.uint8),
+        rng.integers(0, 256, (256, 320, 3), dtype=np.uint8),
+    ]
+    for i, ref in enumerate(refs, start=1):
+        Image.fromarray(ref).save(comfyui["base"] / "input" / f"reference_{i}.png")
+    seed = 2
+    wf = _save_latent(_workflow("edit_two_references", gmlx_server["model"]), "11")
+    wf["8"]["inputs"]["noise_seed"] = seed
+    prompt = wf["4"]["inputs"]["prompt"]
+    got = _latent(comfyui, _run(comfyui, wf))
+    want = direct_generate(engine, prompt, seed, refs)
+    without_refs = direct_generate(engine, prompt, seed)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, without_refs) > 1000 * LATENT_RTOL
 
 
-def test_lora_changes_the_image(comfyui, gmlx_server):
-    import torch
+# ---------------------------------------------------------------- interrupt
+
+
+def _steps_logged(log: Path) -> list[tuple[int, float]]:
+    return [(int(m[1]), float(m[2])) for m in STEP_LINE.finditer(log.read_text())]
+
+
+def _unload(gmlx_server: dict) -> dict:
     from gmlx_contract.client import StepClient
-    from safetensors.torch import save_file
 
-    manifest = StepClient(gmlx_server["url"]).manifest(MODEL_ID)
-    lora = _tiny_lora(manifest, torch)
-    loras = Path(os.environ["COMFYUI_DIR"]) / "models" / "loras"
-    loras.mkdir(parents=True, exist_ok=True)
-    save_file(lora, loras / "gmlx_e2e_lora.safetensors")
-    wf = _workflow("lora")
-    wf["30"]["inputs"]["lora_name"] = "gmlx_e2e_lora.safetensors"
-    wf["11"]["inputs"]["steps"] = 2
-    with_lora = _run(comfyui, wf)
-    wf["30"]["inputs"]["strength_model"] = 0.0
-    without = _run(comfyui, wf)
-    assert np.abs(with_lora - without).max() > 0
-
-
-def _tiny_lora(manifest: dict, torch) -> dict:
-    """A rank-2 LoRA on the first attention query of the tiny DiT, in ComfyUI's naming."""
-    entry = next(t for t in manifest["tensors"] if t["name"].endswith("attn.to_q.weight"))
-    out_dim, in_dim = entry["shape"]
-    base = "diffusion_model." + entry["name"][: -len(".weight")]
-    g = torch.Generator().manual_seed(0)
-    return {
-        f"{base}.lora_up.weight": torch.randn(out_dim, 2, generator=g),
-        f"{base}.lora_down.weight": torch.randn(2, in_dim, generator=g),
-        f"{base}.alpha": torch.tensor(2.0),
-    }
+    return StepClient(gmlx_server["url"]).unload(gmlx_server["model"])
 
 
 def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
-    wf = _workflow("text_to_image", width=256, height=256)
-    wf["7"]["inputs"]["steps"] = 200
+    from gmlx_contract.errors import StepError
+
+    wf = _workflow("lora", gmlx_server["model"], size=INTERRUPT_SIZE)
+    wf["11"]["inputs"].update(model=["1", 0], steps=500, seed=int(time.time()))
+    del wf["30"]
+    before = len(_steps_logged(gmlx_server["log"]))
     prompt_id = _queue(comfyui, wf)
-    time.sleep(5.0)
+    # Wait for two finished steps, then interrupt halfway through the next one.
+    deadline = time.monotonic() + PROMPT_TIMEOUT_S
+    while len(_steps_logged(gmlx_server["log"])) < before + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    step_ms = _steps_logged(gmlx_server["log"])[-1][1]
+    time.sleep(step_ms / 2000.0)
+    interrupted_at = time.time()
     urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
-    entry = _wait_done(comfyui, prompt_id)
+    entry = _wait_done(comfyui, prompt_id, poll_s=0.05)
+
     assert entry["status"]["status_str"] != "success"
-    # the server is free again: a short prompt runs to the end
-    quick = _workflow("text_to_image")
-    quick["7"]["inputs"]["steps"] = 2
+    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
+    latency_ms = stamps["execution_interrupted"] - interrupted_at * 1000.0
+    # The pack raises ComfyUI's interrupt while the step is still on the server.
+    assert latency_ms < min(500.0, step_ms / 2), (latency_ms, step_ms)
+    assert "/interrupt 200" in gmlx_server["log"].read_text()
+
+    # The server discards the abandoned step (409) and holds no run: the model unloads.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            assert _unload(gmlx_server)["unloaded"] is True
+            break
+        except StepError as err:  # 409 busy until the abandoned step ends
+            assert err.status == 409 and time.monotonic() < deadline
+            time.sleep(0.2)
+    assert _steps_logged(gmlx_server["log"])[-1][0] == 409
+
+    quick = _workflow("text_to_image", gmlx_server["model"])
     _run(comfyui, quick)
