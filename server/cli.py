@@ -87,8 +87,23 @@ def _resolve(target: str) -> Callable | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    delegated = _delegated_call(argv)
+    if delegated is not None:
+        return delegated
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
+
+
+def _delegated_call(argv: list[str]) -> int | None:
+    """A delegated command gets its arguments untouched: argparse's REMAINDER would not take
+    ones that start with `-` (`gmlx comfyui install --comfy DIR`)."""
+    for words, target, _ in DELEGATED:
+        if tuple(argv[: len(words)]) == words:
+            function = _resolve(target)
+            if function is not None:
+                return int(function(argv[len(words) :]) or 0)
+    return None
 
 
 # ---------------------------------------------------------------- serve

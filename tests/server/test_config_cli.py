@@ -160,6 +160,11 @@ def test_commands_are_easy_to_add(monkeypatch):
     assert args.func(args) == ["a b"]
 
 
+def test_delegated_commands_take_dash_arguments(monkeypatch):
+    monkeypatch.setattr(cli, "DELEGATED", [(("tool", "count"), "builtins:len", "count words")])
+    assert cli.main(["tool", "count", "--comfy", "DIR", "-x"]) == 3
+
+
 def test_tune_malloc_runs():
     assert cli.tune_malloc() in (True, False)
 
