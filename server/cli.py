@@ -95,6 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def entry() -> None:
+    """The `gmlx` console script and `python -m gmlx_server`: run a command, then end the process
+    without C++ static destructors. MLX arrays evaluated on a thread other than the main one (the
+    image worker) make the process abort at exit ("terminate called without an active exception",
+    status 134; reproduced with a plain 4096x4096 matmul in a joined thread, mlx 0.32.4 CPU).
+    Every command has written and closed what it must by the time it returns."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _delegated_call(argv: list[str]) -> int | None:
     """A delegated command gets its arguments untouched: argparse's REMAINDER would not take
     ones that start with `-` (`gmlx comfyui install --comfy DIR`)."""

@@ -439,18 +439,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(summary_text(record))
-    exit_skipping_teardown(0)
     return 0
-
-
-def exit_skipping_teardown(code: int) -> None:
-    """End the process without running C++ static destructors. MLX arrays evaluated on a thread
-    other than the main one (the server's image worker) make the process abort at exit now and
-    then ("terminate called without an active exception", status 134; reproduced with a plain
-    4096x4096 matmul in a joined thread, mlx 0.32.4 CPU). Everything is written by now."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @dataclass

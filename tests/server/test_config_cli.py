@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 from gmlx_server import cli
@@ -228,3 +229,30 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     assert "serving on http://127.0.0.1:" in err
     assert "GET /internal/image-steps/v1/models 200" in err
     assert "stopping" in err
+
+
+def test_serve_exits_zero_after_model_work_on_the_worker(tmp_path):
+    """MLX aborts at process exit after large arrays were evaluated on the image worker thread,
+    unless the process ends without C++ teardown (cli.entry)."""
+    port = free_port()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gmlx_server", "serve", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process)
+        from gmlx_contract.client import StepClient
+
+        with StepClient(f"http://127.0.0.1:{port}") as client:
+            latents = np.zeros((1, 64, 32, 32), np.float32)
+            assert client.vae_decode(latents).shape == (1, 512, 512, 3)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err[-2000:]
