@@ -347,4 +347,19 @@ class ServerThread:
         finally:
             with self._closing:  # never pull a trigger whose pipe is closed (or reused)
                 self._closed = True
+                self._close_connections()
                 self.server.close()
+            # Waitress' request threads outlive the loop unless told to stop.
+            self.server.task_dispatcher.shutdown(timeout=5)
+
+    def _close_connections(self) -> None:
+        """Close the open client connections too: left open with no loop reading them, a
+        keep-alive client would send its next request into a socket nobody answers."""
+        from waitress.channel import HTTPChannel
+
+        for dispatcher in list(self.server._map.values()):
+            if isinstance(dispatcher, HTTPChannel):
+                try:
+                    dispatcher.handle_close()
+                except OSError:
+                    pass

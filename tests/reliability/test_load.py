@@ -197,4 +197,5 @@ def test_start_server_reuse_is_clean(tmp_path):
         start_server(tmp_path / f"s{i}").close()
     time.sleep(0.2)
     after = [t.name for t in threading.enumerate() if t.name not in before]
-    assert not [n for n in after if n.startswith(("gmlx-image", "gmlx-sweeper", "gmlx-http"))]
+    prefixes = ("gmlx-image", "gmlx-sweeper", "gmlx-http", "waitress-")
+    assert not [n for n in after if n.startswith(prefixes)]
