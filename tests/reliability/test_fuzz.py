@@ -269,3 +269,59 @@ def test_long_run_of_hostile_containers(target, route, body):
 @given(step_requests())
 def test_long_run_of_adversarial_steps(target, request):
     test_adversarial_steps.hypothesis.inner_test(target, request)
+
+
+# ---------------------------------------------------------------- the real model's edges
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from gmlx_server.config import ServerConfig
+    from gmlx_server.engine.registry import ModelRegistry
+
+    from ..server.conftest import serve
+
+    embedded = pytest.importorskip("gmlx_server.engine.families.qwen_image21.embedded")
+    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded"))
+    server = serve(
+        ServerConfig(host="127.0.0.1", port=0),
+        ModelRegistry([], folder.name, extra_models=[folder]),
+    )
+    reply = server.post_json("encode", {"text": "\x00"})
+    assert reply.status_code == 200
+    server.cond = wire.read_container(reply.content).fields["cond"]
+    yield server
+    assert server.ctx.service.worker.alive
+    server.close()
+
+
+EDGE_STEPS = [
+    ((1, 64, 0, 0), 0.5),
+    ((1, 64, 0, 2), 0.5),
+    ((1, 64, 1, 3), 0.5),
+    ((1, 63, 2, 2), 0.5),
+    ((1, 64, 2, 2), float("nan")),
+    ((1, 64, 2, 2), float("inf")),
+    ((1, 64, 2, 2), -1e30),
+]
+EDGE_VAE = [
+    ("vae/decode", "latents", (1, 64, 0, 0)),
+    ("vae/decode", "latents", (1, 16, 2, 2)),
+    ("vae/encode", "image", (1, 0, 0, 3)),
+    ("vae/encode", "image", (1, 15, 17, 4)),
+    ("vae/encode", "image", (1, 32, 32, 0)),
+]
+
+
+@pytest.mark.parametrize("shape, t", EDGE_STEPS)
+def test_edge_steps_on_the_embedded_model(qwen, shape, t):
+    tensors = {"x": np.zeros(shape, np.float32), "timestep": np.array([t], np.float32)}
+    r = qwen.post_container("step", tensors, {"rows": [{"cond": qwen.cond}]})
+    refusal_is_clean(r)
+
+
+@pytest.mark.parametrize("path, name, shape", EDGE_VAE)
+def test_edge_vae_passes_on_the_embedded_model(qwen, path, name, shape):
+    r = qwen.post_container(path, {name: np.zeros(shape, np.float32)})
+    refusal_is_clean(r)
+    assert r.status_code == 400
