@@ -5,7 +5,8 @@ LoRA of rank `--rank` on every linear of every block (q, k, v, out, gate, proj, 
 targets), one row with a held prefix state of `--text` rows. `--repeats` rounds after one
 warm-up (the warm-up also compiles), all times after mx.eval. The three passes are timed in
 interleaved rounds; the overheads compare best times (on a shared machine the best of several
-is the figure least disturbed by other jobs; medians are printed too):
+is the figure least disturbed by other jobs; medians and the process's CPU time are printed
+too):
 
   plain      the target pass (what a step with a prefix hit runs) without a table
   low-rank   the same pass with the table's pairs: x W^T + (x A^T) B^T per patched weight
@@ -58,18 +59,20 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def interleaved_ms(fns: dict, repeats: int) -> dict[str, list[float]]:
-    """Times (ms) of each function, run in rounds that call each once in turn, after one
-    warm-up round: a drift in the machine's load then falls on all of them alike."""
+def interleaved_ms(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Wall and process CPU times (ms) of each function, run in rounds that call each once in
+    turn, after one warm-up round: a drift in the machine's load then falls on all alike."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
+    cpu = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             times[name].append((time.perf_counter() - start) * 1000.0)
-    return times
+            cpu[name].append((time.process_time() - start_cpu) * 1000.0)
+    return times, cpu
 
 
 def random_dit(layers: int, dtype):
@@ -211,8 +214,9 @@ def main(argv=None) -> dict:
             mx.eval(outs[name])
 
         passes[name] = target
-    times = interleaved_ms(passes, args.repeats)
+    times, cpu = interleaved_ms(passes, args.repeats)
     best = {name: min(t) for name, t in times.items()}
+    best_cpu = {name: min(t) for name, t in cpu.items()}
     low, mer = np.array(outs["low-rank"], np.float64), np.array(outs["merged"], np.float64)
     report = {
         "blas": blas.message,
@@ -226,6 +230,8 @@ def main(argv=None) -> dict:
         "target_ms_median": {k: round(statistics.median(v), 1) for k, v in times.items()},
         "lowrank_overhead_pct": round(100 * (best["low-rank"] / best["plain"] - 1), 2),
         "merged_overhead_pct": round(100 * (best["merged"] / best["plain"] - 1), 2),
+        "target_cpu_ms_best": {k: round(v, 1) for k, v in best_cpu.items()},
+        "lowrank_cpu_overhead_pct": round(100 * (best_cpu["low-rank"] / best_cpu["plain"] - 1), 2),
         "prepare_ms": round(prepare_ms, 1),
         "merge_ms": round(merge_ms, 1),
         "lowrank_bytes": pair_bytes(lowrank),

@@ -48,7 +48,8 @@ def project(w: dict, name: str, x: mx.array) -> mx.array:
     out = linear(x, w[name])
     down = w.get(name + LORA_DOWN)
     if down is not None:
-        out = out + linear(linear(x, down), w[name + LORA_UP])
+        # addmm accumulates into `out` inside the GEMM: no separate pass over the output.
+        out = mx.addmm(out, linear(x, down), w[name + LORA_UP].T)
     return out
 
 
