@@ -108,3 +108,11 @@ def test_messages_name_the_library_and_the_switch():
     message = blas.BlasChoice("loaded", "/x/libopenblas.so.0", 4).message
     assert "/x/libopenblas.so.0" in message and "4 threads" in message
     assert blas.ENV_VAR in message
+
+
+def test_idle_blas_threads_sleep_unless_the_user_chose(monkeypatch):
+    # Set before the library loads (it reads them then); a value the user set is kept.
+    monkeypatch.setattr(os, "environ", {"OPENBLAS_THREAD_TIMEOUT": "10"})
+    assert blas.quiet_idle_threads() == {"KMP_BLOCKTIME": "0"}
+    assert os.environ == {"OPENBLAS_THREAD_TIMEOUT": "10", "KMP_BLOCKTIME": "0"}
+    assert blas.quiet_idle_threads() == {}
