@@ -4,7 +4,8 @@ One keep-alive `requests.Session` per client. Every request carries `Authorizati
 <key>` when a key is set, and every request but `/health` and `capabilities` carries the
 contract version header (CONTRACT §1.2, §4). Answers are read in one call rather than in
 requests' 10 KiB chunks, and containers are parsed over that one buffer without copies.
-Arrays handed back are read-only numpy views over the answer's bytes.
+Arrays handed back are read-only numpy views over the answer's bytes. Step requests, the one
+call per sampler step, go straight to the session's own urllib3 pool (see `_post_step`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import requests
 import urllib3
 from requests.adapters import HTTPAdapter
+from requests.utils import select_proxy
 from urllib3.util.retry import Retry
 
 from .errors import (
@@ -105,8 +107,8 @@ class StepClient:
         self.timeout = timeout
         self.session = requests.Session()
         # Re-send a request only when it never went out (connection errors), never after.
-        retry = Retry(total=1, connect=1, read=0, redirect=0, status=0, other=0)
-        adapter = HTTPAdapter(max_retries=retry)
+        self._retry = Retry(total=1, connect=1, read=0, redirect=0, status=0, other=0)
+        adapter = HTTPAdapter(max_retries=self._retry)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         if api_key:
@@ -115,6 +117,9 @@ class StepClient:
         self.known: set[str] = set()
         self._tables: dict[str, _Table] = {}
         self.warnings: list[str] = []
+        self._base_path = urllib3.util.parse_url(self.base_url).path or ""
+        self._step_settings: dict[str, Any] | None = None
+        self._step_pool: urllib3.HTTPConnectionPool | None = None
 
     def close(self) -> None:
         self.session.close()
@@ -524,8 +529,65 @@ class StepClient:
 
     def _timed_step(self, body: bytes) -> tuple[Reply, float]:
         start = time.perf_counter()
-        reply = self._request("POST", "step", data=body, content_type=CONTAINER_TYPE)
+        reply = self._post_step(body)
         return reply, (time.perf_counter() - start) * 1000.0
+
+    def _post_step(self, body: bytes) -> Reply:
+        """POST step on the session's own keep-alive pool, skipping what requests does per call
+        (environment and proxy lookup, cookies, hooks, preparing and wrapping): 0.4 ms of Python
+        before the first byte leaves against 0.1 ms this way, measured at 1024x1024, where the
+        whole transport of a step is about 2 ms. Same headers, timeout and retry rule as
+        `_request`, which still serves https and proxied servers."""
+        pool = self._direct_pool()
+        if pool is None:
+            return self._request("POST", "step", data=body, content_type=CONTAINER_TYPE)
+        headers = {**self.session.headers, HEADER: HEADER_VALUE, "Content-Type": CONTAINER_TYPE}
+        try:
+            response = pool.urlopen(
+                "POST",
+                f"{self._base_path}{PREFIX}/step",
+                body=body,
+                headers=headers,
+                retries=self._retry,
+                redirect=False,
+                assert_same_host=False,
+                timeout=self.timeout,
+                preload_content=False,
+            )
+            try:
+                data = response.read(decode_content=True) or b""
+            finally:
+                response.release_conn()
+        except urllib3.exceptions.HTTPError as error:
+            raise StepError(f"gmlx: POST step to {self.base_url} failed: {error}") from error
+        return Reply(response.status, response.headers, data)
+
+    def _direct_pool(self) -> urllib3.HTTPConnectionPool | None:
+        """The pool the session itself would use for a step (so steps share its keep-alive
+        connection), when nothing stands between: plain http and no proxy. The session's
+        settings merged with the environment's, as requests does per call, are read at the
+        first step and kept (reading the environment is most of requests' per-call cost), and
+        so is the pool until the session closes it."""
+        if not self.base_url.startswith("http://"):
+            return None
+        if self._step_pool is not None and self._step_pool.pool is not None:  # not closed
+            return self._step_pool
+        if self._step_settings is None:
+            self._step_settings = self.session.merge_environment_settings(
+                self.base_url, {}, None, None, None
+            )
+        settings = self._step_settings
+        if select_proxy(self.base_url, settings["proxies"]):
+            return None
+        adapter = self.session.get_adapter(self.base_url)
+        if hasattr(adapter, "get_connection_with_tls_context"):
+            probe = requests.Request("POST", self.base_url).prepare()  # only to choose the pool
+            self._step_pool = adapter.get_connection_with_tls_context(
+                probe, settings["verify"], settings["proxies"], settings["cert"]
+            )
+        else:  # requests before 2.32.2
+            self._step_pool = adapter.get_connection(self.base_url, settings["proxies"])
+        return self._step_pool
 
     def _upload_unknown(
         self, rows: list[dict[str, Any]], uploads: Mapping[str, np.ndarray]

@@ -391,3 +391,35 @@ def test_timeouts_per_route(server, client):
     client.interrupt("r")
     assert seen_timeouts == {"health": 2.0, "capabilities": 30.0, "models": 600.0, "interrupt": 5.0}
     assert StepClient(server.url, timeout=42.0).timeout == 42.0
+
+
+def test_step_shares_the_session_connection_and_carries_key_and_header(server, client):
+    cond = cond_tensor(6)
+    x = np.ones((1, 4, 2, 2), np.float32)
+    client.models()
+    client.step(x, [0.5], step_rows(cond), uploads={tensor_hash(cond): cond})
+    client.step(x, [0.5], step_rows(cond))
+    assert [s.method for s in server.seen] == ["GET", "PUT", "POST", "POST"]
+    for seen in server.seen:
+        assert seen.headers[HEADER.lower()] == "1.0"
+        assert seen.headers["authorization"] == f"Bearer {KEY}"
+    assert server.seen[-1].path == "step"
+    assert len({seen.port for seen in server.seen}) == 1  # the session's keep-alive connection
+
+
+def test_step_to_nothing_listening_is_a_step_error():
+    with StepClient(free_port_url()) as client, pytest.raises(StepError, match="POST step"):
+        client.step(np.ones((1, 4, 2, 2), np.float32), [0.5], [{"cond": "0" * 64}])
+
+
+def test_step_goes_through_requests_when_a_proxy_or_tls_applies(monkeypatch):
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    assert StepClient("http://192.0.2.1:8080")._direct_pool() is None
+    monkeypatch.setenv("NO_PROXY", "192.0.2.1")
+    assert StepClient("http://192.0.2.1:8080")._direct_pool() is not None
+    assert StepClient("https://192.0.2.1:8080")._direct_pool() is None
+    untrusting = StepClient("http://192.0.2.1:8080")
+    untrusting.session.proxies = {"http": "http://proxy.invalid:3128"}
+    assert untrusting._direct_pool() is None
