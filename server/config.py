@@ -17,6 +17,8 @@ File (default ~/.config/gmlx-steps/config.toml):
     steps_remote = false
     run_idle_s = 120.0              # a run idle this long is ended
     run_sweep_s = 5.0               # how often idle runs are looked for
+    memory_headroom_mb = 2048       # memory left to the system and other programs
+    memory_budget_mb = 0            # the image worker's memory; 0: the machine's, less headroom
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`) override both.
@@ -50,6 +52,8 @@ class ImageConfig:
     steps_remote: bool = False
     run_idle_s: float = 120.0
     run_sweep_s: float = 5.0
+    memory_headroom_mb: int = 2048
+    memory_budget_mb: int = 0  # 0: the machine's memory less the headroom (server/memory.py)
 
 
 @dataclass
@@ -139,6 +143,9 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     for name in ("tensor_cache_mb", "adapter_cache_mb"):
         if name in image:
             setattr(config.image, name, _typed(image, name, int))
+    for name in ("memory_headroom_mb", "memory_budget_mb"):
+        if name in image:
+            setattr(config.image, name, _typed(image, name, int))
     for name in ("steps_api", "steps_remote"):
         if name in image:
             setattr(config.image, name, _typed(image, name, bool))
@@ -191,5 +198,8 @@ def _validate(config: ServerConfig) -> None:
     for name in ("tensor_cache_mb", "adapter_cache_mb"):
         if getattr(image, name) <= 0:
             raise ConfigError(f"server.image.{name} must be a positive integer")
+    for name in ("memory_headroom_mb", "memory_budget_mb"):
+        if getattr(image, name) < 0:
+            raise ConfigError(f"server.image.{name} must not be negative")
     if image.run_idle_s <= 0 or image.run_sweep_s <= 0:
         raise ConfigError("server.image.run_idle_s and run_sweep_s must be positive")

@@ -26,6 +26,7 @@ from gmlx_contract.hashing import hash_parts, table_id
 
 from .config import ImageConfig
 from .engine.registry import LoadedModel, ModelRegistry
+from .memory import MemoryPlanner
 from .worker import ImageWorker
 
 log = logging.getLogger("gmlx.server")
@@ -335,6 +336,8 @@ class StepsService:
         self.sweep_s = float(config.run_sweep_s)
         self.tensors = ByteLRU("tensors", config.tensor_cache_mb * MiB)
         self.adapters = ByteLRU("adapters", config.adapter_cache_mb * MiB)
+        self.memory = MemoryPlanner(registry, [self.tensors, self.adapters], config)
+        self._bounds_for: frozenset = frozenset()  # the loaded models the bounds were fit to
         self.clock = clock
         self._runs: dict[str, Run] = {}
         self._reserved = 0  # begins between their count check and their model load
@@ -365,7 +368,21 @@ class StepsService:
 
     def acquire(self, model_id: Any) -> LoadedModel:
         """Load the model on the worker (if needed) and hold it; `release` when done."""
-        return self.worker.call(self.registry.acquire, model_id)
+        loaded = self.worker.call(self.registry.acquire, model_id)
+        self.fit_cache_bounds()
+        return loaded
+
+    def fit_cache_bounds(self) -> None:
+        """Refit the upload caches' bounds to the loaded models' memory plans when the set of
+        loaded models changed (CONTRACT 2.1)."""
+        current = frozenset(
+            (m.model_id, m.generation)
+            for m in map(self.registry.loaded, self.registry.resident_ids())
+            if m is not None
+        )
+        if current != self._bounds_for:
+            self._bounds_for = current
+            self.memory.fit_cache_bounds()
 
     def release(self, loaded: LoadedModel) -> None:
         self.registry.release(loaded)

@@ -140,4 +140,5 @@ class UnloadModel(Resource):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         entry = resolve_or_404(self.registry, model_field(json_body(req)))
         unloaded = self.service.worker.call(self.registry.unload, entry.model_id)
+        self.service.fit_cache_bounds()  # room returned: the caches' bounds go back up
         send_json(resp, {"model": entry.model_id, "unloaded": bool(unloaded)})

@@ -71,6 +71,7 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
     fields = request.fields
     _, _, h, w = request.x.shape
     check_pixels(w * facts.latent_stride, h * facts.latent_stride, "the step's image")  # 5
+    service.memory.check_step_quick(loaded, request.x.shape)  # 5: the quick plan, x alone
     check_reference_count(loaded, request.rows)  # 6
     convention = check_convention(loaded, fields.get("convention", "comfy"))  # 7
     ref_cache, skip = check_cache_and_skip(loaded, run, fields)  # 8
@@ -80,6 +81,8 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
 
     def forward() -> StepResult:
         service.check_live(run)  # interrupted while queued: do not compute
+        # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states)
+        service.memory.check_step(loaded, request.x.shape, rows, table)
         kwargs: dict[str, Any] = {"convention": convention, "run": run.run_id if run else None}
         kwargs["table"] = table
         if ref_cache:

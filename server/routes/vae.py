@@ -48,6 +48,9 @@ class VaeDecode(Resource):
             check_pixels(w * stride, h * stride, "the decoded image")
             if alpha and loaded.facts.vae_channels_out != 4:
                 raise ContractError(400, f"{loaded.entry.family}'s VAE has no alpha channel")
+            self.service.worker.call(
+                self.service.memory.check_vae, loaded, h * stride, w * stride, True
+            )
             images = [
                 self.service.on_model(loaded, lambda m, z=z: m.vae_decode(z, alpha))
                 for z in latents
@@ -65,6 +68,7 @@ class VaeEncode(Resource):
         check_pixels(width, height, "the image")
         loaded = self.service.acquire(model_field(container.fields))
         try:
+            self.service.worker.call(self.service.memory.check_vae, loaded, height, width, False)
             latents = [
                 self.service.on_model(loaded, lambda m, im=im: m.vae_encode(im)) for im in images
             ]

@@ -78,7 +78,11 @@ def test_status_of_the_base_variant(loaded, base_folder):
     dit_file = sum(p.stat().st_size for p in (root / "transformer").glob("*.safetensors"))
     assert 0 < memory["dit_bytes"] < dit_file
     assert memory["encoder_bytes"] > 0 and memory["vae_bytes"] > 0
-    assert family.describe(root, "qwen_base") == status
+    assert memory["resident_bytes"] > memory["activation_reserve_bytes"] > 0  # loaded
+    described = family.describe(root, "qwen_base")
+    assert described["memory"]["resident_bytes"] == 0  # not resident
+    described["memory"]["resident_bytes"] = memory["resident_bytes"]
+    assert described == status
 
 
 def test_sampling_rows_without_scheduler_config_and_for_turbo(tmp_path):

@@ -14,12 +14,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ... import cpu_ops
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...lora import TableWeights
 from ...schedules import qwen_image21_rule
 from ...weights import component_bytes, read_config, read_header, weight_files
-from .dit import QwenImage21DiT, default_compute_dtype, dtype_name, linear_slots
-from .step import PrefixCache, denoise_step
+from .dit import DiTConfig, QwenImage21DiT, default_compute_dtype, dtype_name, linear_slots
+from .step import PrefixCache, denoise_step, plan_row
 
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
@@ -40,6 +41,28 @@ SCHEDULER_KEYS = {
     "shift_terminal": "terminal",
 }
 MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+# ---------------------------------------------------------------- memory plan (CONTRACT 3.5)
+# A step's peak beyond the weights and the states already held, counted in buffers of the DiT's
+# shapes; tests/memory checks the sum against measured peaks. Per token of a pass:
+TOKEN_WIDTH_BUFFERS = 8  # hidden, its normed form, q, k, v, the attention out, residual sums
+TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
+MLP_BUFFERS = 6  # gate and up, SiLU's temporaries and the product, at the MLP's width
+# Per row of the target pass: its [prefix, target] keys and values, the transposed keys and the
+# values with the ones column of cpu_ops.attention.
+KV_BUFFERS = 4
+# cpu_ops.attention (the CPU backend in float32) holds one block of scores at a time per row:
+# scores, max-subtracted, exp2's temporaries. GPU backends use MLX's fused attention (none).
+SCORE_BLOCK_BUFFERS = 8
+# The prefix's text pieces go through mx.fast.scaled_dot_product_attention with a causal mask,
+# which on the CPU backend materialises float32 scores and the softmax.
+PREFIX_SCORE_BUFFERS = 3
+IO_BUFFERS = 3  # x and the output, as tokens and in float32
+# The reference workload behind status `activation_reserve_bytes`: a guided step (2 rows) on a
+# 1024x1024 image with 1024-token prefixes built fresh, or one 1024x1024 VAE pass.
+RESERVE_PIXELS = 1024
+RESERVE_ROWS = 2
+RESERVE_PREFIX = 1024
 
 
 def _model_index(model_dir: Path) -> dict:
@@ -109,11 +132,97 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "edit_capable": True,
         "sampling": sampling_row(model_dir),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
-        "memory": {
-            "dit_bytes": component_bytes(model_dir / "transformer"),
-            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
-            "vae_bytes": component_bytes(model_dir / "vae"),
-        },
+        "memory": memory_row(model_dir, dtype or default_compute_dtype(), resident=False),
+    }
+
+
+def step_peak_bytes(
+    config: DiTConfig,
+    itemsize: int,
+    tokens: int,
+    prefixes: list[tuple[int, bool]],
+    blocked_attention: bool,
+) -> int:
+    """Peak bytes of one step beyond the weights and held states, for one row per entry of
+    `prefixes` = (prefix length, built now?), `tokens` = h*w target tokens, activations of
+    `itemsize` bytes. Pure: no allocation. A prefix built now adds its pass and its new state."""
+    width, heads = config.inner_dim, config.num_heads
+    per_token = (
+        TOKEN_WIDTH_BUFFERS * width * itemsize
+        + TOKEN_F32_BUFFERS * width * 4
+        + MLP_BUFFERS * width * config.mlp_ratio * itemsize
+    )
+    rows = len(prefixes)
+    total = rows * tokens * per_token
+    total += IO_BUFFERS * rows * tokens * max(config.in_channels, config.out_channels) * 4
+    for length, built in prefixes:
+        keys = length + tokens
+        total += KV_BUFFERS * keys * width * itemsize
+        if blocked_attention:
+            total += SCORE_BLOCK_BUFFERS * _score_block_bytes(heads, tokens, keys)
+        if built:
+            total += 2 * config.num_layers * length * width * itemsize  # the new state
+            total += length * (per_token + config.context_in_dim * 4)
+            if blocked_attention:
+                total += PREFIX_SCORE_BUFFERS * heads * length * length * 4
+    return total
+
+
+def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
+    """The scores one block of cpu_ops.attention holds (its `_block_shape`)."""
+    query_rows, group = cpu_ops._block_shape(heads, rows, keys)
+    return min(rows, query_rows) * group * keys * 4
+
+
+def weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
+    """The weights as loaded: the DiT at its compute dtype, the VAE and the prompt encoder in
+    float32 (element counts from the file headers)."""
+    model_dir = Path(model_dir)
+    dit = _elements(model_dir / "transformer") * dit_dtype.size
+    return dit + 4 * (_elements(model_dir / "vae") + _elements(model_dir / "text_encoder"))
+
+
+def _elements(component_dir: Path) -> int:
+    count = 0
+    for path in weight_files(component_dir):
+        for name, entry in read_header(path).items():
+            if name != "__metadata__":
+                count += int(np.prod(entry["shape"], dtype=np.int64))
+    return count
+
+
+def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """The activations of the reference workload (RESERVE_*): the larger of a guided step and
+    a VAE pass at RESERVE_PIXELS square."""
+    from .vae import choose_tile_cells, decoder_shapes, encoder_shapes, pass_peak_bytes
+
+    model_dir = Path(model_dir)
+    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+    cells = RESERVE_PIXELS // LATENT_STRIDE
+    blocked = cpu_ops.use_cpu_ops(dtype)
+    step = step_peak_bytes(
+        config, dtype.size, cells * cells, [(RESERVE_PREFIX, True)] * RESERVE_ROWS, blocked
+    )
+    vae_config = read_config(model_dir / "vae")
+    shapes = [list(encoder_shapes(vae_config).stages), list(decoder_shapes(vae_config).stages)]
+    tile = choose_tile_cells(shapes, 4)
+    vae = max(pass_peak_bytes(vae_config, 4, (cells, cells), d, tile) for d in (True, False))
+    return max(step, vae)
+
+
+def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
+    """Status `memory` (CONTRACT 2.3): the file sizes, the activation reserve (the plan's
+    footprint, loaded weights plus the reserve, less the file sizes) and the resident bytes."""
+    files = {
+        "dit_bytes": component_bytes(model_dir / "transformer"),
+        "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+        "vae_bytes": component_bytes(model_dir / "vae"),
+    }
+    footprint = weight_bytes(model_dir, dtype) + activation_reserve(model_dir, dtype)
+    return {
+        **files,
+        "activation_reserve_bytes": max(0, footprint - sum(files.values())),
+        "resident_bytes": footprint if resident else 0,
     }
 
 
@@ -182,9 +291,50 @@ class QwenImage21Model:
         self.prefix_cache = PrefixCache(prefix_budget_bytes)
         self.tables = TableWeights(dit.weights, linear_slots(dit.config), dit.dtype)
         self._status = describe(self.model_dir, model_id, dit.dtype)
+        self._status["memory"] = memory_row(self.model_dir, dit.dtype, resident=True)
+        self.weight_bytes = weight_bytes(self.model_dir, dit.dtype)
 
     def status(self) -> dict:
         return json.loads(json.dumps(self._status))  # a copy the caller may change
+
+    # -- memory plan (server/memory.py asks these) ---------------------------------------
+
+    def held_bytes(self) -> int:
+        """What the model holds beyond its weights: prefix states and patched weight trees."""
+        return self.prefix_cache.total_bytes + self.tables.held_bytes
+
+    def step_peak_bytes(self, x_shape: tuple, rows: list[StepRow] | None, table=None) -> int:
+        """A step's peak beyond weights and held states: without rows (the quick plan) the
+        target pass alone; with them each row's prefix length, counting the states not held."""
+        batch, _, h, w = x_shape
+        if rows is None:
+            prefixes = [(0, False)] * batch
+        else:
+            plans = [plan_row(row, self.dit, (h, w), _table_id(table)) for row in rows]
+            prefixes, seen = [], set()
+            for plan in plans:
+                built = not plan.cache or (
+                    plan.key not in self.prefix_cache and plan.key not in seen
+                )
+                seen.add(plan.key)
+                prefixes.append((plan.layout.length, built))
+        dtype = self.dit.dtype
+        return step_peak_bytes(
+            self.dit.config, dtype.size, h * w, prefixes, cpu_ops.use_cpu_ops(dtype)
+        )
+
+    def step_keys(self, x_shape: tuple, rows: list[StepRow], table=None) -> set:
+        """The prefix-state keys a step uses (never shed to make room for that step)."""
+        _, _, h, w = x_shape
+        return {plan_row(row, self.dit, (h, w), _table_id(table)).key for row in rows}
+
+    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
+        return self.vae.peak_bytes(height, width, decode)
+
+    def shed_states(self, need_bytes: int, keep: set) -> int:
+        """Shed prefix states (unpinned ones first, least recently used first, then those of
+        other runs) until `need_bytes` are freed; returns the bytes freed."""
+        return self.prefix_cache.shed(need_bytes, keep)
 
     def manifest(self) -> dict:
         return manifest(self.model_dir)

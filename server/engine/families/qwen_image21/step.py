@@ -76,6 +76,21 @@ class PrefixCache:
         self._states.clear()
         self._pins.clear()
 
+    def shed(self, need_bytes: int, keep: set) -> int:
+        """Free states for a memory plan (CONTRACT 3.3): those of finished work (unpinned) first,
+        then those runs hold (a run's next step rebuilds them), least recently used first within
+        each; never the keys in `keep`. Returns the bytes freed (may fall short)."""
+        freed = 0
+        for pinned in (False, True):
+            for key in list(self._states):
+                if freed >= need_bytes:
+                    return freed
+                if key in keep or (key in self._pins) != pinned:
+                    continue
+                freed += self._states.pop(key).nbytes
+                self._pins.pop(key, None)
+        return freed
+
     @property
     def unpinned_bytes(self) -> int:
         return sum(s.nbytes for k, s in self._states.items() if k not in self._pins)

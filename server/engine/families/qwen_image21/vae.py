@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
@@ -245,6 +245,54 @@ def _block_reach(convs: int, extra_px: int, px_per_cell: int) -> float:
     return (convs + extra_px) / px_per_cell
 
 
+@dataclass(frozen=True)
+class StageShapes:
+    """The stages of one side of the VAE without their networks (run None): a pure function of
+    the config, for the tiler and the memory estimate. `width` is the channels of the global
+    part at latent size (the mid block)."""
+
+    stages: tuple[Stage, ...]
+    width: int
+
+
+def encoder_shapes(config: dict) -> StageShapes:
+    mults = list(config["dim_mult"])
+    dims = [config["base_dim"] * m for m in [1, *mults]]
+    last, blocks = len(mults) - 1, config["num_res_blocks"]
+    stages, px_per_cell = [], 2**last
+    for index in range(len(mults)):
+        down = index != last
+        # A stride-2 3x3 conv over a right/bottom pad reads two pixels past its own.
+        reach = _block_reach(2 * blocks, 2 if down else 0, px_per_cell)
+        if index == 0:
+            reach += _block_reach(1, 0, px_per_cell)  # conv_in
+        # the widest activations are the block's input-size ones
+        cell_values = px_per_cell**2 * max(dims[index], dims[index + 1])
+        px_per_cell //= 2 if down else 1
+        stages.append(Stage(None, reach, px_per_cell, cell_values))
+    return StageShapes(tuple(stages), dims[-1])
+
+
+def decoder_shapes(config: dict) -> StageShapes:
+    base = config.get("decoder_base_dim") or config["base_dim"]
+    mults = list(config["dim_mult"])
+    dims = [base * m for m in [mults[-1], *mults[::-1]]]
+    last, blocks = len(mults) - 1, config["num_res_blocks"]
+    stages, px_per_cell = [], 1
+    for index in range(len(mults)):
+        up = index != last
+        # The upsampler's conv at twice the size reaches half an input pixel; count a whole one.
+        reach = _block_reach(2 * (blocks + 1), 1 if up else 0, px_per_cell)
+        # resnets at the input size (in and out channels), the upsampler's out at twice the size
+        cell_values = px_per_cell**2 * max(dims[index], dims[index + 1])
+        px_per_cell *= 2 if up else 1
+        cell_values = max(cell_values, px_per_cell**2 * dims[index + 1])
+        if index == last:
+            reach += _block_reach(1, 0, px_per_cell)  # conv_out
+        stages.append(Stage(None, reach, px_per_cell, cell_values))
+    return StageShapes(tuple(stages), dims[0])
+
+
 class Encoder(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
@@ -267,23 +315,17 @@ class Encoder(nn.Module):
         self.norm_out = RMSNorm(dims[-1])
         self.conv_out = nn.Conv2d(dims[-1], config["z_dim"] * 2, 3, padding=1)
         self.stride = 2**last
+        self._shapes = encoder_shapes(config)
 
     def stages(self) -> list[Stage]:
         """The local part (conv_in and the down blocks), one stage per block."""
-        stages, px_per_cell = [], self.stride
-        for index, block in enumerate(self.down_blocks):
-            down = "downsampler" in block
-            # A stride-2 3x3 conv over a right/bottom pad reads two pixels past its own.
-            reach = _block_reach(2 * self.num_res_blocks, 2 if down else 0, px_per_cell)
-            run = block
-            if index == 0:
-                reach += _block_reach(1, 0, px_per_cell)
-                run = _chain(self.conv_in, block)
-            # the widest activations are the block's input-size ones
-            cell_values = px_per_cell**2 * max(block.in_dim, block.out_dim)
-            px_per_cell //= 2 if down else 1
-            stages.append(Stage(run, reach, px_per_cell, cell_values))
-        return stages
+        runs = [
+            _chain(self.conv_in, block) if i == 0 else block
+            for i, block in enumerate(self.down_blocks)
+        ]
+        return [
+            replace(shape, run=run) for shape, run in zip(self._shapes.stages, runs, strict=True)
+        ]
 
     def tail(self, x: mx.array) -> mx.array:
         """The global part at latent size: mid block (with attention) and the output head."""
@@ -314,6 +356,7 @@ class Decoder(nn.Module):
         ]
         self.norm_out = RMSNorm(dims[-1])
         self.conv_out = nn.Conv2d(dims[-1], config["out_channels"], 3, padding=1)
+        self._shapes = decoder_shapes(config)
 
     def head(self, x: mx.array) -> mx.array:
         """The global part at latent size: conv_in and the mid block (with attention)."""
@@ -324,22 +367,14 @@ class Decoder(nn.Module):
 
     def stages(self) -> list[Stage]:
         """The local part (the up blocks and the output head), one stage per block."""
-        stages, px_per_cell = [], 1
         last = len(self.up_blocks) - 1
-        for index, block in enumerate(self.up_blocks):
-            up = "upsampler" in block
-            # The upsampler's conv at twice the size reaches half an input pixel; count a whole one.
-            reach = _block_reach(2 * (self.num_res_blocks + 1), 1 if up else 0, px_per_cell)
-            run = block
-            # resnets at the input size (in and out channels), the upsampler's out at twice the size
-            cell_values = px_per_cell**2 * max(block.in_dim, block.out_dim)
-            px_per_cell *= 2 if up else 1
-            cell_values = max(cell_values, px_per_cell**2 * block.out_dim)
-            if index == last:
-                reach += _block_reach(1, 0, px_per_cell)
-                run = _chain(block, self.output)
-            stages.append(Stage(run, reach, px_per_cell, cell_values))
-        return stages
+        runs = [
+            _chain(block, self.output) if i == last else block
+            for i, block in enumerate(self.up_blocks)
+        ]
+        return [
+            replace(shape, run=run) for shape, run in zip(self._shapes.stages, runs, strict=True)
+        ]
 
 
 def _chain(*parts: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
@@ -406,6 +441,42 @@ def choose_tile_cells(stage_lists: list[list[Stage]], itemsize: int) -> int:
         if largest <= TILE_ACTIVATION_BUDGET:
             return cells
     return MIN_TILE_CELLS
+
+
+# Memory plan of one image's pass (the server refuses work whose plan does not fit). The peak of
+# the local part is a multiple of its largest activation (a tile, halo included, or the whole
+# image when untiled): on the CPU backend, whose convolutions unfold their input 9x and keep a
+# padded copy, measured 35x for the full model and 40x for the tiny test model (tests/memory), so
+# LOCAL_PEAK_MULTIPLE, a little above both, is used on every backend as a bound. The global
+# part at latent size (the mid block) holds a few activations of its width and the attention
+# scores of one query chunk in float32 (q, scores and softmax temporaries).
+LOCAL_PEAK_MULTIPLE = 42
+MID_BLOCK_BUFFERS = 8
+SCORE_BUFFERS = 3
+# Full-size images alive at once: the input or output, its float32 copy, the tiles' rows and
+# their concatenation, the clamp.
+IMAGE_COPIES = 4
+
+
+def pass_peak_bytes(
+    config: dict, itemsize: int, cells: tuple[int, int], decode: bool, tile_cells: int
+) -> int:
+    """Bytes one image's decode (or encode) may hold at its peak, beyond the weights: a pure
+    function of the config, the latent size in cells and the tile side (no allocation)."""
+    shapes = decoder_shapes(config) if decode else encoder_shapes(config)
+    tiled = max(cells) > tile_cells
+    halos = _halos(list(shapes.stages))
+    largest = 0
+    for stage, halo in zip(shapes.stages, halos, strict=True):
+        window = [min(n, tile_cells + 2 * halo) if tiled else n for n in cells]
+        largest = max(largest, window[0] * window[1] * stage.cell_values * itemsize)
+    tokens = cells[0] * cells[1]
+    scores = min(_ATTENTION_QUERY_CHUNK, tokens) * tokens * 4 * SCORE_BUFFERS
+    mid = MID_BLOCK_BUFFERS * tokens * shapes.width * itemsize + scores
+    stride = 2 ** (len(config["dim_mult"]) - 1)
+    channels = max(config["in_channels"], config["out_channels"])
+    image = tokens * stride * stride * channels * 4
+    return LOCAL_PEAK_MULTIPLE * largest + mid + IMAGE_COPIES * image
 
 
 def _window(core: tuple[int, int], halo: int, size: int) -> tuple[int, int]:
@@ -551,6 +622,11 @@ class QwenImage21VAE:
             )
         images = [self._decode_one(latents[i : i + 1]) for i in range(latents.shape[0])]
         return mx.concatenate(images, axis=0) if len(images) > 1 else images[0]
+
+    def peak_bytes(self, height: int, width: int, decode: bool) -> int:
+        """The memory plan of one image of height x width pixels (see `pass_peak_bytes`)."""
+        cells = (math.ceil(height / self.stride), math.ceil(width / self.stride))
+        return pass_peak_bytes(self.config, self.dtype.size, cells, decode, self.tile_cells)
 
     def _input_channels(self, image: mx.array) -> mx.array:
         """Drop channels the VAE does not read; give an RGB image an opaque alpha."""

@@ -1,0 +1,246 @@
+"""Memory plans of the image worker (CONTRACT 3.5, 2.1).
+
+The budget is the memory the image worker may use: `[server.image] memory_budget_mb` when set,
+else the machine's memory less `memory_headroom_mb` (an MLX GPU backend's recommended working
+set; on Linux MemAvailable plus what this process already holds; on macOS `hw.memsize`). What the
+loaded models and the caches hold comes off it; the rest is free for a request's activations.
+
+A model takes part when it offers the planning methods of `QwenImage21Model` (`weight_bytes`,
+`held_bytes`, `step_peak_bytes`, `step_keys`, `vae_peak_bytes`, `shed_states`); the estimates
+are its family's, pure functions of shapes and config. A step is planned twice: a quick plan of
+`x` alone (HTTP thread, counting the prefix states as sheddable), then, on the worker right
+before the forward, a detailed plan with the rows' prefixes, which sheds held states when that
+makes room. Work whose plan does not fit is refused 400 with what would fit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .config import ImageConfig
+from .engine.base import MemoryPlanError
+from .engine.registry import LoadedModel, ModelRegistry
+
+log = logging.getLogger("gmlx.server")
+
+MiB = 1 << 20
+# The caches' bounds are never lowered below this (a conditioning still fits).
+MIN_CACHE_BOUND = 1 * MiB
+
+
+# ---------------------------------------------------------------- the machine
+
+
+def machine_bytes() -> int:
+    """The memory this process could use before any headroom (0 when it cannot be told)."""
+    return _mlx_gpu_bytes() or _linux_bytes() or _macos_bytes() or _sysconf_bytes()
+
+
+def _mlx_gpu_bytes() -> int:
+    try:
+        import mlx.core as mx
+
+        if mx.default_device() == mx.cpu:
+            return 0
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+    except Exception:  # noqa: BLE001 - no GPU backend: the host's memory applies
+        return 0
+    return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
+
+
+def _linux_bytes() -> int:
+    """MemAvailable plus this process's resident set (what it holds is its own to reuse)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = {line.split(":")[0]: line.split()[1] for line in f if ":" in line}
+        available = int(fields.get("MemAvailable", fields.get("MemTotal", 0))) * 1024
+        with open("/proc/self/statm", encoding="ascii") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+    return available + resident
+
+
+def _macos_bytes() -> int:
+    if sys.platform != "darwin":
+        return 0
+    try:
+        out = subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, timeout=5)
+        return int(out.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
+def _sysconf_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _mib(n: int) -> str:
+    return f"{max(0, n) / MiB:.0f} MiB"
+
+
+class MemoryPlanner:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        caches: list[Any],
+        config: ImageConfig,
+        machine: Callable[[], int] = machine_bytes,
+    ) -> None:
+        self.registry = registry
+        self.caches = caches  # the byte-bounded upload caches (service.ByteLRU)
+        self.configured_bounds = [cache.bound for cache in caches]
+        self.budget_mb = config.memory_budget_mb
+        self.headroom = config.memory_headroom_mb * MiB
+        self.machine = machine
+
+    def budget(self) -> int:
+        """The image worker's memory: the configured budget, else the machine's less headroom."""
+        if self.budget_mb:
+            return self.budget_mb * MiB
+        return max(0, self.machine() - self.headroom)
+
+    def held(self, states: bool = True) -> int:
+        """Bytes held beside the next piece of work: weights of the loaded models, the upload
+        caches and (with `states`) what the models hold beyond their weights."""
+        total = sum(cache.total for cache in self.caches)
+        for model_id in self.registry.resident_ids():
+            loaded = self.registry.loaded(model_id)
+            model = loaded.model if loaded else None
+            total += int(getattr(model, "weight_bytes", 0) or 0)
+            if states and hasattr(model, "held_bytes"):
+                total += model.held_bytes()
+        return total
+
+    # ------------------------------------------------------------ the step
+
+    def check_step_quick(self, loaded: LoadedModel, x_shape: tuple) -> None:
+        """CONTRACT 2.11 step 5: the target pass alone against the budget less weights and
+        caches (held states could be shed, so they do not count here)."""
+        model = loaded.model
+        if not hasattr(model, "step_peak_bytes"):
+            return
+        free = self.budget() - self.held(states=False)
+        need = model.step_peak_bytes(tuple(x_shape), None)
+        if need > free:
+            hint = self._step_hint(
+                lambda shape: model.step_peak_bytes(shape, None),
+                x_shape,
+                free,
+                loaded.facts.latent_stride,
+            )
+            raise MemoryPlanError(self._refusal("step", need, free, hint))
+
+    def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> None:
+        """CONTRACT 2.11 step 11, on the worker: the rows' prefixes, states not held counted as
+        built; held states of other work are shed when that makes the plan fit."""
+        model = loaded.model
+        if not hasattr(model, "step_peak_bytes"):
+            return
+        x_shape = tuple(x_shape)
+        need = model.step_peak_bytes(x_shape, rows, table)
+        free = self.budget() - self.held()
+        if need > free:
+            keep = model.step_keys(x_shape, rows, table)
+            freed = model.shed_states(need - free, keep)
+            log.info("memory plan shed %s of prefix states for a step", _mib(freed))
+            free += freed
+        if need > free:
+
+            def estimate(shape: tuple) -> int:  # the first rows, at another size
+                return model.step_peak_bytes(shape, rows[: shape[0]], table)
+
+            hint = self._step_hint(estimate, x_shape, free, loaded.facts.latent_stride)
+            raise MemoryPlanError(self._refusal("step", need, free, hint))
+
+    @staticmethod
+    def _step_hint(estimate: Callable, x_shape: tuple, free: int, stride: int) -> str:
+        """What would fit: the rows at this size, or the largest square at these rows."""
+        batch, channels, h, w = x_shape
+        rows = max((b for b in range(1, batch) if estimate((b, channels, h, w)) <= free), default=0)
+        side = _largest_side(lambda s: estimate((batch, channels, s, s)) <= free, max(h, w))
+        parts = []
+        if rows:
+            parts.append(f"{rows} of the {batch} rows fit at {w * stride}x{h * stride} pixels")
+        if side:
+            parts.append(f"{batch} row(s) fit at up to {side * stride}x{side * stride} pixels")
+        return (
+            "; ".join(parts) or "no step of this model fits; unload other work or raise the budget"
+        )
+
+    # ------------------------------------------------------------ the VAE
+
+    def check_vae(self, loaded: LoadedModel, height: int, width: int, decode: bool) -> None:
+        """CONTRACT 2.12-2.13, on the worker: one image of height x width pixels (images go one
+        at a time); held states are shed when that makes it fit."""
+        model = loaded.model
+        if not hasattr(model, "vae_peak_bytes"):
+            return
+        need = model.vae_peak_bytes(height, width, decode)
+        free = self.budget() - self.held()
+        if need > free and hasattr(model, "shed_states"):
+            free += model.shed_states(need - free, set())
+        if need > free:
+            stride = loaded.facts.vae_stride
+            cells = _largest_side(
+                lambda s: model.vae_peak_bytes(s * stride, s * stride, decode) <= free,
+                max(height, width) // stride,
+            )
+            hint = (
+                f"images of up to {cells * stride}x{cells * stride} pixels fit"
+                if cells
+                else "no image fits; unload other work or raise the budget"
+            )
+            raise MemoryPlanError(self._refusal("decode" if decode else "encode", need, free, hint))
+
+    def _refusal(self, what: str, need: int, free: int, hint: str) -> str:
+        return (
+            f"the {what}'s memory plan does not fit beside the models loaded: it needs "
+            f"{_mib(need)}, {_mib(free)} of the image worker's {_mib(self.budget())} are free "
+            f"(server.image.memory_budget_mb, memory_headroom_mb); {hint}"
+        )
+
+    # ------------------------------------------------------------ cache bounds (CONTRACT 2.1)
+
+    def fit_cache_bounds(self) -> None:
+        """Lower the upload caches' bounds when the loaded models' footprints leave less room
+        than configured (shared in the configured proportion), restore them when room returns."""
+        room = self.budget() - sum(
+            self._footprint(self.registry.loaded(m)) for m in self.registry.resident_ids()
+        )
+        configured = sum(self.configured_bounds)
+        for cache, bound in zip(self.caches, self.configured_bounds, strict=True):
+            share = room * bound // configured if configured else 0
+            cache.set_bound(max(MIN_CACHE_BOUND, min(bound, share)))
+
+    @staticmethod
+    def _footprint(loaded: LoadedModel | None) -> int:
+        """A loaded model's planned footprint (status `memory.resident_bytes`), else its weights."""
+        if loaded is None:
+            return 0
+        footprint = loaded.model.status().get("memory", {}).get("resident_bytes")
+        return int(footprint or getattr(loaded.model, "weight_bytes", 0) or 0)
+
+
+def _largest_side(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest side in 1..upper for which fits(side) holds (fits shrinks with the side);
+    0 when none does."""
+    low, high = 0, max(0, upper)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
