@@ -1,54 +1,20 @@
 """Build a tiny Qwen3-VL text encoder and processor folder for Qwen-Image 2.1 tests.
 
 `build_text_encoder(model_dir)` writes `model_dir/text_encoder` (a random
-`Qwen3VLForConditionalGeneration` saved with `save_pretrained`) and `model_dir/processor` (a small
-byte-level BPE trained offline with `tokenizers`, Qwen's special tokens in Qwen's order, the
-tokenizer config, a Qwen3-VL style chat template and the image-processor config). Nothing is
-downloaded. Torch and transformers are development dependencies: only tests import this module.
+`Qwen3VLForConditionalGeneration` saved with `save_pretrained`) and `model_dir/processor` (the
+embedded model's tokenizer and processor files: a small byte-level BPE trained offline on this
+module's corpus, Qwen's added tokens in Qwen's order, the chat template and the processor
+configs for this module's vision tower). Nothing is downloaded. Torch and transformers are
+development dependencies: only tests import this module.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers.trainers import BpeTrainer
-
-# Qwen2/Qwen3 added tokens in the order of their ids (151643 onwards in the real vocabulary);
-# the last four are added tokens that are not special.
-QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-]
-QWEN_PLAIN_ADDED_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
-
-# Qwen2's pre-tokenizer split, as the real tokenizer.json carries it.
-QWEN_SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+from gmlx_server.engine.families.qwen_image21 import embedded
+from tokenizers import Tokenizer
 
 # A small fixed corpus so the BPE learns merges for the words the tests use.
 _CORPUS = [
@@ -60,30 +26,6 @@ _CORPUS = [
     "0123456789 The quick brown fox jumps over the lazy dog.",
     "Ein Fuchs im Schnee. Un renard dans la neige. 雪の中のキツネ。",
 ]
-
-# Qwen3-VL's chat template, reduced to the message forms these tests render (system, user and
-# assistant turns whose content is a string or a list of text and image parts).
-CHAT_TEMPLATE = (
-    "{%- set image_count = namespace(value=0) -%}"
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}"
-    "{{- message['content'] -}}"
-    "{%- else -%}"
-    "{%- for content in message['content'] -%}"
-    "{%- if content['type'] == 'image' or 'image' in content -%}"
-    "{%- set image_count.value = image_count.value + 1 -%}"
-    "{%- if add_vision_id -%}Picture {{ image_count.value }}: {% endif -%}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{%- elif 'text' in content -%}"
-    "{{- content['text'] -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
 
 TINY_TEXT = {
     "hidden_size": 64,
@@ -121,88 +63,14 @@ TINY_MAX_PIXELS = 1024 * 1024
 
 
 def build_tokenizer(vocab_size: int = 320) -> Tokenizer:
-    """A byte-level BPE with Qwen's normalizer and pre-tokenizer, then Qwen's added tokens."""
-    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS]
-    )
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t in QWEN_PLAIN_ADDED_TOKENS]
-    )
-    return tokenizer
-
-
-def _token_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    return {t: tokenizer.token_to_id(t) for t in QWEN_SPECIAL_TOKENS + QWEN_PLAIN_ADDED_TOKENS}
-
-
-def write_processor(processor_dir: Path, tokenizer: Tokenizer, min_pixels: int, max_pixels: int):
-    processor_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(processor_dir / "tokenizer.json"))
-    ids = _token_ids(tokenizer)
-    added = {
-        str(ids[t]): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": t in QWEN_SPECIAL_TOKENS,
-        }
-        for t in QWEN_SPECIAL_TOKENS + QWEN_PLAIN_ADDED_TOKENS
-    }
-    tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "model_max_length": 262144,
-        "split_special_tokens": False,
-        "processor_class": "Qwen3VLProcessor",
-    }
-    (processor_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (processor_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    image_config = {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "resample": 3,
-        "patch_size": TINY_VISION["patch_size"],
-        "temporal_patch_size": TINY_VISION["temporal_patch_size"],
-        "merge_size": TINY_VISION["spatial_merge_size"],
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-    }
-    (processor_dir / "preprocessor_config.json").write_text(json.dumps(image_config, indent=2))
+    """The embedded model's Qwen-style BPE, trained on the tests' corpus."""
+    return embedded.build_tokenizer(_CORPUS * 4, vocab_size)
 
 
 def tiny_config(tokenizer: Tokenizer, text: dict | None = None, vision: dict | None = None):
     from transformers import Qwen3VLConfig
 
-    ids = _token_ids(tokenizer)
+    ids = embedded.token_ids(tokenizer)
     text_config = {**TINY_TEXT, **(text or {}), "vocab_size": tokenizer.get_vocab_size()}
     text_config["pad_token_id"] = ids["<|endoftext|>"]
     return Qwen3VLConfig(
@@ -242,13 +110,14 @@ def build_text_encoder(model_dir: Path, seed: int = 0, **overrides) -> Path:
 
     model_dir = Path(model_dir)
     tokenizer = build_tokenizer(overrides.get("vocab_size", 320))
-    write_processor(
+    config = tiny_config(tokenizer, overrides.get("text"), overrides.get("vision"))
+    embedded.write_processor(
         model_dir / "processor",
         tokenizer,
-        overrides.get("min_pixels", TINY_MIN_PIXELS),
-        overrides.get("max_pixels", TINY_MAX_PIXELS),
+        vision=config.vision_config.to_dict(),
+        min_pixels=overrides.get("min_pixels", TINY_MIN_PIXELS),
+        max_pixels=overrides.get("max_pixels", TINY_MAX_PIXELS),
     )
-    config = tiny_config(tokenizer, overrides.get("text"), overrides.get("vision"))
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).eval()
     _redraw(model, seed)

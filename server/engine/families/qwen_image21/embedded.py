@@ -141,36 +141,48 @@ SCHEDULER_CONFIG = {
     "shift_terminal": 0.02,
 }
 
-IMAGE_PROCESSOR_CONFIG = {
-    "image_processor_type": "Qwen2VLImageProcessorFast",
-    "processor_class": "Qwen3VLProcessor",
-    "do_resize": True,
-    "do_rescale": True,
-    "rescale_factor": 1 / 255,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "resample": 3,
-    "patch_size": VISION_CONFIG["patch_size"],
-    "temporal_patch_size": VISION_CONFIG["temporal_patch_size"],
-    "merge_size": VISION_CONFIG["spatial_merge_size"],
-    # Qwen3-VL's stock minimum (256x256) upscales smaller references, so their image-pad slots
-    # would outnumber their latents' 2x2 groups; one 32x32 slot keeps small references usable.
-    "size": {"shortest_edge": 32 * 32, "longest_edge": 16777216},
-}
+# Qwen3-VL's stock minimum (256x256) upscales smaller references, so their image-pad slots would
+# outnumber their latents' 2x2 groups; one 32x32 slot keeps small references usable.
+MIN_PIXELS = 32 * 32
+MAX_PIXELS = 16777216
 
-# transformers' Qwen3VLProcessor also wants its video processor (torchvision-gated); the server
-# never reads this file.
-VIDEO_PROCESSOR_CONFIG = {
-    "video_processor_type": "Qwen3VLVideoProcessor",
-    "processor_class": "Qwen3VLProcessor",
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "patch_size": VISION_CONFIG["patch_size"],
-    "temporal_patch_size": VISION_CONFIG["temporal_patch_size"],
-    "merge_size": VISION_CONFIG["spatial_merge_size"],
-}
+
+def image_processor_config(vision: dict, min_pixels: int, max_pixels: int) -> dict:
+    """preprocessor_config.json for a Qwen3-VL vision tower `vision` and a pixel-count range."""
+    return {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 3,
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    }
+
+
+def video_processor_config(vision: dict) -> dict:
+    """video_preprocessor_config.json: transformers' Qwen3VLProcessor also wants its video
+    processor (torchvision-gated); the server never reads this file."""
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+    }
+
+
+IMAGE_PROCESSOR_CONFIG = image_processor_config(VISION_CONFIG, MIN_PIXELS, MAX_PIXELS)
+VIDEO_PROCESSOR_CONFIG = video_processor_config(VISION_CONFIG)
 
 # Qwen's added tokens in the order of their ids (151643 onwards in the real vocabulary); the
 # last four are added but not special.
@@ -277,7 +289,7 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     """Write every file of the embedded checkpoint into the existing folder `root`."""
     root = Path(root)
     tokenizer = build_tokenizer()
-    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
+    ids = token_ids(tokenizer)
     rng = np.random.default_rng(seed)
     text_encoder_config = _text_encoder_config(tokenizer.get_vocab_size(), ids)
     vae_config = _vae_config(rng)
@@ -290,7 +302,7 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
         weights = _draw(inventory, np.random.default_rng([seed, index]))
         file_name = "model.safetensors" if name == "text_encoder" else DIFFUSERS_WEIGHTS
         _write_component(root / name, config, weights, file_name)
-    _write_processor(root / "processor", tokenizer, ids)
+    write_processor(root / "processor", tokenizer)
     (root / "scheduler").mkdir()
     (root / "scheduler" / "scheduler_config.json").write_text(_dumps(SCHEDULER_CONFIG))
     (root / "model_index.json").write_text(_dumps(model_index()))
@@ -610,9 +622,11 @@ def _merger(tensors: dict, prefix: str, merged: int, out: int, norm: int) -> Non
 # ---- tokenizer and processor files --------------------------------------------------------
 
 
-def build_tokenizer() -> Tokenizer:
-    """A byte-level BPE with Qwen's normalizer, split and decoder, trained on a fixed corpus,
-    then Qwen's added tokens in Qwen's order (so their ids follow the learned vocabulary)."""
+def build_tokenizer(
+    corpus: list[str] = TOKENIZER_CORPUS, vocab_size: int = BPE_VOCAB_SIZE
+) -> Tokenizer:
+    """A byte-level BPE with Qwen's normalizer, split and decoder, trained on `corpus`, then
+    Qwen's added tokens in Qwen's order (so their ids follow the learned vocabulary)."""
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -624,11 +638,11 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = token_processors.ByteLevel(trim_offsets=False)
     trainer = BpeTrainer(
-        vocab_size=BPE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(TOKENIZER_CORPUS, trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
     )
@@ -638,9 +652,24 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _write_processor(folder: Path, tokenizer: Tokenizer, ids: dict[str, int]) -> None:
-    folder.mkdir()
+def token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """The id of each of Qwen's added tokens in `tokenizer`."""
+    return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
+
+
+def write_processor(
+    folder: Path,
+    tokenizer: Tokenizer,
+    vision: dict = VISION_CONFIG,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> None:
+    """Write a Qwen3-VL processor folder: `tokenizer`, its config, the chat template and the
+    image and video processor configs for the vision tower `vision`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
+    ids = token_ids(tokenizer)
     added = {
         str(ids[token]): {
             "content": token,
@@ -665,7 +694,8 @@ def _write_processor(folder: Path, tokenizer: Tokenizer, ids: dict[str, int]) ->
         "model_max_length": 262144,
         "split_special_tokens": False,
     }
+    image_config = image_processor_config(vision, min_pixels, max_pixels)
     (folder / "tokenizer_config.json").write_text(_dumps(tokenizer_config))
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (folder / "preprocessor_config.json").write_text(_dumps(IMAGE_PROCESSOR_CONFIG))
-    (folder / "video_preprocessor_config.json").write_text(_dumps(VIDEO_PROCESSOR_CONFIG))
+    (folder / "preprocessor_config.json").write_text(_dumps(image_config))
+    (folder / "video_preprocessor_config.json").write_text(_dumps(video_processor_config(vision)))
