@@ -1,13 +1,12 @@
-"""A complete tiny Qwen-Image 2.1 folder in diffusers layout, for the family tests."""
+"""The tiny Qwen-Image 2.1 folder (tests/tiny/folder.py) with the family tests' own sigmas and
+scheduler constants: they differ from the embedded model's defaults, so a test sees whether the
+family read them from the folder."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tests.tiny.text_encoder import build_text_encoder
-from tests.tiny.transformer import build_transformer
-from tests.tiny.vae import build_vae
+from tests.tiny.folder import write_tiny_folder
 
 TURBO_SIGMAS = [1.0, 0.95, 0.8, 0.5]
 SCHEDULER_CONFIG = {
@@ -26,22 +25,5 @@ SCHEDULER_CONFIG = {
 def build_folder(root: Path, variant: str = "base", seed: int = 0, scheduler: bool = True):
     """Write root/{model_index.json, transformer, vae, text_encoder, processor, scheduler};
     returns the torch transformer."""
-    root = Path(root)
-    model = build_transformer(root / "transformer", seed=seed)
-    build_vae(root / "vae", seed=seed)
-    build_text_encoder(root, seed=seed)
-    index = {
-        "_class_name": "QwenImage21Pipeline",
-        "_diffusers_version": "0.42.1",
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage21"],
-        "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
-        "processor": ["transformers", "Qwen3VLProcessor"],
-        "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
-        "sample_sigmas": TURBO_SIGMAS if variant == "turbo" else None,
-    }
-    (root / "model_index.json").write_text(json.dumps(index))
-    if scheduler:
-        (root / "scheduler").mkdir(exist_ok=True)
-        (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
-    return model
+    sigmas = TURBO_SIGMAS if variant == "turbo" else None
+    return write_tiny_folder(root, seed, sigmas, SCHEDULER_CONFIG if scheduler else None)

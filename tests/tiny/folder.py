@@ -2,8 +2,9 @@
 
 The transformer, VAE and text encoder (with its processor folder) come from the tiny builders
 beside this file, which save diffusers' and transformers' own models with `save_pretrained`;
-model_index.json and the scheduler config are the ones the embedded model writes, so there is one
-description of a Qwen-Image 2.1 folder. Torch, diffusers and transformers are test-only.
+model_index.json, the turbo sigmas and the scheduler config are the ones the embedded model
+writes, so there is one description of a Qwen-Image 2.1 folder. Torch, diffusers and transformers
+are test-only.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gmlx_server.engine.families.qwen_image21.embedded import SCHEDULER_CONFIG, model_index
+from gmlx_server.engine.families.qwen_image21.embedded import (
+    SAMPLE_SIGMAS,
+    SCHEDULER_CONFIG,
+    model_index,
+)
 
 from tests.tiny.text_encoder import build_text_encoder
 from tests.tiny.transformer import build_transformer
 from tests.tiny.vae import build_vae
 
 # Qwen-Image 2.1 turbo's fixed sigmas (CONTRACT.md 2.3), excluding the terminal 0.0.
-TURBO_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568]
+TURBO_SIGMAS = SAMPLE_SIGMAS
 
 
 def build_tiny_folder(root: Path, seed: int = 0, variant: str = "base") -> Path:
@@ -29,15 +34,28 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "base") -> Path:
     context width = the vision output; 16 latent channels in the VAE and the transformer)."""
     if variant not in ("base", "turbo"):
         raise ValueError(f"variant is 'base' or 'turbo', not {variant!r}")
+    sigmas = TURBO_SIGMAS if variant == "turbo" else None
+    write_tiny_folder(root, seed, sigmas)
+    return Path(root)
+
+
+def write_tiny_folder(
+    root: Path,
+    seed: int = 0,
+    sample_sigmas: list[float] | None = None,
+    scheduler_config: dict | None = SCHEDULER_CONFIG,
+):
+    """Write the tiny folder with these `sample_sigmas` (None: a base variant) and
+    `scheduler_config` (None: no scheduler folder); return the torch transformer."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    build_transformer(root / "transformer", seed=seed)
+    transformer = build_transformer(root / "transformer", seed=seed)
     build_vae(root / "vae", seed=seed)
     build_text_encoder(root, seed=seed)
-    sigmas = TURBO_SIGMAS if variant == "turbo" else None
-    (root / "model_index.json").write_text(json.dumps(model_index(sigmas), indent=2))
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(
-        json.dumps(SCHEDULER_CONFIG, indent=2)
-    )
-    return root
+    (root / "model_index.json").write_text(json.dumps(model_index(sample_sigmas), indent=2))
+    if scheduler_config is not None:
+        (root / "scheduler").mkdir(exist_ok=True)
+        (root / "scheduler" / "scheduler_config.json").write_text(
+            json.dumps(scheduler_config, indent=2)
+        )
+    return transformer
