@@ -43,6 +43,11 @@ def _loader_inputs() -> dict:
     }
 
 
+def _image_side(default: int, minimum: int) -> tuple:
+    """An image width or height input, in pixels: a multiple of 16 up to 16384."""
+    return ("INT", {"default": default, "min": minimum, "max": 16384, "step": 16})
+
+
 def _connect(model_name: str, server_url: str, start_server: bool) -> tuple[Connection, dict]:
     """Handshake (each time a loader runs, never per step), check the model, read status."""
     conn = connect(server_url, start_server)
@@ -52,14 +57,20 @@ def _connect(model_name: str, server_url: str, start_server: bool) -> tuple[Conn
     return conn, status
 
 
-class GmlxModelLoader:
+class _ServerModelNode:
+    """A node whose inputs pick a model on a server (`_loader_inputs`); `load` or `status` runs
+    the handshake through `_connect`."""
+
     @classmethod
     def INPUT_TYPES(cls):
         return _loader_inputs()
 
-    RETURN_TYPES = ("MODEL",)
     FUNCTION = "load"
     CATEGORY = CATEGORY
+
+
+class GmlxModelLoader(_ServerModelNode):
+    RETURN_TYPES = ("MODEL",)
     DESCRIPTION = "The server's DiT as a MODEL: every model call is one step on the server."
 
     def load(self, model_name, server_url, start_server):
@@ -69,42 +80,25 @@ class GmlxModelLoader:
         return (load_remote_model(conn, model_name),)
 
 
-class GmlxCLIPLoader:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return _loader_inputs()
-
+class GmlxCLIPLoader(_ServerModelNode):
     RETURN_TYPES = ("CLIP",)
-    FUNCTION = "load"
-    CATEGORY = CATEGORY
 
     def load(self, model_name, server_url, start_server):
         conn, status = _connect(model_name, server_url, start_server)
         return (GmlxCLIP(conn, model_name, status),)
 
 
-class GmlxVAELoader:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return _loader_inputs()
-
+class GmlxVAELoader(_ServerModelNode):
     RETURN_TYPES = ("VAE",)
-    FUNCTION = "load"
-    CATEGORY = CATEGORY
 
     def load(self, model_name, server_url, start_server):
         conn, status = _connect(model_name, server_url, start_server)
         return (GmlxVAE(conn, model_name, status),)
 
 
-class GmlxServerStatus:
-    @classmethod
-    def INPUT_TYPES(cls):
-        return _loader_inputs()
-
+class GmlxServerStatus(_ServerModelNode):
     RETURN_TYPES = ("STRING",)
     FUNCTION = "status"
-    CATEGORY = CATEGORY
     OUTPUT_NODE = True
 
     def status(self, model_name, server_url, start_server):
@@ -152,8 +146,8 @@ class GmlxSigmas:
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}),
             },
             "optional": {
-                "width": ("INT", {"default": 0, "min": 0, "max": 16384, "step": 16}),
-                "height": ("INT", {"default": 0, "min": 0, "max": 16384, "step": 16}),
+                "width": _image_side(default=0, minimum=0),
+                "height": _image_side(default=0, minimum=0),
             },
         }
 
@@ -260,8 +254,8 @@ class GmlxEmptyLatent:
         return {
             "required": {
                 "vae": ("VAE",),
-                "width": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
-                "height": ("INT", {"default": 1024, "min": 16, "max": 16384, "step": 16}),
+                "width": _image_side(default=1024, minimum=16),
+                "height": _image_side(default=1024, minimum=16),
                 "batch_size": ("INT", {"default": 1, "min": 1, "max": 16}),
             }
         }
