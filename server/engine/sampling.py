@@ -307,15 +307,23 @@ def _inline(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 class DirectTransport:
     """Sampling in process: `denoise_step` of the loaded model, called through `call` (the image
-    worker's `call` in a server, plain calls in the CLI), under convention `reference` and a
-    run id of its own, exactly as the step route calls it."""
+    worker's `call` in a server, plain calls in the CLI), under convention `reference`, a run id
+    of its own and patch table `table` (None: the plain model), exactly as the step route calls
+    it."""
 
     convention = "reference"
 
-    def __init__(self, model: Any, call: Callable[..., Any] = _inline, run_id: str | None = None):
+    def __init__(
+        self,
+        model: Any,
+        call: Callable[..., Any] = _inline,
+        run_id: str | None = None,
+        table: Any = None,
+    ):
         self.model = model
         self.call = call
         self.run_id = run_id or "direct-" + secrets.token_hex(8)
+        self.table = table
 
     def encode(self, text: str, images: Sequence[np.ndarray]) -> EncodeResult:
         return self.call(self.model.encode, text, list(images), True)
@@ -334,7 +342,7 @@ class DirectTransport:
             list(rows),
             convention=self.convention,
             run=self.run_id,
-            table=None,
+            table=self.table,
         )
         return result.out
 

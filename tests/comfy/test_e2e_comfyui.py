@@ -276,20 +276,7 @@ def direct_sample(model, prompt: str, seed: int, sigmas: np.ndarray, table=None)
     """The in-process sampler (euler, cfg 1) along `sigmas`, under a patch table."""
     from gmlx_server.engine import sampling
 
-    class TableTransport(sampling.DirectTransport):
-        def step(self, x, timestep, rows):
-            result = self.call(
-                self.model.denoise_step,
-                x,
-                timestep,
-                list(rows),
-                convention=self.convention,
-                run=self.run_id,
-                table=table,
-            )
-            return result.out
-
-    transport = TableTransport(model)
+    transport = sampling.DirectTransport(model, table=table)
     row = transport.row(transport.encode(prompt, []))
     latent = model.status()["latent"]
     side = SIZE // int(latent["stride"])
