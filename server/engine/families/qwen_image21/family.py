@@ -45,9 +45,9 @@ MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 # ---------------------------------------------------------------- memory plan (CONTRACT 3.5)
 # A step's peak beyond the weights and the states already held, counted in buffers of the DiT's
 # shapes; tests/memory checks the sum against measured peaks. Per token of a pass:
-TOKEN_WIDTH_BUFFERS = 8  # hidden, its normed form, q, k, v, the attention out, residual sums
+TOKEN_WIDTH_BUFFERS = 10  # hidden, its normed form, q, k, v, the attention out, residual sums
 TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
-MLP_BUFFERS = 6  # gate and up, SiLU's temporaries and the product, at the MLP's width
+MLP_BUFFERS = 8  # gate and up, SiLU's temporaries and the product, at the MLP's width
 # Per row of the target pass: its [prefix, target] keys and values, the transposed keys and the
 # values with the ones column of cpu_ops.attention.
 KV_BUFFERS = 4

@@ -1,0 +1,84 @@
+"""The family's memory estimates bound the measured MLX peaks of the tiny model's work."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine.base import StepRow
+from gmlx_server.engine.families.qwen_image21 import embedded, family
+
+
+@pytest.fixture(scope="module")
+def model():
+    folder = embedded.ensure_embedded_model()
+    loaded = family.load(folder, folder.name)
+    yield loaded
+    loaded.close()
+
+
+def peak_of(work) -> int:
+    """MLX's peak allocation during `work`, above what was held before it."""
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    work()
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+def rows(count: int, length: int, refs: int = 0, seed: int = 0) -> list[StepRow]:
+    rng = np.random.default_rng(seed)
+    made = []
+    for i in range(count):
+        cond = rng.standard_normal((length, 128), dtype=np.float32)
+        latents = tuple(rng.standard_normal((64, 8, 8), dtype=np.float32) for _ in range(refs))
+        made.append(StepRow(cond, f"c{seed}:{i}", latents, tuple(f"r{j}" for j in range(refs)), ()))
+    return made
+
+
+@pytest.mark.parametrize(
+    ("batch", "side", "length", "refs"), [(1, 16, 32, 0), (2, 32, 64, 1), (2, 48, 300, 0)]
+)
+def test_step_estimate_bounds_the_measured_peak(model, batch, side, length, refs):
+    step_rows = rows(batch, length, refs, seed=side)
+    x = np.random.default_rng(1).standard_normal((batch, 64, side, side), dtype=np.float32)
+    t = np.full((batch,), 0.7, np.float32)
+    estimate = model.step_peak_bytes(x.shape, step_rows)
+    quick = model.step_peak_bytes(x.shape, None)
+    measured = peak_of(lambda: model.denoise_step(x, t, step_rows))
+    print(
+        f"step {batch}x{side}^2 prefix {length}+{refs} refs: measured {measured / 2**20:.1f} "
+        f"MiB, estimate {estimate / 2**20:.1f} MiB, quick {quick / 2**20:.1f} MiB"
+    )
+    assert quick <= estimate
+    assert 1.05 * measured <= estimate <= 8 * measured + (8 << 20)
+    # held now: a second plan counts no new states, so it needs less
+    assert model.step_peak_bytes(x.shape, step_rows) < estimate
+    model.prefix_cache.clear()
+
+
+@pytest.mark.parametrize(("cells", "tile"), [((16, 16), None), ((32, 32), None), ((32, 48), 8)])
+def test_vae_estimate_bounds_the_measured_peak(model, cells, tile):
+    vae = model.vae
+    saved = vae.tile_cells
+    vae.tile_cells = tile or saved
+    try:
+        height, width = cells[0] * 16, cells[1] * 16
+        rng = np.random.default_rng(2)
+        z = rng.standard_normal((64, *cells), dtype=np.float32)
+        image = rng.random((height, width, 4), dtype=np.float32)
+        for decode, work in (
+            (True, lambda: model.vae_decode(z, True)),
+            (False, lambda: model.vae_encode(image)),
+        ):
+            estimate = model.vae_peak_bytes(height, width, decode)
+            measured = peak_of(work)
+            print(
+                f"vae {'decode' if decode else 'encode'} {width}x{height} tile {vae.tile_cells}:"
+                f" measured {measured / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB"
+            )
+            assert 1.05 * measured <= estimate <= 3 * measured
+    finally:
+        vae.tile_cells = saved

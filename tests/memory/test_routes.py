@@ -1,0 +1,151 @@
+"""Memory plans through the routes (CONTRACT 3.5, 2.1, 2.3) on the embedded Qwen-Image 2.1 model
+with a small configured budget: refusals with a hint, fitting work, shedding, status, bounds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine.base import StepRow
+from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.memory import MIN_CACHE_BOUND, MiB
+
+from tests.server.conftest import serve
+
+embedded = pytest.importorskip("gmlx_server.engine.families.qwen_image21.embedded")
+
+BUDGET_MB = 64
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded"))
+    image = replace(ImageConfig(), memory_budget_mb=BUDGET_MB)
+    config = ServerConfig(host="127.0.0.1", port=0, image=image)
+    server = serve(config, ModelRegistry([], folder.name, extra_models=[folder]))
+    server.model_id = folder.name
+    yield server
+    server.close()
+
+
+def step(qwen, x: np.ndarray, conds: list[str], run: str | None = None):
+    rows = [{"cond": c} for c in conds]
+    t = np.full((x.shape[0],), 0.5, np.float32)
+    return qwen.post_container("step", {"x": x, "timestep": t}, {"rows": rows, "run": run})
+
+
+def cond(qwen, length: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return qwen.put_tensor(rng.standard_normal((1, length, 128), dtype=np.float32))
+
+
+def latents(batch: int, side: int) -> np.ndarray:
+    return np.random.default_rng(side).standard_normal((batch, 64, side, side), dtype=np.float32)
+
+
+def test_a_fitting_step_passes_and_a_large_one_gets_400_with_what_fits(qwen):
+    c = cond(qwen, 16, 0)
+    assert step(qwen, latents(1, 8), [c]).status_code == 200
+    r = step(qwen, latents(4, 96), [c] * 4)  # 1536x1536 pixels, 4 rows: far over 64 MiB
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]
+    assert "memory plan does not fit" in message and f"{BUDGET_MB} MiB" in message
+    assert "fit at up to" in message  # the largest square at these rows
+    side = int(message.split("fit at up to ")[1].split("x")[0])
+    assert 16 <= side < 96 * 16
+    fits = step(qwen, latents(4, side // 16), [c] * 4)
+    assert fits.status_code == 200, fits.text
+
+
+def test_rows_that_fit_are_named(qwen):
+    c = cond(qwen, 16, 1)
+    model = qwen.ctx.registry.loaded(qwen.model_id).model
+    free = qwen.ctx.service.memory.budget() - qwen.ctx.service.memory.held(states=False)
+    side = next(s for s in range(8, 200, 4) if model.step_peak_bytes((2, 64, s, s), None) > free)
+    if model.step_peak_bytes((1, 64, side, side), None) > free:
+        pytest.skip("one row does not fit where two stop fitting")
+    r = step(qwen, latents(2, side), [c, c])
+    assert r.status_code == 400 and "1 of the 2 rows fit" in r.json()["error"]
+
+
+def test_vae_routes_refuse_what_does_not_fit_with_the_largest_size(qwen):
+    z = np.zeros((1, 64, 64, 64), np.float32)  # a 1024x1024 decode: gigabytes on the CPU
+    r = qwen.post_container("vae/decode", {"latents": z})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]
+    assert "decode's memory plan" in message and "images of up to" in message
+    side = int(message.split("images of up to ")[1].split("x")[0])
+    assert 16 <= side < 1024
+    small = np.zeros((2, 64, side // 16, side // 16), np.float32)
+    ok = qwen.post_container("vae/decode", {"latents": small})
+    assert ok.status_code == 200, ok.text
+    image = np.zeros((1, 1024, 1024, 3), np.float32)
+    r = qwen.post_container("vae/encode", {"image": image})
+    assert r.status_code == 400 and "encode's memory plan" in r.json()["error"]
+
+
+def test_status_memory_keys_and_cache_bounds(qwen):
+    qwen.post_json("models/load", {"model": qwen.model_id})
+    memory = qwen.call("GET", f"models/{qwen.model_id}/status").json()["memory"]
+    files = memory["dit_bytes"] + memory["encoder_bytes"] + memory["vae_bytes"]
+    assert memory["activation_reserve_bytes"] > 0
+    assert memory["resident_bytes"] >= files + memory["activation_reserve_bytes"]
+    # the tiny model's plan (a 1024x1024 reference workload) leaves no room in 64 MiB
+    limits = qwen.call("GET", "capabilities", versioned=False).json()["limits"]
+    assert limits["max_tensor_bytes"] == limits["max_adapter_bytes"] == MIN_CACHE_BOUND
+    r = qwen.post_json("models/unload", {"model": qwen.model_id})
+    assert r.json()["unloaded"] is True
+    memory = qwen.call("GET", f"models/{qwen.model_id}/status").json()["memory"]
+    assert memory["resident_bytes"] == 0 and memory["activation_reserve_bytes"] > 0
+    limits = qwen.call("GET", "capabilities", versioned=False).json()["limits"]
+    # no model: the caches share the whole budget in their configured proportion (64:256 MiB)
+    assert limits["max_tensor_bytes"] == BUDGET_MB * MiB * 64 // 320
+    assert limits["max_adapter_bytes"] == BUDGET_MB * MiB * 256 // 320
+
+
+def test_the_detailed_plan_sheds_states_of_finished_work(qwen):
+    service = qwen.ctx.service
+    planner = service.memory
+    x = latents(1, 8)
+    saved = planner.budget_mb
+    planner.budget_mb = 4096  # room for the uploads first (the 64 MiB plan lowers the bounds)
+    planner.fit_cache_bounds()
+    finished = [cond(qwen, 1500, 10 + i) for i in range(3)]
+    for c in finished:  # no run: the states of finished work stay, unpinned
+        assert step(qwen, x, [c]).status_code == 200
+    model = qwen.ctx.registry.loaded(qwen.model_id).model
+    states = model.prefix_cache.total_bytes
+    assert states > 0 and model.prefix_cache.unpinned_bytes == states
+    new = cond(qwen, 1500, 20)
+    # what the plan will count: a state built now
+    row = StepRow(service.tensors.get(new).float32()[0], f"wire:{new}")
+    need = model.step_peak_bytes(x.shape, [row])
+    held = planner.held()
+    try:
+        # free < need, but free + the held states >= need: the plan sheds, the step runs
+        planner.budget_mb = -(-(held + need - states // 2) // MiB)
+        assert planner.budget() - held < need
+        r = step(qwen, x, [new])
+        assert r.status_code == 200, r.text
+        assert model.prefix_cache.total_bytes < states + model.step_peak_bytes(x.shape, [row])
+        assert any(model.prefix_cache.get(k) is None for k in _keys(model, finished, x))
+        # a budget nothing fits in: 400
+        planner.budget_mb = 1
+        r = step(qwen, x, [cond(qwen, 1500, 30)])
+        assert r.status_code == 400 and "memory plan" in r.json()["error"]
+    finally:
+        planner.budget_mb = saved
+        planner.fit_cache_bounds()
+
+
+def _keys(model, digests, x):
+    return [
+        next(
+            iter(
+                model.step_keys(x.shape, [StepRow(np.zeros((1500, 128), np.float32), f"wire:{d}")])
+            )
+        )
+        for d in digests
+    ]
