@@ -158,17 +158,7 @@ def run_sample(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"gmlx image sample: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    request = ImageRequest(
-        prompt=args.prompt,
-        negative=args.negative,
-        images=images,
-        width=args.width,
-        height=args.height,
-        steps=args.steps,
-        cfg=args.cfg,
-        seed=args.seed,
-        sampler=args.sampler,
-    )
+    request = image_request(args, images)
     try:
         choice = choose_model(args.model, args.config)
         with loading_bar(choice.model_id) as bar:
@@ -189,6 +179,21 @@ def run_sample(args: argparse.Namespace) -> int:
         f"seed {request.seed}, model {choice.model_id})"
     )
     return 0
+
+
+def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> ImageRequest:
+    """The request that `sample` and `bench` arguments describe, with the reference `images`."""
+    return ImageRequest(
+        prompt=args.prompt,
+        negative=args.negative,
+        images=images,
+        width=args.width,
+        height=args.height,
+        steps=args.steps,
+        cfg=args.cfg,
+        seed=args.seed,
+        sampler=args.sampler,
+    )
 
 
 def _message(exc: Exception) -> str:
@@ -412,17 +417,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
     prepare_process()
-    request = ImageRequest(
-        prompt=args.prompt,
-        negative=args.negative,
-        images=tuple(read_image(path) for path in args.ref),
-        width=args.width,
-        height=args.height,
-        steps=args.steps,
-        cfg=args.cfg,
-        seed=args.seed,
-        sampler=args.sampler,
-    )
+    request = image_request(args, tuple(read_image(path) for path in args.ref))
     try:
         choice = choose_model(args.model, args.config)
         record = run_bench(choice, request, args.runs, args.warmup, args.via_steps, args.label)
