@@ -24,6 +24,15 @@ def begin(server, model=None):
     return r.json()["run"]
 
 
+def held_run(server):
+    """A conditioning, a run and the model, whose steps wait until `model.release_steps()`."""
+    cond = server.put_tensor(np.ones((1, 2, 8), np.float32))
+    run = begin(server)
+    model = server.model()
+    model.hold_steps()
+    return cond, run, model
+
+
 def step_fields(server, cond, run=None):
     fields = {"rows": [{"cond": cond}]}
     if run is not None:
@@ -95,10 +104,7 @@ def test_unload_is_busy_while_a_run_holds_the_model(fresh):
 
 
 def test_interrupt_of_a_step_in_flight(fresh):
-    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
-    run = begin(fresh)
-    model = fresh.model()
-    model.hold_steps()
+    cond, run, model = held_run(fresh)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(send_step, fresh, cond, run)
         assert model.step_started.wait(10)
@@ -117,10 +123,7 @@ def test_interrupt_of_a_step_in_flight(fresh):
 
 
 def test_end_of_a_run_with_a_step_in_flight(fresh):
-    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
-    run = begin(fresh)
-    model = fresh.model()
-    model.hold_steps()
+    cond, run, model = held_run(fresh)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(send_step, fresh, cond, run)
         assert model.step_started.wait(10)
@@ -132,10 +135,7 @@ def test_end_of_a_run_with_a_step_in_flight(fresh):
 
 
 def test_a_queued_step_of_an_interrupted_run_is_not_computed(fresh):
-    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
-    run = begin(fresh)
-    model = fresh.model()
-    model.hold_steps()
+    cond, run, model = held_run(fresh)
     with ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(send_step, fresh, cond)  # no run: occupies the worker
         assert model.step_started.wait(10)
