@@ -31,13 +31,13 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import median_ms  # noqa: E402 - after the path insert
 
 
 def parse_args(argv=None):
@@ -76,16 +76,6 @@ def mlx_own_ops():
         yield
     finally:
         cpu_ops.use_cpu_ops = use_cpu_ops
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocation and kernel setup
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1000.0)
-    return statistics.median(times)
 
 
 class Bench:

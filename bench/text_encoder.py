@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.timing import median_ms  # noqa: E402 - after the path insert
 
 PRESETS = {
     "tiny": {},
@@ -54,16 +53,6 @@ PRESETS = {
         },
     },
 }
-
-
-def median_ms(run, repeats: int) -> float:
-    run()  # warm-up (kernel compilation, allocator)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
 
 
 def main() -> None:

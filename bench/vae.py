@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import median_ms  # noqa: E402 - after the path insert
 
 # Builder overrides per preset; "full" would be diffusers' defaults (base 96, decoder 144,
 # z 64, dim_mult 1,2,4,8,8, two res blocks), too slow for a shared two-core machine.
@@ -56,16 +55,6 @@ def parse_args(argv=None):
     parser.add_argument("--reference-blas", action="store_true", help="keep MLX's netlib BLAS")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     return parser.parse_args(argv)
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: first-call allocation and kernel setup
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
 
 
 def rel_l2(a, b) -> float:
