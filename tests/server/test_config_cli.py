@@ -3,12 +3,14 @@ stops cleanly on SIGTERM and SIGINT."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -191,40 +193,40 @@ def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 60) -> No
     raise AssertionError("the server never became healthy")
 
 
+@contextlib.contextmanager
+def serving(args: list[str], env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`gmlx serve *args` on a free loopback port, once healthy: (the process, its base URL).
+    A process still running when the block ends is killed."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gmlx_server", "serve", *args, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url + "/health", process)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     models = tmp_path / "models"
     models.mkdir()
     config = tmp_path / "config.toml"
     config.write_text(f'[server]\nmodel_dirs = ["{models}"]\ndefault_model = "none-yet"\n')
-    port = free_port()
     env = {**os.environ, "GMLX_BLAS": "off"}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gmlx_server",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process)
-        base = f"http://127.0.0.1:{port}/internal/image-steps/v1"
+    with serving(["--config", str(config)], env) as (process, url):
+        base = url + "/internal/image-steps/v1"
         r = requests.get(base + "/models", headers={"X-Gmlx-Steps-Contract": "1.0"}, timeout=5)
         assert r.json() == {"models": [], "default_model": "none-yet"}
         process.send_signal(signum)
         _, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 0, err
     assert "serving on http://127.0.0.1:" in err
     assert "GET /internal/image-steps/v1/models 200" in err
@@ -234,25 +236,13 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
 def test_serve_exits_zero_after_model_work_on_the_worker(tmp_path):
     """MLX aborts at process exit after large arrays were evaluated on the image worker thread,
     unless the process ends without C++ teardown (cli.entry)."""
-    port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gmlx_server", "serve", "--port", str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process)
+    with serving([], env) as (process, url):
         from gmlx_contract.client import StepClient
 
-        with StepClient(f"http://127.0.0.1:{port}") as client:
+        with StepClient(url) as client:
             latents = np.zeros((1, 64, 32, 32), np.float32)
             assert client.vae_decode(latents).shape == (1, 512, 512, 3)
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 0, err[-2000:]
