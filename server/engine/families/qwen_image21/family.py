@@ -170,6 +170,8 @@ def step_peak_bytes(
 
 def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
     """The scores one block of cpu_ops.attention holds (its `_block_shape`)."""
+    if rows == 0 or keys == 0:
+        return 0  # an empty image (the engine refuses it afterwards)
     query_rows, group = cpu_ops._block_shape(heads, rows, keys)
     return min(rows, query_rows) * group * keys * 4
 
