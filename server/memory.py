@@ -29,8 +29,10 @@ from .engine.registry import LoadedModel, ModelRegistry
 log = logging.getLogger("gmlx.server")
 
 MiB = 1 << 20
-# The caches' bounds are never lowered below this (a conditioning still fits).
-MIN_CACHE_BOUND = 1 * MiB
+# The caches' bounds are never lowered below this fraction of their configured bound: a large
+# model on a machine with little room must still take a long conditioning (16 KiB a token at
+# width 4096) and its LoRA matrices, or every client upload would be refused.
+MIN_CACHE_FRACTION = 4
 
 
 # ---------------------------------------------------------------- the machine
@@ -222,7 +224,7 @@ class MemoryPlanner:
         configured = sum(self.configured_bounds)
         for cache, bound in zip(self.caches, self.configured_bounds, strict=True):
             share = room * bound // configured if configured else 0
-            cache.set_bound(max(MIN_CACHE_BOUND, min(bound, share)))
+            cache.set_bound(max(bound // MIN_CACHE_FRACTION, min(bound, share)))
 
     @staticmethod
     def _footprint(loaded: LoadedModel | None) -> int:

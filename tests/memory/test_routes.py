@@ -10,7 +10,7 @@ import pytest
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
-from gmlx_server.memory import MIN_CACHE_BOUND, MiB
+from gmlx_server.memory import MIN_CACHE_FRACTION, MiB
 
 from tests.server.conftest import serve
 
@@ -94,15 +94,20 @@ def test_status_memory_keys_and_cache_bounds(qwen):
     assert memory["resident_bytes"] >= files + memory["activation_reserve_bytes"]
     # the tiny model's plan (a 1024x1024 reference workload) leaves no room in 64 MiB
     limits = qwen.call("GET", "capabilities", versioned=False).json()["limits"]
-    assert limits["max_tensor_bytes"] == limits["max_adapter_bytes"] == MIN_CACHE_BOUND
+    assert limits["max_tensor_bytes"] == 64 * MiB // MIN_CACHE_FRACTION
+    assert limits["max_adapter_bytes"] == 256 * MiB // MIN_CACHE_FRACTION
     r = qwen.post_json("models/unload", {"model": qwen.model_id})
     assert r.json()["unloaded"] is True
     memory = qwen.call("GET", f"models/{qwen.model_id}/status").json()["memory"]
     assert memory["resident_bytes"] == 0 and memory["activation_reserve_bytes"] > 0
     limits = qwen.call("GET", "capabilities", versioned=False).json()["limits"]
     # no model: the caches share the whole budget in their configured proportion (64:256 MiB)
-    assert limits["max_tensor_bytes"] == BUDGET_MB * MiB * 64 // 320
-    assert limits["max_adapter_bytes"] == BUDGET_MB * MiB * 256 // 320
+    assert limits["max_tensor_bytes"] == max(
+        64 * MiB // MIN_CACHE_FRACTION, BUDGET_MB * MiB * 64 // 320
+    )
+    assert limits["max_adapter_bytes"] == max(
+        256 * MiB // MIN_CACHE_FRACTION, BUDGET_MB * MiB * 256 // 320
+    )
 
 
 def test_the_detailed_plan_sheds_states_of_finished_work(qwen):
