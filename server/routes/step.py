@@ -113,6 +113,8 @@ def parse_request(container: wire.Container) -> StepRequest:
         raise ContractError(
             400, f"x must be 4-D (B, C, h, w) with B = {len(rows)} rows; got shape {list(x.shape)}"
         )
+    if 0 in x.shape[1:]:
+        raise ContractError(400, f"x must hold latents; got the empty shape {list(x.shape)}")
     if len(rows) > wire.MAX_ROWS:
         raise ContractError(413, f"{len(rows)} rows is over the limit of {wire.MAX_ROWS}")
     timestep = tensor_of(container, "timestep")

@@ -33,6 +33,8 @@ def _batch(container: wire.Container, name: str, layout: str) -> np.ndarray:
         raise ContractError(400, f"{name} must be 4-D {layout}, not {list(shape)}")
     if shape[0] == 0:
         raise ContractError(400, f"{name} holds no images")
+    if 0 in shape[1:]:
+        raise ContractError(400, f"{name} must not be empty; got the shape {list(shape)}")
     return tensor.float32()
 
 

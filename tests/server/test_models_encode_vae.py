@@ -177,6 +177,8 @@ def test_vae_encode(live):
     [
         ("vae/decode", {"latents": np.zeros((17, 4, 1, 1), np.float32)}, {}, 413),
         ("vae/decode", {"latents": np.zeros((4, 1, 1), np.float32)}, {}, 400),
+        ("vae/decode", {"latents": np.zeros((1, 4, 0, 1), np.float32)}, {}, 400),
+        ("vae/encode", {"image": np.zeros((1, 0, 16, 3), np.float32)}, {}, 400),
         ("vae/decode", {"latents": np.zeros((), np.float32)}, {}, 400),
         ("vae/decode", {"z": np.zeros((1, 4, 1, 1), np.float32)}, {}, 400),
         ("vae/decode", {"latents": np.zeros((1, 4, 300, 300), np.float32)}, {}, 413),

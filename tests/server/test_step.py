@@ -132,6 +132,7 @@ def test_order_run_before_shapes(live):
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a", "ref_latents": "b"}]}, 400),
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a", "attention_mask": 3}]}, 400),
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a"}], "run": 7}, 400),
+        ({"x": np.zeros((1, 4, 0, 8), np.float32), "timestep": T}, {"rows": [{"cond": "a"}]}, 400),
         # 4: the model
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a"}], "model": "ghost"}, 404),
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a"}], "model": "stranger"}, 400),
