@@ -144,6 +144,12 @@ def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
         help="model id or folder (default: configured, else the embedded default)",
     )
     parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
+    parser.add_argument(
+        "--via-steps",
+        action="store_true",
+        help="serve the step routes on a loopback port of this process and sample through them,"
+        " one request per step, as a remote client does (the same image, bit for bit)",
+    )
     return parser
 
 
@@ -161,13 +167,16 @@ def run_sample(args: argparse.Namespace) -> int:
     request = image_request(args, images)
     try:
         choice = choose_model(args.model, args.config)
-        with loading_bar(choice.model_id) as bar:
-            bar.update()
-            loaded = choice.registry.acquire(choice.model_id)
-            bar.update()
-        transport = DirectTransport(loaded.model)
-        latents, timings = generate(transport, loaded.model.status(), request, progress=True)
-        pixels = transport.decode(latents)
+        if args.via_steps:
+            pixels, steps = sample_via_steps(choice, request)
+        else:
+            with loading_bar(choice.model_id) as bar:
+                bar.update()
+                loaded = choice.registry.acquire(choice.model_id)
+                bar.update()
+            transport = DirectTransport(loaded.model)
+            latents, timings = generate(transport, loaded.model.status(), request, progress=True)
+            pixels, steps = transport.decode(latents), len(timings.step_s)
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
@@ -175,10 +184,27 @@ def run_sample(args: argparse.Namespace) -> int:
         return 1
     write_png(pixels, args.out)
     print(
-        f"wrote {args.out} ({request.width}x{request.height}, {len(timings.step_s)} steps, "
-        f"seed {request.seed}, model {choice.model_id})"
+        f"wrote {args.out} ({request.width}x{request.height}, {steps} steps, "
+        f"seed {request.seed}, model {choice.model_id}{', via the step routes' if args.via_steps else ''})"
     )
     return 0
+
+
+def sample_via_steps(choice: ModelChoice, request: ImageRequest) -> tuple[np.ndarray, int]:
+    """Serve the model's step routes on a loopback port and sample through them with the shared
+    step client: the prompt is encoded in process and uploaded by hash, each step is a request."""
+    from gmlx_contract.client import StepClient
+
+    with StepServer(choice) as server:
+        with loading_bar(choice.model_id) as bar:
+            bar.update()
+            loaded = server.load()
+            bar.update()
+        direct = server.direct()
+        with StepClient(server.base_url) as client:
+            transport = ViaStepsTransport(client, direct, choice.model_id)
+            latents, timings = generate(transport, loaded.model.status(), request, progress=True)
+        return direct.decode(latents), len(timings.step_s)
 
 
 def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> ImageRequest:

@@ -1,0 +1,32 @@
+"""`gmlx image sample` as a user runs it: in process, and through the step routes (--via-steps)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from PIL import Image
+
+
+def sample(tmp_path, name: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "gmlx_server", "image", "sample", "--prompt", "a red fox"]
+    command += ["--width", "128", "--height", "96", "--seed", "5", "--out", str(tmp_path / name)]
+    return subprocess.run(command + list(extra), capture_output=True, text=True, env=env)
+
+
+def test_sample_writes_the_same_png_in_process_and_via_the_step_routes(tmp_path):
+    direct = sample(tmp_path, "direct.png")
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    routed = sample(tmp_path, "routed.png", "--via-steps")
+    assert routed.returncode == 0, routed.stderr[-2000:]
+    assert "via the step routes" in routed.stdout
+    with Image.open(tmp_path / "direct.png") as image:
+        assert image.size == (128, 96) and image.mode in ("RGB", "RGBA")
+    assert (tmp_path / "direct.png").read_bytes() == (tmp_path / "routed.png").read_bytes()
+
+
+def test_sample_refuses_a_missing_reference_file(tmp_path):
+    result = sample(tmp_path, "x.png", "--ref", str(tmp_path / "nowhere.png"))
+    assert result.returncode == 2 and "gmlx image sample" in result.stderr
