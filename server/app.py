@@ -281,7 +281,9 @@ def build_context(config: ServerConfig, registry: ModelRegistry) -> ServerContex
 # VAE decode of 16 RGBA 2048x2048 images answers 1 GiB. No body may spill to a temporary file
 # (nothing a request carries is written to disk), so the buffers hold the largest body the gate
 # lets in, plus one read that may carry a chunked body past its limit before it is refused.
-RECV_BYTES = 256 * 1024
+# One read per MiB of body: a 2 MiB step body arrives in 2-3 passes of Waitress' loop instead of
+# 8-10 (256 KiB reads), 0.42 -> 0.30 ms at 1024x1024; Python shrinks each read to what came.
+RECV_BYTES = 1024 * 1024
 BUFFER_BYTES = wire.MAX_CONTAINER_BYTES + RECV_BYTES + 1
 
 
