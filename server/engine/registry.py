@@ -14,7 +14,6 @@ room for another, which is answered 503 (load deferred for capacity).
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 import threading
 from collections.abc import Iterable
@@ -315,8 +314,3 @@ class ModelRegistry:
         except Exception:  # noqa: BLE001 - a failing close must not keep the slot
             log.exception("closing model %s failed", loaded.model_id)
         log.info("unloaded model %s", loaded.model_id)
-
-
-def read_model_index(model_dir: Path) -> dict:
-    """The parsed model_index.json of a folder (a helper for family `identify` functions)."""
-    return json.loads((Path(model_dir) / MODEL_INDEX).read_text(encoding="utf-8"))
