@@ -409,7 +409,5 @@ class QwenImage21Model:
 
 
 def _table_id(table: object | None) -> str | None:
-    """The patch table's id for the prefix-state key (a table object carries it as `id`)."""
-    if table is None or isinstance(table, str):
-        return table
-    return getattr(table, "id", None) or getattr(table, "table_id", None)
+    """The patch table's id for the prefix-state key (a `service.PatchTable`; None: no table)."""
+    return None if table is None else table.table_id
