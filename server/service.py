@@ -338,6 +338,7 @@ class StepsService:
         self.adapters = ByteLRU("adapters", config.adapter_cache_mb * MiB)
         self.memory = MemoryPlanner(registry, [self.tensors, self.adapters], config)
         self._bounds_for: frozenset = frozenset()  # the loaded models the bounds were fit to
+        self._bounds_lock = threading.Lock()  # HTTP threads refit after their acquires
         self.clock = clock
         self._runs: dict[str, Run] = {}
         self._reserved = 0  # begins between their count check and their model load
@@ -375,14 +376,15 @@ class StepsService:
     def fit_cache_bounds(self) -> None:
         """Refit the upload caches' bounds to the loaded models' memory plans when the set of
         loaded models changed (CONTRACT 2.1)."""
-        current = frozenset(
-            (m.model_id, m.generation)
-            for m in map(self.registry.loaded, self.registry.resident_ids())
-            if m is not None
-        )
-        if current != self._bounds_for:
-            self._bounds_for = current
-            self.memory.fit_cache_bounds()
+        with self._bounds_lock:  # the check and the refit as one, against a newer set
+            current = frozenset(
+                (m.model_id, m.generation)
+                for m in map(self.registry.loaded, self.registry.resident_ids())
+                if m is not None
+            )
+            if current != self._bounds_for:
+                self._bounds_for = current
+                self.memory.fit_cache_bounds()
 
     def release(self, loaded: LoadedModel) -> None:
         self.registry.release(loaded)
