@@ -75,6 +75,16 @@ def verified(digest: str, container: wire.Container, name: str) -> CachedTensor:
     return tensor
 
 
+def compact(tensor: CachedTensor) -> CachedTensor:
+    """The tensor holding only its own bytes, for keeping in a cache. An upload's array is a
+    view over the whole request body, which may carry unused bytes after the tensor: kept as
+    is, a 4-byte tensor could pin a 1 GiB body while the cache counts 4 bytes."""
+    array = tensor.array
+    if array.base is None and array.flags.c_contiguous:
+        return tensor
+    return CachedTensor(np.array(array, copy=True, order="C"), tensor.dtype)
+
+
 def hash_of(tensor: CachedTensor) -> str:
     data = np.ascontiguousarray(tensor.array)
     return hash_parts(tensor.dtype, data.shape, data.reshape(-1).view(np.uint8).data)
@@ -119,6 +129,7 @@ class ByteLRU:
             return tensor
 
     def put(self, digest: str, tensor: CachedTensor) -> None:
+        tensor = compact(tensor)  # outside the lock: a copy of a large upload takes a while
         with self._lock:
             old = self._items.pop(digest, None)
             if old is not None:

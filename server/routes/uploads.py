@@ -7,7 +7,6 @@ import mmap
 from pathlib import Path
 
 import falcon
-import numpy as np
 from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 
@@ -98,10 +97,9 @@ class RegisterAdapters(Resource):
                 f"tensor {name!r} of {tensor.nbytes} bytes is over the adapter limit of "
                 f"{self.service.adapters.limit} bytes",
             )
-        # Copy out of the mapped file, which closes when the route ends.
-        owned = CachedTensor(np.array(tensor.array, copy=True), tensor.dtype)
-        digest = hash_of(owned)
-        self.service.adapters.put(digest, owned)
+        digest = hash_of(tensor)
+        # The cache keeps a compact copy, out of the mapped file that closes when the route ends.
+        self.service.adapters.put(digest, tensor)
         return digest
 
 

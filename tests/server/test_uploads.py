@@ -311,3 +311,28 @@ def test_a_table_serves_steps_and_is_gone_after_a_reload(fresh):
     assert fresh.post_json("models/unload", {"model": "alpha"}).json()["unloaded"] is True
     r = fresh.post_container("step", tensors, fields)
     assert r.status_code == 409 and r.json()["missing"] == [tid]
+
+
+@pytest.mark.parametrize("kind", ["tensors", "adapters"])
+def test_cached_upload_does_not_pin_trailing_padding(live, kind):
+    """A body may carry unused bytes after its tensor; the cache keeps the tensor's own bytes
+    only, never a view over the whole body (which the cache would count as 4 bytes)."""
+    array = np.array([1.5], dtype=np.float32)
+    digest = tensor_hash(array)
+    body = wire.write_container({"t": array}) + bytes(4 << 20)
+    r = live.call("PUT", f"{kind}/{digest}", data=body, headers=CONTAINER)
+    assert r.status_code == 200, r.text
+    cache = live.ctx.service.tensors if kind == "tensors" else live.ctx.service.adapters
+    kept = cache.get(digest).array
+    assert memory_owner_bytes(kept) == array.nbytes
+    np.testing.assert_array_equal(kept, array)
+
+
+def memory_owner_bytes(array: np.ndarray) -> int:
+    """The size of the buffer that finally owns an array's memory (down its chain of bases)."""
+    owner = array
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    if isinstance(owner, np.ndarray):
+        return owner.nbytes
+    return memoryview(owner).nbytes
