@@ -384,6 +384,18 @@ class StepsService:
         self.fit_cache_bounds()
         return loaded
 
+    def acquire_for_step(self, model_field: Any, run: Run | None) -> LoadedModel:
+        """CONTRACT 2.11 step 4. A step on a live run that names no other model takes a hold on
+        the instance its run holds: no worker round trip, no resolving (the run's own hold keeps
+        that instance loaded). A step naming another model resolves it as before: the step does
+        not check its model against its run's (docs/step-routes.md)."""
+        if run is not None and (not model_field or model_field == run.model_id):
+            with self._lock:  # end_run marks the run ended under this lock, then releases
+                if not run.ended:
+                    self.registry.hold(run.loaded)
+                    return run.loaded
+        return self.acquire(model_field or (run.model_id if run else None))
+
     def fit_cache_bounds(self) -> None:
         """Refit the upload caches' bounds to the loaded models' memory plans when the set of
         loaded models changed (CONTRACT 2.1)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,10 @@ from .base import EngineInputError, ImageModel
 log = logging.getLogger("gmlx.server")
 
 MODEL_INDEX = "model_index.json"
+# How long `resolve` trusts its last listing of the model folders and its last look at a folder's
+# model_index.json: a step resolves its model, and listing every folder per step is file-system
+# work on the request path. GET models always lists afresh; a miss looks again at once.
+LISTING_TTL_S = 2.0
 
 # Family name -> the family module (or its import path, imported on first use). A family module
 # provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
@@ -126,7 +131,10 @@ class ModelRegistry:
         self._lock = threading.RLock()
         self._loaded: dict[str, LoadedModel] = {}
         self._generation = 0
-        self._identified: dict[Path, tuple[float, str | None, str | None]] = {}
+        # path -> (model_index.json mtime, family, variant, when that mtime was read)
+        self._identified: dict[Path, tuple[float, str | None, str | None, float]] = {}
+        self._listing: tuple[float, dict[str, Path]] | None = None  # (when, folders())
+        self._clock = time.monotonic
 
     # ------------------------------------------------------------ discovery
 
@@ -135,7 +143,8 @@ class ModelRegistry:
         return sorted(n for n in list(self.families) if family_module(n, self.families))
 
     def folders(self) -> dict[str, Path]:
-        """Model id -> folder, first found wins (extra folders first, then the model dirs)."""
+        """Model id -> folder, first found wins (extra folders first, then the model dirs),
+        listed now (and kept for `resolve`)."""
         found: dict[str, Path] = {}
         for path in self.extra_models:
             if (path / MODEL_INDEX).is_file():
@@ -148,18 +157,38 @@ class ModelRegistry:
             for child in children:
                 if (child / MODEL_INDEX).is_file():
                     found.setdefault(child.name, child)
+        with self._lock:
+            self._listing = (self._clock(), found)
         return found
+
+    def _recent_folders(self) -> dict[str, Path]:
+        """The last listing when younger than LISTING_TTL_S, else a new one."""
+        with self._lock:
+            listing = self._listing
+        if listing is not None and self._clock() - listing[0] < LISTING_TTL_S:
+            return listing[1]
+        return self.folders()
+
+    def _forget_listing(self) -> None:
+        with self._lock:
+            self._listing = None
 
     def entries(self) -> list[ModelEntry]:
         return [self._identify(mid, path) for mid, path in sorted(self.folders().items())]
 
-    def _identify(self, model_id: str, path: Path) -> ModelEntry:
+    def _identify(self, model_id: str, path: Path, max_age: float = 0.0) -> ModelEntry:
+        """The folder's family; an identification younger than max_age seconds is reused
+        without looking at the folder again."""
+        cached = self._identified.get(path)
+        now = self._clock()
+        if cached and now - cached[3] < max_age:
+            return ModelEntry(model_id, path, cached[1], cached[2])
         try:
             stamp = (path / MODEL_INDEX).stat().st_mtime
         except OSError:
             return ModelEntry(model_id, path, None, None)
-        cached = self._identified.get(path)
         if cached and cached[0] == stamp:
+            self._identified[path] = (stamp, cached[1], cached[2], now)
             return ModelEntry(model_id, path, cached[1], cached[2])
         family, variant = None, None
         for name in list(self.families):
@@ -173,7 +202,7 @@ class ModelRegistry:
             if found:
                 family, variant = found
                 break
-        self._identified[path] = (stamp, family, variant)
+        self._identified[path] = (stamp, family, variant, now)
         return ModelEntry(model_id, path, family, variant)
 
     def default_id(self) -> str | None:
@@ -191,17 +220,22 @@ class ModelRegistry:
                 raise ContractError(
                     400, "no model named and the server has no default model; name one"
                 )
-        path = self.folders().get(model_id)
-        if path is None:
+        entry = self._find(model_id, self._recent_folders(), LISTING_TTL_S)
+        if entry is None or entry.family is None:  # added, changed or gone since: look again
+            entry = self._find(model_id, self.folders(), 0.0)
+        if entry is None:
             raise ContractError(404, f"unknown image model {model_id!r}")
-        entry = self._identify(model_id, path)
         if entry.family is None:
             raise ContractError(
                 400,
-                f"model {model_id!r} at {path} is not of a family this server can load "
+                f"model {model_id!r} at {entry.path} is not of a family this server can load "
                 f"({', '.join(self.available_families()) or 'none'})",
             )
         return entry
+
+    def _find(self, model_id: str, folders: dict[str, Path], max_age: float) -> ModelEntry | None:
+        path = folders.get(model_id)
+        return None if path is None else self._identify(model_id, path, max_age)
 
     # ------------------------------------------------------------ resident state
 
@@ -217,6 +251,11 @@ class ModelRegistry:
         with self._lock:
             loaded = self._loaded.get(model_id)
             return loaded.holds if loaded else 0
+
+    def hold(self, loaded: LoadedModel) -> None:
+        """One more hold on an instance already held (a run's), without resolving it again."""
+        with self._lock:
+            loaded.holds += 1
 
     def release(self, loaded: LoadedModel) -> None:
         with self._lock:
@@ -261,6 +300,7 @@ class ModelRegistry:
             self._generation += 1
             loaded = LoadedModel(entry, model, self._generation, facts)
             self._loaded[entry.model_id] = loaded
+        self._forget_listing()
         log.info("loaded model %s (%s %s)", entry.model_id, entry.family, entry.variant)
         return loaded
 
@@ -308,6 +348,7 @@ class ModelRegistry:
         with self._lock:
             if self._loaded.get(loaded.model_id) is loaded:
                 del self._loaded[loaded.model_id]
+        self._forget_listing()
         loaded.tables.clear()
         try:
             loaded.model.close()

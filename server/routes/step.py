@@ -49,8 +49,7 @@ class Step(Resource):
         run = self.service.run_for_step(fields.get("run"))  # 2
         try:
             request = parse_request(container)  # 3
-            model_id = fields.get("model") or (run.model_id if run else None)
-            loaded = self.service.acquire(model_id)  # 4
+            loaded = self.service.acquire_for_step(fields.get("model"), run)  # 4
             try:
                 result = execute(self.service, loaded, run, request)
             finally:

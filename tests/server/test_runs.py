@@ -224,3 +224,30 @@ def test_concurrent_clients_get_their_own_rows(fresh):
         for out in outs:
             np.testing.assert_array_equal(out, outs[0])
         assert not np.array_equal(outs[0], results[(i + 1) % 4][0])
+
+
+def test_a_step_on_a_run_uses_the_runs_instance_without_the_worker(fresh, monkeypatch):
+    """CONTRACT 2.11 step 4 for a run: the run's loaded instance, no resolving, no worker job;
+    a step naming no run (or another model) still resolves."""
+    registry = fresh.ctx.registry
+    acquired = []
+    real_acquire = registry.acquire
+    monkeypatch.setattr(
+        registry, "acquire", lambda model_id: acquired.append(model_id) or real_acquire(model_id)
+    )
+    run = fresh.post_json("runs/begin", {"model": "alpha"}).json()["run"]
+    loaded = registry.loaded("alpha")
+    acquired.clear()
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    x, t = np.zeros((1, 4, 1, 1), np.float32), np.zeros(1, np.float32)
+    for fields in ({"run": run}, {"run": run, "model": "alpha"}):
+        r = fresh.post_container(
+            "step", {"x": x, "timestep": t}, {"rows": [{"cond": cond}], **fields}
+        )
+        assert r.status_code == 200, r.text
+    assert acquired == [] and registry.loaded("alpha") is loaded and loaded.holds == 1
+    r = fresh.post_container("step", {"x": x, "timestep": t}, {"rows": [{"cond": cond}]})
+    assert r.status_code == 200 and acquired == [None]
+    fields = {"rows": [{"cond": cond}], "run": run, "model": "beta"}
+    r = fresh.post_container("step", {"x": x, "timestep": t}, fields)
+    assert acquired[-1] == "beta" and r.status_code == 503  # alpha is held by the run

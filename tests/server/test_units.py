@@ -137,3 +137,32 @@ def test_the_product_family_table_names_qwen_image21():
     from gmlx_server.engine.registry import FAMILIES
 
     assert list(FAMILIES) == ["qwen_image21"]
+
+
+def test_registry_resolve_reuses_a_recent_listing(tmp_path, monkeypatch):
+    reg = registry(tmp_path)
+    listed = []
+    real_folders = reg.folders
+    monkeypatch.setattr(reg, "folders", lambda: listed.append(1) or real_folders())
+    looked = []
+    real_stat = type(tmp_path).stat
+    monkeypatch.setattr(type(tmp_path), "stat", lambda p, **kw: looked.append(p) or real_stat(p))
+    reg.resolve("alpha")
+    listed.clear()
+    looked.clear()
+    for _ in range(5):
+        assert reg.resolve("alpha").model_id == "alpha"
+    assert listed == [] and looked == []  # no file-system work per step
+    linear_family.make_model_folder(reg.model_dirs[0], "gamma")
+    assert reg.resolve("gamma").model_id == "gamma"  # a miss looks again at once
+    reg._clock = lambda: 1e12  # the listing has aged past its TTL
+    listed.clear()
+    reg.resolve("alpha")
+    assert listed == [1]
+
+
+def test_registry_models_listing_is_always_fresh(tmp_path):
+    reg = registry(tmp_path)
+    reg.resolve("alpha")
+    linear_family.make_model_folder(reg.model_dirs[0], "gamma")
+    assert "gamma" in {entry.model_id for entry in reg.entries()}
