@@ -28,6 +28,7 @@ from .families import DEFAULT_REF_METHOD, PACK_BUILT_CLASSES, latent_normalisati
 from .interrupts import Cancelled, call_interruptible
 from .patches import AdapterHashes, build_table
 from .request import (
+    as_f32,
     build_rows,
     check_call,
     prefix_cache_enabled,
@@ -35,6 +36,7 @@ from .request import (
     step_timestep,
     suspects,
 )
+from .tensor_hashes import TensorHashes, mark_row_sources
 
 log = logging.getLogger("gmlx_comfy")
 
@@ -90,7 +92,20 @@ class GmlxCrossAttn(comfy.conds.CONDRegular):
         conds = [self.cond] + [o.cond for o in others]
         longest = max(c.shape[1] for c in conds)
         padded = [torch.nn.functional.pad(c, (0, 0, 0, longest - c.shape[1])) for c in conds]
-        return torch.cat(padded)
+        out = torch.cat(padded)
+        mark_row_sources(out, conds)
+        return out
+
+
+class GmlxRefLatents(comfy.conds.CONDList):
+    """Reference latents that remember, once concatenated for a step, which tensors their rows
+    came from (so their hashes are memoised across steps, as the conditioning's are)."""
+
+    def concat(self, others: list) -> list:
+        out = super().concat(others)
+        for k, batch in enumerate(out):
+            mark_row_sources(batch, [self.cond[k]] + [o.cond[k] for o in others])
+        return out
 
 
 class GmlxRowValues(comfy.conds.CONDRegular):
@@ -132,6 +147,7 @@ class RemoteDiT(torch.nn.Module):
         self.dtype = torch.float32
         self.placeholders = _placeholders(manifest)
         self.hashes = AdapterHashes()
+        self.row_hashes = TensorHashes(as_f32)
         self.tables: dict[Any, str | None] = {}
         self.timings: list[dict[str, Any]] = []
         self.warned: set[str] = set()
@@ -184,16 +200,16 @@ class RemoteDiT(torch.nn.Module):
         if context is None:
             raise GmlxError("gmlx: the remote model needs a text conditioning")
         batch = x.shape[0]
-        refs = [_f32(r) for r in (kwargs.get("ref_latents") or [])]
         rows = build_rows(
             batch,
-            _f32(context),
+            context,
             num_tokens=kwargs.get("num_tokens"),
-            ref_latents=refs,
+            ref_latents=list(kwargs.get("ref_latents") or []),
             image_slots=kwargs.get("image_slots"),
             prefix_cache=prefix_cache_enabled(options),
+            hashes=self.row_hashes,
         )
-        x_np, t_np = _f32(x), step_timestep(_f32(timesteps), batch)
+        x_np, t_np = as_f32(x), step_timestep(as_f32(timesteps), batch)
 
         def work():
             return self.conn.client.step(
@@ -261,10 +277,6 @@ class RemoteDiT(torch.nn.Module):
             }
         )
         del self.timings[:-TIMINGS_KEPT]
-
-
-def _f32(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to("cpu", torch.float32).contiguous().numpy()
 
 
 def _placeholders(manifest: dict) -> dict[str, torch.Tensor]:
@@ -347,7 +359,7 @@ class GmlxModel(comfy.model_base.BaseModel):
             out["image_slots"] = GmlxRowValues([[int(s) for s in slots]])
         refs = kwargs.get("reference_latents")
         if refs:
-            out["ref_latents"] = comfy.conds.CONDList([self.process_latent_in(r) for r in refs])
+            out["ref_latents"] = GmlxRefLatents([self.process_latent_in(r) for r in refs])
             method = kwargs.get("reference_latents_method")
             if method is not None:
                 out["ref_latents_method"] = comfy.conds.CONDConstant(method)

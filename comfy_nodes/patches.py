@@ -20,6 +20,7 @@ import numpy as np
 from gmlx_contract.hashing import tensor_hash
 
 from .errors import GmlxError
+from .tensor_hashes import version_of
 
 # Other ComfyUI weight-adapter kinds, by their `.name` / tuple tag, as a user knows them.
 ADAPTER_TITLES = {
@@ -83,16 +84,6 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
     return t.float().contiguous().numpy()
 
 
-def _version(tensor: Any) -> int:
-    """A tensor's in-place version counter. Inference tensors keep none (ComfyUI loads LoRA
-    files under torch.inference_mode) and count as version 0, as numpy arrays do: they are
-    then memoised by object alone, which holds because nothing edits LoRA matrices in place."""
-    try:
-        return int(getattr(tensor, "_version", 0))
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return 0
-
-
 class AdapterHashes:
     """Hashes of adapter matrices, memoised per tensor object and its in-place version."""
 
@@ -100,7 +91,7 @@ class AdapterHashes:
         self._memo: dict[int, tuple[Any, int, str, np.ndarray]] = {}
 
     def hash(self, tensor: Any) -> tuple[str, np.ndarray]:
-        version = _version(tensor)
+        version = version_of(tensor)
         held = self._memo.get(id(tensor))
         if held is not None and held[0]() is tensor and held[1] == version:
             return held[2], held[3]

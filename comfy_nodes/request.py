@@ -1,18 +1,20 @@
 """From ComfyUI's DiT call to the rows of a step request (CONTRACT §7.5). Pure: numpy only.
 
-The ComfyUI glue (model.py) turns torch tensors into float32 numpy arrays and calls these
-functions; everything here is testable without ComfyUI or torch.
+The ComfyUI glue (model.py) calls these functions with torch tensors, tests with numpy arrays;
+tensors become float32 numpy arrays only to be hashed or uploaded. Nothing here imports
+ComfyUI or torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from gmlx_contract.hashing import tensor_hash
 
 from .errors import GmlxError
+from .tensor_hashes import TensorHashes, row_source
 
 # DiT inputs the server honours (the rest of a call with a value is refused by name).
 ACCEPTED_INPUTS = frozenset(
@@ -43,32 +45,64 @@ KNOWN_OPTIONS = frozenset(
 DIFFUSION_MODEL_WRAPPER = "diffusion_model"
 
 
+class RowTensors(Mapping):
+    """The row tensors of a step by hash, made float32 arrays only when read: the client reads
+    only those it must upload (not known to be on the server)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, Any] = {}
+
+    def add(self, digest: str, part: Any) -> None:
+        self._parts.setdefault(digest, part)
+
+    def __getitem__(self, digest: str) -> np.ndarray:
+        return as_f32(self._parts[digest])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+
 @dataclass
 class StepRows:
     """The rows of one step request and the row tensors they name, by hash."""
 
     rows: list[dict[str, Any]]
-    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    tensors: RowTensors = field(default_factory=RowTensors)
 
 
-def as_f32(array: np.ndarray) -> np.ndarray:
-    """A C-contiguous float32 copy-if-needed: the form tensors are hashed and sent in."""
-    return np.ascontiguousarray(array, dtype=np.float32)
+def as_f32(tensor: Any) -> np.ndarray:
+    """A C-contiguous float32 numpy array (copy if needed) of a numpy array or torch tensor:
+    the form tensors are hashed and sent in."""
+    if not isinstance(tensor, np.ndarray):  # a torch tensor
+        tensor = tensor.detach().cpu().float().contiguous().numpy()
+    return np.ascontiguousarray(tensor, dtype=np.float32)
 
 
-def row_of(batch: np.ndarray, i: int) -> np.ndarray:
-    """Row i of a batched tensor, or row 0 when its batch is 1 (broadcast)."""
-    return batch[0:1] if batch.shape[0] == 1 else batch[i : i + 1]
+def row_of(batch: Any, i: int, length: int | None = None) -> Any:
+    """Row i of a batched tensor, or row 0 when its batch is 1 (broadcast); its first `length`
+    entries along dim 1 when given. When the pack concatenated `batch`, the row is read from
+    the tensor it came from (`row_source`) where that holds the same values: a tensor that
+    outlives the step, so its hash is memoised across steps."""
+    j = 0 if batch.shape[0] == 1 else i
+    length = batch.shape[1] if length is None else length
+    source = row_source(batch, j)
+    if source is not None and length <= source.shape[1] and source.shape[2:] == batch.shape[2:]:
+        return source[:, :length]
+    return batch[j : j + 1, :length]
 
 
 def build_rows(
     batch_size: int,
-    context: np.ndarray,
+    context: Any,
     *,
     num_tokens: list[int] | None = None,
-    ref_latents: list[np.ndarray] | None = None,
+    ref_latents: list[Any] | None = None,
     image_slots: list[list[int]] | None = None,
     prefix_cache: bool = True,
+    hashes: TensorHashes | None = None,
 ) -> StepRows:
     """One row per batch entry of x.
 
@@ -76,7 +110,8 @@ def build_rows(
     rows of different lengths to one tensor (else L). The row's `cond` is the hash of its
     context rows [0, n) as F32 (1, n, D), which is exactly what `encode` answered, so an encoded
     conditioning needs no upload. `ref_latents` are (B or 1, C, h, w) tensors in model space;
-    `image_slots[i]` the wire-form slots of row i.
+    `image_slots[i]` the wire-form slots of row i. Tensors are numpy arrays or torch tensors;
+    `hashes` memoises their hashes across calls (a fresh one hashes every tensor).
     """
     if context.ndim != 3:
         raise GmlxError(f"gmlx: the conditioning has shape {list(context.shape)}, not (B, L, D)")
@@ -86,32 +121,44 @@ def build_rows(
             f"batch {batch_size}"
         )
     out = StepRows(rows=[])
+    namer = _Namer(TensorHashes(as_f32) if hashes is None else hashes, out.tensors)
     for i in range(batch_size):
         out.rows.append(
-            _row(i, context, num_tokens, ref_latents or [], image_slots, prefix_cache, out.tensors)
+            _row(i, context, num_tokens, ref_latents or [], image_slots, prefix_cache, namer)
         )
     return out
 
 
+@dataclass
+class _Namer:
+    """Names row tensors by hash and keeps them for upload."""
+
+    hashes: TensorHashes
+    tensors: RowTensors
+
+    def __call__(self, part: Any) -> str:
+        digest = self.hashes.digest(part)
+        self.tensors.add(digest, part)
+        return digest
+
+
 def _row(
     i: int,
-    context: np.ndarray,
+    context: Any,
     num_tokens: list[int] | None,
-    ref_latents: list[np.ndarray],
+    ref_latents: list[Any],
     image_slots: list[list[int]] | None,
     prefix_cache: bool,
-    tensors: dict[str, np.ndarray],
+    named: _Namer,
 ) -> dict[str, Any]:
-    ctx = row_of(context, i)
-    length = ctx.shape[1]
+    length = context.shape[1]
     if num_tokens is not None:
         length = int(num_tokens[0] if len(num_tokens) == 1 else num_tokens[i])
-        if not 0 < length <= ctx.shape[1]:
-            raise GmlxError(f"gmlx: row {i} names {length} tokens of {ctx.shape[1]}")
-    cond = as_f32(ctx[:, :length])
-    row: dict[str, Any] = {"cond": _named(cond, tensors), "num_tokens": length}
+        if not 0 < length <= context.shape[1]:
+            raise GmlxError(f"gmlx: row {i} names {length} tokens of {context.shape[1]}")
+    row: dict[str, Any] = {"cond": named(row_of(context, i, length)), "num_tokens": length}
     if ref_latents:
-        row["ref_latents"] = [_named(as_f32(row_of(ref, i)), tensors) for ref in ref_latents]
+        row["ref_latents"] = [named(row_of(ref, i)) for ref in ref_latents]
     if image_slots:
         slots = image_slots[0] if len(image_slots) == 1 else image_slots[i]
         if slots:
@@ -119,12 +166,6 @@ def _row(
     if not prefix_cache:
         row["prefix_cache"] = False
     return row
-
-
-def _named(array: np.ndarray, tensors: dict[str, np.ndarray]) -> str:
-    digest = tensor_hash(array)
-    tensors.setdefault(digest, array)
-    return digest
 
 
 def step_timestep(timestep: np.ndarray, batch_size: int) -> np.ndarray:
