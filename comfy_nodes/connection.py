@@ -12,9 +12,11 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from gmlx_contract.client import StepClient
 from gmlx_contract.errors import ContractMismatch, NotGmlxServer, StepError
 
@@ -47,6 +49,7 @@ class Connection:
     # Serialises use of `client` (one keep-alive session) between ComfyUI's thread and the
     # worker thread a step runs on.
     lock: threading.RLock = field(default_factory=threading.RLock)
+    # Adapter hashes uploaded or found on the server through this connection.
     adapters_held: set[str] = field(default_factory=set)
 
     @property
@@ -57,6 +60,18 @@ class Connection:
         """A separate client (own session) for calls made while a step is in flight:
         interrupts and run ends must not wait for the step's connection."""
         return StepClient(self.url, self.api_key, timeout=timeout)
+
+    def ensure_adapters(self, adapters: Mapping[str, np.ndarray]) -> None:
+        """Put each adapter matrix (by hash) on the server unless this connection already did:
+        the client HEADs and PUTs if absent (CONTRACT §7.7)."""
+        with self.lock:
+            for digest, array in adapters.items():
+                if digest in self.adapters_held:
+                    continue
+                held = self.client.ensure_adapter(array)
+                if held != digest:
+                    raise GmlxError(f"gmlx: the adapter named {digest} hashes to {held}")
+                self.adapters_held.add(digest)
 
     def require_model(self, model_id: str) -> None:
         """Refuse a model the server does not list, suggesting the matching `gmlx pull`."""

@@ -170,14 +170,11 @@ class RemoteDiT(torch.nn.Module):
         )
         table_id = None
         if table.doc is not None:
-            client = self.conn.client
+            self.conn.ensure_adapters(table.adapters)
             with self.conn.lock:
-                for digest, array in table.adapters.items():
-                    if digest not in self.conn.adapters_held:
-                        if not client.has_adapter(digest):
-                            client.put_adapter(array)
-                        self.conn.adapters_held.add(digest)
-                table_id = client.put_patch_table(table.doc, self.model_id, table.adapters)
+                table_id = self.conn.client.put_patch_table(
+                    table.doc, self.model_id, table.adapters
+                )
         self.tables[uuid] = table_id
         return table_id
 
