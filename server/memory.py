@@ -40,7 +40,19 @@ MIN_CACHE_FRACTION = 4
 
 def machine_bytes() -> int:
     """The memory this process could use before any headroom (0 when it cannot be told)."""
-    return _mlx_gpu_bytes() or _linux_bytes() or _macos_bytes() or _sysconf_bytes()
+    return machine_reader()()
+
+
+def machine_reader() -> Callable[[], int]:
+    """A reader of `machine_bytes` whose fixed facts are read now, once: an MLX GPU's working
+    set (MLX is asked only here, on the thread that builds the planner before serving, never
+    from an HTTP thread) and the host's total memory. Only Linux's MemAvailable changes; the
+    reader reads it on each call."""
+    gpu = _mlx_gpu_bytes()
+    if gpu:
+        return lambda: gpu
+    total = _macos_bytes() or _sysconf_bytes()
+    return lambda: _linux_bytes() or total
 
 
 def _mlx_gpu_bytes() -> int:
@@ -98,14 +110,14 @@ class MemoryPlanner:
         registry: ModelRegistry,
         caches: list[Any],
         config: ImageConfig,
-        machine: Callable[[], int] = machine_bytes,
+        machine: Callable[[], int] | None = None,
     ) -> None:
         self.registry = registry
         self.caches = caches  # the byte-bounded upload caches (service.ByteLRU)
         self.configured_bounds = [cache.bound for cache in caches]
         self.budget_mb = config.memory_budget_mb
         self.headroom = config.memory_headroom_mb * MiB
-        self.machine = machine
+        self.machine = machine or machine_reader()
 
     def budget(self) -> int:
         """The image worker's memory: the configured budget, else the machine's less headroom."""
@@ -133,7 +145,8 @@ class MemoryPlanner:
         model = loaded.model
         if not hasattr(model, "step_peak_bytes"):
             return
-        free = self.budget() - self.held(states=False)
+        budget = self.budget()  # one look at the machine per plan
+        free = budget - self.held(states=False)
         need = model.step_peak_bytes(tuple(x_shape), None)
         if need > free:
             hint = self._step_hint(
@@ -142,7 +155,7 @@ class MemoryPlanner:
                 free,
                 loaded.facts.latent_stride,
             )
-            raise MemoryPlanError(self._refusal("step", need, free, hint))
+            raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
     def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> None:
         """CONTRACT 2.11 step 11, on the worker: the rows' prefixes, states not held counted as
@@ -152,7 +165,8 @@ class MemoryPlanner:
             return
         x_shape = tuple(x_shape)
         need = model.step_peak_bytes(x_shape, rows, table)
-        free = self.budget() - self.held()
+        budget = self.budget()
+        free = budget - self.held()
         if need > free:
             keep = model.step_keys(x_shape, rows, table)
             freed = model.shed_states(need - free, keep)
@@ -164,7 +178,7 @@ class MemoryPlanner:
                 return model.step_peak_bytes(shape, rows[: shape[0]], table)
 
             hint = self._step_hint(estimate, x_shape, free, loaded.facts.latent_stride)
-            raise MemoryPlanError(self._refusal("step", need, free, hint))
+            raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
     @staticmethod
     def _step_hint(estimate: Callable, x_shape: tuple, free: int, stride: int) -> str:
@@ -190,7 +204,8 @@ class MemoryPlanner:
         if not hasattr(model, "vae_peak_bytes"):
             return
         need = model.vae_peak_bytes(height, width, decode)
-        free = self.budget() - self.held()
+        budget = self.budget()
+        free = budget - self.held()
         if need > free and hasattr(model, "shed_states"):
             free += model.shed_states(need - free, set())
         if need > free:
@@ -204,12 +219,14 @@ class MemoryPlanner:
                 if cells
                 else "no image fits; unload other work or raise the budget"
             )
-            raise MemoryPlanError(self._refusal("decode" if decode else "encode", need, free, hint))
+            what = "decode" if decode else "encode"
+            raise MemoryPlanError(self._refusal(what, need, free, budget, hint))
 
-    def _refusal(self, what: str, need: int, free: int, hint: str) -> str:
+    @staticmethod
+    def _refusal(what: str, need: int, free: int, budget: int, hint: str) -> str:
         return (
             f"the {what}'s memory plan does not fit beside the models loaded: it needs "
-            f"{_mib(need)}, {_mib(free)} of the image worker's {_mib(self.budget())} are free "
+            f"{_mib(need)}, {_mib(free)} of the image worker's {_mib(budget)} are free "
             f"(server.image.memory_budget_mb, memory_headroom_mb); {hint}"
         )
 

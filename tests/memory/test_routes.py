@@ -3,6 +3,7 @@ with a small configured budget: refusals with a hint, fitting work, shedding, st
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -154,3 +155,44 @@ def _keys(model, digests, x):
         )
         for d in digests
     ]
+
+
+def test_mlx_is_asked_once_at_construction_never_per_plan(qwen, monkeypatch):
+    """The device facts are read when the planner is built (before serving); plans on HTTP
+    threads use plain values, and the model's plan asks no MLX call off the worker."""
+    from gmlx_server import memory
+    from gmlx_server.engine import cpu_ops
+
+    asked = []
+    monkeypatch.setattr(memory, "_mlx_gpu_bytes", lambda: asked.append(1) or 0)
+    planner = memory.MemoryPlanner(qwen.ctx.registry, [], ImageConfig())
+    for _ in range(3):
+        assert planner.budget() > 0
+    assert asked == [1]
+
+    threads = []
+    real = cpu_ops.use_cpu_ops
+    monkeypatch.setattr(
+        cpu_ops, "use_cpu_ops", lambda d: threads.append(threading.current_thread()) or real(d)
+    )
+    assert step(qwen, latents(1, 2), [cond(qwen, 4, 1)]).status_code == 200
+    worker = qwen.ctx.service.worker._thread
+    assert all(thread is worker for thread in threads)
+
+
+def test_the_machine_is_read_once_per_plan(qwen):
+    from gmlx_server.engine.base import MemoryPlanError
+    from gmlx_server.memory import MemoryPlanner
+
+    reads = []
+    config = replace(ImageConfig(), memory_budget_mb=0, memory_headroom_mb=0)
+    planner = MemoryPlanner(qwen.ctx.registry, [], config, machine=lambda: reads.append(1) or MiB)
+    assert step(qwen, latents(1, 2), [cond(qwen, 4, 2)]).status_code == 200
+    loaded = qwen.ctx.registry.loaded(qwen.model_id)
+    with pytest.raises(MemoryPlanError):
+        planner.check_step_quick(loaded, (1, 64, 64, 64))
+    assert len(reads) == 1
+    reads.clear()
+    with pytest.raises(MemoryPlanError):
+        planner.check_vae(loaded, 1024, 1024, True)
+    assert len(reads) == 1

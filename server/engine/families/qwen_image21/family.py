@@ -320,9 +320,9 @@ class QwenImage21Model:
                 )
                 seen.add(plan.key)
                 prefixes.append((plan.layout.length, built))
-        dtype = self.dit.dtype
+        # dit.cpu_ops was read at load: the quick plan runs on an HTTP thread, never asks MLX
         return step_peak_bytes(
-            self.dit.config, dtype.size, h * w, prefixes, cpu_ops.use_cpu_ops(dtype)
+            self.dit.config, self.dit.dtype.size, h * w, prefixes, self.dit.cpu_ops
         )
 
     def step_keys(self, x_shape: tuple, rows: list[StepRow], table=None) -> set:
