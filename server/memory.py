@@ -10,7 +10,9 @@ A model takes part when it offers the planning methods of `QwenImage21Model` (`w
 are its family's, pure functions of shapes and config. A step is planned twice: a quick plan of
 `x` alone (HTTP thread, counting the prefix states as sheddable), then, on the worker right
 before the forward, a detailed plan with the rows' prefixes, which sheds held states when that
-makes room. Work whose plan does not fit is refused 400 with what would fit.
+makes room. A model that also offers `plan_step` has its rows planned once there, and that plan
+goes on to `step_peak_bytes`, `step_keys` and the forward. Work whose plan does not fit is
+refused 400 with what would fit.
 """
 
 from __future__ import annotations
@@ -157,18 +159,21 @@ class MemoryPlanner:
             )
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
-    def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> None:
+    def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> Any:
         """CONTRACT 2.11 step 11, on the worker: the rows' prefixes, states not held counted as
-        built; held states of other work are shed when that makes the plan fit."""
+        built; held states of other work are shed when that makes the plan fit. Returns the
+        model's plan of the step (its `plan_step`, made once here), for its forward; else None."""
         model = loaded.model
         if not hasattr(model, "step_peak_bytes"):
-            return
+            return None
         x_shape = tuple(x_shape)
-        need = model.step_peak_bytes(x_shape, rows, table)
+        plans = model.plan_step(x_shape, rows, table) if hasattr(model, "plan_step") else None
+        planned = {} if plans is None else {"plans": plans}
+        need = model.step_peak_bytes(x_shape, rows, table, **planned)
         budget = self.budget()
         free = budget - self.held()
         if need > free:
-            keep = model.step_keys(x_shape, rows, table)
+            keep = model.step_keys(x_shape, rows, table, **planned)
             freed = model.shed_states(need - free, keep)
             log.info("memory plan shed %s of prefix states for a step", _mib(freed))
             free += freed
@@ -179,6 +184,7 @@ class MemoryPlanner:
 
             hint = self._step_hint(estimate, x_shape, free, loaded.facts.latent_stride)
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
+        return plans
 
     @staticmethod
     def _step_hint(estimate: Callable, x_shape: tuple, free: int, stride: int) -> str:

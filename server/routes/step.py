@@ -81,9 +81,11 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
     def forward() -> StepResult:
         service.check_live(run)  # interrupted while queued: do not compute
         # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states)
-        service.memory.check_step(loaded, request.x.shape, rows, table)
+        plans = service.memory.check_step(loaded, request.x.shape, rows, table)
         kwargs: dict[str, Any] = {"convention": convention, "run": run.run_id if run else None}
         kwargs["table"] = table
+        if plans is not None:  # the model's plan of the rows, made once by the memory plan
+            kwargs["plans"] = plans
         if ref_cache:
             kwargs["ref_cache"] = True
         if skip:

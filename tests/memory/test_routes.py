@@ -196,3 +196,22 @@ def test_the_machine_is_read_once_per_plan(qwen):
     with pytest.raises(MemoryPlanError):
         planner.check_vae(loaded, 1024, 1024, True)
     assert len(reads) == 1
+
+
+def test_a_step_plans_its_rows_once(qwen, monkeypatch):
+    """plan_row runs once per row of a step: the memory plan's plan goes on to the forward."""
+    from gmlx_server.engine.families.qwen_image21 import family
+    from gmlx_server.engine.families.qwen_image21 import step as step_module
+
+    planned = []
+    real = step_module.plan_row
+
+    def counting(*args):
+        planned.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(family, "plan_row", counting)
+    monkeypatch.setattr(step_module, "plan_row", counting)
+    conds = [cond(qwen, 4, 30), cond(qwen, 5, 31)]
+    assert step(qwen, latents(2, 2), conds).status_code == 200
+    assert len(planned) == 2

@@ -20,7 +20,7 @@ from ...lora import TableWeights
 from ...schedules import qwen_image21_rule
 from ...weights import component_bytes, read_config, read_header, weight_files
 from .dit import DiTConfig, QwenImage21DiT, default_compute_dtype, dtype_name, linear_slots
-from .step import PrefixCache, denoise_step, plan_row
+from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
@@ -305,14 +305,26 @@ class QwenImage21Model:
         """What the model holds beyond its weights: prefix states and patched weight trees."""
         return self.prefix_cache.total_bytes + self.tables.held_bytes
 
-    def step_peak_bytes(self, x_shape: tuple, rows: list[StepRow] | None, table=None) -> int:
+    def plan_step(self, x_shape: tuple, rows: list[StepRow], table=None) -> list[RowPlan]:
+        """Each row's plan (prefix layout, state key) for a step of x_shape: made once per step
+        by the memory plan, then handed to step_peak_bytes, step_keys and denoise_step."""
+        _, _, h, w = x_shape
+        return [plan_row(row, self.dit, (h, w), _table_id(table)) for row in rows]
+
+    def step_peak_bytes(
+        self,
+        x_shape: tuple,
+        rows: list[StepRow] | None,
+        table=None,
+        plans: list[RowPlan] | None = None,
+    ) -> int:
         """A step's peak beyond weights and held states: without rows (the quick plan) the
         target pass alone; with them each row's prefix length, counting the states not held."""
         batch, _, h, w = x_shape
         if rows is None:
             prefixes = [(0, False)] * batch
         else:
-            plans = [plan_row(row, self.dit, (h, w), _table_id(table)) for row in rows]
+            plans = self.plan_step(x_shape, rows, table) if plans is None else plans
             prefixes, seen = [], set()
             for plan in plans:
                 built = not plan.cache or (
@@ -325,10 +337,12 @@ class QwenImage21Model:
             self.dit.config, self.dit.dtype.size, h * w, prefixes, self.dit.cpu_ops
         )
 
-    def step_keys(self, x_shape: tuple, rows: list[StepRow], table=None) -> set:
+    def step_keys(
+        self, x_shape: tuple, rows: list[StepRow], table=None, plans: list[RowPlan] | None = None
+    ) -> set:
         """The prefix-state keys a step uses (never shed to make room for that step)."""
-        _, _, h, w = x_shape
-        return {plan_row(row, self.dit, (h, w), _table_id(table)).key for row in rows}
+        plans = self.plan_step(x_shape, rows, table) if plans is None else plans
+        return {plan.key for plan in plans}
 
     def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
         return self.vae.peak_bytes(height, width, decode)
@@ -364,7 +378,9 @@ class QwenImage21Model:
         convention: str = "comfy",
         run: str | None = None,
         table: object | None = None,
+        plans: list[RowPlan] | None = None,
     ) -> StepResult:
+        """`plans`: this step's plan_step(x.shape, rows, table), when the memory plan made it."""
         return denoise_step(
             self.dit,
             self.prefix_cache,
@@ -375,6 +391,7 @@ class QwenImage21Model:
             run=run,
             table_id=_table_id(table),
             weights=self.tables.weights_for(table),
+            plans=plans,
         )
 
     def check_patch_table(self, table) -> None:

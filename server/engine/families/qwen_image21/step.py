@@ -199,9 +199,11 @@ def denoise_step(
     run: str | None = None,
     table_id: str | None = None,
     weights: dict | None = None,
+    plans: list[RowPlan] | None = None,
 ) -> StepResult:
     """Model output sign * dx/dsigma (float32, x's shape) for x (B, C, h, w), one row per entry.
-    `weights`: the tree of the patch table `table_id` (server/engine/lora.py), None for none."""
+    `weights`: the tree of the patch table `table_id` (server/engine/lora.py), None for none.
+    `plans`: the rows' plan_row at x's size and `table_id`, when the caller already made them."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != dit.config.in_channels:
         raise EngineInputError(
@@ -211,7 +213,8 @@ def denoise_step(
     batch, channels, h, w = x.shape
     sigma = sigmas_for(timestep, batch, convention)
     sign = CONVENTIONS[convention][2]
-    plans = [plan_row(row, dit, (h, w), table_id) for row in rows]
+    if plans is None:
+        plans = [plan_row(row, dit, (h, w), table_id) for row in rows]
     header = prefix_header(plans, cache)
 
     started = time.perf_counter()
