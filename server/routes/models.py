@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import falcon
@@ -89,13 +90,35 @@ def resolve_or_404(registry, model_id: Any) -> ModelEntry:
         raise ContractError(404, exc.message) from None
 
 
+def from_files(entry: ModelEntry, read: Callable[[], dict]) -> dict:
+    """What a family reads from a folder it has not loaded; a folder that lacks a config key or
+    a file it needs is a misconfigured entry, answered 400 naming the missing piece (CONTRACT
+    2.3), not a server failure."""
+    try:
+        return read()
+    except KeyError as exc:
+        missing = exc.args[0] if exc.args else exc
+        raise ContractError(
+            400,
+            f"model {entry.model_id!r} at {entry.path} is misconfigured: its config lacks "
+            f"the key {missing!r}",
+        ) from None
+    except FileNotFoundError as exc:
+        missing = exc.filename or exc
+        raise ContractError(
+            400, f"model {entry.model_id!r} at {entry.path} is misconfigured: {missing} is missing"
+        ) from None
+
+
 class ModelStatus(Resource):
     def on_get(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
         entry = resolve_or_404(self.registry, model)
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
         if loaded is None and hasattr(module, "describe"):
-            body = self.service.worker.call(module.describe, entry.path, entry.model_id)
+            body = from_files(
+                entry, lambda: self.service.worker.call(module.describe, entry.path, entry.model_id)
+            )
         else:
             # No way to describe it unloaded: load it (it then stays resident).
             loaded = self.service.acquire(entry.model_id)
@@ -118,7 +141,7 @@ class ModelManifest(Resource):
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
         if loaded is None and hasattr(module, "manifest"):
-            body = self.service.worker.call(module.manifest, entry.path)
+            body = from_files(entry, lambda: self.service.worker.call(module.manifest, entry.path))
         else:
             loaded = self.service.acquire(entry.model_id)
             try:

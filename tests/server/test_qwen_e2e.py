@@ -129,3 +129,25 @@ def test_engine_refusals_are_400(qwen):
     assert r.status_code == 400 and "conditioning" in r.json()["error"]
     tiny = png_b64(np.zeros((64, 64, 3), np.uint8))  # under the reference area
     assert qwen.post_json("encode", {"text": "x", "images": [tiny]}).status_code == 400
+
+
+def test_status_of_a_misconfigured_folder_is_400_naming_the_missing_piece(qwen, tmp_path):
+    import json
+    import shutil
+
+    root = tmp_path / "models"
+    no_mean = shutil.copytree(qwen.folder, root / "no-mean")
+    config_path = no_mean / "vae" / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["latents_mean"]
+    config_path.write_text(json.dumps(config))
+    no_config = shutil.copytree(qwen.folder, root / "no-vae-config")
+    (no_config / "vae" / "config.json").unlink()
+    server = serve(ServerConfig(host="127.0.0.1", port=0), ModelRegistry([root], None))
+    try:
+        r = server.call("GET", "models/no-mean/status")
+        assert r.status_code == 400 and "latents_mean" in r.json()["error"], r.text
+        r = server.call("GET", "models/no-vae-config/status")
+        assert r.status_code == 400 and "config.json" in r.json()["error"], r.text
+    finally:
+        server.close()
