@@ -317,6 +317,7 @@ class Run:
         return self.loaded.model_id
 
     def record(self, rows: int, forward_ms: float, prefix_cache: str) -> None:
+        """Under the service's lock (StepsService.record_step)."""
         self.steps += 1
         self.rows += rows
         self.forward_ms += forward_ms
@@ -500,17 +501,19 @@ class StepsService:
             if run is None:
                 return False
             run.ended = True
+            counts = (run.steps, run.rows, run.forward_ms, dict(run.prefix))
         self.release(run.loaded)
         self._shed_states(run)
+        steps, rows, forward_ms, prefix = counts
         log.info(
             "run %s %s: model %s, %d steps, %d rows, forward %.1f ms, prefix %s",
             run.run_id,
             reason,
             run.model_id,
-            run.steps,
-            run.rows,
-            run.forward_ms,
-            " ".join(f"{k}={v}" for k, v in sorted(run.prefix.items())) or "-",
+            steps,
+            rows,
+            forward_ms,
+            " ".join(f"{k}={v}" for k, v in sorted(prefix.items())) or "-",
         )
         return True
 
@@ -561,6 +564,14 @@ class StepsService:
         with self._lock:
             run.in_flight -= 1
             run.last_active = self.clock()
+
+    def record_step(self, run: Run | None, rows: int, forward_ms: float, prefix_cache: str) -> None:
+        """Count a finished step on its run, under the lock (steps of one run may finish on
+        several HTTP threads at once, and end_run reads the counts)."""
+        if run is None:
+            return
+        with self._lock:
+            run.record(rows, forward_ms, prefix_cache)
 
     @staticmethod
     def check_live(run: Run | None) -> None:

@@ -56,8 +56,7 @@ class Step(Resource):
                 self.service.release(loaded)
         finally:
             self.service.step_done(run)
-        if run is not None:
-            run.record(len(request.rows), result.forward_ms, result.prefix_cache)
+        self.service.record_step(run, len(request.rows), result.forward_ms, result.prefix_cache)
         body = wire.write_container({"out": np.asarray(result.out, dtype=np.float32)})
         send_container(resp, body)
         resp.set_header("X-Gmlx-Forward-Ms", f"{result.forward_ms:.2f}")

@@ -251,3 +251,23 @@ def test_a_step_on_a_run_uses_the_runs_instance_without_the_worker(fresh, monkey
     fields = {"rows": [{"cond": cond}], "run": run, "model": "beta"}
     r = fresh.post_container("step", {"x": x, "timestep": t}, fields)
     assert acquired[-1] == "beta" and r.status_code == 503  # alpha is held by the run
+
+
+def test_a_step_counts_on_its_run_under_the_service_lock(fresh, monkeypatch):
+    from gmlx_server.service import Run
+
+    service = fresh.ctx.service
+    held = []
+    real_record = Run.record
+
+    def record(self, *args):
+        held.append(service._lock.locked())
+        real_record(self, *args)
+
+    monkeypatch.setattr(Run, "record", record)
+    run = fresh.post_json("runs/begin", {}).json()["run"]
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    x, t = np.zeros((1, 4, 1, 1), np.float32), np.zeros(1, np.float32)
+    fields = {"rows": [{"cond": cond}], "run": run}
+    assert fresh.post_container("step", {"x": x, "timestep": t}, fields).status_code == 200
+    assert held == [True]
