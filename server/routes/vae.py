@@ -48,11 +48,11 @@ class VaeDecode(Resource):
             stride = loaded.facts.vae_stride
             _, _, h, w = latents.shape
             check_pixels(w * stride, h * stride, "the decoded image")
-            if alpha and loaded.facts.vae_channels_out != 4:
-                raise ContractError(400, f"{loaded.entry.family}'s VAE has no alpha channel")
             self.service.worker.call(
                 self.service.memory.check_vae, loaded, h * stride, w * stride, True
             )
+            if alpha and loaded.facts.vae_channels_out != 4:  # after the plan (CONTRACT 2.12)
+                raise ContractError(400, f"{loaded.entry.family}'s VAE has no alpha channel")
             images = [
                 self.service.on_model(loaded, lambda m, z=z: m.vae_decode(z, alpha))
                 for z in latents

@@ -215,3 +215,16 @@ def test_a_step_plans_its_rows_once(qwen, monkeypatch):
     conds = [cond(qwen, 4, 30), cond(qwen, 5, 31)]
     assert step(qwen, latents(2, 2), conds).status_code == 200
     assert len(planned) == 2
+
+
+def test_vae_decode_plans_memory_before_checking_alpha(qwen, monkeypatch):
+    """CONTRACT 2.12: the memory plan is checked before `alpha` on a VAE without alpha."""
+    assert step(qwen, latents(1, 2), [cond(qwen, 4, 40)]).status_code == 200  # loaded
+    facts = qwen.ctx.registry.loaded(qwen.model_id).facts
+    monkeypatch.setattr(facts, "vae_channels_out", 3)  # as if its VAE had no alpha channel
+    large = np.zeros((1, 64, 64, 64), np.float32)
+    r = qwen.post_container("vae/decode", {"latents": large}, {"alpha": True})
+    assert r.status_code == 400 and "decode's memory plan" in r.json()["error"], r.text
+    small = np.zeros((1, 64, 1, 1), np.float32)
+    r = qwen.post_container("vae/decode", {"latents": small}, {"alpha": True})
+    assert r.status_code == 400 and "no alpha channel" in r.json()["error"], r.text
