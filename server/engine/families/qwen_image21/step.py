@@ -221,10 +221,13 @@ def denoise_step(
     states, fresh = _states_for(dit, cache, plans, run, weights)
     tokens = mx.array(x.reshape(batch, channels, h * w).transpose(0, 2, 1))
     out = dit.target_forward(tokens, mx.array(sigma), states, h, w, weights)
+    # Back to (B, C, h*w) in MLX, so the answer leaves as one contiguous block (a strided numpy
+    # view would cost the container writer a slow gather of the whole output).
+    out = mx.contiguous(out.astype(mx.float32).transpose(0, 2, 1))
     mx.eval(out, *[array for state in fresh for array in (*state.keys, *state.values)])
     forward_ms = (time.perf_counter() - started) * 1000.0
 
-    result = np.array(out.astype(mx.float32)).transpose(0, 2, 1).reshape(x.shape)
+    result = np.array(out).reshape(x.shape)
     if sign != 1.0:
         result = sign * result
     return StepResult(out=result, prefix_cache=header, forward_ms=forward_ms)
