@@ -37,6 +37,7 @@ from .engine.sampling import (
     generate,
     to_uint8,
 )
+from .imagefiles import read_image_file
 
 SCHEMA = "gmlx.image.bench/1"
 EXIT_USAGE = 2
@@ -160,7 +161,7 @@ def sample_main(argv: Sequence[str] | None = None) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     prepare_process()
     try:
-        images = tuple(read_image(path) for path in args.ref)
+        images = tuple(read_image_file(path) for path in args.ref)
     except (OSError, ValueError) as exc:
         print(f"gmlx image sample: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -227,17 +228,6 @@ def _message(exc: Exception) -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         return body["error"]
     return str(exc) or type(exc).__name__
-
-
-def read_image(path: str | Path) -> np.ndarray:
-    """An image file as uint8 (H, W, 3 or 4), EXIF orientation applied."""
-    from PIL import Image, ImageOps
-
-    with Image.open(path) as image:
-        image = ImageOps.exif_transpose(image)
-        if image.mode not in ("RGB", "RGBA"):
-            image = image.convert("RGBA" if "A" in image.getbands() else "RGB")
-        return np.asarray(image, dtype=np.uint8).copy()
 
 
 def write_png(pixels: np.ndarray, path: Path) -> None:
@@ -443,7 +433,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
     prepare_process()
-    request = image_request(args, tuple(read_image(path) for path in args.ref))
+    request = image_request(args, tuple(read_image_file(path) for path in args.ref))
     try:
         choice = choose_model(args.model, args.config)
         record = run_bench(choice, request, args.runs, args.warmup, args.via_steps, args.label)

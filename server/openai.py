@@ -31,7 +31,9 @@ import numpy as np
 from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 
+from .engine.base import EngineInputError
 from .engine.sampling import SAMPLERS, DirectTransport, ImageRequest, generate, to_uint8
+from .imagefiles import decode_image_file
 
 log = logging.getLogger("gmlx.server")
 
@@ -346,6 +348,13 @@ def _decode(index: int, text: str) -> np.ndarray:
         raise OpenAIError(400, exc.message.replace("images[", "image["), "image") from None
 
 
+def _decode_file(index: int, data: bytes) -> np.ndarray:
+    try:
+        return decode_image_file(data)
+    except EngineInputError as exc:
+        raise OpenAIError(400, f"image[{index}]: {exc}", "image") from None
+
+
 def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
     """Fields and reference images of a multipart edit (`image`, `image[]` or `images[]`)."""
     body = getattr(req.context, "body", None)
@@ -359,7 +368,7 @@ def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
             name = part.name or ""
             if name in ("image", "image[]", "images", "images[]"):
                 data = part.stream.read()
-                images.append(_decode(len(images), base64.b64encode(data).decode("ascii")))
+                images.append(_decode_file(len(images), data))
             elif name == "mask":
                 fields["mask"] = True
             else:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 
 import falcon
 import numpy as np
 from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
-from PIL import Image, ImageOps
 
+from ..engine.base import EngineInputError
+from ..imagefiles import decode_image_file
 from ..service import CachedTensor
 from .common import (
     Resource,
@@ -24,8 +24,6 @@ from .common import (
 )
 
 MAX_IMAGES = 10
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
-MAX_DECODED_PIXELS = 64 * 1024 * 1024
 
 
 class Encode(Resource):
@@ -123,24 +121,6 @@ def decode_image(index: int, text: str) -> np.ndarray:
             400, f"images[{index}] is not plain standard base64 (no data: prefix)"
         ) from None
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format not in IMAGE_FORMATS:
-                raise ContractError(
-                    400, f"images[{index}] is {image.format}; send PNG, JPEG, WebP or GIF"
-                )
-            width, height = image.size
-            if width * height > MAX_DECODED_PIXELS:
-                raise ContractError(
-                    400, f"images[{index}] of {width}x{height} has over {MAX_DECODED_PIXELS} pixels"
-                )
-            upright = ImageOps.exif_transpose(image)
-            mode = "RGBA" if _has_alpha(upright) else "RGB"
-            return np.array(upright.convert(mode), dtype=np.uint8)
-    except ContractError:
-        raise
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise ContractError(400, f"images[{index}] could not be decoded: {exc}") from None
-
-
-def _has_alpha(image: Image.Image) -> bool:
-    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+        return decode_image_file(data)
+    except EngineInputError as exc:
+        raise ContractError(400, f"images[{index}]: {exc}") from None

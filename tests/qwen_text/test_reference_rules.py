@@ -1,8 +1,6 @@
-"""CONTRACT 2.6 reference-image rules and image-file decoding."""
+"""CONTRACT 2.6 reference-image rules (image-file decoding: tests/server/test_imagefiles.py)."""
 
 from __future__ import annotations
-
-import io
 
 import numpy as np
 import pytest
@@ -10,7 +8,6 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimen
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.families.qwen_image21.images import (
     VisionPreprocessor,
-    decode_image_file,
     prepare_reference,
     reference_size,
 )
@@ -81,54 +78,3 @@ def test_prepare_reference_resizes_with_lanczos():
     np.testing.assert_array_equal(ref.vae_image, np.asarray(expected, np.float32) / 255.0)
     assert ref.grid_thw == (1, 18, 16)
     assert ref.slot_count == 72
-
-
-def _file(image: Image.Image, fmt: str, **kwargs) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **kwargs)
-    return buffer.getvalue()
-
-
-@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF"])
-def test_decode_formats(fmt):
-    image = Image.fromarray(np.full((40, 30, 3), 128, np.uint8))
-    decoded = decode_image_file(_file(image, fmt))
-    assert decoded.dtype == np.uint8 and decoded.shape == (40, 30, 3)
-
-
-def test_decode_keeps_alpha():
-    array = np.zeros((8, 6, 4), np.uint8)
-    array[..., 3] = 77
-    decoded = decode_image_file(_file(Image.fromarray(array, "RGBA"), "PNG"))
-    assert decoded.shape == (8, 6, 4)
-    assert np.all(decoded[..., 3] == 77)
-
-
-def test_decode_applies_exif_orientation():
-    image = Image.fromarray(np.zeros((20, 10, 3), np.uint8))
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
-    decoded = decode_image_file(_file(image, "JPEG", exif=exif))
-    assert decoded.shape == (10, 20, 3)
-
-
-@pytest.mark.parametrize(
-    "data",
-    [b"", b"not an image", b"\x89PNG\r\n\x1a\n" + b"\x00" * 20],
-)
-def test_decode_refuses_garbage(data):
-    with pytest.raises(EngineInputError):
-        decode_image_file(data)
-
-
-def test_decode_refuses_other_formats():
-    image = Image.fromarray(np.zeros((4, 4, 3), np.uint8))
-    with pytest.raises(EngineInputError, match="PNG, JPEG, WebP or GIF"):
-        decode_image_file(_file(image, "BMP"))
-
-
-def test_decode_refuses_too_many_pixels():
-    # A PNG header claiming 8193 x 8193 pixels: refused from the size, before decoding.
-    big = Image.new("1", (8193, 8193))
-    with pytest.raises(EngineInputError, match="more than"):
-        decode_image_file(_file(big, "PNG"))

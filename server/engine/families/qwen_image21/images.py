@@ -1,4 +1,4 @@
-"""Reference images for Qwen-Image 2.1: decoding, the CONTRACT 2.6 size rules, and the Qwen3-VL
+"""Reference images for Qwen-Image 2.1: the CONTRACT 2.6 size rules, and the Qwen3-VL
 image processor's preprocessing, with Pillow and numpy.
 
 One resize (Lanczos, at the image's own area, sides rounded to multiples of 32) feeds both the VAE
@@ -9,14 +9,13 @@ processor's steps (smart resize, rescale, normalise, patchify into pixel_values 
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from ...base import EngineInputError
 
@@ -24,8 +23,6 @@ MIN_REFERENCE_AREA = 256 * 256
 MAX_REFERENCE_AREA = 1024 * 1024
 SIDE_MULTIPLE = 32
 MAX_ASPECT = 200
-MAX_DECODED_PIXELS = 64 * 1024 * 1024
-DECODABLE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 
 
 def reference_size(width: int, height: int) -> tuple[int, int]:
@@ -60,33 +57,6 @@ def reference_size(width: int, height: int) -> tuple[int, int]:
             f"below {MIN_REFERENCE_AREA} pixels; send a larger image"
         )
     return new_width, new_height
-
-
-def decode_image_file(data: bytes) -> np.ndarray:
-    """A PNG, JPEG, WebP or GIF file (first frame) -> uint8 (H, W, 3) or (H, W, 4 when it has
-    alpha), EXIF orientation applied."""
-    try:
-        image = Image.open(io.BytesIO(data))
-        if image.format not in DECODABLE_FORMATS:
-            raise EngineInputError(
-                f"images must be PNG, JPEG, WebP or GIF files, not {image.format or 'unknown'}"
-            )
-        width, height = image.size
-        if width * height > MAX_DECODED_PIXELS:
-            raise EngineInputError(
-                f"an image of {width}x{height} has more than {MAX_DECODED_PIXELS} pixels"
-            )
-        image = ImageOps.exif_transpose(image)
-        mode = "RGBA" if _has_alpha(image) else "RGB"
-        return np.asarray(image.convert(mode), dtype=np.uint8).copy()
-    except EngineInputError:
-        raise
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-        raise EngineInputError(f"an image could not be decoded: {error}") from error
-
-
-def _has_alpha(image: Image.Image) -> bool:
-    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
 
 
 def image_from_array(array: np.ndarray) -> Image.Image:

@@ -19,10 +19,9 @@ import mlx.nn as nn
 import numpy as np
 
 from ...weights import load_weights, read_config
-from .images import (  # reference_size and decode_image_file are re-exported for the family
+from .images import (  # reference_size is re-exported for the family
     ReferenceImage,
     VisionPreprocessor,
-    decode_image_file,
     prepare_reference,
     reference_size,
 )
@@ -31,7 +30,6 @@ from .tokenizer import QwenPromptTokenizer
 __all__ = [
     "PromptEncoding",
     "QwenImage21PromptEncoder",
-    "decode_image_file",
     "reference_size",
 ]
 
