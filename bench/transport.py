@@ -32,6 +32,8 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import falcon
 import numpy as np
@@ -39,11 +41,11 @@ import requests
 from gmlx_contract import wire
 from gmlx_contract.client import StepClient
 from gmlx_contract.version import CONTRACT_VERSION, HEADER
-from gmlx_server.app import waitress_options, whole_body
+from gmlx_server.app import ServerThread, waitress_options, whole_body
 from gmlx_server.cli import _fast_blas, tune_malloc
 from gmlx_server.config import ServerConfig
-from gmlx_server.image_cli import LoopbackServer
 from gmlx_server.routes.common import send_container
+from waitress.server import create_server
 
 STEP_PATH = "/internal/image-steps/v1/step"
 VERSION_VALUE = f"{CONTRACT_VERSION[0]}.{CONTRACT_VERSION[1]}"
@@ -189,6 +191,17 @@ def _timed(count: int, call, warmup: int = 10) -> list[float]:
     return times
 
 
+@contextmanager
+def plain_waitress(app, settings: dict) -> Iterator[str]:
+    """The app on Waitress as configured, without http_gate (these layers time Waitress and the
+    clients), on an ephemeral 127.0.0.1 port; yields the base URL."""
+    thread = ServerThread(create_server(app, host="127.0.0.1", port=0, **settings)).start()
+    try:
+        yield f"http://127.0.0.1:{thread.port}"
+    finally:
+        thread.stop()
+
+
 def measure_layers(x: np.ndarray, count: int) -> dict:
     body = step_body(x)
     results = {}
@@ -196,8 +209,7 @@ def measure_layers(x: np.ndarray, count: int) -> dict:
         ("waitress defaults", WAITRESS_DEFAULTS),
         ("server settings", waitress_options(ServerConfig())),
     ):
-        with LoopbackServer(echo_app(), settings) as server:
-            base = server.base_url
+        with plain_waitress(echo_app(), settings) as base:
             results[f"{settings_name} / requests"] = time_requests_plain(base, body, count)
             results[f"{settings_name} / requests, one raw read"] = time_requests_one_read(
                 base, body, count

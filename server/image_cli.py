@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -238,75 +237,40 @@ def write_png(pixels: np.ndarray, path: Path) -> None:
     Image.fromarray(to_uint8(pixels)).save(path, format="PNG")
 
 
-# ---------------------------------------------------------------- the loopback server
-
-
-class LoopbackServer:
-    """A WSGI app on Waitress on an ephemeral 127.0.0.1 port, served by a thread of this process."""
-
-    def __init__(self, app: Any, options: dict | None = None) -> None:
-        from waitress.server import create_server
-
-        options = dict(options or {})
-        options.update(host="127.0.0.1", port=0)
-        self.server = create_server(app, **options)
-        self.base_url = f"http://127.0.0.1:{self.server.effective_port}"
-        self._thread = threading.Thread(target=self.server.run, name="gmlx-loopback", daemon=True)
-
-    def __enter__(self) -> LoopbackServer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if not self._thread.is_alive():
-            return
-        # Close every dispatcher from Waitress' own loop thread (closing a socket under its
-        # select() from here fails it); an empty socket map ends the loop.
-        self.server.trigger.pull_trigger(self._close_all)
-        self._thread.join(timeout=10)
-        self.server.task_dispatcher.shutdown()
-
-    def _close_all(self) -> None:
-        for dispatcher in list(self.server._map.values()):
-            try:
-                dispatcher.close()
-            except OSError:
-                pass
+# ---------------------------------------------------------------- the step server
 
 
 class StepServer:
-    """The server's own app (registry, worker, service, step routes) for one model, on a
-    loopback port of this process: what `gmlx image bench --via-steps` drives."""
+    """The server `gmlx serve` runs (registry, worker, service, step routes, http_gate's
+    request-head gate) for one model, on an ephemeral 127.0.0.1 port of this process: what
+    `gmlx image bench --via-steps` and `gmlx image sample --via-steps` drive."""
 
     def __init__(self, choice: ModelChoice) -> None:
-        from .app import build_context, create_app, waitress_options
+        from .app import ServerThread, build_context, create_app, make_server
         from .config import ServerConfig
 
         self.choice = choice
         self.config = ServerConfig(host="127.0.0.1", port=0, default_model=choice.model_id)
         self.ctx = build_context(self.config, choice.registry)
-        self.http = LoopbackServer(create_app(self.ctx), waitress_options(self.config))
+        self.http = ServerThread(make_server(create_app(self.ctx), self.config))
         self.loaded = None
 
     @property
     def base_url(self) -> str:
-        return self.http.base_url
+        return f"http://127.0.0.1:{self.http.port}"
 
     @property
     def service(self):
         return self.ctx.service
 
     def __enter__(self) -> StepServer:
-        self.http.__enter__()
+        self.http.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.loaded is not None:
             self.service.release(self.loaded)
-        self.http.close()
+        self.http.stop()
         self.service.close()
 
     def load(self):
