@@ -29,6 +29,7 @@ from gmlx_contract.errors import ContractError
 from . import openai
 from .config import ServerConfig, is_loopback_host
 from .engine.registry import ModelRegistry
+from .http_gate import body_limit, gated_server
 from .routes import encode, models, runs, step, uploads, vae
 from .routes.common import PREFIX, Resource, ServerContext
 from .service import StepsService
@@ -138,7 +139,7 @@ class FrontGate:
 
     def _read_body(self, req: falcon.Request) -> bytes:
         container = wire.is_container_type(req.content_type)
-        limit = wire.MAX_CONTAINER_BYTES if container else wire.MAX_JSON_BYTES
+        limit = body_limit(req.content_type)
         length = req.content_length
         if length is not None and length > limit:
             raise GateError(
@@ -327,8 +328,6 @@ def waitress_options(config: ServerConfig) -> dict:
 
 def make_server(app: falcon.App, config: ServerConfig, port: int | None = None):
     """A Waitress server for the app (port 0: an ephemeral port, see `.effective_port`)."""
-    from .http_gate import gated_server
-
     port = config.port if port is None else port
     return gated_server(app, host=config.host, port=port, **waitress_options(config))
 
