@@ -18,9 +18,11 @@ refused 400 with what would fit.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,9 @@ MiB = 1 << 20
 # model on a machine with little room must still take a long conditioning (16 KiB a token at
 # width 4096) and its LoRA matrices, or every client upload would be refused.
 MIN_CACHE_FRACTION = 4
+# MemAvailable is read at most this often (reading /proc/meminfo costs ~40 us, twice a step): a
+# run's steps come faster than memory moves, and what this process holds counts either way.
+LINUX_READ_MAX_AGE_S = 0.1
 
 
 # ---------------------------------------------------------------- the machine
@@ -45,16 +50,26 @@ def machine_bytes() -> int:
     return machine_reader()()
 
 
-def machine_reader() -> Callable[[], int]:
+def machine_reader(max_age_s: float = LINUX_READ_MAX_AGE_S) -> Callable[[], int]:
     """A reader of `machine_bytes` whose fixed facts are read now, once: an MLX GPU's working
     set (MLX is asked only here, on the thread that builds the planner before serving, never
     from an HTTP thread) and the host's total memory. Only Linux's MemAvailable changes; the
-    reader reads it on each call."""
+    reader reads it again when its last reading is older than `max_age_s`."""
     gpu = _mlx_gpu_bytes()
     if gpu:
         return lambda: gpu
     total = _macos_bytes() or _sysconf_bytes()
-    return lambda: _linux_bytes() or total
+    last = [-math.inf, 0]  # (when, bytes): one list, so a reading is swapped in whole
+
+    def read() -> int:
+        now = time.monotonic()
+        when, value = last
+        if now - when >= max_age_s:
+            value = _linux_bytes() or total
+            last[:] = now, value
+        return value
+
+    return read
 
 
 def _mlx_gpu_bytes() -> int:
@@ -72,14 +87,22 @@ def _mlx_gpu_bytes() -> int:
 def _linux_bytes() -> int:
     """MemAvailable plus this process's resident set (what it holds is its own to reuse)."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            fields = {line.split(":")[0]: line.split()[1] for line in f if ":" in line}
-        available = int(fields.get("MemAvailable", fields.get("MemTotal", 0))) * 1024
-        with open("/proc/self/statm", encoding="ascii") as f:
+        with open("/proc/meminfo", "rb") as f:
+            meminfo = f.read()
+        available = _meminfo_kib(meminfo, b"MemAvailable:") or _meminfo_kib(meminfo, b"MemTotal:")
+        with open("/proc/self/statm", "rb") as f:
             resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-    return available + resident
+    return available * 1024 + resident
+
+
+def _meminfo_kib(meminfo: bytes, name: bytes) -> int:
+    """One field of /proc/meminfo in KiB (0 when absent); found, not the whole file parsed."""
+    start = meminfo.find(name)
+    if start < 0:
+        return 0
+    return int(meminfo[start + len(name) : meminfo.index(b"\n", start)].split()[0])
 
 
 def _macos_bytes() -> int:
