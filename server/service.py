@@ -483,10 +483,12 @@ class StepsService:
             self._reserved += 1
         try:
             loaded = self.acquire(model_id)
-        finally:
+        except BaseException:
             with self._lock:
                 self._reserved -= 1
-        with self._lock:
+            raise
+        with self._lock:  # the reservation becomes the run in one step: no begin slips between
+            self._reserved -= 1
             run_id = secrets.token_hex(8)
             while run_id in self._runs:
                 run_id = secrets.token_hex(8)
