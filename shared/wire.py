@@ -270,14 +270,26 @@ def write_container(
     fields: dict[str, Any] | None = None,
     dtypes: dict[str, str] | None = None,
 ) -> bytes:
-    """Write a container deterministically (CONTRACT §1.3).
+    """Write a container deterministically (CONTRACT §1.3), as one bytes object."""
+    return b"".join(container_pieces(tensors, fields, dtypes))
+
+
+def container_pieces(
+    tensors: dict[str, Any],
+    fields: dict[str, Any] | None = None,
+    dtypes: dict[str, str] | None = None,
+) -> list[bytes | memoryview]:
+    """The bytes of `write_container` as pieces, without joining them: the length prefix and
+    header first, then each tensor's bytes as a view of its array (no copy when the array
+    is already contiguous in its wire dtype). A server sends the pieces one after the other
+    instead of copying megabytes into one buffer first.
 
     Tensors are packed back to back in the given order; `__metadata__` comes last and is
     omitted when `fields` is empty; the header is padded with spaces to a multiple of 8.
     """
     dtypes = dtypes or {}
     header: dict[str, Any] = {}
-    chunks: list[Any] = []
+    chunks: list[memoryview] = []
     offset = 0
     for name, array in tensors.items():
         if name == METADATA_KEY:
@@ -289,13 +301,14 @@ def write_container(
             "shape": list(data.shape),
             "data_offsets": [offset, offset + size],
         }
-        chunks.append(data.reshape(-1).view(np.uint8).data if size else b"")
+        if size:
+            chunks.append(data.reshape(-1).view(np.uint8).data)
         offset += size
     if fields:
         header[METADATA_KEY] = {FIELDS_KEY: encode_fields(fields)}
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % HEADER_ALIGN)
-    return b"".join([len(text).to_bytes(LENGTH_BYTES, "little"), text, *chunks])
+    return [len(text).to_bytes(LENGTH_BYTES, "little") + text, *chunks]
 
 
 # ---------------------------------------------------------------- bfloat16 helpers

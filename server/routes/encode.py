@@ -52,7 +52,7 @@ class Encode(Resource):
             self.service.release(loaded)
         send_container(resp, self._answer(result, refs))
 
-    def _answer(self, result, refs: bool) -> bytes:
+    def _answer(self, result, refs: bool) -> list:
         cond = np.ascontiguousarray(result.cond, dtype=np.float32)
         latents = [np.ascontiguousarray(r, dtype=np.float32) for r in result.ref_latents]
         latents = latents if refs else []
@@ -72,7 +72,7 @@ class Encode(Resource):
             "image_slots": [int(s) for s in result.image_slots],
             "num_tokens": int(cond.shape[1]) if cond.ndim == 3 else int(cond.shape[0]),
         }
-        return wire.write_container(tensors, fields)
+        return wire.container_pieces(tensors, fields)
 
 
 def check_upsampling(value) -> None:

@@ -57,8 +57,8 @@ class Step(Resource):
         finally:
             self.service.step_done(run)
         self.service.record_step(run, len(request.rows), result.forward_ms, result.prefix_cache)
-        body = wire.write_container({"out": np.asarray(result.out, dtype=np.float32)})
-        send_container(resp, body)
+        out = np.asarray(result.out, dtype=np.float32)
+        send_container(resp, wire.container_pieces({"out": out}))
         resp.set_header("X-Gmlx-Forward-Ms", f"{result.forward_ms:.2f}")
         resp.set_header("X-Gmlx-Server-Ms", f"{(time.perf_counter() - started) * 1000.0:.2f}")
         resp.set_header("X-Gmlx-Prefix-Cache", result.prefix_cache)

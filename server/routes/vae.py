@@ -59,7 +59,7 @@ class VaeDecode(Resource):
             ]
         finally:
             self.service.release(loaded)
-        send_container(resp, wire.write_container({"image": _stack(images)}))
+        send_container(resp, wire.container_pieces({"image": _stack(images)}))
 
 
 class VaeEncode(Resource):
@@ -76,7 +76,7 @@ class VaeEncode(Resource):
             ]
         finally:
             self.service.release(loaded)
-        send_container(resp, wire.write_container({"latents": _stack(latents)}))
+        send_container(resp, wire.container_pieces({"latents": _stack(latents)}))
 
 
 def _stack(arrays: list[np.ndarray]) -> np.ndarray:
