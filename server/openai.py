@@ -301,7 +301,7 @@ def json_fields(req: falcon.Request) -> dict:
     if getattr(req.context, "json_parsed", False):
         doc = req.context.json
     else:
-        body = getattr(req.context, "body", b"")
+        body = bytes(getattr(req.context, "body", b""))  # a tensor body arrives as a view
         try:
             doc = json.loads(body) if body and body.strip() else {}
         except ValueError:
