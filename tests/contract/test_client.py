@@ -393,7 +393,7 @@ def test_timeouts_per_route(server, client):
     assert StepClient(server.url, timeout=42.0).timeout == 42.0
 
 
-def test_step_shares_the_session_connection_and_carries_key_and_header(server, client):
+def test_steps_share_one_kept_connection_and_carry_key_and_header(server, client):
     cond = cond_tensor(6)
     x = np.ones((1, 4, 2, 2), np.float32)
     client.models()
@@ -403,8 +403,9 @@ def test_step_shares_the_session_connection_and_carries_key_and_header(server, c
     for seen in server.seen:
         assert seen.headers[HEADER.lower()] == "1.0"
         assert seen.headers["authorization"] == f"Bearer {KEY}"
-    assert server.seen[-1].path == "step"
-    assert len({seen.port for seen in server.seen}) == 1  # the session's keep-alive connection
+    steps = [seen for seen in server.seen if seen.path == "step"]
+    assert len(steps) == 2 and steps[0].port == steps[1].port  # the steps' keep-alive connection
+    assert steps[0].headers["content-length"] == str(len(steps[0].body))
 
 
 def test_step_to_nothing_listening_is_a_step_error():
@@ -416,10 +417,10 @@ def test_step_goes_through_requests_when_a_proxy_or_tls_applies(monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
-    assert StepClient("http://192.0.2.1:8080")._direct_pool() is None
+    assert StepClient("http://192.0.2.1:8080")._step_link() is None
     monkeypatch.setenv("NO_PROXY", "192.0.2.1")
-    assert StepClient("http://192.0.2.1:8080")._direct_pool() is not None
-    assert StepClient("https://192.0.2.1:8080")._direct_pool() is None
+    assert StepClient("http://192.0.2.1:8080")._step_link() is not None
+    assert StepClient("https://192.0.2.1:8080")._step_link() is None
     untrusting = StepClient("http://192.0.2.1:8080")
     untrusting.session.proxies = {"http": "http://proxy.invalid:3128"}
-    assert untrusting._direct_pool() is None
+    assert untrusting._step_link() is None
