@@ -87,14 +87,34 @@ def _mlx_gpu_bytes() -> int:
 def _linux_bytes() -> int:
     """MemAvailable plus this process's resident set (what it holds is its own to reuse)."""
     try:
-        with open("/proc/meminfo", "rb") as f:
-            meminfo = f.read()
+        meminfo = _PROC.read("/proc/meminfo")
         available = _meminfo_kib(meminfo, b"MemAvailable:") or _meminfo_kib(meminfo, b"MemTotal:")
-        with open("/proc/self/statm", "rb") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        resident = int(_PROC.read("/proc/self/statm").split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
     return available * 1024 + resident
+
+
+class _ProcFiles:
+    """/proc files kept open and read again from their start (pread): a third of the cost
+    of opening them per reading (6.5 against 20 us here, more right after a long forward),
+    which the step's memory plans pay once per step. Reopened in a forked child, whose
+    /proc/self is another process."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._pid = os.getpid()
+
+    def read(self, path: str) -> bytes:
+        if os.getpid() != self._pid:
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.pread(fd, 1 << 16, 0)
+
+
+_PROC = _ProcFiles()
 
 
 def _meminfo_kib(meminfo: bytes, name: bytes) -> int:

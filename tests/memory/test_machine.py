@@ -1,0 +1,21 @@
+"""The planner's reading of the machine's memory."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_kept_proc_files_read_the_present_not_their_first_reading():
+    from gmlx_server.memory import _PROC, _linux_bytes
+
+    def resident_pages() -> int:
+        return int(_PROC.read("/proc/self/statm").split()[1])
+
+    before = resident_pages()
+    touched = np.ones(64 * 1024 * 1024, dtype=np.uint8)  # 64 MiB, every page written
+    assert resident_pages() - before >= 12_000  # 4 KiB pages: most of 16,384 now resident
+    assert _linux_bytes() > touched.nbytes
