@@ -4,16 +4,20 @@ One 1024x1024 guided step moves x (2, 64, 64, 64) float32 = 2 MiB to the server 
 same size back. This script measures, in one process and one run:
 
   floor      the same bytes both ways over one keep-alive loopback TCP socket (length-prefixed,
-             recv_into a buffer allocated once), which no HTTP stack can beat;
+             recv_into a buffer allocated once), which no HTTP stack can beat; back to back,
+             and (with --idle-ms) each round trip after that long asleep, as a step's transport
+             comes after a forward (threads and CPUs that slept wake slower, caches have cooled);
   layers     a Falcon app on Waitress whose step route only parses the container and answers a
-             copy of x (X-Gmlx-Forward-Ms 0), under Waitress' default settings and under the
-             settings the server uses, driven by plain `requests`, by `requests` with one raw read,
-             by `http.client`, and by the shared StepClient;
+             copy of x (X-Gmlx-Forward-Ms 0), under Waitress' default settings, under the
+             settings the server uses, and with the server's own channel too (http_gate), driven
+             by plain `requests`, by `requests` with one raw read, by `http.client`, and by the
+             shared StepClient;
   route      (with --route) the real step route of the server's app on the embedded default model,
              driven by StepClient exactly as `gmlx image bench --via-steps` does: transport is the
              client's wall time less the X-Gmlx-Forward-Ms the server reports.
 
-    .venv/bin/python bench/transport.py [--size 1024] [--rows 2] [--count 200] [--route] [--json]
+    .venv/bin/python bench/transport.py [--size 1024] [--rows 2] [--count 200] [--idle-ms 650]
+                                        [--route] [--json]
 
 The route runs the model's forward once per request (seconds at 1024x1024 on a 2-core CPU), so
 it takes its own, smaller count (--route-count).
@@ -44,6 +48,7 @@ from gmlx_contract.version import CONTRACT_VERSION, HEADER
 from gmlx_server.app import ServerThread, waitress_options, whole_body
 from gmlx_server.cli import _fast_blas, tune_malloc
 from gmlx_server.config import ServerConfig
+from gmlx_server.http_gate import gated_server
 from gmlx_server.routes.common import send_container
 from waitress.server import create_server
 
@@ -57,8 +62,9 @@ WAITRESS_DEFAULTS: dict = {}
 # ---------------------------------------------------------------- the floor
 
 
-def raw_floor_ms(nbytes: int, count: int, warmup: int = 10) -> list[float]:
-    """Round trips of `nbytes` each way over one loopback socket, in ms."""
+def raw_floor_ms(nbytes: int, count: int, warmup: int = 10, idle_s: float = 0.0) -> list[float]:
+    """Round trips of `nbytes` each way over one loopback socket, in ms; with `idle_s`, each
+    after that long asleep (as a step's transport comes after the forward)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     thread = threading.Thread(target=_echo_socket, args=(listener, nbytes), daemon=True)
@@ -70,6 +76,8 @@ def raw_floor_ms(nbytes: int, count: int, warmup: int = 10) -> list[float]:
     times = []
     try:
         for i in range(warmup + count):
+            if idle_s and i >= warmup:
+                time.sleep(idle_s)
             start = time.perf_counter()
             client.sendall(request)
             _recv_exactly(client, memoryview(reply))
@@ -118,7 +126,7 @@ class EchoStep:
             body = req.bounded_stream.read(req.content_length or 0)
         x = wire.read_container(body).tensors["x"]
         out = np.array(x, dtype=np.float32)  # a model's output is a new array
-        send_container(resp, wire.write_container({"out": out}))
+        send_container(resp, wire.container_pieces({"out": out}))
         resp.set_header("X-Gmlx-Forward-Ms", "0.00")
 
 
@@ -192,10 +200,11 @@ def _timed(count: int, call, warmup: int = 10) -> list[float]:
 
 
 @contextmanager
-def plain_waitress(app, settings: dict) -> Iterator[str]:
-    """The app on Waitress as configured, without http_gate (these layers time Waitress and the
-    clients), on an ephemeral 127.0.0.1 port; yields the base URL."""
-    thread = ServerThread(create_server(app, host="127.0.0.1", port=0, **settings)).start()
+def plain_waitress(app, settings: dict, gated: bool = False) -> Iterator[str]:
+    """The app on Waitress as configured, on an ephemeral 127.0.0.1 port; yields the base URL.
+    `gated`: with the server's own channel (http_gate: tensor bodies received in place)."""
+    make = gated_server if gated else create_server
+    thread = ServerThread(make(app, host="127.0.0.1", port=0, **settings)).start()
     try:
         yield f"http://127.0.0.1:{thread.port}"
     finally:
@@ -205,11 +214,13 @@ def plain_waitress(app, settings: dict) -> Iterator[str]:
 def measure_layers(x: np.ndarray, count: int) -> dict:
     body = step_body(x)
     results = {}
-    for settings_name, settings in (
-        ("waitress defaults", WAITRESS_DEFAULTS),
-        ("server settings", waitress_options(ServerConfig())),
+    server_settings = waitress_options(ServerConfig())
+    for settings_name, settings, gated in (
+        ("waitress defaults", WAITRESS_DEFAULTS, False),
+        ("server settings", server_settings, False),
+        ("server settings and channel", server_settings, True),
     ):
-        with plain_waitress(echo_app(), settings) as base:
+        with plain_waitress(echo_app(), settings, gated) as base:
             results[f"{settings_name} / requests"] = time_requests_plain(base, body, count)
             results[f"{settings_name} / requests, one raw read"] = time_requests_one_read(
                 base, body, count
@@ -268,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=200, help="timed requests per measurement")
     parser.add_argument("--route", action="store_true", help="also time the real step route")
     parser.add_argument("--route-count", type=int, default=20, help="timed steps of the route")
+    parser.add_argument(
+        "--idle-ms", type=float, default=0.0, help="also time the floor after this long idle"
+    )
+    parser.add_argument("--idle-count", type=int, default=15, help="round trips after idle")
     parser.add_argument("--no-tune", action="store_true", help="leave the allocator as it is")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -288,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         "floor": summarise(raw_floor_ms(nbytes, args.count)),
         "layers": {k: summarise(v) for k, v in measure_layers(x, args.count).items()},
     }
+    if args.idle_ms:
+        idle = raw_floor_ms(nbytes, args.idle_count, idle_s=args.idle_ms / 1000.0)
+        report["floor_after_idle"] = {"idle_ms": args.idle_ms, **summarise(idle)}
     if args.route:
         transport, in_route = measure_route(args.size, args.size, args.rows, args.route_count)
         report["route"] = summarise(transport)
@@ -299,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{args.size}x{args.size}, {args.rows} rows: {x.nbytes / 2**20:.2f} MiB each way")
     print(f"{'floor (raw loopback socket)':<52} {report['floor']['median_ms']:8.3f} ms")
+    if "floor_after_idle" in report:
+        name = f"floor, each after {args.idle_ms:.0f} ms idle"
+        print(f"{name:<52} {report['floor_after_idle']['median_ms']:8.3f} ms")
     for name, summary in report["layers"].items():
         print(f"{name:<52} {summary['median_ms']:8.3f} ms")
     if "route" in report:
