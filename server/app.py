@@ -12,6 +12,7 @@ Order of checks on a request (CONTRACT 1.2, 1.9, 4):
 
 from __future__ import annotations
 
+import functools
 import hmac
 import io
 import ipaddress
@@ -56,6 +57,7 @@ def flat_body(body: dict) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode("utf-8")
 
 
+@functools.lru_cache(maxsize=1024)  # asked two or three times per request, of a few peers
 def peer_is_loopback(peer: str | None) -> bool:
     """Loopback IPv4, IPv6 or IPv4-mapped loopback; an unknown peer is not."""
     if not peer:

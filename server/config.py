@@ -26,6 +26,7 @@ GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`) override both.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -80,6 +81,7 @@ class ServerConfig:
             )
 
 
+@functools.lru_cache(maxsize=1024)  # every request's Host header, behind a loopback bind
 def is_loopback_host(host: str) -> bool:
     """True for names and addresses that only this machine can reach."""
     name = host.strip().strip("[]").lower()
