@@ -231,30 +231,36 @@ class GatedChannel(HTTPChannel):
         except OSError:
             self._socket_error()
             return
-        if data:
-            self.last_activity = time.time()
-            self.received(data)
-        else:
+        if not data:
             self.connected = False  # the client disconnected
-
-    def _read_in_place(self, body: BodyInPlace) -> None:
-        try:
-            count = self.socket.recv_into(body.free())
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as error:
-            if error.args[0] in _DISCONNECTED:
-                self.handle_close()
-                self.connected = False
-            else:
-                self._socket_error()
-            return
-        if not count:  # the client disconnected mid-body
-            self.handle_close()
-            self.connected = False
             return
         self.last_activity = time.time()
-        self.received(body.landed(count))
+        self.received(data)
+        body = self.request.body_in_place() if self.request is not None else None
+        if body is not None and self.connected:
+            self._read_in_place(body)  # the body most often follows its head: no poll between
+
+    def _read_in_place(self, body: BodyInPlace) -> None:
+        """Receive into the body's buffer for as long as bytes are waiting."""
+        while not body.completed:
+            try:
+                count = self.socket.recv_into(body.free())
+            except (BlockingIOError, InterruptedError):
+                return  # the rest is still on its way: back to the poll loop
+            except OSError as error:
+                if error.args[0] in _DISCONNECTED:
+                    self.handle_close()
+                    self.connected = False
+                else:
+                    self._socket_error()
+                return
+            if not count:  # the client disconnected mid-body
+                self.handle_close()
+                self.connected = False
+                return
+            self.last_activity = time.time()
+            if not self.received(body.landed(count)):
+                return  # the channel is closing
 
     def _socket_error(self) -> None:
         if self.adj.log_socket_errors:
