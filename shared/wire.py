@@ -239,6 +239,10 @@ def wire_array(array: Any, dtype: str | None = None) -> tuple[str, np.ndarray]:
     wire dtype's numpy form. Copies only when the array is not contiguous or not little-endian.
     """
     array = np.asarray(array)
+    if dtype is None and array.flags.c_contiguous:
+        own = _DEFAULT_WIRE.get(array.dtype)  # the common case, without the checks below
+        if own is not None:
+            return own, array
     if array.dtype.name == "bfloat16" and array.dtype.itemsize == 2:
         array = array.view(np.uint16)
     own = _DEFAULT_WIRE.get(array.dtype.newbyteorder("<"))
