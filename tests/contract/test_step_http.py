@@ -141,3 +141,13 @@ def test_nothing_listening_is_a_connection_error():
     probe.close()
     with pytest.raises(OSError):
         StepConnections("127.0.0.1", port, timeout=2.0).post("/", {}, [b"x"])
+
+
+def test_an_answer_that_never_comes_times_out():
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    link = StepConnections("127.0.0.1", listener.getsockname()[1], timeout=0.3)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        link.post("/", {}, [b"step"])
+    assert 0.25 < time.monotonic() - started < 5.0
+    listener.close()
