@@ -38,7 +38,9 @@ from waitress.wasyncore import _DISCONNECTED
 
 LINGER_S = 10.0  # how long a refused client may go on sending before the socket closes
 DRAIN_BYTES = 256 * 1024
-HEAD_READ_BYTES = 8 * 1024  # reads of a request head (what follows it in the read is copied 3 times)
+HEAD_READ_BYTES = (
+    8 * 1024
+)  # reads of a request head (what follows it in the read is copied 3 times)
 IN_PLACE_MIN_BYTES = 64 * 1024  # container bodies from this length on are received in place
 
 ERROR_KINDS = {413: "request_too_large", 431: "request_too_large", 500: "server_error"}
@@ -65,7 +67,10 @@ class GatedParser(HTTPRequestParser):
             and self.content_length >= IN_PLACE_MIN_BYTES
             and wire.is_container_type(content_type)
         ):
-            self.body_rcv = BodyInPlace(self.content_length)
+            try:
+                self.body_rcv = BodyInPlace(self.content_length)
+            except MemoryError:
+                pass  # no room for it at once: Waitress' receiver grows with what arrives
 
     def body_in_place(self) -> BodyInPlace | None:
         """The in-place body still being received, if this request has one."""

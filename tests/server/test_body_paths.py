@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from gmlx_contract import wire
 from gmlx_contract.hashing import tensor_hash
+from gmlx_server import http_gate
 from gmlx_server.app import whole_body
 from gmlx_server.http_gate import IN_PLACE_MIN_BYTES, GatedChannel
 from gmlx_server.routes.common import PREFIX, PiecesReader, send_container
@@ -158,3 +159,12 @@ def test_a_tensor_body_sent_to_a_json_route_is_refused_not_failed(live):
         timeout=10,
     )
     assert response.status_code == 400, response.text
+
+
+def test_no_room_for_a_body_in_place_falls_back_to_waitress_buffers(live, monkeypatch):
+    def no_room(length):
+        raise MemoryError
+
+    monkeypatch.setattr(http_gate.BodyInPlace, "__init__", lambda self, length: no_room(length))
+    array = np.full((1024, 64), 3.0, dtype=np.float32)  # 256 KiB
+    assert live.put_tensor(array) == tensor_hash(array)
