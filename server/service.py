@@ -311,13 +311,18 @@ class Run:
     rows: int = 0
     forward_ms: float = 0.0
     prefix: dict[str, int] = field(default_factory=dict)
+    # x's shape at the run's last finished step: a step of the same shape skips the quick
+    # memory plan (its detailed plan on the worker refuses whatever the quick one would).
+    planned_shape: tuple[int, ...] | None = None
 
     @property
     def model_id(self) -> str:
         return self.loaded.model_id
 
-    def record(self, rows: int, forward_ms: float, prefix_cache: str) -> None:
+    def record(self, shape: tuple[int, ...], forward_ms: float, prefix_cache: str) -> None:
         """Under the service's lock (StepsService.record_step)."""
+        rows = shape[0]
+        self.planned_shape = shape
         self.steps += 1
         self.rows += rows
         self.forward_ms += forward_ms
@@ -567,13 +572,15 @@ class StepsService:
             run.in_flight -= 1
             run.last_active = self.clock()
 
-    def record_step(self, run: Run | None, rows: int, forward_ms: float, prefix_cache: str) -> None:
+    def record_step(
+        self, run: Run | None, shape: tuple[int, ...], forward_ms: float, prefix_cache: str
+    ) -> None:
         """Count a finished step on its run, under the lock (steps of one run may finish on
         several HTTP threads at once, and end_run reads the counts)."""
         if run is None:
             return
         with self._lock:
-            run.record(rows, forward_ms, prefix_cache)
+            run.record(shape, forward_ms, prefix_cache)
 
     @staticmethod
     def check_live(run: Run | None) -> None:

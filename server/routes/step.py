@@ -56,7 +56,7 @@ class Step(Resource):
                 self.service.release(loaded)
         finally:
             self.service.step_done(run)
-        self.service.record_step(run, len(request.rows), result.forward_ms, result.prefix_cache)
+        self.service.record_step(run, request.x.shape, result.forward_ms, result.prefix_cache)
         out = np.asarray(result.out, dtype=np.float32)
         send_container(resp, wire.container_pieces({"out": out}))
         resp.set_header("X-Gmlx-Forward-Ms", f"{result.forward_ms:.2f}")
@@ -69,7 +69,8 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
     fields = request.fields
     _, _, h, w = request.x.shape
     check_pixels(w * facts.latent_stride, h * facts.latent_stride, "the step's image")  # 5
-    service.memory.check_step_quick(loaded, request.x.shape)  # 5: the quick plan, x alone
+    if run is None or run.planned_shape != request.x.shape:  # 5: the quick plan, x alone
+        service.memory.check_step_quick(loaded, request.x.shape)
     check_reference_count(loaded, request.rows)  # 6
     convention = check_convention(loaded, fields.get("convention", "comfy"))  # 7
     ref_cache, skip = check_cache_and_skip(loaded, run, fields)  # 8

@@ -228,3 +228,21 @@ def test_vae_decode_plans_memory_before_checking_alpha(qwen, monkeypatch):
     small = np.zeros((1, 64, 1, 1), np.float32)
     r = qwen.post_container("vae/decode", {"latents": small}, {"alpha": True})
     assert r.status_code == 400 and "no alpha channel" in r.json()["error"], r.text
+
+
+def test_a_run_step_of_an_unchanged_shape_skips_only_the_quick_plan(qwen, monkeypatch):
+    planner = qwen.ctx.service.memory
+    quick = []
+    original = planner.check_step_quick
+    monkeypatch.setattr(planner, "check_step_quick", lambda *a: quick.append(a) or original(*a))
+    c = cond(qwen, 16, 30)
+    run = qwen.post_json("runs/begin", {"model": qwen.model_id}).json()["run"]
+    for side in (8, 8, 12, 12):
+        assert step(qwen, latents(1, side), [c], run).status_code == 200
+    assert [args[1] for args in quick] == [(1, 64, 8, 8), (1, 64, 12, 12)]
+    monkeypatch.setattr(planner, "budget_mb", 1)  # memory gone: the detailed plan still refuses
+    r = step(qwen, latents(1, 12), [c], run)
+    assert r.status_code == 400 and "memory plan does not fit" in r.json()["error"]
+    assert len(quick) == 2
+    assert step(qwen, latents(1, 12), [c]).status_code == 400  # no run: the quick plan refuses
+    assert len(quick) == 3
