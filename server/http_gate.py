@@ -38,9 +38,8 @@ from waitress.wasyncore import _DISCONNECTED
 
 LINGER_S = 10.0  # how long a refused client may go on sending before the socket closes
 DRAIN_BYTES = 256 * 1024
-HEAD_READ_BYTES = (
-    8 * 1024
-)  # reads of a request head (what follows it in the read is copied 3 times)
+# Reads of a request head: what follows the head in the same read is copied three times.
+HEAD_READ_BYTES = 8 * 1024
 IN_PLACE_MIN_BYTES = 64 * 1024  # container bodies from this length on are received in place
 
 ERROR_KINDS = {413: "request_too_large", 431: "request_too_large", 500: "server_error"}
