@@ -57,20 +57,18 @@ def machine_reader(max_age_s: float = LINUX_READ_MAX_AGE_S) -> Callable[[], int]
     reader reads it again when its last reading is older than `max_age_s`."""
     gpu = _mlx_gpu_bytes()
     if gpu:
-        return lambda: gpu  # a fixed fact: nothing to refresh
+        return lambda: gpu
     total = _macos_bytes() or _sysconf_bytes()
     last = [-math.inf, 0]  # (when, bytes): one list, so a reading is swapped in whole
 
-    def refresh() -> int:
-        value = _linux_bytes() or total
-        last[:] = time.monotonic(), value
+    def read() -> int:
+        now = time.monotonic()
+        when, value = last
+        if now - when >= max_age_s:
+            value = _linux_bytes() or total
+            last[:] = now, value
         return value
 
-    def read() -> int:
-        when, value = last
-        return refresh() if time.monotonic() - when >= max_age_s else value
-
-    read.refresh = refresh  # type: ignore[attr-defined]
     return read
 
 
@@ -165,14 +163,6 @@ class MemoryPlanner:
         self.budget_mb = config.memory_budget_mb
         self.headroom = config.memory_headroom_mb * MiB
         self.machine = machine or machine_reader()
-
-    def refresh(self) -> None:
-        """Read the machine's memory now, so the next plan finds a fresh reading: the image
-        worker calls this when it runs out of work (between a step's answer and the next
-        step), which keeps the reading of /proc off the steps' own time."""
-        refresh = getattr(self.machine, "refresh", None)
-        if refresh is not None and not self.budget_mb:
-            refresh()
 
     def budget(self) -> int:
         """The image worker's memory: the configured budget, else the machine's less headroom."""

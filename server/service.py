@@ -354,7 +354,6 @@ class StepsService:
         self.tensors = ByteLRU("tensors", config.tensor_cache_mb * MiB)
         self.adapters = ByteLRU("adapters", config.adapter_cache_mb * MiB)
         self.memory = MemoryPlanner(registry, [self.tensors, self.adapters], config)
-        worker.on_idle = self.memory.refresh  # the next step's plans find a fresh reading
         self._bounds_for: frozenset = frozenset()  # the loaded models the bounds were fit to
         self._bounds_lock = threading.Lock()  # HTTP threads refit after their acquires
         self.clock = clock

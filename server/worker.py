@@ -25,9 +25,6 @@ class WorkerStopped(RuntimeError):
 
 class ImageWorker:
     def __init__(self, name: str = "gmlx-image") -> None:
-        # Run when the worker runs out of jobs (after one, with none queued): housekeeping that
-        # should not sit on the next job's time. Its failures are logged, never raised.
-        self.on_idle: Callable[[], Any] | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._stopping = threading.Event()
@@ -89,11 +86,3 @@ class ImageWorker:
                     log.error("image job raised %s; the worker goes on", type(exc).__name__)
             else:
                 future.set_result(result)
-            if self.on_idle is not None and self._jobs.empty():
-                self._idle()
-
-    def _idle(self) -> None:
-        try:
-            self.on_idle()
-        except Exception:  # noqa: BLE001 - housekeeping must not stop the worker
-            log.exception("the image worker's idle work failed")

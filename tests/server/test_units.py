@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -73,54 +72,6 @@ def test_worker_runs_jobs_in_order_and_survives_their_failures():
 
 def _raise_keyboard_interrupt():
     raise KeyboardInterrupt
-
-
-def test_worker_idle_work_runs_when_the_queue_empties_and_never_stops_it():
-    worker = ImageWorker()
-    gate = threading.Event()
-    events = []
-
-    def idle():
-        events.append("idle")
-        if len(events) == 2:
-            raise RuntimeError("idle work failing")
-
-    worker.on_idle = idle
-    worker.start()
-    try:
-        blocked = worker.submit(gate.wait, 10)
-        queued = [worker.submit(events.append, i) for i in range(3)]
-        gate.set()
-        blocked.result(timeout=10)
-        for future in queued:
-            future.result(timeout=10)
-        assert worker.call(lambda: events.append("last")) is None  # alive after its failure
-        worker.call(lambda: None)
-        # idle work after a job with nothing queued: not between the three queued ones
-        assert events[:4] == [0, 1, 2, "idle"] and events.count("idle") == 3
-    finally:
-        worker.stop()
-
-
-def test_the_service_refreshes_the_memory_reading_when_the_worker_idles(monkeypatch):
-    from gmlx_server import memory
-    from gmlx_server.service import StepsService
-
-    reads = []
-    monkeypatch.setattr(memory, "_mlx_gpu_bytes", lambda: 0)
-    monkeypatch.setattr(memory, "_linux_bytes", lambda: reads.append(1) or 64 * 1024 * memory.MiB)
-    service = StepsService(ModelRegistry([], None), ImageWorker())
-    service.start()
-    try:
-        assert service.worker.on_idle == service.memory.refresh
-        service.worker.call(lambda: None)  # a job, then idle: the reading is made there
-        deadline = time.monotonic() + 5
-        while not reads and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert reads == [1]
-        assert service.memory.budget() > 0 and reads == [1]  # the plan uses that reading
-    finally:
-        service.close()
 
 
 def registry(tmp_path, default="alpha", **kw) -> ModelRegistry:
