@@ -52,12 +52,17 @@ class ScriptedServer:
                 answer = self.answers.pop(0)
                 if answer is None:
                     return
+                if answer == ECHO:
+                    answer = ok(body)
                 conn.sendall(answer)
                 if self.close_after_answer:
                     return
 
     def link(self) -> StepConnections:
         return StepConnections("127.0.0.1", self.port, timeout=10.0)
+
+
+ECHO = b"echo"  # a script entry: answer the request's own body
 
 
 def ok(body: bytes, extra: str = "") -> bytes:
@@ -151,3 +156,22 @@ def test_an_answer_that_never_comes_times_out():
         link.post("/", {}, [b"step"])
     assert 0.25 < time.monotonic() - started < 5.0
     listener.close()
+
+
+def test_threads_sharing_the_connections_each_get_their_own_answer():
+    server = ScriptedServer([ECHO] * 40)
+    link = server.link()
+    got: dict[int, list[bytes]] = {}
+
+    def client(number: int) -> None:
+        got[number] = [
+            bytes(link.post("/", {}, [f"{number}:{i}".encode()]).body) for i in range(10)
+        ]
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert got == {n: [f"{n}:{i}".encode() for i in range(10)] for n in range(4)}
+    assert 1 <= server.connections <= 4  # kept connections reused, at most one per thread
