@@ -21,6 +21,19 @@ class MemoryPlanError(EngineInputError):
     """The work does not fit beside the models loaded: answered 400 with a hint of what fits."""
 
 
+def kept_image_slots(slots, num_refs: int, text_rows: int) -> tuple[int, ...]:
+    """The wire rule of image slots (CONTRACT 2.11), for the route and the engines alike: one
+    slot per reference at most (extra slots are dropped), each within 0..text_rows (the text
+    row its reference goes before), ascending. Returns the kept slots; references without one
+    go after the text (the family's reading)."""
+    kept = [int(s) for s in list(slots)[:num_refs]]
+    if any(not 0 <= s <= text_rows for s in kept):
+        raise EngineInputError(f"image_slots {kept} must lie within 0..{text_rows} (the text rows)")
+    if kept != sorted(kept):
+        raise EngineInputError(f"image_slots {kept} must be ascending")
+    return tuple(kept)
+
+
 @dataclass(frozen=True)
 class StepRow:
     """One row of a step: the conditioning of one batch entry of `x`.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ...base import EngineInputError, StepResult, StepRow
+from ...base import EngineInputError, StepResult, StepRow, kept_image_slots
 from .dit import PrefixLayout, PrefixState, QwenImage21DiT, dtype_name
 
 # Step conventions of this family (CONTRACT.md 5.2): both read the timestep as sigma
@@ -154,14 +154,9 @@ def plan_row(
 
 
 def wire_slots(slots, num_refs: int, text_len: int) -> tuple[int, ...]:
-    """Wire-form slots (CONTRACT.md 2.11): extra slots are dropped, missing ones put the
-    reference after the text; kept slots must ascend within 0..text_len."""
-    kept = [int(s) for s in list(slots)[:num_refs]]
-    if any(s < 0 or s > text_len for s in kept):
-        raise EngineInputError(f"image_slots {kept} must lie within 0..{text_len} (the text rows)")
-    if kept != sorted(kept):
-        raise EngineInputError(f"image_slots {kept} must be ascending")
-    return tuple(kept + [text_len] * (num_refs - len(kept)))
+    """Wire-form slots (base.kept_image_slots), a reference without one after the text."""
+    kept = kept_image_slots(slots, num_refs, text_len)
+    return kept + (text_len,) * (num_refs - len(kept))
 
 
 def _pack_reference(latent, channels: int, index: int) -> tuple[np.ndarray, tuple[int, int]]:
