@@ -54,18 +54,19 @@ class StepConnections:
     def post(
         self, target: str, headers: Mapping[str, str], pieces: Sequence[bytes | memoryview]
     ) -> Answer:
-        body = [memoryview(p).cast("B") for p in pieces if len(p)]
-        head = request_head(target, self.address, headers, sum(len(p) for p in body))
+        head = request_head(
+            target, self.address, headers, sum(memoryview(p).nbytes for p in pieces)
+        )
         sock, kept = self._take()
         try:
             try:
-                send_all(sock, [head, *body])
+                send_all(sock, [head, *pieces])
             except OSError:
                 if not kept:
                     raise
                 sock.close()  # a kept connection the server had closed: once more, anew
                 sock = self._connect()
-                send_all(sock, [head, *body])
+                send_all(sock, [head, *pieces])
             answer, keep = read_answer(sock)
         except BaseException:
             sock.close()

@@ -16,7 +16,7 @@ import numpy as np
 from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 
-from ..engine.base import EngineInputError, StepResult, StepRow, kept_image_slots
+from ..engine.base import StepResult, StepRow, kept_image_slots
 from ..engine.registry import LoadedModel
 from ..service import CachedTensor, Run, StepsService, tensor_of
 from .common import Resource, check_pixels, container_body, flag, is_int, send_container
@@ -318,7 +318,4 @@ def _slots(slots: Any, refs: int, text_rows: int) -> tuple[int, ...]:
         slots = []
     if not isinstance(slots, list) or not all(is_int(s) for s in slots):
         raise ContractError(400, "image_slots must be a list of integers")
-    try:
-        return kept_image_slots(slots, refs, text_rows)
-    except EngineInputError as error:
-        raise ContractError(400, str(error)) from None
+    return kept_image_slots(slots, refs, text_rows)  # its EngineInputError answers 400
