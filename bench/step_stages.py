@@ -5,9 +5,11 @@ client, Waitress' loop and task threads, the route and the image worker.
     .venv/bin/python bench/step_stages.py [--size 1024] [--stub none|sleep]
 
 Prints, for each mark in the order of the last timed step, the median over the timed steps of
-the time since the previous mark, and the thread it ran on. The marks wrap library internals
-(Waitress' channel and parser, Falcon's middleware hooks), so a new Waitress or Falcon may move
-or drop some; the bench's own record (`transport.overhead_ms_median`) comes out at the end.
+the time since the previous mark, and the thread it ran on; then each side of the forward whole
+(the client's post to the forward's start, the forward's end to the answer read). The marks
+wrap library internals (Waitress' channel and parser, Falcon's middleware hooks), so a new
+Waitress or Falcon may move or drop some; the bench's own record
+(`transport.overhead_ms_median`) comes out at the end.
 Wrapping costs a few microseconds a mark: compare runs of this script with each other, not with
 `gmlx image bench`.
 
@@ -64,6 +66,8 @@ def instrument() -> None:
 
     wrap(client.StepClient, "_post_step", "client: post", "client: answer read")
     wrap(step_http, "send_all", None, "client: request sent")
+    wrap(step_http.AnswerReader, "head", None, "client: answer head")
+    wrap(step_http.AnswerReader, "exact", None, "client: answer body")
     wrap(http_gate.GatedChannel, "handle_read", "loop: read", None)
     wrap(waitress.server.BaseWSGIServer, "add_task", "loop: request queued", None)
     wrap(waitress.channel.HTTPChannel, "service", "task: start", "task: done")
@@ -122,6 +126,26 @@ def report(steps: list[list[tuple[float, str, str]]]) -> None:
     print(f"{'mark':<32} {'ms since previous':>18}  thread  (median of {len(steps)} steps)")
     for _, key, thread in keyed(steps[-1]):
         print(f"{key:<32} {statistics.median(deltas[key]):>18.3f}  {thread}")
+    print(
+        f"request side (post -> forward starts): {side(steps, 'client: post', 'worker: forward')}"
+    )
+    print(
+        "answer side (forward ends -> answer read):"
+        f" {side(steps, 'worker: forward done', 'client: answer read')}"
+    )
+
+
+def side(steps: list[list[tuple[float, str, str]]], start: str, end: str) -> str:
+    """Median and range over the steps of the time from the first `start` mark to the first
+    `end` mark (the medians of the stages above do not add up to it: stages overlap and
+    vary from step to step)."""
+    spans = []
+    for step in steps:
+        first: dict[str, float] = {}
+        for when, name, _ in step:
+            first.setdefault(name, when)
+        spans.append((first[end] - first[start]) * 1000.0)
+    return f"{statistics.median(spans):.3f} ms ({min(spans):.2f}-{max(spans):.2f})"
 
 
 def main(argv: list[str] | None = None) -> int:
