@@ -2,7 +2,8 @@
 
 * two byte-bounded LRU caches of content-addressed tensors (conditionings etc., and adapter
   matrices), filled only with tensors whose hash was verified;
-* patch tables, kept on the loaded model instance they were built for;
+* patch tables, kept on the loaded model instance they were built for, the least recently used
+  dropped beyond twice the adapter cache's bound;
 * runs: ids, idle end, holds on their model, interrupt and end (CONTRACT 3.1-3.2);
 * the way into the image worker for model work.
 """
@@ -182,6 +183,17 @@ class PatchTable:
     model_id: str
     entries: tuple[PatchEntry, ...]
 
+    @property
+    def nbytes(self) -> int:
+        """The float32 matrices the table holds (some may be views of adapter cache entries:
+        counted anyway, as the table keeps them alive after the cache lets them go)."""
+        return sum(p.up.nbytes + p.down.nbytes for e in self.entries for p in e.patches)
+
+
+# A model instance's tables hold float32 matrices of adapters the cache held when each was
+# defined (twice their bytes for 16-bit uploads), so twice the cache's bound fits any one table.
+TABLES_BOUND_FACTOR = 2
+
 
 def table_adapter_hashes(entries: list) -> list[str]:
     """Every up/down a table names, as strings (an absent or non-string field becomes its
@@ -356,6 +368,7 @@ class StepsService:
         self.memory = MemoryPlanner(registry, [self.tensors, self.adapters], config)
         self._bounds_for: frozenset = frozenset()  # the loaded models the bounds were fit to
         self._bounds_lock = threading.Lock()  # HTTP threads refit after their acquires
+        self._tables_lock = threading.Lock()
         self.clock = clock
         self._runs: dict[str, Run] = {}
         self._reserved = 0  # begins between their count check and their model load
@@ -469,10 +482,39 @@ class StepsService:
                     missing=sorted(missing),
                 )
             table = self.worker.call(build_table, loaded, digest, doc, adapters)
-            loaded.tables[digest] = table
+            self._keep_table(loaded, table)
             return digest
         finally:
             self.release(loaded)
+
+    def table_for(self, loaded: LoadedModel, digest: str) -> PatchTable | None:
+        """A table the instance holds (now the most recently used of its tables), or None."""
+        with self._tables_lock:
+            table = loaded.tables.pop(digest, None)
+            if table is not None:
+                loaded.tables[digest] = table
+            return table
+
+    def _keep_table(self, loaded: LoadedModel, table: PatchTable) -> None:
+        """Keep the table as the instance's most recently used; drop the least recently used
+        ones (the newest always stays) while they hold more than TABLES_BOUND_FACTOR times the
+        adapter cache's bound. A step naming a dropped table gets 409 `missing`, as after a
+        reload, and the clients define it again. Without a bound every new strength of a
+        16-bit LoRA kept another float32 copy of it until the model was unloaded."""
+        bound = TABLES_BOUND_FACTOR * self.adapters.bound
+        with self._tables_lock:
+            tables = loaded.tables
+            tables.pop(table.table_id, None)
+            tables[table.table_id] = table
+            total = sum(kept.nbytes for kept in tables.values())
+            while total > bound and len(tables) > 1:
+                dropped = tables.pop(next(iter(tables)))
+                total -= dropped.nbytes
+                log.info(
+                    "dropped patch table %s of %s (tables over their bound)",
+                    dropped.table_id,
+                    loaded.model_id,
+                )
 
     # ------------------------------------------------------------ runs
 

@@ -100,7 +100,8 @@ class ModelFacts:
 
 @dataclass
 class LoadedModel:
-    """One loaded instance of a model. Patch tables live here, so a reload forgets them."""
+    """One loaded instance of a model. Patch tables live here, so a reload forgets them (the
+    steps service keeps them, least recently used first: StepsService.table_for)."""
 
     entry: ModelEntry
     model: ImageModel

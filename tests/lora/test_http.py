@@ -185,3 +185,48 @@ def test_an_unknown_table_is_409_missing(server):
     cond_hash = server.upload("tensors", cond)
     r = server.step(x, 0.5, cond_hash, "ab" * 32)
     assert r.status_code == 409 and r.json()["missing"] == ["ab" * 32]
+
+
+def with_strength(doc: dict, strength: float) -> dict:
+    """The table with every patch at `strength`: another table id over the same matrices."""
+    entries = [
+        {**entry, "patches": [{**patch, "strength": strength} for patch in entry["patches"]]}
+        for entry in doc["entries"]
+    ]
+    return {**doc, "entries": entries}
+
+
+def test_tables_beyond_their_bound_go_least_recently_used_first(tiny_folder, lora_doc):
+    """Each new strength is a new table holding float32 matrices; an instance keeps tables up to
+    twice the adapter cache's bound, dropping the least recently used (a step refreshes one),
+    and a step naming a dropped table gets 409 missing until it is defined again."""
+    doc, adapters = lora_doc
+    live = Server(tiny_folder[0])
+    try:
+        for array in adapters.values():
+            live.upload("adapters", array)
+        docs = [with_strength(doc, s) for s in (0.25, 0.5, 0.75)]
+        ids = [table_id(d) for d in docs]
+        assert live.put_table(docs[0]).status_code == 200
+        loaded = live.ctx.registry.loaded(MODEL_ID)
+        one_table = loaded.tables[ids[0]].nbytes
+        assert one_table >= sum(a.nbytes for a in adapters.values())
+        live.ctx.service.adapters.set_bound(one_table)  # tables: two fit, not three
+        assert live.put_table(docs[1]).status_code == 200
+        cond, x = inputs(53)
+        cond_hash = live.upload("tensors", cond)
+        first = out_of(live.step(x, 0.4, cond_hash, ids[0]))  # 0 is now the most recent
+
+        assert live.put_table(docs[2]).status_code == 200
+        assert list(loaded.tables) == [ids[0], ids[2]]  # 1 went, the least recently used
+        r = live.step(x, 0.4, cond_hash, ids[1])
+        assert r.status_code == 409 and r.json()["missing"] == [ids[1]]
+        np.testing.assert_array_equal(out_of(live.step(x, 0.4, cond_hash, ids[0])), first)
+
+        for array in adapters.values():  # the shrunk cache let some go: upload them again
+            live.upload("adapters", array)
+        assert live.put_table(docs[1]).status_code == 200
+        assert list(loaded.tables) == [ids[0], ids[1]]
+        assert live.step(x, 0.4, cond_hash, ids[1]).status_code == 200
+    finally:
+        live.close()
