@@ -37,6 +37,7 @@ from .engine.sampling import (
     to_uint8,
 )
 from .imagefiles import read_image_file
+from .lora_files import AdapterSpec, adapter_spec, adapter_table
 
 SCHEMA = "gmlx.image.bench/1"
 EXIT_USAGE = 2
@@ -137,6 +138,15 @@ def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--cfg", type=float, default=None, help="default: the model's own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sampler", default="euler", choices=["euler"])
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        type=adapter_spec,
+        metavar="LORA[:STRENGTH]",
+        help="a LoRA safetensors file (diffusers, kohya or ComfyUI keys) at a strength, 1.0 by"
+        " default (repeatable: stacked); not with --via-steps",
+    )
     parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
     parser.add_argument(
         "--model",
@@ -158,6 +168,9 @@ def sample_main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_sample(args: argparse.Namespace) -> int:
+    if args.via_steps and args.adapter:
+        print("gmlx image sample: --adapter is refused with --via-steps", file=sys.stderr)
+        return EXIT_USAGE
     prepare_process()
     try:
         images = tuple(read_image_file(path) for path in args.ref)
@@ -174,7 +187,8 @@ def run_sample(args: argparse.Namespace) -> int:
                 bar.update()
                 loaded = choice.registry.acquire(choice.model_id)
                 bar.update()
-            transport = DirectTransport(loaded.model)
+            table = adapter_table(loaded, args.adapter)
+            transport = DirectTransport(loaded.model, table=table)
             latents, timings = generate(transport, loaded.model.status(), request, progress=True)
             pixels, steps = transport.decode(latents), len(timings.step_s)
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
@@ -278,9 +292,10 @@ class StepServer:
         self.loaded = self.service.acquire(self.choice.model_id)
         return self.loaded
 
-    def direct(self) -> DirectTransport:
-        """The in-process transport on the same loaded model, through the same worker."""
-        return DirectTransport(self.loaded.model, call=self.service.worker.call)
+    def direct(self, table: Any = None) -> DirectTransport:
+        """The in-process transport on the same loaded model, through the same worker (under
+        patch table `table`, None for the plain model)."""
+        return DirectTransport(self.loaded.model, call=self.service.worker.call, table=table)
 
 
 class ViaStepsTransport:
@@ -375,7 +390,15 @@ def bench_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model id or folder")
     parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
     parser.add_argument("--ref", action="append", default=[], metavar="IMAGE")
-    parser.add_argument("--adapter", action="append", default=[], metavar="LORA")
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        type=adapter_spec,
+        metavar="LORA[:STRENGTH]",
+        help="a LoRA safetensors file (diffusers, kohya or ComfyUI keys) at a strength, 1.0 by"
+        " default (repeatable: stacked); not with --via-steps",
+    )
     return parser
 
 
@@ -387,12 +410,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.via_steps and (args.ref or args.adapter):
         print("gmlx image bench: --ref and --adapter are refused with --via-steps", file=sys.stderr)
         return EXIT_USAGE
-    if args.adapter:
-        print(
-            "gmlx image bench: --adapter is not supported by the in-process sampler yet",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
     if args.runs < 1 or args.warmup < 0:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
@@ -400,7 +417,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     request = image_request(args, tuple(read_image_file(path) for path in args.ref))
     try:
         choice = choose_model(args.model, args.config)
-        record = run_bench(choice, request, args.runs, args.warmup, args.via_steps, args.label)
+        record = run_bench(
+            choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
+        )
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
@@ -445,8 +464,9 @@ def run_bench(
     warmup: int,
     via_steps: bool,
     label: str | None = None,
+    adapters: Sequence[AdapterSpec] = (),
 ) -> dict:
-    """The bench record of CONTRACT.md 6 for one size."""
+    """The bench record of CONTRACT.md 6 for one size (`adapters`: direct mode only)."""
     from gmlx_contract.client import StepClient
 
     with StepServer(choice) as server:
@@ -454,7 +474,8 @@ def run_bench(
         loaded = server.load()
         weights_s = time.perf_counter() - started
         status = loaded.model.status()
-        direct = server.direct()
+        table = server.service.worker.call(adapter_table, loaded, list(adapters))
+        direct = server.direct(table)
         timed: list[BenchRun] = []
         client = StepClient(server.base_url) if via_steps else None
         try:
@@ -477,7 +498,9 @@ def run_bench(
                 client.close()
     load_s = {"prepare": round(choice.prepare_s, 6), "weights": round(weights_s, 6)}
     load_s["total"] = round(choice.prepare_s + weights_s, 6)
-    return bench_record(choice, loaded, status, request, timed, load_s, via_steps, equal, label)
+    return bench_record(
+        choice, loaded, status, request, timed, load_s, via_steps, equal, label, adapters
+    )
 
 
 def one_image(transport: Any, status: dict, request: ImageRequest) -> BenchRun:
@@ -507,6 +530,7 @@ def bench_record(
     via_steps: bool,
     equal_to_direct: bool | None,
     label: str | None,
+    adapters: Sequence[AdapterSpec] = (),
 ) -> dict:
     import mlx.core as mx
 
@@ -521,7 +545,7 @@ def bench_record(
         "scheduler": None,
         "guidance": float(request.cfg if request.cfg is not None else sampling.get("cfg") or 1.0),
         "batch": 1,
-        "adapters": [],
+        "adapters": [spec.record() for spec in adapters],
         "seed": request.seed,
         "prompt": request.prompt,
     }

@@ -1,0 +1,138 @@
+"""LoRA files for the in-process sampler (gmlx_server.lora_files): each key form read from a
+safetensors file, against peft on the same LoRA; stacking; refusals; the CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gmlx_contract import wire
+from gmlx_server.lora_files import AdapterSpec, adapter_spec, adapter_table
+
+from tests.lora.forms import FORMS, random_lora, write_form
+from tests.lora.reference import engine_step, layer_shapes, peft_model, plain_model
+from tests.qwen_dit.reference import reference_row, rel_l2
+
+TOLERANCE = 1e-4
+MOVES = 0.05  # a LoRA that did nothing fails the test
+
+
+@pytest.fixture(scope="module")
+def shapes(tiny_folder):
+    return layer_shapes(plain_model(tiny_folder[1]))
+
+
+def lora_file(tmp_path, lora, form: str, name: str | None = None):
+    path = tmp_path / (name or f"{form}.safetensors")
+    path.write_bytes(wire.write_container(write_form(lora, form)))
+    return path
+
+
+def loaded(engine):
+    return SimpleNamespace(model_id=engine.model_id, model=engine)
+
+
+def inputs(engine, seed: int):
+    config = engine.dit.config
+    rng = np.random.default_rng(seed)
+    cond = rng.standard_normal((6, config.context_in_dim)).astype(np.float32)
+    x = rng.standard_normal((config.in_channels, 4, 4)).astype(np.float32)
+    return cond, x
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_file_in_each_key_form_runs_as_peft_does(tmp_path, tiny_folder, engine, shapes, form):
+    lora = random_lora(shapes, seed=11, alpha=None if form == "diffusers" else 8.0)
+    table = adapter_table(loaded(engine), [AdapterSpec(lora_file(tmp_path, lora, form), 0.7)])
+    cond, x = inputs(engine, 12)
+    ours = engine_step(engine, cond, x, 0.6, table)
+    theirs = reference_row(peft_model(tiny_folder[1], [(lora, 0.7)]), cond, x, 0.6, [], [])
+    assert rel_l2(ours, theirs) <= TOLERANCE
+    assert rel_l2(ours, engine_step(engine, cond, x, 0.6)) > MOVES
+
+
+def test_files_stack_at_their_strengths(tmp_path, tiny_folder, engine, shapes):
+    first = random_lora(shapes, seed=13, alpha=4.0)
+    second = random_lora(shapes, seed=14, alpha=16.0, rank=8, layers=sorted(shapes)[::2])
+    specs = [
+        AdapterSpec(lora_file(tmp_path, first, "kohya"), 0.8),
+        AdapterSpec(lora_file(tmp_path, second, "comfy"), -0.35),
+    ]
+    table = adapter_table(loaded(engine), specs)
+    cond, x = inputs(engine, 15)
+    reference = peft_model(tiny_folder[1], [(first, 0.8), (second, -0.35)])
+    ours = engine_step(engine, cond, x, 0.4, table)
+    assert rel_l2(ours, reference_row(reference, cond, x, 0.4, [], [])) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: {**s, "lora_unet_nowhere.lora_down.weight": np.ones((4, 4), np.float32)},
+         "names no linear layer"),
+        (lambda s: {**s, "diffusion_model.img_in.weight": np.ones((4, 4), np.float32)},
+         "not a LoRA key"),
+        (lambda s: {k: v for k, v in s.items() if not k.endswith("img_in.lora_up.weight")},
+         "no up matrix for img_in"),
+        (lambda s: {**s, "diffusion_model.img_in.alpha": np.ones(2, np.float32)},
+         "one number"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_file_and_key(tmp_path, engine, shapes, edit, message):
+    state = edit(write_form(random_lora(shapes, seed=16), "comfy"))
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(wire.write_container(state))
+    with pytest.raises(ValueError, match=message) as raised:
+        adapter_table(loaded(engine), [AdapterSpec(path)])
+    assert "bad.safetensors" in str(raised.value)
+
+
+def test_adapter_spec_reads_an_optional_strength(tmp_path):
+    path = tmp_path / "style:v2.safetensors"
+    path.write_bytes(b"")
+    assert adapter_spec(f"{path}:0.5") == AdapterSpec(path, 0.5)
+    assert adapter_spec(str(path)) == AdapterSpec(path, 1.0)  # the colon is the file's own
+    with pytest.raises(argparse.ArgumentTypeError, match="no LoRA file"):
+        adapter_spec(str(tmp_path / "absent.safetensors:0.5"))
+
+
+def gmlx_image(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "gmlx_server", "image", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_sample_and_bench_take_adapters_in_process(tmp_path, tiny_folder, shapes):
+    lora = random_lora(shapes, seed=17, alpha=8.0)
+    path = lora_file(tmp_path, lora, "comfy")
+    common = ["--model", str(tiny_folder[1]), "--width", "64", "--height", "64", "--steps", "2"]
+    prompt = ["--prompt", "a red fox"]
+    plain = gmlx_image(tmp_path, "sample", *prompt, *common, "--out", str(tmp_path / "a.png"))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    styled = gmlx_image(
+        tmp_path, "sample", *prompt, *common, "--adapter", f"{path}:0.9",
+        "--out", str(tmp_path / "b.png"),
+    )  # fmt: skip
+    assert styled.returncode == 0, styled.stderr[-2000:]
+    assert (tmp_path / "a.png").read_bytes() != (tmp_path / "b.png").read_bytes()
+
+    bench = gmlx_image(
+        tmp_path, "bench", *common, "--runs", "1", "--warmup", "0", "--adapter", f"{path}:0.9",
+        "--json-out", str(tmp_path / "bench.json"),
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["settings"]["adapters"] == [
+        {"file": path.name, "bytes": path.stat().st_size, "strength": 0.9}
+    ]
+
+    out = ["--out", str(tmp_path / "c.png")]
+    for command in (["sample", *prompt, *out], ["bench"]):
+        refused = gmlx_image(tmp_path, *command, *common, "--via-steps", "--adapter", str(path))
+        assert refused.returncode == 2 and "--adapter" in refused.stderr, refused.stderr
