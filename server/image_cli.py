@@ -37,7 +37,7 @@ from .engine.sampling import (
     to_uint8,
 )
 from .imagefiles import read_image_file
-from .lora_files import AdapterSpec, adapter_spec, adapter_table
+from .lora_files import AdapterSpec, adapter_doc, adapter_spec, adapter_table
 
 SCHEMA = "gmlx.image.bench/1"
 EXIT_USAGE = 2
@@ -138,15 +138,7 @@ def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--cfg", type=float, default=None, help="default: the model's own")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sampler", default="euler", choices=["euler"])
-    parser.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        type=adapter_spec,
-        metavar="LORA[:STRENGTH]",
-        help="a LoRA safetensors file (diffusers, kohya or ComfyUI keys) at a strength, 1.0 by"
-        " default (repeatable: stacked); not with --via-steps",
-    )
+    add_adapter_argument(parser)
     parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
     parser.add_argument(
         "--model",
@@ -163,14 +155,23 @@ def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def add_adapter_argument(parser: argparse.ArgumentParser, note: str = "") -> None:
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        type=adapter_spec,
+        metavar="LORA[:STRENGTH]",
+        help="a LoRA safetensors file (diffusers, kohya or ComfyUI keys) at a strength, 1.0 by"
+        f" default (repeatable: stacked){note}",
+    )
+
+
 def sample_main(argv: Sequence[str] | None = None) -> int:
     return run_sample(sample_parser().parse_args(argv))
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    if args.via_steps and args.adapter:
-        print("gmlx image sample: --adapter is refused with --via-steps", file=sys.stderr)
-        return EXIT_USAGE
     prepare_process()
     try:
         images = tuple(read_image_file(path) for path in args.ref)
@@ -181,7 +182,7 @@ def run_sample(args: argparse.Namespace) -> int:
     try:
         choice = choose_model(args.model, args.config)
         if args.via_steps:
-            pixels, steps = sample_via_steps(choice, request)
+            pixels, steps = sample_via_steps(choice, request, args.adapter)
         else:
             with loading_bar(choice.model_id) as bar:
                 bar.update()
@@ -204,9 +205,12 @@ def run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def sample_via_steps(choice: ModelChoice, request: ImageRequest) -> tuple[np.ndarray, int]:
+def sample_via_steps(
+    choice: ModelChoice, request: ImageRequest, adapters: Sequence[AdapterSpec] = ()
+) -> tuple[np.ndarray, int]:
     """Serve the model's step routes on a loopback port and sample through them with the shared
-    step client: the prompt is encoded in process and uploaded by hash, each step is a request."""
+    step client: the prompt is encoded in process and uploaded by hash, each step is a request;
+    LoRA files become adapters and a patch table, defined as a client defines them."""
     from gmlx_contract.client import StepClient
 
     with StepServer(choice) as server:
@@ -216,7 +220,14 @@ def sample_via_steps(choice: ModelChoice, request: ImageRequest) -> tuple[np.nda
             bar.update()
         direct = server.direct()
         with StepClient(server.base_url) as client:
-            transport = ViaStepsTransport(client, direct, choice.model_id)
+            table = None
+            if adapters:
+                doc, matrices = adapter_doc(
+                    choice.model_id, loaded.model.manifest(), list(adapters), float32=True
+                )
+                arrays = {digest: tensor.array for digest, tensor in matrices.items()}
+                table = client.put_patch_table(doc, choice.model_id, arrays)
+            transport = ViaStepsTransport(client, direct, choice.model_id, table)
             latents, timings = generate(transport, loaded.model.status(), request, progress=True)
         return direct.decode(latents), len(timings.step_s)
 
@@ -301,14 +312,18 @@ class StepServer:
 class ViaStepsTransport:
     """Sampling through the step routes (CONTRACT.md 6): encode and decode in process, the
     conditionings uploaded by hash (HEAD, then PUT), rows `{"cond": hash, "num_tokens": L}`,
-    a run, one step request per step under convention `reference`."""
+    a run, one step request per step under convention `reference` (naming `patch_table`, a
+    table the client defined, or none)."""
 
     convention = "reference"
 
-    def __init__(self, client: Any, direct: DirectTransport, model_id: str) -> None:
+    def __init__(
+        self, client: Any, direct: DirectTransport, model_id: str, patch_table: str | None = None
+    ) -> None:
         self.client = client
         self.direct = direct
         self.model_id = model_id
+        self.patch_table = patch_table
         self.run: str | None = None
         self.transport_ms: list[float] = []  # wall - forward per step request
         self.server_ms: list[float] = []  # X-Gmlx-Server-Ms - forward: the route's own part
@@ -346,6 +361,7 @@ class ViaStepsTransport:
             model=self.model_id,
             run=self.run,
             convention=self.convention,
+            patch_table=self.patch_table,
             uploads=self.uploads,
         )
         forward = answer.forward_ms or 0.0
@@ -390,15 +406,7 @@ def bench_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model id or folder")
     parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
     parser.add_argument("--ref", action="append", default=[], metavar="IMAGE")
-    parser.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        type=adapter_spec,
-        metavar="LORA[:STRENGTH]",
-        help="a LoRA safetensors file (diffusers, kohya or ComfyUI keys) at a strength, 1.0 by"
-        " default (repeatable: stacked); not with --via-steps",
-    )
+    add_adapter_argument(parser, " (refused with --via-steps: CONTRACT.md 6)")
     return parser
 
 

@@ -68,18 +68,31 @@ def adapter_spec(text: str) -> AdapterSpec:
 
 def adapter_table(loaded: LoadedModel, specs: list[AdapterSpec]) -> PatchTable | None:
     """The patch table of these LoRA files at their strengths for the loaded model (None for
-    none), refused with a ValueError naming the file and key that do not fit."""
+    none), as `PUT patch-tables` builds and checks it; a file that does not fit is refused with
+    a ValueError naming it and the key."""
     if not specs:
         return None
-    layers = linear_layers(loaded.model.manifest())
-    loras = [(_file_parts(spec.path, layers), spec.strength) for spec in specs]
-    doc, adapters = table_doc(loaded.model_id, loras)
+    doc, adapters = adapter_doc(loaded.model_id, loaded.model.manifest(), specs)
     return build_table(loaded, table_id(doc), doc, adapters)
 
 
-def _file_parts(path: Path, layers: list[str]) -> dict[str, dict[str, Any]]:
+def adapter_doc(
+    model_id: str, manifest: dict, specs: list[AdapterSpec], float32: bool = False
+) -> tuple[dict, dict[str, CachedTensor]]:
+    """The table document of these LoRA files and its matrices by hash; with `float32`, every
+    matrix as F32 (what a client uploads: the table's values are the same, as the server
+    computes in float32 whatever the upload's dtype)."""
+    layers = linear_layers(manifest)
+    loras = [(_file_parts(spec.path, layers, float32), spec.strength) for spec in specs]
+    return table_doc(model_id, loras)
+
+
+def _file_parts(path: Path, layers: list[str], float32: bool) -> dict[str, dict[str, Any]]:
     try:
-        return layer_parts(read_lora(path), layers)
+        tensors = read_lora(path)
+        if float32:
+            tensors = {name: CachedTensor(t.float32(), "F32") for name, t in tensors.items()}
+        return layer_parts(tensors, layers)
     except ValueError as error:
         raise ValueError(f"LoRA file {path.name}: {error}") from None
 

@@ -132,7 +132,31 @@ def test_sample_and_bench_take_adapters_in_process(tmp_path, tiny_folder, shapes
         {"file": path.name, "bytes": path.stat().st_size, "strength": 0.9}
     ]
 
-    out = ["--out", str(tmp_path / "c.png")]
-    for command in (["sample", *prompt, *out], ["bench"]):
-        refused = gmlx_image(tmp_path, *command, *common, "--via-steps", "--adapter", str(path))
-        assert refused.returncode == 2 and "--adapter" in refused.stderr, refused.stderr
+    refused = gmlx_image(tmp_path, "bench", *common, "--via-steps", "--adapter", str(path))
+    assert refused.returncode == 2 and "--adapter" in refused.stderr, refused.stderr
+
+
+def test_sample_via_the_step_routes_defines_the_table_as_a_client(tmp_path, tiny_folder, shapes):
+    """Through the routes the file's matrices go up as F32 adapters and a patch table names
+    them: the image equals the in-process one bit for bit, here for a BF16 file."""
+    lora = random_lora(shapes, seed=18, alpha=4.0)
+    state = write_form(lora, "kohya")
+    bits = {k: v.view(np.uint32) >> 16 for k, v in state.items() if v.ndim == 2}
+    body = wire.write_container(
+        {
+            **{k: v.astype(np.uint16) for k, v in bits.items()},
+            **{k: v for k, v in state.items() if v.ndim < 2},
+        },
+        dtypes={k: "BF16" for k in bits},
+    )
+    path = tmp_path / "bf16.safetensors"
+    path.write_bytes(body)
+    common = ["--model", str(tiny_folder[1]), "--width", "64", "--height", "64", "--steps", "2"]
+    common += ["--prompt", "a red fox", "--cfg", "3", "--adapter", f"{path}:0.6"]
+    direct = gmlx_image(tmp_path, "sample", *common, "--out", str(tmp_path / "d.png"))
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    routed = gmlx_image(
+        tmp_path, "sample", *common, "--via-steps", "--out", str(tmp_path / "r.png")
+    )
+    assert routed.returncode == 0, routed.stderr[-2000:]
+    assert (tmp_path / "d.png").read_bytes() == (tmp_path / "r.png").read_bytes()
