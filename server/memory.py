@@ -171,13 +171,15 @@ class MemoryPlanner:
         return max(0, self.machine() - self.headroom)
 
     def held(self, states: bool = True) -> int:
-        """Bytes held beside the next piece of work: weights of the loaded models, the upload
-        caches and (with `states`) what the models hold beyond their weights."""
+        """Bytes held beside the next piece of work: weights of the loaded models and their patch
+        tables, the upload caches and (with `states`) what the models hold beyond these."""
         total = sum(cache.total for cache in self.caches)
         for model_id in self.registry.resident_ids():
             loaded = self.registry.loaded(model_id)
             model = loaded.model if loaded else None
             total += int(getattr(model, "weight_bytes", 0) or 0)
+            if loaded is not None:  # list(): one step, as HTTP threads may add tables meanwhile
+                total += sum(table.nbytes for table in list(loaded.tables.values()))
             if states and hasattr(model, "held_bytes"):
                 total += model.held_bytes()
         return total

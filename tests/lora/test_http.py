@@ -197,9 +197,10 @@ def with_strength(doc: dict, strength: float) -> dict:
 
 
 def test_tables_beyond_their_bound_go_least_recently_used_first(tiny_folder, lora_doc):
-    """Each new strength is a new table holding float32 matrices; an instance keeps tables up to
-    twice the adapter cache's bound, dropping the least recently used (a step refreshes one),
-    and a step naming a dropped table gets 409 missing until it is defined again."""
+    """Each new strength is a new table holding float32 matrices (counted by memory plans); an
+    instance keeps tables up to twice the adapter cache's bound, dropping the least recently used
+    (a step refreshes one), and a step naming a dropped table gets 409 missing until it is
+    defined again."""
     doc, adapters = lora_doc
     live = Server(tiny_folder[0])
     try:
@@ -207,10 +208,14 @@ def test_tables_beyond_their_bound_go_least_recently_used_first(tiny_folder, lor
             live.upload("adapters", array)
         docs = [with_strength(doc, s) for s in (0.25, 0.5, 0.75)]
         ids = [table_id(d) for d in docs]
+        held = live.ctx.service.memory.held
+        live.ctx.service.release(live.ctx.service.acquire(MODEL_ID))  # loaded, no table yet
+        before = held(states=False)
         assert live.put_table(docs[0]).status_code == 200
         loaded = live.ctx.registry.loaded(MODEL_ID)
         one_table = loaded.tables[ids[0]].nbytes
         assert one_table >= sum(a.nbytes for a in adapters.values())
+        assert held(states=False) == before + one_table  # memory plans count the tables
         live.ctx.service.adapters.set_bound(one_table)  # tables: two fit, not three
         assert live.put_table(docs[1]).status_code == 200
         cond, x = inputs(53)
