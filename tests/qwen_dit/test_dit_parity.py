@@ -96,3 +96,27 @@ def test_layout_positions_follow_the_reference_rope():
     assert table[1:9, 2].tolist() == [-2, -1, 0, 1] * 2
     assert table[9:].tolist() == [[5, 5, 5], [6, 6, 6]]  # 1 + max(2, 4)
     assert target_frame == 7
+
+
+def test_the_compiled_pass_is_made_anew_after_its_signatures(tiny_transformers, monkeypatch):
+    """mx.compile keeps a trace per signature while the compiled function lives: after
+    COMPILED_SIGNATURES_KEPT of them (prompt lengths here) the DiT makes a new one, which drops
+    them, and its answers stay those of the reference."""
+    from gmlx_server.engine.families.qwen_image21 import dit as dit_module
+
+    monkeypatch.setattr(dit_module, "COMPILED_SIGNATURES_KEPT", 2)
+    name = next(iter(CONFIGS))
+    folder, torch_model, _ = tiny_transformers[name]
+    model = QwenImage21DiT.load(folder)
+    assert model.compiled
+    seen = []
+    for text_len in (5, 6, 5, 7, 8):
+        cond, x, _ = inputs(model, seed=text_len, text_len=text_len)
+        ours = mlx_row(model, cond, x, 0.5)
+        assert rel_l2(ours, reference_row(torch_model, cond, x, 0.5)) <= TOLERANCE
+        seen.append((model._compiled_target, set(model._signatures)))
+    assert model.compiled, "mx.compile fell back to eager on this machine"
+    first, after_6, again_5, after_7, after_8 = seen
+    assert after_6[0] is first[0] and again_5[0] is first[0]  # 5 and 6 traced: kept
+    assert after_7[0] is not first[0] and len(after_7[1]) == 1  # a third: made anew
+    assert after_8[0] is after_7[0] and len(after_8[1]) == 2

@@ -39,6 +39,11 @@ TIME_PROJ_DIM = 256
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
 TIME_MAX_PERIOD = 10000.0
 TARGET_TABLES_KEPT = 16  # target RoPE tables kept, least recently used dropped first
+# mx.compile keeps one trace per input signature (weight tree, image size, each row's prefix
+# length) for as long as the compiled function lives: a server seeing many prompt lengths, sizes
+# and LoRA tables would keep them all. After this many signatures the compiled function is made
+# anew, which drops every trace it held (traced again on first use).
+COMPILED_SIGNATURES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -273,6 +278,7 @@ class QwenImage21DiT:
         # modulation, gates) fuses. GMLX_DIT_COMPILE=0 runs it eagerly.
         self.compiled = os.environ.get("GMLX_DIT_COMPILE", "1") != "0"
         self._compiled_target = mx.compile(self._target_pass)
+        self._signatures: set[tuple] = set()  # those _compiled_target has traced
         if self.compiled:
             cpu_ops.note_missing_compiler()
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
@@ -420,7 +426,7 @@ class QwenImage21DiT:
         arguments = (weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
         if self.compiled:
             try:
-                out = self._compiled_target(*arguments)
+                out = self._compiled_for(weights, x, cos, keys)(*arguments)
                 # Evaluated here so that a failing run-time compile surfaces in this try.
                 mx.eval(out)
                 return out
@@ -430,6 +436,18 @@ class QwenImage21DiT:
                 self.compiled = False
                 log.warning("mx.compile failed, the DiT runs eagerly from now on: %s", error)
         return self._target_pass(*arguments)
+
+    def _compiled_for(self, weights: dict, x: mx.array, cos: mx.array, keys: list) -> object:
+        """The compiled target pass, made anew once it has traced COMPILED_SIGNATURES_KEPT
+        signatures (the weight tree, the shapes of x and the RoPE table, each row's prefix
+        length)."""
+        signature = (id(weights), x.shape, cos.shape, tuple(row[0].shape for row in keys))
+        if signature not in self._signatures:
+            if len(self._signatures) >= COMPILED_SIGNATURES_KEPT:
+                self._compiled_target = mx.compile(self._target_pass)  # the old traces go
+                self._signatures.clear()
+            self._signatures.add(signature)
+        return self._compiled_target
 
     def _target_pass(self, w: dict, x, sigma, cos, sin, keys, values) -> mx.array:
         """The target pass as a pure function of arrays (weights included), so `mx.compile`
