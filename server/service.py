@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -183,7 +184,7 @@ class PatchTable:
     model_id: str
     entries: tuple[PatchEntry, ...]
 
-    @property
+    @cached_property  # memory plans ask every step
     def nbytes(self) -> int:
         """The float32 matrices the table holds (some may be views of adapter cache entries:
         counted anyway, as the table keeps them alive after the cache lets them go)."""
