@@ -116,8 +116,8 @@ class StepClient:
         self.timeout = timeout
         self.session = requests.Session()
         # Re-send a request only when it never went out (connection errors), never after.
-        self._retry = Retry(total=1, connect=1, read=0, redirect=0, status=0, other=0)
-        adapter = HTTPAdapter(max_retries=self._retry)
+        retry = Retry(total=1, connect=1, read=0, redirect=0, status=0, other=0)
+        adapter = HTTPAdapter(max_retries=retry)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         if api_key:
