@@ -103,15 +103,6 @@ KEY_SUFFIXES = {
 }
 
 
-def manifest_layers(manifest: dict) -> list[str]:
-    """The linear weights of a manifest, by name less `.weight` (2-D tensors)."""
-    return [
-        t["name"].removesuffix(".weight")
-        for t in manifest["tensors"]
-        if t["name"].endswith(".weight") and len(t["shape"]) == 2
-    ]
-
-
 def map_keys(state: dict[str, np.ndarray], layers: list[str]) -> dict[str, dict]:
     """A LoRA file's keys onto manifest layers: layer -> {"up", "down", "alpha"}, as a client
     does it: strip the form's suffix, then its prefix; kohya names are matched against the

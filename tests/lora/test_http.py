@@ -15,10 +15,11 @@ from gmlx_server.app import ServerThread, build_context, create_app, make_server
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.lora_files import linear_layers
 from gmlx_server.routes.common import PREFIX
 
 from tests.lora.conftest import MODEL_ID
-from tests.lora.forms import client_table, manifest_layers, random_lora, write_form
+from tests.lora.forms import client_table, random_lora, write_form
 from tests.lora.reference import layer_shapes, plain_model
 
 HEADERS = {"X-Gmlx-Steps-Contract": "1.0"}
@@ -73,7 +74,7 @@ def lora_doc(tiny_folder, engine):
         (write_form(random_lora(shapes, seed=40), "kohya"), 0.9),
         (write_form(random_lora(shapes, seed=41, rank=2), "comfy"), 0.5),
     ]
-    return client_table(MODEL_ID, files, manifest_layers(engine.manifest()))
+    return client_table(MODEL_ID, files, linear_layers(engine.manifest()))
 
 
 def inputs(seed: int):

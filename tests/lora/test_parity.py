@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gmlx_contract.hashing import tensor_hash
+from gmlx_server.lora_files import linear_layers
 
-from tests.lora.forms import FORMS, client_table, manifest_layers, random_lora, write_form
+from tests.lora.forms import FORMS, client_table, random_lora, write_form
 from tests.lora.reference import (
     engine_step,
     layer_shapes,
@@ -26,7 +27,7 @@ MOVES = 0.05
 def setup(tiny_folder, engine):
     _, folder = tiny_folder
     base = plain_model(folder)
-    return folder, base, layer_shapes(base), manifest_layers(engine.manifest())
+    return folder, base, layer_shapes(base), linear_layers(engine.manifest())
 
 
 def inputs(engine, seed: int, text_len: int = 6, hw=(4, 4), with_ref: bool = False):

@@ -12,9 +12,10 @@ from gmlx_contract.hashing import tensor_hash
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.families.qwen_image21.dit import linear_slots
 from gmlx_server.engine.lora import TableWeights
+from gmlx_server.lora_files import linear_layers
 from gmlx_server.service import CachedTensor, build_table
 
-from tests.lora.forms import client_table, manifest_layers, random_lora, write_form
+from tests.lora.forms import client_table, random_lora, write_form
 from tests.lora.reference import engine_step, layer_shapes, make_table, plain_model
 
 TO_Q = "diffusion_model.transformer_blocks.0.attn.to_q.weight"  # (32, 32) in the tiny DiT
@@ -117,7 +118,7 @@ def euler_run(engine, table, cond, x, sigmas, run):
 
 def test_interleaved_runs_with_different_tables_equal_their_single_runs(tiny_folder, engine):
     base = plain_model(tiny_folder[1])
-    shapes, layers = layer_shapes(base), manifest_layers(engine.manifest())
+    shapes, layers = layer_shapes(base), linear_layers(engine.manifest())
     tables = []
     for seed, strength in ((20, 1.0), (21, 0.6)):
         state = write_form(random_lora(shapes, seed=seed), "comfy")
@@ -149,7 +150,7 @@ def test_interleaved_runs_with_different_tables_equal_their_single_runs(tiny_fol
 
 def test_prepared_tables_are_bounded_and_rebuilt_equal(tiny_folder, engine):
     base = plain_model(tiny_folder[1])
-    shapes, layers = layer_shapes(base), manifest_layers(engine.manifest())
+    shapes, layers = layer_shapes(base), linear_layers(engine.manifest())
     dit = engine.dit
     tables = []
     for seed in (30, 31, 32):
