@@ -30,6 +30,7 @@ import numpy as np
 
 from . import __version__
 from .engine.sampling import (
+    SAMPLERS,
     DirectTransport,
     ImageRequest,
     ImageTimings,
@@ -137,7 +138,7 @@ def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None, help="default: the model's own")
     parser.add_argument("--cfg", type=float, default=None, help="default: the model's own")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", default="euler", choices=["euler"])
+    parser.add_argument("--sampler", default="euler", choices=SAMPLERS)
     add_adapter_argument(parser)
     parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
     parser.add_argument(
@@ -399,7 +400,7 @@ def bench_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--runs", type=int, default=2, help="timed runs")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs (not counted)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", default="euler", choices=["euler"])
+    parser.add_argument("--sampler", default="euler", choices=SAMPLERS)
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dusk, oil painting")
     parser.add_argument("--negative", default=None)
     parser.add_argument("--label", default=None)

@@ -9,7 +9,7 @@ one image holding the worker for its whole duration.
 
 Fields beyond OpenAI's, all optional: `seed` (int; default random), `steps` (int; default the
 model's own), `cfg` or `guidance` (float; default the model's own), `negative_prompt` (str),
-`sampler` ("euler"). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this
+`sampler` ("euler" or "uni_pc_bh2"). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this
 server keeps no files). Sizes are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a
 generation, the first reference's size for an edit); over 2048x2048 pixels or a side over 4096
 is refused 413, as on the step routes.

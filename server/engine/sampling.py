@@ -25,10 +25,11 @@ from typing import Any, Protocol
 import numpy as np
 from gmlx_contract.hashing import tensor_hash
 
+from . import unipc
 from .base import EncodeResult, StepRow
 from .noise import comfy_noise
 
-SAMPLERS = ("euler",)
+SAMPLERS = ("euler", unipc.NAME)
 
 # A step function: latents (B, C, h, w) f32, timestep (B,) f32, one row per batch entry -> the
 # model output (B, C, h, w) f32. Rows are opaque here: StepRow objects for the direct path, wire
@@ -122,6 +123,25 @@ def euler_update(
     return (x + dt * velocity).astype(np.float32, copy=False)
 
 
+class EulerSteps:
+    """The Euler update rule of `sample`: the model is called at the current latents and each
+    step moves them along the velocity to the next sigma."""
+
+    def __init__(self, x: np.ndarray, sigmas: np.ndarray):
+        self.x = x
+        self.sigmas = sigmas
+
+    def model_input(self, i: int) -> np.ndarray:
+        return self.x
+
+    def advance(self, i: int, velocity: np.ndarray) -> np.ndarray:
+        self.x = euler_update(self.x, velocity, self.sigmas[i], self.sigmas[i + 1])
+        return self.x
+
+
+UPDATE_RULES = {"euler": EulerSteps, unipc.NAME: unipc.UniPCSteps}
+
+
 def sample(
     step_fn: StepFn,
     noise: np.ndarray,
@@ -135,8 +155,9 @@ def sample(
 ) -> np.ndarray:
     """Sample from `noise` along `sigmas`; returns the final latents (1, C, h, w) float32.
 
-    The starting latents are noise x sigmas[0] (pure noise at sigma 1). `on_step(i, x)` is called
-    after each update, e.g. to time steps or to stop.
+    The starting latents are noise x sigmas[0] (pure noise at sigma 1). Each step makes one
+    model call at sigmas[i] (`sampler` says at which latents, and how they move on);
+    `on_step(i, x)` is called after each step, e.g. to time steps or to stop.
     """
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
@@ -144,10 +165,10 @@ def sample(
     if sigmas.ndim != 1 or len(sigmas) < 2:
         raise ValueError("a schedule needs at least two sigmas")
     x = (np.asarray(noise, dtype=np.float32) * sigmas[0]).astype(np.float32)
+    rule = UPDATE_RULES[sampler](x, sigmas)
     for i in _step_indices(len(sigmas) - 1, progress):
-        batch, timestep, rows = step_batch(x, sigmas[i], guidance, timestep_scale)
-        velocity = guided_velocity(step_fn(batch, timestep, rows), guidance)
-        x = euler_update(x, velocity, sigmas[i], sigmas[i + 1])
+        batch, timestep, rows = step_batch(rule.model_input(i), sigmas[i], guidance, timestep_scale)
+        x = rule.advance(i, guided_velocity(step_fn(batch, timestep, rows), guidance))
         if on_step is not None:
             on_step(i, x)
     return x

@@ -38,6 +38,8 @@ START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
 LATENT_RTOL = 1e-5
+# uni_pc_bh2: ComfyUI's float32 sigma conversions at its final sigma 0.001 (measured: 1.7e-5).
+UNIPC_LATENT_RTOL = 1e-4
 # ComfyUI's SaveImage truncates to 8 bits where `gmlx image sample` rounds.
 PIXEL_TOLERANCE = 1
 LORA_STRENGTH = 0.8
@@ -272,8 +274,10 @@ def comfy_simple_sigmas(steps: int) -> np.ndarray:
     return np.asarray(picked + [0.0], dtype=np.float32)
 
 
-def direct_sample(model, prompt: str, seed: int, sigmas: np.ndarray, table=None) -> np.ndarray:
-    """The in-process sampler (euler, cfg 1) along `sigmas`, under a patch table."""
+def direct_sample(
+    model, prompt: str, seed: int, sigmas: np.ndarray, table=None, sampler: str = "euler"
+) -> np.ndarray:
+    """The in-process sampler (cfg 1) along `sigmas`, under a patch table."""
     from gmlx_server.engine import sampling
 
     transport = sampling.DirectTransport(model, table=table)
@@ -282,7 +286,9 @@ def direct_sample(model, prompt: str, seed: int, sigmas: np.ndarray, table=None)
     side = SIZE // int(latent["stride"])
     noise = sampling.initial_noise(seed, int(latent["channels"]), side, side)
     try:
-        latents = sampling.sample(transport.step, noise, sigmas, sampling.Guidance(row, None, 1.0))
+        latents = sampling.sample(
+            transport.step, noise, sigmas, sampling.Guidance(row, None, 1.0), sampler=sampler
+        )
     finally:
         transport.end()
     return _to_vae_space(model, latents)
@@ -336,6 +342,23 @@ def test_stock_ksampler_euler_simple_equals_the_in_process_sampler(comfyui, gmlx
     got = _latent(comfyui, _run(comfyui, wf))
     want = direct_sample(engine, wf["4"]["inputs"]["text"], seed, comfy_simple_sigmas(steps))
     assert _rel(got, want) <= LATENT_RTOL
+
+
+def test_stock_ksampler_uni_pc_bh2_equals_the_in_process_sampler(comfyui, gmlx_server, engine):
+    """KSampler's uni_pc_bh2 samples along steps + 1 sigmas less the penultimate one (its
+    DISCARD_PENULTIMATE_SIGMA_SAMPLERS); the engine's uni_pc_bh2 along those sigmas agrees to
+    ComfyUI's float32 rounding."""
+    seed, steps = 4, 6
+    wf = _save_latent(_workflow("lora", gmlx_server["model"]), "11")
+    wf["11"]["inputs"].update(model=["1", 0], seed=seed, steps=steps, sampler_name="uni_pc_bh2")
+    del wf["30"]
+    got = _latent(comfyui, _run(comfyui, wf))
+    sigmas = comfy_simple_sigmas(steps + 1)
+    sigmas = np.concatenate([sigmas[:-2], sigmas[-1:]])
+    prompt = wf["4"]["inputs"]["text"]
+    want = direct_sample(engine, prompt, seed, sigmas, sampler="uni_pc_bh2")
+    assert _rel(got, want) <= UNIPC_LATENT_RTOL
+    assert _rel(want, direct_sample(engine, prompt, seed, sigmas)) > 100 * UNIPC_LATENT_RTOL
 
 
 # ---------------------------------------------------------------- LoRA

@@ -34,17 +34,19 @@ def reference_image(width, height, seed):
 
 
 CASES = [
-    # (width, height, seed, cfg, references)
-    (64, 64, 0, 1.0, 0),
-    (64, 64, 0, 4.0, 0),
-    (96, 48, 7, 3.5, 0),
-    (48, 112, 123, 1.0, 1),
-    (64, 32, 5, 2.5, 2),
+    # (width, height, seed, cfg, references, sampler)
+    (64, 64, 0, 1.0, 0, "euler"),
+    (64, 64, 0, 4.0, 0, "euler"),
+    (96, 48, 7, 3.5, 0, "euler"),
+    (48, 112, 123, 1.0, 1, "euler"),
+    (64, 32, 5, 2.5, 2, "euler"),
+    (64, 64, 0, 4.0, 0, "uni_pc_bh2"),
+    (48, 80, 9, 1.0, 1, "uni_pc_bh2"),
 ]
 
 
-@pytest.mark.parametrize(("width", "height", "seed", "cfg", "refs"), CASES)
-def test_via_steps_equals_direct(toy_server, width, height, seed, cfg, refs):
+@pytest.mark.parametrize(("width", "height", "seed", "cfg", "refs", "sampler"), CASES)
+def test_via_steps_equals_direct(toy_server, width, height, seed, cfg, refs, sampler):
     status = toy_server.loaded.model.status()
     request = ImageRequest(
         prompt="a red boat on a calm sea",
@@ -55,6 +57,7 @@ def test_via_steps_equals_direct(toy_server, width, height, seed, cfg, refs):
         seed=seed,
         cfg=cfg,
         steps=5,
+        sampler=sampler,
     )
     model = toy_server.loaded.model
     with StepClient(toy_server.base_url) as client:
@@ -73,7 +76,8 @@ def test_via_steps_equals_direct(toy_server, width, height, seed, cfg, refs):
 
 
 def test_guidance_and_references_change_the_latents(toy_server):
-    """The equality above would be empty if the rows did not reach the model."""
+    """The equality above would be empty if the rows did not reach the model (or the sampler
+    were not used)."""
     status = toy_server.loaded.model.status()
     base = dict(prompt="a red boat", width=64, height=64, seed=1, steps=4)
     direct = toy_server.direct()
@@ -81,7 +85,8 @@ def test_guidance_and_references_change_the_latents(toy_server):
     guided, _ = generate(direct, status, ImageRequest(**base, cfg=3.0, negative="fog"))
     edited, _ = generate(direct, status, ImageRequest(**base, images=(reference_image(64, 64, 2),)))
     other_seed, _ = generate(direct, status, ImageRequest(**{**base, "seed": 2}))
-    for changed in (guided, edited, other_seed):
+    unipc, _ = generate(direct, status, ImageRequest(**base, sampler="uni_pc_bh2"))
+    for changed in (guided, edited, other_seed, unipc):
         assert not np.array_equal(plain, changed)
 
 

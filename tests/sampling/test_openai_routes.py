@@ -2,6 +2,7 @@
 
 import base64
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -75,12 +76,29 @@ def test_generation_refusals(server):
         ({"prompt": "x", "n": 11}, 400, "n"),
         ({"prompt": "x", "steps": 0}, 400, "steps"),
         ({"prompt": "x", "model": "no-such-model", "size": "32x32"}, 404, "model"),
+        ({"prompt": "x", "size": "32x32", "sampler": "dpmpp_2m"}, 400, "sampler"),
     ]
     for doc, status, param in cases:
         resp = post(server, "/v1/images/generations", json=doc)
         assert resp.status_code == status, (doc, resp.text)
         error = resp.json()["error"]
         assert isinstance(error["message"], str) and error["param"] == param, doc
+
+
+def test_generation_with_uni_pc_bh2_equals_direct(server):
+    doc = {"prompt": "a barn", "size": "48x32", "seed": 2, "steps": 4, "sampler": "uni_pc_bh2"}
+    resp = post(server, "/v1/images/generations", json=doc)
+    assert resp.status_code == 200, resp.text
+    got = png_pixels(resp.json()["data"][0]["b64_json"])
+    request = ImageRequest(
+        prompt="a barn", width=48, height=32, seed=2, steps=4, sampler="uni_pc_bh2"
+    )
+    np.testing.assert_array_equal(got, direct_pixels(server, request))
+    assert not np.array_equal(got, direct_pixels(server, replace(request, sampler="euler")))
+
+    one_step = post(server, "/v1/images/generations", json={**doc, "steps": 1})
+    assert one_step.status_code == 400
+    assert "uni_pc_bh2 needs at least 2 steps" in one_step.json()["error"]["message"]
 
 
 def test_edit_multipart_and_json_agree(server):
