@@ -11,11 +11,22 @@ the same way in process as through the routes. Keys of the three forms found in 
     ComfyUI           diffusion_model.<layer>.lora_down.weight, .lora_up.weight, .alpha
 
 where <layer> is a linear weight of the model's manifest, less `.weight` (diffusers names).
+
+A diffusers/PEFT pair has no alpha key; its scale is PEFT's `lora_alpha / r` (or `/ sqrt(r)`
+with rsLoRA, both per layer through `alpha_pattern`/`rank_pattern`) from the LoRA's config where
+the file comes with one: diffusers' `save_lora_weights` writes it into the file's metadata
+(`lora_adapter_metadata`, keys prefixed `transformer.`), and PEFT's `save_pretrained` writes
+`adapter_config.json` beside `adapter_model.safetensors`, whose keys start `base_model.model.`
+(that form is refused without its config). Without a config the scale is 1, as diffusers loads
+such a file. ComfyUI reads neither config: it applies such a file at scale 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +44,14 @@ SUFFIXES = {
     ".lora_up.weight": "up",
     ".alpha": "alpha",
 }
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
+PEFT_PREFIX = "base_model.model."
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", PEFT_PREFIX)
 KOHYA_PREFIX = "lora_unet_"
+# Where a diffusers/PEFT LoRA keeps its LoraConfig: diffusers' safetensors metadata entry (its
+# keys prefixed with the model part's name), or PEFT's file beside the weights.
+DIFFUSERS_CONFIG_KEY = "lora_adapter_metadata"
+DIFFUSERS_CONFIG_PREFIX = "transformer."
+PEFT_CONFIG_FILE = "adapter_config.json"
 
 
 @dataclass(frozen=True)
@@ -92,9 +109,75 @@ def _file_parts(path: Path, layers: list[str], float32: bool) -> dict[str, dict[
         tensors = read_lora(path)
         if float32:
             tensors = {name: CachedTensor(t.float32(), "F32") for name, t in tensors.items()}
-        return layer_parts(tensors, layers)
+        parts = layer_parts(tensors, layers)
+        config = peft_config(path, tensors)
+        if config is not None:
+            apply_peft_scales(parts, config)
+        return parts
     except ValueError as error:
         raise ValueError(f"LoRA file {path.name}: {error}") from None
+
+
+def peft_config(path: Path, tensors: dict[str, Any]) -> dict | None:
+    """The LoraConfig fields of a diffusers/PEFT LoRA file, where it comes with them."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as handle:
+        text = (handle.metadata() or {}).get(DIFFUSERS_CONFIG_KEY)
+    if text:
+        try:
+            saved = json.loads(text)
+        except ValueError:
+            raise ValueError(f"its {DIFFUSERS_CONFIG_KEY} metadata is not JSON") from None
+        if not isinstance(saved, dict):
+            raise ValueError(f"its {DIFFUSERS_CONFIG_KEY} metadata is not a JSON object")
+        config = {
+            key.removeprefix(DIFFUSERS_CONFIG_PREFIX): value
+            for key, value in saved.items()
+            if key.startswith(DIFFUSERS_CONFIG_PREFIX)
+        }
+        return config or None
+    if any(name.startswith(PEFT_PREFIX) for name in tensors):
+        beside = path.with_name(PEFT_CONFIG_FILE)
+        if not beside.is_file():
+            raise ValueError(
+                f"its keys are PEFT's ({PEFT_PREFIX}...) and no {PEFT_CONFIG_FILE} is beside it "
+                "to give lora_alpha and r"
+            )
+        try:
+            config = json.loads(beside.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise ValueError(f"cannot read {beside}: {error}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{beside} is not a JSON object")
+        return config
+    return None
+
+
+def apply_peft_scales(parts_by_layer: dict[str, dict[str, Any]], config: dict) -> None:
+    """Give each pair without an alpha key the alpha whose alpha / rank is PEFT's scaling for
+    its layer: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora, where alpha_pattern and
+    rank_pattern name layers by PEFT's rule (a pattern matching the name's end at a dot)."""
+    if config.get("use_dora"):
+        raise ValueError("it is a DoRA adapter (use_dora), which is not a plain LoRA")
+    try:
+        default_rank, default_alpha = config.get("r", 8), config.get("lora_alpha", 8)
+        for layer, parts in parts_by_layer.items():
+            if parts["alpha"] is not None:
+                continue
+            rank = float(_pattern_value(config.get("rank_pattern"), layer, default_rank))
+            alpha = float(_pattern_value(config.get("alpha_pattern"), layer, default_alpha))
+            scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+            parts["alpha"] = scaling * parts["down"].shape[0]
+    except (TypeError, ValueError, ZeroDivisionError, re.error) as error:
+        raise ValueError(f"its LoRA config is not usable: {error}") from None
+
+
+def _pattern_value(patterns: dict | None, layer: str, default: Any) -> Any:
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", layer):
+            return value
+    return default
 
 
 def linear_layers(manifest: dict) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 from gmlx_contract import wire
 from gmlx_server.lora_files import AdapterSpec, adapter_spec, adapter_table
 
-from tests.lora.forms import FORMS, random_lora, write_form
+from tests.lora.forms import FORMS, Lora, random_lora, write_form
 from tests.lora.reference import engine_step, layer_shapes, peft_model, plain_model
 from tests.qwen_dit.reference import reference_row, rel_l2
 
@@ -69,6 +69,74 @@ def test_files_stack_at_their_strengths(tmp_path, tiny_folder, engine, shapes):
     reference = peft_model(tiny_folder[1], [(first, 0.8), (second, -0.35)])
     ours = engine_step(engine, cond, x, 0.4, table)
     assert rel_l2(ours, reference_row(reference, cond, x, 0.4, [], [])) <= TOLERANCE
+
+
+def diffusers_file(tmp_path, lora, config: dict, name="pytorch_lora_weights.safetensors"):
+    """The LoRA as diffusers' `save_lora_weights` writes it: transformer.-prefixed pairs and the
+    LoraConfig in the metadata, its keys prefixed too."""
+    from safetensors.numpy import save_file
+
+    metadata = {f"transformer.{key}": value for key, value in config.items()}
+    path = tmp_path / name
+    save_file(
+        write_form(lora, "diffusers"),
+        str(path),
+        metadata={"format": "pt", "lora_adapter_metadata": json.dumps(metadata)},
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"r": 4, "lora_alpha": 12, "alpha_pattern": {"img_in": 2, "attn.to_k": 6}},
+        {"r": 4, "lora_alpha": 3, "use_rslora": True},
+    ],
+)
+def test_a_diffusers_file_scales_by_its_saved_config_as_diffusers_loads_it(
+    tmp_path, tiny_folder, engine, shapes, config
+):
+    """The reference is diffusers' own loader on the same file (`load_lora_adapter`)."""
+    lora = random_lora(shapes, seed=21, alpha=None)
+    path = diffusers_file(tmp_path, lora, {**config, "target_modules": sorted(lora.pairs)})
+    table = adapter_table(loaded(engine), [AdapterSpec(path, 0.6)])
+    reference = plain_model(tiny_folder[1])
+    reference.load_lora_adapter(
+        str(tmp_path), weight_name=path.name, prefix="transformer", adapter_name="file"
+    )
+    reference.set_adapters(["file"], weights=[0.6])
+    cond, x = inputs(engine, 22)
+    ours = engine_step(engine, cond, x, 0.5, table)
+    assert rel_l2(ours, reference_row(reference, cond, x, 0.5, [], [])) <= TOLERANCE
+    at_scale_one = adapter_table(
+        loaded(engine), [AdapterSpec(lora_file(tmp_path, lora, "diffusers"), 0.6)]
+    )
+    assert rel_l2(ours, engine_step(engine, cond, x, 0.5, at_scale_one)) > MOVES
+
+
+def test_a_peft_adapter_file_takes_the_config_beside_it(tmp_path, tiny_folder, engine, shapes):
+    """PEFT's save_pretrained: adapter_model.safetensors with base_model.model. keys, and
+    adapter_config.json beside it."""
+    lora = random_lora(shapes, seed=23, alpha=12.0)
+    state = {
+        key.replace("transformer.", "base_model.model.", 1): value
+        for key, value in write_form(Lora(lora.pairs, None, lora.rank), "diffusers").items()
+    }
+    path = tmp_path / "adapter_model.safetensors"
+    path.write_bytes(wire.write_container(state))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        adapter_table(loaded(engine), [AdapterSpec(path)])
+
+    config = {"r": lora.rank, "lora_alpha": 12, "target_modules": sorted(lora.pairs)}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    table = adapter_table(loaded(engine), [AdapterSpec(path, 0.9)])
+    cond, x = inputs(engine, 24)
+    theirs = reference_row(peft_model(tiny_folder[1], [(lora, 0.9)]), cond, x, 0.3, [], [])
+    assert rel_l2(engine_step(engine, cond, x, 0.3, table), theirs) <= TOLERANCE
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA"):
+        adapter_table(loaded(engine), [AdapterSpec(path)])
 
 
 @pytest.mark.parametrize(
