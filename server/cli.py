@@ -136,10 +136,9 @@ def serve(args: argparse.Namespace) -> int:
     _fast_blas()  # before anything imports mlx
 
     from .app import build_context, create_app, make_server
-    from .engine.registry import ModelRegistry
 
-    extra, default = _embedded_default(config.default_model)
-    registry = ModelRegistry(config.model_dirs, default, extra_models=extra)
+    registry, extra = config_registry(config)
+    default = registry.default_model
     ctx = build_context(config, registry)
     try:
         server = make_server(create_app(ctx), config)
@@ -186,6 +185,19 @@ def _fast_blas() -> None:
     except ImportError:
         return
     ensure_fast_blas()
+
+
+def config_registry(config, model: str | None = None):
+    """The model registry of a configuration, its default model `model` or else the configured
+    one or else the embedded default (whose folder joins as an extra folder); models load with
+    their entries' configured adapters. Returns (registry, extra folders)."""
+    from .engine.registry import ModelRegistry
+    from .lora_files import default_adapters
+
+    extra, default = _embedded_default(model or config.default_model)
+    on_load = default_adapters(config.models) if config.models else None
+    registry = ModelRegistry(config.model_dirs, default, extra_models=extra, on_load=on_load)
+    return registry, extra
 
 
 def _embedded_default(default_model: str | None) -> tuple[list[Path], str | None]:

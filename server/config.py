@@ -20,6 +20,10 @@ File (default ~/.config/gmlx-steps/config.toml):
     memory_headroom_mb = 2048       # memory left to the system and other programs
     memory_budget_mb = 0            # the image worker's memory; 0: the machine's, less headroom
 
+    [models."qwen-image-2.1"]       # settings of one model entry, by its id
+    adapters = ["~/loras/style.safetensors:0.8"]   # LoRA files (FILE[:STRENGTH]) that steps
+                                    # naming no patch table run under (CONTRACT 2.9)
+
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`) override both.
 """
@@ -32,6 +36,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 try:
     import tomllib
@@ -57,6 +62,48 @@ class ImageConfig:
     memory_budget_mb: int = 0  # 0: the machine's memory less the headroom (server/memory.py)
 
 
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA file and the strength it is applied at: `FILE[:STRENGTH]` on the command line and
+    in a model entry's `adapters`."""
+
+    path: Path
+    strength: float = 1.0
+
+    def record(self) -> dict:
+        """The adapter as the bench's record names it (settings.adapters)."""
+        return {
+            "file": self.path.name,
+            "bytes": self.path.stat().st_size,
+            "strength": self.strength,
+        }
+
+
+def parse_adapter(text: str) -> AdapterSpec:
+    """`FILE` or `FILE:STRENGTH`; a FILE with a colon in its name is taken whole when the part
+    after the last colon is not a number. The file must exist (ValueError)."""
+    path, strength = text, 1.0
+    head, sep, tail = text.rpartition(":")
+    if sep and head:
+        try:
+            path, strength = head, float(tail)
+        except ValueError:
+            pass
+    if not Path(path).expanduser().is_file():
+        raise ValueError(f"no LoRA file at {path!r}")
+    return AdapterSpec(Path(path).expanduser(), strength)
+
+
+@dataclass
+class ModelSettings:
+    """What the configuration says about one model entry (`[models."id"]`)."""
+
+    adapters: tuple[AdapterSpec, ...] = ()
+
+
+MODEL_SETTING_KEYS = ("adapters",)
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -66,6 +113,7 @@ class ServerConfig:
     default_model: str | None = None
     threads: int = 8
     image: ImageConfig = field(default_factory=ImageConfig)
+    models: dict[str, ModelSettings] = field(default_factory=dict)  # by model id
     source: Path | None = None  # the file read, if any
 
     @property
@@ -154,6 +202,24 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     for name in ("run_idle_s", "run_sweep_s"):
         if name in image:
             setattr(config.image, name, float(_typed(image, name, (int, float))))
+    for model_id, table in _table(doc, "models", path).items():
+        config.models[model_id] = _model_settings(model_id, table)
+
+
+def _model_settings(model_id: str, table: Any) -> ModelSettings:
+    where = f"[models.{model_id!r}]"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table")
+    unknown = sorted(set(table) - set(MODEL_SETTING_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting {unknown[0]!r} (known: adapters)")
+    adapters = table.get("adapters", [])
+    if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
+        raise ConfigError(f'{where} adapters must be a list of "FILE[:STRENGTH]" strings')
+    try:
+        return ModelSettings(adapters=tuple(parse_adapter(text) for text in adapters))
+    except ValueError as exc:
+        raise ConfigError(f"{where} adapters: {exc}") from None
 
 
 def _table(doc: dict, name: str, path: Path) -> dict:

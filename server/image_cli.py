@@ -38,7 +38,7 @@ from .engine.sampling import (
     to_uint8,
 )
 from .imagefiles import read_image_file
-from .lora_files import AdapterSpec, adapter_doc, adapter_spec, adapter_table
+from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
 
 SCHEMA = "gmlx.image.bench/1"
 EXIT_USAGE = 2
@@ -71,7 +71,7 @@ class ModelChoice:
 def choose_model(model: str | None, config_path: Path | None = None) -> ModelChoice:
     """A folder (holding model_index.json), a model id of the configuration, or, with neither,
     the configured default model or else the embedded default."""
-    from .cli import _embedded_default
+    from .cli import config_registry
     from .config import load_config
     from .engine.registry import MODEL_INDEX, ModelRegistry
 
@@ -81,9 +81,8 @@ def choose_model(model: str | None, config_path: Path | None = None) -> ModelCho
         registry = ModelRegistry(extra_models=[folder], default_model=folder.name)
         return ModelChoice(registry, folder.name, time.perf_counter() - started)
     config = load_config(config_path)
-    extra, default = _embedded_default(model or config.default_model)
-    registry = ModelRegistry(config.model_dirs, default, extra_models=extra)
-    model_id = model or default
+    registry, _ = config_registry(config, model)
+    model_id = registry.default_model
     if not model_id:
         raise ValueError("no model named, none configured and no embedded default available")
     return ModelChoice(registry, model_id, time.perf_counter() - started)
@@ -189,8 +188,7 @@ def run_sample(args: argparse.Namespace) -> int:
                 bar.update()
                 loaded = choice.registry.acquire(choice.model_id)
                 bar.update()
-            table = adapter_table(loaded, args.adapter)
-            transport = DirectTransport(loaded.model, table=table)
+            transport = DirectTransport(loaded.model, table=sampling_table(loaded, args.adapter))
             latents, timings = generate(transport, loaded.model.status(), request, progress=True)
             pixels, steps = transport.decode(latents), len(timings.step_s)
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
@@ -483,8 +481,9 @@ def run_bench(
         loaded = server.load()
         weights_s = time.perf_counter() - started
         status = loaded.model.status()
-        table = server.service.worker.call(adapter_table, loaded, list(adapters))
+        table = server.service.worker.call(sampling_table, loaded, adapters)
         direct = server.direct(table)
+        adapters = adapters or loaded.default_adapters
         timed: list[BenchRun] = []
         client = StepClient(server.base_url) if via_steps else None
         try:

@@ -1,4 +1,5 @@
-"""LoRA files for the in-process sampler: `gmlx image sample|bench --adapter FILE[:STRENGTH]`.
+"""LoRA files for the in-process sampler (`gmlx image sample|bench --adapter FILE[:STRENGTH]`)
+and for a model entry's configured default adapters (`[models."id"] adapters`, CONTRACT 2.9).
 
 A client of the step routes maps a LoRA file's keys onto the DiT's linear layers and defines a
 patch table (CONTRACT 2.9, docs/lora.md); the in-process sampler does that mapping here and
@@ -25,17 +26,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from gmlx_contract import wire
 from gmlx_contract.hashing import table_id
 
+from .config import AdapterSpec, ModelSettings, parse_adapter
 from .engine.registry import LoadedModel
 from .service import CachedTensor, PatchTable, build_table, hash_of, tensor_of
+
+log = logging.getLogger(__name__)
 
 SUFFIXES = {
     ".lora_A.weight": "down",
@@ -54,33 +59,36 @@ DIFFUSERS_CONFIG_PREFIX = "transformer."
 PEFT_CONFIG_FILE = "adapter_config.json"
 
 
-@dataclass(frozen=True)
-class AdapterSpec:
-    path: Path
-    strength: float = 1.0
-
-    def record(self) -> dict:
-        """The adapter as the bench's record names it (settings.adapters)."""
-        return {
-            "file": self.path.name,
-            "bytes": self.path.stat().st_size,
-            "strength": self.strength,
-        }
-
-
 def adapter_spec(text: str) -> AdapterSpec:
-    """`FILE` or `FILE:STRENGTH` (an argparse type); a FILE with a colon in its name is taken
-    whole when the part after the last colon is not a number."""
-    path, strength = text, 1.0
-    head, sep, tail = text.rpartition(":")
-    if sep and head:
-        try:
-            path, strength = head, float(tail)
-        except ValueError:
-            pass
-    if not Path(path).expanduser().is_file():
-        raise argparse.ArgumentTypeError(f"no LoRA file at {path!r}")
-    return AdapterSpec(Path(path).expanduser(), strength)
+    """`FILE` or `FILE:STRENGTH` as an argparse type (`config.parse_adapter`)."""
+    try:
+        return parse_adapter(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def default_adapters(models: Mapping[str, ModelSettings]) -> Callable[[LoadedModel], None]:
+    """The registry's `on_load`: give a newly loaded instance its entry's configured adapters
+    and their table (`LoadedModel.default_table`), refusing files that do not fit it."""
+
+    def give(loaded: LoadedModel) -> None:
+        settings = models.get(loaded.model_id)
+        if settings is not None and settings.adapters:
+            loaded.default_adapters = settings.adapters
+            loaded.default_table = adapter_table(loaded, list(settings.adapters))
+            log.info(
+                "model %s runs under its configured adapters: %s",
+                loaded.model_id,
+                ", ".join(f"{spec.path.name}:{spec.strength:g}" for spec in settings.adapters),
+            )
+
+    return give
+
+
+def sampling_table(loaded: LoadedModel, specs: Sequence[AdapterSpec]) -> PatchTable | None:
+    """The table an in-process sampling runs under: these files' (a step naming a table runs
+    under that table alone), else the entry's configured adapters' (CONTRACT 2.9)."""
+    return adapter_table(loaded, list(specs)) if specs else loaded.default_table
 
 
 def adapter_table(loaded: LoadedModel, specs: list[AdapterSpec]) -> PatchTable | None:

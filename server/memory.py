@@ -179,7 +179,8 @@ class MemoryPlanner:
             model = loaded.model if loaded else None
             total += int(getattr(model, "weight_bytes", 0) or 0)
             if loaded is not None:  # list(): one step, as HTTP threads may add tables meanwhile
-                total += sum(table.nbytes for table in list(loaded.tables.values()))
+                tables = [*loaded.tables.values(), loaded.default_table]
+                total += sum(table.nbytes for table in tables if table is not None)
             if states and hasattr(model, "held_bytes"):
                 total += model.held_bytes()
         return total

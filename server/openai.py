@@ -227,7 +227,9 @@ class ImageRoute:
         ).encode("utf-8")
 
     def one_image(self, loaded: Any, request: ImageRequest, output_format: str) -> str:
-        transport = DirectTransport(loaded.model, call=self.service.worker.call)
+        transport = DirectTransport(
+            loaded.model, call=self.service.worker.call, table=loaded.default_table
+        )
         status = self.service.worker.call(loaded.model.status)
         latents, timings = generate(transport, status, request)
         pixels = transport.decode(latents)

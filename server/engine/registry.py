@@ -17,7 +17,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,10 @@ class LoadedModel:
     facts: ModelFacts
     tables: dict[str, Any] = field(default_factory=dict)
     holds: int = 0
+    # The entry's configured adapters (config `[models."id"] adapters`) and their patch table:
+    # a step naming no table runs under it (CONTRACT 2.9), as do the in-process samplings.
+    default_adapters: tuple = ()
+    default_table: Any = None
 
     @property
     def model_id(self) -> str:
@@ -123,8 +127,13 @@ class ModelRegistry:
         extra_models: Iterable[Path] = (),
         families: dict[str, Any] | None = None,
         max_resident: int = 1,
+        on_load: Callable[[LoadedModel], None] | None = None,
     ) -> None:
+        """`on_load(loaded)` runs on each newly loaded instance before anyone sees it (the
+        default adapters' table: lora_files.default_adapters); a ValueError from it fails the
+        load with a 400 naming the model."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
+        self.on_load = on_load
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -277,6 +286,15 @@ class ModelRegistry:
             loaded.holds += 1
         return loaded
 
+    def _prepare(self, loaded: LoadedModel) -> None:
+        if self.on_load is None:
+            return
+        try:
+            self.on_load(loaded)
+        except (ValueError, ContractError) as exc:
+            message = exc.message if isinstance(exc, ContractError) else str(exc)
+            raise ContractError(400, f"model {loaded.model_id!r}: {message}") from exc
+
     def _load(self, entry: ModelEntry) -> LoadedModel:
         self._make_room(entry.model_id)
         module = family_module(entry.family, self.families)
@@ -293,13 +311,14 @@ class ModelRegistry:
                 400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
             ) from exc
         try:
-            facts = ModelFacts.of(model, model.status())
+            loaded = LoadedModel(entry, model, 0, ModelFacts.of(model, model.status()))
+            self._prepare(loaded)
         except Exception:
             model.close()
             raise
         with self._lock:
             self._generation += 1
-            loaded = LoadedModel(entry, model, self._generation, facts)
+            loaded.generation = self._generation
             self._loaded[entry.model_id] = loaded
         self._forget_listing()
         log.info("loaded model %s (%s %s)", entry.model_id, entry.family, entry.variant)

@@ -227,7 +227,7 @@ def gather(service: StepsService, loaded: LoadedModel, request: StepRequest):
     table_id = request.fields.get("patch_table")
     if table_id is not None and not isinstance(table_id, str):
         raise ContractError(400, "patch_table must be a table id or null")
-    table = service.table_for(loaded, table_id) if table_id else None
+    table = service.table_for(loaded, table_id) if table_id else loaded.default_table
     if table_id and table is None:
         missing.add(table_id)
     if missing:

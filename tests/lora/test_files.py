@@ -228,3 +228,46 @@ def test_sample_via_the_step_routes_defines_the_table_as_a_client(tmp_path, tiny
     )
     assert routed.returncode == 0, routed.stderr[-2000:]
     assert (tmp_path / "d.png").read_bytes() == (tmp_path / "r.png").read_bytes()
+
+
+def test_a_models_configured_adapters_apply_in_process_via_steps_and_in_the_bench(
+    tmp_path, tiny_folder, shapes
+):
+    """`[models."id"] adapters` in the config: `gmlx image sample` runs under them in process
+    and through the routes (there the server's own table for steps naming none), as it would
+    with the same files given as --adapter; the bench records them."""
+    path = lora_file(tmp_path, random_lora(shapes, seed=19, alpha=8.0), "comfy")
+    root, folder = tiny_folder
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "{folder.name}"\n'
+        f'[models."{folder.name}"]\nadapters = ["{path}:0.8"]\n'
+    )
+    size = ["--width", "64", "--height", "64", "--steps", "2", "--prompt", "a red fox"]
+    configured = ["--config", str(config), *size]
+    runs = {
+        "given": ["--model", str(folder), *size, "--adapter", f"{path}:0.8"],
+        "plain": ["--model", str(folder), *size],
+        "configured": configured,
+        "configured-via-steps": [*configured, "--via-steps"],
+    }
+    for name, args in runs.items():
+        result = gmlx_image(tmp_path, "sample", *args, "--out", str(tmp_path / f"{name}.png"))
+        assert result.returncode == 0, result.stderr[-2000:]
+    png = {name: (tmp_path / f"{name}.png").read_bytes() for name in runs}
+    assert png["configured"] == png["given"] == png["configured-via-steps"]
+    assert png["configured"] != png["plain"]
+
+    for via in ([], ["--via-steps"]):
+        out = tmp_path / "bench.json"
+        bench = gmlx_image(
+            tmp_path, "bench", *configured, *via, "--runs", "1", "--warmup", "0",
+            "--json-out", str(out),
+        )  # fmt: skip
+        assert bench.returncode == 0, bench.stderr[-2000:]
+        record = json.loads(out.read_text())
+        assert record["settings"]["adapters"] == [
+            {"file": path.name, "bytes": path.stat().st_size, "strength": 0.8}
+        ]
+        if via:
+            assert record["transport"]["equal_to_direct"] is True

@@ -3,6 +3,8 @@ steps naming a table, refusals and a table dying with its model instance."""
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -12,11 +14,13 @@ import requests
 from gmlx_contract import wire
 from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
 from gmlx_server.app import ServerThread, build_context, create_app, make_server
-from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.config import AdapterSpec, ImageConfig, ModelSettings, ServerConfig
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
-from gmlx_server.lora_files import linear_layers
+from gmlx_server.engine.sampling import DirectTransport, ImageRequest, generate, to_uint8
+from gmlx_server.lora_files import adapter_table, default_adapters, linear_layers
 from gmlx_server.routes.common import PREFIX
+from PIL import Image
 
 from tests.lora.conftest import MODEL_ID
 from tests.lora.forms import client_table, random_lora, write_form
@@ -27,10 +31,11 @@ CONTAINER = {**HEADERS, "Content-Type": wire.CONTAINER_TYPE}
 
 
 class Server:
-    def __init__(self, root) -> None:
+    def __init__(self, root, models: dict[str, ModelSettings] | None = None) -> None:
         config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
-        config = replace(config, image=ImageConfig())
-        self.ctx = build_context(config, ModelRegistry([root], MODEL_ID))
+        config = replace(config, image=ImageConfig(), models=models or {})
+        on_load = default_adapters(config.models) if models else None
+        self.ctx = build_context(config, ModelRegistry([root], MODEL_ID, on_load=on_load))
         self.thread = ServerThread(make_server(create_app(self.ctx), config, port=0)).start()
         self.url = f"http://127.0.0.1:{self.thread.port}{PREFIX}/"
         self.session = requests.Session()
@@ -234,5 +239,88 @@ def test_tables_beyond_their_bound_go_least_recently_used_first(tiny_folder, lor
         assert live.put_table(docs[1]).status_code == 200
         assert list(loaded.tables) == [ids[0], ids[1]]
         assert live.step(x, 0.4, cond_hash, ids[1]).status_code == 200
+    finally:
+        live.close()
+
+
+# ---------------------------------------------------------------- an entry's configured adapters
+
+
+def lora_path(tmp_path, shapes, seed: int, layers=None):
+    lora = random_lora(shapes, seed=seed, **({"layers": layers} if layers else {}))
+    path = tmp_path / f"lora{seed}.safetensors"
+    path.write_bytes(wire.write_container(write_form(lora, "comfy")))
+    return path
+
+
+def test_steps_naming_no_table_run_under_the_entrys_adapters(tmp_path, tiny_folder, lora_doc):
+    """CONTRACT 2.9: a step with no table runs under the entry's configured adapters, a step
+    naming a table under that table alone; memory plans count the configured table."""
+    shapes = layer_shapes(plain_model(tiny_folder[1]))
+    spec = AdapterSpec(lora_path(tmp_path, shapes, 70), 0.7)
+    live = Server(tiny_folder[0], {MODEL_ID: ModelSettings(adapters=(spec,))})
+    try:
+        cond, x = inputs(54)
+        cond_hash = live.upload("tensors", cond)
+        configured = out_of(live.step(x, 0.5, cond_hash))
+        loaded = live.ctx.registry.loaded(MODEL_ID)
+        assert loaded.default_adapters == (spec,)
+        row = StepRow(cond=cond[0], cond_key=f"wire:{cond_hash}")
+        worker = live.ctx.service.worker
+
+        def direct(table):
+            timestep = np.array([0.5], np.float32)
+            return loaded.model.denoise_step(x, timestep, [row], table=table).out
+
+        from_file = worker.call(adapter_table, loaded, [spec])
+        np.testing.assert_array_equal(configured, worker.call(direct, from_file))
+        assert not np.allclose(configured, worker.call(direct, None), atol=1e-3)
+
+        doc, adapters = lora_doc
+        for array in adapters.values():
+            live.upload("adapters", array)
+        assert live.put_table(doc).status_code == 200
+        named = out_of(live.step(x, 0.5, cond_hash, table_id(doc)))
+        np.testing.assert_array_equal(named, worker.call(direct, loaded.tables[table_id(doc)]))
+
+        memory = live.ctx.service.memory
+        caches = sum(cache.total for cache in memory.caches)
+        tables = loaded.default_table.nbytes + loaded.tables[table_id(doc)].nbytes
+        assert memory.held(states=False) == caches + loaded.model.weight_bytes + tables
+
+        # the OpenAI routes sample under them too
+        request = ImageRequest(prompt="a boat", width=64, height=64, seed=3, steps=2)
+        r = live.session.post(
+            f"http://127.0.0.1:{live.thread.port}/v1/images/generations",
+            json={"prompt": "a boat", "size": "64x64", "seed": 3, "steps": 2},
+        )
+        assert r.status_code == 200, r.text
+        with Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))) as image:
+            served = np.asarray(image.convert("RGB"))
+
+        def sampled(table):
+            transport = DirectTransport(loaded.model, call=worker.call, table=table)
+            latents, _ = generate(transport, loaded.model.status(), request)
+            return to_uint8(transport.decode(latents))
+
+        np.testing.assert_array_equal(served, sampled(loaded.default_table))
+        assert not np.array_equal(served, sampled(None))
+    finally:
+        live.close()
+
+
+def test_configured_adapters_that_do_not_fit_fail_the_load_by_name(tmp_path, tiny_folder):
+    state = write_form(random_lora({"img_in": (32, 64)}, seed=71, layers=["img_in"]), "comfy")
+    state = {key.replace("img_in", "no_such_layer"): value for key, value in state.items()}
+    path = tmp_path / "wrong.safetensors"
+    path.write_bytes(wire.write_container(state))
+    live = Server(tiny_folder[0], {MODEL_ID: ModelSettings(adapters=(AdapterSpec(path),))})
+    try:
+        cond, x = inputs(55)
+        r = live.step(x, 0.5, live.upload("tensors", cond))
+        assert r.status_code == 400
+        message = r.json()["error"]
+        assert MODEL_ID in message and "wrong.safetensors" in message and "no_such_layer" in message
+        assert live.ctx.registry.loaded(MODEL_ID) is None
     finally:
         live.close()

@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 import requests
 from gmlx_server import cli
-from gmlx_server.config import ConfigError, ServerConfig, is_loopback_host, load_config
+from gmlx_server.config import (
+    AdapterSpec,
+    ConfigError,
+    ServerConfig,
+    is_loopback_host,
+    load_config,
+)
 
 CONFIG = """
 [server]
@@ -99,6 +105,39 @@ def test_bad_files_are_refused(tmp_path, text):
     path = tmp_path / "c.toml"
     path.write_text(text)
     with pytest.raises(ConfigError):
+        load_config(path, env={})
+
+
+def test_model_entries_name_their_adapters(tmp_path):
+    (tmp_path / "style.safetensors").write_bytes(b"")
+    (tmp_path / "odd:name.safetensors").write_bytes(b"")
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[models."qwen-image-2.1"]\n'
+        f'adapters = ["{tmp_path}/style.safetensors:0.8", "{tmp_path}/odd:name.safetensors"]\n'
+        "[models.other]\n"
+    )
+    config = load_config(path, env={})
+    assert config.models["qwen-image-2.1"].adapters == (
+        AdapterSpec(tmp_path / "style.safetensors", 0.8),
+        AdapterSpec(tmp_path / "odd:name.safetensors", 1.0),
+    )
+    assert config.models["other"].adapters == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[models.m]\nadapters = ["/nowhere/x.safetensors:0.5"]', "no LoRA file"),
+        ("[models.m]\nadapters = 'x.safetensors'", "list of"),
+        ("[models.m]\nadapter = []", "unknown setting 'adapter'"),
+        ("[models]\nm = 3", "must be a table"),
+    ],
+)
+def test_bad_model_entries_are_refused_by_name(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
         load_config(path, env={})
 
 
