@@ -197,6 +197,9 @@ def config_registry(config, model: str | None = None):
     extra, default = _embedded_default(model or config.default_model)
     on_load = default_adapters(config.models) if config.models else None
     registry = ModelRegistry(config.model_dirs, default, extra_models=extra, on_load=on_load)
+    unknown = sorted(set(config.models) - set(registry.folders()))
+    if unknown:  # a folder may still appear later: the model dirs are listed on each lookup
+        log.warning("configured model entries with no model folder (yet): %s", ", ".join(unknown))
     return registry, extra
 
 

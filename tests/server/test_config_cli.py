@@ -20,6 +20,7 @@ from gmlx_server import cli
 from gmlx_server.config import (
     AdapterSpec,
     ConfigError,
+    ModelSettings,
     ServerConfig,
     is_loopback_host,
     load_config,
@@ -123,6 +124,17 @@ def test_model_entries_name_their_adapters(tmp_path):
         AdapterSpec(tmp_path / "odd:name.safetensors", 1.0),
     )
     assert config.models["other"].adapters == ()
+
+
+def test_entries_naming_no_model_folder_are_warned_about(tmp_path, caplog):
+    (tmp_path / "models" / "here").mkdir(parents=True)
+    (tmp_path / "models" / "here" / "model_index.json").write_text("{}")
+    config = ServerConfig(model_dirs=[tmp_path / "models"], default_model="here")
+    config.models = {"here": ModelSettings(), "elsewhere": ModelSettings()}
+    with caplog.at_level("WARNING"):
+        registry, _ = cli.config_registry(config)
+    assert registry.default_model == "here" and registry.on_load is not None
+    assert "no model folder (yet): elsewhere" in caplog.text and "here," not in caplog.text
 
 
 @pytest.mark.parametrize(
