@@ -21,8 +21,9 @@ File (default ~/.config/gmlx-steps/config.toml):
     memory_budget_mb = 0            # the image worker's memory; 0: the machine's, less headroom
 
     [models."qwen-image-2.1"]       # settings of one model entry, by its id
-    adapters = ["~/loras/style.safetensors:0.8"]   # LoRA files (FILE[:STRENGTH]) that steps
-                                    # naming no patch table run under (CONTRACT 2.9)
+    adapters = ["~/loras/style.safetensors:0.8"]   # LoRA files (FILE[:STRENGTH], relative to
+                                    # this file's folder) that steps naming no patch table run
+                                    # under (CONTRACT 2.9)
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`) override both.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,19 +81,26 @@ class AdapterSpec:
         }
 
 
-def parse_adapter(text: str) -> AdapterSpec:
+def parse_adapter(text: str, base: Path | None = None) -> AdapterSpec:
     """`FILE` or `FILE:STRENGTH`; a FILE with a colon in its name is taken whole when the part
-    after the last colon is not a number. The file must exist (ValueError)."""
-    path, strength = text, 1.0
+    after the last colon is not a number. A relative FILE is under `base` (the configuration
+    file's folder), else the working folder. The file must exist and the strength be finite
+    (ValueError)."""
+    name, strength = text, 1.0
     head, sep, tail = text.rpartition(":")
     if sep and head:
         try:
-            path, strength = head, float(tail)
+            name, strength = head, float(tail)
         except ValueError:
             pass
-    if not Path(path).expanduser().is_file():
-        raise ValueError(f"no LoRA file at {path!r}")
-    return AdapterSpec(Path(path).expanduser(), strength)
+    if not math.isfinite(strength):
+        raise ValueError(f"the strength of {text!r} must be a finite number")
+    path = Path(name).expanduser()
+    if base is not None and not path.is_absolute():
+        path = base / path
+    if not path.is_file():
+        raise ValueError(f"no LoRA file at {str(path)!r}")
+    return AdapterSpec(path, strength)
 
 
 @dataclass
@@ -203,10 +212,10 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
         if name in image:
             setattr(config.image, name, float(_typed(image, name, (int, float))))
     for model_id, table in _table(doc, "models", path).items():
-        config.models[model_id] = _model_settings(model_id, table)
+        config.models[model_id] = _model_settings(model_id, table, path.parent)
 
 
-def _model_settings(model_id: str, table: Any) -> ModelSettings:
+def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
     where = f"[models.{model_id!r}]"
     if not isinstance(table, dict):
         raise ConfigError(f"{where} must be a table")
@@ -217,7 +226,7 @@ def _model_settings(model_id: str, table: Any) -> ModelSettings:
     if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
         raise ConfigError(f'{where} adapters must be a list of "FILE[:STRENGTH]" strings')
     try:
-        return ModelSettings(adapters=tuple(parse_adapter(text) for text in adapters))
+        return ModelSettings(adapters=tuple(parse_adapter(text, folder) for text in adapters))
     except ValueError as exc:
         raise ConfigError(f"{where} adapters: {exc}") from None
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gmlx_contract import wire
+from gmlx_contract.errors import ContractError
 from gmlx_contract.hashing import table_id
 
 from .config import AdapterSpec, ModelSettings, parse_adapter
@@ -52,11 +53,14 @@ SUFFIXES = {
 PEFT_PREFIX = "base_model.model."
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", PEFT_PREFIX)
 KOHYA_PREFIX = "lora_unet_"
+DORA_KEY = "lora_magnitude_vector"
 # Where a diffusers/PEFT LoRA keeps its LoraConfig: diffusers' safetensors metadata entry (its
 # keys prefixed with the model part's name), or PEFT's file beside the weights.
 DIFFUSERS_CONFIG_KEY = "lora_adapter_metadata"
 DIFFUSERS_CONFIG_PREFIX = "transformer."
 PEFT_CONFIG_FILE = "adapter_config.json"
+# The LoraConfig fields read here (what tells a bare config from another part's metadata).
+LORA_CONFIG_KEYS = {"r", "lora_alpha", "alpha_pattern", "rank_pattern", "use_rslora", "use_dora"}
 
 
 def adapter_spec(text: str) -> AdapterSpec:
@@ -114,24 +118,30 @@ def adapter_doc(
 
 def _file_parts(path: Path, layers: list[str], float32: bool) -> dict[str, dict[str, Any]]:
     try:
-        tensors = read_lora(path)
+        container = wire.read_container(Path(path).read_bytes())
+        tensors = {name: tensor_of(container, name) for name in container.tensors}
         if float32:
             tensors = {name: CachedTensor(t.float32(), "F32") for name, t in tensors.items()}
+        config = peft_config(path, container.metadata, tensors)
+        if config is not None and config.get("use_dora"):
+            raise ValueError("it is a DoRA adapter (use_dora), which is not a plain LoRA")
         parts = layer_parts(tensors, layers)
-        config = peft_config(path, tensors)
         if config is not None:
             apply_peft_scales(parts, config)
         return parts
+    except OSError as error:
+        raise ValueError(f"LoRA file {path}: cannot read it: {error.strerror or error}") from None
+    except ContractError as error:  # not a safetensors file the wire rules read
+        raise ValueError(f"LoRA file {path.name}: {error.message}") from None
     except ValueError as error:
         raise ValueError(f"LoRA file {path.name}: {error}") from None
 
 
-def peft_config(path: Path, tensors: dict[str, Any]) -> dict | None:
-    """The LoraConfig fields of a diffusers/PEFT LoRA file, where it comes with them."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="numpy") as handle:
-        text = (handle.metadata() or {}).get(DIFFUSERS_CONFIG_KEY)
+def peft_config(path: Path, metadata: dict[str, str], tensors: dict[str, Any]) -> dict | None:
+    """The LoraConfig fields of a diffusers/PEFT LoRA file, where it comes with them: in the
+    metadata (keys prefixed `transformer.` from a pipeline's `save_lora_weights`, bare from the
+    model's own `save_lora_adapter`), or in PEFT's config file beside it."""
+    text = metadata.get(DIFFUSERS_CONFIG_KEY)
     if text:
         try:
             saved = json.loads(text)
@@ -144,6 +154,8 @@ def peft_config(path: Path, tensors: dict[str, Any]) -> dict | None:
             for key, value in saved.items()
             if key.startswith(DIFFUSERS_CONFIG_PREFIX)
         }
+        if not config and LORA_CONFIG_KEYS & set(saved):
+            config = saved
         return config or None
     if any(name.startswith(PEFT_PREFIX) for name in tensors):
         beside = path.with_name(PEFT_CONFIG_FILE)
@@ -166,8 +178,9 @@ def apply_peft_scales(parts_by_layer: dict[str, dict[str, Any]], config: dict) -
     """Give each pair without an alpha key the alpha whose alpha / rank is PEFT's scaling for
     its layer: lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora, where alpha_pattern and
     rank_pattern name layers by PEFT's rule (a pattern matching the name's end at a dot)."""
-    if config.get("use_dora"):
-        raise ValueError("it is a DoRA adapter (use_dora), which is not a plain LoRA")
+    for name in ("alpha_pattern", "rank_pattern"):
+        if not isinstance(config.get(name) or {}, dict):
+            raise ValueError(f"its LoRA config's {name} is not an object")
     try:
         default_rank, default_alpha = config.get("r", 8), config.get("lora_alpha", 8)
         for layer, parts in parts_by_layer.items():
@@ -197,12 +210,6 @@ def linear_layers(manifest: dict) -> list[str]:
     ]
 
 
-def read_lora(path: Path) -> dict[str, CachedTensor]:
-    """A safetensors file's tensors by name (F32, F16 or BF16 under the wire rules)."""
-    container = wire.read_container(Path(path).read_bytes())
-    return {name: tensor_of(container, name) for name in container.tensors}
-
-
 def table_doc(
     model_id: str, loras: list[tuple[dict[str, dict[str, Any]], float]]
 ) -> tuple[dict, dict[str, CachedTensor]]:
@@ -227,6 +234,8 @@ def layer_parts(tensors: dict[str, CachedTensor], layers: list[str]) -> dict[str
     found: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():
         suffix = next((s for s in SUFFIXES if key.endswith(s)), None)
+        if DORA_KEY in key:
+            raise ValueError(f"{key!r} is a DoRA magnitude: a DoRA adapter is not a plain LoRA")
         if suffix is None:
             raise ValueError(
                 f"{key!r} is not a LoRA key (.lora_A/.lora_B/.lora_down/.lora_up/.alpha)"

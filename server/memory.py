@@ -297,11 +297,14 @@ class MemoryPlanner:
 
     @staticmethod
     def _footprint(loaded: LoadedModel | None) -> int:
-        """A loaded model's planned footprint (status `memory.resident_bytes`), else its weights."""
+        """A loaded model's planned footprint (status `memory.resident_bytes`, else its
+        weights), and its configured adapters' table."""
         if loaded is None:
             return 0
         footprint = loaded.model.status().get("memory", {}).get("resident_bytes")
-        return int(footprint or getattr(loaded.model, "weight_bytes", 0) or 0)
+        footprint = int(footprint or getattr(loaded.model, "weight_bytes", 0) or 0)
+        table = loaded.default_table
+        return footprint + (table.nbytes if table is not None else 0)
 
 
 def _largest_side(fits: Callable[[int], bool], upper: int) -> int:

@@ -101,6 +101,9 @@ class Container:
     fields: dict[str, Any]
     spans: dict[str, tuple[int, int]] = field(repr=False)
     data: memoryview = field(repr=False)
+    # The whole __metadata__ object (strings), where `fields` is its `gmlx` entry parsed; other
+    # writers keep their own entries there (diffusers' LoRA config, safetensors' "format").
+    metadata: dict[str, str] = field(default_factory=dict, repr=False)
 
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes exactly as they sit in the body (what its hash covers)."""
@@ -130,7 +133,14 @@ def read_container(body: bytes | bytearray | memoryview) -> Container:
         array = np.frombuffer(data, dtype=wire.numpy, count=count, offset=start)
         tensors[name] = array.reshape(shape)
         dtypes[name] = wire.name
-    return Container(tensors=tensors, dtypes=dtypes, fields=fields, spans=spans, data=data)
+    return Container(
+        tensors=tensors,
+        dtypes=dtypes,
+        fields=fields,
+        spans=spans,
+        data=data,
+        metadata=dict(metadata or {}),
+    )
 
 
 def _header_length(view: memoryview) -> int:

@@ -291,9 +291,10 @@ class ModelRegistry:
             return
         try:
             self.on_load(loaded)
-        except (ValueError, ContractError) as exc:
-            message = exc.message if isinstance(exc, ContractError) else str(exc)
-            raise ContractError(400, f"model {loaded.model_id!r}: {message}") from exc
+        except ContractError as exc:
+            raise ContractError(exc.status, f"model {loaded.model_id!r}: {exc.message}") from exc
+        except ValueError as exc:
+            raise ContractError(400, f"model {loaded.model_id!r}: {exc}") from exc
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
         self._make_room(entry.model_id)

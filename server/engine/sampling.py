@@ -159,11 +159,8 @@ def sample(
     model call at sigmas[i] (`sampler` says at which latents, and how they move on);
     `on_step(i, x)` is called after each step, e.g. to time steps or to stop.
     """
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
     sigmas = np.asarray(sigmas, dtype=np.float32)
-    if sigmas.ndim != 1 or len(sigmas) < 2:
-        raise ValueError("a schedule needs at least two sigmas")
+    check_sampler(sampler, sigmas)
     x = (np.asarray(noise, dtype=np.float32) * sigmas[0]).astype(np.float32)
     rule = UPDATE_RULES[sampler](x, sigmas)
     for i in _step_indices(len(sigmas) - 1, progress):
@@ -172,6 +169,16 @@ def sample(
         if on_step is not None:
             on_step(i, x)
     return x
+
+
+def check_sampler(sampler: str, sigmas: np.ndarray) -> None:
+    """Refuse an unknown sampler, or a schedule it cannot follow, before any work (ValueError)."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r}; choose one of {', '.join(SAMPLERS)}")
+    if sigmas.ndim != 1 or len(sigmas) < 2:
+        raise ValueError("a schedule needs at least two sigmas")
+    if sampler == unipc.NAME:
+        unipc.followed_sigmas(sigmas)
 
 
 def _step_indices(count: int, progress: bool):
@@ -258,6 +265,7 @@ def generate(
         request.height,
         pixels_per_token=stride,
     )
+    check_sampler(request.sampler, sigmas)
     cfg = guidance_scale(request, status.get("sampling"))
 
     begin = time.perf_counter()

@@ -81,6 +81,21 @@ def update(lambdas: list[float], sigma_s: float, sigma_t: float, order: int) -> 
     )
 
 
+def followed_sigmas(sigmas: np.ndarray) -> list[float]:
+    """The sigmas the sampler steps along (a final 0 becomes 0.001), or a ValueError saying why
+    it cannot follow this schedule."""
+    followed = [float(s) for s in np.asarray(sigmas, dtype=np.float32)]
+    if len(followed) < 3:
+        raise ValueError(f"{NAME} needs at least 2 steps")
+    if followed[-1] == 0.0:
+        followed[-1] = FINAL_SIGMA
+    if any(later >= earlier for earlier, later in itertools.pairwise(followed)):
+        raise ValueError(f"{NAME} needs falling sigmas")
+    if followed[-1] <= 0.0:
+        raise ValueError(f"{NAME} needs positive sigmas before the last")
+    return followed
+
+
 def log_snr(sigma: float) -> float:
     return -math.log(sigma)
 
@@ -93,16 +108,8 @@ class UniPCSteps:
 
     def __init__(self, x: np.ndarray, sigmas: np.ndarray):
         steps = len(sigmas) - 1
-        if steps < 2:
-            raise ValueError(f"{NAME} needs at least 2 steps")
-        self.sigmas = [float(s) for s in np.asarray(sigmas, dtype=np.float32)]
-        self.stretched_end = self.sigmas[-1] == 0.0
-        if self.stretched_end:
-            self.sigmas[-1] = FINAL_SIGMA
-        if any(later >= earlier for earlier, later in itertools.pairwise(self.sigmas)):
-            raise ValueError(f"{NAME} needs falling sigmas")
-        if self.sigmas[-1] <= 0.0:
-            raise ValueError(f"{NAME} needs positive sigmas before the last")
+        self.sigmas = followed_sigmas(sigmas)
+        self.stretched_end = float(sigmas[-1]) == 0.0
         self.steps = steps
         self.order = min(MAX_ORDER, steps - 1)
         self.x = x

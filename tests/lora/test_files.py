@@ -114,6 +114,19 @@ def test_a_diffusers_file_scales_by_its_saved_config_as_diffusers_loads_it(
     assert rel_l2(ours, engine_step(engine, cond, x, 0.5, at_scale_one)) > MOVES
 
 
+def test_a_file_saved_by_the_models_own_save_lora_adapter(tmp_path, tiny_folder, engine, shapes):
+    """diffusers' `save_lora_adapter` writes bare keys and a bare LoraConfig in the metadata
+    (no `transformer.` prefix on either)."""
+    lora = random_lora(shapes, seed=25, alpha=10.0)
+    reference = peft_model(tiny_folder[1], [(lora, 1.0)])
+    reference.save_lora_adapter(str(tmp_path), adapter_name="lora0")
+    (path,) = tmp_path.glob("*.safetensors")
+    table = adapter_table(loaded(engine), [AdapterSpec(path)])
+    cond, x = inputs(engine, 26)
+    theirs = reference_row(reference, cond, x, 0.7, [], [])
+    assert rel_l2(engine_step(engine, cond, x, 0.7, table), theirs) <= TOLERANCE
+
+
 def test_a_peft_adapter_file_takes_the_config_beside_it(tmp_path, tiny_folder, engine, shapes):
     """PEFT's save_pretrained: adapter_model.safetensors with base_model.model. keys, and
     adapter_config.json beside it."""
@@ -137,6 +150,19 @@ def test_a_peft_adapter_file_takes_the_config_beside_it(tmp_path, tiny_folder, e
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="DoRA"):
         adapter_table(loaded(engine), [AdapterSpec(path)])
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "alpha_pattern": ["x"]}))
+    with pytest.raises(ValueError, match="alpha_pattern is not an object"):
+        adapter_table(loaded(engine), [AdapterSpec(path)])
+
+
+def test_unreadable_files_are_refused_by_name(tmp_path, engine):
+    absent = tmp_path / "gone.safetensors"
+    with pytest.raises(ValueError, match="gone.safetensors: cannot read it"):
+        adapter_table(loaded(engine), [AdapterSpec(absent)])
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match="garbage.safetensors: container header is not JSON"):
+        adapter_table(loaded(engine), [AdapterSpec(garbage)])
 
 
 @pytest.mark.parametrize(
@@ -150,6 +176,8 @@ def test_a_peft_adapter_file_takes_the_config_beside_it(tmp_path, tiny_folder, e
          "no up matrix for img_in"),
         (lambda s: {**s, "diffusion_model.img_in.alpha": np.ones(2, np.float32)},
          "one number"),
+        (lambda s: {**s, "diffusion_model.img_in.lora_magnitude_vector": np.ones(4, np.float32)},
+         "DoRA"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_file_and_key(tmp_path, engine, shapes, edit, message):

@@ -287,6 +287,8 @@ def test_steps_naming_no_table_run_under_the_entrys_adapters(tmp_path, tiny_fold
         caches = sum(cache.total for cache in memory.caches)
         tables = loaded.default_table.nbytes + loaded.tables[table_id(doc)].nbytes
         assert memory.held(states=False) == caches + loaded.model.weight_bytes + tables
+        resident = loaded.model.status()["memory"]["resident_bytes"]  # the cache bounds' plan
+        assert memory._footprint(loaded) == resident + loaded.default_table.nbytes
 
         # the OpenAI routes sample under them too
         request = ImageRequest(prompt="a boat", width=64, height=64, seed=3, steps=2)
@@ -305,6 +307,20 @@ def test_steps_naming_no_table_run_under_the_entrys_adapters(tmp_path, tiny_fold
 
         np.testing.assert_array_equal(served, sampled(loaded.default_table))
         assert not np.array_equal(served, sampled(None))
+    finally:
+        live.close()
+
+
+def test_a_configured_file_gone_since_start_fails_the_load_by_name(tmp_path, tiny_folder):
+    shapes = layer_shapes(plain_model(tiny_folder[1]))
+    spec = AdapterSpec(lora_path(tmp_path, shapes, 72))
+    live = Server(tiny_folder[0], {MODEL_ID: ModelSettings(adapters=(spec,))})
+    try:
+        spec.path.unlink()
+        cond, x = inputs(56)
+        r = live.step(x, 0.5, live.upload("tensors", cond))
+        assert r.status_code == 400 and "cannot read it" in r.json()["error"]
+        assert MODEL_ID in r.json()["error"] and spec.path.name in r.json()["error"]
     finally:
         live.close()
 

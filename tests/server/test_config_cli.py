@@ -126,6 +126,17 @@ def test_model_entries_name_their_adapters(tmp_path):
     assert config.models["other"].adapters == ()
 
 
+def test_relative_adapter_paths_are_under_the_config_files_folder(tmp_path, monkeypatch):
+    (tmp_path / "loras").mkdir()
+    (tmp_path / "loras" / "style.safetensors").write_bytes(b"")
+    (tmp_path / "c.toml").write_text('[models.m]\nadapters = ["loras/style.safetensors:0.5"]\n')
+    monkeypatch.chdir(tmp_path / "loras")
+    config = load_config(tmp_path / "c.toml", env={})
+    assert config.models["m"].adapters == (
+        AdapterSpec(tmp_path / "loras" / "style.safetensors", 0.5),
+    )
+
+
 def test_entries_naming_no_model_folder_are_warned_about(tmp_path, caplog):
     (tmp_path / "models" / "here").mkdir(parents=True)
     (tmp_path / "models" / "here" / "model_index.json").write_text("{}")
@@ -143,6 +154,7 @@ def test_entries_naming_no_model_folder_are_warned_about(tmp_path, caplog):
         ('[models.m]\nadapters = ["/nowhere/x.safetensors:0.5"]', "no LoRA file"),
         ("[models.m]\nadapters = 'x.safetensors'", "list of"),
         ("[models.m]\nadapter = []", "unknown setting 'adapter'"),
+        ('[models.m]\nadapters = ["c.toml:nan"]', "finite"),
         ("[models]\nm = 3", "must be a table"),
     ],
 )
