@@ -29,8 +29,6 @@ from . import unipc
 from .base import EncodeResult, StepRow
 from .noise import comfy_noise
 
-SAMPLERS = ("euler", unipc.NAME)
-
 # A step function: latents (B, C, h, w) f32, timestep (B,) f32, one row per batch entry -> the
 # model output (B, C, h, w) f32. Rows are opaque here: StepRow objects for the direct path, wire
 # row dicts for the via-steps path.
@@ -139,7 +137,9 @@ class EulerSteps:
         return self.x
 
 
+# The samplers by the names ComfyUI gives them.
 UPDATE_RULES = {"euler": EulerSteps, unipc.NAME: unipc.UniPCSteps}
+SAMPLERS = tuple(UPDATE_RULES)
 
 
 def sample(
