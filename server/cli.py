@@ -192,11 +192,11 @@ def config_registry(config, model: str | None = None):
     one or else the embedded default (whose folder joins as an extra folder); models load with
     their entries' configured adapters. Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
-    from .lora_files import default_adapters
+    from .lora_files import DefaultAdapters
 
     extra, default = _embedded_default(model or config.default_model)
-    on_load = default_adapters(config.models) if config.models else None
-    registry = ModelRegistry(config.model_dirs, default, extra_models=extra, on_load=on_load)
+    hooks = DefaultAdapters(config.models) if config.models else None
+    registry = ModelRegistry(config.model_dirs, default, extra_models=extra, load_hooks=hooks)
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup
         log.warning("configured model entries with no model folder (yet): %s", ", ".join(unknown))

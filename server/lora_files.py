@@ -29,7 +29,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,22 +71,41 @@ def adapter_spec(text: str) -> AdapterSpec:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def default_adapters(models: Mapping[str, ModelSettings]) -> Callable[[LoadedModel], None]:
-    """The registry's `on_load`: give a newly loaded instance its entry's configured adapters
-    and their table (`LoadedModel.default_table`), refusing files that do not fit it."""
+class DefaultAdapters:
+    """The registry's load hooks for the entries' configured adapters (`[models."id"] adapters`).
+    `check` maps the files onto the model's manifest before its weights load, so a file that is
+    gone, unreadable or names no layer of the model fails the load at once (and evicts nothing);
+    `give` builds the table on the loaded instance (`LoadedModel.default_table`), where the model
+    itself checks the shapes. Both run on the image worker."""
 
-    def give(loaded: LoadedModel) -> None:
-        settings = models.get(loaded.model_id)
-        if settings is not None and settings.adapters:
-            loaded.default_adapters = settings.adapters
-            loaded.default_table = adapter_table(loaded, list(settings.adapters))
-            log.info(
-                "model %s runs under its configured adapters: %s",
-                loaded.model_id,
-                ", ".join(f"{spec.path.name}:{spec.strength:g}" for spec in settings.adapters),
-            )
+    def __init__(self, models: Mapping[str, ModelSettings]) -> None:
+        self.models = models
+        self._checked: dict[str, tuple[dict, dict[str, CachedTensor]]] = {}
 
-    return give
+    def specs(self, model_id: str) -> tuple[AdapterSpec, ...]:
+        settings = self.models.get(model_id)
+        return settings.adapters if settings is not None else ()
+
+    def check(self, model_id: str, manifest: dict) -> None:
+        self._checked.pop(model_id, None)
+        if self.specs(model_id):
+            self._checked[model_id] = adapter_doc(model_id, manifest, list(self.specs(model_id)))
+
+    def give(self, loaded: LoadedModel) -> None:
+        specs = self.specs(loaded.model_id)
+        if not specs:
+            return
+        checked = self._checked.pop(loaded.model_id, None)
+        doc, adapters = checked or adapter_doc(
+            loaded.model_id, loaded.model.manifest(), list(specs)
+        )
+        loaded.default_adapters = specs
+        loaded.default_table = files_table(loaded, specs, doc, adapters)
+        log.info(
+            "model %s runs under its configured adapters: %s",
+            loaded.model_id,
+            ", ".join(f"{spec.path.name}:{spec.strength:g}" for spec in specs),
+        )
 
 
 def sampling_table(loaded: LoadedModel, specs: Sequence[AdapterSpec]) -> PatchTable | None:
@@ -102,7 +121,20 @@ def adapter_table(loaded: LoadedModel, specs: list[AdapterSpec]) -> PatchTable |
     if not specs:
         return None
     doc, adapters = adapter_doc(loaded.model_id, loaded.model.manifest(), specs)
-    return build_table(loaded, table_id(doc), doc, adapters)
+    return files_table(loaded, specs, doc, adapters)
+
+
+def files_table(
+    loaded: LoadedModel, specs: Sequence[AdapterSpec], doc: dict, adapters: dict
+) -> PatchTable:
+    """`build_table` for a table made of these files; its refusals (matrices that do not fit
+    their layer) name the files as a ValueError."""
+    try:
+        return build_table(loaded, table_id(doc), doc, adapters)
+    except (ContractError, ValueError) as error:  # the schema's refusals, the model's
+        reason = error.message if isinstance(error, ContractError) else str(error)
+        names = ", ".join(spec.path.name for spec in specs)
+        raise ValueError(f"LoRA file {names}: {reason}") from None
 
 
 def adapter_doc(

@@ -17,7 +17,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,13 +127,15 @@ class ModelRegistry:
         extra_models: Iterable[Path] = (),
         families: dict[str, Any] | None = None,
         max_resident: int = 1,
-        on_load: Callable[[LoadedModel], None] | None = None,
+        load_hooks: Any = None,
     ) -> None:
-        """`on_load(loaded)` runs on each newly loaded instance before anyone sees it (the
-        default adapters' table: lora_files.default_adapters); a ValueError from it fails the
-        load with a 400 naming the model."""
+        """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
+        before a model's weights load with the family's manifest of its folder, and
+        `give(loaded)`, run on each newly loaded instance before anyone sees it; a ValueError
+        or ContractError from either fails the load with its status (400 for a ValueError),
+        naming the model."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
-        self.on_load = on_load
+        self.load_hooks = load_hooks
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -286,23 +288,35 @@ class ModelRegistry:
             loaded.holds += 1
         return loaded
 
-    def _prepare(self, loaded: LoadedModel) -> None:
-        if self.on_load is None:
+    def _hook(self, model_id: str, name: str, *args: Any) -> None:
+        if self.load_hooks is None:
             return
         try:
-            self.on_load(loaded)
+            getattr(self.load_hooks, name)(*args)
         except ContractError as exc:
-            raise ContractError(exc.status, f"model {loaded.model_id!r}: {exc.message}") from exc
+            raise ContractError(exc.status, f"model {model_id!r}: {exc.message}") from exc
         except ValueError as exc:
-            raise ContractError(400, f"model {loaded.model_id!r}: {exc}") from exc
+            raise ContractError(400, f"model {model_id!r}: {exc}") from exc
+
+    def _check_before_load(self, entry: ModelEntry, module: Any) -> None:
+        """The load hooks' check against the folder's manifest, where the family reads one (a
+        manifest it cannot read is the load's to report)."""
+        if self.load_hooks is None or not hasattr(module, "manifest"):
+            return
+        try:
+            manifest = module.manifest(entry.path)
+        except Exception:  # noqa: BLE001 - module.load reports a broken folder with its status
+            return
+        self._hook(entry.model_id, "check", entry.model_id, manifest)
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
-        self._make_room(entry.model_id)
         module = family_module(entry.family, self.families)
         if module is None:
             raise ContractError(400, f"family {entry.family!r} is not available in this server")
         if not (entry.path / MODEL_INDEX).is_file():
             raise ContractError(404, f"model {entry.model_id!r} has vanished from {entry.path}")
+        self._check_before_load(entry, module)
+        self._make_room(entry.model_id)
         try:
             model = module.load(entry.path, entry.model_id)
         except FileNotFoundError as exc:
@@ -313,7 +327,7 @@ class ModelRegistry:
             ) from exc
         try:
             loaded = LoadedModel(entry, model, 0, ModelFacts.of(model, model.status()))
-            self._prepare(loaded)
+            self._hook(entry.model_id, "give", loaded)
         except Exception:
             model.close()
             raise

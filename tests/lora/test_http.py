@@ -18,7 +18,7 @@ from gmlx_server.config import AdapterSpec, ImageConfig, ModelSettings, ServerCo
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import DirectTransport, ImageRequest, generate, to_uint8
-from gmlx_server.lora_files import adapter_table, default_adapters, linear_layers
+from gmlx_server.lora_files import DefaultAdapters, adapter_table, linear_layers
 from gmlx_server.routes.common import PREFIX
 from PIL import Image
 
@@ -31,11 +31,12 @@ CONTAINER = {**HEADERS, "Content-Type": wire.CONTAINER_TYPE}
 
 
 class Server:
-    def __init__(self, root, models: dict[str, ModelSettings] | None = None) -> None:
+    def __init__(self, root, models: dict[str, ModelSettings] | None = None, families=None):
         config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
         config = replace(config, image=ImageConfig(), models=models or {})
-        on_load = default_adapters(config.models) if models else None
-        self.ctx = build_context(config, ModelRegistry([root], MODEL_ID, on_load=on_load))
+        hooks = DefaultAdapters(config.models) if models else None
+        registry = ModelRegistry([root], MODEL_ID, families=families, load_hooks=hooks)
+        self.ctx = build_context(config, registry)
         self.thread = ServerThread(make_server(create_app(self.ctx), config, port=0)).start()
         self.url = f"http://127.0.0.1:{self.thread.port}{PREFIX}/"
         self.session = requests.Session()
@@ -311,32 +312,64 @@ def test_steps_naming_no_table_run_under_the_entrys_adapters(tmp_path, tiny_fold
         live.close()
 
 
-def test_a_configured_file_gone_since_start_fails_the_load_by_name(tmp_path, tiny_folder):
-    shapes = layer_shapes(plain_model(tiny_folder[1]))
-    spec = AdapterSpec(lora_path(tmp_path, shapes, 72))
-    live = Server(tiny_folder[0], {MODEL_ID: ModelSettings(adapters=(spec,))})
+class CountedFamily:
+    """The Qwen-Image 2.1 family module, counting its weight loads."""
+
+    def __init__(self) -> None:
+        from gmlx_server.engine.families.qwen_image21 import family
+
+        self.module = family
+        self.loads = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.module, name)
+
+    def load(self, *args):
+        self.loads += 1
+        return self.module.load(*args)
+
+
+def refused_load(tiny_folder, spec: AdapterSpec, seed: int) -> tuple[str, int]:
+    """A step on a server whose entry names `spec`: (the 400's message, weight loads)."""
+    family = CountedFamily()
+    models = {MODEL_ID: ModelSettings(adapters=(spec,))}
+    live = Server(tiny_folder[0], models, families={"qwen_image21": family})
     try:
-        spec.path.unlink()
-        cond, x = inputs(56)
+        cond, x = inputs(seed)
         r = live.step(x, 0.5, live.upload("tensors", cond))
-        assert r.status_code == 400 and "cannot read it" in r.json()["error"]
-        assert MODEL_ID in r.json()["error"] and spec.path.name in r.json()["error"]
+        assert r.status_code == 400, r.text
+        assert live.ctx.registry.loaded(MODEL_ID) is None
+        message = r.json()["error"]
+        assert MODEL_ID in message and spec.path.name in message
+        return message, family.loads
     finally:
         live.close()
+
+
+def test_a_configured_file_gone_since_start_fails_before_the_weights_load(tmp_path, tiny_folder):
+    shapes = layer_shapes(plain_model(tiny_folder[1]))
+    spec = AdapterSpec(lora_path(tmp_path, shapes, 72))
+    spec.path.unlink()
+    message, loads = refused_load(tiny_folder, spec, 56)
+    assert "cannot read it" in message and loads == 0
 
 
 def test_configured_adapters_that_do_not_fit_fail_the_load_by_name(tmp_path, tiny_folder):
+    """Keys naming no layer are found from the folder's manifest, before the weights load;
+    matrices that do not fit their layer, by the loaded model."""
     state = write_form(random_lora({"img_in": (32, 64)}, seed=71, layers=["img_in"]), "comfy")
-    state = {key.replace("img_in", "no_such_layer"): value for key, value in state.items()}
+    renamed = {key.replace("img_in", "no_such_layer"): value for key, value in state.items()}
     path = tmp_path / "wrong.safetensors"
-    path.write_bytes(wire.write_container(state))
-    live = Server(tiny_folder[0], {MODEL_ID: ModelSettings(adapters=(AdapterSpec(path),))})
-    try:
-        cond, x = inputs(55)
-        r = live.step(x, 0.5, live.upload("tensors", cond))
-        assert r.status_code == 400
-        message = r.json()["error"]
-        assert MODEL_ID in message and "wrong.safetensors" in message and "no_such_layer" in message
-        assert live.ctx.registry.loaded(MODEL_ID) is None
-    finally:
-        live.close()
+    path.write_bytes(wire.write_container(renamed))
+    message, loads = refused_load(tiny_folder, AdapterSpec(path), 55)
+    assert "no_such_layer" in message and loads == 0
+
+    shapes = layer_shapes(plain_model(tiny_folder[1]))
+    out_dim, in_dim = shapes["img_in"]
+    misfit = write_form(
+        random_lora({"img_in": (out_dim, in_dim + 1)}, seed=73, layers=["img_in"]), "comfy"
+    )
+    path = tmp_path / "misfit.safetensors"
+    path.write_bytes(wire.write_container(misfit))
+    message, loads = refused_load(tiny_folder, AdapterSpec(path), 57)
+    assert "img_in" in message and loads == 1

@@ -144,7 +144,7 @@ def test_entries_naming_no_model_folder_are_warned_about(tmp_path, caplog):
     config.models = {"here": ModelSettings(), "elsewhere": ModelSettings()}
     with caplog.at_level("WARNING"):
         registry, _ = cli.config_registry(config)
-    assert registry.default_model == "here" and registry.on_load is not None
+    assert registry.default_model == "here" and registry.load_hooks is not None
     assert "no model folder (yet): elsewhere" in caplog.text and "here," not in caplog.text
 
 
