@@ -88,8 +88,9 @@ class DefaultAdapters:
 
     def check(self, model_id: str, manifest: dict) -> None:
         self._checked.pop(model_id, None)
-        if self.specs(model_id):
-            self._checked[model_id] = adapter_doc(model_id, manifest, list(self.specs(model_id)))
+        specs = self.specs(model_id)
+        if specs:
+            self._checked[model_id] = adapter_doc(model_id, manifest, list(specs))
 
     def give(self, loaded: LoadedModel) -> None:
         specs = self.specs(loaded.model_id)

@@ -288,11 +288,11 @@ class ModelRegistry:
             loaded.holds += 1
         return loaded
 
-    def _hook(self, model_id: str, name: str, *args: Any) -> None:
-        if self.load_hooks is None:
-            return
+    @staticmethod
+    def _hook(model_id: str, hook: Any, *args: Any) -> None:
+        """Run a load hook; its refusals become the load's, naming the model."""
         try:
-            getattr(self.load_hooks, name)(*args)
+            hook(*args)
         except ContractError as exc:
             raise ContractError(exc.status, f"model {model_id!r}: {exc.message}") from exc
         except ValueError as exc:
@@ -307,7 +307,7 @@ class ModelRegistry:
             manifest = module.manifest(entry.path)
         except Exception:  # noqa: BLE001 - module.load reports a broken folder with its status
             return
-        self._hook(entry.model_id, "check", entry.model_id, manifest)
+        self._hook(entry.model_id, self.load_hooks.check, entry.model_id, manifest)
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
         module = family_module(entry.family, self.families)
@@ -327,7 +327,8 @@ class ModelRegistry:
             ) from exc
         try:
             loaded = LoadedModel(entry, model, 0, ModelFacts.of(model, model.status()))
-            self._hook(entry.model_id, "give", loaded)
+            if self.load_hooks is not None:
+                self._hook(entry.model_id, self.load_hooks.give, loaded)
         except Exception:
             model.close()
             raise
