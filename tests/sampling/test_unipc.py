@@ -117,7 +117,9 @@ def comfy_unipc():
 
 
 @pytest.mark.comfyui
-@pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"), reason="COMFYUI_DIR is not set")
+@pytest.mark.skipif(
+    not os.environ.get("COMFYUI_DIR"), reason="needs a ComfyUI checkout named by COMFYUI_DIR"
+)
 @pytest.mark.parametrize("steps", [2, 3, 4, 5, 8, 20])
 def test_equals_comfyui_sample_unipc_bh2(noise, steps):
     """ComfyUI run in float64 (in float32 its final step's alpha and sigma at 0.001 lose about
