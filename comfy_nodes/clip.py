@@ -1,4 +1,4 @@
-"""The remote CLIP (CONTRACT §7.4, §2.6): prompts are encoded on the server.
+"""The remote CLIP (docs/contract.md §7.4, §2.6): prompts are encoded on the server.
 
 Behaves like the parts of ComfyUI's `comfy.sd.CLIP` that stock text-encode nodes use:
 `tokenize` only records the text (and images), `encode_from_tokens_scheduled` sends one
@@ -38,7 +38,7 @@ class GmlxTokens:
 
 def image_to_u8(image: torch.Tensor) -> list[np.ndarray]:
     """A ComfyUI IMAGE (B, H, W, C) in [0, 1] -> RGB uint8 (H, W, 3) arrays, one per entry:
-    clamp, x255, round (CONTRACT §7.4)."""
+    clamp, x255, round (docs/contract.md §7.4)."""
     if image.ndim == 3:
         image = image[None]
     rgb = image[..., :3].detach().to("cpu", torch.float32).clamp(0.0, 1.0)
@@ -48,7 +48,7 @@ def image_to_u8(image: torch.Tensor) -> list[np.ndarray]:
 
 def prompt_text(text: str, family: str | None) -> str:
     """The text sent: an empty prompt becomes one space for families whose encoder needs
-    text (CONTRACT §7.4)."""
+    text (docs/contract.md §7.4)."""
     if text == "" and family in SPACE_FOR_EMPTY_PROMPT:
         return " "
     return text

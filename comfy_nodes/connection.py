@@ -63,7 +63,7 @@ class Connection:
 
     def ensure_adapters(self, adapters: Mapping[str, np.ndarray]) -> None:
         """Put each adapter matrix (by hash) on the server unless this connection already did:
-        the client HEADs and PUTs if absent (CONTRACT §7.7)."""
+        the client HEADs and PUTs if absent (docs/contract.md §7.7)."""
         with self.lock:
             for digest, array in adapters.items():
                 if digest in self.adapters_held:
@@ -90,7 +90,7 @@ _connections_lock = threading.Lock()
 
 
 def connect(widget_url: str = "", start_server: bool = True, settings: Settings | None = None):
-    """Handshake with the server the settings name (CONTRACT §7.2) and return its Connection.
+    """Handshake with the server the settings name (docs/contract.md §7.2) and return its Connection.
 
     Tries each candidate URL in order; a non-gmlx answer moves on, a version mismatch stops.
     With none answering and `start_server`, runs `gmlx serve` and waits for it.
@@ -167,7 +167,7 @@ def _wait_for(url: str, api_key: str | None, failures: list[str]) -> Connection 
 
 
 class ModelList:
-    """The loaders' model list (CONTRACT §7.1): a quick `GET models` probe, else
+    """The loaders' model list (docs/contract.md §7.1): a quick `GET models` probe, else
     `gmlx list --image --json`, else the default name; kept 10 s. Names seen once stay listed
     so a saved workflow still validates while the server is down."""
 

@@ -1,4 +1,4 @@
-"""The pack's own error: text that starts with "gmlx:" (CONTRACT §7.8). Pure."""
+"""The pack's own error: text that starts with "gmlx:" (docs/contract.md §7.8). Pure."""
 
 from __future__ import annotations
 

@@ -151,14 +151,14 @@ PUBLISHED_NORMALISATION = {
 PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21"}
 # The DiT's own reference placement method (ComfyUI's `ref_latents_method` default).
 DEFAULT_REF_METHOD = {"qwen_image21": "index"}
-# Families whose encoder refuses an empty prompt: the pack sends one space (CONTRACT §7.4).
+# Families whose encoder refuses an empty prompt: the pack sends one space (docs/contract.md §7.4).
 SPACE_FOR_EMPTY_PROMPT = frozenset(("qwen_image", "qwen_image21", "krea2", "flux3_klein"))
 
 
 def latent_normalisation(status: dict[str, Any]) -> tuple[list[float], list[float]] | None:
     """(mean, std) that take VAE latents to the DiT's model space, or None for identity.
 
-    CONTRACT §2.12: the VAE routes carry the VAE's own latent space unless status
+    docs/contract.md §2.12: the VAE routes carry the VAE's own latent space unless status
     `vae.space` is "model"; the step always takes model space = (z - mean) / std
     (§2.11). A server may publish the normalisation in `vae.latents_mean` /
     `vae.latents_std` (our server does); else the family's published constants apply.

@@ -1,4 +1,4 @@
-"""Run a server call on a worker thread while polling a cancel flag (CONTRACT §7.8). Pure."""
+"""Run a server call on a worker thread while polling a cancel flag (docs/contract.md §7.8). Pure."""
 
 from __future__ import annotations
 

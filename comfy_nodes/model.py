@@ -1,7 +1,7 @@
 """The remote MODEL: a ComfyUI ModelPatcher over a flow BaseModel whose DiT is one HTTP step.
 
 ComfyUI's own samplers, guiders, model-sampling patches and LoRA loaders work unchanged: the
-`diffusion_model` of the BaseModel sends one `POST step` per call (CONTRACT §7.5), the patcher
+`diffusion_model` of the BaseModel sends one `POST step` per call (docs/contract.md §7.5), the patcher
 begins a run at sampling start and ends it at cleanup (§7.8), and LoRA patches become a patch
 table (§7.7). Imports ComfyUI; only ever imported inside a ComfyUI process.
 """
@@ -322,7 +322,7 @@ def model_config_for(status: dict) -> GmlxModelConfig:
         {"image_model": comfy_info.get("image_model"), "disable_unet_model_creation": True}
     )
     sampling = status.get("sampling") or {}
-    # Flow matching with timestep = sigma (CONTRACT §5.2, comfy convention, scale 1).
+    # Flow matching with timestep = sigma (docs/contract.md §5.2, comfy convention, scale 1).
     config.sampling_settings = {"multiplier": 1.0, "shift": float(sampling.get("shift") or 1.0)}
     channels = int((status.get("latent") or {}).get("channels", 16))
     try:
@@ -413,7 +413,7 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
 
 
 def load_remote_model(conn: Connection, model_id: str) -> GmlxModelPatcher:
-    """Build the MODEL of `model_id` from its status and manifest (CONTRACT §7.3)."""
+    """Build the MODEL of `model_id` from its status and manifest (docs/contract.md §7.3)."""
     with conn.lock:
         status = conn.client.status(model_id)
         manifest = conn.client.manifest(model_id)

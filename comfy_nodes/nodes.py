@@ -1,4 +1,4 @@
-"""The pack's ComfyUI nodes (CONTRACT §7.3), in ComfyUI's classic node form so that both
+"""The pack's ComfyUI nodes (docs/contract.md §7.3), in ComfyUI's classic node form so that both
 ComfyUI 0.3.64 and current releases load them. Imports ComfyUI lazily, inside the node
 functions, so that importing this module needs only torch."""
 
@@ -18,7 +18,7 @@ from .settings import load_settings
 from .vae import GmlxVAE
 
 CATEGORY = "gmlx"
-# CONTRACT §2.6: reference images are encoded at 256² ... 1024² pixels, sides in 32s.
+# docs/contract.md §2.6: reference images are encoded at 256² ... 1024² pixels, sides in 32s.
 REF_MIN_AREA, REF_MAX_AREA, REF_MULTIPLE = 65_536, 1_048_576, 32
 MAX_EDIT_IMAGES = 4
 

@@ -1,4 +1,4 @@
-"""ComfyUI LoRA weight patches -> adapter matrices and a patch table (CONTRACT §7.7, §2.9).
+"""ComfyUI LoRA weight patches -> adapter matrices and a patch table (docs/contract.md §7.7, §2.9).
 
 ComfyUI's LoRA loaders add patches to a clone of the MODEL: `ModelPatcher.patches` maps a
 weight key to a list of `(strength_patch, value, strength_model, offset, function)`. A plain
@@ -159,7 +159,7 @@ def build_table(
     hashes: AdapterHashes,
     hook_patches: dict | None = None,
 ) -> PatchTable:
-    """The patch table of a patcher's `patches` (CONTRACT §7.7)."""
+    """The patch table of a patcher's `patches` (docs/contract.md §7.7)."""
     if hook_patches:
         raise GmlxError("gmlx: hook patches (scheduled LoRA hooks) are not supported")
     adapters: dict[str, np.ndarray] = {}

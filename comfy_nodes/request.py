@@ -1,4 +1,4 @@
-"""From ComfyUI's DiT call to the rows of a step request (CONTRACT §7.5). Pure: numpy only.
+"""From ComfyUI's DiT call to the rows of a step request (docs/contract.md §7.5). Pure: numpy only.
 
 The ComfyUI glue (model.py) calls these functions with torch tensors, tests with numpy arrays;
 tensors become float32 numpy arrays only to be hashed or uploaded. Nothing here imports
@@ -203,7 +203,7 @@ def check_call(
     edit_capable: bool = True,
     default_ref_method: str | None = "index",
 ) -> CallCheck:
-    """Collect refusals for one DiT call (CONTRACT §7.5), without raising."""
+    """Collect refusals for one DiT call (docs/contract.md §7.5), without raising."""
     refusals: list[str] = []
     words: list[str] = []
     if control is not None:

@@ -1,4 +1,4 @@
-"""Sigma schedules of the gmlx Sigmas node (CONTRACT §7.3, §5.3).
+"""Sigma schedules of the gmlx Sigmas node (docs/contract.md §7.3, §5.3).
 
 The pack must not import the server, so the two size-dependent rules of §5.3 are written here
 once more, in numpy float32; tests/comfy checks them against the server's own where it exists.
@@ -86,7 +86,7 @@ def rule_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
 
 
 def image_tokens(width: int, height: int, latent: dict[str, Any]) -> int:
-    """tokens = (H // px) * (W // px) with px = latent stride * patch (CONTRACT §5.3)."""
+    """tokens = (H // px) * (W // px) with px = latent stride * patch (docs/contract.md §5.3)."""
     px = int(latent.get("stride", 8)) * int(latent.get("patch", 1))
     return (height // px) * (width // px)
 

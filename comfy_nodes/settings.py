@@ -1,4 +1,4 @@
-"""Where the pack finds its server, its key and its default model (CONTRACT §7.1).
+"""Where the pack finds its server, its key and its default model (docs/contract.md §7.1).
 
 Pure: reads the environment, the settings file and (for discovery) the `gmlx` command line;
 imports neither ComfyUI nor torch, so it is tested on its own.
@@ -101,7 +101,7 @@ class Settings:
     path: Path
 
     def candidate_urls(self, widget_url: str = "", discover=None) -> list[str]:
-        """The URLs to try in order (CONTRACT §7.1, §7.2).
+        """The URLs to try in order (docs/contract.md §7.1, §7.2).
 
         An explicit URL (widget, env or file) is the only candidate unless it is the default
         one; otherwise the discovered URL (`gmlx status --json`) comes first, then the default.
@@ -131,7 +131,7 @@ def discover_url() -> str:
 
 
 def load_settings(environ: dict[str, str] | None = None) -> Settings:
-    """Resolve the settings from the environment and the settings file (CONTRACT §7.1)."""
+    """Resolve the settings from the environment and the settings file (docs/contract.md §7.1)."""
     env = os.environ if environ is None else environ
     path = settings_path(env)
     doc = read_settings(path)

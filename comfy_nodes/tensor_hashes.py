@@ -1,4 +1,4 @@
-"""Row tensor hashes memoised across steps (CONTRACT §7.5), and where a batch's rows came from.
+"""Row tensor hashes memoised across steps (docs/contract.md §7.5), and where a batch's rows came from.
 
 A step names each row's conditioning and reference latents by SHA-256; at full size that is
 3-4 MiB and ~2 ms per tensor, as much as the whole transport of a step, for tensors that do

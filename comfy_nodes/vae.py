@@ -1,4 +1,4 @@
-"""The remote VAE (CONTRACT §7.4, §2.12, §2.13): decode and encode on the server.
+"""The remote VAE (docs/contract.md §7.4, §2.12, §2.13): decode and encode on the server.
 
 Behaves like the parts of ComfyUI's `comfy.sd.VAE` that stock nodes use. Needs torch, not
 ComfyUI.

@@ -1,6 +1,6 @@
 """The Falcon app: front gates, error shapes, the routes; and serving it on Waitress.
 
-Order of checks on a request (CONTRACT 1.2, 1.9, 4):
+Order of checks on a request (docs/contract.md §1.2, 1.9, 4):
   1. host guard (loopback bind: non-loopback peers and Host headers)    403 nested
   2. API key (every path but /health)                                    401 nested
   3. step gate (non-loopback or unknown peer without steps_remote)      403 flat
@@ -42,7 +42,7 @@ HEALTH_PATH = "/health"
 
 class GateError(Exception):
     """A refusal of the front middleware, answered in the nested shape
-    {"error": {"type": ..., "message": ...}} (CONTRACT 1.9)."""
+    {"error": {"type": ..., "message": ...}} (docs/contract.md §1.9)."""
 
     def __init__(self, status: int, kind: str, message: str) -> None:
         super().__init__(message)

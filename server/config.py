@@ -23,7 +23,7 @@ File (default ~/.config/gmlx-steps/config.toml):
     [models."qwen-image-2.1"]       # settings of one model entry, by its id
     adapters = ["~/loras/style.safetensors:0.8"]   # LoRA files (FILE[:STRENGTH], relative to
                                     # this file's folder) that steps naming no patch table run
-                                    # under (CONTRACT 2.9)
+                                    # under (docs/contract.md §2.9)
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`) override both.

@@ -1,4 +1,4 @@
-"""Waitress' side of the body limits (CONTRACT 1.5, 1.9), and of receiving tensor bodies.
+"""Waitress' side of the body limits (docs/contract.md §1.5, 1.9), and of receiving tensor bodies.
 
 Waitress receives a whole request before the app sees it, so a size check in the app comes after
 the body is in memory. Here the limit is applied where Waitress parses the request head: a body

@@ -2,7 +2,7 @@
 
 sample   encode the prompt (and references), sample with the in-process sampler, decode, write a
          PNG. With no model named or configured it uses the embedded default model.
-bench    time whole images and print the record of CONTRACT.md 6 (schema gmlx.image.bench/1).
+bench    time whole images and print the record of docs/contract.md §6 (schema gmlx.image.bench/1).
          With --via-steps it serves the step routes on an ephemeral 127.0.0.1 port of its own
          process and drives them with the shared StepClient, one request per step; the last
          timed run's latents are compared with a direct run's (`equal_to_direct`).
@@ -309,7 +309,7 @@ class StepServer:
 
 
 class ViaStepsTransport:
-    """Sampling through the step routes (CONTRACT.md 6): encode and decode in process, the
+    """Sampling through the step routes (docs/contract.md §6): encode and decode in process, the
     conditionings uploaded by hash (HEAD, then PUT), rows `{"cond": hash, "num_tokens": L}`,
     a run, one step request per step under convention `reference` (naming `patch_table`, a
     table the client defined, or none)."""
@@ -405,7 +405,7 @@ def bench_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model id or folder")
     parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
     parser.add_argument("--ref", action="append", default=[], metavar="IMAGE")
-    add_adapter_argument(parser, " (refused with --via-steps: CONTRACT.md 6)")
+    add_adapter_argument(parser, " (refused with --via-steps: docs/contract.md §6)")
     return parser
 
 
@@ -473,7 +473,7 @@ def run_bench(
     label: str | None = None,
     adapters: Sequence[AdapterSpec] = (),
 ) -> dict:
-    """The bench record of CONTRACT.md 6 for one size (`adapters`: direct mode only)."""
+    """The bench record of docs/contract.md §6 for one size (`adapters`: direct mode only)."""
     from gmlx_contract.client import StepClient
 
     with StepServer(choice) as server:

@@ -1,8 +1,8 @@
 """LoRA files for the in-process sampler (`gmlx image sample|bench --adapter FILE[:STRENGTH]`)
-and for a model entry's configured default adapters (`[models."id"] adapters`, CONTRACT 2.9).
+and for a model entry's configured default adapters (`[models."id"] adapters`, docs/contract.md §2.9).
 
 A client of the step routes maps a LoRA file's keys onto the DiT's linear layers and defines a
-patch table (CONTRACT 2.9, docs/lora.md); the in-process sampler does that mapping here and
+patch table (docs/contract.md §2.9, docs/lora.md); the in-process sampler does that mapping here and
 builds the table with the routes' own `service.build_table`, so a LoRA is checked and applied
 the same way in process as through the routes. Keys of the three forms found in the wild:
 
@@ -111,7 +111,7 @@ class DefaultAdapters:
 
 def sampling_table(loaded: LoadedModel, specs: Sequence[AdapterSpec]) -> PatchTable | None:
     """The table an in-process sampling runs under: these files' (a step naming a table runs
-    under that table alone), else the entry's configured adapters' (CONTRACT 2.9)."""
+    under that table alone), else the entry's configured adapters' (docs/contract.md §2.9)."""
     return adapter_table(loaded, list(specs)) if specs else loaded.default_table
 
 

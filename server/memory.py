@@ -1,4 +1,4 @@
-"""Memory plans of the image worker (CONTRACT 3.5, 2.1).
+"""Memory plans of the image worker (docs/contract.md §3.5, 2.1).
 
 The budget is the memory the image worker may use: `[server.image] memory_budget_mb` when set,
 else the machine's memory less `memory_headroom_mb` (an MLX GPU backend's recommended working
@@ -188,7 +188,7 @@ class MemoryPlanner:
     # ------------------------------------------------------------ the step
 
     def check_step_quick(self, loaded: LoadedModel, x_shape: tuple) -> None:
-        """CONTRACT 2.11 step 5: the target pass alone against the budget less weights and
+        """docs/contract.md §2.11 step 5: the target pass alone against the budget less weights and
         caches (held states could be shed, so they do not count here)."""
         model = loaded.model
         if not hasattr(model, "step_peak_bytes"):
@@ -206,7 +206,7 @@ class MemoryPlanner:
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
     def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> Any:
-        """CONTRACT 2.11 step 11, on the worker: the rows' prefixes, states not held counted as
+        """docs/contract.md §2.11 step 11, on the worker: the rows' prefixes, states not held counted as
         built; held states of other work are shed when that makes the plan fit. Returns the
         model's plan of the step (its `plan_step`, made once here), for its forward; else None."""
         model = loaded.model
@@ -250,7 +250,7 @@ class MemoryPlanner:
     # ------------------------------------------------------------ the VAE
 
     def check_vae(self, loaded: LoadedModel, height: int, width: int, decode: bool) -> None:
-        """CONTRACT 2.12-2.13, on the worker: one image of height x width pixels (images go one
+        """docs/contract.md §2.12-2.13, on the worker: one image of height x width pixels (images go one
         at a time); held states are shed when that makes it fit."""
         model = loaded.model
         if not hasattr(model, "vae_peak_bytes"):
@@ -282,7 +282,7 @@ class MemoryPlanner:
             f"(server.image.memory_budget_mb, memory_headroom_mb); {hint}"
         )
 
-    # ------------------------------------------------------------ cache bounds (CONTRACT 2.1)
+    # ------------------------------------------------------------ cache bounds (docs/contract.md §2.1)
 
     def fit_cache_bounds(self) -> None:
         """Lower the upload caches' bounds when the loaded models' footprints leave less room

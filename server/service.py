@@ -4,7 +4,7 @@
   matrices), filled only with tensors whose hash was verified;
 * patch tables, kept on the loaded model instance they were built for, the least recently used
   dropped beyond twice the adapter cache's bound;
-* runs: ids, idle end, holds on their model, interrupt and end (CONTRACT 3.1-3.2);
+* runs: ids, idle end, holds on their model, interrupt and end (docs/contract.md §3.1-3.2);
 * the way into the image worker for model work.
 """
 
@@ -109,7 +109,7 @@ class ByteLRU:
 
     @property
     def limit(self) -> int:
-        """The largest single upload: min(1 GiB, the bound) (CONTRACT 1.5)."""
+        """The largest single upload: min(1 GiB, the bound) (docs/contract.md §1.5)."""
         return min(wire.MAX_UPLOAD_BYTES, self._bound)
 
     @property
@@ -198,7 +198,7 @@ TABLES_BOUND_FACTOR = 2
 
 def table_adapter_hashes(entries: list) -> list[str]:
     """Every up/down a table names, as strings (an absent or non-string field becomes its
-    string form, e.g. "None", CONTRACT 2.9 quirk). Parts that are not objects/lists are
+    string form, e.g. "None", docs/contract.md §2.9 quirk). Parts that are not objects/lists are
     skipped here; `build_table` refuses them afterwards."""
     names: list[str] = []
     for entry in entries:
@@ -214,7 +214,7 @@ def table_adapter_hashes(entries: list) -> list[str]:
 def build_table(
     loaded: LoadedModel, digest: str, doc: dict, adapters: dict[str, CachedTensor]
 ) -> PatchTable:
-    """Validate a table's schema (CONTRACT 2.9) and build it from the adapter matrices.
+    """Validate a table's schema (docs/contract.md §2.9) and build it from the adapter matrices.
 
     Runs on the image worker. Whether each key is a linear layer of the DiT and whether each
     pair's shapes fit that layer and band is the model's to say: a model that provides
@@ -405,7 +405,7 @@ class StepsService:
         return loaded
 
     def acquire_for_step(self, model_field: Any, run: Run | None) -> LoadedModel:
-        """CONTRACT 2.11 step 4. A step on a live run that names no other model takes a hold on
+        """docs/contract.md §2.11 step 4. A step on a live run that names no other model takes a hold on
         the instance its run holds: no worker round trip, no resolving (the run's own hold keeps
         that instance loaded). A step naming another model resolves it as before: the step does
         not check its model against its run's (docs/step-routes.md)."""
@@ -418,7 +418,7 @@ class StepsService:
 
     def fit_cache_bounds(self) -> None:
         """Refit the upload caches' bounds to the loaded models' memory plans when the set of
-        loaded models changed (CONTRACT 2.1)."""
+        loaded models changed (docs/contract.md §2.1)."""
         with self._bounds_lock:  # the check and the refit as one, against a newer set
             current = frozenset(
                 (m.model_id, m.generation)
@@ -453,7 +453,7 @@ class StepsService:
     # ------------------------------------------------------------ patch tables
 
     def put_table(self, digest: str, doc: Any, query_model: str | None) -> str:
-        """PUT patch-tables/{digest} in the order of CONTRACT 2.9."""
+        """PUT patch-tables/{digest} in the order of docs/contract.md §2.9."""
         got = table_id(doc)
         if got != digest:
             raise ContractError(
@@ -593,7 +593,7 @@ class StepsService:
             return len(self._runs)
 
     def run_for_step(self, run_id: Any) -> Run | None:
-        """The run a step names (None: no run), checked per step 2 of CONTRACT 2.11."""
+        """The run a step names (None: no run), checked per step 2 of docs/contract.md §2.11."""
         if run_id is None:
             return None
         if not isinstance(run_id, str):

@@ -2,7 +2,7 @@
 
 One keep-alive `requests.Session` per client. Every request carries `Authorization: Bearer
 <key>` when a key is set, and every request but `/health` and `capabilities` carries the
-contract version header (CONTRACT §1.2, §4). Answers are read in one call rather than in
+contract version header (docs/contract.md §1.2, §4). Answers are read in one call rather than in
 requests' 10 KiB chunks, and containers are parsed over that one buffer without copies.
 Arrays handed back are read-only numpy views over the answer's bytes. Step requests, the one
 call per sampler step, go over the client's own keep-alive connections (`step_http`, see
@@ -61,7 +61,7 @@ HEALTH_TIMEOUT = 2.0
 CAPABILITIES_TIMEOUT = 30.0
 INTERRUPT_TIMEOUT = 5.0
 
-# What a 401 or 403 means to the person running the client (CONTRACT §7.2).
+# What a 401 or 403 means to the person running the client (docs/contract.md §7.2).
 HINTS = {
     401: "set the gmlx API key (GMLX_API_KEY) to the server's server.api_key",
     403: "run the client on the server's machine, or enable server.image.steps_remote "
@@ -100,7 +100,7 @@ class StepAnswer:
 
 @dataclass
 class _Table:
-    """What it takes to define a patch table again after the server lost it (CONTRACT §7.6)."""
+    """What it takes to define a patch table again after the server lost it (docs/contract.md §7.6)."""
 
     doc: Any
     model: str | None
@@ -240,7 +240,7 @@ class StepClient:
             raise StepError(f"gmlx: {what} answered a container without the tensor {name!r}")
         return container.tensors[name]
 
-    # ------------------------------------------------------------ handshake (CONTRACT §7.2)
+    # ------------------------------------------------------------ handshake (docs/contract.md §7.2)
 
     def health(self) -> bool:
         """Whether `GET <base>/health` answers 200 within 2 s."""
@@ -396,7 +396,7 @@ class StepClient:
         named = [fields.get("cond"), fields.get("cond_typed"), *(fields.get("ref_latents") or [])]
         self.known.update(h for h in named if isinstance(h, str))
 
-    # ------------------------------------------------------------ uploads (CONTRACT §2.7)
+    # ------------------------------------------------------------ uploads (docs/contract.md §2.7)
 
     def has_tensor(self, digest: str) -> bool:
         return self._head(f"tensors/{digest}")
@@ -433,7 +433,7 @@ class StepClient:
             raise StepError(f"gmlx: PUT {path} answered {answer!r} instead of its hash")
         return digest
 
-    # ------------------------------------------------------------ patch tables (CONTRACT §2.9)
+    # ------------------------------------------------------------ patch tables (docs/contract.md §2.9)
 
     def put_patch_table(
         self, doc: Any, model: str | None, adapters: Mapping[str, np.ndarray] | None = None
@@ -470,7 +470,7 @@ class StepClient:
             if self.put_adapter(adapters[digest]) != digest:
                 raise StepError(f"gmlx: the adapter given for {digest} hashes differently")
 
-    # ------------------------------------------------------------ runs (CONTRACT §2.10)
+    # ------------------------------------------------------------ runs (docs/contract.md §2.10)
 
     def begin_run(self, model: str | None) -> str:
         answer = self._json("POST", "runs/begin", {"model": model} if model else {})
@@ -482,7 +482,7 @@ class StepClient:
     def interrupt(self, run: str | None, timeout: float = INTERRUPT_TIMEOUT) -> int:
         return int(self._json("POST", "interrupt", {"run": run}, timeout=timeout)["interrupted"])
 
-    # ------------------------------------------------------------ step (CONTRACT §2.11, §7.5, §7.6)
+    # ------------------------------------------------------------ step (docs/contract.md §2.11, §7.5, §7.6)
 
     def step(
         self,
@@ -613,7 +613,7 @@ class StepClient:
             if digest != patch_table:
                 self._upload_as(digest, uploads[digest])
 
-    # ------------------------------------------------------------ VAE (CONTRACT §2.12, §2.13)
+    # ------------------------------------------------------------ VAE (docs/contract.md §2.12, §2.13)
 
     def vae_decode(
         self, latents: np.ndarray, model: str | None = None, alpha: bool = False

@@ -1,10 +1,10 @@
 """Error types of the step contract.
 
 Server side: `ContractError` carries the HTTP status and the JSON body of a refusal
-(CONTRACT §1.9); `WireError` is the container reader's 400.
+(docs/contract.md §1.9); `WireError` is the container reader's 400.
 
 Client side: `StepError` is what a caller of the step routes sees; its text starts with
-"gmlx:" and quotes the server's `error` text and the status (CONTRACT §7.8).
+"gmlx:" and quotes the server's `error` text and the status (docs/contract.md §7.8).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# How much of a body that is not JSON an error message quotes (CONTRACT §7.8).
+# How much of a body that is not JSON an error message quotes (docs/contract.md §7.8).
 QUOTED_BODY_BYTES = 300
 
 
@@ -27,7 +27,7 @@ class ContractError(Exception):
 
 
 class WireError(ContractError):
-    """A container the reader refuses (always 400, CONTRACT §1.3)."""
+    """A container the reader refuses (always 400, docs/contract.md §1.3)."""
 
     def __init__(self, message: str, **extra: Any) -> None:
         super().__init__(400, message, **extra)
@@ -92,7 +92,7 @@ def parse_json_or_none(body: bytes) -> Any:
 
 def error_text(parsed: Any, body: bytes) -> str:
     """The error text of an answer: the route shape `{"error": "..."}`, the middleware shape
-    `{"error": {"message": "..."}}` (CONTRACT §1.9), or else the start of the raw body."""
+    `{"error": {"message": "..."}}` (docs/contract.md §1.9), or else the start of the raw body."""
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, str):

@@ -1,4 +1,4 @@
-"""Content addresses of the step contract: tensor hash (CONTRACT §1.7), table id (§1.8)."""
+"""Content addresses of the step contract: tensor hash (docs/contract.md §1.7), table id (§1.8)."""
 
 from __future__ import annotations
 

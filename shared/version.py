@@ -1,4 +1,4 @@
-"""The contract version header and its rule (CONTRACT §1.2), plus the client's compatibility
+"""The contract version header and its rule (docs/contract.md §1.2), plus the client's compatibility
 rule of the handshake (§7.2). Minor numbers are never compared."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def check_request_version(value: str | None) -> None:
 
 
 def side_to_upgrade(contract: tuple[int, int], min_client: tuple[int, int]) -> str | None:
-    """The client's compatibility rule (CONTRACT §7.2 step 3).
+    """The client's compatibility rule (docs/contract.md §7.2 step 3).
 
     None when this client can use a server publishing `contract` and `min_client`; else the
     side that must act: SERVER_SIDE when the server is older than this client, CLIENT_SIDE

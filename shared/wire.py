@@ -1,4 +1,4 @@
-"""The tensor container of the step contract: a safetensors file (CONTRACT §1.3-1.5).
+"""The tensor container of the step contract: a safetensors file (docs/contract.md §1.3-1.5).
 
 The reader validates every rule of §1.3 and hands out numpy views over the body (no tensor
 byte is copied); the writer is deterministic, so equal inputs give equal bytes on both sides.
@@ -22,7 +22,7 @@ JSON_TYPE = "application/json"
 MiB = 1 << 20
 GiB = 1 << 30
 
-# Size limits (CONTRACT §1.5).
+# Size limits (docs/contract.md §1.5).
 MAX_HEADER_BYTES = 16 * MiB
 MAX_CONTAINER_BYTES = GiB + MiB
 MAX_JSON_BYTES = 64 * MiB
@@ -48,7 +48,7 @@ MAX_NDIM = 32
 
 @dataclass(frozen=True)
 class WireDtype:
-    """One row of the dtype table (CONTRACT §1.4)."""
+    """One row of the dtype table (docs/contract.md §1.4)."""
 
     name: str  # wire name: header `dtype`, also hashed
     short: str  # capabilities and manifest
@@ -72,7 +72,7 @@ DTYPES: dict[str, WireDtype] = {
 SHORT_NAMES = {d.short: d.name for d in DTYPES.values()}
 # The wire dtype a numpy array is written as when the caller does not say (uint16 = BF16 bits).
 _DEFAULT_WIRE = {d.numpy: d.name for d in DTYPES.values()}
-# The dtypes capabilities lists (CONTRACT §1.4 quirk: no bool although BOOL is read).
+# The dtypes capabilities lists (docs/contract.md §1.4 quirk: no bool although BOOL is read).
 CAPABILITY_DTYPES = ["f32", "f16", "bf16", "u8"]
 
 
@@ -284,7 +284,7 @@ def write_container(
     fields: dict[str, Any] | None = None,
     dtypes: dict[str, str] | None = None,
 ) -> bytes:
-    """Write a container deterministically (CONTRACT §1.3), as one bytes object."""
+    """Write a container deterministically (docs/contract.md §1.3), as one bytes object."""
     return b"".join(container_pieces(tensors, fields, dtypes))
 
 

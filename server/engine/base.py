@@ -22,7 +22,7 @@ class MemoryPlanError(EngineInputError):
 
 
 def kept_image_slots(slots, num_refs: int, text_rows: int) -> tuple[int, ...]:
-    """The wire rule of image slots (CONTRACT 2.11), for the route and the engines alike: one
+    """The wire rule of image slots (docs/contract.md §2.11), for the route and the engines alike: one
     slot per reference at most (extra slots are dropped), each within 0..text_rows (the text
     row its reference goes before), ascending. Returns the kept slots; references without one
     go after the text (the family's reading)."""
@@ -55,7 +55,7 @@ class StepRow:
 @dataclass
 class StepResult:
     out: np.ndarray  # float32, the shape of x: sign x dx/dsigma
-    prefix_cache: str  # "hit", "miss", "off" or "none" (CONTRACT.md 3.3)
+    prefix_cache: str  # "hit", "miss", "off" or "none" (docs/contract.md §3.3)
     forward_ms: float  # model evaluation alone, after mx.eval
 
 

@@ -1,4 +1,4 @@
-"""LoRA patch tables applied to an MLX DiT as low-rank pairs (CONTRACT.md 2.9).
+"""LoRA patch tables applied to an MLX DiT as low-rank pairs (docs/contract.md §2.9).
 
 A table (built and schema-checked by the steps service: `PatchTable` of `PatchEntry` of
 `LoraPatch`, up/down as float32 matrices) patches linear layers named as the model's manifest

@@ -77,7 +77,7 @@ class ModelFacts:
     edit_capable: bool
     max_refs: int = 10
     conventions: tuple[str, ...] = ("comfy", "reference")
-    ref_cache: bool = False  # the DiT can extract reference K/V (CONTRACT 3.4)
+    ref_cache: bool = False  # the DiT can extract reference K/V (docs/contract.md §3.4)
     skip_blocks: int = 0  # how many DiT blocks `skip` may name (0: the DiT skips none)
     flow_map: bool = False  # needs `sample_sigmas`
 
@@ -110,7 +110,7 @@ class LoadedModel:
     tables: dict[str, Any] = field(default_factory=dict)
     holds: int = 0
     # The entry's configured adapters (config `[models."id"] adapters`) and their patch table:
-    # a step naming no table runs under it (CONTRACT 2.9), as do the in-process samplings.
+    # a step naming no table runs under it (docs/contract.md §2.9), as do the in-process samplings.
     default_adapters: tuple = ()
     default_table: Any = None
 
@@ -222,7 +222,7 @@ class ModelRegistry:
 
     def resolve(self, model_id: Any) -> ModelEntry:
         """The entry of a model id ('' or None: the default), or a ContractError with the
-        statuses of CONTRACT 2 for the routes that load on demand (404 unknown or vanished,
+        statuses of docs/contract.md §2 for the routes that load on demand (404 unknown or vanished,
         400 no default / not of a family the server has)."""
         if model_id is not None and not isinstance(model_id, str):
             raise ContractError(400, f"model must be a string, not {type(model_id).__name__}")

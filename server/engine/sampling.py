@@ -69,7 +69,7 @@ def resolve_sigmas(
     """The sigma schedule (float32, ending in 0) for a model's status `sampling` object.
 
     A variant's fixed `sigmas` win (a `steps` that disagrees with their count is refused), else the
-    size-dependent `schedule` rule of CONTRACT.md 5.3, else a linear schedule. `steps` None means
+    size-dependent `schedule` rule of docs/contract.md §5.3, else a linear schedule. `steps` None means
     the variant's own step count.
     """
     sampling = sampling or {}

@@ -1,4 +1,4 @@
-"""Size-dependent sigma schedules (CONTRACT.md 5.3), published in status `sampling.schedule`.
+"""Size-dependent sigma schedules (docs/contract.md §5.3), published in status `sampling.schedule`.
 
 A rule object names its rule and carries its constants; `sigmas(rule, steps, tokens)` evaluates it
 in float32 for an image of `tokens` latent tokens, giving steps + 1 sigmas that end in 0.0.
@@ -18,7 +18,7 @@ def qwen_image21_rule(
     max_shift: float = 0.9,
     terminal: float = 0.02,
 ) -> dict:
-    """The status object of the Qwen-Image 2.1 base rule (defaults: CONTRACT.md 5.3)."""
+    """The status object of the Qwen-Image 2.1 base rule (defaults: docs/contract.md §5.3)."""
     return {
         "rule": "qwen_image21",
         "base_len": base_len,

@@ -188,7 +188,7 @@ def is_int(value: Any) -> bool:
 
 
 def check_pixels(width: int, height: int, what: str) -> None:
-    """The pixel limits of steps and VAE passes (CONTRACT 1.5): 413 over them."""
+    """The pixel limits of steps and VAE passes (docs/contract.md §1.5): 413 over them."""
     if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
         raise ContractError(
             413,

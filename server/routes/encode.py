@@ -1,4 +1,4 @@
-"""POST encode: a prompt and its reference images as a conditioning (CONTRACT 2.6)."""
+"""POST encode: a prompt and its reference images as a conditioning (docs/contract.md §2.6)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def decode_image(index: int, text: str) -> np.ndarray:
     """Strict standard base64 of a PNG, JPEG, WebP or GIF file -> uint8 (H, W, 3 or 4).
 
     Undecodable images are answered 400 here (the contract's reference server answers some of
-    them 500, CONTRACT 2.6 quirk; no client relies on that)."""
+    them 500, docs/contract.md §2.6 quirk; no client relies on that)."""
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):

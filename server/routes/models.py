@@ -1,4 +1,4 @@
-"""Health, capabilities and the model routes (CONTRACT 2.1-2.5)."""
+"""Health, capabilities and the model routes (docs/contract.md §2.1-2.5)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .. import __version__
 from ..engine.registry import ModelEntry, family_module
 from .common import Resource, json_body, model_field, send_json
 
-# Features every family of this server provides (CONTRACT 5.4); a family module may publish its
+# Features every family of this server provides (docs/contract.md §5.4); a family module may publish its
 # own `FEATURES` instead. `ref_cache` and `skip_blocks` are listed only by families that have them.
 BASE_FEATURES = ("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae")
 FEATURE_ORDER = ("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae", "ref_cache", "skip_blocks")
@@ -83,7 +83,7 @@ def _listing(entry: ModelEntry, resident: bool) -> dict:
 
 
 def resolve_or_404(registry, model_id: Any) -> ModelEntry:
-    """status, manifest, load and unload answer every resolution failure 404 (CONTRACT 2)."""
+    """status, manifest, load and unload answer every resolution failure 404 (docs/contract.md §2)."""
     try:
         return registry.resolve(model_id)
     except ContractError as exc:
@@ -92,8 +92,8 @@ def resolve_or_404(registry, model_id: Any) -> ModelEntry:
 
 def from_files(entry: ModelEntry, read: Callable[[], dict]) -> dict:
     """What a family reads from a folder it has not loaded; a folder that lacks a config key or
-    a file it needs is a misconfigured entry, answered 400 naming the missing piece (CONTRACT
-    2.3), not a server failure."""
+    a file it needs is a misconfigured entry, answered 400 naming the missing piece
+    (docs/contract.md §2.3), not a server failure."""
     try:
         return read()
     except KeyError as exc:

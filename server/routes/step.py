@@ -1,4 +1,4 @@
-"""POST step: one denoise step, one row per batch entry (CONTRACT 2.11).
+"""POST step: one denoise step, one row per batch entry (docs/contract.md §2.11).
 
 The checks run in the contract's order; each numbered function below is one step of it. Only
 the forward itself runs on the image worker, between two looks at the run: a run interrupted

@@ -1,5 +1,5 @@
 """Content-addressed uploads: tensors, adapters, adapter files and patch tables
-(CONTRACT 2.7-2.9)."""
+(docs/contract.md §2.7-2.9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure parts of the remote CLIP and VAE and of the edit node (CONTRACT §7.4, §2.6)."""
+"""Pure parts of the remote CLIP and VAE and of the edit node (docs/contract.md §7.4, §2.6)."""
 
 import numpy as np
 import pytest

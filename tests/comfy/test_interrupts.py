@@ -1,4 +1,4 @@
-"""Calls on a worker thread with the cancel flag polled (CONTRACT §7.8)."""
+"""Calls on a worker thread with the cancel flag polled (docs/contract.md §7.8)."""
 
 import threading
 import time

@@ -1,4 +1,4 @@
-"""Step rows from ComfyUI's DiT call (CONTRACT §7.5) and the refusals by name."""
+"""Step rows from ComfyUI's DiT call (docs/contract.md §7.5) and the refusals by name."""
 
 import numpy as np
 import pytest

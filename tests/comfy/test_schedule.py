@@ -1,4 +1,4 @@
-"""The gmlx Sigmas node's schedules (CONTRACT §5.3, §7.3)."""
+"""The gmlx Sigmas node's schedules (docs/contract.md §5.3, §7.3)."""
 
 import numpy as np
 import pytest

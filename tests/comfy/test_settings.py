@@ -1,4 +1,4 @@
-"""Settings and discovery (CONTRACT §7.1)."""
+"""Settings and discovery (docs/contract.md §7.1)."""
 
 import json
 

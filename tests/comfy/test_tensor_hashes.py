@@ -1,4 +1,4 @@
-"""Row hashes memoised across steps (CONTRACT §7.5): the same bytes hash once, edits rehash."""
+"""Row hashes memoised across steps (docs/contract.md §7.5): the same bytes hash once, edits rehash."""
 
 import gc
 import weakref

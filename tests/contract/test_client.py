@@ -1,4 +1,4 @@
-"""StepClient against a tiny in-test HTTP server (CONTRACT §7.2, §7.5-7.7)."""
+"""StepClient against a tiny in-test HTTP server (docs/contract.md §7.2, §7.5-7.7)."""
 
 import json
 import socket

@@ -1,4 +1,4 @@
-"""Error types (CONTRACT §1.9, §7.8)."""
+"""Error types (docs/contract.md §1.9, §7.8)."""
 
 import json
 

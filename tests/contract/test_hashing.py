@@ -1,4 +1,4 @@
-"""Tensor hash (CONTRACT §1.7) and patch-table id (§1.8)."""
+"""Tensor hash (docs/contract.md §1.7) and patch-table id (§1.8)."""
 
 import hashlib
 

@@ -1,4 +1,4 @@
-"""The contract version header rule (CONTRACT §1.2) and the client's compatibility rule (§7.2)."""
+"""The contract version header rule (docs/contract.md §1.2) and the client's compatibility rule (§7.2)."""
 
 import pytest
 from gmlx_contract.errors import ContractError

@@ -1,4 +1,4 @@
-"""Container reader and writer (CONTRACT §1.3-1.5)."""
+"""Container reader and writer (docs/contract.md §1.3-1.5)."""
 
 import json
 

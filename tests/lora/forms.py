@@ -1,5 +1,5 @@
 """Tiny random LoRAs, written in the three key forms found in the wild, and the mapping a client
-does from those keys onto the manifest's names to build a patch table (CONTRACT 2.9, 7.7).
+does from those keys onto the manifest's names to build a patch table (docs/contract.md §2.9, 7.7).
 
 A LoRA here is its ground truth: layer name (diffusers module name) -> (A (rank, in), B (out,
 rank)), with one alpha for the whole LoRA (None: scale 1.0). The reference applies the ground
@@ -131,7 +131,7 @@ def client_table(
     key_of=lambda layer: f"diffusion_model.{layer}.weight",
 ) -> tuple[dict, dict[str, np.ndarray]]:
     """A table document (and the matrices by hash) for LoRA files stacked at strengths, entries
-    grouped by key and sorted as the pack does (CONTRACT 7.7)."""
+    grouped by key and sorted as the pack does (docs/contract.md §7.7)."""
     adapters: dict[str, np.ndarray] = {}
     grouped: dict[str, list[dict]] = {}
     for state, strength in loras:

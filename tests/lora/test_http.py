@@ -255,7 +255,7 @@ def lora_path(tmp_path, shapes, seed: int, layers=None):
 
 
 def test_steps_naming_no_table_run_under_the_entrys_adapters(tmp_path, tiny_folder, lora_doc):
-    """CONTRACT 2.9: a step with no table runs under the entry's configured adapters, a step
+    """docs/contract.md §2.9: a step with no table runs under the entry's configured adapters, a step
     naming a table under that table alone; memory plans count the configured table."""
     shapes = layer_shapes(plain_model(tiny_folder[1]))
     spec = AdapterSpec(lora_path(tmp_path, shapes, 70), 0.7)

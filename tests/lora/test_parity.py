@@ -157,7 +157,7 @@ def test_key_spellings_name_the_same_layer(setup, engine):
 
 
 def test_a_table_changes_the_prefix_keys_and_values(setup, engine):
-    """The prefix state is keyed by the table (CONTRACT 3.3): the same conditioning under a
+    """The prefix state is keyed by the table (docs/contract.md §3.3): the same conditioning under a
     table and under none gives two states, whose K and V differ."""
     _, _, shapes, layers = setup
     doc, adapters = client_table(

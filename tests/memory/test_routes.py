@@ -1,4 +1,4 @@
-"""Memory plans through the routes (CONTRACT 3.5, 2.1, 2.3) on the embedded Qwen-Image 2.1 model
+"""Memory plans through the routes (docs/contract.md §3.5, 2.1, 2.3) on the embedded Qwen-Image 2.1 model
 with a small configured budget: refusals with a hint, fitting work, shedding, status, bounds."""
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_a_step_plans_its_rows_once(qwen, monkeypatch):
 
 
 def test_vae_decode_plans_memory_before_checking_alpha(qwen, monkeypatch):
-    """CONTRACT 2.12: the memory plan is checked before `alpha` on a VAE without alpha."""
+    """docs/contract.md §2.12: the memory plan is checked before `alpha` on a VAE without alpha."""
     assert step(qwen, latents(1, 2), [cond(qwen, 4, 40)]).status_code == 200  # loaded
     facts = qwen.ctx.registry.loaded(qwen.model_id).facts
     monkeypatch.setattr(facts, "vae_channels_out", 3)  # as if its VAE had no alpha channel

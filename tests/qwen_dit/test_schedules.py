@@ -1,4 +1,4 @@
-"""The qwen_image21 size-dependent schedule (CONTRACT.md 5.3)."""
+"""The qwen_image21 size-dependent schedule (docs/contract.md §5.3)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ RULE = schedules.qwen_image21_rule()
 
 
 def by_hand(steps: int, tokens: int) -> list[float]:
-    """The rule of CONTRACT.md 5.3 written out in plain double precision."""
+    """The rule of docs/contract.md §5.3 written out in plain double precision."""
     m = (0.9 - 0.5) / (8192 - 256)
     mu = tokens * m + (0.5 - m * 256)
     out = []

@@ -51,7 +51,7 @@ def load_pipeline(model_dir: Path) -> QwenImage21Pipeline:
 
 
 def resize_like_pipeline(pipe: QwenImage21Pipeline, array: np.ndarray):
-    """Step 1 of the pipeline's __call__ at the image's own area (CONTRACT 2.6): the resized RGBA
+    """Step 1 of the pipeline's __call__ at the image's own area (docs/contract.md §2.6): the resized RGBA
     image for the encoder and the VAE's input, returned in [0, 1] as (H, W, 4)."""
     image = Image.fromarray(array)
     if image.mode != "RGBA":

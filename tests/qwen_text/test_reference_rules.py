@@ -1,4 +1,4 @@
-"""CONTRACT 2.6 reference-image rules (image-file decoding: tests/server/test_imagefiles.py)."""
+"""docs/contract.md §2.6 reference-image rules (image-file decoding: tests/server/test_imagefiles.py)."""
 
 from __future__ import annotations
 

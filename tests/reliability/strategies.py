@@ -80,7 +80,7 @@ def valid_containers(draw):
 
 @st.composite
 def bad_entries(draw):
-    """One tensor entry that breaks a rule of CONTRACT 1.3, and data to go with it."""
+    """One tensor entry that breaks a rule of docs/contract.md §1.3, and data to go with it."""
     kind = draw(
         st.sampled_from(
             ["dtype", "shape", "huge", "offsets", "span", "keys", "bool_shape", "not_object"]

@@ -69,7 +69,7 @@ def operation_id(operation) -> str:
 
 def rejects_invalid_data(ctx, response, case):
     """schemathesis' negative_data_rejection, less one case it gets wrong here: a JSON route
-    reads an empty or blank body as {} (CONTRACT 1.1), which is valid."""
+    reads an empty or blank body as {} (docs/contract.md §1.1), which is valid."""
     body = case.body
     if isinstance(body, (bytes, str)) and not body.strip():
         return None

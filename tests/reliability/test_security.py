@@ -64,7 +64,7 @@ def probe_routes(ns: str, base: str, key: str, routes) -> dict:
 
 
 def test_the_description_has_every_route():
-    assert len(ROUTES) == 20  # the 19 operations of CONTRACT 2, and /health
+    assert len(ROUTES) == 20  # the 19 operations of docs/contract.md §2, and /health
 
 
 def test_a_default_server_cannot_be_reached_from_another_address(namespace, server_factory):  # noqa: F811

@@ -1,6 +1,6 @@
 """Sampling through the step routes (a real server on a loopback port) equals sampling in
 process, bit for bit, on a deterministic test model; and the bench record has the shape of
-CONTRACT.md 6."""
+docs/contract.md §6."""
 
 import numpy as np
 import pytest

@@ -1,5 +1,5 @@
 """The front gates and error shapes: version header, JSON and size gates, API key, host guard,
-steps_api, unknown paths, and 500s that leave the worker alive (CONTRACT 1.2, 1.9, 4)."""
+steps_api, unknown paths, and 500s that leave the worker alive (docs/contract.md §1.2, 1.9, 4)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """models, status, manifest, load/unload, encode (JSON and container) and the VAE routes
-(CONTRACT 2.2-2.6, 2.12-2.13)."""
+(docs/contract.md §2.2-2.6, 2.12-2.13)."""
 
 from __future__ import annotations
 

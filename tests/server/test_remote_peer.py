@@ -1,4 +1,4 @@
-"""Peers that are not loopback (CONTRACT 4).
+"""Peers that are not loopback (docs/contract.md §4).
 
 For real: a network namespace joined to this one by a veth pair gives a second address on this
 machine; a server bound to the host side is called from inside the namespace. That needs root

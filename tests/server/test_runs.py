@@ -1,5 +1,5 @@
 """Runs: begin/end/interrupt, 32 and 429, idle end, interrupts of steps in flight, and the holds
-that keep a model loaded (CONTRACT 2.10, 3.2)."""
+that keep a model loaded (docs/contract.md §2.10, 3.2)."""
 
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ def test_concurrent_clients_get_their_own_rows(fresh):
 
 
 def test_a_step_on_a_run_uses_the_runs_instance_without_the_worker(fresh, monkeypatch):
-    """CONTRACT 2.11 step 4 for a run: the run's loaded instance, no resolving, no worker job;
+    """docs/contract.md §2.11 step 4 for a run: the run's loaded instance, no resolving, no worker job;
     a step naming no run (or another model) still resolves."""
     registry = fresh.ctx.registry
     acquired = []

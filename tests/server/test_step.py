@@ -1,5 +1,5 @@
 """POST step: row semantics, dtypes, headers and every refusal in the contract's order
-(CONTRACT 2.11, 3.3)."""
+(docs/contract.md §2.11, 3.3)."""
 
 from __future__ import annotations
 

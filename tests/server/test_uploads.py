@@ -1,5 +1,5 @@
 """HEAD/PUT tensors and adapters, malformed containers, the LRU caches, adapters/register and
-patch tables (CONTRACT 1.3, 2.7-2.9)."""
+patch tables (docs/contract.md §1.3, 2.7-2.9)."""
 
 from __future__ import annotations
 

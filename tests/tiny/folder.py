@@ -22,7 +22,7 @@ from tests.tiny.text_encoder import build_text_encoder
 from tests.tiny.transformer import build_transformer
 from tests.tiny.vae import build_vae
 
-# Qwen-Image 2.1 turbo's fixed sigmas (CONTRACT.md 2.3), excluding the terminal 0.0.
+# Qwen-Image 2.1 turbo's fixed sigmas (docs/contract.md §2.3), excluding the terminal 0.0.
 TURBO_SIGMAS = SAMPLE_SIGMAS
 
 

@@ -14,7 +14,7 @@ Choices worth knowing:
 - `sample_sigmas` holds the turbo variant's eight fixed sigmas, so an image takes 8 steps rather
   than the base variant's 40: MLX's CPU backend is slow at the element-wise work of attention
   and convolutions, and trying the pipeline should take seconds. The scheduler config still
-  carries the base rule's constants (CONTRACT.md 5.3). Set SAMPLE_SIGMAS to None for a base
+  carries the base rule's constants (docs/contract.md §5.3). Set SAMPLE_SIGMAS to None for a base
   variant whose step count is the caller's choice.
 - Made with numpy, safetensors and tokenizers only (no torch, diffusers or transformers), in a
   temporary folder renamed into place, with a stamp whose fingerprint covers the generator's
@@ -45,7 +45,7 @@ STAMP_FILE = "gmlx_embedded.json"
 # The diffusers release whose file layout and config keys these files follow.
 DIFFUSERS_FORMAT = "0.42.1"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
-# A turbo-like variant: these fixed sigmas (Qwen-Image 2.1 turbo's, CONTRACT.md 2.3) set 8 steps.
+# A turbo-like variant: these fixed sigmas (Qwen-Image 2.1 turbo's, docs/contract.md §2.3) set 8 steps.
 SAMPLE_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568]
 
 TRANSFORMER_CONFIG = {
@@ -133,7 +133,7 @@ SCHEDULER_CONFIG = {
     "shift": 1.0,
     "use_dynamic_shifting": True,
     "time_shift_type": "exponential",
-    # The qwen_image21 rule's constants (CONTRACT.md 5.3).
+    # The qwen_image21 rule's constants (docs/contract.md §5.3).
     "base_image_seq_len": 256,
     "max_image_seq_len": 8192,
     "base_shift": 0.5,

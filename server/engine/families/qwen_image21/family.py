@@ -30,9 +30,9 @@ LATENT_PATCH = 1
 VAE_STRIDE = 16
 BASE_SAMPLING = {"steps": 40, "cfg": 1.0, "shift": 1.0}
 TURBO_SAMPLING = {"cfg": 1.0, "shift": 1.0}
-# Prefix states kept outside runs (CONTRACT.md 3.3), least recently used shed first.
+# Prefix states kept outside runs (docs/contract.md §3.3), least recently used shed first.
 PREFIX_BUDGET_BYTES = 2 << 30
-# scheduler_config.json keys -> keys of the qwen_image21 schedule object (CONTRACT.md 5.3).
+# scheduler_config.json keys -> keys of the qwen_image21 schedule object (docs/contract.md §5.3).
 SCHEDULER_KEYS = {
     "base_image_seq_len": "base_len",
     "max_image_seq_len": "max_len",
@@ -42,7 +42,7 @@ SCHEDULER_KEYS = {
 }
 MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
-# ---------------------------------------------------------------- memory plan (CONTRACT 3.5)
+# ---------------------------------------------------------------- memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights and the states already held, counted in buffers of the DiT's
 # shapes; tests/memory checks the sum against measured peaks. Per token of a pass:
 TOKEN_WIDTH_BUFFERS = 10  # hidden, its normed form, q, k, v, the attention out, residual sums
@@ -78,7 +78,7 @@ def identify(model_dir: Path) -> tuple[str, str] | None:
 
 
 def sampling_row(model_dir: Path) -> dict:
-    """The variant's own settings (CONTRACT.md 2.3): turbo samples its fixed sigmas (with the
+    """The variant's own settings (docs/contract.md §2.3): turbo samples its fixed sigmas (with the
     terminal 0.0 appended); base uses the size-dependent rule with the scheduler's constants."""
     model_dir = Path(model_dir)
     fixed = _model_index(model_dir).get("sample_sigmas")
@@ -109,7 +109,7 @@ def sampling_row(model_dir: Path) -> dict:
 
 
 def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
-    """The family part of the status (CONTRACT.md 2.3), from config files and headers alone."""
+    """The family part of the status (docs/contract.md §2.3), from config files and headers alone."""
     model_dir = Path(model_dir)
     dit_config = read_config(model_dir / "transformer")
     vae_config = read_config(model_dir / "vae")
@@ -123,7 +123,7 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "vae": {
             "channels_out": vae_config.get("out_channels", 4),
             "stride": VAE_STRIDE,
-            # Extension of CONTRACT.md 2.3: the normalisation from the VAE routes' latent space
+            # Extension of docs/contract.md §2.3: the normalisation from the VAE routes' latent space
             # to the DiT's model space, (z - mean) / std, which a client such as the ComfyUI
             # pack needs to move ComfyUI's LATENT into the step's space.
             "latents_mean": [float(v) for v in vae_config["latents_mean"]],
@@ -213,7 +213,7 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
 
 
 def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
-    """Status `memory` (CONTRACT 2.3): the file sizes, the activation reserve (the plan's
+    """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
     footprint, loaded weights plus the reserve, less the file sizes) and the resident bytes."""
     files = {
         "dit_bytes": component_bytes(model_dir / "transformer"),
@@ -229,7 +229,7 @@ def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
 
 
 def manifest(model_dir: Path) -> dict:
-    """The DiT's tensors by their diffusers names (CONTRACT.md 2.4 with naming "diffusers")."""
+    """The DiT's tensors by their diffusers names (docs/contract.md §2.4 with naming "diffusers")."""
     tensors = []
     for path in weight_files(Path(model_dir) / "transformer"):
         for name, entry in read_header(path).items():

@@ -1,4 +1,4 @@
-"""Reference images for Qwen-Image 2.1: the CONTRACT 2.6 size rules, and the Qwen3-VL
+"""Reference images for Qwen-Image 2.1: the docs/contract.md §2.6 size rules, and the Qwen3-VL
 image processor's preprocessing, with Pillow and numpy.
 
 One resize (Lanczos, at the image's own area, sides rounded to multiples of 32) feeds both the VAE
@@ -26,7 +26,7 @@ MAX_ASPECT = 200
 
 
 def reference_size(width: int, height: int) -> tuple[int, int]:
-    """The size a reference image is resized to (CONTRACT 2.6), or EngineInputError.
+    """The size a reference image is resized to (docs/contract.md §2.6), or EngineInputError.
 
     Same arithmetic as diffusers' `calculate_dimensions(area, ratio)` at the image's own area,
     so the sides come out exactly as the pipeline rounds them (Python's round, half to even).

@@ -2,7 +2,7 @@
 
 Each row of a step is computed independently: its conditioning (text rows, references spliced in
 at their wire-form slots) forms a prefix whose K/V per block is a `PrefixState`, held in a
-`PrefixCache` (CONTRACT.md 3.3); the target tokens of all rows then run as one batch, each row
+`PrefixCache` (docs/contract.md §3.3); the target tokens of all rows then run as one batch, each row
 attending to its own prefix, which is exact for rows of any lengths (no padding, no masks).
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 from ...base import EngineInputError, StepResult, StepRow, kept_image_slots
 from .dit import PrefixLayout, PrefixState, QwenImage21DiT, dtype_name
 
-# Step conventions of this family (CONTRACT.md 5.2): both read the timestep as sigma
+# Step conventions of this family (docs/contract.md §5.2): both read the timestep as sigma
 # (scale 1, shift 0), return +dx/dsigma, and embed the time by the DiT's reference rule.
 CONVENTIONS = {"comfy": (1.0, 0.0, 1.0), "reference": (1.0, 0.0, 1.0)}
 
@@ -77,7 +77,7 @@ class PrefixCache:
         self._pins.clear()
 
     def shed(self, need_bytes: int, keep: set) -> int:
-        """Free states for a memory plan (CONTRACT 3.3): those of finished work (unpinned) first,
+        """Free states for a memory plan (docs/contract.md §3.3): those of finished work (unpinned) first,
         then those runs hold (a run's next step rebuilds them), least recently used first within
         each; never the keys in `keep`. Returns the bytes freed (may fall short)."""
         freed = 0
@@ -109,7 +109,7 @@ class PrefixCache:
 
 
 def sigmas_for(timestep: np.ndarray, batch: int, convention: str) -> np.ndarray:
-    """The per-row sigma (float32) of a step's timestep under a convention (CONTRACT.md 5.2)."""
+    """The per-row sigma (float32) of a step's timestep under a convention (docs/contract.md §5.2)."""
     if convention not in CONVENTIONS:
         raise EngineInputError(
             f"unknown convention {convention!r} for qwen_image21; use one of {sorted(CONVENTIONS)}"
