@@ -5,14 +5,14 @@ else the machine's memory less `memory_headroom_mb` (an MLX GPU backend's recomm
 set; on Linux MemAvailable plus what this process already holds; on macOS `hw.memsize`). What the
 loaded models and the caches hold comes off it; the rest is free for a request's activations.
 
-A model takes part when it offers the planning methods of `QwenImage21Model` (`weight_bytes`,
-`held_bytes`, `step_peak_bytes`, `step_keys`, `vae_peak_bytes`, `shed_states`); the estimates
-are its family's, pure functions of shapes and config. A step is planned twice: a quick plan of
-`x` alone (HTTP thread, counting the prefix states as sheddable), then, on the worker right
-before the forward, a detailed plan with the rows' prefixes, which sheds held states when that
-makes room. A model that also offers `plan_step` has its rows planned once there, and that plan
-goes on to `step_peak_bytes`, `step_keys` and the forward. Work whose plan does not fit is
-refused 400 with what would fit.
+Every model answers the planning half of the seam (`base.MemoryPlanning`: `weight_bytes`,
+`held_bytes`, `plan_step`, `step_peak_bytes`, `step_keys`, `vae_peak_bytes`, `shed_states`); the
+estimates are its family's, pure functions of shapes and config. A step is planned twice: a
+quick plan of `x` alone (HTTP thread, counting the prefix states as sheddable), then, on the
+worker right before the forward, a detailed plan with the rows' prefixes, which sheds held
+states when that makes room. The rows are planned once there (`plan_step`), and that plan goes
+on to `step_peak_bytes`, `step_keys` and the forward. Work whose plan does not fit is refused
+400 with what would fit.
 """
 
 from __future__ import annotations
@@ -45,13 +45,9 @@ LINUX_READ_MAX_AGE_S = 0.1
 # ---------------------------------------------------------------- the machine
 
 
-def machine_bytes() -> int:
-    """The memory this process could use before any headroom (0 when it cannot be told)."""
-    return machine_reader()()
-
-
 def machine_reader(max_age_s: float = LINUX_READ_MAX_AGE_S) -> Callable[[], int]:
-    """A reader of `machine_bytes` whose fixed facts are read now, once: an MLX GPU's working
+    """A reader of the memory this process could use before any headroom (0 when it cannot be
+    told), whose fixed facts are read now, once: an MLX GPU's working
     set (MLX is asked only here, on the thread that builds the planner before serving, never
     from an HTTP thread) and the host's total memory. Only Linux's MemAvailable changes; the
     reader reads it again when its last reading is older than `max_age_s`."""
@@ -176,13 +172,14 @@ class MemoryPlanner:
         total = sum(cache.total for cache in self.caches)
         for model_id in self.registry.resident_ids():
             loaded = self.registry.loaded(model_id)
-            model = loaded.model if loaded else None
-            total += int(getattr(model, "weight_bytes", 0) or 0)
-            if loaded is not None:  # list(): one step, as HTTP threads may add tables meanwhile
-                tables = [*loaded.tables.values(), loaded.default_table]
-                total += sum(table.nbytes for table in tables if table is not None)
-            if states and hasattr(model, "held_bytes"):
-                total += model.held_bytes()
+            if loaded is None:  # unloaded meanwhile
+                continue
+            total += loaded.model.weight_bytes
+            # list(): one step, as HTTP threads may add tables meanwhile
+            tables = [*loaded.tables.values(), loaded.default_table]
+            total += sum(table.nbytes for table in tables if table is not None)
+            if states:
+                total += loaded.model.held_bytes()
         return total
 
     # ------------------------------------------------------------ the step
@@ -191,8 +188,6 @@ class MemoryPlanner:
         """docs/contract.md §2.11 step 5: the target pass alone against the budget less weights and
         caches (held states could be shed, so they do not count here)."""
         model = loaded.model
-        if not hasattr(model, "step_peak_bytes"):
-            return
         budget = self.budget()  # one look at the machine per plan
         free = budget - self.held(states=False)
         need = model.step_peak_bytes(tuple(x_shape), None)
@@ -208,18 +203,15 @@ class MemoryPlanner:
     def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> Any:
         """docs/contract.md §2.11 step 11, on the worker: the rows' prefixes, states not held counted as
         built; held states of other work are shed when that makes the plan fit. Returns the
-        model's plan of the step (its `plan_step`, made once here), for its forward; else None."""
+        model's plan of the step (its `plan_step`, made once here), for its forward."""
         model = loaded.model
-        if not hasattr(model, "step_peak_bytes"):
-            return None
         x_shape = tuple(x_shape)
-        plans = model.plan_step(x_shape, rows, table) if hasattr(model, "plan_step") else None
-        planned = {} if plans is None else {"plans": plans}
-        need = model.step_peak_bytes(x_shape, rows, table, **planned)
+        plans = model.plan_step(x_shape, rows, table)
+        need = model.step_peak_bytes(x_shape, rows, table, plans=plans)
         budget = self.budget()
         free = budget - self.held()
         if need > free:
-            keep = model.step_keys(x_shape, rows, table, **planned)
+            keep = model.step_keys(x_shape, rows, table, plans=plans)
             freed = model.shed_states(need - free, keep)
             log.info("memory plan shed %s of prefix states for a step", _mib(freed))
             free += freed
@@ -253,12 +245,10 @@ class MemoryPlanner:
         """docs/contract.md §2.12-2.13, on the worker: one image of height x width pixels (images go one
         at a time); held states are shed when that makes it fit."""
         model = loaded.model
-        if not hasattr(model, "vae_peak_bytes"):
-            return
         need = model.vae_peak_bytes(height, width, decode)
         budget = self.budget()
         free = budget - self.held()
-        if need > free and hasattr(model, "shed_states"):
+        if need > free:
             free += model.shed_states(need - free, set())
         if need > free:
             stride = loaded.facts.vae_stride
@@ -302,7 +292,7 @@ class MemoryPlanner:
         if loaded is None:
             return 0
         footprint = loaded.model.status().get("memory", {}).get("resident_bytes")
-        footprint = int(footprint or getattr(loaded.model, "weight_bytes", 0) or 0)
+        footprint = int(footprint or loaded.model.weight_bytes)
         table = loaded.default_table
         return footprint + (table.nbytes if table is not None else 0)
 

@@ -217,16 +217,14 @@ def build_table(
     """Validate a table's schema (docs/contract.md §2.9) and build it from the adapter matrices.
 
     Runs on the image worker. Whether each key is a linear layer of the DiT and whether each
-    pair's shapes fit that layer and band is the model's to say: a model that provides
-    `check_patch_table(table)` raising EngineInputError is asked here (the LoRA work plugs in).
+    pair's shapes fit that layer and band is the model's to say: its `check_patch_table(table)`
+    raises EngineInputError when they do not.
     """
     entries = tuple(
         _build_entry(i, entry, adapters) for i, entry in enumerate(doc.get("entries", []))
     )
     table = PatchTable(table_id=digest, model_id=loaded.model_id, entries=entries)
-    check = getattr(loaded.model, "check_patch_table", None)
-    if check is not None:
-        check(table)
+    loaded.model.check_patch_table(table)
     return table
 
 

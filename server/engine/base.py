@@ -8,7 +8,7 @@ Every method of a loaded model is called on the single image worker thread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -66,12 +66,61 @@ class EncodeResult:
     image_slots: list[int] = field(default_factory=list)
 
 
-class ImageModel(Protocol):
-    """A loaded image model of one family (DiT, text encoder and VAE)."""
+@dataclass(frozen=True)
+class Capabilities:
+    """What a model can do beyond its status, read once at load (registry.ModelFacts) and
+    checked by the step route before any work (docs/contract.md §2.11)."""
+
+    max_refs: int = 10  # reference images a row may carry
+    conventions: tuple[str, ...] = ("comfy", "reference")  # step conventions (§5.2)
+    ref_cache: bool = False  # the DiT can extract reference K/V (§3.4)
+    skip_blocks: int = 0  # how many DiT blocks `skip` may name (0: the DiT skips none)
+    flow_map: bool = False  # the step needs `sample_sigmas`
+
+
+class MemoryPlanning(Protocol):
+    """What the memory planner (server/memory.py) asks a loaded model: pure estimates from
+    shapes and config, and the states it may shed. `plans` is the model's own plan of a step's
+    rows (`plan_step`), made once by the planner and handed back to the estimates and to
+    `denoise_step`; a model without per-row planning returns None from `plan_step`."""
+
+    weight_bytes: int  # the loaded weights, counted from the arrays
+
+    def held_bytes(self) -> int:
+        """What the model holds beyond its weights (prefix states, patched weight trees)."""
+
+    def plan_step(self, x_shape: tuple, rows: list[StepRow], table: object | None = None) -> Any:
+        """The rows' plan for a step of x_shape, or None."""
+
+    def step_peak_bytes(
+        self,
+        x_shape: tuple,
+        rows: list[StepRow] | None,
+        table: object | None = None,
+        plans: Any = None,
+    ) -> int:
+        """A step's peak beyond weights and held states; rows None: the target pass alone."""
+
+    def step_keys(
+        self, x_shape: tuple, rows: list[StepRow], table: object | None = None, plans: Any = None
+    ) -> set:
+        """The held states a step uses (never shed to make room for that step)."""
+
+    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
+        """One VAE pass's peak at height x width pixels."""
+
+    def shed_states(self, need_bytes: int, keep: set) -> int:
+        """Shed held states (never those in `keep`) until need_bytes are freed; the bytes freed."""
+
+
+class ImageModel(MemoryPlanning, Protocol):
+    """A loaded image model of one family (DiT, text encoder and VAE). The registry refuses a
+    model that lacks any member (`seam_gaps`)."""
 
     model_id: str
     family: str
     variant: str
+    capabilities: Capabilities
 
     def status(self) -> dict:
         """The family part of GET models/{model}/status: comfy, latent, vae, edit_capable,
@@ -92,11 +141,25 @@ class ImageModel(Protocol):
         convention: str = "comfy",
         run: str | None = None,
         table: object | None = None,
+        plans: Any = None,
+        ref_cache: bool = False,
+        skip: tuple[int, ...] = (),
+        sample_sigmas: np.ndarray | None = None,
     ) -> StepResult:
-        """The model output for x (B, C, h, w) at timestep (B,) under one row per batch entry."""
+        """The model output for x (B, C, h, w) at timestep (B,) under one row per batch entry.
+        `plans`: this step's `plan_step`; `ref_cache`, `skip` and `sample_sigmas` come only
+        as far as `capabilities` allow (the route refuses them otherwise)."""
+
+    def check_patch_table(self, table: object) -> None:
+        """Refuse (EngineInputError) a LoRA patch table whose keys, bands or shapes do not fit
+        the DiT; called when the table is put."""
 
     def end_run(self, run: str) -> None:
         """Shed the prefix states that the run kept."""
+
+    def vae_space(self, latents: np.ndarray) -> np.ndarray:
+        """Latents (C, h, w) in the DiT's model space -> the VAE routes' space (the identity
+        where status `vae.space` is "model")."""
 
     def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
         """One image: latents (C, h, w) in the VAE's own space -> (H, W, 3 or 4) in [0, 1]."""
@@ -106,3 +169,21 @@ class ImageModel(Protocol):
 
     def close(self) -> None:
         """Drop the weights."""
+
+
+def seam_gaps(model: object) -> list[str]:
+    """The members of the `ImageModel` seam that `model` lacks (methods not callable count)."""
+    gaps = []
+    for protocol in (ImageModel, MemoryPlanning):
+        for name in (*protocol.__annotations__, *_methods(protocol)):
+            value = getattr(model, name, _MISSING)
+            if value is _MISSING or (name in _methods(protocol) and not callable(value)):
+                gaps.append(name)
+    return sorted(set(gaps))
+
+
+def _methods(protocol: type) -> list[str]:
+    return [name for name, value in vars(protocol).items() if callable(value) and name[0] != "_"]
+
+
+_MISSING = object()

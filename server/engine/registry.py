@@ -24,7 +24,7 @@ from typing import Any
 
 from gmlx_contract.errors import ContractError
 
-from .base import EngineInputError, ImageModel
+from .base import EngineInputError, ImageModel, seam_gaps
 
 log = logging.getLogger("gmlx.server")
 
@@ -75,11 +75,12 @@ class ModelFacts:
     vae_stride: int
     vae_channels_out: int
     edit_capable: bool
-    max_refs: int = 10
-    conventions: tuple[str, ...] = ("comfy", "reference")
-    ref_cache: bool = False  # the DiT can extract reference K/V (docs/contract.md §3.4)
-    skip_blocks: int = 0  # how many DiT blocks `skip` may name (0: the DiT skips none)
-    flow_map: bool = False  # needs `sample_sigmas`
+    # The model's `capabilities` (base.Capabilities), copied here.
+    max_refs: int
+    conventions: tuple[str, ...]
+    ref_cache: bool
+    skip_blocks: int
+    flow_map: bool
 
     @classmethod
     def of(cls, model: ImageModel, status: dict) -> ModelFacts:
@@ -90,11 +91,11 @@ class ModelFacts:
             vae_stride=int(vae.get("stride", 1)),
             vae_channels_out=int(vae.get("channels_out", 3)),
             edit_capable=bool(status.get("edit_capable", False)),
-            max_refs=int(getattr(model, "max_refs", 10)),
-            conventions=tuple(getattr(model, "conventions", ("comfy", "reference"))),
-            ref_cache=bool(getattr(model, "supports_ref_cache", False)),
-            skip_blocks=int(getattr(model, "skip_blocks", 0)),
-            flow_map=bool(getattr(model, "flow_map", False)),
+            max_refs=model.capabilities.max_refs,
+            conventions=tuple(model.capabilities.conventions),
+            ref_cache=model.capabilities.ref_cache,
+            skip_blocks=model.capabilities.skip_blocks,
+            flow_map=model.capabilities.flow_map,
         )
 
 
@@ -326,6 +327,12 @@ class ModelRegistry:
                 400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
             ) from exc
         try:
+            gaps = seam_gaps(model)
+            if gaps:
+                raise TypeError(
+                    f"family {entry.family} built a model that lacks the ImageModel seam's "
+                    f"{', '.join(gaps)} (server/engine/base.py)"
+                )
             loaded = LoadedModel(entry, model, 0, ModelFacts.of(model, model.status()))
             if self.load_hooks is not None:
                 self._hook(entry.model_id, self.load_hooks.give, loaded)

@@ -383,19 +383,11 @@ class DirectTransport:
 
 
 def decode_latents(model: Any, latents: np.ndarray) -> np.ndarray:
-    """Final latents (1, C, h, w) in model space -> RGB (H, W, 3) float32 in [0, 1].
-
-    The VAE routes take the VAE's own latent space unless the family's status says
-    `vae.space: "model"`; otherwise the family's VAE maps model space back (Qwen-Image 2.1:
-    latents x std + mean). Runs on the image worker.
-    """
+    """Final latents (1, C, h, w) in model space -> RGB (H, W, 3) float32 in [0, 1], through
+    the model's `vae_space` (the VAE routes take the VAE's own latent space). Runs on the image
+    worker."""
     latents = np.asarray(latents, dtype=np.float32)[0]
-    if model.status().get("vae", {}).get("space") != "model":
-        import mlx.core as mx
-
-        vae_space = model.vae.from_model_space(mx.array(latents)[None])[0]
-        latents = np.array(vae_space.astype(mx.float32))
-    return model.vae_decode(latents, False)
+    return model.vae_decode(model.vae_space(latents), False)
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:

@@ -82,17 +82,19 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
         service.check_live(run)  # interrupted while queued: do not compute
         # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states)
         plans = service.memory.check_step(loaded, request.x.shape, rows, table)
-        kwargs: dict[str, Any] = {"convention": convention, "run": run.run_id if run else None}
-        kwargs["table"] = table
-        if plans is not None:  # the model's plan of the rows, made once by the memory plan
-            kwargs["plans"] = plans
-        if ref_cache:
-            kwargs["ref_cache"] = True
-        if skip:
-            kwargs["skip"] = skip
-        if request.sample_sigmas is not None and facts.flow_map:
-            kwargs["sample_sigmas"] = request.sample_sigmas
-        return loaded.model.denoise_step(request.x, request.timestep, rows, **kwargs)
+        flow_map = facts.flow_map and request.sample_sigmas is not None
+        return loaded.model.denoise_step(
+            request.x,
+            request.timestep,
+            rows,
+            convention=convention,
+            run=run.run_id if run else None,
+            table=table,
+            plans=plans,  # the model's plan of the rows, made once by the memory plan
+            ref_cache=ref_cache,
+            skip=tuple(skip),
+            sample_sigmas=request.sample_sigmas if flow_map else None,
+        )
 
     result = service.worker.call(forward)
     service.check_live(run)  # 12: interrupted or ended while running: the result is dropped

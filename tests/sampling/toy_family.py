@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gmlx_server.engine.base import EncodeResult, EngineInputError, StepResult
+from gmlx_server.engine.base import Capabilities, EncodeResult, EngineInputError, StepResult
 
 FAMILY = "toy"
 PIPELINE_CLASS = "ToyPipeline"
@@ -48,6 +48,8 @@ def _text_rows(text: str) -> np.ndarray:
 class ToyModel:
     family = FAMILY
     variant = "base"
+    capabilities = Capabilities()
+    weight_bytes = 0
 
     def __init__(self, model_id: str) -> None:
         self.model_id = model_id
@@ -97,7 +99,20 @@ class ToyModel:
             slots.append(min(i, cond.shape[1]))
         return EncodeResult(cond=cond, ref_latents=latents, image_slots=slots)
 
-    def denoise_step(self, x, timestep, rows, *, convention="comfy", run=None, table=None):
+    def denoise_step(
+        self,
+        x,
+        timestep,
+        rows,
+        *,
+        convention="comfy",
+        run=None,
+        table=None,
+        plans=None,
+        ref_cache=False,
+        skip=(),
+        sample_sigmas=None,
+    ):
         if x.shape[0] != len(rows):
             raise EngineInputError("one row per batch entry")
         self.calls.append((len(rows), run))
@@ -115,6 +130,32 @@ class ToyModel:
 
     def end_run(self, run: str) -> None:
         self.ended.append(run)
+
+    def check_patch_table(self, table) -> None:
+        raise EngineInputError("the toy model takes no patch tables")
+
+    # memory plan: x and the output in float32; nothing held
+    def held_bytes(self) -> int:
+        return 0
+
+    def plan_step(self, x_shape, rows, table=None):
+        return None
+
+    def step_peak_bytes(self, x_shape, rows, table=None, plans=None) -> int:
+        return 2 * 4 * int(np.prod(x_shape))
+
+    def step_keys(self, x_shape, rows, table=None, plans=None) -> set:
+        return set()
+
+    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
+        return 4 * 3 * height * width
+
+    def shed_states(self, need_bytes: int, keep: set) -> int:
+        return 0
+
+    def vae_space(self, latents: np.ndarray) -> np.ndarray:
+        """Status `vae.space` is "model": the VAE takes model-space latents."""
+        return np.asarray(latents, np.float32)
 
     def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
         image = 1.0 / (1.0 + np.exp(-latents[:3].transpose(1, 2, 0)))

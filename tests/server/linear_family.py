@@ -13,7 +13,13 @@ import threading
 from pathlib import Path
 
 import numpy as np
-from gmlx_server.engine.base import EncodeResult, EngineInputError, StepResult, StepRow
+from gmlx_server.engine.base import (
+    Capabilities,
+    EncodeResult,
+    EngineInputError,
+    StepResult,
+    StepRow,
+)
 
 FAMILY = "test_linear"
 PIPELINE_CLASS = "GmlxTestLinearPipeline"
@@ -98,7 +104,12 @@ def table_strength(table) -> float:
 
 
 class LinearModel:
+    """The whole `ImageModel` seam, each member written out (none inherited), so a member the
+    seam gains and this family lacks fails the registry's load."""
+
     family = FAMILY
+    capabilities = Capabilities()
+    weight_bytes = 64  # status memory.dit_bytes
 
     def __init__(self, model_id: str, variant: str) -> None:
         self.model_id = model_id
@@ -151,7 +162,18 @@ class LinearModel:
         return EncodeResult(cond=cond, ref_latents=latents, image_slots=slots)
 
     def denoise_step(
-        self, x, timestep, rows: list[StepRow], *, convention="comfy", run=None, table=None
+        self,
+        x,
+        timestep,
+        rows: list[StepRow],
+        *,
+        convention="comfy",
+        run=None,
+        table=None,
+        plans=None,
+        ref_cache=False,
+        skip=(),
+        sample_sigmas=None,
     ) -> StepResult:
         self.step_started.set()
         self._release.wait(30)
@@ -174,8 +196,34 @@ class LinearModel:
         )
         return StepResult(out=out, prefix_cache=header, forward_ms=0.25)
 
+    def check_patch_table(self, table) -> None:
+        """Every key fits: the family applies a table as the sum of its strengths."""
+
     def end_run(self, run: str) -> None:
         self.ended_runs.append(run)
+
+    # memory plan: x and the output in float32, one image's pixels; nothing held to shed
+    def held_bytes(self) -> int:
+        return 0
+
+    def plan_step(self, x_shape, rows, table=None):
+        return None
+
+    def step_peak_bytes(self, x_shape, rows, table=None, plans=None) -> int:
+        return 2 * 4 * int(np.prod(x_shape))
+
+    def step_keys(self, x_shape, rows, table=None, plans=None) -> set:
+        return set()
+
+    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
+        return 4 * 4 * height * width
+
+    def shed_states(self, need_bytes: int, keep: set) -> int:
+        return 0
+
+    def vae_space(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE routes' latents are the step's (no normalisation)."""
+        return np.asarray(latents, np.float32)
 
     def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
         if latents.shape[0] != CHANNELS:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ... import cpu_ops
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
+from ...family import FamilyModel
 from ...lora import TableWeights
 from ...schedules import qwen_image21_rule
 from ...weights import component_bytes, read_config, read_header, weight_files
@@ -271,7 +272,7 @@ def load(model_dir: Path, model_id: str) -> QwenImage21Model:
     return QwenImage21Model(model_dir, model_id, found[1], dit, vae, encoder)
 
 
-class QwenImage21Model:
+class QwenImage21Model(FamilyModel):
     family = FAMILY
 
     def __init__(
@@ -284,20 +285,22 @@ class QwenImage21Model:
         encoder,
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
     ):
-        self.model_dir = Path(model_dir)
-        self.model_id = model_id
-        self.variant = variant
+        model_dir = Path(model_dir)
+        status = describe(model_dir, model_id, dit.dtype)
+        status["memory"] = memory_row(model_dir, dit.dtype, resident=True)
+        super().__init__(
+            model_dir,
+            model_id,
+            variant,
+            vae=vae,
+            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
+            status=status,
+            read_manifest=manifest,
+            weight_bytes=weight_bytes(model_dir, dit.dtype),
+        )
         self.dit = dit
-        self.vae = vae
         self.encoder = encoder
         self.prefix_cache = PrefixCache(prefix_budget_bytes)
-        self.tables = TableWeights(dit.weights, linear_slots(dit.config), dit.dtype)
-        self._status = describe(self.model_dir, model_id, dit.dtype)
-        self._status["memory"] = memory_row(self.model_dir, dit.dtype, resident=True)
-        self.weight_bytes = weight_bytes(self.model_dir, dit.dtype)
-
-    def status(self) -> dict:
-        return json.loads(json.dumps(self._status))  # a copy the caller may change
 
     # -- memory plan (server/memory.py asks these) ---------------------------------------
 
@@ -344,16 +347,10 @@ class QwenImage21Model:
         plans = self.plan_step(x_shape, rows, table) if plans is None else plans
         return {plan.key for plan in plans}
 
-    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
-        return self.vae.peak_bytes(height, width, decode)
-
     def shed_states(self, need_bytes: int, keep: set) -> int:
         """Shed prefix states (unpinned ones first, least recently used first, then those of
         other runs) until `need_bytes` are freed; returns the bytes freed."""
         return self.prefix_cache.shed(need_bytes, keep)
-
-    def manifest(self) -> dict:
-        return manifest(self.model_dir)
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         encoding = self.encoder.encode(text, list(images))
@@ -379,8 +376,13 @@ class QwenImage21Model:
         run: str | None = None,
         table: object | None = None,
         plans: list[RowPlan] | None = None,
+        ref_cache: bool = False,
+        skip: tuple[int, ...] = (),
+        sample_sigmas: np.ndarray | None = None,
     ) -> StepResult:
-        """`plans`: this step's plan_step(x.shape, rows, table), when the memory plan made it."""
+        """`plans`: this step's plan_step(x.shape, rows, table), when the memory plan made it.
+        The family extracts no reference K/V, skips no blocks and needs no sample sigmas
+        (`capabilities`), so the route never sets those."""
         return denoise_step(
             self.dit,
             self.prefix_cache,
@@ -394,35 +396,13 @@ class QwenImage21Model:
             plans=plans,
         )
 
-    def check_patch_table(self, table) -> None:
-        """Refuse a patch table whose keys or shapes do not fit this DiT (called at PUT time)."""
-        self.tables.check(table)
-
     def end_run(self, run: str) -> None:
         self.prefix_cache.end_run(run)
 
-    def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
-        latents = np.asarray(latents, np.float32)
-        if latents.ndim != 3:
-            raise EngineInputError(f"latents must be (C, h, w), got {latents.shape}")
-        if alpha and self.vae.out_channels < 4:
-            raise EngineInputError("this VAE has no alpha channel; decode without alpha")
-        image = self.vae.decode(mx.array(latents)[None])[0]
-        image = image if alpha else image[..., :3]
-        return np.array(image.astype(mx.float32))
-
-    def vae_encode(self, image: np.ndarray) -> np.ndarray:
-        image = np.asarray(image, np.float32)
-        if image.ndim != 3:
-            raise EngineInputError(f"image must be (H, W, C), got {image.shape}")
-        latents = self.vae.encode(mx.array(image)[None])[0]
-        return np.array(latents.astype(mx.float32))
-
     def close(self) -> None:
         self.prefix_cache.clear()
-        self.tables.clear()
-        self.dit = self.vae = self.encoder = None
-        mx.clear_cache()
+        self.dit = self.encoder = None
+        super().close()
 
 
 def _table_id(table: object | None) -> str | None:
