@@ -159,9 +159,9 @@ def merged_tree(tree: dict, grouped: dict, dtype):
     """The comparison form: every patched weight replaced by W + B A (a copy per table)."""
     import mlx.core as mx
     import numpy as np
+    from gmlx_server.engine.lora import copy_along
 
-    merged = dict(tree)
-    merged["blocks"] = [dict(block) for block in tree["blocks"]]
+    merged = copy_along(tree, {slot.path for slot in grouped})
     for slot, pairs in grouped.items():
         node = slot.node(merged)
         down = mx.array(np.concatenate([p.down for p in pairs])).astype(dtype)

@@ -3,7 +3,8 @@
 A table (built and schema-checked by the steps service: `PatchTable` of `PatchEntry` of
 `LoraPatch`, up/down as float32 matrices) patches linear layers named as the model's manifest
 names them. A DiT declares its linear layers as `LinearSlot`s: where each one lives in its
-weight tree, which may hold several layers fused along the output rows (q/k/v as one matrix).
+weight tree (any path of keys and indices: `blocks[3]`, `double_blocks[0].img`, the root), which
+may hold several layers fused along the output rows (q/k/v as one matrix).
 
 Application is low-rank: a linear with a table's pair computes x W^T + (x A^T) B^T (see
 `project`), never a merged copy of W. Measured in docs/benchmarks.md ("LoRA"): the low-rank
@@ -55,21 +56,44 @@ def project(w: dict, name: str, x: mx.array) -> mx.array:
 
 @dataclass(frozen=True)
 class LinearSlot:
-    """Where a linear layer lives in a weight tree: the key of its (possibly fused) weight, at the
-    top of the tree (`block` None) or in `tree["blocks"][block]`, and which of `parts` equal row
-    groups of that weight it is."""
+    """Where a linear layer lives in a weight tree: the key of its (possibly fused) weight in the
+    node that `path` leads to from the root (dict keys and list indices; () is the root), and
+    which of `parts` equal row groups of that weight it is."""
 
     key: str
-    block: int | None
+    path: tuple[str | int, ...] = ()
     part: int = 0
     parts: int = 1
 
     def node(self, tree: dict) -> dict:
-        return tree if self.block is None else tree["blocks"][self.block]
+        for step in self.path:
+            tree = tree[step]
+        return tree
 
     def layer_shape(self, tree: dict) -> tuple[int, int]:
         rows, cols = self.node(tree)[self.key].shape
         return rows // self.parts, cols
+
+    @property
+    def fused(self) -> LinearSlot:
+        """The slot of the whole (fused) weight, shared by all its parts."""
+        return LinearSlot(self.key, self.path, 0, self.parts)
+
+
+def copy_along(tree: dict, paths) -> dict:
+    """A copy of `tree` in which the dicts and lists on each of `paths` are new (so nodes there
+    may be written) and everything else, leaves included, is shared with `tree`."""
+    root = dict(tree)
+    copied: dict[tuple, Any] = {(): root}
+    for path in paths:
+        for depth in range(1, len(path) + 1):
+            if path[:depth] in copied:
+                continue
+            parent, step = copied[path[: depth - 1]], path[depth - 1]
+            child = parent[step]
+            parent[step] = dict(child) if isinstance(child, dict) else list(child)
+            copied[path[:depth]] = parent[step]
+    return root
 
 
 @dataclass(frozen=True)
@@ -84,7 +108,7 @@ def table_pairs(
     table: Any, slots: dict[str, LinearSlot], tree: dict
 ) -> dict[LinearSlot, list[Pair]]:
     """Every live patch of a table placed on its fused weight, grouped by the weight it patches
-    (slots of one fused weight share it: keyed by (block, key) through a part-0 slot). Refuses,
+    (slots of one fused weight share it: keyed by their `fused` slot). Refuses,
     as EngineInputError, a key that is not a linear layer and shapes that do not fit."""
     grouped: dict[LinearSlot, list[Pair]] = {}
     for index, entry in enumerate(table.entries):
@@ -93,15 +117,21 @@ def table_pairs(
         if slot is None:
             raise EngineInputError(
                 f"{where}: {entry.layer!r} is not a linear layer of this DiT; keys name the manifest's "
-                "linear weights, e.g. transformer_blocks.0.attn.to_q.weight"
+                f"linear weights, e.g. {_example_key(slots)}"
             )
         rows, cols = _band_window(slot.layer_shape(tree), entry.band, where)
-        fused = LinearSlot(slot.key, slot.block, 0, slot.parts)
+        fused = slot.fused
         for j, patch in enumerate(entry.patches):
             pair = _place(slot, tree, rows, cols, patch, f"{where} patches[{j}]")
             if pair is not None:
                 grouped.setdefault(fused, []).append(pair)
     return grouped
+
+
+def _example_key(slots: dict[str, LinearSlot]) -> str:
+    """A key to show in a refusal: the first linear layer inside a block, else the first."""
+    inside = [name for name, slot in slots.items() if slot.path]
+    return (inside or list(slots) or ["?"])[0] + ".weight"
 
 
 def _band_window(shape: tuple[int, int], band, where: str) -> tuple[range, range]:
@@ -147,8 +177,7 @@ def patched_tree(tree: dict, grouped: dict[LinearSlot, list[Pair]], dtype: mx.Dt
     (the plain weights are shared, never copied); the tree itself when nothing is patched."""
     if not grouped:
         return tree
-    patched = dict(tree)
-    patched["blocks"] = [dict(block) for block in tree["blocks"]]
+    patched = copy_along(tree, {slot.path for slot in grouped})
     for slot, pairs in grouped.items():
         node = slot.node(patched)
         node[slot.key + LORA_DOWN] = mx.array(np.concatenate([p.down for p in pairs])).astype(dtype)
@@ -156,14 +185,15 @@ def patched_tree(tree: dict, grouped: dict[LinearSlot, list[Pair]], dtype: mx.Dt
     return patched
 
 
-def pair_bytes(tree: dict) -> int:
-    """Bytes of the pairs a patched tree carries."""
-    nodes = [tree, *tree["blocks"]]
+def pair_bytes(tree: Any) -> int:
+    """Bytes of the pairs a patched tree carries, wherever in it they sit."""
+    if isinstance(tree, list):
+        return sum(pair_bytes(child) for child in tree)
+    if not isinstance(tree, dict):
+        return 0
     return sum(
-        array.nbytes
-        for node in nodes
-        for key, array in node.items()
-        if key.endswith(LORA_DOWN) or key.endswith(LORA_UP)
+        value.nbytes if key.endswith((LORA_DOWN, LORA_UP)) else pair_bytes(value)
+        for key, value in tree.items()
     )
 
 

@@ -214,11 +214,12 @@ TOP_LINEARS = {
 
 def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
-    slots = {name: LinearSlot(key, None) for key, name in TOP_LINEARS.items()}
+    slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
     for i in range(config.num_layers):
         for key, parts in BLOCK_LINEARS.items():
             for part, name in enumerate(parts):
-                slots[BLOCK_PREFIX.format(i) + name] = LinearSlot(key, i, part, len(parts))
+                slot = LinearSlot(key, ("blocks", i), part, len(parts))
+                slots[BLOCK_PREFIX.format(i) + name] = slot
     return slots
 
 
