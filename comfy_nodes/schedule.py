@@ -1,8 +1,7 @@
 """Sigma schedules of the gmlx Sigmas node (docs/contract.md §7.3, §5.3).
 
-The pack must not import the server, so the two size-dependent rules of §5.3 are written here
-once more, in numpy float32; tests/comfy checks them against the server's own where it exists.
-Pure: numpy only.
+The size-dependent rules of §5.3 are the server's own, from `gmlx_contract.schedules` (the pack
+never imports the server); this reads a status `sampling` row with them. Pure: numpy only.
 """
 
 from __future__ import annotations
@@ -11,78 +10,16 @@ import math
 from typing import Any
 
 import numpy as np
-
-
-class ScheduleError(ValueError):
-    """A schedule request the model's sampling settings cannot satisfy."""
-
-
-def _f32(value: float) -> np.float32:
-    return np.float32(value)
-
-
-def flux2_sigmas(steps: int, tokens: int) -> np.ndarray:
-    """The `flux2` rule: shifted torch-style linspace from 1 to 0 with steps + 1 points."""
-    t = _torch_linspace(1.0, 0.0, steps + 1)
-    a1, b1 = _f32(8.73809524e-05), _f32(1.89833333)
-    a2, b2 = _f32(0.00016927), _f32(0.45666666)
-    tokens32 = _f32(tokens)
-    if tokens > 4300:
-        mu = a2 * tokens32 + b2
-    else:
-        m_200 = a2 * tokens32 + b2
-        m_10 = a1 * tokens32 + b1
-        slope = (m_200 - m_10) / _f32(190.0)
-        intercept = m_200 - _f32(200.0) * slope
-        mu = slope * _f32(steps) + intercept
-    e_mu = np.exp(mu, dtype=np.float32)
-    out = np.zeros_like(t)
-    positive = t > 0
-    with np.errstate(divide="ignore"):
-        out[positive] = e_mu / (e_mu + (_f32(1.0) / t[positive] - _f32(1.0)))
-    return out.astype(np.float32)
-
-
-def _torch_linspace(start: float, end: float, count: int) -> np.ndarray:
-    """torch.linspace in float32, bit for bit: the first half steps up from `start`, the second
-    half steps down from `end`, each value one fused multiply-add (torch's vectorised CPU
-    kernel); a float32 product is exact in float64, so float64 then one rounding is that FMA."""
-    if count == 1:
-        return np.array([start], dtype=np.float32)
-    step = np.float64((_f32(end) - _f32(start)) / _f32(count - 1))
-    index = np.arange(count, dtype=np.float64)
-    half = count // 2
-    out = np.empty(count, dtype=np.float32)
-    out[:half] = (np.float64(_f32(start)) + step * index[:half]).astype(np.float32)
-    out[half:] = (np.float64(_f32(end)) - step * (count - 1 - index[half:])).astype(np.float32)
-    return out
-
-
-def qwen_image21_sigmas(steps: int, tokens: int, rule: dict[str, Any]) -> np.ndarray:
-    """The `qwen_image21` rule: dynamic shift with a terminal stretch, then a final 0."""
-    if steps < 2:
-        raise ScheduleError("the qwen_image21 schedule needs at least 2 steps")
-    base = np.linspace(1.0, 1.0 / steps, steps, dtype=np.float32)
-    base_len, max_len = _f32(rule["base_len"]), _f32(rule["max_len"])
-    base_shift, max_shift = _f32(rule["base_shift"]), _f32(rule["max_shift"])
-    m = (max_shift - base_shift) / (max_len - base_len)
-    mu = _f32(tokens) * m + (base_shift - m * base_len)
-    e_mu = np.exp(mu, dtype=np.float32)
-    s = e_mu / (e_mu + (_f32(1.0) / base - _f32(1.0)))
-    z = _f32(1.0) - s
-    k = z[-1] / (_f32(1.0) - _f32(rule["terminal"]))
-    s = _f32(1.0) - z / k
-    return np.append(s, _f32(0.0)).astype(np.float32)
+from gmlx_contract import schedules
+from gmlx_contract.schedules import ScheduleError
 
 
 def rule_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
     """Sigmas of a status `sampling.schedule` object for `steps` steps at `tokens` tokens."""
     name = rule.get("rule")
-    if name == "flux2":
-        return flux2_sigmas(steps, tokens)
-    if name == "qwen_image21":
-        return qwen_image21_sigmas(steps, tokens, rule)
-    raise ScheduleError(f"gmlx: the server names schedule rule {name!r}, which this pack lacks")
+    if name not in schedules.RULES:
+        raise ScheduleError(f"gmlx: the server names schedule rule {name!r}, which this pack lacks")
+    return schedules.rule_sigmas(rule, steps, tokens)
 
 
 def image_tokens(width: int, height: int, latent: dict[str, Any]) -> int:

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-import torch
 from gmlx_comfy import schedule
+from gmlx_contract import schedules
 
 QWEN_RULE = {
     "rule": "qwen_image21",
@@ -16,33 +16,15 @@ QWEN_RULE = {
 LATENT = {"channels": 64, "stride": 16, "patch": 1}
 
 
-@pytest.mark.parametrize("count", [2, 3, 5, 9, 21, 51])
-def test_linspace_is_torch_bit_for_bit(count):
-    ours = schedule._torch_linspace(1.0, 0.0, count)
-    theirs = torch.linspace(1.0, 0.0, count, dtype=torch.float32).numpy()
-    assert ours.tobytes() == theirs.tobytes()
-
-
-def test_qwen_rule_matches_the_server_where_present():
+def test_pack_schedules_match_the_server_where_present():
     server = pytest.importorskip("gmlx_server.engine.schedules")
-    for steps, tokens in [(2, 256), (8, 4096), (40, 4096), (30, 9000)]:
-        ours = schedule.qwen_image21_sigmas(steps, tokens, QWEN_RULE)
-        theirs = np.asarray(server.sigmas(QWEN_RULE, steps, tokens), dtype=np.float32)
+    for steps, tokens, denoise in [(2, 256, 1.0), (8, 4096, 1.0), (40, 4096, 0.5), (30, 9000, 0.3)]:
+        side = int(tokens**0.5) * 16
+        sampling = {"steps": 40, "sigmas": None, "schedule": QWEN_RULE}
+        ours = schedule.server_sigmas(sampling, LATENT, steps, denoise, side, tokens // side * 256)
+        tokens = schedule.image_tokens(side, tokens // side * 256, LATENT)
+        theirs = np.asarray(server.sigmas(QWEN_RULE, steps, tokens, denoise), dtype=np.float32)
         np.testing.assert_array_equal(ours, theirs)
-
-
-def test_qwen_rule_shape_and_ends():
-    sigmas = schedule.qwen_image21_sigmas(10, 4096, QWEN_RULE)
-    assert sigmas.dtype == np.float32 and len(sigmas) == 11
-    assert sigmas[0] == pytest.approx(1.0) and sigmas[-1] == 0.0
-    # the terminal stretch puts the last non-zero sigma at 1 - (1 - terminal) = terminal
-    assert sigmas[-2] == pytest.approx(0.02, rel=1e-5)
-    assert np.all(np.diff(sigmas) < 0)
-
-
-def test_qwen_rule_needs_two_steps():
-    with pytest.raises(schedule.ScheduleError):
-        schedule.qwen_image21_sigmas(1, 4096, QWEN_RULE)
 
 
 def test_rule_needs_width_and_height():
@@ -54,14 +36,14 @@ def test_rule_needs_width_and_height():
 def test_rule_uses_tokens_of_the_size_and_variant_steps():
     sampling = {"steps": 12, "cfg": 4.0, "sigmas": None, "schedule": QWEN_RULE}
     got = schedule.server_sigmas(sampling, LATENT, 0, 1.0, 1024, 768)
-    want = schedule.qwen_image21_sigmas(12, (768 // 16) * (1024 // 16), QWEN_RULE)
+    want = schedules.qwen_image21_sigmas(QWEN_RULE, 12, (768 // 16) * (1024 // 16))
     np.testing.assert_array_equal(got, want)
 
 
 def test_denoise_evaluates_longer_schedule_and_keeps_tail():
     sampling = {"steps": 40, "sigmas": None, "schedule": QWEN_RULE}
     got = schedule.server_sigmas(sampling, LATENT, 10, 0.5, 512, 512)
-    full = schedule.qwen_image21_sigmas(20, 1024, QWEN_RULE)
+    full = schedules.qwen_image21_sigmas(QWEN_RULE, 20, 1024)
     np.testing.assert_array_equal(got, full[-11:])
 
 

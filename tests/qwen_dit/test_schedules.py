@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from gmlx_contract.schedules import qwen_image21_rule
 from gmlx_server.engine import schedules
 
-RULE = schedules.qwen_image21_rule()
+RULE = qwen_image21_rule()
 
 
 def by_hand(steps: int, tokens: int) -> list[float]:

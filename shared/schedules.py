@@ -1,0 +1,109 @@
+"""The size-dependent sigma rules of docs/contract.md §5.3, written once for the server and
+its clients (the ComfyUI pack's Sigmas node).
+
+A server publishes a rule in status `sampling.schedule` as an object naming the rule and
+carrying its constants; `rule_sigmas(rule, steps, tokens)` evaluates it in float32 for an image
+of `tokens` latent tokens, giving steps + 1 sigmas that end in 0.0. A new rule is a function of
+(rule, steps, tokens) added to `RULES`. Pure: numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be made: an unknown rule or too few steps for one."""
+
+
+def qwen_image21_rule(
+    base_len: int = 256,
+    max_len: int = 8192,
+    base_shift: float = 0.5,
+    max_shift: float = 0.9,
+    terminal: float = 0.02,
+) -> dict:
+    """The status object of the Qwen-Image 2.1 base rule (defaults: docs/contract.md §5.3)."""
+    return {
+        "rule": "qwen_image21",
+        "base_len": base_len,
+        "max_len": max_len,
+        "base_shift": base_shift,
+        "max_shift": max_shift,
+        "terminal": terminal,
+    }
+
+
+def qwen_image21_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
+    """Dynamic exponential shift with a terminal stretch, as diffusers' FlowMatchEulerDiscrete
+    scheduler computes it for the Qwen-Image 2.1 pipeline (mu in double, sigmas in float32)."""
+    if steps < 2:
+        raise ScheduleError("the qwen_image21 schedule needs at least 2 steps")
+    base = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
+    slope = (rule["max_shift"] - rule["base_shift"]) / (rule["max_len"] - rule["base_len"])
+    mu = tokens * slope + (rule["base_shift"] - slope * rule["base_len"])
+    shift = np.float32(math.exp(mu))
+    shifted = shift / (shift + (np.float32(1.0) / base - np.float32(1.0)))
+    one_minus = np.float32(1.0) - shifted
+    stretch = one_minus[-1] / (np.float32(1.0) - np.float32(rule["terminal"]))
+    stretched = np.float32(1.0) - one_minus / stretch
+    return np.append(stretched.astype(np.float32), np.float32(0.0))
+
+
+def flux2_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
+    """The `flux2` rule (no constants): a shifted torch-style linspace from 1 to 0 with
+    steps + 1 points, the shift fitted to the token count and the step count."""
+    t = torch_linspace(1.0, 0.0, steps + 1)
+    a1, b1 = np.float32(8.73809524e-05), np.float32(1.89833333)
+    a2, b2 = np.float32(0.00016927), np.float32(0.45666666)
+    tokens32 = np.float32(tokens)
+    if tokens > 4300:
+        mu = a2 * tokens32 + b2
+    else:
+        m_200 = a2 * tokens32 + b2
+        m_10 = a1 * tokens32 + b1
+        slope = (m_200 - m_10) / np.float32(190.0)
+        intercept = m_200 - np.float32(200.0) * slope
+        mu = slope * np.float32(steps) + intercept
+    e_mu = np.exp(mu, dtype=np.float32)
+    out = np.zeros_like(t)
+    positive = t > 0
+    with np.errstate(divide="ignore"):
+        out[positive] = e_mu / (e_mu + (np.float32(1.0) / t[positive] - np.float32(1.0)))
+    return out.astype(np.float32)
+
+
+def torch_linspace(start: float, end: float, count: int) -> np.ndarray:
+    """torch.linspace in float32, bit for bit: the first half steps up from `start`, the second
+    half steps down from `end`, each value one fused multiply-add (torch's vectorised CPU
+    kernel); a float32 product is exact in float64, so float64 then one rounding is that FMA."""
+    if count == 1:
+        return np.array([start], dtype=np.float32)
+    step = np.float64((np.float32(end) - np.float32(start)) / np.float32(count - 1))
+    index = np.arange(count, dtype=np.float64)
+    half = count // 2
+    out = np.empty(count, dtype=np.float32)
+    out[:half] = (np.float64(np.float32(start)) + step * index[:half]).astype(np.float32)
+    out[half:] = (np.float64(np.float32(end)) - step * (count - 1 - index[half:])).astype(
+        np.float32
+    )
+    return out
+
+
+# Rule name (status `sampling.schedule.rule`) -> its sigmas(rule, steps, tokens).
+RULES: dict[str, Callable[[dict[str, Any], int, int], np.ndarray]] = {
+    "qwen_image21": qwen_image21_sigmas,
+    "flux2": flux2_sigmas,
+}
+
+
+def rule_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
+    """steps + 1 float32 sigmas of a status `sampling.schedule` object at `tokens` tokens."""
+    evaluate = RULES.get(rule.get("rule"))
+    if evaluate is None:
+        raise ScheduleError(f"unknown schedule rule {rule.get('rule')!r}")
+    return evaluate(rule, steps, tokens)
