@@ -27,8 +27,6 @@ MAX_HEADER_BYTES = 16 * MiB
 MAX_CONTAINER_BYTES = GiB + MiB
 MAX_JSON_BYTES = 64 * MiB
 MAX_UPLOAD_BYTES = GiB  # one tensor or adapter, before the caches' own bounds
-DEFAULT_TENSOR_CACHE_BYTES = 64 * MiB
-DEFAULT_ADAPTER_CACHE_BYTES = 256 * MiB
 MAX_ADAPTER_FILE = 4 * GiB
 MAX_ROWS = 16
 MAX_VAE_IMAGES = 16
@@ -69,7 +67,6 @@ DTYPES: dict[str, WireDtype] = {
         WireDtype("BOOL", "bool", np.dtype("?")),
     )
 }
-SHORT_NAMES = {d.short: d.name for d in DTYPES.values()}
 # The wire dtype a numpy array is written as when the caller does not say (uint16 = BF16 bits).
 _DEFAULT_WIRE = {d.numpy: d.name for d in DTYPES.values()}
 # The dtypes capabilities lists (docs/contract.md §1.4 quirk: no bool although BOOL is read).

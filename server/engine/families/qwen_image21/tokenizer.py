@@ -55,7 +55,6 @@ class QwenPromptTokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.image_pad_id = self._special_id(IMAGE_PAD)
-        self.video_pad_id = self._special_id(VIDEO_PAD)
         self.drop_index = len(self._encode(SYSTEM_MESSAGE))
 
     @classmethod
