@@ -11,7 +11,7 @@ each latent size it times, median of `--repeats` after one warm-up:
 
 and prints the ratios torch / mlx (above 1: MLX is faster). MLX time is taken after mx.eval.
 With --variants it also times the cached step of the same weights on
-  mlx-ops       MLX's own ops on the CPU (mx.fast SDPA, mx.sigmoid): engine/cpu_ops.py turned off
+  mlx-ops       MLX's own ops on the CPU (mx.fast SDPA, mx.sigmoid): engine/nn/cpu_ops.py turned off
   mlx-eager     the target pass without mx.compile
 so before/after figures come from one run on one machine state. `first_call_ms` is the first
 cached call of the default model (mx.compile traces and g++ builds any kernel not yet in
@@ -66,9 +66,9 @@ def rope_axes(head_dim: int) -> tuple[int, int, int]:
 
 @contextlib.contextmanager
 def mlx_own_ops():
-    """Turn engine/cpu_ops.py off while a model is loaded, traced and timed: MLX's own SDPA and
+    """Turn engine/nn/cpu_ops.py off while a model is loaded, traced and timed: MLX's own SDPA and
     sigmoid, as the DiT ran before it (a compiled pass keeps the ops it was traced with)."""
-    from gmlx_server.engine import cpu_ops
+    from gmlx_server.engine.nn import cpu_ops
 
     use_cpu_ops = cpu_ops.use_cpu_ops
     cpu_ops.use_cpu_ops = lambda dtype: False

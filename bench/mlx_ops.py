@@ -1,5 +1,5 @@
 """Micro-benchmarks of MLX's CPU backend at DiT-like shapes: why its softmax is slow, and what
-server/engine/cpu_ops.py does about it.
+server/engine/nn/cpu_ops.py does about it.
 
 Sections (float32, best of --repeats after one warm-up; `cpu/wall` is process CPU time over wall
 time, so 1.0 means one thread did the work):
@@ -72,7 +72,7 @@ def row(section: str, name: str, ms: float, ratio: float, **extra) -> dict:
 def elementwise(args) -> list[dict]:
     import mlx.core as mx
     import numpy as np
-    from gmlx_server.engine import cpu_ops
+    from gmlx_server.engine.nn import cpu_ops
 
     rng = np.random.default_rng(0)
     x_np = (-np.abs(rng.standard_normal(args.elements)) * 8).astype(np.float32)  # softmax-like
@@ -124,7 +124,7 @@ def attention_shapes(args) -> list[tuple[int, int, int]]:
 def attention(args) -> list[dict]:
     import mlx.core as mx
     import numpy as np
-    from gmlx_server.engine import cpu_ops
+    from gmlx_server.engine.nn import cpu_ops
 
     rows = []
     for heads, tokens, dim in attention_shapes(args):
@@ -216,7 +216,7 @@ def jit_kernels(kernel_dir: Path) -> list[dict]:
 
 def jit(args, kernel_dir: Path) -> list[dict]:
     import mlx.core as mx
-    from gmlx_server.engine import cpu_ops
+    from gmlx_server.engine.nn import cpu_ops
 
     x = mx.random.normal((4096,)) - 4.0
     mx.eval(mx.compile(lambda a: mx.exp(a * 0.5))(x))

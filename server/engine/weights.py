@@ -54,3 +54,20 @@ def component_bytes(component_dir: Path) -> int:
             start, end = entry["data_offsets"]
             total += end - start
     return total
+
+
+def cast_tree(tree, dtype: mx.Dtype, keep_f32: set[str]):
+    """Cast a weight tree to the compute dtype; the leaves under a key in `keep_f32` (norm
+    scales, which the norms read in float32) stay float32."""
+    if isinstance(tree, list):
+        return [cast_tree(value, dtype, keep_f32) for value in tree]
+    return {
+        key: (
+            cast_tree(value, dtype, keep_f32)
+            if isinstance(value, (dict, list))
+            else value
+            if key in keep_f32
+            else value.astype(dtype)
+        )
+        for key, value in tree.items()
+    }

@@ -1,4 +1,4 @@
-"""The CPU rewrites of exp2, sigmoid and attention (server/engine/cpu_ops.py) against float64
+"""The CPU rewrites of exp2, sigmoid and attention (server/engine/nn/cpu_ops.py) against float64
 numpy, eager and under mx.compile, and the DiT with them against the DiT without them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from gmlx_server.engine import cpu_ops
+from gmlx_server.engine.nn import cpu_ops
 
 MODES = {"eager": lambda f: f, "compiled": mx.compile}
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from gmlx_server.engine import cpu_ops
 from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
+from gmlx_server.engine.nn import cpu_ops
 
 from tests.tiny.transformer import build_transformer
 

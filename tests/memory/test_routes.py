@@ -161,7 +161,7 @@ def test_mlx_is_asked_once_at_construction_never_per_plan(qwen, monkeypatch):
     """The device facts are read when the planner is built (before serving); plans on HTTP
     threads use plain values, and the model's plan asks no MLX call off the worker."""
     from gmlx_server import memory
-    from gmlx_server.engine import cpu_ops
+    from gmlx_server.engine.nn import cpu_ops
 
     asked = []
     monkeypatch.setattr(memory, "_mlx_gpu_bytes", lambda: asked.append(1) or 0)

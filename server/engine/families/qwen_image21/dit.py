@@ -12,7 +12,7 @@ same at every step. The forward is therefore split in two:
 
 Both are free of host synchronisation (no `.item()`, no branching on array values): every shape
 and mask comes from the host-side `PrefixLayout`, so `mx.compile` can trace them. On the CPU
-backend in float32, attention and SiLU use `engine/cpu_ops.py` (MLX's CPU exp is scalar: see there).
+backend in float32, attention and SiLU use `engine/nn/cpu_ops.py` (MLX's CPU exp is scalar: see there).
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ... import cpu_ops
 from ...lora import LinearSlot, project
-from ...weights import load_weights, read_config
+from ...nn import cpu_ops
+from ...nn.activations import gelu_tanh, layer_norm, silu
+from ...nn.attention import attention
+from ...nn.dtypes import default_compute_dtype, tree_bytes
+from ...nn.rope import apply_rope, rope_tables
+from ...weights import cast_tree, load_weights, read_config
 
 log = logging.getLogger(__name__)
 
-ROPE_THETA = 10000.0
 TIME_PROJ_DIM = 256
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
 TIME_MAX_PERIOD = 10000.0
@@ -153,38 +156,10 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 # Small numerical pieces
 
 
-def rope_angles(positions: np.ndarray, axes_dims: tuple[int, ...]) -> np.ndarray:
-    """Angles (N, head_dim/2) float32: each axis's positions times its inverse frequencies."""
-    parts = []
-    for axis, dim in enumerate(axes_dims):
-        exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-        inv_freq = (1.0 / np.power(np.float32(ROPE_THETA), exponent)).astype(np.float32)
-        parts.append(positions[:, axis : axis + 1].astype(np.float32) * inv_freq[None, :])
-    return np.concatenate(parts, axis=1).astype(np.float32)
-
-
-def rope_tables(positions: np.ndarray, axes_dims: tuple[int, ...]) -> tuple[mx.array, mx.array]:
-    """cos and sin tables (N, 1, head_dim/2) float32, to broadcast over heads."""
-    angles = mx.array(rope_angles(positions, axes_dims))[:, None, :]
-    return mx.cos(angles), mx.sin(angles)
-
-
-def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of x (..., N, H, D) as complex numbers, in f32."""
-    pairs = x.astype(mx.float32).reshape(*x.shape[:-1], -1, 2)
-    real, imag = pairs[..., 0], pairs[..., 1]
-    out = mx.stack([real * cos - imag * sin, real * sin + imag * cos], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
-
-
 def time_frequencies() -> mx.array:
     half = TIME_PROJ_DIM // 2
     exponent = (-math.log(TIME_MAX_PERIOD) * np.arange(half, dtype=np.float32)) / np.float32(half)
     return mx.array(np.exp(exponent.astype(np.float32)).astype(np.float32))
-
-
-def layer_norm(x: mx.array, eps: float) -> mx.array:
-    return mx.fast.layer_norm(x, None, None, eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,7 +265,7 @@ class QwenImage21DiT:
         config = DiTConfig.from_dict(read_config(transformer_dir))
         files = load_weights(transformer_dir, mx.float32)
         weights = fuse_weights(files, config)
-        weights = _cast_tree(weights, dtype, keep_f32={"text_norm", "norm_q", "norm_k"})
+        weights = cast_tree(weights, dtype, keep_f32={"text_norm", "norm_q", "norm_k"})
         mx.eval(weights)
         return cls(config, weights, dtype)
 
@@ -338,11 +313,8 @@ class QwenImage21DiT:
         return 1.0 / math.sqrt(self.config.head_dim)
 
     def attention(self, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        """Unmasked attention; on the CPU backend in float32 the blocked exp2 form of cpu_ops
-        (MLX's CPU SDPA is matmul, scalar-exp softmax, matmul over the whole score matrix)."""
-        if self.cpu_ops:
-            return cpu_ops.attention(q, k, v, self.scale)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        """Unmasked attention (nn.attention: blocked on the CPU backend in float32)."""
+        return attention(q, k, v, self.scale, self.cpu_ops)
 
     # -- the prefix ------------------------------------------------------------------------
 
@@ -504,53 +476,4 @@ class QwenImage21DiT:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(a.nbytes for a in _leaves(self.weights))
-
-
-# ---------------------------------------------------------------------------------------------
-# Helpers
-
-
-def gelu_tanh(x: mx.array) -> mx.array:
-    return 0.5 * x * (1 + mx.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-
-
-def silu(x: mx.array) -> mx.array:
-    sigmoid = cpu_ops.sigmoid if cpu_ops.use_cpu_ops(x.dtype) else mx.sigmoid
-    return x * sigmoid(x)
-
-
-def default_compute_dtype() -> mx.Dtype:
-    """float32 on the CPU backend (its bf16 matmuls are slow and lossy), bf16 on GPU backends."""
-    return mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    return {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}[dtype]
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    elif isinstance(tree, list):
-        for value in tree:
-            yield from _leaves(value)
-    else:
-        yield tree
-
-
-def _cast_tree(tree, dtype: mx.Dtype, keep_f32: set[str]):
-    """Cast weights to the compute dtype; norm scales stay float32 (the norms run in float32)."""
-    if isinstance(tree, list):
-        return [_cast_tree(value, dtype, keep_f32) for value in tree]
-    return {
-        key: (
-            _cast_tree(value, dtype, keep_f32)
-            if isinstance(value, (dict, list))
-            else value
-            if key in keep_f32
-            else value.astype(dtype)
-        )
-        for key, value in tree.items()
-    }
+        return tree_bytes(self.weights)

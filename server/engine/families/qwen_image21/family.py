@@ -15,12 +15,13 @@ import mlx.core as mx
 import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
-from ... import cpu_ops
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...family import FamilyModel
 from ...lora import TableWeights
+from ...nn import cpu_ops
+from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...weights import component_bytes, read_config, read_header, weight_files
-from .dit import DiTConfig, QwenImage21DiT, default_compute_dtype, dtype_name, linear_slots
+from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
 FAMILY = "qwen_image21"

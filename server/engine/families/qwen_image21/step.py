@@ -16,7 +16,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import EngineInputError, StepResult, StepRow, kept_image_slots
-from .dit import PrefixLayout, PrefixState, QwenImage21DiT, dtype_name
+from ...nn.dtypes import dtype_name
+from .dit import PrefixLayout, PrefixState, QwenImage21DiT
 
 # Step conventions of this family (docs/contract.md §5.2): both read the timestep as sigma
 # (scale 1, shift 0), return +dx/dsigma, and embed the time by the DiT's reference rule.

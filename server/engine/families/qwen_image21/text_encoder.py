@@ -18,6 +18,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...nn.activations import hidden_activation
+from ...nn.attention import chunked_attention
+from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...weights import load_weights, read_config
 from .images import (  # reference_size is re-exported for the family
     ReferenceImage,
@@ -104,56 +107,6 @@ class VisionConfig:
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             hidden_act=config.get("hidden_act", "gelu_pytorch_tanh"),
         )
-
-
-# ------------------------------------------------------------------------------------ shared
-
-
-def rotate_half(x: mx.array) -> mx.array:
-    half = x.shape[-1] // 2
-    return mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def apply_rotary(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    return x * cos + rotate_half(x) * sin
-
-
-# Attention runs over at most this many query rows at a time, so that where MLX materialises the
-# scores (its CPU backend) they stay bounded: ten 1024x1024 references make ~10k text-encoder rows.
-QUERY_CHUNK = 1024
-
-
-def chunked_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool
-) -> mx.array:
-    """Scaled dot-product attention over (B, H, L, D), query rows in chunks. A causal chunk of
-    rows [start, end) sees keys [0, end): MLX aligns its causal mask to the last key."""
-    length = q.shape[2]
-    outputs = []
-    for start in range(0, length, QUERY_CHUNK):
-        end = min(start + QUERY_CHUNK, length)
-        keys, values = (k[:, :, :end], v[:, :, :end]) if causal else (k, v)
-        outputs.append(
-            mx.fast.scaled_dot_product_attention(
-                q[:, :, start:end], keys, values, scale=scale, mask="causal" if causal else None
-            )
-        )
-    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
-
-
-def inverse_frequencies(theta: float, dim: int) -> np.ndarray:
-    """1 / theta^(2i/dim) in float32, computed the way transformers does."""
-    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-    return (1.0 / np.power(np.float32(theta), exponents)).astype(np.float32)
-
-
-def cos_sin(angles: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """cos and sin of float32 angles, the half repeated to the full rotary width."""
-    angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
-    return (
-        mx.array(np.cos(angles).astype(np.float32)).astype(dtype),
-        mx.array(np.sin(angles).astype(np.float32)).astype(dtype),
-    )
 
 
 # -------------------------------------------------------------------------------- text model
@@ -274,23 +227,10 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = _activation(config.hidden_act)
+        self.act = hidden_activation(config.hidden_act)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-def _activation(name: str):
-    table = {
-        "gelu_pytorch_tanh": nn.gelu_approx,
-        "gelu_new": nn.gelu_approx,
-        "gelu": nn.gelu,
-        "silu": nn.silu,
-        "quick_gelu": nn.gelu_fast_approx,
-    }
-    if name not in table:
-        raise ValueError(f"unsupported vision activation {name!r}")
-    return table[name]
 
 
 class VisionBlock(nn.Module):

@@ -1,0 +1,38 @@
+"""Attention over (B, H, N, D) arrays, with the CPU backend's rewrites where they apply."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import cpu_ops
+
+# Attention runs over at most this many query rows at a time, so that where MLX materialises the
+# scores (its CPU backend) they stay bounded: ten 1024x1024 references make ~10k text-encoder rows.
+QUERY_CHUNK = 1024
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, blocked: bool) -> mx.array:
+    """Unmasked attention; `blocked` (cpu_ops.use_cpu_ops of the compute dtype, read once by the
+    caller): the blocked exp2 form of cpu_ops (MLX's CPU SDPA is matmul, scalar-exp softmax,
+    matmul over the whole score matrix), else MLX's fused attention."""
+    if blocked:
+        return cpu_ops.attention(q, k, v, scale)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def chunked_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool
+) -> mx.array:
+    """Scaled dot-product attention over (B, H, L, D), query rows in chunks. A causal chunk of
+    rows [start, end) sees keys [0, end): MLX aligns its causal mask to the last key."""
+    length = q.shape[2]
+    outputs = []
+    for start in range(0, length, QUERY_CHUNK):
+        end = min(start + QUERY_CHUNK, length)
+        keys, values = (k[:, :, :end], v[:, :, :end]) if causal else (k, v)
+        outputs.append(
+            mx.fast.scaled_dot_product_attention(
+                q[:, :, start:end], keys, values, scale=scale, mask="causal" if causal else None
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)
