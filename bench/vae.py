@@ -112,7 +112,7 @@ def main(argv=None) -> int:
 
     import mlx.core as mx
     import torch
-    from gmlx_server.engine.families.qwen_image21.vae import QwenImage21VAE
+    from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 
     from tests.tiny.vae import build_vae, tiny_config
 

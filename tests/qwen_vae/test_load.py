@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.base import EngineInputError
-from gmlx_server.engine.families.qwen_image21.vae import QwenImage21VAE
+from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 from safetensors.numpy import load_file, save_file
 
 from tests.qwen_vae.conftest import rel_l2

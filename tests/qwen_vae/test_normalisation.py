@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from diffusers import QwenImage21Pipeline
 from diffusers.image_processor import VaeImageProcessor
-from gmlx_server.engine.families.qwen_image21.vae import QwenImage21VAE
+from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 from PIL import Image
 
 from tests.qwen_vae.conftest import rel_l2

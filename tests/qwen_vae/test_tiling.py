@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from diffusers import AutoencoderKLQwenImage21
-from gmlx_server.engine.families.qwen_image21 import vae as vae_module
-from gmlx_server.engine.families.qwen_image21.vae import QwenImage21VAE
+from gmlx_server.engine.vaes import qwen_image21 as vae_module
+from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 
 from tests.qwen_vae.conftest import rel_l2
 from tests.qwen_vae.reference import reference_decode, reference_encode

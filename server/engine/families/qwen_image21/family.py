@@ -198,7 +198,12 @@ def _elements(component_dir: Path) -> int:
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     """The activations of the reference workload (RESERVE_*): the larger of a guided step and
     a VAE pass at RESERVE_PIXELS square."""
-    from .vae import choose_tile_cells, decoder_shapes, encoder_shapes, pass_peak_bytes
+    from ...vaes.qwen_image21 import (
+        choose_tile_cells,
+        decoder_shapes,
+        encoder_shapes,
+        pass_peak_bytes,
+    )
 
     model_dir = Path(model_dir)
     config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
@@ -260,8 +265,8 @@ def manifest(model_dir: Path) -> dict:
 
 def load(model_dir: Path, model_id: str) -> QwenImage21Model:
     # Imported here so the DiT side of the family works while its siblings are absent.
+    from ...vaes.qwen_image21 import QwenImage21VAE
     from .text_encoder import QwenImage21PromptEncoder
-    from .vae import QwenImage21VAE
 
     model_dir = Path(model_dir)
     found = identify(model_dir)

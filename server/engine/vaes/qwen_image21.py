@@ -10,7 +10,7 @@ frame, as follows (checked by the parity tests):
 - The decoder's `DupUp3D` shortcut with a temporal factor of 2 keeps only the second temporal copy
   (`first_chunk`), which picks a fixed subset of the repeated channels.
 
-Arrays are channels-last (NHWC) inside; the public methods take and give the layouts of APIS.md.
+Arrays are channels-last (NHWC) inside; the public methods take and give the layouts of engine/family.py.
 Large images are processed in tiles (see `_run_tiled`): everything local runs per tile with a halo
 as wide as its receptive field, and the global self-attention of the mid blocks runs once on the
 whole latent, so a tiled pass equals the untiled one up to float rounding.
@@ -28,8 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...base import EngineInputError
-from ...weights import load_weights, read_config
+from ..base import EngineInputError
+from ..weights import load_weights, read_config
 
 # F.normalize clamps the L2 norm at 1e-12; the RMS form below adds eps to the mean square.
 _NORM_EPS = 1e-24
