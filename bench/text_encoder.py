@@ -71,7 +71,7 @@ def main() -> None:
     blas = ensure_fast_blas()
     import mlx.core as mx
     import torch
-    from gmlx_server.engine.families.qwen_image21.text_encoder import QwenImage21PromptEncoder
+    from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 
     from tests.qwen_text.reference import (
         load_pipeline,

@@ -14,7 +14,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def encoder(tiny_dir):
-    from gmlx_server.engine.families.qwen_image21.text_encoder import QwenImage21PromptEncoder
+    from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 
     return QwenImage21PromptEncoder.load(tiny_dir)
 

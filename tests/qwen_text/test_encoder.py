@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.base import EngineInputError
-from gmlx_server.engine.families.qwen_image21.text_encoder import QwenImage21PromptEncoder
+from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 from gmlx_server.engine.nn import attention as module
 from gmlx_server.engine.weights import component_bytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gmlx_server.engine.families.qwen_image21.images import VisionPreprocessor
+from gmlx_server.engine.encoders.qwen3.processor import VisionPreprocessor
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

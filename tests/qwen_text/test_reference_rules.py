@@ -6,11 +6,8 @@ import numpy as np
 import pytest
 from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 from gmlx_server.engine.base import EngineInputError
-from gmlx_server.engine.families.qwen_image21.images import (
-    VisionPreprocessor,
-    prepare_reference,
-    reference_size,
-)
+from gmlx_server.engine.encoders.qwen3.processor import VisionPreprocessor
+from gmlx_server.engine.families.qwen_image21.images import prepare_reference, reference_size
 from PIL import Image
 
 

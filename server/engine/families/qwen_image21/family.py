@@ -266,7 +266,7 @@ def manifest(model_dir: Path) -> dict:
 def load(model_dir: Path, model_id: str) -> QwenImage21Model:
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
-    from .text_encoder import QwenImage21PromptEncoder
+    from .prompt import QwenImage21PromptEncoder
 
     model_dir = Path(model_dir)
     found = identify(model_dir)

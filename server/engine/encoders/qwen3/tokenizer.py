@@ -1,10 +1,10 @@
-"""Qwen-Image 2.1 prompt tokenization: the pipeline's templates over the Qwen tokenizer.json.
+"""The Qwen tokenizer (tokenizer.json, read with `tokenizers`, no transformers) under a family's
+prompt template.
 
-Mirrors diffusers' `QwenImage21Pipeline._get_qwen_prompt_embeds`: the prompt is put into a raw
-ChatML template string (not rendered through the chat template), each reference image gets a
-`<imageN><|vision_start|><|image_pad|><|vision_end|>` placeholder, and each `<|image_pad|>` is
-expanded to one token per merged vision patch, as the Qwen3-VL processor does. The rows the
-pipeline drops are the tokens of the system message as the chat template renders it.
+A family's pipeline puts the prompt into a raw ChatML template string (not rendered through the
+chat template), each image gets a placeholder holding one `<|image_pad|>`, and each pad is
+expanded to one token per merged vision patch, as the Qwen3-VL processor does. The rows a
+pipeline drops are the tokens of its system message as the chat template renders it.
 """
 
 from __future__ import annotations
@@ -17,30 +17,30 @@ from tokenizers import Tokenizer
 
 from ...base import EngineInputError
 
-SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 
-# The chat template's rendering of a system message (ChatML), which is also the template's prefix.
-SYSTEM_MESSAGE = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
-TEXT_TEMPLATE = (
-    SYSTEM_MESSAGE + "<|im_start|>user\n{images}{prompt}<|im_end|>\n<|im_start|>assistant\n"
-)
 
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A family's template: `text` with `{images}` and `{prompt}` fields; `system_message` (its
+    start, as the chat template renders it) is the rows the encoding drops; image i (from 1)
+    becomes `image_placeholder` with `{index}` set, joined by `image_separator`."""
 
-def image_placeholders(count: int) -> str:
-    """The pipeline's vision placeholders: `<image1>...`, then ` <image2>...` and so on."""
-    parts = [f"<image{i}>{VISION_START}{IMAGE_PAD}{VISION_END}" for i in range(1, count + 1)]
-    return " ".join(parts)
+    system_message: str
+    text: str
+    image_placeholder: str = ""
+    image_separator: str = " "
 
-
-def prompt_text(prompt: str, image_count: int) -> str:
-    """The templated prompt, one `<|image_pad|>` per image (before expansion)."""
-    # Qwen has no BOS token, so an empty prompt would leave the encoder nothing to read.
-    prompt = prompt or " "
-    return TEXT_TEMPLATE.format(images=image_placeholders(image_count), prompt=prompt)
+    def render(self, prompt: str, image_count: int) -> str:
+        """The templated prompt, one `<|image_pad|>` per image (before expansion)."""
+        images = self.image_separator.join(
+            self.image_placeholder.format(index=i) for i in range(1, image_count + 1)
+        )
+        # Qwen has no BOS token, so an empty prompt would leave the encoder nothing to read.
+        return self.text.format(images=images, prompt=prompt or " ")
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,17 @@ class TokenizedPrompt:
 
 
 class QwenPromptTokenizer:
-    """The processor folder's tokenizer.json read with `tokenizers` (no transformers)."""
+    """The processor folder's tokenizer.json under a family's `PromptTemplate`."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, template: PromptTemplate):
         self.tokenizer = tokenizer
+        self.template = template
         self.image_pad_id = self._special_id(IMAGE_PAD)
-        self.drop_index = len(self._encode(SYSTEM_MESSAGE))
+        self.drop_index = len(self._encode(template.system_message))
 
     @classmethod
-    def load(cls, processor_dir: Path) -> QwenPromptTokenizer:
-        return cls(Tokenizer.from_file(str(Path(processor_dir) / "tokenizer.json")))
+    def load(cls, processor_dir: Path, template: PromptTemplate) -> QwenPromptTokenizer:
+        return cls(Tokenizer.from_file(str(Path(processor_dir) / "tokenizer.json")), template)
 
     def _special_id(self, token: str) -> int:
         token_id = self.tokenizer.token_to_id(token)
@@ -77,7 +78,7 @@ class QwenPromptTokenizer:
             raise EngineInputError(f"the prompt may not contain {IMAGE_PAD} or {VIDEO_PAD}")
         # Special tokens are split out before BPE, so expanding the pad id after tokenizing
         # gives the ids the processor gets from tokenizing the expanded string.
-        ids = self._encode(prompt_text(prompt, len(pad_counts)))
+        ids = self._encode(self.template.render(prompt, len(pad_counts)))
         out: list[int] = []
         spans: list[tuple[int, int]] = []
         counts = iter(pad_counts)

@@ -1,0 +1,133 @@
+"""Qwen3's decoder in MLX, by transformers' names: the text encoder of the families that
+prompt with Qwen3 (alone, or inside Qwen3-VL: see vl.py). A family says which layers it reads
+(`taps`); the final norm and `lm_head` are never run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...nn.attention import chunked_attention
+from ...nn.rope import apply_rotary, inverse_frequencies
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    attention_bias: bool
+
+    @classmethod
+    def from_dict(cls, config: dict) -> TextConfig:
+        # transformers 5 writes rope_parameters; older files carry rope_scaling + rope_theta.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        heads = config["num_attention_heads"]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 500000.0))),
+            mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
+            attention_bias=config.get("attention_bias", False),
+        )
+
+
+class TextAttention(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        width, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(width, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, config.num_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, width, bias=bias)
+        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        batch, length, _ = x.shape
+        shape = (batch, length, -1, self.head_dim)
+        # Qwen3 norms each head's queries and keys before the rotary embedding.
+        q = self.q_norm(self.q_proj(x).reshape(shape)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(shape)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(shape).transpose(0, 2, 1, 3)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = chunked_attention(q, k, v, self.scale, causal=True)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class TextMLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TextDecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.self_attn = TextAttention(config)
+        self.mlp = TextMLP(config)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    """Qwen3's decoder (the language model of Qwen3 and of Qwen3-VL) up to, not including, its
+    final norm: the families read hidden states before it. Positions come in as the rotary
+    tables (`cos`, `sin`) the caller's position scheme gives, from `inv_freq`."""
+
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [TextDecoderLayer(config) for _ in range(config.num_layers)]
+        self.inv_freq = inverse_frequencies(config.rope_theta, config.head_dim)
+
+    def __call__(
+        self,
+        embeds: mx.array,
+        cos: mx.array,
+        sin: mx.array,
+        taps: tuple[int, ...] = (-1,),
+        after_layer: Callable[[int, mx.array], mx.array] | None = None,
+    ) -> list[mx.array]:
+        """embeds (1, L, D) -> the hidden states after each layer `taps` names (an index into
+        the layers; -1 is the last), before the final norm. `after_layer(index, hidden)`, when
+        given, runs after every layer (Qwen3-VL adds its DeepStack features there)."""
+        wanted = {tap % len(self.layers) for tap in taps}
+        hidden, tapped = embeds, {}
+        for index, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin)
+            if after_layer is not None:
+                hidden = after_layer(index, hidden)
+            if index in wanted:
+                tapped[index] = hidden
+            if len(tapped) == len(wanted):
+                break
+        return [tapped[tap % len(self.layers)] for tap in taps]

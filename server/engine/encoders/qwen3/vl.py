@@ -1,0 +1,151 @@
+"""Qwen3-VL in MLX: the Qwen3 decoder (text.py) and the vision tower (vision.py) composed, as
+transformers' `Qwen3VLForConditionalGeneration` runs them to encode a prompt with images.
+
+The vision tower turns each image into merged patch rows (plus DeepStack features from some of
+its blocks); those replace the image-pad embeddings, the DeepStack features are added to the
+image rows after the first decoder layers, and positions follow Qwen3-VL's multimodal RoPE.
+Weights load by transformers' names; `lm_head` and the final norm are unused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ...nn.rope import cos_sin
+from ...weights import load_weights, read_config
+from .text import TextConfig, TextModel
+from .vision import VisionConfig, VisionModel
+
+
+class VisionInput(Protocol):
+    """One preprocessed image (processor.VisionPreprocessor.preprocess)."""
+
+    pixel_values: np.ndarray  # (N, C*T*P*P) float32
+    grid_thw: tuple[int, int, int]
+
+
+class Qwen3VLEncoder(nn.Module):
+    """The parts of `Qwen3VLForConditionalGeneration` the encode path runs."""
+
+    def __init__(self, text: TextConfig, vision: VisionConfig):
+        super().__init__()
+        self.language_model = TextModel(text)
+        self.visual = VisionModel(vision)
+
+    @classmethod
+    def load(cls, component_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[Qwen3VLEncoder, int]:
+        """The encoder of a transformers folder, and the bytes of its loaded weights."""
+        config = read_config(component_dir)
+        encoder = cls(
+            TextConfig.from_dict(config["text_config"]),
+            VisionConfig.from_dict(config["vision_config"]),
+        )
+        weights = sanitize(load_weights(component_dir, dtype))
+        encoder.load_weights(list(weights.items()), strict=True)
+        mx.eval(encoder.parameters())
+        return encoder, sum(value.nbytes for value in weights.values())
+
+    def hidden_states(
+        self,
+        ids: np.ndarray,
+        spans: list[tuple[int, int]],
+        images: list[VisionInput],
+        taps: tuple[int, ...] = (-1,),
+    ) -> list[mx.array]:
+        """(L, D) states after the decoder layers `taps` names (before the final norm) for the
+        expanded ids; image i's rows are ids[spans[i][0]:spans[i][1]]."""
+        language, visual = self.language_model, self.visual
+        embeds = language.embed_tokens(mx.array(ids))
+        after_layer = None
+        if images:
+            features = [visual(mx.array(image.pixel_values), image.grid_thw) for image in images]
+            image_rows = mx.array(np.concatenate([np.arange(s, e) for s, e in spans]))
+            merged = mx.concatenate([f.merged for f in features]).astype(embeds.dtype)
+            embeds[image_rows] = merged
+            deepstack = [
+                mx.concatenate([f.deepstack[k] for f in features])
+                for k in range(len(visual.config.deepstack_indexes))
+            ]
+
+            def after_layer(index: int, hidden: mx.array) -> mx.array:
+                if index >= len(deepstack):
+                    return hidden
+                return hidden.at[:, image_rows].add(deepstack[index][None].astype(hidden.dtype))
+
+        positions = self.positions(ids.shape[0], spans, images)
+        cos, sin = self.rotary(positions, embeds.dtype)
+        tapped = language(embeds[None], cos, sin, taps, after_layer)
+        tapped = [hidden[0] for hidden in tapped]
+        mx.eval(tapped)
+        return tapped
+
+    def rotary(self, positions: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Interleaved multimodal RoPE for positions (3, L) = (t, h, w) rows: frequency j follows
+        h when j % 3 == 1 and j < 3 * sections[1], w when j % 3 == 2 and j < 3 * sections[2],
+        else t."""
+        inv_freq = self.language_model.inv_freq
+        angles = positions.astype(np.float32)[:, :, None] * inv_freq  # (3, L, D/2)
+        axis = np.zeros(inv_freq.shape[0], dtype=np.int64)
+        index = np.arange(axis.shape[0])
+        sections = self.language_model.config.mrope_section
+        axis[(index % 3 == 1) & (index < 3 * sections[1])] = 1
+        axis[(index % 3 == 2) & (index < 3 * sections[2])] = 2
+        mixed = angles[axis[None, :], np.arange(angles.shape[1])[:, None], index[None, :]]
+        return cos_sin(mixed, dtype)
+
+    def positions(
+        self, length: int, spans: list[tuple[int, int]], images: list[VisionInput]
+    ) -> np.ndarray:
+        """Multimodal RoPE positions (3, L) as Qwen3-VL's `get_rope_index` gives them: text runs
+        count up on all three axes; an image's rows take (t, h, w) grid positions offset by the
+        running position, which then advances by the larger merged grid side."""
+        merge = self.visual.config.merge_size
+        positions = np.zeros((3, length), dtype=np.int64)
+        current, cursor = 0, 0
+        for (start, end), image in zip(spans, images, strict=True):
+            run = start - cursor
+            positions[:, cursor:start] = np.arange(run) + current
+            current += run
+            _, grid_h, grid_w = image.grid_thw
+            merged_h, merged_w = grid_h // merge, grid_w // merge
+            h, w = np.meshgrid(np.arange(merged_h), np.arange(merged_w), indexing="ij")
+            positions[0, start:end] = current
+            positions[1, start:end] = h.reshape(-1) + current
+            positions[2, start:end] = w.reshape(-1) + current
+            current += max(merged_h, merged_w)
+            cursor = end
+        positions[:, cursor:] = np.arange(length - cursor) + current
+        return positions
+
+
+# Checkpoint name prefixes -> module names, newest layout first.
+_PREFIXES = (
+    ("model.language_model.", "language_model."),
+    ("model.visual.", "visual."),
+    # Older Qwen-VL layouts.
+    ("language_model.model.", "language_model."),
+    ("visual.", "visual."),
+    ("model.", "language_model."),
+)
+_UNUSED = ("lm_head.", "language_model.norm.")
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Checkpoint names -> module names; unused tensors dropped; the Conv3d patch kernel flattened."""
+    renamed: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        for prefix, target in _PREFIXES:
+            if name.startswith(prefix):
+                name = target + name[len(prefix) :]
+                break
+        if name.startswith(_UNUSED):
+            continue
+        if name == "visual.patch_embed.proj.weight":
+            value = value.reshape(value.shape[0], -1)
+        renamed[name] = value
+    return renamed
