@@ -81,8 +81,8 @@ def random_dit(layers: int, dtype):
     from gmlx_server.engine.families.qwen_image21.dit import (
         DiTConfig,
         QwenImage21DiT,
-        fuse_weights,
         linear_slots,
+        sanitize,
     )
 
     config = DiTConfig(
@@ -122,7 +122,7 @@ def random_dit(layers: int, dtype):
         for norm in ("norm_q", "norm_k"):
             files[f"transformer_blocks.{i}.attn.{norm}.weight"] = mx.ones((HEAD_DIM,))
     files["txt_in.text_norm.weight"] = mx.zeros((CONTEXT,))
-    weights = fuse_weights(files, config)
+    weights = sanitize(files, config)
     del files
     weights = {
         k: ([{n: a.astype(dtype) for n, a in b.items()} for b in v] if k == "blocks" else v)

@@ -1,12 +1,24 @@
-"""Reading a diffusers-layout component folder: its config and its (sharded) safetensors."""
+"""The weights of a diffusers-layout component folder: its config, its (sharded) safetensors,
+and what a family's load asks of them.
+
+Everything that touches stored tensors goes through here: reading (safetensors shards today;
+GGUF and MLX's quantized files next), casting to the compute dtype, and in time quantizing and
+sharding. A family's load says what it needs (`load_weights(dir, dtype, keep_f32=...)`) and maps
+the names (its DiT's `sanitize`); it never casts leaf by leaf. Memory is counted from the loaded
+arrays (`nn.dtypes.tree_bytes`); the header-based `stored_elements` serves only estimates for a
+folder that is not loaded. `tensor_infos` gives logical shapes, whatever the storage.
+"""
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -28,13 +40,43 @@ def weight_files(component_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(component_dir: Path, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
-    """All tensors of a component by their file names, cast to `dtype` when given."""
+def load_weights(
+    component_dir: Path,
+    dtype: mx.Dtype | None = None,
+    keep_f32: Callable[[str], bool] | None = None,
+) -> dict[str, mx.array]:
+    """All tensors of a component by their file names, cast to `dtype` when given; the names
+    `keep_f32` picks (norm scales, read by norms that run in float32) are cast to float32."""
     weights: dict[str, mx.array] = {}
     for path in weight_files(component_dir):
         for name, value in mx.load(str(path)).items():
-            weights[name] = value.astype(dtype) if dtype is not None else value
+            target = mx.float32 if keep_f32 is not None and keep_f32(name) else dtype
+            weights[name] = value.astype(target) if target is not None else value
     return weights
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A stored tensor as a manifest names it: its logical shape and its stored dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # the safetensors name: F32, F16, BF16, ...
+
+
+def tensor_infos(component_dir: Path) -> list[TensorInfo]:
+    """Every tensor of a component, from the file headers (no data read)."""
+    return [
+        TensorInfo(name, tuple(entry["shape"]), entry["dtype"])
+        for path in weight_files(component_dir)
+        for name, entry in read_header(path).items()
+    ]
+
+
+def stored_elements(component_dir: Path) -> int:
+    """Elements of a component's tensors, from the headers: for estimates of a folder that is
+    not loaded (a loaded model counts its arrays)."""
+    return sum(int(np.prod(info.shape, dtype=np.int64)) for info in tensor_infos(component_dir))
 
 
 def read_header(path: Path) -> dict:
@@ -54,20 +96,3 @@ def component_bytes(component_dir: Path) -> int:
             start, end = entry["data_offsets"]
             total += end - start
     return total
-
-
-def cast_tree(tree, dtype: mx.Dtype, keep_f32: set[str]):
-    """Cast a weight tree to the compute dtype; the leaves under a key in `keep_f32` (norm
-    scales, which the norms read in float32) stay float32."""
-    if isinstance(tree, list):
-        return [cast_tree(value, dtype, keep_f32) for value in tree]
-    return {
-        key: (
-            cast_tree(value, dtype, keep_f32)
-            if isinstance(value, (dict, list))
-            else value
-            if key in keep_f32
-            else value.astype(dtype)
-        )
-        for key, value in tree.items()
-    }

@@ -34,7 +34,7 @@ from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
-from ...weights import cast_tree, load_weights, read_config
+from ...weights import load_weights, read_config
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,8 @@ BLOCK_LINEARS = {
     "down": ("img_mlp.out",),
 }
 # Linear layers outside the blocks: tree key -> diffusers name.
+# Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
+F32_WEIGHTS = ("attn.norm_q.weight", "attn.norm_k.weight", "txt_in.text_norm.weight")
 TOP_LINEARS = {
     "time_1": "time_text_embed.timestep_embedder.linear_1",
     "time_2": "time_text_embed.timestep_embedder.linear_2",
@@ -198,9 +200,10 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     return slots
 
 
-def fuse_weights(files: dict[str, mx.array], config: DiTConfig) -> dict:
-    """The file's tensors arranged for the forward: q/k/v and the SwiGLU gate/up are concatenated
-    so each runs as one matmul; the zero-centred text norm stores scale - 1, so 1 is added."""
+def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
+    """The file's tensors (diffusers names) as the forward's weight tree: q/k/v and the SwiGLU
+    gate/up are concatenated so each runs as one matmul; the zero-centred text norm stores
+    scale - 1, so 1 is added. `linear_slots` names the same places for LoRA."""
     blocks = []
     for i in range(config.num_layers):
         p = BLOCK_PREFIX.format(i)
@@ -263,9 +266,10 @@ class QwenImage21DiT:
     def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> QwenImage21DiT:
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
-        files = load_weights(transformer_dir, mx.float32)
-        weights = fuse_weights(files, config)
-        weights = cast_tree(weights, dtype, keep_f32={"text_norm", "norm_q", "norm_k"})
+        files = load_weights(
+            transformer_dir, dtype, keep_f32=lambda name: name.endswith(F32_WEIGHTS)
+        )
+        weights = sanitize(files, config)
         mx.eval(weights)
         return cls(config, weights, dtype)
 

@@ -20,7 +20,7 @@ from ...family import FamilyModel
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
-from ...weights import component_bytes, read_config, read_header, weight_files
+from ...weights import component_bytes, read_config, stored_elements, tensor_infos
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
@@ -178,21 +178,15 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
     return min(rows, query_rows) * group * keys * 4
 
 
-def weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
-    """The weights as loaded: the DiT at its compute dtype, the VAE and the prompt encoder in
-    float32 (element counts from the file headers)."""
+def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
+    """The weights of a folder as they would load (for the status of a model not loaded): the
+    DiT at its compute dtype, the VAE and the prompt encoder in float32, counted from the file
+    headers. A loaded model counts its arrays instead (`QwenImage21Model.weight_bytes`)."""
     model_dir = Path(model_dir)
-    dit = _elements(model_dir / "transformer") * dit_dtype.size
-    return dit + 4 * (_elements(model_dir / "vae") + _elements(model_dir / "text_encoder"))
-
-
-def _elements(component_dir: Path) -> int:
-    count = 0
-    for path in weight_files(component_dir):
-        for name, entry in read_header(path).items():
-            if name != "__metadata__":
-                count += int(np.prod(entry["shape"], dtype=np.int64))
-    return count
+    dit = stored_elements(model_dir / "transformer") * dit_dtype.size
+    return dit + 4 * (
+        stored_elements(model_dir / "vae") + stored_elements(model_dir / "text_encoder")
+    )
 
 
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
@@ -227,7 +221,7 @@ def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
         "encoder_bytes": component_bytes(model_dir / "text_encoder"),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
-    footprint = weight_bytes(model_dir, dtype) + activation_reserve(model_dir, dtype)
+    footprint = estimated_weight_bytes(model_dir, dtype) + activation_reserve(model_dir, dtype)
     return {
         **files,
         "activation_reserve_bytes": max(0, footprint - sum(files.values())),
@@ -238,20 +232,15 @@ def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
 def manifest(model_dir: Path) -> dict:
     """The DiT's tensors by their diffusers names (docs/contract.md §2.4 with naming "diffusers")."""
     tensors = []
-    for path in weight_files(Path(model_dir) / "transformer"):
-        for name, entry in read_header(path).items():
-            if entry["dtype"] not in MANIFEST_DTYPES:
-                raise EngineInputError(
-                    f"tensor {name} is stored as {entry['dtype']}; Qwen-Image 2.1 weights must be"
-                    " F32, F16 or BF16"
-                )
-            tensors.append(
-                {
-                    "name": name,
-                    "shape": list(entry["shape"]),
-                    "dtype": MANIFEST_DTYPES[entry["dtype"]],
-                }
+    for info in tensor_infos(Path(model_dir) / "transformer"):
+        if info.dtype not in MANIFEST_DTYPES:
+            raise EngineInputError(
+                f"tensor {info.name} is stored as {info.dtype}; Qwen-Image 2.1 weights must be"
+                " F32, F16 or BF16"
             )
+        tensors.append(
+            {"name": info.name, "shape": list(info.shape), "dtype": MANIFEST_DTYPES[info.dtype]}
+        )
     tensors.sort(key=lambda tensor: tensor["name"])
     return {
         "family": FAMILY,
@@ -302,7 +291,7 @@ class QwenImage21Model(FamilyModel):
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
             status=status,
             read_manifest=manifest,
-            weight_bytes=weight_bytes(model_dir, dit.dtype),
+            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
         )
         self.dit = dit
         self.encoder = encoder
