@@ -1,0 +1,183 @@
+"""The twin-blocks family through the whole seam over HTTP: the registry line below is its only
+tie to the server. Status and manifest unloaded and loaded, encode, steps (memory-planned, no
+prefix cache), the VAE routes and LoRA tables on fused and unfused projections of both block
+kinds, which must equal the step of a checkpoint with the same LoRA merged into its files."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gmlx_contract import wire
+from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
+from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine.registry import ModelRegistry
+
+from tests.server.conftest import serve
+
+from . import checkpoint, family
+
+REGISTRY_LINE = {family.FAMILY: family}  # what FAMILIES would carry for a product family
+# Layers the table patches: a fused part of each double-block stream, unfused ones of a
+# single block, one with a band, and one outside the blocks.
+PATCHED = {
+    "double_blocks.0.img_attn.to_k": None,
+    "double_blocks.1.txt_attn.to_q": None,
+    "double_blocks.1.txt_attn.to_v": [0, 4, 8],  # output rows 4..11 of v only
+    "single_blocks.0.attn.to_v": None,
+    "single_blocks.1.attn.to_out": [1, 2, 6],  # input columns 2..7
+    "img_in": None,
+}
+STRENGTH, ALPHA, RANK = 0.8, 1.0, 2
+
+
+def lora(seed: int = 3) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(up, down) per patched layer, fitting the layer or its band."""
+    rng = np.random.default_rng(seed)
+    shapes = checkpoint.linear_shapes()
+    pairs = {}
+    for layer, band in PATCHED.items():
+        rows, cols = shapes[layer]
+        if band is not None:
+            rows, cols = (band[2], cols) if band[0] == 0 else (rows, band[2])
+        up = rng.standard_normal((rows, RANK)).astype(np.float32)
+        pairs[layer] = (up, rng.standard_normal((RANK, cols)).astype(np.float32))
+    return pairs
+
+
+def merged_deltas(pairs) -> dict[str, np.ndarray]:
+    """The same LoRA as deltas of the whole weights: strength * alpha / rank * up @ down."""
+    shapes, deltas = checkpoint.linear_shapes(), {}
+    for layer, (up, down) in pairs.items():
+        delta = np.zeros(shapes[layer], np.float32)
+        band = PATCHED[layer]
+        rows = slice(None) if band is None or band[0] == 1 else slice(band[1], band[1] + band[2])
+        cols = slice(None) if band is None or band[0] == 0 else slice(band[1], band[1] + band[2])
+        delta[rows, cols] = STRENGTH * ALPHA / RANK * (up @ down)
+        deltas[layer] = delta
+    return deltas
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("twin")
+    checkpoint.write_folder(root, "twin-tiny")
+    checkpoint.write_folder(root, "twin-merged", merged=merged_deltas(lora()))
+    config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
+    config = replace(config, image=ImageConfig())
+    server = serve(
+        config, ModelRegistry([root], "twin-tiny", families=REGISTRY_LINE, max_resident=2)
+    )
+    yield server
+    server.close()
+
+
+def step(live, model: str, x, sigma: float, cond_hash: str, table: str | None = None):
+    fields = {"model": model, "rows": [{"cond": cond_hash}], "patch_table": table}
+    timestep = np.array([sigma], np.float32)
+    return live.post_container("step", {"x": x, "timestep": timestep}, fields)
+
+
+def out_of(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return wire.read_container(response.content).tensors["out"]
+
+
+def test_status_and_manifest_read_unloaded_then_loaded(live):
+    unloaded = live.call("GET", "models/twin-tiny/status").json()
+    assert unloaded["family"] == "twin_blocks" and unloaded["resident"] is False
+    assert unloaded["sampling"]["schedule"] == {"rule": "flux2"}
+    manifest = live.call("GET", "models/twin-tiny/manifest").json()
+    names = {t["name"]: t["shape"] for t in manifest["tensors"]}
+    assert names["double_blocks.0.img_attn.to_q.weight"] == [16, 16]  # logical, unfused names
+    assert names["single_blocks.1.mlp.down.weight"] == [16, 24]
+    assert live.post_json("models/load", {"model": "twin-tiny"}).status_code == 200
+    loaded = live.call("GET", "models/twin-tiny/status").json()
+    assert loaded["resident"] is True
+    assert {k: v for k, v in loaded.items() if k != "resident"} == {
+        k: v for k, v in unloaded.items() if k != "resident"
+    }
+    assert live.call("GET", "models/twin-tiny/manifest").json() == manifest
+    model = live.model("twin-tiny")
+    stored = sum(t["shape"][0] * t["shape"][1] for t in manifest["tensors"] if len(t["shape"]) == 2)
+    assert model.weight_bytes >= 4 * stored  # counted from the arrays, every weight there
+
+
+def test_encode_then_step_answers_the_dit_with_no_prefix_cache(live):
+    r = live.post_json("encode", {"model": "twin-tiny", "text": "two kinds of blocks"})
+    assert r.status_code == 200, r.text
+    cond = wire.read_container(r.content).tensors["cond"]
+    assert cond.shape == (1, len("two kinds of blocks"), 8)
+    x = np.random.default_rng(1).standard_normal((1, 4, 3, 5)).astype(np.float32)
+    r = step(live, "twin-tiny", x, 0.7, live.put_tensor(cond))
+    out = out_of(r)
+    assert out.shape == x.shape and np.all(np.isfinite(out))
+    assert r.headers["X-Gmlx-Prefix-Cache"] == "none"
+    other = out_of(step(live, "twin-tiny", x, 0.3, live.put_tensor(cond)))
+    assert not np.allclose(out, other)  # the timestep reaches the DiT
+
+
+def test_references_are_refused_as_the_capabilities_say(live):
+    cond = live.put_tensor(np.ones((1, 3, 8), np.float32))
+    ref = live.put_tensor(np.ones((1, 4, 2, 2), np.float32))
+    x = np.zeros((1, 4, 2, 2), np.float32)
+    fields = {"model": "twin-tiny", "rows": [{"cond": cond, "ref_latents": [ref]}]}
+    r = live.post_container("step", {"x": x, "timestep": np.array([0.5], np.float32)}, fields)
+    assert r.status_code == 400, r.text
+
+
+def test_the_vae_routes_round_trip_through_the_family_vae(live):
+    image = np.random.default_rng(2).random((1, 16, 24, 3)).astype(np.float32)
+    r = live.post_container("vae/encode", {"image": image}, {"model": "twin-tiny"})
+    assert r.status_code == 200, r.text
+    latents = wire.read_container(r.content).tensors["latents"]
+    assert latents.shape == (1, 4, 2, 3)
+    r = live.post_container("vae/decode", {"latents": latents}, {"model": "twin-tiny"})
+    assert r.status_code == 200, r.text
+    assert wire.read_container(r.content).tensors["image"].shape == (1, 16, 24, 3)
+
+
+def test_a_table_on_fused_and_unfused_layers_equals_the_merged_checkpoint(live):
+    entries, adapters = [], {}
+    for layer, (up, down) in sorted(lora().items()):
+        adapters |= {tensor_hash(up): up, tensor_hash(down): down}
+        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": ALPHA}
+        patch |= {"strength": STRENGTH, "strength_model": 1.0}
+        entries.append({"key": f"diffusion_model.{layer}.weight", "band": PATCHED[layer]})
+        entries[-1]["patches"] = [patch]
+    for array in adapters.values():
+        live.put_tensor(array, "adapters")
+    doc = {"model": "twin-tiny", "entries": entries}
+    r = live.call(
+        "PUT",
+        f"patch-tables/{table_id(doc)}",
+        data=canonical_json(doc),
+        headers={"Content-Type": "application/json"},
+        params={"model": "twin-tiny"},
+    )
+    assert r.status_code == 200, r.text
+    cond = live.put_tensor(np.random.default_rng(4).standard_normal((1, 5, 8)).astype(np.float32))
+    x = np.random.default_rng(5).standard_normal((1, 4, 4, 4)).astype(np.float32)
+    patched = out_of(step(live, "twin-tiny", x, 0.6, cond, table_id(doc)))
+    merged = out_of(step(live, "twin-merged", x, 0.6, cond))
+    plain = out_of(step(live, "twin-tiny", x, 0.6, cond))
+    np.testing.assert_allclose(patched, merged, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(patched, plain, atol=1e-3)  # the table changed the output
+
+
+def test_a_key_outside_the_tree_is_refused_naming_a_layer_that_is(live):
+    up, down = np.ones((16, 1), np.float32), np.ones((1, 16), np.float32)
+    for array in (up, down):
+        live.put_tensor(array, "adapters")
+    patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": None, "strength": 1.0}
+    entry = {"key": "diffusion_model.blocks.0.attn.to_q.weight", "band": None}
+    doc = {"model": "twin-tiny", "entries": [{**entry, "patches": [patch]}]}
+    r = live.call(
+        "PUT",
+        f"patch-tables/{table_id(doc)}",
+        data=canonical_json(doc),
+        headers={"Content-Type": "application/json"},
+        params={"model": "twin-tiny"},
+    )
+    assert r.status_code == 400 and "double_blocks.0.img_attn.to_q" in r.json()["error"]
