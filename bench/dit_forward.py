@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     import torch
     from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
 
-    from tests.tiny.transformer import build_transformer
+    from tests.families.qwen_image21.tiny.transformer import build_transformer
 
     config = {
         "in_channels": args.channels,

@@ -1,6 +1,6 @@
 """Qwen-Image 2.1 prompt encoding: the MLX encoder against diffusers/transformers on one config.
 
-Builds a random Qwen3-VL folder (tests/tiny/text_encoder.py) at the chosen preset, then times
+Builds a random Qwen3-VL folder (tests/families/qwen_image21/tiny/text_encoder.py) at the chosen preset, then times
 `QwenImage21PromptEncoder.encode` and the pipeline's `encode_prompt` on the same prompt and
 references (float32, after warm-up), and reports the medians and their relative L2 difference.
 
@@ -73,13 +73,13 @@ def main() -> None:
     import torch
     from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 
-    from tests.qwen_text.reference import (
+    from tests.encoders.qwen3.reference import (
         load_pipeline,
         reference_encode,
         rel_l2,
         resize_like_pipeline,
     )
-    from tests.tiny.text_encoder import build_text_encoder
+    from tests.families.qwen_image21.tiny.text_encoder import build_text_encoder
 
     words = "a red fox in the snow photograph golden hour light oil painting".split()
     prompt = " ".join(words[i % len(words)] for i in range(args.words))

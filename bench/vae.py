@@ -1,6 +1,6 @@
 """Time the Qwen-Image 2.1 VAE decode and encode in MLX against diffusers' PyTorch model.
 
-One random VAE (diffusers' own class, built by tests/tiny/vae.py, saved and loaded by both sides)
+One random VAE (diffusers' own class, built by tests/families/qwen_image21/tiny/vae.py, saved and loaded by both sides)
 of the `--preset` configuration; for each image size it times, median of `--repeats` after one
 warm-up, with the same latents / image on both sides:
 
@@ -69,7 +69,7 @@ def time_size(model, vae, height: int, width: int, repeats: int) -> dict:
     import numpy as np
     import torch
 
-    from tests.qwen_vae.reference import reference_decode, reference_encode
+    from tests.vaes.qwen_image21.reference import reference_decode, reference_encode
 
     rng = np.random.default_rng(0)
     latents = rng.standard_normal((1, vae.z_dim, height // 16, width // 16)).astype(np.float32)
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     import torch
     from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 
-    from tests.tiny.vae import build_vae, tiny_config
+    from tests.families.qwen_image21.tiny.vae import build_vae, tiny_config
 
     folder = Path(tempfile.mkdtemp(prefix="vae_bench_"))
     model = build_vae(folder, seed=0, **PRESETS[args.preset])

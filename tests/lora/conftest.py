@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from gmlx_server.engine.families.qwen_image21.family import load
 
-from tests.qwen_dit.folder import build_folder
+from tests.families.qwen_image21.dit.folder import build_folder
 
 MODEL_ID = "tiny"
 

@@ -15,9 +15,9 @@ import pytest
 from gmlx_contract import wire
 from gmlx_server.lora_files import AdapterSpec, adapter_spec, adapter_table
 
+from tests.families.qwen_image21.dit.reference import reference_row, rel_l2
 from tests.lora.forms import FORMS, Lora, random_lora, write_form
 from tests.lora.reference import engine_step, layer_shapes, peft_model, plain_model
-from tests.qwen_dit.reference import reference_row, rel_l2
 
 TOLERANCE = 1e-4
 MOVES = 0.05  # a LoRA that did nothing fails the test

@@ -7,6 +7,7 @@ import pytest
 from gmlx_contract.hashing import tensor_hash
 from gmlx_server.lora_files import linear_layers
 
+from tests.families.qwen_image21.dit.reference import reference_row, rel_l2
 from tests.lora.forms import FORMS, client_table, random_lora, write_form
 from tests.lora.reference import (
     engine_step,
@@ -16,7 +17,6 @@ from tests.lora.reference import (
     peft_model,
     plain_model,
 )
-from tests.qwen_dit.reference import reference_row, rel_l2
 
 TOLERANCE = 1e-4
 # A test LoRA must move the output at least this much, so a LoRA path that did nothing fails.

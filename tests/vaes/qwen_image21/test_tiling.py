@@ -17,8 +17,8 @@ from diffusers import AutoencoderKLQwenImage21
 from gmlx_server.engine.vaes import qwen_image21 as vae_module
 from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 
-from tests.qwen_vae.conftest import rel_l2
-from tests.qwen_vae.reference import reference_decode, reference_encode
+from tests.vaes.qwen_image21.conftest import rel_l2
+from tests.vaes.qwen_image21.reference import reference_decode, reference_encode
 
 TILED_BOUND = 1e-6
 # Latent cells (h, w) and tile side: 3x3 tiles, and 4x3 uneven ones on a non-square latent.

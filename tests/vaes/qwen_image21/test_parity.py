@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 
-from tests.qwen_vae.conftest import rel_l2
-from tests.qwen_vae.reference import reference_decode, reference_encode
+from tests.vaes.qwen_image21.conftest import rel_l2
+from tests.vaes.qwen_image21.reference import reference_decode, reference_encode
 
 # (height, width): odd multiples of the stride, a single latent cell, a non-square one.
 SIZES = [(48, 80), (16, 16), (64, 32)]

@@ -18,9 +18,9 @@ from gmlx_server.engine.families.qwen_image21.embedded import (
     model_index,
 )
 
-from tests.tiny.text_encoder import build_text_encoder
-from tests.tiny.transformer import build_transformer
-from tests.tiny.vae import build_vae
+from tests.families.qwen_image21.tiny.text_encoder import build_text_encoder
+from tests.families.qwen_image21.tiny.transformer import build_transformer
+from tests.families.qwen_image21.tiny.vae import build_vae
 
 # Qwen-Image 2.1 turbo's fixed sigmas (docs/contract.md §2.3), excluding the terminal 0.0.
 TURBO_SIGMAS = SAMPLE_SIGMAS

@@ -15,7 +15,7 @@ import pytest
 from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
 from gmlx_server.engine.nn import cpu_ops
 
-from tests.tiny.transformer import build_transformer
+from tests.families.qwen_image21.tiny.transformer import build_transformer
 
 ROOT = Path(__file__).resolve().parents[2]
 H, W = 6, 8
@@ -67,7 +67,7 @@ FALLBACK_SCRIPT = textwrap.dedent(
     logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(message)s")
     sys.path.insert(0, {root!r})
     from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
-    from tests.cpu_ops.test_dit_cpu_paths import forward
+    from tests.nn.test_dit_cpu_paths import forward
     dit = QwenImage21DiT.load({folder!r})
     first = forward(dit)
     second = forward(dit)

@@ -10,8 +10,8 @@ from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEnc
 from gmlx_server.engine.nn import attention as module
 from gmlx_server.engine.weights import component_bytes
 
-from tests.qwen_text.reference import rel_l2
-from tests.qwen_text.test_image_parity import picture
+from tests.encoders.qwen3.reference import rel_l2
+from tests.encoders.qwen3.test_image_parity import picture
 
 
 def test_chunked_attention_equals_whole(encoder, monkeypatch):

@@ -181,7 +181,7 @@ def test_diffusers_pipeline_runs_on_it(model_dir):
 
     # transformers 5.24 builds Qwen3VLProcessor only with its torchvision-gated video processor;
     # this helper builds it from the image processor and tokenizer alone (DESIGN.md).
-    from tests.qwen_text.reference import load_processor
+    from tests.encoders.qwen3.reference import load_processor
 
     pipe = QwenImage21Pipeline.from_pretrained(
         model_dir, processor=load_processor(model_dir), dtype=torch.float32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny.transformer import build_transformer
+from tests.families.qwen_image21.tiny.transformer import build_transformer
 
 # Several tiny shapes: the default, and one with more heads, a third block, narrower channels
 # and different RoPE axes.

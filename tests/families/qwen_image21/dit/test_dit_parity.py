@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
 
-from tests.qwen_dit.conftest import CONFIGS
-from tests.qwen_dit.reference import pack, reference_row, rel_l2
+from tests.families.qwen_image21.dit.conftest import CONFIGS
+from tests.families.qwen_image21.dit.reference import pack, reference_row, rel_l2
 
 TOLERANCE = 1e-4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.qwen_text.reference import reference_encode, rel_l2
+from tests.encoders.qwen3.reference import reference_encode, rel_l2
 
 LONG_PROMPT = " ".join(
     [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny.text_encoder import build_text_encoder
+from tests.families.qwen_image21.tiny.text_encoder import build_text_encoder
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +21,6 @@ def encoder(tiny_dir):
 
 @pytest.fixture(scope="session")
 def pipe(tiny_dir):
-    from tests.qwen_text.reference import load_pipeline
+    from tests.encoders.qwen3.reference import load_pipeline
 
     return load_pipeline(tiny_dir)

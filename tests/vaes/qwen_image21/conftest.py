@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.tiny.vae import build_vae
+from tests.families.qwen_image21.tiny.vae import build_vae
 
 # name -> builder overrides: the real RGBA layout, and an RGB one with another block layout.
 CONFIGS = {

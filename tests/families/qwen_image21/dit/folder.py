@@ -1,4 +1,4 @@
-"""The tiny Qwen-Image 2.1 folder (tests/tiny/folder.py) with the family tests' own sigmas and
+"""The tiny Qwen-Image 2.1 folder (tests/families/qwen_image21/tiny/folder.py) with the family tests' own sigmas and
 scheduler constants: they differ from the embedded model's defaults, so a test sees whether the
 family read them from the folder."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.tiny.folder import write_tiny_folder
+from tests.families.qwen_image21.tiny.folder import write_tiny_folder
 
 TURBO_SIGMAS = [1.0, 0.95, 0.8, 0.5]
 SCHEDULER_CONFIG = {

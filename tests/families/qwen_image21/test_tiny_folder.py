@@ -1,4 +1,4 @@
-"""tests/tiny/folder.py builds a folder that diffusers' pipeline and the server both accept."""
+"""tests/families/qwen_image21/tiny/folder.py builds a folder that diffusers' pipeline and the server both accept."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.tiny.folder import TURBO_SIGMAS, build_tiny_folder
+from tests.families.qwen_image21.tiny.folder import TURBO_SIGMAS, build_tiny_folder
 
 torch = pytest.importorskip("torch")
 
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 def test_tiny_folder_runs_in_the_diffusers_pipeline(tmp_path):
     from diffusers import QwenImage21Pipeline
 
-    from tests.qwen_text.reference import load_processor
+    from tests.encoders.qwen3.reference import load_processor
 
     root = build_tiny_folder(tmp_path / "tiny", seed=3)
     pipe = QwenImage21Pipeline.from_pretrained(
