@@ -24,6 +24,36 @@ import numpy as np
 
 from .base import Capabilities, EngineInputError, StepRow
 from .lora import TableWeights
+from .weights import tensor_infos
+
+# Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names.
+MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
+def dit_manifest(family: str, transformer_dir: Path, title: str) -> dict:
+    """GET models/{model}/manifest less `model`, naming "diffusers": the DiT's tensors by their
+    file names with their logical shapes (weights.tensor_infos), sorted by name. A tensor stored
+    in a dtype the families load from neither is refused, naming it (`title`: the family's name
+    in prose)."""
+    tensors = []
+    for info in tensor_infos(transformer_dir):
+        if info.dtype not in MANIFEST_DTYPES:
+            raise EngineInputError(
+                f"tensor {info.name} is stored as {info.dtype}; {title} weights must be"
+                " F32, F16 or BF16"
+            )
+        tensors.append(
+            {"name": info.name, "shape": list(info.shape), "dtype": MANIFEST_DTYPES[info.dtype]}
+        )
+    tensors.sort(key=lambda tensor: tensor["name"])
+    return {
+        "family": family,
+        "naming": "diffusers",
+        "arch": None,
+        "count": len(tensors),
+        "tensors": tensors,
+        "inline": {},
+    }
 
 
 class FamilyModel:

@@ -15,10 +15,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from gmlx_server.engine.base import Capabilities, EncodeResult, EngineInputError, StepResult
-from gmlx_server.engine.family import FamilyModel
+from gmlx_server.engine.family import FamilyModel, dit_manifest
 from gmlx_server.engine.lora import TableWeights
 from gmlx_server.engine.nn.dtypes import default_compute_dtype, dtype_name
-from gmlx_server.engine.weights import component_bytes, read_config, tensor_infos
+from gmlx_server.engine.weights import component_bytes, read_config
 
 from .checkpoint import PIPELINE_CLASS
 from .dit import TwinBlocksDiT, linear_slots
@@ -27,7 +27,6 @@ from .parts import ByteEncoder, PatchVAE
 FAMILY = "twin_blocks"
 SAMPLING = {"steps": 4, "cfg": 1.0, "shift": 1.0, "sigmas": None, "neg_skip": []}
 SCHEDULE = {"rule": "flux2"}
-MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 STEP_BUFFERS = 16  # activations of one token per row, in widths of the hidden size
 
 
@@ -61,21 +60,7 @@ def describe(model_dir: Path, model_id: str | None = None) -> dict:
 
 
 def manifest(model_dir: Path) -> dict:
-    tensors = sorted(
-        (
-            {"name": i.name, "shape": list(i.shape), "dtype": MANIFEST_DTYPES[i.dtype]}
-            for i in tensor_infos(Path(model_dir) / "transformer")
-        ),
-        key=lambda tensor: tensor["name"],
-    )
-    return {
-        "family": FAMILY,
-        "naming": "diffusers",
-        "arch": None,
-        "count": len(tensors),
-        "tensors": tensors,
-        "inline": {},
-    }
+    return dit_manifest(FAMILY, Path(model_dir) / "transformer", "twin-blocks")
 
 
 def load(model_dir: Path, model_id: str) -> TwinBlocksModel:

@@ -16,11 +16,11 @@ import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel
+from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
-from ...weights import component_bytes, read_config, stored_elements, tensor_infos
+from ...weights import component_bytes, read_config, stored_elements
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
@@ -42,7 +42,6 @@ SCHEDULER_KEYS = {
     "max_shift": "max_shift",
     "shift_terminal": "terminal",
 }
-MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 # ---------------------------------------------------------------- memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights and the states already held, counted in buffers of the DiT's
@@ -231,25 +230,7 @@ def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
 
 def manifest(model_dir: Path) -> dict:
     """The DiT's tensors by their diffusers names (docs/contract.md §2.4 with naming "diffusers")."""
-    tensors = []
-    for info in tensor_infos(Path(model_dir) / "transformer"):
-        if info.dtype not in MANIFEST_DTYPES:
-            raise EngineInputError(
-                f"tensor {info.name} is stored as {info.dtype}; Qwen-Image 2.1 weights must be"
-                " F32, F16 or BF16"
-            )
-        tensors.append(
-            {"name": info.name, "shape": list(info.shape), "dtype": MANIFEST_DTYPES[info.dtype]}
-        )
-    tensors.sort(key=lambda tensor: tensor["name"])
-    return {
-        "family": FAMILY,
-        "naming": "diffusers",
-        "arch": None,
-        "count": len(tensors),
-        "tensors": tensors,
-        "inline": {},
-    }
+    return dit_manifest(FAMILY, Path(model_dir) / "transformer", "Qwen-Image 2.1")
 
 
 def load(model_dir: Path, model_id: str) -> QwenImage21Model:

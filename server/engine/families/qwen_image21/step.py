@@ -9,7 +9,6 @@ attending to its own prefix, which is exact for rows of any lengths (no padding,
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -17,7 +16,8 @@ import numpy as np
 
 from ...base import EngineInputError, StepResult, StepRow, kept_image_slots
 from ...nn.dtypes import dtype_name
-from .dit import PrefixLayout, PrefixState, QwenImage21DiT
+from ...prefix_cache import PrefixCache
+from .dit import PrefixLayout, QwenImage21DiT
 
 # Step conventions of this family (docs/contract.md §5.2): both read the timestep as sigma
 # (scale 1, shift 0), return +dx/dsigma, and embed the time by the DiT's reference rule.
@@ -35,78 +35,6 @@ class RowPlan:
     refs: tuple[np.ndarray, ...]  # each (h*w, C), packed in raster order
     key: tuple
     cache: bool
-
-
-class PrefixCache:
-    """Prefix states by key. States a run used are pinned until the run ends (then shed); the
-    others are bounded by `budget_bytes` and shed least-recently-used."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget_bytes = budget_bytes
-        self._states: OrderedDict[tuple, PrefixState] = OrderedDict()
-        self._pins: dict[tuple, set[str]] = {}
-
-    def __contains__(self, key: tuple) -> bool:
-        return key in self._states
-
-    def get(self, key: tuple) -> PrefixState | None:
-        state = self._states.get(key)
-        if state is not None:
-            self._states.move_to_end(key)
-        return state
-
-    def put(self, key: tuple, state: PrefixState, run: str | None) -> None:
-        self._states[key] = state
-        self._states.move_to_end(key)
-        self.pin(key, run)
-        self._shed_unpinned()
-
-    def pin(self, key: tuple, run: str | None) -> None:
-        if run is not None and key in self._states:
-            self._pins.setdefault(key, set()).add(run)
-
-    def end_run(self, run: str) -> None:
-        for key in [k for k, runs in self._pins.items() if run in runs]:
-            runs = self._pins[key]
-            runs.discard(run)
-            if not runs:
-                del self._pins[key]
-                self._states.pop(key, None)
-
-    def clear(self) -> None:
-        self._states.clear()
-        self._pins.clear()
-
-    def shed(self, need_bytes: int, keep: set) -> int:
-        """Free states for a memory plan (docs/contract.md §3.3): those of finished work (unpinned) first,
-        then those runs hold (a run's next step rebuilds them), least recently used first within
-        each; never the keys in `keep`. Returns the bytes freed (may fall short)."""
-        freed = 0
-        for pinned in (False, True):
-            for key in list(self._states):
-                if freed >= need_bytes:
-                    return freed
-                if key in keep or (key in self._pins) != pinned:
-                    continue
-                freed += self._states.pop(key).nbytes
-                self._pins.pop(key, None)
-        return freed
-
-    @property
-    def unpinned_bytes(self) -> int:
-        return sum(s.nbytes for k, s in self._states.items() if k not in self._pins)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.nbytes for s in self._states.values())
-
-    def _shed_unpinned(self) -> None:
-        excess = self.unpinned_bytes - self.budget_bytes
-        for key in list(self._states):
-            if excess <= 0:
-                break
-            if key not in self._pins:
-                excess -= self._states.pop(key).nbytes
 
 
 def sigmas_for(timestep: np.ndarray, batch: int, convention: str) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from gmlx_server.engine.families.qwen_image21.dit import PrefixState
-from gmlx_server.engine.families.qwen_image21.step import PrefixCache
+from gmlx_server.engine.prefix_cache import PrefixCache
 
 
 def state(nbytes: int) -> PrefixState:
