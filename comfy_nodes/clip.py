@@ -20,7 +20,7 @@ from gmlx_contract.errors import StepError
 
 from .connection import Connection
 from .errors import GmlxError
-from .families import SPACE_FOR_EMPTY_PROMPT
+from .families import empty_prompt
 
 log = logging.getLogger("gmlx_comfy")
 
@@ -46,12 +46,11 @@ def image_to_u8(image: torch.Tensor) -> list[np.ndarray]:
     return [np.ascontiguousarray(entry) for entry in u8]
 
 
-def prompt_text(text: str, family: str | None) -> str:
-    """The text sent: an empty prompt becomes one space for families whose encoder needs
-    text (docs/contract.md §7.4)."""
-    if text == "" and family in SPACE_FOR_EMPTY_PROMPT:
-        return " "
-    return text
+def prompt_text(text: str, family: str | None, published: str | None = None) -> str:
+    """The text sent: an empty prompt becomes what the server's status says (`published`,
+    its `conditioning.empty_prompt`), else one space for families whose encoder needs text
+    (docs/contract.md §7.4)."""
+    return text if text != "" else empty_prompt(family, published)
 
 
 class GmlxCLIP:
@@ -61,6 +60,7 @@ class GmlxCLIP:
         self.conn = conn
         self.model_id = model_id
         self.family = status.get("family")
+        self.empty_prompt = (status.get("conditioning") or {}).get("empty_prompt")
         self.layer_idx = None
         self.use_clip_schedule = False
         self.patcher = SimpleNamespace(forced_hooks=None, model=None)
@@ -142,7 +142,7 @@ class GmlxCLIP:
         return self.encode_from_tokens(self.tokenize(text))
 
     def _encode(self, item: GmlxTokens) -> tuple[dict, dict]:
-        text = prompt_text(item.text, self.family)
+        text = prompt_text(item.text, self.family, self.empty_prompt)
         with self.conn.lock:
             try:
                 # With images the reference latents come from the gmlx VAE node instead.

@@ -1,6 +1,9 @@
 """Facts of the families the pack builds itself (ComfyUI 0.3.64 has no Qwen-Image 2.1 class).
 
-Pure: plain data and arithmetic on status documents.
+A server says what the pack needs to know of a family in its status: `vae.latents_mean` and
+`vae.latents_std`, and `conditioning.ref_method` and `conditioning.empty_prompt`. The tables here
+are the fallback for older servers that do not. Pure: plain data and arithmetic on status
+documents.
 """
 
 from __future__ import annotations
@@ -149,10 +152,26 @@ PUBLISHED_NORMALISATION = {
 
 # model_class (status `comfy.model_class`) -> family the pack builds a ComfyUI model for.
 PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21"}
-# The DiT's own reference placement method (ComfyUI's `ref_latents_method` default).
+# The DiT's own reference placement method (ComfyUI's `ref_latents_method` default), for
+# servers whose status has no `conditioning.ref_method`.
 DEFAULT_REF_METHOD = {"qwen_image21": "index"}
-# Families whose encoder refuses an empty prompt: the pack sends one space (docs/contract.md §7.4).
+# Families whose encoder refuses an empty prompt: the pack sends one space (docs/contract.md §7.4),
+# for servers whose status has no `conditioning.empty_prompt`.
 SPACE_FOR_EMPTY_PROMPT = frozenset(("qwen_image", "qwen_image21", "krea2", "flux3_klein"))
+
+
+def ref_method(status: dict[str, Any]) -> str | None:
+    """The DiT's own reference placement: status `conditioning.ref_method`, else the table's."""
+    published = (status.get("conditioning") or {}).get("ref_method")
+    return published if isinstance(published, str) else DEFAULT_REF_METHOD.get(status.get("family"))
+
+
+def empty_prompt(family: str | None, published: Any = None) -> str:
+    """What an empty prompt is sent as: the status's `conditioning.empty_prompt` (`published`),
+    else one space for the families of SPACE_FOR_EMPTY_PROMPT, else the empty text."""
+    if isinstance(published, str):
+        return published
+    return " " if family in SPACE_FOR_EMPTY_PROMPT else ""
 
 
 def latent_normalisation(status: dict[str, Any]) -> tuple[list[float], list[float]] | None:

@@ -24,7 +24,7 @@ from gmlx_contract.errors import StepError
 
 from .connection import Connection
 from .errors import GmlxError, named_nodes
-from .families import DEFAULT_REF_METHOD, PACK_BUILT_CLASSES, latent_normalisation
+from .families import PACK_BUILT_CLASSES, latent_normalisation, ref_method
 from .interrupts import Cancelled, call_interruptible
 from .patches import AdapterHashes, build_table
 from .request import (
@@ -231,7 +231,7 @@ class RemoteDiT(torch.nn.Module):
             options,
             control=control,
             edit_capable=bool(self.status.get("edit_capable", True)),
-            default_ref_method=DEFAULT_REF_METHOD.get(self.family),
+            default_ref_method=ref_method(self.status),
         )
         for key in check.unknown_options:
             if key not in self.warned:

@@ -21,6 +21,9 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
+# Qwen has no BOS token, so an empty prompt would leave the encoder nothing to read: it is
+# encoded as this text instead (a family's status says so to its clients).
+EMPTY_PROMPT = " "
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,7 @@ class PromptTemplate:
         images = self.image_separator.join(
             self.image_placeholder.format(index=i) for i in range(1, image_count + 1)
         )
-        # Qwen has no BOS token, so an empty prompt would leave the encoder nothing to read.
-        return self.text.format(images=images, prompt=prompt or " ")
+        return self.text.format(images=images, prompt=prompt or EMPTY_PROMPT)
 
 
 @dataclass(frozen=True)

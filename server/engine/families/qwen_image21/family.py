@@ -16,6 +16,7 @@ import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
+from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
 from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
@@ -27,6 +28,10 @@ from .step import PrefixCache, RowPlan, denoise_step, plan_row
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
 COMFY = {"model_class": "QwenImage21", "image_model": "qwen_image21"}
+# What a client needs to condition this family (an extension of docs/contract.md §2.3): the DiT
+# places references by index (ComfyUI's `ref_latents_method`), and an empty prompt is encoded
+# as the Qwen tokenizer's EMPTY_PROMPT.
+CONDITIONING = {"ref_method": "index", "empty_prompt": EMPTY_PROMPT}
 LATENT_STRIDE = 16
 LATENT_PATCH = 1
 VAE_STRIDE = 16
@@ -131,6 +136,7 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
             "latents_std": [float(v) for v in vae_config["latents_std"]],
         },
         "edit_capable": True,
+        "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(model_dir),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
         "memory": memory_row(model_dir, dtype or default_compute_dtype(), resident=False),
