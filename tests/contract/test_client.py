@@ -59,10 +59,42 @@ def test_handshake_with_nothing_listening_is_not_a_gmlx_server():
         StepClient(free_port_url()).handshake()
 
 
+def test_nothing_listening_is_one_sentence_without_retry_noise(caplog):
+    url = free_port_url()
+    with caplog.at_level("DEBUG", logger="urllib3"), pytest.raises(NotGmlxServer) as caught:
+        StepClient(url).handshake()
+    assert str(caught.value) == f"gmlx: no gmlx server answers at {url} (connection refused)"
+    assert caught.value.reason == "connection refused"
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+def test_a_call_that_gets_no_answer_names_route_server_reason_and_remedy():
+    url = free_port_url()
+    with pytest.raises(StepError) as caught:
+        StepClient(url).models()
+    text = str(caught.value)
+    assert text == (
+        f"gmlx: GET models got no answer from the gmlx server at {url} (connection refused); "
+        "check that it runs there (`gmlx serve` starts one)"
+    )
+
+
+def test_refusals_name_the_server(server):
+    with StepClient(server.url, api_key="wrong") as wrong, pytest.raises(StepError) as caught:
+        wrong.models()
+    text = str(caught.value)
+    assert text.startswith(f"gmlx: GET models at {server.url} failed with status 401: ")
+    assert text.count("gmlx:") == 1 and "GMLX_API_KEY" in text
+
+
 def test_health_not_200_is_not_a_gmlx_server(server, client):
     server.overrides[("GET", "/health")] = json_answer(404, {"detail": "Not Found"})
-    with pytest.raises(NotGmlxServer, match="404"):
+    with pytest.raises(NotGmlxServer) as caught:
         client.handshake()
+    assert str(caught.value) == (
+        f"gmlx: no gmlx server answers at {server.url} (GET /health answered status 404: "
+        "not a gmlx image server)"
+    )
     assert client.health() is False
 
 
