@@ -43,7 +43,11 @@ def register_image(subparsers) -> None:
     register(subparsers)
 
 
-COMMANDS: list[Callable] = [register_serve, register_image]
+COMMANDS: list[Callable | str] = [
+    register_serve,
+    register_image,
+    "gmlx_server.discovery:register",  # `gmlx status`, `gmlx list`
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
