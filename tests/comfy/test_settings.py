@@ -11,7 +11,8 @@ def _env(tmp_path, **extra):
 
 def test_defaults_without_anything(tmp_path):
     got = s.load_settings(_env(tmp_path))
-    assert got.base_url == "" and got.api_key is None and got.default_model == "z-image-turbo"
+    # No default model of its own: the loaders put the server's default first.
+    assert got.base_url == "" and got.api_key is None and got.default_model == ""
     assert got.candidate_urls("", discover=lambda: "") == ["http://127.0.0.1:8080"]
 
 
@@ -88,3 +89,36 @@ def test_model_names_default_first():
     assert s.model_names_from_answer(answer) == ["b", "a"]
     assert s.model_names_from_answer([{"id": "c"}, "d", "c"]) == ["c", "d"]
     assert s.model_names_from_answer({"models": "junk"}) == []
+
+
+def test_the_gmlx_command_is_the_configured_one_else_beside_python_else_on_path(
+    tmp_path, monkeypatch
+):
+    configured = s.load_settings(_env(tmp_path, GMLX_COMMAND="/opt/gmlx/bin/gmlx --flag 'a b'"))
+    assert configured.gmlx_command() == ["/opt/gmlx/bin/gmlx", "--flag", "a b"]
+    (tmp_path / "comfyui.json").write_text(json.dumps({"gmlx_command": ["/x/gmlx"]}))
+    assert s.load_settings(_env(tmp_path)).gmlx_command() == ["/x/gmlx"]
+    (tmp_path / "comfyui.json").unlink()
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    monkeypatch.setattr(s.sys, "executable", str(venv / "python"))
+    on_path = tmp_path / "path"
+    on_path.mkdir()
+    (on_path / "gmlx").write_text("#!/bin/sh\n")
+    (on_path / "gmlx").chmod(0o755)
+    monkeypatch.setenv("PATH", str(on_path))
+    found = s.load_settings(_env(tmp_path))
+    assert found.gmlx_command() == [str(on_path / "gmlx")]
+    (venv / "gmlx").write_text("")
+    assert found.gmlx_command() == [str(venv / "gmlx")]  # ComfyUI's own environment first
+
+
+def test_remembered_models_and_the_server_log_live_beside_the_settings(tmp_path):
+    got = s.load_settings(_env(tmp_path))
+    assert got.remembered_models() == [] and got.server_log == tmp_path / "server.log"
+    got.remember_models("http://a:1", ["b", "a"])
+    before = (tmp_path / "comfyui.json").stat().st_mtime_ns
+    got.remember_models("http://a:1", ["b", "a"])  # unchanged: not written again
+    assert (tmp_path / "comfyui.json").stat().st_mtime_ns == before
+    assert got.remembered_models() == ["b", "a"]
+    assert [p.name for p in tmp_path.iterdir()] == ["comfyui.json"]  # no temporary left
