@@ -52,18 +52,21 @@ def read_settings(path: Path) -> dict[str, Any]:
 
 
 def write_settings(path: Path, updates: dict[str, Any]) -> dict[str, Any]:
-    """Merge `updates` into the settings file (creating it) and return the new document.
-
-    Written to a temporary file that replaces the old one, so a reader never sees half a file.
-    """
+    """Merge `updates` into the settings file (creating it) and return the new document."""
     doc = read_settings(path)
     doc.update(updates)
+    replace_settings(path, doc)
+    return doc
+
+
+def replace_settings(path: Path, doc: dict[str, Any]) -> None:
+    """Write `doc` as the settings file: to a temporary file that then replaces the old one,
+    so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(handle, "w", encoding="utf-8") as out:
         out.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     os.replace(temporary, path)
-    return doc
 
 
 def _text(value: Any) -> str:
