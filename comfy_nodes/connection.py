@@ -36,6 +36,8 @@ log = logging.getLogger("gmlx_comfy")
 
 MODEL_LIST_TTL_S = 10.0
 MODEL_PROBE_TIMEOUT_S = 1.0
+# How long the configured server's URL (`gmlx status --json`) is reused.
+DISCOVERY_TTL_S = 30.0
 START_WAIT_S = 180.0
 # How often the wait for a freshly started server polls /health.
 START_POLL_S = 1.0
@@ -108,7 +110,7 @@ def connect(widget_url: str = "", start_server: bool = True, settings: Settings 
     """
     settings = settings or load_settings()
     explicit = settings.explicit_url(widget_url)
-    discovered = "" if explicit else settings.discover_url()
+    discovered = "" if explicit else _discovered_url(settings)
     urls = [explicit] if explicit else candidate_urls(discovered)
     failures: list[NotGmlxServer] = []
     for url in urls:
@@ -128,6 +130,24 @@ def connect(widget_url: str = "", start_server: bool = True, settings: Settings 
     flags = [] if url == discovered else serve_flags(url, unanswered)
     server = StartedServer.get_or_start(url, flags, settings, unanswered)
     return server.wait(lambda: _try(url, settings.api_key, []), settings.api_key)
+
+
+def _discovered_url(settings: Settings) -> str:
+    """`settings.discover_url()` (a `gmlx status --json` subprocess), reused for
+    DISCOVERY_TTL_S so that the loaders of one prompt run it once."""
+    key = tuple(settings.gmlx_command() or ())
+    with _discovery_lock:
+        cached = _discovery.get(key)
+        if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_S:
+            return cached[1]
+    url = settings.discover_url()
+    with _discovery_lock:
+        _discovery[key] = (time.monotonic(), url)
+    return url
+
+
+_discovery: dict[tuple[str, ...], tuple[float, str]] = {}
+_discovery_lock = threading.Lock()
 
 
 def _try(url: str, api_key: str | None, failures: list[NotGmlxServer]) -> Connection | None:

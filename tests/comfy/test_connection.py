@@ -82,8 +82,10 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("GMLX_COMFY_SETTINGS", str(tmp_path / "comfyui.json"))
+    connection._discovery.clear()
     yield tmp_path
     connection.stop_started_servers()
+    connection._discovery.clear()
 
 
 GMLX = [sys.executable, "-m", "gmlx_server"]
@@ -110,20 +112,19 @@ def test_nothing_answering_is_one_sentence_naming_each_address(isolated):
 
 
 def test_default_url_tries_the_configured_server_then_the_default(isolated, monkeypatch):
-    seen = []
-    monkeypatch.setattr(
-        connection,
-        "_try",
-        lambda url, key, failures: (
-            seen.append(url) or failures.append(NotGmlxServer(url, "connection refused"))
-        ),
-    )
+    seen, discoveries = [], []
+
+    def refused(url, key, failures):
+        seen.append(url)
+        failures.append(NotGmlxServer(url, "connection refused"))
+
+    monkeypatch.setattr(connection, "_try", refused)
     configured = _free_url()
-    settings = _settings(isolated)
-    monkeypatch.setattr(Settings, "discover_url", lambda self: configured)
-    with pytest.raises(GmlxError) as caught:
-        connection.connect("", start_server=False, settings=settings)
-    assert seen == [configured, DEFAULT_BASE_URL]
+    monkeypatch.setattr(Settings, "discover_url", lambda self: discoveries.append(1) or configured)
+    for _ in range(2):  # two loaders of one prompt: `gmlx status` runs once
+        with pytest.raises(GmlxError) as caught:
+            connection.connect("", start_server=False, settings=_settings(isolated))
+    assert seen == [configured, DEFAULT_BASE_URL] * 2 and len(discoveries) == 1
     assert f"at {configured} (connection refused) or at {DEFAULT_BASE_URL}" in str(caught.value)
 
 
@@ -223,3 +224,18 @@ def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):
     text = str(caught.value)
     assert text.startswith(f"gmlx: the server at {server.url} has no image model 'z' (it lists a)")
     assert "model_dirs" in text and "pull" not in text
+
+
+def test_the_configured_server_is_started_as_configured(isolated, monkeypatch):
+    """With no explicit URL, `gmlx serve` gets no --host/--port: it serves where its
+    configuration says, which is the URL `gmlx status` reported and the wait polls."""
+    script = isolated / "argv.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:])\nsys.exit(1)\n")
+    configured = _free_url()
+    monkeypatch.setattr(Settings, "discover_url", lambda self: configured)
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    with pytest.raises(GmlxError) as caught:
+        connection.connect("", start_server=True, settings=settings)
+    text = str(caught.value)
+    assert f"`{sys.executable} {script} serve` exited with status 1" in text
+    assert f"before answering at {configured};" in text and text.endswith("argv ['serve']")
