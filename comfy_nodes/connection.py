@@ -226,12 +226,18 @@ class StartedServer:
             offset = log_file.tell()
             log_file.write(f"---- {time.ctime()}: {shlex.join(command)}\n".encode())
             log_file.flush()
-            process = subprocess.Popen(  # noqa: S603 - a configured or found gmlx, no shell
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
+            try:
+                process = subprocess.Popen(  # noqa: S603 - a configured or found gmlx, no shell
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            except OSError as error:
+                raise GmlxError(
+                    f"gmlx: {unanswered}, and `{shlex.join(command)}` cannot run to start one "
+                    f"({error.strerror or error}); name a working command in gmlx_command"
+                ) from error
         _stop_at_exit()
         log.info(
             "gmlx: %s; started `%s` (pid %d), waiting up to %.0f s for it (log: %s)",

@@ -178,6 +178,17 @@ def test_no_gmlx_command_says_where_it_looked(isolated, monkeypatch):
     assert str(isolated / "nowhere") in text and "gmlx_command" in text
 
 
+def test_a_configured_command_that_cannot_run_is_named(isolated):
+    missing = isolated / "no-such-gmlx"
+    with pytest.raises(GmlxError) as caught:
+        connection.connect(
+            _free_url(), start_server=True, settings=_settings(isolated, command=[str(missing)])
+        )
+    text = str(caught.value)
+    assert f"`{missing} serve --host 127.0.0.1 --port " in text
+    assert "cannot run to start one (No such file or directory)" in text and "gmlx_command" in text
+
+
 def test_start_server_refuses_an_address_it_cannot_serve(isolated):
     with pytest.raises(GmlxError, match="only at a plain http://host:port address"):
         connection.connect(
