@@ -211,7 +211,9 @@ class StartedServer:
             return server
 
     @classmethod
-    def start(cls, url: str, flags: list[str], settings: Settings, unanswered: str):
+    def start(
+        cls, url: str, flags: list[str], settings: Settings, unanswered: str
+    ) -> StartedServer:
         gmlx = settings.gmlx_command()
         if gmlx is None:
             raise GmlxError(
@@ -253,8 +255,9 @@ class StartedServer:
         """Poll /health until the server answers, then `handshake()`; stop early with its log's
         last lines when the process exits."""
         probe = StepClient(self.url, api_key)
+        deadline = time.monotonic() + START_WAIT_S  # a later loader waits its own while
         try:
-            while time.monotonic() - self.started_at < START_WAIT_S:
+            while time.monotonic() < deadline:
                 code = self.process.poll()
                 if code is not None:
                     raise GmlxError(
@@ -273,7 +276,8 @@ class StartedServer:
             probe.close()
         raise GmlxError(
             f"gmlx: `{shlex.join(self.command)}` (pid {self.process.pid}) did not answer at "
-            f"{self.url} within {START_WAIT_S:.0f} s; see its log {self.log_path}"
+            f"{self.url} within {START_WAIT_S:.0f} s and still runs; the end of its log "
+            f"{self.log_path}: {self.log_tail()}"
         )
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:

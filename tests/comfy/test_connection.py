@@ -166,6 +166,23 @@ def test_a_started_server_that_exits_is_reported_at_once_with_its_log(isolated):
     assert text.count("gmlx:") == 1
 
 
+def test_a_started_server_that_never_answers_is_given_up_on_and_reused(isolated, monkeypatch):
+    script = isolated / "silent.py"
+    script.write_text("import time\nprint('loading', flush=True)\ntime.sleep(60)\n")
+    monkeypatch.setattr(connection, "START_WAIT_S", 1.0)
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    url = _free_url()
+    for _ in range(2):  # the second loader waits on the same process
+        with pytest.raises(GmlxError) as caught:
+            connection.connect(url, start_server=True, settings=settings)
+        assert f"did not answer at {url} within 1 s and still runs" in str(caught.value)
+        assert str(caught.value).endswith(": loading")
+    assert settings.server_log.read_text().count("---- ") == 1
+    (server,) = connection._started.values()
+    connection.stop_started_servers()
+    assert server.process.poll() is not None
+
+
 def test_no_gmlx_command_says_where_it_looked(isolated, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(isolated / "nowhere" / "python"))
     monkeypatch.setenv("PATH", str(isolated / "empty"))
