@@ -309,7 +309,7 @@ class StepClient:
             raise NotGmlxServer(
                 self.base_url,
                 f"GET {PREFIX}/capabilities answered 404: not a gmlx image server, or one "
-                "whose step API is off (server.image.steps_api)",
+                "with server.image.steps_api off",
                 status=404,
             )
         if reply.status != 200:
