@@ -214,7 +214,7 @@ class StartedServer:
     def start(
         cls, url: str, flags: list[str], settings: Settings, unanswered: str
     ) -> StartedServer:
-        gmlx = settings.gmlx_command()
+        gmlx = settings.gmlx_command(serve=True)
         if gmlx is None:
             raise GmlxError(
                 f"gmlx: {unanswered}, and no `gmlx` command was found to start one (looked at "

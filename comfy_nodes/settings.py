@@ -7,6 +7,7 @@ imports neither ComfyUI nor torch, so it is tested on its own.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -26,6 +27,8 @@ DEFAULT_MODEL_ENV = "GMLX_DEFAULT_IMAGE_MODEL"
 COMMAND_ENV = "GMLX_COMMAND"
 # The settings file's record of the last model list a server gave (see `remember_models`).
 MODELS_SEEN_KEY = "models_seen"
+# What `gmlx serve` imports beyond the pack's needs (the distribution's `server` extra).
+SERVER_MODULES = ("falcon", "waitress", "mlx")
 # How long a `gmlx ... --json` discovery call may take before the pack gives up on it.
 CLI_TIMEOUT_S = 5.0
 
@@ -113,17 +116,21 @@ class Settings:
             return [explicit]
         return candidate_urls((discover or self.discover_url)())
 
-    def gmlx_command(self) -> list[str] | None:
+    def gmlx_command(self, serve: bool = False) -> list[str] | None:
         """The `gmlx` command: the configured one, else the `gmlx` beside this Python (the
-        one installed with the pack into ComfyUI's environment), else the one on PATH."""
+        one installed with the pack into ComfyUI's environment), else the one on PATH. To
+        `serve`, the one on PATH comes first when this Python lacks the server's packages
+        (`install` puts only the pack's needs into ComfyUI's Python)."""
         if self.command:
             return list(self.command)
-        beside = Path(sys.executable).parent
-        for name in ("gmlx", "gmlx.exe"):
-            if (beside / name).is_file():
-                return [str(beside / name)]
-        found = shutil.which("gmlx")
-        return [found] if found else None
+        folder = Path(sys.executable).parent
+        beside = next((folder / n for n in ("gmlx", "gmlx.exe") if (folder / n).is_file()), None)
+        on_path = shutil.which("gmlx")
+        if serve and on_path and not server_installed_here():
+            return [on_path]
+        if beside is not None:
+            return [str(beside)]
+        return [on_path] if on_path else None
 
     def where_gmlx_is_looked_for(self) -> str:
         """The places `gmlx_command` looks, for an error that finds none."""
@@ -169,6 +176,11 @@ class Settings:
                 write_settings(self.path, {MODELS_SEEN_KEY: record})
             except OSError:
                 pass  # a read-only settings folder only costs the memory of the list
+
+
+def server_installed_here() -> bool:
+    """Whether this Python has the packages `gmlx serve` needs."""
+    return all(importlib.util.find_spec(name) is not None for name in SERVER_MODULES)
 
 
 def candidate_urls(discovered: str) -> list[str]:

@@ -111,6 +111,17 @@ def test_the_gmlx_command_is_the_configured_one_else_beside_python_else_on_path(
     assert found.gmlx_command() == [str(on_path / "gmlx")]
     (venv / "gmlx").write_text("")
     assert found.gmlx_command() == [str(venv / "gmlx")]  # ComfyUI's own environment first
+    # To serve, the PATH one comes first where this Python lacks the server's packages.
+    monkeypatch.setattr(s, "server_installed_here", lambda: False)
+    assert found.gmlx_command(serve=True) == [str(on_path / "gmlx")]
+    monkeypatch.setattr(s, "server_installed_here", lambda: True)
+    assert found.gmlx_command(serve=True) == [str(venv / "gmlx")]
+
+
+def test_server_packages_are_looked_up_in_this_python(monkeypatch):
+    assert s.server_installed_here()  # the dev install carries the server extra
+    monkeypatch.setattr(s, "SERVER_MODULES", (*s.SERVER_MODULES, "no_such_module_anywhere"))
+    assert not s.server_installed_here()
 
 
 def test_remembered_models_and_the_server_log_live_beside_the_settings(tmp_path):
