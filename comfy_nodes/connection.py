@@ -111,7 +111,7 @@ def connect(widget_url: str = "", start_server: bool = True, settings: Settings 
     settings = settings or load_settings()
     explicit = settings.explicit_url(widget_url)
     discovered = "" if explicit else _discovered_url(settings)
-    urls = [explicit] if explicit else candidate_urls(discovered)
+    urls = candidate_urls(explicit, discovered)
     failures: list[NotGmlxServer] = []
     for url in urls:
         conn = _try(url, settings.api_key, failures)

@@ -104,18 +104,6 @@ class Settings:
         explicit = normalise_url(_text(widget_url) or self.base_url)
         return explicit if explicit != DEFAULT_BASE_URL else ""
 
-    def candidate_urls(self, widget_url: str = "", discover=None) -> list[str]:
-        """The URLs to try in order (docs/contract.md §7.1, §7.2).
-
-        An explicit URL (widget, env or file) is the only candidate unless it is the default
-        one; otherwise the discovered URL (`gmlx status --json`) comes first, then the default.
-        `discover` is a callable returning the discovered URL (tests pass their own).
-        """
-        explicit = self.explicit_url(widget_url)
-        if explicit:
-            return [explicit]
-        return candidate_urls((discover or self.discover_url)())
-
     def gmlx_command(self, serve: bool = False) -> list[str] | None:
         """The `gmlx` command: the configured one, else the `gmlx` beside this Python (the
         one installed with the pack into ComfyUI's environment), else the one on PATH. To
@@ -183,8 +171,11 @@ def server_installed_here() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in SERVER_MODULES)
 
 
-def candidate_urls(discovered: str) -> list[str]:
-    """With no explicit URL: the discovered one (if any), then the default."""
+def candidate_urls(explicit: str, discovered: str) -> list[str]:
+    """The URLs to try in order (docs/contract.md §7.1, §7.2): an explicit URL alone (see
+    `Settings.explicit_url`); else the discovered one (`gmlx status --json`), then the default."""
+    if explicit:
+        return [explicit]
     urls = [normalise_url(discovered)] if discovered else []
     if DEFAULT_BASE_URL not in urls:
         urls.append(DEFAULT_BASE_URL)

@@ -13,7 +13,7 @@ def test_defaults_without_anything(tmp_path):
     got = s.load_settings(_env(tmp_path))
     # No default model of its own: the loaders put the server's default first.
     assert got.base_url == "" and got.api_key is None and got.default_model == ""
-    assert got.candidate_urls("", discover=lambda: "") == ["http://127.0.0.1:8080"]
+    assert s.candidate_urls(got.explicit_url(""), "") == ["http://127.0.0.1:8080"]
 
 
 def test_priority_env_over_file(tmp_path):
@@ -45,13 +45,15 @@ def test_priority_env_over_file(tmp_path):
 
 def test_widget_url_wins_and_is_the_only_candidate(tmp_path):
     got = s.load_settings(_env(tmp_path, GMLX_BASE_URL="http://env:2"))
-    assert got.candidate_urls("host:9/", discover=lambda: "http://x:1") == ["http://host:9"]
-    assert got.candidate_urls("", discover=lambda: "http://x:1") == ["http://env:2"]
+    assert got.explicit_url("host:9/") == "http://host:9"
+    assert s.candidate_urls(got.explicit_url("host:9/"), "http://x:1") == ["http://host:9"]
+    assert s.candidate_urls(got.explicit_url(""), "http://x:1") == ["http://env:2"]
 
 
 def test_default_url_tries_discovered_first(tmp_path):
     got = s.load_settings(_env(tmp_path))
-    urls = got.candidate_urls("http://127.0.0.1:8080/", discover=lambda: "http://127.0.0.1:9000")
+    assert got.explicit_url("http://127.0.0.1:8080/") == ""  # the default is not explicit
+    urls = s.candidate_urls("", "http://127.0.0.1:9000")
     assert urls == ["http://127.0.0.1:9000", "http://127.0.0.1:8080"]
 
 
