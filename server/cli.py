@@ -26,6 +26,8 @@ log = logging.getLogger("gmlx.server")
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
+    (("comfyui", "uninstall"), "gmlx_comfy.install:uninstall_main", "undo install for one ComfyUI"),
+    (("comfyui", "status"), "gmlx_comfy.install:status_main", "each recorded install's state"),
 ]
 
 
@@ -43,7 +45,11 @@ def register_image(subparsers) -> None:
     register(subparsers)
 
 
-COMMANDS: list[Callable] = [register_serve, register_image]
+COMMANDS: list[Callable | str] = [
+    register_serve,
+    register_image,
+    "gmlx_server.discovery:register",  # `gmlx status`, `gmlx list`
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

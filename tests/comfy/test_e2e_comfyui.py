@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -489,3 +491,90 @@ def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
 
     quick = _workflow("text_to_image", gmlx_server["model"])
     _run(comfyui, quick)
+
+
+# ---------------------------------------------------------------- no server yet: list and start
+
+
+@pytest.fixture
+def comfyui_alone(workdir, gmlx_server, comfyui):
+    """A second ComfyUI, pointed at a port where nothing listens, with the `gmlx` command to
+    start a server there (`gmlx_server` has generated the embedded default model; `comfyui`
+    has written the stand-in modules to workdir/stub)."""
+    from gmlx_comfy.install import link_pack
+
+    base = workdir / "alone"
+    for sub in ("custom_nodes", "input", "output"):
+        (base / sub).mkdir(parents=True)
+    link_pack(base / "custom_nodes")
+    stub = workdir / "stub"
+    gmlx_url = f"http://127.0.0.1:{_free_port()}"
+    settings = base / "comfyui.json"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("GMLX_")},
+        "GMLX_SITE": os.environ.get("GMLX_SITE", ""),
+        "GMLX_BASE_URL": gmlx_url,
+        "GMLX_COMFY_SETTINGS": str(settings),
+        "GMLX_COMMAND": shlex.join([sys.executable, "-m", "gmlx_server"]),
+        "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
+    }
+    port = _free_port()
+    log_path = base / "comfyui.log"
+    log = open(log_path, "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu"]
+        + ["--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch"]
+        + ["--base-directory", str(base)],
+        cwd=Path(os.environ["COMFYUI_DIR"]).resolve(),
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(url + "/object_info/GmlxModelLoader", proc)
+        yield {"url": url, "base": base, "log": log_path, "proc": proc, "gmlx_url": gmlx_url}
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_it(
+    comfyui_alone, gmlx_server
+):
+    comfy, gmlx_url = comfyui_alone, comfyui_alone["gmlx_url"]
+    info = _json(comfy["url"] + "/object_info/GmlxModelLoader")["GmlxModelLoader"]
+    assert info["input"]["required"]["model_name"][0] == [gmlx_server["model"]]
+
+    workflow = {
+        "1": {
+            "class_type": "GmlxServerStatus",
+            "inputs": {"model_name": gmlx_server["model"], "server_url": "", "start_server": True},
+        }
+    }
+    entry = _run(comfy, workflow)
+    (text,) = entry["outputs"]["1"]["text"]
+    assert text.startswith(f"server {gmlx_url}: gmlx ")
+    server_log = (comfy["base"] / "server.log").read_text()
+    assert f"serve --host 127.0.0.1 --port {gmlx_url.rsplit(':', 1)[1]}" in server_log
+    comfy_log = comfy["log"].read_text()
+    assert comfy_log.count("waiting up to") == 1 and "Retrying" not in comfy_log
+    seen = json.loads((comfy["base"] / "comfyui.json").read_text())["models_seen"]
+    assert seen == {"url": gmlx_url, "models": [gmlx_server["model"]]}
+
+    # Ctrl-C stops ComfyUI, and ComfyUI stops the server it started.
+    comfy["proc"].send_signal(signal.SIGINT)
+    comfy["proc"].wait(60)
+    deadline = time.monotonic() + 30
+    while _answers(gmlx_url) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _answers(gmlx_url)
