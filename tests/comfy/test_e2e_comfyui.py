@@ -584,7 +584,7 @@ class _LogSlice:
 def _lora_files(engine, folder: Path) -> dict[str, Path]:
     """One random LoRA in every key form the server's `--adapter` loader reads (tests/lora/forms.py
     writes the diffusers, kohya and ComfyUI forms; PEFT's comes with its adapter_config.json, at
-    lora_alpha = r so that its scale is ComfyUI's 1)."""
+    lora_alpha = r so that its scale is ComfyUI's 1; bare names; `model.diffusion_model.`)."""
     from safetensors.numpy import save_file
 
     from tests.lora.forms import random_lora, write_form
@@ -601,6 +601,7 @@ def _lora_files(engine, folder: Path) -> dict[str, Path]:
             k.replace("transformer.", "base_model.model.", 1): v for k, v in diffusers.items()
         },
         "bare": {k.removeprefix("transformer."): v for k, v in diffusers.items()},
+        "model": {"model." + k: v for k, v in write_form(lora, "comfy").items()},
     }
     paths = {}
     for form, state in states.items():
@@ -624,7 +625,7 @@ def _server_table(engine, path: Path):
     return adapter_table(loaded, [parse_adapter(f"{path}:{LORA_FORM_STRENGTH}")])
 
 
-@pytest.mark.parametrize("form", ["diffusers", "kohya", "comfy", "peft", "bare"])
+@pytest.mark.parametrize("form", ["diffusers", "kohya", "comfy", "peft", "bare", "model"])
 def test_lora_in_every_key_form_applies_as_the_server_loader_does(
     comfyui, gmlx_server, engine, form
 ):
