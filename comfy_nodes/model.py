@@ -30,7 +30,7 @@ from .connection import Connection
 from .errors import GmlxError, named_nodes
 from .families import DEFAULT_REF_METHOD, PACK_BUILT_CLASSES, latent_normalisation
 from .interrupts import COMFY_INTERRUPT, call_or_interrupt
-from .patches import AdapterHashes, build_table, lora_key_map, unmapped_lora_text
+from .patches import AdapterHashes, build_table, lora_key_map, unmapped_patches_text
 from .request import (
     as_f32,
     build_rows,
@@ -315,9 +315,9 @@ def running_prompt_classes() -> list[str]:
     ]
 
 
-def executing_lora_name() -> str:
-    """The LoRA the executing node loads, as the error names it: its `lora_name` input, else
-    the node, else "a LoRA" (outside a prompt)."""
+def executing_patch_source() -> str:
+    """What the executing node patches the model from, as an error names it: "the LoRA file
+    'x'" for a node with a `lora_name` input, else the node; "a LoRA" outside a prompt."""
     try:
         from comfy_execution.utils import get_executing_context
 
@@ -331,9 +331,9 @@ def executing_lora_name() -> str:
         if isinstance(node, dict):
             name = (node.get("inputs") or {}).get("lora_name")
             if isinstance(name, str):
-                return f"file {name!r}"
-            return f"of node {context.node_id} ({node.get('class_type')})"
-    return f"of node {context.node_id}"
+                return f"the LoRA file {name!r}"
+            return f"node {context.node_id} ({node.get('class_type')})"
+    return f"node {context.node_id}"
 
 
 # ---------------------------------------------------------------- BaseModel and patcher
@@ -434,12 +434,13 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         return 0
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        """Stock add_patches; a LoRA that lands on no weight is refused, naming the file."""
+        """Stock add_patches; patches of which none lands on a weight (a LoRA of other keys)
+        are refused, naming the LoRA file."""
         added = super().add_patches(patches, strength_patch, strength_model)
         if not added and strength_patch != 0.0:
             foreign = sorted(str(k if isinstance(k, str) else k[0]) for k in patches)
             raise GmlxError(
-                unmapped_lora_text(executing_lora_name(), self.remote.model_id, foreign)
+                unmapped_patches_text(executing_patch_source(), self.remote.model_id, foreign)
             )
         return added
 

@@ -52,17 +52,19 @@ def lora_key_map(manifest: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def unmapped_lora_text(lora: str, model_id: str, foreign_keys: list[str]) -> str:
-    """The refusal of a LoRA none of whose keys names a layer of the model."""
+def unmapped_patches_text(source: str, model_id: str, foreign_keys: list[str]) -> str:
+    """The refusal of patches (a LoRA's, as the stock loaders map it) of which none lands on a
+    weight of the model; `source` names where they came from ("the LoRA file 'x'", a node)."""
     forms = ", ".join(f"{prefix}<layer>" for prefix in PREFIXES)
     what = (
-        f"its weights map to {foreign_keys[0]}, ... (not the DiT)"
+        f"its patches name {foreign_keys[0]}{', ...' if len(foreign_keys) > 1 else ''}, "
+        "no weight of this model"
         if foreign_keys
         else "none of its keys names a layer (ComfyUI's log lists them: 'lora key not loaded')"
     )
     return (
-        f"gmlx: the LoRA {lora} changes nothing in {model_id!r}: {what}. The pack reads the keys "
-        f"{forms}, <layer> and {KOHYA_PREFIX}<layer with _ for .>, each with .lora_up/.lora_down "
+        f"gmlx: {source} changes nothing in {model_id!r}: {what}. A LoRA's keys are read as "
+        f"{forms}, <layer> or {KOHYA_PREFIX}<layer with _ for .>, each with .lora_up/.lora_down "
         "or .lora_B/.lora_A, where <layer> is a linear layer of the model's manifest"
     )
 

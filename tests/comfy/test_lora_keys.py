@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gmlx_comfy.patches import lora_key_map, unmapped_lora_text
+from gmlx_comfy.patches import lora_key_map, unmapped_patches_text
 from gmlx_contract.lora_keys import SUFFIXES, LayerNames, linear_layers, stems_of
 
 from tests.lora.forms import LAYERS, random_lora, write_form
@@ -95,10 +95,10 @@ def test_stems_name_one_layer_each():
 
 
 def test_the_refusal_names_the_file_and_the_forms():
-    text = unmapped_lora_text("file 'style.safetensors'", "tiny", [])
+    text = unmapped_patches_text("the LoRA file 'style.safetensors'", "tiny", [])
     assert "'style.safetensors'" in text and "'tiny'" in text
     for form in ("diffusion_model.<layer>", "transformer.<layer>", "base_model.model.<layer>"):
         assert form in text
     assert "lora_unet_" in text
-    text = unmapped_lora_text("file 'te.safetensors'", "tiny", ["clip_l.encoder.weight"])
-    assert "clip_l.encoder.weight" in text
+    text = unmapped_patches_text("node 5 (ModelMergeSimple)", "tiny", ["a.weight", "b.weight"])
+    assert "node 5 (ModelMergeSimple)" in text and "a.weight, ..." in text
