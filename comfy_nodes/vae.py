@@ -2,10 +2,10 @@
 
 Behaves like the parts of ComfyUI's `comfy.sd.VAE` that stock nodes use: `decode` gives RGB, as
 ComfyUI's IMAGE is; `decode_with_alpha` also gives a four-channel VAE's alpha. Each image is
-one request, sent only while ComfyUI's interrupt flag is clear and abandoned at once when it is
-raised in flight (the server decodes one image at a time and tiles it itself, so an interrupt
-waits for no more than the image in flight, and ComfyUI not even for that). Needs torch; reads
-ComfyUI's interrupt flag only when a pass runs.
+one request, sent only while ComfyUI's interrupt flag is clear; an interrupt while one is in
+flight is raised at once. The server then finishes that image (it tiles large images itself, and
+a VAE pass has no run to interrupt) and is sent no further one. Needs torch; reads ComfyUI's
+interrupt flag only when a pass runs.
 """
 
 from __future__ import annotations
