@@ -34,6 +34,7 @@ from .engine.sampling import (
     DirectTransport,
     ImageRequest,
     ImageTimings,
+    SettingError,
     generate,
     to_uint8,
 )
@@ -247,6 +248,8 @@ def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> I
 
 
 def _message(exc: Exception) -> str:
+    if isinstance(exc, SettingError):  # named by its flag: --steps, --width, --height
+        return exc.naming("--" + exc.setting)
     body = getattr(exc, "body", None)
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         return body["error"]

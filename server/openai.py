@@ -32,7 +32,14 @@ from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 
 from .engine.base import EngineInputError
-from .engine.sampling import SAMPLERS, DirectTransport, ImageRequest, generate, to_uint8
+from .engine.sampling import (
+    SAMPLERS,
+    DirectTransport,
+    ImageRequest,
+    SettingError,
+    generate,
+    to_uint8,
+)
 from .imagefiles import decode_image_file
 
 log = logging.getLogger("gmlx.server")
@@ -45,6 +52,12 @@ DEFAULT_SIZE = (1024, 1024)
 SIZE_MULTIPLE = 16
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+# A sampling setting the model refuses, as a refusal names it: (its words, the request field).
+SETTING_FIELDS = {
+    "steps": ("steps", "steps"),
+    "width": ("the width in size", "size"),
+    "height": ("the height in size", "size"),
+}
 
 
 class OpenAIError(Exception):
@@ -216,6 +229,9 @@ class ImageRoute:
             ]
         except ContractError as exc:
             raise OpenAIError(exc.status, exc.message) from None
+        except SettingError as exc:
+            name, field = SETTING_FIELDS.get(exc.setting, (exc.setting, exc.setting))
+            raise OpenAIError(400, exc.naming(name), field) from None
         except ValueError as exc:  # engine input errors and sampler refusals are the client's
             raise OpenAIError(400, str(exc) or type(exc).__name__) from None
         finally:

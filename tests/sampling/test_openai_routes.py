@@ -2,6 +2,7 @@
 
 import base64
 import io
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -17,7 +18,20 @@ from . import toy_family
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = toy_family.make_folder(tmp_path_factory.mktemp("models"))
+    with toy_server(toy_family.make_folder(tmp_path_factory.mktemp("models"))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def turbo_server(tmp_path_factory):
+    """A server whose default samples its fixed 3-step schedule only."""
+    root = tmp_path_factory.mktemp("turbo")
+    with toy_server(toy_family.make_folder(root, sigmas=[1.0, 0.75, 0.5, 0.0])) as running:
+        yield running
+
+
+@contextmanager
+def toy_server(folder):
     registry = ModelRegistry(
         extra_models=[folder], default_model=folder.name, families={"toy": toy_family}
     )
@@ -83,6 +97,18 @@ def test_generation_refusals(server):
         assert resp.status_code == status, (doc, resp.text)
         error = resp.json()["error"]
         assert isinstance(error["message"], str) and error["param"] == param, doc
+
+
+def test_refused_settings_are_named_by_their_request_field(turbo_server):
+    """The sampler's refusals name the field the request sent (not the command line's flags)."""
+    doc = {"prompt": "x", "size": "32x32"}
+    fixed = post(turbo_server, "/v1/images/generations", json={**doc, "steps": 5})
+    assert fixed.status_code == 400, fixed.text
+    error = fixed.json()["error"]
+    assert error["param"] == "steps"
+    assert error["message"].endswith("fixed 3-step schedule; leave steps out or set it to 3")
+    assert "--" not in error["message"]
+    assert post(turbo_server, "/v1/images/generations", json={**doc, "steps": 3}).status_code == 200
 
 
 def test_generation_with_uni_pc_bh2_equals_direct(server):

@@ -30,3 +30,15 @@ def test_sample_writes_the_same_png_in_process_and_via_the_step_routes(tmp_path)
 def test_sample_refuses_a_missing_reference_file(tmp_path):
     result = sample(tmp_path, "x.png", "--ref", str(tmp_path / "nowhere.png"))
     assert result.returncode == 2 and "gmlx image sample" in result.stderr
+
+
+def test_sample_names_the_flag_a_refused_setting_came_from(tmp_path):
+    """The embedded default samples its fixed 8 steps: --steps 4 is refused by its flag's name;
+    so is a side that is no multiple of the latent stride."""
+    steps = sample(tmp_path, "x.png", "--steps", "4")
+    assert steps.returncode == 1
+    assert "leave --steps out or set it to 8" in steps.stderr, steps.stderr[-2000:]
+    width = sample(tmp_path, "x.png", "--width", "100")
+    assert width.returncode == 1
+    assert "--width must be a positive multiple of 16, not 100" in width.stderr, width.stderr
+    assert not (tmp_path / "x.png").exists()
