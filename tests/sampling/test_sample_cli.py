@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 
@@ -42,3 +43,32 @@ def test_sample_names_the_flag_a_refused_setting_came_from(tmp_path):
     assert width.returncode == 1
     assert "--width must be a positive multiple of 16, not 100" in width.stderr, width.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_model_that_is_not_there_is_explained(tmp_path):
+    """--model naming a folder that is no model folder, or an id nobody has, says what is
+    missing rather than only that the model is unknown."""
+    from gmlx_server.image_cli import choose_model
+
+    from . import toy_family
+
+    models = tmp_path / "models"
+    toy_family.make_folder(models, "toy-a")
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nmodel_dirs = ["{models}"]\n')
+    plain = tmp_path / "downloads"
+    plain.mkdir()
+    (plain / "checkpoint.safetensors").write_bytes(b"")
+    cases = {
+        str(plain): "exists but is not a diffusers model folder: it has no model_index.json",
+        str(models): "holds model folders (toy-a), not a model",
+        str(plain / "checkpoint.safetensors"): "is a file, not a model folder",
+        "no-such-id": "no model of that id (model ids known here: toy-a)",
+    }
+    (models / "toy-a" / "transformer").mkdir()
+    cases[str(models / "toy-a" / "transformer")] = "part of the model folder"
+    for model, words in cases.items():
+        with pytest.raises(ValueError) as refused:
+            choose_model(model, config)
+        assert words in str(refused.value), (model, str(refused.value))
+    assert choose_model("toy-a", config).model_id == "toy-a"
