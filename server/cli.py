@@ -195,6 +195,7 @@ def serve(args: argparse.Namespace) -> int:
     _fast_blas()  # before anything imports mlx
 
     from .app import build_context, create_app, make_server
+    from .kernel_compiles import CompileWatch
 
     registry, extra = config_registry(config)
     default = registry.default_model
@@ -215,7 +216,8 @@ def serve(args: argparse.Namespace) -> int:
         default or "none",
     )
     try:
-        server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
+        with CompileWatch(log.info):
+            server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
     finally:
         log.info("stopping: ending runs and letting the models go")
         ctx.service.close()

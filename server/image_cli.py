@@ -39,6 +39,7 @@ from .engine.sampling import (
     to_uint8,
 )
 from .imagefiles import read_image_file
+from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
 
 SCHEMA = "gmlx.image.bench/1"
@@ -253,16 +254,11 @@ def run_sample(args: argparse.Namespace) -> int:
     request = image_request(args, images)
     try:
         choice = choose_model(args.model, args.config)
-        if args.via_steps:
-            pixels, steps = sample_via_steps(choice, request, args.adapter)
-        else:
-            with loading_bar(choice.model_id) as bar:
-                bar.update()
-                loaded = choice.registry.acquire(choice.model_id)
-                bar.update()
-            transport = DirectTransport(loaded.model, table=sampling_table(loaded, args.adapter))
-            latents, timings = generate(transport, loaded.model.status(), request, progress=True)
-            pixels, steps = transport.decode(latents), len(timings.step_s)
+        with CompileWatch(note):
+            if args.via_steps:
+                pixels, steps = sample_via_steps(choice, request, args.adapter)
+            else:
+                pixels, steps = sample_direct(choice, request, args.adapter)
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
@@ -274,6 +270,26 @@ def run_sample(args: argparse.Namespace) -> int:
         f"seed {request.seed}, model {choice.model_id}{', via the step routes' if args.via_steps else ''})"
     )
     return 0
+
+
+def sample_direct(
+    choice: ModelChoice, request: ImageRequest, adapters: Sequence[AdapterSpec] = ()
+) -> tuple[np.ndarray, int]:
+    """Load the model and sample in process, with a progress bar."""
+    with loading_bar(choice.model_id) as bar:
+        bar.update()
+        loaded = choice.registry.acquire(choice.model_id)
+        bar.update()
+    transport = DirectTransport(loaded.model, table=sampling_table(loaded, adapters))
+    latents, timings = generate(transport, loaded.model.status(), request, progress=True)
+    return transport.decode(latents), len(timings.step_s)
+
+
+def note(text: str) -> None:
+    """A line for the user on stderr, above any progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)
 
 
 def sample_via_steps(
@@ -469,9 +485,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     request = image_request(args, tuple(read_image_file(path) for path in args.ref))
     try:
         choice = choose_model(args.model, args.config)
-        record = run_bench(
-            choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
-        )
+        with CompileWatch(note):
+            record = run_bench(
+                choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
+            )
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
