@@ -7,12 +7,14 @@ loaded model. Every model call (each encode, each step, each decode) is its own 
 worker, so the steps of step clients and of these routes interleave in arrival order instead of
 one image holding the worker for its whole duration.
 
-Fields beyond OpenAI's, all optional: `seed` (int; default random), `steps` (int; default the
-model's own), `cfg` or `guidance` (float; default the model's own), `negative_prompt` (str),
-`sampler` ("euler" or "uni_pc_bh2"). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this
-server keeps no files). Sizes are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a
+Fields beyond OpenAI's, all optional: `seed` (int; default random, image i of `n` gets seed + i),
+`steps` (int 1-1000; default the model's own), `cfg` or `guidance` (number 0-100, cfg winning;
+default the model's own), `negative_prompt` (str), `sampler` ("euler" or "uni_pc_bh2"). A JSON
+field that is null is absent; a form field's text is read as the JSON value it stands for
+(`form_value`). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this server
+keeps no files). Sizes are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a
 generation, the first reference's size for an edit); over 2048x2048 pixels or a side over 4096
-is refused 413, as on the step routes.
+is refused 413, as on the step routes. docs/openapi.yaml describes both routes field by field.
 """
 
 from __future__ import annotations
@@ -50,8 +52,14 @@ MAX_IMAGES_PER_REQUEST = 10  # OpenAI's bound on n
 MAX_REFERENCES = 10
 DEFAULT_SIZE = (1024, 1024)
 SIZE_MULTIPLE = 16
+MAX_STEPS = 1000
+MAX_SEED = 2**63 - 1
+MAX_GUIDANCE = 100
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
-SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+RESPONSE_FORMATS = ("b64_json", "url")
+SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # whole value; docs/openapi.yaml says so too
+# Form fields (multipart edits) that are numbers in a JSON body.
+FORM_NUMBERS = {"n": int, "seed": int, "steps": int, "cfg": float, "guidance": float}
 # A sampling setting the model refuses, as a refusal names it: (its words, the request field).
 SETTING_FIELDS = {
     "steps": ("steps", "steps"),
@@ -103,7 +111,7 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
     if value is None or value == "auto":
         width, height = default
     else:
-        match = SIZE_RE.match(value) if isinstance(value, str) else None
+        match = SIZE_RE.fullmatch(value) if isinstance(value, str) else None
         if match is None:
             raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' or 'auto', not {value!r}", "size")
         width, height = int(match.group(1)), int(match.group(2))
@@ -128,28 +136,26 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _int(fields: dict, name: str, default: int | None, low: int, high: int) -> int | None:
     value = fields.get(name)
-    if value is None or value == "":
+    if value is None:
         return default
-    if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise OpenAIError(400, f"{name} must be an integer from {low} to {high}", name)
     return value
 
 
 def _float(fields: dict, name: str) -> float | None:
     value = fields.get(name)
-    if value is None or value == "":
+    if value is None:
         return None
-    try:
-        number = float(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not np.isfinite(number) or not 0.0 <= number <= 100.0:
-        raise OpenAIError(400, f"{name} must be a number from 0 to 100", name)
-    return number
+    if not _is_number(value) or not 0 <= value <= MAX_GUIDANCE:  # NaN compares False
+        raise OpenAIError(400, f"{name} must be a number from 0 to {MAX_GUIDANCE}", name)
+    return float(value)
 
 
 def _text(fields: dict, name: str, required: bool = False) -> str | None:
@@ -161,42 +167,50 @@ def _text(fields: dict, name: str, required: bool = False) -> str | None:
     return value
 
 
+def _choice(fields: dict, name: str, choices: Any, default: str) -> str:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str) or value not in choices:
+        raise OpenAIError(400, f"{name} must be one of {', '.join(choices)}", name)
+    return value
+
+
 def parse_job(fields: dict, default_size: tuple[int, int]) -> tuple[ImageRequest, int, str]:
-    """(the request of the first image, the number of images, the output format)."""
-    response_format = fields.get("response_format") or "b64_json"
-    if response_format == "url":
+    """(the request of the first image, the number of images, the output format). Fields are
+    JSON values (a form's are converted first, `form_value`); null is the same as absent."""
+    if fields.get("response_format") == "url":
         raise OpenAIError(
             400,
             "response_format 'url' is not served: this server keeps no image files; use 'b64_json'",
             "response_format",
         )
-    if response_format != "b64_json":
-        raise OpenAIError(400, "response_format must be 'b64_json'", "response_format")
-    output_format = fields.get("output_format") or "png"
-    if output_format not in OUTPUT_FORMATS:
-        raise OpenAIError(
-            400, f"output_format must be one of {', '.join(OUTPUT_FORMATS)}", "output_format"
-        )
-    sampler = fields.get("sampler") or "euler"
-    if sampler not in SAMPLERS:
-        raise OpenAIError(400, f"sampler must be one of {', '.join(SAMPLERS)}", "sampler")
-    guidance = _float(fields, "cfg")
-    if guidance is None:
-        guidance = _float(fields, "guidance")
+    _choice(fields, "response_format", RESPONSE_FORMATS, "b64_json")
+    output_format = _choice(fields, "output_format", OUTPUT_FORMATS, "png")
+    sampler = _choice(fields, "sampler", SAMPLERS, "euler")
+    cfg, guidance = _float(fields, "cfg"), _float(fields, "guidance")
     width, height = parse_size(fields.get("size"), default_size)
-    seed = _int(fields, "seed", None, 0, 2**63 - 1)
+    seed = _int(fields, "seed", None, 0, MAX_SEED)
     request = ImageRequest(
         prompt=_text(fields, "prompt", required=True),
         negative=_text(fields, "negative_prompt"),
         width=width,
         height=height,
         seed=secrets.randbelow(2**31) if seed is None else seed,
-        steps=_int(fields, "steps", None, 1, 1000),
-        cfg=guidance,
+        steps=_int(fields, "steps", None, 1, MAX_STEPS),
+        cfg=guidance if cfg is None else cfg,
         sampler=sampler,
     )
     count = _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST)
     return request, count, output_format
+
+
+def model_field(fields: dict) -> str | None:
+    """The model asked for: None, "" (both: the default model) or a model id."""
+    model = fields.get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError(400, "model must be a string (a model id)", "model")
+    return model or None
 
 
 # ---------------------------------------------------------------- the work
@@ -213,13 +227,13 @@ class ImageRoute:
     def answer(
         self,
         resp: falcon.Response,
-        model: Any,
+        model: str | None,
         request: ImageRequest,
         count: int,
         output_format: str,
     ) -> None:
         try:
-            loaded = self.service.acquire(model or None)
+            loaded = self.service.acquire(model)
         except ContractError as exc:
             raise OpenAIError(exc.status, exc.message, "model") from None
         try:
@@ -278,7 +292,7 @@ class Generations(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         fields = json_fields(req)
         request, count, output_format = parse_job(fields, DEFAULT_SIZE)
-        self.answer(resp, fields.get("model"), request, count, output_format)
+        self.answer(resp, model_field(fields), request, count, output_format)
 
 
 class Edits(ImageRoute):
@@ -298,7 +312,7 @@ class Edits(ImageRoute):
         from dataclasses import replace
 
         request = replace(request, images=tuple(images))
-        self.answer(resp, fields.get("model"), request, count, output_format)
+        self.answer(resp, model_field(fields), request, count, output_format)
 
 
 def edit_size(image: np.ndarray) -> tuple[int, int]:
@@ -390,7 +404,21 @@ def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
             elif name == "mask":
                 fields["mask"] = True
             else:
-                fields[name] = part.text
+                fields[name] = form_value(name, part.text)
     except falcon.HTTPError as exc:  # malformed multipart (Falcon's MediaMalformedError etc.)
         raise OpenAIError(400, f"the multipart body could not be read: {exc.title}") from None
     return fields, images
+
+
+def form_value(name: str, text: str) -> Any:
+    """A form field as the JSON value it stands for: numbers parsed, "" absent (None)."""
+    if text == "":
+        return None
+    kind = FORM_NUMBERS.get(name)
+    if kind is None:
+        return text
+    try:
+        return kind(text.strip())
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise OpenAIError(400, f"{name} must be {what}, not {text[:40]!r}", name) from None

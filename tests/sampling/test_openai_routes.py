@@ -91,6 +91,14 @@ def test_generation_refusals(server):
         ({"prompt": "x", "steps": 0}, 400, "steps"),
         ({"prompt": "x", "model": "no-such-model", "size": "32x32"}, 404, "model"),
         ({"prompt": "x", "size": "32x32", "sampler": "dpmpp_2m"}, 400, "sampler"),
+        # a JSON body's fields are JSON values of their type (a form's text is converted)
+        ({"prompt": "x", "size": "32x32", "n": "2"}, 400, "n"),
+        ({"prompt": "x", "size": " 32x32"}, 400, "size"),
+        ({"prompt": "x", "size": "32x32", "model": 5}, 400, "model"),
+        ({"prompt": "x", "size": "32x32", "response_format": ""}, 400, "response_format"),
+        ({"prompt": "x", "size": "32x32", "output_format": ["png"]}, 400, "output_format"),
+        ({"prompt": "x", "size": "32x32", "cfg": 2.0, "guidance": "high"}, 400, "guidance"),
+        ({"prompt": "x", "size": "32x32", "cfg": 10**400}, 400, "cfg"),
     ]
     for doc, status, param in cases:
         resp = post(server, "/v1/images/generations", json=doc)
