@@ -9,9 +9,9 @@ every later one, so compiling happens once per machine (until the temp dir is cl
 embedded default model that is 24 kernels of about a second each, all in the first step: tens of
 seconds in which nothing else moves.
 
-`CompileWatch` looks at that folder from a thread of its own and reports when kernel sources
-appear (compiling) and when each has its library and the folder has been quiet for a moment
-(done). It reports compiles of any process that shares the folder.
+`CompileWatch` looks at that folder from a thread of its own and reports when new kernel files
+appear (compiling) and when every source has its library and the folder has been quiet for a
+moment (done). It reports compiles of any process that shares the folder.
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def kernel_folder() -> Path | None:
     return Path(temp) / "mlx" / version / "cpu"
 
 
+def pending_kernels(names: set[str]) -> set[str]:
+    """The kernels of a folder listing that have a source but no library yet. MLX writes a
+    kernel's `<name>.cpp` and compiles `lib<name>.so`; mlx 0.32 compiles `tmp_<id>.cpp` to
+    `tmp_<id>.so` first and then renames both."""
+    sources = {name[: -len(".cpp")] for name in names if name.endswith(".cpp")}
+    libraries = {name[: -len(".so")] for name in names if name.endswith(".so")}
+    return {stem for stem in sources if stem not in libraries and f"lib{stem}" not in libraries}
+
+
 class CompileWatch:
     """Reports (`report(text)`, from the watch's thread) MLX compiling CPU kernels into `folder`
     while the watch runs: one line when compiling starts, one when it is done."""
@@ -57,14 +66,17 @@ class CompileWatch:
         self._thread = threading.Thread(target=self._run, name="gmlx-compile-watch", daemon=True)
         self._stamp: int | None = None
         self._seen: set[str] = set()  # every file name looked at so far
-        self._pending: set[str] = set()  # kernels whose source appeared and library has not
+        self._stale: set[str] = set()  # sources without a library when the watch began
+        self._pending: set[str] = set()  # sources without a library now (being compiled)
         self._since: float | None = None  # compiling since (monotonic), or None
         self._compiled = 0
         self._changed = 0.0
 
     def __enter__(self) -> CompileWatch:
         if self.folder is not None:
-            self._seen = self._listing()  # what was there before is not news
+            listing = self._listing()
+            self._seen = listing  # what was there before is not news,
+            self._stale = pending_kernels(listing)  # nor sources left by an interrupted compile
             self._thread.start()
         return self
 
@@ -89,8 +101,7 @@ class CompileWatch:
         if stamp != self._stamp or self._since is not None:  # (a coarse stamp may lag)
             self._stamp = stamp
             listing = self._listing()
-            self._news(listing - self._seen, now)
-            self._seen |= listing
+            self._news(listing, now)
         if self._since is not None and not self._pending and now - self._changed >= self.quiet_s:
             self._finish(self._changed)
 
@@ -100,25 +111,20 @@ class CompileWatch:
         except OSError:
             return set()
 
-    def _news(self, names: set[str], now: float) -> None:
-        sources = {name[: -len(".cpp")] for name in names if name.endswith(".cpp")}
-        libraries = {
-            name[len("lib") : -len(".so")]
-            for name in names
-            if name.startswith("lib") and name.endswith(".so")
-        }
-        if not sources and not libraries:
+    def _news(self, listing: set[str], now: float) -> None:
+        new = {name for name in listing - self._seen if name.endswith((".cpp", ".so"))}
+        pending = pending_kernels(listing) - self._stale
+        self._seen |= listing
+        if not new and pending == self._pending:
             return
-        self._changed = now
-        self._pending = (self._pending | sources) - libraries
-        if self._since is None and sources:
+        self._changed, self._pending = now, pending
+        if self._since is None:
             self._since, self._compiled = now, 0
             self.report(
                 "compiling MLX's CPU kernels with the C++ compiler (once: they are kept in "
                 f"{self.folder} for later runs)"
             )
-        if self._since is not None:
-            self._compiled += len(libraries)
+        self._compiled += sum(1 for name in new if name.startswith("lib") and name.endswith(".so"))
 
     def _finish(self, until: float) -> None:
         seconds, count = until - self._since, self._compiled

@@ -14,23 +14,27 @@ def test_the_watch_speaks_when_kernels_compile_and_when_they_are_done(tmp_path):
     folder.mkdir()
     (folder / "old.cpp").write_text("")  # compiled before the watch: not news
     (folder / "libold.so").write_bytes(b"")
+    (folder / "tmp_0dead.cpp").write_text("")  # left by an interrupted compile: not pending
     lines: list[str] = []
     watch = CompileWatch(lines.append, folder, poll_s=3600, quiet_s=0.2)
     with watch:
         watch.look()
         assert lines == []
-        (folder / "k1.cpp").write_text("")
+        (folder / "k1.cpp").write_text("")  # the source, then g++ builds the library
         watch.look()
         assert len(lines) == 1 and lines[0].startswith("compiling MLX's CPU kernels")
         assert f"(once: they are kept in {folder}" in lines[0]
         (folder / "libk1.so").write_bytes(b"")
-        (folder / "k2.cpp").write_text("")
+        (folder / "tmp_1a2b.cpp").write_text("")  # mlx 0.32: a temporary name first
         watch.look()
         time.sleep(0.3)
-        watch.look()  # quiet long enough, but k2 has no library yet
+        watch.look()  # quiet long enough, but tmp_1a2b has no library yet
         assert len(lines) == 1
-        (folder / "libk2.so").write_bytes(b"")
+        (folder / "tmp_1a2b.so").write_bytes(b"")
+        (folder / "tmp_1a2b.cpp").rename(folder / "k2.cpp")
+        (folder / "tmp_1a2b.so").rename(folder / "libk2.so")
         watch.look()
+        assert len(lines) == 1  # not quiet yet
         time.sleep(0.3)
         watch.look()
         assert len(lines) == 2 and lines[1].startswith("compiled 2 MLX CPU kernel(s) in ")
@@ -64,6 +68,7 @@ def test_mlx_compiles_its_kernels_where_the_watch_looks(tmp_path, monkeypatch):
         deadline = time.monotonic() + 5
         while len(lines) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert len(lines) == 2, lines  # done was seen while the watch ran
     assert any(path.suffix == ".so" for path in folder.iterdir())
     assert lines[0].startswith("compiling MLX's CPU kernels"), lines
     assert lines[1].startswith("compiled ") and " MLX CPU kernel(s) in " in lines[1], lines
