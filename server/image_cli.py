@@ -247,8 +247,8 @@ def sample_main(argv: Sequence[str] | None = None) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     prepare_process()
     try:
-        images = tuple(read_image_file(path) for path in args.ref)
-    except (OSError, ValueError) as exc:
+        images = read_references(args.ref)
+    except ValueError as exc:
         print(f"gmlx image sample: {exc}", file=sys.stderr)
         return EXIT_USAGE
     request = image_request(args, images)
@@ -317,6 +317,19 @@ def sample_via_steps(
             transport = ViaStepsTransport(client, direct, choice.model_id, table)
             latents, timings = generate(transport, loaded.model.status(), request, progress=True)
         return direct.decode(latents), len(timings.step_s)
+
+
+def read_references(paths: Sequence[str]) -> tuple[np.ndarray, ...]:
+    """The `--ref` images; a ValueError naming the flag and the file that failed."""
+    images = []
+    for path in paths:
+        try:
+            images.append(read_image_file(path))
+        except OSError as exc:
+            raise ValueError(f"--ref {path}: cannot be read: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"--ref {path}: {exc}") from None
+    return tuple(images)
 
 
 def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> ImageRequest:
@@ -482,7 +495,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
     prepare_process()
-    request = image_request(args, tuple(read_image_file(path) for path in args.ref))
+    try:
+        request = image_request(args, read_references(args.ref))
+    except ValueError as exc:
+        print(f"gmlx image bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         choice = choose_model(args.model, args.config)
         with CompileWatch(note):

@@ -20,6 +20,7 @@ is refused 413, as on the step routes. docs/openapi.yaml describes both routes f
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import logging
@@ -344,47 +345,50 @@ def json_fields(req: falcon.Request) -> dict:
 
 
 def json_images(fields: dict) -> list[np.ndarray]:
-    """References of a JSON edit: `image` or `images`, each a base64 string, a base64 data URI,
-    or an object with `image_url` (data URI) or `b64_json`. Remote URLs are refused."""
-    values = fields.get("images", fields.get("image"))
+    """References of a JSON edit: `images` or else `image`, one or a list, each a base64 string,
+    a base64 data URI, or an object with `image_url` (data URI) or `b64_json`. Remote URLs are
+    refused."""
+    field = "images" if "images" in fields else "image"
+    values = fields.get(field)
     if values is None:
         return []
     if not isinstance(values, list):
         values = [values]
-    return [_decode(i, _base64_of(i, value)) for i, value in enumerate(values)]
+    return [_decode(field, i, _base64_of(field, i, value)) for i, value in enumerate(values)]
 
 
-def _base64_of(index: int, value: Any) -> str:
+def _base64_of(field: str, index: int, value: Any) -> str:
     if isinstance(value, dict):
         value = value.get("b64_json") or value.get("image_url")
         if isinstance(value, dict):
             value = value.get("url")
     if not isinstance(value, str):
-        raise OpenAIError(400, f"image {index} must be base64 text or a data URI", "image")
+        raise OpenAIError(400, f"{field}[{index}] must be base64 text or a data URI", field)
     if value.startswith("data:"):
         head, _, data = value.partition(",")
         if not head.endswith(";base64"):
-            raise OpenAIError(400, f"image {index}: only base64 data URIs are read", "image")
+            raise OpenAIError(400, f"{field}[{index}]: only base64 data URIs are read", field)
         return data
     if value.startswith(("http://", "https://")):
-        raise OpenAIError(400, f"image {index}: remote URLs are not fetched; send base64", "image")
+        raise OpenAIError(400, f"{field}[{index}]: remote URLs are not fetched; send base64", field)
     return value
 
 
-def _decode(index: int, text: str) -> np.ndarray:
-    from .routes.encode import decode_image
-
+def _decode(field: str, index: int, text: str) -> np.ndarray:
     try:
-        return decode_image(index, text.strip())
-    except ContractError as exc:
-        raise OpenAIError(400, exc.message.replace("images[", "image["), "image") from None
+        data = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise OpenAIError(
+            400, f"{field}[{index}] is not standard base64 (nor a base64 data URI)", field
+        ) from None
+    return _decode_file(field, index, data)
 
 
-def _decode_file(index: int, data: bytes) -> np.ndarray:
+def _decode_file(field: str, index: int, data: bytes) -> np.ndarray:
     try:
         return decode_image_file(data)
     except EngineInputError as exc:
-        raise OpenAIError(400, f"image[{index}]: {exc}", "image") from None
+        raise OpenAIError(400, f"{field}[{index}]: {exc}", field) from None
 
 
 def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
@@ -400,7 +404,7 @@ def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
             name = part.name or ""
             if name in ("image", "image[]", "images", "images[]"):
                 data = part.stream.read()
-                images.append(_decode_file(len(images), data))
+                images.append(_decode_file("image", len(images), data))
             elif name == "mask":
                 fields["mask"] = True
             else:

@@ -175,6 +175,10 @@ def test_edit_auto_size_and_refusals(server):
         server, "/v1/images/edits", json={"prompt": "x", "image": "https://example.com/a.png"}
     )
     assert remote.status_code == 400
+    not_base64 = post(server, "/v1/images/edits", json={"prompt": "x", "images": ["%%"]})
+    error = not_base64.json()["error"]
+    assert not_base64.status_code == 400 and error["param"] == "images"
+    assert error["message"] == "images[0] is not standard base64 (nor a base64 data URI)"
     garbage = post(
         server,
         "/v1/images/edits",

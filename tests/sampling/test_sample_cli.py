@@ -29,8 +29,20 @@ def test_sample_writes_the_same_png_in_process_and_via_the_step_routes(tmp_path)
 
 
 def test_sample_refuses_a_missing_reference_file(tmp_path):
-    result = sample(tmp_path, "x.png", "--ref", str(tmp_path / "nowhere.png"))
-    assert result.returncode == 2 and "gmlx image sample" in result.stderr
+    missing = tmp_path / "nowhere.png"
+    result = sample(tmp_path, "x.png", "--ref", str(missing))
+    assert result.returncode == 2
+    assert f"gmlx image sample: --ref {missing}: cannot be read: " in result.stderr, result.stderr
+
+
+def test_bench_names_the_reference_file_it_cannot_decode(tmp_path):
+    garbage = tmp_path / "notes.png"
+    garbage.write_text("not an image")
+    command = [sys.executable, "-m", "gmlx_server", "image", "bench", "--ref", str(garbage)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"gmlx image bench: --ref {garbage}: an image could not be decoded" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_sample_names_the_flag_a_refused_setting_came_from(tmp_path):
