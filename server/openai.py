@@ -137,10 +137,6 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _int(fields: dict, name: str, default: int | None, low: int, high: int) -> int | None:
     value = fields.get(name)
     if value is None:
@@ -154,7 +150,8 @@ def _float(fields: dict, name: str) -> float | None:
     value = fields.get(name)
     if value is None:
         return None
-    if not _is_number(value) or not 0 <= value <= MAX_GUIDANCE:  # NaN compares False
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 <= value <= MAX_GUIDANCE:  # NaN compares False
         raise OpenAIError(400, f"{name} must be a number from 0 to {MAX_GUIDANCE}", name)
     return float(value)
 
