@@ -27,6 +27,7 @@ import logging
 import re
 import secrets
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import falcon
@@ -116,13 +117,6 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
         if match is None:
             raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' or 'auto', not {value!r}", "size")
         width, height = int(match.group(1)), int(match.group(2))
-    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
-        raise OpenAIError(
-            413,
-            f"size {width}x{height} is over the limit of 2048x2048 pixels or {wire.MAX_SIDE} "
-            "pixels a side",
-            "size",
-        )
     if (
         width < SIZE_MULTIPLE
         or height < SIZE_MULTIPLE
@@ -135,6 +129,18 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
             "size",
         )
     return width, height
+
+
+def check_size_limit(width: int, height: int) -> None:
+    """413 for a size over the step routes' pixel limits (checked after every field's form, so
+    a request with a malformed field is answered 400 whatever its size)."""
+    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
+        raise OpenAIError(
+            413,
+            f"size {width}x{height} is over the limit of 2048x2048 pixels or {wire.MAX_SIDE} "
+            "pixels a side",
+            "size",
+        )
 
 
 def _int(fields: dict, name: str, default: int | None, low: int, high: int) -> int | None:
@@ -174,9 +180,21 @@ def _choice(fields: dict, name: str, choices: Any, default: str) -> str:
     return value
 
 
-def parse_job(fields: dict, default_size: tuple[int, int]) -> tuple[ImageRequest, int, str]:
-    """(the request of the first image, the number of images, the output format). Fields are
-    JSON values (a form's are converted first, `form_value`); null is the same as absent."""
+@dataclass(frozen=True)
+class Job:
+    """What a request asks for: `count` images like `request` (seeds counting up from its seed)
+    in `output_format`, of `model` (None: the default model)."""
+
+    request: ImageRequest
+    count: int
+    output_format: str
+    model: str | None
+
+
+def parse_job(fields: dict, default_size: tuple[int, int]) -> Job:
+    """The job of a request's fields: JSON values (a form's are converted first, `form_value`;
+    null is the same as absent). A size over the limit is refused last."""
+    model = model_field(fields)
     if fields.get("response_format") == "url":
         raise OpenAIError(
             400,
@@ -199,8 +217,9 @@ def parse_job(fields: dict, default_size: tuple[int, int]) -> tuple[ImageRequest
         cfg=guidance if cfg is None else cfg,
         sampler=sampler,
     )
-    count = _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST)
-    return request, count, output_format
+    job = Job(request, _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST), output_format, model)
+    check_size_limit(width, height)
+    return job
 
 
 def model_field(fields: dict) -> str | None:
@@ -222,22 +241,16 @@ class ImageRoute:
     def service(self):
         return self.ctx.service
 
-    def answer(
-        self,
-        resp: falcon.Response,
-        model: str | None,
-        request: ImageRequest,
-        count: int,
-        output_format: str,
-    ) -> None:
+    def answer(self, resp: falcon.Response, job: Job) -> None:
         try:
-            loaded = self.service.acquire(model)
+            loaded = self.service.acquire(job.model)
         except ContractError as exc:
             raise OpenAIError(exc.status, exc.message, "model") from None
+        request = job.request
         try:
             images = [
-                self.one_image(loaded, _with_seed(request, request.seed + i), output_format)
-                for i in range(count)
+                self.one_image(loaded, replace(request, seed=request.seed + i), job.output_format)
+                for i in range(job.count)
             ]
         except ContractError as exc:
             raise OpenAIError(exc.status, exc.message) from None
@@ -272,12 +285,6 @@ class ImageRoute:
         return encode_image(pixels, output_format)
 
 
-def _with_seed(request: ImageRequest, seed: int) -> ImageRequest:
-    from dataclasses import replace
-
-    return replace(request, seed=seed)
-
-
 def encode_image(pixels: np.ndarray, output_format: str) -> str:
     from PIL import Image
 
@@ -288,9 +295,7 @@ def encode_image(pixels: np.ndarray, output_format: str) -> str:
 
 class Generations(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        fields = json_fields(req)
-        request, count, output_format = parse_job(fields, DEFAULT_SIZE)
-        self.answer(resp, model_field(fields), request, count, output_format)
+        self.answer(resp, parse_job(json_fields(req), DEFAULT_SIZE))
 
 
 class Edits(ImageRoute):
@@ -306,19 +311,21 @@ class Edits(ImageRoute):
             raise OpenAIError(400, f"at most {MAX_REFERENCES} reference images", "image")
         if fields.get("mask") is not None:
             raise OpenAIError(400, "masks are not supported; send the image(s) only", "mask")
-        request, count, output_format = parse_job(fields, edit_size(images[0]))
-        from dataclasses import replace
-
-        request = replace(request, images=tuple(images))
-        self.answer(resp, model_field(fields), request, count, output_format)
+        job = parse_job(fields, edit_size(images[0]))
+        self.answer(resp, replace(job, request=replace(job.request, images=tuple(images))))
 
 
 def edit_size(image: np.ndarray) -> tuple[int, int]:
     """The 'auto' size of an edit: the first reference's, down to multiples of 16 and within
-    the pixel limit (else the default size)."""
+    the pixel limits (else the default size)."""
     height, width = image.shape[:2]
     width, height = width - width % SIZE_MULTIPLE, height - height % SIZE_MULTIPLE
-    if width < SIZE_MULTIPLE or height < SIZE_MULTIPLE or width * height > wire.MAX_PIXELS:
+    if (
+        width < SIZE_MULTIPLE
+        or height < SIZE_MULTIPLE
+        or width * height > wire.MAX_PIXELS
+        or max(width, height) > wire.MAX_SIDE
+    ):
         return DEFAULT_SIZE
     return width, height
 

@@ -99,6 +99,10 @@ def test_generation_refusals(server):
         ({"prompt": "x", "size": "32x32", "output_format": ["png"]}, 400, "output_format"),
         ({"prompt": "x", "size": "32x32", "cfg": 2.0, "guidance": "high"}, 400, "guidance"),
         ({"prompt": "x", "size": "32x32", "cfg": 10**400}, 400, "cfg"),
+        # a malformed field is refused 400 whatever the size (413 only for a well-formed job)
+        ({"size": "4096x4096"}, 400, "prompt"),
+        ({"prompt": "x", "size": "4096x4096", "n": 0}, 400, "n"),
+        ({"prompt": "x", "size": "4096x4096", "model": 5}, 400, "model"),
     ]
     for doc, status, param in cases:
         resp = post(server, "/v1/images/generations", json=doc)
