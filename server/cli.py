@@ -295,7 +295,7 @@ _TRIM_THRESHOLD_BYTES = 256 << 20
 
 def tune_malloc() -> bool:
     """Keep freed megabyte buffers in the process instead of returning them to the OS per
-    request (DESIGN.md: about 1,500 page faults for a 2 MiB step each way otherwise). This is
+    request (about 1,500 page faults for a 2 MiB step each way otherwise: docs/benchmarks.md). This is
     what MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would do at process start, set through
     mallopt so no re-exec is needed; variables the user set win. glibc only."""
     if not sys.platform.startswith("linux"):

@@ -7,7 +7,7 @@ the direct one calls `ImageModel.denoise_step` in process, and the via-steps one
 arrays and rows to `POST step` over HTTP (`gmlx_contract.client.StepClient.step`). Both see the
 same batch composition (x duplicated, the cond row then the uncond row) and this module does every
 piece of arithmetic between the calls in numpy float32, so the two paths give bit-identical final
-latents (DESIGN.md, "Equal to direct").
+latents (docs/contract.md §6, tests/sampling/test_equal_to_direct.py).
 
 Noise is ComfyUI's: `noise.comfy_noise(seed, (1, C, H / stride, W / stride))`, what torch's CPU
 `randn` gives after `manual_seed(seed)`, in the DiT's model latent space, so that ComfyUI's stock
