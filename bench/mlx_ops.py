@@ -18,7 +18,7 @@ time, so 1.0 means one thread did the work):
         [--prefix 128] [--repeats 3] [--jit] [--json]
 
 Attention shapes are HEADSxTOKENSxHEAD_DIM with B=1 and --prefix extra keys (text rows), as in
-the DiT's target pass. Results go to docs/benchmarks.md ("DiT forward").
+the DiT's target pass. Results go to docs/benchmarks.md ("MLX's slow CPU kernels").
 """
 
 from __future__ import annotations

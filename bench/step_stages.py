@@ -16,7 +16,7 @@ Wrapping costs a few microseconds a mark: compare runs of this script with each 
 `--stub` replaces the model's forward with an answer of x: `none` at once (the route hot, no
 forward between steps), `sleep` after 650 ms idle (what a forward's idle alone costs).
 
-Results go to docs/benchmarks.md ("Where the 2.2 ms goes now").
+Results go to docs/benchmarks.md ("Where a step's transport goes").
 """
 
 from __future__ import annotations

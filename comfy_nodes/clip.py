@@ -74,8 +74,9 @@ class GmlxCLIP:
     def add_patches(
         self, patches: dict, strength_patch: float = 1.0, strength_model: float = 1.0
     ) -> list:
-        if patches and strength_patch != 0.0:
-            log.warning("gmlx: CLIP LoRA is not applied: the text encoder runs on the server")
+        """No CLIP weight takes a patch: the text encoder runs on the server. The patches a
+        LoRA loader hands here are the model's (a LoRA's text-encoder keys map to nothing, and
+        ComfyUI logs them as "lora key not loaded")."""
         return []
 
     def clip_layer(self, layer_idx: int) -> None:

@@ -7,35 +7,44 @@ torch.
 
 from __future__ import annotations
 
+import atexit
 import logging
-import shutil
+import shlex
 import subprocess
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from gmlx_contract.client import StepClient
-from gmlx_contract.errors import ContractMismatch, NotGmlxServer, StepError
+from gmlx_contract.errors import NotGmlxServer, StepError
 
 from .errors import GmlxError
 from .settings import (
+    DEFAULT_BASE_URL,
     Settings,
+    candidate_urls,
     load_settings,
     model_names_from_answer,
-    normalise_url,
-    run_gmlx_json,
 )
 
 log = logging.getLogger("gmlx_comfy")
 
 MODEL_LIST_TTL_S = 10.0
 MODEL_PROBE_TIMEOUT_S = 1.0
+# How long the configured server's URL (`gmlx status --json`) is reused.
+DISCOVERY_TTL_S = 30.0
 START_WAIT_S = 180.0
 # How often the wait for a freshly started server polls /health.
 START_POLL_S = 1.0
+# How many of its log's last lines the error quotes when a started server exits.
+LOG_TAIL_LINES = 4
+# How long a started server gets to stop (SIGTERM) when ComfyUI exits, before it is killed.
+STOP_WAIT_S = 10.0
 
 
 @dataclass
@@ -74,14 +83,17 @@ class Connection:
                 self.adapters_held.add(digest)
 
     def require_model(self, model_id: str) -> None:
-        """Refuse a model the server does not list, suggesting the matching `gmlx pull`."""
+        """Refuse a model the server does not list, saying what it lists and how a model is
+        added; the list is remembered for the loaders (`Settings.remember_models`)."""
         with self.lock:
             names = model_names_from_answer(self.client.models())
+        load_settings().remember_models(self.url, names)
         if model_id not in names:
-            listed = ", ".join(names) if names else "none"
+            listed = ", ".join(names) if names else "no models"
             raise GmlxError(
                 f"gmlx: the server at {self.url} has no image model {model_id!r} (it lists "
-                f"{listed}); fetch it with `gmlx pull {model_id}` and restart the server"
+                f"{listed}); pick one it lists, or put the model's folder (holding its "
+                "model_index.json) into one of the server's model_dirs (`gmlx list` shows them)"
             )
 
 
@@ -93,27 +105,52 @@ def connect(widget_url: str = "", start_server: bool = True, settings: Settings 
     """Handshake with the server the settings name (docs/contract.md §7.2) and return its Connection.
 
     Tries each candidate URL in order; a non-gmlx answer moves on, a version mismatch stops.
-    With none answering and `start_server`, runs `gmlx serve` and waits for it.
+    With none answering and `start_server`, starts `gmlx serve` where it was looked for
+    (`StartedServer`) and waits for it.
     """
     settings = settings or load_settings()
-    urls = settings.candidate_urls(widget_url)
-    failures: list[str] = []
+    explicit = settings.explicit_url(widget_url)
+    discovered = "" if explicit else _discovered_url(settings)
+    urls = candidate_urls(explicit, discovered)
+    failures: list[NotGmlxServer] = []
     for url in urls:
         conn = _try(url, settings.api_key, failures)
         if conn is not None:
             return conn
-    if start_server:
-        url = urls[-1]
-        _start_server(url)
-        conn = _wait_for(url, settings.api_key, failures)
-        if conn is not None:
-            return conn
-    tried = "; ".join(failures) or ", ".join(urls)
-    hint = "" if start_server else " (start it with `gmlx serve`, or set start_server)"
-    raise GmlxError(f"gmlx: no gmlx image server answers: {tried}{hint}")
+    unanswered = "no gmlx server answers at " + " or at ".join(
+        f"{f.url} ({f.reason})" for f in failures
+    )
+    if not start_server:
+        raise GmlxError(
+            f"gmlx: {unanswered}; start one with `gmlx serve`, or switch on start_server"
+        )
+    # The configured server (the discovered URL) starts as configured; any other URL is
+    # served by `gmlx serve --host --port` of that URL.
+    url = explicit or discovered or DEFAULT_BASE_URL
+    flags = [] if url == discovered else serve_flags(url, unanswered)
+    server = StartedServer.get_or_start(url, flags, settings, unanswered)
+    return server.wait(lambda: _try(url, settings.api_key, []), settings.api_key)
 
 
-def _try(url: str, api_key: str | None, failures: list[str]) -> Connection | None:
+def _discovered_url(settings: Settings) -> str:
+    """`settings.discover_url()` (a `gmlx status --json` subprocess), reused for
+    DISCOVERY_TTL_S so that the loaders of one prompt run it once."""
+    key = tuple(settings.gmlx_command() or ())
+    with _discovery_lock:
+        cached = _discovery.get(key)
+        if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_S:
+            return cached[1]
+    url = settings.discover_url()
+    with _discovery_lock:
+        _discovery[key] = (time.monotonic(), url)
+    return url
+
+
+_discovery: dict[tuple[str, ...], tuple[float, str]] = {}
+_discovery_lock = threading.Lock()
+
+
+def _try(url: str, api_key: str | None, failures: list[NotGmlxServer]) -> Connection | None:
     key = (url, api_key)
     with _connections_lock:
         conn = _connections.get(key)
@@ -124,12 +161,10 @@ def _try(url: str, api_key: str | None, failures: list[str]) -> Connection | Non
                 caps = client.handshake()
         else:
             caps = client.handshake()
-    except ContractMismatch as err:
-        raise GmlxError(str(err)) from err
     except NotGmlxServer as err:
-        failures.append(str(err))
+        failures.append(err)
         return None
-    except StepError as err:  # 401/403 and the like: the user has to act
+    except StepError as err:  # a version mismatch, 401/403 and the like: the user has to act
         raise GmlxError(str(err)) from err
     if conn is None:
         conn = Connection(url=url, api_key=api_key, client=client, capabilities=caps)
@@ -139,37 +174,159 @@ def _try(url: str, api_key: str | None, failures: list[str]) -> Connection | Non
     return conn
 
 
-def _start_server(url: str) -> None:
-    exe = shutil.which("gmlx")
-    if exe is None:
+def serve_flags(url: str, unanswered: str) -> list[str]:
+    """`gmlx serve` flags that serve at `url`: it must be plain http://host[:port]."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
         raise GmlxError(
-            f"gmlx: no server answers at {url} and the `gmlx` command is not on PATH to start one"
+            f"gmlx: {unanswered}, and start_server starts a server only at a plain "
+            "http://host:port address; start the server for that address yourself"
         )
-    log.info("gmlx: starting `gmlx serve` for %s", url)
-    subprocess.Popen(  # noqa: S603 - our own command, no shell
-        [exe, "serve"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    return ["--host", parts.hostname, "--port", str(parts.port or 80)]
 
 
-def _wait_for(url: str, api_key: str | None, failures: list[str]) -> Connection | None:
-    probe = StepClient(url, api_key)
-    deadline = time.monotonic() + START_WAIT_S
-    while time.monotonic() < deadline:
-        if probe.health():
-            return _try(url, api_key, failures)
-        time.sleep(START_POLL_S)
-    failures.append(f"`gmlx serve` did not answer at {url} within {START_WAIT_S:.0f} s")
-    return None
+@dataclass
+class StartedServer:
+    """A `gmlx serve` the pack started: its process, command and log. It is stopped when
+    ComfyUI exits (`stop_started_servers`, run at exit); one killed outright leaves it running."""
+
+    url: str
+    command: list[str]
+    process: subprocess.Popen
+    log_path: Path
+    log_offset: int  # where this start's lines begin in the log
+    started_at: float
+
+    @classmethod
+    def get_or_start(
+        cls, url: str, flags: list[str], settings: Settings, unanswered: str
+    ) -> StartedServer:
+        """The server already started for `url` while it runs, else a new one."""
+        with _started_lock:
+            running = _started.get(url)
+            if running is not None and running.process.poll() is None:
+                return running
+            server = cls.start(url, flags, settings, unanswered)
+            _started[url] = server
+            return server
+
+    @classmethod
+    def start(
+        cls, url: str, flags: list[str], settings: Settings, unanswered: str
+    ) -> StartedServer:
+        gmlx = settings.gmlx_command(serve=True)
+        if gmlx is None:
+            raise GmlxError(
+                f"gmlx: {unanswered}, and no `gmlx` command was found to start one (looked at "
+                f"{settings.where_gmlx_is_looked_for()}); install the server there "
+                "(`pip install 'gmlx-steps[server]'`) or name its command in gmlx_command"
+            )
+        command = [*gmlx, "serve", *flags]
+        log_path = settings.server_log
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log_file:
+            offset = log_file.tell()
+            log_file.write(f"---- {time.ctime()}: {shlex.join(command)}\n".encode())
+            log_file.flush()
+            try:
+                process = subprocess.Popen(  # noqa: S603 - a configured or found gmlx, no shell
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            except OSError as error:
+                raise GmlxError(
+                    f"gmlx: {unanswered}, and `{shlex.join(command)}` cannot run to start one "
+                    f"({error.strerror or error}); name a working command in gmlx_command"
+                ) from error
+        _stop_at_exit()
+        log.info(
+            "gmlx: %s; started `%s` (pid %d), waiting up to %.0f s for it (log: %s)",
+            unanswered,
+            shlex.join(command),
+            process.pid,
+            START_WAIT_S,
+            log_path,
+        )
+        return cls(url, command, process, log_path, offset, time.monotonic())
+
+    def wait(self, handshake, api_key: str | None) -> Connection:
+        """Poll /health until the server answers, then `handshake()`; stop early with its log's
+        last lines when the process exits."""
+        probe = StepClient(self.url, api_key)
+        deadline = time.monotonic() + START_WAIT_S  # a later loader waits its own while
+        try:
+            while time.monotonic() < deadline:
+                code = self.process.poll()
+                if code is not None:
+                    raise GmlxError(
+                        f"gmlx: `{shlex.join(self.command)}` exited with status {code} before "
+                        f"answering at {self.url}; the end of its log {self.log_path}: "
+                        f"{self.log_tail()}"
+                    )
+                if probe.health():
+                    conn = handshake()
+                    if conn is not None:
+                        elapsed = time.monotonic() - self.started_at
+                        log.info("gmlx: the server at %s answers (%.1f s)", self.url, elapsed)
+                        return conn
+                time.sleep(START_POLL_S)
+        finally:
+            probe.close()
+        raise GmlxError(
+            f"gmlx: `{shlex.join(self.command)}` (pid {self.process.pid}) did not answer at "
+            f"{self.url} within {START_WAIT_S:.0f} s and still runs; the end of its log "
+            f"{self.log_path}: {self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines this start wrote to the log, joined on one line."""
+        try:
+            with open(self.log_path, "rb") as log_file:
+                log_file.seek(self.log_offset)
+                text = log_file.read().decode("utf-8", errors="replace")
+        except OSError as error:
+            return f"(unreadable: {error.strerror})"
+        kept = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+        return " | ".join(kept[-lines:]) or "(empty)"
+
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        if self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+_started: dict[str, StartedServer] = {}
+_started_lock = threading.Lock()
+_stop_registered = threading.Event()
+
+
+def _stop_at_exit() -> None:
+    if not _stop_registered.is_set():
+        _stop_registered.set()
+        atexit.register(stop_started_servers)
+
+
+def stop_started_servers() -> None:
+    """Stop every server this process started (SIGTERM: it ends its runs and lets its models
+    go; killed after STOP_WAIT_S)."""
+    with _started_lock:
+        servers = list(_started.values())
+        _started.clear()
+    for server in servers:
+        server.stop()
 
 
 class ModelList:
-    """The loaders' model list (docs/contract.md §7.1): a quick `GET models` probe, else
-    `gmlx list --image --json`, else the default name; kept 10 s. Names seen once stay listed
-    so a saved workflow still validates while the server is down."""
+    """The loaders' model list (docs/contract.md §7.1): what the server lists (a quick
+    `GET models`), else what a server listed last (the settings file), else what the server's
+    configuration names (`gmlx list --image --json`); kept 10 s."""
 
     def __init__(self) -> None:
         self._names: list[str] = []
@@ -181,29 +338,29 @@ class ModelList:
             if time.monotonic() - self._at < MODEL_LIST_TTL_S and self._names:
                 return list(self._names)
             settings = settings or load_settings()
-            fresh = self._probe(settings) or [settings.default_model]
-            merged = fresh + [n for n in self._names if n not in fresh]
-            self._names, self._at = merged, time.monotonic()
-            return list(merged)
+            names = (
+                self._probe(settings)
+                or settings.remembered_models()
+                or settings.configured_models()
+            )
+            self._names, self._at = names, time.monotonic()
+            return list(names)
 
     @staticmethod
     def _probe(settings: Settings) -> list[str]:
-        for url in _probe_urls(settings):
-            client = StepClient(url, settings.api_key, timeout=MODEL_PROBE_TIMEOUT_S)
+        """The model list of the explicit or default URL (discovery would run a subprocess on
+        every refresh; the configured list covers the configured server)."""
+        url = settings.explicit_url() or DEFAULT_BASE_URL
+        with StepClient(url, settings.api_key, timeout=MODEL_PROBE_TIMEOUT_S) as client:
+            if not client.health():
+                return []
             try:
                 names = model_names_from_answer(client.models())
-            except (StepError, OSError, ValueError):
-                continue
-            finally:
-                client.close()
-            if names:
-                return names
-        return model_names_from_answer(run_gmlx_json(["list", "--image", "--json"]) or [])
-
-
-def _probe_urls(settings: Settings) -> list[str]:
-    # Discovery runs a subprocess; the quick probe only tries the configured or default URL.
-    return [normalise_url(u) for u in settings.candidate_urls("", discover=lambda: "")]
+            except StepError:
+                return []
+        if names:
+            settings.remember_models(url, names)
+        return names
 
 
 MODEL_LIST = ModelList()

@@ -1,26 +1,38 @@
-"""`gmlx comfyui install --comfy DIR`: link the pack into ComfyUI and install its needs.
+"""`gmlx comfyui install|uninstall|status`: link the pack into ComfyUI and install its needs,
+undo that, and show what was done.
 
 The pack folder (this package's directory) is linked as `custom_nodes/gmlx_steps`; the
 distribution that carries `gmlx_contract` (numpy, requests) is pip-installed into ComfyUI's own
-Python, which ComfyUI already has torch in. The settings file records what was done.
-Imports neither ComfyUI nor torch.
+Python, which ComfyUI already has torch in. The settings file records each install (one per
+ComfyUI folder). Imports neither ComfyUI nor torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import GmlxError
-from .settings import settings_path, write_settings
+from .settings import read_settings, replace_settings, settings_path
 
 LINK_NAME = "gmlx_steps"
 DISTRIBUTION = "gmlx-steps"
 PACK_DIR = Path(__file__).resolve().parent
+# The settings file's list of installs, and the single record older versions kept.
+INSTALLS_KEY = "installs"
+LEGACY_INSTALL_KEY = "installed"
+# What `gmlx comfyui status` runs in ComfyUI's Python: the pack's modules that ComfyUI loads
+# first, without torch (the package resolves its nodes lazily).
+IMPORT_CHECK = (
+    "import os, gmlx_comfy.connection as c; print(os.path.dirname(os.path.abspath(c.__file__)))"
+)
+IMPORT_CHECK_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -97,7 +109,8 @@ def install(
     run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
     environ: dict[str, str] | None = None,
 ) -> InstallResult:
-    """Link the pack into `comfy_dir` and pip-install its needs into ComfyUI's Python."""
+    """Link the pack into `comfy_dir` and pip-install its needs into ComfyUI's Python; the
+    install joins the settings file's list of installs (one per ComfyUI folder)."""
     custom_nodes = check_comfy_dir(Path(comfy_dir))
     interpreter = comfy_python(Path(comfy_dir), python)
     target = pip_target(pack_dir, version)
@@ -110,24 +123,164 @@ def install(
         raise GmlxError(f"gmlx: pip failed in ComfyUI's Python ({' '.join(command)})")
     replaced = link_pack(custom_nodes, pack_dir)
     link = custom_nodes / LINK_NAME
-    write_settings(
-        settings_path(environ),
-        {
-            "installed": {
-                "comfy_dir": str(Path(comfy_dir).resolve()),
-                "link": str(link),
-                "python": str(interpreter),
-            }
-        },
-    )
+    record = Install(comfy_dir=custom_nodes.parent, link=link, python=interpreter)
+    others = [i for i in recorded_installs(environ) if i.comfy_dir != record.comfy_dir]
+    _record_installs([*others, record], environ)
     return InstallResult(link=link, python=interpreter, pip_command=command, replaced_link=replaced)
+
+
+@dataclass(frozen=True)
+class Install:
+    """One recorded install: the ComfyUI folder, the link made in it, the Python pip ran in."""
+
+    comfy_dir: Path
+    link: Path
+    python: Path
+
+    def record(self) -> dict[str, str]:
+        return {
+            "comfy_dir": str(self.comfy_dir),
+            "link": str(self.link),
+            "python": str(self.python),
+        }
+
+    @classmethod
+    def from_record(cls, doc: Any) -> Install | None:
+        if not isinstance(doc, dict) or not all(
+            isinstance(doc.get(key), str) for key in ("comfy_dir", "link", "python")
+        ):
+            return None
+        return cls(Path(doc["comfy_dir"]), Path(doc["link"]), Path(doc["python"]))
+
+    def link_state(self, pack_dir: Path = PACK_DIR) -> str:
+        """ "linked", "missing", "not a link" or "links to OTHER"."""
+        if self.link.is_symlink():
+            target = Path(os.readlink(self.link))
+            return "linked" if target == pack_dir else f"links to {target}"
+        return "not a link" if self.link.exists() else "missing"
+
+
+def recorded_installs(environ: dict[str, str] | None = None) -> list[Install]:
+    """Every install the settings file records (`installs`; an older file's single
+    `installed` counts as one)."""
+    doc = read_settings(settings_path(environ))
+    entries = doc.get(INSTALLS_KEY)
+    if not isinstance(entries, list):
+        entries = [doc.get(LEGACY_INSTALL_KEY)]
+    found = [Install.from_record(entry) for entry in entries]
+    return [i for i in found if i is not None]
+
+
+def _record_installs(installs: list[Install], environ: dict[str, str] | None) -> None:
+    path = settings_path(environ)
+    doc = read_settings(path)
+    doc.pop(LEGACY_INSTALL_KEY, None)
+    doc[INSTALLS_KEY] = [i.record() for i in installs]
+    replace_settings(path, doc)
+
+
+@dataclass(frozen=True)
+class UninstallResult:
+    removed_link: bool  # False when there was no link to remove
+    python: Path
+    pip_command: list[str] | None  # None: the distribution was left in `python`
+
+
+def uninstall(
+    comfy_dir: Path,
+    *,
+    pip: bool = False,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+    environ: dict[str, str] | None = None,
+) -> UninstallResult:
+    """Undo `install` for one ComfyUI folder: remove its custom_nodes link and its record.
+
+    With `pip`, also pip-uninstall the distribution from that ComfyUI's Python, refused when
+    another recorded install uses the same Python or it is the Python running this command.
+    """
+    comfy_dir = Path(comfy_dir).expanduser().resolve()
+    installs = recorded_installs(environ)
+    mine = next((i for i in installs if i.comfy_dir == comfy_dir), None)
+    if mine is None:
+        listed = ", ".join(str(i.comfy_dir) for i in installs) or "none"
+        raise GmlxError(
+            f"gmlx: no install into {comfy_dir} is recorded in {settings_path(environ)} "
+            f"(recorded: {listed})"
+        )
+    if mine.link.exists() and not mine.link.is_symlink():
+        raise GmlxError(f"gmlx: {mine.link} is not a link (not made by install); left as is")
+    others = [i for i in installs if i != mine]
+    command = None
+    if pip:
+        command = _pip_uninstall_command(mine, others)
+        if run(command, check=False).returncode != 0:
+            raise GmlxError(f"gmlx: pip failed in ComfyUI's Python ({' '.join(command)})")
+    removed = mine.link.is_symlink()
+    if removed:
+        mine.link.unlink()
+    _record_installs(others, environ)
+    return UninstallResult(removed_link=removed, python=mine.python, pip_command=command)
+
+
+def _pip_uninstall_command(mine: Install, others: list[Install]) -> list[str]:
+    sharing = [str(i.comfy_dir) for i in others if _same_file(i.python, mine.python)]
+    if sharing:
+        raise GmlxError(
+            f"gmlx: {mine.python} also serves the install in {', '.join(sharing)}; "
+            "uninstall without --pip, or uninstall that one first"
+        )
+    if _same_file(mine.python, Path(sys.executable)):
+        raise GmlxError(
+            f"gmlx: {mine.python} is the Python running this command: pip uninstall would "
+            "remove this gmlx; uninstall without --pip"
+        )
+    return [str(mine.python), "-m", "pip", "uninstall", "--yes", DISTRIBUTION]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def pack_import_check(
+    python: Path, run: Callable[..., subprocess.CompletedProcess] = subprocess.run
+) -> str:
+    """Whether the pack imports in `python`: "imports from FOLDER", or why it does not."""
+    if not python.exists():
+        return "Python not found"
+    try:
+        done = run(
+            [str(python), "-c", IMPORT_CHECK],
+            capture_output=True,
+            text=True,
+            timeout=IMPORT_CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"does not run ({error})"
+    if done.returncode != 0:
+        lines = (done.stderr or "").strip().splitlines()
+        return f"does not import ({lines[-1] if lines else f'status {done.returncode}'})"
+    return f"imports from {done.stdout.strip()}"
+
+
+def install_status(
+    environ: dict[str, str] | None = None,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
+) -> list[str]:
+    """One line per recorded install: ComfyUI folder, link state, Python, import check."""
+    return [
+        f"{i.comfy_dir}: link {i.link} {i.link_state()}; Python {i.python}: "
+        f"{pack_import_check(i.python, run)}"
+        for i in recorded_installs(environ)
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gmlx_comfy.install --comfy DIR [--python PY]` (what `gmlx comfyui install`
     calls)."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="gmlx comfyui install")
     parser.add_argument("--comfy", required=True, type=Path, help="the ComfyUI folder")
     parser.add_argument("--python", type=Path, default=None, help="ComfyUI's Python")
@@ -139,6 +292,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"linked {result.link} -> {PACK_DIR}")
     print(f"installed into {result.python}; restart ComfyUI to load the gmlx nodes")
+    return 0
+
+
+def uninstall_main(argv: list[str] | None = None) -> int:
+    """`gmlx comfyui uninstall --comfy DIR [--pip]`."""
+    parser = argparse.ArgumentParser(prog="gmlx comfyui uninstall")
+    parser.add_argument("--comfy", required=True, type=Path, help="the ComfyUI folder")
+    parser.add_argument(
+        "--pip", action="store_true", help=f"also pip-uninstall {DISTRIBUTION} from its Python"
+    )
+    args = parser.parse_args(argv)
+    try:
+        result = uninstall(args.comfy, pip=args.pip)
+    except GmlxError as err:
+        print(err, file=sys.stderr)
+        return 2
+    link = Path(args.comfy).expanduser().resolve() / "custom_nodes" / LINK_NAME
+    print(f"removed {link}" if result.removed_link else f"no link at {link} to remove")
+    if result.pip_command is None:
+        print(
+            f"{DISTRIBUTION} stays installed in {result.python} (remove it with "
+            f"`{result.python} -m pip uninstall {DISTRIBUTION}`, or rerun with --pip)"
+        )
+    else:
+        print(f"uninstalled {DISTRIBUTION} from {result.python}")
+    print("restart ComfyUI to drop the gmlx nodes")
+    return 0
+
+
+def status_main(argv: list[str] | None = None) -> int:
+    """`gmlx comfyui status`: each recorded install and whether the pack imports there."""
+    argparse.ArgumentParser(prog="gmlx comfyui status").parse_args(argv)
+    lines = install_status()
+    print("\n".join(lines) or f"no install recorded in {settings_path()}")
     return 0
 
 

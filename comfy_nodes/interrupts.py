@@ -1,11 +1,13 @@
-"""Run a server call on a worker thread while polling a cancel flag (docs/contract.md §7.8). Pure."""
+"""Run a server call on a worker thread while polling a cancel flag (docs/contract.md §7.8).
+
+Pure: ComfyUI's own flag (`COMFY_INTERRUPT`) imports ComfyUI only when it is read."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 T = TypeVar("T")
 
@@ -51,3 +53,46 @@ def call_interruptible(
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["value"]  # type: ignore[return-value]
+
+
+class InterruptFlag(Protocol):
+    def requested(self) -> bool:
+        """Whether the user asked to stop."""
+
+    def throw(self) -> NoReturn:
+        """Raise the interrupt (and clear the flag)."""
+
+
+class ComfyInterrupt:
+    """ComfyUI's interrupt flag (`comfy.model_management`)."""
+
+    def requested(self) -> bool:
+        import comfy.model_management as mm
+
+        return mm.processing_interrupted()
+
+    def throw(self) -> NoReturn:
+        import comfy.model_management as mm
+
+        mm.throw_exception_if_processing_interrupted()  # raises, and clears the flag
+        raise mm.InterruptProcessingException()
+
+
+COMFY_INTERRUPT = ComfyInterrupt()
+
+
+def call_or_interrupt(
+    work: Callable[[], T],
+    flag: InterruptFlag,
+    on_cancel: Callable[[], None] = lambda: None,
+    *,
+    lock: AbstractContextManager | None = None,
+) -> T:
+    """`call_interruptible` that checks the flag before starting and raises its interrupt on
+    cancel: a call the user cancelled is never sent, one in flight is abandoned at once."""
+    if flag.requested():
+        flag.throw()
+    try:
+        return call_interruptible(work, flag.requested, on_cancel, lock=lock)
+    except Cancelled:
+        flag.throw()

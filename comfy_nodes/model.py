@@ -9,24 +9,28 @@ table (§7.7). Imports ComfyUI; only ever imported inside a ComfyUI process.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import comfy.conds
 import comfy.latent_formats
+import comfy.lora
 import comfy.model_base
 import comfy.model_management
 import comfy.model_patcher
 import comfy.patcher_extension
+import comfy.sample
 import comfy.supported_models_base
 import numpy as np
 import torch
 from gmlx_contract.errors import StepError
 
+from . import stock
 from .connection import Connection
 from .errors import GmlxError, named_nodes
 from .families import PACK_BUILT_CLASSES, latent_normalisation, ref_method
-from .interrupts import Cancelled, call_interruptible
-from .patches import AdapterHashes, build_table
+from .interrupts import COMFY_INTERRUPT, call_or_interrupt
+from .patches import AdapterHashes, build_table, lora_key_map, unmapped_patches_text
 from .request import (
     as_f32,
     build_rows,
@@ -53,12 +57,14 @@ WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat1
 
 class GmlxLatentFormat(comfy.latent_formats.LatentFormat):
     """Latent format of a server model: LATENT carries what the VAE routes carry, the DiT
-    takes model space; `normalisation` (mean, std) maps one to the other, None = identity."""
+    takes model space; `normalisation` (mean, std) maps one to the other, None = identity.
+    One latent cell is `stride` pixels a side (`gmlx_stride`: see stock.py)."""
 
     latent_dimensions = 2
 
-    def __init__(self, channels: int, normalisation: tuple[list, list] | None) -> None:
+    def __init__(self, channels: int, stride: int, normalisation: tuple[list, list] | None) -> None:
         self.latent_channels = channels
+        self.spacial_downscale_ratio = self.gmlx_stride = stride
         self.scale_factor = 1.0
         self.latent_rgb_factors = None
         if normalisation is None:
@@ -134,8 +140,8 @@ class GmlxRowValues(comfy.conds.CONDRegular):
 class RemoteDiT(torch.nn.Module):
     """Stands where ComfyUI expects the DiT: its forward is one `POST step`.
 
-    Its state dict holds the server manifest's weight names as zero-stride placeholders so
-    that stock LoRA loaders map their keys to this model.
+    Its state dict holds the server manifest's weight names as zero-stride placeholders, the
+    weights stock LoRA loaders patch; `lora_keys` maps every LoRA key form onto them.
     """
 
     def __init__(self, conn: Connection, model_id: str, status: dict, manifest: dict) -> None:
@@ -146,12 +152,20 @@ class RemoteDiT(torch.nn.Module):
         self.family = status.get("family")
         self.dtype = torch.float32
         self.placeholders = _placeholders(manifest)
+        self.lora_keys = lora_key_map(manifest)
         self.hashes = AdapterHashes()
         self.row_hashes = TensorHashes(as_f32)
         self.tables: dict[Any, str | None] = {}
         self.timings: list[dict[str, Any]] = []
         self.warned: set[str] = set()
-        self.owner: Any = None  # the GmlxModel; set by it, kept out of the module tree
+        self._owner: weakref.ref | None = None
+
+    @property
+    def owner(self) -> Any:
+        """The GmlxModel this stands in: held weakly, so that the model is freed as soon as
+        ComfyUI drops it (a cycle would outlive its patcher until a full garbage collection,
+        which ComfyUI reports as a potential memory leak)."""
+        return self._owner() if self._owner is not None else None
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         for name, tensor in self.placeholders.items():
@@ -242,8 +256,6 @@ class RemoteDiT(torch.nn.Module):
             raise GmlxError(refusal_text(check.refusals, upstream))
 
     def _call(self, work, run: str | None):
-        mm = comfy.model_management
-
         def on_cancel() -> None:
             if run is None:
                 return
@@ -253,15 +265,10 @@ class RemoteDiT(torch.nn.Module):
                 log.warning("gmlx: could not interrupt run %s: %s", run, err)
 
         try:
-            return call_interruptible(
-                work, mm.processing_interrupted, on_cancel, lock=self.conn.lock
-            )
-        except Cancelled:
-            mm.throw_exception_if_processing_interrupted()
-            raise mm.InterruptProcessingException() from None
+            return call_or_interrupt(work, COMFY_INTERRUPT, on_cancel, lock=self.conn.lock)
         except StepError as err:
-            if err.code == "interrupted" and mm.processing_interrupted():
-                mm.throw_exception_if_processing_interrupted()
+            if err.code == "interrupted" and COMFY_INTERRUPT.requested():
+                COMFY_INTERRUPT.throw()
             raise GmlxError(str(err)) from err
 
     def _keep_timing(self, answer: Any) -> None:
@@ -287,20 +294,46 @@ def _placeholders(manifest: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def running_prompt_classes() -> list[str]:
-    """Class names of the nodes in the prompt ComfyUI is running (for naming culprits)."""
+def _running_prompts() -> list[tuple[str, dict]]:
+    """(prompt id, prompt) of each prompt ComfyUI is running; none outside a ComfyUI server."""
     try:
         import server  # ComfyUI's own module
 
-        queue = server.PromptServer.instance.prompt_queue
-        running = list(queue.currently_running.values())
+        running = list(server.PromptServer.instance.prompt_queue.currently_running.values())
     except Exception:  # noqa: BLE001 - naming culprits is best effort
         return []
-    classes: list[str] = []
-    for item in running:
-        prompt = item[2] if len(item) > 2 else {}
-        classes += [n.get("class_type", "") for n in prompt.values() if isinstance(n, dict)]
-    return classes
+    return [(item[1], item[2]) for item in running if len(item) > 2]
+
+
+def running_prompt_classes() -> list[str]:
+    """Class names of the nodes in the prompt ComfyUI is running (for naming culprits)."""
+    return [
+        node.get("class_type", "")
+        for _, prompt in _running_prompts()
+        for node in prompt.values()
+        if isinstance(node, dict)
+    ]
+
+
+def executing_patch_source() -> str:
+    """What the executing node patches the model from, as an error names it: "the LoRA file
+    'x'" for a node with a `lora_name` input, else the node; "a LoRA" outside a prompt."""
+    try:
+        from comfy_execution.utils import get_executing_context
+
+        context = get_executing_context()
+    except ImportError:
+        context = None
+    if context is None:
+        return "a LoRA"
+    for prompt_id, prompt in _running_prompts():
+        node = prompt.get(context.node_id) if prompt_id == context.prompt_id else None
+        if isinstance(node, dict):
+            name = (node.get("inputs") or {}).get("lora_name")
+            if isinstance(name, str):
+                return f"the LoRA file {name!r}"
+            return f"node {context.node_id} ({node.get('class_type')})"
+    return f"node {context.node_id}"
 
 
 # ---------------------------------------------------------------- BaseModel and patcher
@@ -317,6 +350,7 @@ class GmlxModelConfig(comfy.supported_models_base.BASE):
 
 
 def model_config_for(status: dict) -> GmlxModelConfig:
+    latent = status.get("latent") or {}
     comfy_info = status.get("comfy") or {}
     config = GmlxModelConfig(
         {"image_model": comfy_info.get("image_model"), "disable_unet_model_creation": True}
@@ -324,12 +358,15 @@ def model_config_for(status: dict) -> GmlxModelConfig:
     sampling = status.get("sampling") or {}
     # Flow matching with timestep = sigma (docs/contract.md §5.2, comfy convention, scale 1).
     config.sampling_settings = {"multiplier": 1.0, "shift": float(sampling.get("shift") or 1.0)}
-    channels = int((status.get("latent") or {}).get("channels", 16))
+    channels = int(latent.get("channels", 16))
+    stride = latent.get("stride") or (status.get("vae") or {}).get("stride")
+    if not stride:
+        raise GmlxError("gmlx: the server's status gives no latent stride (latent.stride)")
     try:
         normalisation = latent_normalisation(status)
     except ValueError as err:
         raise GmlxError(str(err)) from err
-    config.latent_format = GmlxLatentFormat(channels, normalisation)
+    config.latent_format = GmlxLatentFormat(channels, int(stride), normalisation)
     return config
 
 
@@ -339,8 +376,12 @@ class GmlxModel(comfy.model_base.BaseModel):
     def __init__(self, config: GmlxModelConfig, remote: RemoteDiT) -> None:
         super().__init__(config, comfy.model_base.ModelType.FLOW, device=torch.device("cpu"))
         self.diffusion_model = remote
-        # A plain attribute, not a submodule: the module tree must not loop back.
-        object.__setattr__(remote, "owner", self)
+        remote._owner = weakref.ref(self)
+
+    @property
+    def gmlx_lora_keys(self) -> dict[str, str]:
+        """LoRA stem -> weight key for every form the pack reads (see stock.py)."""
+        return self.diffusion_model.lora_keys
 
     def get_dtype(self) -> torch.dtype:
         return torch.float32
@@ -392,6 +433,17 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
     def partially_unload(self, device_to, memory_to_free=0):
         return 0
 
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        """Stock add_patches; patches of which none lands on a weight (a LoRA of other keys)
+        are refused, naming the LoRA file."""
+        added = super().add_patches(patches, strength_patch, strength_model)
+        if not added and strength_patch != 0.0:
+            foreign = sorted(str(k if isinstance(k, str) else k[0]) for k in patches)
+            raise GmlxError(
+                unmapped_patches_text(executing_patch_source(), self.remote.model_id, foreign)
+            )
+        return added
+
     def pre_run(self):
         super().pre_run()
         self.remote.sync_table(self)
@@ -435,6 +487,7 @@ def load_remote_model(conn: Connection, model_id: str) -> GmlxModelPatcher:
             f"gmlx: {model_id!r} stores fused qkv weights ({fused[0]}, ...); LoRA keys cannot "
             "map to that layout"
         )
+    stock.install(comfy.lora, comfy.sample)
     remote = RemoteDiT(conn, model_id, status, manifest)
     base = GmlxModel(model_config_for(status), remote)
     device = torch.device("cpu")

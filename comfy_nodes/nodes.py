@@ -5,6 +5,7 @@ functions, so that importing this module needs only torch."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -16,6 +17,8 @@ from .errors import GmlxError
 from .schedule import ScheduleError, cfg_of, default_steps, server_sigmas
 from .settings import load_settings
 from .vae import GmlxVAE
+
+log = logging.getLogger("gmlx_comfy")
 
 CATEGORY = "gmlx"
 # docs/contract.md §2.6: reference images are encoded at 256² ... 1024² pixels, sides in 32s.
@@ -245,9 +248,25 @@ class GmlxTextEncodeEdit:
         return (conditioning,)
 
 
+def latent_size(width: int, height: int, stride: int) -> tuple[int, int, str | None]:
+    """The pixel size an empty latent gives (sides floored to the stride), and the note that
+    says so when it is not the size asked for."""
+    w, h = (width // stride) * stride, (height // stride) * stride
+    if w == 0 or h == 0:
+        raise GmlxError(f"gmlx Empty Latent: {width}×{height} is under one {stride}-pixel cell")
+    if (w, h) == (width, height):
+        return w, h, None
+    note = (
+        f"gmlx Empty Latent: {width}×{height} rounded down to {w}×{h} "
+        f"(the model's sides are multiples of {stride})"
+    )
+    return w, h, note
+
+
 class GmlxEmptyLatent:
     """Zero latents of the server model's channels and stride (stock empty-latent nodes
-    assume other formats, e.g. 4 or 16 channels at stride 8)."""
+    assume other formats, e.g. 4 or 16 channels at stride 8). A size off the stride is floored,
+    and the node says so (log line and node text)."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -266,8 +285,35 @@ class GmlxEmptyLatent:
 
     def empty(self, vae, width, height, batch_size):
         stride = vae.spacial_compression_encode()
-        shape = (batch_size, vae.latent_channels, height // stride, width // stride)
-        return ({"samples": torch.zeros(shape, dtype=torch.float32)},)
+        w, h, note = latent_size(width, height, stride)
+        shape = (batch_size, vae.latent_channels, h // stride, w // stride)
+        latent = {"samples": torch.zeros(shape, dtype=torch.float32)}
+        latent["downscale_ratio_spacial"] = stride  # how current ComfyUI reads the cell size
+        if note is None:
+            return (latent,)
+        log.warning(note)
+        return {"ui": {"text": [note]}, "result": (latent,)}
+
+
+class GmlxVAEDecode:
+    """RGB images and the VAE's alpha as a MASK, in ComfyUI's convention (LoadImage's):
+    mask = 1 − alpha, so 1 marks what is transparent. A VAE without alpha gives a zero mask."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",), "vae": ("VAE",)}}
+
+    RETURN_TYPES = ("IMAGE", "MASK")
+    FUNCTION = "decode"
+    CATEGORY = CATEGORY
+
+    def decode(self, samples, vae):
+        if not isinstance(vae, GmlxVAE):
+            raise GmlxError("gmlx VAE Decode needs a VAE from the gmlx VAE Loader")
+        images, alpha = vae.decode_with_alpha(samples["samples"])
+        if alpha is None:
+            return (images, torch.zeros(images.shape[:3], dtype=torch.float32))
+        return (images, 1.0 - alpha)
 
 
 NODE_CLASS_MAPPINGS = {
@@ -278,6 +324,7 @@ NODE_CLASS_MAPPINGS = {
     "GmlxSigmas": GmlxSigmas,
     "GmlxTextEncodeEdit": GmlxTextEncodeEdit,
     "GmlxEmptyLatent": GmlxEmptyLatent,
+    "GmlxVAEDecode": GmlxVAEDecode,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -288,4 +335,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "GmlxSigmas": "gmlx Sigmas",
     "GmlxTextEncodeEdit": "gmlx Text Encode (Qwen-Image 2.1 edit)",
     "GmlxEmptyLatent": "gmlx Empty Latent",
+    "GmlxVAEDecode": "gmlx VAE Decode (RGB + alpha mask)",
 }

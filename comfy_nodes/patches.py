@@ -6,6 +6,9 @@ LoRA value is a `comfy.weight_adapter.LoRAAdapter` whose `.name` is "lora" and w
 are `(up, down, alpha, mid, dora_scale, reshape)` (ComfyUI 0.3.x); older ComfyUI used the tuple
 `("lora", (up, down, alpha, mid, dora_scale, reshape))`. Both are read here.
 
+The key map the stock loaders read LoRA files through (`lora_key_map`) covers every key form of
+`gmlx_contract.lora_keys`, the naming rule the server's `--adapter` loader reads too.
+
 Pure: works on anything tensor-like (torch tensors in ComfyUI, numpy arrays in tests); imports
 neither ComfyUI nor torch.
 """
@@ -18,6 +21,7 @@ from typing import Any
 
 import numpy as np
 from gmlx_contract.hashing import tensor_hash
+from gmlx_contract.lora_keys import KOHYA_PREFIX, PREFIXES, linear_layers, stems_of
 
 from .errors import GmlxError
 from .tensor_hashes import version_of
@@ -33,6 +37,36 @@ ADAPTER_TITLES = {
     "set": "a weight set (tuple patch)",
     "model_as_lora": "a model-as-LoRA diff (tuple patch)",
 }
+
+
+# ComfyUI's name of a model weight: the manifest name under its `diffusion_model.`.
+MODEL_KEY = "diffusion_model.{}.weight"
+
+
+def lora_key_map(manifest: dict[str, Any]) -> dict[str, str]:
+    """LoRA stem -> model weight key, for every linear layer of the manifest in every form."""
+    return {
+        stem: MODEL_KEY.format(layer)
+        for layer in linear_layers(manifest)
+        for stem in stems_of(layer)
+    }
+
+
+def unmapped_patches_text(source: str, model_id: str, foreign_keys: list[str]) -> str:
+    """The refusal of patches (a LoRA's, as the stock loaders map it) of which none lands on a
+    weight of the model; `source` names where they came from ("the LoRA file 'x'", a node)."""
+    forms = ", ".join(f"{prefix}<layer>" for prefix in PREFIXES)
+    what = (
+        f"its patches name {foreign_keys[0]}{', ...' if len(foreign_keys) > 1 else ''}, "
+        "no weight of this model"
+        if foreign_keys
+        else "none of its keys names a layer (ComfyUI's log lists them: 'lora key not loaded')"
+    )
+    return (
+        f"gmlx: {source} changes nothing in {model_id!r}: {what}. A LoRA's keys are read as "
+        f"{forms}, <layer> or {KOHYA_PREFIX}<layer with _ for .>, each with .lora_up/.lora_down "
+        "or .lora_B/.lora_A, where <layer> is a linear layer of the model's manifest"
+    )
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """The remote VAE (docs/contract.md §7.4, §2.12, §2.13): decode and encode on the server.
 
-Behaves like the parts of ComfyUI's `comfy.sd.VAE` that stock nodes use. Needs torch, not
-ComfyUI.
+Behaves like the parts of ComfyUI's `comfy.sd.VAE` that stock nodes use: `decode` gives RGB, as
+ComfyUI's IMAGE is; `decode_with_alpha` also gives a four-channel VAE's alpha. Each image is
+one request, sent only while ComfyUI's interrupt flag is clear; an interrupt while one is in
+flight is raised at once. The server then finishes that image (it tiles large images itself, and
+a VAE pass has no run to interrupt) and is sent no further one. Needs torch; reads ComfyUI's
+interrupt flag only when a pass runs.
 """
 
 from __future__ import annotations
@@ -11,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 from gmlx_contract.errors import StepError
-from gmlx_contract.wire import MAX_VAE_IMAGES
 
 from .connection import Connection
 from .errors import GmlxError
+from .interrupts import COMFY_INTERRUPT, InterruptFlag, call_or_interrupt
 
 
 def crop_to_stride(pixels: torch.Tensor, stride: int) -> torch.Tensor:
@@ -38,19 +42,21 @@ def match_channels(pixels: torch.Tensor, channels: int) -> torch.Tensor:
     return pixels[..., :channels]
 
 
-def chunks(batch: int, size: int = MAX_VAE_IMAGES) -> list[slice]:
-    """Slices of at most `size` images (the server's per-pass limit)."""
-    return [slice(i, min(i + size, batch)) for i in range(0, batch, size)]
-
-
 class GmlxVAE:
     """A VAE whose passes run on the server; latents are in the VAE routes' space."""
 
-    def __init__(self, conn: Connection, model_id: str, status: dict) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        model_id: str,
+        status: dict,
+        interrupt: InterruptFlag = COMFY_INTERRUPT,
+    ) -> None:
         vae = status.get("vae") or {}
         latent = status.get("latent") or {}
         self.conn = conn
         self.model_id = model_id
+        self.interrupt = interrupt
         self.latent_channels = int(latent.get("channels", 16))
         self.stride = int(vae.get("stride", 8))
         self.output_channels = int(vae.get("channels_out", 3))
@@ -76,34 +82,38 @@ class GmlxVAE:
     def get_sd(self) -> dict:
         return {}
 
+    @property
+    def has_alpha(self) -> bool:
+        return self.output_channels == 4
+
     def decode(self, samples: torch.Tensor, **_: Any) -> torch.Tensor:
-        """Latents (B, C, h, w) -> images (B, H, W, 3 or 4) float32 in [0, 1]."""
+        """Latents (B, C, h, w) -> RGB images (B, H, W, 3) float32 in [0, 1]."""
+        return self._decode(samples, alpha=False)
+
+    def decode_with_alpha(self, samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """RGB images (B, H, W, 3) and their alpha (B, H, W) in [0, 1]; None without one."""
+        if not self.has_alpha:
+            return self._decode(samples, alpha=False), None
+        rgba = self._decode(samples, alpha=True)
+        return rgba[..., :3].contiguous(), rgba[..., 3].contiguous()
+
+    def _decode(self, samples: torch.Tensor, alpha: bool) -> torch.Tensor:
         if samples.ndim == 5 and samples.shape[2] == 1:  # a single-frame video latent
             samples = samples[:, :, 0]
         latents = samples.detach().to("cpu", torch.float32).contiguous().numpy()
-        alpha = self.output_channels == 4
-        parts = [
-            self._server(
-                "decode",
-                lambda p=p: self.conn.client.vae_decode(
-                    latents[p], model=self.model_id, alpha=alpha
-                ),
-            )
-            for p in chunks(latents.shape[0])
-        ]
-        return torch.from_numpy(np.concatenate([np.array(p) for p in parts], axis=0))
+        return self._each(
+            "decode",
+            latents,
+            lambda one: self.conn.client.vae_decode(one, model=self.model_id, alpha=alpha),
+        )
 
     def encode(self, pixels: torch.Tensor, **_: Any) -> torch.Tensor:
         """Images (B, H, W, C) in [0, 1] -> latents (B, C, h, w) float32."""
         pixels = match_channels(crop_to_stride(pixels, self.stride), self.output_channels)
         images = pixels.detach().to("cpu", torch.float32).contiguous().numpy()
-        parts = [
-            self._server(
-                "encode", lambda p=p: self.conn.client.vae_encode(images[p], model=self.model_id)
-            )
-            for p in chunks(images.shape[0])
-        ]
-        return torch.from_numpy(np.concatenate([np.array(p) for p in parts], axis=0))
+        return self._each(
+            "encode", images, lambda one: self.conn.client.vae_encode(one, model=self.model_id)
+        )
 
     # Tiled calls are plain calls: the server tiles by itself (feature `tiled_vae`).
     def decode_tiled(self, samples: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -112,9 +122,15 @@ class GmlxVAE:
     def encode_tiled(self, pixels: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.encode(pixels)
 
-    def _server(self, what: str, call):
-        with self.conn.lock:
+    def _each(self, what: str, batch: np.ndarray, call) -> torch.Tensor:
+        """`call` on each image of the batch in turn, one request each, interruptible."""
+        parts = []
+        for i in range(batch.shape[0]):
             try:
-                return call()
+                part = call_or_interrupt(
+                    lambda i=i: call(batch[i : i + 1]), self.interrupt, lock=self.conn.lock
+                )
             except StepError as err:
                 raise GmlxError(f"{err} (VAE {what} of {self.model_id!r})") from err
+            parts.append(np.asarray(part, dtype=np.float32))
+        return torch.from_numpy(np.concatenate(parts, axis=0))

@@ -30,7 +30,7 @@ from gmlx_contract.errors import ContractError
 from . import openai
 from .config import ServerConfig, is_loopback_host
 from .engine.registry import ModelRegistry
-from .http_gate import ReceivedBody, body_limit, gated_server
+from .http_gate import ReceivedBody, body_limit, gated_server, log_request
 from .routes import encode, models, runs, step, uploads, vae
 from .routes.common import PREFIX, Resource, ServerContext
 from .service import StepsService
@@ -81,7 +81,8 @@ def host_header_name(host: str | None) -> str:
 
 
 class FrontGate:
-    """Access, size and JSON checks, before routing; also the request log line."""
+    """Access, size and JSON checks, before routing; also the request log line (of every request
+    that reaches the app: Waitress' own refusals are logged where they are made, in http_gate)."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -179,9 +180,8 @@ class FrontGate:
             version.check_request_version(req.get_header(version.HEADER))
 
     def process_response(self, req, resp, resource, req_succeeded: bool) -> None:
-        started = getattr(req.context, "started", None)
-        ms = (time.perf_counter() - started) * 1000.0 if started else 0.0
-        log.info("%s %s %s %.1f ms", req.method, req.path, resp.status_code, ms)
+        started = getattr(req.context, "started", None) or time.perf_counter()
+        log_request(req.method, req.path, resp.status_code, started)
 
 
 def whole_body(req: falcon.Request) -> bytes | memoryview | None:

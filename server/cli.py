@@ -1,5 +1,8 @@
 """The `gmlx` command line.
 
+Every parser is a `CommandParser`: its help shows each option's default, and a subcommand added
+with only `help=` gets that text as its description too.
+
 Subcommands are registered in two ways, so another part of the project adds one with one line:
   * `COMMANDS`: functions `register(subparsers)` (or their "module:function" paths) that add a
     parser and `set_defaults(func=...)`, where func(args) -> exit code (`serve` is one);
@@ -26,14 +29,72 @@ log = logging.getLogger("gmlx.server")
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
+    (("comfyui", "uninstall"), "gmlx_comfy.install:uninstall_main", "undo install for one ComfyUI"),
+    (("comfyui", "status"), "gmlx_comfy.install:status_main", "each recorded install's state"),
 ]
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help with each option's default, except where there is none to show (None, a
+    flag's False, an empty list): there the help text says what happens."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        default = action.default
+        if default is None or default is False or (isinstance(default, list) and not default):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class Subcommands(argparse._SubParsersAction):
+    """Subcommands whose description defaults to their one-line help."""
+
+    def add_parser(self, name: str, **kwargs):
+        if "help" in kwargs:
+            kwargs.setdefault("description", kwargs["help"])
+        return super().add_parser(name, **kwargs)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of `gmlx` and of each of its subcommands (argparse makes a subcommand's parser
+    of its parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", Subcommands)
+
+
+SERVE_HELP = "serve the image step routes and the OpenAI image routes over HTTP"
+SERVE_DESCRIPTION = (
+    f"{SERVE_HELP[0].upper()}{SERVE_HELP[1:]} (/internal/image-steps/v1/..., "
+    "/v1/images/generations, /v1/images/edits), with the models found in the configured "
+    "model_dirs (or the embedded default model). Settings come from the config file, then the "
+    "GMLX_* environment variables, then these flags; see docs/server.md."
+)
+
+
 def register_serve(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="serve the image step routes over HTTP")
-    parser.add_argument("--config", type=Path, default=None, help="TOML config file")
-    parser.add_argument("--host", default=None, help="address to listen on (127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port to listen on (8080)")
+    from .config import DEFAULT_CONFIG_PATH, ServerConfig
+
+    defaults = ServerConfig()
+    parser = subparsers.add_parser("serve", help=SERVE_HELP, description=SERVE_DESCRIPTION)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"TOML config file (default: {DEFAULT_CONFIG_PATH}, when it exists)",
+    )
+    parser.add_argument(
+        "--host",
+        default=None,
+        help=f"address to listen on, over the config file and GMLX_HOST (default: {defaults.host})",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"port to listen on, over the config file and GMLX_PORT (default: {defaults.port})",
+    )
     parser.set_defaults(func=serve)
 
 
@@ -43,11 +104,15 @@ def register_image(subparsers) -> None:
     register(subparsers)
 
 
-COMMANDS: list[Callable] = [register_serve, register_image]
+COMMANDS: list[Callable | str] = [
+    register_serve,
+    register_image,
+    "gmlx_server.discovery:register",  # `gmlx status`, `gmlx list`
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gmlx", description="gmlx image step server")
+    parser = CommandParser(prog="gmlx", description="gmlx image step server")
     parser.add_argument("--version", action="version", version=f"gmlx {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
@@ -136,6 +201,7 @@ def serve(args: argparse.Namespace) -> int:
     _fast_blas()  # before anything imports mlx
 
     from .app import build_context, create_app, make_server
+    from .kernel_compiles import CompileWatch
 
     registry, extra = config_registry(config)
     default = registry.default_model
@@ -156,7 +222,8 @@ def serve(args: argparse.Namespace) -> int:
         default or "none",
     )
     try:
-        server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
+        with CompileWatch(log.info):
+            server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
     finally:
         log.info("stopping: ending runs and letting the models go")
         ctx.service.close()
@@ -228,7 +295,7 @@ _TRIM_THRESHOLD_BYTES = 256 << 20
 
 def tune_malloc() -> bool:
     """Keep freed megabyte buffers in the process instead of returning them to the OS per
-    request (DESIGN.md: about 1,500 page faults for a 2 MiB step each way otherwise). This is
+    request (about 1,500 page faults for a 2 MiB step each way otherwise: docs/benchmarks.md). This is
     what MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would do at process start, set through
     mallopt so no re-exec is needed; variables the user set win. glibc only."""
     if not sys.platform.startswith("linux"):

@@ -34,10 +34,12 @@ from .engine.sampling import (
     DirectTransport,
     ImageRequest,
     ImageTimings,
+    SettingError,
     generate,
     to_uint8,
 )
 from .imagefiles import read_image_file
+from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
 
 SCHEMA = "gmlx.image.bench/1"
@@ -82,10 +84,41 @@ def choose_model(model: str | None, config_path: Path | None = None) -> ModelCho
         return ModelChoice(registry, folder.name, time.perf_counter() - started)
     config = load_config(config_path)
     registry, _ = config_registry(config, model)
+    if model and model not in registry.folders():
+        raise ValueError(unknown_model(model, sorted(registry.folders())))
     model_id = registry.default_model
     if not model_id:
         raise ValueError("no model named, none configured and no embedded default available")
     return ModelChoice(registry, model_id, time.perf_counter() - started)
+
+
+def unknown_model(model: str, known: list[str]) -> str:
+    """Why `--model` names nothing this command can load: which folder lacks what, or which ids
+    there are."""
+    from .engine.registry import MODEL_INDEX
+
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        if (folder.parent / MODEL_INDEX).is_file():
+            return (
+                f"{folder} is the {folder.name!r} part of the model folder {folder.parent}: "
+                "name that folder"
+            )
+        inner = sorted(d.name for d in folder.iterdir() if (d / MODEL_INDEX).is_file())
+        if inner:
+            return (
+                f"{folder} holds model folders ({', '.join(inner)}), not a model: name one of "
+                "them, or list this folder in the config's model_dirs"
+            )
+        return (
+            f"{folder} exists but is not a diffusers model folder: it has no {MODEL_INDEX}. A "
+            f"model folder holds {MODEL_INDEX} beside one folder per component (transformer/, "
+            "text_encoder/, vae/, ...); single checkpoint files are not read"
+        )
+    ids = ", ".join(known) or "none"
+    if folder.exists():
+        return f"{folder} is a file, not a model folder (model ids known here: {ids})"
+    return f"no model folder {model!r} and no model of that id (model ids known here: {ids})"
 
 
 @contextmanager
@@ -102,28 +135,66 @@ def loading_bar(model_id: str):
 
 SAMPLE_HELP = "sample one image in process and write a PNG"
 BENCH_HELP = "time whole images in process, or through the step routes (--via-steps)"
+IMAGE_HELP = "sample and bench images in process (no server needed)"
+BENCH_PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 
 
 def register(subparsers) -> None:
     """Add `image sample` and `image bench` to the `gmlx` command line (server/cli.py)."""
-    image = subparsers.add_parser("image", help="sample and bench images")
+    image = subparsers.add_parser("image", help=IMAGE_HELP)
     commands = image.add_subparsers(dest="image_command", metavar="COMMAND")
     commands.required = True
-    sample = commands.add_parser(
-        "sample", help=SAMPLE_HELP, description=SAMPLE_HELP, parents=[sample_parser(False)]
-    )
-    sample.set_defaults(func=run_sample)
-    bench = commands.add_parser(
-        "bench", help=BENCH_HELP, description=BENCH_HELP, parents=[bench_parser(False)]
-    )
-    bench.set_defaults(func=run_bench_command)
+    add_sample_arguments(commands.add_parser("sample", help=SAMPLE_HELP))
+    add_bench_arguments(commands.add_parser("bench", help=BENCH_HELP))
 
 
-def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gmlx image sample", description=SAMPLE_HELP, add_help=add_help
+def sample_parser() -> argparse.ArgumentParser:
+    from .cli import CommandParser
+
+    return add_sample_arguments(CommandParser(prog="gmlx image sample", description=SAMPLE_HELP))
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    from .cli import CommandParser
+
+    return add_bench_arguments(CommandParser(prog="gmlx image bench", description=BENCH_HELP))
+
+
+def add_sample_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--prompt", required=True, help="what to draw")
+    add_image_arguments(parser)
+    add_adapter_argument(parser)
+    parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
+    parser.add_argument(
+        "--via-steps",
+        action="store_true",
+        help="serve the step routes on a loopback port of this process and sample through them,"
+        " one request per step, as a remote client does (the same image, bit for bit)",
     )
-    parser.add_argument("--prompt", required=True)
+    parser.set_defaults(func=run_sample)
+    return parser
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--prompt", default=BENCH_PROMPT, help="what to draw")
+    add_image_arguments(parser)
+    parser.add_argument("--runs", type=int, default=2, help="timed runs")
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted")
+    parser.add_argument("--label", default=None, help="a label for the record")
+    add_adapter_argument(parser, " (refused with --via-steps: docs/contract.md §6)")
+    parser.add_argument(
+        "--via-steps",
+        action="store_true",
+        help="serve the step routes on a loopback port and sample through them",
+    )
+    parser.add_argument("--json", action="store_true", help="print the JSON record")
+    parser.add_argument("--json-out", type=Path, default=None, help="write the JSON record here")
+    parser.set_defaults(func=run_bench_command)
+    return parser
+
+
+def add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of `sample` and `bench` that describe the image and the model."""
     parser.add_argument("--negative", default=None, help="negative prompt (with --cfg above 1)")
     parser.add_argument(
         "--ref",
@@ -132,27 +203,29 @@ def sample_parser(add_help: bool = True) -> argparse.ArgumentParser:
         metavar="IMAGE",
         help="reference image for an edit (repeatable)",
     )
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=None, help="default: the model's own")
-    parser.add_argument("--cfg", type=float, default=None, help="default: the model's own")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", default="euler", choices=SAMPLERS)
-    add_adapter_argument(parser)
-    parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
+    parser.add_argument("--width", type=int, default=1024, help="image width in pixels")
+    parser.add_argument("--height", type=int, default=1024, help="image height in pixels")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="sampling steps (default: the model's own)"
+    )
+    parser.add_argument(
+        "--cfg", type=float, default=None, help="guidance scale (default: the model's own)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="noise seed")
+    parser.add_argument("--sampler", default="euler", choices=SAMPLERS, help="update rule")
     parser.add_argument(
         "--model",
         default=None,
-        help="model id or folder (default: configured, else the embedded default)",
+        help="model id or folder (default: the configured default_model, else the embedded"
+        " default model)",
     )
-    parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
     parser.add_argument(
-        "--via-steps",
-        action="store_true",
-        help="serve the step routes on a loopback port of this process and sample through them,"
-        " one request per step, as a remote client does (the same image, bit for bit)",
+        "--config",
+        type=Path,
+        default=None,
+        help="server TOML config file, for its model_dirs and model entries"
+        " (default: the config `gmlx serve` reads)",
     )
-    return parser
 
 
 def add_adapter_argument(parser: argparse.ArgumentParser, note: str = "") -> None:
@@ -174,23 +247,18 @@ def sample_main(argv: Sequence[str] | None = None) -> int:
 def run_sample(args: argparse.Namespace) -> int:
     prepare_process()
     try:
-        images = tuple(read_image_file(path) for path in args.ref)
-    except (OSError, ValueError) as exc:
+        images = read_references(args.ref)
+    except ValueError as exc:
         print(f"gmlx image sample: {exc}", file=sys.stderr)
         return EXIT_USAGE
     request = image_request(args, images)
     try:
         choice = choose_model(args.model, args.config)
-        if args.via_steps:
-            pixels, steps = sample_via_steps(choice, request, args.adapter)
-        else:
-            with loading_bar(choice.model_id) as bar:
-                bar.update()
-                loaded = choice.registry.acquire(choice.model_id)
-                bar.update()
-            transport = DirectTransport(loaded.model, table=sampling_table(loaded, args.adapter))
-            latents, timings = generate(transport, loaded.model.status(), request, progress=True)
-            pixels, steps = transport.decode(latents), len(timings.step_s)
+        with CompileWatch(note):
+            if args.via_steps:
+                pixels, steps = sample_via_steps(choice, request, args.adapter)
+            else:
+                pixels, steps = sample_direct(choice, request, args.adapter)
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
@@ -202,6 +270,26 @@ def run_sample(args: argparse.Namespace) -> int:
         f"seed {request.seed}, model {choice.model_id}{', via the step routes' if args.via_steps else ''})"
     )
     return 0
+
+
+def sample_direct(
+    choice: ModelChoice, request: ImageRequest, adapters: Sequence[AdapterSpec] = ()
+) -> tuple[np.ndarray, int]:
+    """Load the model and sample in process, with a progress bar."""
+    with loading_bar(choice.model_id) as bar:
+        bar.update()
+        loaded = choice.registry.acquire(choice.model_id)
+        bar.update()
+    transport = DirectTransport(loaded.model, table=sampling_table(loaded, adapters))
+    latents, timings = generate(transport, loaded.model.status(), request, progress=True)
+    return transport.decode(latents), len(timings.step_s)
+
+
+def note(text: str) -> None:
+    """A line for the user on stderr, above any progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(text, file=sys.stderr)
 
 
 def sample_via_steps(
@@ -231,6 +319,19 @@ def sample_via_steps(
         return direct.decode(latents), len(timings.step_s)
 
 
+def read_references(paths: Sequence[str]) -> tuple[np.ndarray, ...]:
+    """The `--ref` images; a ValueError naming the flag and the file that failed."""
+    images = []
+    for path in paths:
+        try:
+            images.append(read_image_file(path))
+        except OSError as exc:
+            raise ValueError(f"--ref {path}: cannot be read: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"--ref {path}: {exc}") from None
+    return tuple(images)
+
+
 def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> ImageRequest:
     """The request that `sample` and `bench` arguments describe, with the reference `images`."""
     return ImageRequest(
@@ -247,6 +348,8 @@ def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> I
 
 
 def _message(exc: Exception) -> str:
+    if isinstance(exc, SettingError):  # named by its flag: --steps, --width, --height
+        return exc.naming("--" + exc.setting)
     body = getattr(exc, "body", None)
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         return body["error"]
@@ -380,35 +483,6 @@ class ViaStepsTransport:
 # ---------------------------------------------------------------- gmlx image bench
 
 
-def bench_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gmlx image bench", description=BENCH_HELP, add_help=add_help
-    )
-    parser.add_argument(
-        "--via-steps",
-        action="store_true",
-        help="serve the step routes on a loopback port and sample through them",
-    )
-    parser.add_argument("--json", action="store_true", help="print the JSON record")
-    parser.add_argument("--json-out", type=Path, default=None, help="write the JSON record here")
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=None, help="default: the model's own")
-    parser.add_argument("--cfg", type=float, default=None, help="default: the model's own")
-    parser.add_argument("--runs", type=int, default=2, help="timed runs")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up runs (not counted)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampler", default="euler", choices=SAMPLERS)
-    parser.add_argument("--prompt", default="a lighthouse on a cliff at dusk, oil painting")
-    parser.add_argument("--negative", default=None)
-    parser.add_argument("--label", default=None)
-    parser.add_argument("--model", default=None, help="model id or folder")
-    parser.add_argument("--config", type=Path, default=None, help="server TOML config file")
-    parser.add_argument("--ref", action="append", default=[], metavar="IMAGE")
-    add_adapter_argument(parser, " (refused with --via-steps: docs/contract.md §6)")
-    return parser
-
-
 def bench_main(argv: Sequence[str] | None = None) -> int:
     return run_bench_command(bench_parser().parse_args(argv))
 
@@ -421,12 +495,17 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
     prepare_process()
-    request = image_request(args, tuple(read_image_file(path) for path in args.ref))
+    try:
+        request = image_request(args, read_references(args.ref))
+    except ValueError as exc:
+        print(f"gmlx image bench: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         choice = choose_model(args.model, args.config)
-        record = run_bench(
-            choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
-        )
+        with CompileWatch(note):
+            record = run_bench(
+                choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
+            )
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise

@@ -4,7 +4,8 @@ and for a model entry's configured default adapters (`[models."id"] adapters`, d
 A client of the step routes maps a LoRA file's keys onto the DiT's linear layers and defines a
 patch table (docs/contract.md §2.9, docs/lora.md); the in-process sampler does that mapping here and
 builds the table with the routes' own `service.build_table`, so a LoRA is checked and applied
-the same way in process as through the routes. Keys of the three forms found in the wild:
+the same way in process as through the routes. Keys of the three forms found in the wild (the
+naming rule is `gmlx_contract.lora_keys`, which the ComfyUI pack's key map shares):
 
     diffusers / PEFT  [transformer.]<layer>.lora_A.weight, .lora_B.weight           (no alpha)
     kohya             lora_unet_<layer, dots as underscores>.lora_down.weight, .lora_up.weight,
@@ -36,6 +37,7 @@ from typing import Any
 from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 from gmlx_contract.hashing import table_id
+from gmlx_contract.lora_keys import PEFT_PREFIX, SUFFIXES, LayerNames, linear_layers
 
 from .config import AdapterSpec, ModelSettings, parse_adapter
 from .engine.registry import LoadedModel
@@ -43,16 +45,6 @@ from .service import CachedTensor, PatchTable, build_table, hash_of, tensor_of
 
 log = logging.getLogger(__name__)
 
-SUFFIXES = {
-    ".lora_A.weight": "down",
-    ".lora_B.weight": "up",
-    ".lora_down.weight": "down",
-    ".lora_up.weight": "up",
-    ".alpha": "alpha",
-}
-PEFT_PREFIX = "base_model.model."
-PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", PEFT_PREFIX)
-KOHYA_PREFIX = "lora_unet_"
 DORA_KEY = "lora_magnitude_vector"
 # Where a diffusers/PEFT LoRA keeps its LoraConfig: diffusers' safetensors metadata entry (its
 # keys prefixed with the model part's name), or PEFT's file beside the weights.
@@ -234,15 +226,6 @@ def _pattern_value(patterns: dict | None, layer: str, default: Any) -> Any:
     return default
 
 
-def linear_layers(manifest: dict) -> list[str]:
-    """The manifest's linear weights (2-D `.weight` tensors), less `.weight`."""
-    return [
-        tensor["name"].removesuffix(".weight")
-        for tensor in manifest["tensors"]
-        if tensor["name"].endswith(".weight") and len(tensor["shape"]) == 2
-    ]
-
-
 def table_doc(
     model_id: str, loras: list[tuple[dict[str, dict[str, Any]], float]]
 ) -> tuple[dict, dict[str, CachedTensor]]:
@@ -262,8 +245,7 @@ def table_doc(
 
 def layer_parts(tensors: dict[str, CachedTensor], layers: list[str]) -> dict[str, dict[str, Any]]:
     """A LoRA file's tensors by the layer they patch: {"up", "down", "alpha" (float or None)}."""
-    kohya_names = {layer.replace(".", "_"): layer for layer in layers}
-    known = set(layers)
+    names = LayerNames(layers)
     found: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():
         suffix = next((s for s in SUFFIXES if key.endswith(s)), None)
@@ -273,8 +255,8 @@ def layer_parts(tensors: dict[str, CachedTensor], layers: list[str]) -> dict[str
             raise ValueError(
                 f"{key!r} is not a LoRA key (.lora_A/.lora_B/.lora_down/.lora_up/.alpha)"
             )
-        layer = _layer_of(key[: -len(suffix)], kohya_names)
-        if layer not in known:
+        layer = names.layer_of(key[: -len(suffix)])
+        if layer is None:
             raise ValueError(f"{key!r} names no linear layer of the model")
         side = SUFFIXES[suffix]
         if side == "alpha" and tensor.array.size != 1:
@@ -287,13 +269,3 @@ def layer_parts(tensors: dict[str, CachedTensor], layers: list[str]) -> dict[str
                 f"the LoRA has no {'up' if 'up' not in parts else 'down'} matrix for {layer}"
             )
     return found
-
-
-def _layer_of(stem: str, kohya_names: dict[str, str]) -> str:
-    if stem.startswith(KOHYA_PREFIX):
-        name = stem[len(KOHYA_PREFIX) :]
-        return kohya_names.get(name, name)
-    for prefix in PREFIXES:
-        if stem.startswith(prefix):
-            return stem[len(prefix) :]
-    return stem

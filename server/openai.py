@@ -7,23 +7,27 @@ loaded model. Every model call (each encode, each step, each decode) is its own 
 worker, so the steps of step clients and of these routes interleave in arrival order instead of
 one image holding the worker for its whole duration.
 
-Fields beyond OpenAI's, all optional: `seed` (int; default random), `steps` (int; default the
-model's own), `cfg` or `guidance` (float; default the model's own), `negative_prompt` (str),
-`sampler` ("euler" or "uni_pc_bh2"). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this
-server keeps no files). Sizes are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a
+Fields beyond OpenAI's, all optional: `seed` (int; default random, image i of `n` gets seed + i),
+`steps` (int 1-1000; default the model's own), `cfg` or `guidance` (number 0-100, cfg winning;
+default the model's own), `negative_prompt` (str), `sampler` ("euler" or "uni_pc_bh2"). A JSON
+field that is null is absent; a form field's text is read as the JSON value it stands for
+(`form_value`). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this server
+keeps no files). Sizes are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a
 generation, the first reference's size for an edit); over 2048x2048 pixels or a side over 4096
-is refused 413, as on the step routes.
+is refused 413, as on the step routes. docs/openapi.yaml describes both routes field by field.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import json
 import logging
 import re
 import secrets
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import falcon
@@ -32,7 +36,14 @@ from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 
 from .engine.base import EngineInputError
-from .engine.sampling import SAMPLERS, DirectTransport, ImageRequest, generate, to_uint8
+from .engine.sampling import (
+    SAMPLERS,
+    DirectTransport,
+    ImageRequest,
+    SettingError,
+    generate,
+    to_uint8,
+)
 from .imagefiles import decode_image_file
 
 log = logging.getLogger("gmlx.server")
@@ -43,8 +54,20 @@ MAX_IMAGES_PER_REQUEST = 10  # OpenAI's bound on n
 MAX_REFERENCES = 10
 DEFAULT_SIZE = (1024, 1024)
 SIZE_MULTIPLE = 16
+MAX_STEPS = 1000
+MAX_SEED = 2**63 - 1
+MAX_GUIDANCE = 100
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
-SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
+RESPONSE_FORMATS = ("b64_json", "url")
+SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # whole value; docs/openapi.yaml says so too
+# Form fields (multipart edits) that are numbers in a JSON body.
+FORM_NUMBERS = {"n": int, "seed": int, "steps": int, "cfg": float, "guidance": float}
+# A sampling setting the model refuses, as a refusal names it: (its words, the request field).
+SETTING_FIELDS = {
+    "steps": ("steps", "steps"),
+    "width": ("the width in size", "size"),
+    "height": ("the height in size", "size"),
+}
 
 
 class OpenAIError(Exception):
@@ -90,17 +113,10 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
     if value is None or value == "auto":
         width, height = default
     else:
-        match = SIZE_RE.match(value) if isinstance(value, str) else None
+        match = SIZE_RE.fullmatch(value) if isinstance(value, str) else None
         if match is None:
             raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' or 'auto', not {value!r}", "size")
         width, height = int(match.group(1)), int(match.group(2))
-    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
-        raise OpenAIError(
-            413,
-            f"size {width}x{height} is over the limit of 2048x2048 pixels or {wire.MAX_SIDE} "
-            "pixels a side",
-            "size",
-        )
     if (
         width < SIZE_MULTIPLE
         or height < SIZE_MULTIPLE
@@ -115,28 +131,35 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
     return width, height
 
 
+def check_size_limit(width: int, height: int) -> None:
+    """413 for a size over the step routes' pixel limits (checked after every field's form, so
+    a request with a malformed field is answered 400 whatever its size)."""
+    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
+        raise OpenAIError(
+            413,
+            f"size {width}x{height} is over the limit of 2048x2048 pixels or {wire.MAX_SIDE} "
+            "pixels a side",
+            "size",
+        )
+
+
 def _int(fields: dict, name: str, default: int | None, low: int, high: int) -> int | None:
     value = fields.get(name)
-    if value is None or value == "":
+    if value is None:
         return default
-    if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise OpenAIError(400, f"{name} must be an integer from {low} to {high}", name)
     return value
 
 
 def _float(fields: dict, name: str) -> float | None:
     value = fields.get(name)
-    if value is None or value == "":
+    if value is None:
         return None
-    try:
-        number = float(value) if not isinstance(value, bool) else None
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not np.isfinite(number) or not 0.0 <= number <= 100.0:
-        raise OpenAIError(400, f"{name} must be a number from 0 to 100", name)
-    return number
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 <= value <= MAX_GUIDANCE:  # NaN compares False
+        raise OpenAIError(400, f"{name} must be a number from 0 to {MAX_GUIDANCE}", name)
+    return float(value)
 
 
 def _text(fields: dict, name: str, required: bool = False) -> str | None:
@@ -148,42 +171,63 @@ def _text(fields: dict, name: str, required: bool = False) -> str | None:
     return value
 
 
-def parse_job(fields: dict, default_size: tuple[int, int]) -> tuple[ImageRequest, int, str]:
-    """(the request of the first image, the number of images, the output format)."""
-    response_format = fields.get("response_format") or "b64_json"
-    if response_format == "url":
+def _choice(fields: dict, name: str, choices: Any, default: str) -> str:
+    value = fields.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, str) or value not in choices:
+        raise OpenAIError(400, f"{name} must be one of {', '.join(choices)}", name)
+    return value
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a request asks for: `count` images like `request` (seeds counting up from its seed)
+    in `output_format`, of `model` (None: the default model)."""
+
+    request: ImageRequest
+    count: int
+    output_format: str
+    model: str | None
+
+
+def parse_job(fields: dict, default_size: tuple[int, int]) -> Job:
+    """The job of a request's fields: JSON values (a form's are converted first, `form_value`;
+    null is the same as absent). A size over the limit is refused last."""
+    model = model_field(fields)
+    if fields.get("response_format") == "url":
         raise OpenAIError(
             400,
             "response_format 'url' is not served: this server keeps no image files; use 'b64_json'",
             "response_format",
         )
-    if response_format != "b64_json":
-        raise OpenAIError(400, "response_format must be 'b64_json'", "response_format")
-    output_format = fields.get("output_format") or "png"
-    if output_format not in OUTPUT_FORMATS:
-        raise OpenAIError(
-            400, f"output_format must be one of {', '.join(OUTPUT_FORMATS)}", "output_format"
-        )
-    sampler = fields.get("sampler") or "euler"
-    if sampler not in SAMPLERS:
-        raise OpenAIError(400, f"sampler must be one of {', '.join(SAMPLERS)}", "sampler")
-    guidance = _float(fields, "cfg")
-    if guidance is None:
-        guidance = _float(fields, "guidance")
+    _choice(fields, "response_format", RESPONSE_FORMATS, "b64_json")
+    output_format = _choice(fields, "output_format", OUTPUT_FORMATS, "png")
+    sampler = _choice(fields, "sampler", SAMPLERS, "euler")
+    cfg, guidance = _float(fields, "cfg"), _float(fields, "guidance")
     width, height = parse_size(fields.get("size"), default_size)
-    seed = _int(fields, "seed", None, 0, 2**63 - 1)
+    seed = _int(fields, "seed", None, 0, MAX_SEED)
     request = ImageRequest(
         prompt=_text(fields, "prompt", required=True),
         negative=_text(fields, "negative_prompt"),
         width=width,
         height=height,
         seed=secrets.randbelow(2**31) if seed is None else seed,
-        steps=_int(fields, "steps", None, 1, 1000),
-        cfg=guidance,
+        steps=_int(fields, "steps", None, 1, MAX_STEPS),
+        cfg=guidance if cfg is None else cfg,
         sampler=sampler,
     )
-    count = _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST)
-    return request, count, output_format
+    job = Job(request, _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST), output_format, model)
+    check_size_limit(width, height)
+    return job
+
+
+def model_field(fields: dict) -> str | None:
+    """The model asked for: None, "" (both: the default model) or a model id."""
+    model = fields.get("model")
+    if model is not None and not isinstance(model, str):
+        raise OpenAIError(400, "model must be a string (a model id)", "model")
+    return model or None
 
 
 # ---------------------------------------------------------------- the work
@@ -197,25 +241,22 @@ class ImageRoute:
     def service(self):
         return self.ctx.service
 
-    def answer(
-        self,
-        resp: falcon.Response,
-        model: Any,
-        request: ImageRequest,
-        count: int,
-        output_format: str,
-    ) -> None:
+    def answer(self, resp: falcon.Response, job: Job) -> None:
         try:
-            loaded = self.service.acquire(model or None)
+            loaded = self.service.acquire(job.model)
         except ContractError as exc:
             raise OpenAIError(exc.status, exc.message, "model") from None
+        request = job.request
         try:
             images = [
-                self.one_image(loaded, _with_seed(request, request.seed + i), output_format)
-                for i in range(count)
+                self.one_image(loaded, replace(request, seed=request.seed + i), job.output_format)
+                for i in range(job.count)
             ]
         except ContractError as exc:
             raise OpenAIError(exc.status, exc.message) from None
+        except SettingError as exc:
+            name, field = SETTING_FIELDS.get(exc.setting, (exc.setting, exc.setting))
+            raise OpenAIError(400, exc.naming(name), field) from None
         except ValueError as exc:  # engine input errors and sampler refusals are the client's
             raise OpenAIError(400, str(exc) or type(exc).__name__) from None
         finally:
@@ -244,12 +285,6 @@ class ImageRoute:
         return encode_image(pixels, output_format)
 
 
-def _with_seed(request: ImageRequest, seed: int) -> ImageRequest:
-    from dataclasses import replace
-
-    return replace(request, seed=seed)
-
-
 def encode_image(pixels: np.ndarray, output_format: str) -> str:
     from PIL import Image
 
@@ -260,9 +295,7 @@ def encode_image(pixels: np.ndarray, output_format: str) -> str:
 
 class Generations(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        fields = json_fields(req)
-        request, count, output_format = parse_job(fields, DEFAULT_SIZE)
-        self.answer(resp, fields.get("model"), request, count, output_format)
+        self.answer(resp, parse_job(json_fields(req), DEFAULT_SIZE))
 
 
 class Edits(ImageRoute):
@@ -278,19 +311,21 @@ class Edits(ImageRoute):
             raise OpenAIError(400, f"at most {MAX_REFERENCES} reference images", "image")
         if fields.get("mask") is not None:
             raise OpenAIError(400, "masks are not supported; send the image(s) only", "mask")
-        request, count, output_format = parse_job(fields, edit_size(images[0]))
-        from dataclasses import replace
-
-        request = replace(request, images=tuple(images))
-        self.answer(resp, fields.get("model"), request, count, output_format)
+        job = parse_job(fields, edit_size(images[0]))
+        self.answer(resp, replace(job, request=replace(job.request, images=tuple(images))))
 
 
 def edit_size(image: np.ndarray) -> tuple[int, int]:
     """The 'auto' size of an edit: the first reference's, down to multiples of 16 and within
-    the pixel limit (else the default size)."""
+    the pixel limits (else the default size)."""
     height, width = image.shape[:2]
     width, height = width - width % SIZE_MULTIPLE, height - height % SIZE_MULTIPLE
-    if width < SIZE_MULTIPLE or height < SIZE_MULTIPLE or width * height > wire.MAX_PIXELS:
+    if (
+        width < SIZE_MULTIPLE
+        or height < SIZE_MULTIPLE
+        or width * height > wire.MAX_PIXELS
+        or max(width, height) > wire.MAX_SIDE
+    ):
         return DEFAULT_SIZE
     return width, height
 
@@ -314,47 +349,50 @@ def json_fields(req: falcon.Request) -> dict:
 
 
 def json_images(fields: dict) -> list[np.ndarray]:
-    """References of a JSON edit: `image` or `images`, each a base64 string, a base64 data URI,
-    or an object with `image_url` (data URI) or `b64_json`. Remote URLs are refused."""
-    values = fields.get("images", fields.get("image"))
+    """References of a JSON edit: `images` or else `image`, one or a list, each a base64 string,
+    a base64 data URI, or an object with `image_url` (data URI) or `b64_json`. Remote URLs are
+    refused."""
+    field = "images" if "images" in fields else "image"
+    values = fields.get(field)
     if values is None:
         return []
     if not isinstance(values, list):
         values = [values]
-    return [_decode(i, _base64_of(i, value)) for i, value in enumerate(values)]
+    return [_decode(field, i, _base64_of(field, i, value)) for i, value in enumerate(values)]
 
 
-def _base64_of(index: int, value: Any) -> str:
+def _base64_of(field: str, index: int, value: Any) -> str:
     if isinstance(value, dict):
         value = value.get("b64_json") or value.get("image_url")
         if isinstance(value, dict):
             value = value.get("url")
     if not isinstance(value, str):
-        raise OpenAIError(400, f"image {index} must be base64 text or a data URI", "image")
+        raise OpenAIError(400, f"{field}[{index}] must be base64 text or a data URI", field)
     if value.startswith("data:"):
         head, _, data = value.partition(",")
         if not head.endswith(";base64"):
-            raise OpenAIError(400, f"image {index}: only base64 data URIs are read", "image")
+            raise OpenAIError(400, f"{field}[{index}]: only base64 data URIs are read", field)
         return data
     if value.startswith(("http://", "https://")):
-        raise OpenAIError(400, f"image {index}: remote URLs are not fetched; send base64", "image")
+        raise OpenAIError(400, f"{field}[{index}]: remote URLs are not fetched; send base64", field)
     return value
 
 
-def _decode(index: int, text: str) -> np.ndarray:
-    from .routes.encode import decode_image
-
+def _decode(field: str, index: int, text: str) -> np.ndarray:
     try:
-        return decode_image(index, text.strip())
-    except ContractError as exc:
-        raise OpenAIError(400, exc.message.replace("images[", "image["), "image") from None
+        data = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise OpenAIError(
+            400, f"{field}[{index}] is not standard base64 (nor a base64 data URI)", field
+        ) from None
+    return _decode_file(field, index, data)
 
 
-def _decode_file(index: int, data: bytes) -> np.ndarray:
+def _decode_file(field: str, index: int, data: bytes) -> np.ndarray:
     try:
         return decode_image_file(data)
     except EngineInputError as exc:
-        raise OpenAIError(400, f"image[{index}]: {exc}", "image") from None
+        raise OpenAIError(400, f"{field}[{index}]: {exc}", field) from None
 
 
 def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
@@ -370,11 +408,25 @@ def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
             name = part.name or ""
             if name in ("image", "image[]", "images", "images[]"):
                 data = part.stream.read()
-                images.append(_decode_file(len(images), data))
+                images.append(_decode_file("image", len(images), data))
             elif name == "mask":
                 fields["mask"] = True
             else:
-                fields[name] = part.text
+                fields[name] = form_value(name, part.text)
     except falcon.HTTPError as exc:  # malformed multipart (Falcon's MediaMalformedError etc.)
         raise OpenAIError(400, f"the multipart body could not be read: {exc.title}") from None
     return fields, images
+
+
+def form_value(name: str, text: str) -> Any:
+    """A form field as the JSON value it stands for: numbers parsed, "" absent (None)."""
+    if text == "":
+        return None
+    kind = FORM_NUMBERS.get(name)
+    if kind is None:
+        return text
+    try:
+        return kind(text.strip())
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise OpenAIError(400, f"{name} must be {what}, not {text[:40]!r}", name) from None

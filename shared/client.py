@@ -28,9 +28,11 @@ from urllib3.util.retry import Retry
 
 from .errors import (
     ContractMismatch,
+    NoAnswer,
     NotGmlxServer,
     StepError,
     WireError,
+    no_answer_reason,
     parse_json_or_none,
 )
 from .hashing import canonical_json, table_id, tensor_hash
@@ -120,6 +122,9 @@ class StepClient:
         adapter = HTTPAdapter(max_retries=retry)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
+        # A health probe that cannot connect has its answer (nothing listens): no retry, and
+        # none of urllib3's "Retrying" warnings while a caller polls a server that is starting.
+        self.session.mount(self.base_url + "/health", HTTPAdapter(max_retries=0))
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         # Hashes of tensors the server is believed to hold (uploads and encode answers).
@@ -160,6 +165,7 @@ class StepClient:
         timeout: float | None = None,
     ) -> Reply:
         url = self.base_url + (f"{PREFIX}/{path}" if routed else path)
+        timeout = self.timeout if timeout is None else timeout
         headers = {}
         if versioned:
             headers[HEADER] = HEADER_VALUE
@@ -172,14 +178,22 @@ class StepClient:
                 data=data,
                 headers=headers,
                 params=params,
-                timeout=self.timeout if timeout is None else timeout,
+                timeout=timeout,
                 stream=True,
             )
             # One read of the whole body; finishing it returns the connection to the pool.
             body = response.raw.read(decode_content=True) or b""
         except (requests.RequestException, urllib3.exceptions.HTTPError) as error:
-            raise StepError(f"gmlx: {method} {path} to {self.base_url} failed: {error}") from error
+            raise self._no_answer(method, path, error, timeout) from error
         return Reply(response.status_code, response.headers, body)
+
+    def _no_answer(self, method: str, path: str, error: BaseException, timeout: float) -> NoAnswer:
+        reason = no_answer_reason(error, timeout)
+        return NoAnswer(
+            f"gmlx: {method} {path} got no answer from the gmlx server at {self.base_url} "
+            f"({reason}); check that it runs there (`gmlx serve` starts one)",
+            reason,
+        )
 
     def _call(self, method: str, path: str, **kwargs: Any) -> Reply:
         """A request whose success is 200; anything else raises StepError."""
@@ -188,10 +202,9 @@ class StepClient:
             raise self._refusal(method, path, reply)
         return reply
 
-    @staticmethod
-    def _refusal(method: str, path: str, reply: Reply) -> StepError:
+    def _refusal(self, method: str, path: str, reply: Reply) -> StepError:
         return StepError.from_response(
-            f"{method} {path}", reply.status, reply.body, HINTS.get(reply.status)
+            f"{method} {path} at {self.base_url}", reply.status, reply.body, HINTS.get(reply.status)
         )
 
     def _json(self, method: str, path: str, doc: Any = None, **kwargs: Any) -> Any:
@@ -201,13 +214,12 @@ class StepClient:
         reply = self._call(method, path, **kwargs)
         return self._parse_json(method, path, reply)
 
-    @staticmethod
-    def _parse_json(method: str, path: str, reply: Reply) -> Any:
+    def _parse_json(self, method: str, path: str, reply: Reply) -> Any:
         parsed = parse_json_or_none(reply.body)
         if parsed is None:
             raise StepError(
-                f"gmlx: {method} {path} answered status {reply.status} with a body that is not "
-                f"JSON: {reply.body[:300]!r}",
+                f"gmlx: {method} {path} at {self.base_url} answered status {reply.status} with "
+                f"a body that is not JSON: {reply.body[:300]!r}",
                 status=reply.status,
             )
         return parsed
@@ -218,19 +230,19 @@ class StepClient:
         reply = self._call("POST", path, data=_write(tensors, fields), content_type=CONTAINER_TYPE)
         return self._parse_container("POST", path, reply)
 
-    @staticmethod
-    def _parse_container(method: str, path: str, reply: Reply) -> Container:
+    def _parse_container(self, method: str, path: str, reply: Reply) -> Container:
         content_type = reply.headers.get("Content-Type")
         if not is_container_type(content_type):
             raise StepError(
-                f"gmlx: {method} {path} answered {content_type!r} instead of {CONTAINER_TYPE}",
+                f"gmlx: {method} {path} at {self.base_url} answered {content_type!r} instead "
+                f"of {CONTAINER_TYPE}",
                 status=reply.status,
             )
         try:
             return read_container(reply.body)
         except WireError as error:
             raise StepError(
-                f"gmlx: {method} {path} answered a malformed container: {error}",
+                f"gmlx: {method} {path} at {self.base_url} answered a malformed container: {error}",
                 status=reply.status,
             ) from error
 
@@ -275,25 +287,29 @@ class StepClient:
     def _handshake_health(self) -> None:
         try:
             reply = self._health()
-        except StepError as error:
-            raise NotGmlxServer(
-                f"gmlx: no gmlx server answers at {self.base_url}: {error}"
-            ) from error
+        except NoAnswer as error:
+            raise NotGmlxServer(self.base_url, error.reason) from error
         if reply.status in HINTS:
             raise self._refusal("GET", "/health", reply)
         if reply.status != 200:
             raise NotGmlxServer(
-                f"gmlx: {self.base_url}/health answered status {reply.status}, not 200: "
-                "not a gmlx image server",
+                self.base_url,
+                f"GET /health answered status {reply.status}: not a gmlx image server",
                 status=reply.status,
             )
 
     def _handshake_capabilities(self) -> dict[str, Any]:
-        reply = self._request("GET", "capabilities", versioned=False, timeout=CAPABILITIES_TIMEOUT)
+        try:
+            reply = self._request(
+                "GET", "capabilities", versioned=False, timeout=CAPABILITIES_TIMEOUT
+            )
+        except NoAnswer as error:
+            raise NotGmlxServer(self.base_url, f"GET capabilities: {error.reason}") from error
         if reply.status == 404:
             raise NotGmlxServer(
-                f"gmlx: {self.base_url} has no {PREFIX}/capabilities (404): "
-                "not a gmlx image server, or its step API is switched off",
+                self.base_url,
+                f"GET {PREFIX}/capabilities answered 404: not a gmlx image server, or one "
+                "with server.image.steps_api off",
                 status=404,
             )
         if reply.status != 200:
@@ -301,14 +317,16 @@ class StepClient:
         caps = parse_json_or_none(reply.body)
         if not isinstance(caps, dict):
             raise NotGmlxServer(
-                f"gmlx: {self.base_url} capabilities are not a JSON object: not a gmlx image server",
+                self.base_url,
+                "its capabilities are not a JSON object: not a gmlx image server",
                 status=200,
             )
         for key in ("contract", "min_client"):
             if key in caps and _version_pair(caps[key]) is None:
                 raise NotGmlxServer(
-                    f"gmlx: {self.base_url} capabilities member {key!r} is not an object of "
-                    f"integers major and minor: not a gmlx image server",
+                    self.base_url,
+                    f"its capabilities member {key!r} is not an object of integers major and "
+                    "minor: not a gmlx image server",
                     status=200,
                 )
         return caps
@@ -430,7 +448,9 @@ class StepClient:
         answer = self._json("PUT", path, data=body, content_type=CONTAINER_TYPE)
         digest = path.rsplit("/", 1)[1]
         if not isinstance(answer, dict) or answer.get("hash") != digest:
-            raise StepError(f"gmlx: PUT {path} answered {answer!r} instead of its hash")
+            raise StepError(
+                f"gmlx: PUT {path} at {self.base_url} answered {answer!r} instead of its hash"
+            )
         return digest
 
     # ------------------------------------------------------------ patch tables (docs/contract.md §2.9)
@@ -457,7 +477,9 @@ class StepClient:
             raise self._refusal("PUT", path, reply)
         answer = self._parse_json("PUT", path, reply)
         if not isinstance(answer, dict) or answer.get("id") != digest:
-            raise StepError(f"gmlx: PUT {path} answered {answer!r} instead of its id")
+            raise StepError(
+                f"gmlx: PUT {path} at {self.base_url} answered {answer!r} instead of its id"
+            )
         return digest
 
     def _upload_missing_adapters(
@@ -556,7 +578,7 @@ class StepClient:
         try:
             answer = link.post(f"{self._base_path}{PREFIX}/step", headers, pieces)
         except OSError as error:
-            raise StepError(f"gmlx: POST step to {self.base_url} failed: {error}") from error
+            raise self._no_answer("POST", "step", error, self.timeout) from error
         body = answer.body
         if not is_container_type(answer.headers.get("Content-Type")):
             body = bytes(body)  # JSON refusals are parsed as bytes

@@ -10,6 +10,8 @@ Client side: `StepError` is what a caller of the step routes sees; its text star
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 # How much of a body that is not JSON an error message quotes (docs/contract.md §7.8).
@@ -74,8 +76,26 @@ class StepError(Exception):
         return cls(message, status=status, body=parsed)
 
 
+class NoAnswer(StepError):
+    """A request that got no HTTP answer: nothing listens, the connection broke, or it timed
+    out. `reason` says which in a few words (`no_answer_reason`)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class NotGmlxServer(StepError):
-    """The address answers, or does not, but not as a gmlx image step server."""
+    """The address answers, or does not, but not as a gmlx image step server.
+
+    `url` and `reason` (a few words: "connection refused", "GET /health answered status 404")
+    let a caller that tried several addresses name each in one sentence.
+    """
+
+    def __init__(self, url: str, reason: str, status: int | None = None) -> None:
+        super().__init__(f"gmlx: no gmlx server answers at {url} ({reason})", status=status)
+        self.url = url
+        self.reason = reason
 
 
 class ContractMismatch(StepError):
@@ -102,3 +122,34 @@ def error_text(parsed: Any, body: bytes) -> str:
         if isinstance(parsed.get("detail"), str):
             return parsed["detail"]
     return bytes(body[:QUOTED_BODY_BYTES]).decode("utf-8", errors="replace")
+
+
+def no_answer_reason(error: BaseException, timeout: float) -> str:
+    """Why a request got no answer, in a few words, from the exception requests, urllib3 or
+    the socket raised: "connection refused", "no answer within 2 s", "the host name 'x' does
+    not resolve", or else the innermost error's text (not the whole chain of wrappers)."""
+    chain = list(_causes(error))
+    if any(isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ for e in chain):
+        return f"no answer within {timeout:g} s"
+    for cause in chain:
+        if isinstance(cause, socket.gaierror):
+            return f"its host name does not resolve ({cause.strerror})"
+    for cause in reversed(chain):
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror[:1].lower() + cause.strerror[1:]
+    innermost = chain[-1]
+    return str(innermost) or type(innermost).__name__
+
+
+def _causes(error: BaseException | None) -> Iterator[BaseException]:
+    """The error, then what it wraps: urllib3's `reason`, a wrapped first argument (requests'
+    ConnectionError), else the exception it was raised from."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        inner = getattr(error, "reason", None)
+        if not isinstance(inner, BaseException):
+            first = error.args[0] if error.args else None
+            inner = first if isinstance(first, BaseException) else None
+        error = inner or error.__cause__ or error.__context__

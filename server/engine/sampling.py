@@ -7,7 +7,7 @@ the direct one calls `ImageModel.denoise_step` in process, and the via-steps one
 arrays and rows to `POST step` over HTTP (`gmlx_contract.client.StepClient.step`). Both see the
 same batch composition (x duplicated, the cond row then the uncond row) and this module does every
 piece of arithmetic between the calls in numpy float32, so the two paths give bit-identical final
-latents (DESIGN.md, "Equal to direct").
+latents (docs/contract.md §6, tests/sampling/test_equal_to_direct.py).
 
 Noise is ComfyUI's: `noise.comfy_noise(seed, (1, C, H / stride, W / stride))`, what torch's CPU
 `randn` gives after `manual_seed(seed)`, in the DiT's model latent space, so that ComfyUI's stock
@@ -52,6 +52,19 @@ class Guidance:
         return [self.cond, self.uncond] if self.guided else [self.cond]
 
 
+class SettingError(ValueError):
+    """An `ImageRequest` setting the model cannot take. `setting` is the field it is about;
+    `text` says what is wrong with `{name}` in place of the setting's name, so that each caller
+    names it as its user sent it (`naming`: the command line's flag, an HTTP route's field)."""
+
+    def __init__(self, setting: str, text: str) -> None:
+        super().__init__(text.format(name=setting))
+        self.setting, self.text = setting, text
+
+    def naming(self, name: str) -> str:
+        return self.text.format(name=name)
+
+
 def initial_noise(seed: int, channels: int, latent_height: int, latent_width: int) -> np.ndarray:
     """The starting latents (1, C, h, w), float32, in model space: ComfyUI's noise for the seed
     (its `prepare_noise` on a LATENT of this shape)."""
@@ -76,15 +89,19 @@ def resolve_sigmas(
     fixed = sampling.get("sigmas")
     if fixed:
         sigmas = np.asarray(fixed, dtype=np.float32)
-        if steps not in (None, 0, len(sigmas) - 1):
-            raise ValueError(
-                f"this model samples with its fixed {len(sigmas) - 1}-step schedule; "
-                f"leave --steps out or set it to {len(sigmas) - 1}"
+        count = len(sigmas) - 1
+        if steps not in (None, 0, count):
+            raise SettingError(
+                "steps",
+                f"this model samples with its fixed {count}-step schedule; "
+                f"leave {{name}} out or set it to {count}",
             )
         return sigmas
+    if steps is not None and steps < 0:
+        raise SettingError("steps", "{name} must be at least 1")
     steps = steps or int(sampling.get("steps") or 0)
     if steps < 1:
-        raise ValueError("give a step count of at least 1")
+        raise SettingError("steps", "this model has no step count of its own; give {name}")
     rule = sampling.get("schedule")
     if rule:
         from gmlx_server.engine import schedules
@@ -307,9 +324,11 @@ def generate(
 
 def check_image_size(width: int, height: int, stride: int) -> None:
     """Sides must be positive multiples of the latent stride (the model has no padding)."""
-    for name, side in (("width", width), ("height", height)):
+    for setting, side in (("width", width), ("height", height)):
         if side < stride or side % stride:
-            raise ValueError(f"{name} {side} must be a positive multiple of {stride}")
+            raise SettingError(
+                setting, f"{{name}} must be a positive multiple of {stride}, not {side}"
+            )
 
 
 # ---------------------------------------------------------------- the direct transport

@@ -51,9 +51,8 @@ class VaeDecode(Resource):
             self.service.worker.call(
                 self.service.memory.check_vae, loaded, h * stride, w * stride, True
             )
-            if (
-                alpha and loaded.facts.vae_channels_out != 4
-            ):  # after the plan (docs/contract.md §2.12)
+            # alpha is checked after the plan (docs/contract.md §2.12)
+            if alpha and loaded.facts.vae_channels_out != 4:
                 raise ContractError(400, f"{loaded.entry.family}'s VAE has no alpha channel")
             images = [
                 self.service.on_model(loaded, lambda m, z=z: m.vae_decode(z, alpha))

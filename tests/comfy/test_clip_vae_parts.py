@@ -6,7 +6,7 @@ import torch
 from gmlx_comfy.clip import image_to_u8, prompt_text
 from gmlx_comfy.families import latent_normalisation
 from gmlx_comfy.nodes import reference_size
-from gmlx_comfy.vae import chunks, crop_to_stride, match_channels
+from gmlx_comfy.vae import crop_to_stride, match_channels
 
 
 def test_images_become_rgb_uint8_by_clamp_scale_round():
@@ -34,10 +34,6 @@ def test_match_channels_pads_alpha_with_one():
     rgba = match_channels(rgb, 4)
     assert rgba.shape[-1] == 4 and torch.all(rgba[..., 3] == 1.0)
     assert torch.equal(match_channels(rgba, 3), rgb)
-
-
-def test_vae_chunks_respect_the_limit():
-    assert chunks(33) == [slice(0, 16), slice(16, 32), slice(32, 33)]
 
 
 @pytest.mark.parametrize(

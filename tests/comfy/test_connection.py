@@ -1,10 +1,24 @@
-"""Connection.ensure_adapters: each adapter matrix goes through StepClient.ensure_adapter once."""
+"""The pack's connection (comfy_nodes/connection.py): adapters go up once per connection; the
+handshake's candidates and texts; `start_server` starting a real `gmlx serve`; the loaders'
+model list."""
+
+import json
+import logging
+import socket
+import sys
+import time
 
 import numpy as np
 import pytest
+from gmlx_comfy import connection
 from gmlx_comfy.connection import Connection
 from gmlx_comfy.errors import GmlxError
+from gmlx_comfy.settings import DEFAULT_BASE_URL, Settings
+from gmlx_contract.client import StepClient
+from gmlx_contract.errors import NotGmlxServer
 from gmlx_contract.hashing import tensor_hash
+
+from ..contract.stepserver import FakeStepServer, json_answer
 
 
 class RecordingClient:
@@ -47,3 +61,209 @@ def test_an_adapter_named_by_the_wrong_hash_is_refused_and_not_held():
     assert conn.adapters_held == set()
     conn.ensure_adapters({digest: array})
     assert conn.adapters_held == {digest}
+
+
+# ---------------------------------------------------------------- connecting and starting
+
+
+def _free_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    """No gmlx settings or server configuration of this machine's user takes part."""
+    for name in ("GMLX_BASE_URL", "GMLX_API_KEY", "GMLX_DEFAULT_IMAGE_MODEL", "GMLX_COMMAND"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("GMLX_HOST", "GMLX_PORT", "GMLX_MODEL_DIRS", "GMLX_DEFAULT_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("GMLX_COMFY_SETTINGS", str(tmp_path / "comfyui.json"))
+    connection._discovery.clear()
+    yield tmp_path
+    connection.stop_started_servers()
+    connection._discovery.clear()
+
+
+GMLX = [sys.executable, "-m", "gmlx_server"]
+
+
+def _settings(tmp_path, *, command=GMLX, base_url="") -> Settings:
+    return Settings(
+        base_url=base_url,
+        api_key=None,
+        default_model="",
+        path=tmp_path / "comfyui.json",
+        command=tuple(command),
+    )
+
+
+def test_nothing_answering_is_one_sentence_naming_each_address(isolated):
+    url = _free_url()
+    with pytest.raises(GmlxError) as caught:
+        connection.connect(url, start_server=False, settings=_settings(isolated))
+    assert str(caught.value) == (
+        f"gmlx: no gmlx server answers at {url} (connection refused); start one with "
+        "`gmlx serve`, or switch on start_server"
+    )
+
+
+def test_default_url_tries_the_configured_server_then_the_default(isolated, monkeypatch):
+    seen, discoveries = [], []
+
+    def refused(url, key, failures):
+        seen.append(url)
+        failures.append(NotGmlxServer(url, "connection refused"))
+
+    monkeypatch.setattr(connection, "_try", refused)
+    configured = _free_url()
+    monkeypatch.setattr(Settings, "discover_url", lambda self: discoveries.append(1) or configured)
+    for _ in range(2):  # two loaders of one prompt: `gmlx status` runs once
+        with pytest.raises(GmlxError) as caught:
+            connection.connect("", start_server=False, settings=_settings(isolated))
+    assert seen == [configured, DEFAULT_BASE_URL] * 2 and len(discoveries) == 1
+    assert f"at {configured} (connection refused) or at {DEFAULT_BASE_URL}" in str(caught.value)
+
+
+def test_start_server_serves_at_a_custom_url_logs_to_a_file_and_stops(
+    isolated, monkeypatch, caplog
+):
+    """A real `gmlx serve`, started for a server_url on a port of its own."""
+    monkeypatch.setenv("GMLX_DEFAULT_MODEL", "none-configured")  # no embedded model to make
+    url = _free_url()
+    settings = _settings(isolated)
+    with caplog.at_level(logging.DEBUG):
+        conn = connection.connect(url, start_server=True, settings=settings)
+    assert conn.url == url and conn.capabilities["contract"]["major"] == 1
+    (server,) = connection._started.values()
+    assert server.command == [*GMLX, "serve", "--host", "127.0.0.1", "--port", url.rsplit(":")[-1]]
+    waiting = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert len(waiting) == 1 and str(settings.server_log) in waiting[0]
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+    assert "serving on " + url in settings.server_log.read_text()
+    # A second loader finds it answering and starts nothing.
+    assert connection.connect(url, start_server=True, settings=settings) is conn
+    connection.stop_started_servers()
+    assert server.process.poll() is not None and not StepClient(url).health()
+
+
+def test_a_started_server_that_exits_is_reported_at_once_with_its_log(isolated):
+    script = isolated / "fails.py"
+    script.write_text("import sys\nprint('listen failed: port taken')\nsys.exit(3)\n")
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    url = _free_url()
+    started = time.monotonic()
+    with pytest.raises(GmlxError) as caught:
+        connection.connect(url, start_server=True, settings=settings)
+    assert time.monotonic() - started < 30
+    text = str(caught.value)
+    assert text.startswith(f"gmlx: `{sys.executable} {script} serve --host 127.0.0.1 --port ")
+    assert f"exited with status 3 before answering at {url}" in text
+    assert text.endswith(f"the end of its log {settings.server_log}: listen failed: port taken")
+    assert text.count("gmlx:") == 1
+
+
+def test_a_started_server_that_never_answers_is_given_up_on_and_reused(isolated, monkeypatch):
+    script = isolated / "silent.py"
+    script.write_text("import time\nprint('loading', flush=True)\ntime.sleep(60)\n")
+    monkeypatch.setattr(connection, "START_WAIT_S", 1.0)
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    url = _free_url()
+    for _ in range(2):  # the second loader waits on the same process
+        with pytest.raises(GmlxError) as caught:
+            connection.connect(url, start_server=True, settings=settings)
+        assert f"did not answer at {url} within 1 s and still runs" in str(caught.value)
+        assert str(caught.value).endswith(": loading")
+    assert settings.server_log.read_text().count("---- ") == 1
+    (server,) = connection._started.values()
+    connection.stop_started_servers()
+    assert server.process.poll() is not None
+
+
+def test_no_gmlx_command_says_where_it_looked(isolated, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(isolated / "nowhere" / "python"))
+    monkeypatch.setenv("PATH", str(isolated / "empty"))
+    settings = _settings(isolated, command=())
+    assert settings.gmlx_command() is None
+    with pytest.raises(GmlxError) as caught:
+        connection.connect(_free_url(), start_server=True, settings=settings)
+    text = str(caught.value)
+    assert "no `gmlx` command was found to start one" in text
+    assert str(isolated / "nowhere") in text and "gmlx_command" in text
+
+
+def test_a_configured_command_that_cannot_run_is_named(isolated):
+    missing = isolated / "no-such-gmlx"
+    with pytest.raises(GmlxError) as caught:
+        connection.connect(
+            _free_url(), start_server=True, settings=_settings(isolated, command=[str(missing)])
+        )
+    text = str(caught.value)
+    assert f"`{missing} serve --host 127.0.0.1 --port " in text
+    assert "cannot run to start one (No such file or directory)" in text and "gmlx_command" in text
+
+
+def test_start_server_refuses_an_address_it_cannot_serve(isolated):
+    with pytest.raises(GmlxError, match="only at a plain http://host:port address"):
+        connection.connect(
+            "https://127.0.0.1:1/base", start_server=True, settings=_settings(isolated)
+        )
+
+
+# ---------------------------------------------------------------- the loaders' model list
+
+
+def _serving(models: list[str], default: str) -> FakeStepServer:
+    server = FakeStepServer().start()
+    answer = {"models": [{"model": m} for m in models], "default_model": default}
+    server.overrides[("GET", "models")] = json_answer(200, answer)
+    return server
+
+
+def test_model_list_is_the_configuration_then_the_server_then_what_it_listed_last(isolated):
+    settings = _settings(isolated, base_url=_free_url())
+    # Server down, nothing remembered: what the configuration names (the embedded default).
+    assert connection.ModelList().names(settings) == ["qwen-image21-random-tiny"]
+    server = _serving(["a", "b"], default="b")
+    try:
+        up = _settings(isolated, base_url=server.url)
+        assert connection.ModelList().names(up) == ["b", "a"]  # the server's default first
+    finally:
+        server.stop()
+    assert connection.ModelList().names(up) == ["b", "a"]  # remembered in the settings file
+    assert json.loads(up.path.read_text())["models_seen"] == {
+        "url": server.url,
+        "models": ["b", "a"],
+    }
+
+
+def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):
+    server = _serving(["a"], default="a")
+    try:
+        conn = connection.connect(server.url, start_server=False, settings=_settings(isolated))
+        conn.require_model("a")
+        with pytest.raises(GmlxError) as caught:
+            conn.require_model("z")
+    finally:
+        server.stop()
+    text = str(caught.value)
+    assert text.startswith(f"gmlx: the server at {server.url} has no image model 'z' (it lists a)")
+    assert "model_dirs" in text and "pull" not in text
+
+
+def test_the_configured_server_is_started_as_configured(isolated, monkeypatch):
+    """With no explicit URL, `gmlx serve` gets no --host/--port: it serves where its
+    configuration says, which is the URL `gmlx status` reported and the wait polls."""
+    script = isolated / "argv.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:])\nsys.exit(1)\n")
+    configured = _free_url()
+    monkeypatch.setattr(Settings, "discover_url", lambda self: configured)
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    with pytest.raises(GmlxError) as caught:
+        connection.connect("", start_server=True, settings=settings)
+    text = str(caught.value)
+    assert f"`{sys.executable} {script} serve` exited with status 1" in text
+    assert f"before answering at {configured};" in text and text.endswith("argv ['serve']")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -489,3 +491,383 @@ def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
 
     quick = _workflow("text_to_image", gmlx_server["model"])
     _run(comfyui, quick)
+
+
+# ---------------------------------------------------------------- no server yet: list and start
+
+
+@pytest.fixture
+def comfyui_alone(workdir, gmlx_server, comfyui):
+    """A second ComfyUI, pointed at a port where nothing listens, with the `gmlx` command to
+    start a server there (`gmlx_server` has generated the embedded default model; `comfyui`
+    has written the stand-in modules to workdir/stub)."""
+    from gmlx_comfy.install import link_pack
+
+    base = workdir / "alone"
+    for sub in ("custom_nodes", "input", "output"):
+        (base / sub).mkdir(parents=True)
+    link_pack(base / "custom_nodes")
+    stub = workdir / "stub"
+    gmlx_url = f"http://127.0.0.1:{_free_port()}"
+    settings = base / "comfyui.json"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("GMLX_")},
+        "GMLX_SITE": os.environ.get("GMLX_SITE", ""),
+        "GMLX_BASE_URL": gmlx_url,
+        "GMLX_COMFY_SETTINGS": str(settings),
+        "GMLX_COMMAND": shlex.join([sys.executable, "-m", "gmlx_server"]),
+        "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
+    }
+    port = _free_port()
+    log_path = base / "comfyui.log"
+    log = open(log_path, "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu"]
+        + ["--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch"]
+        + ["--base-directory", str(base)],
+        cwd=Path(os.environ["COMFYUI_DIR"]).resolve(),
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(url + "/object_info/GmlxModelLoader", proc)
+        yield {"url": url, "base": base, "log": log_path, "proc": proc, "gmlx_url": gmlx_url}
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_it(
+    comfyui_alone, gmlx_server
+):
+    comfy, gmlx_url = comfyui_alone, comfyui_alone["gmlx_url"]
+    info = _json(comfy["url"] + "/object_info/GmlxModelLoader")["GmlxModelLoader"]
+    assert info["input"]["required"]["model_name"][0] == [gmlx_server["model"]]
+
+    workflow = {
+        "1": {
+            "class_type": "GmlxServerStatus",
+            "inputs": {"model_name": gmlx_server["model"], "server_url": "", "start_server": True},
+        }
+    }
+    entry = _run(comfy, workflow)
+    (text,) = entry["outputs"]["1"]["text"]
+    assert text.startswith(f"server {gmlx_url}: gmlx ")
+    server_log = (comfy["base"] / "server.log").read_text()
+    assert f"serve --host 127.0.0.1 --port {gmlx_url.rsplit(':', 1)[1]}" in server_log
+    comfy_log = comfy["log"].read_text()
+    assert comfy_log.count("waiting up to") == 1 and "Retrying" not in comfy_log
+    seen = json.loads((comfy["base"] / "comfyui.json").read_text())["models_seen"]
+    assert seen == {"url": gmlx_url, "models": [gmlx_server["model"]]}
+
+    # Ctrl-C stops ComfyUI, and ComfyUI stops the server it started.
+    comfy["proc"].send_signal(signal.SIGINT)
+    comfy["proc"].wait(60)
+    deadline = time.monotonic() + 30
+    while _answers(gmlx_url) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _answers(gmlx_url)
+
+
+# ---------------------------------------------------------------- the pack's model and VAE
+
+PACK_PROMPT = "a paper boat on a pond"
+LORA_FORM_STRENGTH = 0.7
+# vae/decode of two 512² images: one takes seconds on the tiny model here (~10 s loaded).
+VAE_INTERRUPT_SIZE = 512
+VAE_LINE = re.compile(r"POST \S*/vae/decode (\d{3}) ([0-9.]+) ms")
+LEAK_WORDS = ("Potential memory leak detected with model", "memory leak with model")
+
+
+def _loaders(model: str, start_server: bool = True) -> dict:
+    inputs = {"model_name": model, "server_url": "", "start_server": start_server}
+    return {
+        "1": {"class_type": "GmlxModelLoader", "inputs": dict(inputs)},
+        "2": {"class_type": "GmlxCLIPLoader", "inputs": dict(inputs)},
+        "3": {"class_type": "GmlxVAELoader", "inputs": dict(inputs)},
+    }
+
+
+def _pack_prompt(model: str, seed: int, steps: int = 4, start_server: bool = True) -> dict:
+    """Loaders, gmlx Empty Latent (SIZE²), stock KSampler (euler, simple, cfg 1), SaveLatent,
+    stock VAEDecode and SaveImage."""
+    return {
+        **_loaders(model, start_server),
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": PACK_PROMPT}},
+        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["2", 0], "text": ""}},
+        "6": {
+            "class_type": "GmlxEmptyLatent",
+            "inputs": {"vae": ["3", 0], "width": SIZE, "height": SIZE, "batch_size": 1},
+        },
+        "11": {
+            "class_type": "KSampler",
+            "inputs": {
+                "model": ["1", 0],
+                "positive": ["4", 0],
+                "negative": ["5", 0],
+                "latent_image": ["6", 0],
+                "seed": seed,
+                "steps": steps,
+                "cfg": 1.0,
+                "sampler_name": "euler",
+                "scheduler": "simple",
+                "denoise": 1.0,
+            },
+        },
+        "12": {"class_type": "VAEDecode", "inputs": {"samples": ["11", 0], "vae": ["3", 0]}},
+        "13": {
+            "class_type": "SaveImage",
+            "inputs": {"images": ["12", 0], "filename_prefix": "e2e/pack"},
+        },
+        "90": {
+            "class_type": "SaveLatent",
+            "inputs": {"samples": ["11", 0], "filename_prefix": "latents/pack"},
+        },
+    }
+
+
+def _with_lora(wf: dict, name: str, node: str = "LoraLoaderModelOnly") -> dict:
+    inputs = {"model": ["1", 0], "lora_name": name, "strength_model": LORA_FORM_STRENGTH}
+    if node == "LoraLoader":
+        inputs.update(clip=["2", 0], strength_clip=1.0)
+    wf["30"] = {"class_type": node, "inputs": inputs}
+    wf["11"]["inputs"]["model"] = ["30", 0]
+    return wf
+
+
+def _failure(comfy: dict, workflow: dict) -> str:
+    """The exception message of a prompt that must fail."""
+    entry = _wait_done(comfy, _queue(comfy, workflow))
+    assert entry["status"]["status_str"] == "error", json.dumps(entry["status"])[-2000:]
+    errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    return errors[0]["exception_message"]
+
+
+class _LogSlice:
+    """What a log file gained while the block ran."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.start = self.path.stat().st_size
+        return self
+
+    def __exit__(self, *exc):
+        with open(self.path, "rb") as log:
+            log.seek(self.start)
+            self.text = log.read().decode("utf-8", "replace")
+
+
+def _lora_files(engine, folder: Path) -> dict[str, Path]:
+    """One random LoRA in every key form the server's `--adapter` loader reads (tests/lora/forms.py
+    writes the diffusers, kohya and ComfyUI forms; PEFT's comes with its adapter_config.json, at
+    lora_alpha = r so that its scale is ComfyUI's 1; bare names; `model.diffusion_model.`)."""
+    from safetensors.numpy import save_file
+
+    from tests.lora.forms import random_lora, write_form
+
+    shapes = {t["name"][: -len(".weight")]: t["shape"] for t in engine.manifest()["tensors"]}
+    lora = random_lora(shapes, seed=3, rank=2, alpha=1.0)
+    bare = random_lora(shapes, seed=3, rank=2, alpha=None)
+    diffusers = write_form(bare, "diffusers")
+    states = {
+        "diffusers": diffusers,
+        "kohya": write_form(lora, "kohya"),
+        "comfy": write_form(lora, "comfy"),
+        "peft": {
+            k.replace("transformer.", "base_model.model.", 1): v for k, v in diffusers.items()
+        },
+        "bare": {k.removeprefix("transformer."): v for k, v in diffusers.items()},
+        "model": {"model." + k: v for k, v in write_form(lora, "comfy").items()},
+    }
+    paths = {}
+    for form, state in states.items():
+        (folder / form).mkdir(parents=True, exist_ok=True)
+        paths[form] = (
+            folder / form / ("adapter_model.safetensors" if form == "peft" else "lora.safetensors")
+        )
+        save_file(state, paths[form])
+    (folder / "peft" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2}))
+    return paths
+
+
+def _server_table(engine, path: Path):
+    """The table the server's own loader (`gmlx image sample --adapter`) builds from the file."""
+    from types import SimpleNamespace
+
+    from gmlx_server.config import parse_adapter
+    from gmlx_server.lora_files import adapter_table
+
+    loaded = SimpleNamespace(model_id=engine.model_id, model=engine)
+    return adapter_table(loaded, [parse_adapter(f"{path}:{LORA_FORM_STRENGTH}")])
+
+
+@pytest.mark.parametrize("form", ["diffusers", "kohya", "comfy", "peft", "bare", "model"])
+def test_lora_in_every_key_form_applies_as_the_server_loader_does(
+    comfyui, gmlx_server, engine, form
+):
+    """LoraLoaderModelOnly with the same LoRA in each form: every key loads, and the latents are
+    the engine's under the table `--adapter` builds from the same file."""
+    seed, steps = 6, 4
+    path = _lora_files(engine, comfyui["base"] / "models" / "loras")[form]
+    name = str(path.relative_to(comfyui["base"] / "models" / "loras"))
+    wf = _with_lora(_pack_prompt(gmlx_server["model"], seed, steps), name)
+    with _LogSlice(comfyui["log"]) as log:
+        got = _latent(comfyui, _run(comfyui, wf))
+    assert "lora key not loaded" not in log.text and "NOT LOADED" not in log.text, log.text
+    sigmas = comfy_simple_sigmas(steps)
+    want = direct_sample(engine, PACK_PROMPT, seed, sigmas, _server_table(engine, path))
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, direct_sample(engine, PACK_PROMPT, seed, sigmas)) > 1000 * LATENT_RTOL
+
+
+def test_lora_loader_with_clip_reads_the_diffusers_form(comfyui, gmlx_server, engine):
+    seed, steps = 6, 4
+    path = _lora_files(engine, comfyui["base"] / "models" / "loras")["diffusers"]
+    wf = _with_lora(
+        _pack_prompt(gmlx_server["model"], seed, steps), "diffusers/lora.safetensors", "LoraLoader"
+    )
+    got = _latent(comfyui, _run(comfyui, wf))
+    want = direct_sample(
+        engine, PACK_PROMPT, seed, comfy_simple_sigmas(steps), _server_table(engine, path)
+    )
+    assert _rel(got, want) <= LATENT_RTOL
+
+
+def test_a_lora_that_maps_onto_nothing_is_an_error_naming_the_file(comfyui, gmlx_server):
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    stem = "transformer.transformer_blocks.99.attn.to_q"  # a block past the last
+    state = {
+        f"{stem}.lora_A.weight": rng.standard_normal((2, 8)).astype(np.float32),
+        f"{stem}.lora_B.weight": rng.standard_normal((8, 2)).astype(np.float32),
+    }
+    save_file(state, comfyui["base"] / "models" / "loras" / "other_model.safetensors")
+    wf = _with_lora(_pack_prompt(gmlx_server["model"], 1, 1), "other_model.safetensors")
+    message = _failure(comfyui, wf)
+    assert "'other_model.safetensors'" in message and "changes nothing" in message
+
+
+def _stock_latent_carries_its_stride() -> bool:
+    """Whether this ComfyUI's empty latents say their stride (`downscale_ratio_spacial`)."""
+    sample = Path(os.environ["COMFYUI_DIR"]) / "comfy" / "sample.py"
+    return "downscale_ratio_spacial" in sample.read_text()
+
+
+@pytest.mark.parametrize("node", ["EmptyLatentImage", "EmptySD3LatentImage"])
+def test_stock_empty_latents_give_the_size_asked_for_or_name_the_node(comfyui, gmlx_server, node):
+    seed = 8
+    wf = _pack_prompt(gmlx_server["model"], seed, steps=2)
+    wf["6"] = {"class_type": node, "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}}
+    if not _stock_latent_carries_its_stride():  # ComfyUI 0.3.64
+        assert "gmlx Empty Latent" in _failure(comfyui, wf)
+        return
+    entry = _run(comfyui, wf)
+    (image,) = _output_files(comfyui, entry, "images")
+    assert _rgb(image).shape == (SIZE, SIZE, 3)
+    gmlx_latent = _latent(comfyui, _run(comfyui, _pack_prompt(gmlx_server["model"], seed, 2)))
+    assert np.array_equal(_latent(comfyui, entry), gmlx_latent)
+
+
+def test_gmlx_empty_latent_says_when_it_rounds(comfyui, gmlx_server):
+    wf = _pack_prompt(gmlx_server["model"], 2, steps=1)
+    wf["6"]["inputs"].update(width=SIZE + 8, height=SIZE // 2 + 7)
+    with _LogSlice(comfyui["log"]) as log:
+        entry = _run(comfyui, wf)
+    (note,) = entry["outputs"]["6"]["text"]
+    assert f"rounded down to {SIZE}×{SIZE // 2}" in note and note in log.text
+    (image,) = _output_files(comfyui, entry, "images")
+    assert _rgb(image).shape == (SIZE // 2, SIZE, 3)
+
+
+def test_images_are_rgb_and_alpha_comes_as_a_mask(comfyui, gmlx_server, engine):
+    """Stock VAEDecode + SaveImage writes RGB; gmlx VAE Decode gives the same RGB and
+    mask = 1 - alpha (LoadImage's convention), checked against the engine's own decode."""
+    from PIL import Image
+
+    wf = _pack_prompt(gmlx_server["model"], 9, steps=2)
+    wf["14"] = {"class_type": "GmlxVAEDecode", "inputs": {"samples": ["11", 0], "vae": ["3", 0]}}
+    wf["15"] = {"class_type": "MaskToImage", "inputs": {"mask": ["14", 1]}}
+    for node, source, prefix in (("16", "14", "e2e/rgb"), ("17", "15", "e2e/mask")):
+        wf[node] = {
+            "class_type": "SaveImage",
+            "inputs": {"images": [source, 0], "filename_prefix": prefix},
+        }
+    entry = _run(comfyui, wf)
+    stock, rgb, mask = (
+        _output_files(comfyui, {"outputs": {n: entry["outputs"][n]}}, "images")[0]
+        for n in ("13", "16", "17")
+    )
+    assert Image.open(stock).mode == "RGB" and Image.open(rgb).mode == "RGB"
+    assert np.array_equal(_rgb(stock), _rgb(rgb))
+    alpha = engine.vae_decode(_latent(comfyui, entry)[0], True)[..., 3]
+    assert np.abs(alpha - (1.0 - alpha)).mean() > 0.05  # the test tells alpha from 1 - alpha
+    got = _rgb(mask)[..., 0] / 255.0
+    assert np.abs(got - (1.0 - alpha)).max() <= 1.0 / 255.0 + 1e-6
+
+
+def _decodes_logged(log: Path) -> list[float]:
+    return [float(m[2]) for m in VAE_LINE.finditer(log.read_text())]
+
+
+def test_vae_decode_stops_at_an_interrupt(comfyui, gmlx_server):
+    """Interrupted in the first of two 512² decodes: ComfyUI reports it at once, and the second
+    image is never sent (the server finishes the one in flight)."""
+    side = VAE_INTERRUPT_SIZE
+    wf = {
+        **_loaders(gmlx_server["model"]),
+        "6": {
+            "class_type": "GmlxEmptyLatent",
+            "inputs": {"vae": ["3", 0], "width": side, "height": side + 16, "batch_size": 2},
+        },
+        "12": {"class_type": "VAEDecode", "inputs": {"samples": ["6", 0], "vae": ["3", 0]}},
+        "13": {"class_type": "PreviewImage", "inputs": {"images": ["12", 0]}},
+    }
+    before = len(_decodes_logged(gmlx_server["log"]))
+    prompt_id = _queue(comfyui, wf)
+    deadline = time.monotonic() + PROMPT_TIMEOUT_S
+    while not _json(comfyui["url"] + "/queue")["queue_running"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(2.0)  # the loaders and the latent take milliseconds: a decode is in flight
+    assert len(_decodes_logged(gmlx_server["log"])) == before
+    interrupted_at = time.time()
+    urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
+    entry = _wait_done(comfyui, prompt_id, poll_s=0.05)
+
+    assert entry["status"]["status_str"] != "success"
+    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
+    latency_ms = stamps["execution_interrupted"] - interrupted_at * 1000.0
+    assert latency_ms < 500.0, latency_ms
+
+    while len(_decodes_logged(gmlx_server["log"])) == before:  # the image in flight ends
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    decode_ms = _decodes_logged(gmlx_server["log"])[-1]
+    assert decode_ms > 2000.0  # it really was in flight when the interrupt came
+    time.sleep(1.5 * decode_ms / 1000.0)
+    assert len(_decodes_logged(gmlx_server["log"])) == before + 1  # the second never went
+    _run(comfyui, _pack_prompt(gmlx_server["model"], 1, steps=1))
+
+
+def test_rerunning_the_loaders_frees_the_old_model(comfyui, gmlx_server):
+    """Three prompts whose loaders run afresh each time (their inputs change): ComfyUI's model
+    management finds no model outliving its patcher (comfy.model_management.cleanup_models_gc
+    logs that as a potential memory leak)."""
+    with _LogSlice(comfyui["log"]) as log:
+        for start_server in (True, False, True):
+            _run(comfyui, _pack_prompt(gmlx_server["model"], 1, 1, start_server=start_server))
+    assert not [word for word in LEAK_WORDS if word in log.text], log.text[-3000:]

@@ -1,16 +1,19 @@
-"""`gmlx comfyui install --comfy DIR` (comfy_nodes/install.py)."""
+"""`gmlx comfyui install|uninstall|status` (comfy_nodes/install.py)."""
 
 import json
 import os
 import subprocess
+import sys
+import venv
+from pathlib import Path
 
 import pytest
 from gmlx_comfy import install
 from gmlx_comfy.errors import GmlxError
 
 
-def _comfy(tmp_path):
-    root = tmp_path / "ComfyUI"
+def _comfy(tmp_path, name="ComfyUI"):
+    root = tmp_path / name
     (root / "comfy").mkdir(parents=True)
     (root / "main.py").write_text("")
     return root
@@ -40,10 +43,11 @@ def test_links_the_pack_and_pip_installs_into_comfy_python(tmp_path):
         [str(venv_python), "-m", "pip", "install", "-e", str(install.PACK_DIR.parent)]
     ]
     assert result.python == venv_python and not result.replaced_link
-    recorded = json.loads((tmp_path / "s.json").read_text())["installed"]
-    assert recorded["link"] == str(link)
-    # running it again keeps the link
+    (recorded,) = json.loads((tmp_path / "s.json").read_text())["installs"]
+    assert recorded == {"comfy_dir": str(root), "link": str(link), "python": str(venv_python)}
+    # running it again keeps the link and the one record
     assert not install.install(root, run=run, environ=env).replaced_link
+    assert len(install.recorded_installs(env)) == 1
 
 
 def test_replaces_a_stale_link_but_never_a_folder(tmp_path):
@@ -75,3 +79,114 @@ def test_refuses_a_folder_that_is_not_comfyui_and_a_failed_pip(tmp_path):
 
 def test_pip_target_without_a_source_tree(tmp_path):
     assert install.pip_target(tmp_path / "pack", "0.1.0") == "gmlx-steps==0.1.0"
+
+
+def _env(tmp_path):
+    return {"GMLX_COMFY_SETTINGS": str(tmp_path / "s.json")}
+
+
+def _two_installs(tmp_path):
+    env = _env(tmp_path)
+    first, second = _comfy(tmp_path, "first"), _comfy(tmp_path, "second")
+    install.install(first, python=tmp_path / "py1", run=Recorder(), environ=env)
+    install.install(second, python=tmp_path / "py2", run=Recorder(), environ=env)
+    return env, first, second
+
+
+def test_every_install_is_kept(tmp_path):
+    env, first, second = _two_installs(tmp_path)
+    assert [i.comfy_dir for i in install.recorded_installs(env)] == [first, second]
+    install.install(first, python=tmp_path / "py3", run=Recorder(), environ=env)  # again
+    assert [(i.comfy_dir, i.python.name) for i in install.recorded_installs(env)] == [
+        (second, "py2"),
+        (first, "py3"),
+    ]
+
+
+def test_an_older_single_record_counts_as_one_install(tmp_path):
+    env = _env(tmp_path)
+    old = {"comfy_dir": "/c", "link": "/c/custom_nodes/gmlx_steps", "python": "/c/venv/bin/python"}
+    (tmp_path / "s.json").write_text(json.dumps({"installed": old, "base_url": "http://a:1"}))
+    (found,) = install.recorded_installs(env)
+    assert found.comfy_dir.as_posix() == "/c"
+    install.install(_comfy(tmp_path), python=tmp_path / "py", run=Recorder(), environ=env)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert "installed" not in doc and len(doc["installs"]) == 2
+    assert doc["base_url"] == "http://a:1"
+
+
+def test_uninstall_removes_one_link_and_its_record_and_leaves_the_pip_install(tmp_path):
+    env, first, second = _two_installs(tmp_path)
+    run = Recorder()
+    result = install.uninstall(first, run=run, environ=env)
+    assert result.removed_link and result.pip_command is None and run.calls == []
+    assert not os.path.lexists(first / "custom_nodes" / "gmlx_steps")
+    assert (second / "custom_nodes" / "gmlx_steps").is_symlink()
+    assert [i.comfy_dir for i in install.recorded_installs(env)] == [second]
+    with pytest.raises(GmlxError, match=f"no install into {first} is recorded"):
+        install.uninstall(first, run=run, environ=env)
+
+
+def test_uninstall_with_pip_removes_the_distribution_where_that_is_safe(tmp_path):
+    env, first, second = _two_installs(tmp_path)
+    run = Recorder()
+    result = install.uninstall(first, pip=True, run=run, environ=env)
+    assert run.calls == [[str(tmp_path / "py1"), "-m", "pip", "uninstall", "--yes", "gmlx-steps"]]
+    assert result.pip_command == run.calls[0]
+    shared = _comfy(tmp_path, "shared")
+    install.install(shared, python=tmp_path / "py2", run=Recorder(), environ=env)
+    with pytest.raises(GmlxError, match="also serves the install in"):
+        install.uninstall(shared, pip=True, run=run, environ=env)
+    mine = _comfy(tmp_path, "mine")
+    install.install(mine, python=Path(sys.executable), run=Recorder(), environ=env)
+    with pytest.raises(GmlxError, match="the Python running this command"):
+        install.uninstall(mine, pip=True, run=run, environ=env)
+    assert (mine / "custom_nodes" / "gmlx_steps").is_symlink()  # a refusal changes nothing
+
+
+def test_uninstall_never_removes_a_real_folder(tmp_path):
+    env, first, _ = _two_installs(tmp_path)
+    link = first / "custom_nodes" / "gmlx_steps"
+    link.unlink()
+    link.mkdir()
+    with pytest.raises(GmlxError, match="is not a link"):
+        install.uninstall(first, environ=env)
+    assert link.is_dir()
+
+
+def test_status_reports_link_python_and_whether_the_pack_imports(tmp_path):
+    env = _env(tmp_path)
+    here, bare, gone = _comfy(tmp_path, "here"), _comfy(tmp_path, "bare"), _comfy(tmp_path, "gone")
+    venv.create(tmp_path / "bare-venv", with_pip=False)
+    bare_python = tmp_path / "bare-venv" / "bin" / "python"
+    install.install(here, python=Path(sys.executable), run=Recorder(), environ=env)
+    install.install(bare, python=bare_python, run=Recorder(), environ=env)
+    install.install(gone, python=tmp_path / "no-python", run=Recorder(), environ=env)
+    (gone / "custom_nodes" / "gmlx_steps").unlink()
+    lines = install.install_status(env)
+    link = "custom_nodes/gmlx_steps"
+    assert lines == [
+        f"{here}: link {here / link} linked; Python {sys.executable}: imports from "
+        f"{install.PACK_DIR}",
+        f"{bare}: link {bare / link} linked; Python {bare_python}: does not import "
+        "(ModuleNotFoundError: No module named 'gmlx_comfy')",
+        f"{gone}: link {gone / link} missing; Python {tmp_path / 'no-python'}: Python not found",
+    ]
+
+
+def test_the_gmlx_commands_uninstall_and_status(tmp_path, monkeypatch, capsys):
+    from gmlx_server import cli
+
+    monkeypatch.setenv("GMLX_COMFY_SETTINGS", str(tmp_path / "s.json"))
+    assert cli.main(["comfyui", "status"]) == 0
+    assert capsys.readouterr().out == f"no install recorded in {tmp_path / 's.json'}\n"
+    root = _comfy(tmp_path)
+    install.install(root, python=tmp_path / "py", run=Recorder())
+    assert cli.main(["comfyui", "status"]) == 0
+    assert capsys.readouterr().out.startswith(f"{root}: link ")
+    assert cli.main(["comfyui", "uninstall", "--comfy", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {root / 'custom_nodes' / 'gmlx_steps'}" in out
+    assert f"gmlx-steps stays installed in {tmp_path / 'py'}" in out and "--pip" in out
+    assert cli.main(["comfyui", "uninstall", "--comfy", str(root)]) == 2
+    assert "no install into" in capsys.readouterr().err

@@ -11,8 +11,9 @@ def _env(tmp_path, **extra):
 
 def test_defaults_without_anything(tmp_path):
     got = s.load_settings(_env(tmp_path))
-    assert got.base_url == "" and got.api_key is None and got.default_model == "z-image-turbo"
-    assert got.candidate_urls("", discover=lambda: "") == ["http://127.0.0.1:8080"]
+    # No default model of its own: the loaders put the server's default first.
+    assert got.base_url == "" and got.api_key is None and got.default_model == ""
+    assert s.candidate_urls(got.explicit_url(""), "") == ["http://127.0.0.1:8080"]
 
 
 def test_priority_env_over_file(tmp_path):
@@ -44,13 +45,15 @@ def test_priority_env_over_file(tmp_path):
 
 def test_widget_url_wins_and_is_the_only_candidate(tmp_path):
     got = s.load_settings(_env(tmp_path, GMLX_BASE_URL="http://env:2"))
-    assert got.candidate_urls("host:9/", discover=lambda: "http://x:1") == ["http://host:9"]
-    assert got.candidate_urls("", discover=lambda: "http://x:1") == ["http://env:2"]
+    assert got.explicit_url("host:9/") == "http://host:9"
+    assert s.candidate_urls(got.explicit_url("host:9/"), "http://x:1") == ["http://host:9"]
+    assert s.candidate_urls(got.explicit_url(""), "http://x:1") == ["http://env:2"]
 
 
 def test_default_url_tries_discovered_first(tmp_path):
     got = s.load_settings(_env(tmp_path))
-    urls = got.candidate_urls("http://127.0.0.1:8080/", discover=lambda: "http://127.0.0.1:9000")
+    assert got.explicit_url("http://127.0.0.1:8080/") == ""  # the default is not explicit
+    urls = s.candidate_urls("", "http://127.0.0.1:9000")
     assert urls == ["http://127.0.0.1:9000", "http://127.0.0.1:8080"]
 
 
@@ -88,3 +91,47 @@ def test_model_names_default_first():
     assert s.model_names_from_answer(answer) == ["b", "a"]
     assert s.model_names_from_answer([{"id": "c"}, "d", "c"]) == ["c", "d"]
     assert s.model_names_from_answer({"models": "junk"}) == []
+
+
+def test_the_gmlx_command_is_the_configured_one_else_beside_python_else_on_path(
+    tmp_path, monkeypatch
+):
+    configured = s.load_settings(_env(tmp_path, GMLX_COMMAND="/opt/gmlx/bin/gmlx --flag 'a b'"))
+    assert configured.gmlx_command() == ["/opt/gmlx/bin/gmlx", "--flag", "a b"]
+    (tmp_path / "comfyui.json").write_text(json.dumps({"gmlx_command": ["/x/gmlx"]}))
+    assert s.load_settings(_env(tmp_path)).gmlx_command() == ["/x/gmlx"]
+    (tmp_path / "comfyui.json").unlink()
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    monkeypatch.setattr(s.sys, "executable", str(venv / "python"))
+    on_path = tmp_path / "path"
+    on_path.mkdir()
+    (on_path / "gmlx").write_text("#!/bin/sh\n")
+    (on_path / "gmlx").chmod(0o755)
+    monkeypatch.setenv("PATH", str(on_path))
+    found = s.load_settings(_env(tmp_path))
+    assert found.gmlx_command() == [str(on_path / "gmlx")]
+    (venv / "gmlx").write_text("")
+    assert found.gmlx_command() == [str(venv / "gmlx")]  # ComfyUI's own environment first
+    # To serve, the PATH one comes first where this Python lacks the server's packages.
+    monkeypatch.setattr(s, "server_installed_here", lambda: False)
+    assert found.gmlx_command(serve=True) == [str(on_path / "gmlx")]
+    monkeypatch.setattr(s, "server_installed_here", lambda: True)
+    assert found.gmlx_command(serve=True) == [str(venv / "gmlx")]
+
+
+def test_server_packages_are_looked_up_in_this_python(monkeypatch):
+    assert s.server_installed_here()  # the dev install carries the server extra
+    monkeypatch.setattr(s, "SERVER_MODULES", (*s.SERVER_MODULES, "no_such_module_anywhere"))
+    assert not s.server_installed_here()
+
+
+def test_remembered_models_and_the_server_log_live_beside_the_settings(tmp_path):
+    got = s.load_settings(_env(tmp_path))
+    assert got.remembered_models() == [] and got.server_log == tmp_path / "server.log"
+    got.remember_models("http://a:1", ["b", "a"])
+    before = (tmp_path / "comfyui.json").stat().st_mtime_ns
+    got.remember_models("http://a:1", ["b", "a"])  # unchanged: not written again
+    assert (tmp_path / "comfyui.json").stat().st_mtime_ns == before
+    assert got.remembered_models() == ["b", "a"]
+    assert [p.name for p in tmp_path.iterdir()] == ["comfyui.json"]  # no temporary left

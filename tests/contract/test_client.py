@@ -59,10 +59,42 @@ def test_handshake_with_nothing_listening_is_not_a_gmlx_server():
         StepClient(free_port_url()).handshake()
 
 
+def test_nothing_listening_is_one_sentence_without_retry_noise(caplog):
+    url = free_port_url()
+    with caplog.at_level("DEBUG", logger="urllib3"), pytest.raises(NotGmlxServer) as caught:
+        StepClient(url).handshake()
+    assert str(caught.value) == f"gmlx: no gmlx server answers at {url} (connection refused)"
+    assert caught.value.reason == "connection refused"
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+def test_a_call_that_gets_no_answer_names_route_server_reason_and_remedy():
+    url = free_port_url()
+    with pytest.raises(StepError) as caught:
+        StepClient(url).models()
+    text = str(caught.value)
+    assert text == (
+        f"gmlx: GET models got no answer from the gmlx server at {url} (connection refused); "
+        "check that it runs there (`gmlx serve` starts one)"
+    )
+
+
+def test_refusals_name_the_server(server):
+    with StepClient(server.url, api_key="wrong") as wrong, pytest.raises(StepError) as caught:
+        wrong.models()
+    text = str(caught.value)
+    assert text.startswith(f"gmlx: GET models at {server.url} failed with status 401: ")
+    assert text.count("gmlx:") == 1 and "GMLX_API_KEY" in text
+
+
 def test_health_not_200_is_not_a_gmlx_server(server, client):
     server.overrides[("GET", "/health")] = json_answer(404, {"detail": "Not Found"})
-    with pytest.raises(NotGmlxServer, match="404"):
+    with pytest.raises(NotGmlxServer) as caught:
         client.handshake()
+    assert str(caught.value) == (
+        f"gmlx: no gmlx server answers at {server.url} (GET /health answered status 404: "
+        "not a gmlx image server)"
+    )
     assert client.health() is False
 
 
@@ -424,3 +456,45 @@ def test_step_goes_through_requests_when_a_proxy_or_tls_applies(monkeypatch):
     untrusting = StepClient("http://192.0.2.1:8080")
     untrusting.session.proxies = {"http": "http://proxy.invalid:3128"}
     assert untrusting._step_link() is None
+
+
+# ---------------------------------------------------------------- error texts: one sentence each
+
+
+def _text_of(call) -> str:
+    with pytest.raises(StepError) as caught:
+        call()
+    text = str(caught.value)
+    assert text.count("gmlx:") == 1 and "Pool(" not in text and "object at 0x" not in text
+    return text
+
+
+def test_handshake_error_texts_name_the_server_and_what_to_do(server, client):
+    with StepClient(server.url, api_key="wrong") as wrong:
+        text = _text_of(wrong.handshake)
+    assert text.startswith(f"gmlx: GET capabilities at {server.url} failed with status 401: ")
+    assert text.endswith("(set the gmlx API key (GMLX_API_KEY) to the server's server.api_key)")
+    server.overrides[("GET", "capabilities")] = json_answer(404, {"detail": "Not Found"})
+    assert _text_of(client.handshake) == (
+        f"gmlx: no gmlx server answers at {server.url} (GET /internal/image-steps/v1/capabilities "
+        "answered 404: not a gmlx image server, or one with server.image.steps_api off)"
+    )
+    server.overrides[("GET", "capabilities")] = Answer(200, b"[1, 2]")
+    assert _text_of(client.handshake) == (
+        f"gmlx: no gmlx server answers at {server.url} (its capabilities are not a JSON "
+        "object: not a gmlx image server)"
+    )
+
+
+def test_step_error_texts_name_the_server(server, client):
+    x, rows = np.ones((1, 4, 2, 2), np.float32), [{"cond": "a" * 64}]
+    server.overrides[("POST", "step")] = json_answer(400, {"error": "rows[0] is bad"})
+    assert _text_of(lambda: client.step(x, [1.0], rows)) == (
+        f'gmlx: POST step at {server.url} failed with status 400: "rows[0] is bad"'
+    )
+    url = free_port_url()
+    with StepClient(url) as gone:  # the server went away: the step's own connection
+        assert _text_of(lambda: gone.step(x, [1.0], rows)) == (
+            f"gmlx: POST step got no answer from the gmlx server at {url} (connection refused); "
+            "check that it runs there (`gmlx serve` starts one)"
+        )

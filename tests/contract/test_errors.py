@@ -8,6 +8,7 @@ from gmlx_contract.errors import (
     NotGmlxServer,
     StepError,
     WireError,
+    no_answer_reason,
 )
 
 
@@ -52,7 +53,45 @@ def test_step_error_quotes_start_of_non_json_body():
 
 
 def test_client_errors_are_step_errors_with_prefix():
-    for kind in (NotGmlxServer, ContractMismatch, StepError):
+    for kind in (ContractMismatch, StepError):
         error = kind("no server here")
         assert isinstance(error, StepError)
         assert str(error) == "gmlx: no server here"
+
+
+def test_not_a_gmlx_server_names_the_address_and_the_reason_once():
+    error = NotGmlxServer("http://h:1", "connection refused", status=None)
+    assert isinstance(error, StepError)
+    assert str(error) == "gmlx: no gmlx server answers at http://h:1 (connection refused)"
+    assert (error.url, error.reason) == ("http://h:1", "connection refused")
+
+
+def _wrapped(inner: BaseException) -> BaseException:
+    """An error wrapped the way requests wraps urllib3's (ConnectionError(MaxRetryError))."""
+    import requests
+    import urllib3
+
+    pool = urllib3.HTTPConnectionPool("h", 1)
+    try:
+        try:
+            raise urllib3.exceptions.NewConnectionError(pool, f"Failed: {inner}") from inner
+        except urllib3.exceptions.NewConnectionError as new:
+            raise urllib3.exceptions.MaxRetryError(pool, "/health", new) from new
+    except urllib3.exceptions.MaxRetryError as retries:
+        return requests.ConnectionError(retries)
+
+
+def test_no_answer_reason_is_the_innermost_cause_in_a_few_words():
+    import errno
+    import socket
+
+    refused = ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+    assert no_answer_reason(_wrapped(refused), 2) == "connection refused"
+    unknown = socket.gaierror(-2, "Name or service not known")
+    assert no_answer_reason(_wrapped(unknown), 2) == (
+        "its host name does not resolve (Name or service not known)"
+    )
+    assert no_answer_reason(_wrapped(TimeoutError("timed out")), 2.5) == "no answer within 2.5 s"
+    assert no_answer_reason(ConnectionError("the server closed the connection"), 1) == (
+        "the server closed the connection"
+    )

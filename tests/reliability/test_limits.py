@@ -80,6 +80,34 @@ def test_an_oversized_body_is_refused_from_its_head(live, path, content_type, li
     assert time.perf_counter() - started < 5  # answered without waiting for a body
 
 
+def logged(caplog, prefix: str) -> list[str]:
+    """The server's log lines that start with `prefix` (waiting a moment for the HTTP thread)."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "gmlx.server"]
+        found = [line for line in lines if line.startswith(prefix)]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
+def test_refusals_made_before_the_app_are_logged(live, caplog):
+    """Waitress refuses an oversized body from its head (the app never sees the request) and a
+    chunked one as it passes the limit; both get the request log line every answer gets."""
+    caplog.set_level("INFO", logger="gmlx.server")
+    nested_413(head_only(live, "interrupt", "application/json", wire.MAX_JSON_BYTES + 1))
+    assert logged(caplog, f"POST {STEPS}/interrupt 413 ")
+
+    def chunks():
+        for _ in range(wire.MAX_JSON_BYTES // (1 << 20) + 2):
+            yield b" " * (1 << 20)
+
+    caplog.clear()
+    r = requests.post(live.url + "/runs/begin", data=chunks(), headers=VERSION, timeout=60)
+    assert r.status_code == 413
+    assert logged(caplog, f"POST {STEPS}/runs/begin 413 ")
+
+
 def test_expect_continue_over_the_limit_gets_413_not_100(live):
     answer = head_only(
         live, "interrupt", "application/json", wire.MAX_JSON_BYTES + 1, "Expect: 100-continue\r\n"

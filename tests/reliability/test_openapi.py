@@ -102,12 +102,30 @@ def exercise(server, operation, mode: GenerationMode, examples: int, headers=Non
 def test_the_description_lists_every_route():
     """Every route of the app is described, and nothing else."""
     from gmlx_server.app import HEALTH_PATH, step_routes
+    from gmlx_server.openai import EDITS_PATH, GENERATIONS_PATH
     from gmlx_server.routes.common import PREFIX
 
     doc = yaml.safe_load(OPENAPI.read_text())
     described = set(doc["paths"])
-    served = {HEALTH_PATH} | {PREFIX + "/" + path for path, _ in step_routes(None)}
+    served = {HEALTH_PATH, GENERATIONS_PATH, EDITS_PATH}
+    served |= {PREFIX + "/" + path for path, _ in step_routes(None)}
     assert described == served
+
+
+def test_the_openai_fields_are_described_as_served():
+    """The OpenAI routes' bounds and choices in the description are the code's."""
+    from gmlx_server import openai
+    from gmlx_server.engine.sampling import SAMPLERS
+
+    job = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]["ImageJob"]["properties"]
+    assert job["size"]["pattern"] == f"^(auto|{openai.SIZE_RE.pattern})$"
+    assert job["n"]["maximum"] == openai.MAX_IMAGES_PER_REQUEST
+    assert job["steps"]["maximum"] == openai.MAX_STEPS
+    assert job["seed"]["maximum"] == openai.MAX_SEED
+    assert job["cfg"]["maximum"] == job["guidance"]["maximum"] == openai.MAX_GUIDANCE
+    assert job["sampler"]["enum"] == [*SAMPLERS, None]
+    assert job["output_format"]["enum"] == [*openai.OUTPUT_FORMATS, None]
+    assert job["response_format"]["enum"] == [*openai.RESPONSE_FORMATS, None]
 
 
 @pytest.mark.parametrize("operation", OPERATIONS, ids=operation_id)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from gmlx_contract import wire
 from gmlx_server.config import ServerConfig
+from gmlx_server.routes.common import PREFIX
 
 from ..server.test_remote_peer import client_for, namespace  # noqa: F401 - fixture
 
@@ -35,7 +36,8 @@ def every_route() -> list[tuple[str, str]]:
 
 
 ROUTES = every_route()
-STEP_ROUTES = [(m, p) for m, p in ROUTES if p != "/health"]
+KEYED_ROUTES = [(m, p) for m, p in ROUTES if p != "/health"]  # the API key guards these
+STEP_ROUTES = [(m, p) for m, p in ROUTES if p.startswith(PREFIX + "/")]  # loopback unless told
 
 PROBE = """
 import json, sys, requests
@@ -64,7 +66,8 @@ def probe_routes(ns: str, base: str, key: str, routes) -> dict:
 
 
 def test_the_description_has_every_route():
-    assert len(ROUTES) == 20  # the 19 operations of docs/contract.md §2, and /health
+    # the 19 operations of docs/contract.md §2, /health and the two OpenAI image routes
+    assert len(ROUTES) == 22 and len(STEP_ROUTES) == 19
 
 
 def test_a_default_server_cannot_be_reached_from_another_address(namespace, server_factory):  # noqa: F811
@@ -94,10 +97,13 @@ def test_every_route_refuses_a_real_remote_peer_without_steps_remote(namespace, 
         if path == "/health":
             assert keyed[0] == bare[0] == 200
             continue
+        assert bare[0] == 401, (method, path, bare)
+        if (method, path) not in STEP_ROUTES:  # the OpenAI routes: the key is enough
+            assert keyed[0] not in (401, 403) and keyed[0] < 500, (method, path, keyed)
+            continue
         assert keyed[0] == 403, (method, path, keyed)
         if method != "HEAD":
             assert ns_ip in keyed[1]["error"] and "steps_remote" in keyed[1]["error"]
-        assert bare[0] == 401, (method, path, bare)
 
 
 def test_every_route_serves_a_real_remote_peer_with_the_key_only(namespace, server_factory):  # noqa: F811
@@ -105,7 +111,7 @@ def test_every_route_serves_a_real_remote_peer_with_the_key_only(namespace, serv
     config = ServerConfig(host=host_ip, api_key="k")
     server = server_factory(config=config, steps_remote=True)
     got = probe_routes(name, server.base, "k", ROUTES)
-    for method, path in STEP_ROUTES:
+    for method, path in KEYED_ROUTES:
         keyed, bare = got[f"key {method} {path}"], got[f"nokey {method} {path}"]
         assert keyed[0] not in (401, 403) and keyed[0] < 500, (method, path, keyed)
         assert bare[0] == 401, (method, path, bare)
@@ -113,7 +119,7 @@ def test_every_route_serves_a_real_remote_peer_with_the_key_only(namespace, serv
             assert bare[1]["error"]["type"] == "authentication_error"
 
 
-@pytest.mark.parametrize("method, path", STEP_ROUTES)
+@pytest.mark.parametrize("method, path", KEYED_ROUTES)
 def test_the_key_guards_every_route_on_loopback_too(server_factory, method, path):
     server = server_factory(config=ServerConfig(api_key="sesame"))
     url = server.base + path
@@ -130,12 +136,16 @@ def test_fake_remote_peers_on_every_route(live):
     closed = client_for(live, host="0.0.0.0", api_key="k")
     remote = client_for(live, steps_remote=True, host="0.0.0.0", api_key="k")
     auth = {"Authorization": "Bearer k", "X-Gmlx-Steps-Contract": "1.0"}
-    for method, path in STEP_ROUTES:
+    for method, path in KEYED_ROUTES:
+        step_route = (method, path) in STEP_ROUTES
         for peer in ("192.0.2.7", "::ffff:10.0.0.1", "fe80::1%eth0", ""):
             r = closed.simulate_request(method, path, headers=auth, remote_addr=peer or None)
             if not peer:
                 r = closed.simulate_request(method, path, headers=auth, extras={"REMOTE_ADDR": ""})
-            assert r.status_code == 403, (method, path, peer)
+            if step_route:
+                assert r.status_code == 403, (method, path, peer)
+            else:  # the OpenAI routes serve any peer with the key
+                assert r.status_code not in (401, 403) and r.status_code < 500, (method, path)
         r = remote.simulate_request(method, path, headers=auth, remote_addr="192.0.2.7")
         assert r.status_code not in (401, 403) and r.status_code < 500, (method, path)
 

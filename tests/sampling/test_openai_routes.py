@@ -2,6 +2,7 @@
 
 import base64
 import io
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -17,7 +18,20 @@ from . import toy_family
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = toy_family.make_folder(tmp_path_factory.mktemp("models"))
+    with toy_server(toy_family.make_folder(tmp_path_factory.mktemp("models"))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def turbo_server(tmp_path_factory):
+    """A server whose default samples its fixed 3-step schedule only."""
+    root = tmp_path_factory.mktemp("turbo")
+    with toy_server(toy_family.make_folder(root, sigmas=[1.0, 0.75, 0.5, 0.0])) as running:
+        yield running
+
+
+@contextmanager
+def toy_server(folder):
     registry = ModelRegistry(
         extra_models=[folder], default_model=folder.name, families={"toy": toy_family}
     )
@@ -77,12 +91,36 @@ def test_generation_refusals(server):
         ({"prompt": "x", "steps": 0}, 400, "steps"),
         ({"prompt": "x", "model": "no-such-model", "size": "32x32"}, 404, "model"),
         ({"prompt": "x", "size": "32x32", "sampler": "dpmpp_2m"}, 400, "sampler"),
+        # a JSON body's fields are JSON values of their type (a form's text is converted)
+        ({"prompt": "x", "size": "32x32", "n": "2"}, 400, "n"),
+        ({"prompt": "x", "size": " 32x32"}, 400, "size"),
+        ({"prompt": "x", "size": "32x32", "model": 5}, 400, "model"),
+        ({"prompt": "x", "size": "32x32", "response_format": ""}, 400, "response_format"),
+        ({"prompt": "x", "size": "32x32", "output_format": ["png"]}, 400, "output_format"),
+        ({"prompt": "x", "size": "32x32", "cfg": 2.0, "guidance": "high"}, 400, "guidance"),
+        ({"prompt": "x", "size": "32x32", "cfg": 10**400}, 400, "cfg"),
+        # a malformed field is refused 400 whatever the size (413 only for a well-formed job)
+        ({"size": "4096x4096"}, 400, "prompt"),
+        ({"prompt": "x", "size": "4096x4096", "n": 0}, 400, "n"),
+        ({"prompt": "x", "size": "4096x4096", "model": 5}, 400, "model"),
     ]
     for doc, status, param in cases:
         resp = post(server, "/v1/images/generations", json=doc)
         assert resp.status_code == status, (doc, resp.text)
         error = resp.json()["error"]
         assert isinstance(error["message"], str) and error["param"] == param, doc
+
+
+def test_refused_settings_are_named_by_their_request_field(turbo_server):
+    """The sampler's refusals name the field the request sent (not the command line's flags)."""
+    doc = {"prompt": "x", "size": "32x32"}
+    fixed = post(turbo_server, "/v1/images/generations", json={**doc, "steps": 5})
+    assert fixed.status_code == 400, fixed.text
+    error = fixed.json()["error"]
+    assert error["param"] == "steps"
+    assert error["message"].endswith("fixed 3-step schedule; leave steps out or set it to 3")
+    assert "--" not in error["message"]
+    assert post(turbo_server, "/v1/images/generations", json={**doc, "steps": 3}).status_code == 200
 
 
 def test_generation_with_uni_pc_bh2_equals_direct(server):
@@ -141,6 +179,10 @@ def test_edit_auto_size_and_refusals(server):
         server, "/v1/images/edits", json={"prompt": "x", "image": "https://example.com/a.png"}
     )
     assert remote.status_code == 400
+    not_base64 = post(server, "/v1/images/edits", json={"prompt": "x", "images": ["%%"]})
+    error = not_base64.json()["error"]
+    assert not_base64.status_code == 400 and error["param"] == "images"
+    assert error["message"] == "images[0] is not standard base64 (nor a base64 data URI)"
     garbage = post(
         server,
         "/v1/images/edits",

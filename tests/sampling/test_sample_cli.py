@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from PIL import Image
 
 
@@ -28,5 +29,58 @@ def test_sample_writes_the_same_png_in_process_and_via_the_step_routes(tmp_path)
 
 
 def test_sample_refuses_a_missing_reference_file(tmp_path):
-    result = sample(tmp_path, "x.png", "--ref", str(tmp_path / "nowhere.png"))
-    assert result.returncode == 2 and "gmlx image sample" in result.stderr
+    missing = tmp_path / "nowhere.png"
+    result = sample(tmp_path, "x.png", "--ref", str(missing))
+    assert result.returncode == 2
+    assert f"gmlx image sample: --ref {missing}: cannot be read: " in result.stderr, result.stderr
+
+
+def test_bench_names_the_reference_file_it_cannot_decode(tmp_path):
+    garbage = tmp_path / "notes.png"
+    garbage.write_text("not an image")
+    command = [sys.executable, "-m", "gmlx_server", "image", "bench", "--ref", str(garbage)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"gmlx image bench: --ref {garbage}: an image could not be decoded" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_sample_names_the_flag_a_refused_setting_came_from(tmp_path):
+    """The embedded default samples its fixed 8 steps: --steps 4 is refused by its flag's name;
+    so is a side that is no multiple of the latent stride."""
+    steps = sample(tmp_path, "x.png", "--steps", "4")
+    assert steps.returncode == 1
+    assert "leave --steps out or set it to 8" in steps.stderr, steps.stderr[-2000:]
+    width = sample(tmp_path, "x.png", "--width", "100")
+    assert width.returncode == 1
+    assert "--width must be a positive multiple of 16, not 100" in width.stderr, width.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_model_that_is_not_there_is_explained(tmp_path):
+    """--model naming a folder that is no model folder, or an id nobody has, says what is
+    missing rather than only that the model is unknown."""
+    from gmlx_server.image_cli import choose_model
+
+    from . import toy_family
+
+    models = tmp_path / "models"
+    toy_family.make_folder(models, "toy-a")
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nmodel_dirs = ["{models}"]\n')
+    plain = tmp_path / "downloads"
+    plain.mkdir()
+    (plain / "checkpoint.safetensors").write_bytes(b"")
+    cases = {
+        str(plain): "exists but is not a diffusers model folder: it has no model_index.json",
+        str(models): "holds model folders (toy-a), not a model",
+        str(plain / "checkpoint.safetensors"): "is a file, not a model folder",
+        "no-such-id": "no model of that id (model ids known here: toy-a)",
+    }
+    (models / "toy-a" / "transformer").mkdir()
+    cases[str(models / "toy-a" / "transformer")] = "part of the model folder"
+    for model, words in cases.items():
+        with pytest.raises(ValueError) as refused:
+            choose_model(model, config)
+        assert words in str(refused.value), (model, str(refused.value))
+    assert choose_model("toy-a", config).model_id == "toy-a"

@@ -108,3 +108,20 @@ def test_unknown_sampler_and_short_schedule_are_refused():
         sampling.sample(step, noise, SIGMAS, Guidance("pos"), sampler="dpm")
     with pytest.raises(ValueError):
         sampling.sample(step, noise, SIGMAS[:1], Guidance("pos"))
+
+
+def test_refused_settings_leave_their_name_to_the_caller():
+    """A refused setting says which ImageRequest field it is about; each caller names it (the
+    command line's flag, an HTTP route's field) and str() names the field itself."""
+    turbo = {"steps": 2, "sigmas": [1.0, 0.5, 0.0], "schedule": None}
+    with pytest.raises(sampling.SettingError) as fixed:
+        sampling.resolve_sigmas(turbo, 4, 64, 64, pixels_per_token=16)
+    assert fixed.value.setting == "steps"
+    assert str(fixed.value).endswith("leave steps out or set it to 2")
+    assert fixed.value.naming("--steps").endswith("leave --steps out or set it to 2")
+    with pytest.raises(sampling.SettingError, match="^steps must be at least 1$"):
+        sampling.resolve_sigmas(None, -1, 64, 64, pixels_per_token=16)
+    with pytest.raises(sampling.SettingError) as side:
+        sampling.check_image_size(64, 40, 16)
+    assert side.value.setting == "height"
+    assert side.value.naming("--height") == "--height must be a positive multiple of 16, not 40"

@@ -22,20 +22,28 @@ WIDTH = 8  # conditioning width D
 STRIDE = 16
 
 
-def make_folder(root: Path, name: str = "toy-model") -> Path:
+def make_folder(root: Path, name: str = "toy-model", sigmas: list[float] | None = None) -> Path:
+    """A toy model folder; with `sigmas` (ending in 0) a turbo variant that samples only them."""
     folder = Path(root) / name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": PIPELINE_CLASS}))
+    index = {"_class_name": PIPELINE_CLASS, "sigmas": sigmas}
+    (folder / "model_index.json").write_text(json.dumps(index))
     return folder
 
 
+def _index(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "model_index.json").read_text())
+
+
 def identify(model_dir: Path):
-    index = json.loads((Path(model_dir) / "model_index.json").read_text())
-    return (FAMILY, "base") if index.get("_class_name") == PIPELINE_CLASS else None
+    index = _index(model_dir)
+    if index.get("_class_name") != PIPELINE_CLASS:
+        return None
+    return FAMILY, "turbo" if index.get("sigmas") else "base"
 
 
 def load(model_dir: Path, model_id: str) -> ToyModel:
-    return ToyModel(model_id)
+    return ToyModel(model_id, _index(model_dir).get("sigmas"))
 
 
 def _text_rows(text: str) -> np.ndarray:
@@ -51,8 +59,10 @@ class ToyModel:
     capabilities = Capabilities()
     weight_bytes = 0
 
-    def __init__(self, model_id: str) -> None:
+    def __init__(self, model_id: str, sigmas: list[float] | None = None) -> None:
         self.model_id = model_id
+        self.sigmas = sigmas
+        self.variant = "turbo" if sigmas else "base"
         self.mixer = np.random.default_rng(1).standard_normal((CHANNELS, WIDTH), dtype=np.float32)
         self.calls: list[tuple[int, str | None]] = []  # (rows, run) per step
         self.ended: list[str] = []
@@ -64,10 +74,10 @@ class ToyModel:
             "vae": {"channels_out": 3, "stride": STRIDE, "space": "model"},
             "edit_capable": True,
             "sampling": {
-                "steps": 4,
+                "steps": len(self.sigmas) - 1 if self.sigmas else 4,
                 "cfg": 1.0,
                 "shift": 1.0,
-                "sigmas": None,
+                "sigmas": self.sigmas,
                 "schedule": None,
                 "neg_skip": [],
             },

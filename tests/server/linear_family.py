@@ -136,7 +136,7 @@ class LinearModel:
         return {
             "comfy": {"model_class": "TestLinear", "image_model": "test_linear"},
             "latent": {"channels": CHANNELS, "stride": STRIDE, "patch": 1},
-            "vae": {"channels_out": 4, "stride": STRIDE},
+            "vae": {"channels_out": 4, "stride": STRIDE, "space": "model"},  # one space
             "edit_capable": True,
             "sampling": None,
             "compute_dtype": "f32",

@@ -3,6 +3,7 @@ stops cleanly on SIGTERM and SIGINT."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -309,3 +310,37 @@ def test_serve_exits_zero_after_model_work_on_the_worker(tmp_path):
         process.send_signal(signal.SIGTERM)
         _, err = process.communicate(timeout=60)
     assert process.returncode == 0, err[-2000:]
+
+
+def every_parser(parser: argparse.ArgumentParser, words=("gmlx",)):
+    """(words, parser) of `gmlx` and of each of its subcommands, depth first."""
+    yield words, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from every_parser(child, (*words, name))
+
+
+def test_every_command_has_a_description_and_shows_its_defaults(monkeypatch):
+    """`--help` of each command says what it does and each option's default (options whose
+    default is None, False or empty word their default in the help text instead)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    parsers = dict(every_parser(cli.build_parser()))
+    assert {("gmlx", "serve"), ("gmlx", "image", "sample"), ("gmlx", "image", "bench")} <= set(
+        parsers
+    )
+    for words, parser in parsers.items():
+        assert parser.description, f"{' '.join(words)} has no description"
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            default = action.default
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            if default is None or default is False or default == [] or default == argparse.SUPPRESS:
+                continue
+            assert f"(default: {default})" in text, (words, action.option_strings)
+    serve = " ".join(parsers[("gmlx", "serve")].format_help().split())
+    assert "(default: 127.0.0.1)" in serve and "(default: 8080)" in serve
+    sample = " ".join(parsers[("gmlx", "image", "sample")].format_help().split())
+    assert "--seed SEED noise seed (default: 0)" in sample
+    assert "--width WIDTH image width in pixels (default: 1024)" in sample

@@ -180,7 +180,7 @@ def test_diffusers_pipeline_runs_on_it(model_dir):
     from diffusers import QwenImage21Pipeline
 
     # transformers 5.24 builds Qwen3VLProcessor only with its torchvision-gated video processor;
-    # this helper builds it from the image processor and tokenizer alone (DESIGN.md).
+    # this helper builds it from the image processor and tokenizer alone.
     from tests.encoders.qwen3.reference import load_processor
 
     pipe = QwenImage21Pipeline.from_pretrained(

@@ -253,7 +253,7 @@ CHAT_TEMPLATE = (
 )
 
 # How each tensor starts before saving. Default initialisation makes the prompt move the output
-# by about 0.1 % (DESIGN.md), so matrices get a full 1/sqrt(fan_in) spread and parameters that
+# by about 0.1 %, so matrices get a full 1/sqrt(fan_in) spread and parameters that
 # start constant get a little noise, as the project's tiny test checkpoints do.
 MATRIX, GAIN, SHIFT = "matrix", "gain", "shift"
 CONSTANT_NOISE = 0.1

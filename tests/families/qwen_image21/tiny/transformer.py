@@ -3,7 +3,7 @@
 Default initialisation leaves the prompt and the reference tokens with almost no influence on the
 output (about 0.1 %), too little for a parity test to notice a broken text path. So linear weights
 are re-drawn larger and constant-initialised parameters (norm weights, zero-centred scales) get a
-little noise before saving (DESIGN.md, "Facts learned").
+little noise before saving.
 """
 
 from __future__ import annotations

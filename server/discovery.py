@@ -1,0 +1,173 @@
+"""`gmlx status` and `gmlx list`: where the configured server is and which models its
+configuration names, for people and for clients that look before they connect (the ComfyUI
+pack runs `gmlx status --json` and `gmlx list --image --json`, docs/contract.md §7.1).
+
+Both read the same configuration `gmlx serve` reads (server/config.py) and import neither MLX
+nor the HTTP server, so they answer in a fraction of a second wherever gmlx-steps is installed.
+Both exit 0 when the configuration reads (what they found is in the answer), 2 when it does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .config import ConfigError, ServerConfig, load_config
+
+# Addresses a server listens on that a client cannot connect to: the loopback one of that kind.
+WILDCARD_HOSTS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+def register(subparsers) -> None:
+    status = subparsers.add_parser(
+        "status", help="whether the configured gmlx server answers, and where"
+    )
+    _common_arguments(status)
+    status.set_defaults(func=status_command)
+    listing = subparsers.add_parser(
+        "list", help="the models the configuration names (model_dirs, [models], the default)"
+    )
+    listing.add_argument(
+        "--image",
+        action="store_true",
+        help="image models only (every model gmlx-steps serves is one)",
+    )
+    _common_arguments(listing)
+    listing.set_defaults(func=list_command)
+
+
+def _common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file")
+    parser.add_argument("--json", action="store_true", help="answer as one JSON object")
+
+
+def server_url(config: ServerConfig) -> str | None:
+    """The URL a client on this machine reaches the configured server at (None for port 0,
+    which the server picks when it starts)."""
+    if config.port == 0:
+        return None
+    host = WILDCARD_HOSTS.get(config.host, config.host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.port}"
+
+
+def server_status(config: ServerConfig) -> dict[str, Any]:
+    """The configured server's URL and whether a compatible gmlx server answers there."""
+    from gmlx_contract.client import StepClient
+    from gmlx_contract.errors import NotGmlxServer, StepError
+
+    url = server_url(config)
+    doc: dict[str, Any] = {
+        "url": url,
+        "config": str(config.source) if config.source else None,
+        "running": False,
+        "gmlx_version": None,
+        "contract": None,
+        "error": None,
+    }
+    if url is None:
+        doc["error"] = "the configured port is 0: the server picks its port when it starts"
+        return doc
+    with StepClient(url, config.api_key) as client:
+        try:
+            caps = client.handshake()
+        except NotGmlxServer as error:
+            doc["error"] = error.reason
+            return doc
+        except StepError as error:  # it answers, but refuses or speaks another contract
+            doc["running"], doc["error"] = True, str(error)
+            return doc
+    contract = caps.get("contract") or {}
+    doc["running"] = True
+    doc["gmlx_version"] = caps.get("gmlx_version")
+    doc["contract"] = f"{contract.get('major')}.{contract.get('minor')}"
+    return doc
+
+
+def configured_models(config: ServerConfig) -> dict[str, Any]:
+    """The models `gmlx serve` with this configuration would list: each model folder under
+    model_dirs, the embedded default when no default_model is set, and the ids that
+    `[models."id"]` and default_model name (with no folder when none is found yet)."""
+    from .engine.registry import ModelRegistry
+
+    folders: dict[str, str | None] = {
+        model_id: str(path) for model_id, path in ModelRegistry(config.model_dirs).folders().items()
+    }
+    default = config.default_model
+    if default is None:
+        default, folder = embedded_default() or (None, None)
+        if default:
+            folders.setdefault(default, str(folder) if folder.is_dir() else None)
+    for model_id in [*config.models, *([default] if default else [])]:
+        folders.setdefault(model_id, None)
+    models = [
+        {"model": model_id, "folder": folder, "default": model_id == default}
+        for model_id, folder in sorted(folders.items(), key=lambda item: item[0] != default)
+    ]
+    return {
+        "models": models,
+        "default_model": default,
+        "model_dirs": [str(d) for d in config.model_dirs],
+        "config": str(config.source) if config.source else None,
+    }
+
+
+def embedded_default() -> tuple[str, Path] | None:
+    """The embedded default model's id and the folder `gmlx serve` generates it in on first
+    use; None where it cannot be made (the server's extras are not installed), and then a
+    server with no default_model has no default either."""
+    try:
+        from .engine.families.qwen_image21.embedded import MODEL_NAME, default_cache_dir
+    except ImportError:
+        return None
+    return MODEL_NAME, default_cache_dir() / MODEL_NAME
+
+
+def status_command(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if config is None:
+        return 2
+    doc = server_status(config)
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    where = f"gmlx server {doc['url'] or '(port 0)'}"
+    source = doc["config"] or "no config file (defaults)"
+    if doc["running"] and not doc["error"]:
+        print(f"{where}: running gmlx {doc['gmlx_version']}, contract {doc['contract']}")
+    elif doc["running"]:
+        print(f"{where}: answers, but {doc['error']}")
+    else:
+        print(f"{where}: not running ({doc['error']}); start it with `gmlx serve`")
+    print(f"config: {source}; this gmlx: {__version__}")
+    return 0
+
+
+def list_command(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if config is None:
+        return 2
+    doc = configured_models(config)
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    for model in doc["models"]:
+        mark = " (default)" if model["default"] else ""
+        folder = model["folder"] or "no folder yet"
+        print(f"{model['model']}{mark}: {folder}")
+    dirs = ", ".join(doc["model_dirs"]) or "none"
+    print(f"model_dirs: {dirs}; config: {doc['config'] or 'no config file (defaults)'}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> ServerConfig | None:
+    try:
+        return load_config(args.config)
+    except ConfigError as error:
+        print(f"gmlx {args.command}: {error}", file=sys.stderr)
+        return None

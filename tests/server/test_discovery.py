@@ -1,0 +1,121 @@
+"""`gmlx status` and `gmlx list` (server/discovery.py): the configured server's URL and state,
+and the models the configuration names, as the ComfyUI pack reads them."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from gmlx_server import cli, discovery
+from gmlx_server.config import ServerConfig, load_config
+
+from . import linear_family
+
+
+@pytest.fixture(autouse=True)
+def no_gmlx_environment(monkeypatch, tmp_path):
+    for name in ("GMLX_HOST", "GMLX_PORT", "GMLX_API_KEY", "GMLX_MODEL_DIRS", "GMLX_DEFAULT_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _config_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_server_url_is_where_a_client_on_this_machine_connects():
+    assert (
+        discovery.server_url(ServerConfig(host="127.0.0.1", port=9000)) == "http://127.0.0.1:9000"
+    )
+    assert discovery.server_url(ServerConfig(host="0.0.0.0", port=80)) == "http://127.0.0.1:80"
+    assert discovery.server_url(ServerConfig(host="::", port=81)) == "http://[::1]:81"
+    assert discovery.server_url(ServerConfig(host="::1", port=82)) == "http://[::1]:82"
+    assert discovery.server_url(ServerConfig(host="box.lan", port=83)) == "http://box.lan:83"
+    assert discovery.server_url(ServerConfig(port=0)) is None
+
+
+def test_status_of_a_configured_server_that_is_not_running(tmp_path, capsys):
+    port = _free_port()
+    config = _config_file(tmp_path, f"[server]\nport = {port}\n")
+    code, out = _run(capsys, "status", "--json", "--config", str(config))
+    assert code == 0
+    assert json.loads(out) == {
+        "url": f"http://127.0.0.1:{port}",
+        "config": str(config),
+        "running": False,
+        "gmlx_version": None,
+        "contract": None,
+        "error": "connection refused",
+    }
+    code, out = _run(capsys, "status", "--config", str(config))
+    assert code == 0 and "not running (connection refused)" in out and "gmlx serve" in out
+
+
+def test_status_of_a_running_server(live, tmp_path, capsys):
+    port = live.base.rsplit(":", 1)[1]
+    config = _config_file(tmp_path, f"[server]\nport = {port}\n")
+    code, out = _run(capsys, "status", "--json", "--config", str(config))
+    doc = json.loads(out)
+    assert code == 0 and doc["running"] is True and doc["error"] is None
+    assert doc["url"] == live.base and doc["contract"] == "1.0" and doc["gmlx_version"]
+
+
+def test_a_broken_configuration_exits_2_and_says_why(tmp_path, capsys):
+    code = cli.main(["list", "--json", "--config", str(tmp_path / "absent.toml")])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path, capsys):
+    root = tmp_path / "models"
+    linear_family.make_model_folder(root, "alpha")
+    linear_family.make_model_folder(root, "beta")
+    (root / "not-a-model").mkdir()
+    config = _config_file(
+        tmp_path,
+        f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "beta"\n\n[models."gamma"]\n',
+    )
+    code, out = _run(capsys, "list", "--image", "--json", "--config", str(config))
+    doc = json.loads(out)
+    assert code == 0 and doc["default_model"] == "beta"
+    assert [(m["model"], m["default"]) for m in doc["models"]] == [
+        ("beta", True),
+        ("alpha", False),
+        ("gamma", False),
+    ]
+    assert doc["models"][0]["folder"] == str(root / "beta") and doc["models"][2]["folder"] is None
+    code, out = _run(capsys, "list", "--config", str(config))
+    assert out.splitlines()[0] == f"beta (default): {root / 'beta'}"
+    assert "gamma: no folder yet" in out
+
+
+def test_with_no_default_model_the_embedded_default_is_listed_first(tmp_path):
+    doc = discovery.configured_models(load_config(_config_file(tmp_path, "[server]\n")))
+    assert doc["default_model"] == "qwen-image21-random-tiny"
+    assert [m["model"] for m in doc["models"]] == ["qwen-image21-random-tiny"]
+    assert doc["models"][0]["folder"] is None  # not generated yet in this cache
+
+
+def test_the_listing_names_what_the_server_lists(live, tmp_path):
+    """`gmlx list` and `GET models` agree for the same model_dirs (the listing is the
+    registry's own folder scan)."""
+    served = {m["model"] for m in live.call("GET", "models").json()["models"]}
+    root = live.ctx.registry.model_dirs[0]
+    config = _config_file(tmp_path, f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "alpha"\n')
+    listed = {m["model"] for m in discovery.configured_models(load_config(config))["models"]}
+    assert listed == served
