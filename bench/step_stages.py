@@ -154,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stub", choices=["none", "sleep"], help="replace the forward")
     args = parser.parse_args(argv)
 
-    from gmlx_server import image_cli
+    from gmlx_server import image_cli, process
 
-    image_cli.prepare_process()  # before MLX is imported, as the bench does
+    process.prepare_process()  # before MLX is imported, as the bench does
     instrument()
     if args.stub:
         stub_forward(args.stub)

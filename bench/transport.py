@@ -46,9 +46,9 @@ from gmlx_contract import wire
 from gmlx_contract.client import StepClient
 from gmlx_contract.version import CONTRACT_VERSION, HEADER
 from gmlx_server.app import ServerThread, waitress_options, whole_body
-from gmlx_server.cli import _fast_blas, tune_malloc
 from gmlx_server.config import ServerConfig
 from gmlx_server.http_gate import gated_server
+from gmlx_server.process import fast_blas, tune_malloc
 from gmlx_server.routes.common import send_container
 from waitress.server import create_server
 
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_tune:
         tune_malloc()  # what gmlx serve does first
-    _fast_blas()  # before mlx is imported (the route's model)
+    fast_blas()  # before mlx is imported (the route's model)
     side = args.size // 16
     x = np.random.default_rng(0).standard_normal((args.rows, 64, side, side), dtype=np.float32)
     nbytes = len(step_body(x))

@@ -14,7 +14,6 @@ Subcommands are registered in two ways, so another part of the project adds one 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import logging
 import os
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
+from .parsers import CommandParser
+from .process import config_registry, prepare_process
 
 log = logging.getLogger("gmlx.server")
 
@@ -32,36 +33,6 @@ DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "uninstall"), "gmlx_comfy.install:uninstall_main", "undo install for one ComfyUI"),
     (("comfyui", "status"), "gmlx_comfy.install:status_main", "each recorded install's state"),
 ]
-
-
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's help with each option's default, except where there is none to show (None, a
-    flag's False, an empty list): there the help text says what happens."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        default = action.default
-        if default is None or default is False or (isinstance(default, list) and not default):
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
-class Subcommands(argparse._SubParsersAction):
-    """Subcommands whose description defaults to their one-line help."""
-
-    def add_parser(self, name: str, **kwargs):
-        if "help" in kwargs:
-            kwargs.setdefault("description", kwargs["help"])
-        return super().add_parser(name, **kwargs)
-
-
-class CommandParser(argparse.ArgumentParser):
-    """The parser of `gmlx` and of each of its subcommands (argparse makes a subcommand's parser
-    of its parent's class)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", DefaultsFormatter)
-        super().__init__(*args, **kwargs)
-        self.register("action", "parsers", Subcommands)
 
 
 SERVE_HELP = "serve the image step routes and the OpenAI image routes over HTTP"
@@ -197,8 +168,7 @@ def serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gmlx serve: {exc}", file=sys.stderr)
         return 2
-    tune_malloc()
-    _fast_blas()  # before anything imports mlx
+    prepare_process()  # before anything imports mlx
 
     from .app import build_context, create_app, make_server
     from .kernel_compiles import CompileWatch
@@ -244,77 +214,3 @@ def _stop_on_signals() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-
-
-def _fast_blas() -> None:
-    try:
-        from .engine.blas import ensure_fast_blas
-    except ImportError:
-        return
-    ensure_fast_blas()
-
-
-def config_registry(config, model: str | None = None):
-    """The model registry of a configuration, its default model `model` or else the configured
-    one or else the embedded default (whose folder joins as an extra folder); models load with
-    their entries' configured adapters. Returns (registry, extra folders)."""
-    from .engine.registry import ModelRegistry
-    from .lora_files import DefaultAdapters
-
-    extra, default = _embedded_default(model or config.default_model)
-    hooks = DefaultAdapters(config.models) if config.models else None
-    registry = ModelRegistry(config.model_dirs, default, extra_models=extra, load_hooks=hooks)
-    unknown = sorted(set(config.models) - set(registry.folders()))
-    if unknown:  # a folder may still appear later: the model dirs are listed on each lookup
-        log.warning("configured model entries with no model folder (yet): %s", ", ".join(unknown))
-    return registry, extra
-
-
-def _embedded_default(default_model: str | None) -> tuple[list[Path], str | None]:
-    """With no default_model configured, the embedded default model is the default: its
-    folder joins the registry as an extra model folder. Returns (extra folders, default id)."""
-    if default_model:
-        return [], default_model
-    try:
-        from .engine.families.qwen_image21.embedded import ensure_embedded_model
-    except ImportError:
-        log.warning("no default_model configured and no embedded default model available")
-        return [], None
-    folder = Path(ensure_embedded_model())
-    return [folder], folder.name
-
-
-# glibc mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
-# glibc's largest allowed mmap threshold on 64-bit systems.
-_MMAP_THRESHOLD_BYTES = 32 << 20
-_TRIM_THRESHOLD_BYTES = 256 << 20
-
-
-def tune_malloc() -> bool:
-    """Keep freed megabyte buffers in the process instead of returning them to the OS per
-    request (about 1,500 page faults for a 2 MiB step each way otherwise: docs/benchmarks.md). This is
-    what MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would do at process start, set through
-    mallopt so no re-exec is needed; variables the user set win. glibc only."""
-    if not sys.platform.startswith("linux"):
-        return False
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1
-    ok = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1 and ok
-    if "MALLOC_ARENA_MAX" not in os.environ:
-        # One arena for every thread. A thread's own arena lives in 64 MiB heaps that glibc
-        # unmaps as soon as one is wholly free, whatever the trim threshold: measured, the
-        # step's work (one thread) churned ~290 of them per step and every 2 MiB body buffer of
-        # an HTTP thread came back as fresh pages (1,500 faults a step). Set before threads
-        # allocate, which is why this runs first.
-        ok = mallopt(_M_ARENA_MAX, 1) == 1 and ok
-    return ok

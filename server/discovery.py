@@ -121,11 +121,12 @@ def embedded_default() -> tuple[str, Path] | None:
     """The embedded default model's id and the folder `gmlx serve` generates it in on first
     use; None where it cannot be made (the server's extras are not installed), and then a
     server with no default_model has no default either."""
-    try:
-        from .engine.families.qwen_image21.embedded import MODEL_NAME, default_cache_dir
-    except ImportError:
+    from .engine.registry import embedded_default_module
+
+    module = embedded_default_module()
+    if module is None:
         return None
-    return MODEL_NAME, default_cache_dir() / MODEL_NAME
+    return module.MODEL_NAME, module.default_cache_dir() / module.MODEL_NAME
 
 
 def status_command(args: argparse.Namespace) -> int:

@@ -41,21 +41,11 @@ from .engine.sampling import (
 from .imagefiles import read_image_file
 from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
+from .parsers import CommandParser
+from .process import config_registry, prepare_process
 
 SCHEMA = "gmlx.image.bench/1"
 EXIT_USAGE = 2
-
-
-# ---------------------------------------------------------------- process setup
-
-
-def prepare_process() -> None:
-    """What `gmlx serve` does first: keep megabyte buffers in the allocator and give MLX an
-    optimised BLAS (which must happen before mlx is imported)."""
-    from .cli import _fast_blas, tune_malloc
-
-    tune_malloc()
-    _fast_blas()
 
 
 # ---------------------------------------------------------------- choosing and loading a model
@@ -73,7 +63,6 @@ class ModelChoice:
 def choose_model(model: str | None, config_path: Path | None = None) -> ModelChoice:
     """A folder (holding model_index.json), a model id of the configuration, or, with neither,
     the configured default model or else the embedded default."""
-    from .cli import config_registry
     from .config import load_config
     from .engine.registry import MODEL_INDEX, ModelRegistry
 
@@ -149,14 +138,10 @@ def register(subparsers) -> None:
 
 
 def sample_parser() -> argparse.ArgumentParser:
-    from .cli import CommandParser
-
     return add_sample_arguments(CommandParser(prog="gmlx image sample", description=SAMPLE_HELP))
 
 
 def bench_parser() -> argparse.ArgumentParser:
-    from .cli import CommandParser
-
     return add_bench_arguments(CommandParser(prog="gmlx image bench", description=BENCH_HELP))
 
 

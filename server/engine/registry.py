@@ -44,6 +44,21 @@ FAMILIES: dict[str, Any] = {
 }
 
 
+# The module of the embedded default model, the default when none is configured: it provides
+# MODEL_NAME, default_cache_dir() and ensure_embedded_model() -> its folder, written on first use.
+EMBEDDED_DEFAULT = "gmlx_server.engine.families.qwen_image21.embedded"
+
+
+def embedded_default_module() -> Any | None:
+    """The embedded default model's module; None when it cannot be imported (the server's
+    extras are not installed)."""
+    try:
+        return importlib.import_module(EMBEDDED_DEFAULT)
+    except ImportError as exc:
+        log.debug("no embedded default model: %s", exc)
+        return None
+
+
 def family_module(name: str, families: dict[str, Any] | None = None) -> Any | None:
     """The module of a family, importing it on first use; None when it cannot be imported."""
     table = FAMILIES if families is None else families

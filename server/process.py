@@ -1,0 +1,99 @@
+"""Setting up a gmlx process: what `gmlx serve` (cli.py) and `gmlx image` (image_cli.py) both do
+before they touch a model: keep megabyte buffers in glibc's allocator and put an optimised BLAS
+under MLX (`prepare_process`, before mlx is imported), and build the model registry of a
+configuration (`config_registry`, with the embedded default model when none is configured).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger("gmlx.server")
+
+
+def prepare_process() -> None:
+    """Keep megabyte buffers in the allocator (`tune_malloc`) and give MLX an optimised BLAS
+    (`fast_blas`); first thing, before threads allocate and before mlx is imported."""
+    tune_malloc()
+    fast_blas()
+
+
+def fast_blas() -> None:
+    """Give MLX an optimised BLAS (engine/blas.py) where the server extra is installed; before
+    anything imports mlx."""
+    try:
+        from .engine.blas import ensure_fast_blas
+    except ImportError:
+        return
+    ensure_fast_blas()
+
+
+def config_registry(config, model: str | None = None):
+    """The model registry of a configuration, its default model `model` or else the configured
+    one or else the embedded default (whose folder joins as an extra folder); models load with
+    their entries' configured adapters. Returns (registry, extra folders)."""
+    from .engine.registry import ModelRegistry
+    from .lora_files import DefaultAdapters
+
+    extra, default = _embedded_default(model or config.default_model)
+    hooks = DefaultAdapters(config.models) if config.models else None
+    registry = ModelRegistry(config.model_dirs, default, extra_models=extra, load_hooks=hooks)
+    unknown = sorted(set(config.models) - set(registry.folders()))
+    if unknown:  # a folder may still appear later: the model dirs are listed on each lookup
+        log.warning("configured model entries with no model folder (yet): %s", ", ".join(unknown))
+    return registry, extra
+
+
+def _embedded_default(default_model: str | None) -> tuple[list[Path], str | None]:
+    """With no default_model configured, the embedded default model is the default: its
+    folder joins the registry as an extra model folder. Returns (extra folders, default id)."""
+    if default_model:
+        return [], default_model
+    from .engine.registry import embedded_default_module  # imports numpy: after tune_malloc
+
+    module = embedded_default_module()
+    if module is None:
+        log.warning("no default_model configured and no embedded default model available")
+        return [], None
+    folder = Path(module.ensure_embedded_model())
+    return [folder], folder.name
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+# glibc's largest allowed mmap threshold on 64-bit systems.
+_MMAP_THRESHOLD_BYTES = 32 << 20
+_TRIM_THRESHOLD_BYTES = 256 << 20
+
+
+def tune_malloc() -> bool:
+    """Keep freed megabyte buffers in the process instead of returning them to the OS per
+    request (about 1,500 page faults for a 2 MiB step each way otherwise: docs/benchmarks.md). This is
+    what MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ would do at process start, set through
+    mallopt so no re-exec is needed; variables the user set win. glibc only."""
+    if not sys.platform.startswith("linux"):
+        return False
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1 and ok
+    if "MALLOC_ARENA_MAX" not in os.environ:
+        # One arena for every thread. A thread's own arena lives in 64 MiB heaps that glibc
+        # unmaps as soon as one is wholly free, whatever the trim threshold: measured, the
+        # step's work (one thread) churned ~290 of them per step and every 2 MiB body buffer of
+        # an HTTP thread came back as fresh pages (1,500 faults a step). Set before threads
+        # allocate, which is why this runs first.
+        ok = mallopt(_M_ARENA_MAX, 1) == 1 and ok
+    return ok
