@@ -1,0 +1,24 @@
+"""Calling diffusers' Z-Image references the way ZImagePipeline does, for parity tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def rel_l2(actual: np.ndarray, expected: np.ndarray) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def reference_dit(model, x: np.ndarray, t: np.ndarray, caps: list[np.ndarray]) -> np.ndarray:
+    """The transformer's raw output (B, C, H, W) for latents x (B, C, H, W) at the pipeline's
+    time t (B,) = 1 - sigma, row b under caption features caps[b] (L_b, D): a list of rows of
+    their own lengths, as the pipeline passes them."""
+    latents = [torch.from_numpy(row[:, None].copy()) for row in x]  # (C, 1, H, W) each
+    features = [torch.from_numpy(np.ascontiguousarray(cap)) for cap in caps]
+    with torch.no_grad():
+        out = model(
+            latents, torch.from_numpy(np.asarray(t, np.float32)), features, return_dict=False
+        )
+    return np.stack([row[:, 0].numpy() for row in out[0]])
