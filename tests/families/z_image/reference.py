@@ -22,3 +22,24 @@ def reference_dit(model, x: np.ndarray, t: np.ndarray, caps: list[np.ndarray]) -
             latents, torch.from_numpy(np.asarray(t, np.float32)), features, return_dict=False
         )
     return np.stack([row[:, 0].numpy() for row in out[0]])
+
+
+def load_encode_pipeline(model_dir):
+    """ZImagePipeline with only its text encoder and tokenizer (the encode path needs no more)."""
+    from diffusers import ZImagePipeline
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    text_encoder = Qwen3ForCausalLM.from_pretrained(
+        f"{model_dir}/text_encoder", dtype=torch.float32
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(f"{model_dir}/tokenizer")
+    return ZImagePipeline(
+        scheduler=None, vae=None, text_encoder=text_encoder, tokenizer=tokenizer, transformer=None
+    )
+
+
+def reference_encode(pipe, prompts: list[str]) -> list[np.ndarray]:
+    """The pipeline's caption features of each prompt (batched, padded and unpadded as it does)."""
+    with torch.no_grad():
+        embeds = pipe._encode_prompt(list(prompts), device=torch.device("cpu"))
+    return [row.numpy() for row in embeds]
