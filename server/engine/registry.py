@@ -41,6 +41,7 @@ LISTING_TTL_S = 2.0
 # Tests add their own family here.
 FAMILIES: dict[str, Any] = {
     "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
+    "z_image": "gmlx_server.engine.families.z_image.family",
 }
 
 

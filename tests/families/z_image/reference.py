@@ -16,7 +16,7 @@ def reference_dit(model, x: np.ndarray, t: np.ndarray, caps: list[np.ndarray]) -
     time t (B,) = 1 - sigma, row b under caption features caps[b] (L_b, D): a list of rows of
     their own lengths, as the pipeline passes them."""
     latents = [torch.from_numpy(row[:, None].copy()) for row in x]  # (C, 1, H, W) each
-    features = [torch.from_numpy(np.ascontiguousarray(cap)) for cap in caps]
+    features = [torch.from_numpy(np.array(cap, np.float32)) for cap in caps]
     with torch.no_grad():
         out = model(
             latents, torch.from_numpy(np.asarray(t, np.float32)), features, return_dict=False
