@@ -1,5 +1,7 @@
 """A whole tiny sampling through the step routes equals diffusers' ZImagePipeline on the same
-weights, starting latents and sigmas: the final latents, relative L2 <= 1e-4 in float32.
+weights, starting latents and sigmas: the final latents, relative L2 <= 1e-4 in float32. The
+sampler's own schedule (the turbo variant's shift) is the pipeline's default one
+(test_schedule.py), so neither side is handed sigmas.
 
 The pipeline's guidance_scale g is `pos + g (pos - neg)`, the sampler's cfg is
 `uncond + cfg (cond - uncond)`: cfg = g + 1 (unguided turbo: g = 0, cfg = 1)."""
@@ -11,7 +13,7 @@ import pytest
 import torch
 from gmlx_contract.client import StepClient
 from gmlx_server.engine.registry import ModelRegistry
-from gmlx_server.engine.sampling import Guidance, sample
+from gmlx_server.engine.sampling import ImageRequest, generate, initial_noise
 from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
 
 from tests.families.z_image.reference import rel_l2
@@ -54,22 +56,27 @@ def pipeline(folder):
     )
 
 
-def through_routes(server, noise, sigmas, cfg: float) -> np.ndarray:
+def through_routes(server, request: ImageRequest) -> np.ndarray:
+    """`generate` over the step routes: the status's schedule, ComfyUI's noise for the seed."""
+    status = server.loaded.model.status()
     with StepClient(server.base_url) as client:
         via = ViaStepsTransport(client, server.direct(), server.choice.model_id)
-        cond = via.row(via.encode(PROMPT, ()))
-        uncond = via.row(via.encode(NEGATIVE, ())) if cfg != 1.0 else None
-        via.begin()
-        try:
-            return sample(via.step, noise, sigmas, Guidance(cond, uncond, cfg))
-        finally:
-            via.end()
+        latents, _ = generate(via, status, request)
+    return latents
 
 
 @pytest.mark.parametrize(("steps", "guidance_scale"), [(4, 0.0), (3, 1.5)])
 def test_sampling_through_the_routes_equals_the_pipeline(folder, server, steps, guidance_scale):
-    noise = np.random.default_rng(7).standard_normal((1, 16, HEIGHT // 8, WIDTH // 8))
-    noise = noise.astype(np.float32)
+    request = ImageRequest(
+        prompt=PROMPT,
+        negative=NEGATIVE,
+        width=WIDTH,
+        height=HEIGHT,
+        seed=7,
+        steps=steps,
+        cfg=guidance_scale + 1.0,
+    )
+    noise = initial_noise(request.seed, 16, HEIGHT // 8, WIDTH // 8)
     pipe = pipeline(folder)
     with torch.no_grad():
         expected = pipe(
@@ -79,12 +86,10 @@ def test_sampling_through_the_routes_equals_the_pipeline(folder, server, steps, 
             width=WIDTH,
             num_inference_steps=steps,
             guidance_scale=guidance_scale,
-            latents=torch.from_numpy(noise),
+            latents=torch.from_numpy(noise.copy()),
             output_type="latent",
         ).images.numpy()
-    sigmas = pipe.scheduler.sigmas.numpy().astype(np.float32)  # shifted, the terminal 0 appended
-    assert len(sigmas) == steps + 1 and sigmas[0] == 1.0 and sigmas[-1] == 0.0
-    ours = through_routes(server, noise, sigmas, cfg=guidance_scale + 1.0)
+    ours = through_routes(server, request)
     assert ours.shape == expected.shape
     assert rel_l2(ours, expected) <= 1e-4
     assert rel_l2(ours, noise) > 0.1  # the sampling moved the latents
