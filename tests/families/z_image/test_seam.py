@@ -1,16 +1,20 @@
 """Z-Image through the whole seam over HTTP on a tiny folder, found by the product registry
-(its FAMILIES line): status and manifest unloaded and loaded, encode, steps (equal to the diffusers transformer under the pipeline's time and sign),
-refusals, and the VAE routes."""
+(its FAMILIES line): status and manifest unloaded and loaded, encode, steps (equal to the
+diffusers transformer under the pipeline's time and sign), refusals, the VAE routes, and a LoRA
+table on fused and unfused layers equal to the reference with the LoRA merged into its weights."""
 
 from __future__ import annotations
 
 import base64
+import copy
 import io
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from gmlx_contract import wire
+from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 from PIL import Image
@@ -132,3 +136,69 @@ def test_the_vae_routes_round_trip_through_the_vae(live):
     r = live.post_container("vae/decode", {"latents": latents}, {"model": "z-image-tiny"})
     assert r.status_code == 200, r.text
     assert wire.read_container(r.content).tensors["image"].shape == (1, 32, 48, 3)
+
+
+# Layers a table patches: fused parts (q/k/v, w1/w3) and unfused layers of each block stack,
+# a band, a modulation and layers outside the blocks.
+PATCHED = {
+    "noise_refiner.0.feed_forward.w3": None,
+    "context_refiner.0.attention.to_out.0": [1, 8, 16],  # input columns 8..23
+    "layers.0.attention.to_k": None,
+    "layers.1.attention.to_v": [0, 4, 8],  # output rows 4..11 of v only
+    "layers.1.adaLN_modulation.0": None,
+    "all_x_embedder.2-1": None,
+    "t_embedder.mlp.0": None,
+}
+STRENGTH, ALPHA, RANK = 0.7, 1.0, 2
+
+
+def lora_deltas(transformer) -> tuple[list[dict], dict, dict]:
+    """Patch-table entries, their adapter tensors, and the same LoRA as whole-weight deltas."""
+    rng = np.random.default_rng(9)
+    weights = dict(transformer.named_parameters())
+    entries, adapters, deltas = [], {}, {}
+    for layer, band in PATCHED.items():
+        rows, cols = weights[layer + ".weight"].shape
+        band_rows, band_cols = slice(None), slice(None)
+        if band is not None and band[0] == 0:
+            band_rows, rows = slice(band[1], band[1] + band[2]), band[2]
+        elif band is not None:
+            band_cols, cols = slice(band[1], band[1] + band[2]), band[2]
+        up = rng.standard_normal((rows, RANK)).astype(np.float32)
+        down = rng.standard_normal((RANK, cols)).astype(np.float32)
+        adapters |= {tensor_hash(up): up, tensor_hash(down): down}
+        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": ALPHA}
+        patch |= {"strength": STRENGTH, "strength_model": 1.0}
+        entries.append({"key": f"diffusion_model.{layer}.weight", "band": band, "patches": [patch]})
+        delta = np.zeros(weights[layer + ".weight"].shape, np.float32)
+        delta[band_rows, band_cols] = STRENGTH * ALPHA / RANK * (up @ down)
+        deltas[layer] = delta
+    return entries, adapters, deltas
+
+
+def test_a_table_on_fused_and_unfused_layers_equals_the_merged_weights(live):
+    entries, adapters, deltas = lora_deltas(live.transformer)
+    for array in adapters.values():
+        live.put_tensor(array, "adapters")
+    doc = {"model": "z-image-tiny", "entries": entries}
+    r = live.call(
+        "PUT",
+        f"patch-tables/{table_id(doc)}",
+        data=canonical_json(doc),
+        headers={"Content-Type": "application/json"},
+        params={"model": "z-image-tiny"},
+    )
+    assert r.status_code == 200, r.text
+    cond = encode(live, "a red fox")
+    x = np.random.default_rng(6).standard_normal((1, 16, 4, 6)).astype(np.float32)
+    fields = {"model": "z-image-tiny", "rows": [{"cond": live.put_tensor(cond)}]}
+    arrays = {"x": x, "timestep": np.array([0.6], np.float32)}
+    patched = out_of(live.post_container("step", arrays, {**fields, "patch_table": table_id(doc)}))
+    merged = copy.deepcopy(live.transformer)
+    with torch.no_grad():
+        for layer, delta in deltas.items():
+            merged.get_parameter(layer + ".weight").add_(torch.from_numpy(delta))
+    expected = -reference_dit(merged, x, [0.4], [cond[0]])
+    assert rel_l2(patched, expected) <= 1e-4
+    plain = out_of(live.post_container("step", arrays, fields))
+    assert rel_l2(patched, plain) > 0.01  # the table changed the output
