@@ -1,7 +1,8 @@
 """Rotary position embeddings, in the two layouts the families use.
 
-- Interleaved pairs over several position axes (the DiTs: Qwen-Image 2.1, Z-Image, FLUX): `rope_tables`
-  for positions (N, axes) and per-axis widths, `apply_rope` rotating (x[2i], x[2i+1]).
+- Interleaved pairs over several position axes (the DiTs: Qwen-Image 2.1, Z-Image, FLUX):
+  `rope_tables` for positions (N, axes) and per-axis widths, `apply_rope` rotating (x[2i],
+  x[2i+1]).
 - Rotate-half (transformers' Qwen3 and Qwen3-VL): `inverse_frequencies`, `cos_sin` of
   precomputed angles, `apply_rotary`.
 """

@@ -1,4 +1,5 @@
-"""The MLX Z-Image DiT against diffusers' ZImageTransformer2DModel (float32, tiny random weights)."""
+"""The MLX Z-Image DiT against diffusers' ZImageTransformer2DModel (float32, tiny random
+weights)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ FEATURES = ("noise_mask",)
 # and answer +dx/dsigma; the DiT itself runs at t = 1 - sigma and its output is negated.
 CONVENTIONS = ("comfy", "reference")
 
-# ---------------------------------------------------------------- memory plan (docs/contract.md §3.5)
+# ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, counted in buffers of the DiT's shapes, per token of a row:
 TOKEN_WIDTH_BUFFERS = 10  # hidden, its normed form, q, k, v, the attention out, residual sums
 TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE

@@ -24,7 +24,8 @@ TINY_CONFIG = {
     "axes_lens": (256, 64, 64),
 }
 
-# Linear weights ~ N(0, (LINEAR_GAIN / sqrt(fan_in))^2); default kaiming-uniform is 1 / sqrt(3 fan_in).
+# Linear weights ~ N(0, (LINEAR_GAIN / sqrt(fan_in))^2); default kaiming-uniform is
+# 1 / sqrt(3 fan_in).
 LINEAR_GAIN = 1.0
 # Spread given to parameters that start constant (ones or zeros).
 CONSTANT_NOISE = 0.3
