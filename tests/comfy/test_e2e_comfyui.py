@@ -48,14 +48,45 @@ LORA_RANK, LORA_ALPHA = 2, 1.0
 INTERRUPT_SIZE = 1024
 STEP_LINE = re.compile(r"POST \S*/step (\d{3}) ([0-9.]+) ms")
 
-# ComfyUI imports torchvision only for model families the pack never builds; where the local
-# torch wheel has no matching torchvision this stands in a module transformers reads as absent.
-TORCHVISION_STUB = """
-import importlib.util, importlib.machinery, sys, types
-if importlib.util.find_spec("torchvision") is None:
-    tv = types.ModuleType("torchvision"); tv.transforms = types.ModuleType("torchvision.transforms")
-    tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
-    sys.modules["torchvision"] = tv; sys.modules["torchvision.transforms"] = tv.transforms
+# ComfyUI imports torchvision and torchaudio for model families and nodes the pack never uses,
+# newer ComfyUI at start-up (`from torchvision.ops import roi_align`, `import torchaudio` in
+# comfy/sd.py). Where the local torch wheel has no matching build of them, this finder stands in
+# their modules: a name taken from one is a placeholder that raises when called, and the package
+# has neither version nor file, so transformers' version probe reads it as absent.
+MISSING_PACKAGES_STUB = """
+import importlib.abc, importlib.machinery, importlib.util, sys, types
+
+class Missing:
+    def __init__(self, name):
+        self.name = name
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Missing(self.name + "." + attr)
+    def __call__(self, *args, **kwargs):
+        raise ImportError(self.name + " is not installed")
+
+class MissingModule(types.ModuleType):
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Missing(self.__name__ + "." + attr)
+
+class MissingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages):
+        self.packages = packages
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.packages:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+    def create_module(self, spec):
+        return MissingModule(spec.name)
+    def exec_module(self, module):
+        module.__path__ = []
+
+absent = {p for p in ("torchvision", "torchaudio") if importlib.util.find_spec(p) is None}
+if absent:
+    sys.meta_path.append(MissingFinder(absent))
 """
 
 
@@ -141,7 +172,7 @@ def comfyui(workdir, gmlx_server):
     link_pack(base / "custom_nodes")
     stub = workdir / "stub"
     stub.mkdir()
-    (stub / "sitecustomize.py").write_text(TORCHVISION_STUB, encoding="utf-8")
+    (stub / "sitecustomize.py").write_text(MISSING_PACKAGES_STUB, encoding="utf-8")
     port = _free_port()
     env = {
         **os.environ,
