@@ -605,6 +605,12 @@ def browser():
 
 
 def _open_frontend(browser, comfy: dict):
+    """The frontend with its first-run template browser already seen (a fresh user's first
+    visit opens it by itself; the test opens it as a user does later)."""
+    seen = urllib.request.Request(
+        comfy["url"] + "/settings/Comfy.TutorialCompleted", data=b"true", method="POST"
+    )
+    urllib.request.urlopen(seen, timeout=30).close()
     page = browser.new_page(viewport=VIEWPORT)
     page.goto(comfy["url"])
     page.wait_for_function("window.app?.graph && window.app.extensionManager", timeout=120_000)
