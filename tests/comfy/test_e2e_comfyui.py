@@ -634,7 +634,7 @@ def _frontend_prompt(page) -> dict:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_example_opens_from_the_template_browser_and_runs(comfyui, browser, name):
-    """Templates → search → click the example: the frontend fetches its thumbnail (the .jpg
+    """Templates → search "gmlx" → click the example: the frontend fetches its thumbnail (the .jpg
     beside the UI file) and loads the UI file (its graph is the API copy); queuing it from the
     frontend runs it to the end on a fresh install."""
     from gmlx_comfy.install import LINK_NAME
@@ -645,7 +645,7 @@ def test_example_opens_from_the_template_browser_and_runs(comfyui, browser, name
     page.on("response", lambda r: fetched.append(r.status) if r.url.endswith(thumbnail) else None)
     try:
         _command(page, "Comfy.BrowseTemplates")
-        page.get_by_placeholder(re.compile("^Search")).fill(name)
+        page.get_by_placeholder(re.compile("^Search")).fill("gmlx")  # as docs/comfyui.md says
         card_title = page.get_by_text(name, exact=True).first
         card_title.scroll_into_view_if_needed()
         deadline = time.monotonic() + 30
