@@ -5,6 +5,7 @@ thumbnail, and converts to its API copy (which the e2e suite queues on a real Co
 from __future__ import annotations
 
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,12 @@ def test_the_template_folder_holds_exactly_the_ui_files_and_their_thumbnails():
     assert sorted(p.stem for p in API_DIR.glob("*.json")) == sorted(NAMES)
     for folder in TEMPLATE_FOLDERS[1:]:
         assert not (PACK_DIR / folder).exists(), f"ComfyUI would list {folder}/*.json"
+
+
+def test_each_example_has_its_own_workflow_id():
+    """The frontend keys an open workflow by this id."""
+    ids = [uuid.UUID(ui_workflow(name)["id"]) for name in NAMES]
+    assert len(set(ids)) == len(ids) and uuid.UUID(int=0) not in ids
 
 
 def test_example_names_carry_the_packs_prefix():
