@@ -687,8 +687,9 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
 
 PACK_PROMPT = "a paper boat on a pond"
 LORA_FORM_STRENGTH = 0.7
-# vae/decode of two 512² images: one takes seconds on the tiny model here (~10 s loaded).
-VAE_INTERRUPT_SIZE = 512
+# vae/decode of two 768² images: one takes several seconds on the tiny model on a CPU (a 512²
+# one can end within a second on an idle machine, before the interrupt is sent).
+VAE_INTERRUPT_SIZE = 768
 VAE_LINE = re.compile(r"POST \S*/vae/decode (\d{3}) ([0-9.]+) ms")
 LEAK_WORDS = ("Potential memory leak detected with model", "memory leak with model")
 
@@ -927,7 +928,7 @@ def _decodes_logged(log: Path) -> list[float]:
 
 
 def test_vae_decode_stops_at_an_interrupt(comfyui, gmlx_server):
-    """Interrupted in the first of two 512² decodes: ComfyUI reports it at once, and the second
+    """Interrupted in the first of two 768² decodes: ComfyUI reports it at once, and the second
     image is never sent (the server finishes the one in flight)."""
     side = VAE_INTERRUPT_SIZE
     wf = {
@@ -945,7 +946,7 @@ def test_vae_decode_stops_at_an_interrupt(comfyui, gmlx_server):
     while not _json(comfyui["url"] + "/queue")["queue_running"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(2.0)  # the loaders and the latent take milliseconds: a decode is in flight
+    time.sleep(1.0)  # the loaders and the latent take milliseconds: a decode is in flight
     assert len(_decodes_logged(gmlx_server["log"])) == before
     interrupted_at = time.time()
     urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
