@@ -15,7 +15,7 @@ from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
 from PIL import Image
 
-from .conftest import serve
+from tests.server.conftest import serve
 
 embedded = pytest.importorskip("gmlx_server.engine.families.qwen_image21.embedded")
 family = pytest.importorskip("gmlx_server.engine.families.qwen_image21.family")
