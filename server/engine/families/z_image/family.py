@@ -156,9 +156,9 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
         + MLP_BUFFERS * config.hidden_dim * itemsize
     )
     total = len(lengths) * longest * per_token
-    if blocked:
+    if blocked:  # a block of scores per row (the rows' attentions may run side by side)
         rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
-        total += SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
     return total
 
 
