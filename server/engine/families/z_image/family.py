@@ -1,8 +1,8 @@
 """Z-Image as an `ImageModel`: the DiT, the VAE and the prompt encoder of one folder.
 
 The folder is diffusers' `ZImagePipeline` layout: model_index.json (`_class_name`
-"ZImagePipeline"), transformer/, vae/ (the FLUX.1 AutoencoderKL), text_encoder/ (Qwen3),
-tokenizer/, scheduler/. The variant is the one whose static shift is nearest the scheduler's
+"ZImagePipeline"), transformer/, vae/ (the FLUX.1 AutoencoderKL), text_encoder/ (Qwen3, its
+config's `model_type` "qwen3"), tokenizer/, scheduler/. The variant is the one whose static shift is nearest the scheduler's
 `shift` (turbo: 3, base: 6). The family takes no reference images and keeps no prefix states.
 The constants of the family live here.
 """
@@ -29,6 +29,7 @@ from .prompt import TEMPLATE
 FAMILY = "z_image"
 TITLE = "Z-Image"
 PIPELINE_CLASS = "ZImagePipeline"
+TEXT_ENCODER_TYPE = "qwen3"  # text_encoder/config.json's model_type (Qwen3Model, Qwen3ForCausalLM)
 COMFY = {"model_class": "ZImage", "image_model": "lumina2"}
 # What a client needs to condition this family (as Qwen-Image 2.1 publishes it): no references,
 # and an empty prompt is encoded as it is (the chat template's own tokens remain).
@@ -68,9 +69,12 @@ def _scheduler_shift(model_dir: Path) -> float | None:
 
 
 def identify(model_dir: Path) -> tuple[str, str] | None:
-    """(family, variant) of a ZImagePipeline folder, else None. The variant is the one whose
-    shift is nearest the scheduler's (turbo when the folder has no scheduler shift)."""
+    """(family, variant) of a ZImagePipeline folder whose text encoder is Qwen3, else None.
+    The variant is the one whose shift is nearest the scheduler's (turbo when the folder has
+    no scheduler shift)."""
     if _model_index(model_dir).get("_class_name") != PIPELINE_CLASS:
+        return None
+    if read_config(Path(model_dir) / "text_encoder").get("model_type") != TEXT_ENCODER_TYPE:
         return None
     shift = _scheduler_shift(model_dir)
     if shift is None:
