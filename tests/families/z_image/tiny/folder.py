@@ -38,13 +38,14 @@ def scheduler_config(variant: str) -> dict:
     }
 
 
-def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo"):
+def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **transformer):
     """Write root/{model_index.json, transformer, vae, text_encoder, tokenizer, scheduler};
-    return the torch transformer. The builders' default configs agree with each other (caption
-    width 32 = the text encoder's width; 16 latent channels in the VAE and the transformer)."""
+    return the torch transformer (`transformer`: overrides of its tiny config). The builders'
+    default configs agree with each other (caption width 32 = the text encoder's width; 16
+    latent channels in the VAE and the transformer)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    transformer = build_transformer(root / "transformer", seed=seed)
+    transformer = build_transformer(root / "transformer", seed=seed, **transformer)
     build_vae(root / "vae", seed=seed)
     build_text_encoder(root, seed=seed)
     (root / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2))
