@@ -1,4 +1,4 @@
-"""Facts of the families the pack builds itself (ComfyUI 0.3.64 has no Qwen-Image 2.1 class).
+"""Facts of the families the pack builds itself (ComfyUI 0.3.64 knows neither of them).
 
 A server says what the pack needs to know of a family in its status: `vae.latents_mean` and
 `vae.latents_std`, and `conditioning.ref_method` and `conditioning.empty_prompt`. The tables here
@@ -151,7 +151,12 @@ PUBLISHED_NORMALISATION = {
 }
 
 # model_class (status `comfy.model_class`) -> family the pack builds a ComfyUI model for.
-PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21"}
+PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21", "ZImage": "z_image"}
+# model_class -> ComfyUI's own BaseModel class (in comfy.model_base) the pack's model also
+# derives from on a ComfyUI that knows the model class (comfy.supported_models has it), so stock
+# code that tells models apart by class treats it as that family's. Z-Image: 0.33 has it, 0.3.64
+# not (its Lumina2 is Lumina Image 2.0 alone).
+COMFY_BASE_CLASSES = {"ZImage": "Lumina2"}
 # The DiT's own reference placement method (ComfyUI's `ref_latents_method` default), for
 # servers whose status has no `conditioning.ref_method`.
 DEFAULT_REF_METHOD = {"qwen_image21": "index"}

@@ -8,6 +8,7 @@ table (§7.7). Imports ComfyUI; only ever imported inside a ComfyUI process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any
@@ -20,6 +21,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.patcher_extension
 import comfy.sample
+import comfy.supported_models
 import comfy.supported_models_base
 import numpy as np
 import torch
@@ -28,7 +30,7 @@ from gmlx_contract.errors import StepError
 from . import stock
 from .connection import Connection
 from .errors import GmlxError, named_nodes
-from .families import PACK_BUILT_CLASSES, latent_normalisation, ref_method
+from .families import COMFY_BASE_CLASSES, PACK_BUILT_CLASSES, latent_normalisation, ref_method
 from .interrupts import COMFY_INTERRUPT, call_or_interrupt
 from .patches import AdapterHashes, build_table, lora_key_map, unmapped_patches_text
 from .request import (
@@ -408,6 +410,21 @@ class GmlxModel(comfy.model_base.BaseModel):
         return 1.0
 
 
+def model_type_for(model_class: str) -> type[GmlxModel]:
+    """GmlxModel, also derived from ComfyUI's own BaseModel class of `model_class` when this
+    ComfyUI knows the class (COMFY_BASE_CLASSES); the pack's conds and DiT stand-in win."""
+    base_name = COMFY_BASE_CLASSES.get(model_class)
+    base = getattr(comfy.model_base, base_name, None) if base_name else None
+    if base is None or not hasattr(comfy.supported_models, model_class):
+        return GmlxModel
+    return _derived_model_type(base)
+
+
+@functools.cache
+def _derived_model_type(base: type) -> type[GmlxModel]:
+    return type(f"Gmlx{base.__name__}", (GmlxModel, base), {})
+
+
 class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
     """A ModelPatcher with no local weights: loading only marks it loaded and defines the
     LoRA table; sampling start begins a server run and cleanup ends it."""
@@ -489,7 +506,7 @@ def load_remote_model(conn: Connection, model_id: str) -> GmlxModelPatcher:
         )
     stock.install(comfy.lora, comfy.sample)
     remote = RemoteDiT(conn, model_id, status, manifest)
-    base = GmlxModel(model_config_for(status), remote)
+    base = model_type_for(model_class)(model_config_for(status), remote)
     device = torch.device("cpu")
     return GmlxModelPatcher(
         base, load_device=device, offload_device=device, size=REMOTE_WEIGHT_BYTES

@@ -3,14 +3,17 @@
 * `comfy.lora.model_lora_keys_unet` builds the LoRA key map the stock loaders read files through;
   beyond the generic `diffusion_model.` and `lora_unet_` forms it maps a form only for the model
   classes it names (`transformer.` keys for its QwenImage, ...). For a model carrying
-  `gmlx_lora_keys` (the pack's) the wrapper adds those: every form the server's own loader reads.
+  `gmlx_lora_keys` (the pack's) the wrapper adds those: every form the server's own loader reads,
+  in place of ComfyUI's entry for the same key where that lands on none of the model's weights
+  (ComfyUI's Lumina2 maps diffusers keys onto its own fused qkv names, which the model lacks).
 * `comfy.sample.fix_empty_latent_channels` widens an all-zero latent to the model's channels and,
   on ComfyUI releases whose empty latents carry `downscale_ratio_spacial`, rescales it to the
   model's `spacial_downscale_ratio`. ComfyUI 0.3.64's empty latents do not say their stride, so a
   stock empty latent (EmptyLatentImage, EmptySD3LatentImage: 1/8 of the pixels) would sample the
   pack's model (1/16) at twice the size asked for: for a model whose latent format carries
-  `gmlx_stride`, the wrapper refuses such a latent and names the node to use, and says when a
-  rescaled one lands on another size than asked for.
+  `gmlx_stride` other than 8 (Z-Image's 8 fits a stock latent), the wrapper refuses such a
+  latent and names the node to use, and says when a rescaled one lands on another size than
+  asked for.
 
 Each wrapper is installed once, calls the original and changes nothing for other models. Pure:
 the ComfyUI modules are handed to `install`.
@@ -29,6 +32,8 @@ from .errors import GmlxError
 log = logging.getLogger("gmlx_comfy")
 
 EMPTY_LATENT_NODE = "gmlx Empty Latent"
+# Pixels a side of one cell of ComfyUI's stock empty latents (EmptyLatentImage, EmptySD3...).
+STOCK_EMPTY_LATENT_STRIDE = 8
 
 
 def install(lora_module: ModuleType, sample_module: ModuleType) -> None:
@@ -50,11 +55,20 @@ def with_gmlx_lora_keys(original: Callable) -> Callable:
     @functools.wraps(original)
     def model_lora_keys_unet(model: Any, *args: Any, **kwargs: Any) -> dict:
         key_map = original(model, *args, **kwargs)
-        for stem, key in (getattr(model, "gmlx_lora_keys", None) or {}).items():
-            key_map.setdefault(stem, key)
+        gmlx_keys = getattr(model, "gmlx_lora_keys", None) or {}
+        weights = set(model.state_dict()) if gmlx_keys else set()
+        for stem, key in gmlx_keys.items():
+            if _target(key_map.get(stem)) not in weights:
+                key_map[stem] = key
         return key_map
 
     return model_lora_keys_unet
+
+
+def _target(entry: Any) -> Any:
+    """The weight a key-map entry patches: the key itself, or its first member, as ComfyUI's
+    (key, offset) entries into fused weights are."""
+    return entry[0] if isinstance(entry, tuple) else entry
 
 
 def with_gmlx_empty_latents(original: Callable) -> Callable:
@@ -66,7 +80,8 @@ def with_gmlx_empty_latents(original: Callable) -> Callable:
             return original(model, latent_image, *args, **kwargs)
         ratio = args[0] if args else kwargs.get("downscale_ratio_spacial")
         empty = latent_image.ndim == 4 and not bool(latent_image.any())
-        if empty and ratio is None and latent_image.shape[1] != latent_format.latent_channels:
+        unsized = ratio is None and stride != STOCK_EMPTY_LATENT_STRIDE
+        if empty and unsized and latent_image.shape[1] != latent_format.latent_channels:
             raise GmlxError(
                 unsized_empty_latent_text(latent_image.shape, latent_format.latent_channels, stride)
             )

@@ -1,8 +1,16 @@
 """The pack reads a family's facts from the server's status; its tables serve older servers."""
 
+import json
+
 import pytest
 from gmlx_comfy.clip import prompt_text
-from gmlx_comfy.families import empty_prompt, ref_method
+from gmlx_comfy.families import (
+    COMFY_BASE_CLASSES,
+    PACK_BUILT_CLASSES,
+    empty_prompt,
+    latent_normalisation,
+    ref_method,
+)
 
 
 def test_the_reference_method_is_the_status_s_else_the_table_s():
@@ -28,3 +36,25 @@ def test_the_server_publishes_what_the_tables_hold_for_its_family():
     assert empty_prompt("qwen_image21", status["conditioning"]["empty_prompt"]) == (
         empty_prompt("qwen_image21")
     )
+
+
+def test_z_image_is_a_pack_built_class_on_comfy_s_lumina2_where_comfy_knows_it():
+    assert PACK_BUILT_CLASSES["ZImage"] == "z_image"
+    assert COMFY_BASE_CLASSES == {"ZImage": "Lumina2"}  # Qwen-Image 2.1: the pack's class alone
+
+
+def test_z_image_s_status_gives_the_flux_vae_s_normalisation(tmp_path):
+    """The status publishes shift_factor / 1 / scaling_factor per channel; the pack's latent
+    format reads them as (z - mean) / std, which is ComfyUI's own Flux process_in."""
+    family = pytest.importorskip("gmlx_server.engine.families.z_image.family")
+    folder = pytest.importorskip("tests.families.z_image.tiny.folder")
+    folder.build_tiny_folder(tmp_path)
+    status = {"family": "z_image", **family.describe(tmp_path)}
+    assert status["comfy"]["model_class"] in PACK_BUILT_CLASSES
+    vae = json.loads((tmp_path / "vae" / "config.json").read_text())
+    mean, std = latent_normalisation(status)
+    assert len(mean) == len(std) == status["latent"]["channels"] == 16
+    assert mean == [vae["shift_factor"]] * 16
+    assert std == pytest.approx([1 / vae["scaling_factor"]] * 16)
+    assert ref_method(status) is None
+    assert empty_prompt("z_image", status["conditioning"]["empty_prompt"]) == ""

@@ -87,6 +87,30 @@ def test_a_gmlx_model_adds_its_forms_without_overriding_comfys():
     }
 
 
+def test_a_gmlx_key_replaces_comfys_where_that_lands_on_no_weight_of_the_model():
+    """ComfyUI's Lumina2 maps diffusers keys onto its own fused qkv, which the model lacks."""
+
+    def comfy_lumina2(model, key_map={}):  # noqa: B006 - ComfyUI's own signature
+        key_map = _lora_keys_0_3_64(model, key_map)
+        key_map["transformer.a.to_q"] = ("diffusion_model.a.qkv.weight", (0, 0, 4))
+        return key_map
+
+    lora = types.SimpleNamespace(model_lora_keys_unet=comfy_lumina2)
+    stock.install(lora, types.SimpleNamespace(fix_empty_latent_channels=_fix_empty_0_3_64))
+    model = _Model(
+        ["diffusion_model.a.to_q.weight"],
+        gmlx_keys={"transformer.a.to_q": "diffusion_model.a.to_q.weight"},
+    )
+    key_map = lora.model_lora_keys_unet(model, {})
+    assert key_map["transformer.a.to_q"] == "diffusion_model.a.to_q.weight"
+
+
+def test_0_3_64_stock_empty_latents_fit_a_model_of_stride_8():
+    _, sample = _modules(_fix_empty_0_3_64)
+    fixed = sample.fix_empty_latent_channels(_Patcher(16, 8), torch.zeros(1, 4, 32, 32))
+    assert fixed.shape == (1, 16, 32, 32)
+
+
 def test_0_3_64_stock_empty_latents_are_refused_naming_the_node():
     _, sample = _modules(_fix_empty_0_3_64)
     for channels in (4, 16):  # EmptyLatentImage, EmptySD3LatentImage at 256²
