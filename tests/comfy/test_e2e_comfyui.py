@@ -50,6 +50,8 @@ pytestmark = [
 ]
 
 SIZE = 64
+# The tiny Z-Image folder the server's model dir holds (tests/families/z_image/tiny).
+Z_IMAGE_MODEL = "z-image-tiny"
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
@@ -157,9 +159,14 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gmlx_server(workdir):
-    """`gmlx serve` with no model configured: it serves the embedded default model."""
+    """`gmlx serve` with one model dir holding a tiny Z-Image folder and no default model: it
+    serves the embedded default model, the default, and the Z-Image model."""
+    from tests.families.z_image.tiny.folder import build_tiny_folder
+
+    models = workdir / "models"
+    build_tiny_folder(models / Z_IMAGE_MODEL, variant="turbo")
     config = workdir / "config.toml"
-    config.write_text("[server]\nmodel_dirs = []\n", encoding="utf-8")
+    config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(models))}]\n", encoding="utf-8")
     port = _free_port()
     log_path = workdir / "gmlx.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
@@ -234,6 +241,15 @@ def engine(gmlx_server):
     loaded = choice.registry.acquire(choice.model_id)
     assert choice.model_id == gmlx_server["model"]
     return loaded.model
+
+
+@pytest.fixture(scope="module")
+def z_image_engine(gmlx_server):
+    """The server's tiny Z-Image model loaded in this process."""
+    from gmlx_server.image_cli import choose_model
+
+    choice = choose_model(Z_IMAGE_MODEL, gmlx_server["config"])
+    return choice.registry.acquire(choice.model_id).model
 
 
 # ---------------------------------------------------------------- ComfyUI prompts
@@ -363,10 +379,13 @@ def _to_vae_space(model, latents: np.ndarray) -> np.ndarray:
     return latents * std + mean
 
 
-def comfy_simple_sigmas(steps: int) -> np.ndarray:
-    """ComfyUI's "simple" schedule for the pack's model sampling (flow, shift 1, multiplier
-    1): ModelSamplingDiscreteFlow's sigmas are float32 k / 1000 for k = 1..1000."""
+def comfy_simple_sigmas(steps: int, shift: float = 1.0) -> np.ndarray:
+    """ComfyUI's "simple" schedule for the pack's model sampling (flow, multiplier 1, the
+    status's shift): ModelSamplingDiscreteFlow's sigmas are float32 t = k / 1000 for
+    k = 1..1000, shifted as time_snr_shift does (shift·t / (1 + (shift − 1)·t))."""
     table = np.arange(1, 1001).astype(np.float32) / np.float32(1000.0)
+    if shift != 1.0:
+        table = np.float32(shift) * table / (np.float32(1.0) + np.float32(shift - 1.0) * table)
     stride = len(table) / steps
     picked = [table[-(1 + int(x * stride))] for x in range(steps)]
     return np.asarray(picked + [0.0], dtype=np.float32)
@@ -439,6 +458,27 @@ def test_stock_ksampler_euler_simple_equals_the_in_process_sampler(comfyui, gmlx
     got = _latent(comfyui, _run(comfyui, wf))
     want = direct_sample(engine, wf["4"]["inputs"]["text"], seed, comfy_simple_sigmas(steps))
     assert _rel(got, want) <= LATENT_RTOL
+
+
+def test_stock_ksampler_on_z_image_equals_the_in_process_sampler(
+    comfyui, gmlx_server, z_image_engine
+):
+    """The stock KSampler (euler, "simple") on the server's Z-Image model: ComfyUI's Z-Image
+    model class where it has one, the pack's own otherwise; the status's shift (3) shapes the
+    sigmas on both sides."""
+    seed, steps = 5, 4
+    wf = _save_latent(_workflow("gmlx_lora"), "11")
+    for loader in ("1", "2", "3"):
+        wf[loader]["inputs"]["model_name"] = Z_IMAGE_MODEL
+    wf["11"]["inputs"].update(seed=seed, steps=steps)
+    got = _latent(comfyui, _run(comfyui, wf))
+    status = z_image_engine.status()
+    assert status["comfy"]["model_class"] == "ZImage" and status["sampling"]["shift"] == 3.0
+    sigmas = comfy_simple_sigmas(steps, status["sampling"]["shift"])
+    want = direct_sample(z_image_engine, wf["4"]["inputs"]["text"], seed, sigmas)
+    assert got.shape == want.shape == (1, 16, SIZE // 8, SIZE // 8)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, direct_sample(z_image_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
 
 
 def test_stock_ksampler_uni_pc_bh2_equals_the_in_process_sampler(comfyui, gmlx_server, engine):
