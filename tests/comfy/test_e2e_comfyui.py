@@ -814,17 +814,30 @@ class _LogSlice:
             self.text = log.read().decode("utf-8", "replace")
 
 
-def _lora_files(engine, folder: Path) -> dict[str, Path]:
+# Z-Image's layers a LoRA patches: its ComfyUI class maps the diffusers names of the attention
+# projections onto a fused qkv weight (which the pack's model lacks); refiners and blocks both.
+Z_IMAGE_LORA_LAYERS = (
+    "layers.0.attention.to_q",
+    "layers.0.attention.to_v",
+    "layers.0.feed_forward.w1",
+    "noise_refiner.0.attention.to_k",
+    "context_refiner.0.attention.to_out.0",
+)
+
+
+def _lora_files(engine, folder: Path, layers=None) -> dict[str, Path]:
     """One random LoRA in every key form the server's `--adapter` loader reads (tests/lora/forms.py
     writes the diffusers, kohya and ComfyUI forms; PEFT's comes with its adapter_config.json, at
-    lora_alpha = r so that its scale is ComfyUI's 1; bare names; `model.diffusion_model.`)."""
+    lora_alpha = r so that its scale is ComfyUI's 1; bare names; `model.diffusion_model.`), on
+    `layers` (default: forms.py's Qwen-Image layers)."""
     from safetensors.numpy import save_file
 
-    from tests.lora.forms import random_lora, write_form
+    from tests.lora.forms import LAYERS, random_lora, write_form
 
+    layers = layers or LAYERS
     shapes = {t["name"][: -len(".weight")]: t["shape"] for t in engine.manifest()["tensors"]}
-    lora = random_lora(shapes, seed=3, rank=2, alpha=1.0)
-    bare = random_lora(shapes, seed=3, rank=2, alpha=None)
+    lora = random_lora(shapes, seed=3, rank=2, alpha=1.0, layers=layers)
+    bare = random_lora(shapes, seed=3, rank=2, alpha=None, layers=layers)
     diffusers = write_form(bare, "diffusers")
     states = {
         "diffusers": diffusers,
@@ -875,6 +888,27 @@ def test_lora_in_every_key_form_applies_as_the_server_loader_does(
     want = direct_sample(engine, PACK_PROMPT, seed, sigmas, _server_table(engine, path))
     assert _rel(got, want) <= LATENT_RTOL
     assert _rel(want, direct_sample(engine, PACK_PROMPT, seed, sigmas)) > 1000 * LATENT_RTOL
+
+
+@pytest.mark.parametrize("form", ["diffusers", "kohya", "comfy", "peft", "bare", "model"])
+def test_a_z_image_lora_in_every_key_form_applies_as_the_server_loader_does(
+    comfyui, gmlx_server, z_image_engine, form
+):
+    """As above on Z-Image, whose ComfyUI class (0.33) maps the diffusers forms onto its own
+    fused qkv names: the pack's keys take their place, so every key still loads."""
+    seed, steps = 6, 4
+    folder = comfyui["base"] / "models" / "loras" / "z_image"
+    path = _lora_files(z_image_engine, folder, Z_IMAGE_LORA_LAYERS)[form]
+    name = str(path.relative_to(comfyui["base"] / "models" / "loras"))
+    wf = _with_lora(_pack_prompt(Z_IMAGE_MODEL, seed, steps), name)
+    with _LogSlice(comfyui["log"]) as log:
+        got = _latent(comfyui, _run(comfyui, wf))
+    assert "lora key not loaded" not in log.text and "NOT LOADED" not in log.text, log.text
+    sigmas = comfy_simple_sigmas(steps, z_image_engine.status()["sampling"]["shift"])
+    table = _server_table(z_image_engine, path)
+    want = direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas, table)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas)) > 100 * LATENT_RTOL
 
 
 def test_lora_loader_with_clip_reads_the_diffusers_form(comfyui, gmlx_server, engine):
