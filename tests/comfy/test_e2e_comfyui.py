@@ -1,5 +1,5 @@
 """End to end: a real ComfyUI (headless, CPU) with the pack, driving a real `gmlx serve` on the
-embedded tiny Qwen-Image 2.1 model, through ComfyUI's HTTP API.
+embedded tiny Qwen-Image 2.1 model and a tiny Z-Image folder, through ComfyUI's HTTP API.
 
 Runs only when COMFYUI_DIR names a ComfyUI checkout (CI has none). COMFYUI_PYTHON names the
 interpreter with ComfyUI's requirements (default: this one). See docs/comfyui.md.
