@@ -449,6 +449,20 @@ def test_text_to_image_equals_gmlx_image_sample(comfyui, gmlx_server, engine, wo
     assert np.abs(_rgb(image) - _rgb(out)).max() <= PIXEL_TOLERANCE
 
 
+def test_text_to_image_on_z_image_equals_the_engines_generate(comfyui, gmlx_server, z_image_engine):
+    """The text-to-image example with its loaders on Z-Image: gmlx Sigmas gives the turbo
+    variant's steps and cfg (8, 1) on ComfyUI's "simple" schedule at the status's shift."""
+    seed = 9
+    wf = _save_latent(_workflow("gmlx_text_to_image"), "11")
+    for loader in ("1", "2", "3"):
+        wf[loader]["inputs"]["model_name"] = Z_IMAGE_MODEL
+    wf["8"]["inputs"]["noise_seed"] = seed
+    got = _latent(comfyui, _run(comfyui, wf))
+    want = direct_generate(z_image_engine, wf["4"]["inputs"]["text"], seed)
+    assert got.shape == want.shape == (1, 16, SIZE // 8, SIZE // 8)
+    assert _rel(got, want) <= LATENT_RTOL
+
+
 def test_stock_ksampler_euler_simple_equals_the_in_process_sampler(comfyui, gmlx_server, engine):
     """The stock KSampler (its own noise and "simple" sigmas) against the engine's sampler
     started from the same seed along the same sigmas."""
