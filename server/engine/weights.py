@@ -2,9 +2,10 @@
 and what a family's load asks of them.
 
 Everything that touches stored tensors goes through here: reading (safetensors shards today;
-GGUF and MLX's quantized files next), casting to the compute dtype, and in time quantizing and
-sharding. A family's load says what it needs (`load_weights(dir, dtype, keep_f32=...)`) and maps
-the names (its DiT's `sanitize`); it never casts leaf by leaf. Memory is counted from the loaded
+GGUF and MLX's quantized files next), casting to the compute dtype, quantizing (quantize.py)
+and in time sharding. A family's load says what it needs (`load_tree(dir, sanitize, dtype,
+keep_f32=..., quantization=..., quantized=...)`) and maps the names (its DiT's `sanitize`); it
+never casts leaf by leaf. Memory is counted from the loaded
 arrays (`nn.dtypes.tree_bytes`); the header-based `stored_elements` serves only estimates for a
 folder that is not loaded. `tensor_infos` gives logical shapes, whatever the storage.
 """
@@ -19,6 +20,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from .precision import Quantization
+from .quantize import quantize_tree
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -53,6 +57,27 @@ def load_weights(
             target = mx.float32 if keep_f32 is not None and keep_f32(name) else dtype
             weights[name] = value.astype(target) if target is not None else value
     return weights
+
+
+def load_tree(
+    component_dir: Path,
+    sanitize: Callable[[dict[str, mx.array]], dict],
+    dtype: mx.Dtype | None = None,
+    keep_f32: Callable[[str], bool] | None = None,
+    quantization: Quantization | None = None,
+    quantized: Callable[[str], bool] | None = None,
+) -> dict:
+    """A component's weight tree, evaluated: its tensors read (`load_weights`), mapped by the
+    family's `sanitize` (file names -> tree), and with a `quantization` the linear weights
+    whose tree path `quantized` picks quantized, one at a time (quantize.quantize_tree), so the
+    float model is never whole in memory."""
+    tree = sanitize(load_weights(component_dir, dtype, keep_f32))
+    if quantization is not None:
+        if quantized is None:
+            raise ValueError("a quantized load needs the family's choice of layers")
+        quantize_tree(tree, quantization, quantized)
+    mx.eval(tree)
+    return tree
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Weights load by transformers' names; `lm_head` and the final norm are unused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -16,7 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin
+from ...precision import Quantization
+from ...quantize import quantize_module
 from ...weights import load_weights, read_config
 from .text import TextConfig, TextModel
 from .vision import VisionConfig, VisionModel
@@ -38,17 +42,30 @@ class Qwen3VLEncoder(nn.Module):
         self.visual = VisionModel(vision)
 
     @classmethod
-    def load(cls, component_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[Qwen3VLEncoder, int]:
-        """The encoder of a transformers folder, and the bytes of its loaded weights."""
+    def load(
+        cls,
+        component_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+        quantized: Callable[[str], bool] | None = None,
+    ) -> tuple[Qwen3VLEncoder, int]:
+        """The encoder of a transformers folder, and the bytes of its loaded weights. With a
+        `quantization`, the linear layers whose module path `quantized` picks (the family's
+        choice) are quantized as they load (quantize.quantize_module)."""
         config = read_config(component_dir)
         encoder = cls(
             TextConfig.from_dict(config["text_config"]),
             VisionConfig.from_dict(config["vision_config"]),
         )
         weights = sanitize(load_weights(component_dir, dtype))
+        if quantization is not None:
+            if quantized is None:
+                raise ValueError("a quantized load needs the family's choice of layers")
+            quantize_module(encoder, weights, quantization, quantized)
         encoder.load_weights(list(weights.items()), strict=True)
+        del weights
         mx.eval(encoder.parameters())
-        return encoder, sum(value.nbytes for value in weights.values())
+        return encoder, tree_bytes(encoder.parameters())
 
     def hidden_states(
         self,

@@ -21,6 +21,8 @@ from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
+from ...precision import Quantization
+from ...quantize import quantization_status
 from ...weights import component_bytes, read_config, stored_elements
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
@@ -139,7 +141,10 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(model_dir),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
-        "memory": memory_row(model_dir, dtype or default_compute_dtype(), resident=False),
+        # Extension of docs/contract.md §2.3: each component's weight precision, here as the
+        # files store it (float); a loaded model reports what it holds (`QwenImage21Model`).
+        "quantization": {"dit": None, "encoder": None, "vae": None},
+        "memory": memory_row(model_dir, dtype or default_compute_dtype()),
     }
 
 
@@ -218,19 +223,22 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return max(step, vae)
 
 
-def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
+def memory_row(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None) -> dict:
     """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
-    footprint, loaded weights plus the reserve, less the file sizes) and the resident bytes."""
+    footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
+    weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
+    None: not loaded, estimated from the headers, and nothing resident."""
     files = {
         "dit_bytes": component_bytes(model_dir / "transformer"),
         "encoder_bytes": component_bytes(model_dir / "text_encoder"),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
-    footprint = estimated_weight_bytes(model_dir, dtype) + activation_reserve(model_dir, dtype)
+    weights = estimated_weight_bytes(model_dir, dtype) if weight_bytes is None else weight_bytes
+    footprint = weights + activation_reserve(model_dir, dtype)
     return {
         **files,
         "activation_reserve_bytes": max(0, footprint - sum(files.values())),
-        "resident_bytes": footprint if resident else 0,
+        "resident_bytes": footprint if weight_bytes is not None else 0,
     }
 
 
@@ -239,7 +247,11 @@ def manifest(model_dir: Path) -> dict:
     return dit_manifest(FAMILY, Path(model_dir) / "transformer", "Qwen-Image 2.1")
 
 
-def load(model_dir: Path, model_id: str) -> QwenImage21Model:
+def load(
+    model_dir: Path, model_id: str, quantization: Quantization | None = None
+) -> QwenImage21Model:
+    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -248,9 +260,9 @@ def load(model_dir: Path, model_id: str) -> QwenImage21Model:
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
-    dit = QwenImage21DiT.load(model_dir / "transformer")
+    dit = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization)
     vae = QwenImage21VAE.load(model_dir / "vae")
-    encoder = QwenImage21PromptEncoder.load(model_dir)
+    encoder = QwenImage21PromptEncoder.load(model_dir, quantization=quantization)
     return QwenImage21Model(model_dir, model_id, found[1], dit, vae, encoder)
 
 
@@ -268,8 +280,14 @@ class QwenImage21Model(FamilyModel):
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
     ):
         model_dir = Path(model_dir)
+        weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
         status = describe(model_dir, model_id, dit.dtype)
-        status["memory"] = memory_row(model_dir, dit.dtype, resident=True)
+        status["quantization"] = {
+            "dit": quantization_status(dit.weights),
+            "encoder": quantization_status(encoder.encoder),
+            "vae": None,
+        }
+        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes)
         super().__init__(
             model_dir,
             model_id,
@@ -278,7 +296,7 @@ class QwenImage21Model(FamilyModel):
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
             status=status,
             read_manifest=manifest,
-            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            weight_bytes=weight_bytes,
         )
         self.dit = dit
         self.encoder = encoder
