@@ -675,6 +675,8 @@ def bench_record(
 def model_record(loaded: Any, status: dict) -> dict:
     folder = Path(loaded.entry.path)
     memory = status.get("memory", {})
+    # the resident precision (status `quantization`, an extension): null as the files store it
+    quantization = status.get("quantization") or {}
     dtypes = sorted({t["dtype"] for t in loaded.model.manifest().get("tensors", [])})
     return {
         "id": loaded.model_id,
@@ -684,11 +686,13 @@ def model_record(loaded: Any, status: dict) -> dict:
             "file": str(folder / "transformer"),
             "bytes": int(memory.get("dit_bytes", 0)),
             "quant": "+".join(dtypes) or None,
+            "quantization": quantization.get("dit"),
         },
         "encoder": {
             "file": str(folder / "text_encoder"),
             "bytes": int(memory.get("encoder_bytes", 0)),
             "shared": False,
+            "quantization": quantization.get("encoder"),
         },
         "vae": {
             "file": str(folder / "vae"),
