@@ -80,6 +80,7 @@ COMMANDS: list[Callable | str] = [
     register_serve,
     register_image,
     "gmlx_server.discovery:register",  # `gmlx status`, `gmlx list`
+    "gmlx_server.model_cli:register",  # `gmlx model quantize`
 ]
 
 

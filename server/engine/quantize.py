@@ -100,8 +100,8 @@ def quantize_tree(
         value, where = tree[key], path + key
         if isinstance(value, (dict, list)):
             quantize_tree(value, quantization, include, where + ".")
-        elif _quantizable(value, where, quantization, include):
-            tree[key], tree[key + SCALES], tree[key + BIASES] = _quantized(value, quantization)
+        elif include(where) and quantizable(value, quantization):
+            tree[key], tree[key + SCALES], tree[key + BIASES] = quantized(value, quantization)
             tree[key + SPEC] = (quantization.bits, quantization.group_size)
 
 
@@ -117,8 +117,10 @@ def quantize_module(
     picked: list[str] = []
 
     def predicate(path: str, layer: nn.Module) -> bool:
-        wanted = isinstance(layer, nn.Linear) and _quantizable(
-            layer.weight, path, quantization, include
+        wanted = (
+            isinstance(layer, nn.Linear)
+            and include(path)
+            and quantizable(layer.weight, quantization)
         )
         if wanted:
             picked.append(path)
@@ -133,17 +135,73 @@ def quantize_module(
     )
     for path in picked:
         value = weights.pop(path + ".weight")
-        quantized = _quantized(value, quantization)
-        weights[path + ".weight"], weights[path + SCALES], weights[path + BIASES] = quantized
+        packed = quantized(value, quantization)
+        weights[path + ".weight"], weights[path + SCALES], weights[path + BIASES] = packed
 
 
-def _quantizable(
-    value: mx.array, path: str, quantization: Quantization, include: Callable[[str], bool]
-) -> bool:
-    return value.ndim == 2 and value.shape[1] % quantization.group_size == 0 and include(path)
+def sanitize_stored(
+    files: dict[str, mx.array], sanitize: Callable[[dict], dict], quantization: Quantization
+) -> dict:
+    """The weight tree of files stored quantized (each quantized `X.weight` packed, with
+    `X.scales` and `X.biases`), through the family's own `sanitize`: it maps the packed
+    weights, then the scales and then the biases in their weights' places, and each packed
+    leaf gets its scales, biases and (bits, group_size) beside it. A family's sanitize may fuse
+    linear weights along their rows only (concatenation on axis 0), which quantized rows
+    allow."""
+    packed = {name[: -len(SCALES)] + ".weight" for name in files if name.endswith(SCALES)}
+    plain = {n: v for n, v in files.items() if not n.endswith((SCALES, BIASES))}
+
+    def beside(suffix: str) -> dict:
+        return {
+            n: files[n[: -len(".weight")] + suffix] if n in packed else v for n, v in plain.items()
+        }
+
+    tree = sanitize(plain)
+    _attach(tree, sanitize(beside(SCALES)), sanitize(beside(BIASES)), quantization)
+    return tree
 
 
-def _quantized(value: mx.array, quantization: Quantization) -> tuple[mx.array, ...]:
+def _attach(tree, scales, biases, quantization: Quantization) -> None:
+    """Beside each packed (uint32) leaf of `tree`, the leaves at the same path of `scales`
+    and `biases` and the (bits, group_size) constants."""
+    if isinstance(tree, list):
+        for index, child in enumerate(tree):
+            _attach(child, scales[index], biases[index], quantization)
+        return
+    for key in list(tree):
+        value = tree[key]
+        if isinstance(value, (dict, list)):
+            _attach(value, scales[key], biases[key], quantization)
+        elif value.dtype == mx.uint32:
+            tree[key + SCALES], tree[key + BIASES] = scales[key], biases[key]
+            tree[key + SPEC] = (quantization.bits, quantization.group_size)
+
+
+def quantize_stored_module(
+    module: nn.Module, weights: dict[str, mx.array], quantization: Quantization
+) -> None:
+    """Make the module's `nn.Linear` layers whose weights are stored quantized (`path.scales`
+    among `weights`, as mlx-lm decides) `QuantizedLinear`s, ready for `load_weights`."""
+    nn.quantize(
+        module,
+        quantization.group_size,
+        quantization.bits,
+        mode=MODE,
+        class_predicate=lambda path, layer: path + SCALES in weights,
+    )
+
+
+def quantizable(value: mx.array, quantization: Quantization) -> bool:
+    """A float matrix whose rows the group size divides."""
+    return (
+        value.ndim == 2
+        and mx.issubdtype(value.dtype, mx.floating)
+        and value.shape[1] % quantization.group_size == 0
+    )
+
+
+def quantized(value: mx.array, quantization: Quantization) -> tuple[mx.array, ...]:
+    """(packed, scales, biases) of a matrix, evaluated."""
     packed, scales, biases = mx.quantize(
         value, quantization.group_size, quantization.bits, mode=MODE
     )

@@ -9,6 +9,7 @@ family live here.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,14 +18,16 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
+from ...encoders.qwen3.vl import module_name
 from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...quantize import quantization_status
-from ...weights import component_bytes, read_config, stored_elements
+from ...weights import component_bytes, read_config, stored_elements, stored_quantization
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
+from .dit import quantized as dit_quantized
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
 FAMILY = "qwen_image21"
@@ -142,10 +145,19 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "sampling": sampling_row(model_dir),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
         # Extension of docs/contract.md §2.3: each component's weight precision, here as the
-        # files store it (float); a loaded model reports what it holds (`QwenImage21Model`).
-        "quantization": {"dit": None, "encoder": None, "vae": None},
+        # files store it; a loaded model reports what it holds (`QwenImage21Model`).
+        "quantization": {
+            "dit": _stored_status(model_dir / "transformer"),
+            "encoder": _stored_status(model_dir / "text_encoder"),
+            "vae": None,
+        },
         "memory": memory_row(model_dir, dtype or default_compute_dtype()),
     }
+
+
+def _stored_status(component_dir: Path) -> dict | None:
+    stored = stored_quantization(component_dir)
+    return None if stored is None else stored.status()
 
 
 def step_peak_bytes(
@@ -240,6 +252,24 @@ def memory_row(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None
         "activation_reserve_bytes": max(0, footprint - sum(files.values())),
         "resident_bytes": footprint if weight_bytes is not None else 0,
     }
+
+
+def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
+    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
+    weights a quantized load quantizes (dit.quantized, prompt.quantized)."""
+    from .prompt import quantized as encoder_quantized
+
+    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
+
+    def dit_file(name: str) -> bool:
+        slot = slots.get(name.removesuffix(".weight"))
+        return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
+
+    def encoder_file(name: str) -> bool:
+        module = module_name(name)
+        return module is not None and encoder_quantized(module.removesuffix(".weight"))
+
+    return {"transformer": dit_file, "text_encoder": encoder_file}
 
 
 def manifest(model_dir: Path) -> dict:
