@@ -100,7 +100,7 @@ def quantize_tree(
         value, where = tree[key], path + key
         if isinstance(value, (dict, list)):
             quantize_tree(value, quantization, include, where + ".")
-        elif include(where) and quantizable(value, quantization):
+        elif quantizable(value, quantization) and include(where):
             tree[key], tree[key + SCALES], tree[key + BIASES] = quantized(value, quantization)
             tree[key + SPEC] = (quantization.bits, quantization.group_size)
 
@@ -119,8 +119,8 @@ def quantize_module(
     def predicate(path: str, layer: nn.Module) -> bool:
         wanted = (
             isinstance(layer, nn.Linear)
-            and include(path)
             and quantizable(layer.weight, quantization)
+            and include(path)
         )
         if wanted:
             picked.append(path)

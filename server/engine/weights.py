@@ -77,7 +77,10 @@ def load_weights(
 
 
 def stored_quantization(component_dir: Path) -> Quantization | None:
-    """The quantization a component's files hold (its config's `quantization`), or None."""
+    """The quantization a component's files hold (its config's `quantization`), or None (also
+    for a component without a config.json)."""
+    if not (Path(component_dir) / "config.json").is_file():
+        return None
     stored = read_config(component_dir).get("quantization")
     if stored is None:
         return None
