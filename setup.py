@@ -16,4 +16,5 @@ def packages() -> list[str]:
     return found
 
 
-setup(package_dir=ROOTS, packages=packages())
+if __name__ == "__main__":  # as setuptools' build backend and pip run it; tests import packages()
+    setup(package_dir=ROOTS, packages=packages())

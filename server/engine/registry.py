@@ -3,7 +3,8 @@
 A model is a folder holding a diffusers `model_index.json`, found directly under one of the
 configured model dirs (or given as an extra folder, e.g. the embedded default); its id is the
 folder's name. The family is found by asking each family module of `FAMILIES` to `identify` the
-folder; the module's `load(model_dir, model_id)` builds the `ImageModel`.
+folder; the module's `load(model_dir, model_id)` builds the `ImageModel`, which must carry the
+whole seam (base.seam_gaps: a model lacking a member fails its load, naming it).
 
 Loading, unloading and everything a loaded model does happen on the image worker thread; the
 methods that do so say so. Holds (an open run, a step between its checks and its forward) keep
@@ -40,8 +41,10 @@ LISTING_TTL_S = 2.0
 # provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
 # of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
 # precision.Quantization) in a family that quantizes; optionally `describe(model_dir, model_id)
-# -> dict` (the status of a model that is not loaded) and `manifest(model_dir) -> dict`.
-# Tests add their own family here.
+# -> dict` (the status of a model that is not loaded), `manifest(model_dir) -> dict`,
+# `quantized_files(model_dir)` (for `gmlx model quantize`) and `FEATURES` (routes/models.py).
+# Adding a family is its folder and one line here (docs/engine.md, "Adding a family"); tests
+# pass their own table as `ModelRegistry(families=...)`.
 FAMILIES: dict[str, Any] = {
     "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
 }

@@ -9,6 +9,10 @@ engine called in this process: `sampling.generate` (what `gmlx image sample` run
 `sampling.sample` with ComfyUI's own sigmas and, for LoRA, a patch table built here from the
 LoRA file. ComfyUI's euler computes x + (x - denoised) / sigma * dt where the server sampler
 computes x + v * dt, both in float32, so the latents agree to rounding, not bit for bit.
+
+The prompts are the example workflows' API copies as shipped. With CHROMIUM naming a Chromium
+binary (and Playwright installed) the browser check also opens each example from the
+frontend's template browser and runs it from there.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,12 +34,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.comfy.workflow_files import (
+    CONTROL_AFTER_GENERATE,
+    NAMES,
+    STOCK_NODES,
+    UPLOAD_BUTTONS,
+    api_workflow,
+    ui_to_api,
+    ui_workflow,
+)
+
 pytestmark = [
     pytest.mark.comfyui,
     pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"), reason="COMFYUI_DIR is not set"),
 ]
 
-WORKFLOWS = Path(__file__).resolve().parents[2] / "comfy_nodes" / "example_workflows"
 SIZE = 64
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
@@ -49,15 +63,52 @@ LORA_RANK, LORA_ALPHA = 2, 1.0
 # The interrupt test's image: big enough that one step of the tiny model takes a while.
 INTERRUPT_SIZE = 1024
 STEP_LINE = re.compile(r"POST \S*/step (\d{3}) ([0-9.]+) ms")
+EXAMPLE_PICTURE = "example.png"
+# The browser check: a Chromium binary (Playwright drives it; it downloads no browser).
+CHROMIUM = os.environ.get("CHROMIUM")
+# Where the browser check saves a screenshot of each example after its run, when set.
+SCREENSHOT_DIR = os.environ.get("COMFYUI_SCREENSHOTS")
+VIEWPORT = {"width": 1600, "height": 900}
 
-# ComfyUI imports torchvision only for model families the pack never builds; where the local
-# torch wheel has no matching torchvision this stands in a module transformers reads as absent.
-TORCHVISION_STUB = """
-import importlib.util, importlib.machinery, sys, types
-if importlib.util.find_spec("torchvision") is None:
-    tv = types.ModuleType("torchvision"); tv.transforms = types.ModuleType("torchvision.transforms")
-    tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
-    sys.modules["torchvision"] = tv; sys.modules["torchvision.transforms"] = tv.transforms
+# ComfyUI imports torchvision and torchaudio for model families and nodes the pack never uses,
+# newer ComfyUI at start-up (`from torchvision.ops import roi_align`, `import torchaudio` in
+# comfy/sd.py). Where the local torch wheel has no matching build of them, this finder stands in
+# their modules: a name taken from one is a placeholder that raises when called, and the package
+# has neither version nor file, so transformers' version probe reads it as absent.
+MISSING_PACKAGES_STUB = """
+import importlib.abc, importlib.machinery, importlib.util, sys, types
+
+class Missing:
+    def __init__(self, name):
+        self.name = name
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Missing(self.name + "." + attr)
+    def __call__(self, *args, **kwargs):
+        raise ImportError(self.name + " is not installed")
+
+class MissingModule(types.ModuleType):
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return Missing(self.__name__ + "." + attr)
+
+class MissingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages):
+        self.packages = packages
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.packages:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+    def create_module(self, spec):
+        return MissingModule(spec.name)
+    def exec_module(self, module):
+        module.__path__ = []
+
+absent = {p for p in ("torchvision", "torchaudio") if importlib.util.find_spec(p) is None}
+if absent:
+    sys.meta_path.append(MissingFinder(absent))
 """
 
 
@@ -140,10 +191,12 @@ def comfyui(workdir, gmlx_server):
     base = workdir / "comfy"
     for sub in ("custom_nodes", "models/loras", "input", "output"):
         (base / sub).mkdir(parents=True)
+    # A fresh install's input folder holds ComfyUI's example picture; the edit example uses it.
+    shutil.copy(comfy_dir / "input" / EXAMPLE_PICTURE, base / "input" / EXAMPLE_PICTURE)
     link_pack(base / "custom_nodes")
     stub = workdir / "stub"
     stub.mkdir()
-    (stub / "sitecustomize.py").write_text(TORCHVISION_STUB, encoding="utf-8")
+    (stub / "sitecustomize.py").write_text(MISSING_PACKAGES_STUB, encoding="utf-8")
     port = _free_port()
     env = {
         **os.environ,
@@ -186,12 +239,14 @@ def engine(gmlx_server):
 # ---------------------------------------------------------------- ComfyUI prompts
 
 
-def _workflow(name: str, model: str, size: int = SIZE) -> dict:
-    wf = json.loads((WORKFLOWS / f"{name}.api.json").read_text())
+def _workflow(name: str, size: int = SIZE) -> dict:
+    """An example's API copy as shipped (its model is the server's default), at a small size."""
+    return _at_size(api_workflow(name), size)
+
+
+def _at_size(wf: dict, size: int) -> dict:
     for node in wf.values():
         inputs = node["inputs"]
-        if "model_name" in inputs:
-            inputs["model_name"] = model
         for key in ("width", "height"):
             if key in inputs:
                 inputs[key] = size
@@ -256,6 +311,47 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+# ---------------------------------------------------------------- example workflow files
+
+
+def _inputs_in_order(node_info: dict) -> dict:
+    """A node type's input specs by name, in the order the frontend makes their widgets."""
+    specs = {**node_info["input"].get("required", {}), **node_info["input"].get("optional", {})}
+    order = node_info["input_order"]
+    return {name: specs[name] for name in order.get("required", []) + order.get("optional", [])}
+
+
+def _is_widget(spec: list) -> bool:
+    return isinstance(spec[0], list) or spec[0] in ("COMBO", "INT", "FLOAT", "STRING", "BOOLEAN")
+
+
+def _controlled(spec: list) -> bool:
+    return (
+        len(spec) > 1 and isinstance(spec[1], dict) and bool(spec[1].get("control_after_generate"))
+    )
+
+
+def test_the_example_files_widgets_are_this_comfyuis(comfyui):
+    """What the UI -> API conversion assumes of stock ComfyUI holds for this ComfyUI: the node
+    types exist, the files list their widgets in this ComfyUI's order, and the unsent widgets
+    are the seeds' "control after generate" and the image upload button."""
+    info = _json(comfyui["url"] + "/object_info")
+    assert STOCK_NODES <= set(info)
+    for node_type in STOCK_NODES:
+        controlled = {
+            n for n, spec in _inputs_in_order(info[node_type]).items() if _controlled(spec)
+        }
+        assert controlled == {CONTROL_AFTER_GENERATE.get(node_type)} - {None}, node_type
+    assert info["LoadImage"]["input"]["required"]["image"][1]["image_upload"] is True
+    for name in NAMES:
+        for node in ui_workflow(name)["nodes"]:
+            if node["type"] in info:
+                specs = _inputs_in_order(info[node["type"]])
+                shown = [s["widget"]["name"] for s in node.get("inputs", []) if "widget" in s]
+                shown = [n for n in shown if n != UPLOAD_BUTTONS.get(node["type"])]
+                assert shown == [n for n, spec in specs.items() if _is_widget(spec)], node["type"]
+
+
 # ---------------------------------------------------------------- direct engine calls
 
 
@@ -313,7 +409,7 @@ def direct_generate(model, prompt: str, seed: int, images=()) -> np.ndarray:
 def test_text_to_image_equals_gmlx_image_sample(comfyui, gmlx_server, engine, workdir):
     """Stock RandomNoise + CFGGuider + euler SamplerCustomAdvanced over gmlx Sigmas."""
     seed = 3
-    wf = _save_latent(_workflow("text_to_image", gmlx_server["model"]), "11")
+    wf = _save_latent(_workflow("gmlx_text_to_image"), "11")
     wf["8"]["inputs"]["noise_seed"] = seed
     prompt = wf["4"]["inputs"]["text"]
     entry = _run(comfyui, wf)
@@ -338,9 +434,8 @@ def test_stock_ksampler_euler_simple_equals_the_in_process_sampler(comfyui, gmlx
     """The stock KSampler (its own noise and "simple" sigmas) against the engine's sampler
     started from the same seed along the same sigmas."""
     seed, steps = 11, 6
-    wf = _save_latent(_workflow("lora", gmlx_server["model"]), "11")
-    wf["11"]["inputs"].update(model=["1", 0], seed=seed, steps=steps)
-    del wf["30"]
+    wf = _save_latent(_workflow("gmlx_lora"), "11")
+    wf["11"]["inputs"].update(seed=seed, steps=steps)
     got = _latent(comfyui, _run(comfyui, wf))
     want = direct_sample(engine, wf["4"]["inputs"]["text"], seed, comfy_simple_sigmas(steps))
     assert _rel(got, want) <= LATENT_RTOL
@@ -351,9 +446,8 @@ def test_stock_ksampler_uni_pc_bh2_equals_the_in_process_sampler(comfyui, gmlx_s
     DISCARD_PENULTIMATE_SIGMA_SAMPLERS); the engine's uni_pc_bh2 along those sigmas agrees to
     ComfyUI's float32 rounding."""
     seed, steps = 4, 6
-    wf = _save_latent(_workflow("lora", gmlx_server["model"]), "11")
-    wf["11"]["inputs"].update(model=["1", 0], seed=seed, steps=steps, sampler_name="uni_pc_bh2")
-    del wf["30"]
+    wf = _save_latent(_workflow("gmlx_lora"), "11")
+    wf["11"]["inputs"].update(seed=seed, steps=steps, sampler_name="uni_pc_bh2")
     got = _latent(comfyui, _run(comfyui, wf))
     sigmas = comfy_simple_sigmas(steps + 1)
     sigmas = np.concatenate([sigmas[:-2], sigmas[-1:]])
@@ -394,12 +488,20 @@ def _lora_file(engine, path: Path):
     return PatchTable(table_id="e2e-direct", model_id=engine.model_id, entries=tuple(entries))
 
 
+def _lora_enabled(lora_name: str, strength: float) -> dict:
+    """The LoRA example as a user enables it: the LoRA node un-bypassed, a file picked."""
+    ui = ui_workflow("gmlx_lora")
+    (lora,) = [node for node in ui["nodes"] if node["type"] == "LoraLoaderModelOnly"]
+    lora["mode"] = 0
+    lora["widgets_values"] = [lora_name, strength]
+    return _at_size(ui_to_api(ui), SIZE)
+
+
 def test_lora_changes_the_output_as_the_server_table_does(comfyui, gmlx_server, engine):
     """LoraLoaderModelOnly + stock KSampler against the engine under the same table."""
     seed, steps = 5, 8
     table = _lora_file(engine, comfyui["base"] / "models" / "loras" / "gmlx_e2e.safetensors")
-    wf = _save_latent(_workflow("lora", gmlx_server["model"]), "11")
-    wf["30"]["inputs"].update(lora_name="gmlx_e2e.safetensors", strength_model=LORA_STRENGTH)
+    wf = _save_latent(_lora_enabled("gmlx_e2e.safetensors", LORA_STRENGTH), "11")
     wf["11"]["inputs"].update(seed=seed, steps=steps)
     prompt, sigmas = wf["4"]["inputs"]["text"], comfy_simple_sigmas(steps)
 
@@ -429,8 +531,10 @@ def test_edit_with_two_references(comfyui, gmlx_server, engine):
     for i, ref in enumerate(refs, start=1):
         Image.fromarray(ref).save(comfyui["base"] / "input" / f"reference_{i}.png")
     seed = 2
-    wf = _save_latent(_workflow("edit_two_references", gmlx_server["model"]), "11")
+    wf = _save_latent(_workflow("gmlx_edit_two_references"), "11")
     wf["8"]["inputs"]["noise_seed"] = seed
+    for node_id, i in (("20", 1), ("21", 2)):
+        wf[node_id]["inputs"]["image"] = f"reference_{i}.png"
     prompt = wf["4"]["inputs"]["prompt"]
     got = _latent(comfyui, _run(comfyui, wf))
     want = direct_generate(engine, prompt, seed, refs)
@@ -455,9 +559,8 @@ def _unload(gmlx_server: dict) -> dict:
 def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
     from gmlx_contract.errors import StepError
 
-    wf = _workflow("lora", gmlx_server["model"], size=INTERRUPT_SIZE)
-    wf["11"]["inputs"].update(model=["1", 0], steps=500, seed=int(time.time()))
-    del wf["30"]
+    wf = _workflow("gmlx_lora", size=INTERRUPT_SIZE)
+    wf["11"]["inputs"].update(steps=500, seed=int(time.time()))
     before = len(_steps_logged(gmlx_server["log"]))
     prompt_id = _queue(comfyui, wf)
     # Wait for two finished steps, then interrupt halfway through the next one.
@@ -489,7 +592,7 @@ def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
             time.sleep(0.2)
     assert _steps_logged(gmlx_server["log"])[-1][0] == 409
 
-    quick = _workflow("text_to_image", gmlx_server["model"])
+    quick = _workflow("gmlx_text_to_image")
     _run(comfyui, quick)
 
 
@@ -584,8 +687,9 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
 
 PACK_PROMPT = "a paper boat on a pond"
 LORA_FORM_STRENGTH = 0.7
-# vae/decode of two 512² images: one takes seconds on the tiny model here (~10 s loaded).
-VAE_INTERRUPT_SIZE = 512
+# vae/decode of two 768² images: one takes several seconds on the tiny model on a CPU (a 512²
+# one can end within a second on an idle machine, before the interrupt is sent).
+VAE_INTERRUPT_SIZE = 768
 VAE_LINE = re.compile(r"POST \S*/vae/decode (\d{3}) ([0-9.]+) ms")
 LEAK_WORDS = ("Potential memory leak detected with model", "memory leak with model")
 
@@ -824,7 +928,7 @@ def _decodes_logged(log: Path) -> list[float]:
 
 
 def test_vae_decode_stops_at_an_interrupt(comfyui, gmlx_server):
-    """Interrupted in the first of two 512² decodes: ComfyUI reports it at once, and the second
+    """Interrupted in the first of two 768² decodes: ComfyUI reports it at once, and the second
     image is never sent (the server finishes the one in flight)."""
     side = VAE_INTERRUPT_SIZE
     wf = {
@@ -842,7 +946,7 @@ def test_vae_decode_stops_at_an_interrupt(comfyui, gmlx_server):
     while not _json(comfyui["url"] + "/queue")["queue_running"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(2.0)  # the loaders and the latent take milliseconds: a decode is in flight
+    time.sleep(1.0)  # the loaders and the latent take milliseconds: a decode is in flight
     assert len(_decodes_logged(gmlx_server["log"])) == before
     interrupted_at = time.time()
     urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
@@ -871,3 +975,84 @@ def test_rerunning_the_loaders_frees_the_old_model(comfyui, gmlx_server):
         for start_server in (True, False, True):
             _run(comfyui, _pack_prompt(gmlx_server["model"], 1, 1, start_server=start_server))
     assert not [word for word in LEAK_WORDS if word in log.text], log.text[-3000:]
+
+
+# ---------------------------------------------------------------- the frontend (browser)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM:
+        pytest.skip("CHROMIUM (a Chromium binary for the browser check) is not set")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def _open_frontend(browser, comfy: dict):
+    """The frontend with its first-run template browser already seen (a fresh user's first
+    visit opens it by itself; the test opens it as a user does later)."""
+    seen = urllib.request.Request(
+        comfy["url"] + "/settings/Comfy.TutorialCompleted", data=b"true", method="POST"
+    )
+    urllib.request.urlopen(seen, timeout=30).close()
+    page = browser.new_page(viewport=VIEWPORT)
+    page.goto(comfy["url"])
+    page.wait_for_function("window.app?.graph && window.app.extensionManager", timeout=120_000)
+    return page
+
+
+def _command(page, command: str) -> None:
+    """Run a frontend command (what its menus and buttons call)."""
+    page.evaluate("command => app.extensionManager.command.execute(command)", command)
+
+
+def _frontend_prompt(page) -> dict:
+    """The prompt the frontend would queue for its open workflow, as the API copies hold it."""
+    output = json.loads(
+        page.evaluate("async () => JSON.stringify((await app.graphToPrompt()).output)")
+    )
+    return {
+        key: {"class_type": n["class_type"], "inputs": n["inputs"]} for key, n in output.items()
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_opens_from_the_template_browser_and_runs(comfyui, browser, name):
+    """Templates → search "gmlx" → click the example: the frontend fetches its thumbnail (the .jpg
+    beside the UI file) and loads the UI file (its graph is the API copy); queuing it from the
+    frontend runs it to the end on a fresh install."""
+    from gmlx_comfy.install import LINK_NAME
+
+    page = _open_frontend(browser, comfyui)
+    thumbnail = f"/workflow_templates/{LINK_NAME}/{name}.jpg"
+    fetched = []
+    page.on("response", lambda r: fetched.append(r.status) if r.url.endswith(thumbnail) else None)
+    try:
+        _command(page, "Comfy.BrowseTemplates")
+        page.get_by_placeholder(re.compile("^Search")).fill("gmlx")  # as docs/comfyui.md says
+        card_title = page.get_by_text(name, exact=True).first
+        card_title.scroll_into_view_if_needed()
+        deadline = time.monotonic() + 30
+        while not fetched and time.monotonic() < deadline:
+            page.wait_for_timeout(100)
+        assert fetched and set(fetched) == {200}, fetched
+        card_title.click()
+        nodes = len(ui_workflow(name)["nodes"])
+        page.wait_for_function(f"app.graph.nodes.length === {nodes}", timeout=30_000)
+        assert _frontend_prompt(page) == api_workflow(name)
+
+        with page.expect_response(
+            lambda r: r.url.endswith("/prompt") and r.request.method == "POST"
+        ) as answer:
+            _command(page, "Comfy.QueuePrompt")
+        assert answer.value.status == 200, answer.value.text()
+        entry = _wait_done(comfyui, answer.value.json()["prompt_id"])
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[-3000:]
+        if SCREENSHOT_DIR:
+            page.wait_for_timeout(1000)  # the Save Image preview
+            page.screenshot(path=str(Path(SCREENSHOT_DIR) / f"{name}.png"))
+    finally:
+        page.close()

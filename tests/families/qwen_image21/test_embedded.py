@@ -217,7 +217,7 @@ def test_diffusers_pipeline_runs_on_it(model_dir):
 
 
 def test_engine_loads_it_and_makes_an_image(model_dir):
-    """The server's own loaders read the same folder (the MLX family of issue 4)."""
+    """The server's own loaders read the same folder."""
     from gmlx_server.engine.base import StepRow
     from gmlx_server.engine.families.qwen_image21 import family
 

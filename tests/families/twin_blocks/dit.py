@@ -20,10 +20,11 @@ from gmlx_server.engine.weights import load_weights, read_config
 
 QKV = ("to_q", "to_k", "to_v")
 STREAMS = ("img", "txt")
-# Per stream of a double block: diffusers-style name -> tree key (q/k/v fused as "qkv").
+# Per stream of a double block: tree key -> the file names it holds, in row order (q/k/v fused
+# as "qkv"); per single block likewise, every projection unfused.
 STREAM_LINEARS = {"qkv": tuple(f"attn.{n}" for n in QKV), "out": ("attn.to_out",)}
 STREAM_LINEARS |= {"mlp_up": ("mlp.up",), "mlp_down": ("mlp.down",)}
-SINGLE_LINEARS = {n: (f"attn.{n}",) for n in QKV}  # unfused
+SINGLE_LINEARS = {n: (f"attn.{n}",) for n in QKV}
 SINGLE_LINEARS |= {"out": ("attn.to_out",), "mlp_up": ("mlp.up",), "mlp_down": ("mlp.down",)}
 TOP_LINEARS = {"time_in": "time_in", "img_in": "img_in", "txt_in": "txt_in", "proj_out": "proj_out"}
 F32_WEIGHTS = ("norm_out.weight",)  # the final RMS norm's scale, read in float32

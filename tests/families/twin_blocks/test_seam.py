@@ -181,3 +181,32 @@ def test_a_key_outside_the_tree_is_refused_naming_a_layer_that_is(live):
         params={"model": "twin-tiny"},
     )
     assert r.status_code == 400 and "double_blocks.0.img_attn.to_q" in r.json()["error"]
+
+
+def test_sampling_through_the_routes_equals_sampling_in_process(tmp_path):
+    """The in-process sampler on the family (its flux2 schedule from gmlx_contract.schedules,
+    guidance, decoding through `vae_space`) equals the same sampling through the step routes,
+    bit for bit."""
+    from gmlx_contract.client import StepClient
+    from gmlx_server.engine.sampling import ImageRequest, generate
+    from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+
+    folder = checkpoint.write_folder(tmp_path, "twin-sampled", seed=6)
+    registry = ModelRegistry(
+        extra_models=[folder], default_model=folder.name, families=REGISTRY_LINE
+    )
+    request = ImageRequest(prompt="a boat", negative="fog", width=32, height=24, seed=2, cfg=3.0)
+    with StepServer(ModelChoice(registry, folder.name, 0.0)) as server:
+        server.load()
+        model = server.loaded.model
+        status = model.status()
+        with StepClient(server.base_url) as client:
+            via = ViaStepsTransport(client, server.direct(), folder.name)
+            through_routes, _ = generate(via, status, request)
+        direct, _ = generate(server.direct(), status, request)
+        image = server.direct().decode(direct)
+    assert len(via.transport_ms) == status["sampling"]["steps"]
+    assert through_routes.shape == (1, 4, 3, 4)
+    np.testing.assert_array_equal(through_routes, direct)
+    assert np.std(direct) > 0.01  # latents that the steps moved, not an empty equality
+    assert image.shape == (24, 32, 3) and 0.0 <= image.min() and image.max() <= 1.0

@@ -1,4 +1,5 @@
-"""Loading a vae/ folder, the attributes of APIS.md, and refusals of bad input."""
+"""Loading a vae/ folder, the attributes the engine reads of a VAE (engine/family.py), and refusals
+of bad input."""
 
 from __future__ import annotations
 

@@ -86,8 +86,8 @@ def tiny_config(tokenizer: Tokenizer, text: dict | None = None, vision: dict | N
 
 @torch.no_grad()
 def _redraw(model: torch.nn.Module, seed: int):
-    """Default init hides the prompt's effect (the DESIGN note): draw every weight larger and give
-    constant-initialised parameters (norm scales, biases) small noise."""
+    """Default init hides the prompt's effect (docs/engine.md, Testing by parity): draw every
+    weight larger and give constant-initialised parameters (norm scales, biases) small noise."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
