@@ -13,6 +13,10 @@ Which layers are quantized is the family's choice, in one place: a predicate on 
 whose input width is no multiple of the group size stays as it is. Quantizing goes tensor by
 tensor, each evaluated and its float source dropped before the next, so a load peaks near the
 quantized size plus one float tensor (tests/engine/test_quantize.py measures it).
+
+A folder stored quantized (`gmlx model quantize`: weights.quantize_folder) holds the same
+arrays in its files, `X.weight` packed beside `X.scales` and `X.biases`; `sanitize_stored` and
+`quantize_stored_module` load them as they are, never through float weights.
 """
 
 from __future__ import annotations

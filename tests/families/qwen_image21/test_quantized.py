@@ -226,6 +226,17 @@ def test_a_configured_quantize_reaches_the_loaded_model(folder):
         manifest = server.call("GET", f"models/{folder.name}/manifest").json()
         shapes = {t["name"]: t["shape"] for t in manifest["tensors"]}
         assert shapes[QKV] == [128, 128] and manifest["model"] == folder.name
+        # the memory planner counts the quantized arrays the model holds
+        model = registry.loaded(folder.name).model
+        planner = server.ctx.service.memory
+        caches = sum(cache.total for cache in planner.caches)
+        assert planner.held(states=False) == model.weight_bytes + caches
+        assert model.weight_bytes == (
+            tree_bytes(model.dit.weights)
+            + tree_bytes(model.encoder.encoder.parameters())
+            + model.vae.weight_bytes
+        )
+        assert model.weight_bytes < family.estimated_weight_bytes(folder, model.dit.dtype) * 0.7
     finally:
         server.close()
 
