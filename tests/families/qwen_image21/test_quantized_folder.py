@@ -16,7 +16,12 @@ from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_mo
 from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.weights import read_header, weight_files
 
-from tests.families.qwen_image21.test_quantized import latents, reference_image, rows_of
+from tests.families.qwen_image21.test_quantized import (
+    latents,
+    lora_table,
+    reference_image,
+    rows_of,
+)
 
 
 def quantize_command(*args: str) -> subprocess.CompletedProcess:
@@ -75,6 +80,11 @@ def test_the_folder_loads_directly_as_quantizing_at_load_does(folders):
     )
     prompt = ("a boat", [reference_image(3)], True)
     np.testing.assert_array_equal(stored.encode(*prompt).cond, at_load.encode(*prompt).cond)
+    # a LoRA table applies to the stored weights as to those quantized at load
+    np.testing.assert_array_equal(
+        stored.denoise_step(x, sigma, rows, table=lora_table(stored, 5)).out,
+        at_load.denoise_step(x, sigma, rows, table=lora_table(at_load, 5)).out,
+    )
 
 
 def test_the_manifest_keeps_the_logical_shapes(folders):
