@@ -1,9 +1,11 @@
 """Quantization at load (engine/quantize.py, weights.load_tree): the quantized linear computes
 exactly the function of its dequantized weight, the family's predicate picks the layers, LoRA
-pairs stay in float beside a quantized weight, and a quantized load never holds the float model
-whole."""
+pairs stay in float beside a quantized weight, a quantized load never holds the float model
+whole, and a sharded component written quantized loads as stored."""
 
 from __future__ import annotations
+
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +24,13 @@ from gmlx_server.engine.quantize import (
     quantize_module,
     quantize_tree,
 )
-from gmlx_server.engine.weights import load_tree
+from gmlx_server.engine.weights import (
+    QUANTIZED,
+    load_tree,
+    quantize_folder,
+    stored_quantization,
+    tensor_infos,
+)
 from safetensors.numpy import save_file
 
 
@@ -149,3 +157,56 @@ def test_a_quantized_load_never_holds_the_float_weights_whole(tmp_path):
     assert quantized_bytes < 12 * one // 6
     # the quantized tree, plus one float tensor and its quantization in flight
     assert quantized_peak <= quantized_bytes + 2 * one
+
+
+def test_a_sharded_component_is_written_quantized_and_loads_as_stored(tmp_path):
+    source = tmp_path / "model" / "transformer"
+    source.mkdir(parents=True)
+    (tmp_path / "model" / "model_index.json").write_text("{}")
+    (source / "config.json").write_text(json.dumps({"width": 64}))
+    shards = {
+        "part-1.safetensors": {"a.weight": np.ones((32, 64), np.float32) * 0.5},
+        "part-2.safetensors": {
+            "b.weight": np.arange(64 * 128, dtype=np.float32).reshape(64, 128) / 1000,
+            "norm.weight": np.ones(64, np.float32),
+        },
+    }
+    weight_map = {}
+    for shard, tensors in shards.items():
+        save_file(tensors, str(source / shard))
+        weight_map |= dict.fromkeys(tensors, shard)
+    index = source / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    written = tmp_path / "q8"
+    quantize_folder(
+        tmp_path / "model", written, Quantization(8, 32), {"transformer": lambda n: n == "b.weight"}
+    )
+    assert (written / "model_index.json").read_text() == "{}"
+    component = written / "transformer"
+    assert stored_quantization(component) == Quantization(8, 32)
+    new_map = json.loads((component / index.name).read_text())["weight_map"]
+    assert new_map == {
+        "a.weight": "part-1.safetensors",
+        "b.weight": "part-2.safetensors",
+        "b.scales": "part-2.safetensors",
+        "b.biases": "part-2.safetensors",
+        "norm.weight": "part-2.safetensors",
+    }
+    infos = {info.name: (info.shape, info.dtype) for info in tensor_infos(component)}
+    assert infos == {
+        "a.weight": ((32, 64), "F32"),
+        "b.weight": ((64, 128), QUANTIZED),
+        "norm.weight": ((64,), "F32"),
+    }
+
+    def sanitize(files):
+        return {"a": files["a.weight"], "b": files["b.weight"], "norm": files["norm.weight"]}
+
+    tree = load_tree(component, sanitize, mx.float32)
+    assert tree["b"].dtype == mx.uint32 and tree["b" + SPEC] == (8, 32)
+    assert tree["a"].dtype == mx.float32 and "a" + SPEC not in tree
+    expected = mx.array(shards["part-2.safetensors"]["b.weight"])
+    assert rel_l2(dequantized(tree, "b"), expected) < 1e-2
+    with pytest.raises(ValueError, match="stored quantized .8-bit, groups of 32.; load it"):
+        load_tree(component, sanitize, mx.float32, None, Quantization(4), lambda p: True)
