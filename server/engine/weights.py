@@ -87,14 +87,18 @@ def stored_quantization(component_dir: Path) -> Quantization | None:
     return Quantization(stored["bits"], stored["group_size"])
 
 
-def refuse_requantizing(component_dir: Path, quantization: Quantization | None) -> None:
-    """A component stored quantized loads as it is stored: a ValueError when asked to quantize."""
+def quantization_at_load(component_dir: Path, requested: Quantization | None):
+    """What a load of the component still quantizes: `requested`; None for a component stored
+    quantized, which loads as stored (a ValueError when `requested` names another precision)."""
     stored = stored_quantization(component_dir)
-    if stored is not None and quantization is not None:
+    if stored is None:
+        return requested
+    if requested is not None and requested != stored:
         raise ValueError(
-            f"{component_dir.name} is stored quantized ({stored.bits}-bit, groups of"
-            f" {stored.group_size}); load it without quantize"
+            f"{Path(component_dir).name} is stored quantized ({stored.bits}-bit, groups of"
+            f" {stored.group_size}); load it without quantize or at that precision"
         )
+    return None
 
 
 def load_tree(
@@ -111,7 +115,7 @@ def load_tree(
     float model is never whole in memory. A component stored quantized loads as stored
     (quantize.sanitize_stored), never through float weights."""
     component_dir = Path(component_dir)
-    refuse_requantizing(component_dir, quantization)
+    quantization = quantization_at_load(component_dir, quantization)
     files = load_weights(component_dir, dtype, keep_f32)
     stored = stored_quantization(component_dir)
     tree = sanitize(files) if stored is None else sanitize_stored(files, sanitize, stored)

@@ -210,3 +210,5 @@ def test_a_sharded_component_is_written_quantized_and_loads_as_stored(tmp_path):
     assert rel_l2(dequantized(tree, "b"), expected) < 1e-2
     with pytest.raises(ValueError, match="stored quantized .8-bit, groups of 32.; load it"):
         load_tree(component, sanitize, mx.float32, None, Quantization(4), lambda p: True)
+    again = load_tree(component, sanitize, mx.float32, None, Quantization(8, 32), lambda p: True)
+    assert again["a"].dtype == mx.float32  # loaded as stored, nothing quantized again

@@ -101,6 +101,8 @@ def test_a_stored_quantized_folder_is_not_quantized_again(folders):
     _, written = folders
     with pytest.raises(ValueError, match="stored quantized .4-bit, groups of 32.; load it without"):
         family.load(written, "again", Quantization(8))
+    same = family.load(written, "same", Quantization(4, 32))  # as stored: nothing to do
+    assert same.weight_bytes == family.load(written, "plain").weight_bytes
 
 
 def test_bad_commands_are_refused(folders, tmp_path):

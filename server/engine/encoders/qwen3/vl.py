@@ -21,7 +21,7 @@ from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin
 from ...precision import Quantization
 from ...quantize import quantize_module, quantize_stored_module
-from ...weights import load_weights, read_config, refuse_requantizing, stored_quantization
+from ...weights import load_weights, quantization_at_load, read_config, stored_quantization
 from .text import TextConfig, TextModel
 from .vision import VisionConfig, VisionModel
 
@@ -58,7 +58,7 @@ class Qwen3VLEncoder(nn.Module):
             TextConfig.from_dict(config["text_config"]),
             VisionConfig.from_dict(config["vision_config"]),
         )
-        refuse_requantizing(Path(component_dir), quantization)
+        quantization = quantization_at_load(Path(component_dir), quantization)
         weights = sanitize(load_weights(component_dir, dtype))
         stored = stored_quantization(component_dir)
         if stored is not None:
