@@ -18,7 +18,6 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
-from ...encoders.qwen3.vl import module_name
 from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
@@ -257,6 +256,7 @@ def memory_row(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None
 def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
     """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
     weights a quantized load quantizes (dit.quantized, prompt.quantized)."""
+    from ...encoders.qwen3.vl import module_name
     from .prompt import quantized as encoder_quantized
 
     slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
