@@ -187,7 +187,12 @@ def test_a_prefix_state_hit_equals_a_miss(models, full):
 
 
 def test_status_manifest_and_memory_report_what_is_resident(folder, full):
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
     quantized = family.load(folder, "q", Quantization(4, 32))
+    # tensor by tensor: the load peaks near the quantized bytes, never the float model's
+    assert mx.get_peak_memory() - before <= quantized.weight_bytes * 1.1 < full.weight_bytes
     status = quantized.status()
     spec = {"bits": 4, "group_size": 32, "mode": "affine"}
     assert status["quantization"] == {"dit": spec, "encoder": spec, "vae": None}
