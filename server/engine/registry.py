@@ -47,6 +47,7 @@ LISTING_TTL_S = 2.0
 # pass their own table as `ModelRegistry(families=...)`.
 FAMILIES: dict[str, Any] = {
     "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
+    "z_image": "gmlx_server.engine.families.z_image.family",
 }
 
 

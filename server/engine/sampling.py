@@ -76,14 +76,26 @@ def linear_sigmas(steps: int) -> np.ndarray:
     return np.linspace(1.0, 0.0, steps + 1, dtype=np.float32)
 
 
+def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
+    """steps + 1 sigmas under a static flow shift (status `sampling.shift` other than 1), as
+    diffusers' FlowMatchEulerDiscreteScheduler shifts torch's linspace(1, 1/steps, steps)
+    (ZImagePipeline's default): shift s / (1 + (shift - 1) s) in float32, then 0 appended."""
+    from gmlx_contract.schedules import torch_linspace
+
+    base = torch_linspace(1.0, 1.0 / steps, steps)
+    shifted = shift * base / (1 + (shift - 1) * base)  # float32: numpy's weak Python scalars
+    return np.append(shifted, np.float32(0.0)).astype(np.float32)
+
+
 def resolve_sigmas(
     sampling: dict | None, steps: int | None, width: int, height: int, *, pixels_per_token: int
 ) -> np.ndarray:
     """The sigma schedule (float32, ending in 0) for a model's status `sampling` object.
 
     A variant's fixed `sigmas` win (a `steps` that disagrees with their count is refused), else the
-    size-dependent `schedule` rule of docs/contract.md §5.3, else a linear schedule. `steps` None means
-    the variant's own step count.
+    size-dependent `schedule` rule of docs/contract.md §5.3, else a linear schedule under the
+    variant's static `shift` (`shifted_sigmas`; plain linear at shift 1). `steps` None means the
+    variant's own step count.
     """
     sampling = sampling or {}
     fixed = sampling.get("sigmas")
@@ -108,7 +120,8 @@ def resolve_sigmas(
 
         tokens = (height // pixels_per_token) * (width // pixels_per_token)
         return np.asarray(schedules.sigmas(rule, steps, tokens), dtype=np.float32)
-    return linear_sigmas(steps)
+    shift = float(sampling.get("shift") or 1.0)
+    return linear_sigmas(steps) if shift == 1.0 else shifted_sigmas(steps, shift)
 
 
 def step_batch(

@@ -133,10 +133,10 @@ def test_registry_vanished_and_broken_models(tmp_path):
     assert info.value.status == 404
 
 
-def test_the_product_family_table_names_qwen_image21():
+def test_the_product_family_table_names_its_families():
     from gmlx_server.engine.registry import FAMILIES
 
-    assert list(FAMILIES) == ["qwen_image21"]
+    assert list(FAMILIES) == ["qwen_image21", "z_image"]
 
 
 def test_registry_resolve_reuses_a_recent_listing(tmp_path, monkeypatch):

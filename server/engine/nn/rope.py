@@ -1,7 +1,8 @@
 """Rotary position embeddings, in the two layouts the families use.
 
-- Interleaved pairs over several position axes (the DiTs: Qwen-Image 2.1, FLUX): `rope_tables`
-  for positions (N, axes) and per-axis widths, `apply_rope` rotating (x[2i], x[2i+1]).
+- Interleaved pairs over several position axes (the DiTs: Qwen-Image 2.1, Z-Image, FLUX):
+  `rope_tables` for positions (N, axes) and per-axis widths, `apply_rope` rotating (x[2i],
+  x[2i+1]).
 - Rotate-half (transformers' Qwen3 and Qwen3-VL): `inverse_frequencies`, `cos_sin` of
   precomputed angles, `apply_rotary`.
 """
@@ -15,22 +16,31 @@ ROPE_THETA = 10000.0
 
 
 def rope_angles(
-    positions: np.ndarray, axes_dims: tuple[int, ...], theta: float = ROPE_THETA
+    positions: np.ndarray,
+    axes_dims: tuple[int, ...],
+    theta: float = ROPE_THETA,
+    float64: bool = False,
 ) -> np.ndarray:
-    """Angles (N, head_dim/2) float32: each axis's positions times its inverse frequencies."""
+    """Angles (N, head_dim/2) float32: each axis's positions times its inverse frequencies,
+    computed in float32 (Qwen-Image 2.1's tables) or, with `float64`, in float64 and rounded
+    once (Z-Image's, whose reference precomputes its tables in double precision)."""
+    dtype = np.float64 if float64 else np.float32
     parts = []
     for axis, dim in enumerate(axes_dims):
-        exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-        inv_freq = (1.0 / np.power(np.float32(theta), exponent)).astype(np.float32)
-        parts.append(positions[:, axis : axis + 1].astype(np.float32) * inv_freq[None, :])
+        exponent = np.arange(0, dim, 2, dtype=dtype) / dtype(dim)
+        inv_freq = (1.0 / np.power(dtype(theta), exponent)).astype(dtype)
+        parts.append(positions[:, axis : axis + 1].astype(dtype) * inv_freq[None, :])
     return np.concatenate(parts, axis=1).astype(np.float32)
 
 
 def rope_tables(
-    positions: np.ndarray, axes_dims: tuple[int, ...], theta: float = ROPE_THETA
+    positions: np.ndarray,
+    axes_dims: tuple[int, ...],
+    theta: float = ROPE_THETA,
+    float64: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """cos and sin tables (N, 1, head_dim/2) float32, to broadcast over heads."""
-    angles = mx.array(rope_angles(positions, axes_dims, theta))[:, None, :]
+    angles = mx.array(rope_angles(positions, axes_dims, theta, float64))[:, None, :]
     return mx.cos(angles), mx.sin(angles)
 
 

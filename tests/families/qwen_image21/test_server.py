@@ -40,7 +40,7 @@ def png_b64(array: np.ndarray) -> str:
 
 def test_discovery_routes(qwen):
     caps = qwen.call("GET", "capabilities", versioned=False).json()
-    assert caps["families"] == ["qwen_image21"]
+    assert caps["families"] == ["qwen_image21", "z_image"]
     models = qwen.call("GET", "models").json()
     assert models == {
         "models": [

@@ -1,17 +1,21 @@
 """Qwen3's decoder in MLX, by transformers' names: the text encoder of the families that
-prompt with Qwen3 (alone, or inside Qwen3-VL: see vl.py). A family says which layers it reads
-(`taps`); the final norm and `lm_head` are never run."""
+prompt with Qwen3 (alone: `Qwen3TextEncoder`, plain RoPE over positions 0..L-1; or inside
+Qwen3-VL: see vl.py). A family says which layers it reads (`taps`); the final norm and `lm_head`
+are never run."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ...nn.attention import chunked_attention
-from ...nn.rope import apply_rotary, inverse_frequencies
+from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
+from ...weights import load_weights, read_config
 
 
 @dataclass(frozen=True)
@@ -131,3 +135,46 @@ class TextModel(nn.Module):
             if len(tapped) == len(wanted):
                 break
         return [tapped[tap % len(self.layers)] for tap in taps]
+
+
+# Checkpoint prefixes of Qwen3's decoder: Qwen3ForCausalLM's ("model.") and Qwen3Model's (none).
+_DECODER_PREFIX = "model."
+_UNUSED = ("lm_head.", "norm.")
+
+
+class Qwen3TextEncoder:
+    """Qwen3 alone (a transformers `Qwen3Model` or `Qwen3ForCausalLM` folder) as a prompt
+    encoder: token ids -> the hidden states of the tapped layers, positions 0..L-1."""
+
+    def __init__(self, model: TextModel, weight_bytes: int):
+        self.model = model
+        self.weight_bytes = weight_bytes
+
+    @classmethod
+    def load(cls, component_dir: Path, dtype: mx.Dtype = mx.float32) -> Qwen3TextEncoder:
+        model = TextModel(TextConfig.from_dict(read_config(component_dir)))
+        weights = {}
+        for name, value in load_weights(component_dir, dtype).items():
+            name = name.removeprefix(_DECODER_PREFIX)
+            if not name.startswith(_UNUSED):
+                weights[name] = value
+        model.load_weights(list(weights.items()), strict=True)
+        mx.eval(model.parameters())
+        return cls(model, sum(value.nbytes for value in weights.values()))
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    def rotary(self, length: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Plain RoPE tables for positions 0..length-1 (transformers' Qwen3RotaryEmbedding)."""
+        angles = np.arange(length, dtype=np.float32)[:, None] * self.model.inv_freq[None, :]
+        return cos_sin(angles, dtype)
+
+    def hidden_states(self, ids: np.ndarray, taps: tuple[int, ...] = (-1,)) -> list[mx.array]:
+        """(L, D) states after the decoder layers `taps` names (before the final norm)."""
+        embeds = self.model.embed_tokens(mx.array(np.asarray(ids, np.int32)))
+        cos, sin = self.rotary(embeds.shape[0], embeds.dtype)
+        tapped = [hidden[0] for hidden in self.model(embeds[None], cos, sin, taps)]
+        mx.eval(tapped)
+        return tapped

@@ -30,19 +30,21 @@ EMPTY_PROMPT = " "
 class PromptTemplate:
     """A family's template: `text` with `{images}` and `{prompt}` fields; `system_message` (its
     start, as the chat template renders it) is the rows the encoding drops; image i (from 1)
-    becomes `image_placeholder` with `{index}` set, joined by `image_separator`."""
+    becomes `image_placeholder` with `{index}` set, joined by `image_separator`; an empty prompt
+    becomes `empty_prompt` (EMPTY_PROMPT unless the family's template keeps it empty)."""
 
     system_message: str
     text: str
     image_placeholder: str = ""
     image_separator: str = " "
+    empty_prompt: str = EMPTY_PROMPT  # what an empty prompt is encoded as
 
     def render(self, prompt: str, image_count: int) -> str:
         """The templated prompt, one `<|image_pad|>` per image (before expansion)."""
         images = self.image_separator.join(
             self.image_placeholder.format(index=i) for i in range(1, image_count + 1)
         )
-        return self.text.format(images=images, prompt=prompt or EMPTY_PROMPT)
+        return self.text.format(images=images, prompt=prompt or self.empty_prompt)
 
 
 @dataclass(frozen=True)

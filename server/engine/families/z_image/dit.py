@@ -1,0 +1,406 @@
+"""The Z-Image diffusion transformer in MLX (diffusers' `ZImageTransformer2DModel`, its weight
+names, its basic text-to-image mode).
+
+A single-stream DiT over 16-channel latents cut into 2x2 patches. Each row's image tokens and
+caption tokens are each padded to a multiple of SEQ_MULTIPLE with a learned pad token (those pad
+tokens are real tokens: they attend and are attended to). The image tokens run through the
+modulated noise refiner, the caption tokens through the unmodulated context refiner, and the
+row's [image, caption] sequence through the main blocks; the image tokens' outputs are the answer.
+
+Rows of a batch may carry captions of different lengths: the reference pads the batch and masks
+the padded keys. Here the batch is padded too, and each row attends over its own keys only, so
+the padded rows never reach a real one (the same answer, no mask).
+
+The DiT's raw output at time `t` is the reference's: the pipeline feeds t = 1 - sigma and negates
+the output to get dx/dsigma (see step.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...lora import LinearSlot, project
+from ...nn import cpu_ops
+from ...nn.activations import layer_norm, silu
+from ...nn.attention import attention
+from ...nn.dtypes import default_compute_dtype, tree_bytes
+from ...nn.rope import apply_rope, rope_tables
+from ...weights import load_weights, read_config
+
+SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
+TIME_PROJ_DIM = 256
+TIME_MAX_PERIOD = 10000.0
+ADALN_DIM = 256  # the time embedding's width (at most the model's)
+QK_NORM_EPS = 1e-5
+FINAL_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    in_channels: int
+    dim: int
+    num_layers: int
+    num_refiner_layers: int
+    num_heads: int
+    norm_eps: float
+    cap_feat_dim: int
+    rope_theta: float
+    t_scale: float
+    axes_dims: tuple[int, ...]
+    axes_lens: tuple[int, ...]
+    patch_size: int
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DiTConfig:
+        patches = tuple(config.get("all_patch_size", (2,)))
+        frame_patches = tuple(config.get("all_f_patch_size", (1,)))
+        if patches != (2,) or frame_patches != (1,):
+            raise ValueError(
+                f"Z-Image's DiT patches latents 2x2 (all_patch_size (2,), all_f_patch_size (1,)),"
+                f" got {patches} and {frame_patches}"
+            )
+        if config.get("siglip_feat_dim") is not None:
+            raise ValueError("the Omni variant (siglip_feat_dim) is not supported")
+        return cls(
+            in_channels=config.get("in_channels", 16),
+            dim=config.get("dim", 3840),
+            num_layers=config.get("n_layers", 30),
+            num_refiner_layers=config.get("n_refiner_layers", 2),
+            num_heads=config.get("n_heads", 30),
+            norm_eps=config.get("norm_eps", 1e-5),
+            cap_feat_dim=config.get("cap_feat_dim", 2560),
+            rope_theta=float(config.get("rope_theta", 256.0)),
+            t_scale=float(config.get("t_scale", 1000.0)),
+            axes_dims=tuple(config.get("axes_dims", (32, 48, 48))),
+            axes_lens=tuple(config.get("axes_lens", (1024, 512, 512))),
+            patch_size=patches[0],
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return int(self.dim / 3 * 8)
+
+    @property
+    def adaln_dim(self) -> int:
+        return min(self.dim, ADALN_DIM)
+
+    @property
+    def patch_channels(self) -> int:
+        return self.patch_size * self.patch_size * self.in_channels
+
+
+def padded(length: int) -> int:
+    """`length` rounded up to a multiple of SEQ_MULTIPLE."""
+    return length + (-length) % SEQ_MULTIPLE
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: the diffusers names mapped to the forward's tree, in one place
+
+# The three block stacks: tree key -> (diffusers prefix, whether its blocks are modulated).
+STACKS = {
+    "noise_refiner": ("noise_refiner.{}.", True),
+    "context_refiner": ("context_refiner.{}.", False),
+    "layers": ("layers.{}.", True),
+}
+# Linear layers of a block by diffusers name, grouped into the fused weights the forward uses.
+BLOCK_LINEARS = {
+    "qkv": ("attention.to_q", "attention.to_k", "attention.to_v"),
+    "out": ("attention.to_out.0",),
+    "gate_up": ("feed_forward.w1", "feed_forward.w3"),
+    "down": ("feed_forward.w2",),
+}
+MODULATION = "adaLN_modulation.0"  # a modulated block's linear (with bias)
+BLOCK_NORMS = {
+    "norm_q": "attention.norm_q",
+    "norm_k": "attention.norm_k",
+    "attention_norm1": "attention_norm1",
+    "attention_norm2": "attention_norm2",
+    "ffn_norm1": "ffn_norm1",
+    "ffn_norm2": "ffn_norm2",
+}
+# Linear layers outside the blocks (all with biases): tree key -> diffusers name ("{patch}" is
+# the patch key, "2-1").
+TOP_LINEARS = {
+    "time_1": "t_embedder.mlp.0",
+    "time_2": "t_embedder.mlp.2",
+    "cap_in": "cap_embedder.1",
+    "x_in": "all_x_embedder.{patch}",
+    "final_modulation": "all_final_layer.{patch}.adaLN_modulation.1",
+    "final": "all_final_layer.{patch}.linear",
+}
+CAP_NORM = "cap_embedder.0.weight"
+PAD_TOKENS = {"x_pad": "x_pad_token", "cap_pad": "cap_pad_token"}
+BIAS = "_bias"  # a linear's bias sits beside it in the tree under key + BIAS
+# Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
+F32_WEIGHTS = tuple(name + ".weight" for name in BLOCK_NORMS.values()) + (CAP_NORM,)
+
+
+def _patch_key(config: DiTConfig) -> str:
+    return f"{config.patch_size}-1"
+
+
+def _top_name(name: str, config: DiTConfig) -> str:
+    return name.format(patch=_patch_key(config))
+
+
+def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
+    """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
+    slots = {_top_name(name, config): LinearSlot(key) for key, name in TOP_LINEARS.items()}
+    for stack, (prefix, modulated) in STACKS.items():
+        for i in range(_stack_depth(stack, config)):
+            p = prefix.format(i)
+            for key, parts in BLOCK_LINEARS.items():
+                for part, name in enumerate(parts):
+                    slots[p + name] = LinearSlot(key, (stack, i), part, len(parts))
+            if modulated:
+                slots[p + MODULATION] = LinearSlot("modulation", (stack, i))
+    return slots
+
+
+def _stack_depth(stack: str, config: DiTConfig) -> int:
+    return config.num_layers if stack == "layers" else config.num_refiner_layers
+
+
+def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
+    """The file's tensors (diffusers names) as the forward's weight tree: q/k/v and the SwiGLU
+    w1/w3 are concatenated so each runs as one matmul; biases sit beside their linear under
+    key + BIAS. `linear_slots` names the same places for LoRA."""
+    weights = {}
+    for key, name in TOP_LINEARS.items():
+        name = _top_name(name, config)
+        weights[key] = files[name + ".weight"]
+        weights[key + BIAS] = files[name + ".bias"]
+    weights["cap_norm"] = files[CAP_NORM]
+    for key, name in PAD_TOKENS.items():
+        weights[key] = files[name].reshape(-1)
+    for stack, (prefix, modulated) in STACKS.items():
+        weights[stack] = [
+            _block(files, prefix.format(i), modulated) for i in range(_stack_depth(stack, config))
+        ]
+    return weights
+
+
+def _block(files: dict[str, mx.array], prefix: str, modulated: bool) -> dict:
+    block = {
+        key: mx.concatenate([files[prefix + name + ".weight"] for name in parts], axis=0)
+        if len(parts) > 1
+        else files[prefix + parts[0] + ".weight"]
+        for key, parts in BLOCK_LINEARS.items()
+    }
+    for key, name in BLOCK_NORMS.items():
+        block[key] = files[prefix + name + ".weight"]
+    if modulated:
+        block["modulation"] = files[prefix + MODULATION + ".weight"]
+        block["modulation" + BIAS] = files[prefix + MODULATION + ".bias"]
+    return block
+
+
+def dense(w: dict, key: str, x: mx.array) -> mx.array:
+    """x through the linear w[key] (LoRA-aware: lora.project), plus its bias when it has one."""
+    out = project(w, key, x)
+    bias = w.get(key + BIAS)
+    return out if bias is None else out + bias
+
+
+def time_frequencies() -> mx.array:
+    half = TIME_PROJ_DIM // 2
+    exponent = -math.log(TIME_MAX_PERIOD) * np.arange(half, dtype=np.float32) / np.float32(half)
+    return mx.array(np.exp(exponent.astype(np.float32)).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions: host-side integers only
+
+
+def caption_positions(length: int) -> np.ndarray:
+    """(padded(length), 3): caption token j (pad tokens included) sits at (1 + j, 0, 0)."""
+    rows = np.arange(1, padded(length) + 1)
+    return np.stack([rows, np.zeros_like(rows), np.zeros_like(rows)], axis=1)
+
+
+def image_positions(frame: int, h: int, w: int) -> np.ndarray:
+    """(padded(h*w), 3): patch (i, j) at (frame, i, j) in raster order, pad tokens at (0, 0, 0)."""
+    grid = np.stack(
+        [np.full(h * w, frame), np.repeat(np.arange(h), w), np.tile(np.arange(w), h)], axis=1
+    )
+    return np.concatenate([grid, np.zeros((padded(h * w) - h * w, 3), grid.dtype)])
+
+
+class ZImageDiT:
+    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self._time_freqs = time_frequencies()
+        self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+
+    @classmethod
+    def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> ZImageDiT:
+        dtype = dtype or default_compute_dtype()
+        config = DiTConfig.from_dict(read_config(transformer_dir))
+        files = load_weights(
+            transformer_dir, dtype, keep_f32=lambda name: name.endswith(F32_WEIGHTS)
+        )
+        weights = sanitize(files, config)
+        mx.eval(weights)
+        return cls(config, weights, dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return tree_bytes(self.weights)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def time_embedding(self, w: dict, t: mx.array) -> mx.array:
+        """(B,) t in [0, 1] -> (B, adaln_dim): sinusoid of t_scale * t (cos first), then the MLP."""
+        args = (self.config.t_scale * t.astype(mx.float32))[:, None] * self._time_freqs[None, :]
+        embedding = mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1).astype(self.dtype)
+        return dense(w, "time_2", silu(dense(w, "time_1", embedding)))
+
+    def rms_norm(self, x: mx.array, scale: mx.array, eps: float) -> mx.array:
+        return mx.fast.rms_norm(x.astype(mx.float32), scale, eps).astype(self.dtype)
+
+    def rope(self, positions: list[np.ndarray]) -> tuple[mx.array, mx.array]:
+        """(B, N, 1, head_dim/2) tables for rows of positions, each padded to the longest with
+        angle 0 (those rows are never read)."""
+        longest = max(len(p) for p in positions)
+        rows = [np.concatenate([p, np.zeros((longest - len(p), 3), p.dtype)]) for p in positions]
+        cos, sin = rope_tables(
+            np.concatenate(rows), self.config.axes_dims, self.config.rope_theta, float64=True
+        )
+        shape = (len(rows), longest, 1, cos.shape[-1])
+        return cos.reshape(shape), sin.reshape(shape)
+
+    def attention(self, block: dict, x: mx.array, cos, sin, lengths: list[int]) -> mx.array:
+        """Self-attention of x (B, N, dim), row b over its first lengths[b] tokens."""
+        batch, length, _ = x.shape
+        heads, head_dim = self.config.num_heads, self.config.head_dim
+        fused = project(block, "qkv", x).reshape(batch, length, 3, heads, head_dim)
+        q = self.rms_norm(fused[:, :, 0], block["norm_q"], QK_NORM_EPS)
+        k = self.rms_norm(fused[:, :, 1], block["norm_k"], QK_NORM_EPS)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = fused[:, :, 2].transpose(0, 2, 1, 3)
+        attended = self._rows_attention(q, k, v, lengths)
+        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, self.config.dim)
+        return project(block, "out", merged)
+
+    def _rows_attention(self, q, k, v, lengths: list[int]) -> mx.array:
+        """Each row's queries over its own keys; rows of one length run together."""
+        scale = 1.0 / math.sqrt(self.config.head_dim)
+        full = q.shape[2]
+        if all(n == full for n in lengths):
+            return attention(q, k, v, scale, self.cpu_ops)
+        outputs = []
+        for row, n in enumerate(lengths):
+            keys, values = k[row : row + 1, :, :n], v[row : row + 1, :, :n]
+            outputs.append(attention(q[row : row + 1], keys, values, scale, self.cpu_ops))
+        return mx.concatenate(outputs, axis=0)
+
+    def feed_forward(self, block: dict, x: mx.array) -> mx.array:
+        gate, up = mx.split(project(block, "gate_up", x), 2, axis=-1)
+        return project(block, "down", silu(gate) * up)
+
+    def block(self, block: dict, x, cos, sin, lengths, adaln: mx.array | None) -> mx.array:
+        eps = self.config.norm_eps
+        if adaln is None:
+            scale_msa = scale_mlp = gate_msa = gate_mlp = None
+        else:
+            params = dense(block, "modulation", adaln)[:, None, :]
+            scale_msa, gate_msa, scale_mlp, gate_mlp = mx.split(params, 4, axis=-1)
+            gate_msa, gate_mlp = mx.tanh(gate_msa), mx.tanh(gate_mlp)
+        normed = self.rms_norm(x, block["attention_norm1"], eps)
+        if scale_msa is not None:
+            normed = normed * (1 + scale_msa)
+        attended = self.attention(block, normed, cos, sin, lengths)
+        attended = self.rms_norm(attended, block["attention_norm2"], eps)
+        x = x + (attended if gate_msa is None else gate_msa * attended)
+        normed = self.rms_norm(x, block["ffn_norm1"], eps)
+        if scale_mlp is not None:
+            normed = normed * (1 + scale_mlp)
+        fed = self.rms_norm(self.feed_forward(block, normed), block["ffn_norm2"], eps)
+        return x + (fed if gate_mlp is None else gate_mlp * fed)
+
+    # -- the forward -------------------------------------------------------------------------
+
+    def patchify(self, x: mx.array) -> mx.array:
+        """(B, C, H, W) -> (B, (H/p)(W/p), p*p*C): patches in raster order, (ph, pw, C) inside."""
+        batch, channels, height, width = x.shape
+        p = self.config.patch_size
+        x = x.reshape(batch, channels, height // p, p, width // p, p)
+        x = x.transpose(0, 2, 4, 3, 5, 1)
+        return x.reshape(batch, (height // p) * (width // p), p * p * channels)
+
+    def unpatchify(self, tokens: mx.array, height: int, width: int) -> mx.array:
+        batch, p, channels = tokens.shape[0], self.config.patch_size, self.config.in_channels
+        x = tokens.reshape(batch, height // p, width // p, p, p, channels)
+        return x.transpose(0, 5, 1, 3, 2, 4).reshape(batch, channels, height, width)
+
+    def forward(
+        self, x: mx.array, t: mx.array, caps: list[mx.array], weights: dict | None = None
+    ) -> mx.array:
+        """The raw output (B, C, H, W) for latents x (B, C, H, W) at t (B,) (the reference's
+        time: 1 - sigma), row b conditioned on caption features caps[b] (L_b, cap_feat_dim).
+        `weights`: a tree carrying a LoRA table's pairs (default: the plain weights)."""
+        w = self.weights if weights is None else weights
+        config = self.config
+        batch, _, height, width = x.shape
+        p = config.patch_size
+        if height % p or width % p:
+            raise ValueError(f"latents {height}x{width} must be multiples of the patch {p}")
+        h, w_tokens = height // p, width // p
+        image_len, image_padded = h * w_tokens, padded(h * w_tokens)
+        cap_lens = [int(cap.shape[0]) for cap in caps]
+        cap_padded = [padded(n) for n in cap_lens]
+        adaln = self.time_embedding(w, t).astype(self.dtype)
+
+        # Image tokens, padded with the pad token, through the noise refiner.
+        image = dense(w, "x_in", self.patchify(x.astype(self.dtype)))
+        pad = mx.broadcast_to(w["x_pad"], (batch, image_padded - image_len, config.dim))
+        image = mx.concatenate([image, pad.astype(self.dtype)], axis=1)
+        image_pos = [image_positions(n + 1, h, w_tokens) for n in cap_padded]
+        cos, sin = self.rope(image_pos)
+        for block in w["noise_refiner"]:
+            image = self.block(block, image, cos, sin, [image_padded] * batch, adaln)
+
+        # Caption tokens, each row padded to its multiple with the pad token, then the batch to
+        # the longest, through the context refiner.
+        caption = self._caption_tokens(w, caps, cap_padded)
+        cap_pos = [caption_positions(n) for n in cap_lens]
+        cos, sin = self.rope(cap_pos)
+        for block in w["context_refiner"]:
+            caption = self.block(block, caption, cos, sin, cap_padded, None)
+
+        # Each row's [image, caption], through the main blocks.
+        unified = mx.concatenate([image, caption], axis=1)
+        cos, sin = self.rope(
+            [np.concatenate(pair) for pair in zip(image_pos, cap_pos, strict=True)]
+        )
+        lengths = [image_padded + n for n in cap_padded]
+        for block in w["layers"]:
+            unified = self.block(block, unified, cos, sin, lengths, adaln)
+
+        scale = 1 + dense(w, "final_modulation", silu(adaln))[:, None, :]
+        out = dense(w, "final", layer_norm(unified[:, :image_len], FINAL_NORM_EPS) * scale)
+        return self.unpatchify(out, height, width)
+
+    def _caption_tokens(self, w: dict, caps: list[mx.array], cap_padded: list[int]) -> mx.array:
+        longest, dim = max(cap_padded), self.config.dim
+        rows = []
+        for cap, row_padded in zip(caps, cap_padded, strict=True):
+            normed = self.rms_norm(cap, w["cap_norm"], self.config.norm_eps)
+            tokens = dense(w, "cap_in", normed)
+            pad = mx.broadcast_to(w["cap_pad"], (row_padded - cap.shape[0], dim))
+            zeros = mx.zeros((longest - row_padded, dim), self.dtype)
+            rows.append(mx.concatenate([tokens, pad.astype(self.dtype), zeros], axis=0))
+        return mx.stack(rows)

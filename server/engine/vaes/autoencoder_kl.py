@@ -1,0 +1,340 @@
+"""diffusers' `AutoencoderKL` in MLX (the FLUX.1 autoencoder and its kin), for single images.
+
+The classic KL autoencoder: ResNet down and up blocks, one self-attention in each mid block,
+a 2x2-strided encoder and a nearest-upsampling decoder. Its config names the sizes
+(`block_out_channels`, `layers_per_block`, `norm_num_groups`, `latent_channels`) and the latent
+normalisation a DiT sees: model space is (z - shift_factor) * scaling_factor, where z is the
+VAE's own latent (what the VAE routes carry).
+
+Arrays are channels-last (NHWC) inside; the public methods take and give the layouts of
+engine/family.py: images (B, H, W, C) in [0, 1], latents (B, C, h, w). Encoding returns the
+posterior's mean. Images are processed whole, one at a time (no tiling: the group norms'
+statistics are the whole image's).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..base import EngineInputError
+from ..nn.attention import chunked_attention
+from ..weights import load_weights, read_config
+
+NORM_EPS = 1e-6
+# The peak of one pass, in buffers of its widest full-resolution activation (the encoder's first
+# block, the decoder's last upsampler): the activation, its norm and SiLU, a convolution's taps
+# (Conv3x3) and the residual sums. Measured on the CPU backend on the tiny checkpoint
+# (tests/vaes/autoencoder_kl/test_estimates.py): about 12.2 and 9.5.
+ENCODE_BUFFERS = 14
+DECODE_BUFFERS = 11
+
+
+class Conv3x3(nn.Conv2d):
+    """A 3x3 convolution, stride 1, padding 1 (an `nn.Conv2d`, its weights by the same names).
+    On the CPU backend it runs as nine matmuls of shifted views, each accumulated and
+    evaluated before the next: MLX's CPU convolution unfolds its input nine times (and copies
+    it), about 11 inputs at its peak, where the taps hold about 4 (padded input, one shifted
+    copy, one product, the sum)."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__(in_dim, out_dim, 3, padding=1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if mx.default_device() != mx.cpu:
+            return super().__call__(x)
+        _, height, width, _ = x.shape
+        padded = mx.pad(x, [(0, 0), (1, 1), (1, 1), (0, 0)])
+        out = None
+        for dy in range(3):
+            for dx in range(3):
+                tap = padded[:, dy : dy + height, dx : dx + width, :] @ self.weight[:, dy, dx].T
+                out = tap if out is None else out + tap
+                mx.eval(out)  # one tap's temporaries at a time
+        return out + self.bias
+
+
+def _silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+def _group_norm(groups: int, dims: int) -> nn.GroupNorm:
+    return nn.GroupNorm(groups, dims, eps=NORM_EPS, affine=True, pytorch_compatible=True)
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, groups: int):
+        super().__init__()
+        self.norm1 = _group_norm(groups, in_dim)
+        self.conv1 = Conv3x3(in_dim, out_dim)
+        self.norm2 = _group_norm(groups, out_dim)
+        self.conv2 = Conv3x3(out_dim, out_dim)
+        self.conv_shortcut = nn.Conv2d(in_dim, out_dim, 1) if in_dim != out_dim else None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self.conv1(_silu(self.norm1(x)))
+        h = self.conv2(_silu(self.norm2(h)))
+        return (x if self.conv_shortcut is None else self.conv_shortcut(x)) + h
+
+
+class AttentionBlock(nn.Module):
+    """One-head self-attention over all positions, with its group norm and residual."""
+
+    def __init__(self, dim: int, groups: int):
+        super().__init__()
+        self.group_norm = _group_norm(groups, dim)
+        self.to_q = nn.Linear(dim, dim)
+        self.to_k = nn.Linear(dim, dim)
+        self.to_v = nn.Linear(dim, dim)
+        self.to_out = [nn.Linear(dim, dim)]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, height, width, dim = x.shape
+        h = self.group_norm(x).reshape(batch, 1, height * width, dim)
+        q, k, v = self.to_q(h), self.to_k(h), self.to_v(h)
+        attended = chunked_attention(q, k, v, dim**-0.5, causal=False)
+        return x + self.to_out[0](attended).reshape(x.shape)
+
+
+class MidBlock(nn.Module):
+    def __init__(self, dim: int, groups: int):
+        super().__init__()
+        self.resnets = [ResnetBlock(dim, dim, groups), ResnetBlock(dim, dim, groups)]
+        self.attentions = [AttentionBlock(dim, groups)]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
+
+
+class Downsampler(nn.Module):
+    """A stride-2 3x3 convolution over the input padded by one on the right and bottom."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, stride=2, padding=0)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))
+
+
+class Upsampler(nn.Module):
+    """Nearest-neighbour doubling, then a 3x3 convolution."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = Conv3x3(dim, dim)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, height, width, dim = x.shape
+        doubled = mx.broadcast_to(x[:, :, None, :, None, :], (batch, height, 2, width, 2, dim))
+        return self.conv(doubled.reshape(batch, height * 2, width * 2, dim))
+
+
+class Block(nn.Module):
+    """A down block (resnets, then a downsampler) or an up block (resnets, then an upsampler)."""
+
+    def __init__(self, in_dim: int, out_dim: int, resnets: int, groups: int, resample: str):
+        super().__init__()
+        dims = [in_dim] + [out_dim] * resnets
+        self.resnets = [ResnetBlock(a, b, groups) for a, b in zip(dims, dims[1:], strict=False)]
+        if resample == "down":
+            self.downsamplers = [Downsampler(out_dim)]
+        elif resample == "up":
+            self.upsamplers = [Upsampler(out_dim)]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        for resnet in self.resnets:
+            x = resnet(x)
+        for resampler in getattr(self, "downsamplers", []) + getattr(self, "upsamplers", []):
+            x = resampler(x)
+        return x
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        dims, groups = list(config["block_out_channels"]), config["norm_num_groups"]
+        last = len(dims) - 1
+        self.conv_in = Conv3x3(config["in_channels"], dims[0])
+        self.down_blocks = [
+            Block(
+                dims[max(i - 1, 0)],
+                dims[i],
+                config["layers_per_block"],
+                groups,
+                "down" if i < last else "",
+            )
+            for i in range(len(dims))
+        ]
+        self.mid_block = MidBlock(dims[-1], groups)
+        self.conv_norm_out = _group_norm(groups, dims[-1])
+        self.conv_out = Conv3x3(dims[-1], 2 * config["latent_channels"])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        return self.conv_out(_silu(self.conv_norm_out(self.mid_block(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        dims, groups = list(config["block_out_channels"])[::-1], config["norm_num_groups"]
+        last = len(dims) - 1
+        self.conv_in = Conv3x3(config["latent_channels"], dims[0])
+        self.mid_block = MidBlock(dims[0], groups)
+        self.up_blocks = [
+            Block(
+                dims[max(i - 1, 0)],
+                dims[i],
+                config["layers_per_block"] + 1,
+                groups,
+                "up" if i < last else "",
+            )
+            for i in range(len(dims))
+        ]
+        self.conv_norm_out = _group_norm(groups, dims[-1])
+        self.conv_out = Conv3x3(dims[-1], config["out_channels"])
+
+    def __call__(self, z: mx.array) -> mx.array:
+        x = self.mid_block(self.conv_in(z))
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(_silu(self.conv_norm_out(x)))
+
+
+class _Autoencoder(nn.Module):
+    """The weight tree, named as in the checkpoint."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        latent = config["latent_channels"]
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+        if config.get("use_quant_conv", True):
+            self.quant_conv = nn.Conv2d(2 * latent, 2 * latent, 1)
+        if config.get("use_post_quant_conv", True):
+            self.post_quant_conv = nn.Conv2d(latent, latent, 1)
+
+
+def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
+    """Checkpoint tensors -> MLX parameters: convolution kernels OIHW -> OHWI."""
+    return [
+        (name, value.transpose(0, 2, 3, 1) if value.ndim == 4 else value)
+        for name, value in weights.items()
+    ]
+
+
+class AutoencoderKL:
+    """Encode images to raw latents (the posterior's mean) and decode raw latents to images."""
+
+    def __init__(self, config: dict, dtype: mx.Dtype = mx.float32):
+        if config.get("mid_block_add_attention", True) is not True:
+            raise ValueError("an AutoencoderKL without mid-block attention is not supported")
+        self.config = config
+        self.dtype = dtype
+        self.latent_channels = int(config["latent_channels"])
+        self.in_channels = int(config["in_channels"])
+        self.out_channels = int(config["out_channels"])
+        self.stride = 2 ** (len(config["block_out_channels"]) - 1)
+        self.scaling_factor = float(config.get("scaling_factor", 1.0))
+        self.shift_factor = float(config.get("shift_factor") or 0.0)
+        self.model = _Autoencoder(config)
+        self.weight_bytes = 0
+
+    @classmethod
+    def load(cls, vae_dir: Path, dtype: mx.Dtype = mx.float32) -> AutoencoderKL:
+        vae = cls(read_config(Path(vae_dir)), dtype)
+        vae.load_weights(load_weights(Path(vae_dir), dtype))
+        return vae
+
+    def load_weights(self, weights: dict[str, mx.array]) -> None:
+        """Take the checkpoint's weights (file names and layouts); every parameter must be there."""
+        converted = _mlx_weights(weights)
+        try:
+            self.model.load_weights(converted, strict=True)
+        except ValueError as error:
+            raise ValueError(f"VAE weights do not match its config: {error}") from None
+        mx.eval(self.model.parameters())
+        self.weight_bytes = sum(value.nbytes for _, value in converted)
+
+    # Latent normalisation: the DiT works on (z - shift_factor) * scaling_factor.
+
+    def to_model_space(self, latents: mx.array) -> mx.array:
+        return (latents - self.shift_factor) * self.scaling_factor
+
+    def from_model_space(self, latents: mx.array) -> mx.array:
+        return latents / self.scaling_factor + self.shift_factor
+
+    # Passes.
+
+    def encode(self, image: mx.array) -> mx.array:
+        """(B, H, W, C) in [0, 1], H and W multiples of the stride -> (B, latent, H/s, W/s)."""
+        if image.ndim != 4:
+            raise EngineInputError(f"an image batch is (B, H, W, C); got shape {image.shape}")
+        _, height, width, channels = image.shape
+        if channels < self.in_channels:
+            raise EngineInputError(
+                f"the VAE reads {self.in_channels} image channels; got {channels}"
+            )
+        if height % self.stride or width % self.stride or height == 0 or width == 0:
+            raise EngineInputError(
+                f"image size {width}x{height} is not a multiple of the VAE stride {self.stride}"
+            )
+        latents = [
+            self._encode_one(image[i : i + 1, ..., : self.in_channels]) for i in range(len(image))
+        ]
+        return mx.concatenate(latents, axis=0) if len(latents) > 1 else latents[0]
+
+    def decode(self, latents: mx.array) -> mx.array:
+        """(B, latent, h, w) raw latents -> (B, s*h, s*w, out_channels) in [0, 1], float32."""
+        if latents.ndim != 4 or latents.shape[1] != self.latent_channels or 0 in latents.shape:
+            raise EngineInputError(
+                f"latents are (B, {self.latent_channels}, h, w) for this VAE; got shape"
+                f" {latents.shape}"
+            )
+        images = [self._decode_one(latents[i : i + 1]) for i in range(latents.shape[0])]
+        return mx.concatenate(images, axis=0) if len(images) > 1 else images[0]
+
+    def peak_bytes(self, height: int, width: int, decode: bool) -> int:
+        """The memory plan of one image of height x width pixels, in buffers of the widest
+        full-resolution activation: the encoder's first block's channels, or the decoder's
+        last upsampler's (the second-to-last up block's)."""
+        dims = list(self.config["block_out_channels"])
+        pixels = math.ceil(height / self.stride) * math.ceil(width / self.stride) * self.stride**2
+        if decode:
+            return DECODE_BUFFERS * pixels * dims[min(1, len(dims) - 1)] * self.dtype.size
+        return ENCODE_BUFFERS * pixels * dims[0] * self.dtype.size
+
+    def _encode_one(self, image: mx.array) -> mx.array:
+        x = (image.astype(self.dtype) * 2.0) - 1.0  # diffusers' image processor: [0, 1] -> [-1, 1]
+        moments = self.model.encoder(x)
+        if "quant_conv" in self.model:
+            moments = self.model.quant_conv(moments)
+        mean = moments[..., : self.latent_channels]  # the log-variance is unused
+        out = mean.transpose(0, 3, 1, 2).astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    def _decode_one(self, latents: mx.array) -> mx.array:
+        z = latents.transpose(0, 2, 3, 1).astype(self.dtype)
+        if "post_quant_conv" in self.model:
+            z = self.model.post_quant_conv(z)
+        x = self.model.decoder(z)
+        # diffusers' image processor maps x / 2 + 0.5 and clamps to [0, 1].
+        image = mx.clip(x.astype(mx.float32) / 2 + 0.5, 0.0, 1.0)
+        mx.eval(image)
+        return image
+
+
+def latent_normalisation(config: dict) -> tuple[list[float], list[float]]:
+    """The model-space normalisation as per-channel (mean, std), (z - mean) / std: the mean is
+    shift_factor and the std 1 / scaling_factor, in every channel."""
+    channels = int(config["latent_channels"])
+    scale = float(config.get("scaling_factor", 1.0))
+    shift = float(config.get("shift_factor") or 0.0)
+    return [shift] * channels, [1.0 / scale] * channels

@@ -1,0 +1,55 @@
+"""Z-Image's step estimate bounds the measured MLX peak of the tiny model's steps (float32 on
+the CPU backend): rows of equal and of different caption lengths, several sizes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine.base import StepRow
+from gmlx_server.engine.families.z_image import family
+
+from tests.families.z_image.tiny.folder import build_tiny_folder
+
+
+def peak_of(work) -> int:
+    """MLX's peak allocation during `work`, above what was held before it."""
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    work()
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("z_image_memory") / "z-image-tiny"
+    build_tiny_folder(folder)
+    loaded = family.load(folder, folder.name)
+    yield loaded
+    loaded.close()
+
+
+@pytest.mark.parametrize(
+    ("side", "lengths"),
+    [(16, [32]), (32, [40, 7]), (64, [300, 12]), (96, [500, 500]), (48, [100, 5, 260])],
+)
+def test_step_estimate_bounds_the_measured_peak(model, side, lengths):
+    rng = np.random.default_rng(side)
+    rows = [
+        StepRow(rng.standard_normal((n, 32), dtype=np.float32), f"c{i}")
+        for i, n in enumerate(lengths)
+    ]
+    x = rng.standard_normal((len(rows), 16, side, side), dtype=np.float32)
+    t = np.full((len(rows),), 0.7, np.float32)
+    estimate = model.step_peak_bytes(x.shape, rows)
+    quick = model.step_peak_bytes(x.shape, None)
+    measured = peak_of(lambda: model.denoise_step(x, t, rows))
+    print(
+        f"step {len(rows)}x{side}^2 captions {lengths}: measured {measured / 2**20:.1f} MiB,"
+        f" estimate {estimate / 2**20:.1f} MiB, quick {quick / 2**20:.1f} MiB"
+    )
+    assert quick <= estimate
+    assert 1.05 * measured <= estimate <= 3 * measured

@@ -1,0 +1,54 @@
+"""`gmlx image sample` and `gmlx image bench` on a tiny Z-Image folder, as a user runs them: the
+step routes (--via-steps) give the in-process image bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from tests.families.z_image.tiny.folder import build_tiny_folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("z_image_cli") / "z-image-tiny"
+    build_tiny_folder(root, variant="turbo")
+    return root
+
+
+def image_command(tmp_path, folder, command: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    line = [sys.executable, "-m", "gmlx_server", "image", command, "--model", str(folder)]
+    line += ["--prompt", "a red fox", "--width", "64", "--height", "48", "--seed", "5"]
+    return subprocess.run(line + list(extra), capture_output=True, text=True, env=env)
+
+
+def test_sample_via_the_step_routes_writes_the_direct_png(tmp_path, folder):
+    direct = image_command(tmp_path, folder, "sample", "--out", str(tmp_path / "direct.png"))
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    routed = image_command(
+        tmp_path, folder, "sample", "--out", str(tmp_path / "routed.png"), "--via-steps"
+    )
+    assert routed.returncode == 0, routed.stderr[-2000:]
+    assert "8 steps" in routed.stdout and "via the step routes" in routed.stdout
+    with Image.open(tmp_path / "direct.png") as image:
+        assert image.size == (64, 48) and image.mode == "RGB"
+    assert (tmp_path / "direct.png").read_bytes() == (tmp_path / "routed.png").read_bytes()
+
+
+def test_guided_bench_via_steps_is_equal_to_direct(tmp_path, folder):
+    out = tmp_path / "bench.json"
+    extra = ["--cfg", "2.5", "--negative", "blurry", "--steps", "3", "--runs", "1"]
+    bench = image_command(
+        tmp_path, folder, "bench", *extra, "--warmup", "0", "--via-steps", "--json-out", str(out)
+    )
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    record = json.loads(out.read_text())
+    assert record["transport"]["mode"] == "steps"
+    assert record["transport"]["equal_to_direct"] is True
+    assert record["model"]["family"] == "z_image"

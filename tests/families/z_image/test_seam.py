@@ -1,0 +1,204 @@
+"""Z-Image through the whole seam over HTTP on a tiny folder, found by the product registry
+(its FAMILIES line): status and manifest unloaded and loaded, encode, steps (equal to the
+diffusers transformer under the pipeline's time and sign), refusals, the VAE routes, and a LoRA
+table on fused and unfused layers equal to the reference with the LoRA merged into its weights."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gmlx_contract import wire
+from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
+from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine.registry import ModelRegistry
+from PIL import Image
+
+from tests.families.z_image.reference import reference_dit, rel_l2
+from tests.families.z_image.tiny.folder import build_tiny_folder
+from tests.server.conftest import serve
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("z_image")
+    transformer = build_tiny_folder(root / "z-image-tiny", variant="turbo")
+    build_tiny_folder(root / "z-image-base-tiny", seed=1, variant="base")
+    config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
+    config = replace(config, image=ImageConfig())
+    server = serve(config, ModelRegistry([root], "z-image-tiny", max_resident=2))
+    server.transformer = transformer
+    yield server
+    server.close()
+
+
+def encode(live, text: str) -> np.ndarray:
+    r = live.post_json("encode", {"model": "z-image-tiny", "text": text})
+    assert r.status_code == 200, r.text
+    return wire.read_container(r.content).tensors["cond"]
+
+
+def step(live, x, sigmas, conds, convention="comfy"):
+    rows = [{"cond": live.put_tensor(cond)} for cond in conds]
+    fields = {"model": "z-image-tiny", "rows": rows, "convention": convention}
+    timestep = np.asarray(sigmas, np.float32)
+    return live.post_container("step", {"x": x, "timestep": timestep}, fields)
+
+
+def out_of(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return wire.read_container(response.content).tensors["out"]
+
+
+def test_status_reads_the_same_unloaded_and_loaded(live):
+    unloaded = live.call("GET", "models/z-image-tiny/status").json()
+    assert unloaded["family"] == "z_image" and unloaded["variant"] == "turbo"
+    assert unloaded["resident"] is False
+    assert unloaded["comfy"] == {"model_class": "ZImage", "image_model": "lumina2"}
+    assert unloaded["latent"] == {"channels": 16, "stride": 8, "patch": 2}
+    assert unloaded["vae"]["channels_out"] == 3 and unloaded["vae"]["stride"] == 8
+    assert unloaded["edit_capable"] is False
+    assert unloaded["sampling"] == {
+        "steps": 8,
+        "cfg": 1.0,
+        "shift": 3.0,
+        "sigmas": None,
+        "schedule": None,
+        "neg_skip": [],
+    }
+    manifest = live.call("GET", "models/z-image-tiny/manifest").json()
+    names = {t["name"]: t["shape"] for t in manifest["tensors"]}
+    assert names["layers.0.attention.to_q.weight"] == [64, 64]  # unfused diffusers names
+    assert names["all_x_embedder.2-1.weight"] == [64, 64]
+    assert live.post_json("models/load", {"model": "z-image-tiny"}).status_code == 200
+    loaded = live.call("GET", "models/z-image-tiny/status").json()
+    assert loaded["resident"] is True
+    assert {k: v for k, v in loaded.items() if k != "resident"} == {
+        k: v for k, v in unloaded.items() if k != "resident"
+    }
+    assert live.call("GET", "models/z-image-tiny/manifest").json() == manifest
+
+
+def test_base_variant_is_identified_by_its_shift(live):
+    status = live.call("GET", "models/z-image-base-tiny/status").json()
+    assert status["variant"] == "base"
+    assert (status["sampling"]["steps"], status["sampling"]["cfg"]) == (50, 5.0)
+    assert status["sampling"]["shift"] == 6.0
+
+
+@pytest.mark.parametrize("convention", ["comfy", "reference"])
+def test_step_is_the_pipelines_velocity(live, convention):
+    """Both conventions: timestep = sigma, out = -transformer(x, 1 - sigma), as ZImagePipeline
+    computes noise_pred; two rows of different caption lengths in one step."""
+    conds = [encode(live, "a red fox"), encode(live, "")]
+    assert conds[0].shape[1] != conds[1].shape[1]
+    x = np.random.default_rng(1).standard_normal((2, 16, 6, 10)).astype(np.float32)
+    sigmas = np.array([0.8, 0.35], np.float32)
+    r = step(live, x, sigmas, conds, convention)
+    assert r.headers["X-Gmlx-Prefix-Cache"] == "none"
+    expected = -reference_dit(live.transformer, x, 1 - sigmas, [c[0] for c in conds])
+    assert rel_l2(out_of(r), expected) <= 1e-4
+
+
+def test_bad_steps_are_refused(live):
+    cond = encode(live, "a red fox")
+    assert step(live, np.zeros((1, 16, 5, 6), np.float32), [0.5], [cond]).status_code == 400
+    r = step(live, np.zeros((1, 16, 4, 4), np.float32), [0.5], [cond[:, :, :8]])
+    assert r.status_code == 400 and "conditioning" in r.text
+    ref = live.put_tensor(np.ones((1, 16, 4, 4), np.float32))
+    fields = {
+        "model": "z-image-tiny",
+        "rows": [{"cond": live.put_tensor(cond), "ref_latents": [ref]}],
+    }
+    x = {"x": np.zeros((1, 16, 4, 4), np.float32), "timestep": np.array([0.5], np.float32)}
+    assert live.post_container("step", x, fields).status_code == 400
+
+
+def test_encode_refuses_images(live):
+    png = io.BytesIO()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(png, format="PNG")
+    image = base64.b64encode(png.getvalue()).decode()
+    r = live.post_json("encode", {"model": "z-image-tiny", "text": "a", "images": [image]})
+    assert r.status_code == 400 and "no reference images" in r.text
+
+
+def test_the_vae_routes_round_trip_through_the_vae(live):
+    image = np.random.default_rng(2).random((1, 32, 48, 3)).astype(np.float32)
+    r = live.post_container("vae/encode", {"image": image}, {"model": "z-image-tiny"})
+    assert r.status_code == 200, r.text
+    latents = wire.read_container(r.content).tensors["latents"]
+    assert latents.shape == (1, 16, 4, 6)
+    r = live.post_container("vae/decode", {"latents": latents}, {"model": "z-image-tiny"})
+    assert r.status_code == 200, r.text
+    assert wire.read_container(r.content).tensors["image"].shape == (1, 32, 48, 3)
+
+
+# Layers a table patches: fused parts (q/k/v, w1/w3) and unfused layers of each block stack,
+# a band, a modulation and layers outside the blocks.
+PATCHED = {
+    "noise_refiner.0.feed_forward.w3": None,
+    "context_refiner.0.attention.to_out.0": [1, 8, 16],  # input columns 8..23
+    "layers.0.attention.to_k": None,
+    "layers.1.attention.to_v": [0, 4, 8],  # output rows 4..11 of v only
+    "layers.1.adaLN_modulation.0": None,
+    "all_x_embedder.2-1": None,
+    "t_embedder.mlp.0": None,
+}
+STRENGTH, ALPHA, RANK = 0.7, 1.0, 2
+
+
+def lora_deltas(transformer) -> tuple[list[dict], dict, dict]:
+    """Patch-table entries, their adapter tensors, and the same LoRA as whole-weight deltas."""
+    rng = np.random.default_rng(9)
+    weights = dict(transformer.named_parameters())
+    entries, adapters, deltas = [], {}, {}
+    for layer, band in PATCHED.items():
+        rows, cols = weights[layer + ".weight"].shape
+        band_rows, band_cols = slice(None), slice(None)
+        if band is not None and band[0] == 0:
+            band_rows, rows = slice(band[1], band[1] + band[2]), band[2]
+        elif band is not None:
+            band_cols, cols = slice(band[1], band[1] + band[2]), band[2]
+        up = rng.standard_normal((rows, RANK)).astype(np.float32)
+        down = rng.standard_normal((RANK, cols)).astype(np.float32)
+        adapters |= {tensor_hash(up): up, tensor_hash(down): down}
+        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": ALPHA}
+        patch |= {"strength": STRENGTH, "strength_model": 1.0}
+        entries.append({"key": f"diffusion_model.{layer}.weight", "band": band, "patches": [patch]})
+        delta = np.zeros(weights[layer + ".weight"].shape, np.float32)
+        delta[band_rows, band_cols] = STRENGTH * ALPHA / RANK * (up @ down)
+        deltas[layer] = delta
+    return entries, adapters, deltas
+
+
+def test_a_table_on_fused_and_unfused_layers_equals_the_merged_weights(live):
+    entries, adapters, deltas = lora_deltas(live.transformer)
+    for array in adapters.values():
+        live.put_tensor(array, "adapters")
+    doc = {"model": "z-image-tiny", "entries": entries}
+    r = live.call(
+        "PUT",
+        f"patch-tables/{table_id(doc)}",
+        data=canonical_json(doc),
+        headers={"Content-Type": "application/json"},
+        params={"model": "z-image-tiny"},
+    )
+    assert r.status_code == 200, r.text
+    cond = encode(live, "a red fox")
+    x = np.random.default_rng(6).standard_normal((1, 16, 4, 6)).astype(np.float32)
+    fields = {"model": "z-image-tiny", "rows": [{"cond": live.put_tensor(cond)}]}
+    arrays = {"x": x, "timestep": np.array([0.6], np.float32)}
+    patched = out_of(live.post_container("step", arrays, {**fields, "patch_table": table_id(doc)}))
+    merged = copy.deepcopy(live.transformer)
+    with torch.no_grad():
+        for layer, delta in deltas.items():
+            merged.get_parameter(layer + ".weight").add_(torch.from_numpy(delta))
+    expected = -reference_dit(merged, x, [0.4], [cond[0]])
+    assert rel_l2(patched, expected) <= 1e-4
+    plain = out_of(live.post_container("step", arrays, fields))
+    assert rel_l2(patched, plain) > 0.01  # the table changed the output

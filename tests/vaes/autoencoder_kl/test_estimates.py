@@ -1,0 +1,47 @@
+"""The AutoencoderKL's memory estimate bounds the measured MLX peak of a pass (tiny FLUX.1
+checkpoint, float32)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL
+
+from tests.families.z_image.tiny.vae import build_vae
+
+
+def peak_of(work) -> int:
+    """MLX's peak allocation during `work`, above what was held before it."""
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    work()
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+@pytest.fixture(scope="module")
+def vae(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("autoencoder_kl_memory")
+    build_vae(folder, seed=4)
+    return AutoencoderKL.load(folder)
+
+
+@pytest.mark.parametrize(("height", "width"), [(128, 128), (256, 384)])
+@pytest.mark.parametrize("decode", [True, False])
+def test_estimate_bounds_the_measured_peak(vae, height, width, decode):
+    rng = np.random.default_rng(3)
+    if decode:
+        z = mx.array(rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32))
+        measured = peak_of(lambda: vae.decode(z))
+    else:
+        image = mx.array(rng.random((1, height, width, 3), dtype=np.float32))
+        measured = peak_of(lambda: vae.encode(image))
+    estimate = vae.peak_bytes(height, width, decode)
+    print(
+        f"{'decode' if decode else 'encode'} {width}x{height}: measured"
+        f" {measured / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB"
+    )
+    assert 1.05 * measured <= estimate <= 2 * measured
