@@ -164,8 +164,8 @@ class FrontGate:
         multipart = (req.content_type or "").split(";", 1)[0].strip() == "multipart/form-data"
         if body and not container and not multipart and body.strip():
             try:
-                req.context.json = json.loads(body)
-            except (ValueError, RecursionError):
+                req.context.json = wire.load_json(body)
+            except ValueError:
                 raise GateError(
                     400,
                     "invalid_request_error",

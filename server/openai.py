@@ -340,7 +340,7 @@ def json_fields(req: falcon.Request) -> dict:
     else:
         body = bytes(getattr(req.context, "body", b""))  # a tensor body arrives as a view
         try:
-            doc = json.loads(body) if body and body.strip() else {}
+            doc = wire.load_json(body) if body and body.strip() else {}
         except ValueError:
             raise OpenAIError(400, "the body must be a JSON object") from None
     if not isinstance(doc, dict):

@@ -26,6 +26,9 @@ GiB = 1 << 30
 MAX_HEADER_BYTES = 16 * MiB
 MAX_CONTAINER_BYTES = GiB + MiB
 MAX_JSON_BYTES = 64 * MiB
+# How deeply a JSON document may nest: far beyond any document of the contract, and far enough
+# below Python's recursion limit that hashing or re-encoding a document never overflows it.
+MAX_JSON_DEPTH = 64
 MAX_UPLOAD_BYTES = GiB  # one tensor or adapter, before the caches' own bounds
 MAX_ADAPTER_FILE = 4 * GiB
 MAX_ROWS = 16
@@ -155,10 +158,33 @@ def _header_length(view: memoryview) -> int:
     return header_len
 
 
+def load_json(text: str | bytes) -> Any:
+    """`json.loads`, refusing (ValueError) a document nested deeper than MAX_JSON_DEPTH."""
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise ValueError("the document nests too deeply") from None
+    if _nesting(doc) > MAX_JSON_DEPTH:
+        raise ValueError(f"the document nests deeper than {MAX_JSON_DEPTH} levels")
+    return doc
+
+
+def _nesting(doc: Any) -> int:
+    """How many arrays and objects deep a parsed document goes (without recursion)."""
+    deepest, pending = 0, [(doc, 1)]
+    while pending:
+        value, depth = pending.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            pending.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _parse_header(raw: memoryview) -> dict[str, Any]:
     try:
-        header = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        header = load_json(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
         raise WireError(f"container header is not JSON: {error}") from None
     if not isinstance(header, dict):
         raise WireError(f"container header is a JSON {type(header).__name__}, not an object")
@@ -174,8 +200,8 @@ def _fields_from_metadata(metadata: Any) -> dict[str, Any]:
     if text is None:
         return {}
     try:
-        fields = json.loads(text)
-    except (ValueError, RecursionError) as error:
+        fields = load_json(text)
+    except ValueError as error:
         raise WireError(f"container {METADATA_KEY}.{FIELDS_KEY} is not JSON: {error}") from None
     if not isinstance(fields, dict):
         raise WireError(

@@ -137,8 +137,8 @@ def raw_json_body(req: falcon.Request) -> Any:
     if not body.strip():
         return {}
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError):
+        return wire.load_json(body)
+    except ValueError:
         raise ContractError(400, "the request body is not JSON") from None
 
 

@@ -263,3 +263,13 @@ def test_bf16_rounding_matches_nearest_even():
         wire.bf16_bits_to_f32(bits)[:5], np.array([1.0, 1.0, 1.015625, -3.5, np.inf], np.float32)
     )
     assert np.isnan(wire.bf16_bits_to_f32(wire.f32_to_bf16_bits(np.array([np.nan]))))[0]
+
+
+def test_load_json_bounds_nesting():
+    at_limit = "[" * wire.MAX_JSON_DEPTH + "]" * wire.MAX_JSON_DEPTH
+    assert wire.load_json(at_limit) == json.loads(at_limit)
+    for depth in (wire.MAX_JSON_DEPTH + 1, 100_000):
+        with pytest.raises(ValueError, match="nests"):
+            wire.load_json('{"a":' * depth + "0" + "}" * depth)
+    fields = json.dumps({"a": [[[]]] * 3})
+    assert wire.load_json(fields) == json.loads(fields)

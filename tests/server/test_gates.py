@@ -115,6 +115,20 @@ def test_json_routes_take_empty_bodies_and_refuse_non_objects(live):
     assert r.status_code == 400 and "object" in flat(r)
 
 
+@pytest.mark.parametrize("depth", [wire.MAX_JSON_DEPTH + 1, 900, 5000])
+def test_json_nested_too_deeply_is_400_before_any_route(live, depth):
+    """A patch table nested hundreds of levels deep parses, but hashing it would overflow
+    Python's recursion limit: the gate refuses it as not JSON, and the server goes on."""
+    body = ('{"model":' * depth + "1" + "}" * depth).encode()
+    digest = "0" * 64
+    headers = {"Content-Type": "application/json"}
+    r = live.call("PUT", f"patch-tables/{digest}", data=body, headers=headers)
+    assert r.status_code == 400, r.text
+    assert nested(r)["type"] == "invalid_request_error"
+    r = live.call("POST", "interrupt", data=b"{}", headers=headers)
+    assert r.status_code == 200
+
+
 def test_json_body_over_64_mib_is_413_nested(live):
     body = b" " * (wire.MAX_JSON_BYTES + 1)
     r = live.call("POST", "interrupt", data=body, headers={"Content-Type": "application/json"})
