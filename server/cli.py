@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
-from .parsers import CommandParser
+from .parsers import CommandParser, add_quantize_arguments, quantization_argument
 from .process import config_registry, prepare_process
 
 log = logging.getLogger("gmlx.server")
@@ -66,6 +66,7 @@ def register_serve(subparsers) -> None:
         default=None,
         help=f"port to listen on, over the config file and GMLX_PORT (default: {defaults.port})",
     )
+    add_quantize_arguments(parser)
     parser.set_defaults(func=serve)
 
 
@@ -79,6 +80,7 @@ COMMANDS: list[Callable | str] = [
     register_serve,
     register_image,
     "gmlx_server.discovery:register",  # `gmlx status`, `gmlx list`
+    "gmlx_server.model_cli:register",  # `gmlx model quantize`
 ]
 
 
@@ -159,13 +161,14 @@ def _delegated_call(argv: list[str]) -> int | None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config
+    from .config import load_config
 
     setup_logging()
     try:
-        config = load_config(args.config, host=args.host, port=args.port)
+        quantization = quantization_argument(args)
+        config = load_config(args.config, host=args.host, port=args.port, quantization=quantization)
         config.check_startable()
-    except ConfigError as exc:
+    except ValueError as exc:  # a ConfigError, or --group-size without --quantize
         print(f"gmlx serve: {exc}", file=sys.stderr)
         return 2
     prepare_process()  # before anything imports mlx

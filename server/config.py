@@ -24,9 +24,12 @@ File (default ~/.config/gmlx-steps/config.toml):
     adapters = ["~/loras/style.safetensors:0.8"]   # LoRA files (FILE[:STRENGTH], relative to
                                     # this file's folder) that steps naming no patch table run
                                     # under (docs/contract.md §2.9)
+    quantize = 4                    # quantize the DiT and the text encoder as they load: 3, 4,
+    group_size = 64                 # 5, 6 or 8 bits, in groups of 32, 64 or 128 (default 64)
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
-GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`) override both.
+GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
+`--quantize` applies to every model, over the entries' own `quantize`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
+
+from .engine.precision import DEFAULT_GROUP_SIZE, Quantization
 
 DEFAULT_CONFIG_PATH = Path("~/.config/gmlx-steps/config.toml")
 
@@ -108,9 +113,10 @@ class ModelSettings:
     """What the configuration says about one model entry (`[models."id"]`)."""
 
     adapters: tuple[AdapterSpec, ...] = ()
+    quantization: Quantization | None = None  # `quantize` and `group_size`
 
 
-MODEL_SETTING_KEYS = ("adapters",)
+MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size")
 
 
 @dataclass
@@ -123,7 +129,16 @@ class ServerConfig:
     threads: int = 8
     image: ImageConfig = field(default_factory=ImageConfig)
     models: dict[str, ModelSettings] = field(default_factory=dict)  # by model id
+    quantization: Quantization | None = None  # `--quantize`: every model's, over its entry's
     source: Path | None = None  # the file read, if any
+
+    def quantization_for(self, model_id: str) -> Quantization | None:
+        """The precision a model loads at: `--quantize`, else its entry's `quantize`, else
+        None (as its files store it)."""
+        if self.quantization is not None:
+            return self.quantization
+        settings = self.models.get(model_id)
+        return settings.quantization if settings is not None else None
 
     @property
     def loopback_bind(self) -> bool:
@@ -157,9 +172,10 @@ def load_config(
     env: Mapping[str, str] | None = None,
     host: str | None = None,
     port: int | None = None,
+    quantization: Quantization | None = None,
 ) -> ServerConfig:
     """Read the file (a missing default file is fine, a missing named file is not), apply the
-    environment, then the flags, and validate the result."""
+    environment, then the flags (`quantization`: `--quantize`'s), and validate the result."""
     env = os.environ if env is None else env
     config = ServerConfig()
     config_path = Path(path).expanduser() if path else DEFAULT_CONFIG_PATH.expanduser()
@@ -172,6 +188,8 @@ def load_config(
         config.host = host
     if port is not None:
         config.port = port
+    if quantization is not None:
+        config.quantization = quantization
     _validate(config)
     return config
 
@@ -221,14 +239,32 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
         raise ConfigError(f"{where} must be a table")
     unknown = sorted(set(table) - set(MODEL_SETTING_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting {unknown[0]!r} (known: adapters)")
+        raise ConfigError(
+            f"{where}: unknown setting {unknown[0]!r} (known: {', '.join(MODEL_SETTING_KEYS)})"
+        )
     adapters = table.get("adapters", [])
     if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
         raise ConfigError(f'{where} adapters must be a list of "FILE[:STRENGTH]" strings')
     try:
-        return ModelSettings(adapters=tuple(parse_adapter(text, folder) for text in adapters))
+        specs = tuple(parse_adapter(text, folder) for text in adapters)
     except ValueError as exc:
         raise ConfigError(f"{where} adapters: {exc}") from None
+    return ModelSettings(adapters=specs, quantization=_quantization(table, where))
+
+
+def _quantization(table: dict, where: str) -> Quantization | None:
+    """A model entry's `quantize` (bits) and `group_size`; None without `quantize`."""
+    if "quantize" not in table:
+        if "group_size" in table:
+            raise ConfigError(f"{where}: group_size needs quantize (the bits)")
+        return None
+    try:
+        return Quantization(
+            _typed(table, "quantize", int),
+            _typed(table, "group_size", int) if "group_size" in table else DEFAULT_GROUP_SIZE,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _table(doc: dict, name: str, path: Path) -> dict:

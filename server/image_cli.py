@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from .engine.precision import Quantization
 from .engine.sampling import (
     SAMPLERS,
     DirectTransport,
@@ -41,7 +42,7 @@ from .engine.sampling import (
 from .imagefiles import read_image_file
 from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
-from .parsers import CommandParser
+from .parsers import CommandParser, add_quantize_arguments, quantization_argument
 from .process import config_registry, prepare_process
 
 SCHEMA = "gmlx.image.bench/1"
@@ -60,18 +61,27 @@ class ModelChoice:
     prepare_s: float  # finding the folder (and generating the embedded default on first use)
 
 
-def choose_model(model: str | None, config_path: Path | None = None) -> ModelChoice:
+def choose_model(
+    model: str | None,
+    config_path: Path | None = None,
+    quantization: Quantization | None = None,
+) -> ModelChoice:
     """A folder (holding model_index.json), a model id of the configuration, or, with neither,
-    the configured default model or else the embedded default."""
+    the configured default model or else the embedded default; loaded at `quantization`
+    (`--quantize`), else at its entry's configured precision."""
     from .config import load_config
     from .engine.registry import MODEL_INDEX, ModelRegistry
 
     started = time.perf_counter()
     if model and (Path(model).expanduser() / MODEL_INDEX).is_file():
         folder = Path(model).expanduser().resolve()
-        registry = ModelRegistry(extra_models=[folder], default_model=folder.name)
+        registry = ModelRegistry(
+            extra_models=[folder],
+            default_model=folder.name,
+            quantization=lambda _model_id: quantization,
+        )
         return ModelChoice(registry, folder.name, time.perf_counter() - started)
-    config = load_config(config_path)
+    config = load_config(config_path, quantization=quantization)
     registry, _ = config_registry(config, model)
     if model and model not in registry.folders():
         raise ValueError(unknown_model(model, sorted(registry.folders())))
@@ -211,6 +221,7 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
         help="server TOML config file, for its model_dirs and model entries"
         " (default: the config `gmlx serve` reads)",
     )
+    add_quantize_arguments(parser)
 
 
 def add_adapter_argument(parser: argparse.ArgumentParser, note: str = "") -> None:
@@ -233,12 +244,13 @@ def run_sample(args: argparse.Namespace) -> int:
     prepare_process()
     try:
         images = read_references(args.ref)
+        quantization = quantization_argument(args)
     except ValueError as exc:
         print(f"gmlx image sample: {exc}", file=sys.stderr)
         return EXIT_USAGE
     request = image_request(args, images)
     try:
-        choice = choose_model(args.model, args.config)
+        choice = choose_model(args.model, args.config, quantization)
         with CompileWatch(note):
             if args.via_steps:
                 pixels, steps = sample_via_steps(choice, request, args.adapter)
@@ -482,11 +494,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     prepare_process()
     try:
         request = image_request(args, read_references(args.ref))
+        quantization = quantization_argument(args)
     except ValueError as exc:
         print(f"gmlx image bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        choice = choose_model(args.model, args.config)
+        choice = choose_model(args.model, args.config, quantization)
         with CompileWatch(note):
             record = run_bench(
                 choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
@@ -662,6 +675,8 @@ def bench_record(
 def model_record(loaded: Any, status: dict) -> dict:
     folder = Path(loaded.entry.path)
     memory = status.get("memory", {})
+    # the resident precision (status `quantization`, an extension): null as the files store it
+    quantization = status.get("quantization") or {}
     dtypes = sorted({t["dtype"] for t in loaded.model.manifest().get("tensors", [])})
     return {
         "id": loaded.model_id,
@@ -671,11 +686,13 @@ def model_record(loaded: Any, status: dict) -> dict:
             "file": str(folder / "transformer"),
             "bytes": int(memory.get("dit_bytes", 0)),
             "quant": "+".join(dtypes) or None,
+            "quantization": quantization.get("dit"),
         },
         "encoder": {
             "file": str(folder / "text_encoder"),
             "bytes": int(memory.get("encoder_bytes", 0)),
             "shared": False,
+            "quantization": quantization.get("encoder"),
         },
         "vae": {
             "file": str(folder / "vae"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from .engine.precision import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, Quantization
+
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """argparse's help with each option's default, except where there is none to show (None, a
@@ -35,3 +37,34 @@ class CommandParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", Subcommands)
+
+
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--quantize BITS` and `--group-size N`: the precision models load at (engine/quantize.py),
+    over the configuration's model entries; read back with `quantization_argument`."""
+    parser.add_argument(
+        "--quantize",
+        type=int,
+        choices=BITS,
+        default=None,
+        metavar="BITS",
+        help="quantize the DiT's and the text encoder's linear layers to this many bits as they"
+        f" load ({', '.join(map(str, BITS))}; over the model entries' own `quantize`)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=None,
+        help=f"with --quantize: weights per scale and bias (default {DEFAULT_GROUP_SIZE})",
+    )
+
+
+def quantization_argument(args: argparse.Namespace) -> Quantization | None:
+    """The Quantization that `--quantize` and `--group-size` name (None without --quantize); a
+    ValueError for --group-size alone."""
+    if args.quantize is None:
+        if args.group_size is not None:
+            raise ValueError("--group-size needs --quantize")
+        return None
+    return Quantization(args.quantize, args.group_size or DEFAULT_GROUP_SIZE)

@@ -35,13 +35,20 @@ def fast_blas() -> None:
 def config_registry(config, model: str | None = None):
     """The model registry of a configuration, its default model `model` or else the configured
     one or else the embedded default (whose folder joins as an extra folder); models load with
-    their entries' configured adapters. Returns (registry, extra folders)."""
+    their entries' configured adapters and at their configured precision (`--quantize`, else
+    the entry's `quantize`). Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
     from .lora_files import DefaultAdapters
 
     extra, default = _embedded_default(model or config.default_model)
     hooks = DefaultAdapters(config.models) if config.models else None
-    registry = ModelRegistry(config.model_dirs, default, extra_models=extra, load_hooks=hooks)
+    registry = ModelRegistry(
+        config.model_dirs,
+        default,
+        extra_models=extra,
+        load_hooks=hooks,
+        quantization=config.quantization_for,
+    )
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup
         log.warning("configured model entries with no model folder (yet): %s", ", ".join(unknown))

@@ -24,10 +24,11 @@ import numpy as np
 
 from .base import Capabilities, EngineInputError, StepRow
 from .lora import TableWeights
-from .weights import tensor_infos
+from .weights import QUANTIZED, tensor_infos
 
-# Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names.
-MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+# Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
+# stored quantized (`gmlx model quantize`) is `quant`.
+MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", QUANTIZED: "quant"}
 
 
 def dit_manifest(family: str, transformer_dir: Path, title: str) -> dict:
@@ -40,7 +41,7 @@ def dit_manifest(family: str, transformer_dir: Path, title: str) -> dict:
         if info.dtype not in MANIFEST_DTYPES:
             raise EngineInputError(
                 f"tensor {info.name} is stored as {info.dtype}; {title} weights must be"
-                " F32, F16 or BF16"
+                " F32, F16 or BF16, or quantized by `gmlx model quantize`"
             )
         tensors.append(
             {"name": info.name, "shape": list(info.shape), "dtype": MANIFEST_DTYPES[info.dtype]}

@@ -7,7 +7,8 @@ weight tree (any path of keys and indices: `blocks[3]`, `double_blocks[0].img`, 
 may hold several layers fused along the output rows (q/k/v as one matrix).
 
 Application is low-rank: a linear with a table's pair computes x W^T + (x A^T) B^T (see
-`project`), never a merged copy of W. Measured in docs/benchmarks.md ("LoRA"): the low-rank
+`project`), never a merged copy of W, so a table applies to a quantized W (quantize.py) as it
+does to a float one. Measured in docs/benchmarks.md ("LoRA"): the low-rank
 term costs a few per cent of a step, while a merged copy costs a second copy of every patched
 weight per table (gigabytes at full size) and a merge whenever tables alternate.
 
@@ -29,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base import EngineInputError
+from .quantize import linear, logical_shape
 
 # Keys of a table's pair beside a linear weight `name` in a weight tree: the down matrix (R, in)
 # and the up matrix (out, R) with strength and scale folded in.
@@ -39,18 +41,15 @@ LORA_UP = ".lora_up"
 TABLE_BUDGET_BYTES = 1 << 30
 
 
-def linear(x: mx.array, weight: mx.array) -> mx.array:
-    return x @ weight.T
-
-
 def project(w: dict, name: str, x: mx.array) -> mx.array:
-    """x through the linear weight w[name], plus the low-rank term (x A^T) B^T of a LoRA table
-    when the tree carries a pair for it."""
-    out = linear(x, w[name])
+    """x through the linear weight w[name] (quantized or not: quantize.linear), plus the
+    low-rank term (x A^T) B^T of a LoRA table when the tree carries a pair for it; the pair
+    stays in float whatever the base weight's precision."""
+    out = linear(w, name, x)
     down = w.get(name + LORA_DOWN)
     if down is not None:
         # addmm accumulates into `out` inside the GEMM: no separate pass over the output.
-        out = mx.addmm(out, linear(x, down), w[name + LORA_UP].T)
+        out = mx.addmm(out, x @ down.T, w[name + LORA_UP].T)
     return out
 
 
@@ -71,7 +70,7 @@ class LinearSlot:
         return tree
 
     def layer_shape(self, tree: dict) -> tuple[int, int]:
-        rows, cols = self.node(tree)[self.key].shape
+        rows, cols = logical_shape(self.node(tree), self.key)
         return rows // self.parts, cols
 
     @property

@@ -15,10 +15,11 @@ room for another, which is answered 503 (load deferred for capacity).
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from gmlx_contract.errors import ContractError
 
 from .base import EngineInputError, ImageModel, seam_gaps
+from .precision import Quantization
 
 log = logging.getLogger("gmlx.server")
 
@@ -37,10 +39,12 @@ LISTING_TTL_S = 2.0
 
 # Family name -> the family module (or its import path, imported on first use). A family module
 # provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
-# of that family) and `load(model_dir, model_id) -> ImageModel`; optionally `describe(model_dir,
-# model_id) -> dict` (the status of a model that is not loaded), `manifest(model_dir) -> dict` and
-# `FEATURES` (routes/models.py). Adding a family is its folder and one line here (docs/engine.md,
-# "Adding a family"); tests pass their own table as `ModelRegistry(families=...)`.
+# of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
+# precision.Quantization) in a family that quantizes; optionally `describe(model_dir, model_id)
+# -> dict` (the status of a model that is not loaded), `manifest(model_dir) -> dict`,
+# `quantized_files(model_dir)` (for `gmlx model quantize`) and `FEATURES` (routes/models.py).
+# Adding a family is its folder and one line here (docs/engine.md, "Adding a family"); tests
+# pass their own table as `ModelRegistry(families=...)`.
 FAMILIES: dict[str, Any] = {
     "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
     "z_image": "gmlx_server.engine.families.z_image.family",
@@ -147,14 +151,17 @@ class ModelRegistry:
         families: dict[str, Any] | None = None,
         max_resident: int = 1,
         load_hooks: Any = None,
+        quantization: Callable[[str], Quantization | None] | None = None,
     ) -> None:
         """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
         before a model's weights load with the family's manifest of its folder, and
         `give(loaded)`, run on each newly loaded instance before anyone sees it; a ValueError
         or ContractError from either fails the load with its status (400 for a ValueError),
-        naming the model."""
+        naming the model. `quantization(model_id)` is the precision a model loads at (None, or no
+        function: as its files store it)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
+        self.quantization = quantization
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -335,9 +342,10 @@ class ModelRegistry:
         if not (entry.path / MODEL_INDEX).is_file():
             raise ContractError(404, f"model {entry.model_id!r} has vanished from {entry.path}")
         self._check_before_load(entry, module)
+        options = self._load_options(entry, module)
         self._make_room(entry.model_id)
         try:
-            model = module.load(entry.path, entry.model_id)
+            model = module.load(entry.path, entry.model_id, **options)
         except FileNotFoundError as exc:
             raise ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}") from exc
         except (EngineInputError, ValueError, KeyError) as exc:
@@ -362,8 +370,29 @@ class ModelRegistry:
             loaded.generation = self._generation
             self._loaded[entry.model_id] = loaded
         self._forget_listing()
-        log.info("loaded model %s (%s %s)", entry.model_id, entry.family, entry.variant)
+        precision = options.get("quantization")
+        log.info(
+            "loaded model %s (%s %s%s)",
+            entry.model_id,
+            entry.family,
+            entry.variant,
+            f", {precision.bits}-bit groups of {precision.group_size}" if precision else "",
+        )
         return loaded
+
+    def _load_options(self, entry: ModelEntry, module: Any) -> dict:
+        """The keyword arguments of the family's `load` for this entry: its quantization, when
+        it has one (refused 400 for a family whose `load` takes none)."""
+        quantization = self.quantization(entry.model_id) if self.quantization else None
+        if quantization is None:
+            return {}
+        if "quantization" not in inspect.signature(module.load).parameters:
+            raise ContractError(
+                400,
+                f"model {entry.model_id!r}: family {entry.family} does not quantize its weights;"
+                " load it without quantize",
+            )
+        return {"quantization": quantization}
 
     def _make_room(self, model_id: str) -> None:
         with self._lock:

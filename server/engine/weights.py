@@ -1,10 +1,13 @@
 """The weights of a diffusers-layout component folder: its config, its (sharded) safetensors,
 and what a family's load asks of them.
 
-Everything that touches stored tensors goes through here: reading (safetensors shards today;
-GGUF and MLX's quantized files next), casting to the compute dtype, and in time quantizing and
-sharding. A family's load says what it needs (`load_weights(dir, dtype, keep_f32=...)`) and maps
-the names (its DiT's `sanitize`); it never casts leaf by leaf. Memory is counted from the loaded
+Everything that touches stored tensors goes through here: reading (safetensors shards, float
+or quantized as `gmlx model quantize` writes them; GGUF next), casting to the compute dtype,
+quantizing (quantize.py) and in time sharding. A quantized component's config.json names its
+`quantization` ({"bits", "group_size", "mode"}, as mlx-lm's); which weights are quantized is
+decided by the files themselves: a weight `X.weight` with an `X.scales` beside it. A family's load says what it needs (`load_tree(dir, sanitize, dtype,
+keep_f32=..., quantization=..., quantized=...)`) and maps the names (its DiT's `sanitize`); it
+never casts leaf by leaf. Memory is counted from the loaded
 arrays (`nn.dtypes.tree_bytes`); the header-based `stored_elements` serves only estimates for a
 folder that is not loaded. `tensor_infos` gives logical shapes, whatever the storage.
 """
@@ -12,6 +15,7 @@ folder that is not loaded. `tensor_infos` gives logical shapes, whatever the sto
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +23,19 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from .precision import Quantization
+from .quantize import (
+    BIASES,
+    PACKED_BITS,
+    SCALES,
+    quantizable,
+    quantize_tree,
+    quantized,
+    sanitize_stored,
+)
+
+QUANTIZED = "quant"  # the dtype tensor_infos gives a quantized weight (docs/contract.md §2.4)
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -46,13 +63,69 @@ def load_weights(
     keep_f32: Callable[[str], bool] | None = None,
 ) -> dict[str, mx.array]:
     """All tensors of a component by their file names, cast to `dtype` when given; the names
-    `keep_f32` picks (norm scales, read by norms that run in float32) are cast to float32."""
+    `keep_f32` picks (norm scales, read by norms that run in float32) are cast to float32.
+    Packed quantized weights (uint32) are never cast."""
     weights: dict[str, mx.array] = {}
     for path in weight_files(component_dir):
         for name, value in mx.load(str(path)).items():
             target = mx.float32 if keep_f32 is not None and keep_f32(name) else dtype
-            weights[name] = value.astype(target) if target is not None else value
+            if target is None or value.dtype == mx.uint32:
+                weights[name] = value
+            else:
+                weights[name] = value.astype(target)
     return weights
+
+
+def stored_quantization(component_dir: Path) -> Quantization | None:
+    """The quantization a component's files hold (its config's `quantization`), or None (also
+    for a component without a config.json)."""
+    if not (Path(component_dir) / "config.json").is_file():
+        return None
+    stored = read_config(component_dir).get("quantization")
+    if stored is None:
+        return None
+    return Quantization(stored["bits"], stored["group_size"])
+
+
+def quantization_at_load(component_dir: Path, requested: Quantization | None):
+    """What a load of the component still quantizes: `requested`; None for a component stored
+    quantized, which loads as stored (a ValueError when `requested` names another precision)."""
+    stored = stored_quantization(component_dir)
+    if stored is None:
+        return requested
+    if requested is not None and requested != stored:
+        raise ValueError(
+            f"{Path(component_dir).name} is stored quantized ({stored.bits}-bit, groups of"
+            f" {stored.group_size}); load it without quantize or at that precision"
+        )
+    return None
+
+
+def load_tree(
+    component_dir: Path,
+    sanitize: Callable[[dict[str, mx.array]], dict],
+    dtype: mx.Dtype | None = None,
+    keep_f32: Callable[[str], bool] | None = None,
+    quantization: Quantization | None = None,
+    quantized: Callable[[str], bool] | None = None,
+) -> dict:
+    """A component's weight tree, evaluated: its tensors read (`load_weights`), mapped by the
+    family's `sanitize` (file names -> tree), and with a `quantization` the linear weights
+    whose tree path `quantized` picks quantized, one at a time (quantize.quantize_tree), so the
+    float model is never whole in memory. A component stored quantized loads as stored
+    (quantize.sanitize_stored), never through float weights."""
+    component_dir = Path(component_dir)
+    quantization = quantization_at_load(component_dir, quantization)
+    files = load_weights(component_dir, dtype, keep_f32)
+    stored = stored_quantization(component_dir)
+    tree = sanitize(files) if stored is None else sanitize_stored(files, sanitize, stored)
+    del files
+    if quantization is not None:
+        if quantized is None:
+            raise ValueError("a quantized load needs the family's choice of layers")
+        quantize_tree(tree, quantization, quantized)
+    mx.eval(tree)
+    return tree
 
 
 @dataclass(frozen=True)
@@ -65,12 +138,34 @@ class TensorInfo:
 
 
 def tensor_infos(component_dir: Path) -> list[TensorInfo]:
-    """Every tensor of a component, from the file headers (no data read)."""
-    return [
-        TensorInfo(name, tuple(entry["shape"]), entry["dtype"])
+    """Every tensor of a component as the model names it, from the file headers (no data
+    read): a quantized weight by its logical (unquantized) shape with dtype QUANTIZED, its
+    scales and biases left out."""
+    headers = {
+        name: entry
         for path in weight_files(component_dir)
         for name, entry in read_header(path).items()
-    ]
+    }
+    stored = stored_quantization(component_dir)
+    infos = []
+    for name, entry in headers.items():
+        shape = tuple(entry["shape"])
+        if packed_name(name, headers):
+            continue  # a quantized weight's scales or biases
+        if name.endswith(".weight") and name[: -len(".weight")] + SCALES in headers:
+            rows, words = shape
+            infos.append(TensorInfo(name, (rows, words * PACKED_BITS // stored.bits), QUANTIZED))
+        else:
+            infos.append(TensorInfo(name, shape, entry["dtype"]))
+    return infos
+
+
+def packed_name(name: str, names) -> bool:
+    """Whether `name` is the scales or biases of a quantized weight among `names`."""
+    for suffix in (SCALES, BIASES):
+        if name.endswith(suffix) and name[: -len(suffix)] + ".weight" in names:
+            return True
+    return False
 
 
 def stored_elements(component_dir: Path) -> int:
@@ -96,3 +191,62 @@ def component_bytes(component_dir: Path) -> int:
             start, end = entry["data_offsets"]
             total += end - start
     return total
+
+
+def quantize_folder(
+    source: Path,
+    destination: Path,
+    quantization: Quantization,
+    components: dict[str, Callable[[str], bool]],
+) -> None:
+    """Write `destination` (which must not exist), a copy of the model folder `source` in which
+    each component named in `components` holds the weights its predicate picks (by file name)
+    quantized (`write_quantized`). Loading the copy reads the quantized weights directly."""
+    source, destination = Path(source), Path(destination)
+    if destination.exists():
+        raise FileExistsError(f"{destination} exists; name a new folder")
+    for name in components:
+        if stored_quantization(source / name) is not None:
+            raise ValueError(f"{source / name} is stored quantized already")
+    destination.mkdir(parents=True)
+    for item in sorted(source.iterdir()):
+        if item.name in components:
+            write_quantized(item, destination / item.name, quantization, components[item.name])
+        elif item.is_dir():
+            shutil.copytree(item, destination / item.name)
+        else:
+            shutil.copy2(item, destination / item.name)
+
+
+def write_quantized(
+    source: Path, destination: Path, quantization: Quantization, include: Callable[[str], bool]
+) -> None:
+    """Copy a component folder with the float matrices `include` picks by file name (and
+    whose rows the group size divides) quantized from float32: `X.weight` packed, `X.scales`
+    and `X.biases` (float32),
+    shard by shard, each tensor quantized and evaluated before the next; its config records
+    the `quantization`."""
+    destination.mkdir()
+    shards = {path.name for path in weight_files(source)}
+    for item in sorted(source.iterdir()):
+        if item.name not in shards and item.name != "config.json":
+            copy = shutil.copytree if item.is_dir() else shutil.copy2
+            copy(item, destination / item.name)
+    weight_map = {}
+    for path in weight_files(source):
+        tensors = {}
+        for name, value in mx.load(str(path)).items():
+            if name.endswith(".weight") and include(name) and quantizable(value, quantization):
+                base = name[: -len(".weight")]
+                # in float32, as a load at float32 quantizes: the two give the same weights
+                packed = quantized(value.astype(mx.float32), quantization)
+                tensors[name], tensors[base + SCALES], tensors[base + BIASES] = packed
+            else:
+                tensors[name] = value
+        mx.save_safetensors(str(destination / path.name), tensors, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(tensors, path.name))
+    for index in source.glob("*" + _INDEX_SUFFIX):
+        doc = json.loads(index.read_text())
+        (destination / index.name).write_text(json.dumps({**doc, "weight_map": weight_map}))
+    config = {**read_config(source), "quantization": quantization.status()}
+    (destination / "config.json").write_text(json.dumps(config, indent=2))

@@ -32,5 +32,6 @@ def tree_leaves(tree) -> Iterator:
 
 
 def tree_bytes(tree) -> int:
-    """Bytes of the arrays a tree holds, as loaded."""
-    return sum(leaf.nbytes for leaf in tree_leaves(tree))
+    """Bytes of the arrays a tree holds, as loaded (its constants, such as a quantized
+    weight's (bits, group_size), hold none)."""
+    return sum(leaf.nbytes for leaf in tree_leaves(tree) if isinstance(leaf, mx.array))

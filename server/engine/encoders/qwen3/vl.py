@@ -9,6 +9,7 @@ Weights load by transformers' names; `lm_head` and the final norm are unused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -16,8 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin
-from ...weights import load_weights, read_config
+from ...precision import Quantization
+from ...quantize import quantize_module, quantize_stored_module
+from ...weights import load_weights, quantization_at_load, read_config, stored_quantization
 from .text import TextConfig, TextModel
 from .vision import VisionConfig, VisionModel
 
@@ -38,17 +42,35 @@ class Qwen3VLEncoder(nn.Module):
         self.visual = VisionModel(vision)
 
     @classmethod
-    def load(cls, component_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[Qwen3VLEncoder, int]:
-        """The encoder of a transformers folder, and the bytes of its loaded weights."""
+    def load(
+        cls,
+        component_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+        quantized: Callable[[str], bool] | None = None,
+    ) -> tuple[Qwen3VLEncoder, int]:
+        """The encoder of a transformers folder, and the bytes of its loaded weights. With a
+        `quantization`, the linear layers whose module path `quantized` picks (the family's
+        choice) are quantized as they load (quantize.quantize_module); a folder stored
+        quantized loads as stored."""
         config = read_config(component_dir)
         encoder = cls(
             TextConfig.from_dict(config["text_config"]),
             VisionConfig.from_dict(config["vision_config"]),
         )
+        quantization = quantization_at_load(Path(component_dir), quantization)
         weights = sanitize(load_weights(component_dir, dtype))
+        stored = stored_quantization(component_dir)
+        if stored is not None:
+            quantize_stored_module(encoder, weights, stored)
+        if quantization is not None:
+            if quantized is None:
+                raise ValueError("a quantized load needs the family's choice of layers")
+            quantize_module(encoder, weights, quantization, quantized)
         encoder.load_weights(list(weights.items()), strict=True)
+        del weights
         mx.eval(encoder.parameters())
-        return encoder, sum(value.nbytes for value in weights.values())
+        return encoder, tree_bytes(encoder.parameters())
 
     def hidden_states(
         self,
@@ -135,15 +157,22 @@ _PREFIXES = (
 _UNUSED = ("lm_head.", "language_model.norm.")
 
 
+def module_name(name: str) -> str | None:
+    """A checkpoint name as the module's parameter name; None for a tensor the encoder does
+    not use."""
+    for prefix, target in _PREFIXES:
+        if name.startswith(prefix):
+            name = target + name[len(prefix) :]
+            break
+    return None if name.startswith(_UNUSED) else name
+
+
 def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Checkpoint names -> module names; unused tensors dropped; the Conv3d patch kernel flattened."""
     renamed: dict[str, mx.array] = {}
     for name, value in weights.items():
-        for prefix, target in _PREFIXES:
-            if name.startswith(prefix):
-                name = target + name[len(prefix) :]
-                break
-        if name.startswith(_UNUSED):
+        name = module_name(name)
+        if name is None:
             continue
         if name == "visual.patch_embed.proj.weight":
             value = value.reshape(value.shape[0], -1)

@@ -34,7 +34,8 @@ from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
-from ...weights import load_weights, read_config
+from ...precision import Quantization
+from ...weights import load_tree, read_config
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,14 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     return weights
 
 
+def quantized(path: str) -> bool:
+    """The weights a quantized load quantizes (a model entry's `quantize`), by tree path: the
+    blocks' linear layers, which hold nearly all of the DiT. The embedders (time, text, image),
+    the modulation every block shares, and the final norm and projection keep the compute
+    dtype, as the norm scales do."""
+    return path.startswith("blocks.")
+
+
 @dataclass
 class PrefixState:
     """K and V of the prefix in every block, each (1, heads, P, head_dim), and the target's frame
@@ -263,14 +272,22 @@ class QwenImage21DiT:
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod
-    def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> QwenImage21DiT:
+    def load(
+        cls,
+        transformer_dir: Path,
+        dtype: mx.Dtype | None = None,
+        quantization: Quantization | None = None,
+    ) -> QwenImage21DiT:
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
-        files = load_weights(
-            transformer_dir, dtype, keep_f32=lambda name: name.endswith(F32_WEIGHTS)
+        weights = load_tree(
+            transformer_dir,
+            lambda files: sanitize(files, config),
+            dtype,
+            keep_f32=lambda name: name.endswith(F32_WEIGHTS),
+            quantization=quantization,
+            quantized=quantized,
         )
-        weights = sanitize(files, config)
-        mx.eval(weights)
         return cls(config, weights, dtype)
 
     # -- shared pieces --------------------------------------------------------------------

@@ -9,6 +9,7 @@ family live here.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,8 +22,11 @@ from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
-from ...weights import component_bytes, read_config, stored_elements
+from ...precision import Quantization
+from ...quantize import quantization_status
+from ...weights import component_bytes, read_config, stored_elements, stored_quantization
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
+from .dit import quantized as dit_quantized
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
 FAMILY = "qwen_image21"
@@ -139,8 +143,20 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(model_dir),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
-        "memory": memory_row(model_dir, dtype or default_compute_dtype(), resident=False),
+        # Extension of docs/contract.md §2.3: each component's weight precision, here as the
+        # files store it; a loaded model reports what it holds (`QwenImage21Model`).
+        "quantization": {
+            "dit": _stored_status(model_dir / "transformer"),
+            "encoder": _stored_status(model_dir / "text_encoder"),
+            "vae": None,
+        },
+        "memory": memory_row(model_dir, dtype or default_compute_dtype()),
     }
+
+
+def _stored_status(component_dir: Path) -> dict | None:
+    stored = stored_quantization(component_dir)
+    return None if stored is None else stored.status()
 
 
 def step_peak_bytes(
@@ -218,20 +234,42 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return max(step, vae)
 
 
-def memory_row(model_dir: Path, dtype: mx.Dtype, resident: bool) -> dict:
+def memory_row(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None) -> dict:
     """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
-    footprint, loaded weights plus the reserve, less the file sizes) and the resident bytes."""
+    footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
+    weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
+    None: not loaded, estimated from the headers, and nothing resident."""
     files = {
         "dit_bytes": component_bytes(model_dir / "transformer"),
         "encoder_bytes": component_bytes(model_dir / "text_encoder"),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
-    footprint = estimated_weight_bytes(model_dir, dtype) + activation_reserve(model_dir, dtype)
+    weights = estimated_weight_bytes(model_dir, dtype) if weight_bytes is None else weight_bytes
+    footprint = weights + activation_reserve(model_dir, dtype)
     return {
         **files,
         "activation_reserve_bytes": max(0, footprint - sum(files.values())),
-        "resident_bytes": footprint if resident else 0,
+        "resident_bytes": footprint if weight_bytes is not None else 0,
     }
+
+
+def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
+    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
+    weights a quantized load quantizes (dit.quantized, prompt.quantized)."""
+    from ...encoders.qwen3.vl import module_name
+    from .prompt import quantized as encoder_quantized
+
+    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
+
+    def dit_file(name: str) -> bool:
+        slot = slots.get(name.removesuffix(".weight"))
+        return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
+
+    def encoder_file(name: str) -> bool:
+        module = module_name(name)
+        return module is not None and encoder_quantized(module.removesuffix(".weight"))
+
+    return {"transformer": dit_file, "text_encoder": encoder_file}
 
 
 def manifest(model_dir: Path) -> dict:
@@ -239,7 +277,11 @@ def manifest(model_dir: Path) -> dict:
     return dit_manifest(FAMILY, Path(model_dir) / "transformer", "Qwen-Image 2.1")
 
 
-def load(model_dir: Path, model_id: str) -> QwenImage21Model:
+def load(
+    model_dir: Path, model_id: str, quantization: Quantization | None = None
+) -> QwenImage21Model:
+    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -248,9 +290,9 @@ def load(model_dir: Path, model_id: str) -> QwenImage21Model:
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
-    dit = QwenImage21DiT.load(model_dir / "transformer")
+    dit = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization)
     vae = QwenImage21VAE.load(model_dir / "vae")
-    encoder = QwenImage21PromptEncoder.load(model_dir)
+    encoder = QwenImage21PromptEncoder.load(model_dir, quantization=quantization)
     return QwenImage21Model(model_dir, model_id, found[1], dit, vae, encoder)
 
 
@@ -268,8 +310,14 @@ class QwenImage21Model(FamilyModel):
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
     ):
         model_dir = Path(model_dir)
+        weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
         status = describe(model_dir, model_id, dit.dtype)
-        status["memory"] = memory_row(model_dir, dit.dtype, resident=True)
+        status["quantization"] = {
+            "dit": quantization_status(dit.weights),
+            "encoder": quantization_status(encoder.encoder),
+            "vae": None,
+        }
+        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes)
         super().__init__(
             model_dir,
             model_id,
@@ -278,7 +326,7 @@ class QwenImage21Model(FamilyModel):
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
             status=status,
             read_manifest=manifest,
-            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            weight_bytes=weight_bytes,
         )
         self.dit = dit
         self.encoder = encoder

@@ -23,6 +23,7 @@ from ...encoders.qwen3.tokenizer import (
     QwenPromptTokenizer,
 )
 from ...encoders.qwen3.vl import Qwen3VLEncoder
+from ...precision import Quantization
 from ...weights import read_config
 from .images import ReferenceImage, prepare_reference
 
@@ -35,6 +36,13 @@ TEMPLATE = PromptTemplate(
     image_placeholder="<image{index}>" + VISION_START + IMAGE_PAD + VISION_END,
 )
 TAPPED_LAYERS = (-1,)  # the conditioning: the last decoder layer, before the final norm
+
+
+def quantized(path: str) -> bool:
+    """The text encoder's layers a quantized load quantizes, by module path: the linear layers
+    of the decoder's layers and of the vision blocks. The token and patch embedders, the
+    position table and the vision mergers keep float32."""
+    return path.startswith(("language_model.layers.", "visual.blocks."))
 
 
 @dataclass
@@ -60,9 +68,16 @@ class QwenImage21PromptEncoder:
         self.hidden_size = encoder.language_model.config.hidden_size
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: mx.Dtype = mx.float32) -> QwenImage21PromptEncoder:
+    def load(
+        cls,
+        model_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+    ) -> QwenImage21PromptEncoder:
         model_dir = Path(model_dir)
-        encoder, weight_bytes = Qwen3VLEncoder.load(model_dir / "text_encoder", dtype)
+        encoder, weight_bytes = Qwen3VLEncoder.load(
+            model_dir / "text_encoder", dtype, quantization, quantized
+        )
         tokenizer = QwenPromptTokenizer.load(model_dir / "processor", TEMPLATE)
         config = read_config(model_dir / "text_encoder")
         if tokenizer.image_pad_id != config.get("image_token_id", tokenizer.image_pad_id):

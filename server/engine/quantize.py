@@ -1,0 +1,213 @@
+"""Quantized weights in MLX: affine quantization (`mx.quantize`) of a component's linear layers
+as it loads, and the linear that applies either form.
+
+In a weight tree (nested dicts and lists, as a DiT's `sanitize` builds it) a quantized linear
+weight `name` sits in its node as MLX stores it: `name` packed (uint32), `name.scales` and
+`name.biases` (one of each per `group_size` input columns of a row), and `name.quantization`,
+the (bits, group_size) constants `mx.quantized_matmul` needs (mx.compile takes them as part of a
+trace's signature). An `mlx.nn` module (a text encoder) is quantized with `nn.quantize`, whose
+`QuantizedLinear` applies the same arithmetic.
+
+Which layers are quantized is the family's choice, in one place: a predicate on the tree path
+("blocks.3.qkv", "language_model.layers.0.mlp.up_proj"), as mlx-lm's `class_predicate`. A layer
+whose input width is no multiple of the group size stays as it is. Quantizing goes tensor by
+tensor, each evaluated and its float source dropped before the next, so a load peaks near the
+quantized size plus one float tensor (tests/engine/test_quantize.py measures it).
+
+A folder stored quantized (`gmlx model quantize`: weights.quantize_folder) holds the same
+arrays in its files, `X.weight` packed beside `X.scales` and `X.biases`; `sanitize_stored` and
+`quantize_stored_module` load them as they are, never through float weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .precision import MODE, Quantization
+
+SCALES = ".scales"
+BIASES = ".biases"
+SPEC = ".quantization"  # (bits, group_size)
+PACKED_BITS = 32  # the packed weight's element: uint32
+
+
+def linear(node: dict, name: str, x: mx.array) -> mx.array:
+    """x W^T for the weight `name` of a tree node, quantized or not."""
+    spec = node.get(name + SPEC)
+    if spec is None:
+        return x @ node[name].T
+    bits, group_size = spec
+    return mx.quantized_matmul(
+        x,
+        node[name],
+        node[name + SCALES],
+        node[name + BIASES],
+        transpose=True,
+        group_size=group_size,
+        bits=bits,
+        mode=MODE,
+    )
+
+
+def logical_shape(node: dict, name: str) -> tuple[int, int]:
+    """(out, in) of the linear weight `name` as the file holds it, quantized or not."""
+    rows, cols = node[name].shape
+    spec = node.get(name + SPEC)
+    return (rows, cols) if spec is None else (rows, cols * PACKED_BITS // spec[0])
+
+
+def quantization_status(weights: dict | list | nn.Module) -> dict | None:
+    """A component's precision as its status reports it: the quantization its loaded weights
+    hold (a weight tree's or a module's), or None when they hold none."""
+    found = quantization_of(weights)
+    return None if found is None else found.status()
+
+
+def quantization_of(weights: dict | list | nn.Module) -> Quantization | None:
+    """The quantization of the first quantized weight of a tree or a module (None if none)."""
+    if isinstance(weights, nn.Module):
+        for _, layer in weights.named_modules():
+            if isinstance(layer, nn.QuantizedLinear):
+                return Quantization(layer.bits, layer.group_size)
+        return None
+    spec = next(_specs(weights), None)
+    return None if spec is None else Quantization(*spec)
+
+
+def _specs(tree):
+    """The (bits, group_size) of a tree's quantized weights, depth first."""
+    if isinstance(tree, list):
+        for child in tree:
+            yield from _specs(child)
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            if key.endswith(SPEC):
+                yield value
+            else:
+                yield from _specs(value)
+
+
+def quantize_tree(
+    tree: dict | list, quantization: Quantization, include: Callable[[str], bool], path: str = ""
+) -> None:
+    """Quantize, in place, every 2-D weight of the tree whose dotted path `include` picks and
+    whose input width the group size divides; each is evaluated before the next, and its float
+    form dropped from the tree."""
+    if isinstance(tree, list):
+        for index, child in enumerate(tree):
+            quantize_tree(child, quantization, include, f"{path}{index}.")
+        return
+    for key in list(tree):
+        value, where = tree[key], path + key
+        if isinstance(value, (dict, list)):
+            quantize_tree(value, quantization, include, where + ".")
+        elif quantizable(value, quantization) and include(where):
+            tree[key], tree[key + SCALES], tree[key + BIASES] = quantized(value, quantization)
+            tree[key + SPEC] = (quantization.bits, quantization.group_size)
+
+
+def quantize_module(
+    module: nn.Module,
+    weights: dict[str, mx.array],
+    quantization: Quantization,
+    include: Callable[[str], bool],
+) -> None:
+    """Quantize, in place, the module's `nn.Linear` layers whose module path `include` picks
+    (and whose input width the group size divides), and their weights in `weights` (the
+    module's parameter names, as `Module.load_weights` takes them), one tensor at a time."""
+    picked: list[str] = []
+
+    def predicate(path: str, layer: nn.Module) -> bool:
+        wanted = (
+            isinstance(layer, nn.Linear)
+            and quantizable(layer.weight, quantization)
+            and include(path)
+        )
+        if wanted:
+            picked.append(path)
+        return wanted
+
+    nn.quantize(
+        module,
+        quantization.group_size,
+        quantization.bits,
+        mode=MODE,
+        class_predicate=predicate,
+    )
+    for path in picked:
+        value = weights.pop(path + ".weight")
+        packed = quantized(value, quantization)
+        weights[path + ".weight"], weights[path + SCALES], weights[path + BIASES] = packed
+
+
+def sanitize_stored(
+    files: dict[str, mx.array], sanitize: Callable[[dict], dict], quantization: Quantization
+) -> dict:
+    """The weight tree of files stored quantized (each quantized `X.weight` packed, with
+    `X.scales` and `X.biases`), through the family's own `sanitize`: it maps the packed
+    weights, then the scales and then the biases in their weights' places, and each packed
+    leaf gets its scales, biases and (bits, group_size) beside it. A family's sanitize may fuse
+    linear weights along their rows only (concatenation on axis 0), which quantized rows
+    allow."""
+    packed = {name[: -len(SCALES)] + ".weight" for name in files if name.endswith(SCALES)}
+    plain = {n: v for n, v in files.items() if not n.endswith((SCALES, BIASES))}
+
+    def beside(suffix: str) -> dict:
+        return {
+            n: files[n[: -len(".weight")] + suffix] if n in packed else v for n, v in plain.items()
+        }
+
+    tree = sanitize(plain)
+    _attach(tree, sanitize(beside(SCALES)), sanitize(beside(BIASES)), quantization)
+    return tree
+
+
+def _attach(tree, scales, biases, quantization: Quantization) -> None:
+    """Beside each packed (uint32) leaf of `tree`, the leaves at the same path of `scales`
+    and `biases` and the (bits, group_size) constants."""
+    if isinstance(tree, list):
+        for index, child in enumerate(tree):
+            _attach(child, scales[index], biases[index], quantization)
+        return
+    for key in list(tree):
+        value = tree[key]
+        if isinstance(value, (dict, list)):
+            _attach(value, scales[key], biases[key], quantization)
+        elif value.dtype == mx.uint32:
+            tree[key + SCALES], tree[key + BIASES] = scales[key], biases[key]
+            tree[key + SPEC] = (quantization.bits, quantization.group_size)
+
+
+def quantize_stored_module(
+    module: nn.Module, weights: dict[str, mx.array], quantization: Quantization
+) -> None:
+    """Make the module's `nn.Linear` layers whose weights are stored quantized (`path.scales`
+    among `weights`, as mlx-lm decides) `QuantizedLinear`s, ready for `load_weights`."""
+    nn.quantize(
+        module,
+        quantization.group_size,
+        quantization.bits,
+        mode=MODE,
+        class_predicate=lambda path, layer: path + SCALES in weights,
+    )
+
+
+def quantizable(value: mx.array, quantization: Quantization) -> bool:
+    """A float matrix whose rows the group size divides."""
+    return (
+        value.ndim == 2
+        and mx.issubdtype(value.dtype, mx.floating)
+        and value.shape[1] % quantization.group_size == 0
+    )
+
+
+def quantized(value: mx.array, quantization: Quantization) -> tuple[mx.array, ...]:
+    """(packed, scales, biases) of a matrix, evaluated."""
+    packed, scales, biases = mx.quantize(
+        value, quantization.group_size, quantization.bits, mode=MODE
+    )
+    mx.eval(packed, scales, biases)
+    return packed, scales, biases

@@ -1,0 +1,68 @@
+"""`gmlx model quantize SOURCE DESTINATION --bits N [--group-size N]`: write a copy of a model
+folder whose DiT and text encoder hold quantized weights (the layers the family quantizes at
+load: engine/quantize.py), in safetensors as MLX stores them (`X.weight` packed, `X.scales`,
+`X.biases`) with the `quantization` in each component's config.json. The copy loads directly,
+never through float weights (engine/weights.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .engine.precision import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, Quantization
+from .process import prepare_process
+
+QUANTIZE_HELP = "write a copy of a model folder with quantized weights, to load directly"
+
+
+def register(subparsers) -> None:
+    model = subparsers.add_parser("model", help="model folder commands")
+    commands = model.add_subparsers(dest="model_command", metavar="COMMAND")
+    commands.required = True
+    parser = commands.add_parser("quantize", help=QUANTIZE_HELP)
+    parser.add_argument("source", type=Path, help="a model folder (holding model_index.json)")
+    parser.add_argument("destination", type=Path, help="the folder to write (must not exist)")
+    parser.add_argument("--bits", type=int, choices=BITS, required=True, help="bits per weight")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=DEFAULT_GROUP_SIZE,
+        help="weights per scale and bias",
+    )
+    parser.set_defaults(func=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> int:
+    prepare_process()  # before mlx is imported
+    from .engine.registry import MODEL_INDEX, ModelRegistry, family_module
+    from .engine.weights import quantize_folder
+
+    source = args.source.expanduser()
+    if not (source / MODEL_INDEX).is_file():
+        print(
+            f"gmlx model quantize: {source} is not a model folder (no {MODEL_INDEX})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.destination.exists():
+        print(f"gmlx model quantize: {args.destination} exists; name a new folder", file=sys.stderr)
+        return 2
+    entry = ModelRegistry(extra_models=[source]).entries()[0]
+    module = family_module(entry.family) if entry.family else None
+    if module is None or not hasattr(module, "quantized_files"):
+        what = f"family {entry.family}" if entry.family else "no family this server has"
+        print(
+            f"gmlx model quantize: {source} is of {what}, which writes no quantized folder",
+            file=sys.stderr,
+        )
+        return 1
+    quantization = Quantization(args.bits, args.group_size)
+    try:
+        quantize_folder(source, args.destination, quantization, module.quantized_files(source))
+    except (OSError, ValueError) as exc:
+        print(f"gmlx model quantize: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.destination} ({args.bits}-bit, groups of {args.group_size})")
+    return 0

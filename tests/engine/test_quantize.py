@@ -1,0 +1,214 @@
+"""Quantization at load (engine/quantize.py, weights.load_tree): the quantized linear computes
+exactly the function of its dequantized weight, the family's predicate picks the layers, LoRA
+pairs stay in float beside a quantized weight, a quantized load never holds the float model
+whole, and a sharded component written quantized loads as stored."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gmlx_server.engine.lora import LORA_DOWN, LORA_UP, LinearSlot, project
+from gmlx_server.engine.nn.dtypes import tree_bytes
+from gmlx_server.engine.precision import BITS, GROUP_SIZES, Quantization
+from gmlx_server.engine.quantize import (
+    BIASES,
+    SCALES,
+    SPEC,
+    linear,
+    logical_shape,
+    quantization_of,
+    quantize_module,
+    quantize_tree,
+)
+from gmlx_server.engine.weights import (
+    QUANTIZED,
+    load_tree,
+    quantize_folder,
+    stored_quantization,
+    tensor_infos,
+)
+from safetensors.numpy import save_file
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def dequantized(node: dict, name: str) -> mx.array:
+    bits, group_size = node[name + SPEC]
+    return mx.dequantize(
+        node[name], node[name + SCALES], node[name + BIASES], group_size=group_size, bits=bits
+    )
+
+
+def random(shape, seed=0) -> mx.array:
+    return mx.array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+def test_settings_are_checked():
+    assert Quantization(4).group_size == 64
+    assert Quantization(8, 32).status() == {"bits": 8, "group_size": 32, "mode": "affine"}
+    for bits in (2, 7, 16, True, 4.0):
+        with pytest.raises(ValueError, match="quantize must be one of 3, 4, 5, 6, 8 bits"):
+            Quantization(bits)
+    for group_size in (16, 100, 256):
+        with pytest.raises(ValueError, match="group_size must be one of 32, 64, 128"):
+            Quantization(4, group_size)
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("bits", BITS)
+def test_quantized_linear_is_its_dequantized_weight(bits, group_size):
+    weight = random((96, 256))
+    node = {"w": weight}
+    quantize_tree(node, Quantization(bits, group_size), lambda path: True)
+    assert node["w"].dtype == mx.uint32 and node["w" + SPEC] == (bits, group_size)
+    assert logical_shape(node, "w") == (96, 256)
+    x = random((3, 7, 256), seed=1)
+    exact = x @ dequantized(node, "w").T
+    assert rel_l2(linear(node, "w", x), exact) <= 1e-6
+    # ... and the quantization loses something, more at fewer bits
+    assert rel_l2(dequantized(node, "w"), weight) > 0
+
+
+def test_the_predicate_and_the_group_size_pick_the_layers():
+    tree = {
+        "embed": random((64, 64)),
+        "blocks": [{"qkv": random((96, 64)), "odd": random((32, 48)), "norm": random((64,))}],
+    }
+    picked = []
+    quantize_tree(tree, Quantization(4), lambda path: picked.append(path) or path != "embed")
+    assert picked == ["embed", "blocks.0.qkv"]  # 48 columns: no group of 64; 1-D: never
+    assert tree["embed"].dtype == mx.float32 and SPEC not in "".join(tree)
+    block = tree["blocks"][0]
+    assert block["qkv"].dtype == mx.uint32
+    assert block["odd"].dtype == mx.float32 and block["norm"].dtype == mx.float32
+    assert quantization_of(tree) == Quantization(4)
+    assert quantization_of({"embed": tree["embed"]}) is None
+    # bytes are the arrays' own: packed words, scales and biases
+    packed = block["qkv"].nbytes + block["qkv" + SCALES].nbytes + block["qkv" + BIASES].nbytes
+    assert packed == 96 * 64 // 2 + 2 * 96 * 4  # 4 bits a weight, one f32 scale and bias a row
+    assert tree_bytes(tree) == packed + (64 * 64 + 32 * 48 + 64) * 4
+
+
+def test_lora_pairs_stay_float_beside_a_quantized_weight():
+    node = {"w": random((64, 128))}
+    quantize_tree(node, Quantization(3), lambda path: True)
+    down, up = random((4, 128), seed=2), random((64, 4), seed=3)
+    node["w" + LORA_DOWN], node["w" + LORA_UP] = down, up
+    x = random((5, 128), seed=4)
+    expected = x @ (dequantized(node, "w") + up @ down).T
+    assert rel_l2(project(node, "w", x), expected) <= 1e-5
+    assert LinearSlot("w", parts=2).layer_shape(node) == (32, 128)
+
+
+def test_a_module_is_quantized_with_its_weights():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(64, 64)
+            self.layers = [nn.Linear(64, 128), nn.Linear(128, 64, bias=False)]
+
+    net = Net()
+    weights = {
+        "embed.weight": random((64, 64)),
+        "embed.bias": random((64,), 1),
+        "layers.0.weight": random((128, 64), 2),
+        "layers.0.bias": random((128,), 3),
+        "layers.1.weight": random((64, 128), 4),
+    }
+    floats = dict(weights)
+    quantize_module(net, weights, Quantization(5, 32), lambda path: path.startswith("layers."))
+    net.load_weights(list(weights.items()), strict=True)
+    assert isinstance(net.embed, nn.Linear)
+    assert all(isinstance(layer, nn.QuantizedLinear) for layer in net.layers)
+    assert quantization_of(net) == Quantization(5, 32)
+    first = net.layers[0]
+    node = {"w": first.weight, "w" + SCALES: first.scales, "w" + BIASES: first.biases}
+    node["w" + SPEC] = (5, 32)
+    x = random((2, 64), 5)
+    expected = x @ dequantized(node, "w").T + floats["layers.0.bias"]
+    assert rel_l2(first(x), expected) <= 1e-6
+
+
+def test_a_quantized_load_never_holds_the_float_weights_whole(tmp_path):
+    tensors = {f"blocks.{i}.w": np.ones((1024, 1024), np.float32) * i for i in range(12)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    one = 1024 * 1024 * 4
+
+    def sanitize(files):
+        return {"blocks": [{"w": files[f"blocks.{i}.w"]} for i in range(12)]}
+
+    def peak_of(quantization):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        tree = load_tree(tmp_path, sanitize, mx.float32, None, quantization, lambda p: True)
+        return mx.get_peak_memory() - before, tree_bytes(tree)
+
+    float_peak, float_bytes = peak_of(None)
+    quantized_peak, quantized_bytes = peak_of(Quantization(4))
+    assert float_bytes == 12 * one and float_peak >= float_bytes
+    assert quantized_bytes < 12 * one // 6
+    # the quantized tree, plus one float tensor and its quantization in flight
+    assert quantized_peak <= quantized_bytes + 2 * one
+
+
+def test_a_sharded_component_is_written_quantized_and_loads_as_stored(tmp_path):
+    source = tmp_path / "model" / "transformer"
+    source.mkdir(parents=True)
+    (tmp_path / "model" / "model_index.json").write_text("{}")
+    (source / "config.json").write_text(json.dumps({"width": 64}))
+    shards = {
+        "part-1.safetensors": {"a.weight": np.ones((32, 64), np.float32) * 0.5},
+        "part-2.safetensors": {
+            "b.weight": np.arange(64 * 128, dtype=np.float32).reshape(64, 128) / 1000,
+            "norm.weight": np.ones(64, np.float32),
+        },
+    }
+    weight_map = {}
+    for shard, tensors in shards.items():
+        save_file(tensors, str(source / shard))
+        weight_map |= dict.fromkeys(tensors, shard)
+    index = source / "diffusion_pytorch_model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    written = tmp_path / "q8"
+    quantize_folder(
+        tmp_path / "model", written, Quantization(8, 32), {"transformer": lambda n: n == "b.weight"}
+    )
+    assert (written / "model_index.json").read_text() == "{}"
+    component = written / "transformer"
+    assert stored_quantization(component) == Quantization(8, 32)
+    new_map = json.loads((component / index.name).read_text())["weight_map"]
+    assert new_map == {
+        "a.weight": "part-1.safetensors",
+        "b.weight": "part-2.safetensors",
+        "b.scales": "part-2.safetensors",
+        "b.biases": "part-2.safetensors",
+        "norm.weight": "part-2.safetensors",
+    }
+    infos = {info.name: (info.shape, info.dtype) for info in tensor_infos(component)}
+    assert infos == {
+        "a.weight": ((32, 64), "F32"),
+        "b.weight": ((64, 128), QUANTIZED),
+        "norm.weight": ((64,), "F32"),
+    }
+
+    def sanitize(files):
+        return {"a": files["a.weight"], "b": files["b.weight"], "norm": files["norm.weight"]}
+
+    tree = load_tree(component, sanitize, mx.float32)
+    assert tree["b"].dtype == mx.uint32 and tree["b" + SPEC] == (8, 32)
+    assert tree["a"].dtype == mx.float32 and "a" + SPEC not in tree
+    expected = mx.array(shards["part-2.safetensors"]["b.weight"])
+    assert rel_l2(dequantized(tree, "b"), expected) < 1e-2
+    with pytest.raises(ValueError, match="stored quantized .8-bit, groups of 32.; load it"):
+        load_tree(component, sanitize, mx.float32, None, Quantization(4), lambda p: True)
+    again = load_tree(component, sanitize, mx.float32, None, Quantization(8, 32), lambda p: True)
+    assert again["a"].dtype == mx.float32  # loaded as stored, nothing quantized again

@@ -1,0 +1,107 @@
+"""The precision a model loads at: a model entry's `quantize` and `group_size`, `--quantize`
+and `--group-size` on `gmlx serve` and `gmlx image sample|bench`, and the registry handing it
+to the family's load (refused for a family that does not quantize)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from gmlx_contract.errors import ContractError
+from gmlx_server import cli
+from gmlx_server.config import ConfigError, load_config
+from gmlx_server.engine.precision import Quantization
+from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.image_cli import bench_parser, sample_parser
+from gmlx_server.parsers import quantization_argument
+
+from tests.server import linear_family
+
+
+def config_file(tmp_path, text: str):
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
+    path = config_file(
+        tmp_path,
+        '[models."a"]\nquantize = 4\n[models."b"]\nquantize = 8\ngroup_size = 128\n'
+        '[models."c"]\nadapters = []\n',
+    )
+    config = load_config(path, env={})
+    assert config.quantization_for("a") == Quantization(4, 64)
+    assert config.quantization_for("b") == Quantization(8, 128)
+    assert config.quantization_for("c") is None and config.quantization_for("absent") is None
+    flagged = load_config(path, env={}, quantization=Quantization(3, 32))
+    assert {flagged.quantization_for(m) for m in "abc"} == {Quantization(3, 32)}
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("quantize = 2", "quantize must be one of 3, 4, 5, 6, 8 bits, not 2"),
+        ("quantize = 16", "quantize must be one of 3, 4, 5, 6, 8 bits, not 16"),
+        ('quantize = "4"', "config key 'quantize' has the wrong type"),
+        ("quantize = true", "config key 'quantize' has the wrong type"),
+        ("quantize = 4\ngroup_size = 48", "group_size must be one of 32, 64, 128, not 48"),
+        ("group_size = 32", "group_size needs quantize"),
+        ("bits = 4", "unknown setting 'bits' (known: adapters, quantize, group_size)"),
+    ],
+)
+def test_bad_precisions_are_refused_naming_the_entry(tmp_path, entry, message):
+    path = config_file(tmp_path, f'[models."m1"]\n{entry}\n')
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, env={})
+    assert "[models.'m1']" in str(refused.value) and message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("parser", "required"),
+    [(sample_parser, ["--prompt", "x", "--out", "x.png"]), (bench_parser, [])],
+)
+def test_the_image_commands_take_quantize_and_group_size(parser, required, capsys):
+    args = parser().parse_args([*required, "--quantize", "5"])
+    assert quantization_argument(args) == Quantization(5, 64)
+    assert quantization_argument(parser().parse_args(required)) is None
+    args = parser().parse_args([*required, "--group-size", "32"])
+    with pytest.raises(ValueError, match="--group-size needs --quantize"):
+        quantization_argument(args)
+    with pytest.raises(SystemExit):
+        parser().parse_args([*required, "--quantize", "7"])
+    assert "invalid choice: 7" in capsys.readouterr().err
+
+
+def test_serve_takes_quantize_and_group_size():
+    args = cli.build_parser().parse_args(["serve", "--quantize", "4", "--group-size", "128"])
+    assert quantization_argument(args) == Quantization(4, 128)
+
+
+def test_serve_refuses_a_group_size_without_bits(tmp_path):
+    command = [sys.executable, "-m", "gmlx_server", "serve", "--group-size", "64"]
+    command += ["--config", str(config_file(tmp_path, ""))]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "gmlx serve: --group-size needs --quantize" in result.stderr
+
+
+def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_path):
+    folder = linear_family.make_model_folder(tmp_path, "lin")
+    registry = ModelRegistry(
+        extra_models=[folder],
+        families={linear_family.FAMILY: linear_family},
+        quantization=lambda model_id: Quantization(4),
+    )
+    with pytest.raises(ContractError) as refused:
+        registry.acquire("lin")
+    assert refused.value.status == 400
+    assert "family test_linear does not quantize its weights" in refused.value.message
+    assert registry.resident_ids() == []
+    plain = ModelRegistry(
+        extra_models=[folder],
+        families={linear_family.FAMILY: linear_family},
+        quantization=lambda model_id: None,
+    )
+    assert plain.acquire("lin").model_id == "lin"
