@@ -23,6 +23,7 @@ import mlx.nn as nn
 from ..base import EngineInputError
 from ..nn.attention import chunked_attention
 from ..weights import load_weights, read_config
+from . import load_checkpoint
 
 NORM_EPS = 1e-6
 # The peak of one pass, in buffers of its widest full-resolution activation (the encoder's first
@@ -254,13 +255,7 @@ class AutoencoderKL:
 
     def load_weights(self, weights: dict[str, mx.array]) -> None:
         """Take the checkpoint's weights (file names and layouts); every parameter must be there."""
-        converted = _mlx_weights(weights)
-        try:
-            self.model.load_weights(converted, strict=True)
-        except ValueError as error:
-            raise ValueError(f"VAE weights do not match its config: {error}") from None
-        mx.eval(self.model.parameters())
-        self.weight_bytes = sum(value.nbytes for _, value in converted)
+        self.weight_bytes = load_checkpoint(self.model, _mlx_weights(weights))
 
     # Latent normalisation: the DiT works on (z - shift_factor) * scaling_factor.
 

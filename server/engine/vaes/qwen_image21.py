@@ -30,6 +30,7 @@ import numpy as np
 
 from ..base import EngineInputError
 from ..weights import load_weights, read_config
+from . import load_checkpoint
 
 # F.normalize clamps the L2 norm at 1e-12; the RMS form below adds eps to the mean square.
 _NORM_EPS = 1e-24
@@ -576,13 +577,7 @@ class QwenImage21VAE:
 
     def load_weights(self, weights: dict[str, mx.array]) -> None:
         """Take the checkpoint's weights (file names and layouts); every parameter must be there."""
-        converted = _mlx_weights(weights)
-        try:
-            self.model.load_weights(converted, strict=True)
-        except ValueError as error:
-            raise ValueError(f"VAE weights do not match its config: {error}") from None
-        mx.eval(self.model.parameters())
-        self.weight_bytes = sum(value.nbytes for _, value in converted)
+        self.weight_bytes = load_checkpoint(self.model, _mlx_weights(weights))
 
     # Latent normalisation of the family: the DiT works on (raw - mean) / std.
 
