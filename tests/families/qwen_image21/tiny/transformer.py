@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...tiny_weights import redraw
+
 TINY_CONFIG = {
     "patch_size": 1,
     "in_channels": 16,
@@ -42,14 +44,7 @@ def build_transformer(directory: Path, seed: int = 0, **config_overrides):
     torch.manual_seed(seed)
     model = QwenImage21Transformer2DModel(**tiny_config(**config_overrides))
     generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                std = LINEAR_GAIN / param.shape[1] ** 0.5
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-            else:
-                noise = torch.randn(param.shape, generator=generator) * CONSTANT_NOISE
-                param.add_(noise)
+    redraw(model, generator, LINEAR_GAIN, CONSTANT_NOISE)
     model.eval()
     model.save_pretrained(str(directory))
     return model

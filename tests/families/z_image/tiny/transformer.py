@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...tiny_weights import redraw
+
 TINY_CONFIG = {
     "all_patch_size": (2,),
     "all_f_patch_size": (1,),
@@ -45,13 +47,13 @@ def build_transformer(directory: Path, seed: int = 0, **config_overrides):
     torch.manual_seed(seed)
     model = ZImageTransformer2DModel(**tiny_config(**config_overrides))
     generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and not name.endswith("pad_token"):
-                std = LINEAR_GAIN / param.shape[1] ** 0.5
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
-            else:
-                param.add_(torch.randn(param.shape, generator=generator) * CONSTANT_NOISE)
+    redraw(
+        model,
+        generator,
+        LINEAR_GAIN,
+        CONSTANT_NOISE,
+        is_linear=lambda name, param: param.ndim == 2 and not name.endswith("pad_token"),
+    )
     model.eval()
     model.save_pretrained(str(directory))
     return model
