@@ -118,7 +118,11 @@ def load_tree(
     time (`eval_leaf_by_leaf`): evaluating the whole tree at once let MLX read many tensors
     before fusing them, 1.21x the resident bytes at the peak
     (tests/families/qwen_image21/test_load_peaks.py). A weight stored at the compute dtype is
-    never cast (a bf16 file loaded at bf16 never passes through float32)."""
+    never cast (a bf16 file loaded at bf16 never passes through float32). A quantized load
+    quantizes from the compute dtype: from a bf16 file at float32 compute each weight is cast
+    first, one at a time, because `mx.quantize` gives the scales and biases its input's dtype
+    and bf16 ones would change the dequantized weights (by 5e-3, docs/benchmarks.md, "Load
+    peaks") against quantizing the float32 weights, as `gmlx model quantize` does."""
     component_dir = Path(component_dir)
     quantization = quantization_at_load(component_dir, quantization)
     files = load_weights(component_dir, dtype, keep_f32)

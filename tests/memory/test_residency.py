@@ -227,3 +227,16 @@ def test_a_step_that_does_not_fit_after_the_release_runs_its_rows_one_at_a_time(
     got = wire.read_container(apart.content).tensors["out"]
     want = wire.read_container(together.content).tensors["out"]
     assert np.array_equal(got, want)
+
+
+def test_auto_releases_the_encoder_for_a_vae_pass_that_would_not_fit_beside_it(servers):
+    server = servers["auto"]
+    planner = server.ctx.service.memory
+    model = fresh_state(server)
+    z = np.random.default_rng(7).standard_normal((1, 64, 8, 8), dtype=np.float32)
+    need, held = model.vae_peak_bytes(128, 128, True), planner.held()
+    budget = (held + need) // MiB * MiB - MiB
+    assert held - model.encoder_bytes + need <= budget < held + need
+    r = with_budget(server, budget, lambda: server.post_container("vae/decode", {"latents": z}))
+    assert r.status_code == 200, r.text
+    assert not model.encoder_resident
