@@ -61,7 +61,7 @@ def main() -> None:
         for name, load in loads.items():
             for bits in (None, 4, 8) if name != "vae" else (None,):
                 quantization = Quantization(bits) if bits else None
-                resident, peak = peak_of(lambda load=load, q=quantization: load(dtype, q))
+                resident, peak = peak_of(lambda load=load, d=dtype, q=quantization: load(d, q))
                 row = {
                     "component": name,
                     "compute": "bf16" if dtype == mx.bfloat16 else "f32",
