@@ -16,9 +16,10 @@ on to `step_peak_bytes`, `step_keys` and the forward. Work whose plan does not f
 
 When a step or a VAE pass does not fit even so, the plan makes room in this order: it releases
 the text encoder (`[server.image] encoder_residency` "auto" or "release"; the next encode loads
-it again, planned by `check_encode`), then runs the step's rows one at a time (`StepPlan`,
-each row planned again right before it runs, `check_row`). With "release" the encoder is
-released after every encode (`after_encode`), with "keep" never.
+it again, planned by `check_encode`), where that makes the work or one row of the step fit,
+then runs the step's rows one at a time (`StepPlan`, each row planned again right before it
+runs, `check_row`). Work that fits in neither way is refused with the encoder kept. With
+"release" the encoder is released after every encode (`after_encode`), with "keep" never.
 """
 
 from __future__ import annotations
@@ -223,8 +224,9 @@ class MemoryPlanner:
     def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> StepPlan:
         """docs/contract.md §2.11 step 11, on the worker: the rows' prefixes, states not held counted as
         built; held states of other work are shed when that makes the plan fit, then the text
-        encoder released, then the rows run one at a time. Returns how the step runs, with the
-        model's plan of its rows (its `plan_step`, made once here) for its forward."""
+        encoder released (when the step, or its largest row, then fits), then the rows run one
+        at a time. Returns how the step runs, with the model's plan of its rows (its
+        `plan_step`, made once here) for its forward."""
         model = loaded.model
         x_shape = tuple(x_shape)
         plans = model.plan_step(x_shape, rows, table)
@@ -236,16 +238,17 @@ class MemoryPlanner:
             freed = model.shed_states(need - free, keep)
             log.info("memory plan shed %s of prefix states for a step", _mib(freed))
             free += freed
-        if need > free:
-            free += self._release_encoder(loaded, "a step")
-        if need > free and len(rows) > 1:
+        one_row = need
+        if need > free and len(rows) > 1:  # the largest row alone
             one_row = max(
                 model.step_peak_bytes((1, *x_shape[1:]), [row], table, plans=_nth(plans, index))
                 for index, row in enumerate(rows)
             )
-            if one_row <= free:
-                log.info("memory plan runs the step's %d rows one at a time", len(rows))
-                return StepPlan(plans, one_row_at_a_time=True)
+        if need > free and min(need, one_row) <= free + self._releasable(loaded):
+            free += self._release_encoder(loaded, "a step")
+        if need > free and one_row <= free:
+            log.info("memory plan runs the step's %d rows one at a time", len(rows))
+            return StepPlan(plans, one_row_at_a_time=True)
         if need > free:
 
             def estimate(shape: tuple) -> int:  # the first rows, at another size
@@ -345,7 +348,7 @@ class MemoryPlanner:
         free = budget - self.held()
         if need > free:
             free += model.shed_states(need - free, set())
-        if need > free:
+        if free < need <= free + self._releasable(loaded):
             free += self._release_encoder(loaded, "a VAE pass")
         if need > free:
             stride = loaded.facts.vae_stride

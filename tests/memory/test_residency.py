@@ -240,3 +240,20 @@ def test_auto_releases_the_encoder_for_a_vae_pass_that_would_not_fit_beside_it(s
     r = with_budget(server, budget, lambda: server.post_container("vae/decode", {"latents": z}))
     assert r.status_code == 200, r.text
     assert not model.encoder_resident
+
+
+def test_work_that_would_not_fit_even_without_the_encoder_keeps_it(servers):
+    """The quick plan (the target pass alone) passes, the detailed one (a long prefix built
+    now) does not fit even with the encoder released: refused, the encoder kept."""
+    server = servers["auto"]
+    planner = server.ctx.service.memory
+    model = fresh_state(server)
+    digest, row = put_cond(server, 1500, 8)
+    x = np.random.default_rng(9).standard_normal((2, 64, 16, 16), dtype=np.float32)
+    held, encoder = planner.held(), model.encoder_bytes
+    quick = model.step_peak_bytes((1, *x.shape[1:]), None)
+    budget = held - encoder + quick + MiB
+    assert model.step_peak_bytes((1, *x.shape[1:]), [row]) > budget - held + encoder + MiB
+    r = with_budget(server, budget, lambda: step(server, x, [digest] * 2))
+    assert r.status_code == 400 and "memory plan" in r.json()["error"], r.text
+    assert "fit" in r.json()["error"] and model.encoder_resident
