@@ -19,6 +19,10 @@ File (default ~/.config/gmlx-steps/config.toml):
     run_sweep_s = 5.0               # how often idle runs are looked for
     memory_headroom_mb = 2048       # memory left to the system and other programs
     memory_budget_mb = 0            # the image worker's memory; 0: the machine's, less headroom
+    encoder_residency = "auto"      # the text encoder between encodes: "keep" it loaded,
+                                    # "release" it after every encode (loaded again for the
+                                    # next), or "auto": release it only when a step or a VAE
+                                    # pass would not fit beside it (server/memory.py)
 
     [models."qwen-image-2.1"]       # settings of one model entry, by its id
     adapters = ["~/loras/style.safetensors:0.8"]   # LoRA files (FILE[:STRENGTH], relative to
@@ -26,6 +30,9 @@ File (default ~/.config/gmlx-steps/config.toml):
                                     # under (docs/contract.md §2.9)
     quantize = 4                    # quantize the DiT and the text encoder as they load: 3, 4,
     group_size = 64                 # 5, 6 or 8 bits, in groups of 32, 64 or 128 (default 64)
+    encoder_vae_dtype = "auto"      # the text encoder's and the VAE's compute dtype: "auto"
+                                    # (bf16 on a GPU backend, f32 on the CPU one), or "f32",
+                                    # "bf16", "f16" to force one (nn.dtypes.encoder_vae_dtype)
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
@@ -48,9 +55,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
-from .engine.precision import DEFAULT_GROUP_SIZE, Quantization
+from .engine.precision import AUTO, DEFAULT_GROUP_SIZE, ENCODER_VAE_DTYPES, Quantization
 
 DEFAULT_CONFIG_PATH = Path("~/.config/gmlx-steps/config.toml")
+# `[server.image] encoder_residency` (server/memory.py).
+ENCODER_RESIDENCIES = ("keep", "release", "auto")
 
 
 class ConfigError(ValueError):
@@ -67,6 +76,7 @@ class ImageConfig:
     run_sweep_s: float = 5.0
     memory_headroom_mb: int = 2048
     memory_budget_mb: int = 0  # 0: the machine's memory less the headroom (server/memory.py)
+    encoder_residency: str = "auto"  # one of ENCODER_RESIDENCIES
 
 
 @dataclass(frozen=True)
@@ -114,9 +124,10 @@ class ModelSettings:
 
     adapters: tuple[AdapterSpec, ...] = ()
     quantization: Quantization | None = None  # `quantize` and `group_size`
+    encoder_vae_dtype: str = AUTO  # one of precision.ENCODER_VAE_DTYPES
 
 
-MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size")
+MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size", "encoder_vae_dtype")
 
 
 @dataclass
@@ -139,6 +150,12 @@ class ServerConfig:
             return self.quantization
         settings = self.models.get(model_id)
         return settings.quantization if settings is not None else None
+
+    def encoder_vae_dtype_for(self, model_id: str) -> str:
+        """The compute dtype setting of a model's text encoder and VAE: its entry's
+        `encoder_vae_dtype`, else `auto`."""
+        settings = self.models.get(model_id)
+        return settings.encoder_vae_dtype if settings is not None else AUTO
 
     @property
     def loopback_bind(self) -> bool:
@@ -229,6 +246,10 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     for name in ("run_idle_s", "run_sweep_s"):
         if name in image:
             setattr(config.image, name, float(_typed(image, name, (int, float))))
+    if "encoder_residency" in image:
+        config.image.encoder_residency = _choice(
+            image, "encoder_residency", ENCODER_RESIDENCIES, "server.image"
+        )
     for model_id, table in _table(doc, "models", path).items():
         config.models[model_id] = _model_settings(model_id, table, path.parent)
 
@@ -249,7 +270,20 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
         specs = tuple(parse_adapter(text, folder) for text in adapters)
     except ValueError as exc:
         raise ConfigError(f"{where} adapters: {exc}") from None
-    return ModelSettings(adapters=specs, quantization=_quantization(table, where))
+    dtype = AUTO
+    if "encoder_vae_dtype" in table:
+        dtype = _choice(table, "encoder_vae_dtype", ENCODER_VAE_DTYPES, where)
+    return ModelSettings(
+        adapters=specs, quantization=_quantization(table, where), encoder_vae_dtype=dtype
+    )
+
+
+def _choice(table: dict, key: str, choices: tuple[str, ...], where: str) -> str:
+    value = _typed(table, key, str)
+    if value not in choices:
+        listed = ", ".join(f'"{c}"' for c in choices)
+        raise ConfigError(f"{where}: {key} must be one of {listed}, not {value!r}")
+    return value
 
 
 def _quantization(table: dict, where: str) -> Quantization | None:

@@ -18,6 +18,8 @@ from typing import Any
 from . import __version__
 from .config import ConfigError, ServerConfig, load_config
 
+# How long `gmlx status` waits for each resident model's status.
+RESIDENCY_TIMEOUT_S = 5.0
 # Addresses a server listens on that a client cannot connect to: the loopback one of that kind.
 WILDCARD_HOSTS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
@@ -57,7 +59,9 @@ def server_url(config: ServerConfig) -> str | None:
 
 
 def server_status(config: ServerConfig) -> dict[str, Any]:
-    """The configured server's URL and whether a compatible gmlx server answers there."""
+    """The configured server's URL, whether a compatible gmlx server answers there and, when
+    one does, its resident models with what each holds (status `residency`: the DiT, the text
+    encoder and the VAE, resident or released, their bytes, dtype and quantization)."""
     from gmlx_contract.client import StepClient
     from gmlx_contract.errors import NotGmlxServer, StepError
 
@@ -69,6 +73,7 @@ def server_status(config: ServerConfig) -> dict[str, Any]:
         "gmlx_version": None,
         "contract": None,
         "error": None,
+        "resident": [],
     }
     if url is None:
         doc["error"] = "the configured port is 0: the server picks its port when it starts"
@@ -83,10 +88,46 @@ def server_status(config: ServerConfig) -> dict[str, Any]:
             doc["running"], doc["error"] = True, str(error)
             return doc
     contract = caps.get("contract") or {}
+    doc["resident"] = _residents(url, config.api_key)
     doc["running"] = True
     doc["gmlx_version"] = caps.get("gmlx_version")
     doc["contract"] = f"{contract.get('major')}.{contract.get('minor')}"
     return doc
+
+
+def _residents(url: str, api_key: str | None) -> list[dict[str, Any]]:
+    """Each resident model's id and status `residency` (null where the server has none, or
+    does not answer within RESIDENCY_TIMEOUT_S: a loaded model's status waits for the image
+    worker, which a long step may hold)."""
+    from gmlx_contract.client import StepClient
+    from gmlx_contract.errors import StepError
+
+    with StepClient(url, api_key, timeout=RESIDENCY_TIMEOUT_S) as client:
+        try:
+            listed = [e["model"] for e in client.models().get("models", []) if e.get("resident")]
+        except StepError:
+            return []
+        residents = []
+        for model in listed:
+            try:
+                residency = client.status(model).get("residency")
+            except StepError:
+                residency = None
+            residents.append({"model": model, "residency": residency})
+    return residents
+
+
+def _residency_line(resident: dict[str, Any]) -> str:
+    """`model: dit f32 2.4 MB resident; encoder bf16 4-bit 1.1 MB released (auto); ...`"""
+    parts = []
+    for name, component in (resident["residency"] or {}).items():
+        quantization = component.get("quantization")
+        precision = component["dtype"] + (f" {quantization['bits']}-bit" if quantization else "")
+        state = "resident" if component["resident"] else "released"
+        policy = f" ({component['policy']})" if component.get("policy") else ""
+        size = f"{component['bytes'] / 1e6:.1f} MB"
+        parts.append(f"{name} {precision} {size} {state}{policy}")
+    return f"  {resident['model']}: " + ("; ".join(parts) or "resident")
 
 
 def configured_models(config: ServerConfig) -> dict[str, Any]:
@@ -141,6 +182,8 @@ def status_command(args: argparse.Namespace) -> int:
     source = doc["config"] or "no config file (defaults)"
     if doc["running"] and not doc["error"]:
         print(f"{where}: running gmlx {doc['gmlx_version']}, contract {doc['contract']}")
+        for resident in doc["resident"]:
+            print(_residency_line(resident))
     elif doc["running"]:
         print(f"{where}: answers, but {doc['error']}")
     else:

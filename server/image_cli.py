@@ -677,6 +677,7 @@ def model_record(loaded: Any, status: dict) -> dict:
     memory = status.get("memory", {})
     # the resident precision (status `quantization`, an extension): null as the files store it
     quantization = status.get("quantization") or {}
+    residency = status.get("residency") or {}  # an extension too: each component's dtype
     dtypes = sorted({t["dtype"] for t in loaded.model.manifest().get("tensors", [])})
     return {
         "id": loaded.model_id,
@@ -697,7 +698,7 @@ def model_record(loaded: Any, status: dict) -> dict:
         "vae": {
             "file": str(folder / "vae"),
             "bytes": int(memory.get("vae_bytes", 0)),
-            "dtype": "f32",
+            "dtype": residency.get("vae", {}).get("dtype", "f32"),
         },
     }
 

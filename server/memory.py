@@ -13,6 +13,13 @@ worker right before the forward, a detailed plan with the rows' prefixes, which 
 states when that makes room. The rows are planned once there (`plan_step`), and that plan goes
 on to `step_peak_bytes`, `step_keys` and the forward. Work whose plan does not fit is refused
 400 with what would fit.
+
+When a step or a VAE pass does not fit even so, the plan makes room in this order: it releases
+the text encoder (`[server.image] encoder_residency` "auto" or "release"; the next encode loads
+it again, planned by `check_encode`), where that makes the work or one row of the step fit,
+then runs the step's rows one at a time (`StepPlan`, each row planned again right before it
+runs, `check_row`). Work that fits in neither way is refused with the encoder kept. With
+"release" the encoder is released after every encode (`after_encode`), with "keep" never.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .config import ImageConfig
@@ -145,6 +153,15 @@ def _mib(n: int) -> str:
     return f"{max(0, n) / MiB:.0f} MiB"
 
 
+@dataclass
+class StepPlan:
+    """How a step runs: the model's plan of its rows (`plan_step`), and whether the rows run
+    one at a time (the batch does not fit; each row is planned again by `check_row`)."""
+
+    plans: Any
+    one_row_at_a_time: bool = False
+
+
 class MemoryPlanner:
     def __init__(
         self,
@@ -158,6 +175,7 @@ class MemoryPlanner:
         self.configured_bounds = [cache.bound for cache in caches]
         self.budget_mb = config.memory_budget_mb
         self.headroom = config.memory_headroom_mb * MiB
+        self.encoder_residency = config.encoder_residency
         self.machine = machine or machine_reader()
 
     def budget(self) -> int:
@@ -186,11 +204,14 @@ class MemoryPlanner:
 
     def check_step_quick(self, loaded: LoadedModel, x_shape: tuple) -> None:
         """docs/contract.md §2.11 step 5: the target pass alone against the budget less weights and
-        caches (held states could be shed, so they do not count here)."""
+        caches (held states could be shed and the text encoder released, so they do not count
+        here), one row at a time when the batch does not fit."""
         model = loaded.model
         budget = self.budget()  # one look at the machine per plan
-        free = budget - self.held(states=False)
+        free = budget - self.held(states=False) + self._releasable(loaded)
         need = model.step_peak_bytes(tuple(x_shape), None)
+        if need > free:
+            need = model.step_peak_bytes((1, *tuple(x_shape)[1:]), None)
         if need > free:
             hint = self._step_hint(
                 lambda shape: model.step_peak_bytes(shape, None),
@@ -200,10 +221,12 @@ class MemoryPlanner:
             )
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
-    def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> Any:
+    def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> StepPlan:
         """docs/contract.md §2.11 step 11, on the worker: the rows' prefixes, states not held counted as
-        built; held states of other work are shed when that makes the plan fit. Returns the
-        model's plan of the step (its `plan_step`, made once here), for its forward."""
+        built; held states of other work are shed when that makes the plan fit, then the text
+        encoder released (when the step, or its largest row, then fits), then the rows run one
+        at a time. Returns how the step runs, with the model's plan of its rows (its
+        `plan_step`, made once here) for its forward."""
         model = loaded.model
         x_shape = tuple(x_shape)
         plans = model.plan_step(x_shape, rows, table)
@@ -215,6 +238,17 @@ class MemoryPlanner:
             freed = model.shed_states(need - free, keep)
             log.info("memory plan shed %s of prefix states for a step", _mib(freed))
             free += freed
+        one_row = need
+        if need > free and len(rows) > 1:  # the largest row alone
+            one_row = max(
+                model.step_peak_bytes((1, *x_shape[1:]), [row], table, plans=_nth(plans, index))
+                for index, row in enumerate(rows)
+            )
+        if need > free and min(need, one_row) <= free + self._releasable(loaded):
+            free += self._release_encoder(loaded, "a step")
+        if need > free and one_row <= free:
+            log.info("memory plan runs the step's %d rows one at a time", len(rows))
+            return StepPlan(plans, one_row_at_a_time=True)
         if need > free:
 
             def estimate(shape: tuple) -> int:  # the first rows, at another size
@@ -222,7 +256,71 @@ class MemoryPlanner:
 
             hint = self._step_hint(estimate, x_shape, free, loaded.facts.latent_stride)
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
+        return StepPlan(plans)
+
+    def check_row(
+        self, loaded: LoadedModel, x_shape: tuple, rows: list, index: int, table: Any, plan: Any
+    ) -> Any:
+        """Row `index` of a step whose rows run one at a time, on the worker right before it
+        runs: its plan against what is held now (the states the rows before it built
+        included); held states other than the step's own are shed when that makes it fit.
+        Returns the row's plan for its forward."""
+        model = loaded.model
+        row_shape = (1, *tuple(x_shape)[1:])
+        plans = _nth(plan.plans, index)
+        need = model.step_peak_bytes(row_shape, [rows[index]], table, plans=plans)
+        budget = self.budget()
+        free = budget - self.held()
+        if need > free:
+            keep = model.step_keys(tuple(x_shape), rows, table, plans=plan.plans)
+            free += model.shed_states(need - free, keep)
+        if need > free:
+            hint = f"row {index} of the step does not fit alone after the rows before it"
+            raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
         return plans
+
+    # ------------------------------------------------------------ the text encoder
+
+    def _releasable(self, loaded: LoadedModel) -> int:
+        """The bytes releasing the text encoder would free ("keep": none)."""
+        model = loaded.model
+        if self.encoder_residency == "keep" or not model.encoder_releasable:
+            return 0
+        return model.encoder_bytes
+
+    def _release_encoder(self, loaded: LoadedModel, why: str) -> int:
+        """Release the text encoder to make room for `why`, where the residency allows it."""
+        if not self._releasable(loaded):
+            return 0
+        freed = loaded.model.release_encoder()
+        log.info(
+            "memory plan released the text encoder of %s (%s) for %s; the next encode loads it",
+            loaded.model_id,
+            _mib(freed),
+            why,
+        )
+        return freed
+
+    def check_encode(self, loaded: LoadedModel) -> None:
+        """Before an encode, on the worker: a released text encoder loads again, its weights
+        beside what is held (held states are shed when that makes them fit). The encode's own
+        activations are not planned."""
+        model = loaded.model
+        if model.encoder_resident:
+            return
+        need = model.encoder_bytes
+        budget = self.budget()
+        free = budget - self.held()
+        if need > free:
+            free += model.shed_states(need - free, set())
+        if need > free:
+            hint = "the text encoder does not fit beside the DiT and the VAE"
+            raise MemoryPlanError(self._refusal("encode", need, free, budget, hint))
+
+    def after_encode(self, loaded: LoadedModel) -> None:
+        """After an encode, on the worker: with encoder_residency "release", the encoder goes."""
+        if self.encoder_residency == "release":
+            loaded.model.release_encoder()
 
     @staticmethod
     def _step_hint(estimate: Callable, x_shape: tuple, free: int, stride: int) -> str:
@@ -250,6 +348,8 @@ class MemoryPlanner:
         free = budget - self.held()
         if need > free:
             free += model.shed_states(need - free, set())
+        if free < need <= free + self._releasable(loaded):
+            free += self._release_encoder(loaded, "a VAE pass")
         if need > free:
             stride = loaded.facts.vae_stride
             cells = _largest_side(
@@ -295,6 +395,11 @@ class MemoryPlanner:
         footprint = int(footprint or loaded.model.weight_bytes)
         table = loaded.default_table
         return footprint + (table.nbytes if table is not None else 0)
+
+
+def _nth(plans: Any, index: int) -> Any:
+    """The plan of one row, as a one-row step's plans (None for a model without row plans)."""
+    return None if plans is None else [plans[index]]
 
 
 def _largest_side(fits: Callable[[int], bool], upper: int) -> int:

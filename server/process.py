@@ -36,7 +36,7 @@ def config_registry(config, model: str | None = None):
     """The model registry of a configuration, its default model `model` or else the configured
     one or else the embedded default (whose folder joins as an extra folder); models load with
     their entries' configured adapters and at their configured precision (`--quantize`, else
-    the entry's `quantize`). Returns (registry, extra folders)."""
+    the entry's `quantize`; the entry's `encoder_vae_dtype`). Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
     from .lora_files import DefaultAdapters
 
@@ -48,6 +48,7 @@ def config_registry(config, model: str | None = None):
         extra_models=extra,
         load_hooks=hooks,
         quantization=config.quantization_for,
+        encoder_vae_dtype=config.encoder_vae_dtype_for,
     )
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup

@@ -434,6 +434,20 @@ class StepsService:
         """Run fn(model, ...) on the worker."""
         return self.worker.call(fn, loaded.model, *args, **kw)
 
+    def encode(self, loaded: LoadedModel, text: str, images: list, refs: bool) -> Any:
+        """The model's encode on the worker, between the memory plan's look at the text
+        encoder's residency (a released encoder loads again) and its release after the encode
+        where the residency says so."""
+
+        def encode() -> Any:
+            self.memory.check_encode(loaded)
+            try:
+                return loaded.model.encode(text, images, refs)
+            finally:
+                self.memory.after_encode(loaded)
+
+        return self.worker.call(encode)
+
     # ------------------------------------------------------------ caches
 
     def store_tensor(self, tensor: CachedTensor, digest: str | None = None) -> str:

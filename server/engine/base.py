@@ -84,7 +84,16 @@ class MemoryPlanning(Protocol):
     rows (`plan_step`), made once by the planner and handed back to the estimates and to
     `denoise_step`; a model without per-row planning returns None from `plan_step`."""
 
-    weight_bytes: int  # the loaded weights, counted from the arrays
+    weight_bytes: int  # the weights held now, counted from the arrays
+    # The text encoder's residency (engine/family.py): its weights' bytes as loaded, whether
+    # they are held now, and whether `release_encoder` would free them.
+    encoder_bytes: int
+    encoder_resident: bool
+    encoder_releasable: bool
+
+    def release_encoder(self) -> int:
+        """Drop the text encoder's weights until the next encode loads them again; the bytes
+        freed (0 when nothing could be released)."""
 
     def held_bytes(self) -> int:
         """What the model holds beyond its weights (prefix states, patched weight trees)."""

@@ -4,8 +4,11 @@ A family's model class subclasses `FamilyModel` and adds what is its own: `encod
 `denoise_step`, `step_peak_bytes` and, for a family with prefix states, the planning methods
 that know them (`plan_step`, `step_keys`, `shed_states`, `held_bytes`, `end_run`). The rest comes
 from here: the status copy, the manifest (the family module's, read from the folder), the LoRA
-patch tables, the VAE routes' checks and the planning defaults of a family that holds no
-states beyond its patch tables.
+patch tables, the VAE routes' checks, the planning defaults of a family that holds no
+states beyond its patch tables, and the text encoder's residency: a model given a way to load
+its encoder again (`load_encoder`) may drop the encoder's weights between encodes
+(`release_encoder`) and loads them again on the next one (`prompt_encoder`); server/memory.py
+decides when (`[server.image] encoder_residency`).
 
 A family's VAE provides `encode` and `decode` over batched MLX arrays (1, C, h, w) <-> (1, H, W,
 C), `out_channels`, `peak_bytes(height, width, decode)` and `from_model_space` (the DiT's latent
@@ -24,6 +27,7 @@ import numpy as np
 
 from .base import Capabilities, EngineInputError, StepRow
 from .lora import TableWeights
+from .nn.dtypes import dtype_name
 from .weights import QUANTIZED, tensor_infos
 
 # Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
@@ -57,12 +61,26 @@ def dit_manifest(family: str, transformer_dir: Path, title: str) -> dict:
     }
 
 
+def component_row(resident: bool, nbytes: int, dtype: mx.Dtype, quantization: dict | None) -> dict:
+    """One component of status `residency` (docs/contract.md §2.3, an extension): whether its
+    weights are held now, their bytes (as loaded, or estimated for a model not loaded), the
+    dtype it computes in and its weights' quantization (null: float)."""
+    return {
+        "resident": resident,
+        "bytes": int(nbytes),
+        "dtype": dtype_name(dtype),
+        "quantization": quantization,
+    }
+
+
 class FamilyModel:
     """The generic part of a loaded model of an MLX family (see the module's docstring).
 
-    `status` is the family's status of the loaded folder; `read_manifest(model_dir)` the family
-    module's `manifest`; `tables` the DiT's LoRA tables (lora.TableWeights); `weight_bytes` the
-    loaded weights, counted from the arrays (weights.tree_bytes)."""
+    `status` is the family's status of the loaded folder, with its `residency` as loaded;
+    `read_manifest(model_dir)` the family module's `manifest`; `tables` the DiT's LoRA tables
+    (lora.TableWeights); `weight_bytes` the loaded weights, counted from the arrays
+    (weights.tree_bytes). `encoder` (with its `weight_bytes`) and `load_encoder`, a function
+    that loads the same encoder again, make the encoder releasable."""
 
     family: str = ""  # the family's name, set by the subclass
     capabilities = Capabilities()
@@ -78,20 +96,59 @@ class FamilyModel:
         status: dict,
         read_manifest: Callable[[Path], dict],
         weight_bytes: int,
+        encoder: Any = None,
+        load_encoder: Callable[[], Any] | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.model_id = model_id
         self.variant = variant
         self.vae = vae
         self.tables = tables
-        self.weight_bytes = weight_bytes
+        self.encoder = encoder
+        self.encoder_bytes = encoder.weight_bytes if encoder is not None else 0
+        self._loaded_bytes = weight_bytes
+        self._load_encoder = load_encoder
         self._status = status
         self._read_manifest = read_manifest
 
     # -- what the routes read -----------------------------------------------------------
 
     def status(self) -> dict:
-        return json.loads(json.dumps(self._status))  # a copy the caller may change
+        status = json.loads(json.dumps(self._status))  # a copy the caller may change
+        if "residency" in status:
+            status["residency"]["encoder"]["resident"] = self.encoder_resident
+        return status
+
+    # -- the text encoder's residency ---------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights held now: all of them as loaded, less the encoder's while released."""
+        return self._loaded_bytes - (0 if self.encoder_resident else self.encoder_bytes)
+
+    @property
+    def encoder_resident(self) -> bool:
+        return self.encoder is not None or self._load_encoder is None
+
+    @property
+    def encoder_releasable(self) -> bool:
+        """Whether releasing the encoder would free its bytes now."""
+        return self.encoder is not None and self._load_encoder is not None
+
+    def release_encoder(self) -> int:
+        """Drop the text encoder's weights (the next encode loads them again, `prompt_encoder`);
+        the bytes freed (0 when it cannot be released or is released already)."""
+        if not self.encoder_releasable:
+            return 0
+        self.encoder = None
+        mx.clear_cache()
+        return self.encoder_bytes
+
+    def prompt_encoder(self) -> Any:
+        """The text encoder, loaded again first when it was released."""
+        if self.encoder is None:
+            self.encoder = self._load_encoder()
+        return self.encoder
 
     def manifest(self) -> dict:
         return self._read_manifest(self.model_dir)
@@ -154,5 +211,5 @@ class FamilyModel:
 
     def close(self) -> None:
         self.tables.clear()
-        self.vae = None
+        self.vae = self.encoder = self._load_encoder = None
         mx.clear_cache()

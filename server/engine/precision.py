@@ -1,4 +1,5 @@
-"""A model's configured weight precision: MLX affine quantization's bits and group size.
+"""A model's configured precision: MLX affine quantization's bits and group size, and the
+compute dtype of its text encoder and VAE (`encoder_vae_dtype`).
 
 Plain Python, neither MLX nor numpy: the configuration and the command lines read it before the
 process sets MLX up (server/process.py). engine/quantize.py applies it at load.
@@ -13,6 +14,10 @@ BITS = (3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64
 MODE = "affine"
+# A model entry's `encoder_vae_dtype`: `auto` (nn.dtypes.encoder_vae_dtype's rule for the
+# backend) or a dtype by its status name.
+AUTO = "auto"
+ENCODER_VAE_DTYPES = (AUTO, "f32", "bf16", "f16")
 
 
 @dataclass(frozen=True)

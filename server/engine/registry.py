@@ -27,7 +27,7 @@ from typing import Any
 from gmlx_contract.errors import ContractError
 
 from .base import EngineInputError, ImageModel, seam_gaps
-from .precision import Quantization
+from .precision import AUTO, Quantization
 
 log = logging.getLogger("gmlx.server")
 
@@ -40,7 +40,9 @@ LISTING_TTL_S = 2.0
 # Family name -> the family module (or its import path, imported on first use). A family module
 # provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
 # of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
-# precision.Quantization) in a family that quantizes; optionally `describe(model_dir, model_id)
+# precision.Quantization) in a family that quantizes and `encoder_vae_dtype=` (a name of
+# precision.ENCODER_VAE_DTYPES) in one whose encoder and VAE dtype can be set; optionally
+# `describe(model_dir, model_id)
 # -> dict` (the status of a model that is not loaded), `manifest(model_dir) -> dict`,
 # `quantized_files(model_dir)` (for `gmlx model quantize`) and `FEATURES` (routes/models.py).
 # Adding a family is its folder and one line here (docs/engine.md, "Adding a family"); tests
@@ -152,16 +154,19 @@ class ModelRegistry:
         max_resident: int = 1,
         load_hooks: Any = None,
         quantization: Callable[[str], Quantization | None] | None = None,
+        encoder_vae_dtype: Callable[[str], str] | None = None,
     ) -> None:
         """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
         before a model's weights load with the family's manifest of its folder, and
         `give(loaded)`, run on each newly loaded instance before anyone sees it; a ValueError
         or ContractError from either fails the load with its status (400 for a ValueError),
         naming the model. `quantization(model_id)` is the precision a model loads at (None, or no
-        function: as its files store it)."""
+        function: as its files store it), `encoder_vae_dtype(model_id)` the dtype setting of its
+        text encoder and VAE (no function: `auto`)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
         self.quantization = quantization
+        self.encoder_vae_dtype = encoder_vae_dtype
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -381,18 +386,27 @@ class ModelRegistry:
         return loaded
 
     def _load_options(self, entry: ModelEntry, module: Any) -> dict:
-        """The keyword arguments of the family's `load` for this entry: its quantization, when
-        it has one (refused 400 for a family whose `load` takes none)."""
+        """The keyword arguments of the family's `load` for this entry: its quantization and
+        its encoder and VAE dtype, where set (each refused 400 for a family whose `load` does
+        not take it)."""
         quantization = self.quantization(entry.model_id) if self.quantization else None
-        if quantization is None:
-            return {}
-        if "quantization" not in inspect.signature(module.load).parameters:
-            raise ContractError(
-                400,
-                f"model {entry.model_id!r}: family {entry.family} does not quantize its weights;"
-                " load it without quantize",
-            )
-        return {"quantization": quantization}
+        dtype = self.encoder_vae_dtype(entry.model_id) if self.encoder_vae_dtype else AUTO
+        options = {}
+        if quantization is not None:
+            options["quantization"] = quantization
+        if dtype != AUTO:
+            options["encoder_vae_dtype"] = dtype
+        taken = inspect.signature(module.load).parameters
+        refused = {
+            "quantization": "does not quantize its weights; load it without quantize",
+            "encoder_vae_dtype": "has no encoder and VAE dtype to set; leave encoder_vae_dtype out",
+        }
+        for name in options:
+            if name not in taken:
+                raise ContractError(
+                    400, f"model {entry.model_id!r}: family {entry.family} {refused[name]}"
+                )
+        return options
 
     def _make_room(self, model_id: str) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ quantizing (quantize.py) and in time sharding. A quantized component's config.js
 decided by the files themselves: a weight `X.weight` with an `X.scales` beside it. A family's load says what it needs (`load_tree(dir, sanitize, dtype,
 keep_f32=..., quantization=..., quantized=...)`) and maps the names (its DiT's `sanitize`); it
 never casts leaf by leaf. Memory is counted from the loaded
-arrays (`nn.dtypes.tree_bytes`); the header-based `stored_elements` serves only estimates for a
+arrays (`nn.dtypes.tree_bytes`); the header-based `estimated_bytes` serves only estimates for a
 folder that is not loaded. `tensor_infos` gives logical shapes, whatever the storage.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
 from .quantize import (
     BIASES,
@@ -113,7 +114,15 @@ def load_tree(
     family's `sanitize` (file names -> tree), and with a `quantization` the linear weights
     whose tree path `quantized` picks quantized, one at a time (quantize.quantize_tree), so the
     float model is never whole in memory. A component stored quantized loads as stored
-    (quantize.sanitize_stored), never through float weights."""
+    (quantize.sanitize_stored), never through float weights. The leaves are evaluated one at a
+    time (`eval_leaf_by_leaf`): evaluating the whole tree at once let MLX read many tensors
+    before fusing them, 1.21x the resident bytes at the peak
+    (tests/families/qwen_image21/test_load_peaks.py). A weight stored at the compute dtype is
+    never cast (a bf16 file loaded at bf16 never passes through float32). A quantized load
+    quantizes from the compute dtype: from a bf16 file at float32 compute each weight is cast
+    first, one at a time, because `mx.quantize` gives the scales and biases its input's dtype
+    and bf16 ones would change the dequantized weights (by 5e-3, docs/benchmarks.md, "Load
+    peaks") against quantizing the float32 weights, as `gmlx model quantize` does."""
     component_dir = Path(component_dir)
     quantization = quantization_at_load(component_dir, quantization)
     files = load_weights(component_dir, dtype, keep_f32)
@@ -124,7 +133,7 @@ def load_tree(
         if quantized is None:
             raise ValueError("a quantized load needs the family's choice of layers")
         quantize_tree(tree, quantization, quantized)
-    mx.eval(tree)
+    eval_leaf_by_leaf(tree)
     return tree
 
 
@@ -168,10 +177,24 @@ def packed_name(name: str, names) -> bool:
     return False
 
 
-def stored_elements(component_dir: Path) -> int:
-    """Elements of a component's tensors, from the headers: for estimates of a folder that is
-    not loaded (a loaded model counts its arrays)."""
-    return sum(int(np.prod(info.shape, dtype=np.int64)) for info in tensor_infos(component_dir))
+def estimated_bytes(component_dir: Path, dtype: mx.Dtype) -> int:
+    """The bytes a component's tensors would hold loaded, from the headers, for estimates of a
+    folder that is not loaded (a loaded model counts its arrays): each float tensor at `dtype`,
+    each weight stored quantized with its scales and biases as stored."""
+    headers = {
+        name: entry
+        for path in weight_files(component_dir)
+        for name, entry in read_header(path).items()
+    }
+    total = 0
+    for name, entry in headers.items():
+        quantized_weight = name.endswith(".weight") and name[: -len(".weight")] + SCALES in headers
+        if quantized_weight or packed_name(name, headers):
+            start, end = entry["data_offsets"]
+            total += end - start
+        else:
+            total += int(np.prod(entry["shape"], dtype=np.int64)) * dtype.size
+    return total
 
 
 def read_header(path: Path) -> dict:

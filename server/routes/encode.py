@@ -47,7 +47,7 @@ class Encode(Resource):
 
         loaded = self.service.acquire(model_field(fields))
         try:
-            result = self.service.on_model(loaded, lambda m: m.encode(text, images, refs))
+            result = self.service.encode(loaded, text, images, refs)
         finally:
             self.service.release(loaded)
         send_container(resp, self._answer(result, refs))

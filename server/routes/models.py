@@ -132,6 +132,8 @@ class ModelStatus(Resource):
             "variant": entry.variant,
             "resident": self.registry.loaded(entry.model_id) is not None,
         }
+        if "encoder" in body.get("residency", {}):  # the server's setting (server/memory.py)
+            body["residency"]["encoder"]["policy"] = self.service.memory.encoder_residency
         send_json(resp, {**body, **head})
 
 

@@ -78,15 +78,13 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
     check_sigmas(loaded, request)  # 10
     rows = [build_row(loaded, row, tensors) for row in request.rows]  # 11
 
-    def forward() -> StepResult:
-        service.check_live(run)  # interrupted while queued: do not compute
-        # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states)
-        plans = service.memory.check_step(loaded, request.x.shape, rows, table)
-        flow_map = facts.flow_map and request.sample_sigmas is not None
+    flow_map = facts.flow_map and request.sample_sigmas is not None
+
+    def denoise(x: np.ndarray, timestep: np.ndarray, step_rows: list, plans) -> StepResult:
         return loaded.model.denoise_step(
-            request.x,
-            request.timestep,
-            rows,
+            x,
+            timestep,
+            step_rows,
             convention=convention,
             run=run.run_id if run else None,
             table=table,
@@ -96,9 +94,38 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
             sample_sigmas=request.sample_sigmas if flow_map else None,
         )
 
+    def forward() -> StepResult:
+        service.check_live(run)  # interrupted while queued: do not compute
+        # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states,
+        # releases the text encoder, or has the rows run one at a time)
+        plan = service.memory.check_step(loaded, request.x.shape, rows, table)
+        if not plan.one_row_at_a_time:
+            return denoise(request.x, request.timestep, rows, plan.plans)
+        results = []
+        for index, row in enumerate(rows):
+            plans = service.memory.check_row(loaded, request.x.shape, rows, index, table, plan)
+            one = slice(index, index + 1)
+            results.append(denoise(request.x[one], request.timestep[one], [row], plans))
+        return joined(results)
+
     result = service.worker.call(forward)
     service.check_live(run)  # 12: interrupted or ended while running: the result is dropped
     return result
+
+
+def joined(results: list[StepResult]) -> StepResult:
+    """The rows of a step run one at a time, as the step's answer: the outputs in row order,
+    the forwards' time summed, and the prefix-cache header the batch would have had (§3.3)."""
+    headers = {result.prefix_cache for result in results}
+    if len(headers) == 1:
+        header = headers.pop()
+    else:
+        header = "off" if "off" in headers else "miss"
+    return StepResult(
+        out=np.concatenate([result.out for result in results], axis=0),
+        prefix_cache=header,
+        forward_ms=sum(result.forward_ms for result in results),
+    )
 
 
 # ---------------------------------------------------------------- step 3: shapes

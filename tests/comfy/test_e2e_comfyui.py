@@ -60,6 +60,8 @@ LATENT_RTOL = 1e-5
 UNIPC_LATENT_RTOL = 1e-4
 # ComfyUI's SaveImage truncates to 8 bits where `gmlx image sample` rounds.
 PIXEL_TOLERANCE = 1
+# The quantized server's `--quantize`.
+QUANTIZE_BITS = 4
 LORA_STRENGTH = 0.8
 LORA_RANK, LORA_ALPHA = 2, 1.0
 # The interrupt test's image: big enough that one step of the tiny model takes a while.
@@ -189,6 +191,36 @@ def gmlx_server(workdir):
 
 
 @pytest.fixture(scope="module")
+def quantized_server(workdir):
+    """A second `gmlx serve`, at `--quantize 4`, serving the embedded default model alone: its
+    DiT's and text encoder's linear layers quantized to 4 bits as they load."""
+    config = workdir / "quantized.toml"
+    config.write_text("[server]\nmodel_dirs = []\n", encoding="utf-8")
+    port = _free_port()
+    log_path = workdir / "gmlx-quantized.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gmlx_server", "serve", "--config", str(config)]
+        + ["--port", str(port), "--quantize", str(QUANTIZE_BITS)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(url + "/health", proc)
+        from gmlx_contract.client import StepClient
+
+        client = StepClient(url)
+        model = client.models()["default_model"]
+        client.load(model)
+        assert client.status(model)["quantization"]["dit"]["bits"] == QUANTIZE_BITS
+        yield {"url": url, "config": config, "log": log_path, "model": model}
+    finally:
+        _stop(proc)
+        log.close()
+
+
+@pytest.fixture(scope="module")
 def comfyui(workdir, gmlx_server):
     """ComfyUI with its base directory (custom_nodes, models, user) in the work folder, so
     the checkout itself is never written to."""
@@ -241,6 +273,16 @@ def engine(gmlx_server):
     loaded = choice.registry.acquire(choice.model_id)
     assert choice.model_id == gmlx_server["model"]
     return loaded.model
+
+
+@pytest.fixture(scope="module")
+def quantized_engine(quantized_server):
+    """The quantized server's model loaded in this process at the same precision."""
+    from gmlx_server.engine.precision import Quantization
+    from gmlx_server.image_cli import choose_model
+
+    choice = choose_model(None, quantized_server["config"], Quantization(QUANTIZE_BITS))
+    return choice.registry.acquire(choice.model_id).model
 
 
 @pytest.fixture(scope="module")
@@ -902,6 +944,80 @@ def test_lora_in_every_key_form_applies_as_the_server_loader_does(
     want = direct_sample(engine, PACK_PROMPT, seed, sigmas, _server_table(engine, path))
     assert _rel(got, want) <= LATENT_RTOL
     assert _rel(want, direct_sample(engine, PACK_PROMPT, seed, sigmas)) > 1000 * LATENT_RTOL
+
+
+# ---------------------------------------------------------------- a quantized model
+
+
+def _on_server(wf: dict, url: str) -> dict:
+    """The workflow's gmlx loaders pointed at the server at `url`."""
+    for node in wf.values():
+        if node["class_type"] in ("GmlxModelLoader", "GmlxCLIPLoader", "GmlxVAELoader"):
+            node["inputs"]["server_url"] = url
+    return wf
+
+
+def test_the_quantized_text_to_image_equals_gmlx_image_sample_quantize_4(
+    comfyui, quantized_server, quantized_engine, engine, workdir
+):
+    """The text-to-image example (gmlx Sigmas: the turbo's own sigmas) on the server at
+    `--quantize 4` against `gmlx image sample --quantize 4` at the same seed."""
+    seed = 7
+    wf = _on_server(_save_latent(_workflow("gmlx_text_to_image"), "11"), quantized_server["url"])
+    wf["8"]["inputs"]["noise_seed"] = seed
+    prompt = wf["4"]["inputs"]["text"]
+    entry = _run(comfyui, wf)
+    got = _latent(comfyui, entry)
+    want = direct_generate(quantized_engine, prompt, seed)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, direct_generate(engine, prompt, seed)) > 100 * LATENT_RTOL  # 4 bits show
+
+    out = workdir / "direct-q4.png"
+    subprocess.run(
+        [sys.executable, "-m", "gmlx_server", "image", "sample"]
+        + ["--config", str(quantized_server["config"]), "--prompt", prompt]
+        + ["--width", str(SIZE), "--height", str(SIZE), "--cfg", "1", "--seed", str(seed)]
+        + ["--quantize", str(QUANTIZE_BITS), "--out", str(out)],
+        check=True,
+    )
+    (image,) = _output_files(comfyui, entry, "images")
+    assert np.abs(_rgb(image) - _rgb(out)).max() <= PIXEL_TOLERANCE
+
+
+def test_stock_ksampler_on_the_quantized_model_equals_the_in_process_sampler(
+    comfyui, quantized_server, quantized_engine, engine
+):
+    """The stock KSampler (euler, "simple") on the server at `--quantize 4`, against the
+    engine at the same precision from the same seed along the same sigmas."""
+    seed, steps = 12, 4
+    wf = _on_server(_pack_prompt(quantized_server["model"], seed, steps), quantized_server["url"])
+    got = _latent(comfyui, _run(comfyui, wf))
+    sigmas = comfy_simple_sigmas(steps)
+    want = direct_sample(quantized_engine, PACK_PROMPT, seed, sigmas)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, direct_sample(engine, PACK_PROMPT, seed, sigmas)) > 100 * LATENT_RTOL
+
+
+def test_a_lora_on_the_quantized_model_applies_as_the_server_loader_does(
+    comfyui, quantized_server, quantized_engine
+):
+    """LoraLoaderModelOnly with the ComfyUI-form LoRA on the quantized model: every key loads
+    (the manifest keeps the logical shapes), and the pairs apply in float beside the 4-bit
+    weights as the table `--adapter` builds from the file does."""
+    seed, steps = 6, 4
+    path = _lora_files(quantized_engine, comfyui["base"] / "models" / "loras" / "q4")["comfy"]
+    name = str(path.relative_to(comfyui["base"] / "models" / "loras"))
+    wf = _with_lora(_pack_prompt(quantized_server["model"], seed, steps), name)
+    wf = _on_server(wf, quantized_server["url"])
+    with _LogSlice(comfyui["log"]) as log:
+        got = _latent(comfyui, _run(comfyui, wf))
+    assert "lora key not loaded" not in log.text and "NOT LOADED" not in log.text, log.text
+    sigmas = comfy_simple_sigmas(steps)
+    table = _server_table(quantized_engine, path)
+    want = direct_sample(quantized_engine, PACK_PROMPT, seed, sigmas, table)
+    assert _rel(got, want) <= LATENT_RTOL
+    plain = direct_sample(quantized_engine, PACK_PROMPT, seed, sigmas)
+    assert _rel(want, plain) > 1000 * LATENT_RTOL
 
 
 @pytest.mark.parametrize("form", ["diffusers", "kohya", "comfy", "peft", "bare", "model"])

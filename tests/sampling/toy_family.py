@@ -58,6 +58,13 @@ class ToyModel:
     variant = "base"
     capabilities = Capabilities()
     weight_bytes = 0
+    # an encoder that is never released
+    encoder_bytes = 0
+    encoder_resident = True
+    encoder_releasable = False
+
+    def release_encoder(self) -> int:
+        return 0
 
     def __init__(self, model_id: str, sigmas: list[float] | None = None) -> None:
         self.model_id = model_id

@@ -110,6 +110,13 @@ class LinearModel:
     family = FAMILY
     capabilities = Capabilities()
     weight_bytes = 64  # status memory.dit_bytes
+    # an encoder that is never released
+    encoder_bytes = 0
+    encoder_resident = True
+    encoder_releasable = False
+
+    def release_encoder(self) -> int:
+        return 0
 
     def __init__(self, model_id: str, variant: str) -> None:
         self.model_id = model_id

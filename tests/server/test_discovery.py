@@ -62,6 +62,7 @@ def test_status_of_a_configured_server_that_is_not_running(tmp_path, capsys):
         "gmlx_version": None,
         "contract": None,
         "error": "connection refused",
+        "resident": [],
     }
     code, out = _run(capsys, "status", "--config", str(config))
     assert code == 0 and "not running (connection refused)" in out and "gmlx serve" in out
@@ -74,6 +75,38 @@ def test_status_of_a_running_server(live, tmp_path, capsys):
     doc = json.loads(out)
     assert code == 0 and doc["running"] is True and doc["error"] is None
     assert doc["url"] == live.base and doc["contract"] == "1.0" and doc["gmlx_version"]
+    assert doc["resident"] == []  # nothing loaded yet
+
+
+def test_status_names_what_each_resident_model_holds(tmp_path, capsys):
+    from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
+    from gmlx_server.engine.registry import ModelRegistry
+
+    from .conftest import serve
+
+    folder = ensure_embedded_model(tmp_path / "cache")
+    server = serve(
+        ServerConfig(host="127.0.0.1", port=0),
+        ModelRegistry([], folder.name, extra_models=[folder]),
+    )
+    try:
+        server.post_json("models/load", {"model": folder.name})
+        loaded = server.ctx.registry.loaded(folder.name).model
+        server.ctx.service.worker.call(loaded.release_encoder)
+        port = server.base.rsplit(":", 1)[1]
+        config = _config_file(tmp_path, f"[server]\nport = {port}\n")
+        code, out = _run(capsys, "status", "--json", "--config", str(config))
+        (resident,) = json.loads(out)["resident"]
+        assert resident["model"] == folder.name
+        encoder = resident["residency"]["encoder"]
+        assert encoder["resident"] is False and encoder["policy"] == "auto"
+        assert encoder["bytes"] == loaded.encoder_bytes and encoder["dtype"] == "f32"
+        assert resident["residency"]["dit"]["resident"] is True
+        code, out = _run(capsys, "status", "--config", str(config))
+        line = f"{loaded.encoder_bytes / 1e6:.1f} MB released (auto)"
+        assert code == 0 and f"  {folder.name}: dit f32" in out and f"encoder f32 {line}" in out
+    finally:
+        server.close()
 
 
 def test_a_broken_configuration_exits_2_and_says_why(tmp_path, capsys):

@@ -48,7 +48,10 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         ("quantize = true", "config key 'quantize' has the wrong type"),
         ("quantize = 4\ngroup_size = 48", "group_size must be one of 32, 64, 128, not 48"),
         ("group_size = 32", "group_size needs quantize"),
-        ("bits = 4", "unknown setting 'bits' (known: adapters, quantize, group_size)"),
+        (
+            "bits = 4",
+            "unknown setting 'bits' (known: adapters, quantize, group_size, encoder_vae_dtype)",
+        ),
     ],
 )
 def test_bad_precisions_are_refused_naming_the_entry(tmp_path, entry, message):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..nn.dtypes import eval_leaf_by_leaf
+
 
 def load_checkpoint(model: nn.Module, converted: list[tuple[str, mx.array]]) -> int:
     """Put a VAE's checkpoint weights (already in the module's names and layouts) into its
@@ -15,5 +17,5 @@ def load_checkpoint(model: nn.Module, converted: list[tuple[str, mx.array]]) -> 
         model.load_weights(converted, strict=True)
     except ValueError as error:
         raise ValueError(f"VAE weights do not match its config: {error}") from None
-    mx.eval(model.parameters())
+    eval_leaf_by_leaf(model.parameters())
     return sum(value.nbytes for _, value in converted)

@@ -87,6 +87,22 @@ def test_the_folder_loads_directly_as_quantizing_at_load_does(folders):
     )
 
 
+def test_a_stored_folder_not_loaded_is_estimated_at_its_quantized_bytes(folders):
+    """Status of a folder not loaded: the DiT as it will load (packed weights, scales and
+    biases as stored), not its logical shapes at float32."""
+    source, written = folders
+    estimate = family.describe(written)["residency"]
+    stored = family.load(written, "stored")
+    assert estimate["dit"]["bytes"] == stored.dit.weight_bytes
+    assert estimate["dit"]["quantization"] == {"bits": 4, "group_size": 32, "mode": "affine"}
+    # the encoder's file holds lm_head beside what loads, as the float folder's does
+    floats = family.describe(source)["residency"]["encoder"]["bytes"]
+    assert stored.encoder_bytes < estimate["encoder"]["bytes"] < floats
+    assert family.estimated_weight_bytes(written, mx.float32) < 0.7 * (
+        family.estimated_weight_bytes(source, mx.float32)
+    )
+
+
 def test_the_manifest_keeps_the_logical_shapes(folders):
     source, written = folders
     stored, plain = family.manifest(written), family.manifest(source)

@@ -78,9 +78,19 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
     assert live.post_json("models/load", {"model": "z-image-tiny"}).status_code == 200
     loaded = live.call("GET", "models/z-image-tiny/status").json()
     assert loaded["resident"] is True
-    assert {k: v for k, v in loaded.items() if k != "resident"} == {
-        k: v for k, v in unloaded.items() if k != "resident"
+    assert {k: v for k, v in loaded.items() if k not in ("resident", "residency")} == {
+        k: v for k, v in unloaded.items() if k not in ("resident", "residency")
     }
+    # each component: held once loaded, at the dtype the status named; its bytes as the
+    # headers estimated them (the encoder's file also holds tensors it never loads)
+    for name, component in loaded["residency"].items():
+        estimate = unloaded["residency"][name]
+        assert component["resident"] and not estimate["resident"]
+        assert (component["dtype"], component["quantization"]) == (estimate["dtype"], None)
+        if name == "encoder":
+            assert 0 < component["bytes"] <= estimate["bytes"]
+        else:
+            assert component["bytes"] == estimate["bytes"], name
     assert live.call("GET", "models/z-image-tiny/manifest").json() == manifest
 
 

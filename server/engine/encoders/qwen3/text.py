@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...nn.attention import chunked_attention
+from ...nn.dtypes import eval_leaf_by_leaf
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...weights import load_weights, read_config
 
@@ -159,7 +160,7 @@ class Qwen3TextEncoder:
             if not name.startswith(_UNUSED):
                 weights[name] = value
         model.load_weights(list(weights.items()), strict=True)
-        mx.eval(model.parameters())
+        eval_leaf_by_leaf(model.parameters())
         return cls(model, sum(value.nbytes for value in weights.values()))
 
     @property

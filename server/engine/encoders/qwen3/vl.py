@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...nn.dtypes import tree_bytes
+from ...nn.dtypes import eval_leaf_by_leaf, tree_bytes
 from ...nn.rope import cos_sin
 from ...precision import Quantization
 from ...quantize import quantize_module, quantize_stored_module
@@ -69,7 +69,7 @@ class Qwen3VLEncoder(nn.Module):
             quantize_module(encoder, weights, quantization, quantized)
         encoder.load_weights(list(weights.items()), strict=True)
         del weights
-        mx.eval(encoder.parameters())
+        eval_leaf_by_leaf(encoder.parameters())
         return encoder, tree_bytes(encoder.parameters())
 
     def hidden_states(

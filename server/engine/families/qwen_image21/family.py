@@ -18,13 +18,13 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
-from ...family import FamilyModel, dit_manifest
+from ...family import FamilyModel, component_row, dit_manifest
 from ...lora import TableWeights
-from ...nn import cpu_ops
+from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
-from ...precision import Quantization
+from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
-from ...weights import component_bytes, read_config, stored_elements, stored_quantization
+from ...weights import component_bytes, estimated_bytes, read_config, stored_quantization
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .dit import quantized as dit_quantized
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
@@ -119,8 +119,16 @@ def sampling_row(model_dir: Path) -> dict:
 
 
 def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files and headers alone."""
+    """The family part of the status (docs/contract.md §2.3), from config files and headers
+    alone, at the default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`)."""
     model_dir = Path(model_dir)
+    dtype = dtype or default_compute_dtype()
+    side = dtypes.encoder_vae_dtype()
+    quantization = {
+        "dit": _stored_status(model_dir / "transformer"),
+        "encoder": _stored_status(model_dir / "text_encoder"),
+        "vae": None,
+    }
     dit_config = read_config(model_dir / "transformer")
     vae_config = read_config(model_dir / "vae")
     return {
@@ -142,15 +150,25 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "edit_capable": True,
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(model_dir),
-        "compute_dtype": dtype_name(dtype or default_compute_dtype()),
+        "compute_dtype": dtype_name(dtype),
         # Extension of docs/contract.md §2.3: each component's weight precision, here as the
         # files store it; a loaded model reports what it holds (`QwenImage21Model`).
-        "quantization": {
-            "dit": _stored_status(model_dir / "transformer"),
-            "encoder": _stored_status(model_dir / "text_encoder"),
-            "vae": None,
+        "quantization": quantization,
+        # Extension of docs/contract.md §2.3: what is held, here nothing, with the bytes each
+        # component would hold loaded.
+        "residency": {
+            "dit": component_row(
+                False, estimated_bytes(model_dir / "transformer", dtype), dtype, quantization["dit"]
+            ),
+            "encoder": component_row(
+                False,
+                estimated_bytes(model_dir / "text_encoder", side),
+                side,
+                quantization["encoder"],
+            ),
+            "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
         },
-        "memory": memory_row(model_dir, dtype or default_compute_dtype()),
+        "memory": memory_row(model_dir, dtype),
     }
 
 
@@ -201,12 +219,15 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
 
 def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
     """The weights of a folder as they would load (for the status of a model not loaded): the
-    DiT at its compute dtype, the VAE and the prompt encoder in float32, counted from the file
-    headers. A loaded model counts its arrays instead (`QwenImage21Model.weight_bytes`)."""
+    DiT at its compute dtype, the VAE and the prompt encoder at theirs by default
+    (`encoder_vae_dtype`), weights stored quantized as stored, counted from the file headers.
+    A loaded model counts its arrays instead (`QwenImage21Model.weight_bytes`)."""
     model_dir = Path(model_dir)
-    dit = stored_elements(model_dir / "transformer") * dit_dtype.size
-    return dit + 4 * (
-        stored_elements(model_dir / "vae") + stored_elements(model_dir / "text_encoder")
+    side = dtypes.encoder_vae_dtype()
+    return (
+        estimated_bytes(model_dir / "transformer", dit_dtype)
+        + estimated_bytes(model_dir / "vae", side)
+        + estimated_bytes(model_dir / "text_encoder", side)
     )
 
 
@@ -278,10 +299,15 @@ def manifest(model_dir: Path) -> dict:
 
 
 def load(
-    model_dir: Path, model_id: str, quantization: Quantization | None = None
+    model_dir: Path,
+    model_id: str,
+    quantization: Quantization | None = None,
+    encoder_vae_dtype: str = AUTO,
 ) -> QwenImage21Model:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
-    that the family picks (dit.quantized, prompt.quantized) are quantized as they load."""
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load. The
+    text encoder and the VAE compute in the dtype the `encoder_vae_dtype` setting gives
+    (nn.dtypes.encoder_vae_dtype)."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -290,10 +316,14 @@ def load(
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
+    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
     dit = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization)
-    vae = QwenImage21VAE.load(model_dir / "vae")
-    encoder = QwenImage21PromptEncoder.load(model_dir, quantization=quantization)
-    return QwenImage21Model(model_dir, model_id, found[1], dit, vae, encoder)
+    vae = QwenImage21VAE.load(model_dir / "vae", side)
+
+    def load_encoder() -> QwenImage21PromptEncoder:
+        return QwenImage21PromptEncoder.load(model_dir, side, quantization)
+
+    return QwenImage21Model(model_dir, model_id, found[1], dit, vae, load_encoder(), load_encoder)
 
 
 class QwenImage21Model(FamilyModel):
@@ -307,15 +337,25 @@ class QwenImage21Model(FamilyModel):
         dit,
         vae,
         encoder,
+        load_encoder=None,
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
     ):
+        """`load_encoder`: loads `encoder` again after a release (None: never released)."""
         model_dir = Path(model_dir)
         weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
         status = describe(model_dir, model_id, dit.dtype)
-        status["quantization"] = {
+        quantization = {
             "dit": quantization_status(dit.weights),
             "encoder": quantization_status(encoder.encoder),
             "vae": None,
+        }
+        status["quantization"] = quantization
+        status["residency"] = {
+            "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
+            "encoder": component_row(
+                True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
+            ),
+            "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
         }
         status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes)
         super().__init__(
@@ -327,9 +367,10 @@ class QwenImage21Model(FamilyModel):
             status=status,
             read_manifest=manifest,
             weight_bytes=weight_bytes,
+            encoder=encoder,
+            load_encoder=load_encoder,
         )
         self.dit = dit
-        self.encoder = encoder
         self.prefix_cache = PrefixCache(prefix_budget_bytes)
 
     # -- memory plan (server/memory.py asks these) ---------------------------------------
@@ -383,7 +424,7 @@ class QwenImage21Model(FamilyModel):
         return self.prefix_cache.shed(need_bytes, keep)
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
-        encoding = self.encoder.encode(text, list(images))
+        encoding = self.prompt_encoder().encode(text, list(images))
         ref_latents = []
         if refs:
             for image in encoding.vae_images:
@@ -431,7 +472,7 @@ class QwenImage21Model(FamilyModel):
 
     def close(self) -> None:
         self.prefix_cache.clear()
-        self.dit = self.encoder = None
+        self.dit = None
         super().close()
 
 

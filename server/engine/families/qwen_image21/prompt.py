@@ -66,6 +66,8 @@ class QwenImage21PromptEncoder:
         self.preprocessor = preprocessor
         self.weight_bytes = weight_bytes
         self.hidden_size = encoder.language_model.config.hidden_size
+        # the dtype it computes in: its token table's, which is never quantized
+        self.dtype = encoder.language_model.embed_tokens.weight.dtype
 
     @classmethod
     def load(

@@ -30,7 +30,7 @@ from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
-from ...weights import load_weights, read_config
+from ...weights import load_tree, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
 TIME_PROJ_DIM = 256
@@ -248,11 +248,12 @@ class ZImageDiT:
     def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> ZImageDiT:
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
-        files = load_weights(
-            transformer_dir, dtype, keep_f32=lambda name: name.endswith(F32_WEIGHTS)
+        weights = load_tree(
+            transformer_dir,
+            lambda files: sanitize(files, config),
+            dtype,
+            keep_f32=lambda name: name.endswith(F32_WEIGHTS),
         )
-        weights = sanitize(files, config)
-        mx.eval(weights)
         return cls(config, weights, dtype)
 
     @property

@@ -17,12 +17,13 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, dit_manifest
+from ...family import FamilyModel, component_row, dit_manifest
 from ...lora import TableWeights
-from ...nn import cpu_ops
+from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
+from ...precision import AUTO
 from ...vaes.autoencoder_kl import latent_normalisation
-from ...weights import component_bytes, read_config
+from ...weights import component_bytes, estimated_bytes, read_config
 from .dit import DiTConfig, ZImageDiT, linear_slots, padded
 from .prompt import TEMPLATE
 
@@ -89,8 +90,11 @@ def sampling_row(variant: str) -> dict:
 
 
 def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files alone."""
+    """The family part of the status (docs/contract.md §2.3), from config files alone, at the
+    default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`)."""
     model_dir = Path(model_dir)
+    dtype = dtype or default_compute_dtype()
+    side = dtypes.encoder_vae_dtype()
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
@@ -115,7 +119,18 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "edit_capable": False,
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(found[1]),
-        "compute_dtype": dtype_name(dtype or default_compute_dtype()),
+        "compute_dtype": dtype_name(dtype),
+        # Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): what is held,
+        # here nothing, with the bytes each component would hold loaded.
+        "residency": {
+            "dit": component_row(
+                False, estimated_bytes(model_dir / "transformer", dtype), dtype, None
+            ),
+            "encoder": component_row(
+                False, estimated_bytes(model_dir / "text_encoder", side), side, None
+            ),
+            "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
+        },
         "memory": {
             "dit_bytes": component_bytes(model_dir / "transformer"),
             "encoder_bytes": component_bytes(model_dir / "text_encoder"),
@@ -129,7 +144,9 @@ def manifest(model_dir: Path) -> dict:
     return dit_manifest(FAMILY, Path(model_dir) / "transformer", TITLE)
 
 
-def load(model_dir: Path, model_id: str) -> ZImageModel:
+def load(model_dir: Path, model_id: str, encoder_vae_dtype: str = AUTO) -> ZImageModel:
+    """The model of a folder; the text encoder and the VAE compute in the dtype the
+    `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype)."""
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
@@ -137,15 +154,20 @@ def load(model_dir: Path, model_id: str) -> ZImageModel:
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
+    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
     dit = ZImageDiT.load(model_dir / "transformer")
-    vae = AutoencoderKL.load(model_dir / "vae")
-    encoder = ZImagePromptEncoder.load(model_dir)
+    vae = AutoencoderKL.load(model_dir / "vae", side)
+
+    def load_encoder() -> ZImagePromptEncoder:
+        return ZImagePromptEncoder.load(model_dir, side)
+
+    encoder = load_encoder()
     if encoder.hidden_size != dit.config.cap_feat_dim:
         raise ValueError(
             f"the text encoder's width {encoder.hidden_size} differs from the DiT's caption"
             f" width {dit.config.cap_feat_dim}"
         )
-    return ZImageModel(model_dir, model_id, found[1], dit, vae, encoder)
+    return ZImageModel(model_dir, model_id, found[1], dit, vae, encoder, load_encoder)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -170,24 +192,34 @@ class ZImageModel(FamilyModel):
     family = FAMILY
     capabilities = Capabilities(max_refs=0, conventions=CONVENTIONS)
 
-    def __init__(self, model_dir: Path, model_id: str, variant: str, dit, vae, encoder):
+    def __init__(
+        self, model_dir: Path, model_id: str, variant: str, dit, vae, encoder, load_encoder=None
+    ):
+        """`load_encoder`: loads `encoder` again after a release (None: never released)."""
+        status = describe(model_dir, model_id, dit.dtype)
+        status["residency"] = {
+            "dit": component_row(True, dit.weight_bytes, dit.dtype, None),
+            "encoder": component_row(True, encoder.weight_bytes, encoder.dtype, None),
+            "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
+        }
         super().__init__(
             model_dir,
             model_id,
             variant,
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
-            status=describe(model_dir, model_id, dit.dtype),
+            status=status,
             read_manifest=manifest,
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            encoder=encoder,
+            load_encoder=load_encoder,
         )
         self.dit = dit
-        self.encoder = encoder
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         if images:
             raise EngineInputError(f"{TITLE} takes no reference images")
-        return EncodeResult(cond=self.encoder.encode(text))
+        return EncodeResult(cond=self.prompt_encoder().encode(text))
 
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
@@ -262,7 +294,7 @@ class ZImageModel(FamilyModel):
         return cond
 
     def close(self) -> None:
-        self.dit = self.encoder = None
+        self.dit = None
         super().close()
 
 

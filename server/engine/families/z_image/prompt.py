@@ -36,6 +36,7 @@ class ZImagePromptEncoder:
         self.tokenizer = tokenizer
         self.weight_bytes = encoder.weight_bytes
         self.hidden_size = encoder.hidden_size
+        self.dtype = encoder.model.embed_tokens.weight.dtype  # the dtype it computes in
 
     @classmethod
     def load(cls, model_dir: Path, dtype: mx.Dtype = mx.float32) -> ZImagePromptEncoder:

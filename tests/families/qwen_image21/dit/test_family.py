@@ -85,7 +85,15 @@ def test_status_of_the_base_variant(loaded, base_folder):
     described = family.describe(root, "qwen_base")
     assert described["memory"]["resident_bytes"] == 0  # not resident
     described["memory"] = memory
+    # residency: nothing held before the load, each component's bytes from the headers (the
+    # VAE's file also holds temporal convolutions that never load)
+    estimate, held = described.pop("residency"), status.pop("residency")
     assert described == status
+    for name, component in held.items():
+        assert component["resident"] and not estimate[name]["resident"]
+        assert component["dtype"] == estimate[name]["dtype"] == "f32"
+        assert 0 < component["bytes"] <= estimate[name]["bytes"]
+    assert held["dit"]["bytes"] == estimate["dit"]["bytes"] == model.dit.weight_bytes
 
 
 def test_sampling_rows_without_scheduler_config_and_for_turbo(tmp_path):
