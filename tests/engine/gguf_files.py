@@ -1,0 +1,81 @@
+"""GGUF files for the tests, written with the `gguf` package (llama.cpp's own writer): tensors
+of every type the server reads, quantized by `gguf.quants.quantize` where the package can, else
+as random valid block bytes (finite float16 scales, any levels)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+# The types gguf.quants.quantize writes; the K-quants it only reads.
+QUANTIZABLE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1)
+# Where each K-quant block keeps its float16 scales (byte offsets within a block).
+K_HALVES = {
+    T.Q4_K: (0, 2),
+    T.Q5_K: (0, 2),
+    T.Q6_K: (208,),
+    T.Q3_K: (108,),
+    T.Q2_K: (80, 82),
+}
+SCALE_RANGE = (0.002, 0.02)  # |d| of the random K-quant blocks: weights of order 0.1..1
+
+
+def random_blocks(kind: T, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """The bytes (rows, bytes per row) of a (rows, cols) tensor of a quantized `kind`."""
+    rows, cols = shape
+    if kind in QUANTIZABLE:
+        return gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.5, kind)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows, cols // block_size * type_size), dtype=np.uint8)
+    blocks = data.reshape(-1, type_size)
+    for offset in K_HALVES[kind]:
+        scale = rng.uniform(*SCALE_RANGE, (blocks.shape[0], 1)).astype(np.float16)
+        blocks[:, offset : offset + 2] = scale.view(np.uint8)
+    return data
+
+
+def encoded(kind: T, value: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """`value` (float32) as a tensor of `kind`: floats as they are, BF16 rounded by gguf, a
+    quantized kind quantized (or random blocks of value's shape, for a K-quant)."""
+    if kind == T.F32:
+        return value.astype(np.float32)
+    if kind == T.F16:
+        return value.astype(np.float16)
+    if kind == T.BF16:
+        return gguf.quants.quantize(value.astype(np.float32), T.BF16)
+    if kind in QUANTIZABLE:
+        return gguf.quants.quantize(value.astype(np.float32), kind)
+    return random_blocks(kind, value.shape, rng)
+
+
+def reference(kind: T, data: np.ndarray) -> np.ndarray:
+    """What a tensor of the file holds, as gguf dequantizes it (float32)."""
+    if kind in (T.F32, T.F16):
+        return data.astype(np.float32)
+    return gguf.quants.dequantize(data, kind)
+
+
+def write_gguf(
+    path: Path,
+    tensors: dict[str, tuple[T, np.ndarray]],
+    arch: str | None = "qwen_image",
+    orig_shapes: dict[str, tuple[int, ...]] | None = None,
+) -> Path:
+    """A GGUF file of `tensors` (name -> (type, data as `encoded` gives it)), with
+    `general.architecture` = arch and ComfyUI-GGUF's orig_shape entries."""
+    writer = gguf.GGUFWriter(str(path), arch=arch or "")
+    if arch is None:  # a file with no architecture: drop the key the writer adds
+        writer.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)
+    for name, shape in (orig_shapes or {}).items():
+        writer.add_array(f"comfy.gguf.orig_shape.{name}", list(shape))
+    for name, (kind, data) in tensors.items():
+        raw = None if kind in (T.F32, T.F16) else kind
+        writer.add_tensor(name, data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
