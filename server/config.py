@@ -26,6 +26,9 @@ File (default ~/.config/gmlx-steps/config.toml):
                                     # under (docs/contract.md §2.9)
     quantize = 4                    # quantize the DiT and the text encoder as they load: 3, 4,
     group_size = 64                 # 5, 6 or 8 bits, in groups of 32, 64 or 128 (default 64)
+    dit = "~/gguf/qwen-image-2.1-Q4_K_M.gguf"   # the DiT's weights from this GGUF file (relative
+                                    # to this file's folder) instead of the folder's
+                                    # transformer/ weights; its config.json still describes it
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
@@ -114,9 +117,11 @@ class ModelSettings:
 
     adapters: tuple[AdapterSpec, ...] = ()
     quantization: Quantization | None = None  # `quantize` and `group_size`
+    dit: Path | None = None  # a GGUF file holding the DiT's weights
 
 
-MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size")
+MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size", "dit")
+GGUF_SUFFIX = ".gguf"
 
 
 @dataclass
@@ -139,6 +144,11 @@ class ServerConfig:
             return self.quantization
         settings = self.models.get(model_id)
         return settings.quantization if settings is not None else None
+
+    def dit_for(self, model_id: str) -> Path | None:
+        """The GGUF file a model entry's `dit` names, else None (the folder's weights)."""
+        settings = self.models.get(model_id)
+        return settings.dit if settings is not None else None
 
     @property
     def loopback_bind(self) -> bool:
@@ -249,7 +259,23 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
         specs = tuple(parse_adapter(text, folder) for text in adapters)
     except ValueError as exc:
         raise ConfigError(f"{where} adapters: {exc}") from None
-    return ModelSettings(adapters=specs, quantization=_quantization(table, where))
+    return ModelSettings(
+        adapters=specs, quantization=_quantization(table, where), dit=_dit(table, where, folder)
+    )
+
+
+def _dit(table: dict, where: str, folder: Path) -> Path | None:
+    """A model entry's `dit`: an existing `.gguf` file, relative to the config file's folder."""
+    if "dit" not in table:
+        return None
+    path = Path(_typed(table, "dit", str)).expanduser()
+    if not path.is_absolute():
+        path = folder / path
+    if path.suffix.lower() != GGUF_SUFFIX:
+        raise ConfigError(f"{where} dit must name a .gguf file, not {str(path)!r}")
+    if not path.is_file():
+        raise ConfigError(f"{where} dit: no file at {str(path)!r}")
+    return path
 
 
 def _quantization(table: dict, where: str) -> Quantization | None:

@@ -22,6 +22,7 @@ Any other type is refused, naming the tensor.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from .precision import MODE
+from .quantize import BIASES, SCALES
 
 GROUP_SIZE = 32
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -258,13 +260,15 @@ class GGUFFile:
             name = tensor.name[len(prefix) :]
             self.entries[name] = TensorEntry(name, kind, _shape(reader, tensor), tensor)
 
-    def read(self, name: str, dtype: mx.Dtype | None = None) -> mx.array | Quantized:
-        """Tensor `name`: its affine form when it is quantized and stored in its logical rows,
-        else a float array (a quantized one dequantized by gguf, exactly), cast to `dtype`
-        when given."""
+    def read(
+        self, name: str, dtype: mx.Dtype | None = None, as_float: bool = False
+    ) -> mx.array | Quantized:
+        """Tensor `name`: its affine form when it is quantized and stored in its logical rows
+        (and not `as_float`), else a float array (a quantized one dequantized by gguf,
+        exactly), cast to `dtype` when given."""
         entry = self.entries[name]
         data = entry.tensor.data
-        if entry.quantized and entry.stored_2d:
+        if entry.quantized and entry.stored_2d and not as_float:
             return affine(entry.kind, data, *entry.shape)
         if entry.kind == T.BF16:
             value = mx.array(np.ascontiguousarray(data).view(np.uint16)).view(mx.bfloat16)
@@ -312,3 +316,192 @@ class _Reader(gguf.GGUFReader):
                     f" the file holds {len(self.data)}"
                 )
         super()._build_tensors(start_offs, fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# A DiT's weights in a GGUF file, named as the family names them
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Another naming of a DiT's tensors that a file may use (ComfyUI's), onto the family's
+    diffusers names: `renames` (regular expression, replacement), applied in order, and `fused`,
+    file tensors (by name suffix, after the renames) whose rows split into several diffusers
+    tensors (suffixes, in row order). The renames must leave a diffusers name as it is, so a
+    file in either naming (or a mix) reads the same. `ignored`: file tensors the forward does
+    not read."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    ignored: tuple[str, ...] = ()
+
+    def sources(self, names) -> dict[str, tuple[str, int, int]]:
+        """Diffusers name -> (file name, part, parts): which rows of which file tensor it is."""
+        found: dict[str, tuple[str, int, int]] = {}
+        for file_name in names:
+            name = file_name
+            for pattern, replacement in self.renames:
+                name = re.sub(pattern, replacement, name)
+            if name in self.ignored:
+                continue
+            for suffix, parts in self.fused:
+                if name.endswith(suffix):
+                    stem = name[: -len(suffix)]
+                    for part, part_suffix in enumerate(parts):
+                        found[stem + part_suffix] = (file_name, part, len(parts))
+                    break
+            else:
+                found[name] = (file_name, 0, 1)
+        return found
+
+
+@dataclass(frozen=True)
+class DiTFile:
+    """A family's DiT read from a GGUF file: `shapes`, every tensor the family's config asks
+    for by diffusers name (its logical shape); `fused`, diffusers weight name -> the names of
+    the weight its forward fuses it with (linear_slots' parts, in order); `title`, the family's
+    name in prose. `open` checks the whole file against them before anything loads."""
+
+    path: Path
+    naming: Naming
+    shapes: dict[str, tuple[int, ...]]
+    fused: dict[str, tuple[str, ...]]
+    title: str
+
+    def open(self) -> tuple[GGUFFile, dict[str, tuple[str, int, int]]]:
+        """The file and each expected tensor's source; a GGUFError names the file and the
+        tensor when it cannot be read, is not the family's, or holds a shape the config does
+        not give."""
+        file = GGUFFile(self.path)
+        sources = self.naming.sources(file.entries)
+        missing = [name for name in self.shapes if name not in sources]
+        if missing:
+            arch = f" (its architecture: {file.architecture})" if file.architecture else ""
+            raise GGUFError(
+                f"{self.path} is not a {self.title} DiT{arch}: it has no tensor {missing[0]}"
+                f" ({len(missing)} of the {len(self.shapes)} the family reads are missing)"
+            )
+        for name, expected in self.shapes.items():
+            file_name, part, parts = sources[name]
+            shape = _part_shape(file.entries[file_name].shape, parts)
+            if shape != tuple(expected):
+                raise GGUFError(
+                    f"{self.path}: tensor {file_name} has shape {list(file.entries[file_name].shape)}"
+                    f" where {self.title}'s config gives {name} the shape {list(expected)}"
+                    + (f" ({parts} of them fused along the rows)" if parts > 1 else "")
+                )
+        return file, sources
+
+    def tensors(self, dtype: mx.Dtype | None = None, keep_f32=None) -> dict[str, mx.array]:
+        """The family's tensors by diffusers name, as a stored quantized folder holds them: a
+        linear weight `X.weight` quantized in the file is packed beside `X.scales` and
+        `X.biases` (group 32, float32), every part of a fused weight at the widest part's
+        width (widening is exact) or, when a part is float, all in float; everything else is a
+        float array cast to `dtype` (float32 for the names `keep_f32` picks). Read one file
+        tensor at a time."""
+        file, sources = self.open()
+        widths = self._widths(file, sources)
+        out: dict[str, mx.array] = {}
+        by_file: dict[str, list[tuple[str, int, int]]] = {}
+        for name in self.shapes:
+            file_name, part, parts = sources[name]
+            by_file.setdefault(file_name, []).append((name, part, parts))
+        for file_name, targets in by_file.items():
+            float_dtype = dtype
+            if keep_f32 is not None and all(keep_f32(name) for name, _, _ in targets):
+                float_dtype = mx.float32
+            if all(name in widths for name, _, _ in targets):
+                value = file.read(file_name)
+                for name, part, parts in targets:
+                    base = name[: -len(".weight")]
+                    packed = _rows(value, part, parts).packed(widths[name])
+                    out[name], out[base + SCALES], out[base + BIASES] = packed
+            else:
+                value = file.read(file_name, float_dtype, as_float=True)
+                for name, part, parts in targets:
+                    out[name] = _split_rows(value, part, parts)
+            del value
+        return out
+
+    def _widths(self, file: GGUFFile, sources) -> dict[str, int]:
+        """Diffusers weight name -> the width it is packed at, for the weights kept quantized:
+        those whose every fused part is quantized in its logical rows."""
+        widths: dict[str, int] = {}
+        for name, group in self.fused.items():
+            entries = [file.entries[sources[part][0]] for part in group]
+            if all(entry.quantized and entry.stored_2d for entry in entries):
+                widths[name] = max(_width(entry.kind) for entry in entries)
+        return widths
+
+    def infos(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """(diffusers name, logical shape, stored type) of every tensor the family reads:
+        "quant" for a quantized one, else F32, F16 or BF16 (the manifest's dtypes)."""
+        file, sources = self.open()
+        out = []
+        for name, shape in self.shapes.items():
+            entry = file.entries[sources[name][0]]
+            out.append((name, tuple(shape), "quant" if entry.quantized else entry.type_name))
+        return out
+
+    def status(self) -> dict:
+        """The component's precision as status reports it: the file and its tensors' types."""
+        file = GGUFFile(self.path)
+        return {"format": "gguf", "file": self.path.name, "types": file.type_counts()}
+
+    def stored_bytes(self) -> int:
+        """Bytes of tensor data in the file."""
+        return sum(entry.tensor.n_bytes for entry in GGUFFile(self.path).entries.values())
+
+    def estimated_bytes(self, itemsize: int) -> int:
+        """The bytes the family's tensors take loaded (for the status of a model not loaded):
+        a quantized weight at its MLX width plus float32 scale and bias per group, the rest at
+        `itemsize` bytes per element."""
+        file, sources = self.open()
+        total = 0
+        for name, shape in self.shapes.items():
+            entry = file.entries[sources[name][0]]
+            elements = int(np.prod(shape, dtype=np.int64))
+            if entry.quantized and entry.stored_2d:
+                total += elements * (_width(entry.kind) + 2 * 32 // GROUP_SIZE) // 8
+            else:
+                total += elements * itemsize
+        return total
+
+
+def _width(kind: T) -> int:
+    return EXACT.get(kind) or NEAREST[kind]
+
+
+def _part_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
+    if parts == 1:
+        return tuple(shape)
+    return (shape[0] // parts, *shape[1:]) if shape[0] % parts == 0 else tuple(shape)
+
+
+def _rows(item: Quantized, part: int, parts: int) -> Quantized:
+    """Part `part` of `parts` equal row groups of an affine form."""
+    if parts == 1:
+        return item
+    size = item.q.shape[0] // parts
+    rows = slice(part * size, (part + 1) * size)
+    return Quantized(item.q[rows], item.scales[rows], item.biases[rows], item.bits)
+
+
+def _split_rows(value: mx.array, part: int, parts: int) -> mx.array:
+    if parts == 1:
+        return value
+    size = value.shape[0] // parts
+    return value[part * size : (part + 1) * size]
+
+
+def fused_weights(slots: dict) -> dict[str, tuple[str, ...]]:
+    """Linear weight name -> the weight names its forward fuses it with, in row order, from a
+    DiT's `linear_slots` (manifest name -> lora.LinearSlot)."""
+    groups: dict[tuple, list[tuple[int, str]]] = {}
+    for name, slot in slots.items():
+        groups.setdefault((slot.path, slot.key), []).append((slot.part, name + ".weight"))
+    fused = {}
+    for parts in groups.values():
+        names = tuple(name for _, name in sorted(parts))
+        fused.update(dict.fromkeys(names, names))
+    return fused

@@ -144,14 +144,15 @@ def quantize_module(
 
 
 def sanitize_stored(
-    files: dict[str, mx.array], sanitize: Callable[[dict], dict], quantization: Quantization
+    files: dict[str, mx.array], sanitize: Callable[[dict], dict], group_size: int
 ) -> dict:
     """The weight tree of files stored quantized (each quantized `X.weight` packed, with
-    `X.scales` and `X.biases`), through the family's own `sanitize`: it maps the packed
-    weights, then the scales and then the biases in their weights' places, and each packed
-    leaf gets its scales, biases and (bits, group_size) beside it. A family's sanitize may fuse
-    linear weights along their rows only (concatenation on axis 0), which quantized rows
-    allow."""
+    `X.scales` and `X.biases`, one per `group_size` columns), through the family's own
+    `sanitize`: it maps the packed weights, then the scales and then the biases in their
+    weights' places, and each packed leaf gets its scales, biases and (bits, group_size)
+    beside it, its bits read from its shapes, so the files may mix widths (a GGUF file does).
+    A family's sanitize may fuse linear weights along their rows only (concatenation on axis
+    0), which quantized rows of one width allow."""
     packed = {name[: -len(SCALES)] + ".weight" for name in files if name.endswith(SCALES)}
     plain = {n: v for n, v in files.items() if not n.endswith((SCALES, BIASES))}
 
@@ -161,24 +162,25 @@ def sanitize_stored(
         }
 
     tree = sanitize(plain)
-    _attach(tree, sanitize(beside(SCALES)), sanitize(beside(BIASES)), quantization)
+    _attach(tree, sanitize(beside(SCALES)), sanitize(beside(BIASES)), group_size)
     return tree
 
 
-def _attach(tree, scales, biases, quantization: Quantization) -> None:
+def _attach(tree, scales, biases, group_size: int) -> None:
     """Beside each packed (uint32) leaf of `tree`, the leaves at the same path of `scales`
-    and `biases` and the (bits, group_size) constants."""
+    and `biases` and its (bits, group_size) constants."""
     if isinstance(tree, list):
         for index, child in enumerate(tree):
-            _attach(child, scales[index], biases[index], quantization)
+            _attach(child, scales[index], biases[index], group_size)
         return
     for key in list(tree):
         value = tree[key]
         if isinstance(value, (dict, list)):
-            _attach(value, scales[key], biases[key], quantization)
+            _attach(value, scales[key], biases[key], group_size)
         elif value.dtype == mx.uint32:
             tree[key + SCALES], tree[key + BIASES] = scales[key], biases[key]
-            tree[key + SPEC] = (quantization.bits, quantization.group_size)
+            columns = scales[key].shape[-1] * group_size
+            tree[key + SPEC] = (value.shape[-1] * PACKED_BITS // columns, group_size)
 
 
 def quantize_stored_module(

@@ -14,6 +14,7 @@ room for another, which is answered 503 (load deferred for capacity).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -40,8 +41,10 @@ LISTING_TTL_S = 2.0
 # Family name -> the family module (or its import path, imported on first use). A family module
 # provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
 # of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
-# precision.Quantization) in a family that quantizes; optionally `describe(model_dir, model_id)
-# -> dict` (the status of a model that is not loaded), `manifest(model_dir) -> dict`,
+# precision.Quantization) in a family that quantizes and `dit=` (a model entry's GGUF file for
+# the DiT) in a family that reads one; optionally `describe(model_dir, model_id) -> dict` (the
+# status of a model that is not loaded), `manifest(model_dir) -> dict` (both taking `dit=` too),
+# `check(model_dir, dit=None)` (refuse broken DiT files before the resident model is let go),
 # `quantized_files(model_dir)` (for `gmlx model quantize`) and `FEATURES` (routes/models.py).
 # Adding a family is its folder and one line here (docs/engine.md, "Adding a family"); tests
 # pass their own table as `ModelRegistry(families=...)`.
@@ -152,16 +155,19 @@ class ModelRegistry:
         max_resident: int = 1,
         load_hooks: Any = None,
         quantization: Callable[[str], Quantization | None] | None = None,
+        dit_files: Callable[[str], Path | None] | None = None,
     ) -> None:
         """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
         before a model's weights load with the family's manifest of its folder, and
         `give(loaded)`, run on each newly loaded instance before anyone sees it; a ValueError
         or ContractError from either fails the load with its status (400 for a ValueError),
         naming the model. `quantization(model_id)` is the precision a model loads at (None, or no
-        function: as its files store it)."""
+        function: as its files store it); `dit_files(model_id)` the GGUF file its DiT's weights
+        come from (None, or no function: its folder's)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
         self.quantization = quantization
+        self.dit_files = dit_files
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -324,16 +330,41 @@ class ModelRegistry:
         except ValueError as exc:
             raise ContractError(400, f"model {model_id!r}: {exc}") from exc
 
+    def file_options(self, entry: ModelEntry) -> dict:
+        """The keyword arguments naming the entry's own files for the family's `load`,
+        `describe`, `manifest` and `check`: `dit`, its configured GGUF file, when it has one."""
+        dit = self.dit_files(entry.model_id) if self.dit_files else None
+        return {} if dit is None else {"dit": dit}
+
     def _check_before_load(self, entry: ModelEntry, module: Any) -> None:
-        """The load hooks' check against the folder's manifest, where the family reads one (a
-        manifest it cannot read is the load's to report)."""
+        """Before the resident model is let go: the family's `check` of the entry's files (a
+        GGUF DiT cut short, of another family or of the wrong shapes is refused here, 400),
+        then the load hooks' check against the folder's manifest, where the family reads one
+        (a manifest it cannot read is the load's to report)."""
+        files = self.file_options(entry)
+        if hasattr(module, "check"):
+            with self._load_errors(entry):
+                module.check(entry.path, **files)
         if self.load_hooks is None or not hasattr(module, "manifest"):
             return
         try:
-            manifest = module.manifest(entry.path)
+            manifest = module.manifest(entry.path, **files)
         except Exception:  # noqa: BLE001 - module.load reports a broken folder with its status
             return
         self._hook(entry.model_id, self.load_hooks.check, entry.model_id, manifest)
+
+    @contextlib.contextmanager
+    def _load_errors(self, entry: ModelEntry):
+        """A family's refusal of the entry's files as the load's status: 404 for a missing
+        file, 400 for files that do not match the family."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}") from exc
+        except (EngineInputError, ValueError, KeyError) as exc:
+            raise ContractError(
+                400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
+            ) from exc
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
         module = family_module(entry.family, self.families)
@@ -341,17 +372,11 @@ class ModelRegistry:
             raise ContractError(400, f"family {entry.family!r} is not available in this server")
         if not (entry.path / MODEL_INDEX).is_file():
             raise ContractError(404, f"model {entry.model_id!r} has vanished from {entry.path}")
-        self._check_before_load(entry, module)
         options = self._load_options(entry, module)
+        self._check_before_load(entry, module)
         self._make_room(entry.model_id)
-        try:
+        with self._load_errors(entry):
             model = module.load(entry.path, entry.model_id, **options)
-        except FileNotFoundError as exc:
-            raise ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}") from exc
-        except (EngineInputError, ValueError, KeyError) as exc:
-            raise ContractError(
-                400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
-            ) from exc
         try:
             gaps = seam_gaps(model)
             if gaps:
@@ -381,18 +406,27 @@ class ModelRegistry:
         return loaded
 
     def _load_options(self, entry: ModelEntry, module: Any) -> dict:
-        """The keyword arguments of the family's `load` for this entry: its quantization, when
-        it has one (refused 400 for a family whose `load` takes none)."""
+        """The keyword arguments of the family's `load` for this entry: its quantization and
+        its GGUF DiT file, when it has them (each refused 400 for a family whose `load` takes
+        none)."""
+        options = self.file_options(entry)
         quantization = self.quantization(entry.model_id) if self.quantization else None
-        if quantization is None:
-            return {}
-        if "quantization" not in inspect.signature(module.load).parameters:
+        if quantization is not None:
+            options["quantization"] = quantization
+        parameters = inspect.signature(module.load).parameters
+        if "quantization" in options and "quantization" not in parameters:
             raise ContractError(
                 400,
                 f"model {entry.model_id!r}: family {entry.family} does not quantize its weights;"
                 " load it without quantize",
             )
-        return {"quantization": quantization}
+        if "dit" in options and "dit" not in parameters:
+            raise ContractError(
+                400,
+                f"model {entry.model_id!r}: family {entry.family} reads no GGUF DiT file;"
+                " remove its dit setting",
+            )
+        return options
 
     def _make_room(self, model_id: str) -> None:
         with self._lock:

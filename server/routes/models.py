@@ -115,9 +115,13 @@ class ModelStatus(Resource):
         entry = resolve_or_404(self.registry, model)
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
+        files = self.registry.file_options(entry)
         if loaded is None and hasattr(module, "describe"):
             body = from_files(
-                entry, lambda: self.service.worker.call(module.describe, entry.path, entry.model_id)
+                entry,
+                lambda: self.service.worker.call(
+                    module.describe, entry.path, entry.model_id, **files
+                ),
             )
         else:
             # No way to describe it unloaded: load it (it then stays resident).
@@ -140,8 +144,11 @@ class ModelManifest(Resource):
         entry = resolve_or_404(self.registry, model)
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
+        files = self.registry.file_options(entry)
         if loaded is None and hasattr(module, "manifest"):
-            body = from_files(entry, lambda: self.service.worker.call(module.manifest, entry.path))
+            body = from_files(
+                entry, lambda: self.service.worker.call(module.manifest, entry.path, **files)
+            )
         else:
             loaded = self.service.acquire(entry.model_id)
             try:

@@ -79,3 +79,39 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+def write_dit(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    types: dict[str, T],
+    rng: np.random.Generator,
+    prefix: str = "",
+    fused: dict[str, tuple[str, ...]] | None = None,
+    flattened: tuple[str, ...] = (),
+    arch: str | None = "qwen_image",
+) -> dict[str, np.ndarray]:
+    """Write a DiT's `weights` (float32, by diffusers name) as a GGUF file, each tensor as
+    `types` says (F32 when it does not), its name under `prefix`; `fused`: file tensors made of
+    several diffusers tensors' rows (ComfyUI's fused weights: file name -> part names, in row
+    order), of the first part's type; `flattened`: tensors written in rows of 256 with
+    ComfyUI-GGUF's orig_shape entry. Returns what the file holds by diffusers name, as gguf
+    dequantizes it: the reference the loaded weights must equal."""
+    fused = fused or {}
+    parts = {part for names in fused.values() for part in names}
+    layout = {name: (name,) for name in weights if name not in parts}
+    layout.update(fused)
+    tensors, orig, held = {}, {}, {}
+    for file_name, names in layout.items():
+        value = np.concatenate([weights[name] for name in names])
+        kind = types.get(names[0], T.F32)
+        stored = value.reshape(-1, 256) if file_name in flattened else value
+        data = encoded(kind, stored, rng)
+        tensors[prefix + file_name] = (kind, data)
+        if file_name in flattened:
+            orig[prefix + file_name] = value.shape
+        whole = reference(kind, data).reshape(value.shape)
+        for index, chunk in enumerate(np.split(whole, len(names))):
+            held[names[index]] = chunk
+    write_gguf(path, tensors, arch=arch, orig_shapes=orig)
+    return held

@@ -25,11 +25,12 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...quantize import quantization_status
 from ...weights import component_bytes, read_config, stored_elements, stored_quantization
-from .dit import DiTConfig, QwenImage21DiT, linear_slots
+from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
 from .dit import quantized as dit_quantized
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
 FAMILY = "qwen_image21"
+TITLE = "Qwen-Image 2.1"
 PIPELINE_CLASS = "QwenImage21Pipeline"
 COMFY = {"model_class": "QwenImage21", "image_model": "qwen_image21"}
 # What a client needs to condition this family (an extension of docs/contract.md §2.3): the DiT
@@ -118,8 +119,14 @@ def sampling_row(model_dir: Path) -> dict:
     }
 
 
-def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files and headers alone."""
+def describe(
+    model_dir: Path,
+    model_id: str | None = None,
+    dtype: mx.Dtype | None = None,
+    dit: Path | None = None,
+) -> dict:
+    """The family part of the status (docs/contract.md §2.3), from config files and headers
+    alone; `dit`: a model entry's GGUF file for the DiT (dit.dit_file)."""
     model_dir = Path(model_dir)
     dit_config = read_config(model_dir / "transformer")
     vae_config = read_config(model_dir / "vae")
@@ -146,17 +153,23 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         # Extension of docs/contract.md §2.3: each component's weight precision, here as the
         # files store it; a loaded model reports what it holds (`QwenImage21Model`).
         "quantization": {
-            "dit": _stored_status(model_dir / "transformer"),
+            "dit": _dit_status(model_dir, dit),
             "encoder": _stored_status(model_dir / "text_encoder"),
             "vae": None,
         },
-        "memory": memory_row(model_dir, dtype or default_compute_dtype()),
+        "memory": memory_row(model_dir, dtype or default_compute_dtype(), dit=dit),
     }
 
 
 def _stored_status(component_dir: Path) -> dict | None:
     stored = stored_quantization(component_dir)
     return None if stored is None else stored.status()
+
+
+def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
+    """The DiT's precision from its files: a GGUF file's types, else the folder's."""
+    gguf = dit_file(model_dir / "transformer", dit)
+    return _stored_status(model_dir / "transformer") if gguf is None else gguf.status()
 
 
 def step_peak_bytes(
@@ -199,13 +212,18 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
     return min(rows, query_rows) * group * keys * 4
 
 
-def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
+def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype, dit: Path | None = None) -> int:
     """The weights of a folder as they would load (for the status of a model not loaded): the
-    DiT at its compute dtype, the VAE and the prompt encoder in float32, counted from the file
-    headers. A loaded model counts its arrays instead (`QwenImage21Model.weight_bytes`)."""
+    DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
+    the prompt encoder in float32, counted from the file headers. A loaded model counts its
+    arrays instead (`QwenImage21Model.weight_bytes`)."""
     model_dir = Path(model_dir)
-    dit = stored_elements(model_dir / "transformer") * dit_dtype.size
-    return dit + 4 * (
+    gguf = dit_file(model_dir / "transformer", dit)
+    if gguf is None:
+        dit_bytes = stored_elements(model_dir / "transformer") * dit_dtype.size
+    else:
+        dit_bytes = gguf.estimated_bytes(dit_dtype.size)
+    return dit_bytes + 4 * (
         stored_elements(model_dir / "vae") + stored_elements(model_dir / "text_encoder")
     )
 
@@ -234,17 +252,25 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return max(step, vae)
 
 
-def memory_row(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None) -> dict:
+def memory_row(
+    model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None, dit: Path | None = None
+) -> dict:
     """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
     footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
     weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
     None: not loaded, estimated from the headers, and nothing resident."""
+    gguf = dit_file(model_dir / "transformer", dit)
     files = {
-        "dit_bytes": component_bytes(model_dir / "transformer"),
+        "dit_bytes": component_bytes(model_dir / "transformer")
+        if gguf is None
+        else gguf.stored_bytes(),
         "encoder_bytes": component_bytes(model_dir / "text_encoder"),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
-    weights = estimated_weight_bytes(model_dir, dtype) if weight_bytes is None else weight_bytes
+    if weight_bytes is None:
+        weights = estimated_weight_bytes(model_dir, dtype, dit)
+    else:
+        weights = weight_bytes
     footprint = weights + activation_reserve(model_dir, dtype)
     return {
         **files,
@@ -272,16 +298,30 @@ def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
     return {"transformer": dit_file, "text_encoder": encoder_file}
 
 
-def manifest(model_dir: Path) -> dict:
+def manifest(model_dir: Path, dit: Path | None = None) -> dict:
     """The DiT's tensors by their diffusers names (docs/contract.md §2.4 with naming "diffusers")."""
-    return dit_manifest(FAMILY, Path(model_dir) / "transformer", "Qwen-Image 2.1")
+    transformer = Path(model_dir) / "transformer"
+    return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
+
+
+def check(model_dir: Path, dit: Path | None = None) -> None:
+    """Refuse, before anything loads, a DiT GGUF file that is cut short, is not this family's
+    or holds a tensor of a shape the config does not give (gguf.GGUFError, naming the file and
+    the tensor). The registry asks before it lets the resident model go."""
+    gguf = dit_file(Path(model_dir) / "transformer", dit)
+    if gguf is not None:
+        gguf.open()
 
 
 def load(
-    model_dir: Path, model_id: str, quantization: Quantization | None = None
+    model_dir: Path,
+    model_id: str,
+    quantization: Quantization | None = None,
+    dit: Path | None = None,
 ) -> QwenImage21Model:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
-    that the family picks (dit.quantized, prompt.quantized) are quantized as they load."""
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
+    DiT's float layers only). `dit`: a model entry's GGUF file for the DiT."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -290,10 +330,11 @@ def load(
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
-    dit = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization)
+    check(model_dir, dit)
+    network = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
     vae = QwenImage21VAE.load(model_dir / "vae")
     encoder = QwenImage21PromptEncoder.load(model_dir, quantization=quantization)
-    return QwenImage21Model(model_dir, model_id, found[1], dit, vae, encoder)
+    return QwenImage21Model(model_dir, model_id, found[1], network, vae, encoder, dit_path=dit)
 
 
 class QwenImage21Model(FamilyModel):
@@ -308,16 +349,19 @@ class QwenImage21Model(FamilyModel):
         vae,
         encoder,
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
+        dit_path: Path | None = None,
     ):
+        """`dit_path`: the model entry's GGUF file the DiT came from (None: the folder's)."""
         model_dir = Path(model_dir)
         weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
-        status = describe(model_dir, model_id, dit.dtype)
+        status = describe(model_dir, model_id, dit.dtype, dit_path)
+        gguf = dit_file(model_dir / "transformer", dit_path)
         status["quantization"] = {
-            "dit": quantization_status(dit.weights),
+            "dit": quantization_status(dit.weights) if gguf is None else gguf.status(),
             "encoder": quantization_status(encoder.encoder),
             "vae": None,
         }
-        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes)
+        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes, dit_path)
         super().__init__(
             model_dir,
             model_id,
@@ -325,7 +369,7 @@ class QwenImage21Model(FamilyModel):
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
             status=status,
-            read_manifest=manifest,
+            read_manifest=lambda folder: manifest(folder, dit_path),
             weight_bytes=weight_bytes,
         )
         self.dit = dit
