@@ -14,8 +14,11 @@ import mlx.nn as nn
 import numpy as np
 
 from ...nn.attention import chunked_attention
+from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
-from ...weights import load_weights, read_config
+from ...precision import Quantization
+from ...quantize import quantize_module, quantize_stored_module
+from ...weights import load_weights, quantization_at_load, read_config, stored_quantization
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,13 @@ _DECODER_PREFIX = "model."
 _UNUSED = ("lm_head.", "norm.")
 
 
+def module_name(name: str) -> str | None:
+    """A checkpoint name as TextModel's parameter name; None for a tensor the encoder does not
+    use (lm_head, the final norm)."""
+    name = name.removeprefix(_DECODER_PREFIX)
+    return None if name.startswith(_UNUSED) else name
+
+
 class Qwen3TextEncoder:
     """Qwen3 alone (a transformers `Qwen3Model` or `Qwen3ForCausalLM` folder) as a prompt
     encoder: token ids -> the hidden states of the tapped layers, positions 0..L-1."""
@@ -151,16 +161,34 @@ class Qwen3TextEncoder:
         self.weight_bytes = weight_bytes
 
     @classmethod
-    def load(cls, component_dir: Path, dtype: mx.Dtype = mx.float32) -> Qwen3TextEncoder:
+    def load(
+        cls,
+        component_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+        quantized: Callable[[str], bool] | None = None,
+    ) -> Qwen3TextEncoder:
+        """The encoder of a transformers folder. With a `quantization`, the linear layers
+        whose module path `quantized` picks (the family's choice) are quantized as they load
+        (quantize.quantize_module); a folder stored quantized loads as stored."""
         model = TextModel(TextConfig.from_dict(read_config(component_dir)))
+        quantization = quantization_at_load(Path(component_dir), quantization)
         weights = {}
         for name, value in load_weights(component_dir, dtype).items():
-            name = name.removeprefix(_DECODER_PREFIX)
-            if not name.startswith(_UNUSED):
+            name = module_name(name)
+            if name is not None:
                 weights[name] = value
+        stored = stored_quantization(component_dir)
+        if stored is not None:
+            quantize_stored_module(model, weights, stored)
+        if quantization is not None:
+            if quantized is None:
+                raise ValueError("a quantized load needs the family's choice of layers")
+            quantize_module(model, weights, quantization, quantized)
         model.load_weights(list(weights.items()), strict=True)
+        del weights
         mx.eval(model.parameters())
-        return cls(model, sum(value.nbytes for value in weights.values()))
+        return cls(model, tree_bytes(model.parameters()))
 
     @property
     def hidden_size(self) -> int:

@@ -21,9 +21,12 @@ from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
+from ...precision import Quantization
+from ...quantize import quantization_status
 from ...vaes.autoencoder_kl import latent_normalisation
-from ...weights import component_bytes, read_config
-from .dit import DiTConfig, ZImageDiT, linear_slots, padded
+from ...weights import component_bytes, read_config, stored_quantization
+from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
+from .dit import quantized as dit_quantized
 from .prompt import TEMPLATE
 
 FAMILY = "z_image"
@@ -88,8 +91,14 @@ def sampling_row(variant: str) -> dict:
     return {**SAMPLING[variant], "sigmas": None, "schedule": None, "neg_skip": []}
 
 
-def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files alone."""
+def describe(
+    model_dir: Path,
+    model_id: str | None = None,
+    dtype: mx.Dtype | None = None,
+    dit: Path | None = None,
+) -> dict:
+    """The family part of the status (docs/contract.md §2.3), from config files alone; `dit`: a
+    model entry's GGUF file for the DiT (dit.dit_file)."""
     model_dir = Path(model_dir)
     found = identify(model_dir)
     if found is None:
@@ -116,20 +125,81 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(found[1]),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
+        # Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): each component's
+        # weight precision as the files store it; a loaded model reports what it holds.
+        "quantization": {
+            "dit": _dit_status(model_dir, dit),
+            "encoder": _stored_status(model_dir / "text_encoder"),
+            "vae": None,
+        },
         "memory": {
-            "dit_bytes": component_bytes(model_dir / "transformer"),
+            "dit_bytes": _dit_bytes(model_dir, dit),
             "encoder_bytes": component_bytes(model_dir / "text_encoder"),
             "vae_bytes": component_bytes(model_dir / "vae"),
         },
     }
 
 
-def manifest(model_dir: Path) -> dict:
-    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers")."""
-    return dit_manifest(FAMILY, Path(model_dir) / "transformer", TITLE)
+def _stored_status(component_dir: Path) -> dict | None:
+    stored = stored_quantization(component_dir)
+    return None if stored is None else stored.status()
 
 
-def load(model_dir: Path, model_id: str) -> ZImageModel:
+def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
+    """The DiT's precision from its files: a GGUF file's types, else the folder's."""
+    gguf = dit_file(model_dir / "transformer", dit)
+    return _stored_status(model_dir / "transformer") if gguf is None else gguf.status()
+
+
+def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
+    gguf = dit_file(model_dir / "transformer", dit)
+    return component_bytes(model_dir / "transformer") if gguf is None else gguf.stored_bytes()
+
+
+def manifest(model_dir: Path, dit: Path | None = None) -> dict:
+    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers"),
+    whatever the naming of a GGUF file (ComfyUI's fused qkv listed as to_q, to_k, to_v)."""
+    transformer = Path(model_dir) / "transformer"
+    return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
+
+
+def check(model_dir: Path, dit: Path | None = None) -> None:
+    """Refuse, before anything loads, a DiT GGUF file that is cut short, is not this family's
+    or holds a tensor of a shape the config does not give (gguf.GGUFError, naming the file and
+    the tensor). The registry asks before it lets the resident model go."""
+    gguf = dit_file(Path(model_dir) / "transformer", dit)
+    if gguf is not None:
+        gguf.open()
+
+
+def quantized_files(model_dir: Path) -> dict:
+    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
+    weights a quantized load quantizes (dit.quantized, prompt.quantized)."""
+    from ...encoders.qwen3.text import module_name
+    from .prompt import quantized as encoder_quantized
+
+    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
+
+    def dit_name(name: str) -> bool:
+        slot = slots.get(name.removesuffix(".weight"))
+        return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
+
+    def encoder_name(name: str) -> bool:
+        module = module_name(name)
+        return module is not None and encoder_quantized(module.removesuffix(".weight"))
+
+    return {"transformer": dit_name, "text_encoder": encoder_name}
+
+
+def load(
+    model_dir: Path,
+    model_id: str,
+    quantization: Quantization | None = None,
+    dit: Path | None = None,
+) -> ZImageModel:
+    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
+    DiT's float layers only). `dit`: a model entry's GGUF file for the DiT."""
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
@@ -137,15 +207,16 @@ def load(model_dir: Path, model_id: str) -> ZImageModel:
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
-    dit = ZImageDiT.load(model_dir / "transformer")
+    check(model_dir, dit)
+    network = ZImageDiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
     vae = AutoencoderKL.load(model_dir / "vae")
-    encoder = ZImagePromptEncoder.load(model_dir)
-    if encoder.hidden_size != dit.config.cap_feat_dim:
+    encoder = ZImagePromptEncoder.load(model_dir, quantization=quantization)
+    if encoder.hidden_size != network.config.cap_feat_dim:
         raise ValueError(
             f"the text encoder's width {encoder.hidden_size} differs from the DiT's caption"
-            f" width {dit.config.cap_feat_dim}"
+            f" width {network.config.cap_feat_dim}"
         )
-    return ZImageModel(model_dir, model_id, found[1], dit, vae, encoder)
+    return ZImageModel(model_dir, model_id, found[1], network, vae, encoder, dit_path=dit)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -170,15 +241,32 @@ class ZImageModel(FamilyModel):
     family = FAMILY
     capabilities = Capabilities(max_refs=0, conventions=CONVENTIONS)
 
-    def __init__(self, model_dir: Path, model_id: str, variant: str, dit, vae, encoder):
+    def __init__(
+        self,
+        model_dir: Path,
+        model_id: str,
+        variant: str,
+        dit,
+        vae,
+        encoder,
+        dit_path: Path | None = None,
+    ):
+        """`dit_path`: the model entry's GGUF file the DiT came from (None: the folder's)."""
+        status = describe(model_dir, model_id, dit.dtype, dit_path)
+        gguf = dit_file(Path(model_dir) / "transformer", dit_path)
+        status["quantization"] = {
+            "dit": quantization_status(dit.weights) if gguf is None else gguf.status(),
+            "encoder": quantization_status(encoder.encoder.model),
+            "vae": None,
+        }
         super().__init__(
             model_dir,
             model_id,
             variant,
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
-            status=describe(model_dir, model_id, dit.dtype),
-            read_manifest=manifest,
+            status=status,
+            read_manifest=lambda folder: manifest(folder, dit_path),
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
         )
         self.dit = dit

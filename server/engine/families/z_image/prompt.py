@@ -18,6 +18,7 @@ import numpy as np
 
 from ...encoders.qwen3.text import Qwen3TextEncoder
 from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
+from ...precision import Quantization
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
 # add_generation_prompt=True and enable_thinking=True.
@@ -30,6 +31,12 @@ TAPPED_LAYERS = (-2,)  # hidden_states[-2]: the second-to-last decoder layer's o
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default truncation
 
 
+def quantized(path: str) -> bool:
+    """The text encoder's layers a quantized load quantizes, by module path: the linear layers
+    of its decoder layers. The token embedding keeps float32."""
+    return path.startswith("layers.")
+
+
 class ZImagePromptEncoder:
     def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer):
         self.encoder = encoder
@@ -38,9 +45,16 @@ class ZImagePromptEncoder:
         self.hidden_size = encoder.hidden_size
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: mx.Dtype = mx.float32) -> ZImagePromptEncoder:
+    def load(
+        cls,
+        model_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+    ) -> ZImagePromptEncoder:
+        """The encoder of a folder; with a `quantization`, its decoder layers' linears
+        (`quantized`) are quantized as they load."""
         model_dir = Path(model_dir)
-        encoder = Qwen3TextEncoder.load(model_dir / "text_encoder", dtype)
+        encoder = Qwen3TextEncoder.load(model_dir / "text_encoder", dtype, quantization, quantized)
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
         return cls(encoder, tokenizer)
 
