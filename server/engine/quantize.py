@@ -93,9 +93,9 @@ def _specs(tree):
 def quantize_tree(
     tree: dict | list, quantization: Quantization, include: Callable[[str], bool], path: str = ""
 ) -> None:
-    """Quantize, in place, every 2-D weight of the tree whose dotted path `include` picks and
-    whose input width the group size divides; each is evaluated before the next, and its float
-    form dropped from the tree."""
+    """Quantize, in place, every 2-D float weight of the tree whose dotted path `include` picks
+    and whose input width the group size divides (a weight held quantized already stays as it
+    is); each is evaluated before the next, and its float form dropped from the tree."""
     if isinstance(tree, list):
         for index, child in enumerate(tree):
             quantize_tree(child, quantization, include, f"{path}{index}.")
@@ -104,6 +104,8 @@ def quantize_tree(
         value, where = tree[key], path + key
         if isinstance(value, (dict, list)):
             quantize_tree(value, quantization, include, where + ".")
+        elif key.endswith((SCALES, BIASES, SPEC)) or key + SPEC in tree:
+            continue  # held quantized already (a GGUF file's), with its scales and biases
         elif quantizable(value, quantization) and include(where):
             tree[key], tree[key + SCALES], tree[key + BIASES] = quantized(value, quantization)
             tree[key + SPEC] = (quantization.bits, quantization.group_size)

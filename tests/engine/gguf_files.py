@@ -23,8 +23,12 @@ K_HALVES = {
 SCALE_RANGE = (0.002, 0.02)  # |d| of the random K-quant blocks: weights of order 0.1..1
 
 
-def random_blocks(kind: T, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """The bytes (rows, bytes per row) of a (rows, cols) tensor of a quantized `kind`."""
+def random_blocks(
+    kind: T, shape: tuple[int, int], rng: np.random.Generator, rms: float | None = None
+) -> np.ndarray:
+    """The bytes (rows, bytes per row) of a (rows, cols) tensor of a quantized `kind`; with
+    `rms`, a K-quant's float16 scales are scaled so its weights have about that RMS (weights
+    are linear in them), as a network's weights of that fan-in would."""
     rows, cols = shape
     if kind in QUANTIZABLE:
         return gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.5, kind)
@@ -34,12 +38,18 @@ def random_blocks(kind: T, shape: tuple[int, int], rng: np.random.Generator) -> 
     for offset in K_HALVES[kind]:
         scale = rng.uniform(*SCALE_RANGE, (blocks.shape[0], 1)).astype(np.float16)
         blocks[:, offset : offset + 2] = scale.view(np.uint8)
+    if rms is not None:
+        factor = rms / float(np.sqrt(np.mean(gguf.quants.dequantize(data, kind) ** 2)))
+        for offset in K_HALVES[kind]:
+            halves = np.ascontiguousarray(blocks[:, offset : offset + 2]).view(np.float16)
+            scaled = (halves.astype(np.float32) * factor).astype(np.float16)
+            blocks[:, offset : offset + 2] = scaled.view(np.uint8)
     return data
 
 
 def encoded(kind: T, value: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """`value` (float32) as a tensor of `kind`: floats as they are, BF16 rounded by gguf, a
-    quantized kind quantized (or random blocks of value's shape, for a K-quant)."""
+    quantized kind quantized (or, for a K-quant, random blocks of its shape and RMS)."""
     if kind == T.F32:
         return value.astype(np.float32)
     if kind == T.F16:
@@ -48,7 +58,8 @@ def encoded(kind: T, value: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         return gguf.quants.quantize(value.astype(np.float32), T.BF16)
     if kind in QUANTIZABLE:
         return gguf.quants.quantize(value.astype(np.float32), kind)
-    return random_blocks(kind, value.shape, rng)
+    rms = float(np.sqrt(np.mean(value.astype(np.float64) ** 2)))
+    return random_blocks(kind, value.shape, rng, rms)
 
 
 def reference(kind: T, data: np.ndarray) -> np.ndarray:
@@ -92,11 +103,11 @@ def write_dit(
     arch: str | None = "qwen_image",
 ) -> dict[str, np.ndarray]:
     """Write a DiT's `weights` (float32, by diffusers name) as a GGUF file, each tensor as
-    `types` says (F32 when it does not), its name under `prefix`; `fused`: file tensors made of
-    several diffusers tensors' rows (ComfyUI's fused weights: file name -> part names, in row
-    order), of the first part's type; `flattened`: tensors written in rows of 256 with
-    ComfyUI-GGUF's orig_shape entry. Returns what the file holds by diffusers name, as gguf
-    dequantizes it: the reference the loaded weights must equal."""
+    `types` says (F32 when it does not), its name under `prefix`; `fused`: file tensors under
+    other names (ComfyUI's), each made of one or more diffusers tensors' rows (file name ->
+    part names, in row order), of the first part's type; `flattened`: tensors written in rows
+    of 256 with ComfyUI-GGUF's orig_shape entry. Returns what the file holds by diffusers
+    name, as gguf dequantizes it: the reference the loaded weights must equal."""
     fused = fused or {}
     parts = {part for names in fused.values() for part in names}
     layout = {name: (name,) for name in weights if name not in parts}

@@ -42,7 +42,7 @@ CONFIG = {**embedded.TRANSFORMER_CONFIG, "attention_head_dim": 128, "axes_dims_r
 TYPES = [T.F32, T.F16, T.BF16, *EXACT, *NEAREST]
 # The step's distance from the gguf-dequantized networks' for the types quantized again
 # (docs/benchmarks.md, "GGUF types", at the step).
-NEAREST_STEP_BOUND = {T.Q6_K: 0.03, T.Q3_K: 0.2, T.Q2_K: 0.2}
+NEAREST_STEP_BOUND = {T.Q6_K: 0.005, T.Q3_K: 0.03, T.Q2_K: 0.03}
 GATE_UP = "img_mlp.gate_up.weight"
 
 
