@@ -29,6 +29,8 @@ File (default ~/.config/gmlx-steps/config.toml):
     dit = "~/gguf/qwen-image-2.1-Q4_K_M.gguf"   # the DiT's weights from this GGUF file (relative
                                     # to this file's folder) instead of the folder's
                                     # transformer/ weights; its config.json still describes it
+    text_encoder = "~/gguf/Qwen3-4B-Q4_K_M.gguf"  # likewise the text encoder's (llama.cpp's
+                                    # names; Z-Image's Qwen3)
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
@@ -118,9 +120,15 @@ class ModelSettings:
     adapters: tuple[AdapterSpec, ...] = ()
     quantization: Quantization | None = None  # `quantize` and `group_size`
     dit: Path | None = None  # a GGUF file holding the DiT's weights
+    text_encoder: Path | None = None  # a GGUF file holding the text encoder's weights
+
+    def files(self) -> dict[str, Path]:
+        """The entry's GGUF files by component (`dit`, `text_encoder`), those it names."""
+        named = {"dit": self.dit, "text_encoder": self.text_encoder}
+        return {key: path for key, path in named.items() if path is not None}
 
 
-MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size", "dit")
+MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size", "dit", "text_encoder")
 GGUF_SUFFIX = ".gguf"
 
 
@@ -145,10 +153,11 @@ class ServerConfig:
         settings = self.models.get(model_id)
         return settings.quantization if settings is not None else None
 
-    def dit_for(self, model_id: str) -> Path | None:
-        """The GGUF file a model entry's `dit` names, else None (the folder's weights)."""
+    def files_for(self, model_id: str) -> dict[str, Path]:
+        """The GGUF files a model entry names for its components (`dit`, `text_encoder`);
+        the folder's weights for those it does not name."""
         settings = self.models.get(model_id)
-        return settings.dit if settings is not None else None
+        return settings.files() if settings is not None else {}
 
     @property
     def loopback_bind(self) -> bool:
@@ -260,21 +269,25 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
     except ValueError as exc:
         raise ConfigError(f"{where} adapters: {exc}") from None
     return ModelSettings(
-        adapters=specs, quantization=_quantization(table, where), dit=_dit(table, where, folder)
+        adapters=specs,
+        quantization=_quantization(table, where),
+        dit=_gguf_file(table, "dit", where, folder),
+        text_encoder=_gguf_file(table, "text_encoder", where, folder),
     )
 
 
-def _dit(table: dict, where: str, folder: Path) -> Path | None:
-    """A model entry's `dit`: an existing `.gguf` file, relative to the config file's folder."""
-    if "dit" not in table:
+def _gguf_file(table: dict, key: str, where: str, folder: Path) -> Path | None:
+    """A model entry's GGUF file setting (`dit`, `text_encoder`): an existing `.gguf` file,
+    relative to the config file's folder."""
+    if key not in table:
         return None
-    path = Path(_typed(table, "dit", str)).expanduser()
+    path = Path(_typed(table, key, str)).expanduser()
     if not path.is_absolute():
         path = folder / path
     if path.suffix.lower() != GGUF_SUFFIX:
-        raise ConfigError(f"{where} dit must name a .gguf file, not {str(path)!r}")
+        raise ConfigError(f"{where} {key} must name a .gguf file, not {str(path)!r}")
     if not path.is_file():
-        raise ConfigError(f"{where} dit: no file at {str(path)!r}")
+        raise ConfigError(f"{where} {key}: no file at {str(path)!r}")
     return path
 
 

@@ -48,7 +48,7 @@ def config_registry(config, model: str | None = None):
         extra_models=extra,
         load_hooks=hooks,
         quantization=config.quantization_for,
-        dit_files=config.dit_for,
+        model_files=config.files_for,
     )
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup

@@ -505,3 +505,82 @@ def fused_weights(slots: dict) -> dict[str, tuple[str, ...]]:
         names = tuple(name for _, name in sorted(parts))
         fused.update(dict.fromkeys(names, names))
     return fused
+
+
+# ---------------------------------------------------------------------------------------------
+# A text encoder (an mlx.nn module) in GGUF files, named as llama.cpp names it
+
+
+def llama_cpp_names(arch: gguf.MODEL_ARCH, blocks: int, names) -> dict[str, str]:
+    """transformers tensor names -> llama.cpp's names of them (`blk.N.attn_q.weight` ...), by
+    the gguf package's own tables (`gguf.get_tensor_name_map`); a name the table does not know
+    is left out."""
+    table = gguf.get_tensor_name_map(arch, blocks)
+    found = {}
+    for name in names:
+        mapped = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is not None:
+            found[name] = mapped
+    return found
+
+
+@dataclass(frozen=True)
+class ModuleFiles:
+    """A module's weights in GGUF files (a model file and, for a vision tower, its `mmproj`):
+    `names`, module parameter name -> (file index, file tensor name); `shapes`, the shape the
+    module's config gives each parameter; `title`, the component in prose."""
+
+    paths: tuple[Path, ...]
+    names: dict[str, tuple[int, str]]
+    shapes: dict[str, tuple[int, ...]]
+    title: str
+
+    def open(self) -> list[GGUFFile]:
+        """The files, each tensor the module reads checked present and of its shape (a
+        GGUFError naming the file and the tensor)."""
+        files = [GGUFFile(path) for path in self.paths]
+        for name, (index, file_name) in self.names.items():
+            file = files[index]
+            entry = file.entries.get(file_name)
+            if entry is None:
+                arch = f" (its architecture: {file.architecture})" if file.architecture else ""
+                raise GGUFError(
+                    f"{file.path} is not a {self.title}{arch}: it has no tensor {file_name}"
+                )
+            if entry.shape != tuple(self.shapes[name]):
+                raise GGUFError(
+                    f"{file.path}: tensor {file_name} has shape {list(entry.shape)} where the"
+                    f" {self.title}'s config gives {name} the shape {list(self.shapes[name])}"
+                )
+        return files
+
+    def weights(self, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
+        """The module's parameters: a 2-D weight quantized in the file packed beside its
+        `.scales` and `.biases` (quantize.quantize_stored_module makes its layer a quantized
+        one), every other tensor a float array cast to `dtype`; one file tensor at a time."""
+        files = self.open()
+        out: dict[str, mx.array] = {}
+        for name, (index, file_name) in self.names.items():
+            value = files[index].read(file_name, dtype)
+            if isinstance(value, Quantized) and name.endswith(".weight"):
+                base = name[: -len(".weight")]
+                out[name], out[base + SCALES], out[base + BIASES] = value.packed()
+            elif isinstance(value, Quantized):
+                out[name] = files[index].read(file_name, dtype, as_float=True)
+            else:
+                out[name] = value
+        return out
+
+    def status(self) -> dict:
+        """The component's precision as status reports it: the files and their types."""
+        counts: dict[str, int] = {}
+        for file in (GGUFFile(path) for path in self.paths):
+            for kind, count in file.type_counts().items():
+                counts[kind] = counts.get(kind, 0) + count
+        return {"format": "gguf", "file": self.paths[0].name, "types": dict(sorted(counts.items()))}
+
+    def stored_bytes(self) -> int:
+        """Bytes of tensor data in the files."""
+        return sum(
+            entry.tensor.n_bytes for path in self.paths for entry in GGUFFile(path).entries.values()
+        )

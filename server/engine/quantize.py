@@ -186,17 +186,22 @@ def _attach(tree, scales, biases, group_size: int) -> None:
 
 
 def quantize_stored_module(
-    module: nn.Module, weights: dict[str, mx.array], quantization: Quantization
+    module: nn.Module, weights: dict[str, mx.array], group_size: int
 ) -> None:
-    """Make the module's `nn.Linear` layers whose weights are stored quantized (`path.scales`
-    among `weights`, as mlx-lm decides) `QuantizedLinear`s, ready for `load_weights`."""
-    nn.quantize(
-        module,
-        quantization.group_size,
-        quantization.bits,
-        mode=MODE,
-        class_predicate=lambda path, layer: path + SCALES in weights,
-    )
+    """Make the module's layers whose weights are stored quantized (`path.scales` among
+    `weights`, as mlx-lm decides) quantized layers (`QuantizedLinear`, `QuantizedEmbedding`),
+    ready for `load_weights`, each at the width its packed weight's shape gives (a GGUF file
+    mixes widths)."""
+
+    def params(path: str, layer: nn.Module) -> dict | bool:
+        scales = weights.get(path + SCALES)
+        if scales is None:
+            return False
+        packed = weights[path + ".weight"]
+        bits = packed.shape[-1] * PACKED_BITS // (scales.shape[-1] * group_size)
+        return {"group_size": group_size, "bits": bits, "mode": MODE}
+
+    nn.quantize(module, class_predicate=params)
 
 
 def quantizable(value: mx.array, quantization: Quantization) -> bool:

@@ -41,10 +41,11 @@ LISTING_TTL_S = 2.0
 # Family name -> the family module (or its import path, imported on first use). A family module
 # provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
 # of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
-# precision.Quantization) in a family that quantizes and `dit=` (a model entry's GGUF file for
-# the DiT) in a family that reads one; optionally `describe(model_dir, model_id) -> dict` (the
-# status of a model that is not loaded), `manifest(model_dir) -> dict` (both taking `dit=` too),
-# `check(model_dir, dit=None)` (refuse broken DiT files before the resident model is let go),
+# precision.Quantization) in a family that quantizes and `dit=` / `text_encoder=` (a model
+# entry's GGUF files) in a family that reads them; optionally `describe(model_dir, model_id)
+# -> dict` (the status of a model that is not loaded), `manifest(model_dir) -> dict` (both
+# taking the same file keywords), `check(model_dir, ...)` (refuse broken GGUF files before the
+# resident model is let go),
 # `quantized_files(model_dir)` (for `gmlx model quantize`) and `FEATURES` (routes/models.py).
 # Adding a family is its folder and one line here (docs/engine.md, "Adding a family"); tests
 # pass their own table as `ModelRegistry(families=...)`.
@@ -155,19 +156,20 @@ class ModelRegistry:
         max_resident: int = 1,
         load_hooks: Any = None,
         quantization: Callable[[str], Quantization | None] | None = None,
-        dit_files: Callable[[str], Path | None] | None = None,
+        model_files: Callable[[str], dict[str, Path]] | None = None,
     ) -> None:
         """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
         before a model's weights load with the family's manifest of its folder, and
         `give(loaded)`, run on each newly loaded instance before anyone sees it; a ValueError
         or ContractError from either fails the load with its status (400 for a ValueError),
         naming the model. `quantization(model_id)` is the precision a model loads at (None, or no
-        function: as its files store it); `dit_files(model_id)` the GGUF file its DiT's weights
-        come from (None, or no function: its folder's)."""
+        function: as its files store it); `model_files(model_id)` the GGUF files its components'
+        weights come from, by the family's keyword (`dit`, `text_encoder`; none, or no
+        function: its folder's)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
         self.quantization = quantization
-        self.dit_files = dit_files
+        self.model_files = model_files
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -332,23 +334,27 @@ class ModelRegistry:
 
     def file_options(self, entry: ModelEntry) -> dict:
         """The keyword arguments naming the entry's own files for the family's `load`,
-        `describe`, `manifest` and `check`: `dit`, its configured GGUF file, when it has one."""
-        dit = self.dit_files(entry.model_id) if self.dit_files else None
-        return {} if dit is None else {"dit": dit}
+        `describe`, `manifest` and `check`: its configured GGUF files (`dit`, `text_encoder`)."""
+        return dict(self.model_files(entry.model_id)) if self.model_files else {}
+
+    def files_for(self, entry: ModelEntry, function: Callable) -> dict:
+        """The entry's file keywords that `function` (a family's describe, manifest or check)
+        takes; a setting the family does not read is refused by the load, not here."""
+        parameters = inspect.signature(function).parameters
+        return {k: v for k, v in self.file_options(entry).items() if k in parameters}
 
     def _check_before_load(self, entry: ModelEntry, module: Any) -> None:
         """Before the resident model is let go: the family's `check` of the entry's files (a
         GGUF DiT cut short, of another family or of the wrong shapes is refused here, 400),
         then the load hooks' check against the folder's manifest, where the family reads one
         (a manifest it cannot read is the load's to report)."""
-        files = self.file_options(entry)
         if hasattr(module, "check"):
             with self._load_errors(entry):
-                module.check(entry.path, **files)
+                module.check(entry.path, **self.files_for(entry, module.check))
         if self.load_hooks is None or not hasattr(module, "manifest"):
             return
         try:
-            manifest = module.manifest(entry.path, **files)
+            manifest = module.manifest(entry.path, **self.files_for(entry, module.manifest))
         except Exception:  # noqa: BLE001 - module.load reports a broken folder with its status
             return
         self._hook(entry.model_id, self.load_hooks.check, entry.model_id, manifest)
@@ -420,12 +426,13 @@ class ModelRegistry:
                 f"model {entry.model_id!r}: family {entry.family} does not quantize its weights;"
                 " load it without quantize",
             )
-        if "dit" in options and "dit" not in parameters:
-            raise ContractError(
-                400,
-                f"model {entry.model_id!r}: family {entry.family} reads no GGUF DiT file;"
-                " remove its dit setting",
-            )
+        for key in self.file_options(entry):
+            if key not in parameters:
+                raise ContractError(
+                    400,
+                    f"model {entry.model_id!r}: family {entry.family} reads no GGUF file for"
+                    f" its {key}; remove its {key} setting",
+                )
         return options
 
     def _make_room(self, model_id: str) -> None:

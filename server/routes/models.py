@@ -115,8 +115,8 @@ class ModelStatus(Resource):
         entry = resolve_or_404(self.registry, model)
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
-        files = self.registry.file_options(entry)
         if loaded is None and hasattr(module, "describe"):
+            files = self.registry.files_for(entry, module.describe)
             body = from_files(
                 entry,
                 lambda: self.service.worker.call(
@@ -144,8 +144,8 @@ class ModelManifest(Resource):
         entry = resolve_or_404(self.registry, model)
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
-        files = self.registry.file_options(entry)
         if loaded is None and hasattr(module, "manifest"):
+            files = self.registry.files_for(entry, module.manifest)
             body = from_files(
                 entry, lambda: self.service.worker.call(module.manifest, entry.path, **files)
             )

@@ -48,7 +48,10 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         ("quantize = true", "config key 'quantize' has the wrong type"),
         ("quantize = 4\ngroup_size = 48", "group_size must be one of 32, 64, 128, not 48"),
         ("group_size = 32", "group_size needs quantize"),
-        ("bits = 4", "unknown setting 'bits' (known: adapters, quantize, group_size, dit)"),
+        (
+            "bits = 4",
+            "unknown setting 'bits' (known: adapters, quantize, group_size, dit, text_encoder)",
+        ),
     ],
 )
 def test_bad_precisions_are_refused_naming_the_entry(tmp_path, entry, message):
@@ -112,8 +115,8 @@ def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
     (tmp_path / "gguf" / "dit-Q4_K_M.gguf").write_bytes(b"GGUF")
     path = config_file(tmp_path, '[models."a"]\ndit = "gguf/dit-Q4_K_M.gguf"\n')
     config = load_config(path, env={})
-    assert config.dit_for("a") == tmp_path / "gguf" / "dit-Q4_K_M.gguf"
-    assert config.dit_for("absent") is None
+    assert config.files_for("a") == {"dit": tmp_path / "gguf" / "dit-Q4_K_M.gguf"}
+    assert config.files_for("absent") == {}
     for entry, message in (
         ('dit = "gguf/missing.gguf"', "dit: no file at"),
         ('dit = "config.toml"', "dit must name a .gguf file"),
@@ -129,10 +132,10 @@ def test_a_family_that_reads_no_gguf_refuses_a_dit_setting(tmp_path):
     registry = ModelRegistry(
         extra_models=[folder],
         families={linear_family.FAMILY: linear_family},
-        dit_files=lambda model_id: tmp_path / "dit.gguf",
+        model_files=lambda model_id: {"dit": tmp_path / "dit.gguf"},
     )
     with pytest.raises(ContractError) as refused:
         registry.acquire("lin")
     assert refused.value.status == 400
-    assert "family test_linear reads no GGUF DiT file" in refused.value.message
+    assert "family test_linear reads no GGUF file for its dit" in refused.value.message
     assert registry.resident_ids() == []

@@ -260,7 +260,9 @@ def test_a_model_entrys_dit_file_replaces_the_folders_weights(base, tmp_path, co
     shutil.move(folder / "transformer" / "dit.gguf", elsewhere)
     config = ServerConfig(host="127.0.0.1", port=0)
     config.models[reference.name] = ModelSettings(dit=elsewhere)
-    registry = ModelRegistry([], reference.name, extra_models=[reference], dit_files=config.dit_for)
+    registry = ModelRegistry(
+        [], reference.name, extra_models=[reference], model_files=config.files_for
+    )
     server = serve(config, registry)
     try:
         name = reference.name

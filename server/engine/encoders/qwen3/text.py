@@ -180,7 +180,7 @@ class Qwen3TextEncoder:
                 weights[name] = value
         stored = stored_quantization(component_dir)
         if stored is not None:
-            quantize_stored_module(model, weights, stored)
+            quantize_stored_module(model, weights, stored.group_size)
         if quantization is not None:
             if quantized is None:
                 raise ValueError("a quantized load needs the family's choice of layers")

@@ -62,7 +62,7 @@ class Qwen3VLEncoder(nn.Module):
         weights = sanitize(load_weights(component_dir, dtype))
         stored = stored_quantization(component_dir)
         if stored is not None:
-            quantize_stored_module(encoder, weights, stored)
+            quantize_stored_module(encoder, weights, stored.group_size)
         if quantization is not None:
             if quantized is None:
                 raise ValueError("a quantized load needs the family's choice of layers")
