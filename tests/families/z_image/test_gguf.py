@@ -20,17 +20,20 @@ from diffusers.loaders.single_file_utils import (
     convert_z_image_transformer_checkpoint_to_diffusers,
 )
 from gguf import GGMLQuantizationType as T
+from gmlx_server.config import ModelSettings, ServerConfig
 from gmlx_server.engine.families.z_image import family
 from gmlx_server.engine.families.z_image.dit import DiTConfig, ZImageDiT, tensor_shapes
 from gmlx_server.engine.gguf import EXACT, NEAREST, GGUFError
 from gmlx_server.engine.precision import Quantization
+from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.weights import load_weights, read_config
 from safetensors.numpy import save_file
 
-from tests.engine.gguf_files import write_dit
+from tests.engine.gguf_files import encoded, reference, write_dit, write_gguf
 from tests.families.qwen_image21.test_quantized import dequantized_tree, rel_l2
 from tests.families.z_image.test_quantized import rows_of, step
 from tests.families.z_image.tiny.folder import build_tiny_folder
+from tests.server.conftest import serve
 
 TOLERANCE = 1e-4
 # dim 96: the feed-forward's 256-wide input takes a K-quant's 256-blocks, every other linear
@@ -185,3 +188,44 @@ def test_a_file_of_the_wrong_shapes_is_refused_naming_it(base, tmp_path):
     write_dit(path, other, {}, np.random.default_rng(2), arch="lumina2")
     with pytest.raises(GGUFError, match=re.escape("wide.gguf: tensor ")):
         family.check(folder)
+
+
+def test_a_model_entrys_text_encoder_gguf_encodes_as_its_dequantized_weights(base, tmp_path):
+    """A model entry's `text_encoder`: Qwen3 from a llama.cpp GGUF file (Q8_0, the tiny
+    encoder's 32-wide inputs), encoding as the float encoder on gguf's dequantized weights."""
+    from tests.encoders.qwen3.test_gguf import llama_cpp_name
+
+    tensors, held = {}, {}
+    rng = np.random.default_rng(4)
+    for name, value in load_weights(base / "text_encoder", mx.float32).items():
+        value = np.array(value)
+        kind = T.Q8_0 if value.ndim == 2 else T.F32
+        data = encoded(kind, value, rng)
+        tensors[llama_cpp_name(name)] = (kind, data)
+        held[name] = reference(kind, data).reshape(value.shape)
+    path = write_gguf(tmp_path / "Qwen3-tiny-Q8_0.gguf", tensors, arch="qwen3")
+    plain = tmp_path / "plain"
+    shutil.copytree(base, plain)
+    save_file(held, str(next((plain / "text_encoder").glob("*.safetensors"))))
+    config = ServerConfig(host="127.0.0.1", port=0)
+    config.models[base.name] = ModelSettings(text_encoder=path)
+    registry = ModelRegistry([], base.name, extra_models=[base], model_files=config.files_for)
+    server = serve(config, registry)
+    try:
+        status = server.call("GET", f"models/{base.name}/status").json()
+        assert status["quantization"]["encoder"] == {
+            "format": "gguf",
+            "file": path.name,
+            "types": {
+                "F32": len(held) - sum(k == T.Q8_0 for k, _ in tensors.values()),
+                "Q8_0": sum(k == T.Q8_0 for k, _ in tensors.values()),
+            },
+        }
+        assert server.post_json("models/load", {"model": base.name}).status_code == 200
+        model = registry.loaded(base.name).model
+        got = server.ctx.service.worker.call(lambda: model.encode("a red fox", [], False).cond)
+        expected = family.load(plain, "plain").encode("a red fox", [], refs=False).cond
+        assert rel_l2(got, expected) <= TOLERANCE
+        assert model.status()["quantization"]["encoder"]["types"]["Q8_0"] > 0
+    finally:
+        server.close()

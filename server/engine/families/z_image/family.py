@@ -24,7 +24,7 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...quantize import quantization_status
 from ...vaes.autoencoder_kl import latent_normalisation
-from ...weights import component_bytes, read_config, stored_quantization
+from ...weights import component_bytes, gguf_file, read_config, stored_quantization
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
 from .dit import quantized as dit_quantized
 from .prompt import TEMPLATE
@@ -96,9 +96,11 @@ def describe(
     model_id: str | None = None,
     dtype: mx.Dtype | None = None,
     dit: Path | None = None,
+    text_encoder: Path | None = None,
 ) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files alone; `dit`: a
-    model entry's GGUF file for the DiT (dit.dit_file)."""
+    """The family part of the status (docs/contract.md §2.3), from config files alone; `dit`,
+    `text_encoder`: a model entry's GGUF files for the DiT (dit.dit_file) and the text encoder
+    (`encoder_file`)."""
     model_dir = Path(model_dir)
     found = identify(model_dir)
     if found is None:
@@ -129,12 +131,12 @@ def describe(
         # weight precision as the files store it; a loaded model reports what it holds.
         "quantization": {
             "dit": _dit_status(model_dir, dit),
-            "encoder": _stored_status(model_dir / "text_encoder"),
+            "encoder": _encoder_status(model_dir, text_encoder),
             "vae": None,
         },
         "memory": {
             "dit_bytes": _dit_bytes(model_dir, dit),
-            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+            "encoder_bytes": _encoder_bytes(model_dir, text_encoder),
             "vae_bytes": component_bytes(model_dir / "vae"),
         },
     }
@@ -151,6 +153,30 @@ def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
     return _stored_status(model_dir / "transformer") if gguf is None else gguf.status()
 
 
+def encoder_file(model_dir: Path, text_encoder: Path | None = None):
+    """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
+    text_encoder/) as Qwen3 reads it (encoders.qwen3.text.gguf_files); None for safetensors."""
+    from ...encoders.qwen3.text import TextConfig, TextModel, gguf_files
+
+    component = Path(model_dir) / "text_encoder"
+    path = gguf_file(component, text_encoder)
+    if path is None:
+        return None
+    return gguf_files(TextModel(TextConfig.from_dict(read_config(component))), path)
+
+
+def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
+    files = encoder_file(model_dir, text_encoder)
+    return _stored_status(Path(model_dir) / "text_encoder") if files is None else files.status()
+
+
+def _encoder_bytes(model_dir: Path, text_encoder: Path | None) -> int:
+    files = encoder_file(model_dir, text_encoder)
+    if files is None:
+        return component_bytes(Path(model_dir) / "text_encoder")
+    return files.stored_bytes()
+
+
 def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
     gguf = dit_file(model_dir / "transformer", dit)
     return component_bytes(model_dir / "transformer") if gguf is None else gguf.stored_bytes()
@@ -163,13 +189,16 @@ def manifest(model_dir: Path, dit: Path | None = None) -> dict:
     return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
 
 
-def check(model_dir: Path, dit: Path | None = None) -> None:
-    """Refuse, before anything loads, a DiT GGUF file that is cut short, is not this family's
-    or holds a tensor of a shape the config does not give (gguf.GGUFError, naming the file and
-    the tensor). The registry asks before it lets the resident model go."""
-    gguf = dit_file(Path(model_dir) / "transformer", dit)
-    if gguf is not None:
-        gguf.open()
+def check(model_dir: Path, dit: Path | None = None, text_encoder: Path | None = None) -> None:
+    """Refuse, before anything loads, a DiT or text encoder GGUF file that is cut short, is
+    not this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
+    naming the file and the tensor). The registry asks before it lets the resident model go."""
+    for files in (
+        dit_file(Path(model_dir) / "transformer", dit),
+        encoder_file(model_dir, text_encoder),
+    ):
+        if files is not None:
+            files.open()
 
 
 def quantized_files(model_dir: Path) -> dict:
@@ -196,10 +225,11 @@ def load(
     model_id: str,
     quantization: Quantization | None = None,
     dit: Path | None = None,
+    text_encoder: Path | None = None,
 ) -> ZImageModel:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
     that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
-    DiT's float layers only). `dit`: a model entry's GGUF file for the DiT."""
+    file's float layers only). `dit`, `text_encoder`: a model entry's GGUF files."""
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
@@ -207,16 +237,18 @@ def load(
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
-    check(model_dir, dit)
+    check(model_dir, dit, text_encoder)
     network = ZImageDiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
     vae = AutoencoderKL.load(model_dir / "vae")
-    encoder = ZImagePromptEncoder.load(model_dir, quantization=quantization)
+    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
+    encoder = ZImagePromptEncoder.load(model_dir, quantization=quantization, gguf=encoder_gguf)
     if encoder.hidden_size != network.config.cap_feat_dim:
         raise ValueError(
             f"the text encoder's width {encoder.hidden_size} differs from the DiT's caption"
             f" width {network.config.cap_feat_dim}"
         )
-    return ZImageModel(model_dir, model_id, found[1], network, vae, encoder, dit_path=dit)
+    files = {"dit": dit, "text_encoder": text_encoder}
+    return ZImageModel(model_dir, model_id, found[1], network, vae, encoder, files)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -249,14 +281,19 @@ class ZImageModel(FamilyModel):
         dit,
         vae,
         encoder,
-        dit_path: Path | None = None,
+        files: dict | None = None,
     ):
-        """`dit_path`: the model entry's GGUF file the DiT came from (None: the folder's)."""
-        status = describe(model_dir, model_id, dit.dtype, dit_path)
-        gguf = dit_file(Path(model_dir) / "transformer", dit_path)
+        """`files`: the model entry's GGUF files (`dit`, `text_encoder`) the weights came from
+        (none: the folder's)."""
+        files = {key: path for key, path in (files or {}).items() if path is not None}
+        status = describe(model_dir, model_id, dit.dtype, **files)
+        dit_gguf = dit_file(Path(model_dir) / "transformer", files.get("dit"))
+        encoder_gguf = encoder_file(model_dir, files.get("text_encoder"))
         status["quantization"] = {
-            "dit": quantization_status(dit.weights) if gguf is None else gguf.status(),
-            "encoder": quantization_status(encoder.encoder.model),
+            "dit": quantization_status(dit.weights) if dit_gguf is None else dit_gguf.status(),
+            "encoder": quantization_status(encoder.encoder.model)
+            if encoder_gguf is None
+            else encoder_gguf.status(),
             "vae": None,
         }
         super().__init__(
@@ -266,7 +303,7 @@ class ZImageModel(FamilyModel):
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
             status=status,
-            read_manifest=lambda folder: manifest(folder, dit_path),
+            read_manifest=lambda folder: manifest(folder, files.get("dit")),
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
         )
         self.dit = dit

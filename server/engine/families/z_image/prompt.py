@@ -50,11 +50,16 @@ class ZImagePromptEncoder:
         model_dir: Path,
         dtype: mx.Dtype = mx.float32,
         quantization: Quantization | None = None,
+        gguf: Path | None = None,
     ) -> ZImagePromptEncoder:
-        """The encoder of a folder; with a `quantization`, its decoder layers' linears
-        (`quantized`) are quantized as they load."""
+        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, a llama.cpp
+        GGUF file of Qwen3 (text_encoder/config.json still describes it); with a
+        `quantization`, its decoder layers' float linears (`quantized`) are quantized as they
+        load."""
         model_dir = Path(model_dir)
-        encoder = Qwen3TextEncoder.load(model_dir / "text_encoder", dtype, quantization, quantized)
+        encoder = Qwen3TextEncoder.load(
+            model_dir / "text_encoder", dtype, quantization, quantized, gguf
+        )
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
         return cls(encoder, tokenizer)
 

@@ -1,0 +1,157 @@
+"""Qwen3 (the text encoder Z-Image prompts with) from a llama.cpp GGUF file: its tensors under
+llama.cpp's names (`token_embd.weight`, `blk.N.attn_q.weight` ...), for every GGUF type the
+server reads, give the hidden states the float encoder gives on the weights
+`gguf.quants.dequantize` gives (relative L2 <= 1e-4; the types with no exact MLX form within
+their measured distance); the quantized layers stay quantized; a file of the wrong shapes or
+another model is refused naming the file and the tensor."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gmlx_server.engine.encoders.qwen3.text import Qwen3TextEncoder
+from gmlx_server.engine.gguf import EXACT, NEAREST, GGUFError
+from gmlx_server.engine.weights import load_weights
+from safetensors.numpy import save_file
+
+from tests.engine.gguf_files import encoded, reference, write_gguf
+
+TOLERANCE = 1e-4
+TYPES = [T.F32, T.F16, T.BF16, *EXACT, *NEAREST]
+NEAREST_BOUND = {T.Q6_K: 0.02, T.Q3_K: 0.15, T.Q2_K: 0.15}
+# Wide enough that every linear input (256, 512) takes a K-quant's 256-blocks.
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 256,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 512,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+# llama.cpp's names of Qwen3's tensors, as its converter writes them (written out here, apart
+# from the gguf package's tables the server maps with).
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+IDS = np.array([3, 17, 200, 45, 9, 128, 77, 5, 250, 31], np.int32)
+
+
+def llama_cpp_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+    return f"blk.{match[1]}.{LAYER_NAMES[match[2]]}.weight"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    root = tmp_path_factory.mktemp("qwen3") / "text_encoder"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**CONFIG)).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape)
+            param.copy_(noise / param.shape[1] ** 0.5 if param.ndim == 2 else 1 + 0.1 * noise)
+    model.save_pretrained(root)
+    return root
+
+
+def write_encoder_gguf(path, folder, kind: T, rng):
+    """The folder's weights as a llama.cpp GGUF file: matrices of `kind` (Q8_0 where its blocks
+    do not divide the input), norms F32; returns what it holds by transformers name."""
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    tensors, held = {}, {}
+    for name, value in load_weights(folder, mx.float32).items():
+        value = np.array(value)
+        tensor_kind = T.F32
+        if value.ndim == 2:
+            tensor_kind = kind if value.shape[1] % block == 0 else T.Q8_0
+        data = encoded(tensor_kind, value, rng)
+        tensors[llama_cpp_name(name)] = (tensor_kind, data)
+        held[name] = reference(tensor_kind, data).reshape(value.shape)
+    write_gguf(path, tensors, arch="qwen3")
+    return held
+
+
+def reference_folder(folder, target, held):
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(CONFIG))
+    weights = {name: np.ascontiguousarray(v, np.float32) for name, v in held.items()}
+    save_file(weights, str(target / "model.safetensors"))
+    return target
+
+
+def rel_l2(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def hidden(encoder: Qwen3TextEncoder) -> np.ndarray:
+    return np.array(encoder.hidden_states(IDS, (-2,))[0])
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda kind: kind.name)
+def test_hidden_states_equal_the_dequantized_weights_encoder(kind, folder, tmp_path):
+    path = tmp_path / "Qwen3-tiny.gguf"
+    held = write_encoder_gguf(path, folder, kind, np.random.default_rng(int(kind)))
+    encoder = Qwen3TextEncoder.load(folder, gguf=path)
+    expected = hidden(Qwen3TextEncoder.load(reference_folder(folder, tmp_path / "ref", held)))
+    error = rel_l2(hidden(encoder), expected)
+    if kind in NEAREST:
+        assert TOLERANCE < error <= NEAREST_BOUND[kind]
+    else:
+        assert error <= TOLERANCE
+    layers = dict(encoder.model.named_modules())
+    quantized = kind not in (T.F32, T.F16, T.BF16)
+    assert isinstance(layers["layers.0.mlp.down_proj"], nn.QuantizedLinear) == quantized
+    assert isinstance(layers["embed_tokens"], nn.QuantizedEmbedding) == quantized
+    # weight_bytes counts the packed arrays
+    assert (encoder.weight_bytes < 0.6 * 4 * sum(v.size for v in held.values())) == quantized
+
+
+def test_a_file_of_other_shapes_or_another_model_is_refused_naming_it(folder, tmp_path):
+    rng = np.random.default_rng(3)
+    wrong = tmp_path / "wrong.gguf"
+    write_encoder_gguf(wrong, folder, T.Q8_0, rng)
+    other = json.loads((folder / "config.json").read_text())
+    narrow = tmp_path / "narrow"
+    narrow.mkdir()
+    (narrow / "config.json").write_text(json.dumps({**other, "intermediate_size": 256}))
+    with pytest.raises(GGUFError, match=r"wrong\.gguf: tensor blk\.0\.ffn_(gate|up)\.weight has"):
+        Qwen3TextEncoder.load(narrow, gguf=wrong)
+    flux = tmp_path / "flux.gguf"
+    write_gguf(flux, {"img_in.weight": (T.F32, np.ones((4, 4), np.float32))}, arch="flux")
+    with pytest.raises(GGUFError, match=r"flux\.gguf is not a Qwen3 text encoder \(its arch"):
+        Qwen3TextEncoder.load(folder, gguf=flux)
