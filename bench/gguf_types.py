@@ -9,7 +9,13 @@ per weight each form holds (MLX: packed levels plus float32 scale and bias per 3
 types with no exact form, the same at every MLX width from the source's up, to show the choice
 (engine/gguf.NEAREST).
 
-    .venv/bin/python bench/gguf_types.py [--rows 1024] [--cols 4096] [--json]
+With `--networks`, what those types add at the output of whole networks, as the tests build
+them (K-quant blocks at the float weights' RMS): Qwen-Image 2.1's step on the tiny GGUF DiT of
+tests/families/qwen_image21/test_gguf.py (every block linear of the type) and Qwen3's hidden
+states on the tiny GGUF encoder of tests/encoders/qwen3/test_gguf.py (every matrix, the token
+embedding included), each against the same network on gguf's dequantized weights.
+
+    .venv/bin/python bench/gguf_types.py [--rows 1024] [--cols 4096] [--networks] [--json]
 
 Results go to docs/benchmarks.md ("GGUF types").
 """
@@ -54,8 +60,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--cols", type=int, default=4096)
+    parser.add_argument("--networks", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.networks:
+        report_networks(args.json)
+        return
     shape = (args.rows, args.cols)
     rows = []
     for kind in (*EXACT, *NEAREST):
@@ -90,6 +100,51 @@ def main(argv=None) -> None:
         print(
             f"| {row['type']} | {row['gguf_bpw']:.4g} | {row['mlx_bits']}{mark} |"
             f" {row['mlx_bpw']:g} | {row['rel_l2']:.2g} | {row['max_rel']:.2g} |"
+        )
+
+
+def report_networks(as_json: bool) -> None:
+    import tempfile
+
+    from gmlx_server.engine.encoders.qwen3.text import Qwen3TextEncoder
+    from gmlx_server.engine.families.qwen_image21 import family
+
+    from tests.encoders.qwen3 import test_gguf as encoder_test
+    from tests.families.qwen_image21 import test_gguf as dit_test
+
+    root = Path(tempfile.mkdtemp())
+    base = dit_test.ensure_embedded_model(root / "embedded")
+    rows = dit_test.rows_of(family.load(base, "encoder").encode("a red boat", [], refs=False))
+    text_dir = encoder_test.tiny_qwen3(root / "qwen3")
+    out = []
+    for kind in NEAREST:
+        folder, reference = dit_test.gguf_model(base, root, kind)
+        got = dit_test.step(family.load(folder, "gguf"), rows)
+        expected = dit_test.step(family.load(reference, "reference"), rows)
+        work = root / f"encoder-{kind.name}"
+        work.mkdir()
+        held = encoder_test.write_encoder_gguf(
+            work / "e.gguf", text_dir, kind, np.random.default_rng(int(kind))
+        )
+        encoded = encoder_test.hidden(Qwen3TextEncoder.load(text_dir, gguf=work / "e.gguf"))
+        plain = Qwen3TextEncoder.load(encoder_test.reference_folder(text_dir, work / "ref", held))
+        out.append(
+            {
+                "type": kind.name,
+                "mlx_bits": NEAREST[kind],
+                "step_rel_l2": dit_test.rel_l2(got, expected),
+                "encode_rel_l2": encoder_test.rel_l2(encoded, encoder_test.hidden(plain)),
+            }
+        )
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    print("| type | MLX bits | Qwen-Image 2.1 step rel-L2 | Qwen3 hidden states rel-L2 |")
+    print("|---|---|---|---|")
+    for row in out:
+        print(
+            f"| {row['type']} | {row['mlx_bits']} | {row['step_rel_l2']:.2g} |"
+            f" {row['encode_rel_l2']:.2g} |"
         )
 
 

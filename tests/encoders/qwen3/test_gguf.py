@@ -70,20 +70,25 @@ def llama_cpp_name(name: str) -> str:
     return f"blk.{match[1]}.{LAYER_NAMES[match[2]]}.weight"
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def tiny_qwen3(folder, config: dict = CONFIG):
+    """A tiny random Qwen3 (matrices of 1/sqrt(fan-in) spread, norm scales near 1), saved to
+    `folder` by transformers."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    root = tmp_path_factory.mktemp("qwen3") / "text_encoder"
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**CONFIG)).eval()
+    model = Qwen3ForCausalLM(Qwen3Config(**config)).eval()
     with torch.no_grad():
         for param in model.parameters():
             noise = torch.randn(param.shape)
             param.copy_(noise / param.shape[1] ** 0.5 if param.ndim == 2 else 1 + 0.1 * noise)
-    model.save_pretrained(root)
-    return root
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "text_encoder")
 
 
 def write_encoder_gguf(path, folder, kind: T, rng):
