@@ -5,7 +5,7 @@ memory-mapped file: the whole model is never held in float.
 A tensor's GGUF shape lists the input dimension first; here shapes are row-major (out, in), and
 a `comfy.gguf.orig_shape.<name>` entry (ComfyUI-GGUF's convert script flattens some tensors to
 rows of 256) restores the original. Names may sit under `model.diffusion_model.` or
-`diffusion_model.`; `names` strips it.
+`diffusion_model.`, which `GGUFFile` strips.
 
 Types, and what a tensor of each becomes (`read`):
 - F32, F16, BF16: a float array.
@@ -197,13 +197,6 @@ def affine(kind: T, data: np.ndarray, rows: int, cols: int) -> Quantized:
 def _row_chunks(data: np.ndarray):
     for start in range(0, data.shape[0], ROWS_PER_CHUNK):
         yield np.asarray(data[start : start + ROWS_PER_CHUNK])
-
-
-def dequantized(item: Quantized) -> np.ndarray:
-    """The float32 weight of an affine form (what `mx.dequantize` of its packed form gives)."""
-    rows, cols = item.q.shape
-    groups = item.q.reshape(rows, -1, GROUP_SIZE).astype(np.float32)
-    return (groups * item.scales[..., None] + item.biases[..., None]).reshape(rows, cols)
 
 
 # ---------------------------------------------------------------------------------------------
