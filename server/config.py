@@ -31,6 +31,8 @@ File (default ~/.config/gmlx-steps/config.toml):
                                     # transformer/ weights; its config.json still describes it
     text_encoder = "~/gguf/Qwen3-4B-Q4_K_M.gguf"  # likewise the text encoder's (llama.cpp's
                                     # names; Z-Image's Qwen3)
+    mmproj = "~/gguf/mmproj-Qwen3-VL-8B-F16.gguf"  # and its vision tower's (Qwen-Image 2.1's
+                                    # Qwen3-VL: text_encoder and mmproj together)
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
@@ -121,14 +123,16 @@ class ModelSettings:
     quantization: Quantization | None = None  # `quantize` and `group_size`
     dit: Path | None = None  # a GGUF file holding the DiT's weights
     text_encoder: Path | None = None  # a GGUF file holding the text encoder's weights
+    mmproj: Path | None = None  # the GGUF file of its vision tower (llama.cpp's mmproj)
 
     def files(self) -> dict[str, Path]:
-        """The entry's GGUF files by component (`dit`, `text_encoder`), those it names."""
-        named = {"dit": self.dit, "text_encoder": self.text_encoder}
+        """The entry's GGUF files by component (`dit`, `text_encoder`, `mmproj`), those it
+        names."""
+        named = {"dit": self.dit, "text_encoder": self.text_encoder, "mmproj": self.mmproj}
         return {key: path for key, path in named.items() if path is not None}
 
 
-MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size", "dit", "text_encoder")
+MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size", "dit", "text_encoder", "mmproj")
 GGUF_SUFFIX = ".gguf"
 
 
@@ -273,11 +277,12 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
         quantization=_quantization(table, where),
         dit=_gguf_file(table, "dit", where, folder),
         text_encoder=_gguf_file(table, "text_encoder", where, folder),
+        mmproj=_gguf_file(table, "mmproj", where, folder),
     )
 
 
 def _gguf_file(table: dict, key: str, where: str, folder: Path) -> Path | None:
-    """A model entry's GGUF file setting (`dit`, `text_encoder`): an existing `.gguf` file,
+    """A model entry's GGUF file setting (`dit`, `text_encoder`, `mmproj`): an existing `.gguf` file,
     relative to the config file's folder."""
     if key not in table:
         return None

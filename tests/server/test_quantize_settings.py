@@ -50,7 +50,7 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         ("group_size = 32", "group_size needs quantize"),
         (
             "bits = 4",
-            "unknown setting 'bits' (known: adapters, quantize, group_size, dit, text_encoder)",
+            "unknown setting 'bits' (known: adapters, quantize, group_size, dit, text_encoder, mmproj)",
         ),
     ],
 )

@@ -160,3 +160,104 @@ def test_a_file_of_other_shapes_or_another_model_is_refused_naming_it(folder, tm
     write_gguf(flux, {"img_in.weight": (T.F32, np.ones((4, 4), np.float32))}, arch="flux")
     with pytest.raises(GGUFError, match=r"flux\.gguf is not a Qwen3 text encoder \(its arch"):
         Qwen3TextEncoder.load(folder, gguf=flux)
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-VL from llama.cpp's pair of files: the language model, and the vision tower's mmproj
+
+VISION_NAMES = {
+    "attn.qkv": "attn_qkv",
+    "attn.proj": "attn_out",
+    "norm1": "ln1",
+    "norm2": "ln2",
+    "mlp.linear_fc1": "ffn_up",
+    "mlp.linear_fc2": "ffn_down",
+}
+MERGER_NAMES = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+DEEPSTACK_NAMES = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+
+def vl_file_names(name: str, taps: list[int]) -> list[tuple[int, str, int | None]]:
+    """(file: 0 model, 1 mmproj; llama.cpp's name; temporal slice or None) of a Qwen3-VL
+    checkpoint tensor, as llama.cpp's converter writes it."""
+    if name.startswith("model.language_model."):
+        text = name.replace("model.language_model.", "model.", 1)
+        return [(0, llama_cpp_name(text), None)]
+    if name == "lm_head.weight":
+        return [(0, "output.weight", None)]
+    rest, suffix = name.removeprefix("model.visual.").rsplit(".", 1)
+    if rest == "patch_embed.proj":
+        if suffix == "bias":
+            return [(1, "v.patch_embd.bias", None)]
+        return [(1, "v.patch_embd.weight", 0), (1, "v.patch_embd.weight.1", 1)]
+    if rest == "pos_embed":
+        return [(1, "v.position_embd.weight", None)]
+    head, _, tail = rest.partition(".")
+    if head == "merger":
+        return [(1, f"{MERGER_NAMES[tail]}.{suffix}", None)]
+    if head == "blocks":
+        block, _, layer = tail.partition(".")
+        return [(1, f"v.blk.{block}.{VISION_NAMES[layer]}.{suffix}", None)]
+    index, _, layer = tail.partition(".")  # deepstack_merger_list: under the block it taps
+    return [(1, f"v.deepstack.{taps[int(index)]}.{DEEPSTACK_NAMES[layer]}.{suffix}", None)]
+
+
+@pytest.fixture(scope="module")
+def vl_folder(tmp_path_factory):
+    """The embedded model, its DeepStack merger moved to tap vision block 1 (so a converter's
+    tap index and the merger's list index differ)."""
+    import shutil
+
+    from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
+
+    base = ensure_embedded_model(tmp_path_factory.mktemp("vl_embedded"))
+    folder = tmp_path_factory.mktemp("vl") / "model"
+    shutil.copytree(base, folder)
+    config_path = folder / "text_encoder" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["vision_config"]["deepstack_visual_indexes"] = [1]
+    config_path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K], ids=lambda kind: kind.name)
+def test_qwen3_vl_from_the_gguf_pair_encodes_as_its_dequantized_weights(kind, vl_folder, tmp_path):
+    import shutil
+
+    import gguf
+    from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
+
+    config = json.loads((vl_folder / "text_encoder" / "config.json").read_text())
+    taps = config["vision_config"]["deepstack_visual_indexes"]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    rng = np.random.default_rng(int(kind))
+    files, held = [{}, {}], {}
+    for name, value in load_weights(vl_folder / "text_encoder", mx.float32).items():
+        value = np.array(value)
+        slices = []
+        for index, file_name, temporal in vl_file_names(name, taps):
+            part = value if temporal is None else value[:, :, temporal]
+            part_kind = T.F32
+            if part.ndim == 2:
+                part_kind = kind if part.shape[1] % block == 0 else T.Q8_0
+            elif part.ndim == 4:
+                part_kind = T.F16
+            data = encoded(part_kind, part, rng)
+            files[index][file_name] = (part_kind, data)
+            slices.append(reference(part_kind, data).reshape(part.shape))
+        held[name] = slices[0] if len(slices) == 1 else np.stack(slices, axis=2)
+    model_file = write_gguf(tmp_path / "Qwen3-VL-tiny.gguf", files[0], arch="qwen3vl")
+    mmproj = write_gguf(tmp_path / "mmproj-Qwen3-VL-tiny.gguf", files[1], arch="clip")
+    plain = tmp_path / "plain"
+    shutil.copytree(vl_folder, plain)
+    weights = {n: np.ascontiguousarray(v, np.float32) for n, v in held.items()}
+    save_file(weights, str(next((plain / "text_encoder").glob("*.safetensors"))))
+    image = np.random.default_rng(1).integers(0, 256, (256, 320, 3), dtype=np.uint8)
+    got = QwenImage21PromptEncoder.load(vl_folder, gguf=(model_file, mmproj))
+    expected = QwenImage21PromptEncoder.load(plain)
+    a, b = got.encode("a red boat", [image]), expected.encode("a red boat", [image])
+    assert rel_l2(a.cond, b.cond) <= TOLERANCE
+    assert a.image_slots == b.image_slots
+    layers = dict(got.encoder.named_modules())
+    assert isinstance(layers["visual.blocks.0.attn.qkv"], nn.QuantizedLinear)
+    assert isinstance(layers["language_model.layers.0.mlp.up_proj"], nn.QuantizedLinear)

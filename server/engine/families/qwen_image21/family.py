@@ -124,9 +124,12 @@ def describe(
     model_id: str | None = None,
     dtype: mx.Dtype | None = None,
     dit: Path | None = None,
+    text_encoder: Path | None = None,
+    mmproj: Path | None = None,
 ) -> dict:
     """The family part of the status (docs/contract.md §2.3), from config files and headers
-    alone; `dit`: a model entry's GGUF file for the DiT (dit.dit_file)."""
+    alone; `dit`, `text_encoder`, `mmproj`: a model entry's GGUF files for the DiT
+    (dit.dit_file) and the text encoder (`encoder_files`)."""
     model_dir = Path(model_dir)
     dit_config = read_config(model_dir / "transformer")
     vae_config = read_config(model_dir / "vae")
@@ -154,16 +157,58 @@ def describe(
         # files store it; a loaded model reports what it holds (`QwenImage21Model`).
         "quantization": {
             "dit": _dit_status(model_dir, dit),
-            "encoder": _stored_status(model_dir / "text_encoder"),
+            "encoder": _encoder_status(model_dir, text_encoder, mmproj),
             "vae": None,
         },
-        "memory": memory_row(model_dir, dtype or default_compute_dtype(), dit=dit),
+        "memory": memory_row(
+            model_dir,
+            dtype or default_compute_dtype(),
+            files={"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj},
+        ),
     }
 
 
 def _stored_status(component_dir: Path) -> dict | None:
     stored = stored_quantization(component_dir)
     return None if stored is None else stored.status()
+
+
+def encoder_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, Path] | None:
+    """A model entry's Qwen3-VL GGUF pair, which comes whole (a ValueError names the half
+    missing)."""
+    if text_encoder is None and mmproj is None:
+        return None
+    if text_encoder is None or mmproj is None:
+        given, missing = (
+            ("mmproj", "text_encoder") if text_encoder is None else ("text_encoder", "mmproj")
+        )
+        raise ValueError(
+            f"Qwen3-VL from GGUF needs both text_encoder and mmproj; {given} has no {missing}"
+        )
+    return Path(text_encoder), Path(mmproj)
+
+
+def encoder_files(model_dir: Path, text_encoder: Path | None, mmproj: Path | None):
+    """The text encoder's GGUF pair as Qwen3-VL reads it (encoders.qwen3.vl.gguf_files), or
+    None for the folder's safetensors."""
+    from ...encoders.qwen3.text import TextConfig
+    from ...encoders.qwen3.vision import VisionConfig
+    from ...encoders.qwen3.vl import Qwen3VLEncoder, gguf_files
+
+    pair = encoder_pair(text_encoder, mmproj)
+    if pair is None:
+        return None
+    config = read_config(Path(model_dir) / "text_encoder")
+    encoder = Qwen3VLEncoder(
+        TextConfig.from_dict(config["text_config"]),
+        VisionConfig.from_dict(config["vision_config"]),
+    )
+    return gguf_files(encoder, *pair)
+
+
+def _encoder_status(model_dir: Path, text_encoder: Path | None, mmproj: Path | None):
+    files = encoder_files(model_dir, text_encoder, mmproj)
+    return _stored_status(Path(model_dir) / "text_encoder") if files is None else files.status()
 
 
 def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
@@ -212,20 +257,30 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
     return min(rows, query_rows) * group * keys * 4
 
 
-def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype, dit: Path | None = None) -> int:
+def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype, files: dict | None = None) -> int:
     """The weights of a folder as they would load (for the status of a model not loaded): the
     DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
-    the prompt encoder in float32, counted from the file headers. A loaded model counts its
-    arrays instead (`QwenImage21Model.weight_bytes`)."""
+    the prompt encoder in float32 (a GGUF pair: about its files' bytes), counted from the file
+    headers; `files`: a model entry's GGUF files (`dit`, `text_encoder`, `mmproj`). A loaded
+    model counts its arrays instead (`QwenImage21Model.weight_bytes`)."""
     model_dir = Path(model_dir)
-    gguf = dit_file(model_dir / "transformer", dit)
+    files = files or {}
+    gguf = dit_file(model_dir / "transformer", files.get("dit"))
     if gguf is None:
         dit_bytes = stored_elements(model_dir / "transformer") * dit_dtype.size
     else:
         dit_bytes = gguf.estimated_bytes(dit_dtype.size)
-    return dit_bytes + 4 * (
-        stored_elements(model_dir / "vae") + stored_elements(model_dir / "text_encoder")
-    )
+    return dit_bytes + 4 * stored_elements(model_dir / "vae") + _encoder_bytes(model_dir, files)
+
+
+def _encoder_bytes(model_dir: Path, files: dict, stored: bool = False) -> int:
+    """The text encoder's bytes: its GGUF pair's tensor data, else its folder's (`stored`: as
+    stored; else loaded in float32)."""
+    pair = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
+    if pair is not None:
+        return pair.stored_bytes()
+    folder = Path(model_dir) / "text_encoder"
+    return component_bytes(folder) if stored else 4 * stored_elements(folder)
 
 
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
@@ -253,28 +308,30 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
 
 
 def memory_row(
-    model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None, dit: Path | None = None
+    model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None, files: dict | None = None
 ) -> dict:
     """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
     footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
     weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
-    None: not loaded, estimated from the headers, and nothing resident."""
-    gguf = dit_file(model_dir / "transformer", dit)
-    files = {
+    None: not loaded, estimated from the headers, and nothing resident. `files`: a model
+    entry's GGUF files."""
+    files = files or {}
+    gguf = dit_file(model_dir / "transformer", files.get("dit"))
+    sizes = {
         "dit_bytes": component_bytes(model_dir / "transformer")
         if gguf is None
         else gguf.stored_bytes(),
-        "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+        "encoder_bytes": _encoder_bytes(model_dir, files, stored=True),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
     if weight_bytes is None:
-        weights = estimated_weight_bytes(model_dir, dtype, dit)
+        weights = estimated_weight_bytes(model_dir, dtype, files)
     else:
         weights = weight_bytes
     footprint = weights + activation_reserve(model_dir, dtype)
     return {
-        **files,
-        "activation_reserve_bytes": max(0, footprint - sum(files.values())),
+        **sizes,
+        "activation_reserve_bytes": max(0, footprint - sum(sizes.values())),
         "resident_bytes": footprint if weight_bytes is not None else 0,
     }
 
@@ -304,13 +361,21 @@ def manifest(model_dir: Path, dit: Path | None = None) -> dict:
     return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
 
 
-def check(model_dir: Path, dit: Path | None = None) -> None:
-    """Refuse, before anything loads, a DiT GGUF file that is cut short, is not this family's
-    or holds a tensor of a shape the config does not give (gguf.GGUFError, naming the file and
-    the tensor). The registry asks before it lets the resident model go."""
-    gguf = dit_file(Path(model_dir) / "transformer", dit)
-    if gguf is not None:
-        gguf.open()
+def check(
+    model_dir: Path,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+    mmproj: Path | None = None,
+) -> None:
+    """Refuse, before anything loads, a DiT or text encoder GGUF file that is cut short, is
+    not this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
+    naming the file and the tensor). The registry asks before it lets the resident model go."""
+    for files in (
+        dit_file(Path(model_dir) / "transformer", dit),
+        encoder_files(model_dir, text_encoder, mmproj),
+    ):
+        if files is not None:
+            files.open()
 
 
 def load(
@@ -318,10 +383,13 @@ def load(
     model_id: str,
     quantization: Quantization | None = None,
     dit: Path | None = None,
+    text_encoder: Path | None = None,
+    mmproj: Path | None = None,
 ) -> QwenImage21Model:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
     that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
-    DiT's float layers only). `dit`: a model entry's GGUF file for the DiT."""
+    DiT's float layers only). `dit`, `text_encoder` and `mmproj`: a model entry's GGUF files
+    for the DiT and for Qwen3-VL (its language model and its vision tower)."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -330,11 +398,14 @@ def load(
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
-    check(model_dir, dit)
+    check(model_dir, dit, text_encoder, mmproj)
     network = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
     vae = QwenImage21VAE.load(model_dir / "vae")
-    encoder = QwenImage21PromptEncoder.load(model_dir, quantization=quantization)
-    return QwenImage21Model(model_dir, model_id, found[1], network, vae, encoder, dit_path=dit)
+    encoder = QwenImage21PromptEncoder.load(
+        model_dir, quantization=quantization, gguf=encoder_pair(text_encoder, mmproj)
+    )
+    files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
+    return QwenImage21Model(model_dir, model_id, found[1], network, vae, encoder, files=files)
 
 
 class QwenImage21Model(FamilyModel):
@@ -349,19 +420,25 @@ class QwenImage21Model(FamilyModel):
         vae,
         encoder,
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
-        dit_path: Path | None = None,
+        files: dict | None = None,
     ):
-        """`dit_path`: the model entry's GGUF file the DiT came from (None: the folder's)."""
+        """`files`: the model entry's GGUF files (`dit`, `text_encoder`, `mmproj`) the weights
+        came from (none: the folder's)."""
         model_dir = Path(model_dir)
+        files = {key: path for key, path in (files or {}).items() if path is not None}
+        dit_path = files.get("dit")
         weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
-        status = describe(model_dir, model_id, dit.dtype, dit_path)
+        status = describe(model_dir, model_id, dit.dtype, **files)
         gguf = dit_file(model_dir / "transformer", dit_path)
+        encoder_gguf = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
         status["quantization"] = {
             "dit": quantization_status(dit.weights) if gguf is None else gguf.status(),
-            "encoder": quantization_status(encoder.encoder),
+            "encoder": quantization_status(encoder.encoder)
+            if encoder_gguf is None
+            else encoder_gguf.status(),
             "vae": None,
         }
-        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes, dit_path)
+        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes, files)
         super().__init__(
             model_dir,
             model_id,

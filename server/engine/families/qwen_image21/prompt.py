@@ -73,10 +73,13 @@ class QwenImage21PromptEncoder:
         model_dir: Path,
         dtype: mx.Dtype = mx.float32,
         quantization: Quantization | None = None,
+        gguf: tuple[Path, Path] | None = None,
     ) -> QwenImage21PromptEncoder:
+        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, llama.cpp's
+        pair of files (the language model and its `mmproj`)."""
         model_dir = Path(model_dir)
         encoder, weight_bytes = Qwen3VLEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, quantized
+            model_dir / "text_encoder", dtype, quantization, quantized, gguf
         )
         tokenizer = QwenPromptTokenizer.load(model_dir / "processor", TEMPLATE)
         config = read_config(model_dir / "text_encoder")
