@@ -289,3 +289,10 @@ def test_the_family_refuses_a_dit_file_for_a_folder_it_cannot_read(base, tmp_pat
     with pytest.raises(ValueError, match="more than one GGUF file"):
         family.check(folder)
     assert len(linear_slots(DiTConfig.from_dict(CONFIG))) == 8 + 2 * 7
+
+
+def test_the_qwen3_vl_gguf_pair_comes_whole(base):
+    with pytest.raises(ValueError, match="mmproj is set without text_encoder"):
+        family.check(base, mmproj=base / "mmproj.gguf")
+    with pytest.raises(ValueError, match="text_encoder is set without mmproj"):
+        family.check(base, text_encoder=base / "model.gguf")

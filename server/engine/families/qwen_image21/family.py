@@ -180,10 +180,16 @@ def encoder_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, 
         return None
     if text_encoder is None or mmproj is None:
         given, missing = (
-            ("mmproj", "text_encoder") if text_encoder is None else ("text_encoder", "mmproj")
+            ("mmproj", "text_encoder")
+            if text_encoder is None
+            else (
+                "text_encoder",
+                "mmproj",
+            )
         )
         raise ValueError(
-            f"Qwen3-VL from GGUF needs both text_encoder and mmproj; {given} has no {missing}"
+            f"Qwen3-VL from GGUF needs both text_encoder and mmproj: {given} is set without"
+            f" {missing}"
         )
     return Path(text_encoder), Path(mmproj)
 
