@@ -33,6 +33,13 @@ File (default ~/.config/gmlx-steps/config.toml):
     encoder_vae_dtype = "auto"      # the text encoder's and the VAE's compute dtype: "auto"
                                     # (bf16 on a GPU backend, f32 on the CPU one), or "f32",
                                     # "bf16", "f16" to force one (nn.dtypes.encoder_vae_dtype)
+    dit = "~/gguf/qwen-image-2.1-Q4_K_M.gguf"   # the DiT's weights from this GGUF file (relative
+                                    # to this file's folder) instead of the folder's
+                                    # transformer/ weights; its config.json still describes it
+    text_encoder = "~/gguf/Qwen3-4B-Q4_K_M.gguf"  # likewise the text encoder's (llama.cpp's
+                                    # names; Z-Image's Qwen3)
+    mmproj = "~/gguf/mmproj-Qwen3-VL-8B-F16.gguf"  # and its vision tower's (Qwen-Image 2.1's
+                                    # Qwen3-VL: text_encoder and mmproj together)
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
@@ -125,9 +132,27 @@ class ModelSettings:
     adapters: tuple[AdapterSpec, ...] = ()
     quantization: Quantization | None = None  # `quantize` and `group_size`
     encoder_vae_dtype: str = AUTO  # one of precision.ENCODER_VAE_DTYPES
+    dit: Path | None = None  # a GGUF file holding the DiT's weights
+    text_encoder: Path | None = None  # a GGUF file holding the text encoder's weights
+    mmproj: Path | None = None  # the GGUF file of its vision tower (llama.cpp's mmproj)
+
+    def files(self) -> dict[str, Path]:
+        """The entry's GGUF files by component (`dit`, `text_encoder`, `mmproj`), those it
+        names."""
+        named = {"dit": self.dit, "text_encoder": self.text_encoder, "mmproj": self.mmproj}
+        return {key: path for key, path in named.items() if path is not None}
 
 
-MODEL_SETTING_KEYS = ("adapters", "quantize", "group_size", "encoder_vae_dtype")
+MODEL_SETTING_KEYS = (
+    "adapters",
+    "quantize",
+    "group_size",
+    "encoder_vae_dtype",
+    "dit",
+    "text_encoder",
+    "mmproj",
+)
+GGUF_SUFFIX = ".gguf"
 
 
 @dataclass
@@ -156,6 +181,12 @@ class ServerConfig:
         `encoder_vae_dtype`, else `auto`."""
         settings = self.models.get(model_id)
         return settings.encoder_vae_dtype if settings is not None else AUTO
+
+    def files_for(self, model_id: str) -> dict[str, Path]:
+        """The GGUF files a model entry names for its components (`dit`, `text_encoder`);
+        the folder's weights for those it does not name."""
+        settings = self.models.get(model_id)
+        return settings.files() if settings is not None else {}
 
     @property
     def loopback_bind(self) -> bool:
@@ -274,7 +305,12 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
     if "encoder_vae_dtype" in table:
         dtype = _choice(table, "encoder_vae_dtype", ENCODER_VAE_DTYPES, where)
     return ModelSettings(
-        adapters=specs, quantization=_quantization(table, where), encoder_vae_dtype=dtype
+        adapters=specs,
+        quantization=_quantization(table, where),
+        encoder_vae_dtype=dtype,
+        dit=_gguf_file(table, "dit", where, folder),
+        text_encoder=_gguf_file(table, "text_encoder", where, folder),
+        mmproj=_gguf_file(table, "mmproj", where, folder),
     )
 
 
@@ -284,6 +320,21 @@ def _choice(table: dict, key: str, choices: tuple[str, ...], where: str) -> str:
         listed = ", ".join(f'"{c}"' for c in choices)
         raise ConfigError(f"{where}: {key} must be one of {listed}, not {value!r}")
     return value
+
+
+def _gguf_file(table: dict, key: str, where: str, folder: Path) -> Path | None:
+    """A model entry's GGUF file setting (`dit`, `text_encoder`, `mmproj`): an existing `.gguf` file,
+    relative to the config file's folder."""
+    if key not in table:
+        return None
+    path = Path(_typed(table, key, str)).expanduser()
+    if not path.is_absolute():
+        path = folder / path
+    if path.suffix.lower() != GGUF_SUFFIX:
+        raise ConfigError(f"{where} {key} must name a .gguf file, not {str(path)!r}")
+    if not path.is_file():
+        raise ConfigError(f"{where} {key}: no file at {str(path)!r}")
+    return path
 
 
 def _quantization(table: dict, where: str) -> Quantization | None:

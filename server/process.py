@@ -49,6 +49,7 @@ def config_registry(config, model: str | None = None):
         load_hooks=hooks,
         quantization=config.quantization_for,
         encoder_vae_dtype=config.encoder_vae_dtype_for,
+        model_files=config.files_for,
     )
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup

@@ -26,22 +26,30 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Capabilities, EngineInputError, StepRow
+from .gguf import DiTFile
 from .lora import TableWeights
 from .nn.dtypes import dtype_name
-from .weights import QUANTIZED, tensor_infos
+from .weights import QUANTIZED, TensorInfo, tensor_infos
 
 # Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
-# stored quantized (`gmlx model quantize`) is `quant`.
+# stored quantized (`gmlx model quantize`, or any quantized GGUF type) is `quant`.
 MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", QUANTIZED: "quant"}
 
 
-def dit_manifest(family: str, transformer_dir: Path, title: str) -> dict:
+def dit_manifest(
+    family: str, transformer_dir: Path, title: str, gguf: DiTFile | None = None
+) -> dict:
     """GET models/{model}/manifest less `model`, naming "diffusers": the DiT's tensors by their
-    file names with their logical shapes (weights.tensor_infos), sorted by name. A tensor stored
-    in a dtype the families load from neither is refused, naming it (`title`: the family's name
-    in prose)."""
+    file names with their logical shapes (weights.tensor_infos; for a DiT read from a GGUF file,
+    the family's names and shapes with the file's types: `gguf.DiTFile.infos`), sorted by name.
+    A tensor stored in a dtype the families load from neither is refused, naming it (`title`:
+    the family's name in prose)."""
+    if gguf is not None:
+        infos = [TensorInfo(*info) for info in gguf.infos()]
+    else:
+        infos = tensor_infos(transformer_dir)
     tensors = []
-    for info in tensor_infos(transformer_dir):
+    for info in infos:
         if info.dtype not in MANIFEST_DTYPES:
             raise EngineInputError(
                 f"tensor {info.name} is stored as {info.dtype}; {title} weights must be"

@@ -93,9 +93,9 @@ def _specs(tree):
 def quantize_tree(
     tree: dict | list, quantization: Quantization, include: Callable[[str], bool], path: str = ""
 ) -> None:
-    """Quantize, in place, every 2-D weight of the tree whose dotted path `include` picks and
-    whose input width the group size divides; each is evaluated before the next, and its float
-    form dropped from the tree."""
+    """Quantize, in place, every 2-D float weight of the tree whose dotted path `include` picks
+    and whose input width the group size divides (a weight held quantized already stays as it
+    is); each is evaluated before the next, and its float form dropped from the tree."""
     if isinstance(tree, list):
         for index, child in enumerate(tree):
             quantize_tree(child, quantization, include, f"{path}{index}.")
@@ -104,6 +104,8 @@ def quantize_tree(
         value, where = tree[key], path + key
         if isinstance(value, (dict, list)):
             quantize_tree(value, quantization, include, where + ".")
+        elif key.endswith((SCALES, BIASES, SPEC)) or key + SPEC in tree:
+            continue  # held quantized already (a GGUF file's), with its scales and biases
         elif quantizable(value, quantization) and include(where):
             tree[key], tree[key + SCALES], tree[key + BIASES] = quantized(value, quantization)
             tree[key + SPEC] = (quantization.bits, quantization.group_size)
@@ -144,14 +146,15 @@ def quantize_module(
 
 
 def sanitize_stored(
-    files: dict[str, mx.array], sanitize: Callable[[dict], dict], quantization: Quantization
+    files: dict[str, mx.array], sanitize: Callable[[dict], dict], group_size: int
 ) -> dict:
     """The weight tree of files stored quantized (each quantized `X.weight` packed, with
-    `X.scales` and `X.biases`), through the family's own `sanitize`: it maps the packed
-    weights, then the scales and then the biases in their weights' places, and each packed
-    leaf gets its scales, biases and (bits, group_size) beside it. A family's sanitize may fuse
-    linear weights along their rows only (concatenation on axis 0), which quantized rows
-    allow."""
+    `X.scales` and `X.biases`, one per `group_size` columns), through the family's own
+    `sanitize`: it maps the packed weights, then the scales and then the biases in their
+    weights' places, and each packed leaf gets its scales, biases and (bits, group_size)
+    beside it, its bits read from its shapes, so the files may mix widths (a GGUF file does).
+    A family's sanitize may fuse linear weights along their rows only (concatenation on axis
+    0), which quantized rows of one width allow."""
     packed = {name[: -len(SCALES)] + ".weight" for name in files if name.endswith(SCALES)}
     plain = {n: v for n, v in files.items() if not n.endswith((SCALES, BIASES))}
 
@@ -161,38 +164,44 @@ def sanitize_stored(
         }
 
     tree = sanitize(plain)
-    _attach(tree, sanitize(beside(SCALES)), sanitize(beside(BIASES)), quantization)
+    _attach(tree, sanitize(beside(SCALES)), sanitize(beside(BIASES)), group_size)
     return tree
 
 
-def _attach(tree, scales, biases, quantization: Quantization) -> None:
+def _attach(tree, scales, biases, group_size: int) -> None:
     """Beside each packed (uint32) leaf of `tree`, the leaves at the same path of `scales`
-    and `biases` and the (bits, group_size) constants."""
+    and `biases` and its (bits, group_size) constants."""
     if isinstance(tree, list):
         for index, child in enumerate(tree):
-            _attach(child, scales[index], biases[index], quantization)
+            _attach(child, scales[index], biases[index], group_size)
         return
     for key in list(tree):
         value = tree[key]
         if isinstance(value, (dict, list)):
-            _attach(value, scales[key], biases[key], quantization)
+            _attach(value, scales[key], biases[key], group_size)
         elif value.dtype == mx.uint32:
             tree[key + SCALES], tree[key + BIASES] = scales[key], biases[key]
-            tree[key + SPEC] = (quantization.bits, quantization.group_size)
+            columns = scales[key].shape[-1] * group_size
+            tree[key + SPEC] = (value.shape[-1] * PACKED_BITS // columns, group_size)
 
 
 def quantize_stored_module(
-    module: nn.Module, weights: dict[str, mx.array], quantization: Quantization
+    module: nn.Module, weights: dict[str, mx.array], group_size: int
 ) -> None:
-    """Make the module's `nn.Linear` layers whose weights are stored quantized (`path.scales`
-    among `weights`, as mlx-lm decides) `QuantizedLinear`s, ready for `load_weights`."""
-    nn.quantize(
-        module,
-        quantization.group_size,
-        quantization.bits,
-        mode=MODE,
-        class_predicate=lambda path, layer: path + SCALES in weights,
-    )
+    """Make the module's layers whose weights are stored quantized (`path.scales` among
+    `weights`, as mlx-lm decides) quantized layers (`QuantizedLinear`, `QuantizedEmbedding`),
+    ready for `load_weights`, each at the width its packed weight's shape gives (a GGUF file
+    mixes widths)."""
+
+    def params(path: str, layer: nn.Module) -> dict | bool:
+        scales = weights.get(path + SCALES)
+        if scales is None:
+            return False
+        packed = weights[path + ".weight"]
+        bits = packed.shape[-1] * PACKED_BITS // (scales.shape[-1] * group_size)
+        return {"group_size": group_size, "bits": bits, "mode": MODE}
+
+    nn.quantize(module, class_predicate=params)
 
 
 def quantizable(value: mx.array, quantization: Quantization) -> bool:

@@ -14,6 +14,7 @@ room for another, which is answered 503 (load deferred for capacity).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
@@ -40,10 +41,12 @@ LISTING_TTL_S = 2.0
 # Family name -> the family module (or its import path, imported on first use). A family module
 # provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
 # of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
-# precision.Quantization) in a family that quantizes and `encoder_vae_dtype=` (a name of
-# precision.ENCODER_VAE_DTYPES) in one whose encoder and VAE dtype can be set; optionally
-# `describe(model_dir, model_id)
-# -> dict` (the status of a model that is not loaded), `manifest(model_dir) -> dict`,
+# precision.Quantization) in a family that quantizes, `encoder_vae_dtype=` (a name of
+# precision.ENCODER_VAE_DTYPES) in one whose encoder and VAE dtype can be set, and `dit=` /
+# `text_encoder=` / `mmproj=` (a model entry's GGUF files) in a family that reads them;
+# optionally `describe(model_dir, model_id) -> dict` (the status of a model that is not
+# loaded), `manifest(model_dir) -> dict` (both taking the same file keywords),
+# `check(model_dir, ...)` (refuse broken GGUF files before the resident model is let go),
 # `quantized_files(model_dir)` (for `gmlx model quantize`) and `FEATURES` (routes/models.py).
 # Adding a family is its folder and one line here (docs/engine.md, "Adding a family"); tests
 # pass their own table as `ModelRegistry(families=...)`.
@@ -155,6 +158,7 @@ class ModelRegistry:
         load_hooks: Any = None,
         quantization: Callable[[str], Quantization | None] | None = None,
         encoder_vae_dtype: Callable[[str], str] | None = None,
+        model_files: Callable[[str], dict[str, Path]] | None = None,
     ) -> None:
         """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
         before a model's weights load with the family's manifest of its folder, and
@@ -162,11 +166,14 @@ class ModelRegistry:
         or ContractError from either fails the load with its status (400 for a ValueError),
         naming the model. `quantization(model_id)` is the precision a model loads at (None, or no
         function: as its files store it), `encoder_vae_dtype(model_id)` the dtype setting of its
-        text encoder and VAE (no function: `auto`)."""
+        text encoder and VAE (no function: `auto`), `model_files(model_id)` the GGUF files its
+        components' weights come from, by the family's keyword (`dit`, `text_encoder`,
+        `mmproj`; none, or no function: its folder's)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
         self.quantization = quantization
         self.encoder_vae_dtype = encoder_vae_dtype
+        self.model_files = model_files
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -329,16 +336,45 @@ class ModelRegistry:
         except ValueError as exc:
             raise ContractError(400, f"model {model_id!r}: {exc}") from exc
 
+    def file_options(self, entry: ModelEntry) -> dict:
+        """The keyword arguments naming the entry's own files for the family's `load`,
+        `describe`, `manifest` and `check`: its configured GGUF files (`dit`, `text_encoder`)."""
+        return dict(self.model_files(entry.model_id)) if self.model_files else {}
+
+    def files_for(self, entry: ModelEntry, function: Callable) -> dict:
+        """The entry's file keywords that `function` (a family's describe, manifest or check)
+        takes; a setting the family does not read is refused by the load, not here."""
+        parameters = inspect.signature(function).parameters
+        return {k: v for k, v in self.file_options(entry).items() if k in parameters}
+
     def _check_before_load(self, entry: ModelEntry, module: Any) -> None:
-        """The load hooks' check against the folder's manifest, where the family reads one (a
-        manifest it cannot read is the load's to report)."""
+        """Before the resident model is let go: the family's `check` of the entry's files (a
+        GGUF DiT cut short, of another family or of the wrong shapes is refused here, 400),
+        then the load hooks' check against the folder's manifest, where the family reads one
+        (a manifest it cannot read is the load's to report)."""
+        if hasattr(module, "check"):
+            with self._load_errors(entry):
+                module.check(entry.path, **self.files_for(entry, module.check))
         if self.load_hooks is None or not hasattr(module, "manifest"):
             return
         try:
-            manifest = module.manifest(entry.path)
+            manifest = module.manifest(entry.path, **self.files_for(entry, module.manifest))
         except Exception:  # noqa: BLE001 - module.load reports a broken folder with its status
             return
         self._hook(entry.model_id, self.load_hooks.check, entry.model_id, manifest)
+
+    @contextlib.contextmanager
+    def _load_errors(self, entry: ModelEntry):
+        """A family's refusal of the entry's files as the load's status: 404 for a missing
+        file, 400 for files that do not match the family."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}") from exc
+        except (EngineInputError, ValueError, KeyError) as exc:
+            raise ContractError(
+                400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
+            ) from exc
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
         module = family_module(entry.family, self.families)
@@ -346,17 +382,11 @@ class ModelRegistry:
             raise ContractError(400, f"family {entry.family!r} is not available in this server")
         if not (entry.path / MODEL_INDEX).is_file():
             raise ContractError(404, f"model {entry.model_id!r} has vanished from {entry.path}")
-        self._check_before_load(entry, module)
         options = self._load_options(entry, module)
+        self._check_before_load(entry, module)
         self._make_room(entry.model_id)
-        try:
+        with self._load_errors(entry):
             model = module.load(entry.path, entry.model_id, **options)
-        except FileNotFoundError as exc:
-            raise ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}") from exc
-        except (EngineInputError, ValueError, KeyError) as exc:
-            raise ContractError(
-                400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
-            ) from exc
         try:
             gaps = seam_gaps(model)
             if gaps:
@@ -387,11 +417,11 @@ class ModelRegistry:
 
     def _load_options(self, entry: ModelEntry, module: Any) -> dict:
         """The keyword arguments of the family's `load` for this entry: its quantization and
-        its encoder and VAE dtype, where set (each refused 400 for a family whose `load` does
-        not take it)."""
+        its encoder and VAE dtype, where set, and its GGUF files (each refused 400 for a family
+        whose `load` does not take it)."""
         quantization = self.quantization(entry.model_id) if self.quantization else None
         dtype = self.encoder_vae_dtype(entry.model_id) if self.encoder_vae_dtype else AUTO
-        options = {}
+        options = self.file_options(entry)
         if quantization is not None:
             options["quantization"] = quantization
         if dtype != AUTO:
@@ -403,8 +433,11 @@ class ModelRegistry:
         }
         for name in options:
             if name not in taken:
+                reason = refused.get(
+                    name, f"reads no GGUF file for its {name}; remove its {name} setting"
+                )
                 raise ContractError(
-                    400, f"model {entry.model_id!r}: family {entry.family} {refused[name]}"
+                    400, f"model {entry.model_id!r}: family {entry.family} {reason}"
                 )
         return options
 

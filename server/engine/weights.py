@@ -2,7 +2,7 @@
 and what a family's load asks of them.
 
 Everything that touches stored tensors goes through here: reading (safetensors shards, float
-or quantized as `gmlx model quantize` writes them; GGUF next), casting to the compute dtype,
+or quantized as `gmlx model quantize` writes them; a DiT's GGUF file through gguf.py), casting to the compute dtype,
 quantizing (quantize.py) and in time sharding. A quantized component's config.json names its
 `quantization` ({"bits", "group_size", "mode"}, as mlx-lm's); which weights are quantized is
 decided by the files themselves: a weight `X.weight` with an `X.scales` beside it. A family's load says what it needs (`load_tree(dir, sanitize, dtype,
@@ -24,6 +24,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
+from .gguf import DiTFile
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
 from .quantize import (
@@ -109,11 +111,13 @@ def load_tree(
     keep_f32: Callable[[str], bool] | None = None,
     quantization: Quantization | None = None,
     quantized: Callable[[str], bool] | None = None,
+    gguf: DiTFile | None = None,
 ) -> dict:
-    """A component's weight tree, evaluated: its tensors read (`load_weights`), mapped by the
-    family's `sanitize` (file names -> tree), and with a `quantization` the linear weights
-    whose tree path `quantized` picks quantized, one at a time (quantize.quantize_tree), so the
-    float model is never whole in memory. A component stored quantized loads as stored
+    """A component's weight tree, evaluated: its tensors read (`load_weights`, or from the
+    GGUF file `gguf` names), mapped by the family's `sanitize` (file names -> tree), and with a
+    `quantization` the float linear weights whose tree path `quantized` picks quantized, one
+    at a time (quantize.quantize_tree), so the float model is never whole in memory. A
+    component stored quantized (a folder of `gmlx model quantize`, or GGUF) loads as stored
     (quantize.sanitize_stored), never through float weights. The leaves are evaluated one at a
     time (`eval_leaf_by_leaf`): evaluating the whole tree at once let MLX read many tensors
     before fusing them, 1.21x the resident bytes at the peak
@@ -124,10 +128,18 @@ def load_tree(
     and bf16 ones would change the dequantized weights (by 5e-3, docs/benchmarks.md, "Load
     peaks") against quantizing the float32 weights, as `gmlx model quantize` does."""
     component_dir = Path(component_dir)
-    quantization = quantization_at_load(component_dir, quantization)
-    files = load_weights(component_dir, dtype, keep_f32)
-    stored = stored_quantization(component_dir)
-    tree = sanitize(files) if stored is None else sanitize_stored(files, sanitize, stored)
+    if gguf is not None:
+        files = gguf.tensors(dtype, keep_f32)
+        tree = sanitize_stored(files, sanitize, GGUF_GROUP_SIZE)
+    else:
+        quantization = quantization_at_load(component_dir, quantization)
+        files = load_weights(component_dir, dtype, keep_f32)
+        stored = stored_quantization(component_dir)
+        tree = (
+            sanitize(files)
+            if stored is None
+            else sanitize_stored(files, sanitize, stored.group_size)
+        )
     del files
     if quantization is not None:
         if quantized is None:
@@ -135,6 +147,18 @@ def load_tree(
         quantize_tree(tree, quantization, quantized)
     eval_leaf_by_leaf(tree)
     return tree
+
+
+def gguf_file(component_dir: Path, override: Path | None = None) -> Path | None:
+    """The GGUF file a component's weights are read from: `override` (a model entry's), else
+    the one `.gguf` file in the folder, else None (safetensors). Two are refused."""
+    if override is not None:
+        return Path(override)
+    found = sorted(Path(component_dir).glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(path.name for path in found)
+        raise ValueError(f"{component_dir} holds more than one GGUF file ({names}); keep one")
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)

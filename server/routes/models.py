@@ -116,8 +116,12 @@ class ModelStatus(Resource):
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
         if loaded is None and hasattr(module, "describe"):
+            files = self.registry.files_for(entry, module.describe)
             body = from_files(
-                entry, lambda: self.service.worker.call(module.describe, entry.path, entry.model_id)
+                entry,
+                lambda: self.service.worker.call(
+                    module.describe, entry.path, entry.model_id, **files
+                ),
             )
         else:
             # No way to describe it unloaded: load it (it then stays resident).
@@ -143,7 +147,10 @@ class ModelManifest(Resource):
         loaded = self.registry.loaded(entry.model_id)
         module = family_module(entry.family, self.registry.families)
         if loaded is None and hasattr(module, "manifest"):
-            body = from_files(entry, lambda: self.service.worker.call(module.manifest, entry.path))
+            files = self.registry.files_for(entry, module.manifest)
+            body = from_files(
+                entry, lambda: self.service.worker.call(module.manifest, entry.path, **files)
+            )
         else:
             loaded = self.service.acquire(entry.model_id)
             try:

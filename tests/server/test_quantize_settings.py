@@ -50,7 +50,8 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         ("group_size = 32", "group_size needs quantize"),
         (
             "bits = 4",
-            "unknown setting 'bits' (known: adapters, quantize, group_size, encoder_vae_dtype)",
+            "unknown setting 'bits' (known: adapters, quantize, group_size, encoder_vae_dtype,"
+            " dit, text_encoder, mmproj)",
         ),
     ],
 )
@@ -108,3 +109,34 @@ def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_pa
         quantization=lambda model_id: None,
     )
     assert plain.acquire("lin").model_id == "lin"
+
+
+def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "dit-Q4_K_M.gguf").write_bytes(b"GGUF")
+    path = config_file(tmp_path, '[models."a"]\ndit = "gguf/dit-Q4_K_M.gguf"\n')
+    config = load_config(path, env={})
+    assert config.files_for("a") == {"dit": tmp_path / "gguf" / "dit-Q4_K_M.gguf"}
+    assert config.files_for("absent") == {}
+    for entry, message in (
+        ('dit = "gguf/missing.gguf"', "dit: no file at"),
+        ('dit = "config.toml"', "dit must name a .gguf file"),
+        ("dit = 4", "config key 'dit' has the wrong type"),
+    ):
+        path = config_file(tmp_path, f'[models."m1"]\n{entry}\n')
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, env={})
+
+
+def test_a_family_that_reads_no_gguf_refuses_a_dit_setting(tmp_path):
+    folder = linear_family.make_model_folder(tmp_path, "lin")
+    registry = ModelRegistry(
+        extra_models=[folder],
+        families={linear_family.FAMILY: linear_family},
+        model_files=lambda model_id: {"dit": tmp_path / "dit.gguf"},
+    )
+    with pytest.raises(ContractError) as refused:
+        registry.acquire("lin")
+    assert refused.value.status == 400
+    assert "family test_linear reads no GGUF file for its dit" in refused.value.message
+    assert registry.resident_ids() == []

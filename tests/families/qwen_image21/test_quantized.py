@@ -78,7 +78,7 @@ def dequantized_encoder(prompt: QwenImage21PromptEncoder, folder) -> QwenImage21
             )
             del weights[path + SCALES], weights[path + BIASES]
     plain.load_weights(list(weights.items()), strict=True)
-    return QwenImage21PromptEncoder(plain, prompt.tokenizer, prompt.preprocessor, 0)
+    return QwenImage21PromptEncoder(plain, prompt.tokenizer, prompt.preprocessor, 0, prompt.dtype)
 
 
 def dequantized_model(quantized: family.QwenImage21Model, folder) -> family.QwenImage21Model:

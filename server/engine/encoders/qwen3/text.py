@@ -12,11 +12,17 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from gguf import MODEL_ARCH
+from mlx.utils import tree_flatten
 
+from ...gguf import GROUP_SIZE as GGUF_GROUP_SIZE
+from ...gguf import ModuleFiles, llama_cpp_names
 from ...nn.attention import chunked_attention
-from ...nn.dtypes import eval_leaf_by_leaf
+from ...nn.dtypes import eval_leaf_by_leaf, tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
-from ...weights import load_weights, read_config
+from ...precision import Quantization
+from ...quantize import quantize_module, quantize_stored_module
+from ...weights import load_weights, quantization_at_load, read_config, stored_quantization
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,28 @@ _DECODER_PREFIX = "model."
 _UNUSED = ("lm_head.", "norm.")
 
 
+def gguf_files(model: TextModel, path: Path) -> ModuleFiles:
+    """Qwen3's decoder in a llama.cpp GGUF file (`token_embd.weight`, `blk.N.attn_q.weight`
+    ...): the module's parameters by the names llama.cpp's converter gives their transformers
+    names (gguf.llama_cpp_names). The converter maps Qwen3's tensors by name alone: no q/k
+    permutation (Qwen3's rotary halves are llama.cpp's NEOX order) and no norm offset."""
+    shapes = {name: tuple(value.shape) for name, value in tree_flatten(model.parameters())}
+    hf_names = {_DECODER_PREFIX + name: name for name in shapes}
+    mapped = llama_cpp_names(MODEL_ARCH.QWEN3, model.config.num_layers, hf_names)
+    unmapped = sorted(set(hf_names) - set(mapped))
+    if unmapped:
+        raise ValueError(f"llama.cpp's tables name no tensor for {unmapped[0]}")
+    names = {hf_names[hf]: (0, file_name) for hf, file_name in mapped.items()}
+    return ModuleFiles((Path(path),), names, shapes, "Qwen3 text encoder")
+
+
+def module_name(name: str) -> str | None:
+    """A checkpoint name as TextModel's parameter name; None for a tensor the encoder does not
+    use (lm_head, the final norm)."""
+    name = name.removeprefix(_DECODER_PREFIX)
+    return None if name.startswith(_UNUSED) else name
+
+
 class Qwen3TextEncoder:
     """Qwen3 alone (a transformers `Qwen3Model` or `Qwen3ForCausalLM` folder) as a prompt
     encoder: token ids -> the hidden states of the tapped layers, positions 0..L-1."""
@@ -152,16 +180,41 @@ class Qwen3TextEncoder:
         self.weight_bytes = weight_bytes
 
     @classmethod
-    def load(cls, component_dir: Path, dtype: mx.Dtype = mx.float32) -> Qwen3TextEncoder:
+    def load(
+        cls,
+        component_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+        quantized: Callable[[str], bool] | None = None,
+        gguf: Path | None = None,
+    ) -> Qwen3TextEncoder:
+        """The encoder of a transformers folder (its config.json), its weights from the
+        folder's safetensors or from `gguf`, a llama.cpp GGUF file of Qwen3 (`gguf_files`),
+        kept quantized as the file holds them. With a `quantization`, the float linear layers
+        whose module path `quantized` picks (the family's choice) are quantized as they load
+        (quantize.quantize_module); a folder stored quantized loads as stored."""
         model = TextModel(TextConfig.from_dict(read_config(component_dir)))
-        weights = {}
-        for name, value in load_weights(component_dir, dtype).items():
-            name = name.removeprefix(_DECODER_PREFIX)
-            if not name.startswith(_UNUSED):
-                weights[name] = value
+        if gguf is not None:
+            weights = gguf_files(model, gguf).weights(dtype)
+            quantize_stored_module(model, weights, GGUF_GROUP_SIZE)
+        else:
+            quantization = quantization_at_load(Path(component_dir), quantization)
+            weights = {}
+            for name, value in load_weights(component_dir, dtype).items():
+                name = module_name(name)
+                if name is not None:
+                    weights[name] = value
+            stored = stored_quantization(component_dir)
+            if stored is not None:
+                quantize_stored_module(model, weights, stored.group_size)
+        if quantization is not None:
+            if quantized is None:
+                raise ValueError("a quantized load needs the family's choice of layers")
+            quantize_module(model, weights, quantization, quantized)
         model.load_weights(list(weights.items()), strict=True)
+        del weights
         eval_leaf_by_leaf(model.parameters())
-        return cls(model, sum(value.nbytes for value in weights.values()))
+        return cls(model, tree_bytes(model.parameters()))
 
     @property
     def hidden_size(self) -> int:

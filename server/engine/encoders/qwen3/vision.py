@@ -171,7 +171,7 @@ class VisionModel(nn.Module):
         w_taps, w_weights = taps(cols, grid_w)
         indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
         weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
-        table = self.pos_embed.weight[mx.array(indices)]  # (N, 4, hidden)
+        table = self.pos_embed(mx.array(indices))  # (N, 4, hidden); a quantized table too
         return (table * mx.array(weights)[:, :, None].astype(table.dtype)).sum(axis=1)
 
     def rotary(self, rows: np.ndarray, cols: np.ndarray, dtype: mx.Dtype):

@@ -13,10 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import gguf as gguf_names
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from gguf import MODEL_ARCH, MODEL_TENSOR
+from mlx.utils import tree_flatten
 
+from ...gguf import GROUP_SIZE as GGUF_GROUP_SIZE
+from ...gguf import ModuleFiles, llama_cpp_names
 from ...nn.dtypes import eval_leaf_by_leaf, tree_bytes
 from ...nn.rope import cos_sin
 from ...precision import Quantization
@@ -48,21 +53,28 @@ class Qwen3VLEncoder(nn.Module):
         dtype: mx.Dtype = mx.float32,
         quantization: Quantization | None = None,
         quantized: Callable[[str], bool] | None = None,
+        gguf: tuple[Path, Path] | None = None,
     ) -> tuple[Qwen3VLEncoder, int]:
-        """The encoder of a transformers folder, and the bytes of its loaded weights. With a
-        `quantization`, the linear layers whose module path `quantized` picks (the family's
-        choice) are quantized as they load (quantize.quantize_module); a folder stored
-        quantized loads as stored."""
+        """The encoder of a transformers folder (its config.json), and the bytes of its loaded
+        weights; the weights from the folder's safetensors or from `gguf`, llama.cpp's pair of
+        files (the language model, its `mmproj` vision tower: `gguf_files`), kept quantized as
+        they hold them. With a `quantization`, the float linear layers whose module path
+        `quantized` picks (the family's choice) are quantized as they load
+        (quantize.quantize_module); a folder stored quantized loads as stored."""
         config = read_config(component_dir)
         encoder = cls(
             TextConfig.from_dict(config["text_config"]),
             VisionConfig.from_dict(config["vision_config"]),
         )
-        quantization = quantization_at_load(Path(component_dir), quantization)
-        weights = sanitize(load_weights(component_dir, dtype))
-        stored = stored_quantization(component_dir)
-        if stored is not None:
-            quantize_stored_module(encoder, weights, stored)
+        if gguf is not None:
+            weights = gguf_weights(encoder, *gguf, dtype)
+            quantize_stored_module(encoder, weights, GGUF_GROUP_SIZE)
+        else:
+            quantization = quantization_at_load(Path(component_dir), quantization)
+            weights = sanitize(load_weights(component_dir, dtype))
+            stored = stored_quantization(component_dir)
+            if stored is not None:
+                quantize_stored_module(encoder, weights, stored.group_size)
         if quantization is not None:
             if quantized is None:
                 raise ValueError("a quantized load needs the family's choice of layers")
@@ -155,6 +167,78 @@ _PREFIXES = (
     ("model.", "language_model."),
 )
 _UNUSED = ("lm_head.", "language_model.norm.")
+
+
+PATCH_EMBED = "visual.patch_embed.proj.weight"
+# llama.cpp's converter writes Qwen3-VL's vision tower under the gguf package's MMPROJ names,
+# with these tensors of its own: the final merger as `mm.0`, `mm.2` and `v.post_ln`, each
+# DeepStack merger under the vision block it taps, and the Conv3d patch kernel as one 2-D kernel
+# per temporal slice (`v.patch_embd.weight`, `v.patch_embd.weight.1`).
+_MERGER = {
+    "norm": gguf_names.TENSOR_NAMES[MODEL_TENSOR.V_POST_NORM],
+    "linear_fc1": gguf_names.TENSOR_NAMES[MODEL_TENSOR.V_MMPROJ].format(bid=0),
+    "linear_fc2": gguf_names.TENSOR_NAMES[MODEL_TENSOR.V_MMPROJ].format(bid=2),
+}
+_DEEPSTACK = {
+    "norm": MODEL_TENSOR.V_DS_NORM,
+    "linear_fc1": MODEL_TENSOR.V_DS_FC1,
+    "linear_fc2": MODEL_TENSOR.V_DS_FC2,
+}
+
+
+def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path) -> ModuleFiles:
+    """Qwen3-VL in llama.cpp's pair of GGUF files: the language model in `model_file` under
+    Qwen3's names (the converter drops `language_model.`; no q/k permutation, no norm offset),
+    the vision tower in `mmproj` (gguf's MMPROJ names, and the converter's own names above;
+    the patch kernel's temporal slices as `PATCH_EMBED.0`, `.1`, joined by `gguf_weights`)."""
+    shapes = {name: tuple(value.shape) for name, value in tree_flatten(encoder.parameters())}
+    vision = encoder.visual.config
+    kernel = (vision.hidden_size, vision.in_channels, vision.patch_size, vision.patch_size)
+    shapes.pop(PATCH_EMBED)
+    names: dict[str, tuple[int, str]] = {}
+    text = {
+        "model." + n.removeprefix("language_model."): n
+        for n in shapes
+        if n.startswith("language_model.")
+    }
+    layers = encoder.language_model.config.num_layers
+    for hf, file_name in llama_cpp_names(MODEL_ARCH.QWEN3VL, layers, text).items():
+        names[text[hf]] = (0, file_name)
+    tables = llama_cpp_names(
+        MODEL_ARCH.MMPROJ, vision.depth, [n for n in shapes if n.startswith("visual.")]
+    )
+    for name in shapes:
+        if not name.startswith("visual."):
+            continue
+        parts = name.split(".")
+        if parts[1] == "merger":
+            names[name] = (1, f"{_MERGER[parts[2]]}.{parts[3]}")
+        elif parts[1] == "deepstack_merger_list":
+            tap = vision.deepstack_indexes[int(parts[2])]
+            base = gguf_names.TENSOR_NAMES[_DEEPSTACK[parts[3]]].format(bid=tap)
+            names[name] = (1, f"{base}.{parts[4]}")
+        elif name in tables:
+            names[name] = (1, tables[name])
+    patch_file = gguf_names.TENSOR_NAMES[MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
+    for index, suffix in enumerate(("", ".1")):
+        names[f"{PATCH_EMBED}.{index}"] = (1, patch_file + suffix)
+        shapes[f"{PATCH_EMBED}.{index}"] = kernel
+    unmapped = sorted(set(shapes) - set(names))
+    if unmapped:
+        raise ValueError(f"llama.cpp's names cover no tensor for {unmapped[0]}")
+    return ModuleFiles((Path(model_file), Path(mmproj)), names, shapes, "Qwen3-VL text encoder")
+
+
+def gguf_weights(
+    encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path, dtype: mx.Dtype | None
+) -> dict[str, mx.array]:
+    """The encoder's parameters from llama.cpp's pair of files, the patch kernel's temporal
+    slices joined into the flattened Conv3d kernel PatchEmbed applies."""
+    weights = gguf_files(encoder, model_file, mmproj).weights(dtype)
+    slices = [weights.pop(f"{PATCH_EMBED}.{index}") for index in range(2)]
+    kernel = mx.stack(slices, axis=2)  # (out, in, temporal, p, p), as the Conv3d holds it
+    weights[PATCH_EMBED] = kernel.reshape(kernel.shape[0], -1)
+    return weights
 
 
 def module_name(name: str) -> str | None:

@@ -28,6 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
 from ...nn import cpu_ops
 from ...nn.activations import gelu_tanh, layer_norm, silu
@@ -35,7 +36,7 @@ from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
-from ...weights import load_tree, read_config
+from ...weights import gguf_file, load_tree, read_config
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,55 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     return weights
 
 
+# ComfyUI's naming of the same tensors (a GGUF file may use it): the SwiGLU gate and up
+# projections fused into one weight, gate rows first (diffusers' single-file conversion).
+COMFY_NAMING = Naming(
+    fused=((".img_mlp.gate_up.weight", (".img_mlp.gate_layer.weight", ".img_mlp.proj.weight")),)
+)
+TITLE = "Qwen-Image 2.1"
+
+
+def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
+    width, hidden = config.inner_dim, config.inner_dim * config.mlp_ratio
+    patches = config.patch_size * config.patch_size
+    top = {
+        "time_1": (width, TIME_PROJ_DIM),
+        "time_2": (width, width),
+        "text_in": (width, config.context_in_dim),
+        "text_out": (width, width),
+        "img_in": (width, config.in_channels * patches),
+        "modulation": (4 * width, width),
+        "norm_out": (width, width),
+        "proj_out": (config.out_channels * patches, width),
+    }
+    shapes = {TOP_LINEARS[key] + ".weight": shape for key, shape in top.items()}
+    shapes["txt_in.text_norm.weight"] = (config.context_in_dim,)
+    block = {
+        **dict.fromkeys(("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"), (width, width)),
+        "img_mlp.gate_layer": (hidden, width),
+        "img_mlp.proj": (hidden, width),
+        "img_mlp.out": (width, hidden),
+        "attn.norm_q": (config.head_dim,),
+        "attn.norm_k": (config.head_dim,),
+    }
+    for i in range(config.num_layers):
+        for name, shape in block.items():
+            shapes[BLOCK_PREFIX.format(i) + name + ".weight"] = shape
+    return shapes
+
+
+def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
+    """The DiT's GGUF file (a model entry's `dit`, else the one in transformer/) as the family
+    reads it; None for safetensors."""
+    path = gguf_file(transformer_dir, dit)
+    if path is None:
+        return None
+    config = DiTConfig.from_dict(read_config(transformer_dir))
+    slots = linear_slots(config)
+    return DiTFile(path, COMFY_NAMING, tensor_shapes(config), fused_weights(slots), TITLE)
+
+
 def quantized(path: str) -> bool:
     """The weights a quantized load quantizes (a model entry's `quantize`), by tree path: the
     blocks' linear layers, which hold nearly all of the DiT. The embedders (time, text, image),
@@ -277,7 +327,10 @@ class QwenImage21DiT:
         transformer_dir: Path,
         dtype: mx.Dtype | None = None,
         quantization: Quantization | None = None,
+        dit: Path | None = None,
     ) -> QwenImage21DiT:
+        """The DiT of a transformer/ folder; its weights from safetensors or GGUF (the folder's
+        one `.gguf` file, or `dit`, a model entry's file elsewhere: `dit_file`)."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
         weights = load_tree(
@@ -287,6 +340,7 @@ class QwenImage21DiT:
             keep_f32=lambda name: name.endswith(F32_WEIGHTS),
             quantization=quantization,
             quantized=quantized,
+            gguf=dit_file(transformer_dir, dit),
         )
         return cls(config, weights, dtype)
 

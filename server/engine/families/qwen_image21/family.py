@@ -25,11 +25,12 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
 from ...weights import component_bytes, estimated_bytes, read_config, stored_quantization
-from .dit import DiTConfig, QwenImage21DiT, linear_slots
+from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
 from .dit import quantized as dit_quantized
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
 FAMILY = "qwen_image21"
+TITLE = "Qwen-Image 2.1"
 PIPELINE_CLASS = "QwenImage21Pipeline"
 COMFY = {"model_class": "QwenImage21", "image_model": "qwen_image21"}
 # What a client needs to condition this family (an extension of docs/contract.md §2.3): the DiT
@@ -118,15 +119,25 @@ def sampling_row(model_dir: Path) -> dict:
     }
 
 
-def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
+def describe(
+    model_dir: Path,
+    model_id: str | None = None,
+    dtype: mx.Dtype | None = None,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+    mmproj: Path | None = None,
+) -> dict:
     """The family part of the status (docs/contract.md §2.3), from config files and headers
-    alone, at the default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`)."""
+    alone, at the default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`); `dit`,
+    `text_encoder`, `mmproj`: a model entry's GGUF files for the DiT (dit.dit_file) and the
+    text encoder (`encoder_files`)."""
     model_dir = Path(model_dir)
     dtype = dtype or default_compute_dtype()
     side = dtypes.encoder_vae_dtype()
+    files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
     quantization = {
-        "dit": _stored_status(model_dir / "transformer"),
-        "encoder": _stored_status(model_dir / "text_encoder"),
+        "dit": _dit_status(model_dir, dit),
+        "encoder": _encoder_status(model_dir, text_encoder, mmproj),
         "vae": None,
     }
     dit_config = read_config(model_dir / "transformer")
@@ -158,23 +169,70 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         # component would hold loaded.
         "residency": {
             "dit": component_row(
-                False, estimated_bytes(model_dir / "transformer", dtype), dtype, quantization["dit"]
+                False, _dit_estimate(model_dir, dtype, files), dtype, quantization["dit"]
             ),
             "encoder": component_row(
-                False,
-                estimated_bytes(model_dir / "text_encoder", side),
-                side,
-                quantization["encoder"],
+                False, _encoder_bytes(model_dir, files, side), side, quantization["encoder"]
             ),
             "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
         },
-        "memory": memory_row(model_dir, dtype),
+        "memory": memory_row(model_dir, dtype, files=files),
     }
 
 
 def _stored_status(component_dir: Path) -> dict | None:
     stored = stored_quantization(component_dir)
     return None if stored is None else stored.status()
+
+
+def encoder_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, Path] | None:
+    """A model entry's Qwen3-VL GGUF pair, which comes whole (a ValueError names the half
+    missing)."""
+    if text_encoder is None and mmproj is None:
+        return None
+    if text_encoder is None or mmproj is None:
+        given, missing = (
+            ("mmproj", "text_encoder")
+            if text_encoder is None
+            else (
+                "text_encoder",
+                "mmproj",
+            )
+        )
+        raise ValueError(
+            f"Qwen3-VL from GGUF needs both text_encoder and mmproj: {given} is set without"
+            f" {missing}"
+        )
+    return Path(text_encoder), Path(mmproj)
+
+
+def encoder_files(model_dir: Path, text_encoder: Path | None, mmproj: Path | None):
+    """The text encoder's GGUF pair as Qwen3-VL reads it (encoders.qwen3.vl.gguf_files), or
+    None for the folder's safetensors."""
+    from ...encoders.qwen3.text import TextConfig
+    from ...encoders.qwen3.vision import VisionConfig
+    from ...encoders.qwen3.vl import Qwen3VLEncoder, gguf_files
+
+    pair = encoder_pair(text_encoder, mmproj)
+    if pair is None:
+        return None
+    config = read_config(Path(model_dir) / "text_encoder")
+    encoder = Qwen3VLEncoder(
+        TextConfig.from_dict(config["text_config"]),
+        VisionConfig.from_dict(config["vision_config"]),
+    )
+    return gguf_files(encoder, *pair)
+
+
+def _encoder_status(model_dir: Path, text_encoder: Path | None, mmproj: Path | None):
+    files = encoder_files(model_dir, text_encoder, mmproj)
+    return _stored_status(Path(model_dir) / "text_encoder") if files is None else files.status()
+
+
+def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
+    """The DiT's precision from its files: a GGUF file's types, else the folder's."""
+    gguf = dit_file(model_dir / "transformer", dit)
+    return _stored_status(model_dir / "transformer") if gguf is None else gguf.status()
 
 
 def step_peak_bytes(
@@ -217,18 +275,39 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
     return min(rows, query_rows) * group * keys * 4
 
 
-def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
+def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype, files: dict | None = None) -> int:
     """The weights of a folder as they would load (for the status of a model not loaded): the
-    DiT at its compute dtype, the VAE and the prompt encoder at theirs by default
-    (`encoder_vae_dtype`), weights stored quantized as stored, counted from the file headers.
-    A loaded model counts its arrays instead (`QwenImage21Model.weight_bytes`)."""
+    DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
+    the prompt encoder at theirs by default (`encoder_vae_dtype`; a GGUF pair: about its
+    files' bytes), weights stored quantized as stored, counted from the file headers; `files`:
+    a model entry's GGUF files (`dit`, `text_encoder`, `mmproj`). A loaded model counts its
+    arrays instead (`QwenImage21Model.weight_bytes`)."""
     model_dir = Path(model_dir)
+    files = files or {}
     side = dtypes.encoder_vae_dtype()
     return (
-        estimated_bytes(model_dir / "transformer", dit_dtype)
+        _dit_estimate(model_dir, dit_dtype, files)
         + estimated_bytes(model_dir / "vae", side)
-        + estimated_bytes(model_dir / "text_encoder", side)
+        + _encoder_bytes(model_dir, files, side)
     )
+
+
+def _dit_estimate(model_dir: Path, dtype: mx.Dtype, files: dict) -> int:
+    """The DiT's bytes as it would load at `dtype`: its GGUF file's, else its folder's."""
+    gguf = dit_file(Path(model_dir) / "transformer", files.get("dit"))
+    if gguf is None:
+        return estimated_bytes(Path(model_dir) / "transformer", dtype)
+    return gguf.estimated_bytes(dtype.size)
+
+
+def _encoder_bytes(model_dir: Path, files: dict, dtype: mx.Dtype | None = None) -> int:
+    """The text encoder's bytes: its GGUF pair's tensor data, else its folder's (no `dtype`:
+    as stored; else as it would load at `dtype`)."""
+    pair = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
+    if pair is not None:
+        return pair.stored_bytes()
+    folder = Path(model_dir) / "text_encoder"
+    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype)
 
 
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
@@ -255,21 +334,31 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return max(step, vae)
 
 
-def memory_row(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None) -> dict:
+def memory_row(
+    model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None, files: dict | None = None
+) -> dict:
     """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
     footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
     weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
-    None: not loaded, estimated from the headers, and nothing resident."""
-    files = {
-        "dit_bytes": component_bytes(model_dir / "transformer"),
-        "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+    None: not loaded, estimated from the headers, and nothing resident. `files`: a model
+    entry's GGUF files."""
+    files = files or {}
+    gguf = dit_file(model_dir / "transformer", files.get("dit"))
+    sizes = {
+        "dit_bytes": component_bytes(model_dir / "transformer")
+        if gguf is None
+        else gguf.stored_bytes(),
+        "encoder_bytes": _encoder_bytes(model_dir, files),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
-    weights = estimated_weight_bytes(model_dir, dtype) if weight_bytes is None else weight_bytes
+    if weight_bytes is None:
+        weights = estimated_weight_bytes(model_dir, dtype, files)
+    else:
+        weights = weight_bytes
     footprint = weights + activation_reserve(model_dir, dtype)
     return {
-        **files,
-        "activation_reserve_bytes": max(0, footprint - sum(files.values())),
+        **sizes,
+        "activation_reserve_bytes": max(0, footprint - sum(sizes.values())),
         "resident_bytes": footprint if weight_bytes is not None else 0,
     }
 
@@ -282,20 +371,38 @@ def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
 
     slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
 
-    def dit_file(name: str) -> bool:
+    def dit_name(name: str) -> bool:
         slot = slots.get(name.removesuffix(".weight"))
         return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
 
-    def encoder_file(name: str) -> bool:
+    def encoder_name(name: str) -> bool:
         module = module_name(name)
         return module is not None and encoder_quantized(module.removesuffix(".weight"))
 
-    return {"transformer": dit_file, "text_encoder": encoder_file}
+    return {"transformer": dit_name, "text_encoder": encoder_name}
 
 
-def manifest(model_dir: Path) -> dict:
+def manifest(model_dir: Path, dit: Path | None = None) -> dict:
     """The DiT's tensors by their diffusers names (docs/contract.md §2.4 with naming "diffusers")."""
-    return dit_manifest(FAMILY, Path(model_dir) / "transformer", "Qwen-Image 2.1")
+    transformer = Path(model_dir) / "transformer"
+    return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
+
+
+def check(
+    model_dir: Path,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+    mmproj: Path | None = None,
+) -> None:
+    """Refuse, before anything loads, a DiT or text encoder GGUF file that is cut short, is
+    not this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
+    naming the file and the tensor). The registry asks before it lets the resident model go."""
+    for files in (
+        dit_file(Path(model_dir) / "transformer", dit),
+        encoder_files(model_dir, text_encoder, mmproj),
+    ):
+        if files is not None:
+            files.open()
 
 
 def load(
@@ -303,11 +410,16 @@ def load(
     model_id: str,
     quantization: Quantization | None = None,
     encoder_vae_dtype: str = AUTO,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+    mmproj: Path | None = None,
 ) -> QwenImage21Model:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
-    that the family picks (dit.quantized, prompt.quantized) are quantized as they load. The
-    text encoder and the VAE compute in the dtype the `encoder_vae_dtype` setting gives
-    (nn.dtypes.encoder_vae_dtype)."""
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
+    DiT's float layers only). The text encoder and the VAE compute in the dtype the
+    `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`, `text_encoder`
+    and `mmproj`: a model entry's GGUF files for the DiT and for Qwen3-VL (its language model
+    and its vision tower)."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -316,14 +428,19 @@ def load(
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
+    check(model_dir, dit, text_encoder, mmproj)
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    dit = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization)
+    network = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
     vae = QwenImage21VAE.load(model_dir / "vae", side)
+    pair = encoder_pair(text_encoder, mmproj)
 
     def load_encoder() -> QwenImage21PromptEncoder:
-        return QwenImage21PromptEncoder.load(model_dir, side, quantization)
+        return QwenImage21PromptEncoder.load(model_dir, side, quantization, gguf=pair)
 
-    return QwenImage21Model(model_dir, model_id, found[1], dit, vae, load_encoder(), load_encoder)
+    files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
+    return QwenImage21Model(
+        model_dir, model_id, found[1], network, vae, load_encoder(), load_encoder, files=files
+    )
 
 
 class QwenImage21Model(FamilyModel):
@@ -339,14 +456,23 @@ class QwenImage21Model(FamilyModel):
         encoder,
         load_encoder=None,
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
+        files: dict | None = None,
     ):
-        """`load_encoder`: loads `encoder` again after a release (None: never released)."""
+        """`load_encoder`: loads `encoder` again after a release (None: never released).
+        `files`: the model entry's GGUF files (`dit`, `text_encoder`, `mmproj`) the weights
+        came from (none: the folder's)."""
         model_dir = Path(model_dir)
+        files = {key: path for key, path in (files or {}).items() if path is not None}
+        dit_path = files.get("dit")
         weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
-        status = describe(model_dir, model_id, dit.dtype)
+        status = describe(model_dir, model_id, dit.dtype, **files)
+        gguf = dit_file(model_dir / "transformer", dit_path)
+        encoder_gguf = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
         quantization = {
-            "dit": quantization_status(dit.weights),
-            "encoder": quantization_status(encoder.encoder),
+            "dit": quantization_status(dit.weights) if gguf is None else gguf.status(),
+            "encoder": quantization_status(encoder.encoder)
+            if encoder_gguf is None
+            else encoder_gguf.status(),
             "vae": None,
         }
         status["quantization"] = quantization
@@ -357,7 +483,7 @@ class QwenImage21Model(FamilyModel):
             ),
             "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
         }
-        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes)
+        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes, files)
         super().__init__(
             model_dir,
             model_id,
@@ -365,7 +491,7 @@ class QwenImage21Model(FamilyModel):
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
             status=status,
-            read_manifest=manifest,
+            read_manifest=lambda folder: manifest(folder, dit_path),
             weight_bytes=weight_bytes,
             encoder=encoder,
             load_encoder=load_encoder,

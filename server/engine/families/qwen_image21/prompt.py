@@ -60,14 +60,14 @@ class QwenImage21PromptEncoder:
         tokenizer: QwenPromptTokenizer,
         preprocessor: VisionPreprocessor,
         weight_bytes: int,
+        dtype: mx.Dtype = mx.float32,
     ):
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.preprocessor = preprocessor
         self.weight_bytes = weight_bytes
         self.hidden_size = encoder.language_model.config.hidden_size
-        # the dtype it computes in: its token table's, which is never quantized
-        self.dtype = encoder.language_model.embed_tokens.weight.dtype
+        self.dtype = dtype  # the dtype it computes in, the one it loaded at
 
     @classmethod
     def load(
@@ -75,17 +75,20 @@ class QwenImage21PromptEncoder:
         model_dir: Path,
         dtype: mx.Dtype = mx.float32,
         quantization: Quantization | None = None,
+        gguf: tuple[Path, Path] | None = None,
     ) -> QwenImage21PromptEncoder:
+        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, llama.cpp's
+        pair of files (the language model and its `mmproj`)."""
         model_dir = Path(model_dir)
         encoder, weight_bytes = Qwen3VLEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, quantized
+            model_dir / "text_encoder", dtype, quantization, quantized, gguf
         )
         tokenizer = QwenPromptTokenizer.load(model_dir / "processor", TEMPLATE)
         config = read_config(model_dir / "text_encoder")
         if tokenizer.image_pad_id != config.get("image_token_id", tokenizer.image_pad_id):
             raise ValueError("the tokenizer's <|image_pad|> id differs from the text encoder's")
         preprocessor = VisionPreprocessor.load(model_dir / "processor")
-        return cls(encoder, tokenizer, preprocessor, weight_bytes)
+        return cls(encoder, tokenizer, preprocessor, weight_bytes, dtype)
 
     def prepare_images(self, images: list[np.ndarray]) -> list[ReferenceImage]:
         return [prepare_reference(image, self.preprocessor) for image in images]

@@ -24,18 +24,21 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
 from ...nn import cpu_ops
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
-from ...weights import load_tree, read_config
+from ...precision import Quantization
+from ...weights import gguf_file, load_tree, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
 TIME_PROJ_DIM = 256
 TIME_MAX_PERIOD = 10000.0
 ADALN_DIM = 256  # the time embedding's width (at most the model's)
+TIME_MID_DIM = 1024  # the time embedder's hidden width
 QK_NORM_EPS = 1e-5
 FINAL_NORM_EPS = 1e-6
 
@@ -205,6 +208,93 @@ def _block(files: dict[str, mx.array], prefix: str, modulated: bool) -> dict:
     return block
 
 
+def quantized(path: str) -> bool:
+    """The weights a quantized load quantizes (a model entry's `quantize`), by tree path: the
+    attention and feed-forward linears of every block of the three stacks, which hold nearly
+    all of the DiT. The embedders, each block's modulation, the final layer, the norm scales
+    and the pad tokens keep the compute dtype."""
+    stack, _, rest = path.partition(".")
+    return stack in STACKS and rest.rpartition(".")[2] in BLOCK_LINEARS
+
+
+TITLE = "Z-Image"
+
+
+def comfy_naming(config: DiTConfig) -> Naming:
+    """ComfyUI's naming of the same tensors (its Lumina2 `NextDiT`, which the Z-Image GGUF
+    files ComfyUI-GGUF converts use): q, k and v fused into one `qkv`, `out`, `q_norm` and
+    `k_norm`, `x_embedder` and `final_layer` without the patch key, and an unused
+    `norm_final` (diffusers' single-file conversion of Z-Image maps the same)."""
+    patch = _patch_key(config)
+    return Naming(
+        renames=(
+            (r"^x_embedder\.", f"all_x_embedder.{patch}."),
+            (r"^final_layer\.", f"all_final_layer.{patch}."),
+            (r"\.attention\.out\.", ".attention.to_out.0."),
+            (r"\.attention\.q_norm\.", ".attention.norm_q."),
+            (r"\.attention\.k_norm\.", ".attention.norm_k."),
+        ),
+        fused=(
+            (
+                ".attention.qkv.weight",
+                (".attention.to_q.weight", ".attention.to_k.weight", ".attention.to_v.weight"),
+            ),
+        ),
+        ignored=("norm_final.weight",),
+    )
+
+
+def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
+    dim, adaln, hidden = config.dim, config.adaln_dim, config.hidden_dim
+    linears = {
+        "time_1": (TIME_MID_DIM, TIME_PROJ_DIM),
+        "time_2": (adaln, TIME_MID_DIM),
+        "cap_in": (dim, config.cap_feat_dim),
+        "x_in": (dim, config.patch_channels),
+        "final_modulation": (dim, adaln),
+        "final": (config.patch_channels, dim),
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, shape in linears.items():
+        name = _top_name(TOP_LINEARS[key], config)
+        shapes[name + ".weight"], shapes[name + ".bias"] = shape, shape[:1]
+    shapes[CAP_NORM] = (config.cap_feat_dim,)
+    for name in PAD_TOKENS.values():
+        shapes[name] = (1, dim)
+    block = {
+        **dict.fromkeys(("to_q", "to_k", "to_v", "to_out.0"), (dim, dim)),
+        "w1": (hidden, dim),
+        "w3": (hidden, dim),
+        "w2": (dim, hidden),
+    }
+    for stack, (prefix, modulated) in STACKS.items():
+        for i in range(_stack_depth(stack, config)):
+            p = prefix.format(i)
+            for name, shape in block.items():
+                family = "feed_forward." if name.startswith("w") else "attention."
+                shapes[p + family + name + ".weight"] = shape
+            for key, name in BLOCK_NORMS.items():
+                shapes[p + name + ".weight"] = (
+                    (config.head_dim,) if key in ("norm_q", "norm_k") else (dim,)
+                )
+            if modulated:
+                shapes[p + MODULATION + ".weight"] = (4 * dim, adaln)
+                shapes[p + MODULATION + ".bias"] = (4 * dim,)
+    return shapes
+
+
+def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
+    """The DiT's GGUF file (a model entry's `dit`, else the one in transformer/) as the family
+    reads it, in diffusers' or ComfyUI's naming; None for safetensors."""
+    path = gguf_file(transformer_dir, dit)
+    if path is None:
+        return None
+    config = DiTConfig.from_dict(read_config(transformer_dir))
+    fused = fused_weights(linear_slots(config))
+    return DiTFile(path, comfy_naming(config), tensor_shapes(config), fused, TITLE)
+
+
 def dense(w: dict, key: str, x: mx.array) -> mx.array:
     """x through the linear w[key] (LoRA-aware: lora.project), plus its bias when it has one."""
     out = project(w, key, x)
@@ -245,7 +335,16 @@ class ZImageDiT:
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod
-    def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> ZImageDiT:
+    def load(
+        cls,
+        transformer_dir: Path,
+        dtype: mx.Dtype | None = None,
+        quantization: Quantization | None = None,
+        dit: Path | None = None,
+    ) -> ZImageDiT:
+        """The DiT of a transformer/ folder, its weights from safetensors or GGUF (the folder's
+        one `.gguf` file, or `dit`, a model entry's file: `dit_file`); with a `quantization`,
+        the float layers `quantized` picks are quantized as they load."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
         weights = load_tree(
@@ -253,6 +352,9 @@ class ZImageDiT:
             lambda files: sanitize(files, config),
             dtype,
             keep_f32=lambda name: name.endswith(F32_WEIGHTS),
+            quantization=quantization,
+            quantized=quantized,
+            gguf=dit_file(transformer_dir, dit),
         )
         return cls(config, weights, dtype)
 

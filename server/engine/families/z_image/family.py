@@ -21,10 +21,12 @@ from ...family import FamilyModel, component_row, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
-from ...precision import AUTO
+from ...precision import AUTO, Quantization
+from ...quantize import quantization_status
 from ...vaes.autoencoder_kl import latent_normalisation
-from ...weights import component_bytes, estimated_bytes, read_config
-from .dit import DiTConfig, ZImageDiT, linear_slots, padded
+from ...weights import component_bytes, estimated_bytes, gguf_file, read_config, stored_quantization
+from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
+from .dit import quantized as dit_quantized
 from .prompt import TEMPLATE
 
 FAMILY = "z_image"
@@ -89,9 +91,17 @@ def sampling_row(variant: str) -> dict:
     return {**SAMPLING[variant], "sigmas": None, "schedule": None, "neg_skip": []}
 
 
-def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
+def describe(
+    model_dir: Path,
+    model_id: str | None = None,
+    dtype: mx.Dtype | None = None,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+) -> dict:
     """The family part of the status (docs/contract.md §2.3), from config files alone, at the
-    default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`)."""
+    default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`); `dit`,
+    `text_encoder`: a model entry's GGUF files for the DiT (dit.dit_file) and the text encoder
+    (`encoder_file`)."""
     model_dir = Path(model_dir)
     dtype = dtype or default_compute_dtype()
     side = dtypes.encoder_vae_dtype()
@@ -101,6 +111,11 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
     dit_config = read_config(model_dir / "transformer")
     vae_config = read_config(model_dir / "vae")
     mean, std = latent_normalisation(vae_config)
+    quantization = {
+        "dit": _dit_status(model_dir, dit),
+        "encoder": _encoder_status(model_dir, text_encoder),
+        "vae": None,
+    }
     return {
         "comfy": dict(COMFY),
         "latent": {
@@ -120,33 +135,132 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(found[1]),
         "compute_dtype": dtype_name(dtype),
+        # Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): each component's
+        # weight precision as the files store it; a loaded model reports what it holds.
+        "quantization": quantization,
         # Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): what is held,
         # here nothing, with the bytes each component would hold loaded.
         "residency": {
             "dit": component_row(
-                False, estimated_bytes(model_dir / "transformer", dtype), dtype, None
+                False, _dit_estimate(model_dir, dtype, dit), dtype, quantization["dit"]
             ),
             "encoder": component_row(
-                False, estimated_bytes(model_dir / "text_encoder", side), side, None
+                False, _encoder_bytes(model_dir, text_encoder, side), side, quantization["encoder"]
             ),
             "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
         },
         "memory": {
-            "dit_bytes": component_bytes(model_dir / "transformer"),
-            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+            "dit_bytes": _dit_bytes(model_dir, dit),
+            "encoder_bytes": _encoder_bytes(model_dir, text_encoder),
             "vae_bytes": component_bytes(model_dir / "vae"),
         },
     }
 
 
-def manifest(model_dir: Path) -> dict:
-    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers")."""
-    return dit_manifest(FAMILY, Path(model_dir) / "transformer", TITLE)
+def _stored_status(component_dir: Path) -> dict | None:
+    stored = stored_quantization(component_dir)
+    return None if stored is None else stored.status()
 
 
-def load(model_dir: Path, model_id: str, encoder_vae_dtype: str = AUTO) -> ZImageModel:
-    """The model of a folder; the text encoder and the VAE compute in the dtype the
-    `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype)."""
+def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
+    """The DiT's precision from its files: a GGUF file's types, else the folder's."""
+    gguf = dit_file(model_dir / "transformer", dit)
+    return _stored_status(model_dir / "transformer") if gguf is None else gguf.status()
+
+
+def encoder_file(model_dir: Path, text_encoder: Path | None = None):
+    """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
+    text_encoder/) as Qwen3 reads it (encoders.qwen3.text.gguf_files); None for safetensors."""
+    from ...encoders.qwen3.text import TextConfig, TextModel, gguf_files
+
+    component = Path(model_dir) / "text_encoder"
+    path = gguf_file(component, text_encoder)
+    if path is None:
+        return None
+    return gguf_files(TextModel(TextConfig.from_dict(read_config(component))), path)
+
+
+def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
+    files = encoder_file(model_dir, text_encoder)
+    return _stored_status(Path(model_dir) / "text_encoder") if files is None else files.status()
+
+
+def _encoder_bytes(
+    model_dir: Path, text_encoder: Path | None, dtype: mx.Dtype | None = None
+) -> int:
+    """The text encoder's bytes: its GGUF file's tensor data, else its folder's (no `dtype`:
+    as stored; else as it would load at `dtype`)."""
+    files = encoder_file(model_dir, text_encoder)
+    if files is not None:
+        return files.stored_bytes()
+    folder = Path(model_dir) / "text_encoder"
+    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype)
+
+
+def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
+    gguf = dit_file(model_dir / "transformer", dit)
+    return component_bytes(model_dir / "transformer") if gguf is None else gguf.stored_bytes()
+
+
+def _dit_estimate(model_dir: Path, dtype: mx.Dtype, dit: Path | None) -> int:
+    """The DiT's bytes as it would load at `dtype`: its GGUF file's, else its folder's."""
+    gguf = dit_file(Path(model_dir) / "transformer", dit)
+    if gguf is None:
+        return estimated_bytes(Path(model_dir) / "transformer", dtype)
+    return gguf.estimated_bytes(dtype.size)
+
+
+def manifest(model_dir: Path, dit: Path | None = None) -> dict:
+    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers"),
+    whatever the naming of a GGUF file (ComfyUI's fused qkv listed as to_q, to_k, to_v)."""
+    transformer = Path(model_dir) / "transformer"
+    return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
+
+
+def check(model_dir: Path, dit: Path | None = None, text_encoder: Path | None = None) -> None:
+    """Refuse, before anything loads, a DiT or text encoder GGUF file that is cut short, is
+    not this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
+    naming the file and the tensor). The registry asks before it lets the resident model go."""
+    for files in (
+        dit_file(Path(model_dir) / "transformer", dit),
+        encoder_file(model_dir, text_encoder),
+    ):
+        if files is not None:
+            files.open()
+
+
+def quantized_files(model_dir: Path) -> dict:
+    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
+    weights a quantized load quantizes (dit.quantized, prompt.quantized)."""
+    from ...encoders.qwen3.text import module_name
+    from .prompt import quantized as encoder_quantized
+
+    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
+
+    def dit_name(name: str) -> bool:
+        slot = slots.get(name.removesuffix(".weight"))
+        return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
+
+    def encoder_name(name: str) -> bool:
+        module = module_name(name)
+        return module is not None and encoder_quantized(module.removesuffix(".weight"))
+
+    return {"transformer": dit_name, "text_encoder": encoder_name}
+
+
+def load(
+    model_dir: Path,
+    model_id: str,
+    quantization: Quantization | None = None,
+    encoder_vae_dtype: str = AUTO,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+) -> ZImageModel:
+    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
+    file's float layers only). The text encoder and the VAE compute in the dtype the
+    `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`, `text_encoder`: a
+    model entry's GGUF files."""
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
@@ -154,20 +268,23 @@ def load(model_dir: Path, model_id: str, encoder_vae_dtype: str = AUTO) -> ZImag
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
+    check(model_dir, dit, text_encoder)
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    dit = ZImageDiT.load(model_dir / "transformer")
+    network = ZImageDiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
     vae = AutoencoderKL.load(model_dir / "vae", side)
+    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
 
     def load_encoder() -> ZImagePromptEncoder:
-        return ZImagePromptEncoder.load(model_dir, side)
+        return ZImagePromptEncoder.load(model_dir, side, quantization, gguf=encoder_gguf)
 
     encoder = load_encoder()
-    if encoder.hidden_size != dit.config.cap_feat_dim:
+    if encoder.hidden_size != network.config.cap_feat_dim:
         raise ValueError(
             f"the text encoder's width {encoder.hidden_size} differs from the DiT's caption"
-            f" width {dit.config.cap_feat_dim}"
+            f" width {network.config.cap_feat_dim}"
         )
-    return ZImageModel(model_dir, model_id, found[1], dit, vae, encoder, load_encoder)
+    files = {"dit": dit, "text_encoder": text_encoder}
+    return ZImageModel(model_dir, model_id, found[1], network, vae, encoder, load_encoder, files)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -193,13 +310,36 @@ class ZImageModel(FamilyModel):
     capabilities = Capabilities(max_refs=0, conventions=CONVENTIONS)
 
     def __init__(
-        self, model_dir: Path, model_id: str, variant: str, dit, vae, encoder, load_encoder=None
+        self,
+        model_dir: Path,
+        model_id: str,
+        variant: str,
+        dit,
+        vae,
+        encoder,
+        load_encoder=None,
+        files: dict | None = None,
     ):
-        """`load_encoder`: loads `encoder` again after a release (None: never released)."""
-        status = describe(model_dir, model_id, dit.dtype)
+        """`load_encoder`: loads `encoder` again after a release (None: never released).
+        `files`: the model entry's GGUF files (`dit`, `text_encoder`) the weights came from
+        (none: the folder's)."""
+        files = {key: path for key, path in (files or {}).items() if path is not None}
+        status = describe(model_dir, model_id, dit.dtype, **files)
+        dit_gguf = dit_file(Path(model_dir) / "transformer", files.get("dit"))
+        encoder_gguf = encoder_file(model_dir, files.get("text_encoder"))
+        quantization = {
+            "dit": quantization_status(dit.weights) if dit_gguf is None else dit_gguf.status(),
+            "encoder": quantization_status(encoder.encoder.model)
+            if encoder_gguf is None
+            else encoder_gguf.status(),
+            "vae": None,
+        }
+        status["quantization"] = quantization
         status["residency"] = {
-            "dit": component_row(True, dit.weight_bytes, dit.dtype, None),
-            "encoder": component_row(True, encoder.weight_bytes, encoder.dtype, None),
+            "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
+            "encoder": component_row(
+                True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
+            ),
             "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
         }
         super().__init__(
@@ -209,7 +349,7 @@ class ZImageModel(FamilyModel):
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
             status=status,
-            read_manifest=manifest,
+            read_manifest=lambda folder: manifest(folder, files.get("dit")),
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
             encoder=encoder,
             load_encoder=load_encoder,

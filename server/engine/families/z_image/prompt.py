@@ -18,6 +18,7 @@ import numpy as np
 
 from ...encoders.qwen3.text import Qwen3TextEncoder
 from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
+from ...precision import Quantization
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
 # add_generation_prompt=True and enable_thinking=True.
@@ -30,20 +31,40 @@ TAPPED_LAYERS = (-2,)  # hidden_states[-2]: the second-to-last decoder layer's o
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default truncation
 
 
+def quantized(path: str) -> bool:
+    """The text encoder's layers a quantized load quantizes, by module path: the linear layers
+    of its decoder layers. The token embedding keeps float32."""
+    return path.startswith("layers.")
+
+
 class ZImagePromptEncoder:
-    def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer):
+    def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, dtype: mx.Dtype):
+        """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
+        quantized, a GGUF file's token table too)."""
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.weight_bytes = encoder.weight_bytes
         self.hidden_size = encoder.hidden_size
-        self.dtype = encoder.model.embed_tokens.weight.dtype  # the dtype it computes in
+        self.dtype = dtype
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: mx.Dtype = mx.float32) -> ZImagePromptEncoder:
+    def load(
+        cls,
+        model_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+        gguf: Path | None = None,
+    ) -> ZImagePromptEncoder:
+        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, a llama.cpp
+        GGUF file of Qwen3 (text_encoder/config.json still describes it); with a
+        `quantization`, its decoder layers' float linears (`quantized`) are quantized as they
+        load."""
         model_dir = Path(model_dir)
-        encoder = Qwen3TextEncoder.load(model_dir / "text_encoder", dtype)
+        encoder = Qwen3TextEncoder.load(
+            model_dir / "text_encoder", dtype, quantization, quantized, gguf
+        )
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
-        return cls(encoder, tokenizer)
+        return cls(encoder, tokenizer, dtype)
 
     def token_ids(self, text: str) -> np.ndarray:
         return self.tokenizer.encode(text, []).ids[:MAX_SEQUENCE_LENGTH]

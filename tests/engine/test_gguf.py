@@ -1,0 +1,129 @@
+"""GGUF tensors as MLX weights (engine/gguf.py): the exact types' affine form dequantizes to what
+`gguf.quants.dequantize` gives, bit for bit in float32; the others within their measured bound
+(docs/benchmarks.md, "GGUF types"); floats, prefixes, orig_shape, and the refusals."""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gmlx_server.engine import gguf as gguf_files
+from gmlx_server.engine.gguf import EXACT, GROUP_SIZE, NEAREST, GGUFError, GGUFFile, pack, unpack
+
+from tests.engine.gguf_files import encoded, random_blocks, reference, write_gguf
+
+SHAPE = (24, 512)  # two K-quant super-blocks per row; more rows than ROWS_PER_CHUNK below
+# The added error of NEAREST's conversions on random blocks (relative L2 against gguf's
+# dequantized weights), with a margin over docs/benchmarks.md's figures.
+NEAREST_BOUND = {T.Q6_K: 0.007, T.Q3_K: 0.05, T.Q2_K: 0.065}
+
+
+def mlx_dequantized(item) -> np.ndarray:
+    packed, scales, biases = item.packed()
+    return np.array(mx.dequantize(packed, scales, biases, group_size=GROUP_SIZE, bits=item.bits))
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(gguf_files, "ROWS_PER_CHUNK", 10)  # chunks that do not divide the rows
+
+
+@pytest.mark.parametrize("kind", list(EXACT), ids=lambda kind: kind.name)
+def test_exact_types_dequantize_bit_for_bit(kind):
+    data = random_blocks(kind, SHAPE, np.random.default_rng(int(kind)))
+    expected = gguf.quants.dequantize(data, kind)
+    item = gguf_files.affine(kind, data, *SHAPE)
+    assert item.bits == EXACT[kind] and item.scales.dtype == np.float32
+    np.testing.assert_array_equal(mlx_dequantized(item), expected)
+    # widened to 8 bits (a fused weight whose parts differ) it is still exact
+    packed, scales, biases = item.packed(8)
+    wide = mx.dequantize(packed, scales, biases, group_size=GROUP_SIZE, bits=8)
+    np.testing.assert_array_equal(np.array(wide), expected)
+    assert np.abs(expected).max() > 0.1  # the blocks hold weights, not zeros
+
+
+@pytest.mark.parametrize("kind", list(NEAREST), ids=lambda kind: kind.name)
+def test_nearest_types_stay_within_their_measured_error(kind):
+    data = random_blocks(kind, SHAPE, np.random.default_rng(int(kind)))
+    expected = gguf.quants.dequantize(data, kind)
+    item = gguf_files.affine(kind, data, *SHAPE)
+    assert item.bits == NEAREST[kind]
+    error = np.linalg.norm(mlx_dequantized(item) - expected) / np.linalg.norm(expected)
+    assert 0 < error <= NEAREST_BOUND[kind]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_pack_is_mlx_layout(bits):
+    rng = np.random.default_rng(bits)
+    q = rng.integers(0, 2**bits, (3, 64), dtype=np.uint8)
+    np.testing.assert_array_equal(unpack(pack(q, bits), bits), q)
+    ones = mx.ones((3, 2))
+    levels = mx.dequantize(mx.array(pack(q, bits)), ones, 0 * ones, group_size=32, bits=bits)
+    np.testing.assert_array_equal(np.array(levels), q)
+
+
+def test_floats_prefixes_and_orig_shape(tmp_path):
+    rng = np.random.default_rng(0)
+    value = rng.standard_normal((8, 64)).astype(np.float32)
+    tensors = {
+        f"model.diffusion_model.{kind.name}.weight": (kind, encoded(kind, value, rng))
+        for kind in (T.F32, T.F16, T.BF16, T.Q8_0)
+    }
+    flat = value.reshape(2, 256)  # ComfyUI-GGUF's rows of 256, with the shape it came from
+    tensors["model.diffusion_model.flat.weight"] = (T.Q8_0, encoded(T.Q8_0, flat, rng))
+    orig = {"model.diffusion_model.flat.weight": (8, 64)}
+    path = write_gguf(tmp_path / "m.gguf", tensors, orig_shapes=orig)
+    file = GGUFFile(path)
+    assert file.architecture == "qwen_image"
+    assert sorted(file.entries) == [
+        "BF16.weight",
+        "F16.weight",
+        "F32.weight",
+        "Q8_0.weight",
+        "flat.weight",
+    ]
+    assert {name: entry.shape for name, entry in file.entries.items()} == dict.fromkeys(
+        file.entries, (8, 64)
+    )
+    for kind in (T.F32, T.F16, T.BF16):
+        got = file.read(f"{kind.name}.weight")
+        assert got.dtype == gguf_files.FLOAT_TYPES[kind]
+        expected = reference(kind, tensors[f"model.diffusion_model.{kind.name}.weight"][1])
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), expected.reshape(8, 64))
+    assert isinstance(file.read("Q8_0.weight"), gguf_files.Quantized)
+    # a reshaped tensor comes back in its own shape, dequantized exactly
+    restored = file.read("flat.weight", mx.float32)
+    expected = reference(T.Q8_0, tensors["model.diffusion_model.flat.weight"][1]).reshape(8, 64)
+    np.testing.assert_array_equal(np.array(restored), expected)
+    assert file.type_counts() == {"BF16": 1, "F16": 1, "F32": 1, "Q8_0": 2}
+
+
+def test_a_file_cut_short_is_refused_naming_the_tensor(tmp_path):
+    rng = np.random.default_rng(1)
+    tensors = {
+        "a.weight": (T.F32, rng.standard_normal((4, 64)).astype(np.float32)),
+        "b.weight": (T.Q4_K, random_blocks(T.Q4_K, (64, 256), rng)),
+    }
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(GGUFError, match=r"cut\.gguf .*cut short: tensor b\.weight"):
+        GGUFFile(cut)
+    cut.write_bytes(data[:40])  # inside the header
+    with pytest.raises(GGUFError, match=r"cut\.gguf is not a readable GGUF file"):
+        GGUFFile(cut)
+    not_gguf = tmp_path / "model.safetensors.gguf"
+    not_gguf.write_bytes(b"\x00" * 64)
+    with pytest.raises(GGUFError, match="model.safetensors.gguf"):
+        GGUFFile(not_gguf)
+
+
+def test_a_type_the_server_does_not_read_is_refused_naming_it(tmp_path):
+    rng = np.random.default_rng(2)
+    tensors = {"odd.weight": (T.IQ4_NL, rng.integers(0, 256, (4, 18 * 8), dtype=np.uint8))}
+    path = write_gguf(tmp_path / "m.gguf", tensors)
+    with pytest.raises(GGUFError, match=r"m\.gguf: tensor odd\.weight is IQ4_NL"):
+        GGUFFile(path)
