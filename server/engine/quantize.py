@@ -117,14 +117,17 @@ def quantize_module(
     quantization: Quantization,
     include: Callable[[str], bool],
 ) -> None:
-    """Quantize, in place, the module's `nn.Linear` layers whose module path `include` picks
-    (and whose input width the group size divides), and their weights in `weights` (the
-    module's parameter names, as `Module.load_weights` takes them), one tensor at a time."""
+    """Quantize, in place, the module's `nn.Linear` and `nn.Embedding` layers whose module
+    path `include` picks (and whose rows the group size divides: a linear's input width, an
+    embedding's width), and their weights in `weights` (the module's parameter names, as
+    `Module.load_weights` takes them), one tensor at a time. An embedding becomes MLX's
+    `QuantizedEmbedding` (mlx-lm quantizes token tables so): it looks rows up and dequantizes
+    them, the dequantized table's rows exactly."""
     picked: list[str] = []
 
     def predicate(path: str, layer: nn.Module) -> bool:
         wanted = (
-            isinstance(layer, nn.Linear)
+            isinstance(layer, (nn.Linear, nn.Embedding))
             and quantizable(layer.weight, quantization)
             and include(path)
         )

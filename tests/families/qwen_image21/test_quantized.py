@@ -68,7 +68,7 @@ def dequantized_encoder(prompt: QwenImage21PromptEncoder, folder) -> QwenImage21
     plain, _ = Qwen3VLEncoder.load(folder / "text_encoder")
     weights = dict(tree_flatten(prompt.encoder.parameters()))
     for path, layer in prompt.encoder.named_modules():
-        if isinstance(layer, nn.QuantizedLinear):
+        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             weights[path + ".weight"] = mx.dequantize(
                 layer.weight,
                 layer.scales,
@@ -136,6 +136,8 @@ def test_encode_is_the_dequantized_encoders(models):
     assert rel_l2(got.cond, expected.cond) <= TOLERANCE
     assert got.image_slots == expected.image_slots
     np.testing.assert_array_equal(got.ref_latents[0], expected.ref_latents[0])  # the same VAE
+    table = quantized.encoder.encoder.language_model.embed_tokens
+    assert isinstance(table, nn.QuantizedEmbedding)  # the token table is quantized too
 
 
 def test_step_is_the_dequantized_networks_step(models, full):

@@ -53,7 +53,8 @@ def test_the_files_hold_the_quantized_weights_and_say_so(folders):
     assert header["img_in.weight"]["dtype"] == "F32" and "img_in.scales" not in header
     encoder = read_header(weight_files(written / "text_encoder")[0])
     assert any(name.endswith("mlp.up_proj.scales") for name in encoder)
-    assert not any("embed_tokens.scales" in name for name in encoder)
+    assert any(name.endswith("embed_tokens.scales") for name in encoder)  # the token table too
+    assert not any("patch_embed" in name and name.endswith(".scales") for name in encoder)
     # everything else is copied as it was
     for name in ("model_index.json", "vae/config.json", "processor/tokenizer.json"):
         assert (written / name).read_bytes() == (source / name).read_bytes()

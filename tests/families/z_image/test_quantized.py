@@ -49,7 +49,7 @@ def dequantized_encoder(prompt: ZImagePromptEncoder, folder) -> ZImagePromptEnco
     plain = Qwen3TextEncoder.load(folder / "text_encoder")
     weights = dict(tree_flatten(prompt.encoder.model.parameters()))
     for path, layer in prompt.encoder.model.named_modules():
-        if isinstance(layer, nn.QuantizedLinear):
+        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             weights[path + ".weight"] = mx.dequantize(
                 layer.weight,
                 layer.scales,
@@ -91,6 +91,8 @@ def test_encode_is_the_dequantized_encoders(models):
     quantized, plain = models
     got = quantized.encode("a red boat at dawn", [], refs=False).cond
     assert rel_l2(got, plain.encode("a red boat at dawn", [], refs=False).cond) <= TOLERANCE
+    table = quantized.encoder.encoder.model.embed_tokens
+    assert isinstance(table, nn.QuantizedEmbedding)  # the token table is quantized too
 
 
 def test_step_is_the_dequantized_networks_step(models, full):

@@ -40,9 +40,12 @@ TAPPED_LAYERS = (-1,)  # the conditioning: the last decoder layer, before the fi
 
 def quantized(path: str) -> bool:
     """The text encoder's layers a quantized load quantizes, by module path: the linear layers
-    of the decoder's layers and of the vision blocks. The token and patch embedders, the
-    position table and the vision mergers keep float32."""
-    return path.startswith(("language_model.layers.", "visual.blocks."))
+    of the decoder's layers and of the vision blocks, and the token table (151,936 rows at the
+    full model's width: 1.24 GB in bf16, 0.35 GB at 4 bits). The patch embedder, the position
+    table and the vision mergers keep float32."""
+    return path == "language_model.embed_tokens" or path.startswith(
+        ("language_model.layers.", "visual.blocks.")
+    )
 
 
 @dataclass

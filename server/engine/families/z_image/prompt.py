@@ -33,8 +33,8 @@ MAX_SEQUENCE_LENGTH = 512  # the pipeline's default truncation
 
 def quantized(path: str) -> bool:
     """The text encoder's layers a quantized load quantizes, by module path: the linear layers
-    of its decoder layers. The token embedding keeps float32."""
-    return path.startswith("layers.")
+    of its decoder layers and the token table (151,936 rows at Qwen3-4B's width 2560)."""
+    return path == "embed_tokens" or path.startswith("layers.")
 
 
 class ZImagePromptEncoder:
