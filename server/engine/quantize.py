@@ -5,8 +5,10 @@ In a weight tree (nested dicts and lists, as a DiT's `sanitize` builds it) a qua
 weight `name` sits in its node as MLX stores it: `name` packed (uint32), `name.scales` and
 `name.biases` (one of each per `group_size` input columns of a row), and `name.quantization`,
 the (bits, group_size) constants `mx.quantized_matmul` needs (mx.compile takes them as part of a
-trace's signature). An `mlx.nn` module (a text encoder) is quantized with `nn.quantize`, whose
-`QuantizedLinear` applies the same arithmetic.
+trace's signature). An `mlx.nn` module (a text encoder) gets this module's `QuantizedLinear`
+layers (`nn.QuantizedLinear` through the same matmul). On the CPU backend a quantized matmul
+dequantizes its weight and runs the float GEMM (`quantized_matmul`); GPU backends run MLX's
+quantized kernels.
 
 Which layers are quantized is the family's choice, in one place: a predicate on the tree path
 ("blocks.3.qkv", "language_model.layers.0.mlp.up_proj"), as mlx-lm's `class_predicate`. A layer
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 from .precision import MODE, Quantization
 
@@ -40,16 +43,45 @@ def linear(node: dict, name: str, x: mx.array) -> mx.array:
     if spec is None:
         return x @ node[name].T
     bits, group_size = spec
-    return mx.quantized_matmul(
-        x,
-        node[name],
-        node[name + SCALES],
-        node[name + BIASES],
-        transpose=True,
-        group_size=group_size,
-        bits=bits,
-        mode=MODE,
+    return quantized_matmul(
+        x, node[name], node[name + SCALES], node[name + BIASES], bits, group_size
     )
+
+
+def quantized_matmul(
+    x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int
+) -> mx.array:
+    """x W^T for a quantized W. On the CPU backend W is dequantized and multiplied through the
+    BLAS: MLX's CPU `quantized_matmul` is a plain loop, tens of times slower than the float32
+    GEMM (docs/benchmarks.md, "Quantized weights"). The transient: while it runs, a dequantize
+    holds twice W's out x in elements in the scales' dtype, and a chain of linears holds a few
+    of those at a time (tests/engine/test_quantize.py), never the float model. GPU backends
+    keep MLX's quantized kernels. Both compute x times the dequantized W."""
+    if dequantize_first():
+        # Not before x: MLX evaluates ready nodes breadth-first, and a dequantize that hangs on
+        # the weights alone would run ahead with every other, all float weights alive at once.
+        (packed,) = mx.depends([packed], [x])
+        weight = mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits, mode=MODE)
+        return x @ weight.T
+    return mx.quantized_matmul(
+        x, packed, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=MODE
+    )
+
+
+def dequantize_first() -> bool:
+    """Whether quantized weights are dequantized before their matmul: on the CPU backend."""
+    return mx.default_device() == mx.cpu
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` (affine) through `quantized_matmul`: a module's quantized layers
+    (quantize_module, quantize_stored_module) take the same path as a weight tree's."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = quantized_matmul(
+            x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size
+        )
+        return out + self["bias"] if "bias" in self else out
 
 
 def logical_shape(node: dict, name: str) -> tuple[int, int]:
@@ -130,13 +162,7 @@ def quantize_module(
             picked.append(path)
         return wanted
 
-    nn.quantize(
-        module,
-        quantization.group_size,
-        quantization.bits,
-        mode=MODE,
-        class_predicate=predicate,
-    )
+    swap_linears(module, quantization, predicate)
     for path in picked:
         value = weights.pop(path + ".weight")
         packed = quantized(value, quantization)
@@ -186,13 +212,29 @@ def quantize_stored_module(
 ) -> None:
     """Make the module's `nn.Linear` layers whose weights are stored quantized (`path.scales`
     among `weights`, as mlx-lm decides) `QuantizedLinear`s, ready for `load_weights`."""
-    nn.quantize(
+    swap_linears(
         module,
-        quantization.group_size,
-        quantization.bits,
-        mode=MODE,
-        class_predicate=lambda path, layer: path + SCALES in weights,
+        quantization,
+        lambda path, layer: isinstance(layer, nn.Linear) and path + SCALES in weights,
     )
+
+
+def swap_linears(
+    module: nn.Module, quantization: Quantization, picks: Callable[[str, nn.Module], bool]
+) -> None:
+    """Replace, in place, the module's leaf layers that `picks` (module path, layer) chooses by
+    `QuantizedLinear`s of `quantization` (as `nn.quantize` does, with this module's class);
+    their weights are still to be loaded (`Module.load_weights`)."""
+
+    def swap(path: str, layer: nn.Module) -> nn.Module:
+        if not picks(path, layer):
+            return layer
+        return QuantizedLinear.from_linear(
+            layer, quantization.group_size, quantization.bits, mode=MODE
+        )
+
+    leaves = tree_map_with_path(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
+    module.update_modules(leaves)
 
 
 def quantizable(value: mx.array, quantization: Quantization) -> bool:
