@@ -175,7 +175,7 @@ def target(dit, state, dequantizing: bool, x, sigma, hw, outs: dict, name: str) 
     from gmlx_server.engine import quantize
 
     chosen = quantize.dequantize_first
-    quantize.dequantize_first = lambda: dequantizing
+    quantize.dequantize_first = lambda rows: dequantizing
     try:
         outs[name] = dit.target_forward(x.astype(dit.dtype), sigma, [state], *hw)
         mx.eval(outs[name])

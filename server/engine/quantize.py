@@ -7,8 +7,8 @@ weight `name` sits in its node as MLX stores it: `name` packed (uint32), `name.s
 the (bits, group_size) constants `mx.quantized_matmul` needs (mx.compile takes them as part of a
 trace's signature). An `mlx.nn` module (a text encoder) gets this module's `QuantizedLinear`
 layers (`nn.QuantizedLinear` through the same matmul). On the CPU backend a quantized matmul
-dequantizes its weight and runs the float GEMM (`quantized_matmul`); GPU backends run MLX's
-quantized kernels.
+of 16 rows or more dequantizes its weight and runs the float GEMM (`quantized_matmul`); GPU
+backends run MLX's quantized kernels.
 
 Which layers are quantized is the family's choice, in one place: a predicate on the tree path
 ("blocks.3.qkv", "language_model.layers.0.mlp.up_proj"), as mlx-lm's `class_predicate`. A layer
@@ -35,6 +35,7 @@ SCALES = ".scales"
 BIASES = ".biases"
 SPEC = ".quantization"  # (bits, group_size)
 PACKED_BITS = 32  # the packed weight's element: uint32
+DEQUANTIZE_MIN_ROWS = 16  # quantized_matmul, below: MLX's CPU kernel is faster (benchmarks.md)
 
 
 def linear(node: dict, name: str, x: mx.array) -> mx.array:
@@ -52,12 +53,13 @@ def quantized_matmul(
     x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int
 ) -> mx.array:
     """x W^T for a quantized W. On the CPU backend W is dequantized and multiplied through the
-    BLAS: MLX's CPU `quantized_matmul` is a plain loop, tens of times slower than the float32
-    GEMM (docs/benchmarks.md, "Quantized weights"). The transient: while it runs, a dequantize
+    BLAS (`dequantize_first`): MLX's CPU `quantized_matmul` is a plain loop, tens of times
+    slower than the float32 GEMM at a step's row counts (docs/benchmarks.md, "Quantized
+    weights"). The transient: while it runs, a dequantize
     holds twice W's out x in elements in the scales' dtype, and a chain of linears holds a few
     of those at a time (tests/engine/test_quantize.py), never the float model. GPU backends
     keep MLX's quantized kernels. Both compute x times the dequantized W."""
-    if dequantize_first():
+    if dequantize_first(x.size // x.shape[-1]):
         # Not before x: MLX evaluates ready nodes breadth-first, and a dequantize that hangs on
         # the weights alone would run ahead with every other, all float weights alive at once.
         (packed,) = mx.depends([packed], [x])
@@ -68,9 +70,11 @@ def quantized_matmul(
     )
 
 
-def dequantize_first() -> bool:
-    """Whether quantized weights are dequantized before their matmul: on the CPU backend."""
-    return mx.default_device() == mx.cpu
+def dequantize_first(rows: int) -> bool:
+    """Whether a quantized weight is dequantized before its matmul with `rows` input rows: on
+    the CPU backend, from DEQUANTIZE_MIN_ROWS rows (the dequantize costs as much as MLX's
+    loop kernel at about 12 rows of a 4096 x 4096 weight; a step has hundreds)."""
+    return mx.default_device() == mx.cpu and rows >= DEQUANTIZE_MIN_ROWS
 
 
 class QuantizedLinear(nn.QuantizedLinear):

@@ -142,7 +142,9 @@ def test_the_cpu_path_equals_the_quantized_kernel(monkeypatch, bits):
     """On the CPU backend a quantized linear dequantizes, then runs the float GEMM; MLX's
     quantized kernel (the GPU backends' path) gives the same result, for a tree's weight and a
     module's layer (float32 scales and biases)."""
-    assert quantize.dequantize_first() == (mx.default_device() == mx.cpu)
+    on_cpu = mx.default_device() == mx.cpu
+    assert quantize.dequantize_first(quantize.DEQUANTIZE_MIN_ROWS) == on_cpu
+    assert not quantize.dequantize_first(quantize.DEQUANTIZE_MIN_ROWS - 1)
     node = {"w": random((192, 256))}
     quantize_tree(node, Quantization(bits, 64), lambda path: True)
     holder = nn.Sequential(nn.Linear(256, 192, bias=False))
@@ -153,7 +155,7 @@ def test_the_cpu_path_equals_the_quantized_kernel(monkeypatch, bits):
     x = random((2, 9, 256), seed=6)
     exact = x @ dequantized(node, "w").T
     for dequantizing in (True, False):
-        monkeypatch.setattr(quantize, "dequantize_first", lambda d=dequantizing: d)
+        monkeypatch.setattr(quantize, "dequantize_first", lambda rows, d=dequantizing: d)
         assert rel_l2(linear(node, "w", x), exact) <= 1e-6
         assert rel_l2(layer(x), exact) <= 1e-6
 
@@ -164,7 +166,7 @@ def test_dequantized_weights_are_alive_one_at_a_time(monkeypatch):
     after its input, 16 linears held 17-18 weights' worth (each dequantize holds 2 weights'
     worth while it runs, and the CPU stream frees a buffer only when its task ends: 4 eager,
     7 compiled were measured)."""
-    monkeypatch.setattr(quantize, "dequantize_first", lambda: True)
+    monkeypatch.setattr(quantize, "dequantize_first", lambda rows: True)
     count, width = 16, 1024
     tree = {f"w{i}": random((width, width), seed=i) * width**-0.5 for i in range(count)}
     quantize_tree(tree, Quantization(4), lambda path: True)
