@@ -98,6 +98,9 @@ def parse_args(argv=None):
     parser.add_argument("--text", type=int, default=256, help="conditioned prefix tokens")
     parser.add_argument("--negative", type=int, default=32, help="unconditioned prefix tokens")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--layers", type=int, default=None, help="write: only this many blocks or layers"
+    )
     return parser.parse_args(argv)
 
 
@@ -108,25 +111,34 @@ def folder(root: Path, bits: int, group_size: int) -> Path:
 # ------------------------------------------------------------------------------- the folders
 
 
-def checkpoint_shapes(component: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
+def checkpoint_shapes(
+    component: str, layers: int | None = None
+) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(config.json, tensor name -> shape) of a full-size component, from the reference
-    implementation built on torch's meta device."""
+    implementation built on torch's meta device; `layers`: only that many DiT blocks or
+    decoder layers (for a per-layer figure where the whole component cannot be loaded)."""
     import torch
 
     with torch.device("meta"):
         if component == "text_encoder":
             from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+            text = dict(TEXT_CONFIG)
+            if layers is not None:
+                text["num_hidden_layers"] = layers
             config = Qwen3VLConfig(
-                text_config=TEXT_CONFIG, vision_config=VISION_CONFIG, tie_word_embeddings=False
+                text_config=text, vision_config=VISION_CONFIG, tie_word_embeddings=False
             )
             module = Qwen3VLForConditionalGeneration(config)
             config_json = config.to_dict()
         else:
             from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
 
-            kind = QwenImage21Transformer2DModel if component == "transformer" else None
-            module = (kind or AutoencoderKLQwenImage21)()
+            if component == "transformer":
+                extra = {} if layers is None else {"num_layers": layers}
+                module = QwenImage21Transformer2DModel(**extra)
+            else:
+                module = AutoencoderKLQwenImage21()
             config_json = {"_class_name": type(module).__name__, **module.config}
             config_json.pop("_use_default_values", None)
     shapes = {name: tuple(value.shape) for name, value in module.state_dict().items()}
@@ -143,7 +155,9 @@ def shard_of(name: str) -> str:
     return "rest"
 
 
-def write_component(root: Path, component: str, bits: int, group_size: int) -> dict:
+def write_component(
+    root: Path, component: str, bits: int, group_size: int, layers: int | None = None
+) -> dict:
     """Write root/<component> (see the module's docstring); returns its bytes and time."""
     import mlx.core as mx
     import numpy as np
@@ -151,7 +165,7 @@ def write_component(root: Path, component: str, bits: int, group_size: int) -> d
     from gmlx_server.engine.precision import Quantization
 
     started = time.perf_counter()
-    config, shapes = checkpoint_shapes(component)
+    config, shapes = checkpoint_shapes(component, layers)
     target = root / component
     target.mkdir(parents=True, exist_ok=False)
     quantization = Quantization(bits, group_size) if bits < 16 else None
@@ -445,6 +459,7 @@ def main(argv=None) -> None:
             args.component,
             args.bits,
             args.group_size,
+            args.layers,
         )
     elif args.what == "load":
         result = measure_load(args)

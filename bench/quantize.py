@@ -16,7 +16,8 @@ matmul  one 4096 x 4096 linear at `--rows` input rows: float32 (x W^T), mx.quant
         quantize.linear.
 
     .venv/bin/python bench/quantize.py [--group-size 64] [--size 8x8] [--layers 1]
-        [--text 16] [--bits 4 8] [--rows 1 64 256] [--repeats 3] [--bf16] [--json]
+        [--text 16] [--bits 4 8] [--rows 1 64 256] [--repeats 3] [--bf16] [--no-kernel]
+        [--json]
 
 Results go to docs/benchmarks.md ("Quantized weights").
 """
@@ -48,6 +49,12 @@ def parse_args(argv=None):
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bf16", action="store_true", help="time the bf16 target pass too")
+    parser.add_argument(
+        "--no-kernel",
+        dest="kernel",
+        action="store_false",
+        help="leave out MLX's quantized kernel (slow at many tokens on the CPU backend)",
+    )
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
 
@@ -141,6 +148,8 @@ def step_times(args) -> dict:
     for bits in args.bits:
         quantized_dit = quantized_copy(float_dit, Quantization(bits, args.group_size))
         dits[f"{bits}-bit, dequantize + GEMM"] = (quantized_dit, True)
+        if not args.kernel:
+            continue
         # the same arrays in a DiT of its own, so its compiled trace takes the kernel path
         twin = QwenImage21DiT(quantized_dit.config, quantized_dit.weights, mx.float32)
         dits[f"{bits}-bit, mx.quantized_matmul"] = (twin, False)
