@@ -8,7 +8,8 @@ write   a full-size component folder under `--root`: the checkpoint's own tensor
         the family quantizes (family.quantized_files) are written as `gmlx model quantize`
         writes them, generated directly in packed form: random uint32 words, float32 scales
         and biases per group that span about +-sqrt(3/fan_in); everything else in bf16. At 16
-        bits every tensor is bf16. No float model exists at any point.
+        bits every tensor is bf16. No float model exists at any point. `--layers N`: only N
+        DiT blocks or decoder layers (a per-layer figure when the whole does not fit).
 load    one component loaded by the server's own loader (QwenImage21DiT.load,
         Qwen3VLEncoder.load, QwenImage21VAE.load) at `--dtype`: the bytes of its arrays, MLX's
         active and peak memory, the process's RSS after the load and its peak (VmHWM), all
@@ -20,10 +21,11 @@ step    the DiT and the VAE resident (the text encoder released, never loaded), 
         blocks (a view of the same arrays); MLX's and the process's peaks, the prefix states
         held and ms per block.
 all     the measurements of docs/benchmarks.md ("Full-size memory"), each in its own process
-        after checking MemAvailable (the run's need + 3 GB), folders written just before they
-        are measured and deleted after; JSON lines to `--out`.
+        after checking MemAvailable (the run's need + 3 GB; a run that does not fit is
+        reported skipped), folders written just before they are measured and deleted after,
+        16 bits last and one component at a time; JSON lines to `--out`.
 
-    .venv/bin/python bench/full_size_memory.py all --root /tmp/qi21-full --out results.jsonl
+    .venv/bin/python bench/full_size_memory.py all --root /tmp/qwen-image21-full --out results.jsonl
     .venv/bin/python bench/full_size_memory.py write --component transformer --bits 4 --root R
     .venv/bin/python bench/full_size_memory.py load --component transformer --root R --bits 4
     .venv/bin/python bench/full_size_memory.py step --root R --bits 4 --blocks 2 --size 1024
