@@ -387,6 +387,7 @@ def plan() -> list[tuple[int, list[tuple]]]:
                         ("load", "vae", "bfloat16", 0, 1 * GB),
                         ("step", "transformer", "float32", 1, int(12 * GB)),
                         ("step", "transformer", "float32", 2, int(12 * GB)),
+                        ("step", "transformer", "float32", 4, int(12 * GB)),
                     ]
                     if bits == 4
                     else []
