@@ -6,13 +6,18 @@ loss    the embedded default model (tiny, random weights) loaded as its files st
         the encode's relative L2, and the DiT's and text encoder's resident bytes.
 time    the target pass (what a step with a prefix hit runs) of a random DiT at full width
         (32 heads x 128 = 4096, SwiGLU x3, `--layers` blocks, a held prefix of `--text` rows),
-        in float32 and with its blocks quantized at `--bits`, in interleaved rounds after one
-        warm-up, all after mx.eval: the same run, the same shapes. Best and median ms.
+        in float32 (and bf16 with `--bf16`) and with its blocks quantized at `--bits`, each
+        on both quantized paths: dequantize + GEMM (quantize.linear on the CPU backend) and
+        MLX's quantized kernel (`mx.quantized_matmul`, the GPU backends' path), in
+        interleaved rounds after one warm-up, all after mx.eval: the same run, the same
+        shapes. Best and median ms.
 matmul  one 4096 x 4096 linear at `--rows` input rows: float32 (x W^T), mx.quantized_matmul
-        at each of `--bits`, and mx.dequantize followed by the float32 matmul.
+        at each of `--bits`, mx.dequantize followed by the float32 matmul, and
+        quantize.linear.
 
     .venv/bin/python bench/quantize.py [--group-size 64] [--size 8x8] [--layers 1]
-        [--text 16] [--bits 4 8] [--rows 1 64 256] [--repeats 3] [--json]
+        [--text 16] [--bits 4 8] [--rows 1 64 256] [--repeats 3] [--bf16] [--no-kernel]
+        [--json]
 
 Results go to docs/benchmarks.md ("Quantized weights").
 """
@@ -24,6 +29,7 @@ import json
 import statistics
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,6 +48,13 @@ def parse_args(argv=None):
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=ALL_BITS)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="time the bf16 target pass too")
+    parser.add_argument(
+        "--no-kernel",
+        dest="kernel",
+        action="store_false",
+        help="leave out MLX's quantized kernel (slow at many tokens on the CPU backend)",
+    )
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
 
@@ -115,47 +128,75 @@ def quantized_copy(dit, quantization):
 
 
 def step_times(args) -> dict:
-    """The target pass in float32 and at each of `--bits`, interleaved."""
+    """The target pass in float32 (and bf16 with `--bf16`) and at each of `--bits` on both
+    quantized paths (the CPU backend's dequantize-then-GEMM, MLX's quantized kernel),
+    interleaved."""
     import mlx.core as mx
     import numpy as np
-    from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout
+    from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
     from gmlx_server.engine.nn.dtypes import tree_bytes
     from gmlx_server.engine.precision import Quantization
+    from mlx.utils import tree_map
 
     h, w = (int(v) for v in args.size.split("x"))
     float_dit, _ = random_dit(args.layers, mx.float32)
-    dits = {"float32": float_dit}
+    dits = {"float32": (float_dit, True)}
+    if args.bf16:
+        # the same weights in bf16, the norm scales (vectors) kept float32 as a load keeps them
+        weights = tree_map(lambda a: a.astype(mx.bfloat16) if a.ndim == 2 else a, float_dit.weights)
+        dits["bf16"] = (QwenImage21DiT(float_dit.config, weights, mx.bfloat16), True)
     for bits in args.bits:
-        dits[f"{bits}-bit"] = quantized_copy(float_dit, Quantization(bits, args.group_size))
+        quantized_dit = quantized_copy(float_dit, Quantization(bits, args.group_size))
+        dits[f"{bits}-bit, dequantize + GEMM"] = (quantized_dit, True)
+        if not args.kernel:
+            continue
+        # the same arrays in a DiT of its own, so its compiled trace takes the kernel path
+        twin = QwenImage21DiT(quantized_dit.config, quantized_dit.weights, mx.float32)
+        dits[f"{bits}-bit, mx.quantized_matmul"] = (twin, False)
     rng = np.random.default_rng(2)
     text = mx.array(rng.standard_normal((args.text, CONTEXT), np.float32))
     x = mx.array(rng.standard_normal((1, h * w, 64), np.float32))
     sigma = mx.array(np.array([0.7], np.float32))
-    passes, outs = {}, {}
-    for name, dit in dits.items():
-        state = dit.prefix_state(PrefixLayout(args.text), text, [])
-        mx.eval(state.keys, state.values)
-
-        def target(dit=dit, state=state, name=name):
-            outs[name] = dit.target_forward(x, sigma, [state], h, w)
-            mx.eval(outs[name])
-
-        passes[name] = target
+    passes, outs, states = {}, {}, {}
+    for name, (dit, dequantizing) in dits.items():
+        if id(dit) not in states:
+            states[id(dit)] = dit.prefix_state(PrefixLayout(args.text), text, [])
+            mx.eval(states[id(dit)].keys, states[id(dit)].values)
+        passes[name] = partial(
+            target, dit, states[id(dit)], dequantizing, x, sigma, (h, w), outs, name
+        )
     times, _ = interleaved_ms(passes, args.repeats)
     return {
         name: {
             "target_ms_best": round(min(times[name]), 1),
             "target_ms_median": round(statistics.median(times[name]), 1),
             "block_bytes": tree_bytes(dit.weights["blocks"]),
-            "rel_l2_vs_float32": round(rel_l2(outs[name], outs["float32"]), 5),
+            "rel_l2_vs_float32": round(rel_l2(outs[name].astype(mx.float32), outs["float32"]), 5),
         }
-        for name, dit in dits.items()
+        for name, (dit, _) in dits.items()
     }
 
 
-def matmul_times(args) -> dict:
-    """One 4096 x 4096 linear per row count: float32, quantized, dequantized then float32."""
+def target(dit, state, dequantizing: bool, x, sigma, hw, outs: dict, name: str) -> None:
+    """One target pass of `dit`, its quantized linears on the chosen path (the DiT's compiled
+    trace is made under that choice on its first call, then reused)."""
     import mlx.core as mx
+    from gmlx_server.engine import quantize
+
+    chosen = quantize.dequantize_first
+    quantize.dequantize_first = lambda rows: dequantizing
+    try:
+        outs[name] = dit.target_forward(x.astype(dit.dtype), sigma, [state], *hw)
+        mx.eval(outs[name])
+    finally:
+        quantize.dequantize_first = chosen
+
+
+def matmul_times(args) -> dict:
+    """One 4096 x 4096 linear per row count: float32, MLX's quantized kernel, mx.dequantize
+    then float32, and quantize.linear (the CPU backend's path: the same, ordered after x)."""
+    import mlx.core as mx
+    from gmlx_server.engine.quantize import SCALES, SPEC, linear
 
     mx.random.seed(3)
     weight = mx.random.normal((4096, 4096)) * 4096**-0.5
@@ -168,11 +209,20 @@ def matmul_times(args) -> dict:
         fns = {"float32": lambda x=x: mx.eval(x @ weight.T)}
         for bits, (w, scales, biases) in packed.items():
             kw = {"group_size": args.group_size, "bits": bits}
+            node = {
+                "w": w,
+                "w" + SCALES: scales,
+                "w.biases": biases,
+                "w" + SPEC: (bits, kw["group_size"]),
+            }
             fns[f"{bits}-bit"] = lambda x=x, w=w, s=scales, b=biases, kw=kw: mx.eval(
                 mx.quantized_matmul(x, w, s, b, transpose=True, **kw)
             )
             fns[f"{bits}-bit dequantized"] = lambda x=x, w=w, s=scales, b=biases, kw=kw: mx.eval(
                 x @ mx.dequantize(w, s, b, **kw).T
+            )
+            fns[f"{bits}-bit quantize.linear"] = lambda x=x, node=node: mx.eval(
+                linear(node, "w", x)
             )
         times, _ = interleaved_ms(fns, args.repeats)
         report[rows] = {name: round(min(t), 1) for name, t in times.items()}

@@ -5,8 +5,10 @@ In a weight tree (nested dicts and lists, as a DiT's `sanitize` builds it) a qua
 weight `name` sits in its node as MLX stores it: `name` packed (uint32), `name.scales` and
 `name.biases` (one of each per `group_size` input columns of a row), and `name.quantization`,
 the (bits, group_size) constants `mx.quantized_matmul` needs (mx.compile takes them as part of a
-trace's signature). An `mlx.nn` module (a text encoder) is quantized with `nn.quantize`, whose
-`QuantizedLinear` applies the same arithmetic.
+trace's signature). An `mlx.nn` module (a text encoder) gets this module's `QuantizedLinear`
+layers (`nn.QuantizedLinear` through the same matmul). On the CPU backend a quantized matmul
+of 16 rows or more dequantizes its weight and runs the float GEMM (`quantized_matmul`); GPU
+backends run MLX's quantized kernels.
 
 Which layers are quantized is the family's choice, in one place: a predicate on the tree path
 ("blocks.3.qkv", "language_model.layers.0.mlp.up_proj"), as mlx-lm's `class_predicate`. A layer
@@ -25,6 +27,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 from .precision import MODE, Quantization
 
@@ -32,6 +35,7 @@ SCALES = ".scales"
 BIASES = ".biases"
 SPEC = ".quantization"  # (bits, group_size)
 PACKED_BITS = 32  # the packed weight's element: uint32
+DEQUANTIZE_MIN_ROWS = 16  # quantized_matmul, below: MLX's CPU kernel is faster (benchmarks.md)
 
 
 def linear(node: dict, name: str, x: mx.array) -> mx.array:
@@ -40,16 +44,48 @@ def linear(node: dict, name: str, x: mx.array) -> mx.array:
     if spec is None:
         return x @ node[name].T
     bits, group_size = spec
-    return mx.quantized_matmul(
-        x,
-        node[name],
-        node[name + SCALES],
-        node[name + BIASES],
-        transpose=True,
-        group_size=group_size,
-        bits=bits,
-        mode=MODE,
+    return quantized_matmul(
+        x, node[name], node[name + SCALES], node[name + BIASES], bits, group_size
     )
+
+
+def quantized_matmul(
+    x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int
+) -> mx.array:
+    """x W^T for a quantized W. On the CPU backend W is dequantized and multiplied through the
+    BLAS (`dequantize_first`): MLX's CPU `quantized_matmul` is a plain loop, tens of times
+    slower than the float32 GEMM at a step's row counts (docs/benchmarks.md, "Quantized
+    weights"). The transient: while it runs, a dequantize
+    holds twice W's out x in elements in the scales' dtype, and a chain of linears holds a few
+    of those at a time (tests/engine/test_quantize.py), never the float model. GPU backends
+    keep MLX's quantized kernels. Both compute x times the dequantized W."""
+    if dequantize_first(x.size // x.shape[-1]):
+        # Not before x: MLX evaluates ready nodes breadth-first, and a dequantize that hangs on
+        # the weights alone would run ahead with every other, all float weights alive at once.
+        (packed,) = mx.depends([packed], [x])
+        weight = mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits, mode=MODE)
+        return x @ weight.T
+    return mx.quantized_matmul(
+        x, packed, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=MODE
+    )
+
+
+def dequantize_first(rows: int) -> bool:
+    """Whether a quantized weight is dequantized before its matmul with `rows` input rows: on
+    the CPU backend, from DEQUANTIZE_MIN_ROWS rows (the dequantize costs as much as MLX's
+    loop kernel at about 12 rows of a 4096 x 4096 weight; a step has hundreds)."""
+    return mx.default_device() == mx.cpu and rows >= DEQUANTIZE_MIN_ROWS
+
+
+class QuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` (affine) through `quantized_matmul`: a module's quantized layers
+    (quantize_module, quantize_stored_module) take the same path as a weight tree's."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = quantized_matmul(
+            x, self["weight"], self["scales"], self["biases"], self.bits, self.group_size
+        )
+        return out + self["bias"] if "bias" in self else out
 
 
 def logical_shape(node: dict, name: str) -> tuple[int, int]:
@@ -125,23 +161,13 @@ def quantize_module(
     them, the dequantized table's rows exactly."""
     picked: list[str] = []
 
-    def predicate(path: str, layer: nn.Module) -> bool:
-        wanted = (
-            isinstance(layer, (nn.Linear, nn.Embedding))
-            and quantizable(layer.weight, quantization)
-            and include(path)
-        )
-        if wanted:
-            picked.append(path)
-        return wanted
+    def predicate(path: str, layer: nn.Module) -> Quantization | None:
+        if not (quantizable(layer.weight, quantization) and include(path)):
+            return None
+        picked.append(path)
+        return quantization
 
-    nn.quantize(
-        module,
-        quantization.group_size,
-        quantization.bits,
-        mode=MODE,
-        class_predicate=predicate,
-    )
+    swap_quantized(module, predicate)
     for path in picked:
         value = weights.pop(path + ".weight")
         packed = quantized(value, quantization)
@@ -192,19 +218,42 @@ def quantize_stored_module(
     module: nn.Module, weights: dict[str, mx.array], group_size: int
 ) -> None:
     """Make the module's layers whose weights are stored quantized (`path.scales` among
-    `weights`, as mlx-lm decides) quantized layers (`QuantizedLinear`, `QuantizedEmbedding`),
-    ready for `load_weights`, each at the width its packed weight's shape gives (a GGUF file
-    mixes widths)."""
+    `weights`, as mlx-lm decides) quantized layers (this module's `QuantizedLinear`, MLX's
+    `QuantizedEmbedding`), ready for `load_weights`, each at the width its packed weight's
+    shape gives (a GGUF file mixes widths)."""
 
-    def params(path: str, layer: nn.Module) -> dict | bool:
+    def stored(path: str, layer: nn.Module) -> Quantization | None:
         scales = weights.get(path + SCALES)
         if scales is None:
-            return False
+            return None
         packed = weights[path + ".weight"]
         bits = packed.shape[-1] * PACKED_BITS // (scales.shape[-1] * group_size)
-        return {"group_size": group_size, "bits": bits, "mode": MODE}
+        return Quantization(bits, group_size)
 
-    nn.quantize(module, class_predicate=params)
+    swap_quantized(module, stored)
+
+
+def swap_quantized(
+    module: nn.Module, picks: Callable[[str, nn.Module], Quantization | None]
+) -> None:
+    """Replace, in place, the module's `nn.Linear` and `nn.Embedding` leaves for which `picks`
+    (module path, layer) gives a quantization by quantized ones at it (as `nn.quantize` does,
+    linears with this module's `QuantizedLinear`); their weights are still to be loaded
+    (`Module.load_weights`)."""
+
+    def swap(path: str, layer: nn.Module) -> nn.Module:
+        if not isinstance(layer, (nn.Linear, nn.Embedding)):
+            return layer
+        quantization = picks(path, layer)
+        if quantization is None:
+            return layer
+        size, bits = quantization.group_size, quantization.bits
+        if isinstance(layer, nn.Linear):
+            return QuantizedLinear.from_linear(layer, size, bits, mode=MODE)
+        return nn.QuantizedEmbedding.from_embedding(layer, size, bits, mode=MODE)
+
+    leaves = tree_map_with_path(swap, module.leaf_modules(), is_leaf=nn.Module.is_module)
+    module.update_modules(leaves)
 
 
 def quantizable(value: mx.array, quantization: Quantization) -> bool:
