@@ -42,7 +42,9 @@ SAMPLING = {
     "turbo": {"steps": 8, "cfg": 1.0, "shift": 3.0},
     "base": {"steps": 50, "cfg": 5.0, "shift": 6.0},
 }
-FEATURES = ("noise_mask",)
+# The VAE tiles images past its sample_size as diffusers' tiling does, which is not the untiled
+# pass: docs/contract.md §8 says so.
+FEATURES = ("noise_mask", "tiled_vae")
 # Step conventions (docs/contract.md §5.2): both read the timestep as sigma (scale 1, shift 0)
 # and answer +dx/dsigma; the DiT itself runs at t = 1 - sigma and its output is negated.
 CONVENTIONS = ("comfy", "reference")

@@ -20,6 +20,7 @@ TINY_CONFIG = {
     "shift_factor": 0.1159,
     "use_quant_conv": False,
     "use_post_quant_conv": False,
+    "sample_size": 1024,  # FLUX.1's: images up to 1024 pixels are not tiled
 }
 CONSTANT_NOISE = 0.1
 
