@@ -24,7 +24,7 @@ import numpy as np
 
 from .base import Capabilities, EngineInputError, StepRow
 from .lora import TableWeights
-from .weights import QUANTIZED, tensor_infos
+from .weights import QUANTIZED, component_bytes, stored_elements, tensor_infos
 
 # Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
 # stored quantized (`gmlx model quantize`) is `quant`.
@@ -54,6 +54,40 @@ def dit_manifest(family: str, transformer_dir: Path, title: str) -> dict:
         "count": len(tensors),
         "tensors": tensors,
         "inline": {},
+    }
+
+
+def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
+    """The weights of a folder as they would load (for the status of a model not loaded): the
+    DiT at its compute dtype, the VAE and the prompt encoder in float32, counted from the file
+    headers. A loaded model counts its arrays instead (`FamilyModel.weight_bytes`)."""
+    model_dir = Path(model_dir)
+    dit = stored_elements(model_dir / "transformer") * dit_dtype.size
+    return dit + 4 * (
+        stored_elements(model_dir / "vae") + stored_elements(model_dir / "text_encoder")
+    )
+
+
+def memory_row(
+    model_dir: Path, dit_dtype: mx.Dtype, activation_reserve: int, weight_bytes: int | None = None
+) -> dict:
+    """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
+    footprint, weights plus the family's `activation_reserve` for its reference workload, less
+    the file sizes) and the resident bytes. The weights are a loaded model's `weight_bytes`,
+    counted from its arrays (quantized or not); None: not loaded, estimated from the headers,
+    and nothing resident."""
+    model_dir = Path(model_dir)
+    files = {
+        "dit_bytes": component_bytes(model_dir / "transformer"),
+        "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+        "vae_bytes": component_bytes(model_dir / "vae"),
+    }
+    weights = estimated_weight_bytes(model_dir, dit_dtype) if weight_bytes is None else weight_bytes
+    footprint = weights + activation_reserve
+    return {
+        **files,
+        "activation_reserve_bytes": max(0, footprint - sum(files.values())),
+        "resident_bytes": footprint if weight_bytes is not None else 0,
     }
 
 

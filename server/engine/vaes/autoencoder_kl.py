@@ -307,6 +307,84 @@ def run_tiled(x: mx.array, run, tiling: Tiling) -> mx.array:
     return mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """What the tiler and the memory plan read from a config, without the networks: the
+    stride, diffusers' tile sides (sample_size pixels, int(sample_size / stride) latent cells),
+    the channels, and the widest full-resolution activation of each side (the encoder's first
+    block, the decoder's last upsampler: the second-to-last up block)."""
+
+    stride: int
+    tile_pixels: int
+    tile_cells: int
+    in_channels: int
+    out_channels: int
+    latent_channels: int
+    encode_width: int
+    decode_width: int
+
+    @classmethod
+    def of(cls, config: dict) -> Geometry:
+        dims = list(config["block_out_channels"])
+        stride = 2 ** (len(dims) - 1)
+        sample = config.get("sample_size") or DEFAULT_SAMPLE_SIZE
+        tile_pixels = int(sample[0] if isinstance(sample, (list, tuple)) else sample)
+        return cls(
+            stride=stride,
+            tile_pixels=tile_pixels,
+            tile_cells=int(tile_pixels / stride),
+            in_channels=int(config["in_channels"]),
+            out_channels=int(config["out_channels"]),
+            latent_channels=int(config["latent_channels"]),
+            encode_width=dims[0],
+            decode_width=dims[min(1, len(dims) - 1)],
+        )
+
+    def tiled(self, height: int, width: int, decode: bool) -> bool:
+        """Whether a pass of a height x width image tiles: diffusers' rule, on the latent
+        size when decoding and on the image when encoding."""
+        if decode:
+            return max(self._cells(height, width)) > self.tile_cells
+        return max(height, width) > self.tile_pixels
+
+    def tiling(self, decode: bool) -> Tiling:
+        if decode:
+            return Tiling.of(self.tile_cells, self.tile_pixels)
+        return Tiling.of(self.tile_pixels, self.tile_cells)
+
+    def peak_bytes(self, itemsize: int, height: int, width: int, decode: bool) -> int:
+        """Bytes one pass of a height x width image may hold at its peak beyond the weights,
+        activations of `itemsize` bytes: buffers of the widest full-resolution activation over
+        the image, or over one tile plus the blended tiles and output a tiled pass holds."""
+        cells = self._cells(height, width)
+        tiled = self.tiled(height, width, decode)
+        window = [min(n, self.tile_cells) for n in cells] if tiled else list(cells)
+        pixels = window[0] * window[1] * self.stride**2
+        if decode:
+            peak = DECODE_BUFFERS * pixels * self.decode_width * itemsize
+        else:
+            peak = ENCODE_BUFFERS * pixels * self.encode_width * itemsize
+        return peak + (self._tiled_held_bytes(cells, decode) if tiled else 0)
+
+    def _cells(self, height: int, width: int) -> tuple[int, int]:
+        return math.ceil(height / self.stride), math.ceil(width / self.stride)
+
+    def _tiled_held_bytes(self, cells: tuple[int, int], decode: bool) -> int:
+        """The blended tiles (KEPT_TILE_ROWS rows of whole tiles), the output's copies and,
+        encoding, the input's, in float32."""
+        pixels = cells[0] * cells[1] * self.stride**2
+        if decode:
+            tiles_per_row = len(self.tiling(decode).starts(cells[1]))
+            tile = self.tile_pixels**2 * self.out_channels
+            held = TILED_OUTPUT_COPIES * pixels * self.out_channels
+        else:
+            tiles_per_row = len(self.tiling(decode).starts(cells[1] * self.stride))
+            tile = self.tile_cells**2 * self.latent_channels
+            held = TILED_OUTPUT_COPIES * cells[0] * cells[1] * self.latent_channels
+            held += TILED_INPUT_COPIES * pixels * self.in_channels
+        return (KEPT_TILE_ROWS * tiles_per_row * tile + held) * 4
+
+
 def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
     """Checkpoint tensors -> MLX parameters: convolution kernels OIHW -> OHWI."""
     return [
@@ -326,13 +404,10 @@ class AutoencoderKL:
         self.latent_channels = int(config["latent_channels"])
         self.in_channels = int(config["in_channels"])
         self.out_channels = int(config["out_channels"])
-        self.stride = 2 ** (len(config["block_out_channels"]) - 1)
+        self.geometry = Geometry.of(config)
+        self.stride = self.geometry.stride
         self.scaling_factor = float(config.get("scaling_factor", 1.0))
         self.shift_factor = float(config.get("shift_factor") or 0.0)
-        sample = config.get("sample_size") or DEFAULT_SAMPLE_SIZE
-        # diffusers' tile sides: sample_size pixels, int(sample_size / stride) latent cells
-        self.tile_pixels = int(sample[0] if isinstance(sample, (list, tuple)) else sample)
-        self.tile_cells = int(self.tile_pixels / self.stride)
         self.model = _Autoencoder(config)
         self.weight_bytes = 0
 
@@ -384,57 +459,15 @@ class AutoencoderKL:
         images = [self._decode_one(latents[i : i + 1]) for i in range(latents.shape[0])]
         return mx.concatenate(images, axis=0) if len(images) > 1 else images[0]
 
-    def tiled(self, height: int, width: int, decode: bool) -> bool:
-        """Whether a pass of a height x width image tiles: diffusers' rule, on the latent
-        size when decoding and on the image when encoding."""
-        if decode:
-            cells = max(math.ceil(height / self.stride), math.ceil(width / self.stride))
-            return cells > self.tile_cells
-        return max(height, width) > self.tile_pixels
-
     def peak_bytes(self, height: int, width: int, decode: bool) -> int:
-        """The memory plan of one image of height x width pixels, in buffers of the widest
-        full-resolution activation (the encoder's first block's channels, or the decoder's
-        last upsampler's, the second-to-last up block's) over the image, or over one tile and
-        the blended tiles and output a tiled pass holds."""
-        dims = list(self.config["block_out_channels"])
-        stride = self.stride
-        cells = (math.ceil(height / stride), math.ceil(width / stride))
-        if self.tiled(height, width, decode):
-            window = [min(n, self.tile_cells) for n in cells]
-        else:
-            window = list(cells)
-        pixels = window[0] * window[1] * stride**2
-        if decode:
-            peak = DECODE_BUFFERS * pixels * dims[min(1, len(dims) - 1)] * self.dtype.size
-        else:
-            peak = ENCODE_BUFFERS * pixels * dims[0] * self.dtype.size
-        if self.tiled(height, width, decode):
-            peak += self._tiled_held_bytes(cells, decode)
-        return peak
-
-    def _tiled_held_bytes(self, cells: tuple[int, int], decode: bool) -> int:
-        """The blended tiles (KEPT_TILE_ROWS rows of whole tiles), the output's copies and,
-        encoding, the input's, in float32."""
-        pixels = cells[0] * cells[1] * self.stride**2
-        if decode:
-            tiling = Tiling.of(self.tile_cells, self.tile_pixels)
-            tiles_per_row = len(tiling.starts(cells[1]))
-            tile = self.tile_pixels**2 * self.out_channels
-            held = TILED_OUTPUT_COPIES * pixels * self.out_channels
-        else:
-            tiling = Tiling.of(self.tile_pixels, self.tile_cells)
-            tiles_per_row = len(tiling.starts(cells[1] * self.stride))
-            tile = self.tile_cells**2 * self.latent_channels
-            held = TILED_OUTPUT_COPIES * cells[0] * cells[1] * self.latent_channels
-            held += TILED_INPUT_COPIES * pixels * self.in_channels
-        return (KEPT_TILE_ROWS * tiles_per_row * tile + held) * 4
+        """The memory plan of one image of height x width pixels (`Geometry.peak_bytes`)."""
+        return self.geometry.peak_bytes(self.dtype.size, height, width, decode)
 
     def _encode_one(self, image: mx.array) -> mx.array:
         x = (image.astype(self.dtype) * 2.0) - 1.0  # diffusers' image processor: [0, 1] -> [-1, 1]
         _, height, width, _ = x.shape
-        if self.tiled(height, width, decode=False):
-            mean = run_tiled(x, self._encode_mean, Tiling.of(self.tile_pixels, self.tile_cells))
+        if self.geometry.tiled(height, width, decode=False):
+            mean = run_tiled(x, self._encode_mean, self.geometry.tiling(decode=False))
         else:
             mean = self._encode_mean(x)
         out = mean.transpose(0, 3, 1, 2).astype(mx.float32)
@@ -451,8 +484,8 @@ class AutoencoderKL:
     def _decode_one(self, latents: mx.array) -> mx.array:
         z = latents.transpose(0, 2, 3, 1).astype(self.dtype)
         _, cells_h, cells_w, _ = z.shape
-        if self.tiled(cells_h * self.stride, cells_w * self.stride, decode=True):
-            x = run_tiled(z, self._decode_raw, Tiling.of(self.tile_cells, self.tile_pixels))
+        if self.geometry.tiled(cells_h * self.stride, cells_w * self.stride, decode=True):
+            x = run_tiled(z, self._decode_raw, self.geometry.tiling(decode=True))
         else:
             x = self._decode_raw(z)
         # diffusers' image processor maps x / 2 + 0.5 and clamps to [0, 1].

@@ -23,6 +23,7 @@ from gmlx_server.engine.families.qwen_image21 import family
 from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
+from gmlx_server.engine.family import estimated_weight_bytes
 from gmlx_server.engine.nn.dtypes import tree_bytes
 from gmlx_server.engine.precision import BITS, Quantization
 from gmlx_server.engine.quantize import BIASES, SCALES, SPEC
@@ -241,7 +242,7 @@ def test_a_configured_quantize_reaches_the_loaded_model(folder):
             + tree_bytes(model.encoder.encoder.parameters())
             + model.vae.weight_bytes
         )
-        assert model.weight_bytes < family.estimated_weight_bytes(folder, model.dit.dtype) * 0.7
+        assert model.weight_bytes < estimated_weight_bytes(folder, model.dit.dtype) * 0.7
     finally:
         server.close()
 

@@ -43,14 +43,14 @@ def tiled_vae(tmp_path_factory):
 @pytest.mark.parametrize(("height", "width"), [(128, 128), (256, 384)])
 @pytest.mark.parametrize("decode", [True, False])
 def test_estimate_bounds_the_measured_peak(vae, height, width, decode):
-    assert not vae.tiled(height, width, decode)
+    assert not vae.geometry.tiled(height, width, decode)
     check_estimate(vae, height, width, decode)
 
 
 @pytest.mark.parametrize(("height", "width"), [(256, 384), (512, 512)])
 @pytest.mark.parametrize("decode", [True, False])
 def test_estimate_bounds_the_measured_tiled_peak(vae, tiled_vae, height, width, decode):
-    assert tiled_vae.tiled(height, width, decode)
+    assert tiled_vae.geometry.tiled(height, width, decode)
     check_estimate(tiled_vae, height, width, decode)
     assert tiled_vae.peak_bytes(height, width, decode) < vae.peak_bytes(height, width, decode) / 4
 

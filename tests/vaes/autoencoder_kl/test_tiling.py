@@ -49,7 +49,7 @@ def test_tiled_decode_matches_diffusers_tiling(vaes, hw):
     model, vae = vaes
     cells = (hw[0] // 8, hw[1] // 8)
     latents = np.random.default_rng(7).standard_normal((1, 16, *cells)).astype(np.float32)
-    assert vae.tiled(*hw, decode=True)
+    assert vae.geometry.tiled(*hw, decode=True)
     ours = np.array(vae.decode(mx.array(latents)))
     expected = diffusers_decode(model, latents)
     assert ours.shape == expected.shape == (1, *hw, 3)
@@ -66,7 +66,7 @@ def test_tiled_decode_matches_diffusers_tiling(vaes, hw):
 def test_tiled_encode_matches_diffusers_tiling(vaes, hw):
     model, vae = vaes
     image = np.random.default_rng(8).random((1, *hw, 3), dtype=np.float32)
-    assert vae.tiled(*hw, decode=False)
+    assert vae.geometry.tiled(*hw, decode=False)
     ours = np.array(vae.encode(mx.array(image)))
     expected = diffusers_encode(model, image)
     assert ours.shape == expected.shape == (1, 16, hw[0] // 8, hw[1] // 8)
@@ -82,7 +82,9 @@ def test_tiled_encode_matches_diffusers_tiling(vaes, hw):
 def test_an_image_of_one_tile_is_not_tiled(vaes):
     """At sample_size itself diffusers does not tile, and neither does the server."""
     model, vae = vaes
-    assert not vae.tiled(TILE, TILE, decode=True) and not vae.tiled(TILE, TILE, decode=False)
+    assert not vae.geometry.tiled(TILE, TILE, decode=True) and not vae.geometry.tiled(
+        TILE, TILE, decode=False
+    )
     latents = np.random.default_rng(9).standard_normal((1, 16, 4, 4)).astype(np.float32)
     image = np.random.default_rng(10).random((1, TILE, TILE, 3), dtype=np.float32)
     assert rel_l2(np.array(vae.decode(mx.array(latents))), diffusers_decode(model, latents)) <= 1e-4
@@ -93,5 +95,7 @@ def test_the_tile_side_is_the_configs_sample_size(tmp_path):
     """FLUX.1's VAE config says sample_size 1024: tiles of 1024 pixels, 128 latent cells."""
     build_vae(tmp_path, seed=0, sample_size=1024)
     vae = AutoencoderKL.load(tmp_path)
-    assert (vae.tile_pixels, vae.tile_cells) == (1024, 128)
-    assert not vae.tiled(1024, 1024, decode=True) and vae.tiled(1024, 1032, decode=True)
+    assert (vae.geometry.tile_pixels, vae.geometry.tile_cells) == (1024, 128)
+    assert not vae.geometry.tiled(1024, 1024, decode=True) and vae.geometry.tiled(
+        1024, 1032, decode=True
+    )

@@ -18,13 +18,13 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
-from ...family import FamilyModel, dit_manifest
+from ...family import FamilyModel, dit_manifest, memory_row
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...quantize import quantization_status
-from ...weights import component_bytes, read_config, stored_elements, stored_quantization
+from ...weights import read_config, stored_quantization
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .dit import quantized as dit_quantized
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
@@ -150,7 +150,7 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
             "encoder": _stored_status(model_dir / "text_encoder"),
             "vae": None,
         },
-        "memory": memory_row(model_dir, dtype or default_compute_dtype()),
+        "memory": _memory(model_dir, dtype or default_compute_dtype()),
     }
 
 
@@ -199,17 +199,6 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
     return min(rows, query_rows) * group * keys * 4
 
 
-def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype) -> int:
-    """The weights of a folder as they would load (for the status of a model not loaded): the
-    DiT at its compute dtype, the VAE and the prompt encoder in float32, counted from the file
-    headers. A loaded model counts its arrays instead (`QwenImage21Model.weight_bytes`)."""
-    model_dir = Path(model_dir)
-    dit = stored_elements(model_dir / "transformer") * dit_dtype.size
-    return dit + 4 * (
-        stored_elements(model_dir / "vae") + stored_elements(model_dir / "text_encoder")
-    )
-
-
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     """The activations of the reference workload (RESERVE_*): the larger of a guided step and
     a VAE pass at RESERVE_PIXELS square."""
@@ -234,23 +223,9 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return max(step, vae)
 
 
-def memory_row(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None) -> dict:
-    """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
-    footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
-    weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
-    None: not loaded, estimated from the headers, and nothing resident."""
-    files = {
-        "dit_bytes": component_bytes(model_dir / "transformer"),
-        "encoder_bytes": component_bytes(model_dir / "text_encoder"),
-        "vae_bytes": component_bytes(model_dir / "vae"),
-    }
-    weights = estimated_weight_bytes(model_dir, dtype) if weight_bytes is None else weight_bytes
-    footprint = weights + activation_reserve(model_dir, dtype)
-    return {
-        **files,
-        "activation_reserve_bytes": max(0, footprint - sum(files.values())),
-        "resident_bytes": footprint if weight_bytes is not None else 0,
-    }
+def _memory(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None) -> dict:
+    """Status `memory`, with the reserve of this family's reference workload."""
+    return memory_row(model_dir, dtype, activation_reserve(model_dir, dtype), weight_bytes)
 
 
 def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
@@ -317,7 +292,7 @@ class QwenImage21Model(FamilyModel):
             "encoder": quantization_status(encoder.encoder),
             "vae": None,
         }
-        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes)
+        status["memory"] = _memory(model_dir, dit.dtype, weight_bytes)
         super().__init__(
             model_dir,
             model_id,

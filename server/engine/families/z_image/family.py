@@ -17,14 +17,15 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, dit_manifest
+from ...family import FamilyModel, dit_manifest, memory_row
 from ...lora import TableWeights
 from ...nn import cpu_ops
+from ...nn.compiled import compile_enabled
 from ...nn.dtypes import default_compute_dtype, dtype_name
-from ...vaes.autoencoder_kl import latent_normalisation
-from ...weights import component_bytes, read_config
+from ...vaes.autoencoder_kl import Geometry, latent_normalisation
+from ...weights import read_config
 from .dit import DiTConfig, ZImageDiT, linear_slots, padded
-from .prompt import TEMPLATE
+from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY = "z_image"
 TITLE = "Z-Image"
@@ -54,8 +55,21 @@ CONVENTIONS = ("comfy", "reference")
 TOKEN_WIDTH_BUFFERS = 10  # hidden, its normed form, q, k, v, the attention out, residual sums
 TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
 MLP_BUFFERS = 8  # gate and up, SiLU's temporaries and the product, at the MLP's width
+# Under mx.compile the fused kernels keep more alive: measured about 7 KB more per token on the
+# tiny checkpoint (width 64, MLP width 170), counted as buffers at the MLP's width.
+COMPILED_MLP_BUFFERS = 12
 # cpu_ops.attention (the CPU backend in float32) holds one block of scores at a time per row.
+# Under mx.compile its blocks no longer wait for each other and run side by side, so the plan
+# counts every block of a row's scores at once besides (measured on the tiny checkpoint: a peak
+# of 123 MiB compiled against 64 MiB eager for two rows of 2816 tokens, the excess in
+# proportion to the block size).
 SCORE_BLOCK_BUFFERS = 8
+# The reference workload behind status `activation_reserve_bytes` (as Qwen-Image 2.1's): a
+# guided step (2 rows) on a 1024x1024 image with captions of the longest prompt the encoder
+# keeps, or one 1024x1024 VAE pass (FLUX.1's VAE tiles only past 1024 pixels).
+RESERVE_PIXELS = 1024
+RESERVE_ROWS = 2
+RESERVE_CAPTION = MAX_SEQUENCE_LENGTH
 
 
 def _model_index(model_dir: Path) -> dict:
@@ -118,12 +132,27 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(found[1]),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
-        "memory": {
-            "dit_bytes": component_bytes(model_dir / "transformer"),
-            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
-            "vae_bytes": component_bytes(model_dir / "vae"),
-        },
+        "memory": _memory(model_dir, dtype or default_compute_dtype()),
     }
+
+
+def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """The activations of the reference workload (RESERVE_*): the larger of a guided step and
+    a VAE pass at RESERVE_PIXELS square."""
+    model_dir = Path(model_dir)
+    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+    cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
+    row = padded(cells * cells) + padded(RESERVE_CAPTION)
+    blocked = cpu_ops.use_cpu_ops(dtype)
+    step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compile_enabled())
+    vae = Geometry.of(read_config(model_dir / "vae"))
+    side = RESERVE_PIXELS
+    return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))
+
+
+def _memory(model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None) -> dict:
+    """Status `memory`, with the reserve of this family's reference workload."""
+    return memory_row(model_dir, dtype, activation_reserve(model_dir, dtype), weight_bytes)
 
 
 def manifest(model_dir: Path) -> dict:
@@ -150,7 +179,9 @@ def load(model_dir: Path, model_id: str) -> ZImageModel:
     return ZImageModel(model_dir, model_id, found[1], dit, vae, encoder)
 
 
-def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
+def step_peak_bytes(
+    config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool, compiled: bool
+) -> int:
     """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (image and
     caption, padded): the batch runs padded to the longest. Pure: no allocation."""
     if not lengths:
@@ -159,12 +190,14 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
     per_token = (
         TOKEN_WIDTH_BUFFERS * config.dim * itemsize
         + TOKEN_F32_BUFFERS * config.dim * 4
-        + MLP_BUFFERS * config.hidden_dim * itemsize
+        + (MLP_BUFFERS + (COMPILED_MLP_BUFFERS if compiled else 0)) * config.hidden_dim * itemsize
     )
     total = len(lengths) * longest * per_token
     if blocked:  # a block of scores per row (the rows' attentions may run side by side)
         rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
-        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+        block = SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+        every_block = config.num_heads * longest * longest * 4 if compiled else 0
+        total += len(lengths) * (block + every_block)
     return total
 
 
@@ -173,15 +206,18 @@ class ZImageModel(FamilyModel):
     capabilities = Capabilities(max_refs=0, conventions=CONVENTIONS)
 
     def __init__(self, model_dir: Path, model_id: str, variant: str, dit, vae, encoder):
+        weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
+        status = describe(model_dir, model_id, dit.dtype)
+        status["memory"] = _memory(model_dir, dit.dtype, weight_bytes)
         super().__init__(
             model_dir,
             model_id,
             variant,
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
-            status=describe(model_dir, model_id, dit.dtype),
+            status=status,
             read_manifest=manifest,
-            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            weight_bytes=weight_bytes,
         )
         self.dit = dit
         self.encoder = encoder
@@ -199,8 +235,10 @@ class ZImageModel(FamilyModel):
         image = padded((h // LATENT_PATCH) * (w // LATENT_PATCH))
         captions = [0] * batch if rows is None else [padded(_cond_rows(row)) for row in rows]
         # dit.cpu_ops was read at load: the quick plan runs on an HTTP thread, never asks MLX
+        dit = self.dit
+        lengths = [image + n for n in captions]
         return step_peak_bytes(
-            self.dit.config, self.dit.dtype.size, [image + n for n in captions], self.dit.cpu_ops
+            dit.config, dit.dtype.size, lengths, dit.cpu_ops, dit.compiled_pass.enabled
         )
 
     def denoise_step(
