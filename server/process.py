@@ -34,13 +34,15 @@ def fast_blas() -> None:
 
 def config_registry(config, model: str | None = None):
     """The model registry of a configuration, its default model `model` or else the configured
-    one or else the embedded default (whose folder joins as an extra folder); models load with
-    their entries' configured adapters and at their configured precision (`--quantize`, else
-    the entry's `quantize`). Returns (registry, extra folders)."""
+    one or else the embedded default; with no default_model configured the embedded models'
+    folders join as extra folders, so `model` may name one. Models load with their entries'
+    configured adapters and at their configured precision (`--quantize`, else the entry's
+    `quantize`). Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
     from .lora_files import DefaultAdapters
 
-    extra, default = _embedded_models(model or config.default_model)
+    extra, embedded_default = _embedded_models(config.default_model)
+    default = model or config.default_model or embedded_default
     hooks = DefaultAdapters(config.models) if config.models else None
     registry = ModelRegistry(
         config.model_dirs,

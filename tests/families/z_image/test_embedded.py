@@ -116,3 +116,16 @@ def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monke
     finally:
         registry.release(loaded)
         registry.unload_all()
+
+
+def test_the_image_commands_take_it_by_id(tmp_path, monkeypatch):
+    """`gmlx image sample --model z-image-random-tiny` with no default_model configured."""
+    from gmlx_server.image_cli import choose_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = tmp_path / "config.toml"
+    config.write_text("[server]\nmodel_dirs = []\n")
+    choice = choose_model(embedded.MODEL_NAME, config)
+    assert choice.model_id == embedded.MODEL_NAME
+    assert choice.registry.resolve(embedded.MODEL_NAME).family == "z_image"
+    assert choice.registry.default_id() == embedded.MODEL_NAME  # what the command samples
