@@ -89,7 +89,8 @@ def test_bf16_weights_run_near_float32(tiny, tmp_path):
 @pytest.mark.parametrize(("cap_lens", "hw"), [([9], (6, 10)), ([5, 40], (4, 4))])
 def test_compiled_equals_eager(tiny, cap_lens, hw):
     """The forward runs under mx.compile (fused elementwise work); eager, the same arrays give
-    the same answer up to float rounding, and the parity above is the compiled one's."""
+    the same answer up to float rounding (measured 0.0 on the CPU backend), and the parity
+    above is the compiled one's."""
     _, dit = tiny
     x, caps = inputs(6, cap_lens, hw)
     t = np.linspace(0.3, 0.8, len(cap_lens))
