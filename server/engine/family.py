@@ -69,6 +69,21 @@ def dit_manifest(
     }
 
 
+def memory_row(sizes: dict, weights: int, activation_reserve: int, resident: bool) -> dict:
+    """Status `memory` (docs/contract.md §2.3): `sizes`, the components' file sizes
+    (`dit_bytes`, `encoder_bytes`, `vae_bytes`); the activation reserve (the plan's footprint,
+    `weights` plus the family's `activation_reserve` for its reference workload, less the file
+    sizes) and the resident bytes (the footprint if `resident`, else 0). `weights`: a loaded
+    model's `weight_bytes`, counted from its arrays (quantized or not), else the family's
+    estimate from the file headers."""
+    footprint = weights + activation_reserve
+    return {
+        **sizes,
+        "activation_reserve_bytes": max(0, footprint - sum(sizes.values())),
+        "resident_bytes": footprint if resident else 0,
+    }
+
+
 def component_row(resident: bool, nbytes: int, dtype: mx.Dtype, quantization: dict | None) -> dict:
     """One component of status `residency` (docs/contract.md §2.3, an extension): whether its
     weights are held now, their bytes (as loaded, or estimated for a model not loaded), the

@@ -17,9 +17,7 @@ backend in float32, attention and SiLU use `engine/nn/cpu_ops.py` (MLX's CPU exp
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,22 +31,16 @@ from ...lora import LinearSlot, project
 from ...nn import cpu_ops
 from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
+from ...nn.compiled import CompiledPass
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
 from ...weights import gguf_file, load_tree, read_config
 
-log = logging.getLogger(__name__)
-
 TIME_PROJ_DIM = 256
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
 TIME_MAX_PERIOD = 10000.0
 TARGET_TABLES_KEPT = 16  # target RoPE tables kept, least recently used dropped first
-# mx.compile keeps one trace per input signature (weight tree, image size, each row's prefix
-# length) for as long as the compiled function lives: a server seeing many prompt lengths, sizes
-# and LoRA tables would keep them all. After this many signatures the compiled function is made
-# anew, which drops every trace it held (traced again on first use).
-COMPILED_SIGNATURES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -313,12 +305,8 @@ class QwenImage21DiT:
             OrderedDict()
         )
         # The target pass runs every step: compiled, its elementwise work (RoPE, norms,
-        # modulation, gates) fuses. GMLX_DIT_COMPILE=0 runs it eagerly.
-        self.compiled = os.environ.get("GMLX_DIT_COMPILE", "1") != "0"
-        self._compiled_target = mx.compile(self._target_pass)
-        self._signatures: set[tuple] = set()  # those _compiled_target has traced
-        if self.compiled:
-            cpu_ops.note_missing_compiler()
+        # modulation, gates) fuses (nn/compiled.py; GMLX_DIT_COMPILE=0 runs it eagerly).
+        self.target_pass = CompiledPass(self._target_pass)
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod
@@ -472,30 +460,19 @@ class QwenImage21DiT:
         keys = [state.keys for state in states]
         values = [state.values for state in states]
         arguments = (weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
-        if self.compiled:
-            try:
-                out = self._compiled_for(weights, x, cos, keys)(*arguments)
-                # Evaluated here so that a failing run-time compile surfaces in this try.
-                mx.eval(out)
-                return out
-            except RuntimeError as error:
-                if not cpu_ops.compile_failed(error):
-                    raise
-                self.compiled = False
-                log.warning("mx.compile failed, the DiT runs eagerly from now on: %s", error)
-        return self._target_pass(*arguments)
-
-    def _compiled_for(self, weights: dict, x: mx.array, cos: mx.array, keys: list) -> object:
-        """The compiled target pass, made anew once it has traced COMPILED_SIGNATURES_KEPT
-        signatures (the weight tree, the shapes of x and the RoPE table, each row's prefix
-        length)."""
+        # what decides the trace: the weight tree, the shapes of x and the RoPE table, each
+        # row's prefix length
         signature = (id(weights), x.shape, cos.shape, tuple(row[0].shape for row in keys))
-        if signature not in self._signatures:
-            if len(self._signatures) >= COMPILED_SIGNATURES_KEPT:
-                self._compiled_target = mx.compile(self._target_pass)  # the old traces go
-                self._signatures.clear()
-            self._signatures.add(signature)
-        return self._compiled_target
+        return self.target_pass(signature, *arguments)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the target pass runs compiled (False after a failed compile)."""
+        return self.target_pass.enabled
+
+    @compiled.setter
+    def compiled(self, enabled: bool) -> None:
+        self.target_pass.enabled = enabled
 
     def _target_pass(self, w: dict, x, sigma, cos, sin, keys, values) -> mx.array:
         """The target pass as a pure function of arrays (weights included), so `mx.compile`

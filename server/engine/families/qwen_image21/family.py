@@ -18,7 +18,7 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
-from ...family import FamilyModel, component_row, dit_manifest
+from ...family import FamilyModel, component_row, dit_manifest, memory_row
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
@@ -176,7 +176,7 @@ def describe(
             ),
             "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
         },
-        "memory": memory_row(model_dir, dtype, files=files),
+        "memory": _memory(model_dir, dtype, files=files),
     }
 
 
@@ -334,14 +334,12 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return max(step, vae)
 
 
-def memory_row(
+def _memory(
     model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None, files: dict | None = None
 ) -> dict:
-    """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
-    footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
-    weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
-    None: not loaded, estimated from the headers, and nothing resident. `files`: a model
-    entry's GGUF files."""
+    """Status `memory` (family.memory_row) with this family's file sizes and reserve. The
+    weights are a loaded model's `weight_bytes`; None: not loaded, estimated from the headers.
+    `files`: a model entry's GGUF files."""
     files = files or {}
     gguf = dit_file(model_dir / "transformer", files.get("dit"))
     sizes = {
@@ -355,12 +353,8 @@ def memory_row(
         weights = estimated_weight_bytes(model_dir, dtype, files)
     else:
         weights = weight_bytes
-    footprint = weights + activation_reserve(model_dir, dtype)
-    return {
-        **sizes,
-        "activation_reserve_bytes": max(0, footprint - sum(sizes.values())),
-        "resident_bytes": footprint if weight_bytes is not None else 0,
-    }
+    reserve = activation_reserve(model_dir, dtype)
+    return memory_row(sizes, weights, reserve, resident=weight_bytes is not None)
 
 
 def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
@@ -483,7 +477,7 @@ class QwenImage21Model(FamilyModel):
             ),
             "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
         }
-        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes, files)
+        status["memory"] = _memory(model_dir, dit.dtype, weight_bytes, files)
         super().__init__(
             model_dir,
             model_id,

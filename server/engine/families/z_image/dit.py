@@ -29,6 +29,7 @@ from ...lora import LinearSlot, project
 from ...nn import cpu_ops
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
+from ...nn.compiled import CompiledPass
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
@@ -333,6 +334,9 @@ class ZImageDiT:
         self.dtype = dtype
         self._time_freqs = time_frequencies()
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+        # The whole forward runs every step: compiled, its elementwise work (RoPE, norms,
+        # modulation, gates) fuses (GMLX_DIT_COMPILE=0 runs it eagerly).
+        self.compiled_pass = CompiledPass(self._pass)
 
     @classmethod
     def load(
@@ -454,41 +458,53 @@ class ZImageDiT:
     ) -> mx.array:
         """The raw output (B, C, H, W) for latents x (B, C, H, W) at t (B,) (the reference's
         time: 1 - sigma), row b conditioned on caption features caps[b] (L_b, cap_feat_dim).
-        `weights`: a tree carrying a LoRA table's pairs (default: the plain weights)."""
+        `weights`: a tree carrying a LoRA table's pairs (default: the plain weights). The pass
+        runs compiled (nn/compiled.py), once traced per weight tree, size and caption lengths."""
         w = self.weights if weights is None else weights
+        _, _, height, width = x.shape
+        p = self.config.patch_size
+        if height % p or width % p:
+            raise ValueError(f"latents {height}x{width} must be multiples of the patch {p}")
+        cap_lens = [int(cap.shape[0]) for cap in caps]
+        tables = self._rope_tables(height // p, width // p, cap_lens)
+        signature = (id(w), x.shape, tuple(cap_lens))
+        return self.compiled_pass(signature, w, x.astype(self.dtype), t, caps, tables)
+
+    def _rope_tables(self, h: int, w: int, cap_lens: list[int]) -> tuple:
+        """Host side: the RoPE tables of the image tokens, the caption tokens and each row's
+        [image, caption], for an h x w patch grid and rows of these caption lengths."""
+        image_pos = [image_positions(padded(n) + 1, h, w) for n in cap_lens]
+        cap_pos = [caption_positions(n) for n in cap_lens]
+        unified_pos = [np.concatenate(pair) for pair in zip(image_pos, cap_pos, strict=True)]
+        return self.rope(image_pos), self.rope(cap_pos), self.rope(unified_pos)
+
+    def _pass(self, w: dict, x: mx.array, t: mx.array, caps: list[mx.array], tables) -> mx.array:
+        """The forward as a pure function of arrays (weights included), so `mx.compile` traces
+        it once per shape and fuses its elementwise work. Every length comes from a shape."""
         config = self.config
         batch, _, height, width = x.shape
         p = config.patch_size
-        if height % p or width % p:
-            raise ValueError(f"latents {height}x{width} must be multiples of the patch {p}")
         h, w_tokens = height // p, width // p
         image_len, image_padded = h * w_tokens, padded(h * w_tokens)
-        cap_lens = [int(cap.shape[0]) for cap in caps]
-        cap_padded = [padded(n) for n in cap_lens]
+        cap_padded = [padded(int(cap.shape[0])) for cap in caps]
+        (image_cos, image_sin), (cap_cos, cap_sin), (cos, sin) = tables
         adaln = self.time_embedding(w, t).astype(self.dtype)
 
         # Image tokens, padded with the pad token, through the noise refiner.
-        image = dense(w, "x_in", self.patchify(x.astype(self.dtype)))
+        image = dense(w, "x_in", self.patchify(x))
         pad = mx.broadcast_to(w["x_pad"], (batch, image_padded - image_len, config.dim))
         image = mx.concatenate([image, pad.astype(self.dtype)], axis=1)
-        image_pos = [image_positions(n + 1, h, w_tokens) for n in cap_padded]
-        cos, sin = self.rope(image_pos)
         for block in w["noise_refiner"]:
-            image = self.block(block, image, cos, sin, [image_padded] * batch, adaln)
+            image = self.block(block, image, image_cos, image_sin, [image_padded] * batch, adaln)
 
         # Caption tokens, each row padded to its multiple with the pad token, then the batch to
         # the longest, through the context refiner.
         caption = self._caption_tokens(w, caps, cap_padded)
-        cap_pos = [caption_positions(n) for n in cap_lens]
-        cos, sin = self.rope(cap_pos)
         for block in w["context_refiner"]:
-            caption = self.block(block, caption, cos, sin, cap_padded, None)
+            caption = self.block(block, caption, cap_cos, cap_sin, cap_padded, None)
 
         # Each row's [image, caption], through the main blocks.
         unified = mx.concatenate([image, caption], axis=1)
-        cos, sin = self.rope(
-            [np.concatenate(pair) for pair in zip(image_pos, cap_pos, strict=True)]
-        )
         lengths = [image_padded + n for n in cap_padded]
         for block in w["layers"]:
             unified = self.block(block, unified, cos, sin, lengths, adaln)
