@@ -181,10 +181,16 @@ class Encoder(nn.Module):
         return self.conv_out(_silu(self.conv_norm_out(self.mid_block(x))))
 
 
+def decoder_channels(config: dict) -> list[int]:
+    """The decoder's block widths: `decoder_block_out_channels` where the config names its own
+    (AutoencoderKLFlux2 may), else the encoder's."""
+    return list(config.get("decoder_block_out_channels") or config["block_out_channels"])
+
+
 class Decoder(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
-        dims, groups = list(config["block_out_channels"])[::-1], config["norm_num_groups"]
+        dims, groups = decoder_channels(config)[::-1], config["norm_num_groups"]
         last = len(dims) - 1
         self.conv_in = Conv3x3(config["latent_channels"], dims[0])
         self.mid_block = MidBlock(dims[0], groups)
@@ -299,7 +305,7 @@ class AutoencoderKL:
         """The memory plan of one image of height x width pixels, in buffers of the widest
         full-resolution activation: the encoder's first block's channels, or the decoder's
         last upsampler's (the second-to-last up block's)."""
-        dims = list(self.config["block_out_channels"])
+        dims = decoder_channels(self.config) if decode else list(self.config["block_out_channels"])
         pixels = math.ceil(height / self.stride) * math.ceil(width / self.stride) * self.stride**2
         if decode:
             return DECODE_BUFFERS * pixels * dims[min(1, len(dims) - 1)] * self.dtype.size
