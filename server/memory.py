@@ -200,14 +200,25 @@ class MemoryPlanner:
             )
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
-    def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> Any:
+    def check_step(
+        self,
+        loaded: LoadedModel,
+        x_shape: tuple,
+        rows: list,
+        table: Any,
+        ref_cache_run: str | None = None,
+    ) -> Any:
         """docs/contract.md §2.11 step 11, on the worker: the rows' prefixes, states not held counted as
-        built; held states of other work are shed when that makes the plan fit. Returns the
-        model's plan of the step (its `plan_step`, made once here), for its forward."""
+        built; held states of other work are shed when that makes the plan fit. A `ref_cache`
+        step (`ref_cache_run`: its run) also counts the reference K/V it would add to the run
+        (the model's `ref_cache_bytes`, §3.4). Returns the model's plan of the step (its
+        `plan_step`, made once here), for its forward."""
         model = loaded.model
         x_shape = tuple(x_shape)
         plans = model.plan_step(x_shape, rows, table)
         need = model.step_peak_bytes(x_shape, rows, table, plans=plans)
+        if ref_cache_run is not None:
+            need += model.ref_cache_bytes(rows, table, ref_cache_run)
         budget = self.budget()
         free = budget - self.held()
         if need > free:

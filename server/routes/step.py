@@ -81,7 +81,9 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
     def forward() -> StepResult:
         service.check_live(run)  # interrupted while queued: do not compute
         # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states)
-        plans = service.memory.check_step(loaded, request.x.shape, rows, table)
+        plans = service.memory.check_step(
+            loaded, request.x.shape, rows, table, ref_cache_run=run.run_id if ref_cache else None
+        )
         flow_map = facts.flow_map and request.sample_sigmas is not None
         return loaded.model.denoise_step(
             request.x,
