@@ -54,6 +54,11 @@ COMFY = {"model_class": "Flux2", "image_model": "flux2"}
 CONDITIONING = {"ref_method": "index", "empty_prompt": TEMPLATE.empty_prompt}
 LATENT_PATCH = 1
 MAX_REFS = 10
+# Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at most
+# 1024x1024 (it resizes larger ones), sides multiples of 16 (it crops others).
+REF_MIN_SIDE = 64
+REF_MAX_ASPECT = 8
+REF_MAX_AREA = 1024 * 1024
 SCHEDULE = {"rule": "flux2"}  # docs/contract.md §5.3, gmlx_contract.schedules.flux2_sigmas
 SAMPLING = {
     "distilled": {"steps": 4, "cfg": 1.0, "shift": 1.0},
@@ -227,11 +232,18 @@ class Flux2KleinModel(FamilyModel):
     def _reference_latents(self, index: int, image: np.ndarray) -> np.ndarray:
         height, width = image.shape[:2]
         stride = self.vae.stride
-        if height % stride or width % stride or height * width > 1024 * 1024:
+        if (
+            height % stride
+            or width % stride
+            or min(height, width) < REF_MIN_SIDE
+            or max(height, width) > REF_MAX_ASPECT * min(height, width)
+            or height * width > REF_MAX_AREA
+        ):
             raise EngineInputError(
                 f"image {index} is {width}x{height}: {self.title} references must have sides"
-                f" that are multiples of {stride} and at most 1024x1024 pixels (the pipeline's"
-                " size), or be sent as latents from vae/encode"
+                f" that are multiples of {stride}, at least {REF_MIN_SIDE}, within an aspect"
+                f" ratio of {REF_MAX_ASPECT} and at most {REF_MAX_AREA} pixels (the pipeline's"
+                " sizes, which it would resize to), or be sent as latents from vae/encode"
             )
         pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
         return np.array(self.vae.encode(pixels).astype(mx.float32))
