@@ -56,7 +56,7 @@ def reference_dit(
     with torch.no_grad():
         out = model(
             hidden_states=img,
-            encoder_hidden_states=torch.from_numpy(np.asarray(cap, np.float32)),
+            encoder_hidden_states=torch.from_numpy(np.array(cap, np.float32)),
             timestep=torch.from_numpy(np.asarray(t, np.float32)),
             img_ids=img_ids,
             txt_ids=txt_ids,
