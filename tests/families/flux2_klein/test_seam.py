@@ -119,10 +119,23 @@ def test_the_kv_model_runs_its_references_its_own_way(live):
     expected = reference_dit(live.transformers[KV], x, [0.6], cond, refs, kv=True)
     assert rel_l2(out, expected) <= 1e-4
     run = live.post_json("runs/begin", {"model": KV}).json()["run"]
-    r = step(
-        live, x, [0.6], [(cond, refs)], model=KV, convention="reference", run=run, ref_cache=True
-    )
+    fields = {"model": KV, "convention": "reference", "run": run}
+    r = step(live, x, [0.6], [(cond, refs)], **fields, ref_cache=True)
     assert r.status_code == 400 and "ref_cache" in r.text
+    # its step in parts: the run keeps the references' K/V as the row's state
+    first = step(live, x, [0.6], [(cond, refs)], **fields)
+    second = step(live, x, [0.3], [(cond, refs)], **fields)
+    headers = [r.headers["X-Gmlx-Prefix-Cache"] for r in (first, second)]
+    assert headers == ["miss", "hit"]
+    np.testing.assert_array_equal(out_of(first), out)
+    expected = reference_dit(live.transformers[KV], x, [0.3], cond, refs, kv=True)
+    assert rel_l2(out_of(second), expected) <= 1e-4
+    row = {"cond": live.put_tensor(cond), "prefix_cache": False}
+    row["ref_latents"] = [live.put_tensor(r[None]) for r in refs]
+    arrays = {"x": x, "timestep": np.array([0.3], np.float32)}
+    off = live.post_container("step", arrays, {**fields, "rows": [row]})
+    assert off.headers["X-Gmlx-Prefix-Cache"] == "off"
+    np.testing.assert_array_equal(out_of(off), out_of(second))
     live.post_json(f"runs/{run}/end")
 
 
@@ -130,6 +143,7 @@ def test_a_cached_step_equals_the_uncached_one(live):
     """ref_cache: the first step of the run extracts the references' K/V (miss), later steps
     reuse them (hit) and answer the same bit for bit, equal to the KV pipeline's extract step;
     ending the run drops them."""
+    assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
     model = live.ctx.registry.loaded(KLEIN)
     held = model.model.held_bytes()
     cond = encode(live, "a red fox")
@@ -161,7 +175,8 @@ def test_a_cached_step_equals_the_uncached_one(live):
 def test_the_memory_plan_refuses_a_cache_that_does_not_fit(live, monkeypatch):
     """A budget with room for the step but not for the K/V it would keep: the ref_cache step is
     refused 400, the same step without the cache runs."""
-    loaded = live.ctx.registry.loaded(KLEIN) or live.ctx.registry.load(KLEIN)
+    assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
+    loaded = live.ctx.registry.loaded(KLEIN)
     cond = encode(live, "a red fox")
     refs = [latents(10, 128, 8, 8)]
     x = latents(11, 1, 128, 4, 4)

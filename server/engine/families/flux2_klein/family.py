@@ -11,8 +11,10 @@ blocks), else the 4B one; the variant is `distilled` when model_index.json says 
 References are VAE latents only (the text encoder never reads images), in model space. They
 run with the image tokens at the step's time (`joint`), except in the KV model's way (`kv`:
 at time 0, attending to themselves only, their K/V per block depending on them alone), which
-the KV family's own pipeline always uses (the `reference` convention) and every family uses
+the KV family's own pipeline always uses (the `reference` convention: its step in parts, the
+run keeping each row's reference K/V as its state, header hit/miss/off) and every family uses
 with `ref_cache` (docs/contract.md §3.4), whose K/V the run keeps from its first step on.
+Either way the run's end drops them.
 """
 
 from __future__ import annotations
@@ -337,10 +339,14 @@ class Flux2KleinModel(FamilyModel):
         header = "none"
         states = None
         if plan.ref_mode == "kv":
-            held = self.ref_caches.setdefault(run, {}) if ref_cache else {}
+            # Without ref_cache this is the KV family's own step in parts: its rows' prefix_cache
+            # flags decide whether the run keeps the states (docs/contract.md §3.3).
+            off = not ref_cache and not all(row.prefix_cache for row in rows)
+            kept = run is not None and not off
+            held = self.ref_caches.setdefault(run, {}) if kept else {}
             with_refs = [key for key in plan.keys if key is not None]
-            if ref_cache and with_refs:
-                header = "hit" if all(key in held for key in with_refs) else "miss"
+            if with_refs:
+                header = "off" if off else "hit" if all(k in held for k in with_refs) else "miss"
             states = [
                 self._state(held, key, r, weights) for key, r in zip(plan.keys, refs, strict=True)
             ]
