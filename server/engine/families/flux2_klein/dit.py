@@ -147,6 +147,44 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     return slots
 
 
+# BFL's names of the same linear layers (those of its own checkpoints and ComfyUI's Flux2 model),
+# each stream's q/k/v fused as one layer: a patch table may name them, a band picking a part.
+# Not norm_out.linear's BFL name (final_layer.adaLN_modulation.1): its halves are swapped.
+BFL_TOP = {
+    "x_in": "img_in",
+    "ctx_in": "txt_in",
+    "time_1": "time_in.in_layer",
+    "time_2": "time_in.out_layer",
+    "mod_img": "double_stream_modulation_img.lin",
+    "mod_txt": "double_stream_modulation_txt.lin",
+    "mod_single": "single_stream_modulation.lin",
+    "final": "final_layer.linear",
+}
+BFL_DOUBLE = {
+    "img_qkv": "img_attn.qkv",
+    "txt_qkv": "txt_attn.qkv",
+    "img_out": "img_attn.proj",
+    "txt_out": "txt_attn.proj",
+    "img_ff_in": "img_mlp.0",
+    "img_ff_out": "img_mlp.2",
+    "txt_ff_in": "txt_mlp.0",
+    "txt_ff_out": "txt_mlp.2",
+}
+BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
+
+
+def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
+    """The linear layers by BFL's names (a fused q/k/v is one whole layer here)."""
+    slots = {name: LinearSlot(key) for key, name in BFL_TOP.items()}
+    for i in range(config.num_layers):
+        for key, name in BFL_DOUBLE.items():
+            slots[f"double_blocks.{i}.{name}"] = LinearSlot(key, ("double", i))
+    for i in range(config.num_single_layers):
+        for key, name in BFL_SINGLE.items():
+            slots[f"single_blocks.{i}.{name}"] = LinearSlot(key, ("single", i))
+    return slots
+
+
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     """The file's tensors (diffusers names) as the forward's weight tree: each stream's q/k/v
     concatenated along the rows so they run as one matmul. `linear_slots` names the same places

@@ -35,7 +35,7 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...vaes.autoencoder_kl_flux2 import latent_facts
 from ...weights import component_bytes, read_config
-from .dit import DiTConfig, Flux2DiT, RefState, linear_slots
+from .dit import DiTConfig, Flux2DiT, RefState, bfl_slots, linear_slots
 from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY_4B = "flux2_klein"
@@ -208,7 +208,9 @@ class Flux2KleinModel(FamilyModel):
             model_id,
             variant,
             vae=vae,
-            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
+            tables=TableWeights(
+                dit.weights, {**linear_slots(dit.config), **bfl_slots(dit.config)}, dit.dtype
+            ),
             status=describe(model_dir, model_id, dit.dtype),
             read_manifest=manifest,
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
