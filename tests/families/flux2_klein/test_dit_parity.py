@@ -98,3 +98,23 @@ def test_bf16_runs_near_float32(tiny, tmp_path):
     out = half.forward(mx.array(x), mx.array([0.4]), [mx.array(cap[0])], [[mx.array(refs[0])]])
     assert out.dtype == mx.bfloat16
     assert rel_l2(np.array(out.astype(mx.float32)), ours(dit, x, [0.4], list(cap), [refs])) <= 0.05
+
+
+def test_the_comfy_time_rule_embeds_the_float32_time(tiny, tmp_path):
+    """docs/contract.md §5.2: `comfy` embeds the float32 time where the reference rule embeds
+    it as the compute dtype holds it (diffusers casts the timestep to the DiT's dtype): the same
+    in float32, apart in bf16 for a time bf16 cannot hold."""
+    model, dit = tiny
+    t = mx.array([0.3337], mx.float32)
+    same = [np.array(dit.time_embedding(dit.weights, t, rule)) for rule in (True, False)]
+    np.testing.assert_array_equal(*same)
+    model.save_pretrained(str(tmp_path))
+    half = Flux2DiT.load(tmp_path, mx.bfloat16)
+    comfy, reference = (
+        np.array(half.time_embedding(half.weights, t, rule).astype(mx.float32))
+        for rule in (True, False)
+    )
+    assert not np.array_equal(comfy, reference)
+    rounded = mx.array([float(np.float32(mx.array(0.3337).astype(mx.bfloat16).item()))])
+    as_held = np.array(half.time_embedding(half.weights, rounded, True).astype(mx.float32))
+    assert rel_l2(reference, as_held) < rel_l2(reference, comfy)
