@@ -73,11 +73,14 @@ FEATURES = ("noise_mask", "ref_cache")
 CONVENTIONS = ("comfy", "reference")
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
-# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
-TOKEN_WIDTH_BUFFERS = 12  # hidden, normed, q, k, v, attention out, residual sums, projections
+# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row (the
+# tiny model's measured peaks: tests/families/flux2_klein/test_estimates.py):
+TOKEN_WIDTH_BUFFERS = 16  # hidden, normed, q, k, v, attention out, residual sums, projections
 TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
 MLP_BUFFERS = 8  # the fused gate/up, SiLU's temporaries and the product, at the MLP's width
-SCORE_BLOCK_BUFFERS = 8  # cpu_ops.attention's block of scores and its exponentials
+SCORE_BLOCK_BUFFERS = (
+    10  # cpu_ops.attention's block of scores, its exponentials and their temporaries
+)
 
 
 def _model_index(model_dir: Path) -> dict:
@@ -176,11 +179,11 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
         + MLP_BUFFERS * config.mlp_dim * itemsize
     )
     total = sum(lengths) * per_token
-    if blocked:
+    if blocked:  # a block of scores per row of a batch (rows of one layout run together)
         rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
-        total += SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
     else:
-        total += config.num_heads * longest * longest * itemsize  # the fused kernel's scores
+        total += len(lengths) * config.num_heads * longest * longest * itemsize  # fused scores
     return total
 
 
