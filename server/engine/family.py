@@ -202,6 +202,11 @@ class FamilyModel:
     def shed_states(self, need_bytes: int, keep: set) -> int:
         return 0
 
+    def ref_cache_bytes(self, rows: list[StepRow], table: Any, run: str) -> int:
+        """The reference K/V a `ref_cache` step would add to the run (asked by the memory plan
+        only of a model whose capabilities have `ref_cache`)."""
+        return 0
+
     def end_run(self, run: str) -> None:
         """Nothing is kept per run."""
 

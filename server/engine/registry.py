@@ -53,6 +53,9 @@ LISTING_TTL_S = 2.0
 FAMILIES: dict[str, Any] = {
     "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
     "z_image": "gmlx_server.engine.families.z_image.family",
+    "flux2_klein": "gmlx_server.engine.families.flux2_klein.family",
+    "flux2_klein_9b": "gmlx_server.engine.families.flux2_klein.family",
+    "flux2_klein_9b_kv": "gmlx_server.engine.families.flux2_klein.family",
 }
 
 

@@ -52,6 +52,9 @@ pytestmark = [
 SIZE = 64
 # The server's embedded tiny Z-Image (server/engine/families/z_image/embedded.py).
 Z_IMAGE_MODEL = "z-image-random-tiny"
+# The tiny FLUX.2 klein (4B, distilled) folder the server's model dir holds
+# (tests/families/flux2_klein/tiny).
+FLUX2_MODEL = "flux2-klein-tiny"
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
@@ -161,10 +164,15 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gmlx_server(workdir):
-    """`gmlx serve` with no model dir and no default model: it serves its embedded models, the
-    default `qwen-image21-random-tiny` and the Z-Image model."""
+    """`gmlx serve` with one model dir holding a tiny FLUX.2 klein folder and no default model:
+    it serves that model and its embedded models, the default `qwen-image21-random-tiny` and
+    the Z-Image model."""
+    from tests.families.flux2_klein.tiny.folder import build_tiny_folder as build_flux2_folder
+
+    models = workdir / "models"
+    build_flux2_folder(models / FLUX2_MODEL, family="flux2_klein", num_single_layers=1)
     config = workdir / "config.toml"
-    config.write_text("[server]\nmodel_dirs = []\n", encoding="utf-8")
+    config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(models))}]\n", encoding="utf-8")
     port = _free_port()
     log_path = workdir / "gmlx.log"
     log = open(log_path, "w")  # noqa: SIM115 - closed with the process
@@ -290,6 +298,15 @@ def z_image_engine(gmlx_server):
     return choice.registry.acquire(choice.model_id).model
 
 
+@pytest.fixture(scope="module")
+def flux2_engine(gmlx_server):
+    """The server's tiny FLUX.2 klein model loaded in this process."""
+    from gmlx_server.image_cli import choose_model
+
+    choice = choose_model(FLUX2_MODEL, gmlx_server["config"])
+    return choice.registry.acquire(choice.model_id).model
+
+
 # ---------------------------------------------------------------- ComfyUI prompts
 
 
@@ -410,8 +427,11 @@ def test_the_example_files_widgets_are_this_comfyuis(comfyui):
 
 
 def _to_vae_space(model, latents: np.ndarray) -> np.ndarray:
-    """Model-space latents as ComfyUI's LATENT carries them (status vae.latents_mean/std)."""
+    """Model-space latents as ComfyUI's LATENT carries them (status vae.latents_mean/std; the
+    identity where the VAE routes carry model space)."""
     vae = model.status()["vae"]
+    if vae.get("space") == "model":
+        return latents
     mean = np.asarray(vae["latents_mean"], np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(vae["latents_std"], np.float32).reshape(1, -1, 1, 1)
     return latents * std + mean
@@ -533,6 +553,122 @@ def test_stock_ksampler_on_z_image_equals_the_in_process_sampler(
     print(f"Z-Image stock KSampler against the engine's sampler: rel L2 {_rel(got, want):.1e}")
     assert _rel(got, want) <= LATENT_RTOL
     assert _rel(want, direct_sample(z_image_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
+
+
+def flux2_sample(model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False) -> np.ndarray:
+    """The in-process euler sampler (cfg 1) along `sigmas` under the comfy convention, the row
+    carrying reference latents (model space) and, with `ref_cache`, the run's reference K/V."""
+    from gmlx_server.engine import sampling
+
+    row = sampling.direct_row(
+        type(
+            "Encoding",
+            (),
+            {
+                "cond": model.encode(prompt, [], False).cond,
+                "ref_latents": list(refs),
+                "image_slots": [],
+            },
+        )
+    )
+    latent = model.status()["latent"]
+    side = SIZE // int(latent["stride"])
+    noise = sampling.initial_noise(seed, int(latent["channels"]), side, side)
+    run = "e2e-" + uuid.uuid4().hex[:8]
+
+    def step(x, timestep, rows):
+        return model.denoise_step(
+            x, timestep, list(rows), convention="comfy", run=run, ref_cache=ref_cache
+        ).out
+
+    try:
+        return sampling.sample(step, noise, sigmas, sampling.Guidance(row, None, 1.0))
+    finally:
+        model.end_run(run)
+
+
+def _flux2_reference_prompt(seed: int, steps: int, kv_cache: bool) -> dict:
+    """The pack's prompt on FLUX.2 klein with two LoadImage references encoded by the gmlx VAE
+    (stock VAEEncode) and attached by the stock ReferenceLatent node; with `kv_cache` the model
+    goes through ComfyUI's Flux KV Cache node."""
+    wf = _pack_prompt(FLUX2_MODEL, seed, steps)
+    previous = ["4", 0]
+    for i, node in enumerate(("30", "31"), start=1):
+        wf[f"{node}0"] = {"class_type": "LoadImage", "inputs": {"image": f"flux2_ref_{i}.png"}}
+        wf[f"{node}1"] = {
+            "class_type": "VAEEncode",
+            "inputs": {"pixels": [f"{node}0", 0], "vae": ["3", 0]},
+        }
+        wf[node] = {
+            "class_type": "ReferenceLatent",
+            "inputs": {"conditioning": previous, "latent": [f"{node}1", 0]},
+        }
+        previous = [node, 0]
+    wf["11"]["inputs"]["positive"] = previous
+    if kv_cache:
+        wf["40"] = {"class_type": "FluxKVCache", "inputs": {"model": ["1", 0]}}
+        wf["11"]["inputs"]["model"] = ["40", 0]
+    return wf
+
+
+def test_stock_ksampler_on_flux2_klein_equals_the_in_process_sampler(
+    comfyui, gmlx_server, flux2_engine
+):
+    """The stock KSampler (euler, "simple", cfg 1) on the server's FLUX.2 klein model: LATENT
+    in model space (128 channels at stride 16), ComfyUI's Flux2 class where it has one."""
+    seed, steps = 4, 3
+    got = _latent(
+        comfyui, _run(comfyui, _save_latent(_pack_prompt(FLUX2_MODEL, seed, steps), "11"))
+    )
+    status = flux2_engine.status()
+    assert status["comfy"]["model_class"] == "Flux2" and status["vae"]["space"] == "model"
+    sigmas = comfy_simple_sigmas(steps, status["sampling"]["shift"])
+    want = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas)
+    assert got.shape == want.shape == (1, 128, SIZE // 16, SIZE // 16)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, flux2_sample(flux2_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
+
+
+def _flux2_references(comfyui, flux2_engine) -> list[np.ndarray]:
+    from PIL import Image
+
+    rng = np.random.default_rng(8)
+    refs = []
+    for i, (h, w) in enumerate([(64, 64), (96, 64)], start=1):
+        image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(image).save(comfyui["base"] / "input" / f"flux2_ref_{i}.png")
+        refs.append(flux2_engine.vae_encode(image.astype(np.float32) / np.float32(255))[None])
+    return refs
+
+
+def test_flux2_klein_with_two_stock_reference_latents(comfyui, gmlx_server, flux2_engine):
+    """Two references through the gmlx VAE and the stock ReferenceLatent node: the server's
+    step with those latents as the row's references."""
+    refs = _flux2_references(comfyui, flux2_engine)
+    seed, steps = 6, 3
+    wf = _save_latent(_flux2_reference_prompt(seed, steps, kv_cache=False), "11")
+    got = _latent(comfyui, _run(comfyui, wf))
+    sigmas = comfy_simple_sigmas(steps, flux2_engine.status()["sampling"]["shift"])
+    want = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas, refs)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas)) > 100 * LATENT_RTOL
+
+
+def test_comfy_flux_kv_cache_node_is_the_servers_ref_cache(comfyui, gmlx_server, flux2_engine):
+    """ComfyUI's Flux KV Cache node (where this ComfyUI has it) on the pack's model: the pack
+    checks the ref_cache feature and sends ref_cache, so the run keeps the references' K/V."""
+    comfy_dir = Path(os.environ["COMFYUI_DIR"])
+    if "FluxKVCache" not in (comfy_dir / "comfy_extras" / "nodes_flux.py").read_text():
+        pytest.skip("this ComfyUI has no Flux KV Cache node")
+    refs = _flux2_references(comfyui, flux2_engine)
+    seed, steps = 6, 3
+    wf = _save_latent(_flux2_reference_prompt(seed, steps, kv_cache=True), "11")
+    got = _latent(comfyui, _run(comfyui, wf))
+    sigmas = comfy_simple_sigmas(steps, flux2_engine.status()["sampling"]["shift"])
+    want = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas, refs, ref_cache=True)
+    assert _rel(got, want) <= LATENT_RTOL
+    joint = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas, refs)
+    assert _rel(want, joint) > 100 * LATENT_RTOL
 
 
 def test_stock_ksampler_uni_pc_bh2_equals_the_in_process_sampler(comfyui, gmlx_server, engine):

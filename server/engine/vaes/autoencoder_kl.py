@@ -200,10 +200,16 @@ class Encoder(nn.Module):
         return self.conv_out(_silu(self.conv_norm_out(self.mid_block(x))))
 
 
+def decoder_channels(config: dict) -> list[int]:
+    """The decoder's block widths: `decoder_block_out_channels` where the config names its own
+    (AutoencoderKLFlux2 may), else the encoder's."""
+    return list(config.get("decoder_block_out_channels") or config["block_out_channels"])
+
+
 class Decoder(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
-        dims, groups = list(config["block_out_channels"])[::-1], config["norm_num_groups"]
+        dims, groups = decoder_channels(config)[::-1], config["norm_num_groups"]
         last = len(dims) - 1
         self.conv_in = Conv3x3(config["latent_channels"], dims[0])
         self.mid_block = MidBlock(dims[0], groups)
@@ -312,7 +318,8 @@ class Geometry:
     """What the tiler and the memory plan read from a config, without the networks: the
     stride, diffusers' tile sides (sample_size pixels, int(sample_size / stride) latent cells),
     the channels, and the widest full-resolution activation of each side (the encoder's first
-    block, the decoder's last upsampler: the second-to-last up block)."""
+    block, the decoder's last upsampler: the second-to-last up block). `tiles` false: a VAE
+    whose pipeline never tiles it (FLUX.2's), every image run whole."""
 
     stride: int
     tile_pixels: int
@@ -322,10 +329,12 @@ class Geometry:
     latent_channels: int
     encode_width: int
     decode_width: int
+    tiles: bool = True
 
     @classmethod
-    def of(cls, config: dict) -> Geometry:
+    def of(cls, config: dict, tiles: bool = True) -> Geometry:
         dims = list(config["block_out_channels"])
+        decoder = decoder_channels(config)
         stride = 2 ** (len(dims) - 1)
         sample = config.get("sample_size") or DEFAULT_SAMPLE_SIZE
         tile_pixels = int(sample[0] if isinstance(sample, (list, tuple)) else sample)
@@ -337,12 +346,15 @@ class Geometry:
             out_channels=int(config["out_channels"]),
             latent_channels=int(config["latent_channels"]),
             encode_width=dims[0],
-            decode_width=dims[min(1, len(dims) - 1)],
+            decode_width=decoder[min(1, len(decoder) - 1)],
+            tiles=tiles,
         )
 
     def tiled(self, height: int, width: int, decode: bool) -> bool:
         """Whether a pass of a height x width image tiles: diffusers' rule, on the latent
-        size when decoding and on the image when encoding."""
+        size when decoding and on the image when encoding (never for a VAE that does not tile)."""
+        if not self.tiles:
+            return False
         if decode:
             return max(self._cells(height, width)) > self.tile_cells
         return max(height, width) > self.tile_pixels
@@ -396,7 +408,9 @@ def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
 class AutoencoderKL:
     """Encode images to raw latents (the posterior's mean) and decode raw latents to images."""
 
-    def __init__(self, config: dict, dtype: mx.Dtype = mx.float32):
+    def __init__(self, config: dict, dtype: mx.Dtype = mx.float32, tiles: bool = True):
+        """`tiles`: tile images past the config's sample_size as diffusers' enable_tiling()
+        does (`Geometry`); false: run every image whole."""
         if config.get("mid_block_add_attention", True) is not True:
             raise ValueError("an AutoencoderKL without mid-block attention is not supported")
         self.config = config
@@ -404,7 +418,7 @@ class AutoencoderKL:
         self.latent_channels = int(config["latent_channels"])
         self.in_channels = int(config["in_channels"])
         self.out_channels = int(config["out_channels"])
-        self.geometry = Geometry.of(config)
+        self.geometry = Geometry.of(config, tiles)
         self.stride = self.geometry.stride
         self.scaling_factor = float(config.get("scaling_factor", 1.0))
         self.shift_factor = float(config.get("shift_factor") or 0.0)
