@@ -2,16 +2,18 @@
 
 `build_text_encoder(model_dir)` writes `model_dir/text_encoder` (a random `Qwen3ForCausalLM`,
 32 wide and deep enough for the layers the pipeline taps, 9, 18 and 27) and
-`model_dir/tokenizer` (the tiny Qwen-style tokenizer with Qwen3's chat template that the Z-Image
-tests use). Nothing is downloaded; torch and transformers are test-only.
+`model_dir/tokenizer` (the tiny Qwen-style tokenizer with Qwen3's chat template of the embedded
+Z-Image, server/engine/families/z_image/embedded.py). Nothing is downloaded; torch and transformers are test-only.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import train_tokenizer
+from gmlx_server.engine.families.z_image import embedded
+
 from tests.families.tiny_weights import redraw
-from tests.families.z_image.tiny.text_encoder import write_tokenizer
 
 TINY_TEXT = {
     "hidden_size": 32,
@@ -35,7 +37,9 @@ def build_text_encoder(model_dir: Path, seed: int = 0, **overrides) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     model_dir = Path(model_dir)
-    vocab_size = write_tokenizer(model_dir / "tokenizer")
+    tokenizer = train_tokenizer(embedded.TOKENIZER_CORPUS, embedded.BPE_VOCAB_SIZE)
+    embedded.write_tokenizer(model_dir / "tokenizer", tokenizer)
+    vocab_size = tokenizer.get_vocab_size()
     config = Qwen3Config(**{**TINY_TEXT, **overrides}, vocab_size=vocab_size)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).eval()
