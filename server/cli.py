@@ -67,7 +67,41 @@ def register_serve(subparsers) -> None:
         help=f"port to listen on, over the config file and GMLX_PORT (default: {defaults.port})",
     )
     add_quantize_arguments(parser)
+    add_group_arguments(parser)
+    parser.add_argument(
+        "--hostfile",
+        type=Path,
+        default=None,
+        help="start `gmlx serve` on every host of this mlx.launch hostfile, the DiT sharded over"
+        " them (runs `mlx.launch --hostfile HOSTFILE --backend BACKEND -- gmlx serve ...`)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("ring", "mpi", "nccl", "jaccl"),
+        default="ring",
+        help="the mx.distributed backend of --hostfile",
+    )
     parser.set_defaults(func=serve)
+
+
+def add_group_arguments(parser) -> None:
+    """How a command launched as ranks of a group (mlx.launch) shards the DiT."""
+    from .distributed import RANK_TIMEOUT_S
+    from .engine.shard import MODES
+
+    parser.add_argument(
+        "--shard",
+        choices=MODES,
+        default="pipeline",
+        help="launched as a rank group: contiguous blocks per rank (pipeline) or every block"
+        " split over the ranks (tensor); see docs/server.md",
+    )
+    parser.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=RANK_TIMEOUT_S,
+        help="seconds a step may take over the rank group while every rank is heard",
+    )
 
 
 def register_image(subparsers) -> None:
@@ -164,6 +198,8 @@ def serve(args: argparse.Namespace) -> int:
     from .config import load_config
 
     setup_logging()
+    if args.hostfile is not None:
+        return _launch_group(args)
     try:
         quantization = quantization_argument(args)
         config = load_config(args.config, host=args.host, port=args.port, quantization=quantization)
@@ -173,12 +209,16 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     prepare_process()  # before anything imports mlx
 
+    from . import distributed
     from .app import build_context, create_app, make_server
     from .kernel_compiles import CompileWatch
 
+    group = distributed.join(args.shard, args.rank_timeout)  # a rank > 0 follows, then ends
     registry, extra = config_registry(config)
+    if group is not None:
+        distributed.attach(group, registry)
     default = registry.default_model
-    ctx = build_context(config, registry)
+    ctx = build_context(config, registry, group)
     try:
         server = make_server(create_app(ctx), config)
     except OSError as exc:
@@ -201,7 +241,26 @@ def serve(args: argparse.Namespace) -> int:
         log.info("stopping: ending runs and letting the models go")
         ctx.service.close()
         server.close()
+        if group is not None:
+            distributed.stop_group(group)
     return 0
+
+
+def _launch_group(args: argparse.Namespace) -> int:
+    """`gmlx serve --hostfile`: the same command on every host, through mlx.launch."""
+    import subprocess
+
+    from .distributed import launch_command
+
+    argv, skip = [], False
+    for word in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif word in ("--hostfile", "--backend"):
+            skip = True
+        elif not word.startswith(("--hostfile=", "--backend=")):
+            argv.append(word)
+    return subprocess.call(launch_command(args.hostfile, args.backend, argv))
 
 
 def setup_logging() -> None:

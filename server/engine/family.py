@@ -125,6 +125,15 @@ class FamilyModel:
     def end_run(self, run: str) -> None:
         """Nothing is kept per run."""
 
+    # -- sharded over ranks (server/distributed.py): rank 0's held states, mirrored ----------
+
+    def state_keys(self) -> list:
+        """The keys of the states the model holds (a family with prefix states lists them)."""
+        return []
+
+    def keep_states(self, keys) -> None:
+        """Drop every held state but those of `keys` (what rank 0 holds)."""
+
     def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
         return self.vae.peak_bytes(height, width, decode)
 

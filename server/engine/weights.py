@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -108,22 +109,28 @@ def load_tree(
     keep_f32: Callable[[str], bool] | None = None,
     quantization: Quantization | None = None,
     quantized: Callable[[str], bool] | None = None,
+    shard: Any = None,
 ) -> dict:
     """A component's weight tree, evaluated: its tensors read (`load_weights`), mapped by the
     family's `sanitize` (file names -> tree), and with a `quantization` the linear weights
     whose tree path `quantized` picks quantized, one at a time (quantize.quantize_tree), so the
     float model is never whole in memory. A component stored quantized loads as stored
-    (quantize.sanitize_stored), never through float weights."""
+    (quantize.sanitize_stored), never through float weights. With a `shard` (a rank's
+    shard.TreeShard) only the rank's slice of each weight is kept, cut before quantizing."""
     component_dir = Path(component_dir)
     quantization = quantization_at_load(component_dir, quantization)
     files = load_weights(component_dir, dtype, keep_f32)
     stored = stored_quantization(component_dir)
     tree = sanitize(files) if stored is None else sanitize_stored(files, sanitize, stored)
     del files
+    if shard is not None:
+        tree = shard.slice(tree)
     if quantization is not None:
         if quantized is None:
             raise ValueError("a quantized load needs the family's choice of layers")
         quantize_tree(tree, quantization, quantized)
+    if shard is not None:
+        shard.mark(tree)
     mx.eval(tree)
     return tree
 

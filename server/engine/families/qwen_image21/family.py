@@ -24,6 +24,7 @@ from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...quantize import quantization_status
+from ...shard import Shard
 from ...weights import component_bytes, read_config, stored_elements, stored_quantization
 from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .dit import quantized as dit_quantized
@@ -278,10 +279,15 @@ def manifest(model_dir: Path) -> dict:
 
 
 def load(
-    model_dir: Path, model_id: str, quantization: Quantization | None = None
+    model_dir: Path,
+    model_id: str,
+    quantization: Quantization | None = None,
+    shard: Shard | None = None,
 ) -> QwenImage21Model:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
-    that the family picks (dit.quantized, prompt.quantized) are quantized as they load."""
+    that the family picks (dit.quantized, prompt.quantized) are quantized as they load. With a
+    `shard`, the DiT is this rank's part of it (dit.shard_plan); the VAE and the text encoder
+    load on rank 0 only."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -290,7 +296,9 @@ def load(
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
-    dit = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization)
+    dit = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization, shard=shard)
+    if shard is not None and shard.rank != 0:
+        return QwenImage21Model(model_dir, model_id, found[1], dit, None, None)
     vae = QwenImage21VAE.load(model_dir / "vae")
     encoder = QwenImage21PromptEncoder.load(model_dir, quantization=quantization)
     return QwenImage21Model(model_dir, model_id, found[1], dit, vae, encoder)
@@ -310,11 +318,12 @@ class QwenImage21Model(FamilyModel):
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
     ):
         model_dir = Path(model_dir)
-        weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
+        parts = [part for part in (dit, vae, encoder) if part is not None]  # a rank > 0: the DiT
+        weight_bytes = sum(part.weight_bytes for part in parts)
         status = describe(model_dir, model_id, dit.dtype)
         status["quantization"] = {
             "dit": quantization_status(dit.weights),
-            "encoder": quantization_status(encoder.encoder),
+            "encoder": None if encoder is None else quantization_status(encoder.encoder),
             "vae": None,
         }
         status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes)
@@ -323,7 +332,9 @@ class QwenImage21Model(FamilyModel):
             model_id,
             variant,
             vae=vae,
-            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
+            tables=TableWeights(
+                dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
+            ),
             status=status,
             read_manifest=manifest,
             weight_bytes=weight_bytes,
@@ -428,6 +439,12 @@ class QwenImage21Model(FamilyModel):
 
     def end_run(self, run: str) -> None:
         self.prefix_cache.end_run(run)
+
+    def state_keys(self) -> list:
+        return self.prefix_cache.keys()
+
+    def keep_states(self, keys) -> None:
+        self.prefix_cache.keep_only(keys)
 
     def close(self) -> None:
         self.prefix_cache.clear()
