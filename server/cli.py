@@ -23,7 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
-from .parsers import CommandParser, add_quantize_arguments, quantization_argument
+from .parsers import (
+    CommandParser,
+    add_group_arguments,
+    add_quantize_arguments,
+    quantization_argument,
+)
 from .process import config_registry, prepare_process
 
 log = logging.getLogger("gmlx.server")
@@ -82,26 +87,6 @@ def register_serve(subparsers) -> None:
         help="the mx.distributed backend of --hostfile",
     )
     parser.set_defaults(func=serve)
-
-
-def add_group_arguments(parser) -> None:
-    """How a command launched as ranks of a group (mlx.launch) shards the DiT."""
-    from .distributed import RANK_TIMEOUT_S
-    from .engine.shard import MODES
-
-    parser.add_argument(
-        "--shard",
-        choices=MODES,
-        default="pipeline",
-        help="launched as a rank group: contiguous blocks per rank (pipeline) or every block"
-        " split over the ranks (tensor); see docs/server.md",
-    )
-    parser.add_argument(
-        "--rank-timeout",
-        type=float,
-        default=RANK_TIMEOUT_S,
-        help="seconds a step may take over the rank group while every rank is heard",
-    )
 
 
 def register_image(subparsers) -> None:
@@ -225,7 +210,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx.service.close()
         print(f"gmlx serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
-    _stop_on_signals()
+    _stop_on_signals(group)
     log.info(
         "gmlx %s serving on http://%s:%s (models: %s; default: %s)",
         __version__,
@@ -270,8 +255,18 @@ def setup_logging() -> None:
     )
 
 
-def _stop_on_signals() -> None:
+def _stop_on_signals(group=None) -> None:
+    """SIGINT and SIGTERM stop the server. Rank 0 of a rank group takes its first SIGTERM to
+    the group's decision (distributed.Group.on_terminate: it stays up when a rank was lost)."""
+    import _thread
+
+    deferred = []
+
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        if group is not None and signum == signal.SIGTERM and not deferred:
+            deferred.append(signum)
+            group.on_terminate(_thread.interrupt_main)
+            return
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)

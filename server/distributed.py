@@ -242,6 +242,25 @@ class Group:
             time.sleep(POLL_S)
         return "every rank is still heard; restart the group"
 
+    def on_terminate(self, stop) -> None:
+        """A SIGTERM on rank 0: mlx.launch ends every rank once one has died. When a rank falls
+        silent within SILENT_S, that is what happened: rank 0 stays up, the group broken,
+        refusing model work 503 naming the lost rank until it is stopped; otherwise `stop()`."""
+
+        def decide() -> None:
+            lost = self._named_loss()
+            if "is lost" not in lost:
+                stop()
+                return
+            self.broken = self.broken or lost
+            log.error(
+                "rank group broken: %s; staying up to answer 503 until stopped (Ctrl-C, or"
+                " SIGTERM again), then start the group again",
+                self.broken,
+            )
+
+        threading.Thread(target=decide, name="gmlx-terminate", daemon=True).start()
+
     def _watch(self) -> None:
         while True:
             time.sleep(POLL_S)

@@ -1,5 +1,5 @@
-"""A tiny Qwen-Image 2.1 folder that splits over 2 and 3 ranks: the embedded model's files with
-a DiT of 6 blocks and 6 heads (whole heads and blocks for either rank count; input widths of
+"""A tiny Qwen-Image 2.1 folder (base variant) that splits over 2 and 3 ranks: the embedded
+model's files with a DiT of 6 blocks and 6 heads (whole heads and blocks for either rank count; input widths of
 192 and 576 cut into whole quantization groups of 32)."""
 
 from __future__ import annotations
@@ -32,5 +32,6 @@ def build_shard_folder(root: Path, seed: int = 0) -> Path:
         root / "transformer", TRANSFORMER_CONFIG, weights, embedded.DIFFUSERS_WEIGHTS
     )
     (root / embedded.STAMP_FILE).unlink(missing_ok=True)
-    json.loads((root / "model_index.json").read_text())  # still a Qwen-Image 2.1 folder
+    # the base variant: samplings of any step count
+    (root / "model_index.json").write_text(json.dumps(embedded.model_index(None)))
     return root

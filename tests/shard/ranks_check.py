@@ -52,6 +52,27 @@ def lora_doc(model_id: str, rng) -> tuple[dict, dict[str, np.ndarray]]:
     return {"model": model_id, "entries": entries}, adapters
 
 
+def via_steps(registry, folder: Path, group) -> dict:
+    """A guided sampling through the step routes served over the group, against the same
+    sampling in one process: the final latents' relative L2."""
+    from gmlx_contract.client import StepClient
+    from gmlx_server.engine.families.qwen_image21 import family
+    from gmlx_server.engine.sampling import DirectTransport, ImageRequest, generate
+    from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+
+    request = ImageRequest(
+        prompt="a red fox", negative="blur", width=64, height=64, steps=3, cfg=2.5, seed=11
+    )
+    with StepServer(ModelChoice(registry, folder.name, 0.0, group=group)) as server:
+        status = server.load().model.status()
+        with StepClient(server.base_url) as client:
+            via = ViaStepsTransport(client, server.direct(), folder.name)
+            latents, _ = generate(via, status, request)
+    single = family.load(folder, folder.name)
+    alone, _ = generate(DirectTransport(single), single.status(), request)
+    return {"rel_l2": rel_l2(latents, alone), "distributed": status["distributed"]}
+
+
 def main(folder: str, mode: str) -> None:
     from gmlx_server import distributed
 
@@ -111,6 +132,7 @@ def main(folder: str, mode: str) -> None:
             "single": single.weight_bytes,
         }
         registry.release(loaded)
+    results["via steps"] = via_steps(registry, folder, group)
     registry.unload_all()
     distributed.stop_group(group)
     print("RESULTS " + json.dumps(results), flush=True)
