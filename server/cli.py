@@ -237,15 +237,7 @@ def _launch_group(args: argparse.Namespace) -> int:
 
     from .distributed import launch_command
 
-    argv, skip = [], False
-    for word in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif word in ("--hostfile", "--backend"):
-            skip = True
-        elif not word.startswith(("--hostfile=", "--backend=")):
-            argv.append(word)
-    return subprocess.call(launch_command(args.hostfile, args.backend, argv))
+    return subprocess.call(launch_command(args.hostfile, args.backend, sys.argv[1:]))
 
 
 def setup_logging() -> None:

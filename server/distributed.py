@@ -26,6 +26,7 @@ started again (all its processes: docs/server.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gmlx_contract.errors import ContractError
 
 from .worker import ImageWorker
@@ -64,7 +66,6 @@ def broadcast(message: Any = None) -> Any:
     """Rank 0's `message` on every rank, pickled and summed over the group (the others add
     zeros): its length first, then its bytes."""
     import mlx.core as mx
-    import numpy as np
 
     from .engine.shard import TRAFFIC
 
@@ -82,7 +83,6 @@ def broadcast(message: Any = None) -> Any:
 def gather_ints(value: int) -> list[int]:
     """Each rank's `value`, in rank order, on every rank."""
     import mlx.core as mx
-    import numpy as np
 
     group = mx.distributed.init()
     mine = np.zeros(group.size(), np.int64)
@@ -354,6 +354,18 @@ class GroupFamily:
         return GroupModel(model, group, weights)
 
 
+@dataclasses.dataclass(frozen=True)
+class Absent:
+    """An array a rank does not need (its state is held): only its shape travels; the rank
+    reads it as zeros of that shape that take no memory (`present`)."""
+
+    shape: tuple[int, ...]
+
+
+def present(value):
+    return np.broadcast_to(np.float32(0), value.shape) if isinstance(value, Absent) else value
+
+
 class GroupModel:
     """Rank 0's loaded model in a group: every step goes to every rank first."""
 
@@ -391,17 +403,31 @@ class GroupModel:
             self._tables_sent.move_to_end(table.table_id)
             while len(self._tables_sent) > TABLES_SENT:
                 self._tables_sent.popitem(last=False)
+        held = set(self._model.state_keys())
         return {
             "model_id": self._model.model_id,
             "x": x,
             "timestep": timestep,
-            "rows": rows,
+            "rows": [self._light(row, held, x, table) for row in rows],
             "options": options,
             "table_id": None if table is None else table.table_id,
             "table": send_table,
             "tables": list(self._tables_sent),
             "states": self._model.state_keys(),
         }
+
+    def _light(self, row, held: set, x, table):
+        """The row as the other ranks need it: a row whose held states rank 0 holds (a prefix
+        hit, which the others hold too) travels without its conditioning and references,
+        `Absent` in their place; the rest whole."""
+        keys = self._model.step_keys(np.shape(x), [row], table)
+        if not keys or not keys <= held:
+            return row
+        return dataclasses.replace(
+            row,
+            cond=Absent(np.shape(row.cond)),
+            ref_latents=tuple(Absent(np.shape(ref)) for ref in row.ref_latents),
+        )
 
     def close(self) -> None:
         try:
@@ -422,6 +448,34 @@ def attach(group: Group, registry: Any) -> None:
         for name in list(registry.families)
         if family_module(name, registry.families) is not None
     }
+
+
+REPORT_FIGURES = ("weight_bytes", "peak_rss_bytes", "collective_bytes", "pid")
+
+
+def rank_figures(models) -> list[int]:
+    """This process's REPORT_FIGURES: its models' weights, its peak resident set, the bytes it
+    has handed to the group's collectives (engine.shard.TRAFFIC) and its process id."""
+    import resource
+    import sys
+
+    from .engine.shard import TRAFFIC
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return [
+        sum(model.weight_bytes for model in models),
+        rss if sys.platform == "darwin" else rss * 1024,
+        sum(TRAFFIC.values()),
+        os.getpid(),
+    ]
+
+
+def report(group: Group, models) -> list[dict]:
+    """Each rank's REPORT_FIGURES (rank 0's for `models`), asked of every rank."""
+    with group.call("report"):
+        broadcast(("report", {}))
+        columns = [gather_ints(value) for value in rank_figures(models)]
+    return [dict(zip(REPORT_FIGURES, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 def stop_group(group: Group) -> None:
@@ -501,9 +555,19 @@ class Follower:
             del tables[table_id]
         model.keep_states(body["states"])
         table = None if body["table_id"] is None else tables[body["table_id"]]
-        model.denoise_step(
-            body["x"], body["timestep"], body["rows"], table=table, **body["options"]
-        )
+        rows = [
+            dataclasses.replace(
+                row,
+                cond=present(row.cond),
+                ref_latents=tuple(present(ref) for ref in row.ref_latents),
+            )
+            for row in body["rows"]
+        ]
+        model.denoise_step(body["x"], body["timestep"], rows, table=table, **body["options"])
+
+    def on_report(self, body: dict) -> None:
+        for value in rank_figures(self.models.values()):
+            gather_ints(value)
 
 
 # ---------------------------------------------------------------- joining
@@ -546,10 +610,22 @@ def join(mode: str, rank_timeout_s: float = RANK_TIMEOUT_S) -> Group | None:
     return Group(mode, world.size(), rank_timeout_s)
 
 
+LAUNCH_FLAGS = ("--hostfile", "--backend")  # `gmlx serve`'s, for mlx.launch, not the ranks
+
+
 def launch_command(hostfile: Path, backend: str, argv: list[str]) -> list[str]:
-    """The mlx.launch command that starts `gmlx <argv>` on every host of `hostfile`."""
+    """The mlx.launch command that starts `gmlx <argv>` (less --hostfile and --backend) on
+    every host of `hostfile`."""
     import sys
 
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in LAUNCH_FLAGS:
+            skip = True
+        elif not word.startswith(tuple(flag + "=" for flag in LAUNCH_FLAGS)):
+            kept.append(word)
     return [
         sys.executable,
         "-c",
@@ -562,5 +638,5 @@ def launch_command(hostfile: Path, backend: str, argv: list[str]) -> list[str]:
         sys.executable,
         "-m",
         "gmlx_server",
-        *argv,
+        *kept,
     ]

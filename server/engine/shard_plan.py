@@ -54,7 +54,7 @@ class Shard:
 
 def stage_bounds(blocks: int, size: int) -> list[tuple[int, int]]:
     """The contiguous [start, stop) of the blocks each rank runs: as even as whole blocks allow,
-    the first ranks taking the extra ones."""
+    the last ranks taking the extra ones (rank 0 holds the text encoder and the VAE besides)."""
     if blocks < size:
         raise EngineInputError(f"{blocks} blocks cannot form a pipeline over {size} ranks")
     cuts = [r * blocks // size for r in range(size + 1)]
