@@ -27,6 +27,7 @@ started again (all its processes: docs/server.md).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -323,6 +324,12 @@ class GroupFamily:
         return getattr(self._module, attribute)
 
     def load(self, model_dir: Path, model_id: str, quantization=None):
+        if "shard" not in inspect.signature(self._module.load).parameters:
+            raise ContractError(
+                400,
+                f"model {model_id!r}: family {self._name} has no shard plan; it cannot load over"
+                f" a group of {self._group.size} ranks (serve it from one process)",
+            )
         group = self._group
         message = (
             "load",
