@@ -324,11 +324,18 @@ class GroupFamily:
         return getattr(self._module, attribute)
 
     def load(self, model_dir: Path, model_id: str, quantization=None):
-        if "shard" not in inspect.signature(self._module.load).parameters:
+        parameters = inspect.signature(self._module.load).parameters
+        if "shard" not in parameters:
             raise ContractError(
                 400,
                 f"model {model_id!r}: family {self._name} has no shard plan; it cannot load over"
                 f" a group of {self._group.size} ranks (serve it from one process)",
+            )
+        if quantization is not None and "quantization" not in parameters:
+            raise ContractError(
+                400,
+                f"model {model_id!r}: family {self._name} does not quantize its weights;"
+                " load it without quantize",
             )
         group = self._group
         message = (
@@ -344,9 +351,7 @@ class GroupFamily:
             broadcast(message)
             failure = None
             try:
-                model = self._module.load(
-                    model_dir, model_id, quantization=quantization, shard=group.shard(0)
-                )
+                model = load_shard(self._module, model_dir, model_id, quantization, group.shard(0))
             except Exception as exc:  # noqa: BLE001 - every rank reports before anyone raises
                 failure, model = exc, None
             weights = gather_ints(-1 if model is None else model.weight_bytes)
@@ -371,6 +376,12 @@ class Absent:
 
 def present(value):
     return np.broadcast_to(np.float32(0), value.shape) if isinstance(value, Absent) else value
+
+
+def load_shard(module: Any, model_dir: Path, model_id: str, quantization, shard) -> Any:
+    """A rank's part of a model: the family's load with its `shard` (and its quantization)."""
+    options = {} if quantization is None else {"quantization": quantization}
+    return module.load(model_dir, model_id, shard=shard, **options)
 
 
 class GroupModel:
@@ -523,12 +534,8 @@ class Follower:
         model = None
         try:
             module = family_module(body["family"])
-            model = module.load(
-                Path(body["path"]),
-                body["model_id"],
-                quantization=body["quantization"],
-                shard=self.shard,
-            )
+            path, model_id = Path(body["path"]), body["model_id"]
+            model = load_shard(module, path, model_id, body["quantization"], self.shard)
         except Exception:  # noqa: BLE001 - reported to rank 0 through the gather
             log.exception("rank %d could not load %s", self.shard.rank, body["model_id"])
         gather_ints(-1 if model is None else model.weight_bytes)

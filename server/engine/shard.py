@@ -145,7 +145,7 @@ class TreeShard:
         if segment * split.segments != rows or segment % (split.unit * size):
             raise EngineInputError(
                 f"{where}: {split.segments} segment(s) of {segment} rows cannot be split into"
-                f" {size} parts of whole {split.unit}-row units (heads)"
+                f" {size} equal parts{_of_units(split.unit, 'rows')}"
             )
         chunk = segment // size
         return np.concatenate(
@@ -160,8 +160,8 @@ class TreeShard:
         size, rank = self.shard.size, self.shard.rank
         if cols % (split.unit * size):
             raise EngineInputError(
-                f"{where}: {cols} input columns cannot be split into {size} parts of whole"
-                f" {split.unit}-column units"
+                f"{where}: {cols} input columns cannot be split into {size} equal parts"
+                f"{_of_units(split.unit, 'columns')}"
             )
         chunk = cols // size
         return rank * chunk, (rank + 1) * chunk
@@ -205,6 +205,10 @@ class TreeShard:
         return down[:, start:stop], up
 
 
+def _of_units(unit: int, what: str) -> str:
+    return "" if unit == 1 else f" of whole heads ({unit} {what} each)"
+
+
 def _logical_shape(node: dict, key: str) -> tuple[int, int]:
     rows, cols = node[key].shape
     spec = node.get(key + SPEC)
@@ -234,10 +238,11 @@ class Stages:
         body: Callable[[int, dict, mx.array], mx.array],
         keep_output: bool = True,
     ) -> mx.array:
-        """x through the stack's blocks, `body(index, block, x)` each. In pipeline mode a rank
-        runs its own blocks on what the previous stage sent (the first stage on its own x), sends
-        the result on, and, with `keep_output`, rank 0 gets the last stage's output (the other
-        ranks return an output nobody reads: never evaluated)."""
+        """x through the stack's blocks, `body(index, block, x)` each. In pipeline mode the
+        stack's input is rank 0's (sent to the first stage when that is another rank's); a rank
+        runs its own blocks on what the previous stage sent, sends the result on, and, with
+        `keep_output`, rank 0 gets the last stage's output (the other ranks return an output
+        nobody reads: never evaluated)."""
         if not self.pipeline:
             for index, block in enumerate(blocks):
                 x = body(index, block, x)
@@ -246,9 +251,11 @@ class Stages:
         rank = shard.shard.rank
         owners = [shard.owner(stack, i) for i in range(len(blocks))]
         mine = [i for i, owner in enumerate(owners) if owner == rank]
+        if rank == 0 and owners[0] != 0:
+            mx.eval(self._send(x, owners[0]))
         if mine:
-            before = owners[mine[0] - 1] if mine[0] > 0 else None
-            if before is not None:
+            before = owners[mine[0] - 1] if mine[0] > 0 else 0
+            if before != rank:
                 x = self._recv(x, before)
             for index in mine:
                 x = body(index, blocks[index], x)

@@ -35,3 +35,23 @@ def build_shard_folder(root: Path, seed: int = 0) -> Path:
     # the base variant: samplings of any step count
     (root / "model_index.json").write_text(json.dumps(embedded.model_index(None)))
     return root
+
+
+# A tiny Z-Image DiT that splits over 2 ranks in both modes and over 3 in pipeline mode (its
+# MLP's 256 rows do not split in three): 6 heads of 16, the three stacks 1 + 1 + 2 blocks.
+Z_IMAGE_TRANSFORMER = {
+    "dim": 96,
+    "n_heads": 6,
+    "n_kv_heads": 6,
+    "axes_dims": (4, 6, 6),
+    "n_layers": 2,
+    "n_refiner_layers": 1,
+}
+
+
+def build_z_image_folder(root: Path, seed: int = 0) -> Path:
+    """A tiny Z-Image folder (tests/families/z_image/tiny) with Z_IMAGE_TRANSFORMER."""
+    from tests.families.z_image.tiny.folder import build_tiny_folder
+
+    build_tiny_folder(root, seed=seed, **Z_IMAGE_TRANSFORMER)
+    return Path(root)

@@ -6,7 +6,10 @@
 - `gmlx serve` over 2 ranks reports the group in capabilities and status, answers steps equal
   to one process, and a rank that stops or dies turns into a 503 naming it within the bound: a
   stopped rank that resumes is taken back, a dead one leaves the group refusing model work;
-- `gmlx image sample --via-steps` over 2 ranks writes the one-process image.
+- `gmlx image sample --via-steps` over 2 ranks writes the one-process image;
+- Z-Image, whose pipeline runs over its three block stacks, steps as one process over 2 ranks
+  in both modes (and, heavy, over 3 in pipeline mode; tensor mode over 3 is refused naming the
+  weight that does not split).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from gmlx_contract.errors import StepError
 from gmlx_contract.hashing import tensor_hash
 from gmlx_server.distributed import HEARTBEAT_S, POLL_S, SILENT_S
 
-from tests.shard.folder import build_shard_folder
+from tests.shard.folder import build_shard_folder, build_z_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
@@ -86,10 +89,15 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(10)
 
 
-def rank_check(folder: Path, ranks: int, mode: str) -> dict:
+@pytest.fixture(scope="module")
+def z_image_folder(tmp_path_factory) -> Path:
+    return build_z_image_folder(tmp_path_factory.mktemp("shard") / "tiny-z-image")
+
+
+def rank_check(folder: Path, ranks: int, mode: str, check: str = "ranks_check") -> dict:
     process = launch(
         ranks,
-        ["-m", "tests.shard.ranks_check", str(folder), mode],
+        ["-m", f"tests.shard.{check}", str(folder), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -127,6 +135,22 @@ def test_two_ranks_step_as_one_process(folder, mode):
 @pytest.mark.parametrize("mode", ["pipeline", "tensor"])
 def test_three_ranks_step_as_one_process(folder, mode):
     check_equal(rank_check(folder, 3, mode), folder.name, 3, mode)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_z_image_over_two_ranks_steps_as_one_process(z_image_folder, mode):
+    results = rank_check(z_image_folder, 2, mode, "z_image_check")
+    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
+    assert max(results["weights"]["ranks"]) < results["weights"]["single"]
+
+
+@pytest.mark.heavy
+def test_z_image_over_three_ranks(z_image_folder):
+    # pipeline: the noise refiner on rank 0, the context refiner on rank 1, the layers on rank 2
+    results = rank_check(z_image_folder, 3, "pipeline", "z_image_check")
+    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
+    refused = rank_check(z_image_folder, 3, "tensor", "z_image_check")["load"]["refused"]
+    assert "gate_up: 2 segment(s) of 256 rows cannot be split into 3 equal parts" in refused
 
 
 # ---------------------------------------------------------------- gmlx serve over the group

@@ -30,7 +30,8 @@ from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
-from ...weights import load_weights, read_config
+from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
+from ...weights import load_tree, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
 TIME_PROJ_DIM = 256
@@ -171,6 +172,17 @@ def _stack_depth(stack: str, config: DiTConfig) -> int:
     return config.num_layers if stack == "layers" else config.num_refiner_layers
 
 
+def shard_plan(config: DiTConfig) -> ShardPlan:
+    """How the DiT splits over ranks (engine/shard.py): the three stacks, in order, are the
+    pipeline; in every block q/k/v (three segments, whole heads) and w1/w3 (two segments) split
+    by output rows, the attention output (whole heads) and w2 by input columns."""
+    return ShardPlan(
+        stacks=tuple(STACKS),
+        columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
+        rows={"out": Split(1, config.head_dim), "down": Split(1)},
+    )
+
+
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     """The file's tensors (diffusers names) as the forward's weight tree: q/k/v and the SwiGLU
     w1/w3 are concatenated so each runs as one matmul; biases sit beside their linear under
@@ -237,23 +249,36 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 
 
 class ZImageDiT:
-    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
+    def __init__(
+        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
+    ):
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.stages = stages or Stages()  # this process's part of the blocks (engine/shard.py)
         self._time_freqs = time_frequencies()
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod
-    def load(cls, transformer_dir: Path, dtype: mx.Dtype | None = None) -> ZImageDiT:
+    def load(
+        cls, transformer_dir: Path, dtype: mx.Dtype | None = None, shard: Shard | None = None
+    ) -> ZImageDiT:
+        """The DiT of a folder; with a `shard`, only this rank's part of it (shard_plan)."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
-        files = load_weights(
-            transformer_dir, dtype, keep_f32=lambda name: name.endswith(F32_WEIGHTS)
+        tree_shard = None
+        if shard is not None:
+            depths = {stack: _stack_depth(stack, config) for stack in STACKS}
+            tree_shard = TreeShard(shard_plan(config), shard, depths)
+        weights = load_tree(
+            transformer_dir,
+            lambda files: sanitize(files, config),
+            dtype,
+            keep_f32=lambda name: name.endswith(F32_WEIGHTS),
+            shard=tree_shard,
         )
-        weights = sanitize(files, config)
-        mx.eval(weights)
-        return cls(config, weights, dtype)
+        stages = None if tree_shard is None else Stages(tree_shard)
+        return cls(config, weights, dtype, stages)
 
     @property
     def weight_bytes(self) -> int:
@@ -284,15 +309,15 @@ class ZImageDiT:
     def attention(self, block: dict, x: mx.array, cos, sin, lengths: list[int]) -> mx.array:
         """Self-attention of x (B, N, dim), row b over its first lengths[b] tokens."""
         batch, length, _ = x.shape
-        heads, head_dim = self.config.num_heads, self.config.head_dim
-        fused = project(block, "qkv", x).reshape(batch, length, 3, heads, head_dim)
+        # heads from the weight: all of them, or a rank's share in tensor mode (shard_plan)
+        fused = project(block, "qkv", x).reshape(batch, length, 3, -1, self.config.head_dim)
         q = self.rms_norm(fused[:, :, 0], block["norm_q"], QK_NORM_EPS)
         k = self.rms_norm(fused[:, :, 1], block["norm_k"], QK_NORM_EPS)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = fused[:, :, 2].transpose(0, 2, 1, 3)
         attended = self._rows_attention(q, k, v, lengths)
-        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, self.config.dim)
+        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return project(block, "out", merged)
 
     def _rows_attention(self, q, k, v, lengths: list[int]) -> mx.array:
@@ -370,16 +395,14 @@ class ZImageDiT:
         image = mx.concatenate([image, pad.astype(self.dtype)], axis=1)
         image_pos = [image_positions(n + 1, h, w_tokens) for n in cap_padded]
         cos, sin = self.rope(image_pos)
-        for block in w["noise_refiner"]:
-            image = self.block(block, image, cos, sin, [image_padded] * batch, adaln)
+        image = self._stack(w, "noise_refiner", image, cos, sin, [image_padded] * batch, adaln)
 
         # Caption tokens, each row padded to its multiple with the pad token, then the batch to
         # the longest, through the context refiner.
         caption = self._caption_tokens(w, caps, cap_padded)
         cap_pos = [caption_positions(n) for n in cap_lens]
         cos, sin = self.rope(cap_pos)
-        for block in w["context_refiner"]:
-            caption = self.block(block, caption, cos, sin, cap_padded, None)
+        caption = self._stack(w, "context_refiner", caption, cos, sin, cap_padded, None)
 
         # Each row's [image, caption], through the main blocks.
         unified = mx.concatenate([image, caption], axis=1)
@@ -387,12 +410,19 @@ class ZImageDiT:
             [np.concatenate(pair) for pair in zip(image_pos, cap_pos, strict=True)]
         )
         lengths = [image_padded + n for n in cap_padded]
-        for block in w["layers"]:
-            unified = self.block(block, unified, cos, sin, lengths, adaln)
+        unified = self._stack(w, "layers", unified, cos, sin, lengths, adaln)
 
         scale = 1 + dense(w, "final_modulation", silu(adaln))[:, None, :]
         out = dense(w, "final", layer_norm(unified[:, :image_len], FINAL_NORM_EPS) * scale)
         return self.unpatchify(out, height, width)
+
+    def _stack(self, w: dict, stack: str, x, cos, sin, lengths, adaln) -> mx.array:
+        """x through one of the block stacks (this process's part of it: `stages`)."""
+
+        def run_block(index: int, block: dict, x: mx.array) -> mx.array:
+            return self.block(block, x, cos, sin, lengths, adaln)
+
+        return self.stages.run(stack, w[stack], x, run_block)
 
     def _caption_tokens(self, w: dict, caps: list[mx.array], cap_padded: list[int]) -> mx.array:
         longest, dim = max(cap_padded), self.config.dim

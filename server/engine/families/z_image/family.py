@@ -21,6 +21,7 @@ from ...family import FamilyModel, dit_manifest
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
+from ...shard import Shard
 from ...vaes.autoencoder_kl import latent_normalisation
 from ...weights import component_bytes, read_config
 from .dit import DiTConfig, ZImageDiT, linear_slots, padded
@@ -129,7 +130,9 @@ def manifest(model_dir: Path) -> dict:
     return dit_manifest(FAMILY, Path(model_dir) / "transformer", TITLE)
 
 
-def load(model_dir: Path, model_id: str) -> ZImageModel:
+def load(model_dir: Path, model_id: str, shard: Shard | None = None) -> ZImageModel:
+    """The model of a folder; with a `shard`, the DiT is this rank's part of it
+    (dit.shard_plan), and the VAE and the text encoder load on rank 0 only."""
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
@@ -137,7 +140,9 @@ def load(model_dir: Path, model_id: str) -> ZImageModel:
     found = identify(model_dir)
     if found is None:
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
-    dit = ZImageDiT.load(model_dir / "transformer")
+    dit = ZImageDiT.load(model_dir / "transformer", shard=shard)
+    if shard is not None and shard.rank != 0:
+        return ZImageModel(model_dir, model_id, found[1], dit, None, None)
     vae = AutoencoderKL.load(model_dir / "vae")
     encoder = ZImagePromptEncoder.load(model_dir)
     if encoder.hidden_size != dit.config.cap_feat_dim:
@@ -176,10 +181,12 @@ class ZImageModel(FamilyModel):
             model_id,
             variant,
             vae=vae,
-            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
+            tables=TableWeights(
+                dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
+            ),
             status=describe(model_dir, model_id, dit.dtype),
             read_manifest=manifest,
-            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            weight_bytes=sum(p.weight_bytes for p in (dit, vae, encoder) if p is not None),
         )
         self.dit = dit
         self.encoder = encoder
