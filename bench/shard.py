@@ -290,6 +290,7 @@ def main(argv=None) -> int:
         p.add_argument("--text", type=int, default=32)
         p.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--computed-only", action="store_true", help="the full-size figures alone")
     args = parser.parse_args(argv)
     size = tuple(int(v) for v in args.size.split("x"))
     if args.command == "run":
@@ -298,6 +299,8 @@ def main(argv=None) -> int:
         return 0
 
     print(json.dumps({"computed": computed_tables()}, indent=1))
+    if args.computed_only:
+        return 0
     from tests.shard.folder import build_shard_folder
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -321,8 +324,14 @@ def computed_tables() -> list[dict]:
     """The full-size figures at 1024x1024, bf16, guided, 1024-row prompts."""
     rows, tokens, prefix, act = 2, 64 * 64, 1024, 2
     table = []
-    for ranks in (2, 3):
+    heads, mlp = (
+        FULL["num_attention_heads"],
+        FULL["num_attention_heads"] * FULL["attention_head_dim"] * FULL["mlp_ratio"],
+    )
+    for ranks in (2, 3, 4):
         for mode in ("pipeline", "tensor"):
+            if mode == "tensor" and (heads % ranks or mlp % ranks):
+                continue  # refused: every rank needs whole heads and an equal MLP share
             for kind, built in (("hit", 0), ("miss", 2)):
                 inputs = input_bytes(rows, 64, tokens, prefix, FULL["context_in_dim"], built)
                 sent = sent_bytes(FULL, mode, ranks, rows, tokens, prefix, built, act, inputs)

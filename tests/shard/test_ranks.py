@@ -258,7 +258,15 @@ def test_served_group_answers_and_refuses_a_dead_rank(served, folder):
         assert rel_l2(answer.out, expected) <= TOLERANCE
     status = client.status(folder.name)["distributed"]
     assert status["world_size"] == 2 and len(status["rank_weight_bytes"]) == 2
+    # an interrupt and a run's end are rank 0's, as on one process: the ended run's states go
+    # on every rank, and the next step builds them anew, equal again
+    assert client.interrupt(run) == 1
+    with pytest.raises(StepError) as interrupted:
+        one_step(client, folder.name, x, cond, run)
+    assert interrupted.value.status == 409
     client.end_run(run)
+    again = one_step(client, folder.name, x, cond)
+    assert again.prefix_cache == "miss" and rel_l2(again.out, expected) <= TOLERANCE
 
     os.kill(served.rank_pid(1), signal.SIGKILL)
     started = time.monotonic()
