@@ -80,6 +80,7 @@ def main(folder: str, mode: str) -> None:
     from gmlx_server.engine.families.qwen_image21 import family
     from gmlx_server.engine.precision import Quantization
     from gmlx_server.engine.registry import ModelRegistry
+    from gmlx_server.engine.weights import quantize_folder
 
     from tests.lora.reference import make_table, row
     from tests.shard.folder import GROUP_SIZE
@@ -89,8 +90,11 @@ def main(folder: str, mode: str) -> None:
     if not quantized_folder.exists():
         shutil.copytree(folder, quantized_folder)
     quantization = Quantization(8, GROUP_SIZE)
+    stored_folder = folder.parent / (folder.name + "-stored8")  # `gmlx model quantize`'s
+    if not stored_folder.exists():
+        quantize_folder(folder, stored_folder, quantization, family.quantized_files(folder))
     registry = ModelRegistry(
-        extra_models=[folder, quantized_folder],
+        extra_models=[folder, quantized_folder, stored_folder],
         quantization=lambda model_id: quantization if model_id.endswith("-q8") else None,
     )
     distributed.attach(group, registry)
@@ -101,7 +105,12 @@ def main(folder: str, mode: str) -> None:
     x = rng.standard_normal((2, 64, 4, 4)).astype(np.float32)
     timestep = np.array([0.7, 0.7], np.float32)
     results = {}
-    for model_id, precision in ((folder.name, None), (quantized_folder.name, quantization)):
+    models = (
+        (folder.name, None),
+        (quantized_folder.name, quantization),
+        (stored_folder.name, None),
+    )
+    for model_id, precision in models:
         loaded = registry.acquire(model_id)
         sharded = loaded.model
         single = family.load(registry.resolve(model_id).path, model_id, quantization=precision)

@@ -1,8 +1,8 @@
 """The DiT sharded over a rank group on loopback (ring backend, each rank its own process):
 
 - steps over 2 (and, marked heavy, 3) ranks equal the one-process step (relative L2 <= 1e-5 in
-  float32) in pipeline and tensor mode, on a prefix-cache miss and hit, under a LoRA table and
-  quantized at load, and a guided sampling through the step routes equals one process's;
+  float32) in pipeline and tensor mode, on a prefix-cache miss and hit, under a LoRA table,
+  quantized at load and stored quantized, and a guided sampling through the step routes equals one process's;
 - `gmlx serve` over 2 ranks reports the group in capabilities and status, answers steps equal
   to one process, and a rank that stops or dies turns into a 503 naming it within the bound: a
   stopped rank that resumes is taken back, a dead one leaves the group refusing model work;
@@ -116,7 +116,7 @@ def check_equal(results: dict, model: str, ranks: int, mode: str) -> None:
             assert result["rel_l2"] <= TOLERANCE, (case, result)
         if "prefix" in result:
             assert result["prefix"][0] == result["prefix"][1], (case, result)
-    for model_id in (model, model + "-q8"):
+    for model_id in (model, model + "-q8", model + "-stored8"):
         assert results[f"{model_id} hit"]["prefix"] == ["hit", "hit"]
         weights = results[f"{model_id} weights"]
         assert len(weights["ranks"]) == ranks
