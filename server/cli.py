@@ -232,12 +232,23 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _launch_group(args: argparse.Namespace) -> int:
-    """`gmlx serve --hostfile`: the same command on every host, through mlx.launch."""
+    """`gmlx serve --hostfile`: the same command on every host, through mlx.launch, in a
+    process group of its own; SIGINT or SIGTERM reach it as SIGINT, which stops rank 0, and rank
+    0 stops the others."""
     import subprocess
 
     from .distributed import launch_command
 
-    return subprocess.call(launch_command(args.hostfile, args.backend, sys.argv[1:]))
+    launcher = subprocess.Popen(
+        launch_command(args.hostfile, args.backend, sys.argv[1:]), start_new_session=True
+    )
+
+    def forward(signum, frame):  # noqa: ARG001 - signal handler signature
+        os.killpg(launcher.pid, signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return launcher.wait()
 
 
 def setup_logging() -> None:
