@@ -12,7 +12,13 @@ measured  the tiny test folder (tests/shard/folder.py: 6 blocks, 6 heads x 32) o
           handed to the backend, against the same formula for the tiny config; the DiT's
           bytes and the peak resident set per rank; the step time (median of the hits).
 
+load      a random DiT of 8 blocks, 16 heads x 64, float32, loaded in a fresh process whole, as
+          rank 1 of 2 in pipeline mode and as rank 0 of 2 in tensor mode: the DiT bytes held,
+          the peak resident set and MLX's peak memory.
+
     .venv/bin/python bench/shard.py [--ranks 1 2 3] [--size 16x16] [--text 32] [--repeats 5]
+    .venv/bin/python bench/shard.py --computed-only
+    .venv/bin/python bench/shard.py load
 
 Results go to docs/benchmarks.md ("One model over several ranks").
 """
@@ -282,6 +288,11 @@ def tiny_config() -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
+    sub.add_parser("load")
+    load_one = sub.add_parser("load-one")
+    load_one.add_argument("folder", type=Path)
+    load_one.add_argument("mode")
+    load_one.add_argument("rank", type=int)
     one = sub.add_parser("run")
     one.add_argument("folder", type=Path)
     one.add_argument("mode")
@@ -293,6 +304,11 @@ def main(argv=None) -> int:
     parser.add_argument("--computed-only", action="store_true", help="the full-size figures alone")
     args = parser.parse_args(argv)
     size = tuple(int(v) for v in args.size.split("x"))
+    if args.command == "load":
+        return load_figures()
+    if args.command == "load-one":
+        print(json.dumps(load_one_figures(args.folder, args.mode, args.rank)))
+        return 0
     if args.command == "run":
         result = run(args.folder, args.mode, size, args.text, args.repeats)
         print("RESULT " + json.dumps(result), flush=True)
@@ -318,6 +334,47 @@ def main(argv=None) -> int:
                 result["computed_dit_bytes"] = dit_bytes(config, mode, ranks, 4)
                 print(json.dumps(result), flush=True)
     return 0
+
+
+LOAD_CONFIG = {"num_layers": 8, "num_attention_heads": 16, "attention_head_dim": 64}
+
+
+def load_figures() -> int:
+    import numpy as np
+    from gmlx_server.engine.families.qwen_image21 import embedded
+
+    config = {**embedded.TRANSFORMER_CONFIG, **LOAD_CONFIG, "axes_dims_rope": [16, 24, 24]}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "transformer"
+        weights = embedded._draw(embedded.transformer_tensors(config), np.random.default_rng(0))
+        embedded._write_component(folder, config, weights, embedded.DIFFUSERS_WEIGHTS)
+        del weights
+        for mode, rank in (("whole", 0), ("pipeline", 1), ("tensor", 0)):
+            command = [sys.executable, __file__, "load-one", str(folder), mode, str(rank)]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            print(done.stdout.strip(), flush=True)
+    return 0
+
+
+def load_one_figures(folder: Path, mode: str, rank: int) -> dict:
+    import resource
+
+    from gmlx_server.process import prepare_process
+
+    prepare_process()
+    import mlx.core as mx
+    from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
+    from gmlx_server.engine.shard import Shard
+
+    shard = None if mode == "whole" else Shard(mode, rank, 2)
+    dit = QwenImage21DiT.load(folder, shard=shard)
+    return {
+        "load": mode,
+        "rank": rank,
+        "dit_bytes": dit.weight_bytes,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "mlx_peak_bytes": mx.get_peak_memory(),
+    }
 
 
 def computed_tables() -> list[dict]:

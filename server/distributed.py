@@ -8,8 +8,8 @@ Started by `mlx.launch --hostfile HOSTS --backend ring|mpi|nccl|jaccl -- gmlx se
   rank 0 the text encoder and the VAE besides); on every step the worker hands the call's inputs
   to every rank (`broadcast`, an `all_sum` of the pickled call: the group's own collectives),
   then runs its own part, and answers.
-- **the other ranks** run `follow`: they wait for rank 0's next message (load, step, unload,
-  stop) and do their part of it; they open no port but the heartbeat's.
+- **the other ranks** run a `Follower`: it waits for rank 0's next message (load, step,
+  unload, report, stop) and does its part of it; they serve no HTTP.
 
 Held state stays in step: rank 0's prefix cache decides (its keys travel with each step and the
 others drop what rank 0 dropped); a patch table travels once, with the first step that names it.
@@ -107,10 +107,9 @@ def heartbeat_address() -> tuple[str, int] | None:
         first = json.loads(Path(hostfile).read_text())[0][0]
         host, _, port = first.rpartition(":")
         return host, int(port) - 1
-    for variable in ("MLX_JACCL_COORDINATOR",):
-        if os.environ.get(variable):
-            host, _, port = os.environ[variable].rpartition(":")
-            return host, int(port) - 1
+    if os.environ.get("MLX_JACCL_COORDINATOR"):
+        host, _, port = os.environ["MLX_JACCL_COORDINATOR"].rpartition(":")
+        return host, int(port) - 1
     if os.environ.get("NCCL_HOST_IP") and os.environ.get("NCCL_PORT"):
         return os.environ["NCCL_HOST_IP"], int(os.environ["NCCL_PORT"]) - 1
     return None
@@ -355,7 +354,9 @@ class GroupFamily:
             except Exception as exc:  # noqa: BLE001 - every rank reports before anyone raises
                 failure, model = exc, None
             weights = gather_ints(-1 if model is None else model.weight_bytes)
-        failed = [rank for rank, value in enumerate(weights) if value < 0]
+            failed = [rank for rank, value in enumerate(weights) if value < 0]
+            if failed:  # the ranks that did load let their shard go
+                broadcast(("unload", {"model_id": model_id}))
         if failure is not None:
             raise failure
         if failed:
@@ -431,7 +432,7 @@ class GroupModel:
             "table_id": None if table is None else table.table_id,
             "table": send_table,
             "tables": list(self._tables_sent),
-            "states": self._model.state_keys(),
+            "states": list(held),
         }
 
     def _light(self, row, held: set, x, table):

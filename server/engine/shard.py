@@ -42,7 +42,8 @@ __all__ = ["MODES", "Shard", "ShardPlan", "Split", "Stages", "TreeShard", "all_s
 # ranks (lora.project reads it).
 REDUCE = ".reduce"
 
-# Bytes this process handed to the distributed backend, by kind ("send", "all_sum"), counted as
+# Bytes this process handed to the distributed backend, by kind ("send", "all_sum", and the
+# step inputs' broadcast, "inputs", counted in server/distributed.py), counted as
 # the collectives are built: what docs/benchmarks.md compares with the computed volume. An
 # all_sum over the ring moves 2 (N - 1) / N of its bytes out of each rank.
 TRAFFIC: Counter = Counter()
