@@ -413,7 +413,10 @@ class GroupModel:
 
     def _step_message(self, x, timestep, rows, table, options) -> dict:
         """What every rank needs to run the step: its inputs, the patch table when the ranks
-        do not hold it yet, and the states rank 0 holds (the others drop the rest)."""
+        do not hold it yet, and the states rank 0 holds (the others drop the rest). Rows the
+        model refuses raise here, before anything is recorded as sent."""
+        held = set(self._model.state_keys())
+        light_rows = [self._light(row, held, x, table) for row in rows]
         send_table = None
         if table is not None:
             if table.table_id not in self._tables_sent:
@@ -422,12 +425,11 @@ class GroupModel:
             self._tables_sent.move_to_end(table.table_id)
             while len(self._tables_sent) > TABLES_SENT:
                 self._tables_sent.popitem(last=False)
-        held = set(self._model.state_keys())
         return {
             "model_id": self._model.model_id,
             "x": x,
             "timestep": timestep,
-            "rows": [self._light(row, held, x, table) for row in rows],
+            "rows": light_rows,
             "options": options,
             "table_id": None if table is None else table.table_id,
             "table": send_table,
