@@ -438,11 +438,11 @@ class GroupModel:
         }
 
     def _light(self, row, held: set, x, table):
-        """The row as the other ranks need it: a row whose held states rank 0 holds (a prefix
-        hit, which the others hold too) travels without its conditioning and references,
-        `Absent` in their place; the rest whole."""
+        """The row as the other ranks need it: a row that uses the prefix cache and whose
+        states rank 0 holds (a prefix hit, which the others hold too) travels without its
+        conditioning and references, `Absent` in their place; the rest whole."""
         keys = self._model.step_keys(np.shape(x), [row], table)
-        if not keys or not keys <= held:
+        if not row.prefix_cache or not keys or not keys <= held:  # its state is built now
             return row
         return dataclasses.replace(
             row,

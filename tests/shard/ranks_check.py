@@ -7,6 +7,7 @@ L2 distance and prefix-cache answers. The other ranks follow (server/distributed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -116,17 +117,19 @@ def main(folder: str, mode: str) -> None:
         single = family.load(registry.resolve(model_id).path, model_id, quantization=precision)
         doc, adapters = lora_doc(model_id, rng)
         tables = [make_table(engine, doc, adapters) for engine in (sharded, single)]
+        uncached = [dataclasses.replace(r, prefix_cache=False) for r in rows]
         cases = [
-            ("miss", None, "r1"),
-            ("hit", None, "r1"),
-            ("lora", 0, "r1"),
-            ("lora hit", 0, "r1"),
-            ("no run", None, None),
+            ("miss", None, "r1", rows),
+            ("hit", None, "r1", rows),
+            ("lora", 0, "r1", rows),
+            ("lora hit", 0, "r1", rows),
+            ("no run", None, None, rows),
+            ("off", None, "r1", uncached),  # held states, yet built afresh
         ]
-        for name, table, run in cases:
+        for name, table, run, step_rows in cases:
             answers = [
                 engine.denoise_step(
-                    x, timestep, rows, run=run, table=None if table is None else tables[index]
+                    x, timestep, step_rows, run=run, table=None if table is None else tables[index]
                 )
                 for index, engine in enumerate((sharded, single))
             ]

@@ -5,6 +5,7 @@ light, the launch command)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -205,6 +206,9 @@ def test_rows_of_held_states_travel_without_their_arrays():
     assert distributed.present(light.cond).shape == (7, 16)
     assert distributed.present(light.ref_latents[0]).strides == (0, 0, 0)
     assert model._light(row, {("wire:b",)}, np.zeros((1, 4, 2, 2)), None) is row
+    # a row that opts out of the cache is built afresh: it travels whole
+    uncached = dataclasses.replace(row, prefix_cache=False)
+    assert model._light(uncached, {("wire:a",)}, np.zeros((1, 4, 2, 2)), None) is uncached
 
 
 def test_heartbeats_name_the_silent_rank(monkeypatch):

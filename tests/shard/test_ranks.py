@@ -118,6 +118,7 @@ def check_equal(results: dict, model: str, ranks: int, mode: str) -> None:
             assert result["prefix"][0] == result["prefix"][1], (case, result)
     for model_id in (model, model + "-q8", model + "-stored8"):
         assert results[f"{model_id} hit"]["prefix"] == ["hit", "hit"]
+        assert results[f"{model_id} off"]["prefix"] == ["off", "off"]
         weights = results[f"{model_id} weights"]
         assert len(weights["ranks"]) == ranks
         # every rank holds less than the whole model, rank 0 the encoder and VAE besides
