@@ -192,6 +192,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted")
     parser.add_argument("--label", default=None, help="a label for the record")
     add_adapter_argument(parser, " (refused with --via-steps: docs/contract.md §6)")
+    add_group_arguments(parser)
     parser.add_argument(
         "--via-steps",
         action="store_true",
@@ -255,16 +256,24 @@ def sample_main(argv: Sequence[str] | None = None) -> int:
     return run_sample(sample_parser().parse_args(argv))
 
 
-def run_sample(args: argparse.Namespace) -> int:
-    prepare_process()
+@contextmanager
+def rank_group(args: argparse.Namespace):
+    """The rank group a command launched by mlx.launch runs over (None: one process); the
+    other ranks follow inside (distributed.join) and end with the command."""
     from .distributed import join, stop_group
 
-    group = join(args.shard, args.rank_timeout)  # launched as ranks: the others follow here
+    group = join(args.shard, args.rank_timeout)
     try:
-        return _sample(args, group)
+        yield group
     finally:
         if group is not None:
             stop_group(group)
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    prepare_process()
+    with rank_group(args) as group:
+        return _sample(args, group)
 
 
 def _sample(args: argparse.Namespace, group: Any) -> int:
@@ -519,6 +528,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
     prepare_process()
+    with rank_group(args) as group:
+        return _bench(args, group)
+
+
+def _bench(args: argparse.Namespace, group: Any) -> int:
     try:
         request = image_request(args, read_references(args.ref))
         quantization = quantization_argument(args)
@@ -527,6 +541,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         choice = choose_model(args.model, args.config, quantization)
+        choice.join(group)
         with CompileWatch(note):
             record = run_bench(
                 choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
