@@ -96,6 +96,15 @@ def component_row(resident: bool, nbytes: int, dtype: mx.Dtype, quantization: di
     }
 
 
+def loaded_row(part: Any, quantization: dict | None, unloaded: dict) -> dict:
+    """A loaded model's `residency` row of one component: held, as loaded (`part`'s
+    `weight_bytes` and `dtype`); a component this process did not load (None: a rank > 0 of a
+    sharded model holds its DiT part alone) keeps its `unloaded` row, not held."""
+    if part is None:
+        return unloaded
+    return component_row(True, part.weight_bytes, part.dtype, quantization)
+
+
 class FamilyModel:
     """The generic part of a loaded model of an MLX family (see the module's docstring).
 
@@ -209,6 +218,15 @@ class FamilyModel:
 
     def end_run(self, run: str) -> None:
         """Nothing is kept per run."""
+
+    # -- sharded over ranks (server/distributed.py): rank 0's held states, mirrored ----------
+
+    def state_keys(self) -> list:
+        """The keys of the states the model holds (a family with prefix states lists them)."""
+        return []
+
+    def keep_states(self, keys) -> None:
+        """Drop every held state but those of `keys` (what rank 0 holds)."""
 
     def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
         return self.vae.peak_bytes(height, width, decode)

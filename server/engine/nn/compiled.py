@@ -33,9 +33,11 @@ def compile_enabled() -> bool:
 
 
 class CompiledPass:
-    def __init__(self, function: Callable[..., mx.array]):
+    def __init__(self, function: Callable[..., mx.array], enabled: bool = True):
+        """`enabled` false: always eager (a DiT sharded over ranks, whose collectives stay
+        outside any compiled graph)."""
         self.function = function
-        self.enabled = compile_enabled()
+        self.enabled = enabled and compile_enabled()
         self.compiled_function = mx.compile(function)
         self.signatures: set[Hashable] = set()  # those compiled_function has traced
         if self.enabled:

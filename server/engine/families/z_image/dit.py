@@ -33,6 +33,7 @@ from ...nn.compiled import CompiledPass
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
+from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
 from ...weights import gguf_file, load_tree, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
@@ -173,6 +174,17 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
 
 def _stack_depth(stack: str, config: DiTConfig) -> int:
     return config.num_layers if stack == "layers" else config.num_refiner_layers
+
+
+def shard_plan(config: DiTConfig) -> ShardPlan:
+    """How the DiT splits over ranks (engine/shard.py): the three stacks, in order, are the
+    pipeline; in every block q/k/v (three segments, whole heads) and w1/w3 (two segments) split
+    by output rows, the attention output (whole heads) and w2 by input columns."""
+    return ShardPlan(
+        stacks=tuple(STACKS),
+        columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
+        rows={"out": Split(1, config.head_dim), "down": Split(1)},
+    )
 
 
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
@@ -328,15 +340,19 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 
 
 class ZImageDiT:
-    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
+    def __init__(
+        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
+    ):
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.stages = stages or Stages()  # this process's part of the blocks (engine/shard.py)
         self._time_freqs = time_frequencies()
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
         # The whole forward runs every step: compiled, its elementwise work (RoPE, norms,
         # modulation, gates) fuses (GMLX_DIT_COMPILE=0 runs it eagerly).
-        self.compiled_pass = CompiledPass(self._pass)
+        # Sharded, it runs eagerly: its collectives stay outside any compiled graph.
+        self.compiled_pass = CompiledPass(self._pass, enabled=stages is None)
 
     @classmethod
     def load(
@@ -345,12 +361,18 @@ class ZImageDiT:
         dtype: mx.Dtype | None = None,
         quantization: Quantization | None = None,
         dit: Path | None = None,
+        shard: Shard | None = None,
     ) -> ZImageDiT:
         """The DiT of a transformer/ folder, its weights from safetensors or GGUF (the folder's
         one `.gguf` file, or `dit`, a model entry's file: `dit_file`); with a `quantization`,
-        the float layers `quantized` picks are quantized as they load."""
+        the float layers `quantized` picks are quantized as they load; with a `shard`, only this
+        rank's part of it (shard_plan)."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
+        tree_shard = None
+        if shard is not None:
+            depths = {stack: _stack_depth(stack, config) for stack in STACKS}
+            tree_shard = TreeShard(shard_plan(config), shard, depths)
         weights = load_tree(
             transformer_dir,
             lambda files: sanitize(files, config),
@@ -359,8 +381,10 @@ class ZImageDiT:
             quantization=quantization,
             quantized=quantized,
             gguf=dit_file(transformer_dir, dit),
+            shard=tree_shard,
         )
-        return cls(config, weights, dtype)
+        stages = None if tree_shard is None else Stages(tree_shard)
+        return cls(config, weights, dtype, stages)
 
     @property
     def weight_bytes(self) -> int:
@@ -391,15 +415,15 @@ class ZImageDiT:
     def attention(self, block: dict, x: mx.array, cos, sin, lengths: list[int]) -> mx.array:
         """Self-attention of x (B, N, dim), row b over its first lengths[b] tokens."""
         batch, length, _ = x.shape
-        heads, head_dim = self.config.num_heads, self.config.head_dim
-        fused = project(block, "qkv", x).reshape(batch, length, 3, heads, head_dim)
+        # heads from the weight: all of them, or a rank's share in tensor mode (shard_plan)
+        fused = project(block, "qkv", x).reshape(batch, length, 3, -1, self.config.head_dim)
         q = self.rms_norm(fused[:, :, 0], block["norm_q"], QK_NORM_EPS)
         k = self.rms_norm(fused[:, :, 1], block["norm_k"], QK_NORM_EPS)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = fused[:, :, 2].transpose(0, 2, 1, 3)
         attended = self._rows_attention(q, k, v, lengths)
-        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, self.config.dim)
+        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return project(block, "out", merged)
 
     def _rows_attention(self, q, k, v, lengths: list[int]) -> mx.array:
@@ -494,24 +518,31 @@ class ZImageDiT:
         image = dense(w, "x_in", self.patchify(x))
         pad = mx.broadcast_to(w["x_pad"], (batch, image_padded - image_len, config.dim))
         image = mx.concatenate([image, pad.astype(self.dtype)], axis=1)
-        for block in w["noise_refiner"]:
-            image = self.block(block, image, image_cos, image_sin, [image_padded] * batch, adaln)
+        image = self._stack(
+            w, "noise_refiner", image, image_cos, image_sin, [image_padded] * batch, adaln
+        )
 
         # Caption tokens, each row padded to its multiple with the pad token, then the batch to
         # the longest, through the context refiner.
         caption = self._caption_tokens(w, caps, cap_padded)
-        for block in w["context_refiner"]:
-            caption = self.block(block, caption, cap_cos, cap_sin, cap_padded, None)
+        caption = self._stack(w, "context_refiner", caption, cap_cos, cap_sin, cap_padded, None)
 
         # Each row's [image, caption], through the main blocks.
         unified = mx.concatenate([image, caption], axis=1)
         lengths = [image_padded + n for n in cap_padded]
-        for block in w["layers"]:
-            unified = self.block(block, unified, cos, sin, lengths, adaln)
+        unified = self._stack(w, "layers", unified, cos, sin, lengths, adaln)
 
         scale = 1 + dense(w, "final_modulation", silu(adaln))[:, None, :]
         out = dense(w, "final", layer_norm(unified[:, :image_len], FINAL_NORM_EPS) * scale)
         return self.unpatchify(out, height, width)
+
+    def _stack(self, w: dict, stack: str, x, cos, sin, lengths, adaln) -> mx.array:
+        """x through one of the block stacks (this process's part of it: `stages`)."""
+
+        def run_block(index: int, block: dict, x: mx.array) -> mx.array:
+            return self.block(block, x, cos, sin, lengths, adaln)
+
+        return self.stages.run(stack, w[stack], x, run_block)
 
     def _caption_tokens(self, w: dict, caps: list[mx.array], cap_padded: list[int]) -> mx.array:
         longest, dim = max(cap_padded), self.config.dim

@@ -17,13 +17,14 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, component_row, dit_manifest, memory_row
+from ...family import FamilyModel, component_row, dit_manifest, loaded_row, memory_row
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.compiled import compile_enabled
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
+from ...shard import Shard
 from ...vaes.autoencoder_kl import Geometry, latent_normalisation
 from ...weights import component_bytes, estimated_bytes, gguf_file, read_config, stored_quantization
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
@@ -323,12 +324,14 @@ def load(
     encoder_vae_dtype: str = AUTO,
     dit: Path | None = None,
     text_encoder: Path | None = None,
+    shard: Shard | None = None,
 ) -> ZImageModel:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
     that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
     file's float layers only). The text encoder and the VAE compute in the dtype the
     `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`, `text_encoder`: a
-    model entry's GGUF files."""
+    model entry's GGUF files. With a `shard`, the DiT is this rank's part of it
+    (dit.shard_plan), and the VAE and the text encoder load on rank 0 only."""
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
@@ -338,7 +341,12 @@ def load(
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
     check(model_dir, dit, text_encoder)
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    network = ZImageDiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
+    network = ZImageDiT.load(
+        model_dir / "transformer", quantization=quantization, dit=dit, shard=shard
+    )
+    files = {"dit": dit, "text_encoder": text_encoder}
+    if shard is not None and shard.rank != 0:
+        return ZImageModel(model_dir, model_id, found[1], network, None, None, files=files)
     vae = AutoencoderKL.load(model_dir / "vae", side)
     encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
 
@@ -351,7 +359,6 @@ def load(
             f"the text encoder's width {encoder.hidden_size} differs from the DiT's caption"
             f" width {network.config.cap_feat_dim}"
         )
-    files = {"dit": dit, "text_encoder": text_encoder}
     return ZImageModel(model_dir, model_id, found[1], network, vae, encoder, load_encoder, files)
 
 
@@ -396,24 +403,28 @@ class ZImageModel(FamilyModel):
         `files`: the model entry's GGUF files (`dit`, `text_encoder`) the weights came from
         (none: the folder's)."""
         files = {key: path for key, path in (files or {}).items() if path is not None}
-        weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
+        # a rank > 0 of a sharded model: the DiT part alone (vae and encoder None)
+        weight_bytes = sum(part.weight_bytes for part in (dit, vae, encoder) if part is not None)
         status = describe(model_dir, model_id, dit.dtype, **files)
         dit_gguf = dit_file(Path(model_dir) / "transformer", files.get("dit"))
         encoder_gguf = encoder_file(model_dir, files.get("text_encoder"))
+        if encoder is None:
+            encoder_status = status["quantization"]["encoder"]
+        elif encoder_gguf is None:
+            encoder_status = quantization_status(encoder.encoder.model)
+        else:
+            encoder_status = encoder_gguf.status()
         quantization = {
             "dit": quantization_status(dit.weights) if dit_gguf is None else dit_gguf.status(),
-            "encoder": quantization_status(encoder.encoder.model)
-            if encoder_gguf is None
-            else encoder_gguf.status(),
+            "encoder": encoder_status,
             "vae": None,
         }
+        unloaded = status["residency"]
         status["quantization"] = quantization
         status["residency"] = {
             "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
-            "encoder": component_row(
-                True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
-            ),
-            "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
+            "encoder": loaded_row(encoder, quantization["encoder"], unloaded["encoder"]),
+            "vae": loaded_row(vae, None, unloaded["vae"]),
         }
         status["memory"] = _memory(model_dir, dit.dtype, weight_bytes, **files)
         super().__init__(
@@ -421,7 +432,9 @@ class ZImageModel(FamilyModel):
             model_id,
             variant,
             vae=vae,
-            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
+            tables=TableWeights(
+                dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
+            ),
             status=status,
             read_manifest=lambda folder: manifest(folder, files.get("dit")),
             weight_bytes=weight_bytes,
