@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from gmlx_server.engine.embedded import draw, write_component
 from gmlx_server.engine.families.qwen_image21 import embedded
 
 TRANSFORMER_CONFIG = {
@@ -27,10 +28,8 @@ def build_shard_folder(root: Path, seed: int = 0) -> Path:
     shutil.copytree(embedded.ensure_embedded_model(), root)
     shutil.rmtree(root / "transformer")
     inventory = embedded.transformer_tensors(TRANSFORMER_CONFIG)
-    weights = embedded._draw(inventory, np.random.default_rng([seed, 7]))
-    embedded._write_component(
-        root / "transformer", TRANSFORMER_CONFIG, weights, embedded.DIFFUSERS_WEIGHTS
-    )
+    weights = draw(inventory, np.random.default_rng([seed, 7]), embedded.CONSTANT_NOISE)
+    write_component(root / "transformer", TRANSFORMER_CONFIG, weights, embedded.DIFFUSERS_WEIGHTS)
     (root / embedded.STAMP_FILE).unlink(missing_ok=True)
     # the base variant: samplings of any step count
     (root / "model_index.json").write_text(json.dumps(embedded.model_index(None)))
