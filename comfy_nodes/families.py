@@ -151,15 +151,20 @@ PUBLISHED_NORMALISATION = {
 }
 
 # model_class (status `comfy.model_class`) -> family the pack builds a ComfyUI model for.
-PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21", "ZImage": "z_image"}
+PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21", "ZImage": "z_image", "Flux2": "flux2_klein"}
 # model_class -> ComfyUI's own BaseModel class (in comfy.model_base) the pack's model also
 # derives from on a ComfyUI that knows the model class (comfy.supported_models has it), so stock
 # code that tells models apart by class treats it as that family's. Z-Image: 0.33 has it, 0.3.64
-# not (its Lumina2 is Lumina Image 2.0 alone).
-COMFY_BASE_CLASSES = {"ZImage": "Lumina2"}
+# not (its Lumina2 is Lumina Image 2.0 alone). FLUX.2 (klein): 0.33 has Flux2, 0.3.64 not.
+COMFY_BASE_CLASSES = {"ZImage": "Lumina2", "Flux2": "Flux2"}
 # The DiT's own reference placement method (ComfyUI's `ref_latents_method` default), for
 # servers whose status has no `conditioning.ref_method`.
-DEFAULT_REF_METHOD = {"qwen_image21": "index"}
+DEFAULT_REF_METHOD = {
+    "qwen_image21": "index",
+    "flux2_klein": "index",
+    "flux2_klein_9b": "index",
+    "flux2_klein_9b_kv": "index",
+}
 # Families whose encoder refuses an empty prompt: the pack sends one space (docs/contract.md §7.4),
 # for servers whose status has no `conditioning.empty_prompt`.
 SPACE_FOR_EMPTY_PROMPT = frozenset(("qwen_image", "qwen_image21", "krea2", "flux3_klein"))

@@ -34,6 +34,7 @@ from .families import COMFY_BASE_CLASSES, PACK_BUILT_CLASSES, latent_normalisati
 from .interrupts import COMFY_INTERRUPT, call_or_interrupt
 from .patches import AdapterHashes, build_table, lora_key_map, unmapped_patches_text
 from .request import (
+    CallCheck,
     as_f32,
     build_rows,
     check_call,
@@ -206,7 +207,7 @@ class RemoteDiT(torch.nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         options = transformer_options or {}
-        self._check(kwargs, options, control)
+        check = self._check(kwargs, options, control)
         patcher = getattr(self.owner, "current_patcher", None)
         table_id = self.sync_table(patcher) if patcher is not None else None
         run = getattr(patcher, "gmlx_run", None)
@@ -223,6 +224,8 @@ class RemoteDiT(torch.nn.Module):
             hashes=self.row_hashes,
         )
         x_np, t_np = as_f32(x), step_timestep(as_f32(timesteps), batch)
+        # ComfyUI's Flux KV Cache: the run keeps the references' K/V (docs/contract.md §3.4)
+        ref_cache = check.ref_cache and run is not None and bool(kwargs.get("ref_latents"))
 
         def work():
             return self.conn.client.step(
@@ -233,6 +236,7 @@ class RemoteDiT(torch.nn.Module):
                 run=run,
                 convention="comfy",
                 patch_table=table_id,
+                ref_cache=ref_cache,
                 uploads=rows.tensors,
             )
 
@@ -241,13 +245,14 @@ class RemoteDiT(torch.nn.Module):
         out = torch.from_numpy(np.array(answer.out, dtype=np.float32))
         return out.to(device=x.device, dtype=x.dtype)
 
-    def _check(self, kwargs: dict, options: dict, control: Any) -> None:
+    def _check(self, kwargs: dict, options: dict, control: Any) -> CallCheck:
         check = check_call(
             kwargs,
             options,
             control=control,
             edit_capable=bool(self.status.get("edit_capable", True)),
             default_ref_method=ref_method(self.status),
+            ref_cache="ref_cache" in self.conn.features,
         )
         for key in check.unknown_options:
             if key not in self.warned:
@@ -256,6 +261,7 @@ class RemoteDiT(torch.nn.Module):
         if check.refusals:
             upstream = named_nodes(suspects(running_prompt_classes(), check.suspect_words))
             raise GmlxError(refusal_text(check.refusals, upstream))
+        return check
 
     def _call(self, work, run: str | None):
         def on_cancel() -> None:
@@ -354,13 +360,19 @@ class GmlxModelConfig(comfy.supported_models_base.BASE):
 def model_config_for(status: dict) -> GmlxModelConfig:
     latent = status.get("latent") or {}
     comfy_info = status.get("comfy") or {}
+    channels = int(latent.get("channels", 16))
     config = GmlxModelConfig(
-        {"image_model": comfy_info.get("image_model"), "disable_unet_model_creation": True}
+        {
+            "image_model": comfy_info.get("image_model"),
+            "disable_unet_model_creation": True,
+            # what ComfyUI's Flux BaseModel reads to see that x carries no concat channels
+            "in_channels": channels,
+            "out_channels": channels,
+        }
     )
     sampling = status.get("sampling") or {}
     # Flow matching with timestep = sigma (docs/contract.md §5.2, comfy convention, scale 1).
     config.sampling_settings = {"multiplier": 1.0, "shift": float(sampling.get("shift") or 1.0)}
-    channels = int(latent.get("channels", 16))
     stride = latent.get("stride") or (status.get("vae") or {}).get("stride")
     if not stride:
         raise GmlxError("gmlx: the server's status gives no latent stride (latent.stride)")
@@ -481,6 +493,13 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
             super().cleanup()
 
 
+def fused_qkv(name: str) -> bool:
+    """Whether a manifest weight fuses q, k and v alone (`.qkv.`, `to_qkv.`), which ComfyUI's
+    LoRA keys name unfused. A layer the DiT's own names fuse with more (FLUX.2's
+    `to_qkv_mlp_proj`) is a layer of its own, which LoRA files name as it is."""
+    return ".qkv." in name or ".to_qkv." in name
+
+
 def load_remote_model(conn: Connection, model_id: str) -> GmlxModelPatcher:
     """Build the MODEL of `model_id` from its status and manifest (docs/contract.md §7.3)."""
     with conn.lock:
@@ -494,11 +513,7 @@ def load_remote_model(conn: Connection, model_id: str) -> GmlxModelPatcher:
             f"gmlx: {model_id!r} is a {model_class} model; this pack builds "
             f"{', '.join(sorted(PACK_BUILT_CLASSES))} models only"
         )
-    fused = [
-        t["name"]
-        for t in manifest.get("tensors", [])
-        if ".qkv." in t["name"] or "to_qkv" in t["name"]
-    ]
+    fused = [t["name"] for t in manifest.get("tensors", []) if fused_qkv(t["name"])]
     if fused:
         raise GmlxError(
             f"gmlx: {model_id!r} stores fused qkv weights ({fused[0]}, ...); LoRA keys cannot "

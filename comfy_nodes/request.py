@@ -43,6 +43,10 @@ KNOWN_OPTIONS = frozenset(
 )
 # The wrapper type whose functions replace the DiT forward itself (ComfyUI's WrappersMP).
 DIFFUSION_MODEL_WRAPPER = "diffusion_model"
+# What ComfyUI's Flux KV Cache node (comfy_extras/nodes_flux.py) patches the model with: an
+# attn1 patch object of this class and a post-input patch function of this name. The server's
+# `ref_cache` step field stands in for them (docs/contract.md §3.4, §7.5).
+FLUX_KV_CACHE_PATCHES = {"attn1_patch": "KV_Attn_Input", "post_input": "model_input_patch"}
 
 
 class RowTensors(Mapping):
@@ -192,6 +196,23 @@ class CallCheck:
     unknown_options: list[str]
     # Words that name the upstream ComfyUI nodes likely to have caused the refusals.
     suspect_words: list[str] = field(default_factory=list)
+    # ComfyUI's Flux KV Cache node is on, and the server takes `ref_cache` in its place.
+    ref_cache: bool = False
+
+
+def is_flux_kv_cache(patches: Any) -> bool:
+    """Whether a transformer_options `patches` holds ComfyUI's Flux KV Cache patches alone."""
+    if not isinstance(patches, dict) or set(patches) != set(FLUX_KV_CACHE_PATCHES):
+        return False
+    for name, expected in FLUX_KV_CACHE_PATCHES.items():
+        entries = patches[name]
+        if not isinstance(entries, list) or len(entries) != 1:
+            return False
+        entry = entries[0]
+        found = type(entry).__name__ if name == "attn1_patch" else getattr(entry, "__name__", "")
+        if found != expected:
+            return False
+    return True
 
 
 def check_call(
@@ -202,14 +223,23 @@ def check_call(
     guidance_embedder: bool = False,
     edit_capable: bool = True,
     default_ref_method: str | None = "index",
+    ref_cache: bool = False,
 ) -> CallCheck:
-    """Collect refusals for one DiT call (docs/contract.md §7.5), without raising."""
+    """Collect refusals for one DiT call (docs/contract.md §7.5), without raising. `ref_cache`:
+    the server has the `ref_cache` feature, so ComfyUI's Flux KV Cache node is honoured by it
+    (the check's `ref_cache`) rather than refused as an attention patch."""
     refusals: list[str] = []
     words: list[str] = []
+    kv_cache = is_flux_kv_cache(transformer_options.get("patches"))
+    if kv_cache and not ref_cache:
+        refusals.append("ComfyUI's Flux KV Cache (this server has no ref_cache feature)")
+        words += ["Cache"]
     if control is not None:
         refusals.append("ControlNet (the server runs no control models)")
         words += ["ControlNet"]
     for name in ("patches", "patches_replace"):
+        if name == "patches" and kv_cache:
+            continue
         if transformer_options.get(name):
             kinds = ", ".join(sorted(map(str, transformer_options[name])))
             refusals.append(f"transformer_options {name} ({kinds}): attention/block patches")
@@ -235,7 +265,12 @@ def check_call(
             f"reference placement method {method!r} (the DiT's is {default_ref_method!r})"
         )
     unknown = sorted(k for k in transformer_options if k not in KNOWN_OPTIONS)
-    return CallCheck(refusals=refusals, unknown_options=unknown, suspect_words=words)
+    return CallCheck(
+        refusals=refusals,
+        unknown_options=unknown,
+        suspect_words=words,
+        ref_cache=kv_cache and ref_cache,
+    )
 
 
 def suspects(class_types: list[str], words: list[str]) -> list[str]:

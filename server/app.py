@@ -297,11 +297,20 @@ def step_routes(ctx: ServerContext) -> list[tuple[str, Resource]]:
     ]
 
 
-def build_context(config: ServerConfig, registry: ModelRegistry) -> ServerContext:
-    """The registry, a started worker and service, ready for `create_app`."""
-    service = StepsService(registry, ImageWorker(), config.image)
+def build_context(
+    config: ServerConfig, registry: ModelRegistry, group: Any = None
+) -> ServerContext:
+    """The registry, a started worker and service, ready for `create_app`; with a rank `group`
+    (server/distributed.py) the worker is the group's, which refuses work the group cannot do."""
+    if group is None:
+        worker = ImageWorker()
+    else:
+        from .distributed import GroupWorker
+
+        worker = GroupWorker(group)
+    service = StepsService(registry, worker, config.image)
     service.start()
-    return ServerContext(config=config, registry=registry, service=service)
+    return ServerContext(config=config, registry=registry, service=service, group=group)
 
 
 # ---------------------------------------------------------------- Waitress

@@ -23,7 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from . import __version__
-from .parsers import CommandParser, add_quantize_arguments, quantization_argument
+from .parsers import (
+    CommandParser,
+    add_group_arguments,
+    add_quantize_arguments,
+    quantization_argument,
+)
 from .process import config_registry, prepare_process
 
 log = logging.getLogger("gmlx.server")
@@ -67,6 +72,20 @@ def register_serve(subparsers) -> None:
         help=f"port to listen on, over the config file and GMLX_PORT (default: {defaults.port})",
     )
     add_quantize_arguments(parser)
+    add_group_arguments(parser)
+    parser.add_argument(
+        "--hostfile",
+        type=Path,
+        default=None,
+        help="start `gmlx serve` on every host of this mlx.launch hostfile, the DiT sharded over"
+        " them (runs `mlx.launch --hostfile HOSTFILE --backend BACKEND -- gmlx serve ...`)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("ring", "mpi", "nccl", "jaccl"),
+        default="ring",
+        help="the mx.distributed backend of --hostfile",
+    )
     parser.set_defaults(func=serve)
 
 
@@ -164,6 +183,8 @@ def serve(args: argparse.Namespace) -> int:
     from .config import load_config
 
     setup_logging()
+    if args.hostfile is not None:
+        return _launch_group(args)
     try:
         quantization = quantization_argument(args)
         config = load_config(args.config, host=args.host, port=args.port, quantization=quantization)
@@ -173,19 +194,23 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     prepare_process()  # before anything imports mlx
 
+    from . import distributed
     from .app import build_context, create_app, make_server
     from .kernel_compiles import CompileWatch
 
+    group = distributed.join(args.shard, args.rank_timeout)  # a rank > 0 follows, then ends
     registry, extra = config_registry(config)
+    if group is not None:
+        distributed.attach(group, registry)
     default = registry.default_model
-    ctx = build_context(config, registry)
+    ctx = build_context(config, registry, group)
     try:
         server = make_server(create_app(ctx), config)
     except OSError as exc:
         ctx.service.close()
         print(f"gmlx serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
-    _stop_on_signals()
+    _stop_on_signals(group)
     log.info(
         "gmlx %s serving on http://%s:%s (models: %s; default: %s)",
         __version__,
@@ -201,7 +226,29 @@ def serve(args: argparse.Namespace) -> int:
         log.info("stopping: ending runs and letting the models go")
         ctx.service.close()
         server.close()
+        if group is not None:
+            distributed.stop_group(group)
     return 0
+
+
+def _launch_group(args: argparse.Namespace) -> int:
+    """`gmlx serve --hostfile`: the same command on every host, through mlx.launch, in a
+    process group of its own; SIGINT or SIGTERM reach it as SIGINT, which stops rank 0, and rank
+    0 stops the others."""
+    import subprocess
+
+    from .distributed import launch_command
+
+    launcher = subprocess.Popen(
+        launch_command(args.hostfile, args.backend, sys.argv[1:]), start_new_session=True
+    )
+
+    def forward(signum, frame):  # noqa: ARG001 - signal handler signature
+        os.killpg(launcher.pid, signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return launcher.wait()
 
 
 def setup_logging() -> None:
@@ -211,8 +258,18 @@ def setup_logging() -> None:
     )
 
 
-def _stop_on_signals() -> None:
+def _stop_on_signals(group=None) -> None:
+    """SIGINT and SIGTERM stop the server. Rank 0 of a rank group takes its first SIGTERM to
+    the group's decision (distributed.Group.on_terminate: it stays up when a rank was lost)."""
+    import _thread
+
+    deferred = []
+
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        if group is not None and signum == signal.SIGTERM and not deferred:
+            deferred.append(signum)
+            group.on_terminate(_thread.interrupt_main)
+            return
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)

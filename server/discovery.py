@@ -132,7 +132,7 @@ def _residency_line(resident: dict[str, Any]) -> str:
 
 def configured_models(config: ServerConfig) -> dict[str, Any]:
     """The models `gmlx serve` with this configuration would list: each model folder under
-    model_dirs, the embedded default when no default_model is set, and the ids that
+    model_dirs, the embedded models when no default_model is set, and the ids that
     `[models."id"]` and default_model name (with no folder when none is found yet)."""
     from .engine.registry import ModelRegistry
 
@@ -141,9 +141,10 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
     }
     default = config.default_model
     if default is None:
-        default, folder = embedded_default() or (None, None)
-        if default:
-            folders.setdefault(default, str(folder) if folder.is_dir() else None)
+        embedded = embedded_models()
+        default = embedded[0][0] if embedded else None
+        for model_id, folder in embedded:
+            folders.setdefault(model_id, str(folder) if folder.is_dir() else None)
     for model_id in [*config.models, *([default] if default else [])]:
         folders.setdefault(model_id, None)
     models = [
@@ -158,16 +159,16 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
     }
 
 
-def embedded_default() -> tuple[str, Path] | None:
-    """The embedded default model's id and the folder `gmlx serve` generates it in on first
-    use; None where it cannot be made (the server's extras are not installed), and then a
-    server with no default_model has no default either."""
-    from .engine.registry import embedded_default_module
+def embedded_models() -> list[tuple[str, Path]]:
+    """The embedded models' ids and the folders `gmlx serve` generates them in on first use,
+    the embedded default first; none where they cannot be made (the server's extras are not
+    installed), and then a server with no default_model has no default either."""
+    from .engine.registry import embedded_modules
 
-    module = embedded_default_module()
-    if module is None:
-        return None
-    return module.MODEL_NAME, module.default_cache_dir() / module.MODEL_NAME
+    return [
+        (module.MODEL_NAME, module.default_cache_dir() / module.MODEL_NAME)
+        for module in embedded_modules()
+    ]
 
 
 def status_command(args: argparse.Namespace) -> int:

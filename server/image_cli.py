@@ -42,7 +42,12 @@ from .engine.sampling import (
 from .imagefiles import read_image_file
 from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
-from .parsers import CommandParser, add_quantize_arguments, quantization_argument
+from .parsers import (
+    CommandParser,
+    add_group_arguments,
+    add_quantize_arguments,
+    quantization_argument,
+)
 from .process import config_registry, prepare_process
 
 SCHEMA = "gmlx.image.bench/1"
@@ -59,6 +64,15 @@ class ModelChoice:
     registry: Any
     model_id: str
     prepare_s: float  # finding the folder (and generating the embedded default on first use)
+    group: Any = None  # the rank group the model loads over (server/distributed.py), or None
+
+    def join(self, group: Any) -> None:
+        """Load the model over a rank group from now on (None: in this process alone)."""
+        if group is not None:
+            from .distributed import attach
+
+            attach(group, self.registry)
+            self.group = group
 
 
 def choose_model(
@@ -160,6 +174,7 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     add_image_arguments(parser)
     add_adapter_argument(parser)
     parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
+    add_group_arguments(parser)
     parser.add_argument(
         "--via-steps",
         action="store_true",
@@ -177,6 +192,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs, not counted")
     parser.add_argument("--label", default=None, help="a label for the record")
     add_adapter_argument(parser, " (refused with --via-steps: docs/contract.md §6)")
+    add_group_arguments(parser)
     parser.add_argument(
         "--via-steps",
         action="store_true",
@@ -240,8 +256,27 @@ def sample_main(argv: Sequence[str] | None = None) -> int:
     return run_sample(sample_parser().parse_args(argv))
 
 
+@contextmanager
+def rank_group(args: argparse.Namespace):
+    """The rank group a command launched by mlx.launch runs over (None: one process); the
+    other ranks follow inside (distributed.join) and end with the command."""
+    from .distributed import join, stop_group
+
+    group = join(args.shard, args.rank_timeout)
+    try:
+        yield group
+    finally:
+        if group is not None:
+            stop_group(group)
+
+
 def run_sample(args: argparse.Namespace) -> int:
     prepare_process()
+    with rank_group(args) as group:
+        return _sample(args, group)
+
+
+def _sample(args: argparse.Namespace, group: Any) -> int:
     try:
         images = read_references(args.ref)
         quantization = quantization_argument(args)
@@ -251,6 +286,7 @@ def run_sample(args: argparse.Namespace) -> int:
     request = image_request(args, images)
     try:
         choice = choose_model(args.model, args.config, quantization)
+        choice.join(group)
         with CompileWatch(note):
             if args.via_steps:
                 pixels, steps = sample_via_steps(choice, request, args.adapter)
@@ -375,7 +411,7 @@ class StepServer:
 
         self.choice = choice
         self.config = ServerConfig(host="127.0.0.1", port=0, default_model=choice.model_id)
-        self.ctx = build_context(self.config, choice.registry)
+        self.ctx = build_context(self.config, choice.registry, choice.group)
         self.http = ServerThread(make_server(create_app(self.ctx), self.config))
         self.loaded = None
 
@@ -492,6 +528,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
     prepare_process()
+    with rank_group(args) as group:
+        return _bench(args, group)
+
+
+def _bench(args: argparse.Namespace, group: Any) -> int:
     try:
         request = image_request(args, read_references(args.ref))
         quantization = quantization_argument(args)
@@ -500,6 +541,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         choice = choose_model(args.model, args.config, quantization)
+        choice.join(group)
         with CompileWatch(note):
             record = run_bench(
                 choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter

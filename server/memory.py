@@ -221,16 +221,26 @@ class MemoryPlanner:
             )
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
-    def check_step(self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any) -> StepPlan:
+    def check_step(
+        self,
+        loaded: LoadedModel,
+        x_shape: tuple,
+        rows: list,
+        table: Any,
+        ref_cache_run: str | None = None,
+    ) -> StepPlan:
         """docs/contract.md §2.11 step 11, on the worker: the rows' prefixes, states not held counted as
         built; held states of other work are shed when that makes the plan fit, then the text
         encoder released (when the step, or its largest row, then fits), then the rows run one
-        at a time. Returns how the step runs, with the model's plan of its rows (its
+        at a time. A `ref_cache` step (`ref_cache_run`: its run) also counts the reference K/V
+        it would add to the run (the model's `ref_cache_bytes`, §3.4), the whole step's even
+        for one row. Returns how the step runs, with the model's plan of its rows (its
         `plan_step`, made once here) for its forward."""
         model = loaded.model
         x_shape = tuple(x_shape)
         plans = model.plan_step(x_shape, rows, table)
-        need = model.step_peak_bytes(x_shape, rows, table, plans=plans)
+        cached = 0 if ref_cache_run is None else model.ref_cache_bytes(rows, table, ref_cache_run)
+        need = model.step_peak_bytes(x_shape, rows, table, plans=plans) + cached
         budget = self.budget()
         free = budget - self.held()
         if need > free:
@@ -240,7 +250,7 @@ class MemoryPlanner:
             free += freed
         one_row = need
         if need > free and len(rows) > 1:  # the largest row alone
-            one_row = max(
+            one_row = cached + max(
                 model.step_peak_bytes((1, *x_shape[1:]), [row], table, plans=_nth(plans, index))
                 for index, row in enumerate(rows)
             )

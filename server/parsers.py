@@ -68,3 +68,23 @@ def quantization_argument(args: argparse.Namespace) -> Quantization | None:
             raise ValueError("--group-size needs --quantize")
         return None
     return Quantization(args.quantize, args.group_size or DEFAULT_GROUP_SIZE)
+
+
+def add_group_arguments(parser) -> None:
+    """How a command launched as ranks of a group (mlx.launch) shards the DiT."""
+    from .distributed import RANK_TIMEOUT_S
+    from .engine.shard_plan import MODES
+
+    parser.add_argument(
+        "--shard",
+        choices=MODES,
+        default="pipeline",
+        help="launched as a rank group: contiguous blocks per rank (pipeline) or every block"
+        " split over the ranks (tensor); see docs/server.md",
+    )
+    parser.add_argument(
+        "--rank-timeout",
+        type=float,
+        default=RANK_TIMEOUT_S,
+        help="seconds a step may take over the rank group while every rank is heard",
+    )

@@ -34,13 +34,15 @@ def fast_blas() -> None:
 
 def config_registry(config, model: str | None = None):
     """The model registry of a configuration, its default model `model` or else the configured
-    one or else the embedded default (whose folder joins as an extra folder); models load with
-    their entries' configured adapters and at their configured precision (`--quantize`, else
-    the entry's `quantize`; the entry's `encoder_vae_dtype`). Returns (registry, extra folders)."""
+    one or else the embedded default; with no default_model configured the embedded models'
+    folders join as extra folders, so `model` may name one. Models load with their entries'
+    configured adapters and at their configured precision (`--quantize`, else the entry's
+    `quantize`; the entry's `encoder_vae_dtype`). Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
     from .lora_files import DefaultAdapters
 
-    extra, default = _embedded_default(model or config.default_model)
+    extra, embedded_default = _embedded_models(config.default_model)
+    default = model or config.default_model or embedded_default
     hooks = DefaultAdapters(config.models) if config.models else None
     registry = ModelRegistry(
         config.model_dirs,
@@ -57,19 +59,20 @@ def config_registry(config, model: str | None = None):
     return registry, extra
 
 
-def _embedded_default(default_model: str | None) -> tuple[list[Path], str | None]:
-    """With no default_model configured, the embedded default model is the default: its
-    folder joins the registry as an extra model folder. Returns (extra folders, default id)."""
+def _embedded_models(default_model: str | None) -> tuple[list[Path], str | None]:
+    """With no default_model configured, the embedded models are offered and the first, the
+    embedded default, is the default: their folders (generated on first use) join the registry
+    as extra model folders. Returns (extra folders, default id)."""
     if default_model:
         return [], default_model
-    from .engine.registry import embedded_default_module  # imports numpy: after tune_malloc
+    from .engine.registry import embedded_modules  # imports numpy: after tune_malloc
 
-    module = embedded_default_module()
-    if module is None:
+    modules = embedded_modules()
+    if not modules:
         log.warning("no default_model configured and no embedded default model available")
         return [], None
-    folder = Path(module.ensure_embedded_model())
-    return [folder], folder.name
+    folders = [Path(module.ensure_embedded_model()) for module in modules]
+    return folders, folders[0].name
 
 
 # glibc mallopt parameters (malloc.h).

@@ -54,26 +54,31 @@ def qwen_image21_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.nda
     return np.append(stretched.astype(np.float32), np.float32(0.0))
 
 
+def flux2_mu(tokens: int, steps: int) -> float:
+    """The `flux2` rule's shift exponent, fitted to the token count and the step count, in
+    double precision (as BFL's and ComfyUI's `compute_empirical_mu`)."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    if tokens > 4300:
+        return a2 * tokens + b2
+    m_200 = a2 * tokens + b2
+    m_10 = a1 * tokens + b1
+    slope = (m_200 - m_10) / 190.0
+    return slope * steps + (m_200 - 200.0 * slope)
+
+
 def flux2_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
     """The `flux2` rule (no constants): a shifted torch-style linspace from 1 to 0 with
-    steps + 1 points, the shift fitted to the token count and the step count."""
+    steps + 1 points, e^mu / (e^mu + (1/t - 1)) in float32 with e^mu rounded once from double,
+    bit for bit as ComfyUI's Flux2Scheduler computes it in torch."""
     t = torch_linspace(1.0, 0.0, steps + 1)
-    a1, b1 = np.float32(8.73809524e-05), np.float32(1.89833333)
-    a2, b2 = np.float32(0.00016927), np.float32(0.45666666)
-    tokens32 = np.float32(tokens)
-    if tokens > 4300:
-        mu = a2 * tokens32 + b2
-    else:
-        m_200 = a2 * tokens32 + b2
-        m_10 = a1 * tokens32 + b1
-        slope = (m_200 - m_10) / np.float32(190.0)
-        intercept = m_200 - np.float32(200.0) * slope
-        mu = slope * np.float32(steps) + intercept
-    e_mu = np.exp(mu, dtype=np.float32)
+    e_mu = np.float32(math.exp(flux2_mu(tokens, steps)))
     out = np.zeros_like(t)
     positive = t > 0
     with np.errstate(divide="ignore"):
-        out[positive] = e_mu / (e_mu + (np.float32(1.0) / t[positive] - np.float32(1.0)))
+        # torch's scalar / tensor is reciprocal(tensor) * scalar
+        denominator = e_mu + (np.float32(1.0) / t[positive] - np.float32(1.0))
+        out[positive] = (np.float32(1.0) / denominator) * e_mu
     return out.astype(np.float32)
 
 

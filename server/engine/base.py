@@ -73,7 +73,7 @@ class Capabilities:
 
     max_refs: int = 10  # reference images a row may carry
     conventions: tuple[str, ...] = ("comfy", "reference")  # step conventions (§5.2)
-    ref_cache: bool = False  # the DiT can extract reference K/V (§3.4)
+    ref_cache: bool = False  # the DiT can extract reference K/V (§3.4); `ref_cache_bytes` plans it
     skip_blocks: int = 0  # how many DiT blocks `skip` may name (0: the DiT skips none)
     flow_map: bool = False  # the step needs `sample_sigmas`
 

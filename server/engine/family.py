@@ -69,6 +69,21 @@ def dit_manifest(
     }
 
 
+def memory_row(sizes: dict, weights: int, activation_reserve: int, resident: bool) -> dict:
+    """Status `memory` (docs/contract.md §2.3): `sizes`, the components' file sizes
+    (`dit_bytes`, `encoder_bytes`, `vae_bytes`); the activation reserve (the plan's footprint,
+    `weights` plus the family's `activation_reserve` for its reference workload, less the file
+    sizes) and the resident bytes (the footprint if `resident`, else 0). `weights`: a loaded
+    model's `weight_bytes`, counted from its arrays (quantized or not), else the family's
+    estimate from the file headers."""
+    footprint = weights + activation_reserve
+    return {
+        **sizes,
+        "activation_reserve_bytes": max(0, footprint - sum(sizes.values())),
+        "resident_bytes": footprint if resident else 0,
+    }
+
+
 def component_row(resident: bool, nbytes: int, dtype: mx.Dtype, quantization: dict | None) -> dict:
     """One component of status `residency` (docs/contract.md §2.3, an extension): whether its
     weights are held now, their bytes (as loaded, or estimated for a model not loaded), the
@@ -79,6 +94,15 @@ def component_row(resident: bool, nbytes: int, dtype: mx.Dtype, quantization: di
         "dtype": dtype_name(dtype),
         "quantization": quantization,
     }
+
+
+def loaded_row(part: Any, quantization: dict | None, unloaded: dict) -> dict:
+    """A loaded model's `residency` row of one component: held, as loaded (`part`'s
+    `weight_bytes` and `dtype`); a component this process did not load (None: a rank > 0 of a
+    sharded model holds its DiT part alone) keeps its `unloaded` row, not held."""
+    if part is None:
+        return unloaded
+    return component_row(True, part.weight_bytes, part.dtype, quantization)
 
 
 class FamilyModel:
@@ -187,8 +211,22 @@ class FamilyModel:
     def shed_states(self, need_bytes: int, keep: set) -> int:
         return 0
 
+    def ref_cache_bytes(self, rows: list[StepRow], table: Any, run: str) -> int:
+        """The reference K/V a `ref_cache` step would add to the run (asked by the memory plan
+        only of a model whose capabilities have `ref_cache`)."""
+        return 0
+
     def end_run(self, run: str) -> None:
         """Nothing is kept per run."""
+
+    # -- sharded over ranks (server/distributed.py): rank 0's held states, mirrored ----------
+
+    def state_keys(self) -> list:
+        """The keys of the states the model holds (a family with prefix states lists them)."""
+        return []
+
+    def keep_states(self, keys) -> None:
+        """Drop every held state but those of `keys` (what rank 0 holds)."""
 
     def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
         return self.vae.peak_bytes(height, width, decode)

@@ -31,6 +31,7 @@ import numpy as np
 
 from .base import EngineInputError
 from .quantize import linear, logical_shape
+from .shard import REDUCE, TreeShard, all_sum
 
 # Keys of a table's pair beside a linear weight `name` in a weight tree: the down matrix (R, in)
 # and the up matrix (out, R) with strength and scale folded in.
@@ -50,6 +51,8 @@ def project(w: dict, name: str, x: mx.array) -> mx.array:
     if down is not None:
         # addmm accumulates into `out` inside the GEMM: no separate pass over the output.
         out = mx.addmm(out, x @ down.T, w[name + LORA_UP].T)
+    if w.get(name + REDUCE):  # a weight cut by input columns over the ranks (shard.py)
+        out = all_sum(out)
     return out
 
 
@@ -104,11 +107,13 @@ class Pair:
 
 
 def table_pairs(
-    table: Any, slots: dict[str, LinearSlot], tree: dict
+    table: Any, slots: dict[str, LinearSlot], tree: dict, shard: TreeShard | None = None
 ) -> dict[LinearSlot, list[Pair]]:
     """Every live patch of a table placed on its fused weight, grouped by the weight it patches
     (slots of one fused weight share it: keyed by their `fused` slot). Refuses,
-    as EngineInputError, a key that is not a linear layer and shapes that do not fit."""
+    as EngineInputError, a key that is not a linear layer and shapes that do not fit. Under a
+    `shard` (a rank's slice of the tree) the table is checked against the whole DiT's shapes
+    and each pair then cut as its weight is; the weights the rank does not hold get none."""
     grouped: dict[LinearSlot, list[Pair]] = {}
     for index, entry in enumerate(table.entries):
         where = f"entries[{index}] (key {entry.key!r})"
@@ -118,13 +123,20 @@ def table_pairs(
                 f"{where}: {entry.layer!r} is not a linear layer of this DiT; keys name the manifest's "
                 f"linear weights, e.g. {_example_key(slots)}"
             )
-        rows, cols = _band_window(slot.layer_shape(tree), entry.band, where)
+        shape = slot.layer_shape(tree) if shard is None else shard.layer_shape(slot, tree)
+        rows, cols = _band_window(shape, entry.band, where)
         fused = slot.fused
         for j, patch in enumerate(entry.patches):
-            pair = _place(slot, tree, rows, cols, patch, f"{where} patches[{j}]")
+            pair = _place(slot, shape, rows, cols, patch, f"{where} patches[{j}]")
             if pair is not None:
                 grouped.setdefault(fused, []).append(pair)
-    return grouped
+    if shard is None:
+        return grouped
+    return {
+        slot: [Pair(*shard.slice_pair(slot, pair.down, pair.up)) for pair in pairs]
+        for slot, pairs in grouped.items()
+        if shard.keeps(slot)
+    }
 
 
 def _example_key(slots: dict[str, LinearSlot]) -> str:
@@ -150,7 +162,7 @@ def _band_window(shape: tuple[int, int], band, where: str) -> tuple[range, range
     return (window, cols) if dim == 0 else (rows, window)
 
 
-def _place(slot: LinearSlot, tree: dict, rows: range, cols: range, patch, where: str):
+def _place(slot: LinearSlot, shape: tuple[int, int], rows: range, cols: range, patch, where: str):
     """A patch as a Pair over the fused weight, or None when its strength is 0 (no change)."""
     up, down = patch.up, patch.down
     if up.shape[0] != len(rows) or down.shape[1] != len(cols):
@@ -161,7 +173,7 @@ def _place(slot: LinearSlot, tree: dict, rows: range, cols: range, patch, where:
     factor = float(patch.strength) * float(patch.scale)
     if factor == 0.0:
         return None
-    out_dim, in_dim = slot.layer_shape(tree)
+    out_dim, in_dim = shape
     rank = down.shape[0]
     first_row = slot.part * out_dim + rows.start
     placed_up = np.zeros((out_dim * slot.parts, rank), np.float32)
@@ -207,10 +219,12 @@ class TableWeights:
         slots: dict[str, LinearSlot],
         dtype: mx.Dtype,
         budget_bytes: int = TABLE_BUDGET_BYTES,
+        shard: TreeShard | None = None,
     ):
         self.tree = tree
         self.slots = slots
         self.dtype = dtype
+        self.shard = shard  # the rank's slice of the tree, when the DiT is sharded
         self.budget_bytes = budget_bytes
         self._trees: OrderedDict[str, tuple[dict, int]] = OrderedDict()
 
@@ -240,7 +254,7 @@ class TableWeights:
         self._trees.clear()
 
     def _prepare(self, table: Any) -> dict:
-        grouped = table_pairs(table, self.slots, self.tree)
+        grouped = table_pairs(table, self.slots, self.tree, self.shard)
         tree = patched_tree(self.tree, grouped, self.dtype)
         mx.eval([leaf for slot in grouped for leaf in _pair_leaves(tree, slot)])
         self._trees[table.table_id] = (tree, pair_bytes(tree))

@@ -50,6 +50,16 @@ class PrefixCache:
         self._states.clear()
         self._pins.clear()
 
+    def keys(self) -> list[tuple]:
+        return list(self._states)
+
+    def keep_only(self, keys) -> None:
+        """Drop every state but those of `keys` (a rank mirroring rank 0's cache: shard.py)."""
+        keep = set(keys)
+        for key in [k for k in self._states if k not in keep]:
+            del self._states[key]
+            self._pins.pop(key, None)
+
     def shed(self, need_bytes: int, keep: set) -> int:
         """Free states for a memory plan (docs/contract.md §3.3): those of finished work (unpinned) first,
         then those runs hold (a run's next step rebuilds them), least recently used first within

@@ -53,22 +53,29 @@ LISTING_TTL_S = 2.0
 FAMILIES: dict[str, Any] = {
     "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
     "z_image": "gmlx_server.engine.families.z_image.family",
+    "flux2_klein": "gmlx_server.engine.families.flux2_klein.family",
+    "flux2_klein_9b": "gmlx_server.engine.families.flux2_klein.family",
+    "flux2_klein_9b_kv": "gmlx_server.engine.families.flux2_klein.family",
 }
 
 
-# The module of the embedded default model, the default when none is configured: it provides
-# MODEL_NAME, default_cache_dir() and ensure_embedded_model() -> its folder, written on first use.
+# The modules of the embedded models, offered when no default model is configured, the first
+# (the embedded default) then the default: each provides MODEL_NAME, default_cache_dir() and
+# ensure_embedded_model() -> its folder, written on first use (engine/embedded.py).
 EMBEDDED_DEFAULT = "gmlx_server.engine.families.qwen_image21.embedded"
+EMBEDDED_MODELS = (EMBEDDED_DEFAULT, "gmlx_server.engine.families.z_image.embedded")
 
 
-def embedded_default_module() -> Any | None:
-    """The embedded default model's module; None when it cannot be imported (the server's
-    extras are not installed)."""
-    try:
-        return importlib.import_module(EMBEDDED_DEFAULT)
-    except ImportError as exc:
-        log.debug("no embedded default model: %s", exc)
-        return None
+def embedded_modules() -> list[Any]:
+    """The embedded models' modules that can be imported (none without the server's extras),
+    in EMBEDDED_MODELS order."""
+    modules = []
+    for name in EMBEDDED_MODELS:
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError as exc:
+            log.debug("no embedded model %s: %s", name, exc)
+    return modules
 
 
 def family_module(name: str, families: dict[str, Any] | None = None) -> Any | None:

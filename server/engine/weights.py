@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -112,6 +113,7 @@ def load_tree(
     quantization: Quantization | None = None,
     quantized: Callable[[str], bool] | None = None,
     gguf: DiTFile | None = None,
+    shard: Any = None,
 ) -> dict:
     """A component's weight tree, evaluated: its tensors read (`load_weights`, or from the
     GGUF file `gguf` names), mapped by the family's `sanitize` (file names -> tree), and with a
@@ -126,7 +128,9 @@ def load_tree(
     quantizes from the compute dtype: from a bf16 file at float32 compute each weight is cast
     first, one at a time, because `mx.quantize` gives the scales and biases its input's dtype
     and bf16 ones would change the dequantized weights (by 5e-3, docs/benchmarks.md, "Load
-    peaks") against quantizing the float32 weights, as `gmlx model quantize` does."""
+    peaks") against quantizing the float32 weights, as `gmlx model quantize` does. With a
+    `shard` (a rank's shard.TreeShard) only the rank's slice of each weight is kept, cut
+    before quantizing."""
     component_dir = Path(component_dir)
     if gguf is not None:
         files = gguf.tensors(dtype, keep_f32)
@@ -141,10 +145,14 @@ def load_tree(
             else sanitize_stored(files, sanitize, stored.group_size)
         )
     del files
+    if shard is not None:
+        tree = shard.slice(tree)
     if quantization is not None:
         if quantized is None:
             raise ValueError("a quantized load needs the family's choice of layers")
         quantize_tree(tree, quantization, quantized)
+    if shard is not None:
+        shard.mark(tree)
     eval_leaf_by_leaf(tree)
     return tree
 

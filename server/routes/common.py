@@ -30,6 +30,7 @@ class ServerContext:
     config: ServerConfig
     registry: ModelRegistry
     service: StepsService
+    group: Any = None  # the rank group (server/distributed.py), None for one process
 
 
 class Resource:

@@ -50,7 +50,13 @@ class Capabilities(Resource):
                 "max_rows": wire.MAX_ROWS,
                 "max_runs": wire.MAX_RUNS,
             },
+            **self._distributed(),
         }
+
+    def _distributed(self) -> dict:
+        """An extension of docs/contract.md §2.1: the rank group's size, mode and state."""
+        group = self.ctx.group
+        return {} if group is None else {"distributed": group.describe()}
 
     def _features(self, families: list[str]) -> list[str]:
         found: set[str] = set()

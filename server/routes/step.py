@@ -98,7 +98,9 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
         service.check_live(run)  # interrupted while queued: do not compute
         # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states,
         # releases the text encoder, or has the rows run one at a time)
-        plan = service.memory.check_step(loaded, request.x.shape, rows, table)
+        plan = service.memory.check_step(
+            loaded, request.x.shape, rows, table, ref_cache_run=run.run_id if ref_cache else None
+        )
         if not plan.one_row_at_a_time:
             return denoise(request.x, request.timestep, rows, plan.plans)
         results = []

@@ -225,8 +225,12 @@ def _serving(models: list[str], default: str) -> FakeStepServer:
 
 def test_model_list_is_the_configuration_then_the_server_then_what_it_listed_last(isolated):
     settings = _settings(isolated, base_url=_free_url())
-    # Server down, nothing remembered: what the configuration names (the embedded default).
-    assert connection.ModelList().names(settings) == ["qwen-image21-random-tiny"]
+    # Server down, nothing remembered: what the configuration names (the embedded models, the
+    # default first).
+    assert connection.ModelList().names(settings) == [
+        "qwen-image21-random-tiny",
+        "z-image-random-tiny",
+    ]
     server = _serving(["a", "b"], default="b")
     try:
         up = _settings(isolated, base_url=server.url)

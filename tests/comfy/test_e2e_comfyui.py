@@ -1,5 +1,5 @@
-"""End to end: a real ComfyUI (headless, CPU) with the pack, driving a real `gmlx serve` on the
-embedded tiny Qwen-Image 2.1 model and a tiny Z-Image folder, through ComfyUI's HTTP API.
+"""End to end: a real ComfyUI (headless, CPU) with the pack, driving a real `gmlx serve` on its
+embedded tiny models (Qwen-Image 2.1, the default, and Z-Image), through ComfyUI's HTTP API.
 
 Runs only when COMFYUI_DIR names a ComfyUI checkout (CI has none). COMFYUI_PYTHON names the
 interpreter with ComfyUI's requirements (default: this one). See docs/comfyui.md.
@@ -50,8 +50,11 @@ pytestmark = [
 ]
 
 SIZE = 64
-# The tiny Z-Image folder the server's model dir holds (tests/families/z_image/tiny).
-Z_IMAGE_MODEL = "z-image-tiny"
+# The server's embedded tiny Z-Image (server/engine/families/z_image/embedded.py).
+Z_IMAGE_MODEL = "z-image-random-tiny"
+# The tiny FLUX.2 klein (4B, distilled) folder the server's model dir holds
+# (tests/families/flux2_klein/tiny).
+FLUX2_MODEL = "flux2-klein-tiny"
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
@@ -161,12 +164,13 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gmlx_server(workdir):
-    """`gmlx serve` with one model dir holding a tiny Z-Image folder and no default model: it
-    serves the embedded default model, the default, and the Z-Image model."""
-    from tests.families.z_image.tiny.folder import build_tiny_folder
+    """`gmlx serve` with one model dir holding a tiny FLUX.2 klein folder and no default model:
+    it serves that model and its embedded models, the default `qwen-image21-random-tiny` and
+    the Z-Image model."""
+    from tests.families.flux2_klein.tiny.folder import build_tiny_folder as build_flux2_folder
 
     models = workdir / "models"
-    build_tiny_folder(models / Z_IMAGE_MODEL, variant="turbo")
+    build_flux2_folder(models / FLUX2_MODEL, family="flux2_klein", num_single_layers=1)
     config = workdir / "config.toml"
     config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(models))}]\n", encoding="utf-8")
     port = _free_port()
@@ -192,8 +196,8 @@ def gmlx_server(workdir):
 
 @pytest.fixture(scope="module")
 def quantized_server(workdir):
-    """A second `gmlx serve`, at `--quantize 4`, serving the embedded default model alone: its
-    DiT's and text encoder's linear layers quantized to 4 bits as they load."""
+    """A second `gmlx serve`, at `--quantize 4`, serving the embedded models; the tests use its
+    default, its DiT's and text encoder's linear layers quantized to 4 bits as they load."""
     config = workdir / "quantized.toml"
     config.write_text("[server]\nmodel_dirs = []\n", encoding="utf-8")
     port = _free_port()
@@ -287,10 +291,19 @@ def quantized_engine(quantized_server):
 
 @pytest.fixture(scope="module")
 def z_image_engine(gmlx_server):
-    """The server's tiny Z-Image model loaded in this process."""
+    """The server's embedded Z-Image model loaded in this process."""
     from gmlx_server.image_cli import choose_model
 
     choice = choose_model(Z_IMAGE_MODEL, gmlx_server["config"])
+    return choice.registry.acquire(choice.model_id).model
+
+
+@pytest.fixture(scope="module")
+def flux2_engine(gmlx_server):
+    """The server's tiny FLUX.2 klein model loaded in this process."""
+    from gmlx_server.image_cli import choose_model
+
+    choice = choose_model(FLUX2_MODEL, gmlx_server["config"])
     return choice.registry.acquire(choice.model_id).model
 
 
@@ -414,8 +427,11 @@ def test_the_example_files_widgets_are_this_comfyuis(comfyui):
 
 
 def _to_vae_space(model, latents: np.ndarray) -> np.ndarray:
-    """Model-space latents as ComfyUI's LATENT carries them (status vae.latents_mean/std)."""
+    """Model-space latents as ComfyUI's LATENT carries them (status vae.latents_mean/std; the
+    identity where the VAE routes carry model space)."""
     vae = model.status()["vae"]
+    if vae.get("space") == "model":
+        return latents
     mean = np.asarray(vae["latents_mean"], np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(vae["latents_std"], np.float32).reshape(1, -1, 1, 1)
     return latents * std + mean
@@ -491,17 +507,18 @@ def test_text_to_image_equals_gmlx_image_sample(comfyui, gmlx_server, engine, wo
     assert np.abs(_rgb(image) - _rgb(out)).max() <= PIXEL_TOLERANCE
 
 
-def test_text_to_image_on_z_image_equals_the_engines_generate(comfyui, gmlx_server, z_image_engine):
-    """The text-to-image example with its loaders on Z-Image: gmlx Sigmas gives the turbo
-    variant's steps and cfg (8, 1) on ComfyUI's "simple" schedule at the status's shift."""
+def test_z_image_text_to_image_equals_the_engines_generate(comfyui, gmlx_server, z_image_engine):
+    """The Z-Image text-to-image example as shipped (its loaders on the embedded Z-Image):
+    gmlx Sigmas gives the turbo variant's steps and cfg (8, 1) on ComfyUI's "simple" schedule
+    at the status's shift."""
     seed = 9
-    wf = _save_latent(_workflow("gmlx_text_to_image"), "11")
-    for loader in ("1", "2", "3"):
-        wf[loader]["inputs"]["model_name"] = Z_IMAGE_MODEL
+    wf = _save_latent(_workflow("gmlx_z_image_text_to_image"), "11")
+    assert {wf[loader]["inputs"]["model_name"] for loader in ("1", "2", "3")} == {Z_IMAGE_MODEL}
     wf["8"]["inputs"]["noise_seed"] = seed
     got = _latent(comfyui, _run(comfyui, wf))
     want = direct_generate(z_image_engine, wf["4"]["inputs"]["text"], seed)
     assert got.shape == want.shape == (1, 16, SIZE // 8, SIZE // 8)
+    print(f"Z-Image example against the engine's generate: rel L2 {_rel(got, want):.1e}")
     assert _rel(got, want) <= LATENT_RTOL
 
 
@@ -533,8 +550,125 @@ def test_stock_ksampler_on_z_image_equals_the_in_process_sampler(
     sigmas = comfy_simple_sigmas(steps, status["sampling"]["shift"])
     want = direct_sample(z_image_engine, wf["4"]["inputs"]["text"], seed, sigmas)
     assert got.shape == want.shape == (1, 16, SIZE // 8, SIZE // 8)
+    print(f"Z-Image stock KSampler against the engine's sampler: rel L2 {_rel(got, want):.1e}")
     assert _rel(got, want) <= LATENT_RTOL
     assert _rel(want, direct_sample(z_image_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
+
+
+def flux2_sample(model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False) -> np.ndarray:
+    """The in-process euler sampler (cfg 1) along `sigmas` under the comfy convention, the row
+    carrying reference latents (model space) and, with `ref_cache`, the run's reference K/V."""
+    from gmlx_server.engine import sampling
+
+    row = sampling.direct_row(
+        type(
+            "Encoding",
+            (),
+            {
+                "cond": model.encode(prompt, [], False).cond,
+                "ref_latents": list(refs),
+                "image_slots": [],
+            },
+        )
+    )
+    latent = model.status()["latent"]
+    side = SIZE // int(latent["stride"])
+    noise = sampling.initial_noise(seed, int(latent["channels"]), side, side)
+    run = "e2e-" + uuid.uuid4().hex[:8]
+
+    def step(x, timestep, rows):
+        return model.denoise_step(
+            x, timestep, list(rows), convention="comfy", run=run, ref_cache=ref_cache
+        ).out
+
+    try:
+        return sampling.sample(step, noise, sigmas, sampling.Guidance(row, None, 1.0))
+    finally:
+        model.end_run(run)
+
+
+def _flux2_reference_prompt(seed: int, steps: int, kv_cache: bool) -> dict:
+    """The pack's prompt on FLUX.2 klein with two LoadImage references encoded by the gmlx VAE
+    (stock VAEEncode) and attached by the stock ReferenceLatent node; with `kv_cache` the model
+    goes through ComfyUI's Flux KV Cache node."""
+    wf = _pack_prompt(FLUX2_MODEL, seed, steps)
+    previous = ["4", 0]
+    for i, node in enumerate(("30", "31"), start=1):
+        wf[f"{node}0"] = {"class_type": "LoadImage", "inputs": {"image": f"flux2_ref_{i}.png"}}
+        wf[f"{node}1"] = {
+            "class_type": "VAEEncode",
+            "inputs": {"pixels": [f"{node}0", 0], "vae": ["3", 0]},
+        }
+        wf[node] = {
+            "class_type": "ReferenceLatent",
+            "inputs": {"conditioning": previous, "latent": [f"{node}1", 0]},
+        }
+        previous = [node, 0]
+    wf["11"]["inputs"]["positive"] = previous
+    if kv_cache:
+        wf["40"] = {"class_type": "FluxKVCache", "inputs": {"model": ["1", 0]}}
+        wf["11"]["inputs"]["model"] = ["40", 0]
+    return wf
+
+
+def test_stock_ksampler_on_flux2_klein_equals_the_in_process_sampler(
+    comfyui, gmlx_server, flux2_engine
+):
+    """The stock KSampler (euler, "simple", cfg 1) on the server's FLUX.2 klein model: LATENT
+    in model space (128 channels at stride 16), ComfyUI's Flux2 class where it has one."""
+    seed, steps = 4, 3
+    got = _latent(
+        comfyui, _run(comfyui, _save_latent(_pack_prompt(FLUX2_MODEL, seed, steps), "11"))
+    )
+    status = flux2_engine.status()
+    assert status["comfy"]["model_class"] == "Flux2" and status["vae"]["space"] == "model"
+    sigmas = comfy_simple_sigmas(steps, status["sampling"]["shift"])
+    want = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas)
+    assert got.shape == want.shape == (1, 128, SIZE // 16, SIZE // 16)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, flux2_sample(flux2_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
+
+
+def _flux2_references(comfyui, flux2_engine) -> list[np.ndarray]:
+    from PIL import Image
+
+    rng = np.random.default_rng(8)
+    refs = []
+    for i, (h, w) in enumerate([(64, 64), (96, 64)], start=1):
+        image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        Image.fromarray(image).save(comfyui["base"] / "input" / f"flux2_ref_{i}.png")
+        refs.append(flux2_engine.vae_encode(image.astype(np.float32) / np.float32(255))[None])
+    return refs
+
+
+def test_flux2_klein_with_two_stock_reference_latents(comfyui, gmlx_server, flux2_engine):
+    """Two references through the gmlx VAE and the stock ReferenceLatent node: the server's
+    step with those latents as the row's references."""
+    refs = _flux2_references(comfyui, flux2_engine)
+    seed, steps = 6, 3
+    wf = _save_latent(_flux2_reference_prompt(seed, steps, kv_cache=False), "11")
+    got = _latent(comfyui, _run(comfyui, wf))
+    sigmas = comfy_simple_sigmas(steps, flux2_engine.status()["sampling"]["shift"])
+    want = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas, refs)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas)) > 100 * LATENT_RTOL
+
+
+def test_comfy_flux_kv_cache_node_is_the_servers_ref_cache(comfyui, gmlx_server, flux2_engine):
+    """ComfyUI's Flux KV Cache node (where this ComfyUI has it) on the pack's model: the pack
+    checks the ref_cache feature and sends ref_cache, so the run keeps the references' K/V."""
+    comfy_dir = Path(os.environ["COMFYUI_DIR"])
+    if "FluxKVCache" not in (comfy_dir / "comfy_extras" / "nodes_flux.py").read_text():
+        pytest.skip("this ComfyUI has no Flux KV Cache node")
+    refs = _flux2_references(comfyui, flux2_engine)
+    seed, steps = 6, 3
+    wf = _save_latent(_flux2_reference_prompt(seed, steps, kv_cache=True), "11")
+    got = _latent(comfyui, _run(comfyui, wf))
+    sigmas = comfy_simple_sigmas(steps, flux2_engine.status()["sampling"]["shift"])
+    want = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas, refs, ref_cache=True)
+    assert _rel(got, want) <= LATENT_RTOL
+    joint = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas, refs)
+    assert _rel(want, joint) > 100 * LATENT_RTOL
 
 
 def test_stock_ksampler_uni_pc_bh2_equals_the_in_process_sampler(comfyui, gmlx_server, engine):
@@ -752,7 +886,8 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
 ):
     comfy, gmlx_url = comfyui_alone, comfyui_alone["gmlx_url"]
     info = _json(comfy["url"] + "/object_info/GmlxModelLoader")["GmlxModelLoader"]
-    assert info["input"]["required"]["model_name"][0] == [gmlx_server["model"]]
+    embedded = [gmlx_server["model"], Z_IMAGE_MODEL]  # the default first
+    assert info["input"]["required"]["model_name"][0] == embedded
 
     workflow = {
         "1": {
@@ -768,7 +903,7 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
     comfy_log = comfy["log"].read_text()
     assert comfy_log.count("waiting up to") == 1 and "Retrying" not in comfy_log
     seen = json.loads((comfy["base"] / "comfyui.json").read_text())["models_seen"]
-    assert seen == {"url": gmlx_url, "models": [gmlx_server["model"]]}
+    assert seen == {"url": gmlx_url, "models": embedded}
 
     # Ctrl-C stops ComfyUI, and ComfyUI stops the server it started.
     comfy["proc"].send_signal(signal.SIGINT)
@@ -1037,8 +1172,10 @@ def test_a_z_image_lora_in_every_key_form_applies_as_the_server_loader_does(
     sigmas = comfy_simple_sigmas(steps, z_image_engine.status()["sampling"]["shift"])
     table = _server_table(z_image_engine, path)
     want = direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas, table)
+    moved = _rel(want, direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas))
+    print(f"Z-Image LoRA ({form}): rel L2 {_rel(got, want):.1e}, the LoRA moves it {moved:.1%}")
     assert _rel(got, want) <= LATENT_RTOL
-    assert _rel(want, direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas)) > 100 * LATENT_RTOL
+    assert moved > 100 * LATENT_RTOL
 
 
 def test_lora_loader_with_clip_reads_the_diffusers_form(comfyui, gmlx_server, engine):

@@ -19,6 +19,7 @@ from tests.comfy.workflow_files import (
     PACK_DIR,
     STOCK_NODES,
     UI_DIR,
+    Z_IMAGE_EXAMPLES,
     api_workflow,
     ui_to_api,
     ui_workflow,
@@ -126,20 +127,23 @@ def test_pack_nodes_carry_their_widgets_in_input_order(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_workflow_names_the_default_servers_model(name):
-    from gmlx_server.engine.families.qwen_image21.embedded import MODEL_NAME
+def test_workflow_names_an_embedded_model(name):
+    """The default server's model, or, in a Z-Image example, the embedded Z-Image."""
+    from gmlx_server.engine.families.qwen_image21 import embedded as default
+    from gmlx_server.engine.families.z_image import embedded as z_image
 
+    expected = (z_image if name in Z_IMAGE_EXAMPLES else default).MODEL_NAME
     api = api_workflow(name)
     named = [
         node["inputs"]["model_name"] for node in api.values() if "model_name" in node["inputs"]
     ]
-    assert named and set(named) == {MODEL_NAME}
+    assert named and set(named) == {expected}
     ui_named = [
         widget_inputs(node)["model_name"]
         for node in ui_workflow(name)["nodes"]
         if node["type"] not in FRONTEND_NODES and "model_name" in widget_inputs(node)
     ]
-    assert ui_named and set(ui_named) == {MODEL_NAME}
+    assert ui_named and set(ui_named) == {expected}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -40,7 +40,8 @@ def test_the_server_publishes_what_the_tables_hold_for_its_family():
 
 def test_z_image_is_a_pack_built_class_on_comfy_s_lumina2_where_comfy_knows_it():
     assert PACK_BUILT_CLASSES["ZImage"] == "z_image"
-    assert COMFY_BASE_CLASSES == {"ZImage": "Lumina2"}  # Qwen-Image 2.1: the pack's class alone
+    assert COMFY_BASE_CLASSES["ZImage"] == "Lumina2"
+    assert "QwenImage21" not in COMFY_BASE_CLASSES  # the pack's class alone
 
 
 def test_z_image_s_status_gives_the_flux_vae_s_normalisation(tmp_path):
@@ -58,3 +59,18 @@ def test_z_image_s_status_gives_the_flux_vae_s_normalisation(tmp_path):
     assert std == pytest.approx([1 / vae["scaling_factor"]] * 16)
     assert ref_method(status) is None
     assert empty_prompt("z_image", status["conditioning"]["empty_prompt"]) == ""
+
+
+def test_flux2_klein_is_a_pack_built_class_in_model_space(tmp_path):
+    """FLUX.2 klein's status: ComfyUI's Flux2 class (0.33 has it), references by index, an empty
+    prompt as it is, and VAE routes in model space, so the pack's latent format is the
+    identity."""
+    family = pytest.importorskip("gmlx_server.engine.families.flux2_klein.family")
+    folder = pytest.importorskip("tests.families.flux2_klein.tiny.folder")
+    folder.build_tiny_folder(tmp_path, num_single_layers=1)
+    status = {"family": "flux2_klein", **family.describe(tmp_path)}
+    assert PACK_BUILT_CLASSES[status["comfy"]["model_class"]] == "flux2_klein"
+    assert COMFY_BASE_CLASSES["Flux2"] == "Flux2"
+    assert latent_normalisation(status) is None
+    assert ref_method(status) == ref_method({"family": "flux2_klein"}) == "index"
+    assert empty_prompt("flux2_klein", status["conditioning"]["empty_prompt"]) == ""

@@ -140,3 +140,28 @@ def test_suspects_name_matching_nodes():
     classes = ["KSampler", "ControlNetApplyAdvanced", "PerturbedAttentionGuidance"]
     assert suspects(classes, ["ControlNet"]) == ["ControlNetApplyAdvanced"]
     assert suspects(classes, ["attention"]) == ["PerturbedAttentionGuidance"]
+
+
+class KV_Attn_Input:  # noqa: N801 - the class name ComfyUI's Flux KV Cache node gives its patch
+    def __call__(self, q, k, v, extra_options, **kwargs):
+        return {"q": q, "k": k, "v": v}
+
+
+def model_input_patch(inputs):
+    return inputs
+
+
+FLUX_KV_CACHE = {"patches": {"attn1_patch": [KV_Attn_Input()], "post_input": [model_input_patch]}}
+
+
+def test_comfy_flux_kv_cache_becomes_ref_cache_where_the_server_has_it():
+    """ComfyUI's Flux KV Cache node patches attention; a server with the ref_cache feature
+    takes the node's place (docs/contract.md §3.4), one without refuses it by name."""
+    honoured = check_call({"ref_latents": [1]}, FLUX_KV_CACHE, ref_cache=True)
+    assert honoured.refusals == [] and honoured.ref_cache is True
+    refused = check_call({"ref_latents": [1]}, FLUX_KV_CACHE, ref_cache=False)
+    assert refused.ref_cache is False
+    assert "Flux KV Cache" in refusal_text(refused.refusals)
+    other = {"patches": {"attn1_patch": [print], "post_input": [model_input_patch]}}
+    assert check_call({}, other, ref_cache=True).refusals  # another attention patch
+    assert check_call({}, {}, ref_cache=True).ref_cache is False

@@ -14,7 +14,15 @@ API_DIR = PACK_DIR / "api_workflows"
 # The frontend finds a template by its name among ComfyUI's own first (a pack's "lora" opens
 # ComfyUI's lora template): the pack's names carry its prefix.
 NAME_PREFIX = "gmlx_"
-NAMES = ("gmlx_text_to_image", "gmlx_lora", "gmlx_edit_two_references")
+NAMES = (
+    "gmlx_text_to_image",
+    "gmlx_lora",
+    "gmlx_edit_two_references",
+    "gmlx_z_image_text_to_image",
+)
+# The examples of a family other than the default's, by the embedded model they name (the
+# others name the embedded default).
+Z_IMAGE_EXAMPLES = ("gmlx_z_image_text_to_image",)
 
 # The stock ComfyUI node types the examples use (the e2e suite checks them against a real
 # ComfyUI's /object_info).

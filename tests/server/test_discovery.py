@@ -137,11 +137,15 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
     assert "gamma: no folder yet" in out
 
 
-def test_with_no_default_model_the_embedded_default_is_listed_first(tmp_path):
+def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(tmp_path):
     doc = discovery.configured_models(load_config(_config_file(tmp_path, "[server]\n")))
     assert doc["default_model"] == "qwen-image21-random-tiny"
-    assert [m["model"] for m in doc["models"]] == ["qwen-image21-random-tiny"]
-    assert doc["models"][0]["folder"] is None  # not generated yet in this cache
+    assert [m["model"] for m in doc["models"]] == [
+        "qwen-image21-random-tiny",
+        "z-image-random-tiny",
+    ]
+    assert [m["default"] for m in doc["models"]] == [True, False]
+    assert [m["folder"] for m in doc["models"]] == [None, None]  # not generated yet in this cache
 
 
 def test_the_listing_names_what_the_server_lists(live, tmp_path):

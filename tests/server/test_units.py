@@ -136,7 +136,13 @@ def test_registry_vanished_and_broken_models(tmp_path):
 def test_the_product_family_table_names_its_families():
     from gmlx_server.engine.registry import FAMILIES
 
-    assert list(FAMILIES) == ["qwen_image21", "z_image"]
+    assert list(FAMILIES) == [
+        "qwen_image21",
+        "z_image",
+        "flux2_klein",
+        "flux2_klein_9b",
+        "flux2_klein_9b_kv",
+    ]
 
 
 def test_registry_resolve_reuses_a_recent_listing(tmp_path, monkeypatch):

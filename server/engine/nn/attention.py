@@ -21,18 +21,29 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, blocked: bool
 
 
 def chunked_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, causal: bool
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    causal: bool,
+    valid_keys: int | None = None,
 ) -> mx.array:
     """Scaled dot-product attention over (B, H, L, D), query rows in chunks. A causal chunk of
-    rows [start, end) sees keys [0, end): MLX aligns its causal mask to the last key."""
+    rows [start, end) sees keys [0, end): MLX aligns its causal mask to the last key. With
+    `valid_keys` (causal only) the keys from that index on are masked for every query (a
+    right-padded batch's padding, as transformers masks it); it must be at least 1."""
     length = q.shape[2]
     outputs = []
     for start in range(0, length, QUERY_CHUNK):
         end = min(start + QUERY_CHUNK, length)
         keys, values = (k[:, :, :end], v[:, :, :end]) if causal else (k, v)
+        mask = "causal" if causal else None
+        if causal and valid_keys is not None and valid_keys < end:
+            columns = mx.arange(end)[None, :]
+            mask = (columns <= mx.arange(start, end)[:, None]) & (columns < valid_keys)
         outputs.append(
             mx.fast.scaled_dot_product_attention(
-                q[:, :, start:end], keys, values, scale=scale, mask="causal" if causal else None
+                q[:, :, start:end], keys, values, scale=scale, mask=mask
             )
         )
     return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=2)

@@ -8,17 +8,26 @@ VAE's own latent (what the VAE routes carry).
 
 Arrays are channels-last (NHWC) inside; the public methods take and give the layouts of
 engine/family.py: images (B, H, W, C) in [0, 1], latents (B, C, h, w). Encoding returns the
-posterior's mean. Images are processed whole, one at a time (no tiling: the group norms'
-statistics are the whole image's).
+posterior's mean. Images are processed one at a time.
+
+An image larger than the config's `sample_size` (1024 pixels for FLUX.1) is processed in tiles,
+as diffusers' `AutoencoderKL` does once `enable_tiling()` is on (`tiled_encode`,
+`tiled_decode`): square tiles of `sample_size` pixels (`sample_size / stride` latent cells),
+a quarter of which overlaps the next tile, each run through the whole network on its own and
+blended into its upper and left neighbours linearly across the overlap. The group norms and the
+mid-block attention then see one tile, not the whole image, so a tiled pass is not the untiled
+one (the tiles' statistics differ); it is diffusers' tiled pass, up to float rounding.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..base import EngineInputError
 from ..nn.attention import chunked_attention
@@ -32,6 +41,16 @@ NORM_EPS = 1e-6
 # (tests/vaes/autoencoder_kl/test_estimates.py): about 12.2 and 9.5.
 ENCODE_BUFFERS = 14
 DECODE_BUFFERS = 11
+# diffusers' tiling: the config's sample_size (its default 32) is the tile side in pixels, and
+# this fraction of a tile overlaps the next one (`tile_overlap_factor`).
+DEFAULT_SAMPLE_SIZE = 32
+TILE_OVERLAP = 0.25
+# A tiled pass also holds its blended tiles (the row above and the current row, whole), the
+# output (its rows and their concatenation, and the clamp's copy when decoding) and, encoding,
+# the whole image mapped to [-1, 1] (the cast and the mapped copy).
+KEPT_TILE_ROWS = 2
+TILED_OUTPUT_COPIES = 3
+TILED_INPUT_COPIES = 2
 
 
 class Conv3x3(nn.Conv2d):
@@ -181,10 +200,16 @@ class Encoder(nn.Module):
         return self.conv_out(_silu(self.conv_norm_out(self.mid_block(x))))
 
 
+def decoder_channels(config: dict) -> list[int]:
+    """The decoder's block widths: `decoder_block_out_channels` where the config names its own
+    (AutoencoderKLFlux2 may), else the encoder's."""
+    return list(config.get("decoder_block_out_channels") or config["block_out_channels"])
+
+
 class Decoder(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
-        dims, groups = list(config["block_out_channels"])[::-1], config["norm_num_groups"]
+        dims, groups = decoder_channels(config)[::-1], config["norm_num_groups"]
         last = len(dims) - 1
         self.conv_in = Conv3x3(config["latent_channels"], dims[0])
         self.mid_block = MidBlock(dims[0], groups)
@@ -222,6 +247,156 @@ class _Autoencoder(nn.Module):
             self.post_quant_conv = nn.Conv2d(latent, latent, 1)
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """diffusers' tile geometry of one direction of a pass: tiles of `tile` input positions
+    start every `step`, and each output tile, `blend` positions of which are blended into its
+    upper and left neighbours, keeps its first `keep` rows and columns."""
+
+    tile: int
+    step: int
+    blend: int
+    keep: int
+
+    @classmethod
+    def of(cls, tile_in: int, tile_out: int) -> Tiling:
+        blend = int(tile_out * TILE_OVERLAP)
+        return cls(tile_in, int(tile_in * (1 - TILE_OVERLAP)), blend, tile_out - blend)
+
+    def starts(self, size: int) -> range:
+        return range(0, size, self.step)
+
+
+def _blend_weights(extent: int) -> tuple[mx.array, mx.array]:
+    """The neighbour's and the tile's weights across an overlap of `extent` positions."""
+    ramp = np.arange(extent) / extent
+    return mx.array((1 - ramp).astype(np.float32)), mx.array(ramp.astype(np.float32))
+
+
+def _blend(previous: mx.array, tile: mx.array, extent: int, axis: int) -> mx.array:
+    """diffusers' blend_v (axis 1) and blend_h (axis 2) in NHWC: the first `extent` rows (or
+    columns) of `tile` fade in from the last ones of `previous`."""
+    extent = min(previous.shape[axis], tile.shape[axis], extent)
+    if extent == 0:
+        return tile
+    before, after = _blend_weights(extent)
+    shape = [1, 1, 1, 1]
+    shape[axis] = extent
+    before, after = before.reshape(shape), after.reshape(shape)
+    size = previous.shape[axis]
+    head = mx.take(previous, mx.arange(size - extent, size), axis=axis) * before
+    head = head + mx.take(tile, mx.arange(extent), axis=axis) * after
+    rest = mx.take(tile, mx.arange(extent, tile.shape[axis]), axis=axis)
+    return mx.concatenate([head.astype(tile.dtype), rest], axis=axis)
+
+
+def run_tiled(x: mx.array, run, tiling: Tiling) -> mx.array:
+    """`run` over x (1, H, W, C) tile by tile as diffusers' tiled passes do: each tile blended
+    into the already blended tile above it and to its left, then cut to `keep`. Tiles are
+    evaluated one at a time; only the row above and the current row are kept whole."""
+    above: list[mx.array] = []
+    rows = []
+    for top in tiling.starts(x.shape[1]):
+        row: list[mx.array] = []
+        for left in tiling.starts(x.shape[2]):
+            tile = run(x[:, top : top + tiling.tile, left : left + tiling.tile])
+            if above:
+                tile = _blend(above[len(row)], tile, tiling.blend, axis=1)
+            if row:
+                tile = _blend(row[-1], tile, tiling.blend, axis=2)
+            mx.eval(tile)
+            row.append(tile)
+        kept = [tile[:, : tiling.keep, : tiling.keep] for tile in row]
+        rows.append(mx.concatenate(kept, axis=2) if len(kept) > 1 else kept[0])
+        mx.eval(rows[-1])
+        above = row
+    return mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the tiler and the memory plan read from a config, without the networks: the
+    stride, diffusers' tile sides (sample_size pixels, int(sample_size / stride) latent cells),
+    the channels, and the widest full-resolution activation of each side (the encoder's first
+    block, the decoder's last upsampler: the second-to-last up block). `tiles` false: a VAE
+    whose pipeline never tiles it (FLUX.2's), every image run whole."""
+
+    stride: int
+    tile_pixels: int
+    tile_cells: int
+    in_channels: int
+    out_channels: int
+    latent_channels: int
+    encode_width: int
+    decode_width: int
+    tiles: bool = True
+
+    @classmethod
+    def of(cls, config: dict, tiles: bool = True) -> Geometry:
+        dims = list(config["block_out_channels"])
+        decoder = decoder_channels(config)
+        stride = 2 ** (len(dims) - 1)
+        sample = config.get("sample_size") or DEFAULT_SAMPLE_SIZE
+        tile_pixels = int(sample[0] if isinstance(sample, (list, tuple)) else sample)
+        return cls(
+            stride=stride,
+            tile_pixels=tile_pixels,
+            tile_cells=int(tile_pixels / stride),
+            in_channels=int(config["in_channels"]),
+            out_channels=int(config["out_channels"]),
+            latent_channels=int(config["latent_channels"]),
+            encode_width=dims[0],
+            decode_width=decoder[min(1, len(decoder) - 1)],
+            tiles=tiles,
+        )
+
+    def tiled(self, height: int, width: int, decode: bool) -> bool:
+        """Whether a pass of a height x width image tiles: diffusers' rule, on the latent
+        size when decoding and on the image when encoding (never for a VAE that does not tile)."""
+        if not self.tiles:
+            return False
+        if decode:
+            return max(self._cells(height, width)) > self.tile_cells
+        return max(height, width) > self.tile_pixels
+
+    def tiling(self, decode: bool) -> Tiling:
+        if decode:
+            return Tiling.of(self.tile_cells, self.tile_pixels)
+        return Tiling.of(self.tile_pixels, self.tile_cells)
+
+    def peak_bytes(self, itemsize: int, height: int, width: int, decode: bool) -> int:
+        """Bytes one pass of a height x width image may hold at its peak beyond the weights,
+        activations of `itemsize` bytes: buffers of the widest full-resolution activation over
+        the image, or over one tile plus the blended tiles and output a tiled pass holds."""
+        cells = self._cells(height, width)
+        tiled = self.tiled(height, width, decode)
+        window = [min(n, self.tile_cells) for n in cells] if tiled else list(cells)
+        pixels = window[0] * window[1] * self.stride**2
+        if decode:
+            peak = DECODE_BUFFERS * pixels * self.decode_width * itemsize
+        else:
+            peak = ENCODE_BUFFERS * pixels * self.encode_width * itemsize
+        return peak + (self._tiled_held_bytes(cells, decode) if tiled else 0)
+
+    def _cells(self, height: int, width: int) -> tuple[int, int]:
+        return math.ceil(height / self.stride), math.ceil(width / self.stride)
+
+    def _tiled_held_bytes(self, cells: tuple[int, int], decode: bool) -> int:
+        """The blended tiles (KEPT_TILE_ROWS rows of whole tiles), the output's copies and,
+        encoding, the input's, in float32."""
+        pixels = cells[0] * cells[1] * self.stride**2
+        if decode:
+            tiles_per_row = len(self.tiling(decode).starts(cells[1]))
+            tile = self.tile_pixels**2 * self.out_channels
+            held = TILED_OUTPUT_COPIES * pixels * self.out_channels
+        else:
+            tiles_per_row = len(self.tiling(decode).starts(cells[1] * self.stride))
+            tile = self.tile_cells**2 * self.latent_channels
+            held = TILED_OUTPUT_COPIES * cells[0] * cells[1] * self.latent_channels
+            held += TILED_INPUT_COPIES * pixels * self.in_channels
+        return (KEPT_TILE_ROWS * tiles_per_row * tile + held) * 4
+
+
 def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
     """Checkpoint tensors -> MLX parameters: convolution kernels OIHW -> OHWI."""
     return [
@@ -233,7 +408,9 @@ def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
 class AutoencoderKL:
     """Encode images to raw latents (the posterior's mean) and decode raw latents to images."""
 
-    def __init__(self, config: dict, dtype: mx.Dtype = mx.float32):
+    def __init__(self, config: dict, dtype: mx.Dtype = mx.float32, tiles: bool = True):
+        """`tiles`: tile images past the config's sample_size as diffusers' enable_tiling()
+        does (`Geometry`); false: run every image whole."""
         if config.get("mid_block_add_attention", True) is not True:
             raise ValueError("an AutoencoderKL without mid-block attention is not supported")
         self.config = config
@@ -241,7 +418,8 @@ class AutoencoderKL:
         self.latent_channels = int(config["latent_channels"])
         self.in_channels = int(config["in_channels"])
         self.out_channels = int(config["out_channels"])
-        self.stride = 2 ** (len(config["block_out_channels"]) - 1)
+        self.geometry = Geometry.of(config, tiles)
+        self.stride = self.geometry.stride
         self.scaling_factor = float(config.get("scaling_factor", 1.0))
         self.shift_factor = float(config.get("shift_factor") or 0.0)
         self.model = _Autoencoder(config)
@@ -296,34 +474,44 @@ class AutoencoderKL:
         return mx.concatenate(images, axis=0) if len(images) > 1 else images[0]
 
     def peak_bytes(self, height: int, width: int, decode: bool) -> int:
-        """The memory plan of one image of height x width pixels, in buffers of the widest
-        full-resolution activation: the encoder's first block's channels, or the decoder's
-        last upsampler's (the second-to-last up block's)."""
-        dims = list(self.config["block_out_channels"])
-        pixels = math.ceil(height / self.stride) * math.ceil(width / self.stride) * self.stride**2
-        if decode:
-            return DECODE_BUFFERS * pixels * dims[min(1, len(dims) - 1)] * self.dtype.size
-        return ENCODE_BUFFERS * pixels * dims[0] * self.dtype.size
+        """The memory plan of one image of height x width pixels (`Geometry.peak_bytes`)."""
+        return self.geometry.peak_bytes(self.dtype.size, height, width, decode)
 
     def _encode_one(self, image: mx.array) -> mx.array:
         x = (image.astype(self.dtype) * 2.0) - 1.0  # diffusers' image processor: [0, 1] -> [-1, 1]
-        moments = self.model.encoder(x)
-        if "quant_conv" in self.model:
-            moments = self.model.quant_conv(moments)
-        mean = moments[..., : self.latent_channels]  # the log-variance is unused
+        _, height, width, _ = x.shape
+        if self.geometry.tiled(height, width, decode=False):
+            mean = run_tiled(x, self._encode_mean, self.geometry.tiling(decode=False))
+        else:
+            mean = self._encode_mean(x)
         out = mean.transpose(0, 3, 1, 2).astype(mx.float32)
         mx.eval(out)
         return out
 
+    def _encode_mean(self, x: mx.array) -> mx.array:
+        """(1, H, W, C) in [-1, 1] -> the posterior's mean (1, H/s, W/s, latent)."""
+        moments = self.model.encoder(x)
+        if "quant_conv" in self.model:
+            moments = self.model.quant_conv(moments)
+        return moments[..., : self.latent_channels]  # the log-variance is unused
+
     def _decode_one(self, latents: mx.array) -> mx.array:
         z = latents.transpose(0, 2, 3, 1).astype(self.dtype)
-        if "post_quant_conv" in self.model:
-            z = self.model.post_quant_conv(z)
-        x = self.model.decoder(z)
+        _, cells_h, cells_w, _ = z.shape
+        if self.geometry.tiled(cells_h * self.stride, cells_w * self.stride, decode=True):
+            x = run_tiled(z, self._decode_raw, self.geometry.tiling(decode=True))
+        else:
+            x = self._decode_raw(z)
         # diffusers' image processor maps x / 2 + 0.5 and clamps to [0, 1].
         image = mx.clip(x.astype(mx.float32) / 2 + 0.5, 0.0, 1.0)
         mx.eval(image)
         return image
+
+    def _decode_raw(self, z: mx.array) -> mx.array:
+        """(1, h, w, latent) raw latents -> the decoder's output (1, s*h, s*w, C), unclamped."""
+        if "post_quant_conv" in self.model:
+            z = self.model.post_quant_conv(z)
+        return self.model.decoder(z)
 
 
 def latent_normalisation(config: dict) -> tuple[list[float], list[float]]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gmlx_server.config import ModelSettings, ServerConfig
+from gmlx_server.engine.embedded import draw
 from gmlx_server.engine.families.qwen_image21 import embedded, family
 from gmlx_server.engine.families.qwen_image21.dit import (
     BLOCK_PREFIX,
@@ -47,7 +48,11 @@ GATE_UP = "img_mlp.gate_up.weight"
 
 
 def draw_weights(config: dict, seed: int) -> dict[str, np.ndarray]:
-    return embedded._draw(embedded.transformer_tensors(config), np.random.default_rng(seed))
+    return draw(
+        embedded.transformer_tensors(config),
+        np.random.default_rng(seed),
+        embedded.CONSTANT_NOISE,
+    )
 
 
 def types_for(kind: T, config: dict) -> dict[str, T]:

@@ -40,7 +40,13 @@ def png_b64(array: np.ndarray) -> str:
 
 def test_discovery_routes(qwen):
     caps = qwen.call("GET", "capabilities", versioned=False).json()
-    assert caps["families"] == ["qwen_image21", "z_image"]
+    assert caps["families"] == [
+        "flux2_klein",
+        "flux2_klein_9b",
+        "flux2_klein_9b_kv",
+        "qwen_image21",
+        "z_image",
+    ]
     models = qwen.call("GET", "models").json()
     assert models == {
         "models": [

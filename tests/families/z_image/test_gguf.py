@@ -182,7 +182,9 @@ def test_a_quantize_setting_quantizes_the_files_float_layers(base, weights, rows
 
 def test_a_file_of_the_wrong_shapes_is_refused_naming_it(base, tmp_path):
     wider = tmp_path / "wider"
-    build_tiny_folder(wider, variant="turbo", **{**TRANSFORMER, "dim": 192, "n_heads": 4})
+    build_tiny_folder(
+        wider, variant="turbo", **{**TRANSFORMER, "dim": 192, "n_heads": 4, "n_kv_heads": 4}
+    )
     other = {n: np.array(v) for n, v in load_weights(wider / "transformer", mx.float32).items()}
     folder, path = gguf_folder(base, tmp_path, "wrong", "wide.gguf")
     write_dit(path, other, {}, np.random.default_rng(2), arch="lumina2")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from gmlx_server.engine.families.z_image.embedded import MODEL_INDEX
 from gmlx_server.engine.families.z_image.family import identify
-
-from tests.families.z_image.tiny.folder import MODEL_INDEX
 
 
 def folder(root, index=MODEL_INDEX, text_type="qwen3", shift: float | None = 3.0):

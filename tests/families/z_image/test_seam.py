@@ -78,8 +78,9 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
     assert live.post_json("models/load", {"model": "z-image-tiny"}).status_code == 200
     loaded = live.call("GET", "models/z-image-tiny/status").json()
     assert loaded["resident"] is True
-    assert {k: v for k, v in loaded.items() if k not in ("resident", "residency")} == {
-        k: v for k, v in unloaded.items() if k not in ("resident", "residency")
+    skip = ("resident", "residency", "memory")
+    assert {k: v for k, v in loaded.items() if k not in skip} == {
+        k: v for k, v in unloaded.items() if k not in skip
     }
     # each component: held once loaded, at the dtype the status named; its bytes as the
     # headers estimated them (the encoder's file also holds tensors it never loads)
@@ -92,6 +93,24 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
         else:
             assert component["bytes"] == estimate["bytes"], name
     assert live.call("GET", "models/z-image-tiny/manifest").json() == manifest
+    check_memory_rows(live, unloaded["memory"], loaded["memory"])
+
+
+def check_memory_rows(live, unloaded: dict, loaded: dict) -> None:
+    """Status `memory` as Qwen-Image 2.1's: the file sizes, the reserve of the reference
+    workload beyond them, and, loaded, the weights' arrays plus that reserve."""
+    from gmlx_server.engine.families.z_image import family
+
+    model = live.model("z-image-tiny")
+    folder = model.model_dir
+    files = ("dit_bytes", "encoder_bytes", "vae_bytes")
+    assert {k: loaded[k] for k in files} == {k: unloaded[k] for k in files}
+    assert all(loaded[k] > 0 for k in files)
+    reserve = family.activation_reserve(folder, model.dit.dtype)
+    assert reserve > 0 and unloaded["resident_bytes"] == 0
+    assert loaded["resident_bytes"] == model.weight_bytes + reserve
+    weights = loaded["resident_bytes"] - reserve
+    assert loaded["activation_reserve_bytes"] == weights + reserve - sum(loaded[k] for k in files)
 
 
 def test_base_variant_is_identified_by_its_shift(live):

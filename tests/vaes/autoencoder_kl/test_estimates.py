@@ -1,5 +1,6 @@
 """The AutoencoderKL's memory estimate bounds the measured MLX peak of a pass (tiny FLUX.1
-checkpoint, float32)."""
+checkpoint, float32), untiled and tiled (a VAE whose sample_size, the tile side, is 64 pixels:
+the tiled peak is one tile's, far below the whole image's)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def peak_of(work) -> int:
     return mx.get_peak_memory() - base
 
 
+TILED_SAMPLE_SIZE = 64
+
+
 @pytest.fixture(scope="module")
 def vae(tmp_path_factory):
     folder = tmp_path_factory.mktemp("autoencoder_kl_memory")
@@ -29,9 +33,29 @@ def vae(tmp_path_factory):
     return AutoencoderKL.load(folder)
 
 
+@pytest.fixture(scope="module")
+def tiled_vae(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("autoencoder_kl_memory_tiled")
+    build_vae(folder, seed=4, sample_size=TILED_SAMPLE_SIZE)
+    return AutoencoderKL.load(folder)
+
+
 @pytest.mark.parametrize(("height", "width"), [(128, 128), (256, 384)])
 @pytest.mark.parametrize("decode", [True, False])
 def test_estimate_bounds_the_measured_peak(vae, height, width, decode):
+    assert not vae.geometry.tiled(height, width, decode)
+    check_estimate(vae, height, width, decode)
+
+
+@pytest.mark.parametrize(("height", "width"), [(256, 384), (512, 512)])
+@pytest.mark.parametrize("decode", [True, False])
+def test_estimate_bounds_the_measured_tiled_peak(vae, tiled_vae, height, width, decode):
+    assert tiled_vae.geometry.tiled(height, width, decode)
+    check_estimate(tiled_vae, height, width, decode)
+    assert tiled_vae.peak_bytes(height, width, decode) < vae.peak_bytes(height, width, decode) / 4
+
+
+def check_estimate(vae, height, width, decode):
     rng = np.random.default_rng(3)
     if decode:
         z = mx.array(rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32))

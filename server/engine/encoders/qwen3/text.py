@@ -72,7 +72,9 @@ class TextAttention(nn.Module):
         self.q_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    def __call__(
+        self, x: mx.array, cos: mx.array, sin: mx.array, valid_keys: int | None = None
+    ) -> mx.array:
         batch, length, _ = x.shape
         shape = (batch, length, -1, self.head_dim)
         # Qwen3 norms each head's queries and keys before the rotary embedding.
@@ -80,7 +82,7 @@ class TextAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).reshape(shape)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(shape).transpose(0, 2, 1, 3)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = chunked_attention(q, k, v, self.scale, causal=True)
+        out = chunked_attention(q, k, v, self.scale, causal=True, valid_keys=valid_keys)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
@@ -103,8 +105,10 @@ class TextDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def __call__(
+        self, x: mx.array, cos: mx.array, sin: mx.array, valid_keys: int | None = None
+    ) -> mx.array:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, valid_keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -127,14 +131,16 @@ class TextModel(nn.Module):
         sin: mx.array,
         taps: tuple[int, ...] = (-1,),
         after_layer: Callable[[int, mx.array], mx.array] | None = None,
+        valid_keys: int | None = None,
     ) -> list[mx.array]:
         """embeds (1, L, D) -> the hidden states after each layer `taps` names (an index into
         the layers; -1 is the last), before the final norm. `after_layer(index, hidden)`, when
-        given, runs after every layer (Qwen3-VL adds its DeepStack features there)."""
+        given, runs after every layer (Qwen3-VL adds its DeepStack features there).
+        `valid_keys`: the tokens from that index on are right padding, attended by none."""
         wanted = {tap % len(self.layers) for tap in taps}
         hidden, tapped = embeds, {}
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin)
+            hidden = layer(hidden, cos, sin, valid_keys)
             if after_layer is not None:
                 hidden = after_layer(index, hidden)
             if index in wanted:
@@ -225,10 +231,16 @@ class Qwen3TextEncoder:
         angles = np.arange(length, dtype=np.float32)[:, None] * self.model.inv_freq[None, :]
         return cos_sin(angles, dtype)
 
-    def hidden_states(self, ids: np.ndarray, taps: tuple[int, ...] = (-1,)) -> list[mx.array]:
-        """(L, D) states after the decoder layers `taps` names (before the final norm)."""
+    def hidden_states(
+        self, ids: np.ndarray, taps: tuple[int, ...] = (-1,), valid_keys: int | None = None
+    ) -> list[mx.array]:
+        """(L, D) states after the decoder layers `taps` names (before the final norm). With
+        `valid_keys` the ids from that index on are right padding: every row of a padded
+        prompt, the padding's rows too, as transformers computes them under its attention
+        mask (positions still 0..L-1)."""
         embeds = self.model.embed_tokens(mx.array(np.asarray(ids, np.int32)))
         cos, sin = self.rotary(embeds.shape[0], embeds.dtype)
-        tapped = [hidden[0] for hidden in self.model(embeds[None], cos, sin, taps)]
+        hiddens = self.model(embeds[None], cos, sin, taps, valid_keys=valid_keys)
+        tapped = [hidden[0] for hidden in hiddens]
         mx.eval(tapped)
         return tapped

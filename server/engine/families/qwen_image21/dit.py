@@ -17,9 +17,7 @@ backend in float32, attention and SiLU use `engine/nn/cpu_ops.py` (MLX's CPU exp
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,22 +31,17 @@ from ...lora import LinearSlot, project
 from ...nn import cpu_ops
 from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
+from ...nn.compiled import CompiledPass
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
+from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
 from ...weights import gguf_file, load_tree, read_config
-
-log = logging.getLogger(__name__)
 
 TIME_PROJ_DIM = 256
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
 TIME_MAX_PERIOD = 10000.0
 TARGET_TABLES_KEPT = 16  # target RoPE tables kept, least recently used dropped first
-# mx.compile keeps one trace per input signature (weight tree, image size, each row's prefix
-# length) for as long as the compiled function lives: a server seeing many prompt lengths, sizes
-# and LoRA tables would keep them all. After this many signatures the compiled function is made
-# anew, which drops every trace it held (traced again on first use).
-COMPILED_SIGNATURES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -202,6 +195,18 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     return slots
 
 
+def shard_plan(config: DiTConfig) -> ShardPlan:
+    """How the DiT splits over ranks (engine/shard.py): the one stack of blocks is the pipeline;
+    q/k/v (three segments, whole heads) and gate/up (two segments) split by output rows, the
+    attention output and the MLP's down projection by input columns (the attention output's
+    in whole heads, as q/k/v split them)."""
+    return ShardPlan(
+        stacks=("blocks",),
+        columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
+        rows={"out": Split(1, config.head_dim), "down": Split(1)},
+    )
+
+
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     """The file's tensors (diffusers names) as the forward's weight tree: q/k/v and the SwiGLU
     gate/up are concatenated so each runs as one matmul; the zero-centred text norm stores
@@ -284,20 +289,23 @@ def quantized(path: str) -> bool:
 @dataclass
 class PrefixState:
     """K and V of the prefix in every block, each (1, heads, P, head_dim), and the target's frame
-    position. Independent of the timestep, so computed once per conditioning."""
+    position. Independent of the timestep, so computed once per conditioning. A rank of a
+    pipeline holds those of its own blocks (None elsewhere); of tensor mode, its heads'."""
 
-    keys: list[mx.array]
-    values: list[mx.array]
+    keys: list[mx.array | None]
+    values: list[mx.array | None]
     length: int
     target_frame: int
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
 
 
 class QwenImage21DiT:
-    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
+    def __init__(
+        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
+    ):
         if config.patch_size != 1:
             raise ValueError("Qwen-Image 2.1 consumes latents unpatched (patch_size 1)")
         if not config.causal_condition:
@@ -305,6 +313,7 @@ class QwenImage21DiT:
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.stages = stages or Stages()  # this process's part of the blocks (engine/shard.py)
         self._time_freqs = time_frequencies()
         self._zero_time = mx.zeros((1,), mx.float32)
         # RoPE tables of target blocks by (frame, h, w): the same for every step of a run, and
@@ -313,12 +322,9 @@ class QwenImage21DiT:
             OrderedDict()
         )
         # The target pass runs every step: compiled, its elementwise work (RoPE, norms,
-        # modulation, gates) fuses. GMLX_DIT_COMPILE=0 runs it eagerly.
-        self.compiled = os.environ.get("GMLX_DIT_COMPILE", "1") != "0"
-        self._compiled_target = mx.compile(self._target_pass)
-        self._signatures: set[tuple] = set()  # those _compiled_target has traced
-        if self.compiled:
-            cpu_ops.note_missing_compiler()
+        # modulation, gates) fuses (nn/compiled.py; GMLX_DIT_COMPILE=0 runs it eagerly).
+        # Sharded, it runs eagerly: its collectives stay outside any compiled graph.
+        self.target_pass = CompiledPass(self._target_pass, enabled=stages is None)
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod
@@ -328,11 +334,16 @@ class QwenImage21DiT:
         dtype: mx.Dtype | None = None,
         quantization: Quantization | None = None,
         dit: Path | None = None,
+        shard: Shard | None = None,
     ) -> QwenImage21DiT:
         """The DiT of a transformer/ folder; its weights from safetensors or GGUF (the folder's
-        one `.gguf` file, or `dit`, a model entry's file elsewhere: `dit_file`)."""
+        one `.gguf` file, or `dit`, a model entry's file elsewhere: `dit_file`); with a
+        `shard`, only this rank's part of it (shard_plan)."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
+        tree_shard = None
+        if shard is not None:
+            tree_shard = TreeShard(shard_plan(config), shard, {"blocks": config.num_layers})
         weights = load_tree(
             transformer_dir,
             lambda files: sanitize(files, config),
@@ -341,8 +352,10 @@ class QwenImage21DiT:
             quantization=quantization,
             quantized=quantized,
             gguf=dit_file(transformer_dir, dit),
+            shard=tree_shard,
         )
-        return cls(config, weights, dtype)
+        stages = None if tree_shard is None else Stages(tree_shard)
+        return cls(config, weights, dtype, stages)
 
     # -- shared pieces --------------------------------------------------------------------
 
@@ -365,8 +378,8 @@ class QwenImage21DiT:
     def qkv(self, block: dict, x: mx.array, cos: mx.array, sin: mx.array):
         """q, k, v as (B, heads, N, head_dim): fused projection, RMS norm of q and k, RoPE."""
         batch, length, _ = x.shape
-        heads, head_dim = self.config.num_heads, self.config.head_dim
-        fused = project(block, "qkv", x).reshape(batch, length, 3, heads, head_dim)
+        # heads from the weight: all of them, or a rank's share in tensor mode (shard_plan)
+        fused = project(block, "qkv", x).reshape(batch, length, 3, -1, self.config.head_dim)
         q, k, v = fused[:, :, 0], fused[:, :, 1], fused[:, :, 2]
         eps = self.config.eps
         q = mx.fast.rms_norm(q.astype(mx.float32), block["norm_q"], eps).astype(self.dtype)
@@ -376,7 +389,7 @@ class QwenImage21DiT:
 
     def attention_out(self, block: dict, attended: mx.array) -> mx.array:
         batch, _, length, _ = attended.shape
-        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, self.config.inner_dim)
+        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return project(block, "out", merged)
 
     def mlp(self, block: dict, x: mx.array) -> mx.array:
@@ -410,17 +423,20 @@ class QwenImage21DiT:
         zero_time = self.time_embedding(w, self._zero_time)
         scale1, gate1, scale2, gate2 = self.modulation(w, zero_time)
         gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
-        eps, keys, values = self.config.eps, [], []
+        eps = self.config.eps
         blocks = w["blocks"]
-        for index, block in enumerate(blocks):
+        keys, values = [None] * len(blocks), [None] * len(blocks)
+
+        def run_block(index: int, block: dict, x: mx.array) -> mx.array:
             q, k, v = self.qkv(block, layer_norm(x, eps) * (1 + scale1), cos, sin)
-            keys.append(k)
-            values.append(v)
+            keys[index], values[index] = k, v
             if index == len(blocks) - 1:
-                break  # the last block's prefix outputs feed nothing
+                return x  # the last block's prefix outputs feed nothing
             attended = self._block_causal_attention(layout, q, k, v)
             x = x + gate1 * self.attention_out(block, attended)
-            x = x + gate2 * self.mlp(block, layer_norm(x, eps) * (1 + scale2))
+            return x + gate2 * self.mlp(block, layer_norm(x, eps) * (1 + scale2))
+
+        self.stages.run("blocks", blocks, x, run_block, keep_output=False)
         return PrefixState(keys, values, layout.length, target_frame)
 
     def _prefix_tokens(self, w: dict, layout: PrefixLayout, text: mx.array, refs: list[mx.array]):
@@ -472,30 +488,20 @@ class QwenImage21DiT:
         keys = [state.keys for state in states]
         values = [state.values for state in states]
         arguments = (weights, x.astype(self.dtype), sigma, cos, sin, keys, values)
-        if self.compiled:
-            try:
-                out = self._compiled_for(weights, x, cos, keys)(*arguments)
-                # Evaluated here so that a failing run-time compile surfaces in this try.
-                mx.eval(out)
-                return out
-            except RuntimeError as error:
-                if not cpu_ops.compile_failed(error):
-                    raise
-                self.compiled = False
-                log.warning("mx.compile failed, the DiT runs eagerly from now on: %s", error)
-        return self._target_pass(*arguments)
+        # what decides the trace: the weight tree, the shapes of x and the RoPE table, each
+        # row's prefix length (a pipeline rank without the first block: never compiled)
+        prefixes = tuple(None if row[0] is None else row[0].shape for row in keys)
+        signature = (id(weights), x.shape, cos.shape, prefixes)
+        return self.target_pass(signature, *arguments)
 
-    def _compiled_for(self, weights: dict, x: mx.array, cos: mx.array, keys: list) -> object:
-        """The compiled target pass, made anew once it has traced COMPILED_SIGNATURES_KEPT
-        signatures (the weight tree, the shapes of x and the RoPE table, each row's prefix
-        length)."""
-        signature = (id(weights), x.shape, cos.shape, tuple(row[0].shape for row in keys))
-        if signature not in self._signatures:
-            if len(self._signatures) >= COMPILED_SIGNATURES_KEPT:
-                self._compiled_target = mx.compile(self._target_pass)  # the old traces go
-                self._signatures.clear()
-            self._signatures.add(signature)
-        return self._compiled_target
+    @property
+    def compiled(self) -> bool:
+        """Whether the target pass runs compiled (False after a failed compile)."""
+        return self.target_pass.enabled
+
+    @compiled.setter
+    def compiled(self, enabled: bool) -> None:
+        self.target_pass.enabled = enabled
 
     def _target_pass(self, w: dict, x, sigma, cos, sin, keys, values) -> mx.array:
         """The target pass as a pure function of arrays (weights included), so `mx.compile`
@@ -504,8 +510,8 @@ class QwenImage21DiT:
         scale1, gate1, scale2, gate2 = self.modulation(w, temb)
         gate1, gate2 = mx.tanh(gate1), mx.tanh(gate2)
         eps = self.config.eps
-        hidden = project(w, "img_in", x)
-        for index, block in enumerate(w["blocks"]):
+
+        def run_block(index: int, block: dict, hidden: mx.array) -> mx.array:
             q, k, v = self.qkv(block, layer_norm(hidden, eps) * (1 + scale1), cos, sin)
             prefix = [
                 (row_keys[index], row_values[index])
@@ -513,7 +519,9 @@ class QwenImage21DiT:
             ]
             attended = self._target_attention(prefix, q, k, v)
             hidden = hidden + gate1 * self.attention_out(block, attended)
-            hidden = hidden + gate2 * self.mlp(block, layer_norm(hidden, eps) * (1 + scale2))
+            return hidden + gate2 * self.mlp(block, layer_norm(hidden, eps) * (1 + scale2))
+
+        hidden = self.stages.run("blocks", w["blocks"], project(w, "img_in", x), run_block)
         out_scale = project(w, "norm_out", silu(temb))[:, None, :]
         hidden = layer_norm(hidden, eps) * (1 + out_scale)
         return project(w, "proj_out", hidden)

@@ -18,33 +18,43 @@ Choices worth knowing:
   variant whose step count is the caller's choice.
 - Made with numpy, safetensors and tokenizers only (no torch, diffusers or transformers), in a
   temporary folder renamed into place, with a stamp whose fingerprint covers the generator's
-  version, seed and configs: a different generator regenerates, the same one reuses the folder.
+  version, seed and configs: a different generator regenerates, the same one reuses the folder
+  (engine/embedded.py, shared with the other embedded models).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors as token_processors
-from tokenizers.trainers import BpeTrainer
+from tokenizers import Tokenizer
+
+from ...embedded import (
+    DIFFUSERS_FORMAT,
+    DIFFUSERS_WEIGHTS,
+    GAIN,
+    MATRIX,
+    SHIFT,
+    STAMP_FILE,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
+    TRANSFORMERS_WEIGHTS,
+    default_cache_dir,  # noqa: F401
+    draw,
+    dumps,
+    ensure,
+    stamp,
+    write_component,
+)
+from ...encoders.qwen3.tiny_tokenizer import (
+    PLAIN_ADDED_TOKENS,
+    SPECIAL_TOKENS,
+    token_ids,
+    train_tokenizer,
+)
 
 MODEL_NAME = "qwen-image21-random-tiny"
 # Bump when the code below writes something different for the same configs.
 GENERATOR_VERSION = 1
 SEED = 0
-STAMP_FILE = "gmlx_embedded.json"
-# The diffusers release whose file layout and config keys these files follow.
-DIFFUSERS_FORMAT = "0.42.1"
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 # A turbo-like variant: these fixed sigmas (Qwen-Image 2.1 turbo's, docs/contract.md §2.3) set 8 steps.
 SAMPLE_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568]
 
@@ -184,40 +194,7 @@ def video_processor_config(vision: dict) -> dict:
 IMAGE_PROCESSOR_CONFIG = image_processor_config(VISION_CONFIG, MIN_PIXELS, MAX_PIXELS)
 VIDEO_PROCESSOR_CONFIG = video_processor_config(VISION_CONFIG)
 
-# Qwen's added tokens in the order of their ids (151643 onwards in the real vocabulary); the
-# last four are added but not special.
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<|fim_prefix|>",
-    "<|fim_middle|>",
-    "<|fim_suffix|>",
-    "<|fim_pad|>",
-    "<|repo_name|>",
-    "<|file_sep|>",
-]
-PLAIN_ADDED_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
 BPE_VOCAB_SIZE = 640  # an upper bound; the small corpus below yields what it yields
-
-# Qwen2's pre-tokenizer split, as Qwen's tokenizer.json carries it.
-SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
 
 # What the BPE learns its merges from: the pipeline's system prompt and prompt-like phrases.
 TOKENIZER_CORPUS = [
@@ -252,37 +229,14 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}\n"
 )
 
-# How each tensor starts before saving. Default initialisation makes the prompt move the output
-# by about 0.1 %, so matrices get a full 1/sqrt(fan_in) spread and parameters that
-# start constant get a little noise, as the project's tiny test checkpoints do.
-MATRIX, GAIN, SHIFT = "matrix", "gain", "shift"
+# Noise given to parameters that start constant (engine/embedded.py's `draw`).
 CONSTANT_NOISE = 0.1
-
-
-def default_cache_dir() -> Path:
-    """~/.cache/gmlx-steps/models, or under $XDG_CACHE_HOME when that is set."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "gmlx-steps" / "models"
 
 
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The embedded model's folder under `cache_dir` (default: `default_cache_dir()`), generated
     first if it is missing or was made by a different generator."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / MODEL_NAME
-    stamp = _stamp()
-    if _read_stamp(target) == stamp:
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_builds(cache_dir)
-    building = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=cache_dir))
-    try:
-        write_embedded_model(building, SEED)
-        (building / STAMP_FILE).write_text(_dumps(stamp))
-        _move_into_place(building, target, stamp)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    return target
+    return ensure(cache_dir, MODEL_NAME, _stamp(), lambda folder: write_embedded_model(folder))
 
 
 def write_embedded_model(root: Path, seed: int = SEED) -> None:
@@ -299,13 +253,13 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
         "text_encoder": (text_encoder_config, text_encoder_tensors(text_encoder_config)),
     }
     for index, (name, (config, inventory)) in enumerate(components.items()):
-        weights = _draw(inventory, np.random.default_rng([seed, index]))
-        file_name = "model.safetensors" if name == "text_encoder" else DIFFUSERS_WEIGHTS
-        _write_component(root / name, config, weights, file_name)
+        weights = draw(inventory, np.random.default_rng([seed, index]), CONSTANT_NOISE)
+        file_name = TRANSFORMERS_WEIGHTS if name == "text_encoder" else DIFFUSERS_WEIGHTS
+        write_component(root / name, config, weights, file_name)
     write_processor(root / "processor", tokenizer)
     (root / "scheduler").mkdir()
-    (root / "scheduler" / "scheduler_config.json").write_text(_dumps(SCHEDULER_CONFIG))
-    (root / "model_index.json").write_text(_dumps(model_index()))
+    (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
+    (root / "model_index.json").write_text(dumps(model_index()))
 
 
 def model_index(sample_sigmas: list[float] | None = SAMPLE_SIGMAS) -> dict:
@@ -320,9 +274,6 @@ def model_index(sample_sigmas: list[float] | None = SAMPLE_SIGMAS) -> dict:
         "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLQwenImage21"],
     }
-
-
-# ---- stamp and atomic placement -----------------------------------------------------------
 
 
 def _stamp() -> dict:
@@ -341,76 +292,10 @@ def _stamp() -> dict:
         "chat_template": CHAT_TEMPLATE,
         "sample_sigmas": SAMPLE_SIGMAS,
     }
-    fingerprint = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
-    return {
-        "name": MODEL_NAME,
-        "note": "random weights from a fixed seed, for trying the pipeline; not a trained model",
-        "generator": GENERATOR_VERSION,
-        "fingerprint": fingerprint,
-    }
-
-
-def _read_stamp(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _remove_abandoned_builds(cache_dir: Path, older_than_s: float = 3600.0) -> None:
-    """Temporary folders that an interrupted generation left behind (a live one is seconds old)."""
-    cutoff = time.time() - older_than_s
-    for folder in cache_dir.glob(f".{MODEL_NAME}-*"):
-        try:
-            if folder.is_dir() and folder.stat().st_mtime < cutoff:
-                shutil.rmtree(folder, ignore_errors=True)
-        except OSError:
-            pass
-
-
-def _move_into_place(building: Path, target: Path, stamp: dict) -> None:
-    """Rename the finished folder to `target`; an outdated `target` is moved aside first. If
-    another process placed a current one meanwhile, keep theirs."""
-    if target.exists():
-        if _read_stamp(target) == stamp:
-            return
-        outdated = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-old-", dir=target.parent))
-        os.replace(target, outdated / MODEL_NAME)
-        shutil.rmtree(outdated, ignore_errors=True)
-    try:
-        os.rename(building, target)
-    except OSError:
-        if _read_stamp(target) != stamp:
-            raise
+    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
 
 
 # ---- weights ------------------------------------------------------------------------------
-
-
-def _draw(inventory: dict[str, tuple[tuple[int, ...], str]], rng) -> dict[str, np.ndarray]:
-    """Random float32 tensors for an inventory of name -> (shape, kind), in sorted-name order."""
-    weights = {}
-    for name in sorted(inventory):
-        shape, kind = inventory[name]
-        noise = rng.standard_normal(shape, dtype=np.float32)
-        if kind == MATRIX:
-            fan_in = int(np.prod(shape[1:]))
-            weights[name] = noise / np.float32(np.sqrt(fan_in))
-        elif kind == GAIN:
-            weights[name] = np.float32(1.0) + np.float32(CONSTANT_NOISE) * noise
-        else:
-            weights[name] = np.float32(CONSTANT_NOISE) * noise
-    return weights
-
-
-def _write_component(folder: Path, config: dict, weights: dict, file_name: str) -> None:
-    folder.mkdir()
-    (folder / "config.json").write_text(_dumps(config))
-    save_file(weights, str(folder / file_name), metadata={"format": "pt"})
-
-
-def _dumps(document: dict) -> str:
-    return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
 def transformer_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -625,36 +510,9 @@ def _merger(tensors: dict, prefix: str, merged: int, out: int, norm: int) -> Non
 def build_tokenizer(
     corpus: list[str] = TOKENIZER_CORPUS, vocab_size: int = BPE_VOCAB_SIZE
 ) -> Tokenizer:
-    """A byte-level BPE with Qwen's normalizer, split and decoder, trained on `corpus`, then
-    Qwen's added tokens in Qwen's order (so their ids follow the learned vocabulary)."""
-    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = token_processors.ByteLevel(trim_offsets=False)
-    trainer = BpeTrainer(
-        vocab_size=vocab_size,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus, trainer=trainer)
-    tokenizer.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-    )
-    tokenizer.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t in PLAIN_ADDED_TOKENS]
-    )
-    return tokenizer
-
-
-def token_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    """The id of each of Qwen's added tokens in `tokenizer`."""
-    return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
+    """The embedded model's tokenizer (`tiny_tokenizer.train_tokenizer`), by default on its
+    own corpus."""
+    return train_tokenizer(corpus, vocab_size)
 
 
 def write_processor(
@@ -695,7 +553,7 @@ def write_processor(
         "split_special_tokens": False,
     }
     image_config = image_processor_config(vision, min_pixels, max_pixels)
-    (folder / "tokenizer_config.json").write_text(_dumps(tokenizer_config))
+    (folder / "tokenizer_config.json").write_text(dumps(tokenizer_config))
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (folder / "preprocessor_config.json").write_text(_dumps(image_config))
-    (folder / "video_preprocessor_config.json").write_text(_dumps(video_processor_config(vision)))
+    (folder / "preprocessor_config.json").write_text(dumps(image_config))
+    (folder / "video_preprocessor_config.json").write_text(dumps(video_processor_config(vision)))

@@ -18,12 +18,13 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
-from ...family import FamilyModel, component_row, dit_manifest
+from ...family import FamilyModel, component_row, dit_manifest, loaded_row, memory_row
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
+from ...shard import Shard
 from ...weights import component_bytes, estimated_bytes, read_config, stored_quantization
 from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
 from .dit import quantized as dit_quantized
@@ -176,7 +177,7 @@ def describe(
             ),
             "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
         },
-        "memory": memory_row(model_dir, dtype, files=files),
+        "memory": _memory(model_dir, dtype, files=files),
     }
 
 
@@ -334,14 +335,12 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return max(step, vae)
 
 
-def memory_row(
+def _memory(
     model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None, files: dict | None = None
 ) -> dict:
-    """Status `memory` (docs/contract.md §2.3): the file sizes, the activation reserve (the plan's
-    footprint, weights plus the reserve, less the file sizes) and the resident bytes. The
-    weights are a loaded model's `weight_bytes`, counted from its arrays (quantized or not);
-    None: not loaded, estimated from the headers, and nothing resident. `files`: a model
-    entry's GGUF files."""
+    """Status `memory` (family.memory_row) with this family's file sizes and reserve. The
+    weights are a loaded model's `weight_bytes`; None: not loaded, estimated from the headers.
+    `files`: a model entry's GGUF files."""
     files = files or {}
     gguf = dit_file(model_dir / "transformer", files.get("dit"))
     sizes = {
@@ -355,12 +354,8 @@ def memory_row(
         weights = estimated_weight_bytes(model_dir, dtype, files)
     else:
         weights = weight_bytes
-    footprint = weights + activation_reserve(model_dir, dtype)
-    return {
-        **sizes,
-        "activation_reserve_bytes": max(0, footprint - sum(sizes.values())),
-        "resident_bytes": footprint if weight_bytes is not None else 0,
-    }
+    reserve = activation_reserve(model_dir, dtype)
+    return memory_row(sizes, weights, reserve, resident=weight_bytes is not None)
 
 
 def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
@@ -413,13 +408,15 @@ def load(
     dit: Path | None = None,
     text_encoder: Path | None = None,
     mmproj: Path | None = None,
+    shard: Shard | None = None,
 ) -> QwenImage21Model:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
     that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
     DiT's float layers only). The text encoder and the VAE compute in the dtype the
     `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`, `text_encoder`
     and `mmproj`: a model entry's GGUF files for the DiT and for Qwen3-VL (its language model
-    and its vision tower)."""
+    and its vision tower). With a `shard`, the DiT is this rank's part of it
+    (dit.shard_plan); the VAE and the text encoder load on rank 0 only."""
     # Imported here so the DiT side of the family works while its siblings are absent.
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
@@ -430,14 +427,18 @@ def load(
         raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
     check(model_dir, dit, text_encoder, mmproj)
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    network = QwenImage21DiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
+    network = QwenImage21DiT.load(
+        model_dir / "transformer", quantization=quantization, dit=dit, shard=shard
+    )
+    files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
+    if shard is not None and shard.rank != 0:
+        return QwenImage21Model(model_dir, model_id, found[1], network, None, None, files=files)
     vae = QwenImage21VAE.load(model_dir / "vae", side)
     pair = encoder_pair(text_encoder, mmproj)
 
     def load_encoder() -> QwenImage21PromptEncoder:
         return QwenImage21PromptEncoder.load(model_dir, side, quantization, gguf=pair)
 
-    files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
     return QwenImage21Model(
         model_dir, model_id, found[1], network, vae, load_encoder(), load_encoder, files=files
     )
@@ -464,32 +465,38 @@ class QwenImage21Model(FamilyModel):
         model_dir = Path(model_dir)
         files = {key: path for key, path in (files or {}).items() if path is not None}
         dit_path = files.get("dit")
-        weight_bytes = dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes
+        # a rank > 0 of a sharded model: the DiT part alone (vae and encoder None)
+        weight_bytes = sum(part.weight_bytes for part in (dit, vae, encoder) if part is not None)
         status = describe(model_dir, model_id, dit.dtype, **files)
         gguf = dit_file(model_dir / "transformer", dit_path)
         encoder_gguf = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
+        if encoder is None:
+            encoder_status = status["quantization"]["encoder"]
+        elif encoder_gguf is None:
+            encoder_status = quantization_status(encoder.encoder)
+        else:
+            encoder_status = encoder_gguf.status()
         quantization = {
             "dit": quantization_status(dit.weights) if gguf is None else gguf.status(),
-            "encoder": quantization_status(encoder.encoder)
-            if encoder_gguf is None
-            else encoder_gguf.status(),
+            "encoder": encoder_status,
             "vae": None,
         }
+        unloaded = status["residency"]
         status["quantization"] = quantization
         status["residency"] = {
             "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
-            "encoder": component_row(
-                True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
-            ),
-            "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
+            "encoder": loaded_row(encoder, quantization["encoder"], unloaded["encoder"]),
+            "vae": loaded_row(vae, None, unloaded["vae"]),
         }
-        status["memory"] = memory_row(model_dir, dit.dtype, weight_bytes, files)
+        status["memory"] = _memory(model_dir, dit.dtype, weight_bytes, files)
         super().__init__(
             model_dir,
             model_id,
             variant,
             vae=vae,
-            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
+            tables=TableWeights(
+                dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
+            ),
             status=status,
             read_manifest=lambda folder: manifest(folder, dit_path),
             weight_bytes=weight_bytes,
@@ -595,6 +602,12 @@ class QwenImage21Model(FamilyModel):
 
     def end_run(self, run: str) -> None:
         self.prefix_cache.end_run(run)
+
+    def state_keys(self) -> list:
+        return self.prefix_cache.keys()
+
+    def keep_states(self, keys) -> None:
+        self.prefix_cache.keep_only(keys)
 
     def close(self) -> None:
         self.prefix_cache.clear()

@@ -29,9 +29,11 @@ from ...lora import LinearSlot, project
 from ...nn import cpu_ops
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
+from ...nn.compiled import CompiledPass
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
+from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
 from ...weights import gguf_file, load_tree, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
@@ -172,6 +174,17 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
 
 def _stack_depth(stack: str, config: DiTConfig) -> int:
     return config.num_layers if stack == "layers" else config.num_refiner_layers
+
+
+def shard_plan(config: DiTConfig) -> ShardPlan:
+    """How the DiT splits over ranks (engine/shard.py): the three stacks, in order, are the
+    pipeline; in every block q/k/v (three segments, whole heads) and w1/w3 (two segments) split
+    by output rows, the attention output (whole heads) and w2 by input columns."""
+    return ShardPlan(
+        stacks=tuple(STACKS),
+        columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
+        rows={"out": Split(1, config.head_dim), "down": Split(1)},
+    )
 
 
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
@@ -327,12 +340,19 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 
 
 class ZImageDiT:
-    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
+    def __init__(
+        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
+    ):
         self.config = config
         self.weights = weights
         self.dtype = dtype
+        self.stages = stages or Stages()  # this process's part of the blocks (engine/shard.py)
         self._time_freqs = time_frequencies()
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+        # The whole forward runs every step: compiled, its elementwise work (RoPE, norms,
+        # modulation, gates) fuses (GMLX_DIT_COMPILE=0 runs it eagerly).
+        # Sharded, it runs eagerly: its collectives stay outside any compiled graph.
+        self.compiled_pass = CompiledPass(self._pass, enabled=stages is None)
 
     @classmethod
     def load(
@@ -341,12 +361,18 @@ class ZImageDiT:
         dtype: mx.Dtype | None = None,
         quantization: Quantization | None = None,
         dit: Path | None = None,
+        shard: Shard | None = None,
     ) -> ZImageDiT:
         """The DiT of a transformer/ folder, its weights from safetensors or GGUF (the folder's
         one `.gguf` file, or `dit`, a model entry's file: `dit_file`); with a `quantization`,
-        the float layers `quantized` picks are quantized as they load."""
+        the float layers `quantized` picks are quantized as they load; with a `shard`, only this
+        rank's part of it (shard_plan)."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
+        tree_shard = None
+        if shard is not None:
+            depths = {stack: _stack_depth(stack, config) for stack in STACKS}
+            tree_shard = TreeShard(shard_plan(config), shard, depths)
         weights = load_tree(
             transformer_dir,
             lambda files: sanitize(files, config),
@@ -355,8 +381,10 @@ class ZImageDiT:
             quantization=quantization,
             quantized=quantized,
             gguf=dit_file(transformer_dir, dit),
+            shard=tree_shard,
         )
-        return cls(config, weights, dtype)
+        stages = None if tree_shard is None else Stages(tree_shard)
+        return cls(config, weights, dtype, stages)
 
     @property
     def weight_bytes(self) -> int:
@@ -387,15 +415,15 @@ class ZImageDiT:
     def attention(self, block: dict, x: mx.array, cos, sin, lengths: list[int]) -> mx.array:
         """Self-attention of x (B, N, dim), row b over its first lengths[b] tokens."""
         batch, length, _ = x.shape
-        heads, head_dim = self.config.num_heads, self.config.head_dim
-        fused = project(block, "qkv", x).reshape(batch, length, 3, heads, head_dim)
+        # heads from the weight: all of them, or a rank's share in tensor mode (shard_plan)
+        fused = project(block, "qkv", x).reshape(batch, length, 3, -1, self.config.head_dim)
         q = self.rms_norm(fused[:, :, 0], block["norm_q"], QK_NORM_EPS)
         k = self.rms_norm(fused[:, :, 1], block["norm_k"], QK_NORM_EPS)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = fused[:, :, 2].transpose(0, 2, 1, 3)
         attended = self._rows_attention(q, k, v, lengths)
-        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, self.config.dim)
+        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return project(block, "out", merged)
 
     def _rows_attention(self, q, k, v, lengths: list[int]) -> mx.array:
@@ -454,48 +482,67 @@ class ZImageDiT:
     ) -> mx.array:
         """The raw output (B, C, H, W) for latents x (B, C, H, W) at t (B,) (the reference's
         time: 1 - sigma), row b conditioned on caption features caps[b] (L_b, cap_feat_dim).
-        `weights`: a tree carrying a LoRA table's pairs (default: the plain weights)."""
+        `weights`: a tree carrying a LoRA table's pairs (default: the plain weights). The pass
+        runs compiled (nn/compiled.py), once traced per weight tree, size and caption lengths."""
         w = self.weights if weights is None else weights
+        _, _, height, width = x.shape
+        p = self.config.patch_size
+        if height % p or width % p:
+            raise ValueError(f"latents {height}x{width} must be multiples of the patch {p}")
+        cap_lens = [int(cap.shape[0]) for cap in caps]
+        tables = self._rope_tables(height // p, width // p, cap_lens)
+        signature = (id(w), x.shape, tuple(cap_lens))
+        return self.compiled_pass(signature, w, x.astype(self.dtype), t, caps, tables)
+
+    def _rope_tables(self, h: int, w: int, cap_lens: list[int]) -> tuple:
+        """Host side: the RoPE tables of the image tokens, the caption tokens and each row's
+        [image, caption], for an h x w patch grid and rows of these caption lengths."""
+        image_pos = [image_positions(padded(n) + 1, h, w) for n in cap_lens]
+        cap_pos = [caption_positions(n) for n in cap_lens]
+        unified_pos = [np.concatenate(pair) for pair in zip(image_pos, cap_pos, strict=True)]
+        return self.rope(image_pos), self.rope(cap_pos), self.rope(unified_pos)
+
+    def _pass(self, w: dict, x: mx.array, t: mx.array, caps: list[mx.array], tables) -> mx.array:
+        """The forward as a pure function of arrays (weights included), so `mx.compile` traces
+        it once per shape and fuses its elementwise work. Every length comes from a shape."""
         config = self.config
         batch, _, height, width = x.shape
         p = config.patch_size
-        if height % p or width % p:
-            raise ValueError(f"latents {height}x{width} must be multiples of the patch {p}")
         h, w_tokens = height // p, width // p
         image_len, image_padded = h * w_tokens, padded(h * w_tokens)
-        cap_lens = [int(cap.shape[0]) for cap in caps]
-        cap_padded = [padded(n) for n in cap_lens]
+        cap_padded = [padded(int(cap.shape[0])) for cap in caps]
+        (image_cos, image_sin), (cap_cos, cap_sin), (cos, sin) = tables
         adaln = self.time_embedding(w, t).astype(self.dtype)
 
         # Image tokens, padded with the pad token, through the noise refiner.
-        image = dense(w, "x_in", self.patchify(x.astype(self.dtype)))
+        image = dense(w, "x_in", self.patchify(x))
         pad = mx.broadcast_to(w["x_pad"], (batch, image_padded - image_len, config.dim))
         image = mx.concatenate([image, pad.astype(self.dtype)], axis=1)
-        image_pos = [image_positions(n + 1, h, w_tokens) for n in cap_padded]
-        cos, sin = self.rope(image_pos)
-        for block in w["noise_refiner"]:
-            image = self.block(block, image, cos, sin, [image_padded] * batch, adaln)
+        image = self._stack(
+            w, "noise_refiner", image, image_cos, image_sin, [image_padded] * batch, adaln
+        )
 
         # Caption tokens, each row padded to its multiple with the pad token, then the batch to
         # the longest, through the context refiner.
         caption = self._caption_tokens(w, caps, cap_padded)
-        cap_pos = [caption_positions(n) for n in cap_lens]
-        cos, sin = self.rope(cap_pos)
-        for block in w["context_refiner"]:
-            caption = self.block(block, caption, cos, sin, cap_padded, None)
+        caption = self._stack(w, "context_refiner", caption, cap_cos, cap_sin, cap_padded, None)
 
         # Each row's [image, caption], through the main blocks.
         unified = mx.concatenate([image, caption], axis=1)
-        cos, sin = self.rope(
-            [np.concatenate(pair) for pair in zip(image_pos, cap_pos, strict=True)]
-        )
         lengths = [image_padded + n for n in cap_padded]
-        for block in w["layers"]:
-            unified = self.block(block, unified, cos, sin, lengths, adaln)
+        unified = self._stack(w, "layers", unified, cos, sin, lengths, adaln)
 
         scale = 1 + dense(w, "final_modulation", silu(adaln))[:, None, :]
         out = dense(w, "final", layer_norm(unified[:, :image_len], FINAL_NORM_EPS) * scale)
         return self.unpatchify(out, height, width)
+
+    def _stack(self, w: dict, stack: str, x, cos, sin, lengths, adaln) -> mx.array:
+        """x through one of the block stacks (this process's part of it: `stages`)."""
+
+        def run_block(index: int, block: dict, x: mx.array) -> mx.array:
+            return self.block(block, x, cos, sin, lengths, adaln)
+
+        return self.stages.run(stack, w[stack], x, run_block)
 
     def _caption_tokens(self, w: dict, caps: list[mx.array], cap_padded: list[int]) -> mx.array:
         longest, dim = max(cap_padded), self.config.dim

@@ -17,17 +17,19 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, component_row, dit_manifest
+from ...family import FamilyModel, component_row, dit_manifest, loaded_row, memory_row
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
+from ...nn.compiled import compile_enabled
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
-from ...vaes.autoencoder_kl import latent_normalisation
+from ...shard import Shard
+from ...vaes.autoencoder_kl import Geometry, latent_normalisation
 from ...weights import component_bytes, estimated_bytes, gguf_file, read_config, stored_quantization
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
 from .dit import quantized as dit_quantized
-from .prompt import TEMPLATE
+from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY = "z_image"
 TITLE = "Z-Image"
@@ -45,7 +47,9 @@ SAMPLING = {
     "turbo": {"steps": 8, "cfg": 1.0, "shift": 3.0},
     "base": {"steps": 50, "cfg": 5.0, "shift": 6.0},
 }
-FEATURES = ("noise_mask",)
+# The VAE tiles images past its sample_size as diffusers' tiling does, which is not the untiled
+# pass: docs/contract.md §8 says so.
+FEATURES = ("noise_mask", "tiled_vae")
 # Step conventions (docs/contract.md §5.2): both read the timestep as sigma (scale 1, shift 0)
 # and answer +dx/dsigma; the DiT itself runs at t = 1 - sigma and its output is negated.
 CONVENTIONS = ("comfy", "reference")
@@ -55,8 +59,21 @@ CONVENTIONS = ("comfy", "reference")
 TOKEN_WIDTH_BUFFERS = 10  # hidden, its normed form, q, k, v, the attention out, residual sums
 TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
 MLP_BUFFERS = 8  # gate and up, SiLU's temporaries and the product, at the MLP's width
+# Under mx.compile the fused kernels keep more alive: measured about 7 KB more per token on the
+# tiny checkpoint (width 64, MLP width 170), counted as buffers at the MLP's width.
+COMPILED_MLP_BUFFERS = 12
 # cpu_ops.attention (the CPU backend in float32) holds one block of scores at a time per row.
+# Under mx.compile its blocks no longer wait for each other and run side by side, so the plan
+# counts every block of a row's scores at once besides (measured on the tiny checkpoint: a peak
+# of 123 MiB compiled against 64 MiB eager for two rows of 2816 tokens, the excess in
+# proportion to the block size).
 SCORE_BLOCK_BUFFERS = 8
+# The reference workload behind status `activation_reserve_bytes` (as Qwen-Image 2.1's): a
+# guided step (2 rows) on a 1024x1024 image with captions of the longest prompt the encoder
+# keeps, or one 1024x1024 VAE pass (FLUX.1's VAE tiles only past 1024 pixels).
+RESERVE_PIXELS = 1024
+RESERVE_ROWS = 2
+RESERVE_CAPTION = MAX_SEQUENCE_LENGTH
 
 
 def _model_index(model_dir: Path) -> dict:
@@ -149,17 +166,69 @@ def describe(
             ),
             "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
         },
-        "memory": {
-            "dit_bytes": _dit_bytes(model_dir, dit),
-            "encoder_bytes": _encoder_bytes(model_dir, text_encoder),
-            "vae_bytes": component_bytes(model_dir / "vae"),
-        },
+        "memory": _memory(model_dir, dtype, dit=dit, text_encoder=text_encoder),
     }
 
 
 def _stored_status(component_dir: Path) -> dict | None:
     stored = stored_quantization(component_dir)
     return None if stored is None else stored.status()
+
+
+def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """The activations of the reference workload (RESERVE_*): the larger of a guided step and
+    a VAE pass at RESERVE_PIXELS square."""
+    model_dir = Path(model_dir)
+    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+    cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
+    row = padded(cells * cells) + padded(RESERVE_CAPTION)
+    blocked = cpu_ops.use_cpu_ops(dtype)
+    step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compile_enabled())
+    vae = Geometry.of(read_config(model_dir / "vae"))
+    side = RESERVE_PIXELS
+    return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))
+
+
+def estimated_weight_bytes(
+    model_dir: Path, dit_dtype: mx.Dtype, dit: Path | None = None, text_encoder: Path | None = None
+) -> int:
+    """The weights of a folder as they would load (for the status of a model not loaded): the
+    DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
+    the text encoder at theirs by default (`encoder_vae_dtype`; a GGUF text encoder: its file's
+    bytes), weights stored quantized as stored, counted from the file headers; `dit`,
+    `text_encoder`: a model entry's GGUF files. A loaded model counts its arrays instead
+    (`ZImageModel.weight_bytes`)."""
+    model_dir = Path(model_dir)
+    side = dtypes.encoder_vae_dtype()
+    return (
+        _dit_estimate(model_dir, dit_dtype, dit)
+        + estimated_bytes(model_dir / "vae", side)
+        + _encoder_bytes(model_dir, text_encoder, side)
+    )
+
+
+def _memory(
+    model_dir: Path,
+    dtype: mx.Dtype,
+    weight_bytes: int | None = None,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+) -> dict:
+    """Status `memory` (family.memory_row) with this family's file sizes and reserve. The
+    weights are a loaded model's `weight_bytes`; None: not loaded, estimated from the headers.
+    `dit`, `text_encoder`: a model entry's GGUF files."""
+    model_dir = Path(model_dir)
+    sizes = {
+        "dit_bytes": _dit_bytes(model_dir, dit),
+        "encoder_bytes": _encoder_bytes(model_dir, text_encoder),
+        "vae_bytes": component_bytes(model_dir / "vae"),
+    }
+    if weight_bytes is None:
+        weights = estimated_weight_bytes(model_dir, dtype, dit, text_encoder)
+    else:
+        weights = weight_bytes
+    reserve = activation_reserve(model_dir, dtype)
+    return memory_row(sizes, weights, reserve, resident=weight_bytes is not None)
 
 
 def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
@@ -255,12 +324,14 @@ def load(
     encoder_vae_dtype: str = AUTO,
     dit: Path | None = None,
     text_encoder: Path | None = None,
+    shard: Shard | None = None,
 ) -> ZImageModel:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
     that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
     file's float layers only). The text encoder and the VAE compute in the dtype the
     `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`, `text_encoder`: a
-    model entry's GGUF files."""
+    model entry's GGUF files. With a `shard`, the DiT is this rank's part of it
+    (dit.shard_plan), and the VAE and the text encoder load on rank 0 only."""
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
@@ -270,7 +341,12 @@ def load(
         raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
     check(model_dir, dit, text_encoder)
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    network = ZImageDiT.load(model_dir / "transformer", quantization=quantization, dit=dit)
+    network = ZImageDiT.load(
+        model_dir / "transformer", quantization=quantization, dit=dit, shard=shard
+    )
+    files = {"dit": dit, "text_encoder": text_encoder}
+    if shard is not None and shard.rank != 0:
+        return ZImageModel(model_dir, model_id, found[1], network, None, None, files=files)
     vae = AutoencoderKL.load(model_dir / "vae", side)
     encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
 
@@ -283,11 +359,12 @@ def load(
             f"the text encoder's width {encoder.hidden_size} differs from the DiT's caption"
             f" width {network.config.cap_feat_dim}"
         )
-    files = {"dit": dit, "text_encoder": text_encoder}
     return ZImageModel(model_dir, model_id, found[1], network, vae, encoder, load_encoder, files)
 
 
-def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
+def step_peak_bytes(
+    config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool, compiled: bool
+) -> int:
     """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (image and
     caption, padded): the batch runs padded to the longest. Pure: no allocation."""
     if not lengths:
@@ -296,12 +373,14 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
     per_token = (
         TOKEN_WIDTH_BUFFERS * config.dim * itemsize
         + TOKEN_F32_BUFFERS * config.dim * 4
-        + MLP_BUFFERS * config.hidden_dim * itemsize
+        + (MLP_BUFFERS + (COMPILED_MLP_BUFFERS if compiled else 0)) * config.hidden_dim * itemsize
     )
     total = len(lengths) * longest * per_token
     if blocked:  # a block of scores per row (the rows' attentions may run side by side)
         rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
-        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+        block = SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+        every_block = config.num_heads * longest * longest * 4 if compiled else 0
+        total += len(lengths) * (block + every_block)
     return total
 
 
@@ -324,33 +403,41 @@ class ZImageModel(FamilyModel):
         `files`: the model entry's GGUF files (`dit`, `text_encoder`) the weights came from
         (none: the folder's)."""
         files = {key: path for key, path in (files or {}).items() if path is not None}
+        # a rank > 0 of a sharded model: the DiT part alone (vae and encoder None)
+        weight_bytes = sum(part.weight_bytes for part in (dit, vae, encoder) if part is not None)
         status = describe(model_dir, model_id, dit.dtype, **files)
         dit_gguf = dit_file(Path(model_dir) / "transformer", files.get("dit"))
         encoder_gguf = encoder_file(model_dir, files.get("text_encoder"))
+        if encoder is None:
+            encoder_status = status["quantization"]["encoder"]
+        elif encoder_gguf is None:
+            encoder_status = quantization_status(encoder.encoder.model)
+        else:
+            encoder_status = encoder_gguf.status()
         quantization = {
             "dit": quantization_status(dit.weights) if dit_gguf is None else dit_gguf.status(),
-            "encoder": quantization_status(encoder.encoder.model)
-            if encoder_gguf is None
-            else encoder_gguf.status(),
+            "encoder": encoder_status,
             "vae": None,
         }
+        unloaded = status["residency"]
         status["quantization"] = quantization
         status["residency"] = {
             "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
-            "encoder": component_row(
-                True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
-            ),
-            "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
+            "encoder": loaded_row(encoder, quantization["encoder"], unloaded["encoder"]),
+            "vae": loaded_row(vae, None, unloaded["vae"]),
         }
+        status["memory"] = _memory(model_dir, dit.dtype, weight_bytes, **files)
         super().__init__(
             model_dir,
             model_id,
             variant,
             vae=vae,
-            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
+            tables=TableWeights(
+                dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
+            ),
             status=status,
             read_manifest=lambda folder: manifest(folder, files.get("dit")),
-            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            weight_bytes=weight_bytes,
             encoder=encoder,
             load_encoder=load_encoder,
         )
@@ -369,8 +456,10 @@ class ZImageModel(FamilyModel):
         image = padded((h // LATENT_PATCH) * (w // LATENT_PATCH))
         captions = [0] * batch if rows is None else [padded(_cond_rows(row)) for row in rows]
         # dit.cpu_ops was read at load: the quick plan runs on an HTTP thread, never asks MLX
+        dit = self.dit
+        lengths = [image + n for n in captions]
         return step_peak_bytes(
-            self.dit.config, self.dit.dtype.size, [image + n for n in captions], self.dit.cpu_ops
+            dit.config, dit.dtype.size, lengths, dit.cpu_ops, dit.compiled_pass.enabled
         )
 
     def denoise_step(

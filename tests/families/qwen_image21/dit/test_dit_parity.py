@@ -100,11 +100,11 @@ def test_layout_positions_follow_the_reference_rope():
 
 def test_the_compiled_pass_is_made_anew_after_its_signatures(tiny_transformers, monkeypatch):
     """mx.compile keeps a trace per signature while the compiled function lives: after
-    COMPILED_SIGNATURES_KEPT of them (prompt lengths here) the DiT makes a new one, which drops
-    them, and its answers stay those of the reference."""
-    from gmlx_server.engine.families.qwen_image21 import dit as dit_module
+    SIGNATURES_KEPT of them (prompt lengths here) the DiT makes a new one, which drops them,
+    and its answers stay those of the reference."""
+    from gmlx_server.engine.nn import compiled
 
-    monkeypatch.setattr(dit_module, "COMPILED_SIGNATURES_KEPT", 2)
+    monkeypatch.setattr(compiled, "SIGNATURES_KEPT", 2)
     name = next(iter(CONFIGS))
     folder, torch_model, _ = tiny_transformers[name]
     model = QwenImage21DiT.load(folder)
@@ -114,7 +114,7 @@ def test_the_compiled_pass_is_made_anew_after_its_signatures(tiny_transformers, 
         cond, x, _ = inputs(model, seed=text_len, text_len=text_len)
         ours = mlx_row(model, cond, x, 0.5)
         assert rel_l2(ours, reference_row(torch_model, cond, x, 0.5)) <= TOLERANCE
-        seen.append((model._compiled_target, set(model._signatures)))
+        seen.append((model.target_pass.compiled_function, set(model.target_pass.signatures)))
     assert model.compiled, "mx.compile fell back to eager on this machine"
     first, after_6, again_5, after_7, after_8 = seen
     assert after_6[0] is first[0] and again_5[0] is first[0]  # 5 and 6 traced: kept

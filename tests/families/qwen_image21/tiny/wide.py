@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_server.engine.embedded import draw
 from gmlx_server.engine.families.qwen_image21 import embedded
 
 TRANSFORMER = {
@@ -67,7 +68,11 @@ def write_wide_folder(root: Path, dtype: mx.Dtype = mx.bfloat16) -> Path:
         shutil.rmtree(root / name)
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config, indent=2))
-        drawn = embedded._draw(inventories[name](config), np.random.default_rng([7, index]))
+        drawn = draw(
+            inventories[name](config),
+            np.random.default_rng([7, index]),
+            embedded.CONSTANT_NOISE,
+        )
         tensors = {key: mx.array(value).astype(dtype) for key, value in drawn.items()}
         mx.save_safetensors(str(root / name / WEIGHTS[name]), tensors, metadata={"format": "pt"})
     return root

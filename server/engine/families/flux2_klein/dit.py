@@ -1,0 +1,538 @@
+"""The FLUX.2 klein diffusion transformer in MLX (diffusers' `Flux2Transformer2DModel`, its
+weight names).
+
+An MMDiT over 128-channel latent tokens (the VAE's 32 channels patchified 2x2, patch 1 here):
+double-stream blocks (image and text tokens with their own weights, one joint attention), then
+single-stream blocks over [text, image] (attention and MLP in parallel from one fused
+projection). Every block is modulated from the time embedding alone, through three shared
+modulations (image and text of the double blocks, the single blocks).
+
+Reference latents are extra image tokens, in one of two ways:
+- `joint` (diffusers' plain forward, `Flux2KleinPipeline`): the references follow the image
+  tokens in the image stream, at the step's time, everything attending to everything.
+- `kv` (`Flux2KleinKVPipeline`'s extract and cached modes): the references run at time 0 and
+  attend to themselves only, so their K and V in every block depend on the references alone.
+  `reference_states` runs them once (a `RefState`); `forward` then adds those K/V to the keys
+  of every block, which is the extract step's answer and the cached steps' alike.
+
+Rows of a batch may differ (caption lengths, references): rows of one layout run together, each
+layout on its own, so nothing is padded and no mask is needed.
+
+Positions are 4-D (t, h, w, l): caption token j at (0, 0, 0, j), image token (i, j) at
+(0, i, j, 0), reference k's tokens at (10 + 10k, i, j, 0); interleaved RoPE, the angles in
+float64 rounded once, as the reference's tables are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...lora import LinearSlot, project
+from ...nn import cpu_ops
+from ...nn.activations import layer_norm, silu
+from ...nn.attention import attention
+from ...nn.dtypes import default_compute_dtype, tree_bytes
+from ...nn.rope import apply_rope, rope_tables
+from ...precision import Quantization
+from ...weights import load_tree, read_config
+
+TIME_PROJ_DIM = 256
+TIME_MAX_PERIOD = 10000.0
+TIME_FACTOR = 1000.0  # the DiT embeds 1000 t
+REF_TIME_SCALE = 10  # reference k sits at time coordinate 10 + 10 k
+REF_MODES = ("joint", "kv")
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    in_channels: int
+    num_layers: int
+    num_single_layers: int
+    num_heads: int
+    head_dim: int
+    joint_attention_dim: int
+    mlp_ratio: float
+    axes_dims: tuple[int, ...]
+    rope_theta: float
+    eps: float
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DiTConfig:
+        if config.get("patch_size", 1) != 1:
+            raise ValueError("FLUX.2's DiT takes patchified latents as they are (patch_size 1)")
+        if config.get("guidance_embeds", False):
+            raise ValueError("a guidance-embedding FLUX.2 DiT (guidance_embeds) is not klein")
+        out_channels = config.get("out_channels")
+        in_channels = config.get("in_channels", 128)
+        if out_channels not in (None, in_channels):
+            raise ValueError(f"out_channels {out_channels} must equal in_channels {in_channels}")
+        return cls(
+            in_channels=in_channels,
+            num_layers=config.get("num_layers", 8),
+            num_single_layers=config.get("num_single_layers", 48),
+            num_heads=config.get("num_attention_heads", 48),
+            head_dim=config.get("attention_head_dim", 128),
+            joint_attention_dim=config.get("joint_attention_dim", 15360),
+            mlp_ratio=float(config.get("mlp_ratio", 3.0)),
+            axes_dims=tuple(config.get("axes_dims_rope", (32, 32, 32, 32))),
+            rope_theta=float(config.get("rope_theta", 2000)),
+            eps=float(config.get("eps", 1e-6)),
+        )
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: the diffusers names mapped to the forward's tree, in one place
+
+# Linear layers outside the blocks: tree key -> diffusers name.
+TOP_LINEARS = {
+    "x_in": "x_embedder",
+    "ctx_in": "context_embedder",
+    "time_1": "time_guidance_embed.timestep_embedder.linear_1",
+    "time_2": "time_guidance_embed.timestep_embedder.linear_2",
+    "mod_img": "double_stream_modulation_img.linear",
+    "mod_txt": "double_stream_modulation_txt.linear",
+    "mod_single": "single_stream_modulation.linear",
+    "final_mod": "norm_out.linear",
+    "final": "proj_out",
+}
+DOUBLE = "transformer_blocks.{}."
+SINGLE = "single_transformer_blocks.{}."
+# Linear layers of a double block by diffusers name, grouped into the fused weights the forward
+# uses (the projections of q, k and v of each stream as one matrix).
+DOUBLE_LINEARS = {
+    "img_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "img_out": ("attn.to_out.0",),
+    "txt_out": ("attn.to_add_out",),
+    "img_ff_in": ("ff.linear_in",),
+    "img_ff_out": ("ff.linear_out",),
+    "txt_ff_in": ("ff_context.linear_in",),
+    "txt_ff_out": ("ff_context.linear_out",),
+}
+DOUBLE_NORMS = {
+    "norm_q": "attn.norm_q",
+    "norm_k": "attn.norm_k",
+    "norm_added_q": "attn.norm_added_q",
+    "norm_added_k": "attn.norm_added_k",
+}
+SINGLE_LINEARS = {"qkv_mlp": "attn.to_qkv_mlp_proj", "out": "attn.to_out"}
+SINGLE_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k"}
+# Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
+F32_WEIGHTS = tuple(name + ".weight" for name in {*DOUBLE_NORMS.values(), *SINGLE_NORMS.values()})
+
+
+def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
+    """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
+    slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
+    for i in range(config.num_layers):
+        for key, parts in DOUBLE_LINEARS.items():
+            for part, name in enumerate(parts):
+                slots[DOUBLE.format(i) + name] = LinearSlot(key, ("double", i), part, len(parts))
+    for i in range(config.num_single_layers):
+        for key, name in SINGLE_LINEARS.items():
+            slots[SINGLE.format(i) + name] = LinearSlot(key, ("single", i))
+    return slots
+
+
+# BFL's names of the same linear layers (those of its own checkpoints and ComfyUI's Flux2 model),
+# each stream's q/k/v fused as one layer: a patch table may name them, a band picking a part.
+# Not norm_out.linear's BFL name (final_layer.adaLN_modulation.1): its halves are swapped.
+BFL_TOP = {
+    "x_in": "img_in",
+    "ctx_in": "txt_in",
+    "time_1": "time_in.in_layer",
+    "time_2": "time_in.out_layer",
+    "mod_img": "double_stream_modulation_img.lin",
+    "mod_txt": "double_stream_modulation_txt.lin",
+    "mod_single": "single_stream_modulation.lin",
+    "final": "final_layer.linear",
+}
+BFL_DOUBLE = {
+    "img_qkv": "img_attn.qkv",
+    "txt_qkv": "txt_attn.qkv",
+    "img_out": "img_attn.proj",
+    "txt_out": "txt_attn.proj",
+    "img_ff_in": "img_mlp.0",
+    "img_ff_out": "img_mlp.2",
+    "txt_ff_in": "txt_mlp.0",
+    "txt_ff_out": "txt_mlp.2",
+}
+BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
+
+
+def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
+    """The linear layers by BFL's names (a fused q/k/v is one whole layer here)."""
+    slots = {name: LinearSlot(key) for key, name in BFL_TOP.items()}
+    for i in range(config.num_layers):
+        for key, name in BFL_DOUBLE.items():
+            slots[f"double_blocks.{i}.{name}"] = LinearSlot(key, ("double", i))
+    for i in range(config.num_single_layers):
+        for key, name in BFL_SINGLE.items():
+            slots[f"single_blocks.{i}.{name}"] = LinearSlot(key, ("single", i))
+    return slots
+
+
+def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
+    """The file's tensors (diffusers names) as the forward's weight tree: each stream's q/k/v
+    concatenated along the rows so they run as one matmul. `linear_slots` names the same places
+    for LoRA."""
+    weights = {key: files[name + ".weight"] for key, name in TOP_LINEARS.items()}
+    weights["double"] = [
+        _block(files, DOUBLE.format(i), DOUBLE_LINEARS, DOUBLE_NORMS)
+        for i in range(config.num_layers)
+    ]
+    single_linears = {key: (name,) for key, name in SINGLE_LINEARS.items()}
+    weights["single"] = [
+        _block(files, SINGLE.format(i), single_linears, SINGLE_NORMS)
+        for i in range(config.num_single_layers)
+    ]
+    return weights
+
+
+def _block(files: dict, prefix: str, linears: dict, norms: dict) -> dict:
+    block = {
+        key: mx.concatenate([files[prefix + name + ".weight"] for name in parts], axis=0)
+        if len(parts) > 1
+        else files[prefix + parts[0] + ".weight"]
+        for key, parts in linears.items()
+    }
+    for key, name in norms.items():
+        block[key] = files[prefix + name + ".weight"]
+    return block
+
+
+def quantized(path: str) -> bool:
+    """The weights a quantized load quantizes, by tree path: the blocks' linear layers, nearly
+    all of the DiT. The embedders (time, text, image), the shared modulations and the final norm
+    and projection keep the compute dtype, as the norm scales do."""
+    return path.startswith(("double.", "single."))
+
+
+def time_frequencies() -> mx.array:
+    half = TIME_PROJ_DIM // 2
+    exponent = -math.log(TIME_MAX_PERIOD) * np.arange(half, dtype=np.float32) / np.float32(half)
+    return mx.array(np.exp(exponent.astype(np.float32)).astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions: host-side integers only
+
+
+def caption_positions(length: int) -> np.ndarray:
+    rows = np.arange(length)
+    zeros = np.zeros_like(rows)
+    return np.stack([zeros, zeros, zeros, rows], axis=1)
+
+
+def image_positions(time: int, h: int, w: int) -> np.ndarray:
+    return np.stack(
+        [
+            np.full(h * w, time),
+            np.repeat(np.arange(h), w),
+            np.tile(np.arange(w), h),
+            np.zeros(h * w, np.int64),
+        ],
+        axis=1,
+    )
+
+
+def reference_positions(shapes: list[tuple[int, int]]) -> np.ndarray:
+    """(sum h*w, 4): reference k's tokens at time 10 + 10 k, in raster order."""
+    parts = [
+        image_positions(REF_TIME_SCALE + REF_TIME_SCALE * k, h, w)
+        for k, (h, w) in enumerate(shapes)
+    ]
+    return np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
+
+
+@dataclass
+class RefState:
+    """The references' K and V after RoPE in every block (double blocks, then single), each
+    (1, heads, R, head_dim): what the KV model's references give every other token."""
+
+    keys: list[mx.array]
+    values: list[mx.array]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.keys[0].shape[2])
+
+
+class Flux2DiT:
+    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self._time_freqs = time_frequencies()
+        self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+
+    @classmethod
+    def load(
+        cls,
+        transformer_dir: Path,
+        dtype: mx.Dtype | None = None,
+        quantization: Quantization | None = None,
+    ) -> Flux2DiT:
+        dtype = dtype or default_compute_dtype()
+        config = DiTConfig.from_dict(read_config(transformer_dir))
+        weights = load_tree(
+            transformer_dir,
+            lambda files: sanitize(files, config),
+            dtype,
+            keep_f32=lambda name: name.endswith(F32_WEIGHTS),
+            quantization=quantization,
+            quantized=quantized,
+        )
+        return cls(config, weights, dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return tree_bytes(self.weights)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def time_embedding(self, w: dict, t: mx.array, fp32_time: bool) -> mx.array:
+        """(B,) t in [0, 1] -> (B, dim): sinusoid of 1000 t (cos first), then the MLP. The
+        reference rule embeds t as the compute dtype holds it (diffusers casts the timestep to
+        the DiT's dtype before scaling it); `fp32_time` embeds the float32 t (ComfyUI's)."""
+        t = t.astype(mx.float32)
+        if fp32_time:
+            scaled = TIME_FACTOR * t
+        else:
+            scaled = (t.astype(self.dtype) * TIME_FACTOR).astype(mx.float32)
+        args = scaled[:, None] * self._time_freqs[None, :]
+        embedding = mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1).astype(self.dtype)
+        return project(w, "time_2", silu(project(w, "time_1", embedding)))
+
+    def modulations(self, w: dict, temb: mx.array) -> dict[str, list[mx.array]]:
+        """The three shared modulations of a time embedding (B, dim), each split into its
+        (shift, scale, gate) sets, every piece (B, 1, dim)."""
+        active = silu(temb)
+        out = {}
+        for key in ("mod_img", "mod_txt", "mod_single"):
+            params = project(w, key, active)[:, None, :]
+            out[key] = mx.split(params, params.shape[-1] // self.config.dim, axis=-1)
+        return out
+
+    def rms_norm(self, x: mx.array, scale: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.config.eps).astype(self.dtype)
+
+    def norm(self, x: mx.array, shift: mx.array, scale: mx.array) -> mx.array:
+        return layer_norm(x, self.config.eps) * (1 + scale) + shift
+
+    def rope(self, positions: np.ndarray) -> tuple[mx.array, mx.array]:
+        return rope_tables(positions, self.config.axes_dims, self.config.rope_theta, float64=True)
+
+    def heads(self, block: dict, key: str, x: mx.array, norm_q: str, norm_k: str, rope):
+        """q, k, v (B, N, H, D) of x through the fused projection block[key], q and k normed
+        per head and rotated."""
+        batch, length, _ = x.shape
+        fused = project(block, key, x).reshape(
+            batch, length, 3, self.config.num_heads, self.config.head_dim
+        )
+        return self.qk_rope(fused, block[norm_q], block[norm_k], rope)
+
+    def qk_rope(self, fused: mx.array, norm_q: mx.array, norm_k: mx.array, rope):
+        cos, sin = rope
+        q = apply_rope(self.rms_norm(fused[:, :, 0], norm_q), cos, sin)
+        k = apply_rope(self.rms_norm(fused[:, :, 1], norm_k), cos, sin)
+        return q, k, fused[:, :, 2]
+
+    def attend(self, q, k, v, extra: tuple[mx.array, mx.array] | None) -> mx.array:
+        """softmax(q k^T / sqrt(D)) v over (B, N, H, D) inputs, the keys and values of `extra`
+        ((B, H, R, D) each) added to the keys; (B, N, H*D)."""
+        batch, length = q.shape[:2]
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        if extra is not None:
+            k = mx.concatenate([k, extra[0]], axis=2)
+            v = mx.concatenate([v, extra[1]], axis=2)
+        out = attention(q, k, v, 1.0 / math.sqrt(self.config.head_dim), self.cpu_ops)
+        return out.transpose(0, 2, 1, 3).reshape(batch, length, self.config.dim)
+
+    def feed_forward(self, block: dict, prefix: str, x: mx.array) -> mx.array:
+        gate, up = mx.split(project(block, prefix + "_ff_in", x), 2, axis=-1)
+        return project(block, prefix + "_ff_out", silu(gate) * up)
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def double_block(self, block, img, txt, mods, rope, extra=None, record=None):
+        """One double-stream block over image tokens `img` and text tokens `txt` (None: the
+        image stream alone, as the KV model's references run). `rope` covers [txt, img]."""
+        (shift1, scale1, gate1, shift2, scale2, gate2) = mods["mod_img"]
+        if txt is None:
+            normed = self.norm(img, shift1, scale1)
+            q, k, v = self.heads(block, "img_qkv", normed, "norm_q", "norm_k", rope)
+        else:
+            q, k, v = self._joint_heads(block, img, txt, mods, rope)
+        if record is not None:
+            record.append((k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)))
+        attended = self.attend(q, k, v, extra)
+        n_txt = 0 if txt is None else txt.shape[1]
+        img_attn = project(block, "img_out", attended[:, n_txt:])
+        img = img + gate1 * img_attn
+        img = img + gate2 * self.feed_forward(block, "img", self.norm(img, shift2, scale2))
+        if txt is None:
+            return img, None
+        c_shift1, c_scale1, c_gate1, c_shift2, c_scale2, c_gate2 = mods["mod_txt"]
+        txt = txt + c_gate1 * project(block, "txt_out", attended[:, :n_txt])
+        txt = txt + c_gate2 * self.feed_forward(block, "txt", self.norm(txt, c_shift2, c_scale2))
+        return img, txt
+
+    def _joint_heads(self, block, img, txt, mods, rope):
+        shift1, scale1 = mods["mod_img"][0], mods["mod_img"][1]
+        c_shift1, c_scale1 = mods["mod_txt"][0], mods["mod_txt"][1]
+        n_txt = txt.shape[1]
+        cos, sin = rope
+        txt_rope = (cos[:n_txt], sin[:n_txt])
+        img_rope = (cos[n_txt:], sin[n_txt:])
+        normed_txt = self.norm(txt, c_shift1, c_scale1)
+        normed_img = self.norm(img, shift1, scale1)
+        qt, kt, vt = self.heads(
+            block, "txt_qkv", normed_txt, "norm_added_q", "norm_added_k", txt_rope
+        )
+        qi, ki, vi = self.heads(block, "img_qkv", normed_img, "norm_q", "norm_k", img_rope)
+        return (
+            mx.concatenate([qt, qi], axis=1),
+            mx.concatenate([kt, ki], axis=1),
+            mx.concatenate([vt, vi], axis=1),
+        )
+
+    def single_block(self, block, x, mods, rope, extra=None, record=None):
+        shift, scale, gate = mods["mod_single"]
+        batch, length, dim = x.shape
+        projected = project(block, "qkv_mlp", self.norm(x, shift, scale))
+        qkv, mlp = projected[..., : 3 * dim], projected[..., 3 * dim :]
+        fused = qkv.reshape(batch, length, 3, self.config.num_heads, self.config.head_dim)
+        q, k, v = self.qk_rope(fused, block["norm_q"], block["norm_k"], rope)
+        if record is not None:
+            record.append((k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)))
+        attended = self.attend(q, k, v, extra)
+        gate_mlp, up = mx.split(mlp, 2, axis=-1)
+        out = project(block, "out", mx.concatenate([attended, silu(gate_mlp) * up], axis=-1))
+        return x + gate * out
+
+    # -- the forward -------------------------------------------------------------------------
+
+    @staticmethod
+    def tokens(x: mx.array) -> mx.array:
+        """(B, C, h, w) -> (B, h*w, C), raster order."""
+        batch, channels, height, width = x.shape
+        return x.reshape(batch, channels, height * width).transpose(0, 2, 1)
+
+    def reference_states(self, refs: list[mx.array], w: dict | None = None) -> RefState:
+        """The KV model's references (each (C, h, w), model space) run alone at time 0: their K
+        and V in every block. Depends on the references and the weights only."""
+        w = self.weights if w is None else w
+        shapes = [(int(r.shape[1]), int(r.shape[2])) for r in refs]
+        tokens = mx.concatenate([self.tokens(r[None].astype(self.dtype)) for r in refs], axis=1)
+        rope = self.rope(reference_positions(shapes))
+        mods = self.modulations(w, self.time_embedding(w, mx.zeros((1,), mx.float32), True))
+        x = project(w, "x_in", tokens)
+        record: list = []
+        for block in w["double"]:
+            x, _ = self.double_block(block, x, None, mods, rope, record=record)
+        for block in w["single"]:
+            x = self.single_block(block, x, mods, rope, record=record)
+        mx.eval(record)
+        return RefState([k for k, _ in record], [v for _, v in record])
+
+    def forward(
+        self,
+        x: mx.array,
+        t: mx.array,
+        caps: list[mx.array],
+        refs: list[list[mx.array]] | None = None,
+        weights: dict | None = None,
+        *,
+        ref_mode: str = "joint",
+        ref_states: list[RefState | None] | None = None,
+        fp32_time: bool = True,
+    ) -> mx.array:
+        """The DiT's raw output (B, C, h, w) for latents x (B, C, h, w) at times t (B,), row b
+        under caption features caps[b] (L_b, joint_attention_dim) and reference latents
+        refs[b] (each (C, h_k, w_k)). With `ref_mode` "kv" each row's references come as
+        ref_states[b] (from `reference_states`; None for a row without references)."""
+        if ref_mode not in REF_MODES:
+            raise ValueError(f"ref_mode must be one of {REF_MODES}, got {ref_mode!r}")
+        w = self.weights if weights is None else weights
+        batch = x.shape[0]
+        refs = refs or [[] for _ in range(batch)]
+        ref_states = ref_states or [None] * batch
+        groups: dict[tuple, list[int]] = {}
+        for b in range(batch):
+            shapes = tuple(tuple(r.shape) for r in refs[b]) if ref_mode == "joint" else ()
+            kv_tokens = None if ref_states[b] is None else ref_states[b].tokens
+            groups.setdefault((caps[b].shape[0], shapes, kv_tokens), []).append(b)
+        out: list[mx.array | None] = [None] * batch
+        for rows in groups.values():
+            index = mx.array(rows)
+            joint_refs, states = [], None
+            if ref_mode == "joint":
+                count = len(refs[rows[0]])
+                joint_refs = [mx.stack([refs[b][k] for b in rows]) for k in range(count)]
+            elif ref_states[rows[0]] is not None:
+                states = [ref_states[b] for b in rows]
+            caption = mx.stack([caps[b] for b in rows])
+            answer = self._forward_group(
+                x[index], t[index], caption, joint_refs, states, w, fp32_time
+            )
+            for position, b in enumerate(rows):
+                out[b] = answer[position]
+        return mx.stack(out)
+
+    def _forward_group(self, x, t, caps, refs, states, w, fp32_time) -> mx.array:
+        """Rows of one layout: x (B, C, h, w), caps (B, L, D), refs a list of (B, C, h_k, w_k)
+        joint references, states the rows' RefStates (or None)."""
+        batch, channels, height, width = x.shape
+        n_txt = caps.shape[1]
+        n_img = height * width
+        img = self.tokens(x.astype(self.dtype))
+        positions = [caption_positions(n_txt), image_positions(0, height, width)]
+        if refs:
+            img = mx.concatenate([img] + [self.tokens(r.astype(self.dtype)) for r in refs], axis=1)
+            positions.append(reference_positions([(r.shape[2], r.shape[3]) for r in refs]))
+        rope = self.rope(np.concatenate(positions))
+        temb = self.time_embedding(w, t, fp32_time)
+        mods = self.modulations(w, temb)
+        img = project(w, "x_in", img)
+        txt = project(w, "ctx_in", caps.astype(self.dtype))
+        depth = 0
+        for block in w["double"]:
+            img, txt = self.double_block(block, img, txt, mods, rope, self._extra(states, depth))
+            depth += 1
+        hidden = mx.concatenate([txt, img], axis=1)
+        for block in w["single"]:
+            hidden = self.single_block(block, hidden, mods, rope, self._extra(states, depth))
+            depth += 1
+        hidden = hidden[:, n_txt : n_txt + n_img]
+        scale, shift = mx.split(project(w, "final_mod", silu(temb))[:, None, :], 2, axis=-1)
+        hidden = layer_norm(hidden, self.config.eps) * (1 + scale) + shift
+        out = project(w, "final", hidden)
+        return out.transpose(0, 2, 1).reshape(batch, channels, height, width)
+
+    @staticmethod
+    def _extra(states: list[RefState] | None, depth: int):
+        if states is None:
+            return None
+        if len(states) == 1:
+            return states[0].keys[depth], states[0].values[depth]
+        keys = mx.concatenate([s.keys[depth] for s in states], axis=0)
+        values = mx.concatenate([s.values[depth] for s in states], axis=0)
+        return keys, values

@@ -1,0 +1,448 @@
+"""FLUX.2 klein (4B, 9B, 9B KV) as an `ImageModel`: the DiT, the VAE and the prompt encoder of
+one folder. One module serves the three families (`FAMILIES` names it three times).
+
+The folder is diffusers' `Flux2KleinPipeline` layout (or `Flux2KleinKVPipeline`'s):
+model_index.json (`_class_name`, `is_distilled`), transformer/, vae/ (AutoencoderKLFlux2),
+text_encoder/ (Qwen3: Qwen3-4B for 4B, Qwen3-8B for 9B), tokenizer/, scheduler/. The family is
+the KV one for the KV pipeline, else the 9B one for a DiT of 9B's depth (8 double-stream
+blocks), else the 4B one; the variant is `distilled` when model_index.json says `is_distilled`
+(always for the KV pipeline), else `base`. The constants of the family live here.
+
+References are VAE latents only (the text encoder never reads images), in model space. They
+run with the image tokens at the step's time (`joint`), except in the KV model's way (`kv`:
+at time 0, attending to themselves only, their K/V per block depending on them alone), which
+the KV family's own pipeline always uses (the `reference` convention: its step in parts, the
+run keeping each row's reference K/V as its state, header hit/miss/off) and every family uses
+with `ref_cache` (docs/contract.md §3.4), whose K/V the run keeps from its first step on.
+Either way the run's end drops them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
+from ...family import FamilyModel, dit_manifest
+from ...lora import TableWeights
+from ...nn import cpu_ops
+from ...nn.dtypes import default_compute_dtype, dtype_name
+from ...precision import Quantization
+from ...vaes.autoencoder_kl_flux2 import latent_facts
+from ...weights import component_bytes, read_config
+from .dit import DiTConfig, Flux2DiT, RefState, bfl_slots, linear_slots
+from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
+
+FAMILY_4B = "flux2_klein"
+FAMILY_9B = "flux2_klein_9b"
+FAMILY_9B_KV = "flux2_klein_9b_kv"
+TITLES = {
+    FAMILY_4B: "FLUX.2 klein",
+    FAMILY_9B: "FLUX.2 klein 9B",
+    FAMILY_9B_KV: "FLUX.2 klein 9B KV",
+}
+PIPELINE_CLASS = "Flux2KleinPipeline"
+KV_PIPELINE_CLASS = "Flux2KleinKVPipeline"
+TEXT_ENCODER_TYPE = "qwen3"
+NINE_B_DOUBLE_BLOCKS = 8  # the 9B DiT's double-stream blocks (the 4B has 5)
+COMFY = {"model_class": "Flux2", "image_model": "flux2"}
+# ComfyUI's Flux2 places references by index (time coordinates 10, 20, ...); an empty prompt
+# is encoded as it is.
+CONDITIONING = {"ref_method": "index", "empty_prompt": TEMPLATE.empty_prompt}
+LATENT_PATCH = 1
+MAX_REFS = 10
+# Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at most
+# 1024x1024 (it resizes larger ones), sides multiples of 16 (it crops others).
+REF_MIN_SIDE = 64
+REF_MAX_ASPECT = 8
+REF_MAX_AREA = 1024 * 1024
+SCHEDULE = {"rule": "flux2"}  # docs/contract.md §5.3, gmlx_contract.schedules.flux2_sigmas
+SAMPLING = {
+    "distilled": {"steps": 4, "cfg": 1.0, "shift": 1.0},
+    "base": {"steps": 50, "cfg": 4.0, "shift": 1.0},
+}
+FEATURES = ("noise_mask", "ref_cache")
+# Step conventions (docs/contract.md §5.2): both read the timestep as sigma and answer +dx/dsigma
+# (the DiT's own output at t = sigma); `comfy` embeds the float32 time, `reference` the time as
+# the compute dtype holds it (BFL's and diffusers' pipelines).
+CONVENTIONS = ("comfy", "reference")
+
+# ------------------------------------------------------ memory plan (docs/contract.md §3.5)
+# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row (the
+# tiny model's measured peaks: tests/families/flux2_klein/test_estimates.py):
+TOKEN_WIDTH_BUFFERS = 16  # hidden, normed, q, k, v, attention out, residual sums, projections
+TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
+MLP_BUFFERS = 8  # the fused gate/up, SiLU's temporaries and the product, at the MLP's width
+SCORE_BLOCK_BUFFERS = (
+    10  # cpu_ops.attention's block of scores, its exponentials and their temporaries
+)
+
+
+def _model_index(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+
+
+def identify(model_dir: Path) -> tuple[str, str] | None:
+    """(family, variant) of a FLUX.2 klein folder whose text encoder is Qwen3, else None."""
+    model_dir = Path(model_dir)
+    index = _model_index(model_dir)
+    kind = index.get("_class_name")
+    if kind not in (PIPELINE_CLASS, KV_PIPELINE_CLASS):
+        return None
+    if read_config(model_dir / "text_encoder").get("model_type") != TEXT_ENCODER_TYPE:
+        return None
+    if kind == KV_PIPELINE_CLASS:
+        return FAMILY_9B_KV, "distilled"
+    depth = read_config(model_dir / "transformer").get("num_layers", 0)
+    family = FAMILY_9B if depth >= NINE_B_DOUBLE_BLOCKS else FAMILY_4B
+    return family, "distilled" if index.get("is_distilled", False) else "base"
+
+
+def sampling_row(variant: str) -> dict:
+    """The variant's own settings (docs/contract.md §2.3): the `flux2` size rule, no sigmas."""
+    return {**SAMPLING[variant], "sigmas": None, "schedule": dict(SCHEDULE), "neg_skip": []}
+
+
+def _identified(model_dir: Path) -> tuple[str, str]:
+    found = identify(model_dir)
+    if found is None:
+        raise EngineInputError(f"{model_dir} is not a FLUX.2 klein folder")
+    return found
+
+
+def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
+    """The family part of the status (docs/contract.md §2.3), from config files alone."""
+    model_dir = Path(model_dir)
+    _, variant = _identified(model_dir)
+    latent = latent_facts(read_config(model_dir / "vae"))
+    return {
+        "comfy": dict(COMFY),
+        "latent": {**latent, "patch": LATENT_PATCH},
+        # The VAE routes carry the DiT's model space (docs/contract.md §2.12).
+        "vae": {"channels_out": 3, "stride": latent["stride"], "space": "model"},
+        "edit_capable": True,
+        "conditioning": dict(CONDITIONING),
+        "sampling": sampling_row(variant),
+        "compute_dtype": dtype_name(dtype or default_compute_dtype()),
+        "memory": {
+            "dit_bytes": component_bytes(model_dir / "transformer"),
+            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+            "vae_bytes": component_bytes(model_dir / "vae"),
+        },
+    }
+
+
+def manifest(model_dir: Path) -> dict:
+    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers")."""
+    family, _ = _identified(model_dir)
+    return dit_manifest(family, Path(model_dir) / "transformer", TITLES[family])
+
+
+def load(
+    model_dir: Path, model_id: str, quantization: Quantization | None = None
+) -> Flux2KleinModel:
+    from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
+    from .prompt import Flux2PromptEncoder
+
+    model_dir = Path(model_dir)
+    family, variant = _identified(model_dir)
+    dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization)
+    vae = AutoencoderKLFlux2.load(model_dir / "vae")
+    encoder = Flux2PromptEncoder.load(model_dir)
+    if encoder.width != dit.config.joint_attention_dim:
+        raise ValueError(
+            f"the text encoder's three tapped layers are {encoder.width} wide; the DiT's"
+            f" joint_attention_dim is {dit.config.joint_attention_dim}"
+        )
+    if vae.latent_channels != dit.config.in_channels:
+        raise ValueError(
+            f"the VAE's patchified latents have {vae.latent_channels} channels; the DiT takes"
+            f" {dit.config.in_channels}"
+        )
+    return Flux2KleinModel(model_dir, model_id, family, variant, dit, vae, encoder)
+
+
+def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
+    """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (text, image
+    and the references that run with them). Pure: no allocation."""
+    if not lengths:
+        return 0
+    longest = max(lengths)
+    per_token = (
+        TOKEN_WIDTH_BUFFERS * config.dim * itemsize
+        + TOKEN_F32_BUFFERS * config.dim * 4
+        + MLP_BUFFERS * config.mlp_dim * itemsize
+    )
+    total = sum(lengths) * per_token
+    if blocked:  # a block of scores per row of a batch (rows of one layout run together)
+        rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
+        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+    else:
+        total += len(lengths) * config.num_heads * longest * longest * itemsize  # fused scores
+    return total
+
+
+def ref_state_bytes(config: DiTConfig, itemsize: int, tokens: int) -> int:
+    """Bytes of one row's reference K/V: K and V of every block."""
+    blocks = config.num_layers + config.num_single_layers
+    return 2 * blocks * tokens * config.dim * itemsize
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a step runs its rows: the reference mode, and per row the key of its reference
+    state (None: the row has no references, or they run joint)."""
+
+    ref_mode: str
+    keys: tuple[tuple | None, ...]
+
+
+class Flux2KleinModel(FamilyModel):
+    capabilities = Capabilities(max_refs=MAX_REFS, conventions=CONVENTIONS, ref_cache=True)
+
+    def __init__(self, model_dir, model_id, family, variant, dit, vae, encoder):
+        super().__init__(
+            model_dir,
+            model_id,
+            variant,
+            vae=vae,
+            tables=TableWeights(
+                dit.weights, {**linear_slots(dit.config), **bfl_slots(dit.config)}, dit.dtype
+            ),
+            status=describe(model_dir, model_id, dit.dtype),
+            read_manifest=manifest,
+            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+        )
+        self.family = family
+        self.title = TITLES[family]
+        self.dit = dit
+        self.encoder = encoder
+        # run -> reference K/V by row key (docs/contract.md §3.4), dropped when the run ends
+        self.ref_caches: dict[str, dict[tuple, RefState]] = {}
+
+    # -- encode ------------------------------------------------------------------------------
+
+    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
+        """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
+        text encoder reads no images, so `refs` false returns the text alone)."""
+        cond = self.encoder.encode(text)
+        latents = (
+            [self._reference_latents(i, image) for i, image in enumerate(images)] if refs else []
+        )
+        return EncodeResult(cond=cond, ref_latents=latents)
+
+    def _reference_latents(self, index: int, image: np.ndarray) -> np.ndarray:
+        height, width = image.shape[:2]
+        stride = self.vae.stride
+        if (
+            height % stride
+            or width % stride
+            or min(height, width) < REF_MIN_SIDE
+            or max(height, width) > REF_MAX_ASPECT * min(height, width)
+            or height * width > REF_MAX_AREA
+        ):
+            raise EngineInputError(
+                f"image {index} is {width}x{height}: {self.title} references must have sides"
+                f" that are multiples of {stride}, at least {REF_MIN_SIDE}, within an aspect"
+                f" ratio of {REF_MAX_ASPECT} and at most {REF_MAX_AREA} pixels (the pipeline's"
+                " sizes, which it would resize to), or be sent as latents from vae/encode"
+            )
+        pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
+        return np.array(self.vae.encode(pixels).astype(mx.float32))
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _ref_mode(self, convention: str, ref_cache: bool) -> str:
+        if ref_cache:
+            if self.family == FAMILY_9B_KV and convention == "reference":
+                raise EngineInputError(
+                    f"{self.title} runs its references in parts under the reference convention;"
+                    " ref_cache is for the comfy convention (send ref_cache false)"
+                )
+            return "kv"
+        return "kv" if self.family == FAMILY_9B_KV and convention == "reference" else "joint"
+
+    def _plan(self, rows: list[StepRow], table, convention: str, ref_cache: bool) -> StepPlan:
+        mode = self._ref_mode(convention, ref_cache)
+        keys = []
+        for position, row in enumerate(rows):
+            if mode == "joint" or not row.ref_latents:
+                keys.append(None)
+            else:
+                keys.append((position, row.cond_key, tuple(row.ref_keys), _table_id(table)))
+        return StepPlan(mode, tuple(keys))
+
+    def step_peak_bytes(
+        self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
+    ) -> int:
+        """Without rows (the quick plan) the image tokens alone; with them each row's text and
+        references (joint or not, at most), and for the KV family the references' K/V its
+        reference convention builds for the step. A `ref_cache` step's K/V stay in the run:
+        the memory plan counts them apart (`ref_cache_bytes`)."""
+        batch, _, h, w = x_shape
+        image = h * w
+        config, itemsize = self.dit.config, self.dit.dtype.size
+        if rows is None:
+            return step_peak_bytes(config, itemsize, [image] * batch, self.dit.cpu_ops)
+        lengths = [image + _cond_rows(row) + _ref_tokens(row) for row in rows]
+        states = 0
+        if self.family == FAMILY_9B_KV:
+            states = sum(ref_state_bytes(config, itemsize, _ref_tokens(row)) for row in rows)
+        return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops) + states
+
+    def ref_cache_bytes(self, rows: list[StepRow], table, run: str) -> int:
+        """Bytes of the reference K/V a `ref_cache` step of the run would add (those the run
+        does not hold yet): what the memory plan counts before the cache is built."""
+        held = self.ref_caches.get(run, {})
+        total = 0
+        for key, row in zip(self._plan(rows, table, "comfy", True).keys, rows, strict=True):
+            if key is not None and key not in held:
+                total += ref_state_bytes(self.dit.config, self.dit.dtype.size, _ref_tokens(row))
+        return total
+
+    def held_bytes(self) -> int:
+        cached = sum(s.nbytes for states in self.ref_caches.values() for s in states.values())
+        return self.tables.held_bytes + cached
+
+    def end_run(self, run: str) -> None:
+        self.ref_caches.pop(run, None)
+
+    def denoise_step(
+        self,
+        x: np.ndarray,
+        timestep: np.ndarray,
+        rows: list[StepRow],
+        *,
+        convention: str = "comfy",
+        run: str | None = None,
+        table: object | None = None,
+        plans=None,
+        ref_cache: bool = False,
+        skip: tuple[int, ...] = (),
+        sample_sigmas: np.ndarray | None = None,
+    ) -> StepResult:
+        """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions), one row per
+        batch entry: the DiT's output at t = sigma."""
+        x = self._check_latents(x, rows)
+        if convention not in CONVENTIONS:
+            raise EngineInputError(
+                f"unknown convention {convention!r} for {self.family}; use one of"
+                f" {list(CONVENTIONS)}"
+            )
+        if ref_cache and run is None:
+            raise EngineInputError("ref_cache needs a run")
+        plan = self._plan(rows, table, convention, ref_cache)
+        caps = [mx.array(self._check_cond(row, i)) for i, row in enumerate(rows)]
+        refs = [self._check_refs(row, i) for i, row in enumerate(rows)]
+        weights = self.tables.weights_for(table)
+        started = time.perf_counter()
+        header = "none"
+        states = None
+        if plan.ref_mode == "kv":
+            # Without ref_cache this is the KV family's own step in parts: its rows' prefix_cache
+            # flags decide whether the run keeps the states (docs/contract.md §3.3).
+            off = not ref_cache and not all(row.prefix_cache for row in rows)
+            kept = run is not None and not off
+            held = self.ref_caches.setdefault(run, {}) if kept else {}
+            with_refs = [key for key in plan.keys if key is not None]
+            if with_refs:
+                header = "off" if off else "hit" if all(k in held for k in with_refs) else "miss"
+            states = [
+                self._state(held, key, r, weights) for key, r in zip(plan.keys, refs, strict=True)
+            ]
+        t = mx.array(_row_sigmas(timestep, x.shape[0]))
+        out = self.dit.forward(
+            mx.array(x),
+            t,
+            caps,
+            refs if plan.ref_mode == "joint" else None,
+            weights,
+            ref_mode=plan.ref_mode,
+            ref_states=states,
+            fp32_time=convention == "comfy",
+        ).astype(mx.float32)
+        mx.eval(out)
+        forward_ms = (time.perf_counter() - started) * 1000.0
+        return StepResult(out=np.array(out), prefix_cache=header, forward_ms=forward_ms)
+
+    def _state(self, held: dict, key, refs: list[mx.array], weights) -> RefState | None:
+        if key is None:
+            return None
+        state = held.get(key)
+        if state is None:
+            state = self.dit.reference_states(refs, weights)
+            held[key] = state
+        return state
+
+    def _check_latents(self, x: np.ndarray, rows: list[StepRow]) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float32)
+        channels = self.dit.config.in_channels
+        if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != channels:
+            raise EngineInputError(
+                f"x must be (rows, {channels}, h, w) with one row per batch entry,"
+                f" got {x.shape} for {len(rows)} rows"
+            )
+        if 0 in x.shape:
+            raise EngineInputError(f"latents {x.shape[2]}x{x.shape[3]} must not be empty")
+        return x
+
+    def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
+        cond = np.asarray(row.cond, dtype=np.float32)
+        if cond.ndim == 3 and cond.shape[0] == 1:
+            cond = cond[0]
+        width = self.dit.config.joint_attention_dim
+        if cond.ndim != 2 or cond.shape[1] != width or cond.shape[0] < 1:
+            raise EngineInputError(
+                f"rows[{index}]: conditioning must be (1, L, {width}) or (L, {width}) with L >= 1,"
+                f" got {tuple(np.shape(row.cond))}"
+            )
+        return cond
+
+    def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
+        channels = self.dit.config.in_channels
+        refs = []
+        for k, latent in enumerate(row.ref_latents):
+            latent = np.asarray(latent, np.float32)
+            if latent.ndim == 4 and latent.shape[0] == 1:
+                latent = latent[0]
+            if latent.ndim != 3 or latent.shape[0] != channels or 0 in latent.shape:
+                raise EngineInputError(
+                    f"rows[{index}].ref_latents[{k}] must be ({channels}, h, w) model-space"
+                    f" latents (vae/encode's), got {tuple(np.shape(row.ref_latents[k]))}"
+                )
+            refs.append(mx.array(latent))
+        return refs
+
+    def close(self) -> None:
+        self.ref_caches.clear()
+        self.dit = self.encoder = None
+        super().close()
+
+
+def _table_id(table: object | None) -> str | None:
+    """The patch table's id for a reference state's key (a `service.PatchTable`; None: none)."""
+    return None if table is None else table.table_id
+
+
+def _cond_rows(row: StepRow) -> int:
+    shape = np.shape(row.cond)
+    return int(shape[-2]) if len(shape) >= 2 else MAX_SEQUENCE_LENGTH
+
+
+def _ref_tokens(row: StepRow) -> int:
+    return sum(int(np.prod(np.shape(r)[-2:])) for r in row.ref_latents)
+
+
+def _row_sigmas(timestep: np.ndarray, batch: int) -> np.ndarray:
+    """The per-row sigma (float32): the timestep itself under both conventions."""
+    values = np.asarray(timestep, dtype=np.float64).reshape(-1)
+    if values.size == 1:
+        values = np.repeat(values, batch)
+    if values.size != batch:
+        raise EngineInputError(f"timestep has {values.size} values for {batch} rows")
+    return values.astype(np.float32)

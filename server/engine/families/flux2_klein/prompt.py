@@ -1,0 +1,83 @@
+"""FLUX.2 klein's prompt encoder: Qwen3 (encoders/qwen3) under the pipeline's chat template.
+
+What diffusers' `Flux2KleinPipeline._get_qwen3_prompt_embeds` does: the prompt as one user turn
+of Qwen3's chat template with the generation prompt and thinking switched off (the empty
+thinking block follows `<|im_start|>assistant\\n`), tokenized, cut to MAX_SEQUENCE_LENGTH
+tokens and right-padded to that length with the tokenizer's pad token under an attention mask;
+the hidden states after the decoder layers the pipeline taps (`hidden_states[9]`, `[18]`,
+`[27]`: the outputs of layers 8, 17 and 26), concatenated along the features per token, the
+padding's rows included (the DiT attends to all of them). An empty prompt stays empty.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...encoders.qwen3.text import Qwen3TextEncoder
+from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
+
+# Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
+# add_generation_prompt=True and enable_thinking=False.
+TEMPLATE = PromptTemplate(
+    system_message="",
+    text="<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+    empty_prompt="",
+)
+# The pipeline's text_encoder_out_layers (9, 18, 27) index hidden_states, whose entry 0 is the
+# embeddings: decoder layers 8, 17 and 26.
+TAPPED_LAYERS = (8, 17, 26)
+MAX_SEQUENCE_LENGTH = 512  # the pipeline's default, padded to and cut at
+DEFAULT_PAD_TOKEN = "<|endoftext|>"  # Qwen3's, where tokenizer_config.json names none
+
+
+def pad_token(tokenizer_dir: Path) -> str:
+    config = Path(tokenizer_dir) / "tokenizer_config.json"
+    if config.is_file():
+        token = json.loads(config.read_text(encoding="utf-8")).get("pad_token")
+        if isinstance(token, dict):  # the AddedToken form
+            token = token.get("content")
+        if token:
+            return token
+    return DEFAULT_PAD_TOKEN
+
+
+class Flux2PromptEncoder:
+    def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, pad_id: int):
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.pad_id = pad_id
+        self.weight_bytes = encoder.weight_bytes
+        self.width = len(TAPPED_LAYERS) * encoder.hidden_size
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: mx.Dtype = mx.float32) -> Flux2PromptEncoder:
+        model_dir = Path(model_dir)
+        encoder = Qwen3TextEncoder.load(model_dir / "text_encoder", dtype)
+        if len(encoder.model.layers) <= max(TAPPED_LAYERS):
+            raise ValueError(
+                f"the text encoder has {len(encoder.model.layers)} layers; FLUX.2 klein reads"
+                f" the outputs of layers {list(TAPPED_LAYERS)}"
+            )
+        tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
+        pad = pad_token(model_dir / "tokenizer")
+        pad_id = tokenizer.tokenizer.token_to_id(pad)
+        if pad_id is None:
+            raise ValueError(f"tokenizer.json has no pad token {pad}")
+        return cls(encoder, tokenizer, pad_id)
+
+    def token_ids(self, text: str) -> tuple[np.ndarray, int]:
+        """The padded ids (MAX_SEQUENCE_LENGTH,) and how many of them are the prompt's."""
+        ids = self.tokenizer.encode(text, []).ids[:MAX_SEQUENCE_LENGTH]
+        padding = np.full(MAX_SEQUENCE_LENGTH - len(ids), self.pad_id, np.int32)
+        return np.concatenate([ids, padding]).astype(np.int32), len(ids)
+
+    def encode(self, text: str) -> np.ndarray:
+        """The conditioning (1, MAX_SEQUENCE_LENGTH, 3 * hidden) float32 of a prompt."""
+        ids, length = self.token_ids(text)
+        tapped = self.encoder.hidden_states(ids, TAPPED_LAYERS, valid_keys=length)
+        joined = mx.concatenate(tapped, axis=-1).astype(mx.float32)
+        return np.asarray(joined)[None]

@@ -1,0 +1,293 @@
+"""FLUX.2 klein through the whole seam over HTTP on tiny folders found by the product registry
+(its FAMILIES lines): status and manifest unloaded and loaded, encode with references, steps
+equal to the diffusers transformer (joint references, and the KV model's), the run's reference
+K/V cache (a hit equals the miss, the memory plan counts it and refuses one that does not fit),
+the VAE routes in model space, and a LoRA table on fused and unfused layers equal to the
+reference with the LoRA merged into its weights."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from gmlx_contract import wire
+from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
+from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine.families.flux2_klein.family import ref_state_bytes
+from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.engine.sampling import direct_row
+
+from tests.families.flux2_klein.reference import reference_dit, rel_l2
+from tests.families.flux2_klein.tiny.folder import build_tiny_folder
+from tests.server.conftest import serve
+
+KLEIN, KV = "klein-tiny", "klein-kv-tiny"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux2_seam")
+    transformers = {
+        KLEIN: build_tiny_folder(root / KLEIN, family="flux2_klein"),
+        KV: build_tiny_folder(root / KV, family="flux2_klein_9b_kv", num_single_layers=1),
+    }
+    config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
+    config = replace(config, image=ImageConfig())
+    server = serve(config, ModelRegistry([root], KLEIN, max_resident=2))
+    server.transformers = transformers
+    yield server
+    server.close()
+
+
+def encode(live, text: str, model: str = KLEIN) -> np.ndarray:
+    r = live.post_json("encode", {"model": model, "text": text})
+    assert r.status_code == 200, r.text
+    return wire.read_container(r.content).tensors["cond"]
+
+
+def latents(seed: int, *shape) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def step(live, x, sigmas, rows, model=KLEIN, **fields):
+    wired = []
+    for cond, refs in rows:
+        row = {"cond": live.put_tensor(cond)}
+        if refs:
+            row["ref_latents"] = [live.put_tensor(r[None]) for r in refs]
+        wired.append(row)
+    doc = {"model": model, "rows": wired, **fields}
+    return live.post_container("step", {"x": x, "timestep": np.asarray(sigmas, np.float32)}, doc)
+
+
+def out_of(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return wire.read_container(response.content).tensors["out"]
+
+
+def test_status_reads_the_same_unloaded_and_loaded(live):
+    unloaded = live.call("GET", f"models/{KLEIN}/status").json()
+    assert (unloaded["family"], unloaded["variant"]) == ("flux2_klein", "distilled")
+    assert unloaded["comfy"] == {"model_class": "Flux2", "image_model": "flux2"}
+    assert unloaded["latent"] == {"channels": 128, "stride": 16, "patch": 1}
+    assert unloaded["vae"] == {"channels_out": 3, "stride": 16, "space": "model"}
+    assert unloaded["edit_capable"] is True
+    assert unloaded["conditioning"] == {"ref_method": "index", "empty_prompt": ""}
+    assert unloaded["sampling"]["schedule"] == {"rule": "flux2"}
+    manifest = live.call("GET", f"models/{KLEIN}/manifest").json()
+    names = {t["name"]: t["shape"] for t in manifest["tensors"]}
+    assert names["transformer_blocks.0.attn.to_q.weight"] == [64, 64]  # unfused diffusers names
+    assert names["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"] == [576, 64]
+    assert manifest["family"] == "flux2_klein"
+    assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
+    loaded = live.call("GET", f"models/{KLEIN}/status").json()
+    assert {k: v for k, v in loaded.items() if k != "resident"} == {
+        k: v for k, v in unloaded.items() if k != "resident"
+    }
+    kv = live.call("GET", f"models/{KV}/status").json()
+    assert (kv["family"], kv["variant"]) == ("flux2_klein_9b_kv", "distilled")
+    caps = live.call("GET", "capabilities", versioned=False).json()
+    assert "ref_cache" in caps["features"]
+
+
+@pytest.mark.parametrize("convention", ["comfy", "reference"])
+def test_step_is_the_transformers_velocity(live, convention):
+    """Timestep = sigma, out = transformer(x, sigma): a row with two references of their own
+    sizes after the image tokens, and a row of another prompt without any, in one step."""
+    conds = [encode(live, "a red fox"), encode(live, "")]
+    refs = [latents(2, 128, 4, 6), latents(3, 128, 2, 4)]
+    x = latents(1, 2, 128, 3, 5)
+    sigmas = np.array([0.8, 0.35], np.float32)
+    r = step(live, x, sigmas, [(conds[0], refs), (conds[1], [])], convention=convention)
+    assert r.headers["X-Gmlx-Prefix-Cache"] == "none"
+    out = out_of(r)
+    model = live.transformers[KLEIN]
+    assert rel_l2(out[:1], reference_dit(model, x[:1], sigmas[:1], conds[0], refs)) <= 1e-4
+    assert rel_l2(out[1:], reference_dit(model, x[1:], sigmas[1:], conds[1])) <= 1e-4
+
+
+def test_the_kv_model_runs_its_references_its_own_way(live):
+    """The KV family under the reference convention: its pipeline's extract step (references
+    first, at time 0, attending to themselves); ref_cache is refused there."""
+    cond = encode(live, "a red fox", KV)
+    refs = [latents(4, 128, 4, 4), latents(5, 128, 2, 6)]
+    x = latents(6, 1, 128, 4, 4)
+    out = out_of(step(live, x, [0.6], [(cond, refs)], model=KV, convention="reference"))
+    expected = reference_dit(live.transformers[KV], x, [0.6], cond, refs, kv=True)
+    assert rel_l2(out, expected) <= 1e-4
+    run = live.post_json("runs/begin", {"model": KV}).json()["run"]
+    fields = {"model": KV, "convention": "reference", "run": run}
+    r = step(live, x, [0.6], [(cond, refs)], **fields, ref_cache=True)
+    assert r.status_code == 400 and "ref_cache" in r.text
+    # its step in parts: the run keeps the references' K/V as the row's state
+    first = step(live, x, [0.6], [(cond, refs)], **fields)
+    second = step(live, x, [0.3], [(cond, refs)], **fields)
+    headers = [r.headers["X-Gmlx-Prefix-Cache"] for r in (first, second)]
+    assert headers == ["miss", "hit"]
+    np.testing.assert_array_equal(out_of(first), out)
+    expected = reference_dit(live.transformers[KV], x, [0.3], cond, refs, kv=True)
+    assert rel_l2(out_of(second), expected) <= 1e-4
+    row = {"cond": live.put_tensor(cond), "prefix_cache": False}
+    row["ref_latents"] = [live.put_tensor(r[None]) for r in refs]
+    arrays = {"x": x, "timestep": np.array([0.3], np.float32)}
+    off = live.post_container("step", arrays, {**fields, "rows": [row]})
+    assert off.headers["X-Gmlx-Prefix-Cache"] == "off"
+    np.testing.assert_array_equal(out_of(off), out_of(second))
+    live.post_json(f"runs/{run}/end")
+
+
+def test_a_cached_step_equals_the_uncached_one(live):
+    """ref_cache: the first step of the run extracts the references' K/V (miss), later steps
+    reuse them (hit) and answer the same bit for bit, equal to the KV pipeline's extract step;
+    ending the run drops them."""
+    assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
+    model = live.ctx.registry.loaded(KLEIN)
+    held = model.model.held_bytes()
+    cond = encode(live, "a red fox")
+    refs = [latents(7, 128, 4, 4), latents(8, 128, 4, 2)]
+    x = latents(9, 2, 128, 3, 3)
+    rows = [(cond, refs), (encode(live, ""), refs)]
+    run = live.post_json("runs/begin", {"model": KLEIN}).json()["run"]
+    fields = {"run": run, "ref_cache": True}
+    first = step(live, x, [0.9, 0.9], rows, **fields)
+    assert first.headers["X-Gmlx-Prefix-Cache"] == "miss"
+    grown = model.model.held_bytes() - held
+    assert grown == 2 * ref_state_bytes(model.model.dit.config, 4, 16 + 8)
+    second = step(live, x, [0.9, 0.9], rows, **fields)
+    assert second.headers["X-Gmlx-Prefix-Cache"] == "hit"
+    np.testing.assert_array_equal(out_of(first), out_of(second))
+    expected = reference_dit(live.transformers[KLEIN], x[:1], [0.9], cond, refs, kv=True)
+    assert rel_l2(out_of(second)[:1], expected) <= 1e-4
+    plain = out_of(step(live, x, [0.9, 0.9], rows))
+    assert rel_l2(out_of(second), plain) > 0.01  # the KV way is not the joint one
+    no_refs = step(live, x[:1], [0.5], [(cond, [])], **fields)
+    assert no_refs.headers["X-Gmlx-Prefix-Cache"] == "none"
+    live.post_json(f"runs/{run}/end")
+    live.ctx.service.worker.call(lambda: None)  # the run's end is queued behind its work
+    assert model.model.held_bytes() == held
+    r = step(live, x[:1], [0.5], [(cond, refs)], ref_cache=True)
+    assert r.status_code == 400 and "run" in r.text
+
+
+def test_the_memory_plan_refuses_a_cache_that_does_not_fit(live, monkeypatch):
+    """A budget with room for the step but not for the K/V it would keep: the ref_cache step is
+    refused 400, the same step without the cache runs."""
+    assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
+    loaded = live.ctx.registry.loaded(KLEIN)
+    cond = encode(live, "a red fox")
+    refs = [latents(10, 128, 8, 8)]
+    x = latents(11, 1, 128, 4, 4)
+    row = direct_row(
+        type("E", (), {"cond": cond, "ref_latents": [refs[0][None]], "image_slots": []})
+    )
+    memory = live.ctx.service.memory
+    peak = loaded.model.step_peak_bytes(x.shape, [row])
+    cache = ref_state_bytes(loaded.model.dit.config, 4, 64)
+    run = live.post_json("runs/begin", {"model": KLEIN}).json()["run"]
+    assert step(live, x, [0.5], [(cond, refs)], run=run).status_code == 200  # uploads them
+    monkeypatch.setattr(memory, "budget_mb", 0)
+    monkeypatch.setattr(memory, "headroom", 0)
+    monkeypatch.setattr(memory, "machine", lambda: memory.held() + peak + cache // 2)
+    r = step(live, x, [0.5], [(cond, refs)], run=run, ref_cache=True)
+    assert r.status_code == 400 and "memory plan" in r.text, r.text
+    assert step(live, x, [0.5], [(cond, refs)], run=run).status_code == 200
+    live.post_json(f"runs/{run}/end")
+
+
+def test_encode_gives_references_as_vae_latents(live):
+    image = np.random.default_rng(12).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    fields = {"model": KLEIN, "text": "a red fox"}
+    r = live.post_container("encode", {"image_0": image}, fields)
+    assert r.status_code == 200, r.text
+    answer = wire.read_container(r.content)
+    assert answer.fields["image_slots"] == [] and len(answer.fields["ref_latents"]) == 1
+    ref = answer.tensors["ref_0"]
+    r = live.post_container(
+        "vae/encode", {"image": image[None] / np.float32(255)}, {"model": KLEIN}
+    )
+    np.testing.assert_array_equal(ref, wire.read_container(r.content).tensors["latents"])
+    np.testing.assert_array_equal(answer.tensors["cond"], encode(live, "a red fox"))
+    r = live.post_container("encode", {"image_0": image}, {**fields, "refs": False})
+    assert wire.read_container(r.content).fields["ref_latents"] == []
+    small = np.zeros((48, 64, 3), np.uint8)
+    r = live.post_container("encode", {"image_0": small}, fields)
+    assert r.status_code == 400 and "at least 64" in r.text
+
+
+def test_the_vae_routes_carry_model_space(live):
+    image = np.random.default_rng(13).random((1, 32, 48, 3)).astype(np.float32)
+    r = live.post_container("vae/encode", {"image": image}, {"model": KLEIN})
+    assert r.status_code == 200, r.text
+    z = wire.read_container(r.content).tensors["latents"]
+    assert z.shape == (1, 128, 2, 3)
+    r = live.post_container("vae/decode", {"latents": z}, {"model": KLEIN})
+    assert r.status_code == 200, r.text
+    assert wire.read_container(r.content).tensors["image"].shape == (1, 32, 48, 3)
+
+
+# Layers a table patches: fused parts (the streams' q/k/v), unfused layers of both block kinds
+# with bands, a shared modulation and the embedders.
+PATCHED = {
+    "transformer_blocks.0.attn.to_k": None,
+    "transformer_blocks.1.attn.add_v_proj": [0, 8, 16],  # output rows 8..23 of v only
+    "transformer_blocks.0.ff_context.linear_in": None,
+    "single_transformer_blocks.0.attn.to_qkv_mlp_proj": [0, 64, 64],  # k's rows of the fused
+    "single_transformer_blocks.1.attn.to_out": [1, 64, 192],  # the MLP's input columns
+    "double_stream_modulation_img.linear": None,
+    "x_embedder": None,
+    "context_embedder": None,
+}
+STRENGTH, ALPHA, RANK = 0.7, 1.0, 2
+
+
+def lora_deltas(transformer) -> tuple[list[dict], dict, dict]:
+    rng = np.random.default_rng(9)
+    weights = dict(transformer.named_parameters())
+    entries, adapters, deltas = [], {}, {}
+    for layer, band in PATCHED.items():
+        rows, cols = weights[layer + ".weight"].shape
+        band_rows, band_cols = slice(None), slice(None)
+        if band is not None and band[0] == 0:
+            band_rows, rows = slice(band[1], band[1] + band[2]), band[2]
+        elif band is not None:
+            band_cols, cols = slice(band[1], band[1] + band[2]), band[2]
+        up = rng.standard_normal((rows, RANK)).astype(np.float32)
+        down = rng.standard_normal((RANK, cols)).astype(np.float32)
+        adapters |= {tensor_hash(up): up, tensor_hash(down): down}
+        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": ALPHA}
+        patch |= {"strength": STRENGTH, "strength_model": 1.0}
+        entries.append({"key": f"diffusion_model.{layer}.weight", "band": band, "patches": [patch]})
+        delta = np.zeros(weights[layer + ".weight"].shape, np.float32)
+        delta[band_rows, band_cols] = STRENGTH * ALPHA / RANK * (up @ down)
+        deltas[layer] = delta
+    return entries, adapters, deltas
+
+
+def test_a_table_on_fused_and_unfused_layers_equals_the_merged_weights(live):
+    transformer = live.transformers[KLEIN]
+    entries, adapters, deltas = lora_deltas(transformer)
+    for array in adapters.values():
+        live.put_tensor(array, "adapters")
+    doc = {"model": KLEIN, "entries": entries}
+    r = live.call(
+        "PUT",
+        f"patch-tables/{table_id(doc)}",
+        data=canonical_json(doc),
+        headers={"Content-Type": "application/json"},
+        params={"model": KLEIN},
+    )
+    assert r.status_code == 200, r.text
+    cond = encode(live, "a red fox")
+    refs = [latents(14, 128, 2, 2)]
+    x = latents(15, 1, 128, 3, 4)
+    patched = out_of(step(live, x, [0.6], [(cond, refs)], patch_table=table_id(doc)))
+    merged = copy.deepcopy(transformer)
+    with torch.no_grad():
+        for layer, delta in deltas.items():
+            merged.get_parameter(layer + ".weight").add_(torch.from_numpy(delta))
+    assert rel_l2(patched, reference_dit(merged, x, [0.6], cond, refs)) <= 1e-4
+    plain = out_of(step(live, x, [0.6], [(cond, refs)]))
+    assert rel_l2(patched, plain) > 0.01

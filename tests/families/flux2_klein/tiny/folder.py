@@ -1,0 +1,80 @@
+"""A complete tiny FLUX.2 klein folder in diffusers' Flux2KleinPipeline layout (or
+Flux2KleinKVPipeline's), from the reference classes.
+
+The transformer, VAE and text encoder (with its tokenizer folder) come from the tiny builders
+beside this file, which save diffusers' and transformers' own models with `save_pretrained`;
+model_index.json and the scheduler config are the pipelines' (the klein checkpoints' scheduler:
+FlowMatchEulerDiscreteScheduler with dynamic shifting, its exponential time shift fed `mu`).
+Torch, diffusers and transformers are test-only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gmlx_server.engine.families.flux2_klein.family import (
+    KV_PIPELINE_CLASS,
+    NINE_B_DOUBLE_BLOCKS,
+    PIPELINE_CLASS,
+)
+
+from tests.families.flux2_klein.tiny.text_encoder import build_text_encoder
+from tests.families.flux2_klein.tiny.transformer import build_transformer
+from tests.families.flux2_klein.tiny.vae import build_vae
+
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": "0.42.1",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+# family -> (pipeline class, the DiT's double-stream blocks)
+LAYOUTS = {
+    "flux2_klein": (PIPELINE_CLASS, 2),
+    "flux2_klein_9b": (PIPELINE_CLASS, NINE_B_DOUBLE_BLOCKS),
+    "flux2_klein_9b_kv": (KV_PIPELINE_CLASS, NINE_B_DOUBLE_BLOCKS),
+}
+
+
+def model_index(pipeline_class: str, distilled: bool) -> dict:
+    return {
+        "_class_name": pipeline_class,
+        "_diffusers_version": "0.42.1",
+        "is_distilled": distilled,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }
+
+
+def build_tiny_folder(
+    root: Path, family: str = "flux2_klein", distilled: bool = True, seed: int = 0, **transformer
+):
+    """Write root/{model_index.json, transformer, vae, text_encoder, tokenizer, scheduler};
+    return the torch transformer. The builders' configs agree with each other (joint width 96 =
+    three tapped layers of the 32-wide text encoder; 128 = the VAE's 32 channels patchified)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    pipeline_class, double_blocks = LAYOUTS[family]
+    model = build_transformer(
+        root / "transformer", seed=seed, **{"num_layers": double_blocks, **transformer}
+    )
+    build_vae(root / "vae", seed=seed)
+    build_text_encoder(root, seed=seed)
+    (root / "model_index.json").write_text(
+        json.dumps(model_index(pipeline_class, distilled), indent=2)
+    )
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(
+        json.dumps(SCHEDULER_CONFIG, indent=2)
+    )
+    return model

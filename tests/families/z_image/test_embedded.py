@@ -1,0 +1,131 @@
+"""The embedded Z-Image: a real-format ZImagePipeline folder generated without torch, whose
+inventories are diffusers' and transformers' own parameters, and whose prompt visibly moves the
+output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gmlx_server.engine.base import StepRow
+from gmlx_server.engine.embedded import STAMP_FILE
+from gmlx_server.engine.families.z_image import embedded, family
+
+from tests.families.z_image.reference import rel_l2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return embedded.ensure_embedded_model(tmp_path_factory.mktemp("cache"))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_folder_is_named_and_laid_out_as_the_pipeline(model_dir):
+    assert model_dir.name == embedded.MODEL_NAME == "z-image-random-tiny"
+    assert set(_files(model_dir)) == {
+        "model_index.json",
+        "scheduler/scheduler_config.json",
+        "transformer/config.json",
+        "transformer/diffusion_pytorch_model.safetensors",
+        "vae/config.json",
+        "vae/diffusion_pytorch_model.safetensors",
+        "text_encoder/config.json",
+        "text_encoder/model.safetensors",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+        STAMP_FILE,
+    }
+    assert family.identify(model_dir) == ("z_image", "turbo")
+    assert sum(len(data) for data in _files(model_dir).values()) < 6_000_000
+
+
+def test_generation_is_deterministic_and_reused(tmp_path, model_dir):
+    again = embedded.ensure_embedded_model(tmp_path)
+    assert _files(again) == _files(model_dir)
+    weights = again / "transformer" / "diffusion_pytorch_model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert embedded.ensure_embedded_model(tmp_path) == again
+    assert weights.stat().st_mtime_ns == before  # the stamp matched: nothing was rewritten
+    stamp = json.loads((again / STAMP_FILE).read_text())
+    assert stamp["name"] == embedded.MODEL_NAME and "random weights" in stamp["note"]
+
+
+def test_the_pipeline_loads_it_with_every_parameter(model_dir):
+    """diffusers' ZImagePipeline reads the folder as it is, and every component's parameters are
+    the inventory's, by name and shape."""
+    from diffusers import ZImagePipeline
+
+    pipe = ZImagePipeline.from_pretrained(str(model_dir))
+    inventories = {
+        "transformer": embedded.transformer_tensors(dict(pipe.transformer.config)),
+        "vae": embedded.vae_tensors(dict(pipe.vae.config)),
+        "text_encoder": embedded.text_encoder_tensors(pipe.text_encoder.config.to_dict()),
+    }
+    for name, inventory in inventories.items():
+        state = getattr(pipe, name).state_dict()
+        assert {key: tuple(value.shape) for key, value in state.items()} == {
+            key: shape for key, (shape, _) in inventory.items()
+        }, name
+    assert pipe.vae.config.scaling_factor == 0.3611 and pipe.vae.config.sample_size == 1024
+    prompt = pipe.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "a fox"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|im_start|>user\na fox<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_prompt_moves_the_output(model_dir):
+    model = family.load(model_dir, embedded.MODEL_NAME)
+    try:
+        x = np.random.default_rng(0).standard_normal((1, 16, 16, 16)).astype(np.float32)
+        t = np.array([0.6], np.float32)
+        outs = [
+            model.denoise_step(x, t, [StepRow(model.encode(text, [], False).cond, "c")]).out
+            for text in ("a red fox in the snow", "an oil painting of a book")
+        ]
+    finally:
+        model.close()
+    assert rel_l2(outs[0], outs[1]) > 0.05
+
+
+def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monkeypatch):
+    """With no default_model the server's registry lists both embedded models, the Qwen-Image
+    2.1 one as the default, and loads the Z-Image one by its id."""
+    from gmlx_server.config import ServerConfig
+    from gmlx_server.process import config_registry
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    registry, extra = config_registry(ServerConfig())
+    assert [folder.name for folder in extra] == ["qwen-image21-random-tiny", embedded.MODEL_NAME]
+    assert registry.default_id() == "qwen-image21-random-tiny"
+    entries = {entry.model_id: entry for entry in registry.entries()}
+    assert (entries[embedded.MODEL_NAME].family, entries[embedded.MODEL_NAME].variant) == (
+        "z_image",
+        "turbo",
+    )
+    loaded = registry.acquire(embedded.MODEL_NAME)
+    try:
+        assert loaded.model.family == "z_image"
+        assert loaded.model.status()["sampling"]["steps"] == 8
+    finally:
+        registry.release(loaded)
+        registry.unload_all()
+
+
+def test_the_image_commands_take_it_by_id(tmp_path, monkeypatch):
+    """`gmlx image sample --model z-image-random-tiny` with no default_model configured."""
+    from gmlx_server.image_cli import choose_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    config = tmp_path / "config.toml"
+    config.write_text("[server]\nmodel_dirs = []\n")
+    choice = choose_model(embedded.MODEL_NAME, config)
+    assert choice.model_id == embedded.MODEL_NAME
+    assert choice.registry.resolve(embedded.MODEL_NAME).family == "z_image"
+    assert choice.registry.default_id() == embedded.MODEL_NAME  # what the command samples

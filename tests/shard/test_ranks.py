@@ -1,0 +1,343 @@
+"""The DiT sharded over a rank group on loopback (ring backend, each rank its own process):
+
+- steps over 2 (and, marked heavy, 3) ranks equal the one-process step (relative L2 <= 1e-5 in
+  float32) in pipeline and tensor mode, on a prefix-cache miss and hit, under a LoRA table,
+  quantized at load and stored quantized, and a guided sampling through the step routes equals one process's;
+- `gmlx serve` over 2 ranks reports the group in capabilities and status, answers steps equal
+  to one process, and a rank that stops or dies turns into a 503 naming it within the bound: a
+  stopped rank that resumes is taken back, a dead one leaves the group refusing model work;
+- `gmlx image sample --via-steps` over 2 ranks writes the one-process image;
+- Z-Image, whose pipeline runs over its three block stacks, steps as one process over 2 ranks
+  in both modes (and, heavy, over 3 in pipeline mode; tensor mode over 3 is refused naming the
+  weight that does not split).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gmlx_contract.client import StepClient
+from gmlx_contract.errors import StepError
+from gmlx_contract.hashing import tensor_hash
+from gmlx_server.distributed import HEARTBEAT_S, POLL_S, SILENT_S
+
+from tests.shard.folder import build_shard_folder, build_z_image_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+TOLERANCE = 1e-5
+LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
+# A lost rank is answered within its silence limit, the watchdog's look and the HTTP poll.
+LOSS_BOUND_S = SILENT_S + 2 * HEARTBEAT_S + 2 * POLL_S + 2.0
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return build_shard_folder(tmp_path_factory.mktemp("shard") / "tiny-shard")
+
+
+def free_port_range(count: int) -> int:
+    """A first port with `count` free loopback ports from it (and the one before, for the
+    heartbeats)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1] - 1
+        if (
+            first > 1024
+            and first + count < 65535
+            and all(_free(p) for p in range(first - 1, first + count))
+        ):
+            return first
+    raise RuntimeError("no free port range on loopback")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as tcp, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            tcp.bind(("127.0.0.1", port))
+            udp.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def launch(ranks: int, command: list[str], **options) -> subprocess.Popen:
+    """`command` (after `python`) on `ranks` loopback ranks, in a session of its own."""
+    args = [*LAUNCH, "-n", str(ranks), "--backend", "ring"]
+    args += ["--starting-port", str(free_port_range(ranks)), "--", sys.executable, *command]
+    return subprocess.Popen(args, cwd=ROOT, start_new_session=True, text=True, **options)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop the launcher and its ranks as Ctrl-C does."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def z_image_folder(tmp_path_factory) -> Path:
+    return build_z_image_folder(tmp_path_factory.mktemp("shard") / "tiny-z-image")
+
+
+def rank_check(folder: Path, ranks: int, mode: str, check: str = "ranks_check") -> dict:
+    process = launch(
+        ranks,
+        ["-m", f"tests.shard.{check}", str(folder), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        out, _ = process.communicate(timeout=600)
+    finally:
+        stop(process)
+    lines = [line for line in out.splitlines() if line.startswith("RESULTS ")]
+    assert lines, f"no results from the ranks:\n{out[-2000:]}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+def check_equal(results: dict, model: str, ranks: int, mode: str) -> None:
+    for case, result in results.items():
+        if "rel_l2" in result:
+            assert result["rel_l2"] <= TOLERANCE, (case, result)
+        if "prefix" in result:
+            assert result["prefix"][0] == result["prefix"][1], (case, result)
+    for model_id in (model, model + "-q8", model + "-stored8"):
+        assert results[f"{model_id} hit"]["prefix"] == ["hit", "hit"]
+        assert results[f"{model_id} off"]["prefix"] == ["off", "off"]
+        weights = results[f"{model_id} weights"]
+        assert len(weights["ranks"]) == ranks
+        # every rank holds less than the whole model, rank 0 the encoder and VAE besides
+        assert max(weights["ranks"]) < weights["single"]
+    assert results["via steps"]["distributed"]["world_size"] == ranks
+    assert results["via steps"]["distributed"]["mode"] == mode
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_two_ranks_step_as_one_process(folder, mode):
+    check_equal(rank_check(folder, 2, mode), folder.name, 2, mode)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_three_ranks_step_as_one_process(folder, mode):
+    check_equal(rank_check(folder, 3, mode), folder.name, 3, mode)
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+def test_z_image_over_two_ranks_steps_as_one_process(z_image_folder, mode):
+    results = rank_check(z_image_folder, 2, mode, "z_image_check")
+    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
+    assert max(results["weights"]["ranks"]) < results["weights"]["single"]
+
+
+@pytest.mark.heavy
+def test_z_image_over_three_ranks(z_image_folder):
+    # pipeline: the noise refiner on rank 0, the context refiner on rank 1, the layers on rank 2
+    results = rank_check(z_image_folder, 3, "pipeline", "z_image_check")
+    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
+    refused = rank_check(z_image_folder, 3, "tensor", "z_image_check")["load"]["refused"]
+    assert "gate_up: 2 segment(s) of 256 rows cannot be split into 3 equal parts" in refused
+
+
+# ---------------------------------------------------------------- gmlx serve over the group
+
+
+class Served:
+    """`gmlx serve` over two loopback ranks on a free port, with the tiny folder as default."""
+
+    def __init__(self, folder: Path, tmp: Path, mode: str):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        config = tmp / "config.toml"
+        config.write_text(
+            f'[server]\nhost = "127.0.0.1"\nport = {self.port}\n'
+            f'model_dirs = ["{folder.parent}"]\ndefault_model = "{folder.name}"\n'
+        )
+        self.log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in close()
+        command = ["-m", "gmlx_server", "serve", "--config", str(config), "--shard", mode]
+        self.process = launch(2, command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = StepClient(self.url)
+        deadline = time.monotonic() + 120
+        while not self._healthy():
+            assert self.process.poll() is None, (tmp / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the group did not start serving"
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            return self.client.health()
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    def rank_pid(self, rank: int) -> int:
+        """The process of `rank`: in the launcher's session, its environment naming the rank."""
+        for entry in Path("/proc").iterdir():
+            try:
+                if not entry.name.isdigit() or os.getpgid(int(entry.name)) != self.process.pid:
+                    continue
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"MLX_RANK={rank}".encode() in environ and b"gmlx_server" in cmdline:
+                return int(entry.name)
+        raise AssertionError(f"no process of rank {rank}")
+
+    def close(self) -> None:
+        self.client.close()
+        stop(self.process)
+        self.log.close()
+
+
+@pytest.fixture
+def served(folder, tmp_path, request):
+    group = Served(folder, tmp_path, request.param)
+    yield group
+    group.close()
+
+
+def one_step(client: StepClient, model: str, x: np.ndarray, cond: np.ndarray, run=None):
+    digest = client.put_tensor(cond)
+    rows = [{"cond": digest, "num_tokens": int(cond.shape[1])}]
+    return client.step(x, [0.6], rows, model=model, run=run, convention="reference")
+
+
+def engine_out(folder: Path, x: np.ndarray, cond: np.ndarray) -> np.ndarray:
+    from gmlx_server.engine.base import StepRow
+    from gmlx_server.engine.families.qwen_image21 import family
+
+    model = family.load(folder, folder.name)
+    row = StepRow(cond=cond[0], cond_key="wire:" + tensor_hash(cond))
+    return model.denoise_step(x, np.array([0.6], np.float32), [row], convention="reference").out
+
+
+def rel_l2(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def inputs() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 64, 4, 4)).astype(np.float32)
+    cond = rng.standard_normal((1, 6, 128)).astype(np.float32)
+    return x, cond
+
+
+@pytest.mark.parametrize("served", ["pipeline"], indirect=True)
+def test_served_group_answers_and_refuses_a_dead_rank(served, folder):
+    client = served.client
+    capabilities = client.capabilities()
+    assert capabilities["distributed"] == {
+        "world_size": 2,
+        "mode": "pipeline",
+        "state": "ok",
+        "reason": None,
+        "silent_ranks": [],
+    }
+    x, cond = inputs()
+    run = client.begin_run(folder.name)
+    answers = [one_step(client, folder.name, x, cond, run) for _ in range(2)]
+    assert [a.prefix_cache for a in answers] == ["miss", "hit"]
+    expected = engine_out(folder, x, cond)
+    for answer in answers:
+        assert rel_l2(answer.out, expected) <= TOLERANCE
+    status = client.status(folder.name)["distributed"]
+    assert status["world_size"] == 2 and len(status["rank_weight_bytes"]) == 2
+    # an interrupt and a run's end are rank 0's, as on one process: the ended run's states go
+    # on every rank, and the next step builds them anew, equal again
+    assert client.interrupt(run) == 1
+    with pytest.raises(StepError) as interrupted:
+        one_step(client, folder.name, x, cond, run)
+    assert interrupted.value.status == 409
+    client.end_run(run)
+    again = one_step(client, folder.name, x, cond)
+    assert again.prefix_cache == "miss" and rel_l2(again.out, expected) <= TOLERANCE
+
+    os.kill(served.rank_pid(1), signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(StepError) as refused:
+        one_step(client, folder.name, x, cond)
+    assert time.monotonic() - started <= LOSS_BOUND_S
+    assert refused.value.status == 503
+    assert re.search(r"rank 1 of 2", str(refused.value)), str(refused.value)
+    # the group stays refused: every later step is a prompt 503, and capabilities say why
+    started = time.monotonic()
+    with pytest.raises(StepError) as again:
+        one_step(client, folder.name, x, cond)
+    assert again.value.status == 503 and time.monotonic() - started <= LOSS_BOUND_S
+    assert "rank 1 of 2" in str(again.value)
+    # mlx.launch asked rank 0 to end with the others; it stays, refusing, until stopped
+    time.sleep(SILENT_S + 1)
+    group = client.capabilities()["distributed"]
+    assert group["state"] == "broken" and "rank 1 of 2" in group["reason"]
+    with pytest.raises(StepError) as later:
+        one_step(client, folder.name, x, cond)
+    assert later.value.status == 503
+
+
+@pytest.mark.parametrize("served", ["tensor"], indirect=True)
+def test_a_stopped_rank_is_named_then_taken_back(served, folder):
+    client = served.client
+    x, cond = inputs()
+    expected = engine_out(folder, x, cond)
+    assert rel_l2(one_step(client, folder.name, x, cond).out, expected) <= TOLERANCE
+    rank1 = served.rank_pid(1)
+    # stopped during a step: the step under way is answered 503 naming it within the bound
+    os.kill(rank1, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(StepError) as refused:
+            one_step(client, folder.name, x, cond + 1)
+        assert time.monotonic() - started <= LOSS_BOUND_S
+        assert refused.value.status == 503
+        assert "rank 1 of 2" in str(refused.value)
+        assert client.capabilities()["distributed"]["silent_ranks"] == [1]
+    finally:
+        os.kill(rank1, signal.SIGCONT)
+    # resumed: the abandoned step finishes, the rank is heard again, steps work again
+    deadline = time.monotonic() + 30
+    while (
+        client.capabilities()["distributed"]["state"] != "ok"
+        or client.capabilities()["distributed"]["silent_ranks"]
+    ):
+        assert time.monotonic() < deadline, client.capabilities()["distributed"]
+        time.sleep(0.5)
+    assert rel_l2(one_step(client, folder.name, x, cond).out, expected) <= TOLERANCE
+
+
+def test_sample_via_steps_over_two_ranks_writes_the_one_process_image(folder, tmp_path):
+    arguments = ["image", "sample", "--model", str(folder), "--prompt", "a red fox"]
+    arguments += ["--width", "64", "--height", "64", "--steps", "3", "--seed", "4"]
+    single = subprocess.run(
+        [sys.executable, "-m", "gmlx_server", *arguments, "--out", str(tmp_path / "one.png")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    command = ["-m", "gmlx_server", *arguments, "--via-steps", "--out", str(tmp_path / "two.png")]
+    process = launch(2, command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = process.communicate(timeout=300)
+    finally:
+        stop(process)
+    assert (tmp_path / "two.png").is_file(), out[-3000:]
+    assert "via the step routes" in out
+    assert (tmp_path / "two.png").read_bytes() == (tmp_path / "one.png").read_bytes()

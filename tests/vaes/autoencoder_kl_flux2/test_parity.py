@@ -1,0 +1,74 @@
+"""The MLX AutoencoderKLFlux2 against diffusers' (float32, tiny random weights), in the model
+space Flux2KleinPipeline reads and writes: encode as the pipeline encodes a reference
+(posterior mean, 2x2 patchify, batch-norm statistics), decode as it decodes its result."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from diffusers import Flux2KleinPipeline
+from gmlx_server.engine.base import EngineInputError
+from gmlx_server.engine.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
+
+from tests.families.flux2_klein.reference import rel_l2
+from tests.families.flux2_klein.tiny.vae import build_vae
+
+
+@pytest.fixture(scope="module")
+def vaes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("autoencoder_kl_flux2")
+    model = build_vae(folder, seed=3)
+    return model, AutoencoderKLFlux2.load(folder)
+
+
+def statistics(model):
+    mean = model.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(model.bn.running_var.view(1, -1, 1, 1) + model.config.batch_norm_eps)
+    return mean, std
+
+
+@pytest.mark.parametrize("hw", [(32, 32), (48, 80)])
+def test_encode_matches_the_pipeline(vaes, hw):
+    model, vae = vaes
+    image = np.random.default_rng(1).random((1, *hw, 3), dtype=np.float32)
+    with torch.no_grad():
+        pixels = torch.from_numpy(image.transpose(0, 3, 1, 2) * 2 - 1)
+        raw = model.encode(pixels).latent_dist.mode()
+        mean, std = statistics(model)
+        expected = ((Flux2KleinPipeline._patchify_latents(raw) - mean) / std).numpy()
+    ours = np.array(vae.encode(mx.array(image)))
+    assert ours.shape == expected.shape == (1, 128, hw[0] // 16, hw[1] // 16)
+    assert rel_l2(ours, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("hw", [(2, 2), (3, 5)])
+def test_decode_matches_the_pipeline(vaes, hw):
+    model, vae = vaes
+    latents = np.random.default_rng(2).standard_normal((1, 128, *hw)).astype(np.float32)
+    with torch.no_grad():
+        mean, std = statistics(model)
+        raw = Flux2KleinPipeline._unpatchify_latents(torch.from_numpy(latents) * std + mean)
+        decoded = model.decode(raw).sample
+        expected = (decoded / 2 + 0.5).clamp(0, 1).numpy().transpose(0, 2, 3, 1)
+    ours = np.array(vae.decode(mx.array(latents)))
+    assert ours.shape == expected.shape == (1, hw[0] * 16, hw[1] * 16, 3)
+    assert rel_l2(ours, expected) <= 1e-4
+
+
+def test_the_statistics_matter(vaes):
+    """Decoding without the batch-norm statistics gives another image: the test above reads
+    them."""
+    _, vae = vaes
+    latents = mx.array(np.random.default_rng(4).standard_normal((1, 128, 2, 2)), mx.float32)
+    plain = vae.body.decode(vae.unpatchify(latents))
+    assert rel_l2(np.array(vae.decode(latents)), np.array(plain)) > 0.01
+
+
+def test_refuses_sizes_off_the_stride(vaes):
+    _, vae = vaes
+    with pytest.raises(EngineInputError, match="stride 16"):
+        vae.encode(mx.zeros((1, 24, 32, 3)))
+    with pytest.raises(EngineInputError, match="128"):
+        vae.decode(mx.zeros((1, 32, 2, 2)))
