@@ -13,6 +13,9 @@ import pytest
 
 from tests.comfy.workflow_files import (
     API_DIR,
+    DEFAULT_MODEL_NAMES,
+    FLUX2_KLEIN_MODEL,
+    FLUX2_KLEIN_NAMES,
     FRONTEND_NODES,
     NAME_PREFIX,
     NAMES,
@@ -126,24 +129,58 @@ def test_pack_nodes_carry_their_widgets_in_input_order(name, monkeypatch):
         assert len(node.get("widgets_values") or []) == len(widgets)
 
 
-@pytest.mark.parametrize("name", NAMES)
+def _models_named(name: str) -> tuple[set, set]:
+    """The model names of an example's loaders: in its API copy, and in its UI file."""
+    api = {
+        node["inputs"]["model_name"]
+        for node in api_workflow(name).values()
+        if "model_name" in node["inputs"]
+    }
+    ui = {
+        widget_inputs(node)["model_name"]
+        for node in ui_workflow(name)["nodes"]
+        if node["type"] not in FRONTEND_NODES and "model_name" in widget_inputs(node)
+    }
+    return api, ui
+
+
+@pytest.mark.parametrize("name", DEFAULT_MODEL_NAMES)
 def test_workflow_names_an_embedded_model(name):
     """The default server's model, or, in a Z-Image example, the embedded Z-Image."""
     from gmlx_server.engine.families.qwen_image21 import embedded as default
     from gmlx_server.engine.families.z_image import embedded as z_image
 
     expected = (z_image if name in Z_IMAGE_EXAMPLES else default).MODEL_NAME
-    api = api_workflow(name)
-    named = [
-        node["inputs"]["model_name"] for node in api.values() if "model_name" in node["inputs"]
-    ]
-    assert named and set(named) == {expected}
-    ui_named = [
-        widget_inputs(node)["model_name"]
-        for node in ui_workflow(name)["nodes"]
-        if node["type"] not in FRONTEND_NODES and "model_name" in widget_inputs(node)
-    ]
-    assert ui_named and set(ui_named) == {expected}
+    assert _models_named(name) == ({expected}, {expected})
+
+
+@pytest.mark.parametrize("name", FLUX2_KLEIN_NAMES)
+def test_flux2_klein_example_names_its_folder_and_says_where_to_put_it(name):
+    """No FLUX.2 klein is embedded: the loaders name the folder of BFL's klein 4B and a note
+    says to put that folder under the server's model_dirs."""
+    assert _models_named(name) == ({FLUX2_KLEIN_MODEL}, {FLUX2_KLEIN_MODEL})
+    (note,) = [node for node in ui_workflow(name)["nodes"] if node["type"] in FRONTEND_NODES]
+    (text,) = note["widgets_values"]
+    assert FLUX2_KLEIN_MODEL in text and "model_dirs" in text
+
+
+def test_the_flux2_klein_edit_example_attaches_two_vae_encoded_references():
+    """Both LoadImage pictures go through the gmlx VAE (stock VAEEncode) into a chain of stock
+    ReferenceLatent nodes on the prompt, which is the sampler's positive."""
+    api = api_workflow("gmlx_flux2_klein_edit_two_references")
+    (sampler,) = [node for node in api.values() if node["class_type"] == "KSampler"]
+    chain, node_id = [], sampler["inputs"]["positive"][0]
+    while api[node_id]["class_type"] == "ReferenceLatent":
+        chain.append(api[node_id])
+        node_id = api[node_id]["inputs"]["conditioning"][0]
+    assert api[node_id]["class_type"] == "CLIPTextEncode" and len(chain) == 2
+    images = set()
+    for reference in chain:
+        encode = api[reference["inputs"]["latent"][0]]
+        assert encode["class_type"] == "VAEEncode"
+        assert api[encode["inputs"]["vae"][0]]["class_type"] == "GmlxVAELoader"
+        images.add(encode["inputs"]["pixels"][0])
+    assert {api[i]["class_type"] for i in images} == {"LoadImage"} and len(images) == 2
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,15 +14,19 @@ API_DIR = PACK_DIR / "api_workflows"
 # The frontend finds a template by its name among ComfyUI's own first (a pack's "lora" opens
 # ComfyUI's lora template): the pack's names carry its prefix.
 NAME_PREFIX = "gmlx_"
-NAMES = (
+# The examples on an embedded model (the default, or the embedded Z-Image for Z_IMAGE_EXAMPLES),
+# and those on FLUX.2 klein, whose loaders name the folder FLUX2_KLEIN_MODEL and carry a note
+# saying where to put it.
+DEFAULT_MODEL_NAMES = (
     "gmlx_text_to_image",
     "gmlx_lora",
     "gmlx_edit_two_references",
     "gmlx_z_image_text_to_image",
 )
-# The examples of a family other than the default's, by the embedded model they name (the
-# others name the embedded default).
 Z_IMAGE_EXAMPLES = ("gmlx_z_image_text_to_image",)
+FLUX2_KLEIN_NAMES = ("gmlx_flux2_klein_text_to_image", "gmlx_flux2_klein_edit_two_references")
+NAMES = DEFAULT_MODEL_NAMES + FLUX2_KLEIN_NAMES
+FLUX2_KLEIN_MODEL = "FLUX.2-klein-4B"
 
 # The stock ComfyUI node types the examples use (the e2e suite checks them against a real
 # ComfyUI's /object_info).
@@ -35,9 +39,11 @@ STOCK_NODES = frozenset(
         "LoadImage",
         "LoraLoaderModelOnly",
         "RandomNoise",
+        "ReferenceLatent",
         "SamplerCustomAdvanced",
         "SaveImage",
         "VAEDecode",
+        "VAEEncode",
     }
 )
 # Nodes of the frontend alone: drawn on the canvas, never queued.
