@@ -259,3 +259,26 @@ class FamilyModel:
         self.tables.clear()
         self.vae = self.encoder = self._load_encoder = None
         mx.clear_cache()
+
+
+def quantized_file_names(
+    slots: dict,
+    dit_quantized: Callable[[str], bool],
+    encoder_module: Callable[[str], str | None],
+    encoder_quantized: Callable[[str], bool],
+) -> dict[str, Callable[[str], bool]]:
+    """A family's `quantized_files`: by component folder, a predicate on file tensor names
+    picking the weights a quantized load quantizes. `slots`: the DiT's `linear_slots` (file
+    name -> tree place), `dit_quantized` its predicate on tree paths; `encoder_module` maps a
+    text-encoder file name to its module path (None: not loaded), `encoder_quantized` is the
+    encoder's predicate on module paths."""
+
+    def dit_name(name: str) -> bool:
+        slot = slots.get(name.removesuffix(".weight"))
+        return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
+
+    def encoder_name(name: str) -> bool:
+        module = encoder_module(name)
+        return module is not None and encoder_quantized(module.removesuffix(".weight"))
+
+    return {"transformer": dit_name, "text_encoder": encoder_name}

@@ -18,7 +18,14 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, EngineInputError, StepResult, StepRow
 from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
-from ...family import FamilyModel, component_row, dit_manifest, loaded_row, memory_row
+from ...family import (
+    FamilyModel,
+    component_row,
+    dit_manifest,
+    loaded_row,
+    memory_row,
+    quantized_file_names,
+)
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
@@ -365,16 +372,7 @@ def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
     from .prompt import quantized as encoder_quantized
 
     slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-
-    def dit_name(name: str) -> bool:
-        slot = slots.get(name.removesuffix(".weight"))
-        return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
-
-    def encoder_name(name: str) -> bool:
-        module = module_name(name)
-        return module is not None and encoder_quantized(module.removesuffix(".weight"))
-
-    return {"transformer": dit_name, "text_encoder": encoder_name}
+    return quantized_file_names(slots, dit_quantized, module_name, encoder_quantized)
 
 
 def manifest(model_dir: Path, dit: Path | None = None) -> dict:

@@ -17,7 +17,14 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, component_row, dit_manifest, loaded_row, memory_row
+from ...family import (
+    FamilyModel,
+    component_row,
+    dit_manifest,
+    loaded_row,
+    memory_row,
+    quantized_file_names,
+)
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.compiled import compile_enabled
@@ -305,16 +312,7 @@ def quantized_files(model_dir: Path) -> dict:
     from .prompt import quantized as encoder_quantized
 
     slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-
-    def dit_name(name: str) -> bool:
-        slot = slots.get(name.removesuffix(".weight"))
-        return slot is not None and dit_quantized(".".join(map(str, (*slot.path, slot.key))))
-
-    def encoder_name(name: str) -> bool:
-        module = module_name(name)
-        return module is not None and encoder_quantized(module.removesuffix(".weight"))
-
-    return {"transformer": dit_name, "text_encoder": encoder_name}
+    return quantized_file_names(slots, dit_quantized, module_name, encoder_quantized)
 
 
 def load(
