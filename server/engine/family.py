@@ -29,7 +29,7 @@ from .base import Capabilities, EngineInputError, StepRow
 from .gguf import DiTFile
 from .lora import TableWeights
 from .nn.dtypes import dtype_name
-from .weights import QUANTIZED, TensorInfo, tensor_infos
+from .weights import QUANTIZED, TensorInfo, stored_quantization, tensor_infos
 
 # Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
 # stored quantized (`gmlx model quantize`, or any quantized GGUF type) is `quant`.
@@ -282,3 +282,13 @@ def quantized_file_names(
         return module is not None and encoder_quantized(module.removesuffix(".weight"))
 
     return {"transformer": dit_name, "text_encoder": encoder_name}
+
+
+def stored_precision(component_dir: Path, gguf=None) -> dict | None:
+    """A component's precision as its files hold it, for status `quantization`: a GGUF file's
+    types (`gguf`: its gguf.DiTFile or gguf.ModuleFiles, None for safetensors), else the
+    folder's stored quantization, else None (float)."""
+    if gguf is not None:
+        return gguf.status()
+    stored = stored_quantization(component_dir)
+    return None if stored is None else stored.status()

@@ -25,6 +25,7 @@ from ...family import (
     loaded_row,
     memory_row,
     quantized_file_names,
+    stored_precision,
 )
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
@@ -32,7 +33,7 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
 from ...shard import Shard
-from ...weights import component_bytes, estimated_bytes, read_config, stored_quantization
+from ...weights import component_bytes, estimated_bytes, read_config
 from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
 from .dit import quantized as dit_quantized
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
@@ -188,11 +189,6 @@ def describe(
     }
 
 
-def _stored_status(component_dir: Path) -> dict | None:
-    stored = stored_quantization(component_dir)
-    return None if stored is None else stored.status()
-
-
 def encoder_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, Path] | None:
     """A model entry's Qwen3-VL GGUF pair, which comes whole (a ValueError names the half
     missing)."""
@@ -233,14 +229,15 @@ def encoder_files(model_dir: Path, text_encoder: Path | None, mmproj: Path | Non
 
 
 def _encoder_status(model_dir: Path, text_encoder: Path | None, mmproj: Path | None):
-    files = encoder_files(model_dir, text_encoder, mmproj)
-    return _stored_status(Path(model_dir) / "text_encoder") if files is None else files.status()
+    return stored_precision(
+        Path(model_dir) / "text_encoder", encoder_files(model_dir, text_encoder, mmproj)
+    )
 
 
 def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
     """The DiT's precision from its files: a GGUF file's types, else the folder's."""
-    gguf = dit_file(model_dir / "transformer", dit)
-    return _stored_status(model_dir / "transformer") if gguf is None else gguf.status()
+    transformer = Path(model_dir) / "transformer"
+    return stored_precision(transformer, dit_file(transformer, dit))
 
 
 def step_peak_bytes(

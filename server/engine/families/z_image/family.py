@@ -24,6 +24,7 @@ from ...family import (
     loaded_row,
     memory_row,
     quantized_file_names,
+    stored_precision,
 )
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
@@ -33,7 +34,7 @@ from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
 from ...shard import Shard
 from ...vaes.autoencoder_kl import Geometry, latent_normalisation
-from ...weights import component_bytes, estimated_bytes, gguf_file, read_config, stored_quantization
+from ...weights import component_bytes, estimated_bytes, gguf_file, read_config
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
 from .dit import quantized as dit_quantized
 from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
@@ -177,11 +178,6 @@ def describe(
     }
 
 
-def _stored_status(component_dir: Path) -> dict | None:
-    stored = stored_quantization(component_dir)
-    return None if stored is None else stored.status()
-
-
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     """The activations of the reference workload (RESERVE_*): the larger of a guided step and
     a VAE pass at RESERVE_PIXELS square."""
@@ -240,8 +236,8 @@ def _memory(
 
 def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
     """The DiT's precision from its files: a GGUF file's types, else the folder's."""
-    gguf = dit_file(model_dir / "transformer", dit)
-    return _stored_status(model_dir / "transformer") if gguf is None else gguf.status()
+    transformer = Path(model_dir) / "transformer"
+    return stored_precision(transformer, dit_file(transformer, dit))
 
 
 def encoder_file(model_dir: Path, text_encoder: Path | None = None):
@@ -257,8 +253,7 @@ def encoder_file(model_dir: Path, text_encoder: Path | None = None):
 
 
 def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
-    files = encoder_file(model_dir, text_encoder)
-    return _stored_status(Path(model_dir) / "text_encoder") if files is None else files.status()
+    return stored_precision(Path(model_dir) / "text_encoder", encoder_file(model_dir, text_encoder))
 
 
 def _encoder_bytes(
