@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
-from .gguf import DiTFile, Naming, SafetensorsFile
+from .gguf import DiTFile, Naming, common_prefix
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
 from .quantize import (
@@ -189,8 +189,8 @@ def single_file(component_dir: Path, override: Path | None, naming: Naming) -> P
         return found
     files = weight_files(component_dir)
     if len(files) == 1:
-        checkpoint = SafetensorsFile(files[0])
-        if checkpoint.prefix or naming.holds(checkpoint.entries):
+        names = list(read_header(files[0]))
+        if common_prefix(names) or naming.holds(names):
             return files[0]
     return None
 

@@ -30,8 +30,9 @@ from gmlx_server.engine.families.flux2_klein.dit import (
     tensor_shapes,
 )
 from gmlx_server.engine.gguf import GGUFError
+from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.registry import ModelRegistry
-from gmlx_server.engine.weights import gguf_file, read_config
+from gmlx_server.engine.weights import gguf_file, read_config, write_quantized
 from safetensors.torch import save_file
 
 from tests.families.flux2_klein.reference import reference_dit, rel_l2
@@ -120,9 +121,15 @@ def test_a_bfl_file_steps_as_diffusers(tiny, tmp_path, where, prefix, dtype):
     assert single.status() is None  # float weights, as a folder's
 
 
-def test_a_diffusers_folder_is_no_single_file(tiny):
+def test_a_diffusers_folder_is_no_single_file(tiny, tmp_path):
+    """Diffusers' own folder, and one stored quantized (its packed weights beside float
+    ones), load as folders."""
     folder, _ = tiny
     assert dit_file(folder) is None
+    stored = tmp_path / "quantized"
+    write_quantized(folder, stored, Quantization(8, 32), lambda name: "blocks." in name)
+    assert dit_file(stored) is None
+    assert Flux2DiT.load(stored, mx.float32).weights["double"][0]["img_qkv"].dtype == mx.uint32
 
 
 def test_a_float8_checkpoint_is_refused_naming_its_tensor(tiny, tmp_path):
