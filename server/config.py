@@ -36,6 +36,7 @@ File (default ~/.config/gmlx-steps/config.toml):
     dit = "~/gguf/qwen-image-2.1-Q4_K_M.gguf"   # the DiT's weights from this GGUF file (relative
                                     # to this file's folder) instead of the folder's
                                     # transformer/ weights; its config.json still describes it
+                                    # (FLUX.2 klein: also BFL's single .safetensors file)
     text_encoder = "~/gguf/Qwen3-4B-Q4_K_M.gguf"  # likewise the text encoder's (llama.cpp's
                                     # names; Z-Image's Qwen3)
     mmproj = "~/gguf/mmproj-Qwen3-VL-8B-F16.gguf"  # and its vision tower's (Qwen-Image 2.1's
@@ -132,12 +133,12 @@ class ModelSettings:
     adapters: tuple[AdapterSpec, ...] = ()
     quantization: Quantization | None = None  # `quantize` and `group_size`
     encoder_vae_dtype: str = AUTO  # one of precision.ENCODER_VAE_DTYPES
-    dit: Path | None = None  # a GGUF file holding the DiT's weights
+    dit: Path | None = None  # a GGUF (or a single safetensors) file holding the DiT's weights
     text_encoder: Path | None = None  # a GGUF file holding the text encoder's weights
     mmproj: Path | None = None  # the GGUF file of its vision tower (llama.cpp's mmproj)
 
     def files(self) -> dict[str, Path]:
-        """The entry's GGUF files by component (`dit`, `text_encoder`, `mmproj`), those it
+        """The entry's weight files by component (`dit`, `text_encoder`, `mmproj`), those it
         names."""
         named = {"dit": self.dit, "text_encoder": self.text_encoder, "mmproj": self.mmproj}
         return {key: path for key, path in named.items() if path is not None}
@@ -153,6 +154,12 @@ MODEL_SETTING_KEYS = (
     "mmproj",
 )
 GGUF_SUFFIX = ".gguf"
+# The files each file setting may name: a DiT also comes as one safetensors file (BFL's).
+FILE_SUFFIXES = {
+    "dit": (GGUF_SUFFIX, ".safetensors"),
+    "text_encoder": (GGUF_SUFFIX,),
+    "mmproj": (GGUF_SUFFIX,),
+}
 
 
 @dataclass
@@ -308,9 +315,9 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
         adapters=specs,
         quantization=_quantization(table, where),
         encoder_vae_dtype=dtype,
-        dit=_gguf_file(table, "dit", where, folder),
-        text_encoder=_gguf_file(table, "text_encoder", where, folder),
-        mmproj=_gguf_file(table, "mmproj", where, folder),
+        dit=_weights_file(table, "dit", where, folder),
+        text_encoder=_weights_file(table, "text_encoder", where, folder),
+        mmproj=_weights_file(table, "mmproj", where, folder),
     )
 
 
@@ -322,16 +329,18 @@ def _choice(table: dict, key: str, choices: tuple[str, ...], where: str) -> str:
     return value
 
 
-def _gguf_file(table: dict, key: str, where: str, folder: Path) -> Path | None:
-    """A model entry's GGUF file setting (`dit`, `text_encoder`, `mmproj`): an existing `.gguf` file,
-    relative to the config file's folder."""
+def _weights_file(table: dict, key: str, where: str, folder: Path) -> Path | None:
+    """A model entry's file setting (`dit`, `text_encoder`, `mmproj`): an existing file of one
+    of the key's FILE_SUFFIXES, relative to the config file's folder."""
     if key not in table:
         return None
     path = Path(_typed(table, key, str)).expanduser()
     if not path.is_absolute():
         path = folder / path
-    if path.suffix.lower() != GGUF_SUFFIX:
-        raise ConfigError(f"{where} {key} must name a .gguf file, not {str(path)!r}")
+    suffixes = FILE_SUFFIXES[key]
+    if path.suffix.lower() not in suffixes:
+        names = " or ".join(suffixes)
+        raise ConfigError(f"{where} {key} must name a {names} file, not {str(path)!r}")
     if not path.is_file():
         raise ConfigError(f"{where} {key}: no file at {str(path)!r}")
     return path

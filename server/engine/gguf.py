@@ -1,6 +1,8 @@
 """GGUF model files (llama.cpp's format, as ComfyUI-GGUF and others ship DiTs in it) as MLX
 weights, read with the `gguf` package (llama.cpp's own reader), one tensor at a time from the
-memory-mapped file: the whole model is never held in float.
+memory-mapped file: the whole model is never held in float. A DiT's single safetensors file
+(ComfyUI's `diffusion_models`, in its checkpoint's own naming) is read the same way
+(`SafetensorsFile`), so `DiTFile` maps either onto the family's names.
 
 A tensor's GGUF shape lists the input dimension first; here shapes are row-major (out, in), and
 a `comfy.gguf.orig_shape.<name>` entry (ComfyUI-GGUF's convert script flattens some tensors to
@@ -29,6 +31,7 @@ from pathlib import Path
 import gguf
 import mlx.core as mx
 import numpy as np
+import safetensors
 from gguf import GGMLQuantizationType as T
 
 from .precision import MODE
@@ -47,8 +50,8 @@ ROWS_PER_CHUNK = 256  # rows converted at once, bounding a conversion's numpy te
 
 
 class GGUFError(ValueError):
-    """A GGUF file that cannot be read as the model's weights; the text names the file (and the
-    tensor)."""
+    """A GGUF file (or a DiT's single safetensors file) that cannot be read as the model's
+    weights; the text names the file (and the tensor)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,10 @@ class TensorEntry:
         stored = tuple(int(v) for v in reversed(self.tensor.shape.tolist()))
         return len(self.shape) == 2 and stored == self.shape
 
+    @property
+    def nbytes(self) -> int:
+        return int(self.tensor.n_bytes)
+
 
 class GGUFFile:
     """A GGUF file opened for reading (memory-mapped). A file that is not GGUF, is cut short,
@@ -240,8 +247,7 @@ class GGUFFile:
             raise GGUFError(f"{self.path} is not a readable GGUF file: {exc}") from None
         field = reader.get_field(ARCHITECTURE)
         self.architecture = None if field is None else field.contents()
-        names = [tensor.name for tensor in reader.tensors]
-        prefix = next((p for p in PREFIXES if names and all(n.startswith(p) for n in names)), "")
+        prefix = common_prefix([tensor.name for tensor in reader.tensors])
         self.entries: dict[str, TensorEntry] = {}
         for tensor in reader.tensors:
             kind = tensor.tensor_type
@@ -279,9 +285,18 @@ class GGUFFile:
             counts[entry.type_name] = counts.get(entry.type_name, 0) + 1
         return dict(sorted(counts.items()))
 
+    def status(self) -> dict:
+        """The file's precision as status reports it: its name and its tensors' types."""
+        return {"format": "gguf", "file": self.path.name, "types": self.type_counts()}
+
 
 def readable_types() -> list[str]:
     return [kind.name for kind in (*FLOAT_TYPES, *EXACT, *NEAREST)]
+
+
+def common_prefix(names: list[str]) -> str:
+    """The one of PREFIXES every name starts with, else ""."""
+    return next((p for p in PREFIXES if names and all(n.startswith(p) for n in names)), "")
 
 
 def _shape(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> tuple[int, ...]:
@@ -312,29 +327,101 @@ class _Reader(gguf.GGUFReader):
 
 
 # ---------------------------------------------------------------------------------------------
-# A DiT's weights in a GGUF file, named as the family names them
+# A DiT's single safetensors file, read as a GGUF file is
+
+SAFETENSORS_SUFFIX = ".safetensors"
+SAFETENSORS_FLOATS = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+
+
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """A float tensor of a safetensors file under its name less the prefix (TensorEntry's
+    reading interface: never quantized)."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+
+    quantized = False
+    stored_2d = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * SAFETENSORS_FLOATS[self.type_name].size
+
+
+class SafetensorsFile:
+    """A DiT's single safetensors file (a checkpoint in its own naming, as ComfyUI's
+    `diffusion_models` hold it) with GGUFFile's reading interface: names less the prefix
+    (PREFIXES), float tensors only (F32, F16, BF16: any other dtype, such as a float8
+    checkpoint's, is refused naming the tensor), each read on its own (`mx.load` is lazy)."""
+
+    architecture = None
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with safetensors.safe_open(str(self.path), "numpy") as handle:
+                header = {n: handle.get_slice(n) for n in handle.keys()}
+                stored = {n: (s.get_dtype(), tuple(s.get_shape())) for n, s in header.items()}
+        except (OSError, safetensors.SafetensorError) as exc:
+            raise GGUFError(f"{self.path} is not a readable safetensors file: {exc}") from None
+        self.prefix = common_prefix(list(stored))
+        self.entries: dict[str, SafetensorsEntry] = {}
+        for file_name, (dtype, shape) in stored.items():
+            if dtype not in SAFETENSORS_FLOATS:
+                raise GGUFError(
+                    f"{self.path}: tensor {file_name} is stored as {dtype}; a DiT's safetensors"
+                    f" file must hold {', '.join(SAFETENSORS_FLOATS)} tensors"
+                )
+            name = file_name[len(self.prefix) :]
+            self.entries[name] = SafetensorsEntry(name, dtype, shape)
+        self._arrays: dict[str, mx.array] | None = None
+
+    def read(self, name: str, dtype: mx.Dtype | None = None, as_float: bool = True) -> mx.array:
+        """Tensor `name` (a float array), cast to `dtype` when given."""
+        if self._arrays is None:
+            self._arrays = mx.load(str(self.path))
+        value = self._arrays[self.prefix + name]
+        return value if dtype is None or value.dtype == dtype else value.astype(dtype)
+
+    def status(self) -> None:
+        """Float weights, as a folder's: no quantization to report."""
+        return None
+
+
+def weights_file(path: Path) -> GGUFFile | SafetensorsFile:
+    """A DiT's single weights file, by its suffix: `.safetensors` or GGUF."""
+    if Path(path).suffix.lower() == SAFETENSORS_SUFFIX:
+        return SafetensorsFile(path)
+    return GGUFFile(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# A DiT's weights in one file (GGUF or safetensors), named as the family names them
 
 
 @dataclass(frozen=True)
 class Naming:
-    """Another naming of a DiT's tensors that a file may use (ComfyUI's), onto the family's
-    diffusers names: `renames` (regular expression, replacement), applied in order, and `fused`,
-    file tensors (by name suffix, after the renames) whose rows split into several diffusers
-    tensors (suffixes, in row order). The renames must leave a diffusers name as it is, so a
-    file in either naming (or a mix) reads the same. `ignored`: file tensors the forward does
-    not read."""
+    """Another naming of a DiT's tensors that a file may use (ComfyUI's, BFL's), onto the
+    family's diffusers names: `renames` (regular expression, replacement), applied in order,
+    and `fused`, file tensors (by name suffix, after the renames) whose rows split into several
+    diffusers tensors (suffixes, in row order). The renames must leave a diffusers name as it
+    is, so a file in either naming (or a mix) reads the same. `ignored`: file tensors the
+    forward does not read. `swapped`: file tensors (by their own names) whose two halves of
+    rows the file holds in the other order than diffusers (BFL's final modulation: shift, then
+    scale); swapping them permutes whole rows, which quantized rows allow."""
 
     renames: tuple[tuple[str, str], ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     ignored: tuple[str, ...] = ()
+    swapped: tuple[str, ...] = ()
 
     def sources(self, names) -> dict[str, tuple[str, int, int]]:
         """Diffusers name -> (file name, part, parts): which rows of which file tensor it is."""
         found: dict[str, tuple[str, int, int]] = {}
         for file_name in names:
-            name = file_name
-            for pattern, replacement in self.renames:
-                name = re.sub(pattern, replacement, name)
+            name = self.renamed(file_name)
             if name in self.ignored:
                 continue
             for suffix, parts in self.fused:
@@ -347,13 +434,28 @@ class Naming:
                 found[name] = (file_name, 0, 1)
         return found
 
+    def renamed(self, file_name: str) -> str:
+        for pattern, replacement in self.renames:
+            file_name = re.sub(pattern, replacement, file_name)
+        return file_name
+
+    def holds(self, names) -> bool:
+        """Whether any of `names` is in this naming rather than diffusers' (renamed, or fused)."""
+        fused = tuple(suffix for suffix, _ in self.fused)
+        for name in names:
+            renamed = self.renamed(name)
+            if renamed != name or renamed.endswith(fused):
+                return True
+        return False
+
 
 @dataclass(frozen=True)
 class DiTFile:
-    """A family's DiT read from a GGUF file: `shapes`, every tensor the family's config asks
-    for by diffusers name (its logical shape); `fused`, diffusers weight name -> the names of
-    the weight its forward fuses it with (linear_slots' parts, in order); `title`, the family's
-    name in prose. `open` checks the whole file against them before anything loads."""
+    """A family's DiT read from one file, GGUF or safetensors (`weights_file`, by its suffix):
+    `shapes`, every tensor the family's config asks for by diffusers name (its logical shape);
+    `fused`, diffusers weight name -> the names of the weight its forward fuses it with
+    (linear_slots' parts, in order); `title`, the family's name in prose. `open` checks the
+    whole file against them before anything loads."""
 
     path: Path
     naming: Naming
@@ -361,11 +463,11 @@ class DiTFile:
     fused: dict[str, tuple[str, ...]]
     title: str
 
-    def open(self) -> tuple[GGUFFile, dict[str, tuple[str, int, int]]]:
+    def open(self) -> tuple[GGUFFile | SafetensorsFile, dict[str, tuple[str, int, int]]]:
         """The file and each expected tensor's source; a GGUFError names the file and the
         tensor when it cannot be read, is not the family's, or holds a shape the config does
         not give."""
-        file = GGUFFile(self.path)
+        file = weights_file(self.path)
         sources = self.naming.sources(file.entries)
         missing = [name for name in self.shapes if name not in sources]
         if missing:
@@ -403,14 +505,17 @@ class DiTFile:
             float_dtype = dtype
             if keep_f32 is not None and all(keep_f32(name) for name, _, _ in targets):
                 float_dtype = mx.float32
+            swapped = file_name in self.naming.swapped
             if all(name in widths for name, _, _ in targets):
                 value = file.read(file_name)
+                value = _swapped_rows(value) if swapped else value
                 for name, part, parts in targets:
                     base = name[: -len(".weight")]
                     packed = _rows(value, part, parts).packed(widths[name])
                     out[name], out[base + SCALES], out[base + BIASES] = packed
             else:
                 value = file.read(file_name, float_dtype, as_float=True)
+                value = _swapped_halves(value) if swapped else value
                 for name, part, parts in targets:
                     out[name] = _split_rows(value, part, parts)
             del value
@@ -436,14 +541,14 @@ class DiTFile:
             out.append((name, tuple(shape), "quant" if entry.quantized else entry.type_name))
         return out
 
-    def status(self) -> dict:
-        """The component's precision as status reports it: the file and its tensors' types."""
-        file = GGUFFile(self.path)
-        return {"format": "gguf", "file": self.path.name, "types": file.type_counts()}
+    def status(self) -> dict | None:
+        """The component's precision as status reports it: a GGUF file and its tensors' types;
+        None for a safetensors file (float, as a folder's)."""
+        return weights_file(self.path).status()
 
     def stored_bytes(self) -> int:
         """Bytes of tensor data in the file."""
-        return sum(entry.tensor.n_bytes for entry in GGUFFile(self.path).entries.values())
+        return sum(entry.nbytes for entry in weights_file(self.path).entries.values())
 
     def estimated_bytes(self, itemsize: int) -> int:
         """The bytes the family's tensors take loaded (for the status of a model not loaded):
@@ -478,6 +583,21 @@ def _rows(item: Quantized, part: int, parts: int) -> Quantized:
     size = item.q.shape[0] // parts
     rows = slice(part * size, (part + 1) * size)
     return Quantized(item.q[rows], item.scales[rows], item.biases[rows], item.bits)
+
+
+def _swapped_rows(item: Quantized) -> Quantized:
+    """An affine form with its two halves of rows swapped."""
+    half = item.q.shape[0] // 2
+
+    def swap(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a[half:], a[:half]])
+
+    return Quantized(swap(item.q), swap(item.scales), swap(item.biases), item.bits)
+
+
+def _swapped_halves(value: mx.array) -> mx.array:
+    first, second = mx.split(value, 2, axis=0)
+    return mx.concatenate([second, first], axis=0)
 
 
 def _split_rows(value: mx.array, part: int, parts: int) -> mx.array:

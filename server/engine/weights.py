@@ -2,7 +2,8 @@
 and what a family's load asks of them.
 
 Everything that touches stored tensors goes through here: reading (safetensors shards, float
-or quantized as `gmlx model quantize` writes them; a DiT's GGUF file through gguf.py), casting to the compute dtype,
+or quantized as `gmlx model quantize` writes them; a DiT's single GGUF or safetensors file
+through gguf.py), casting to the compute dtype,
 quantizing (quantize.py) and in time sharding. A quantized component's config.json names its
 `quantization` ({"bits", "group_size", "mode"}, as mlx-lm's); which weights are quantized is
 decided by the files themselves: a weight `X.weight` with an `X.scales` beside it. A family's load says what it needs (`load_tree(dir, sanitize, dtype,
@@ -26,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
-from .gguf import DiTFile
+from .gguf import DiTFile, Naming, common_prefix
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
 from .quantize import (
@@ -116,7 +117,7 @@ def load_tree(
     shard: Any = None,
 ) -> dict:
     """A component's weight tree, evaluated: its tensors read (`load_weights`, or from the
-    GGUF file `gguf` names), mapped by the family's `sanitize` (file names -> tree), and with a
+    single file, GGUF or safetensors, the gguf.DiTFile `gguf` names), mapped by the family's `sanitize` (file names -> tree), and with a
     `quantization` the float linear weights whose tree path `quantized` picks quantized, one
     at a time (quantize.quantize_tree), so the float model is never whole in memory. A
     component stored quantized (a folder of `gmlx model quantize`, or GGUF) loads as stored
@@ -157,16 +158,41 @@ def load_tree(
     return tree
 
 
+GGUF_SUFFIX = ".gguf"
+
+
 def gguf_file(component_dir: Path, override: Path | None = None) -> Path | None:
-    """The GGUF file a component's weights are read from: `override` (a model entry's), else
-    the one `.gguf` file in the folder, else None (safetensors). Two are refused."""
+    """The GGUF file a component's weights are read from: `override` (a model entry's; a file
+    of another kind is refused), else the one `.gguf` file in the folder, else None
+    (safetensors). Two are refused."""
     if override is not None:
+        if Path(override).suffix.lower() != GGUF_SUFFIX:
+            raise ValueError(f"{override} is not a GGUF file, the only file this family reads")
         return Path(override)
-    found = sorted(Path(component_dir).glob("*.gguf"))
+    found = sorted(Path(component_dir).glob("*" + GGUF_SUFFIX))
     if len(found) > 1:
         names = ", ".join(path.name for path in found)
         raise ValueError(f"{component_dir} holds more than one GGUF file ({names}); keep one")
     return found[0] if found else None
+
+
+def single_file(component_dir: Path, override: Path | None, naming: Naming) -> Path | None:
+    """The one file a DiT's weights are read from instead of its folder's diffusers
+    safetensors: `override` (a model entry's `dit`, a GGUF or a safetensors file), else the
+    folder's one `.gguf` file, else its one safetensors file when that is a single-file
+    checkpoint (its names under a prefix such as `model.diffusion_model.`, or in `naming`),
+    else None."""
+    if override is not None:
+        return Path(override)
+    found = gguf_file(component_dir)
+    if found is not None:
+        return found
+    files = weight_files(component_dir)
+    if len(files) == 1:
+        names = list(read_header(files[0]))
+        if common_prefix(names) or naming.holds(names):
+            return files[0]
+    return None
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,8 @@ def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
     assert config.files_for("absent") == {}
     for entry, message in (
         ('dit = "gguf/missing.gguf"', "dit: no file at"),
-        ('dit = "config.toml"', "dit must name a .gguf file"),
+        ('dit = "config.toml"', "dit must name a .gguf or .safetensors file"),
+        ('text_encoder = "config.toml"', "text_encoder must name a .gguf file"),
         ("dit = 4", "config key 'dit' has the wrong type"),
     ):
         path = config_file(tmp_path, f'[models."m1"]\n{entry}\n')

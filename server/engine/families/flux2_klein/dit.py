@@ -1,5 +1,5 @@
 """The FLUX.2 klein diffusion transformer in MLX (diffusers' `Flux2Transformer2DModel`, its
-weight names).
+weight names; BFL's single files map onto them, `BFL_NAMING`).
 
 An MMDiT over 128-channel latent tokens (the VAE's 32 channels patchified 2x2, patch 1 here):
 double-stream blocks (image and text tokens with their own weights, one joint attention), then
@@ -26,12 +26,14 @@ float64 rounded once, as the reference's tables are.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
 from ...nn import cpu_ops
 from ...nn.activations import layer_norm, silu
@@ -39,7 +41,7 @@ from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
-from ...weights import load_tree, read_config
+from ...weights import load_tree, read_config, single_file
 
 TIME_PROJ_DIM = 256
 TIME_MAX_PERIOD = 10000.0
@@ -173,6 +175,18 @@ BFL_DOUBLE = {
 BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
 
 
+# BFL's names of the norm scales (`.scale` in its files) and of norm_out.linear, whose two
+# halves BFL holds as (shift, scale) and diffusers as (scale, shift).
+BFL_DOUBLE_NORMS = {
+    "norm_q": "img_attn.norm.query_norm",
+    "norm_k": "img_attn.norm.key_norm",
+    "norm_added_q": "txt_attn.norm.query_norm",
+    "norm_added_k": "txt_attn.norm.key_norm",
+}
+BFL_SINGLE_NORMS = {"norm_q": "norm.query_norm", "norm_k": "norm.key_norm"}
+BFL_FINAL_MOD = "final_layer.adaLN_modulation.1"
+
+
 def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     """The linear layers by BFL's names (a fused q/k/v is one whole layer here)."""
     slots = {name: LinearSlot(key) for key, name in BFL_TOP.items()}
@@ -183,6 +197,97 @@ def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
         for key, name in BFL_SINGLE.items():
             slots[f"single_blocks.{i}.{name}"] = LinearSlot(key, ("single", i))
     return slots
+
+
+def bfl_naming() -> Naming:
+    """BFL's naming of the DiT's tensors (its own checkpoints, ComfyUI's `Flux2`, the GGUF files
+    converted from them) onto the diffusers names, as diffusers' single-file conversion
+    (`convert_flux2_transformer_checkpoint_to_diffusers`) maps them: the BFL_* tables beside
+    their diffusers names, each stream's fused `qkv` split into q, k and v, the norm scales'
+    `.scale` as `.weight`, and the final modulation's halves swapped."""
+    renames = [(_top(bfl), TOP_LINEARS[key] + ".") for key, bfl in BFL_TOP.items()]
+    renames.append((_top(BFL_FINAL_MOD), TOP_LINEARS["final_mod"] + "."))
+    fused = []
+    for key, bfl in BFL_DOUBLE.items():
+        parts = DOUBLE_LINEARS[key]
+        renames.append(
+            _in_block("double_blocks", DOUBLE, bfl, parts[0] if len(parts) == 1 else bfl)
+        )
+        if len(parts) > 1:
+            fused.append((f".{bfl}.weight", tuple(f".{part}.weight" for part in parts)))
+    for key, bfl in BFL_SINGLE.items():
+        renames.append(_in_block("single_blocks", SINGLE, bfl, SINGLE_LINEARS[key]))
+    for blocks, prefix, bfl_norms, norms in (
+        ("double_blocks", DOUBLE, BFL_DOUBLE_NORMS, DOUBLE_NORMS),
+        ("single_blocks", SINGLE, BFL_SINGLE_NORMS, SINGLE_NORMS),
+    ):
+        for key, bfl in bfl_norms.items():
+            pattern = rf"^{blocks}\.(\d+)\.{re.escape(bfl)}\.(scale|weight)$"
+            renames.append((pattern, prefix.format(r"\g<1>") + norms[key] + ".weight"))
+    return Naming(renames=tuple(renames), fused=tuple(fused), swapped=(BFL_FINAL_MOD + ".weight",))
+
+
+def _top(bfl: str) -> str:
+    return rf"^{re.escape(bfl)}\."
+
+
+def _in_block(blocks: str, prefix: str, bfl: str, target: str) -> tuple[str, str]:
+    """A rename of a block's tensor `bfl` (under BFL's `blocks.N.`) to `target` under the
+    diffusers `prefix`."""
+    return rf"^{blocks}\.(\d+)\.{re.escape(bfl)}\.", prefix.format(r"\g<1>") + target + "."
+
+
+BFL_NAMING = bfl_naming()
+
+
+def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
+    dim, mlp, head = config.dim, config.mlp_dim, (config.head_dim,)
+    top = {
+        "x_in": (dim, config.in_channels),
+        "ctx_in": (dim, config.joint_attention_dim),
+        "time_1": (dim, TIME_PROJ_DIM),
+        "time_2": (dim, dim),
+        "mod_img": (6 * dim, dim),
+        "mod_txt": (6 * dim, dim),
+        "mod_single": (3 * dim, dim),
+        "final_mod": (2 * dim, dim),
+        "final": (config.in_channels, dim),
+    }
+    shapes = {TOP_LINEARS[key] + ".weight": shape for key, shape in top.items()}
+    double = {
+        **dict.fromkeys(("img_qkv", "txt_qkv", "img_out", "txt_out"), (dim, dim)),
+        **dict.fromkeys(("img_ff_in", "txt_ff_in"), (2 * mlp, dim)),
+        **dict.fromkeys(("img_ff_out", "txt_ff_out"), (dim, mlp)),
+    }
+    for i in range(config.num_layers):
+        for key, parts in DOUBLE_LINEARS.items():
+            for name in parts:
+                shapes[DOUBLE.format(i) + name + ".weight"] = double[key]
+        for name in DOUBLE_NORMS.values():
+            shapes[DOUBLE.format(i) + name + ".weight"] = head
+    single = {"qkv_mlp": (3 * dim + 2 * mlp, dim), "out": (dim, dim + mlp)}
+    for i in range(config.num_single_layers):
+        for key, name in SINGLE_LINEARS.items():
+            shapes[SINGLE.format(i) + name + ".weight"] = single[key]
+        for name in SINGLE_NORMS.values():
+            shapes[SINGLE.format(i) + name + ".weight"] = head
+    return shapes
+
+
+TITLE = "FLUX.2 klein"
+
+
+def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
+    """The DiT's single file (a model entry's `dit`, GGUF or safetensors, else the one `.gguf`
+    in transformer/ or its one safetensors file in BFL's naming) as the family reads it, in
+    BFL's naming or diffusers'; None for diffusers' own safetensors folder."""
+    path = single_file(transformer_dir, dit, BFL_NAMING)
+    if path is None:
+        return None
+    config = DiTConfig.from_dict(read_config(transformer_dir))
+    fused = fused_weights(linear_slots(config))
+    return DiTFile(path, BFL_NAMING, tensor_shapes(config), fused, TITLE)
 
 
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
@@ -289,7 +394,11 @@ class Flux2DiT:
         transformer_dir: Path,
         dtype: mx.Dtype | None = None,
         quantization: Quantization | None = None,
+        dit: Path | None = None,
     ) -> Flux2DiT:
+        """The DiT of a transformer/ folder, its weights from diffusers' safetensors or from a
+        single file (`dit`, a model entry's, or the folder's: `dit_file`); with a
+        `quantization`, the float layers `quantized` picks are quantized as they load."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
         weights = load_tree(
@@ -299,6 +408,7 @@ class Flux2DiT:
             keep_f32=lambda name: name.endswith(F32_WEIGHTS),
             quantization=quantization,
             quantized=quantized,
+            gguf=dit_file(transformer_dir, dit),
         )
         return cls(config, weights, dtype)
 

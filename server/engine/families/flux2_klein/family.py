@@ -3,10 +3,12 @@ one folder. One module serves the three families (`FAMILIES` names it three time
 
 The folder is diffusers' `Flux2KleinPipeline` layout (or `Flux2KleinKVPipeline`'s):
 model_index.json (`_class_name`, `is_distilled`), transformer/, vae/ (AutoencoderKLFlux2),
-text_encoder/ (Qwen3: Qwen3-4B for 4B, Qwen3-8B for 9B), tokenizer/, scheduler/. The family is
-the KV one for the KV pipeline, else the 9B one for a DiT of 9B's depth (8 double-stream
-blocks), else the 4B one; the variant is `distilled` when model_index.json says `is_distilled`
-(always for the KV pipeline), else `base`. The constants of the family live here.
+text_encoder/ (Qwen3: Qwen3-4B for 4B, Qwen3-8B for 9B), tokenizer/, scheduler/; the DiT's
+weights may be one file instead (BFL's safetensors or a GGUF file, in transformer/ or a model
+entry's `dit`: dit.dit_file). The family is the KV one for the KV pipeline, else the 9B one for
+a DiT of 9B's depth (8 double-stream blocks), else the 4B one; the variant is `distilled` when
+model_index.json says `is_distilled` (always for the KV pipeline), else `base`. The constants
+of the family live here.
 
 References are VAE latents only (the text encoder never reads images), in model space. They
 run with the image tokens at the step's time (`joint`), except in the KV model's way (`kv`:
@@ -35,7 +37,7 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...vaes.autoencoder_kl_flux2 import latent_facts
 from ...weights import component_bytes, read_config
-from .dit import DiTConfig, Flux2DiT, RefState, bfl_slots, linear_slots
+from .dit import DiTConfig, Flux2DiT, RefState, bfl_slots, dit_file, linear_slots
 from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY_4B = "flux2_klein"
@@ -115,8 +117,14 @@ def _identified(model_dir: Path) -> tuple[str, str]:
     return found
 
 
-def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files alone."""
+def describe(
+    model_dir: Path,
+    model_id: str | None = None,
+    dtype: mx.Dtype | None = None,
+    dit: Path | None = None,
+) -> dict:
+    """The family part of the status (docs/contract.md §2.3), from config files alone; `dit`:
+    a model entry's DiT file (dit.dit_file)."""
     model_dir = Path(model_dir)
     _, variant = _identified(model_dir)
     latent = latent_facts(read_config(model_dir / "vae"))
@@ -130,28 +138,50 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
         "sampling": sampling_row(variant),
         "compute_dtype": dtype_name(dtype or default_compute_dtype()),
         "memory": {
-            "dit_bytes": component_bytes(model_dir / "transformer"),
+            "dit_bytes": _dit_bytes(model_dir, dit),
             "encoder_bytes": component_bytes(model_dir / "text_encoder"),
             "vae_bytes": component_bytes(model_dir / "vae"),
         },
     }
 
 
-def manifest(model_dir: Path) -> dict:
-    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers")."""
+def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
+    """Bytes of the DiT's tensor data: its single file's (dit.dit_file), else its folder's."""
+    single = dit_file(Path(model_dir) / "transformer", dit)
+    return component_bytes(model_dir / "transformer") if single is None else single.stored_bytes()
+
+
+def manifest(model_dir: Path, dit: Path | None = None) -> dict:
+    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers"),
+    whatever the naming of its file (BFL's fused qkv listed as to_q, to_k, to_v)."""
     family, _ = _identified(model_dir)
-    return dit_manifest(family, Path(model_dir) / "transformer", TITLES[family])
+    transformer = Path(model_dir) / "transformer"
+    return dit_manifest(family, transformer, TITLES[family], dit_file(transformer, dit))
+
+
+def check(model_dir: Path, dit: Path | None = None) -> None:
+    """Refuse, before anything loads, a DiT file that is cut short, is not this family's or
+    holds a tensor of a shape the config does not give (gguf.GGUFError, naming the file and
+    the tensor). The registry asks before it lets the resident model go."""
+    single = dit_file(Path(model_dir) / "transformer", dit)
+    if single is not None:
+        single.open()
 
 
 def load(
-    model_dir: Path, model_id: str, quantization: Quantization | None = None
+    model_dir: Path,
+    model_id: str,
+    quantization: Quantization | None = None,
+    dit: Path | None = None,
 ) -> Flux2KleinModel:
+    """The model of a folder; `dit`: a model entry's DiT file (GGUF or BFL's safetensors)."""
     from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
     from .prompt import Flux2PromptEncoder
 
     model_dir = Path(model_dir)
     family, variant = _identified(model_dir)
-    dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization)
+    files = {"dit": dit}  # the entry's files; `dit` names the network from here on
+    dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization, dit=files["dit"])
     vae = AutoencoderKLFlux2.load(model_dir / "vae")
     encoder = Flux2PromptEncoder.load(model_dir)
     if encoder.width != dit.config.joint_attention_dim:
@@ -164,7 +194,7 @@ def load(
             f"the VAE's patchified latents have {vae.latent_channels} channels; the DiT takes"
             f" {dit.config.in_channels}"
         )
-    return Flux2KleinModel(model_dir, model_id, family, variant, dit, vae, encoder)
+    return Flux2KleinModel(model_dir, model_id, family, variant, dit, vae, encoder, files)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -205,7 +235,9 @@ class StepPlan:
 class Flux2KleinModel(FamilyModel):
     capabilities = Capabilities(max_refs=MAX_REFS, conventions=CONVENTIONS, ref_cache=True)
 
-    def __init__(self, model_dir, model_id, family, variant, dit, vae, encoder):
+    def __init__(self, model_dir, model_id, family, variant, dit, vae, encoder, files=None):
+        """`files`: the model entry's files (`dit`) the weights came from (none: the folder's)."""
+        files = {key: path for key, path in (files or {}).items() if path is not None}
         super().__init__(
             model_dir,
             model_id,
@@ -214,8 +246,8 @@ class Flux2KleinModel(FamilyModel):
             tables=TableWeights(
                 dit.weights, {**linear_slots(dit.config), **bfl_slots(dit.config)}, dit.dtype
             ),
-            status=describe(model_dir, model_id, dit.dtype),
-            read_manifest=manifest,
+            status=describe(model_dir, model_id, dit.dtype, **files),
+            read_manifest=lambda folder: manifest(folder, files.get("dit")),
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
         )
         self.family = family
