@@ -11,6 +11,7 @@ import pytest
 from gmlx_contract.errors import ContractError
 from gmlx_server import cli
 from gmlx_server.config import ConfigError, load_config
+from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.image_cli import bench_parser, sample_parser
@@ -32,11 +33,12 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         '[models."c"]\nadapters = []\n',
     )
     config = load_config(path, env={})
-    assert config.quantization_for("a") == Quantization(4, 64)
-    assert config.quantization_for("b") == Quantization(8, 128)
-    assert config.quantization_for("c") is None and config.quantization_for("absent") is None
+    assert config.load_settings_for("a").quantization == Quantization(4, 64)
+    assert config.load_settings_for("b").quantization == Quantization(8, 128)
+    assert config.load_settings_for("c").quantization is None
+    assert config.load_settings_for("absent").quantization is None
     flagged = load_config(path, env={}, quantization=Quantization(3, 32))
-    assert {flagged.quantization_for(m) for m in "abc"} == {Quantization(3, 32)}
+    assert {flagged.load_settings_for(m).quantization for m in "abc"} == {Quantization(3, 32)}
 
 
 @pytest.mark.parametrize(
@@ -96,7 +98,7 @@ def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_pa
     registry = ModelRegistry(
         extra_models=[folder],
         families={linear_family.FAMILY: linear_family},
-        quantization=lambda model_id: Quantization(4),
+        settings=lambda model_id: LoadSettings(Quantization(4)),
     )
     with pytest.raises(ContractError) as refused:
         registry.acquire("lin")
@@ -106,7 +108,7 @@ def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_pa
     plain = ModelRegistry(
         extra_models=[folder],
         families={linear_family.FAMILY: linear_family},
-        quantization=lambda model_id: None,
+        settings=lambda model_id: LoadSettings(),
     )
     assert plain.acquire("lin").model_id == "lin"
 
@@ -116,8 +118,8 @@ def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
     (tmp_path / "gguf" / "dit-Q4_K_M.gguf").write_bytes(b"GGUF")
     path = config_file(tmp_path, '[models."a"]\ndit = "gguf/dit-Q4_K_M.gguf"\n')
     config = load_config(path, env={})
-    assert config.files_for("a") == {"dit": tmp_path / "gguf" / "dit-Q4_K_M.gguf"}
-    assert config.files_for("absent") == {}
+    assert config.load_settings_for("a").files() == {"dit": tmp_path / "gguf" / "dit-Q4_K_M.gguf"}
+    assert config.load_settings_for("absent").files() == {}
     for entry, message in (
         ('dit = "gguf/missing.gguf"', "dit: no file at"),
         ('dit = "config.toml"', "dit must name a .gguf file"),
@@ -133,7 +135,7 @@ def test_a_family_that_reads_no_gguf_refuses_a_dit_setting(tmp_path):
     registry = ModelRegistry(
         extra_models=[folder],
         families={linear_family.FAMILY: linear_family},
-        model_files=lambda model_id: {"dit": tmp_path / "dit.gguf"},
+        settings=lambda model_id: LoadSettings(dit=tmp_path / "dit.gguf"),
     )
     with pytest.raises(ContractError) as refused:
         registry.acquire("lin")

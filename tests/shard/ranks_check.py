@@ -79,6 +79,7 @@ def main(folder: str, mode: str) -> None:
 
     group = distributed.join(mode)  # the other ranks follow here, then end
     from gmlx_server.engine.families.qwen_image21 import family
+    from gmlx_server.engine.load_settings import LoadSettings
     from gmlx_server.engine.precision import Quantization
     from gmlx_server.engine.registry import ModelRegistry
     from gmlx_server.engine.weights import quantize_folder
@@ -96,7 +97,7 @@ def main(folder: str, mode: str) -> None:
         quantize_folder(folder, stored_folder, quantization, family.quantized_files(folder))
     registry = ModelRegistry(
         extra_models=[folder, quantized_folder, stored_folder],
-        quantization=lambda model_id: quantization if model_id.endswith("-q8") else None,
+        settings=lambda model_id: LoadSettings(quantization if model_id.endswith("-q8") else None),
     )
     distributed.attach(group, registry)
     rng = np.random.default_rng(1)
