@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gmlx_contract.errors import ContractError
 from gmlx_server import cli
-from gmlx_server.config import ConfigError, load_config
+from gmlx_server.config import ConfigError, load_config, model_settings_over
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.image_cli import bench_parser, sample_parser
-from gmlx_server.parsers import quantization_argument
+from gmlx_server.parsers import model_flags, quantization_argument
 
 from tests.server import linear_family
 
@@ -70,11 +71,11 @@ def test_bad_precisions_are_refused_naming_the_entry(tmp_path, entry, message):
 )
 def test_the_image_commands_take_quantize_and_group_size(parser, required, capsys):
     args = parser().parse_args([*required, "--quantize", "5"])
-    assert quantization_argument(args) == Quantization(5, 64)
-    assert quantization_argument(parser().parse_args(required)) is None
+    assert model_settings_over(None, model_flags(args), Path()).quantization == Quantization(5)
+    assert model_flags(parser().parse_args(required)) == {}
     args = parser().parse_args([*required, "--group-size", "32"])
     with pytest.raises(ValueError, match="--group-size needs --quantize"):
-        quantization_argument(args)
+        model_flags(args)
     with pytest.raises(SystemExit):
         parser().parse_args([*required, "--quantize", "7"])
     assert "invalid choice: 7" in capsys.readouterr().err
