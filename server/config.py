@@ -43,7 +43,9 @@ File (default ~/.config/gmlx-steps/config.toml):
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
-`--quantize` applies to every model, over the entries' own `quantize`.
+`--quantize` applies to every model, over the entries' own `quantize`. The commands that load
+a model themselves take a model entry's settings as flags of the same names (MODEL_SETTINGS,
+parsers.add_model_arguments), read by the same parser (`model_settings`).
 """
 
 from __future__ import annotations

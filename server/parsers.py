@@ -46,37 +46,6 @@ class CommandParser(argparse.ArgumentParser):
         self.register("action", "parsers", Subcommands)
 
 
-def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--quantize BITS` and `--group-size N`: the precision models load at (engine/quantize.py),
-    over the configuration's model entries; read back with `quantization_argument`."""
-    parser.add_argument(
-        "--quantize",
-        type=int,
-        choices=BITS,
-        default=None,
-        metavar="BITS",
-        help="quantize the DiT's and the text encoder's linear layers to this many bits as they"
-        f" load ({', '.join(map(str, BITS))}; over the model entries' own `quantize`)",
-    )
-    parser.add_argument(
-        "--group-size",
-        type=int,
-        choices=GROUP_SIZES,
-        default=None,
-        help=f"with --quantize: weights per scale and bias (default {DEFAULT_GROUP_SIZE})",
-    )
-
-
-def quantization_argument(args: argparse.Namespace) -> Quantization | None:
-    """The Quantization that `--quantize` and `--group-size` name (None without --quantize); a
-    ValueError for --group-size alone."""
-    if args.quantize is None:
-        if args.group_size is not None:
-            raise ValueError("--group-size needs --quantize")
-        return None
-    return Quantization(args.quantize, args.group_size or DEFAULT_GROUP_SIZE)
-
-
 # The argparse form of a model entry's keys whose value is not a file (config.MODEL_SETTINGS).
 FLAG_FORMS = {
     "quantize": {"type": int, "choices": BITS, "metavar": "BITS"},
@@ -90,6 +59,31 @@ NOT_FLAGS = ("adapters",)
 def flag_name(key: str) -> str:
     """The flag of a model entry's key: `--text-encoder` for `text_encoder`."""
     return "--" + key.replace("_", "-")
+
+
+def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--quantize BITS` and `--group-size N` of `gmlx serve`: the precision every model loads
+    at (engine/quantize.py), over the model entries' own; read back with
+    `quantization_argument`."""
+    from .config import MODEL_SETTINGS
+
+    for key in ("quantize", "group_size"):
+        parser.add_argument(
+            flag_name(key),
+            default=None,
+            help=f"{MODEL_SETTINGS[key]}; every model's, over the model entries' own {key}",
+            **FLAG_FORMS[key],
+        )
+
+
+def quantization_argument(args: argparse.Namespace) -> Quantization | None:
+    """The Quantization that `--quantize` and `--group-size` name (None without --quantize); a
+    ValueError for --group-size alone."""
+    if args.quantize is None:
+        if args.group_size is not None:
+            raise ValueError("--group-size needs --quantize")
+        return None
+    return Quantization(args.quantize, args.group_size or DEFAULT_GROUP_SIZE)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -58,14 +58,3 @@ class LoadSettings:
         group): the DiT's file and the quantization; the text encoder's files and the encoder
         and VAE dtype are rank 0's."""
         return LoadSettings(quantization=self.quantization, dit=self.dit)
-
-    def over(self, base: LoadSettings) -> LoadSettings:
-        """`base` with these settings wherever they differ from the defaults (a command's flags
-        over a model entry's settings)."""
-        defaults = LoadSettings()
-        changed = {
-            field.name: getattr(self, field.name)
-            for field in dataclasses.fields(LoadSettings)
-            if getattr(self, field.name) != getattr(defaults, field.name)
-        }
-        return dataclasses.replace(base.load_settings(), **changed)
