@@ -4,8 +4,10 @@ Started by `mlx.launch --hostfile HOSTS --backend ring|mpi|nccl|jaccl -- gmlx se
 `gmlx serve --hostfile HOSTS`, which runs that command), every process runs `gmlx serve`:
 
 - **rank 0** serves HTTP and runs the image worker, as one process does. Each model it loads is
-  loaded by every rank (the family's `load(..., shard=)`: a rank holds its part of the DiT only,
-  rank 0 the text encoder and the VAE besides); on every step the worker hands the call's inputs
+  loaded by every rank (the family's `load(..., shard=)` with the model's LoadSettings, which
+  the load message carries: a rank holds its part of the DiT only, read from the same GGUF file
+  where the settings name one, rank 0 the text encoder and the VAE besides, at the settings'
+  dtype); on every step the worker hands the call's inputs
   to every rank (`broadcast`, an `all_sum` of the pickled call: the group's own collectives),
   then runs its own part, and answers.
 - **the other ranks** run a `Follower`: it waits for rank 0's next message (load, step,
