@@ -44,16 +44,19 @@ File (default ~/.config/gmlx-steps/config.toml):
 
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
 GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
-`--quantize` applies to every model, over the entries' own `quantize`.
+`--quantize` applies to every model, over the entries' own `quantize`. The commands that load
+a model themselves take a model entry's settings as flags of the same names (MODEL_SETTINGS,
+parsers.add_model_arguments), read by the same parser (`model_settings`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +66,15 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
-from .engine.precision import AUTO, DEFAULT_GROUP_SIZE, ENCODER_VAE_DTYPES, Quantization
+from .engine.load_settings import FILE_KEYS, LoadSettings
+from .engine.precision import (
+    AUTO,
+    BITS,
+    DEFAULT_GROUP_SIZE,
+    ENCODER_VAE_DTYPES,
+    GROUP_SIZES,
+    Quantization,
+)
 
 DEFAULT_CONFIG_PATH = Path("~/.config/gmlx-steps/config.toml")
 # `[server.image] encoder_residency` (server/memory.py).
@@ -127,32 +138,31 @@ def parse_adapter(text: str, base: Path | None = None) -> AdapterSpec:
 
 
 @dataclass
-class ModelSettings:
-    """What the configuration says about one model entry (`[models."id"]`)."""
+class ModelSettings(LoadSettings):
+    """What the configuration says about one model entry (`[models."id"]`): how its model
+    loads (LoadSettings) and the adapters its steps run under by default."""
 
     adapters: tuple[AdapterSpec, ...] = ()
-    quantization: Quantization | None = None  # `quantize` and `group_size`
-    encoder_vae_dtype: str = AUTO  # one of precision.ENCODER_VAE_DTYPES
-    dit: Path | None = None  # a GGUF (or a single safetensors) file holding the DiT's weights
-    text_encoder: Path | None = None  # a GGUF file holding the text encoder's weights
-    mmproj: Path | None = None  # the GGUF file of its vision tower (llama.cpp's mmproj)
-
-    def files(self) -> dict[str, Path]:
-        """The entry's weight files by component (`dit`, `text_encoder`, `mmproj`), those it
-        names."""
-        named = {"dit": self.dit, "text_encoder": self.text_encoder, "mmproj": self.mmproj}
-        return {key: path for key, path in named.items() if path is not None}
 
 
-MODEL_SETTING_KEYS = (
-    "adapters",
-    "quantize",
-    "group_size",
-    "encoder_vae_dtype",
-    "dit",
-    "text_encoder",
-    "mmproj",
-)
+# A model entry's keys (`[models."id"]`), each with what it sets: the configuration reads these,
+# and a command that loads a model folder directly takes each but `adapters` as a flag of the
+# same name (`--text-encoder` for `text_encoder`: parsers.add_model_arguments).
+MODEL_SETTINGS = {
+    "adapters": "LoRA files (FILE[:STRENGTH]) that steps naming no patch table run under",
+    "quantize": "quantize the DiT's and the text encoder's linear layers to this many bits as"
+    f" they load ({', '.join(map(str, BITS))})",
+    "group_size": f"with quantize: weights per scale and bias ({', '.join(map(str, GROUP_SIZES))};"
+    f" {DEFAULT_GROUP_SIZE} when left out)",
+    "encoder_vae_dtype": "the text encoder's and the VAE's compute dtype"
+    f" ({', '.join(ENCODER_VAE_DTYPES)}; {AUTO}: bf16 on a GPU backend, f32 on the CPU one)",
+    "dit": "a GGUF file (or, for FLUX.2 klein, BFL's single safetensors file) holding the DiT's"
+    " weights, in place of the folder's transformer/ weights",
+    "text_encoder": "a GGUF file holding the text encoder's weights (llama.cpp's names)",
+    "mmproj": "the GGUF file of the text encoder's vision tower (llama.cpp's mmproj; with"
+    " text_encoder)",
+}
+MODEL_SETTING_KEYS = tuple(MODEL_SETTINGS)
 GGUF_SUFFIX = ".gguf"
 # The files each file setting may name: a DiT also comes as one safetensors file (BFL's).
 FILE_SUFFIXES = {
@@ -175,25 +185,14 @@ class ServerConfig:
     quantization: Quantization | None = None  # `--quantize`: every model's, over its entry's
     source: Path | None = None  # the file read, if any
 
-    def quantization_for(self, model_id: str) -> Quantization | None:
-        """The precision a model loads at: `--quantize`, else its entry's `quantize`, else
-        None (as its files store it)."""
+    def load_settings_for(self, model_id: str) -> LoadSettings:
+        """How a model loads: its entry's settings (the folder's own without an entry), at
+        `--quantize` where that is given."""
+        entry = self.models.get(model_id)
+        settings = LoadSettings() if entry is None else entry.load_settings()
         if self.quantization is not None:
-            return self.quantization
-        settings = self.models.get(model_id)
-        return settings.quantization if settings is not None else None
-
-    def encoder_vae_dtype_for(self, model_id: str) -> str:
-        """The compute dtype setting of a model's text encoder and VAE: its entry's
-        `encoder_vae_dtype`, else `auto`."""
-        settings = self.models.get(model_id)
-        return settings.encoder_vae_dtype if settings is not None else AUTO
-
-    def files_for(self, model_id: str) -> dict[str, Path]:
-        """The GGUF files a model entry names for its components (`dit`, `text_encoder`);
-        the folder's weights for those it does not name."""
-        settings = self.models.get(model_id)
-        return settings.files() if settings is not None else {}
+            settings.quantization = self.quantization
+        return settings
 
     @property
     def loopback_bind(self) -> bool:
@@ -301,24 +300,69 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
         raise ConfigError(
             f"{where}: unknown setting {unknown[0]!r} (known: {', '.join(MODEL_SETTING_KEYS)})"
         )
+    return model_settings(table, folder, where)
+
+
+def model_settings(
+    table: dict, folder: Path, where: str = "", name: Callable[[str], str] = str
+) -> ModelSettings:
+    """The settings a model entry's `table` gives (keys of MODEL_SETTINGS; relative paths under
+    `folder`), or a ConfigError saying what is wrong: after `where` (the entry), naming each key
+    by `name` (the flags name theirs `--group-size`)."""
+
+    def refuse(text: str) -> ConfigError:
+        return ConfigError(f"{where}: {text}" if where else text)
+
     adapters = table.get("adapters", [])
     if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
-        raise ConfigError(f'{where} adapters must be a list of "FILE[:STRENGTH]" strings')
+        raise refuse(f'{name("adapters")} must be a list of "FILE[:STRENGTH]" strings')
     try:
         specs = tuple(parse_adapter(text, folder) for text in adapters)
     except ValueError as exc:
-        raise ConfigError(f"{where} adapters: {exc}") from None
+        raise refuse(f"{name('adapters')}: {exc}") from None
     dtype = AUTO
     if "encoder_vae_dtype" in table:
-        dtype = _choice(table, "encoder_vae_dtype", ENCODER_VAE_DTYPES, where)
+        dtype = _typed(table, "encoder_vae_dtype", str)
+        if dtype not in ENCODER_VAE_DTYPES:
+            listed = ", ".join(f'"{c}"' for c in ENCODER_VAE_DTYPES)
+            raise refuse(f"{name('encoder_vae_dtype')} must be one of {listed}, not {dtype!r}")
+    files = {}
+    for key in FILE_KEYS:
+        if key in table:
+            path = Path(_typed(table, key, str)).expanduser()
+            files[key] = folder / path if not path.is_absolute() else path
+            suffixes = FILE_SUFFIXES[key]
+            if path.suffix.lower() not in suffixes:
+                names = " or ".join(suffixes)
+                raise refuse(f"{name(key)} must name a {names} file, not {str(files[key])!r}")
+            if not files[key].is_file():
+                raise refuse(f"{name(key)}: no file at {str(files[key])!r}")
+    if "quantize" not in table:
+        if "group_size" in table:
+            raise refuse(f"{name('group_size')} needs {name('quantize')} (the bits)")
+        quantization = None
+    else:
+        try:  # a wrong type (ConfigError, a ValueError) is named after the entry too
+            bits = _typed(table, "quantize", int)
+            group_size = _typed(table, "group_size", int) if "group_size" in table else None
+            quantization = Quantization(
+                bits, DEFAULT_GROUP_SIZE if group_size is None else group_size
+            )
+        except ValueError as exc:
+            raise refuse(str(exc)) from None
     return ModelSettings(
-        adapters=specs,
-        quantization=_quantization(table, where),
-        encoder_vae_dtype=dtype,
-        dit=_weights_file(table, "dit", where, folder),
-        text_encoder=_weights_file(table, "text_encoder", where, folder),
-        mmproj=_weights_file(table, "mmproj", where, folder),
+        adapters=specs, quantization=quantization, encoder_vae_dtype=dtype, **files
     )
+
+
+def model_settings_over(
+    entry: ModelSettings | None, table: dict, folder: Path, name: Callable[[str], str] = str
+) -> ModelSettings:
+    """`entry` (None: an entry setting nothing) with what `table` sets in place of its own: a
+    command's flags over a model entry (`quantize` and `group_size` set its quantization)."""
+    given = model_settings(table, folder, name=name)
+    fields = {"quantization" if key in ("quantize", "group_size") else key for key in table}
+    return dataclasses.replace(entry or ModelSettings(), **{f: getattr(given, f) for f in fields})
 
 
 def _choice(table: dict, key: str, choices: tuple[str, ...], where: str) -> str:
@@ -327,38 +371,6 @@ def _choice(table: dict, key: str, choices: tuple[str, ...], where: str) -> str:
         listed = ", ".join(f'"{c}"' for c in choices)
         raise ConfigError(f"{where}: {key} must be one of {listed}, not {value!r}")
     return value
-
-
-def _weights_file(table: dict, key: str, where: str, folder: Path) -> Path | None:
-    """A model entry's file setting (`dit`, `text_encoder`, `mmproj`): an existing file of one
-    of the key's FILE_SUFFIXES, relative to the config file's folder."""
-    if key not in table:
-        return None
-    path = Path(_typed(table, key, str)).expanduser()
-    if not path.is_absolute():
-        path = folder / path
-    suffixes = FILE_SUFFIXES[key]
-    if path.suffix.lower() not in suffixes:
-        names = " or ".join(suffixes)
-        raise ConfigError(f"{where} {key} must name a {names} file, not {str(path)!r}")
-    if not path.is_file():
-        raise ConfigError(f"{where} {key}: no file at {str(path)!r}")
-    return path
-
-
-def _quantization(table: dict, where: str) -> Quantization | None:
-    """A model entry's `quantize` (bits) and `group_size`; None without `quantize`."""
-    if "quantize" not in table:
-        if "group_size" in table:
-            raise ConfigError(f"{where}: group_size needs quantize (the bits)")
-        return None
-    try:
-        return Quantization(
-            _typed(table, "quantize", int),
-            _typed(table, "group_size", int) if "group_size" in table else DEFAULT_GROUP_SIZE,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _table(doc: dict, name: str, path: Path) -> dict:

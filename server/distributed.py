@@ -4,8 +4,10 @@ Started by `mlx.launch --hostfile HOSTS --backend ring|mpi|nccl|jaccl -- gmlx se
 `gmlx serve --hostfile HOSTS`, which runs that command), every process runs `gmlx serve`:
 
 - **rank 0** serves HTTP and runs the image worker, as one process does. Each model it loads is
-  loaded by every rank (the family's `load(..., shard=)`: a rank holds its part of the DiT only,
-  rank 0 the text encoder and the VAE besides); on every step the worker hands the call's inputs
+  loaded by every rank (the family's `load(..., shard=)` with the model's LoadSettings, which
+  the load message carries: a rank holds its part of the DiT only, read from the same GGUF file
+  where the settings name one, rank 0 the text encoder and the VAE besides, at the settings'
+  dtype); on every step the worker hands the call's inputs
   to every rank (`broadcast`, an `all_sum` of the pickled call: the group's own collectives),
   then runs its own part, and answers.
 - **the other ranks** run a `Follower`: it waits for rank 0's next message (load, step,
@@ -27,6 +29,7 @@ started again (all its processes: docs/server.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -43,6 +46,7 @@ from typing import Any
 import numpy as np
 from gmlx_contract.errors import ContractError
 
+from .engine.load_settings import LoadSettings
 from .worker import ImageWorker
 
 log = logging.getLogger("gmlx.server")
@@ -89,6 +93,24 @@ def gather_ints(value: int) -> list[int]:
     mine = np.zeros(group.size(), np.int64)
     mine[group.rank()] = value
     return [int(v) for v in np.array(mx.distributed.all_sum(mx.array(mine), group=group))]
+
+
+def gather_texts(text: str) -> list[str]:
+    """Each rank's `text`, in rank order, on every rank: each rank's bytes at its own offset of
+    one buffer, summed over the group."""
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    data = text.encode()
+    lengths = gather_ints(len(data))
+    if not sum(lengths):
+        return [""] * group.size()
+    start = sum(lengths[: group.rank()])
+    buffer = np.zeros(sum(lengths), np.uint8)
+    buffer[start : start + len(data)] = np.frombuffer(data, np.uint8)
+    summed = np.array(mx.distributed.all_sum(mx.array(buffer), group=group)).astype(np.uint8)
+    offsets = np.cumsum([0, *lengths])
+    return [summed[a:b].tobytes().decode() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
 # ---------------------------------------------------------------- heartbeats
@@ -313,58 +335,61 @@ class GroupWorker(ImageWorker):
 
 class GroupFamily:
     """A family module as rank 0's registry sees it: `load` loads the model on every rank (the
-    others after rank 0's `load` message) and wraps rank 0's in a `GroupModel`; the rest is
-    the module's."""
+    others after rank 0's `load` message, which carries the model's LoadSettings whole) and
+    wraps rank 0's in a `GroupModel`; the rest is the module's. Its `load` takes what the
+    family's own takes (the registry refuses a setting the family does not read)."""
 
     def __init__(self, name: str, module: Any, group: Group):
         self._name, self._module, self._group = name, module, group
+        self.load = functools.update_wrapper(functools.partial(self._load), module.load)
 
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self._module, attribute)
 
-    def load(self, model_dir: Path, model_id: str, quantization=None):
-        parameters = inspect.signature(self._module.load).parameters
-        if "shard" not in parameters:
+    def _load(self, model_dir: Path, model_id: str, **options) -> GroupModel:
+        if "shard" not in inspect.signature(self._module.load).parameters:
             raise ContractError(
                 400,
                 f"model {model_id!r}: family {self._name} has no shard plan; it cannot load over"
                 f" a group of {self._group.size} ranks (serve it from one process)",
             )
-        if quantization is not None and "quantization" not in parameters:
-            raise ContractError(
-                400,
-                f"model {model_id!r}: family {self._name} does not quantize its weights;"
-                " load it without quantize",
-            )
         group = self._group
-        message = (
-            "load",
-            {
-                "family": self._name,
-                "path": str(model_dir),
-                "model_id": model_id,
-                "quantization": quantization,
-            },
-        )
+        settings = LoadSettings(**options)
+        body = {"family": self._name, "path": str(model_dir), "model_id": model_id}
         with group.call("load"):
-            broadcast(message)
-            failure = None
+            broadcast(("load", {**body, "settings": settings}))
+            failure, model = None, None
             try:
-                model = load_shard(self._module, model_dir, model_id, quantization, group.shard(0))
+                model = load_shard(self._module, model_dir, model_id, settings, group.shard(0))
             except Exception as exc:  # noqa: BLE001 - every rank reports before anyone raises
-                failure, model = exc, None
-            weights = gather_ints(-1 if model is None else model.weight_bytes)
-            failed = [rank for rank, value in enumerate(weights) if value < 0]
-            if failed:  # the ranks that did load let their shard go
+                failure = exc
+            weights, refusals = gather_loads(model, None)
+            if refusals or failure is not None:  # the ranks that did load let their shard go
                 broadcast(("unload", {"model_id": model_id}))
         if failure is not None:
             raise failure
-        if failed:
+        if refusals:
             model.close()
+            status = max(code for code, _ in refusals.values())
+            said = "; ".join(text for _, text in refusals.values())
             raise ContractError(
-                503, f"model {model_id!r} failed to load on rank(s) {failed} (see their log)"
+                status, f"model {model_id!r} failed to load on rank(s) {sorted(refusals)}: {said}"
             )
         return GroupModel(model, group, weights)
+
+
+def gather_loads(model: Any, refusal: tuple[int, str] | None):
+    """Every rank's outcome of a load, on every rank: each rank's weight bytes (-1 where it
+    failed) and the other ranks' refusals by rank, (status, why)."""
+    weights = gather_ints(-1 if model is None else model.weight_bytes)
+    statuses = gather_ints(0 if refusal is None else refusal[0])
+    texts = gather_texts("" if refusal is None else refusal[1])
+    refusals = {
+        rank: (status, text)
+        for rank, (status, text) in enumerate(zip(statuses, texts, strict=True))
+        if status and rank != 0
+    }
+    return weights, refusals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,10 +404,17 @@ def present(value):
     return np.broadcast_to(np.float32(0), value.shape) if isinstance(value, Absent) else value
 
 
-def load_shard(module: Any, model_dir: Path, model_id: str, quantization, shard) -> Any:
-    """A rank's part of a model: the family's load with its `shard` (and its quantization)."""
-    options = {} if quantization is None else {"quantization": quantization}
-    return module.load(model_dir, model_id, shard=shard, **options)
+def load_shard(module: Any, model_dir: Path, model_id: str, settings: LoadSettings, shard) -> Any:
+    """A rank's part of a model: the family's load with its `shard` and the model's settings,
+    rank 0's whole, another rank's those of its DiT part (LoadSettings.dit_part). A file the
+    settings name that is not on this rank is refused naming the rank and the file."""
+    mine = settings if shard.rank == 0 else settings.dit_part()
+    for key, path in mine.files().items():
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"rank {shard.rank} of {shard.size} has no file {str(path)!r} (the model's {key})"
+            )
+    return module.load(model_dir, model_id, shard=shard, **mine.options())
 
 
 class GroupModel:
@@ -532,20 +564,22 @@ class Follower:
             getattr(self, "on_" + kind)(body)
 
     def on_load(self, body: dict) -> None:
-        from .engine.registry import family_module
+        from .engine.registry import ModelEntry, family_module, load_refusal
 
-        model = None
+        model, refusal = None, None
+        path, model_id = Path(body["path"]), body["model_id"]
         try:
             module = family_module(body["family"])
-            path, model_id = Path(body["path"]), body["model_id"]
-            model = load_shard(module, path, model_id, body["quantization"], self.shard)
-        except Exception:  # noqa: BLE001 - reported to rank 0 through the gather
-            log.exception("rank %d could not load %s", self.shard.rank, body["model_id"])
-        gather_ints(-1 if model is None else model.weight_bytes)
+            model = load_shard(module, path, model_id, body["settings"], self.shard)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0 through the gather
+            log.exception("rank %d could not load %s", self.shard.rank, model_id)
+            entry = ModelEntry(model_id, path, body["family"], None)
+            refusal = (load_refusal(entry, exc).status, f"{type(exc).__name__}: {exc}")
+        gather_loads(model, refusal)
         if model is not None:
-            self.models[body["model_id"]] = model
-            self.tables[body["model_id"]] = {}
-            log.info("rank %d holds its shard of %s", self.shard.rank, body["model_id"])
+            self.models[model_id] = model
+            self.tables[model_id] = {}
+            log.info("rank %d holds its shard of %s", self.shard.rank, model_id)
 
     def on_unload(self, body: dict) -> None:
         model = self.models.pop(body["model_id"], None)

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .engine.precision import Quantization
 from .engine.sampling import (
     SAMPLERS,
     DirectTransport,
@@ -45,8 +44,9 @@ from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
 from .parsers import (
     CommandParser,
     add_group_arguments,
-    add_quantize_arguments,
-    quantization_argument,
+    add_model_arguments,
+    flag_name,
+    model_flags,
 )
 from .process import config_registry, prepare_process
 
@@ -78,30 +78,35 @@ class ModelChoice:
 def choose_model(
     model: str | None,
     config_path: Path | None = None,
-    quantization: Quantization | None = None,
+    flags: dict | None = None,
 ) -> ModelChoice:
     """A folder (holding model_index.json), a model id of the configuration, or, with neither,
-    the configured default model or else the embedded default; loaded at `quantization`
-    (`--quantize`), else at its entry's configured precision."""
-    from .config import load_config
+    the configured default model or else the embedded default; loaded with its model entry's
+    settings and `flags` over them (a model entry's table from the command's flags:
+    parsers.model_flags)."""
+    from .config import load_config, model_settings_over
     from .engine.registry import MODEL_INDEX, ModelRegistry
 
     started = time.perf_counter()
+    flags = flags or {}
     if model and (Path(model).expanduser() / MODEL_INDEX).is_file():
         folder = Path(model).expanduser().resolve()
+        settings = model_settings_over(None, flags, Path.cwd(), flag_name).load_settings()
         registry = ModelRegistry(
             extra_models=[folder],
             default_model=folder.name,
-            quantization=lambda _model_id: quantization,
+            settings=lambda _model_id: settings,
         )
         return ModelChoice(registry, folder.name, time.perf_counter() - started)
-    config = load_config(config_path, quantization=quantization)
+    config = load_config(config_path)
     registry, _ = config_registry(config, model)
     if model and model not in registry.folders():
         raise ValueError(unknown_model(model, sorted(registry.folders())))
     model_id = registry.default_model
     if not model_id:
         raise ValueError("no model named, none configured and no embedded default available")
+    entry = config.models.get(model_id)
+    config.models[model_id] = model_settings_over(entry, flags, Path.cwd(), flag_name)
     return ModelChoice(registry, model_id, time.perf_counter() - started)
 
 
@@ -237,7 +242,7 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
         help="server TOML config file, for its model_dirs and model entries"
         " (default: the config `gmlx serve` reads)",
     )
-    add_quantize_arguments(parser)
+    add_model_arguments(parser)
 
 
 def add_adapter_argument(parser: argparse.ArgumentParser, note: str = "") -> None:
@@ -279,13 +284,13 @@ def run_sample(args: argparse.Namespace) -> int:
 def _sample(args: argparse.Namespace, group: Any) -> int:
     try:
         images = read_references(args.ref)
-        quantization = quantization_argument(args)
+        flags = model_flags(args)
     except ValueError as exc:
         print(f"gmlx image sample: {exc}", file=sys.stderr)
         return EXIT_USAGE
     request = image_request(args, images)
     try:
-        choice = choose_model(args.model, args.config, quantization)
+        choice = choose_model(args.model, args.config, flags)
         choice.join(group)
         with CompileWatch(note):
             if args.via_steps:
@@ -535,12 +540,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace, group: Any) -> int:
     try:
         request = image_request(args, read_references(args.ref))
-        quantization = quantization_argument(args)
+        flags = model_flags(args)
     except ValueError as exc:
         print(f"gmlx image bench: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        choice = choose_model(args.model, args.config, quantization)
+        choice = choose_model(args.model, args.config, flags)
         choice.join(group)
         with CompileWatch(note):
             record = run_bench(

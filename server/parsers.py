@@ -5,8 +5,15 @@ description too."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from .engine.precision import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, Quantization
+from .engine.precision import (
+    BITS,
+    DEFAULT_GROUP_SIZE,
+    ENCODER_VAE_DTYPES,
+    GROUP_SIZES,
+    Quantization,
+)
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -39,25 +46,34 @@ class CommandParser(argparse.ArgumentParser):
         self.register("action", "parsers", Subcommands)
 
 
+# The argparse form of a model entry's keys whose value is not a file (config.MODEL_SETTINGS).
+FLAG_FORMS = {
+    "quantize": {"type": int, "choices": BITS, "metavar": "BITS"},
+    "group_size": {"type": int, "choices": GROUP_SIZES},
+    "encoder_vae_dtype": {"choices": ENCODER_VAE_DTYPES},
+}
+# A model entry's keys a command takes otherwise: its `--adapter` (repeatable, the sampling's).
+NOT_FLAGS = ("adapters",)
+
+
+def flag_name(key: str) -> str:
+    """The flag of a model entry's key: `--text-encoder` for `text_encoder`."""
+    return "--" + key.replace("_", "-")
+
+
 def add_quantize_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--quantize BITS` and `--group-size N`: the precision models load at (engine/quantize.py),
-    over the configuration's model entries; read back with `quantization_argument`."""
-    parser.add_argument(
-        "--quantize",
-        type=int,
-        choices=BITS,
-        default=None,
-        metavar="BITS",
-        help="quantize the DiT's and the text encoder's linear layers to this many bits as they"
-        f" load ({', '.join(map(str, BITS))}; over the model entries' own `quantize`)",
-    )
-    parser.add_argument(
-        "--group-size",
-        type=int,
-        choices=GROUP_SIZES,
-        default=None,
-        help=f"with --quantize: weights per scale and bias (default {DEFAULT_GROUP_SIZE})",
-    )
+    """`--quantize BITS` and `--group-size N` of `gmlx serve`: the precision every model loads
+    at (engine/quantize.py), over the model entries' own; read back with
+    `quantization_argument`."""
+    from .config import MODEL_SETTINGS
+
+    for key in ("quantize", "group_size"):
+        parser.add_argument(
+            flag_name(key),
+            default=None,
+            help=f"{MODEL_SETTINGS[key]}; every model's, over the model entries' own {key}",
+            **FLAG_FORMS[key],
+        )
 
 
 def quantization_argument(args: argparse.Namespace) -> Quantization | None:
@@ -68,6 +84,39 @@ def quantization_argument(args: argparse.Namespace) -> Quantization | None:
             raise ValueError("--group-size needs --quantize")
         return None
     return Quantization(args.quantize, args.group_size or DEFAULT_GROUP_SIZE)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """A model entry's settings (config.MODEL_SETTINGS) as flags of a command that loads a
+    model: `--quantize`, `--group-size`, `--encoder-vae-dtype`, `--dit`, `--text-encoder`,
+    `--mmproj`, each over the entry's own; read back with `model_flags`."""
+    from .config import MODEL_SETTINGS
+
+    for key, description in MODEL_SETTINGS.items():
+        if key in NOT_FLAGS:
+            continue
+        parser.add_argument(
+            flag_name(key),
+            default=None,
+            help=f"{description}; over the model entry's own {key}",
+            **FLAG_FORMS.get(key, {"metavar": "FILE"}),
+        )
+
+
+def model_flags(args: argparse.Namespace) -> dict:
+    """The model entry settings the flags of `add_model_arguments` give, as a model entry's
+    table (only those given); a ConfigError (a ValueError) naming the flag for a value the
+    configuration would refuse (config.model_settings: a file that is not an existing .gguf,
+    --group-size without --quantize)."""
+    from .config import MODEL_SETTINGS, model_settings
+
+    table = {
+        key: getattr(args, key)
+        for key in MODEL_SETTINGS
+        if key not in NOT_FLAGS and getattr(args, key) is not None
+    }
+    model_settings(table, Path.cwd(), name=flag_name)
+    return table
 
 
 def add_group_arguments(parser) -> None:

@@ -36,8 +36,8 @@ def config_registry(config, model: str | None = None):
     """The model registry of a configuration, its default model `model` or else the configured
     one or else the embedded default; with no default_model configured the embedded models'
     folders join as extra folders, so `model` may name one. Models load with their entries'
-    configured adapters and at their configured precision (`--quantize`, else the entry's
-    `quantize`; the entry's `encoder_vae_dtype`). Returns (registry, extra folders)."""
+    configured adapters and load settings (config.ServerConfig.load_settings_for: `--quantize`
+    over the entry's `quantize`). Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
     from .lora_files import DefaultAdapters
 
@@ -49,9 +49,7 @@ def config_registry(config, model: str | None = None):
         default,
         extra_models=extra,
         load_hooks=hooks,
-        quantization=config.quantization_for,
-        encoder_vae_dtype=config.encoder_vae_dtype_for,
-        model_files=config.files_for,
+        settings=config.load_settings_for,
     )
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup

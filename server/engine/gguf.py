@@ -487,13 +487,17 @@ class DiTFile:
                 )
         return file, sources
 
-    def tensors(self, dtype: mx.Dtype | None = None, keep_f32=None) -> dict[str, mx.array]:
+    def tensors(
+        self, dtype: mx.Dtype | None = None, keep_f32=None, reads=None
+    ) -> dict[str, mx.array]:
         """The family's tensors by diffusers name, as a stored quantized folder holds them: a
         linear weight `X.weight` quantized in the file is packed beside `X.scales` and
         `X.biases` (group 32, float32), every part of a fused weight at the widest part's
         width (widening is exact) or, when a part is float, all in float; everything else is a
         float array cast to `dtype` (float32 for the names `keep_f32` picks). Read one file
-        tensor at a time."""
+        tensor at a time; a file tensor none of whose names `reads` picks (the blocks of
+        another rank: shard.TreeShard.reads) is never read: its names hold zeros of their
+        shapes that are never evaluated (MLX arrays are lazy), for the caller to drop."""
         file, sources = self.open()
         widths = self._widths(file, sources)
         out: dict[str, mx.array] = {}
@@ -506,7 +510,13 @@ class DiTFile:
             if keep_f32 is not None and all(keep_f32(name) for name, _, _ in targets):
                 float_dtype = mx.float32
             swapped = file_name in self.naming.swapped
-            if all(name in widths for name, _, _ in targets):
+            kept_quantized = all(name in widths for name, _, _ in targets)
+            if reads is not None and not any(reads(name) for name, _, _ in targets):
+                for name, _, _ in targets:
+                    width = widths[name] if kept_quantized else None
+                    out.update(self._unread(name, width, float_dtype))
+                continue
+            if kept_quantized:
                 value = file.read(file_name)
                 value = _swapped_rows(value) if swapped else value
                 for name, part, parts in targets:
@@ -520,6 +530,20 @@ class DiTFile:
                     out[name] = _split_rows(value, part, parts)
             del value
         return out
+
+    def _unread(self, name: str, width: int | None, dtype: mx.Dtype | None) -> dict:
+        """Lazy zeros in place of a tensor that is not read: packed at `width` with its scales
+        and biases (a weight kept quantized), else a float array."""
+        shape = tuple(self.shapes[name])
+        if width is None:
+            return {name: mx.zeros(shape, dtype or mx.float32)}
+        rows, cols = shape
+        base = name[: -len(".weight")]
+        return {
+            name: mx.zeros((rows, cols * width // 32), mx.uint32),
+            base + SCALES: mx.zeros((rows, cols // GROUP_SIZE), mx.float32),
+            base + BIASES: mx.zeros((rows, cols // GROUP_SIZE), mx.float32),
+        }
 
     def _widths(self, file: GGUFFile, sources) -> dict[str, int]:
         """Diffusers weight name -> the width it is packed at, for the weights kept quantized:

@@ -28,7 +28,7 @@ from typing import Any
 from gmlx_contract.errors import ContractError
 
 from .base import EngineInputError, ImageModel, seam_gaps
-from .precision import AUTO, Quantization
+from .load_settings import LoadSettings
 
 log = logging.getLogger("gmlx.server")
 
@@ -43,7 +43,8 @@ LISTING_TTL_S = 2.0
 # of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
 # precision.Quantization) in a family that quantizes, `encoder_vae_dtype=` (a name of
 # precision.ENCODER_VAE_DTYPES) in one whose encoder and VAE dtype can be set, and `dit=` /
-# `text_encoder=` / `mmproj=` (a model entry's GGUF files) in a family that reads them;
+# `text_encoder=` / `mmproj=` (a model entry's GGUF files) in a family that reads them (the
+# keywords of a load_settings.LoadSettings);
 # optionally `describe(model_dir, model_id) -> dict` (the status of a model that is not
 # loaded), `manifest(model_dir) -> dict` (both taking the same file keywords),
 # `check(model_dir, ...)` (refuse broken GGUF files before the resident model is let go),
@@ -154,6 +155,19 @@ class LoadedModel:
         return self.entry.model_id
 
 
+def load_refusal(entry: ModelEntry, exc: Exception) -> ContractError:
+    """A family's refusal of a model's files as the load's answer: 404 for a missing file, 400
+    for files that do not match the family (EngineInputError, ValueError, KeyError), 503 for
+    anything else."""
+    if isinstance(exc, FileNotFoundError):
+        return ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}")
+    if isinstance(exc, (EngineInputError, ValueError, KeyError)):
+        return ContractError(
+            400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
+        )
+    return ContractError(503, f"model {entry.model_id!r} failed to load: {exc}")
+
+
 class ModelRegistry:
     def __init__(
         self,
@@ -163,24 +177,18 @@ class ModelRegistry:
         families: dict[str, Any] | None = None,
         max_resident: int = 1,
         load_hooks: Any = None,
-        quantization: Callable[[str], Quantization | None] | None = None,
-        encoder_vae_dtype: Callable[[str], str] | None = None,
-        model_files: Callable[[str], dict[str, Path]] | None = None,
+        settings: Callable[[str], LoadSettings] | None = None,
     ) -> None:
         """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
         before a model's weights load with the family's manifest of its folder, and
         `give(loaded)`, run on each newly loaded instance before anyone sees it; a ValueError
         or ContractError from either fails the load with its status (400 for a ValueError),
-        naming the model. `quantization(model_id)` is the precision a model loads at (None, or no
-        function: as its files store it), `encoder_vae_dtype(model_id)` the dtype setting of its
-        text encoder and VAE (no function: `auto`), `model_files(model_id)` the GGUF files its
-        components' weights come from, by the family's keyword (`dit`, `text_encoder`,
-        `mmproj`; none, or no function: its folder's)."""
+        naming the model. `settings(model_id)` is how a model loads (load_settings.LoadSettings:
+        its quantization, its encoder and VAE dtype, its GGUF files; no function: as its folder
+        stores it)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
-        self.quantization = quantization
-        self.encoder_vae_dtype = encoder_vae_dtype
-        self.model_files = model_files
+        self.settings = settings
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
         self.families = FAMILIES if families is None else families
@@ -343,16 +351,16 @@ class ModelRegistry:
         except ValueError as exc:
             raise ContractError(400, f"model {model_id!r}: {exc}") from exc
 
-    def file_options(self, entry: ModelEntry) -> dict:
-        """The keyword arguments naming the entry's own files for the family's `load`,
-        `describe`, `manifest` and `check`: its configured GGUF files (`dit`, `text_encoder`)."""
-        return dict(self.model_files(entry.model_id)) if self.model_files else {}
+    def settings_for(self, entry: ModelEntry) -> LoadSettings:
+        """How the entry's model loads (its folder's own way without a `settings` function)."""
+        return self.settings(entry.model_id) if self.settings else LoadSettings()
 
     def files_for(self, entry: ModelEntry, function: Callable) -> dict:
         """The entry's file keywords that `function` (a family's describe, manifest or check)
         takes; a setting the family does not read is refused by the load, not here."""
         parameters = inspect.signature(function).parameters
-        return {k: v for k, v in self.file_options(entry).items() if k in parameters}
+        files = self.settings_for(entry).files()
+        return {k: v for k, v in files.items() if k in parameters}
 
     def _check_before_load(self, entry: ModelEntry, module: Any) -> None:
         """Before the resident model is let go: the family's `check` of the entry's files (a
@@ -376,12 +384,8 @@ class ModelRegistry:
         file, 400 for files that do not match the family."""
         try:
             yield
-        except FileNotFoundError as exc:
-            raise ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}") from exc
-        except (EngineInputError, ValueError, KeyError) as exc:
-            raise ContractError(
-                400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
-            ) from exc
+        except (FileNotFoundError, EngineInputError, ValueError, KeyError) as exc:
+            raise load_refusal(entry, exc) from exc
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
         module = family_module(entry.family, self.families)
@@ -423,16 +427,9 @@ class ModelRegistry:
         return loaded
 
     def _load_options(self, entry: ModelEntry, module: Any) -> dict:
-        """The keyword arguments of the family's `load` for this entry: its quantization and
-        its encoder and VAE dtype, where set, and its GGUF files (each refused 400 for a family
-        whose `load` does not take it)."""
-        quantization = self.quantization(entry.model_id) if self.quantization else None
-        dtype = self.encoder_vae_dtype(entry.model_id) if self.encoder_vae_dtype else AUTO
-        options = self.file_options(entry)
-        if quantization is not None:
-            options["quantization"] = quantization
-        if dtype != AUTO:
-            options["encoder_vae_dtype"] = dtype
+        """The keyword arguments of the family's `load` for this entry: its load settings'
+        (LoadSettings.options), each refused 400 for a family whose `load` does not take it."""
+        options = self.settings_for(entry).options()
         taken = inspect.signature(module.load).parameters
         refused = {
             "quantization": "does not quantize its weights; load it without quantize",

@@ -60,6 +60,12 @@ class TreeShard:
         total = sum(depths[stack] for stack in plan.stacks)
         self.bounds = stage_bounds(total, shard.size) if shard.pipeline else []
         self.full_shapes: dict[tuple, tuple[int, int]] = {}  # (path, key) -> logical (out, in)
+        self._unread = tuple(  # the checkpoint name prefixes of the blocks other ranks run
+            prefix.format(index)
+            for stack, prefix in plan.prefixes.items()
+            for index in range(depths[stack])
+            if not self.owned(stack, index)
+        )
 
     # -- which blocks a rank runs -----------------------------------------------------------
 
@@ -76,6 +82,11 @@ class TreeShard:
 
     def owned(self, stack: str, index: int) -> bool:
         return self.owner(stack, index) == self.shard.rank
+
+    def reads(self, name: str) -> bool:
+        """Whether this rank reads the checkpoint tensor `name` (a diffusers name): every one
+        but those of the blocks other ranks run (pipeline mode; the plan's `prefixes`)."""
+        return not name.startswith(self._unread)
 
     # -- the weights ------------------------------------------------------------------------
 

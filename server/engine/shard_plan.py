@@ -22,11 +22,14 @@ class Split:
 @dataclass(frozen=True)
 class ShardPlan:
     """A family's shard plan: the block lists of the pipeline, in order, and the block weights
-    split by output rows (`columns`) and by input columns (`rows`), by their key in a block."""
+    split by output rows (`columns`) and by input columns (`rows`), by their key in a block;
+    `prefixes`: each stack's block names in the checkpoint (diffusers names, `{}` for the block
+    index), so a rank of a pipeline reads no other rank's blocks from a GGUF file."""
 
     stacks: tuple[str, ...]
     columns: dict[str, Split] = field(default_factory=dict)
     rows: dict[str, Split] = field(default_factory=dict)
+    prefixes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -131,10 +131,10 @@ def load_tree(
     and bf16 ones would change the dequantized weights (by 5e-3, docs/benchmarks.md, "Load
     peaks") against quantizing the float32 weights, as `gmlx model quantize` does. With a
     `shard` (a rank's shard.TreeShard) only the rank's slice of each weight is kept, cut
-    before quantizing."""
+    before quantizing; of a GGUF file, the blocks of other ranks' stages are never read."""
     component_dir = Path(component_dir)
     if gguf is not None:
-        files = gguf.tensors(dtype, keep_f32)
+        files = gguf.tensors(dtype, keep_f32, reads=None if shard is None else shard.reads)
         tree = sanitize_stored(files, sanitize, GGUF_GROUP_SIZE)
     else:
         quantization = quantization_at_load(component_dir, quantization)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from gmlx_contract.errors import ContractError
 from gmlx_server.config import ConfigError, load_config
+from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.registry import ModelRegistry
 
 from tests.server import linear_family
@@ -26,9 +27,9 @@ def test_the_dtype_and_the_residency_are_read_and_default_to_auto(tmp_path):
     )
     config = load_config(path, env={})
     assert config.image.encoder_residency == "release"
-    assert config.encoder_vae_dtype_for("a") == "f32"
-    assert config.encoder_vae_dtype_for("b") == "auto"
-    assert config.encoder_vae_dtype_for("absent") == "auto"
+    assert config.load_settings_for("a").encoder_vae_dtype == "f32"
+    assert config.load_settings_for("b").encoder_vae_dtype == "auto"
+    assert config.load_settings_for("absent").encoder_vae_dtype == "auto"
     assert load_config(config_file(tmp_path, ""), env={}).image.encoder_residency == "auto"
 
 
@@ -58,7 +59,9 @@ def test_a_family_without_the_setting_is_refused_and_auto_asks_nothing(tmp_path)
     folder = linear_family.make_model_folder(tmp_path, "lin")
     families = {linear_family.FAMILY: linear_family}
     forced = ModelRegistry(
-        extra_models=[folder], families=families, encoder_vae_dtype=lambda model_id: "bf16"
+        extra_models=[folder],
+        families=families,
+        settings=lambda model_id: LoadSettings(encoder_vae_dtype="bf16"),
     )
     with pytest.raises(ContractError) as refused:
         forced.acquire("lin")
@@ -66,6 +69,6 @@ def test_a_family_without_the_setting_is_refused_and_auto_asks_nothing(tmp_path)
     assert "family test_linear has no encoder and VAE dtype to set" in refused.value.message
     assert forced.resident_ids() == []
     auto = ModelRegistry(
-        extra_models=[folder], families=families, encoder_vae_dtype=lambda model_id: "auto"
+        extra_models=[folder], families=families, settings=lambda model_id: LoadSettings()
     )
     assert auto.acquire("lin").model_id == "lin"

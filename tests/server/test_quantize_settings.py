@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gmlx_contract.errors import ContractError
 from gmlx_server import cli
-from gmlx_server.config import ConfigError, load_config
+from gmlx_server.config import ConfigError, load_config, model_settings_over
+from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.image_cli import bench_parser, sample_parser
-from gmlx_server.parsers import quantization_argument
+from gmlx_server.parsers import model_flags, quantization_argument
 
 from tests.server import linear_family
 
@@ -32,11 +34,12 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         '[models."c"]\nadapters = []\n',
     )
     config = load_config(path, env={})
-    assert config.quantization_for("a") == Quantization(4, 64)
-    assert config.quantization_for("b") == Quantization(8, 128)
-    assert config.quantization_for("c") is None and config.quantization_for("absent") is None
+    assert config.load_settings_for("a").quantization == Quantization(4, 64)
+    assert config.load_settings_for("b").quantization == Quantization(8, 128)
+    assert config.load_settings_for("c").quantization is None
+    assert config.load_settings_for("absent").quantization is None
     flagged = load_config(path, env={}, quantization=Quantization(3, 32))
-    assert {flagged.quantization_for(m) for m in "abc"} == {Quantization(3, 32)}
+    assert {flagged.load_settings_for(m).quantization for m in "abc"} == {Quantization(3, 32)}
 
 
 @pytest.mark.parametrize(
@@ -68,11 +71,11 @@ def test_bad_precisions_are_refused_naming_the_entry(tmp_path, entry, message):
 )
 def test_the_image_commands_take_quantize_and_group_size(parser, required, capsys):
     args = parser().parse_args([*required, "--quantize", "5"])
-    assert quantization_argument(args) == Quantization(5, 64)
-    assert quantization_argument(parser().parse_args(required)) is None
+    assert model_settings_over(None, model_flags(args), Path()).quantization == Quantization(5)
+    assert model_flags(parser().parse_args(required)) == {}
     args = parser().parse_args([*required, "--group-size", "32"])
     with pytest.raises(ValueError, match="--group-size needs --quantize"):
-        quantization_argument(args)
+        model_flags(args)
     with pytest.raises(SystemExit):
         parser().parse_args([*required, "--quantize", "7"])
     assert "invalid choice: 7" in capsys.readouterr().err
@@ -96,7 +99,7 @@ def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_pa
     registry = ModelRegistry(
         extra_models=[folder],
         families={linear_family.FAMILY: linear_family},
-        quantization=lambda model_id: Quantization(4),
+        settings=lambda model_id: LoadSettings(Quantization(4)),
     )
     with pytest.raises(ContractError) as refused:
         registry.acquire("lin")
@@ -106,7 +109,7 @@ def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_pa
     plain = ModelRegistry(
         extra_models=[folder],
         families={linear_family.FAMILY: linear_family},
-        quantization=lambda model_id: None,
+        settings=lambda model_id: LoadSettings(),
     )
     assert plain.acquire("lin").model_id == "lin"
 
@@ -116,8 +119,8 @@ def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
     (tmp_path / "gguf" / "dit-Q4_K_M.gguf").write_bytes(b"GGUF")
     path = config_file(tmp_path, '[models."a"]\ndit = "gguf/dit-Q4_K_M.gguf"\n')
     config = load_config(path, env={})
-    assert config.files_for("a") == {"dit": tmp_path / "gguf" / "dit-Q4_K_M.gguf"}
-    assert config.files_for("absent") == {}
+    assert config.load_settings_for("a").files() == {"dit": tmp_path / "gguf" / "dit-Q4_K_M.gguf"}
+    assert config.load_settings_for("absent").files() == {}
     for entry, message in (
         ('dit = "gguf/missing.gguf"', "dit: no file at"),
         ('dit = "config.toml"', "dit must name a .gguf or .safetensors file"),
@@ -134,7 +137,7 @@ def test_a_family_that_reads_no_gguf_refuses_a_dit_setting(tmp_path):
     registry = ModelRegistry(
         extra_models=[folder],
         families={linear_family.FAMILY: linear_family},
-        model_files=lambda model_id: {"dit": tmp_path / "dit.gguf"},
+        settings=lambda model_id: LoadSettings(dit=tmp_path / "dit.gguf"),
     )
     with pytest.raises(ContractError) as refused:
         registry.acquire("lin")

@@ -74,11 +74,65 @@ def via_steps(registry, folder: Path, group) -> dict:
     return {"rel_l2": rel_l2(latents, alone), "distributed": status["distributed"]}
 
 
+def gguf_model(folder: Path) -> tuple[Path, Path]:
+    """A copy of the folder without DiT weights, and a GGUF file of its DiT beside it (the
+    block linears Q8_0, Q4_0 in the second half: their 192 and 576 input columns whole groups
+    of 32), named by the model's settings."""
+    from gguf import GGMLQuantizationType as T
+    from gmlx_server.engine.families.qwen_image21 import embedded
+    from safetensors.numpy import load_file
+
+    from tests.engine.gguf_files import write_dit
+
+    target = folder.parent / (folder.name + "-gguf")
+    dit = folder.parent / (folder.name + "-dit-Q8_0.gguf")
+    if not target.exists():
+        shutil.copytree(folder, target)
+        (target / "transformer" / embedded.DIFFUSERS_WEIGHTS).unlink()
+        weights = load_file(str(folder / "transformer" / embedded.DIFFUSERS_WEIGHTS))
+        types = {
+            name: T.Q4_0 if int(name.split(".")[1]) >= 3 else T.Q8_0
+            for name, value in weights.items()
+            if name.startswith("transformer_blocks.") and value.ndim == 2
+        }
+        write_dit(dit, weights, types, np.random.default_rng(3))
+    return target, dit
+
+
+def missing_on_rank_1(registry, folder: Path, dit: Path) -> dict:
+    """A load whose DiT file rank 0 reaches and rank 1 does not (a `.gguf` link to a file
+    descriptor only rank 0 holds open, /dev/fd on Linux and macOS): refused, naming the rank
+    and the file."""
+    import os
+
+    from gmlx_contract.errors import ContractError
+    from gmlx_server.engine.load_settings import LoadSettings
+
+    registry.unload(folder.name)
+    descriptor = os.open(dit, os.O_RDONLY)
+    held = os.dup2(descriptor, 900)
+    os.close(descriptor)
+    path = dit.with_name("held-by-rank-0.gguf")
+    path.unlink(missing_ok=True)
+    path.symlink_to(f"/dev/fd/{held}")
+    settings, registry.settings = registry.settings, lambda model_id: LoadSettings(dit=path)
+    try:
+        registry.acquire(folder.name)
+    except ContractError as exc:
+        return {"status": exc.status, "message": exc.message, "file": str(path)}
+    finally:
+        registry.settings = settings
+        os.close(held)
+        path.unlink()
+    return {"status": 200, "message": "", "file": str(path)}
+
+
 def main(folder: str, mode: str) -> None:
     from gmlx_server import distributed
 
     group = distributed.join(mode)  # the other ranks follow here, then end
     from gmlx_server.engine.families.qwen_image21 import family
+    from gmlx_server.engine.load_settings import LoadSettings
     from gmlx_server.engine.precision import Quantization
     from gmlx_server.engine.registry import ModelRegistry
     from gmlx_server.engine.weights import quantize_folder
@@ -94,9 +148,14 @@ def main(folder: str, mode: str) -> None:
     stored_folder = folder.parent / (folder.name + "-stored8")  # `gmlx model quantize`'s
     if not stored_folder.exists():
         quantize_folder(folder, stored_folder, quantization, family.quantized_files(folder))
+    gguf_folder, dit = gguf_model(folder)
+    settings = {
+        quantized_folder.name: LoadSettings(quantization),
+        gguf_folder.name: LoadSettings(dit=dit, encoder_vae_dtype="f16"),
+    }
     registry = ModelRegistry(
-        extra_models=[folder, quantized_folder, stored_folder],
-        quantization=lambda model_id: quantization if model_id.endswith("-q8") else None,
+        extra_models=[folder, quantized_folder, stored_folder, gguf_folder],
+        settings=lambda model_id: settings.get(model_id, LoadSettings()),
     )
     distributed.attach(group, registry)
     rng = np.random.default_rng(1)
@@ -106,15 +165,12 @@ def main(folder: str, mode: str) -> None:
     x = rng.standard_normal((2, 64, 4, 4)).astype(np.float32)
     timestep = np.array([0.7, 0.7], np.float32)
     results = {}
-    models = (
-        (folder.name, None),
-        (quantized_folder.name, quantization),
-        (stored_folder.name, None),
-    )
-    for model_id, precision in models:
+    models = (folder.name, quantized_folder.name, stored_folder.name, gguf_folder.name)
+    for model_id in models:
         loaded = registry.acquire(model_id)
         sharded = loaded.model
-        single = family.load(registry.resolve(model_id).path, model_id, quantization=precision)
+        options = registry.settings(model_id).options()
+        single = family.load(registry.resolve(model_id).path, model_id, **options)
         doc, adapters = lora_doc(model_id, rng)
         tables = [make_table(engine, doc, adapters) for engine in (sharded, single)]
         uncached = [dataclasses.replace(r, prefix_cache=False) for r in rows]
@@ -143,7 +199,10 @@ def main(folder: str, mode: str) -> None:
             "ranks": sharded.rank_weight_bytes,
             "single": single.weight_bytes,
         }
+        residency = sharded.status()["residency"]
+        results[f"{model_id} dtypes"] = {part: residency[part]["dtype"] for part in residency}
         registry.release(loaded)
+    results["missing on rank 1"] = missing_on_rank_1(registry, gguf_folder, dit)
     results["via steps"] = via_steps(registry, folder, group)
     registry.unload_all()
     distributed.stop_group(group)

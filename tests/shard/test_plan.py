@@ -248,3 +248,48 @@ def test_serve_hostfile_launches_the_same_command_without_its_launch_flags(tmp_p
     command = distributed.launch_command(tmp_path / "h.json", "ring", argv)
     assert command[command.index("--hostfile") + 1] == str(tmp_path / "h.json")
     assert command[command.index("--") + 1 :][-5:] == ["serve", "--port", "9", "--shard", "tensor"]
+
+
+def test_a_pipeline_rank_reads_only_its_blocks_of_a_gguf_dit(tmp_path, monkeypatch):
+    """Rank 1 of 2 reads the tensors of blocks 3..5 and those outside the blocks from the
+    memory-mapped file, no tensor of rank 0's blocks, and holds what one process holds of
+    them; a rank that holds a part of every block (tensor mode) reads every tensor."""
+    from gguf import GGMLQuantizationType as T
+    from gmlx_server.engine.families.qwen_image21 import embedded
+    from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
+    from gmlx_server.engine.gguf import GGUFFile
+    from gmlx_server.engine.nn.dtypes import tree_leaves
+    from safetensors.numpy import load_file
+
+    from tests.engine.gguf_files import write_dit
+    from tests.shard.folder import build_shard_folder
+
+    folder = build_shard_folder(tmp_path / "model") / "transformer"
+    weights = load_file(str(folder / embedded.DIFFUSERS_WEIGHTS))
+    types = {name: T.Q8_0 for name, value in weights.items() if value.ndim == 2}
+    dit = tmp_path / "dit.gguf"
+    write_dit(dit, weights, types, np.random.default_rng(0))
+    read: list[str] = []
+    original = GGUFFile.read
+    monkeypatch.setattr(
+        GGUFFile,
+        "read",
+        lambda self, name, *a, **k: read.append(name) or original(self, name, *a, **k),
+    )
+    whole = QwenImage21DiT.load(folder, dit=dit).weights
+    everything = set(read)
+    read.clear()
+    part = QwenImage21DiT.load(folder, dit=dit, shard=Shard("pipeline", 1, 2)).weights
+    blocks = {int(name.split(".")[1]) for name in read if name.startswith("transformer_blocks.")}
+    assert blocks == {3, 4, 5}
+    assert {name for name in everything if not name.startswith("transformer_blocks.")} <= set(read)
+    assert part["blocks"][:3] == [{}, {}, {}]
+    for index in (3, 4, 5):
+        held = list(tree_leaves(part["blocks"][index]))
+        assert held and all(
+            np.array_equal(np.array(a), np.array(b))
+            for a, b in zip(held, tree_leaves(whole["blocks"][index]), strict=True)
+        )
+    read.clear()
+    QwenImage21DiT.load(folder, dit=dit, shard=Shard("tensor", 1, 2))
+    assert set(read) == everything

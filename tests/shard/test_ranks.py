@@ -2,7 +2,9 @@
 
 - steps over 2 (and, marked heavy, 3) ranks equal the one-process step (relative L2 <= 1e-5 in
   float32) in pipeline and tensor mode, on a prefix-cache miss and hit, under a LoRA table,
-  quantized at load and stored quantized, and a guided sampling through the step routes equals one process's;
+  quantized at load, stored quantized and from a GGUF file (its encoder and VAE at the model's
+  encoder_vae_dtype), and a guided sampling through the step routes equals one process's; a
+  DiT file that a rank does not reach is refused naming the rank and the file;
 - `gmlx serve` over 2 ranks reports the group in capabilities and status, answers steps equal
   to one process, and a rank that stops or dies turns into a 503 naming it within the bound: a
   stopped rank that resumes is taken back, a dead one leaves the group refusing model work;
@@ -116,13 +118,22 @@ def check_equal(results: dict, model: str, ranks: int, mode: str) -> None:
             assert result["rel_l2"] <= TOLERANCE, (case, result)
         if "prefix" in result:
             assert result["prefix"][0] == result["prefix"][1], (case, result)
-    for model_id in (model, model + "-q8", model + "-stored8"):
+    for model_id in (model, model + "-q8", model + "-stored8", model + "-gguf"):
         assert results[f"{model_id} hit"]["prefix"] == ["hit", "hit"]
         assert results[f"{model_id} off"]["prefix"] == ["off", "off"]
         weights = results[f"{model_id} weights"]
         assert len(weights["ranks"]) == ranks
         # every rank holds less than the whole model, rank 0 the encoder and VAE besides
         assert max(weights["ranks"]) < weights["single"]
+    # the GGUF DiT read by every rank from the same file steps as one process with that file
+    # (above); rank 0's encoder and VAE at the model's encoder_vae_dtype, its DiT as computed
+    assert results[model + "-gguf dtypes"] == {"dit": "f32", "encoder": "f16", "vae": "f16"}
+    missing = results["missing on rank 1"]
+    assert missing["status"] == 404, missing
+    assert (
+        f"rank 1 of {ranks} has no file {missing['file']!r} (the model's dit)"
+        in (missing["message"])
+    )
     assert results["via steps"]["distributed"]["world_size"] == ranks
     assert results["via steps"]["distributed"]["mode"] == mode
 

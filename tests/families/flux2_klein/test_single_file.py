@@ -185,7 +185,7 @@ def live(tmp_path_factory):
         (MISSING, files / "missing.safetensors"),
     ):
         config.models[name] = ModelSettings(dit=path)
-    registry = ModelRegistry([models], REFERENCE, model_files=config.files_for)
+    registry = ModelRegistry([models], REFERENCE, settings=config.load_settings_for)
     server = serve(config, registry)
     quantized = type(transformer)(**transformer.config).eval()
     quantized.load_state_dict(converted(held))

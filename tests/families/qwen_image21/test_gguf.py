@@ -266,7 +266,7 @@ def test_a_model_entrys_dit_file_replaces_the_folders_weights(base, tmp_path, co
     config = ServerConfig(host="127.0.0.1", port=0)
     config.models[reference.name] = ModelSettings(dit=elsewhere)
     registry = ModelRegistry(
-        [], reference.name, extra_models=[reference], model_files=config.files_for
+        [], reference.name, extra_models=[reference], settings=config.load_settings_for
     )
     server = serve(config, registry)
     try:

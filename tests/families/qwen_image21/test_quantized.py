@@ -23,6 +23,7 @@ from gmlx_server.engine.families.qwen_image21 import family
 from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
+from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.nn.dtypes import tree_bytes
 from gmlx_server.engine.precision import BITS, Quantization
 from gmlx_server.engine.quantize import BIASES, SCALES, SPEC
@@ -220,7 +221,7 @@ def test_a_configured_quantize_reaches_the_loaded_model(folder):
     config = ServerConfig(host="127.0.0.1", port=0)
     config.models[folder.name] = ModelSettings(quantization=Quantization(6))
     registry = ModelRegistry(
-        [], folder.name, extra_models=[folder], quantization=config.quantization_for
+        [], folder.name, extra_models=[folder], settings=config.load_settings_for
     )
     server = serve(config, registry)
     try:
@@ -266,7 +267,9 @@ def test_equal_to_direct_holds_with_quantize_4(folder, tmp_path):
 
 def test_guided_sampling_with_a_reference_via_steps_equals_direct(folder):
     registry = ModelRegistry(
-        extra_models=[folder], default_model=folder.name, quantization=lambda _: Quantization(4)
+        extra_models=[folder],
+        default_model=folder.name,
+        settings=lambda _: LoadSettings(Quantization(4)),
     )
     request = ImageRequest(
         prompt="a windmill",

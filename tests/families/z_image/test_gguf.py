@@ -211,7 +211,7 @@ def test_a_model_entrys_text_encoder_gguf_encodes_as_its_dequantized_weights(bas
     save_file(held, str(next((plain / "text_encoder").glob("*.safetensors"))))
     config = ServerConfig(host="127.0.0.1", port=0)
     config.models[base.name] = ModelSettings(text_encoder=path)
-    registry = ModelRegistry([], base.name, extra_models=[base], model_files=config.files_for)
+    registry = ModelRegistry([], base.name, extra_models=[base], settings=config.load_settings_for)
     server = serve(config, registry)
     try:
         status = server.call("GET", f"models/{base.name}/status").json()

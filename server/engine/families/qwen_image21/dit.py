@@ -204,6 +204,7 @@ def shard_plan(config: DiTConfig) -> ShardPlan:
         stacks=("blocks",),
         columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
         rows={"out": Split(1, config.head_dim), "down": Split(1)},
+        prefixes={"blocks": BLOCK_PREFIX},
     )
 
 

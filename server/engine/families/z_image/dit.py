@@ -184,6 +184,7 @@ def shard_plan(config: DiTConfig) -> ShardPlan:
         stacks=tuple(STACKS),
         columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
         rows={"out": Split(1, config.head_dim), "down": Split(1)},
+        prefixes={stack: prefix for stack, (prefix, _) in STACKS.items()},
     )
 
 
