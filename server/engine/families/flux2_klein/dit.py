@@ -171,6 +171,11 @@ BFL_DOUBLE = {
     "txt_ff_out": "txt_mlp.2",
 }
 BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
+# BFL's final modulation is norm_out.linear with its two halves swapped: (shift, scale) where
+# diffusers has (scale, shift). LoRA files name it (ComfyUI's Flux2 patches it as its weight).
+BFL_SWAPPED_HALVES = {"final_mod": "final_layer.adaLN_modulation.1"}
+BFL_DOUBLE_BLOCK = "double_blocks.{}."
+BFL_SINGLE_BLOCK = "single_blocks.{}."
 
 
 def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
@@ -178,11 +183,43 @@ def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     slots = {name: LinearSlot(key) for key, name in BFL_TOP.items()}
     for i in range(config.num_layers):
         for key, name in BFL_DOUBLE.items():
-            slots[f"double_blocks.{i}.{name}"] = LinearSlot(key, ("double", i))
+            slots[BFL_DOUBLE_BLOCK.format(i) + name] = LinearSlot(key, ("double", i))
     for i in range(config.num_single_layers):
         for key, name in BFL_SINGLE.items():
-            slots[f"single_blocks.{i}.{name}"] = LinearSlot(key, ("single", i))
+            slots[BFL_SINGLE_BLOCK.format(i) + name] = LinearSlot(key, ("single", i))
     return slots
+
+
+def lora_aliases(rows: dict[str, int]) -> dict[str, list[list]]:
+    """BFL's name of every linear layer as the rows of the diffusers layers it is made of, in
+    order (the manifest's `lora_aliases`: name -> [[layer, start, length], ...]), from the
+    manifest's layers and their output rows: LoRA files trained on BFL's checkpoints (ComfyUI,
+    ai-toolkit, kohya) name these."""
+
+    def whole(*layers: str) -> list[list]:
+        return [[layer, 0, rows[layer]] for layer in layers]
+
+    aliases = {bfl: whole(TOP_LINEARS[key]) for key, bfl in BFL_TOP.items()}
+    for key, bfl in BFL_SWAPPED_HALVES.items():
+        layer, half = TOP_LINEARS[key], rows[TOP_LINEARS[key]] // 2
+        aliases[bfl] = [[layer, half, half], [layer, 0, half]]
+    for i in range(_blocks(rows, DOUBLE, DOUBLE_LINEARS["img_out"][0])):
+        for key, bfl in BFL_DOUBLE.items():
+            parts = (DOUBLE.format(i) + name for name in DOUBLE_LINEARS[key])
+            aliases[BFL_DOUBLE_BLOCK.format(i) + bfl] = whole(*parts)
+    for i in range(_blocks(rows, SINGLE, SINGLE_LINEARS["out"])):
+        for key, bfl in BFL_SINGLE.items():
+            aliases[BFL_SINGLE_BLOCK.format(i) + bfl] = whole(
+                SINGLE.format(i) + SINGLE_LINEARS[key]
+            )
+    return aliases
+
+
+def _blocks(rows: dict[str, int], prefix: str, layer: str) -> int:
+    count = 0
+    while prefix.format(count) + layer in rows:
+        count += 1
+    return count
 
 
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_contract.lora_keys import layer_rows
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
 from ...family import FamilyModel, dit_manifest
@@ -35,7 +36,7 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...vaes.autoencoder_kl_flux2 import latent_facts
 from ...weights import component_bytes, read_config
-from .dit import DiTConfig, Flux2DiT, RefState, bfl_slots, linear_slots
+from .dit import DiTConfig, Flux2DiT, RefState, bfl_slots, linear_slots, lora_aliases
 from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY_4B = "flux2_klein"
@@ -138,9 +139,11 @@ def describe(model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | Non
 
 
 def manifest(model_dir: Path) -> dict:
-    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers")."""
+    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers"),
+    and BFL's names of its linear layers as `lora_aliases` (dit.lora_aliases)."""
     family, _ = _identified(model_dir)
-    return dit_manifest(family, Path(model_dir) / "transformer", TITLES[family])
+    tensors = dit_manifest(family, Path(model_dir) / "transformer", TITLES[family])
+    return {**tensors, "lora_aliases": lora_aliases(layer_rows(tensors))}
 
 
 def load(
