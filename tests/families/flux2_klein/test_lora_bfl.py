@@ -255,3 +255,26 @@ def test_bad_bfl_files_are_refused_naming_the_file(tmp_path, setup, state, reaso
     with pytest.raises(ValueError, match="LoRA file bad.safetensors") as error:
         adapter_table(loaded(engine), [AdapterSpec(path, 1.0)])
     assert reason in str(error.value)
+
+
+def test_the_aliases_are_bfls_checkpoint_layout(setup):
+    """The manifest's aliases assemble BFL's checkpoint from the diffusers weights: diffusers'
+    own single-file conversion of it (`convert_flux2_transformer_checkpoint_to_diffusers`)
+    gives back every linear weight."""
+    from diffusers.loaders.single_file_utils import (
+        convert_flux2_transformer_checkpoint_to_diffusers,
+    )
+
+    _, base, engine = setup
+    weights = {name: tensor.detach().clone() for name, tensor in base.state_dict().items()}
+    checkpoint = {
+        f"{alias}.weight": torch.cat(
+            [weights[f"{p.layer}.weight"][p.start : p.start + p.length] for p in pieces]
+        )
+        for alias, pieces in layer_aliases(engine.manifest()).items()
+    }
+    converted = convert_flux2_transformer_checkpoint_to_diffusers(checkpoint)
+    linears = {t["name"] for t in engine.manifest()["tensors"] if len(t["shape"]) == 2}
+    assert set(converted) == linears
+    for name in linears:
+        torch.testing.assert_close(converted[name], weights[name], rtol=0, atol=0)
