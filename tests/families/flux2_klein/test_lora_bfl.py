@@ -278,3 +278,56 @@ def test_the_aliases_are_bfls_checkpoint_layout(setup):
     assert set(converted) == linears
     for name in linears:
         torch.testing.assert_close(converted[name], weights[name], rtol=0, atol=0)
+
+
+def test_an_entrys_bfl_adapters_run_over_http_and_a_bad_file_is_400(tmp_path, setup):
+    """A klein entry configured with a BFL-named LoRA (`[models."id"] adapters`): a step naming
+    no table runs under it, as `--adapter` builds it; an entry whose file's fused pair has the
+    wrong rows fails the load with 400 naming the model and the file, before the weights load."""
+    from gmlx_contract.hashing import tensor_hash
+    from gmlx_server.config import ModelSettings
+    from gmlx_server.engine.base import StepRow
+
+    from tests.lora.conftest import MODEL_ID
+    from tests.lora.test_http import Server, out_of
+
+    _, _, engine = setup
+    root = tmp_path / "models"
+    build_tiny_folder(root / MODEL_ID, family="flux2_klein")
+    lora = random_lora(bfl_shapes(engine.manifest()), seed=29, alpha=2.0, layers=LAYERS)
+    spec = AdapterSpec(bfl_file(tmp_path, lora, "comfy"), 0.8)
+    cond, x, _ = inputs(30)
+    live = Server(root, {MODEL_ID: ModelSettings(adapters=(spec,))})
+    try:
+        served = out_of(live.step(x, 0.6, live.upload("tensors", cond[None])))
+        loaded = live.ctx.registry.loaded(MODEL_ID)
+        row = StepRow(cond=cond, cond_key="wire:" + tensor_hash(cond[None]))
+
+        def direct(table):
+            return loaded.model.denoise_step(x, np.array([0.6], np.float32), [row], table=table).out
+
+        worker = live.ctx.service.worker
+        np.testing.assert_array_equal(
+            served, worker.call(direct, worker.call(adapter_table, loaded, [spec]))
+        )
+        assert rel_l2(served, worker.call(direct, None)) > MOVES
+    finally:
+        live.close()
+
+    bad = tmp_path / "bad-qkv.safetensors"
+    rows = np.ones((64, 4), np.float32)
+    stem = "diffusion_model.double_blocks.0.img_attn.qkv"
+    save_file(
+        {f"{stem}.lora_down.weight": np.ones((4, 64), np.float32), f"{stem}.lora_up.weight": rows},
+        str(bad),
+    )
+    live = Server(root, {MODEL_ID: ModelSettings(adapters=(AdapterSpec(bad),))})
+    try:
+        r = live.step(x, 0.6, live.upload("tensors", cond[None]))
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]
+        assert MODEL_ID in message and "bad-qkv.safetensors" in message
+        assert "up has 64 rows, the layer has 192" in message
+        assert live.ctx.registry.loaded(MODEL_ID) is None
+    finally:
+        live.close()
