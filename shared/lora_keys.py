@@ -104,9 +104,8 @@ def alias_landings(
     if start < 0 or length <= 0 or start + length > total:
         raise ValueError(f"{alias}: band {band} runs past its {total} output rows")
     if up_rows != length:
-        raise ValueError(
-            f"{alias}: up has {up_rows} rows, the layer{' band' if band else ''} has {length}"
-        )
+        what = "band" if band is not None and dim == 0 else "layer"
+        raise ValueError(f"{alias}: up has {up_rows} rows, the {what} has {length}")
     landings, offset = [], 0
     for piece in pieces:
         first, last = max(start, offset), min(start + length, offset + piece.length)
