@@ -111,7 +111,8 @@ def unmapped_patches_text(source: str, model_id: str, foreign_keys: list[str]) -
     return (
         f"gmlx: {source} changes nothing in {model_id!r}: {what}. A LoRA's keys are read as "
         f"{forms}, <layer> or {KOHYA_PREFIX}<layer with _ for .>, each with .lora_up/.lora_down "
-        "or .lora_B/.lora_A, where <layer> is a linear layer of the model's manifest"
+        "or .lora_B/.lora_A, where <layer> is a linear layer of the model's manifest or one of "
+        "its lora_aliases (FLUX.2 klein: BFL's names)"
     )
 
 
