@@ -26,13 +26,14 @@ import comfy.supported_models_base
 import numpy as np
 import torch
 from gmlx_contract.errors import StepError
+from gmlx_contract.lora_keys import layer_aliases
 
 from . import stock
 from .connection import Connection
 from .errors import GmlxError, named_nodes
 from .families import COMFY_BASE_CLASSES, PACK_BUILT_CLASSES, latent_normalisation, ref_method
 from .interrupts import COMFY_INTERRUPT, call_or_interrupt
-from .patches import AdapterHashes, build_table, lora_key_map, unmapped_patches_text
+from .patches import AdapterHashes, Aliases, build_table, lora_key_map, unmapped_patches_text
 from .request import (
     CallCheck,
     as_f32,
@@ -144,7 +145,9 @@ class RemoteDiT(torch.nn.Module):
     """Stands where ComfyUI expects the DiT: its forward is one `POST step`.
 
     Its state dict holds the server manifest's weight names as zero-stride placeholders, the
-    weights stock LoRA loaders patch; `lora_keys` maps every LoRA key form onto them.
+    weights stock LoRA loaders patch, and one for each of the manifest's `lora_aliases` (whose
+    patches `aliases` lands on the manifest's layers); `lora_keys` maps every LoRA key form
+    onto them.
     """
 
     def __init__(self, conn: Connection, model_id: str, status: dict, manifest: dict) -> None:
@@ -156,6 +159,7 @@ class RemoteDiT(torch.nn.Module):
         self.dtype = torch.float32
         self.placeholders = _placeholders(manifest)
         self.lora_keys = lora_key_map(manifest)
+        self.aliases = Aliases(manifest)
         self.hashes = AdapterHashes()
         self.row_hashes = TensorHashes(as_f32)
         self.tables: dict[Any, str | None] = {}
@@ -183,7 +187,11 @@ class RemoteDiT(torch.nn.Module):
         if uuid in self.tables:
             return self.tables[uuid]
         table = build_table(
-            self.model_id, patcher.patches, self.hashes, getattr(patcher, "hook_patches", None)
+            self.model_id,
+            patcher.patches,
+            self.hashes,
+            getattr(patcher, "hook_patches", None),
+            self.aliases,
         )
         table_id = None
         if table.doc is not None:
@@ -292,13 +300,18 @@ class RemoteDiT(torch.nn.Module):
 
 
 def _placeholders(manifest: dict) -> dict[str, torch.Tensor]:
-    """Zero-stride tensors of the manifest's shapes (quantised tensors count as bf16)."""
+    """Zero-stride tensors of the manifest's shapes (quantised tensors count as bf16), and of
+    each alias's: its pieces' rows together, their layer's columns and dtype."""
     singles: dict[torch.dtype, torch.Tensor] = {}
     out = {}
     for entry in manifest.get("tensors", []):
         dtype = WIRE_DTYPES.get(entry.get("dtype"), torch.bfloat16)
         single = singles.setdefault(dtype, torch.zeros((), dtype=dtype))
         out[entry["name"]] = single.expand(*[int(d) for d in entry["shape"]])
+    for alias, pieces in layer_aliases(manifest).items():
+        first = out[pieces[0].layer + ".weight"]
+        rows = sum(piece.length for piece in pieces)
+        out[alias + ".weight"] = singles[first.dtype].expand(rows, *first.shape[1:])
     return out
 
 
@@ -396,6 +409,11 @@ class GmlxModel(comfy.model_base.BaseModel):
     def gmlx_lora_keys(self) -> dict[str, str]:
         """LoRA stem -> weight key for every form the pack reads (see stock.py)."""
         return self.diffusion_model.lora_keys
+
+    @property
+    def gmlx_alias_weights(self) -> frozenset[str]:
+        """The placeholder weights that stand for the manifest's `lora_aliases` (see stock.py)."""
+        return self.diffusion_model.aliases.weights
 
     def get_dtype(self) -> torch.dtype:
         return torch.float32

@@ -7,7 +7,10 @@ are `(up, down, alpha, mid, dora_scale, reshape)` (ComfyUI 0.3.x); older ComfyUI
 `("lora", (up, down, alpha, mid, dora_scale, reshape))`. Both are read here.
 
 The key map the stock loaders read LoRA files through (`lora_key_map`) covers every key form of
-`gmlx_contract.lora_keys`, the naming rule the server's `--adapter` loader reads too.
+`gmlx_contract.lora_keys`, the naming rule the server's `--adapter` loader reads too, for the
+manifest's layers and its `lora_aliases` (FLUX.2 klein's BFL names: ComfyUI's own Flux2 weight
+names). The model holds a placeholder weight for each alias, so the stock loaders patch it as
+ComfyUI's Flux2 would; `build_table` lands such a patch on the manifest's layers (`Aliases`).
 
 Pure: works on anything tensor-like (torch tensors in ComfyUI, numpy arrays in tests); imports
 neither ComfyUI nor torch.
@@ -21,7 +24,15 @@ from typing import Any
 
 import numpy as np
 from gmlx_contract.hashing import tensor_hash
-from gmlx_contract.lora_keys import KOHYA_PREFIX, PREFIXES, linear_layers, stems_of
+from gmlx_contract.lora_keys import (
+    KOHYA_PREFIX,
+    PREFIXES,
+    alias_landings,
+    layer_aliases,
+    layer_rows,
+    lora_targets,
+    stems_of,
+)
 
 from .errors import GmlxError
 from .tensor_hashes import version_of
@@ -44,12 +55,47 @@ MODEL_KEY = "diffusion_model.{}.weight"
 
 
 def lora_key_map(manifest: dict[str, Any]) -> dict[str, str]:
-    """LoRA stem -> model weight key, for every linear layer of the manifest in every form."""
+    """LoRA stem -> model weight key, for every linear layer and alias of the manifest in every
+    form."""
     return {
         stem: MODEL_KEY.format(layer)
-        for layer in linear_layers(manifest)
+        for layer in lora_targets(manifest)
         for stem in stems_of(layer)
     }
+
+
+class Aliases:
+    """The manifest's `lora_aliases` by their model weight keys: a patch on one lands on the
+    manifest layers the alias is made of, its up matrix split by rows (down shared)."""
+
+    def __init__(self, manifest: dict[str, Any]) -> None:
+        self.pieces = {MODEL_KEY.format(a): (a, p) for a, p in layer_aliases(manifest).items()}
+        self.rows = layer_rows(manifest)
+
+    @property
+    def weights(self) -> frozenset[str]:
+        return frozenset(self.pieces)
+
+    def land(
+        self, key: str, band: list[int] | None, patch: dict[str, Any], adapters: dict
+    ) -> list[tuple[str, list[int] | None, dict[str, Any]]]:
+        """(key, band, patch) of each manifest layer the patch lands on; the split up matrices
+        join `adapters`. A patch on a manifest layer lands where it is."""
+        if key not in self.pieces:
+            return [(key, band, patch)]
+        alias, pieces = self.pieces[key]
+        up = adapters[patch["up"]]
+        try:
+            landings = alias_landings(alias, pieces, band, up.shape[0], self.rows)
+        except ValueError as err:
+            raise GmlxError(f"gmlx: the LoRA patch on {key} does not fit: {err}") from None
+        out = []
+        for landing in landings:
+            rows = np.ascontiguousarray(up[landing.up_rows])
+            digest = tensor_hash(rows)
+            adapters[digest] = rows
+            out.append((MODEL_KEY.format(landing.layer), landing.band, {**patch, "up": digest}))
+        return out
 
 
 def unmapped_patches_text(source: str, model_id: str, foreign_keys: list[str]) -> str:
@@ -65,7 +111,8 @@ def unmapped_patches_text(source: str, model_id: str, foreign_keys: list[str]) -
     return (
         f"gmlx: {source} changes nothing in {model_id!r}: {what}. A LoRA's keys are read as "
         f"{forms}, <layer> or {KOHYA_PREFIX}<layer with _ for .>, each with .lora_up/.lora_down "
-        "or .lora_B/.lora_A, where <layer> is a linear layer of the model's manifest"
+        "or .lora_B/.lora_A, where <layer> is a linear layer of the model's manifest or one of "
+        "its lora_aliases (FLUX.2 klein: BFL's names)"
     )
 
 
@@ -192,8 +239,10 @@ def build_table(
     patches: dict[str, list[tuple]],
     hashes: AdapterHashes,
     hook_patches: dict | None = None,
+    aliases: Aliases | None = None,
 ) -> PatchTable:
-    """The patch table of a patcher's `patches` (docs/contract.md §7.7)."""
+    """The patch table of a patcher's `patches` (docs/contract.md §7.7), patches on an alias
+    landed on the manifest's layers."""
     if hook_patches:
         raise GmlxError("gmlx: hook patches (scheduled LoRA hooks) are not supported")
     adapters: dict[str, np.ndarray] = {}
@@ -204,13 +253,21 @@ def build_table(
             if table_patch is None:
                 continue
             band = _band(patch[3])
-            groups.setdefault((key, None if band is None else tuple(band)), []).append(table_patch)
+            landed = [(key, band, table_patch)]
+            if aliases is not None:
+                landed = aliases.land(key, band, table_patch, adapters)
+            for target, target_band, placed in landed:
+                group = (target, None if target_band is None else tuple(target_band))
+                groups.setdefault(group, []).append(placed)
     if not groups:
         return PatchTable(doc=None)
     entries_out = [
         {"key": key, "band": None if band is None else list(band), "patches": groups[(key, band)]}
         for key, band in sorted(groups, key=_group_order)
     ]
+    # an alias's whole up matrix travels only where a patch names it
+    named = {p[side] for group in groups.values() for p in group for side in ("up", "down")}
+    adapters = {digest: array for digest, array in adapters.items() if digest in named}
     return PatchTable(doc={"model": model_id, "entries": entries_out}, adapters=adapters)
 
 

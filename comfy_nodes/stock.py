@@ -5,7 +5,9 @@
   classes it names (`transformer.` keys for its QwenImage, ...). For a model carrying
   `gmlx_lora_keys` (the pack's) the wrapper adds those: every form the server's own loader reads,
   in place of ComfyUI's entry for the same key where that lands on none of the model's weights
-  (ComfyUI's Lumina2 maps diffusers keys onto its own fused qkv names, which the model lacks).
+  (ComfyUI's Lumina2 maps diffusers keys onto its own fused qkv names, which the model lacks)
+  or on a placeholder of the manifest's aliases (`gmlx_alias_weights`: ComfyUI's Flux maps
+  diffusers keys onto BFL's names, norm_out.linear through a function swapping its halves).
 * `comfy.sample.fix_empty_latent_channels` widens an all-zero latent to the model's channels and,
   on ComfyUI releases whose empty latents carry `downscale_ratio_spacial`, rescales it to the
   model's `spacial_downscale_ratio`. ComfyUI 0.3.64's empty latents do not say their stride, so a
@@ -57,6 +59,7 @@ def with_gmlx_lora_keys(original: Callable) -> Callable:
         key_map = original(model, *args, **kwargs)
         gmlx_keys = getattr(model, "gmlx_lora_keys", None) or {}
         weights = set(model.state_dict()) if gmlx_keys else set()
+        weights -= getattr(model, "gmlx_alias_weights", frozenset())
         for stem, key in gmlx_keys.items():
             if _target(key_map.get(stem)) not in weights:
                 key_map[stem] = key

@@ -12,7 +12,10 @@ naming rule is `gmlx_contract.lora_keys`, which the ComfyUI pack's key map share
                       .alpha
     ComfyUI           diffusion_model.<layer>.lora_down.weight, .lora_up.weight, .alpha
 
-where <layer> is a linear weight of the model's manifest, less `.weight` (diffusers names).
+where <layer> is a linear weight of the model's manifest, less `.weight` (diffusers names), or
+one of the manifest's `lora_aliases` (FLUX.2 klein: BFL's names, a fused q/k/v among them): a
+pair on an alias becomes a pair on each manifest layer it is made of, its up matrix split by
+rows and its down matrix shared, with a band where it covers part of a layer.
 
 A diffusers/PEFT pair has no alpha key; its scale is PEFT's `lora_alpha / r` (or `/ sqrt(r)`
 with rsLoRA, both per layer through `alpha_pattern`/`rank_pattern`) from the LoRA's config where
@@ -34,10 +37,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 from gmlx_contract.hashing import table_id
-from gmlx_contract.lora_keys import PEFT_PREFIX, SUFFIXES, LayerNames, linear_layers
+from gmlx_contract.lora_keys import (
+    PEFT_PREFIX,
+    SUFFIXES,
+    LayerNames,
+    alias_landings,
+    layer_aliases,
+    layer_rows,
+    lora_targets,
+)
 
 from .config import AdapterSpec, ModelSettings, parse_adapter
 from .engine.registry import LoadedModel
@@ -136,12 +148,11 @@ def adapter_doc(
     """The table document of these LoRA files and its matrices by hash; with `float32`, every
     matrix as F32 (what a client uploads: the table's values are the same, as the server
     computes in float32 whatever the upload's dtype)."""
-    layers = linear_layers(manifest)
-    loras = [(_file_parts(spec.path, layers, float32), spec.strength) for spec in specs]
+    loras = [(_file_parts(spec.path, manifest, float32), spec.strength) for spec in specs]
     return table_doc(model_id, loras)
 
 
-def _file_parts(path: Path, layers: list[str], float32: bool) -> dict[str, dict[str, Any]]:
+def _file_parts(path: Path, manifest: dict, float32: bool) -> list[Landed]:
     try:
         container = wire.read_container(Path(path).read_bytes())
         tensors = {name: tensor_of(container, name) for name in container.tensors}
@@ -150,10 +161,10 @@ def _file_parts(path: Path, layers: list[str], float32: bool) -> dict[str, dict[
         config = peft_config(path, container.metadata, tensors)
         if config is not None and config.get("use_dora"):
             raise ValueError("it is a DoRA adapter (use_dora), which is not a plain LoRA")
-        parts = layer_parts(tensors, layers)
+        parts = layer_parts(tensors, lora_targets(manifest))
         if config is not None:
             apply_peft_scales(parts, config)
-        return parts
+        return landed_parts(parts, manifest)
     except OSError as error:
         raise ValueError(f"LoRA file {path}: cannot read it: {error.strerror or error}") from None
     except ContractError as error:  # not a safetensors file the wire rules read
@@ -226,25 +237,51 @@ def _pattern_value(patterns: dict | None, layer: str, default: Any) -> Any:
     return default
 
 
+# A pair on one manifest layer: (layer, band or None, {"up", "down", "alpha"}).
+Landed = tuple[str, list[int] | None, dict[str, Any]]
+
+
+def landed_parts(parts_by_name: dict[str, dict[str, Any]], manifest: dict) -> list[Landed]:
+    """The pairs of `layer_parts` on the manifest's layers: a pair on an alias split onto the
+    layers it is made of (`gmlx_contract.lora_keys.alias_landings`)."""
+    aliases, rows = layer_aliases(manifest), layer_rows(manifest)
+    landed: list[Landed] = []
+    for name, parts in parts_by_name.items():
+        if name not in aliases:
+            landed.append((name, None, parts))
+            continue
+        up = parts["up"]
+        for landing in alias_landings(name, aliases[name], None, up.shape[0], rows):
+            rows_up = CachedTensor(np.ascontiguousarray(up.array[landing.up_rows]), up.dtype)
+            landed.append((landing.layer, landing.band, {**parts, "up": rows_up}))
+    return landed
+
+
 def table_doc(
-    model_id: str, loras: list[tuple[dict[str, dict[str, Any]], float]]
+    model_id: str, loras: list[tuple[list[Landed], float]]
 ) -> tuple[dict, dict[str, CachedTensor]]:
-    """A table document stacking the LoRAs (their `layer_parts`) at their strengths, and its
-    matrices by hash: one entry per layer key (sorted), one patch per LoRA touching it."""
+    """A table document stacking the LoRAs (their `landed_parts`) at their strengths, and its
+    matrices by hash: one entry per layer key and band (sorted, the whole layer first), one
+    patch per LoRA pair on it."""
     adapters: dict[str, CachedTensor] = {}
-    patches: dict[str, list[dict]] = {}
-    for parts_by_layer, strength in loras:
-        for layer, parts in parts_by_layer.items():
+    patches: dict[tuple[str, tuple], list[dict]] = {}
+    for pairs, strength in loras:
+        for layer, band, parts in pairs:
             up, down = hash_of(parts["up"]), hash_of(parts["down"])
             adapters[up], adapters[down] = parts["up"], parts["down"]
             patch = {"up": up, "down": down, "alpha": parts["alpha"], "strength": strength}
-            patches.setdefault(f"diffusion_model.{layer}.weight", []).append(patch)
-    entries = [{"key": key, "band": None, "patches": patches[key]} for key in sorted(patches)]
+            key = (f"diffusion_model.{layer}.weight", tuple(band or ()))
+            patches.setdefault(key, []).append(patch)
+    entries = [
+        {"key": key, "band": list(band) or None, "patches": patches[(key, band)]}
+        for key, band in sorted(patches)
+    ]
     return {"model": model_id, "entries": entries}, adapters
 
 
 def layer_parts(tensors: dict[str, CachedTensor], layers: list[str]) -> dict[str, dict[str, Any]]:
-    """A LoRA file's tensors by the layer they patch: {"up", "down", "alpha" (float or None)}."""
+    """A LoRA file's tensors by the layer (or alias) they patch: {"up", "down", "alpha" (float
+    or None)}."""
     names = LayerNames(layers)
     found: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors.items():

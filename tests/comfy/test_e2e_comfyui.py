@@ -556,9 +556,12 @@ def test_stock_ksampler_on_z_image_equals_the_in_process_sampler(
     assert _rel(want, direct_sample(z_image_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
 
 
-def flux2_sample(model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False) -> np.ndarray:
+def flux2_sample(
+    model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False, table=None
+) -> np.ndarray:
     """The in-process euler sampler (cfg 1) along `sigmas` under the comfy convention, the row
-    carrying reference latents (model space) and, with `ref_cache`, the run's reference K/V."""
+    carrying reference latents (model space) and, with `ref_cache`, the run's reference K/V;
+    every step under a patch table."""
     from gmlx_server.engine import sampling
 
     row = sampling.direct_row(
@@ -579,7 +582,7 @@ def flux2_sample(model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False
 
     def step(x, timestep, rows):
         return model.denoise_step(
-            x, timestep, list(rows), convention="comfy", run=run, ref_cache=ref_cache
+            x, timestep, list(rows), convention="comfy", run=run, ref_cache=ref_cache, table=table
         ).out
 
     try:
@@ -1219,6 +1222,91 @@ def test_a_z_image_lora_in_every_key_form_applies_as_the_server_loader_does(
     want = direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas, table)
     moved = _rel(want, direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas))
     print(f"Z-Image LoRA ({form}): rel L2 {_rel(got, want):.1e}, the LoRA moves it {moved:.1%}")
+    assert _rel(got, want) <= LATENT_RTOL
+    assert moved > 100 * LATENT_RTOL
+
+
+# FLUX.2 klein's layers a LoRA patches, by BFL's names (ComfyUI's own Flux2 weights: fused q/k/v
+# per stream, linear1, the final modulation stored with its halves swapped) and by diffusers'
+# (which ComfyUI's Flux class maps onto those BFL weights, norm_out.linear through a function).
+FLUX2_BFL_LORA_LAYERS = (
+    "double_blocks.0.img_attn.qkv",
+    "double_blocks.1.txt_attn.qkv",
+    "double_blocks.0.img_mlp.0",
+    "single_blocks.0.linear1",
+    "double_stream_modulation_img.lin",
+    "final_layer.adaLN_modulation.1",
+)
+FLUX2_DIFFUSERS_LORA_LAYERS = (
+    "transformer_blocks.0.attn.to_q",
+    "transformer_blocks.1.attn.add_v_proj",
+    "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+    "norm_out.linear",
+)
+
+
+def _flux2_bfl_lora_files(engine, folder: Path) -> dict[str, Path]:
+    """One random LoRA on BFL's names in the forms found in the wild: ai-toolkit's
+    (`diffusion_model.<name>.lora_A/.lora_B`, no alpha), ComfyUI's (`.lora_down/.lora_up/.alpha`)
+    and kohya's (`lora_unet_<name with _ for .>`)."""
+    from gmlx_contract.lora_keys import layer_aliases
+    from safetensors.numpy import save_file
+
+    from tests.lora.forms import random_lora
+
+    manifest = engine.manifest()
+    columns = {t["name"][: -len(".weight")]: t["shape"][-1] for t in manifest["tensors"]}
+    shapes = {
+        alias: (sum(p.length for p in pieces), columns[pieces[0].layer])
+        for alias, pieces in layer_aliases(manifest).items()
+    }
+    lora = random_lora(shapes, seed=5, rank=2, alpha=1.0, layers=FLUX2_BFL_LORA_LAYERS)
+    stems = {
+        "bfl-ai-toolkit": lambda name: f"diffusion_model.{name}",
+        "bfl-comfy": lambda name: f"diffusion_model.{name}",
+        "bfl-kohya": lambda name: "lora_unet_" + name.replace(".", "_"),
+    }
+    paths = {}
+    for form, stem_of in stems.items():
+        state = {}
+        for name, (a, b) in lora.pairs.items():
+            stem = stem_of(name)
+            if form == "bfl-ai-toolkit":
+                state[f"{stem}.lora_A.weight"], state[f"{stem}.lora_B.weight"] = a, b
+                continue
+            state[f"{stem}.lora_down.weight"], state[f"{stem}.lora_up.weight"] = a, b
+            state[f"{stem}.alpha"] = np.array(lora.alpha, np.float32)
+        paths[form] = folder / form / "lora.safetensors"
+        paths[form].parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, paths[form])
+    return paths
+
+
+@pytest.mark.parametrize("form", ["bfl-ai-toolkit", "bfl-comfy", "bfl-kohya", "diffusers", "comfy"])
+def test_a_flux2_klein_lora_in_bfl_and_diffusers_names_applies_as_the_server_loader_does(
+    comfyui, gmlx_server, flux2_engine, form
+):
+    """LoraLoaderModelOnly on FLUX.2 klein with a LoRA keyed by BFL's names (ComfyUI's Flux2
+    weights) or by diffusers' (ComfyUI's Flux class maps those onto the BFL weights): every key
+    loads, and the latents are the engine's under the table `--adapter` builds from the file."""
+    seed, steps = 6, 3
+    folder = comfyui["base"] / "models" / "loras" / "flux2"
+    if form.startswith("bfl-"):
+        path = _flux2_bfl_lora_files(flux2_engine, folder)[form]
+    else:
+        path = _lora_files(flux2_engine, folder, FLUX2_DIFFUSERS_LORA_LAYERS)[form]
+    name = str(path.relative_to(comfyui["base"] / "models" / "loras"))
+    wf = _with_lora(_save_latent(_pack_prompt(FLUX2_MODEL, seed, steps), "11"), name)
+    with _LogSlice(comfyui["log"]) as log:
+        got = _latent(comfyui, _run(comfyui, wf))
+    assert "lora key not loaded" not in log.text and "NOT LOADED" not in log.text, log.text
+    sigmas = comfy_simple_sigmas(steps, flux2_engine.status()["sampling"]["shift"])
+    table = _server_table(flux2_engine, path)
+    want = flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas, table=table)
+    moved = _rel(want, flux2_sample(flux2_engine, PACK_PROMPT, seed, sigmas))
+    print(
+        f"FLUX.2 klein LoRA ({form}): rel L2 {_rel(got, want):.1e}, the LoRA moves it {moved:.1%}"
+    )
     assert _rel(got, want) <= LATENT_RTOL
     assert moved > 100 * LATENT_RTOL
 

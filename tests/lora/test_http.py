@@ -13,12 +13,13 @@ import pytest
 import requests
 from gmlx_contract import wire
 from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
+from gmlx_contract.lora_keys import linear_layers
 from gmlx_server.app import ServerThread, build_context, create_app, make_server
 from gmlx_server.config import AdapterSpec, ImageConfig, ModelSettings, ServerConfig
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import DirectTransport, ImageRequest, generate, to_uint8
-from gmlx_server.lora_files import DefaultAdapters, adapter_table, linear_layers
+from gmlx_server.lora_files import DefaultAdapters, adapter_table
 from gmlx_server.routes.common import PREFIX
 from PIL import Image
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gmlx_contract.hashing import tensor_hash
-from gmlx_server.lora_files import linear_layers
+from gmlx_contract.lora_keys import linear_layers
 
 from tests.families.qwen_image21.dit.reference import reference_row, rel_l2
 from tests.lora.forms import FORMS, client_table, random_lora, write_form

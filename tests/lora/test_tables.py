@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_contract.hashing import tensor_hash
+from gmlx_contract.lora_keys import linear_layers
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.families.qwen_image21.dit import linear_slots
 from gmlx_server.engine.lora import TableWeights
-from gmlx_server.lora_files import linear_layers
 from gmlx_server.service import CachedTensor, build_table
 
 from tests.lora.forms import client_table, random_lora, write_form

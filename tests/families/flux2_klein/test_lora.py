@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 from gmlx_contract.hashing import tensor_hash
+from gmlx_contract.lora_keys import linear_layers
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.flux2_klein import family as klein
-from gmlx_server.lora_files import linear_layers
 
 from tests.families.flux2_klein.reference import reference_dit, rel_l2
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder

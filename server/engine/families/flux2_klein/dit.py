@@ -173,10 +173,14 @@ BFL_DOUBLE = {
     "txt_ff_out": "txt_mlp.2",
 }
 BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
+# BFL's final modulation is norm_out.linear with its two halves swapped: (shift, scale) where
+# diffusers has (scale, shift). LoRA files name it (ComfyUI's Flux2 patches it as its weight).
+BFL_SWAPPED_HALVES = {"final_mod": "final_layer.adaLN_modulation.1"}
+BFL_DOUBLE_BLOCK = "double_blocks.{}."
+BFL_SINGLE_BLOCK = "single_blocks.{}."
 
 
-# BFL's names of the norm scales (`.scale` in its files) and of norm_out.linear, whose two
-# halves BFL holds as (shift, scale) and diffusers as (scale, shift).
+# BFL's names of the norm scales (`.scale` in its files).
 BFL_DOUBLE_NORMS = {
     "norm_q": "img_attn.norm.query_norm",
     "norm_k": "img_attn.norm.key_norm",
@@ -184,7 +188,6 @@ BFL_DOUBLE_NORMS = {
     "norm_added_k": "txt_attn.norm.key_norm",
 }
 BFL_SINGLE_NORMS = {"norm_q": "norm.query_norm", "norm_k": "norm.key_norm"}
-BFL_FINAL_MOD = "final_layer.adaLN_modulation.1"
 
 
 def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
@@ -192,10 +195,10 @@ def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     slots = {name: LinearSlot(key) for key, name in BFL_TOP.items()}
     for i in range(config.num_layers):
         for key, name in BFL_DOUBLE.items():
-            slots[f"double_blocks.{i}.{name}"] = LinearSlot(key, ("double", i))
+            slots[BFL_DOUBLE_BLOCK.format(i) + name] = LinearSlot(key, ("double", i))
     for i in range(config.num_single_layers):
         for key, name in BFL_SINGLE.items():
-            slots[f"single_blocks.{i}.{name}"] = LinearSlot(key, ("single", i))
+            slots[BFL_SINGLE_BLOCK.format(i) + name] = LinearSlot(key, ("single", i))
     return slots
 
 
@@ -206,7 +209,7 @@ def bfl_naming() -> Naming:
     their diffusers names, each stream's fused `qkv` split into q, k and v, the norm scales'
     `.scale` as `.weight`, and the final modulation's halves swapped."""
     renames = [(_top(bfl), TOP_LINEARS[key] + ".") for key, bfl in BFL_TOP.items()]
-    renames.append((_top(BFL_FINAL_MOD), TOP_LINEARS["final_mod"] + "."))
+    renames += [(_top(bfl), TOP_LINEARS[key] + ".") for key, bfl in BFL_SWAPPED_HALVES.items()]
     fused = []
     for key, bfl in BFL_DOUBLE.items():
         parts = DOUBLE_LINEARS[key]
@@ -224,7 +227,8 @@ def bfl_naming() -> Naming:
         for key, bfl in bfl_norms.items():
             pattern = rf"^{blocks}\.(\d+)\.{re.escape(bfl)}\.(scale|weight)$"
             renames.append((pattern, prefix.format(r"\g<1>") + norms[key] + ".weight"))
-    return Naming(renames=tuple(renames), fused=tuple(fused), swapped=(BFL_FINAL_MOD + ".weight",))
+    swapped = tuple(bfl + ".weight" for bfl in BFL_SWAPPED_HALVES.values())
+    return Naming(renames=tuple(renames), fused=tuple(fused), swapped=swapped)
 
 
 def _top(bfl: str) -> str:
@@ -288,6 +292,38 @@ def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
     config = DiTConfig.from_dict(read_config(transformer_dir))
     fused = fused_weights(linear_slots(config))
     return DiTFile(path, BFL_NAMING, tensor_shapes(config), fused, TITLE)
+
+
+def lora_aliases(rows: dict[str, int]) -> dict[str, list[list]]:
+    """BFL's name of every linear layer as the rows of the diffusers layers it is made of, in
+    order (the manifest's `lora_aliases`: name -> [[layer, start, length], ...]), from the
+    manifest's layers and their output rows: LoRA files trained on BFL's checkpoints (ComfyUI,
+    ai-toolkit, kohya) name these."""
+
+    def whole(*layers: str) -> list[list]:
+        return [[layer, 0, rows[layer]] for layer in layers]
+
+    aliases = {bfl: whole(TOP_LINEARS[key]) for key, bfl in BFL_TOP.items()}
+    for key, bfl in BFL_SWAPPED_HALVES.items():
+        layer, half = TOP_LINEARS[key], rows[TOP_LINEARS[key]] // 2
+        aliases[bfl] = [[layer, half, half], [layer, 0, half]]
+    for i in range(_blocks(rows, DOUBLE, DOUBLE_LINEARS["img_out"][0])):
+        for key, bfl in BFL_DOUBLE.items():
+            parts = (DOUBLE.format(i) + name for name in DOUBLE_LINEARS[key])
+            aliases[BFL_DOUBLE_BLOCK.format(i) + bfl] = whole(*parts)
+    for i in range(_blocks(rows, SINGLE, SINGLE_LINEARS["out"])):
+        for key, bfl in BFL_SINGLE.items():
+            aliases[BFL_SINGLE_BLOCK.format(i) + bfl] = whole(
+                SINGLE.format(i) + SINGLE_LINEARS[key]
+            )
+    return aliases
+
+
+def _blocks(rows: dict[str, int], prefix: str, layer: str) -> int:
+    count = 0
+    while prefix.format(count) + layer in rows:
+        count += 1
+    return count
 
 
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_contract.lora_keys import layer_rows
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
 from ...family import FamilyModel, dit_manifest
@@ -37,7 +38,15 @@ from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
 from ...vaes.autoencoder_kl_flux2 import latent_facts
 from ...weights import component_bytes, read_config
-from .dit import DiTConfig, Flux2DiT, RefState, bfl_slots, dit_file, linear_slots
+from .dit import (
+    DiTConfig,
+    Flux2DiT,
+    RefState,
+    bfl_slots,
+    dit_file,
+    linear_slots,
+    lora_aliases,
+)
 from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY_4B = "flux2_klein"
@@ -153,10 +162,12 @@ def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
 
 def manifest(model_dir: Path, dit: Path | None = None) -> dict:
     """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers"),
-    whatever the naming of its file (BFL's fused qkv listed as to_q, to_k, to_v)."""
+    whatever the naming of its file (BFL's fused qkv listed as to_q, to_k, to_v), and BFL's
+    names of its linear layers as `lora_aliases` (dit.lora_aliases)."""
     family, _ = _identified(model_dir)
     transformer = Path(model_dir) / "transformer"
-    return dit_manifest(family, transformer, TITLES[family], dit_file(transformer, dit))
+    tensors = dit_manifest(family, transformer, TITLES[family], dit_file(transformer, dit))
+    return {**tensors, "lora_aliases": lora_aliases(layer_rows(tensors))}
 
 
 def check(model_dir: Path, dit: Path | None = None) -> None:
