@@ -22,6 +22,7 @@ from ...family import (
     FamilyModel,
     component_row,
     dit_manifest,
+    encoder_bytes,
     loaded_row,
     memory_row,
     quantized_file_names,
@@ -306,13 +307,10 @@ def _dit_estimate(model_dir: Path, dtype: mx.Dtype, files: dict) -> int:
 
 
 def _encoder_bytes(model_dir: Path, files: dict, dtype: mx.Dtype | None = None) -> int:
-    """The text encoder's bytes: its GGUF pair's tensor data, else its folder's (no `dtype`:
-    as stored; else as it would load at `dtype`)."""
+    """The text encoder's bytes (family.encoder_bytes: no `dtype`, as stored; else as it
+    would load at `dtype`)."""
     pair = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
-    if pair is not None:
-        return pair.stored_bytes()
-    folder = Path(model_dir) / "text_encoder"
-    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype)
+    return encoder_bytes(Path(model_dir) / "text_encoder", pair, dtype)
 
 
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:

@@ -21,6 +21,7 @@ from ...family import (
     FamilyModel,
     component_row,
     dit_manifest,
+    encoder_bytes,
     loaded_row,
     memory_row,
     quantized_file_names,
@@ -197,8 +198,8 @@ def estimated_weight_bytes(
 ) -> int:
     """The weights of a folder as they would load (for the status of a model not loaded): the
     DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
-    the text encoder at theirs by default (`encoder_vae_dtype`; a GGUF text encoder: its file's
-    bytes), weights stored quantized as stored, counted from the file headers; `dit`,
+    the text encoder at theirs by default (`encoder_vae_dtype`; a GGUF text encoder: the bytes
+    of the file's tensors it reads), weights stored quantized as stored, counted from the file headers; `dit`,
     `text_encoder`: a model entry's GGUF files. A loaded model counts its arrays instead
     (`ZImageModel.weight_bytes`)."""
     model_dir = Path(model_dir)
@@ -242,14 +243,11 @@ def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
 
 def encoder_file(model_dir: Path, text_encoder: Path | None = None):
     """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
-    text_encoder/) as Qwen3 reads it (encoders.qwen3.text.gguf_files); None for safetensors."""
-    from ...encoders.qwen3.text import TextConfig, TextModel, gguf_files
+    text_encoder/) as Qwen3 reads it (encoders.qwen3.text.component_gguf); None for
+    safetensors."""
+    from ...encoders.qwen3.text import component_gguf
 
-    component = Path(model_dir) / "text_encoder"
-    path = gguf_file(component, text_encoder)
-    if path is None:
-        return None
-    return gguf_files(TextModel(TextConfig.from_dict(read_config(component))), path)
+    return component_gguf(Path(model_dir) / "text_encoder", text_encoder)
 
 
 def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
@@ -259,13 +257,10 @@ def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
 def _encoder_bytes(
     model_dir: Path, text_encoder: Path | None, dtype: mx.Dtype | None = None
 ) -> int:
-    """The text encoder's bytes: its GGUF file's tensor data, else its folder's (no `dtype`:
-    as stored; else as it would load at `dtype`)."""
-    files = encoder_file(model_dir, text_encoder)
-    if files is not None:
-        return files.stored_bytes()
+    """The text encoder's bytes (family.encoder_bytes: no `dtype`, as stored; else as it
+    would load at `dtype`)."""
     folder = Path(model_dir) / "text_encoder"
-    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype)
+    return encoder_bytes(folder, encoder_file(model_dir, text_encoder), dtype)
 
 
 def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
