@@ -1,9 +1,10 @@
 """Quantized weights: what each bit width loses, and what a quantized step costs on this machine.
 
-loss    the embedded default model (tiny, random weights) loaded as its files store it and at
-        each bit width (groups of `--group-size`): the step's relative L2 against the float
-        model's step (one row: a prompt and a reference image, a 64x96 latent at sigma 0.7),
-        the encode's relative L2, and the DiT's and text encoder's resident bytes.
+loss    the embedded default model (tiny, random weights; `--family flux2_klein`: the tests'
+        tiny FLUX.2 klein) loaded as its files store it and at each bit width (groups of
+        `--group-size`): the step's relative L2 against the float model's step (one row: a
+        prompt and a reference image, at sigma 0.7), the encode's relative L2, and the DiT's
+        and text encoder's resident bytes.
 time    the target pass (what a step with a prefix hit runs) of a random DiT at full width
         (32 heads x 128 = 4096, SwiGLU x3, `--layers` blocks, a held prefix of `--text` rows),
         in float32 (and bf16 with `--bf16`) and with its blocks quantized at `--bits`, each
@@ -17,7 +18,7 @@ matmul  one 4096 x 4096 linear at `--rows` input rows: float32 (x W^T), mx.quant
 
     .venv/bin/python bench/quantize.py [--group-size 64] [--size 8x8] [--layers 1]
         [--text 16] [--bits 4 8] [--rows 1 64 256] [--repeats 3] [--bf16] [--no-kernel]
-        [--json]
+        [--family qwen_image21|flux2_klein] [--loss-only] [--json]
 
 Results go to docs/benchmarks.md ("Quantized weights").
 """
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lora import CONTEXT, interleaved_ms, random_dit  # noqa: E402
 
 ALL_BITS = (3, 4, 5, 6, 8)
+SIGMA = [0.7]
 
 
 def parse_args(argv=None):
@@ -55,6 +57,13 @@ def parse_args(argv=None):
         action="store_false",
         help="leave out MLX's quantized kernel (slow at many tokens on the CPU backend)",
     )
+    parser.add_argument(
+        "--family",
+        default="qwen_image21",
+        choices=("qwen_image21", "flux2_klein"),
+        help="the tiny model of the loss table (the embedded default, or the tests' klein)",
+    )
+    parser.add_argument("--loss-only", action="store_true", help="leave out the time tables")
     parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
 
@@ -66,37 +75,11 @@ def rel_l2(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def loss_per_bits(group_size: int) -> dict:
+def loss_per_bits(group_size: int, family_name: str) -> dict:
     """Step and encode relative L2 against the float model, and resident bytes, per bit width."""
-    import numpy as np
-    from gmlx_contract.hashing import tensor_hash
-    from gmlx_server.engine.base import StepRow
-    from gmlx_server.engine.families.qwen_image21 import family
-    from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
-    from gmlx_server.engine.nn.dtypes import tree_bytes
     from gmlx_server.engine.precision import Quantization
 
-    folder = ensure_embedded_model(Path(tempfile.mkdtemp()))
-    rng = np.random.default_rng(0)
-    image = rng.integers(0, 256, (256, 384, 3), dtype=np.uint8)
-    x = rng.standard_normal((1, 64, 4, 6)).astype(np.float32)
-    sigma = np.array([0.7], np.float32)
-
-    def measure(quantization):
-        model = family.load(folder, "bench", quantization)
-        encoding = model.encode("a lighthouse on a cliff at dusk", [image], refs=True)
-        refs = tuple(latents[0] for latents in encoding.ref_latents)
-        row = StepRow(
-            cond=encoding.cond,
-            cond_key="wire:" + tensor_hash(encoding.cond),
-            ref_latents=refs,
-            ref_keys=tuple(tensor_hash(r) for r in refs),
-            image_slots=tuple(encoding.image_slots),
-        )
-        out = model.denoise_step(x, sigma, [row]).out
-        sizes = (tree_bytes(model.dit.weights), tree_bytes(model.encoder.encoder.parameters()))
-        return encoding.cond, out, sizes
-
+    measure = MEASURES[family_name]()
     cond, out, (dit_bytes, encoder_bytes) = measure(None)
     rows = {
         "float32": {
@@ -115,6 +98,70 @@ def loss_per_bits(group_size: int) -> dict:
             "encoder_bytes": q_encoder,
         }
     return rows
+
+
+def qwen_image21_measure():
+    """quantization -> (conditioning, step, (DiT bytes, encoder bytes)) on the embedded
+    default: a prompt with a reference image, a 64x96 latent at sigma 0.7."""
+    import numpy as np
+    from gmlx_server.engine.families.qwen_image21 import family
+    from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
+    from gmlx_server.engine.nn.dtypes import tree_bytes
+
+    folder = ensure_embedded_model(Path(tempfile.mkdtemp()))
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (256, 384, 3), dtype=np.uint8)
+    x = rng.standard_normal((1, 64, 4, 6)).astype(np.float32)
+
+    def measure(quantization):
+        model = family.load(folder, "bench", quantization)
+        encoding = model.encode("a lighthouse on a cliff at dusk", [image], refs=True)
+        out = model.denoise_step(x, SIGMA, [row_of(encoding)]).out
+        sizes = (tree_bytes(model.dit.weights), tree_bytes(model.encoder.encoder.parameters()))
+        return encoding.cond, out, sizes
+
+    return measure
+
+
+def flux2_klein_measure():
+    """The same on the tests' tiny FLUX.2 klein folder (width 64, 2 + 2 blocks, a 32-wide
+    28-layer Qwen3): a prompt with a 64x96 reference image, a 4x6 latent at sigma 0.7."""
+    import numpy as np
+    from gmlx_server.engine.families.flux2_klein import family
+
+    from tests.families.flux2_klein.tiny.folder import build_tiny_folder
+
+    folder = Path(tempfile.mkdtemp()) / "klein-tiny"
+    build_tiny_folder(folder)
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    x = rng.standard_normal((1, 128, 4, 6)).astype(np.float32)
+
+    def measure(quantization):
+        model = family.load(folder, "bench", quantization)
+        encoding = model.encode("a lighthouse on a cliff at dusk", [image], refs=True)
+        out = model.denoise_step(x, SIGMA, [row_of(encoding)]).out
+        return encoding.cond, out, (model.dit.weight_bytes, model.encoder.weight_bytes)
+
+    return measure
+
+
+def row_of(encoding):
+    """The step row of an encode's conditioning and reference latents."""
+    from gmlx_contract.hashing import tensor_hash
+    from gmlx_server.engine.base import StepRow
+
+    refs = tuple(latents[0] for latents in encoding.ref_latents)
+    return StepRow(
+        cond=encoding.cond,
+        cond_key="wire:" + tensor_hash(encoding.cond),
+        ref_latents=refs,
+        ref_keys=tuple(tensor_hash(r) for r in refs),
+        image_slots=tuple(encoding.image_slots),
+    )
+
+
+MEASURES = {"qwen_image21": qwen_image21_measure, "flux2_klein": flux2_klein_measure}
 
 
 def quantized_copy(dit, quantization):
@@ -238,15 +285,17 @@ def main(argv=None) -> dict:
     report = {
         "blas": blas.message,
         "group_size": args.group_size,
-        "loss": loss_per_bits(args.group_size),
-        "time": {
+        "family": args.family,
+        "loss": loss_per_bits(args.group_size, args.family),
+    }
+    if not args.loss_only:
+        report["time"] = {
             "tokens": h * w,
             "layers": args.layers,
             "text": args.text,
             "passes": step_times(args),
-        },
-        "matmul_ms_best": matmul_times(args),
-    }
+        }
+        report["matmul_ms_best"] = matmul_times(args)
     if args.json:
         print(json.dumps(report))
     else:

@@ -29,7 +29,14 @@ from .base import Capabilities, EngineInputError, StepRow
 from .gguf import DiTFile
 from .lora import TableWeights
 from .nn.dtypes import dtype_name
-from .weights import QUANTIZED, TensorInfo, stored_quantization, tensor_infos
+from .weights import (
+    QUANTIZED,
+    TensorInfo,
+    component_bytes,
+    estimated_bytes,
+    stored_quantization,
+    tensor_infos,
+)
 
 # Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
 # stored quantized (`gmlx model quantize`, or any quantized GGUF type) is `quant`.
@@ -282,6 +289,34 @@ def quantized_file_names(
         return module is not None and encoder_quantized(module.removesuffix(".weight"))
 
     return {"transformer": dit_name, "text_encoder": encoder_name}
+
+
+def dit_bytes(transformer_dir: Path, single=None, dtype: mx.Dtype | None = None) -> int:
+    """A DiT's bytes for status `memory` and `residency`: its single file's tensor data
+    (`single`: the family's gguf.DiTFile, a GGUF or single safetensors file; None: the
+    folder's safetensors), else its folder's. No `dtype`: as stored; with one, as a load at
+    `dtype` would hold it (a file's quantized weights at their MLX width, floats at `dtype`)."""
+    if single is not None:
+        return single.stored_bytes() if dtype is None else single.estimated_bytes(dtype.size)
+    folder = Path(transformer_dir)
+    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype)
+
+
+def encoder_bytes(
+    component_dir: Path,
+    gguf=None,
+    dtype: mx.Dtype | None = None,
+    include: Callable[[str], bool] | None = None,
+) -> int:
+    """A text encoder's bytes for status `memory` and `residency`: its GGUF files' tensor data
+    (`gguf`: its gguf.ModuleFiles, None for safetensors), else its folder's. No `dtype`: as
+    stored (the files' sizes); with one, as a load at `dtype` would hold it (the tensors the
+    GGUF module reads; the folder's tensors `include` picks by file name, None: all, float ones
+    at `dtype`: weights.estimated_bytes)."""
+    if gguf is not None:
+        return gguf.stored_bytes() if dtype is None else gguf.read_bytes()
+    folder = Path(component_dir)
+    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype, include)
 
 
 def stored_precision(component_dir: Path, gguf=None) -> dict | None:

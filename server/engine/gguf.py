@@ -721,3 +721,12 @@ class ModuleFiles:
         return sum(
             entry.tensor.n_bytes for path in self.paths for entry in GGUFFile(path).entries.values()
         )
+
+    def read_bytes(self) -> int:
+        """Bytes of tensor data of the tensors the module reads (what a load holds, about: the
+        files' other tensors, such as an `output.weight` or layers past the module's, left out)."""
+        files = [GGUFFile(path) for path in self.paths]
+        return sum(
+            files[index].entries[file_name].tensor.n_bytes
+            for index, file_name in self.names.values()
+        )

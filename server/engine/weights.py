@@ -235,10 +235,13 @@ def packed_name(name: str, names) -> bool:
     return False
 
 
-def estimated_bytes(component_dir: Path, dtype: mx.Dtype) -> int:
+def estimated_bytes(
+    component_dir: Path, dtype: mx.Dtype, include: Callable[[str], bool] | None = None
+) -> int:
     """The bytes a component's tensors would hold loaded, from the headers, for estimates of a
     folder that is not loaded (a loaded model counts its arrays): each float tensor at `dtype`,
-    each weight stored quantized with its scales and biases as stored."""
+    each weight stored quantized with its scales and biases as stored; with `include`, only
+    the tensors it picks by file name (those the load reads)."""
     headers = {
         name: entry
         for path in weight_files(component_dir)
@@ -246,6 +249,8 @@ def estimated_bytes(component_dir: Path, dtype: mx.Dtype) -> int:
     }
     total = 0
     for name, entry in headers.items():
+        if include is not None and not include(name):
+            continue
         quantized_weight = name.endswith(".weight") and name[: -len(".weight")] + SCALES in headers
         if quantized_weight or packed_name(name, headers):
             start, end = entry["data_offsets"]

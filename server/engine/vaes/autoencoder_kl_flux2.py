@@ -114,6 +114,12 @@ class AutoencoderKLFlux2:
         return z.reshape(batch, channels // 4, height * 2, width * 2)
 
 
+def loaded_tensor(name: str) -> bool:
+    """Whether a load holds the file tensor `name`: every one but the batch norm's step
+    counter (for weights.estimated_bytes)."""
+    return not name.startswith(BATCH_NORM) or name in BATCH_NORM_STATS
+
+
 def latent_facts(config: dict) -> dict:
     """The model-space latent's channels and stride of a VAE config (no weights read)."""
     return {

@@ -1,5 +1,6 @@
 """FLUX.2 klein through the whole seam over HTTP on tiny folders found by the product registry
-(its FAMILIES lines): status and manifest unloaded and loaded, encode with references, steps
+(its FAMILIES lines): status and manifest unloaded and loaded (its residency estimated, then
+held), encode with references, steps
 equal to the diffusers transformer (joint references, and the KV model's), the run's reference
 K/V cache (a hit equals the miss, the memory plan counts it and refuses one that does not fit),
 the VAE routes in model space, and a LoRA table on fused and unfused layers equal to the
@@ -84,9 +85,17 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
     assert manifest["family"] == "flux2_klein"
     assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
     loaded = live.call("GET", f"models/{KLEIN}/status").json()
-    assert {k: v for k, v in loaded.items() if k != "resident"} == {
-        k: v for k, v in unloaded.items() if k != "resident"
+    skip = ("resident", "residency")
+    assert {k: v for k, v in loaded.items() if k not in skip} == {
+        k: v for k, v in unloaded.items() if k not in skip
     }
+    # each component: held once loaded, at the dtype the status named; its bytes as the
+    # headers estimated them (the encoder's: its first 27 layers, all it loads)
+    for name, component in loaded["residency"].items():
+        estimate = unloaded["residency"][name]
+        assert component["resident"] and not estimate["resident"]
+        assert (component["dtype"], component["quantization"]) == (estimate["dtype"], None)
+        assert component["bytes"] == estimate["bytes"], name
     kv = live.call("GET", f"models/{KV}/status").json()
     assert (kv["family"], kv["variant"]) == ("flux2_klein_9b_kv", "distilled")
     caps = live.call("GET", "capabilities", versioned=False).json()

@@ -44,11 +44,12 @@ def full(folder):
     return family.load(folder, "full")
 
 
-def dequantized_encoder(prompt: ZImagePromptEncoder, folder) -> ZImagePromptEncoder:
-    """The prompt encoder with a float32 Qwen3 holding the dequantized weights."""
-    plain = Qwen3TextEncoder.load(folder / "text_encoder")
-    weights = dict(tree_flatten(prompt.encoder.model.parameters()))
-    for path, layer in prompt.encoder.model.named_modules():
+def dequantized_qwen3(encoder: Qwen3TextEncoder, component_dir) -> Qwen3TextEncoder:
+    """A float32 Qwen3 of the same layers holding `encoder`'s weights, the quantized ones
+    dequantized (`component_dir`: its float folder, for the config)."""
+    plain = Qwen3TextEncoder.load(component_dir, layers=len(encoder.model.layers))
+    weights = dict(tree_flatten(encoder.model.parameters()))
+    for path, layer in encoder.model.named_modules():
         if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             weights[path + ".weight"] = mx.dequantize(
                 layer.weight,
@@ -59,6 +60,12 @@ def dequantized_encoder(prompt: ZImagePromptEncoder, folder) -> ZImagePromptEnco
             )
             del weights[path + SCALES], weights[path + BIASES]
     plain.model.load_weights(list(weights.items()), strict=True)
+    return plain
+
+
+def dequantized_encoder(prompt: ZImagePromptEncoder, folder) -> ZImagePromptEncoder:
+    """The prompt encoder with a float32 Qwen3 holding the dequantized weights."""
+    plain = dequantized_qwen3(prompt.encoder, folder / "text_encoder")
     return ZImagePromptEncoder(plain, prompt.tokenizer, prompt.dtype)
 
 

@@ -6,7 +6,7 @@ are never run."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +22,13 @@ from ...nn.dtypes import eval_leaf_by_leaf, tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...precision import Quantization
 from ...quantize import quantize_module, quantize_stored_module
-from ...weights import load_weights, quantization_at_load, read_config, stored_quantization
+from ...weights import (
+    gguf_file,
+    load_weights,
+    quantization_at_load,
+    read_config,
+    stored_quantization,
+)
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,7 @@ class TextModel(nn.Module):
 # Checkpoint prefixes of Qwen3's decoder: Qwen3ForCausalLM's ("model.") and Qwen3Model's (none).
 _DECODER_PREFIX = "model."
 _UNUSED = ("lm_head.", "norm.")
+_LAYERS = "layers."
 
 
 def gguf_files(model: TextModel, path: Path) -> ModuleFiles:
@@ -170,11 +177,50 @@ def gguf_files(model: TextModel, path: Path) -> ModuleFiles:
     return ModuleFiles((Path(path),), names, shapes, "Qwen3 text encoder")
 
 
-def module_name(name: str) -> str | None:
+def module_name(name: str, layers: int | None = None) -> str | None:
     """A checkpoint name as TextModel's parameter name; None for a tensor the encoder does not
-    use (lm_head, the final norm)."""
+    use (lm_head, the final norm, and with `layers` every decoder layer from that index on)."""
     name = name.removeprefix(_DECODER_PREFIX)
-    return None if name.startswith(_UNUSED) else name
+    if name.startswith(_UNUSED):
+        return None
+    if layers is not None and name.startswith(_LAYERS):
+        index = int(name[len(_LAYERS) :].split(".", 1)[0])
+        return None if index >= layers else name
+    return name
+
+
+def quantized(path: str) -> bool:
+    """The layers a quantized load of Qwen3 alone quantizes, by module path (the choice of the
+    families prompting with it): the linear layers of its decoder layers and the token table
+    (151,936 rows at Qwen3-4B's width 2560)."""
+    return path == "embed_tokens" or path.startswith(_LAYERS)
+
+
+def encoder_config(component_dir: Path, layers: int | None = None) -> TextConfig:
+    """The config of a Qwen3 folder (text_encoder/config.json); with `layers`, its first
+    `layers` decoder layers alone (a family that reads no later one: a ValueError when the
+    folder has fewer)."""
+    config = TextConfig.from_dict(read_config(component_dir))
+    if layers is None:
+        return config
+    if config.num_layers < layers:
+        raise ValueError(
+            f"{component_dir} has {config.num_layers} decoder layers; the family reads the"
+            f" first {layers}"
+        )
+    return replace(config, num_layers=layers)
+
+
+def component_gguf(
+    component_dir: Path, text_encoder: Path | None = None, layers: int | None = None
+) -> ModuleFiles | None:
+    """The text encoder's GGUF file (a model entry's `text_encoder`, else the one `.gguf` in
+    the folder) as Qwen3 reads it (`gguf_files`: its first `layers` decoder layers, None: all);
+    None for the folder's safetensors."""
+    path = gguf_file(component_dir, text_encoder)
+    if path is None:
+        return None
+    return gguf_files(TextModel(encoder_config(component_dir, layers)), path)
 
 
 class Qwen3TextEncoder:
@@ -193,13 +239,16 @@ class Qwen3TextEncoder:
         quantization: Quantization | None = None,
         quantized: Callable[[str], bool] | None = None,
         gguf: Path | None = None,
+        layers: int | None = None,
     ) -> Qwen3TextEncoder:
         """The encoder of a transformers folder (its config.json), its weights from the
         folder's safetensors or from `gguf`, a llama.cpp GGUF file of Qwen3 (`gguf_files`),
         kept quantized as the file holds them. With a `quantization`, the float linear layers
         whose module path `quantized` picks (the family's choice) are quantized as they load
-        (quantize.quantize_module); a folder stored quantized loads as stored."""
-        model = TextModel(TextConfig.from_dict(read_config(component_dir)))
+        (quantize.quantize_module); a folder stored quantized loads as stored. With `layers`,
+        only the first `layers` decoder layers load (`encoder_config`): a family that taps no
+        later layer never reads the rest."""
+        model = TextModel(encoder_config(component_dir, layers))
         if gguf is not None:
             weights = gguf_files(model, gguf).weights(dtype)
             quantize_stored_module(model, weights, GGUF_GROUP_SIZE)
@@ -207,7 +256,7 @@ class Qwen3TextEncoder:
             quantization = quantization_at_load(Path(component_dir), quantization)
             weights = {}
             for name, value in load_weights(component_dir, dtype).items():
-                name = module_name(name)
+                name = module_name(name, layers)
                 if name is not None:
                     weights[name] = value
             stored = stored_quantization(component_dir)

@@ -31,13 +31,22 @@ import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, dit_manifest
+from ...family import (
+    FamilyModel,
+    component_row,
+    dit_bytes,
+    dit_manifest,
+    encoder_bytes,
+    quantized_file_names,
+    stored_precision,
+)
 from ...lora import TableWeights
 from ...nn import cpu_ops
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import Quantization
-from ...vaes.autoencoder_kl_flux2 import latent_facts
-from ...weights import component_bytes, read_config
+from ...quantize import quantization_status
+from ...vaes.autoencoder_kl_flux2 import latent_facts, loaded_tensor
+from ...weights import component_bytes, estimated_bytes, gguf_file, read_config
 from .dit import (
     DiTConfig,
     Flux2DiT,
@@ -47,7 +56,8 @@ from .dit import (
     linear_slots,
     lora_aliases,
 )
-from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
+from .dit import quantized as dit_quantized
+from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY_4B = "flux2_klein"
 FAMILY_9B = "flux2_klein_9b"
@@ -78,6 +88,8 @@ SAMPLING = {
     "base": {"steps": 50, "cfg": 4.0, "shift": 1.0},
 }
 FEATURES = ("noise_mask", "ref_cache")
+# The text encoder and the VAE compute in float32 (the family has no encoder_vae_dtype setting).
+ENCODER_VAE_DTYPE = mx.float32
 # Step conventions (docs/contract.md §5.2): both read the timestep as sigma and answer +dx/dsigma
 # (the DiT's own output at t = sigma); `comfy` embeds the float32 time, `reference` the time as
 # the compute dtype holds it (BFL's and diffusers' pipelines).
@@ -131,12 +143,23 @@ def describe(
     model_id: str | None = None,
     dtype: mx.Dtype | None = None,
     dit: Path | None = None,
+    text_encoder: Path | None = None,
 ) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files alone; `dit`:
-    a model entry's DiT file (dit.dit_file)."""
+    """The family part of the status (docs/contract.md §2.3), from config files and headers
+    alone, the DiT at `dtype`; `dit`, `text_encoder`: a model entry's files of the DiT
+    (dit.dit_file) and of the text encoder (`encoder_file`)."""
     model_dir = Path(model_dir)
     _, variant = _identified(model_dir)
+    dtype = dtype or default_compute_dtype()
     latent = latent_facts(read_config(model_dir / "vae"))
+    single = dit_file(model_dir / "transformer", dit)
+    encoder_gguf = encoder_file(model_dir, text_encoder)
+    quantization = {
+        "dit": stored_precision(model_dir / "transformer", single),
+        "encoder": stored_precision(model_dir / "text_encoder", encoder_gguf),
+        "vae": None,
+    }
+    side = ENCODER_VAE_DTYPE
     return {
         "comfy": dict(COMFY),
         "latent": {**latent, "patch": LATENT_PATCH},
@@ -145,19 +168,105 @@ def describe(
         "edit_capable": True,
         "conditioning": dict(CONDITIONING),
         "sampling": sampling_row(variant),
-        "compute_dtype": dtype_name(dtype or default_compute_dtype()),
+        "compute_dtype": dtype_name(dtype),
+        # Extensions of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes them): each
+        # component's weight precision as the files store it, and what is held (here nothing)
+        # with the bytes each component would hold loaded; a loaded model reports its own
+        # (`loaded_status`).
+        "quantization": quantization,
+        "residency": {
+            "dit": component_row(
+                False,
+                dit_bytes(model_dir / "transformer", single, dtype),
+                dtype,
+                quantization["dit"],
+            ),
+            "encoder": component_row(
+                False, _encoder_estimate(model_dir, encoder_gguf), side, quantization["encoder"]
+            ),
+            "vae": component_row(
+                False, estimated_bytes(model_dir / "vae", side, loaded_tensor), side, None
+            ),
+        },
         "memory": {
-            "dit_bytes": _dit_bytes(model_dir, dit),
-            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
+            "dit_bytes": dit_bytes(model_dir / "transformer", single),
+            "encoder_bytes": encoder_bytes(model_dir / "text_encoder", encoder_gguf),
             "vae_bytes": component_bytes(model_dir / "vae"),
         },
     }
 
 
-def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
-    """Bytes of the DiT's tensor data: its single file's (dit.dit_file), else its folder's."""
-    single = dit_file(Path(model_dir) / "transformer", dit)
-    return component_bytes(model_dir / "transformer") if single is None else single.stored_bytes()
+def loaded_status(model_dir: Path, model_id: str, dit, vae, encoder, files: dict) -> dict:
+    """The status of a loaded model: `describe`'s, with each component's precision and
+    residency as held (bytes counted from the arrays); `files`: the model entry's files
+    (`dit`, `text_encoder`) the weights came from."""
+    status = describe(model_dir, model_id, dit.dtype, **files)
+    single = dit_file(Path(model_dir) / "transformer", files.get("dit"))
+    encoder_gguf = encoder_file(model_dir, files.get("text_encoder"))
+    quantization = {
+        "dit": quantization_status(dit.weights) if single is None else single.status(),
+        "encoder": (
+            quantization_status(encoder.encoder.model)
+            if encoder_gguf is None
+            else encoder_gguf.status()
+        ),
+        "vae": None,
+    }
+    status["quantization"] = quantization
+    status["residency"] = {
+        "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
+        "encoder": component_row(
+            True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
+        ),
+        "vae": component_row(True, vae.weight_bytes, ENCODER_VAE_DTYPE, None),
+    }
+    return status
+
+
+def encoder_file(model_dir: Path, text_encoder: Path | None = None):
+    """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
+    text_encoder/) as Qwen3 reads its first LOADED_LAYERS layers
+    (encoders.qwen3.text.component_gguf, as Z-Image's); None for safetensors."""
+    from ...encoders.qwen3.text import component_gguf
+
+    return component_gguf(Path(model_dir) / "text_encoder", text_encoder, LOADED_LAYERS)
+
+
+def _encoder_estimate(model_dir: Path, encoder_gguf) -> int:
+    """The text encoder's bytes as it would load: the tensors of its first LOADED_LAYERS
+    layers and its token table (family.encoder_bytes)."""
+    from ...encoders.qwen3.text import module_name
+
+    def loaded(name: str) -> bool:
+        return module_name(name, LOADED_LAYERS) is not None
+
+    folder = Path(model_dir) / "text_encoder"
+    return encoder_bytes(folder, encoder_gguf, ENCODER_VAE_DTYPE, loaded)
+
+
+def check(model_dir: Path, dit: Path | None = None, text_encoder: Path | None = None) -> None:
+    """Refuse, before anything loads, a DiT or text encoder file that is cut short, is not
+    this family's (Qwen3's) or holds a tensor of a shape the config does not give
+    (gguf.GGUFError, naming the file and the tensor). The registry asks before it lets the
+    resident model go."""
+    for files in (
+        dit_file(Path(model_dir) / "transformer", dit),
+        encoder_file(model_dir, text_encoder),
+    ):
+        if files is not None:
+            files.open()
+
+
+def quantized_files(model_dir: Path) -> dict:
+    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
+    weights a quantized load quantizes (dit.quantized; Qwen3's choice,
+    encoders.qwen3.text.quantized, its layers past LOADED_LAYERS too, so the folder stays
+    whole)."""
+    from ...encoders.qwen3.text import module_name
+    from ...encoders.qwen3.text import quantized as encoder_quantized
+
+    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
+    return quantized_file_names(slots, dit_quantized, module_name, encoder_quantized)
 
 
 def manifest(model_dir: Path, dit: Path | None = None) -> dict:
@@ -170,31 +279,32 @@ def manifest(model_dir: Path, dit: Path | None = None) -> dict:
     return {**tensors, "lora_aliases": lora_aliases(layer_rows(tensors))}
 
 
-def check(model_dir: Path, dit: Path | None = None) -> None:
-    """Refuse, before anything loads, a DiT file that is cut short, is not this family's or
-    holds a tensor of a shape the config does not give (gguf.GGUFError, naming the file and
-    the tensor). The registry asks before it lets the resident model go."""
-    single = dit_file(Path(model_dir) / "transformer", dit)
-    if single is not None:
-        single.open()
-
-
 def load(
     model_dir: Path,
     model_id: str,
     quantization: Quantization | None = None,
     dit: Path | None = None,
+    text_encoder: Path | None = None,
 ) -> Flux2KleinModel:
-    """The model of a folder; `dit`: a model entry's DiT file (GGUF or BFL's safetensors)."""
+    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
+    that the family picks (dit.quantized; encoders.qwen3.text.quantized) are quantized as they
+    load (a GGUF file's float layers only). `dit`, `text_encoder`: a model entry's files of the
+    DiT (GGUF or BFL's safetensors) and of Qwen3 (GGUF)."""
     from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
     from .prompt import Flux2PromptEncoder
 
     model_dir = Path(model_dir)
     family, variant = _identified(model_dir)
-    files = {"dit": dit}  # the entry's files; `dit` names the network from here on
+    check(model_dir, dit, text_encoder)
+    files = {"dit": dit, "text_encoder": text_encoder}  # `dit` names the network from here on
     dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization, dit=files["dit"])
-    vae = AutoencoderKLFlux2.load(model_dir / "vae")
-    encoder = Flux2PromptEncoder.load(model_dir)
+    vae = AutoencoderKLFlux2.load(model_dir / "vae", ENCODER_VAE_DTYPE)
+    encoder = Flux2PromptEncoder.load(
+        model_dir,
+        ENCODER_VAE_DTYPE,
+        quantization,
+        gguf=gguf_file(model_dir / "text_encoder", text_encoder),
+    )
     if encoder.width != dit.config.joint_attention_dim:
         raise ValueError(
             f"the text encoder's three tapped layers are {encoder.width} wide; the DiT's"
@@ -247,7 +357,8 @@ class Flux2KleinModel(FamilyModel):
     capabilities = Capabilities(max_refs=MAX_REFS, conventions=CONVENTIONS, ref_cache=True)
 
     def __init__(self, model_dir, model_id, family, variant, dit, vae, encoder, files=None):
-        """`files`: the model entry's files (`dit`) the weights came from (none: the folder's)."""
+        """`files`: the model entry's files (`dit`, `text_encoder`) the weights came from
+        (none: the folder's)."""
         files = {key: path for key, path in (files or {}).items() if path is not None}
         super().__init__(
             model_dir,
@@ -257,7 +368,7 @@ class Flux2KleinModel(FamilyModel):
             tables=TableWeights(
                 dit.weights, {**linear_slots(dit.config), **bfl_slots(dit.config)}, dit.dtype
             ),
-            status=describe(model_dir, model_id, dit.dtype, **files),
+            status=loaded_status(model_dir, model_id, dit, vae, encoder, files),
             read_manifest=lambda folder: manifest(folder, files.get("dit")),
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
         )

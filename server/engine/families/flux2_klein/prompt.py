@@ -6,7 +6,8 @@ thinking block follows `<|im_start|>assistant\\n`), tokenized, cut to MAX_SEQUEN
 tokens and right-padded to that length with the tokenizer's pad token under an attention mask;
 the hidden states after the decoder layers the pipeline taps (`hidden_states[9]`, `[18]`,
 `[27]`: the outputs of layers 8, 17 and 26), concatenated along the features per token, the
-padding's rows included (the DiT attends to all of them). An empty prompt stays empty.
+padding's rows included (the DiT attends to all of them). An empty prompt stays empty. The
+decoder layers after the last tapped one are never read, so they never load.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...encoders.qwen3.text import Qwen3TextEncoder
+from ...encoders.qwen3.text import Qwen3TextEncoder, quantized
 from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
+from ...precision import Quantization
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
 # add_generation_prompt=True and enable_thinking=False.
@@ -45,29 +47,51 @@ def pad_token(tokenizer_dir: Path) -> str:
     return DEFAULT_PAD_TOKEN
 
 
+# The decoder layers the encoder loads: the tapped ones and those before them (Qwen3-4B and
+# Qwen3-8B have 36; the last 9 are never read).
+LOADED_LAYERS = max(TAPPED_LAYERS) + 1
+
+
 class Flux2PromptEncoder:
-    def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, pad_id: int):
+    def __init__(
+        self,
+        encoder: Qwen3TextEncoder,
+        tokenizer: QwenPromptTokenizer,
+        pad_id: int,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
+        quantized)."""
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.pad_id = pad_id
+        self.dtype = dtype
         self.weight_bytes = encoder.weight_bytes
         self.width = len(TAPPED_LAYERS) * encoder.hidden_size
 
     @classmethod
-    def load(cls, model_dir: Path, dtype: mx.Dtype = mx.float32) -> Flux2PromptEncoder:
+    def load(
+        cls,
+        model_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+        gguf: Path | None = None,
+    ) -> Flux2PromptEncoder:
+        """The encoder of a folder, its first LOADED_LAYERS decoder layers from text_encoder/
+        or from `gguf`, a llama.cpp GGUF file of Qwen3 (text_encoder/config.json still
+        describes it), as Z-Image's; with a `quantization`, its decoder layers' float linears
+        and its token table are quantized as they load (Qwen3's choice,
+        encoders.qwen3.text.quantized)."""
         model_dir = Path(model_dir)
-        encoder = Qwen3TextEncoder.load(model_dir / "text_encoder", dtype)
-        if len(encoder.model.layers) <= max(TAPPED_LAYERS):
-            raise ValueError(
-                f"the text encoder has {len(encoder.model.layers)} layers; FLUX.2 klein reads"
-                f" the outputs of layers {list(TAPPED_LAYERS)}"
-            )
+        encoder = Qwen3TextEncoder.load(
+            model_dir / "text_encoder", dtype, quantization, quantized, gguf, LOADED_LAYERS
+        )
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
         pad = pad_token(model_dir / "tokenizer")
         pad_id = tokenizer.tokenizer.token_to_id(pad)
         if pad_id is None:
             raise ValueError(f"tokenizer.json has no pad token {pad}")
-        return cls(encoder, tokenizer, pad_id)
+        return cls(encoder, tokenizer, pad_id, dtype)
 
     def token_ids(self, text: str) -> tuple[np.ndarray, int]:
         """The padded ids (MAX_SEQUENCE_LENGTH,) and how many of them are the prompt's."""

@@ -21,7 +21,9 @@ from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
 from ...family import (
     FamilyModel,
     component_row,
+    dit_bytes,
     dit_manifest,
+    encoder_bytes,
     loaded_row,
     memory_row,
     quantized_file_names,
@@ -178,7 +180,10 @@ def describe(
         # component would hold loaded.
         "residency": {
             "dit": component_row(
-                False, _dit_estimate(model_dir, dtype, files), dtype, quantization["dit"]
+                False,
+                _dit_size(model_dir, files.get("dit"), dtype),
+                dtype,
+                quantization["dit"],
             ),
             "encoder": component_row(
                 False, _encoder_bytes(model_dir, files, side), side, quantization["encoder"]
@@ -291,28 +296,17 @@ def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype, files: dict | N
     files = files or {}
     side = dtypes.encoder_vae_dtype()
     return (
-        _dit_estimate(model_dir, dit_dtype, files)
+        _dit_size(model_dir, files.get("dit"), dit_dtype)
         + estimated_bytes(model_dir / "vae", side)
         + _encoder_bytes(model_dir, files, side)
     )
 
 
-def _dit_estimate(model_dir: Path, dtype: mx.Dtype, files: dict) -> int:
-    """The DiT's bytes as it would load at `dtype`: its GGUF file's, else its folder's."""
-    gguf = dit_file(Path(model_dir) / "transformer", files.get("dit"))
-    if gguf is None:
-        return estimated_bytes(Path(model_dir) / "transformer", dtype)
-    return gguf.estimated_bytes(dtype.size)
-
-
 def _encoder_bytes(model_dir: Path, files: dict, dtype: mx.Dtype | None = None) -> int:
-    """The text encoder's bytes: its GGUF pair's tensor data, else its folder's (no `dtype`:
-    as stored; else as it would load at `dtype`)."""
+    """The text encoder's bytes (family.encoder_bytes: no `dtype`, as stored; else as it
+    would load at `dtype`)."""
     pair = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
-    if pair is not None:
-        return pair.stored_bytes()
-    folder = Path(model_dir) / "text_encoder"
-    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype)
+    return encoder_bytes(Path(model_dir) / "text_encoder", pair, dtype)
 
 
 def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
@@ -346,11 +340,8 @@ def _memory(
     weights are a loaded model's `weight_bytes`; None: not loaded, estimated from the headers.
     `files`: a model entry's GGUF files."""
     files = files or {}
-    gguf = dit_file(model_dir / "transformer", files.get("dit"))
     sizes = {
-        "dit_bytes": component_bytes(model_dir / "transformer")
-        if gguf is None
-        else gguf.stored_bytes(),
+        "dit_bytes": _dit_size(model_dir, files.get("dit")),
         "encoder_bytes": _encoder_bytes(model_dir, files),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
@@ -370,6 +361,12 @@ def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
 
     slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
     return quantized_file_names(slots, dit_quantized, module_name, encoder_quantized)
+
+
+def _dit_size(model_dir: Path, dit: Path | None, dtype: mx.Dtype | None = None) -> int:
+    """family.dit_bytes of this family's DiT (its file, dit.dit_file, or its folder)."""
+    transformer = Path(model_dir) / "transformer"
+    return dit_bytes(transformer, dit_file(transformer, dit), dtype)
 
 
 def manifest(model_dir: Path, dit: Path | None = None) -> dict:

@@ -20,7 +20,9 @@ from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, St
 from ...family import (
     FamilyModel,
     component_row,
+    dit_bytes,
     dit_manifest,
+    encoder_bytes,
     loaded_row,
     memory_row,
     quantized_file_names,
@@ -167,7 +169,10 @@ def describe(
         # here nothing, with the bytes each component would hold loaded.
         "residency": {
             "dit": component_row(
-                False, _dit_estimate(model_dir, dtype, dit), dtype, quantization["dit"]
+                False,
+                _dit_size(model_dir, dit, dtype),
+                dtype,
+                quantization["dit"],
             ),
             "encoder": component_row(
                 False, _encoder_bytes(model_dir, text_encoder, side), side, quantization["encoder"]
@@ -197,14 +202,14 @@ def estimated_weight_bytes(
 ) -> int:
     """The weights of a folder as they would load (for the status of a model not loaded): the
     DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
-    the text encoder at theirs by default (`encoder_vae_dtype`; a GGUF text encoder: its file's
-    bytes), weights stored quantized as stored, counted from the file headers; `dit`,
+    the text encoder at theirs by default (`encoder_vae_dtype`; a GGUF text encoder: the bytes
+    of the file's tensors it reads), weights stored quantized as stored, counted from the file headers; `dit`,
     `text_encoder`: a model entry's GGUF files. A loaded model counts its arrays instead
     (`ZImageModel.weight_bytes`)."""
     model_dir = Path(model_dir)
     side = dtypes.encoder_vae_dtype()
     return (
-        _dit_estimate(model_dir, dit_dtype, dit)
+        _dit_size(model_dir, dit, dit_dtype)
         + estimated_bytes(model_dir / "vae", side)
         + _encoder_bytes(model_dir, text_encoder, side)
     )
@@ -222,7 +227,7 @@ def _memory(
     `dit`, `text_encoder`: a model entry's GGUF files."""
     model_dir = Path(model_dir)
     sizes = {
-        "dit_bytes": _dit_bytes(model_dir, dit),
+        "dit_bytes": _dit_size(model_dir, dit),
         "encoder_bytes": _encoder_bytes(model_dir, text_encoder),
         "vae_bytes": component_bytes(model_dir / "vae"),
     }
@@ -242,14 +247,11 @@ def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
 
 def encoder_file(model_dir: Path, text_encoder: Path | None = None):
     """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
-    text_encoder/) as Qwen3 reads it (encoders.qwen3.text.gguf_files); None for safetensors."""
-    from ...encoders.qwen3.text import TextConfig, TextModel, gguf_files
+    text_encoder/) as Qwen3 reads it (encoders.qwen3.text.component_gguf); None for
+    safetensors."""
+    from ...encoders.qwen3.text import component_gguf
 
-    component = Path(model_dir) / "text_encoder"
-    path = gguf_file(component, text_encoder)
-    if path is None:
-        return None
-    return gguf_files(TextModel(TextConfig.from_dict(read_config(component))), path)
+    return component_gguf(Path(model_dir) / "text_encoder", text_encoder)
 
 
 def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
@@ -259,26 +261,16 @@ def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
 def _encoder_bytes(
     model_dir: Path, text_encoder: Path | None, dtype: mx.Dtype | None = None
 ) -> int:
-    """The text encoder's bytes: its GGUF file's tensor data, else its folder's (no `dtype`:
-    as stored; else as it would load at `dtype`)."""
-    files = encoder_file(model_dir, text_encoder)
-    if files is not None:
-        return files.stored_bytes()
+    """The text encoder's bytes (family.encoder_bytes: no `dtype`, as stored; else as it
+    would load at `dtype`)."""
     folder = Path(model_dir) / "text_encoder"
-    return component_bytes(folder) if dtype is None else estimated_bytes(folder, dtype)
+    return encoder_bytes(folder, encoder_file(model_dir, text_encoder), dtype)
 
 
-def _dit_bytes(model_dir: Path, dit: Path | None) -> int:
-    gguf = dit_file(model_dir / "transformer", dit)
-    return component_bytes(model_dir / "transformer") if gguf is None else gguf.stored_bytes()
-
-
-def _dit_estimate(model_dir: Path, dtype: mx.Dtype, dit: Path | None) -> int:
-    """The DiT's bytes as it would load at `dtype`: its GGUF file's, else its folder's."""
-    gguf = dit_file(Path(model_dir) / "transformer", dit)
-    if gguf is None:
-        return estimated_bytes(Path(model_dir) / "transformer", dtype)
-    return gguf.estimated_bytes(dtype.size)
+def _dit_size(model_dir: Path, dit: Path | None, dtype: mx.Dtype | None = None) -> int:
+    """family.dit_bytes of this family's DiT (its file, dit.dit_file, or its folder)."""
+    transformer = Path(model_dir) / "transformer"
+    return dit_bytes(transformer, dit_file(transformer, dit), dtype)
 
 
 def manifest(model_dir: Path, dit: Path | None = None) -> dict:

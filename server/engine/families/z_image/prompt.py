@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...encoders.qwen3.text import Qwen3TextEncoder
+from ...encoders.qwen3.text import Qwen3TextEncoder, quantized
 from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
 from ...precision import Quantization
 
@@ -29,12 +29,6 @@ TEMPLATE = PromptTemplate(
 )
 TAPPED_LAYERS = (-2,)  # hidden_states[-2]: the second-to-last decoder layer's output
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default truncation
-
-
-def quantized(path: str) -> bool:
-    """The text encoder's layers a quantized load quantizes, by module path: the linear layers
-    of its decoder layers and the token table (151,936 rows at Qwen3-4B's width 2560)."""
-    return path == "embed_tokens" or path.startswith("layers.")
 
 
 class ZImagePromptEncoder:
@@ -58,7 +52,7 @@ class ZImagePromptEncoder:
         """The encoder of a folder, its weights from text_encoder/ or from `gguf`, a llama.cpp
         GGUF file of Qwen3 (text_encoder/config.json still describes it); with a
         `quantization`, its decoder layers' float linears (`quantized`) are quantized as they
-        load."""
+        load (Qwen3's choice, encoders.qwen3.text.quantized)."""
         model_dir = Path(model_dir)
         encoder = Qwen3TextEncoder.load(
             model_dir / "text_encoder", dtype, quantization, quantized, gguf
