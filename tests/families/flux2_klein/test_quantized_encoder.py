@@ -111,7 +111,7 @@ def test_the_encode_route_on_a_quantized_model(folder, full):
     config = ServerConfig(host="127.0.0.1", port=0)
     config = replace(config, quantization=Quantization(4, 32))
     registry = ModelRegistry(
-        [], folder.name, extra_models=[folder], quantization=config.quantization_for
+        [], folder.name, extra_models=[folder], settings=config.load_settings_for
     )
     server = serve(config, registry)
     try:
@@ -213,7 +213,7 @@ def test_a_model_entrys_text_encoder_gguf(folder, full, tmp_path):
     wrong = tmp_path / "wrong.gguf"
     write_encoder_gguf(wrong, wide_encoder(tmp_path), T.Q8_0, np.random.default_rng(6))
     with pytest.raises(ValueError, match=r"wrong\.gguf: tensor "):
-        family.check(folder, wrong)
+        family.check(folder, text_encoder=wrong)
     plain = reference_folder(folder, tmp_path / "plain", held)
     expected = family.load(plain, "plain").encode(PROMPT, [], refs=False).cond
     config = ServerConfig(host="127.0.0.1", port=0)
@@ -222,8 +222,7 @@ def test_a_model_entrys_text_encoder_gguf(folder, full, tmp_path):
         [],
         folder.name,
         extra_models=[folder],
-        model_files=config.files_for,
-        quantization=config.quantization_for,
+        settings=config.load_settings_for,
     )
     server = serve(config, registry)
     try:
