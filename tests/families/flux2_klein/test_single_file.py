@@ -232,9 +232,14 @@ def test_the_step_is_diffusers_on_the_files_weights(live, model):
     expected = reference_dit(live.references[model], x, [0.6], cond, [ref])
     assert rel_l2(out, expected) <= TOLERANCE
     loaded = live.call("GET", f"models/{model}/status").json()
-    assert {k: v for k, v in loaded.items() if k != "resident"} == {
-        k: v for k, v in unloaded.items() if k != "resident"
+    held = ("resident", "residency")  # what is held changes with the load; the rest does not
+    assert {k: v for k, v in loaded.items() if k not in held} == {
+        k: v for k, v in unloaded.items() if k not in held
     }
+    for name, component in loaded["residency"].items():
+        assert component["resident"] and not unloaded["residency"][name]["resident"]
+        assert component["bytes"] == unloaded["residency"][name]["bytes"], name
+        assert component["quantization"] == unloaded["residency"][name]["quantization"], name
     reference = live.call("GET", f"models/{REFERENCE}/status").json()
     if model == GGUF:  # the file's bytes: Q8_0 holds about a quarter of float32's
         assert loaded["memory"]["dit_bytes"] < reference["memory"]["dit_bytes"] / 2
