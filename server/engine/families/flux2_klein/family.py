@@ -304,12 +304,12 @@ def load(
     dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization, dit=files["dit"])
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
     vae = AutoencoderKLFlux2.load(model_dir / "vae", side)
-    encoder = Flux2PromptEncoder.load(
-        model_dir,
-        side,
-        quantization,
-        gguf=gguf_file(model_dir / "text_encoder", text_encoder),
-    )
+    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
+
+    def load_encoder() -> Flux2PromptEncoder:
+        return Flux2PromptEncoder.load(model_dir, side, quantization, gguf=encoder_gguf)
+
+    encoder = load_encoder()
     if encoder.width != dit.config.joint_attention_dim:
         raise ValueError(
             f"the text encoder's three tapped layers are {encoder.width} wide; the DiT's"
@@ -320,7 +320,9 @@ def load(
             f"the VAE's patchified latents have {vae.latent_channels} channels; the DiT takes"
             f" {dit.config.in_channels}"
         )
-    return Flux2KleinModel(model_dir, model_id, family, variant, dit, vae, encoder, files)
+    return Flux2KleinModel(
+        model_dir, model_id, family, variant, dit, vae, encoder, load_encoder, files
+    )
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -361,9 +363,12 @@ class StepPlan:
 class Flux2KleinModel(FamilyModel):
     capabilities = Capabilities(max_refs=MAX_REFS, conventions=CONVENTIONS, ref_cache=True)
 
-    def __init__(self, model_dir, model_id, family, variant, dit, vae, encoder, files=None):
-        """`files`: the model entry's files (`dit`, `text_encoder`) the weights came from
-        (none: the folder's)."""
+    def __init__(
+        self, model_dir, model_id, family, variant, dit, vae, encoder, load_encoder, files=None
+    ):
+        """`load_encoder` loads the same text encoder again (after a release); `files`: the
+        model entry's files (`dit`, `text_encoder`) the weights came from (none: the
+        folder's)."""
         files = {key: path for key, path in (files or {}).items() if path is not None}
         super().__init__(
             model_dir,
@@ -376,11 +381,12 @@ class Flux2KleinModel(FamilyModel):
             status=loaded_status(model_dir, model_id, dit, vae, encoder, files),
             read_manifest=lambda folder: manifest(folder, files.get("dit")),
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            encoder=encoder,
+            load_encoder=load_encoder,
         )
         self.family = family
         self.title = TITLES[family]
         self.dit = dit
-        self.encoder = encoder
         # run -> reference K/V by row key (docs/contract.md §3.4), dropped when the run ends
         self.ref_caches: dict[str, dict[tuple, RefState]] = {}
 
@@ -389,7 +395,7 @@ class Flux2KleinModel(FamilyModel):
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
         text encoder reads no images, so `refs` false returns the text alone)."""
-        cond = self.encoder.encode(text)
+        cond = self.prompt_encoder().encode(text)
         latents = (
             [self._reference_latents(i, image) for i, image in enumerate(images)] if refs else []
         )
