@@ -30,6 +30,7 @@ class AutoencoderKLFlux2:
         if patch != (2, 2):
             raise ValueError(f"FLUX.2's VAE patchifies 2x2, got patch_size {patch}")
         self.config = config
+        self.dtype = dtype
         # Flux2KleinPipeline never tiles its VAE: every image runs whole.
         self.body = AutoencoderKL(config, dtype, tiles=False)
         self.eps = float(config.get("batch_norm_eps", 1e-4))

@@ -41,9 +41,9 @@ from ...family import (
     stored_precision,
 )
 from ...lora import TableWeights
-from ...nn import cpu_ops
+from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
-from ...precision import Quantization
+from ...precision import AUTO, Quantization
 from ...quantize import quantization_status
 from ...vaes.autoencoder_kl_flux2 import latent_facts, loaded_tensor
 from ...weights import component_bytes, estimated_bytes, gguf_file, read_config
@@ -88,8 +88,6 @@ SAMPLING = {
     "base": {"steps": 50, "cfg": 4.0, "shift": 1.0},
 }
 FEATURES = ("noise_mask", "ref_cache")
-# The text encoder and the VAE compute in float32 (the family has no encoder_vae_dtype setting).
-ENCODER_VAE_DTYPE = mx.float32
 # Step conventions (docs/contract.md §5.2): both read the timestep as sigma and answer +dx/dsigma
 # (the DiT's own output at t = sigma); `comfy` embeds the float32 time, `reference` the time as
 # the compute dtype holds it (BFL's and diffusers' pipelines).
@@ -159,7 +157,7 @@ def describe(
         "encoder": stored_precision(model_dir / "text_encoder", encoder_gguf),
         "vae": None,
     }
-    side = ENCODER_VAE_DTYPE
+    side = dtypes.encoder_vae_dtype()
     return {
         "comfy": dict(COMFY),
         "latent": {**latent, "patch": LATENT_PATCH},
@@ -182,7 +180,10 @@ def describe(
                 quantization["dit"],
             ),
             "encoder": component_row(
-                False, _encoder_estimate(model_dir, encoder_gguf), side, quantization["encoder"]
+                False,
+                _encoder_estimate(model_dir, encoder_gguf, side),
+                side,
+                quantization["encoder"],
             ),
             "vae": component_row(
                 False, estimated_bytes(model_dir / "vae", side, loaded_tensor), side, None
@@ -218,7 +219,7 @@ def loaded_status(model_dir: Path, model_id: str, dit, vae, encoder, files: dict
         "encoder": component_row(
             True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
         ),
-        "vae": component_row(True, vae.weight_bytes, ENCODER_VAE_DTYPE, None),
+        "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
     }
     return status
 
@@ -232,16 +233,16 @@ def encoder_file(model_dir: Path, text_encoder: Path | None = None):
     return component_gguf(Path(model_dir) / "text_encoder", text_encoder, LOADED_LAYERS)
 
 
-def _encoder_estimate(model_dir: Path, encoder_gguf) -> int:
-    """The text encoder's bytes as it would load: the tensors of its first LOADED_LAYERS
-    layers and its token table (family.encoder_bytes)."""
+def _encoder_estimate(model_dir: Path, encoder_gguf, dtype: mx.Dtype) -> int:
+    """The text encoder's bytes as it would load at `dtype`: the tensors of its first
+    LOADED_LAYERS layers and its token table (family.encoder_bytes)."""
     from ...encoders.qwen3.text import module_name
 
     def loaded(name: str) -> bool:
         return module_name(name, LOADED_LAYERS) is not None
 
     folder = Path(model_dir) / "text_encoder"
-    return encoder_bytes(folder, encoder_gguf, ENCODER_VAE_DTYPE, loaded)
+    return encoder_bytes(folder, encoder_gguf, dtype, loaded)
 
 
 def check(model_dir: Path, dit: Path | None = None, text_encoder: Path | None = None) -> None:
@@ -283,13 +284,16 @@ def load(
     model_dir: Path,
     model_id: str,
     quantization: Quantization | None = None,
+    encoder_vae_dtype: str = AUTO,
     dit: Path | None = None,
     text_encoder: Path | None = None,
 ) -> Flux2KleinModel:
     """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
     that the family picks (dit.quantized; encoders.qwen3.text.quantized) are quantized as they
-    load (a GGUF file's float layers only). `dit`, `text_encoder`: a model entry's files of the
-    DiT (GGUF or BFL's safetensors) and of Qwen3 (GGUF)."""
+    load (a GGUF file's float layers only). The text encoder and the VAE compute in the dtype
+    the `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`,
+    `text_encoder`: a model entry's files of the DiT (GGUF or BFL's safetensors) and of Qwen3
+    (GGUF)."""
     from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
     from .prompt import Flux2PromptEncoder
 
@@ -298,13 +302,14 @@ def load(
     check(model_dir, dit, text_encoder)
     files = {"dit": dit, "text_encoder": text_encoder}  # `dit` names the network from here on
     dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization, dit=files["dit"])
-    vae = AutoencoderKLFlux2.load(model_dir / "vae", ENCODER_VAE_DTYPE)
-    encoder = Flux2PromptEncoder.load(
-        model_dir,
-        ENCODER_VAE_DTYPE,
-        quantization,
-        gguf=gguf_file(model_dir / "text_encoder", text_encoder),
-    )
+    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
+    vae = AutoencoderKLFlux2.load(model_dir / "vae", side)
+    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
+
+    def load_encoder() -> Flux2PromptEncoder:
+        return Flux2PromptEncoder.load(model_dir, side, quantization, gguf=encoder_gguf)
+
+    encoder = load_encoder()
     if encoder.width != dit.config.joint_attention_dim:
         raise ValueError(
             f"the text encoder's three tapped layers are {encoder.width} wide; the DiT's"
@@ -315,7 +320,9 @@ def load(
             f"the VAE's patchified latents have {vae.latent_channels} channels; the DiT takes"
             f" {dit.config.in_channels}"
         )
-    return Flux2KleinModel(model_dir, model_id, family, variant, dit, vae, encoder, files)
+    return Flux2KleinModel(
+        model_dir, model_id, family, variant, dit, vae, encoder, load_encoder, files
+    )
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -356,9 +363,12 @@ class StepPlan:
 class Flux2KleinModel(FamilyModel):
     capabilities = Capabilities(max_refs=MAX_REFS, conventions=CONVENTIONS, ref_cache=True)
 
-    def __init__(self, model_dir, model_id, family, variant, dit, vae, encoder, files=None):
-        """`files`: the model entry's files (`dit`, `text_encoder`) the weights came from
-        (none: the folder's)."""
+    def __init__(
+        self, model_dir, model_id, family, variant, dit, vae, encoder, load_encoder, files=None
+    ):
+        """`load_encoder` loads the same text encoder again (after a release); `files`: the
+        model entry's files (`dit`, `text_encoder`) the weights came from (none: the
+        folder's)."""
         files = {key: path for key, path in (files or {}).items() if path is not None}
         super().__init__(
             model_dir,
@@ -371,11 +381,12 @@ class Flux2KleinModel(FamilyModel):
             status=loaded_status(model_dir, model_id, dit, vae, encoder, files),
             read_manifest=lambda folder: manifest(folder, files.get("dit")),
             weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            encoder=encoder,
+            load_encoder=load_encoder,
         )
         self.family = family
         self.title = TITLES[family]
         self.dit = dit
-        self.encoder = encoder
         # run -> reference K/V by row key (docs/contract.md §3.4), dropped when the run ends
         self.ref_caches: dict[str, dict[tuple, RefState]] = {}
 
@@ -384,7 +395,7 @@ class Flux2KleinModel(FamilyModel):
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
         text encoder reads no images, so `refs` false returns the text alone)."""
-        cond = self.encoder.encode(text)
+        cond = self.prompt_encoder().encode(text)
         latents = (
             [self._reference_latents(i, image) for i, image in enumerate(images)] if refs else []
         )
