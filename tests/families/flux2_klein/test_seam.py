@@ -182,8 +182,9 @@ def test_a_cached_step_equals_the_uncached_one(live):
 
 
 def test_the_memory_plan_refuses_a_cache_that_does_not_fit(live, monkeypatch):
-    """A budget with room for the step but not for the K/V it would keep: the ref_cache step is
-    refused 400, the same step without the cache runs."""
+    """A budget with room for the step but not for the K/V it would keep, even with the text
+    encoder released: the ref_cache step is refused 400, the same step without the cache
+    runs."""
     assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
     loaded = live.ctx.registry.loaded(KLEIN)
     cond = encode(live, "a red fox")
@@ -199,7 +200,9 @@ def test_the_memory_plan_refuses_a_cache_that_does_not_fit(live, monkeypatch):
     assert step(live, x, [0.5], [(cond, refs)], run=run).status_code == 200  # uploads them
     monkeypatch.setattr(memory, "budget_mb", 0)
     monkeypatch.setattr(memory, "headroom", 0)
-    monkeypatch.setattr(memory, "machine", lambda: memory.held() + peak + cache // 2)
+    # the text encoder's bytes counted free: the plan may release it, and still it does not fit
+    machine = memory.held() - loaded.model.encoder_bytes + peak + cache // 2
+    monkeypatch.setattr(memory, "machine", lambda: machine)
     r = step(live, x, [0.5], [(cond, refs)], run=run, ref_cache=True)
     assert r.status_code == 400 and "memory plan" in r.text, r.text
     assert step(live, x, [0.5], [(cond, refs)], run=run).status_code == 200
