@@ -99,6 +99,16 @@ def parse_args(argv=None):
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--text", type=int, default=256, help="conditioned prefix tokens")
     parser.add_argument("--negative", type=int, default=32, help="unconditioned prefix tokens")
+    parser.add_argument(
+        "--steps", type=int, default=2, choices=(1, 2), help="step: 1, the prefixes built only"
+    )
+    parser.add_argument(
+        "--bound",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="step: 0 runs without the plan's bound on MLX's allocations (the server has it)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--layers", type=int, default=None, help="write: only this many blocks or layers"
@@ -312,8 +322,11 @@ def measure_step(args) -> dict:
     import numpy as np
     from gmlx_server.engine.base import StepRow
     from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
+    from gmlx_server.engine.families.qwen_image21.family import step_peak_bytes
     from gmlx_server.engine.families.qwen_image21.step import denoise_step
     from gmlx_server.engine.prefix_cache import PrefixCache
+    from gmlx_server.engine.quantize import dequantize_first, quantization_of
+    from gmlx_server.memory import allocation_bound
 
     model_dir = folder(args.root, args.bits, args.group_size)
     dtype = getattr(mx, args.dtype)
@@ -332,16 +345,28 @@ def measure_step(args) -> dict:
     ]
     x = rng.standard_normal((2, 64, cells, cells), dtype=np.float32)
     cache = PrefixCache(4 << 30)
+    dequantized = quantization_of(dit.weights) is not None and dequantize_first(cells * cells)
     steps = []
-    for label in ("prefix built", "prefix held"):
+    for label, built in (("prefix built", True), ("prefix held", False))[: args.steps]:
+        # the server's plan of the whole step (all the blocks), which bounds MLX's allocations
+        planned = step_peak_bytes(
+            dit.config,
+            dtype.size,
+            cells * cells,
+            [(row.cond.shape[0], built) for row in rows],
+            view.cpu_ops,
+            dequantized,
+        )
         before = reset_peaks()
         started = time.perf_counter()
-        denoise_step(view, cache, x, np.array([0.7, 0.7], np.float32), rows, run="bench")
+        with allocation_bound(planned if args.bound else 1 << 62):
+            denoise_step(view, cache, x, np.array([0.7, 0.7], np.float32), rows, run="bench")
         seconds = time.perf_counter() - started
         steps.append(
             {
                 "step": label,
                 **since(before),
+                "planned": planned,
                 "states": cache.total_bytes,
                 "ms_per_block": round(1000 * seconds / args.blocks),
             }
