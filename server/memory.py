@@ -166,20 +166,28 @@ class StepPlan:
     one_row_at_a_time: bool = False
 
 
+# The fraction of a work's planned peak at which MLX's limit is set (allocation_bound): past
+# its limit MLX still queues the operations it dispatches before its next wait (up to ten),
+# measured 10% of a full-size step's plan (docs/benchmarks.md, "Full-size memory").
+LIMIT_FRACTION = 0.9
+
+
 @contextmanager
 def allocation_bound(peak_bytes: int) -> Iterator[None]:
-    """MLX's memory limit, while the work inside runs, at what MLX holds now plus the work's
-    planned peak; restored after. MLX allocates an operation's output when it queues the
-    operation, up to about 100 operations ahead of the stream that computes them, so buffers
-    wait allocated (on the CPU backend not yet written) while the work before them runs: at a
-    full-size step's shapes that running ahead alone more than doubles the peak MLX counts
-    (docs/benchmarks.md, "Full-size memory"). Past its limit MLX queues no more until queued
-    work has finished and freed its inputs. The limit is soft: work over it waits rather
-    than fails, and an estimate below the work's own live set costs only that overlap.
-    On the worker thread (the one that evaluates)."""
+    """MLX's memory limit, while the work inside runs, at what MLX holds now plus
+    LIMIT_FRACTION of the work's planned peak; restored after. MLX allocates an operation's
+    output when it queues the operation, up to about 100 operations ahead of the stream that
+    computes them, so buffers wait allocated (on the CPU backend not yet written) while the
+    work before them runs: at a full-size step's shapes that running ahead alone more than
+    doubles the peak MLX counts (docs/benchmarks.md, "Full-size memory"). Past its limit MLX
+    queues no more until queued work has finished and freed its inputs, so the work peaks at
+    about its plan. The limit is soft: work over it waits rather than fails, and a limit below
+    the work's own live set costs only the overlap of queueing and computing. On the worker
+    thread (the one that evaluates)."""
     import mlx.core as mx
 
-    previous = mx.set_memory_limit(mx.get_active_memory() + max(0, peak_bytes))
+    limit = mx.get_active_memory() + int(LIMIT_FRACTION * max(0, peak_bytes))
+    previous = mx.set_memory_limit(limit)
     try:
         yield
     finally:

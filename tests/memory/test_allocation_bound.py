@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from gmlx_server.memory import allocation_bound
+from gmlx_server.memory import LIMIT_FRACTION, allocation_bound
 
 MB = 1 << 20
 SIDE = 256  # a (SIDE, SIDE) float32 matrix is 1/4 MiB
@@ -36,15 +36,15 @@ def test_the_bound_stops_mlx_allocating_far_ahead_of_the_work():
     # Unbounded, MLX allocates each output as it queues the matmul, ~100 ahead of the stream
     # computing them (each takes milliseconds, queueing microseconds): far over the live set.
     assert chain_peak(120, None) > 8 * MB
-    # Bounded at 1 MiB over what was held, it queues no more while over: at most the ten
-    # operations it dispatches between two waits (2.5 MiB) beyond the bound.
+    # Bounded by a plan of 1 MiB over what was held, it queues no more while over: at most
+    # the ten operations it dispatches between two waits (2.5 MiB) beyond the limit.
     assert chain_peak(120, MB) < MB + 3 * MB
 
 
 def test_the_limit_is_set_for_the_work_and_restored_after():
     before = mx.get_memory_limit()
-    with allocation_bound(123 * MB):
-        assert mx.get_memory_limit() == mx.get_active_memory() + 123 * MB
+    with allocation_bound(100 * MB):
+        assert mx.get_memory_limit() == mx.get_active_memory() + int(LIMIT_FRACTION * 100 * MB)
     assert mx.get_memory_limit() == before
     with pytest.raises(ValueError), allocation_bound(0):
         raise ValueError("the work failed")
