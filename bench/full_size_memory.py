@@ -20,6 +20,11 @@ step    the DiT and the VAE resident (the text encoder released, never loaded), 
         first step, held for the second), through the first `--blocks` of the resident
         blocks (a view of the same arrays); MLX's and the process's peaks, the prefix states
         held and ms per block.
+        The step runs with MLX's allocations bounded by the server's plan of it
+        (memory.allocation_bound; `--bound 0` without), `--steps 1` the first step alone.
+phases  the live set of each phase of the first block's target pass (q/k/v, attention,
+        gate/up, activation, ...) at `--size`, each evaluated alone with nothing queued
+        ahead: what the step estimate (qwen_image21/family.py, step_peak_bytes) counts.
 all     the measurements of docs/benchmarks.md ("Full-size memory"), each in its own process
         after checking MemAvailable (the run's need + 3 GB; a run that does not fit is
         reported skipped), folders written just before they are measured and deleted after,
@@ -29,6 +34,14 @@ all     the measurements of docs/benchmarks.md ("Full-size memory"), each in its
     .venv/bin/python bench/full_size_memory.py write --component transformer --bits 4 --root R
     .venv/bin/python bench/full_size_memory.py load --component transformer --root R --bits 4
     .venv/bin/python bench/full_size_memory.py step --root R --bits 4 --blocks 2 --size 1024
+    .venv/bin/python bench/full_size_memory.py phases --root R --bits 4
+    .venv/bin/python bench/full_size_memory.py write --gguf Q4_K --root R
+    .venv/bin/python bench/full_size_memory.py load --gguf Q4_K --root R --dtype float32
+
+`--gguf TYPE` (write, load): the DiT as one GGUF file in root/gguf-TYPE/transformer, written
+with the `gguf` package one tensor at a time, the blocks' linear weights random valid blocks
+of TYPE (tests/engine/gguf_files.py), the rest float16 and the norm scales float32, loaded
+through the server's loader (the family's dit_file).
 
 Results go to docs/benchmarks.md ("Full-size memory").
 """
@@ -89,7 +102,7 @@ VISION_CONFIG = {
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("write", "load", "step", "all"))
+    parser.add_argument("what", choices=("write", "load", "step", "phases", "all"))
     parser.add_argument("--root", type=Path, default=Path("/tmp/qwen-image21-full"))
     parser.add_argument("--component", choices=tuple(FILES), default="transformer")
     parser.add_argument("--bits", type=int, default=4, choices=(3, 4, 5, 6, 8, 16))
@@ -99,14 +112,32 @@ def parse_args(argv=None):
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--text", type=int, default=256, help="conditioned prefix tokens")
     parser.add_argument("--negative", type=int, default=32, help="unconditioned prefix tokens")
+    parser.add_argument(
+        "--steps", type=int, default=2, choices=(1, 2), help="step: 1, the prefixes built only"
+    )
+    parser.add_argument(
+        "--bound",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="step: 0 runs without the plan's bound on MLX's allocations (the server has it)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--layers", type=int, default=None, help="write: only this many blocks or layers"
     )
+    parser.add_argument(
+        "--gguf",
+        default=None,
+        metavar="TYPE",
+        help="write, load: the DiT as one GGUF file, its blocks' linears of this type (Q4_K)",
+    )
     return parser.parse_args(argv)
 
 
-def folder(root: Path, bits: int, group_size: int) -> Path:
+def folder(root: Path, bits: int, group_size: int, gguf_type: str | None = None) -> Path:
+    if gguf_type is not None:
+        return root / f"gguf-{gguf_type}"
     return root / (f"bits{bits}-g{group_size}" if bits < 16 else "bf16")
 
 
@@ -210,6 +241,59 @@ def write_component(
     return {"bytes": total, "write_s": round(time.perf_counter() - started, 1)}
 
 
+def write_gguf_dit(root: Path, type_name: str) -> dict:
+    """Write root/transformer as a full-size GGUF DiT (config.json and one .gguf file, written
+    with the `gguf` package tensor by tensor): the blocks' linear weights of `type_name`
+    (random valid blocks), everything else float16 (norm scales float32), by diffusers name."""
+    import gguf
+    import numpy as np
+
+    from tests.engine.gguf_files import random_blocks
+
+    started = time.perf_counter()
+    kind = gguf.GGMLQuantizationType[type_name]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    config, shapes = checkpoint_shapes("transformer")
+    target = root / "transformer"
+    target.mkdir(parents=True, exist_ok=False)
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+
+    def stored(name: str, shape: tuple[int, ...]):
+        """(type, numpy dtype, stored shape, bytes) of a tensor as the file holds it."""
+        if len(shape) == 2 and name.startswith("transformer_blocks.") and name.endswith(".weight"):
+            rows, cols = shape
+            return (
+                kind,
+                np.uint8,
+                (rows, cols // block_size * type_size),
+                rows * cols // block_size * type_size,
+            )
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        return None, dtype, shape, math.prod(shape) * np.dtype(dtype).itemsize
+
+    writer = gguf.GGUFWriter(
+        str(target / f"diffusion_pytorch_model-{type_name}.gguf"), "qwen_image"
+    )
+    layout = {name: stored(name, shape) for name, shape in shapes.items()}
+    for name, (raw, dtype, shape, nbytes) in layout.items():
+        writer.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    total = 0
+    for name, (raw, dtype, _, nbytes) in layout.items():
+        shape = shapes[name]
+        if raw is not None:
+            data = random_blocks(raw, shape, rng)
+        else:
+            data = float_values(rng, name, shape).astype(dtype)
+        writer.write_tensor_data(data)
+        total += nbytes
+    writer.close()
+    return {"bytes": total, "write_s": round(time.perf_counter() - started, 1)}
+
+
 def packed_tensors(rng, shape, quantization):
     """(packed, scales, biases) of a random (out, in) weight at `quantization`, made directly:
     uniform codes, so each weight is uniform in +-a, a = sqrt(3/in) times a per-group factor."""
@@ -226,16 +310,21 @@ def packed_tensors(rng, shape, quantization):
 
 
 def float_tensor(rng, name: str, shape):
-    """A bf16 tensor: ones for norm scales, zeros for 1-D biases, else N(0, 1/fan_in)."""
+    """A bf16 tensor of `float_values`."""
     import mlx.core as mx
+
+    return mx.array(float_values(rng, name, shape)).astype(mx.bfloat16)
+
+
+def float_values(rng, name: str, shape):
+    """float32 values: ones for norm scales, zeros for 1-D biases, else N(0, 1/fan_in)."""
     import numpy as np
 
     if len(shape) == 1 or name.endswith("gamma"):
         scale = ("norm" in name or name.endswith("gamma")) and not name.endswith("bias")
-        return mx.full(shape, 1.0 if scale else 0.0, mx.bfloat16)
+        return np.full(shape, 1.0 if scale else 0.0, np.float32)
     fan_in = int(np.prod(shape[1:]))
-    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(fan_in**-0.5)
-    return mx.array(values).astype(mx.bfloat16)
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(fan_in**-0.5)
 
 
 # ---------------------------------------------------------------------------- measurements
@@ -299,7 +388,9 @@ def measure_load(args) -> dict:
     before = reset_peaks()
     started = time.perf_counter()
     _, weight_bytes = load_component(
-        folder(args.root, args.bits, args.group_size), args.component, getattr(mx, args.dtype)
+        folder(args.root, args.bits, args.group_size, args.gguf),
+        args.component,
+        getattr(mx, args.dtype),
     )
     seconds = time.perf_counter() - started
     return {"weights": weight_bytes, **since(before), "load_s": round(seconds, 1)}
@@ -312,8 +403,11 @@ def measure_step(args) -> dict:
     import numpy as np
     from gmlx_server.engine.base import StepRow
     from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
+    from gmlx_server.engine.families.qwen_image21.family import step_peak_bytes
     from gmlx_server.engine.families.qwen_image21.step import denoise_step
     from gmlx_server.engine.prefix_cache import PrefixCache
+    from gmlx_server.engine.quantize import dequantize_first, quantization_of
+    from gmlx_server.memory import allocation_bound
 
     model_dir = folder(args.root, args.bits, args.group_size)
     dtype = getattr(mx, args.dtype)
@@ -332,16 +426,28 @@ def measure_step(args) -> dict:
     ]
     x = rng.standard_normal((2, 64, cells, cells), dtype=np.float32)
     cache = PrefixCache(4 << 30)
+    dequantized = quantization_of(dit.weights) is not None and dequantize_first(cells * cells)
     steps = []
-    for label in ("prefix built", "prefix held"):
+    for label, built in (("prefix built", True), ("prefix held", False))[: args.steps]:
+        # the server's plan of the whole step (all the blocks), which bounds MLX's allocations
+        planned = step_peak_bytes(
+            dit.config,
+            dtype.size,
+            cells * cells,
+            [(row.cond.shape[0], built) for row in rows],
+            view.cpu_ops,
+            dequantized,
+        )
         before = reset_peaks()
         started = time.perf_counter()
-        denoise_step(view, cache, x, np.array([0.7, 0.7], np.float32), rows, run="bench")
+        with allocation_bound(planned if args.bound else 1 << 62):
+            denoise_step(view, cache, x, np.array([0.7, 0.7], np.float32), rows, run="bench")
         seconds = time.perf_counter() - started
         steps.append(
             {
                 "step": label,
                 **since(before),
+                "planned": planned,
                 "states": cache.total_bytes,
                 "ms_per_block": round(1000 * seconds / args.blocks),
             }
@@ -354,6 +460,69 @@ def measure_step(args) -> dict:
         "of_blocks": dit.config.num_layers,
         "steps": steps,
     }
+
+
+def measure_phases(args) -> dict:
+    """The live set of each phase of the first block's target pass at `--size` (two rows, held
+    prefixes of `--text` and `--negative` tokens), eager, each phase evaluated alone with MLX's
+    limit at nothing (so nothing is queued ahead): its peak above what it was handed, and the
+    bytes of what it hands on. The phases step_peak_bytes counts."""
+    import mlx.core as mx
+    import numpy as np
+    from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout
+    from gmlx_server.engine.lora import project
+    from gmlx_server.engine.nn.activations import layer_norm, silu
+    from gmlx_server.memory import allocation_bound
+
+    dtype = getattr(mx, args.dtype)
+    dit, _ = load_component(folder(args.root, args.bits, args.group_size), "transformer", dtype)
+    w, block, eps = dit.weights, dit.weights["blocks"][0], dit.config.eps
+    rng = np.random.default_rng(0)
+    cells = args.size // 16
+    states = [
+        dit.prefix_state(
+            PrefixLayout(n), mx.array(rng.standard_normal((n, 4096), dtype=np.float32)), []
+        )
+        for n in (args.text, args.negative)
+    ]
+    mx.eval([state.keys + state.values for state in states])
+    x = mx.array(rng.standard_normal((2, cells * cells, 64), dtype=np.float32)).astype(dtype)
+    cos, sin = dit._target_rope(states, cells, cells)
+    scale1, gate1, scale2, gate2 = dit.modulation(w, dit.time_embedding(w, mx.array([0.7, 0.7])))
+    mx.eval(cos, sin, scale1, gate1, scale2, gate2)
+    prefix = [(state.keys[0], state.values[0]) for state in states]
+    phases = {}
+
+    def phase(name, work, *inputs):
+        before = reset_peaks()
+        with allocation_bound(0):
+            out = work(*inputs)
+            mx.eval(out)
+        measured = since(before)
+        phases[name] = {"peak": measured["mlx_peak"], "out": measured["mlx_active"]}
+        return out
+
+    def activation(gate_up):
+        gate, up = mx.split(gate_up, 2, axis=-1)
+        return silu(gate) * up
+
+    hidden = phase("img_in", lambda: project(w, "img_in", x))
+    normed = phase("norm1", lambda h: layer_norm(h, eps) * (1 + scale1), hidden)
+    qkv = phase("qkv", lambda n: list(dit.qkv(block, n, cos, sin)), normed)
+    del normed
+    attended = phase("attention", lambda t: dit._target_attention(prefix, *t), qkv)
+    del qkv
+    hidden = phase(
+        "attn_out", lambda h, a: h + gate1 * dit.attention_out(block, a), hidden, attended
+    )
+    del attended
+    normed = phase("norm2", lambda h: layer_norm(h, eps) * (1 + scale2), hidden)
+    gate_up = phase("gate_up", lambda n: project(block, "gate_up", n), normed)
+    del normed
+    product = phase("activation", activation, gate_up)
+    del gate_up
+    phase("down", lambda h, p: h + gate2 * project(block, "down", p), hidden, product)
+    return {"tokens": 2 * cells * cells, "phases": phases}
 
 
 # ---------------------------------------------------------------------------- the whole plan
@@ -456,7 +625,9 @@ def main(argv=None) -> None:
     import gmlx_server.engine.families.qwen_image21.step  # noqa: F401
     import gmlx_server.engine.vaes.qwen_image21  # noqa: F401
 
-    if args.what == "write":
+    if args.what == "write" and args.gguf:
+        result = write_gguf_dit(folder(args.root, args.bits, args.group_size, args.gguf), args.gguf)
+    elif args.what == "write":
         result = write_component(
             folder(args.root, args.bits, args.group_size),
             args.component,
@@ -466,6 +637,8 @@ def main(argv=None) -> None:
         )
     elif args.what == "load":
         result = measure_load(args)
+    elif args.what == "phases":
+        result = measure_phases(args)
     else:
         result = measure_step(args)
     print(json.dumps(result))

@@ -30,7 +30,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,11 +156,42 @@ def _mib(n: int) -> str:
 
 @dataclass
 class StepPlan:
-    """How a step runs: the model's plan of its rows (`plan_step`), and whether the rows run
-    one at a time (the batch does not fit; each row is planned again by `check_row`)."""
+    """How a step runs: the model's plan of its rows (`plan_step`), whether the rows run one
+    at a time (the batch does not fit; each row is planned again by `check_row`), and the
+    planned peak of the forward beyond what is held (`step_peak_bytes`), which bounds MLX's
+    allocations while it runs (`allocation_bound`)."""
 
     plans: Any
+    peak_bytes: int
     one_row_at_a_time: bool = False
+
+
+# The fraction of a work's planned peak at which MLX's limit is set (allocation_bound): past
+# its limit MLX still queues the operations it dispatches before its next wait (up to ten),
+# measured 10% of a full-size step's plan (docs/benchmarks.md, "Full-size memory").
+LIMIT_FRACTION = 0.9
+
+
+@contextmanager
+def allocation_bound(peak_bytes: int) -> Iterator[None]:
+    """MLX's memory limit, while the work inside runs, at what MLX holds now plus
+    LIMIT_FRACTION of the work's planned peak; restored after. MLX allocates an operation's
+    output when it queues the operation, up to about 100 operations ahead of the stream that
+    computes them, so buffers wait allocated (on the CPU backend not yet written) while the
+    work before them runs: at a full-size step's shapes that running ahead alone more than
+    doubles the peak MLX counts (docs/benchmarks.md, "Full-size memory"). Past its limit MLX
+    queues no more until queued work has finished and freed its inputs, so the work peaks at
+    about its plan. The limit is soft: work over it waits rather than fails, and a limit below
+    the work's own live set costs only the overlap of queueing and computing. On the worker
+    thread (the one that evaluates)."""
+    import mlx.core as mx
+
+    limit = mx.get_active_memory() + int(LIMIT_FRACTION * max(0, peak_bytes))
+    previous = mx.set_memory_limit(limit)
+    try:
+        yield
+    finally:
+        mx.set_memory_limit(previous)
 
 
 class MemoryPlanner:
@@ -258,7 +290,7 @@ class MemoryPlanner:
             free += self._release_encoder(loaded, "a step")
         if need > free and one_row <= free:
             log.info("memory plan runs the step's %d rows one at a time", len(rows))
-            return StepPlan(plans, one_row_at_a_time=True)
+            return StepPlan(plans, one_row, one_row_at_a_time=True)
         if need > free:
 
             def estimate(shape: tuple) -> int:  # the first rows, at another size
@@ -266,15 +298,15 @@ class MemoryPlanner:
 
             hint = self._step_hint(estimate, x_shape, free, loaded.facts.latent_stride)
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
-        return StepPlan(plans)
+        return StepPlan(plans, need)
 
     def check_row(
         self, loaded: LoadedModel, x_shape: tuple, rows: list, index: int, table: Any, plan: Any
-    ) -> Any:
+    ) -> StepPlan:
         """Row `index` of a step whose rows run one at a time, on the worker right before it
         runs: its plan against what is held now (the states the rows before it built
         included); held states other than the step's own are shed when that makes it fit.
-        Returns the row's plan for its forward."""
+        Returns the row's plan (a one-row StepPlan) for its forward."""
         model = loaded.model
         row_shape = (1, *tuple(x_shape)[1:])
         plans = _nth(plan.plans, index)
@@ -287,7 +319,7 @@ class MemoryPlanner:
         if need > free:
             hint = f"row {index} of the step does not fit alone after the rows before it"
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
-        return plans
+        return StepPlan(plans, need)
 
     # ------------------------------------------------------------ the text encoder
 

@@ -18,6 +18,7 @@ from gmlx_contract.errors import ContractError
 
 from ..engine.base import StepResult, StepRow, kept_image_slots
 from ..engine.registry import LoadedModel
+from ..memory import allocation_bound
 from ..service import CachedTensor, Run, StepsService, tensor_of
 from .common import Resource, check_pixels, container_body, flag, is_int, send_container
 
@@ -102,12 +103,16 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
             loaded, request.x.shape, rows, table, ref_cache_run=run.run_id if ref_cache else None
         )
         if not plan.one_row_at_a_time:
-            return denoise(request.x, request.timestep, rows, plan.plans)
+            with allocation_bound(plan.peak_bytes):
+                return denoise(request.x, request.timestep, rows, plan.plans)
         results = []
         for index, row in enumerate(rows):
-            plans = service.memory.check_row(loaded, request.x.shape, rows, index, table, plan)
+            row_plan = service.memory.check_row(loaded, request.x.shape, rows, index, table, plan)
             one = slice(index, index + 1)
-            results.append(denoise(request.x[one], request.timestep[one], [row], plans))
+            with allocation_bound(row_plan.peak_bytes):
+                results.append(
+                    denoise(request.x[one], request.timestep[one], [row], row_plan.plans)
+                )
         return joined(results)
 
     result = service.worker.call(forward)

@@ -14,10 +14,28 @@ QUERY_CHUNK = 1024
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, blocked: bool) -> mx.array:
     """Unmasked attention; `blocked` (cpu_ops.use_cpu_ops of the compute dtype, read once by the
     caller): the blocked exp2 form of cpu_ops (MLX's CPU SDPA is matmul, scalar-exp softmax,
-    matmul over the whole score matrix), else MLX's fused attention."""
+    matmul over the whole score matrix), else MLX's fused attention, which on the CPU backend
+    (another dtype than float32) runs over QUERY_CHUNK query rows at a time."""
     if blocked:
         return cpu_ops.attention(q, k, v, scale)
+    if mx.default_device() == mx.cpu and q.shape[2] > QUERY_CHUNK:
+        return chained_query_chunks(q, k, v, scale)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def chained_query_chunks(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """Unmasked attention over QUERY_CHUNK query rows at a time, each chunk's queries waiting
+    on the chunk before (mx.depends): MLX's breadth-first evaluation would otherwise compute
+    every chunk's scores side by side, as many as the whole score matrix. Exact: each query
+    row's softmax is over all the keys either way."""
+    outputs, previous = [], None
+    for start in range(0, q.shape[2], QUERY_CHUNK):
+        chunk = q[:, :, start : start + QUERY_CHUNK]
+        if previous is not None:
+            chunk = mx.depends(chunk, previous)
+        previous = mx.fast.scaled_dot_product_attention(chunk, k, v, scale=scale)
+        outputs.append(previous)
+    return mx.concatenate(outputs, axis=2)
 
 
 def chunked_attention(

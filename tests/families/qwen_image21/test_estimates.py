@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.qwen_image21 import embedded, family
+from gmlx_server.memory import LIMIT_FRACTION, allocation_bound
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +48,27 @@ def test_step_estimate_bounds_the_measured_peak(model, batch, side, length, refs
     t = np.full((batch,), 0.7, np.float32)
     estimate = model.step_peak_bytes(x.shape, step_rows)
     quick = model.step_peak_bytes(x.shape, None)
-    measured = peak_of(lambda: model.denoise_step(x, t, step_rows))
+
+    def step(bound: int):  # the server bounds MLX's allocations by the plan (memory.py)
+        model.prefix_cache.clear()  # the prefixes built by each
+        with allocation_bound(bound):
+            model.denoise_step(x, t, step_rows)
+
+    # bounded at nothing, MLX queues an operation only when the ones before it have finished:
+    # the step's own live set, which the plan must cover
+    live = peak_of(lambda: step(0))
+    bounded = peak_of(lambda: step(estimate))
     print(
-        f"step {batch}x{side}^2 prefix {length}+{refs} refs: measured {measured / 2**20:.1f} "
-        f"MiB, estimate {estimate / 2**20:.1f} MiB, quick {quick / 2**20:.1f} MiB"
+        f"step {batch}x{side}^2 prefix {length}+{refs} refs: live {live / 2**20:.1f} MiB, "
+        f"bounded {bounded / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB, "
+        f"quick {quick / 2**20:.1f} MiB"
     )
     assert quick <= estimate
-    assert 1.05 * measured <= estimate <= 8 * measured + (8 << 20)
+    # the live set fits under the limit the plan sets (else MLX would wait at every operation)
+    assert 1.05 * live <= LIMIT_FRACTION * estimate
+    assert estimate <= 8 * live + (8 << 20)
+    # over its limit MLX waits, past it by the operations queued between two waits
+    assert bounded <= estimate
     # held now: a second plan counts no new states, so it needs less
     assert model.step_peak_bytes(x.shape, step_rows) < estimate
     model.prefix_cache.clear()

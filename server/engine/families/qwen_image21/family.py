@@ -33,7 +33,7 @@ from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
-from ...quantize import quantization_status
+from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of, quantization_status
 from ...shard import Shard
 from ...weights import component_bytes, estimated_bytes, read_config
 from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
@@ -65,11 +65,23 @@ SCHEDULER_KEYS = {
 }
 
 # ---------------------------------------------------------------- memory plan (docs/contract.md §3.5)
-# A step's peak beyond the weights and the states already held, counted in buffers of the DiT's
-# shapes; tests/memory checks the sum against measured peaks. Per token of a pass:
-TOKEN_WIDTH_BUFFERS = 10  # hidden, its normed form, q, k, v, the attention out, residual sums
-TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
-MLP_BUFFERS = 8  # gate and up, SiLU's temporaries and the product, at the MLP's width
+# A step's peak beyond the weights and the states already held. The blocks run one after
+# another, each block's activations freed as their last reader runs (MLX frees a buffer then;
+# `memory.allocation_bound` keeps it from allocating far ahead of the work), so the peak is
+# that of one block's largest phase, for every row at once, counted in buffers of the DiT's
+# shapes per target token (measured phase by phase at full size: docs/benchmarks.md,
+# "Full-size memory"; tests/families/qwen_image21/test_estimates.py checks the tiny model).
+RESIDUAL_BUFFERS = 2  # the block's input and its normed, modulated form
+QKV_BUFFERS = 3  # the fused q/k/v projection (v is a view of it)
+QK_F32_BUFFERS = 5  # q and k in float32 around their RMS norm and RoPE, with a temporary
+ATTENTION_BUFFERS = 4  # q and k as attended, the attention's output and its merged heads
+GATE_UP_BUFFERS = 2  # gate and up, at the MLP's width
+# SiLU(gate) * up at the MLP's width: cpu_ops' sigmoid (the CPU backend in float32) runs as
+# several kernels, each output alive until the product is taken; elsewhere one fused product.
+ACTIVATION_BUFFERS = {True: 4, False: 1}
+# The next operation's output, allocated as it is queued while the one before it runs (at
+# most the MLP's width).
+QUEUED_BUFFERS = 1
 # Per row of the target pass: its [prefix, target] keys and values, the transposed keys and the
 # values with the ones column of cpu_ops.attention.
 KV_BUFFERS = 4
@@ -251,29 +263,45 @@ def step_peak_bytes(
     tokens: int,
     prefixes: list[tuple[int, bool]],
     blocked_attention: bool,
+    dequantized: bool = False,
 ) -> int:
     """Peak bytes of one step beyond the weights and held states, for one row per entry of
     `prefixes` = (prefix length, built now?), `tokens` = h*w target tokens, activations of
-    `itemsize` bytes. Pure: no allocation. A prefix built now adds its pass and its new state."""
-    width, heads = config.inner_dim, config.num_heads
-    per_token = (
-        TOKEN_WIDTH_BUFFERS * width * itemsize
-        + TOKEN_F32_BUFFERS * width * 4
-        + MLP_BUFFERS * width * config.mlp_ratio * itemsize
-    )
+    `itemsize` bytes; `dequantized`: the blocks' quantized weights are dequantized before
+    their matmuls (the CPU backend: quantize.dequantize_first), each alive in the compute
+    dtype while its matmul runs. Pure: no allocation. A prefix built now adds its pass and its
+    new state."""
+    width, hidden = config.inner_dim, config.inner_dim * config.mlp_ratio
     rows = len(prefixes)
-    total = rows * tokens * per_token
+    qkv_weight = 3 * width * width * itemsize if dequantized else 0
+    gate_up_weight = 2 * hidden * width * itemsize if dequantized else 0
+    per_token = {
+        "qkv": (RESIDUAL_BUFFERS + QKV_BUFFERS) * width * itemsize + QK_F32_BUFFERS * width * 4,
+        "attention": (1 + QKV_BUFFERS + ATTENTION_BUFFERS) * width * itemsize,
+        "gate_up": RESIDUAL_BUFFERS * width * itemsize + GATE_UP_BUFFERS * hidden * itemsize,
+        "activation": width * itemsize
+        + (GATE_UP_BUFFERS + ACTIVATION_BUFFERS[blocked_attention]) * hidden * itemsize,
+    }
+    attention = rows * tokens * per_token["attention"]
+    for length, _ in prefixes:
+        keys = length + tokens
+        attention += KV_BUFFERS * keys * width * itemsize
+        if blocked_attention:
+            attention += SCORE_BLOCK_BUFFERS * _score_block_bytes(config.num_heads, tokens, keys)
+    block = max(
+        rows * tokens * per_token["qkv"] + qkv_weight,
+        attention,
+        rows * tokens * per_token["gate_up"] + gate_up_weight,
+        rows * tokens * per_token["activation"],
+    )
+    total = block + QUEUED_BUFFERS * rows * tokens * hidden * itemsize
     total += IO_BUFFERS * rows * tokens * max(config.in_channels, config.out_channels) * 4
     for length, built in prefixes:
-        keys = length + tokens
-        total += KV_BUFFERS * keys * width * itemsize
-        if blocked_attention:
-            total += SCORE_BLOCK_BUFFERS * _score_block_bytes(heads, tokens, keys)
         if built:
             total += 2 * config.num_layers * length * width * itemsize  # the new state
-            total += length * (per_token + config.context_in_dim * 4)
+            total += length * (max(per_token.values()) + config.context_in_dim * 4)
             if blocked_attention:
-                total += PREFIX_SCORE_BUFFERS * heads * length * length * 4
+                total += PREFIX_SCORE_BUFFERS * config.num_heads * length * length * 4
     return total
 
 
@@ -496,6 +524,11 @@ class QwenImage21Model(FamilyModel):
             load_encoder=load_encoder,
         )
         self.dit = dit
+        # whether a step's quantized matmuls dequantize their weights first (read here, on the
+        # thread that loads: the quick plan runs on an HTTP thread and never asks MLX)
+        self.dit_dequantizes = quantization_of(dit.weights) is not None and dequantize_first(
+            DEQUANTIZE_MIN_ROWS
+        )
         self.prefix_cache = PrefixCache(prefix_budget_bytes)
 
     # -- memory plan (server/memory.py asks these) ---------------------------------------
@@ -533,7 +566,12 @@ class QwenImage21Model(FamilyModel):
                 prefixes.append((plan.layout.length, built))
         # dit.cpu_ops was read at load: the quick plan runs on an HTTP thread, never asks MLX
         return step_peak_bytes(
-            self.dit.config, self.dit.dtype.size, h * w, prefixes, self.dit.cpu_ops
+            self.dit.config,
+            self.dit.dtype.size,
+            h * w,
+            prefixes,
+            self.dit.cpu_ops,
+            self.dit_dequantizes,
         )
 
     def step_keys(
