@@ -283,10 +283,9 @@ def engine(gmlx_server):
 @pytest.fixture(scope="module")
 def quantized_engine(quantized_server):
     """The quantized server's model loaded in this process at the same precision."""
-    from gmlx_server.engine.precision import Quantization
     from gmlx_server.image_cli import choose_model
 
-    choice = choose_model(None, quantized_server["config"], Quantization(QUANTIZE_BITS))
+    choice = choose_model(None, quantized_server["config"], {"quantize": QUANTIZE_BITS})
     return choice.registry.acquire(choice.model_id).model
 
 
