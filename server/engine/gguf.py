@@ -24,6 +24,7 @@ Any other type is refused, naming the tensor.
 
 from __future__ import annotations
 
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,6 +259,8 @@ class GGUFFile:
                 )
             name = tensor.name[len(prefix) :]
             self.entries[name] = TensorEntry(name, kind, _shape(reader, tensor), tensor)
+        # the memory map gguf's reader reads through (np.memmap's own mmap object)
+        self._mapping = getattr(reader.data, "_mmap", None)
 
     def read(
         self, name: str, dtype: mx.Dtype | None = None, as_float: bool = False
@@ -268,15 +271,30 @@ class GGUFFile:
         entry = self.entries[name]
         data = entry.tensor.data
         if entry.quantized and entry.stored_2d and not as_float:
-            return affine(entry.kind, data, *entry.shape)
+            value = affine(entry.kind, data, *entry.shape)
+            self._release_pages(entry)
+            return value
         if entry.kind == T.BF16:
             value = mx.array(np.ascontiguousarray(data).view(np.uint16)).view(mx.bfloat16)
         elif entry.quantized:
             value = mx.array(gguf.quants.dequantize(np.asarray(data), entry.kind))
         else:
             value = mx.array(np.asarray(data))
+        self._release_pages(entry)
         value = value.reshape(entry.shape)
         return value if dtype is None else value.astype(dtype)
+
+    def _release_pages(self, entry: TensorEntry) -> None:
+        """Drop a tensor's pages of the file from this process's resident set once they are
+        read (every read above copies them into MLX or numpy arrays first). The mapping is
+        read-only and shared, so the pages are the file's, clean: the kernel keeps them in its
+        page cache and maps them again on a later read. Without this a load's RSS counts the
+        whole file on top of what it holds (docs/benchmarks.md, "The load of a GGUF DiT")."""
+        if self._mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = int(entry.tensor.data_offset)
+        begin = start - start % mmap.PAGESIZE
+        self._mapping.madvise(mmap.MADV_DONTNEED, begin, start + entry.nbytes - begin)
 
     def type_counts(self) -> dict[str, int]:
         """How many tensors the file holds of each type, by GGUF type name."""

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -127,3 +129,39 @@ def test_a_type_the_server_does_not_read_is_refused_naming_it(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", tensors)
     with pytest.raises(GGUFError, match=r"m\.gguf: tensor odd\.weight is IQ4_NL"):
         GGUFFile(path)
+
+
+def mapped_rss(path) -> int:
+    """Resident bytes of this process's mappings of `path` (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = len(fields) >= 6 and fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+SPILL = 2 * 1024 * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's smaps")
+@pytest.mark.parametrize("kind", [T.F32, T.Q8_0])
+def test_a_read_tensor_leaves_no_file_pages_resident(tmp_path, kind):
+    """The loader drops a tensor's pages of the memory-mapped file once read, so a load's RSS
+    holds what it loaded, not also the file; the values are the file's."""
+    rng = np.random.default_rng(4)
+    tensors = {
+        f"t{i}": (kind, encoded(kind, rng.standard_normal((2048, 2048)), rng)) for i in range(3)
+    }
+    path = write_gguf(tmp_path / "pages.gguf", tensors)
+    file = GGUFFile(path)
+    header = mapped_rss(path)  # the metadata the reader parsed
+    for name, (_, data) in tensors.items():
+        value = file.read(name, as_float=True)
+        np.testing.assert_array_equal(np.array(value), reference(kind, data))
+        # what may stay: the pages the kernel mapped past the tensor's end with the last ones
+        # it read (it maps a page-cache folio whole), dropped when the next tensor is read
+        assert mapped_rss(path) - header <= SPILL, name
+    assert file.entries["t0"].nbytes >= 2 * SPILL  # what each read would have left resident
