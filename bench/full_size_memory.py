@@ -360,6 +360,7 @@ def since(before: dict[str, int]) -> dict[str, int]:
     return {
         "mlx_active": mx.get_active_memory() - before["active"],
         "mlx_peak": mx.get_peak_memory() - before["active"],
+        "mlx_cache": mx.get_cache_memory(),  # freed buffers MLX keeps for reuse (in the RSS)
         "rss": status["VmRSS"] - before["rss"],
         "rss_peak": status["VmHWM"] - before["rss"],
     }
