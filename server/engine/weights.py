@@ -161,6 +161,22 @@ def load_tree(
 GGUF_SUFFIX = ".gguf"
 
 
+def block_weights(files: dict[str, mx.array], prefix: str, linears: dict, norms: dict) -> dict:
+    """One block of a DiT's weight tree from the file's tensors under `prefix`: each of
+    `linears` (tree key -> its file names, in row order) one weight, several parts concatenated
+    along the output rows so they run as one matmul; each of `norms` (tree key -> file name)
+    its scale."""
+    block = {
+        key: mx.concatenate([files[prefix + name + ".weight"] for name in parts], axis=0)
+        if len(parts) > 1
+        else files[prefix + parts[0] + ".weight"]
+        for key, parts in linears.items()
+    }
+    for key, name in norms.items():
+        block[key] = files[prefix + name + ".weight"]
+    return block
+
+
 def gguf_file(component_dir: Path, override: Path | None = None) -> Path | None:
     """The GGUF file a component's weights are read from: `override` (a model entry's; a file
     of another kind is refused), else the one `.gguf` file in the folder, else None

@@ -41,7 +41,7 @@ from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
-from ...weights import load_tree, read_config, single_file
+from ...weights import block_weights, load_tree, read_config, single_file
 
 TIME_PROJ_DIM = 256
 TIME_MAX_PERIOD = 10000.0
@@ -332,27 +332,15 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     for LoRA."""
     weights = {key: files[name + ".weight"] for key, name in TOP_LINEARS.items()}
     weights["double"] = [
-        _block(files, DOUBLE.format(i), DOUBLE_LINEARS, DOUBLE_NORMS)
+        block_weights(files, DOUBLE.format(i), DOUBLE_LINEARS, DOUBLE_NORMS)
         for i in range(config.num_layers)
     ]
     single_linears = {key: (name,) for key, name in SINGLE_LINEARS.items()}
     weights["single"] = [
-        _block(files, SINGLE.format(i), single_linears, SINGLE_NORMS)
+        block_weights(files, SINGLE.format(i), single_linears, SINGLE_NORMS)
         for i in range(config.num_single_layers)
     ]
     return weights
-
-
-def _block(files: dict, prefix: str, linears: dict, norms: dict) -> dict:
-    block = {
-        key: mx.concatenate([files[prefix + name + ".weight"] for name in parts], axis=0)
-        if len(parts) > 1
-        else files[prefix + parts[0] + ".weight"]
-        for key, parts in linears.items()
-    }
-    for key, name in norms.items():
-        block[key] = files[prefix + name + ".weight"]
-    return block
 
 
 def quantized(path: str) -> bool:

@@ -36,7 +36,7 @@ from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
 from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
-from ...weights import gguf_file, load_tree, read_config
+from ...weights import block_weights, gguf_file, load_tree, read_config
 
 TIME_PROJ_DIM = 256
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
@@ -171,6 +171,7 @@ BLOCK_LINEARS = {
 }
 # Linear layers outside the blocks: tree key -> diffusers name.
 # Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
+BLOCK_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k"}  # the blocks' q/k RMS norms
 F32_WEIGHTS = ("attn.norm_q.weight", "attn.norm_k.weight", "txt_in.text_norm.weight")
 TOP_LINEARS = {
     "time_1": "time_text_embed.timestep_embedder.linear_1",
@@ -214,16 +215,7 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     scale - 1, so 1 is added. `linear_slots` names the same places for LoRA."""
     blocks = []
     for i in range(config.num_layers):
-        p = BLOCK_PREFIX.format(i)
-        block = {
-            key: mx.concatenate([files[p + name + ".weight"] for name in parts], axis=0)
-            if len(parts) > 1
-            else files[p + parts[0] + ".weight"]
-            for key, parts in BLOCK_LINEARS.items()
-        }
-        block["norm_q"] = files[p + "attn.norm_q.weight"]
-        block["norm_k"] = files[p + "attn.norm_k.weight"]
-        blocks.append(block)
+        blocks.append(block_weights(files, BLOCK_PREFIX.format(i), BLOCK_LINEARS, BLOCK_NORMS))
     weights = {key: files[name + ".weight"] for key, name in TOP_LINEARS.items()}
     weights["text_norm"] = files["txt_in.text_norm.weight"] + 1.0
     weights["blocks"] = blocks

@@ -34,7 +34,7 @@ from ...nn.dtypes import default_compute_dtype, tree_bytes
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
 from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
-from ...weights import gguf_file, load_tree, read_config
+from ...weights import block_weights, gguf_file, load_tree, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
 TIME_PROJ_DIM = 256
@@ -208,14 +208,7 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
 
 
 def _block(files: dict[str, mx.array], prefix: str, modulated: bool) -> dict:
-    block = {
-        key: mx.concatenate([files[prefix + name + ".weight"] for name in parts], axis=0)
-        if len(parts) > 1
-        else files[prefix + parts[0] + ".weight"]
-        for key, parts in BLOCK_LINEARS.items()
-    }
-    for key, name in BLOCK_NORMS.items():
-        block[key] = files[prefix + name + ".weight"]
+    block = block_weights(files, prefix, BLOCK_LINEARS, BLOCK_NORMS)
     if modulated:
         block["modulation"] = files[prefix + MODULATION + ".weight"]
         block["modulation" + BIAS] = files[prefix + MODULATION + ".bias"]
