@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -654,6 +655,9 @@ def join(mode: str, rank_timeout_s: float = RANK_TIMEOUT_S) -> Group | None:
         return None
     if world.rank() != 0:
         log.info("rank %d of %d: following rank 0 (%s)", world.rank(), world.size(), mode)
+        # Ctrl-C reaches every rank of a launched group at once. A rank other than 0 ends on
+        # rank 0's stop, which it cannot hear once dead: rank 0 would then wait on it for ever.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         code = Follower(mode, world.rank(), world.size()).run()
         logging.shutdown()
         os._exit(code)

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ TOLERANCE = 1e-5
 LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
 # A lost rank is answered within its silence limit, the watchdog's look and the HTTP poll.
 LOSS_BOUND_S = SILENT_S + 2 * HEARTBEAT_S + 2 * POLL_S + 2.0
+CTRL_C_BOUND_S = 10.0  # a group told to stop ends within this (it stops in well under 1 s)
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +98,51 @@ def z_image_folder(tmp_path_factory) -> Path:
     return build_z_image_folder(tmp_path_factory.mktemp("shard") / "tiny-z-image")
 
 
+def start_ranks(
+    ranks: int, command: list[str], scratch: Path, **rank0_options
+) -> list[subprocess.Popen]:
+    """`command` (after `python`) as `ranks` ring ranks on loopback, started the way mlx.launch
+    starts them (MLX_RANK and a hostfile in MLX_HOSTFILE, written under `scratch`); rank 0's
+    output as `rank0_options` say, the others' dropped.
+
+    The parity checks start their ranks directly because mlx.launch 0.32 watches its ranks'
+    pipes with a `select` on their always-writable input, which spins: its launcher held a core
+    for the whole check, on two cores as much as the ranks themselves. The served group below
+    keeps mlx.launch, whose way of ending a group with a lost rank it tests."""
+    first = free_port_range(ranks)
+    hostfile = scratch / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{first + rank}"] for rank in range(ranks)]))
+    started: list[subprocess.Popen] = []
+    for rank in range(ranks):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+        options = rank0_options if rank == 0 else {"stdout": subprocess.DEVNULL}
+        started.append(
+            subprocess.Popen(
+                [sys.executable, *command],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdin=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                **options,
+            )
+        )
+    return started
+
+
 def rank_check(folder: Path, ranks: int, mode: str, check: str = "ranks_check") -> dict:
-    process = launch(
-        ranks,
-        ["-m", f"tests.shard.{check}", str(folder), mode],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        out, _ = process.communicate(timeout=600)
-    finally:
-        stop(process)
+    command = ["-m", f"tests.shard.{check}", str(folder), mode]
+    with tempfile.TemporaryDirectory() as scratch:
+        processes = start_ranks(ranks, command, Path(scratch), stdout=subprocess.PIPE)
+        try:
+            out, _ = processes[0].communicate(timeout=600)
+            for process in processes[1:]:
+                process.wait(60)
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
     lines = [line for line in out.splitlines() if line.startswith("RESULTS ")]
     assert lines, f"no results from the ranks:\n{out[-2000:]}"
     return json.loads(lines[-1][len("RESULTS ") :])
@@ -224,6 +260,15 @@ def served(folder, tmp_path, request):
     group.close()
 
 
+def ended(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie not yet reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
 def one_step(client: StepClient, model: str, x: np.ndarray, cond: np.ndarray, run=None):
     digest = client.put_tensor(cond)
     rows = [{"cond": digest, "num_tokens": int(cond.shape[1])}]
@@ -330,6 +375,13 @@ def test_a_stopped_rank_is_named_then_taken_back(served, folder):
         assert time.monotonic() < deadline, client.capabilities()["distributed"]
         time.sleep(0.5)
     assert rel_l2(one_step(client, folder.name, x, cond).out, expected) <= TOLERANCE
+    # Ctrl-C reaches every rank at once: rank 0 stops the others, and every process ends
+    ranks = [served.rank_pid(0), rank1]
+    os.killpg(served.process.pid, signal.SIGINT)
+    deadline = time.monotonic() + CTRL_C_BOUND_S
+    while not all(ended(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived Ctrl-C on the group"
+        time.sleep(0.1)
 
 
 def test_sample_via_steps_over_two_ranks_writes_the_one_process_image(folder, tmp_path):
