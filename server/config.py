@@ -42,8 +42,12 @@ File (default ~/.config/gmlx-steps/config.toml):
     mmproj = "~/gguf/mmproj-Qwen3-VL-8B-F16.gguf"  # and its vision tower's (Qwen-Image 2.1's
                                     # Qwen3-VL: text_encoder and mmproj together)
 
+Every table and key the file holds must be one of these: an unknown one (a typo: `model_dir`,
+`[sever]`) is refused at start-up, naming the nearest known one.
+
 Environment: GMLX_HOST, GMLX_PORT, GMLX_API_KEY, GMLX_MODEL_DIRS (os.pathsep-separated),
-GMLX_DEFAULT_MODEL. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
+GMLX_DEFAULT_MODEL. A `GMLX_` variable that names nothing the project reads (ENVIRONMENT) is
+refused the same way. Flags (`--host`, `--port`, `--quantize`, `--group-size`) override both;
 `--quantize` applies to every model, over the entries' own `quantize`. The commands that load
 a model themselves take a model entry's settings as flags of the same names (MODEL_SETTINGS,
 parsers.add_model_arguments), read by the same parser (`model_settings`).
@@ -52,6 +56,7 @@ parsers.add_model_arguments), read by the same parser (`model_settings`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import ipaddress
 import math
@@ -83,6 +88,27 @@ ENCODER_RESIDENCIES = ("keep", "release", "auto")
 
 class ConfigError(ValueError):
     """A configuration the server cannot start with; the text says what to change."""
+
+
+# Every `GMLX_` environment variable the project reads, and what reads it: the server's
+# configuration reads the first five (`_apply_env`); one not listed here is a typo.
+ENVIRONMENT = {
+    "GMLX_HOST": "[server] host",
+    "GMLX_PORT": "[server] port",
+    "GMLX_API_KEY": "[server] api_key",
+    "GMLX_MODEL_DIRS": "[server] model_dirs, separated by the system's path separator",
+    "GMLX_DEFAULT_MODEL": "[server] default_model",
+    "GMLX_BLAS": "the BLAS library MLX's Linux CPU backend uses, or off (engine/blas.py)",
+    "GMLX_LOG_LEVEL": "the server's log level (INFO)",
+    "GMLX_HEARTBEAT": "where rank 0 of a rank group hears the other ranks (host:port)",
+    "GMLX_DIT_COMPILE": "0 runs the DiT's passes eagerly (engine/nn/compiled.py)",
+    "GMLX_DEBUG": "the image commands print a failure's traceback",
+    "GMLX_BASE_URL": "the ComfyUI pack's server URL (docs/comfyui.md)",
+    "GMLX_COMFY_SETTINGS": "the ComfyUI pack's settings file",
+    "GMLX_DEFAULT_IMAGE_MODEL": "the ComfyUI pack's default model",
+    "GMLX_COMMAND": "the command the ComfyUI pack starts the server with",
+    "GMLX_SITE": "the ComfyUI end-to-end tests: the project's site-packages (docs/comfyui.md)",
+}
 
 
 @dataclass
@@ -172,6 +198,12 @@ FILE_SUFFIXES = {
 }
 
 
+# The file's tables and keys (a model entry's keys: MODEL_SETTING_KEYS).
+FILE_TABLES = ("server", "models")
+SERVER_KEYS = ("host", "port", "api_key", "model_dirs", "default_model", "threads", "image")
+IMAGE_KEYS = tuple(f.name for f in dataclasses.fields(ImageConfig))
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -254,8 +286,11 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     config.source = path
+    _refuse_unknown(doc, FILE_TABLES, str(path), "table")
     server = _table(doc, "server", path)
+    _refuse_unknown(server, SERVER_KEYS, f"{path}: [server]", "setting")
     image = _table(server, "image", path)
+    _refuse_unknown(image, IMAGE_KEYS, f"{path}: [server.image]", "setting")
     if "host" in server:
         config.host = _typed(server, "host", str)
     if "port" in server:
@@ -295,12 +330,24 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
     where = f"[models.{model_id!r}]"
     if not isinstance(table, dict):
         raise ConfigError(f"{where} must be a table")
-    unknown = sorted(set(table) - set(MODEL_SETTING_KEYS))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown setting {unknown[0]!r} (known: {', '.join(MODEL_SETTING_KEYS)})"
-        )
+    _refuse_unknown(table, MODEL_SETTING_KEYS, where, "setting")
     return model_settings(table, folder, where)
+
+
+def _refuse_unknown(table: dict, known: tuple[str, ...], where: str, kind: str) -> None:
+    """A ConfigError for the first key of `table` not in `known`, naming the nearest known."""
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        listed = ", ".join(known)
+        raise ConfigError(
+            f"{where}: unknown {kind} {unknown[0]!r}{_nearest(unknown[0], known)} (known: {listed})"
+        )
+
+
+def _nearest(word: str, known) -> str:
+    """': did you mean X?' for the known word nearest `word`, or '' when none is near."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f": did you mean {close[0]!r}?" if close else ""
 
 
 def model_settings(
@@ -391,6 +438,12 @@ def _typed(table: dict, key: str, kind):
 
 
 def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
+    for name in sorted(env):
+        if name.startswith("GMLX_") and name not in ENVIRONMENT:
+            raise ConfigError(
+                f"environment variable {name} names no setting{_nearest(name, ENVIRONMENT)}"
+                f" (known: {', '.join(ENVIRONMENT)})"
+            )
     if env.get("GMLX_HOST"):
         config.host = env["GMLX_HOST"]
     if env.get("GMLX_PORT"):

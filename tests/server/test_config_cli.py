@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import requests
 from gmlx_server import cli, process
 from gmlx_server.config import (
+    ENVIRONMENT,
     AdapterSpec,
     ConfigError,
     ModelSettings,
@@ -164,6 +166,61 @@ def test_bad_model_entries_are_refused_by_name(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_config(path, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[server]\nmodel_dir = ["~/models"]',
+            "[server]: unknown setting 'model_dir': did you mean 'model_dirs'?",
+        ),
+        (
+            '[server]\ndefualt_model = "m"',
+            "unknown setting 'defualt_model': did you mean 'default_model'?",
+        ),
+        (
+            "[server.image]\nmemory_headroom = 4096",
+            "[server.image]: unknown setting 'memory_headroom': did you mean 'memory_headroom_mb'?",
+        ),
+        ("[sever]\nport = 9000", "unknown table 'sever': did you mean 'server'?"),
+        (
+            "[models.m]\nquantise = 4",
+            "[models.'m']: unknown setting 'quantise': did you mean 'quantize'?",
+        ),
+        ("[server]\ncolour = 1", "[server]: unknown setting 'colour' (known: host, port,"),
+    ],
+)
+def test_unknown_keys_and_tables_are_refused_naming_the_nearest(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, env={})
+    assert message in str(refused.value)
+
+
+def test_an_environment_variable_naming_no_setting_is_refused():
+    with pytest.raises(ConfigError, match="GMLX_PROT names no setting: did you mean 'GMLX_PORT'"):
+        load_config(None, env={"GMLX_PROT": "9000"})
+    assert load_config(None, env={"GMLX_LOG_LEVEL": "DEBUG", "OTHER_PROT": "1"}).port == 8080
+
+
+def test_every_gmlx_variable_the_project_reads_is_known():
+    root = Path(__file__).resolve().parents[2]
+    named = set()
+    for folder in ("server", "comfy_nodes", "shared", "tests", "docs"):
+        for path in (root / folder).rglob("*"):
+            if path.suffix in (".py", ".md"):
+                named |= set(re.findall(r"\bGMLX_[A-Z][A-Z_]*[A-Z]\b", path.read_text()))
+    assert named - {"GMLX_PROT"} <= set(ENVIRONMENT), sorted(named - set(ENVIRONMENT))
+
+
+def test_a_mistyped_configuration_stops_list_and_serve(tmp_path, capsys):
+    path = tmp_path / "typo.toml"
+    path.write_text('[server]\nmodel_dir = ["~/models"]\n')
+    for command in (["list"], ["serve"]):
+        assert cli.main([*command, "--config", str(path)]) == 2
+        assert "did you mean 'model_dirs'?" in capsys.readouterr().err
 
 
 def test_a_named_file_must_exist(tmp_path):
