@@ -7,7 +7,6 @@ import io
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageOps
 
 from .engine.base import EngineInputError
 
@@ -21,6 +20,8 @@ def decode_image_file(data: bytes) -> np.ndarray:
     """A PNG, JPEG, WebP or GIF file (first frame) -> uint8 (H, W, 3), or (H, W, 4) when it has
     alpha, EXIF orientation applied. EngineInputError (answered 400) when it is none of these,
     is too large or cannot be decoded."""
+    from PIL import Image, ImageOps  # here: the commands that decode no image run without it
+
     try:
         with Image.open(io.BytesIO(data)) as image:
             if image.format not in IMAGE_FORMATS:
@@ -46,5 +47,5 @@ def read_image_file(path: str | Path) -> np.ndarray:
     return decode_image_file(Path(path).read_bytes())
 
 
-def _has_alpha(image: Image.Image) -> bool:
+def _has_alpha(image) -> bool:
     return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info

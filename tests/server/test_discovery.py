@@ -4,7 +4,10 @@ and the models the configuration names, as the ComfyUI pack reads them."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -156,3 +159,23 @@ def test_the_listing_names_what_the_server_lists(live, tmp_path):
     config = _config_file(tmp_path, f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "alpha"\n')
     listed = {m["model"] for m in discovery.configured_models(load_config(config))["models"]}
     assert listed == served
+
+
+# What the core install (`pip install gmlx-steps`, numpy and requests) lacks: the server's extras.
+SERVER_EXTRAS = ("PIL", "mlx", "falcon", "waitress", "safetensors", "tokenizers", "tqdm", "gguf")
+
+
+@pytest.mark.parametrize("command", [["--help"], ["status"], ["list"], ["list", "--json"]])
+def test_help_status_and_list_run_with_the_core_install_alone(tmp_path, command):
+    """As in ComfyUI's Python, where `gmlx comfyui install` puts a gmlx without the server."""
+    without = "; ".join(f"sys.modules[{name!r}] = None" for name in SERVER_EXTRAS)
+    code = f"import sys; {without}; from gmlx_server import cli; sys.exit(cli.main(sys.argv[1:]))"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GMLX_")} | {
+        "HOME": str(tmp_path),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code, *command], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout and "Traceback" not in result.stderr
