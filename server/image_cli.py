@@ -35,6 +35,7 @@ from .engine.sampling import (
     ImageRequest,
     ImageTimings,
     SettingError,
+    check_request,
     generate,
     to_uint8,
 )
@@ -65,6 +66,13 @@ class ModelChoice:
     model_id: str
     prepare_s: float  # finding the folder (and generating the embedded default on first use)
     group: Any = None  # the rank group the model loads over (server/distributed.py), or None
+
+    def check(self, request: ImageRequest) -> None:
+        """Refuse, before the model loads, what its status from the files says it cannot take
+        (sampling.check_request: size, pixel limits, steps, sampler)."""
+        status = self.registry.describe(self.model_id)
+        if status is not None:
+            check_request(status, request)
 
     def join(self, group: Any) -> None:
         """Load the model over a rank group from now on (None: in this process alone)."""
@@ -291,6 +299,7 @@ def _sample(args: argparse.Namespace, group: Any) -> int:
     request = image_request(args, images)
     try:
         choice = choose_model(args.model, args.config, flags)
+        choice.check(request)
         choice.join(group)
         with CompileWatch(note):
             if args.via_steps:
@@ -546,6 +555,7 @@ def _bench(args: argparse.Namespace, group: Any) -> int:
         return EXIT_USAGE
     try:
         choice = choose_model(args.model, args.config, flags)
+        choice.check(request)
         choice.join(group)
         with CompileWatch(note):
             record = run_bench(

@@ -134,7 +134,7 @@ def parse_size(value: Any, default: tuple[int, int]) -> tuple[int, int]:
 def check_size_limit(width: int, height: int) -> None:
     """413 for a size over the step routes' pixel limits (checked after every field's form, so
     a request with a malformed field is answered 400 whatever its size)."""
-    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
+    if wire.over_pixel_limits(width, height):
         raise OpenAIError(
             413,
             f"size {width}x{height} is over the limit of 2048x2048 pixels or {wire.MAX_SIDE} "

@@ -37,6 +37,11 @@ MAX_PIXELS = 2048 * 2048
 MAX_SIDE = 4096
 MAX_RUNS = 32
 
+
+def over_pixel_limits(width: int, height: int) -> bool:
+    """Whether an image of width x height pixels is over the limits of steps and VAE passes."""
+    return width * height > MAX_PIXELS or max(width, height) > MAX_SIDE
+
 METADATA_KEY = "__metadata__"
 FIELDS_KEY = "gmlx"
 ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))

@@ -362,6 +362,15 @@ class ModelRegistry:
         files = self.settings_for(entry).files()
         return {k: v for k, v in files.items() if k in parameters}
 
+    def describe(self, model_id: Any) -> dict | None:
+        """The status of a model that is not loaded, read from its files (its family's
+        `describe`); None where the family cannot say without loading it."""
+        entry = self.resolve(model_id)
+        module = family_module(entry.family, self.families)
+        if module is None or not hasattr(module, "describe"):
+            return None
+        return module.describe(entry.path, entry.model_id, **self.files_for(entry, module.describe))
+
     def _check_before_load(self, entry: ModelEntry, module: Any) -> None:
         """Before the resident model is let go: the family's `check` of the entry's files (a
         GGUF DiT cut short, of another family or of the wrong shapes is refused here, 400),

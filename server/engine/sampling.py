@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from gmlx_contract import wire
 from gmlx_contract.hashing import tensor_hash
 
 from . import unipc
@@ -286,17 +287,7 @@ def generate(
     timings = ImageTimings()
     started = time.perf_counter()
     latent = status["latent"]
-    stride = int(latent["stride"]) * int(latent.get("patch", 1))
-    check_image_size(request.width, request.height, stride)
-    sigmas = resolve_sigmas(
-        status.get("sampling"),
-        request.steps,
-        request.width,
-        request.height,
-        pixels_per_token=stride,
-    )
-    check_sampler(request.sampler, sigmas)
-    cfg = guidance_scale(request, status.get("sampling"))
+    sigmas, cfg = check_request(status, request)
 
     begin = time.perf_counter()
     cond = transport.row(transport.encode(request.prompt, request.images))
@@ -333,6 +324,40 @@ def generate(
         transport.end()
     timings.image_s = time.perf_counter() - started
     return latents, timings
+
+
+def check_request(status: dict, request: ImageRequest) -> tuple[np.ndarray, float]:
+    """The request's sigmas and guidance scale on a model of this status (loaded or not: a
+    family describes its status from the files), or a SettingError or ValueError saying what it
+    cannot take: a size off the model's stride or over the step routes' pixel limits, a step
+    count or sampler its schedule does not allow."""
+    stride = int(status["latent"]["stride"]) * int(status["latent"].get("patch", 1))
+    check_pixel_limits(request.width, request.height)
+    check_image_size(request.width, request.height, stride)
+    sigmas = resolve_sigmas(
+        status.get("sampling"),
+        request.steps,
+        request.width,
+        request.height,
+        pixels_per_token=stride,
+    )
+    check_sampler(request.sampler, sigmas)
+    return sigmas, guidance_scale(request, status.get("sampling"))
+
+
+def check_pixel_limits(width: int, height: int) -> None:
+    """The limits the step routes answer 413 over (docs/contract.md §1.5), in process too."""
+    if max(width, height) > wire.MAX_SIDE:
+        setting, side = ("width", width) if width >= height else ("height", height)
+        raise SettingError(
+            setting, f"{{name}} {side} is over the limit of {wire.MAX_SIDE} pixels a side"
+        )
+    if wire.over_pixel_limits(width, height):
+        raise SettingError(
+            "width",
+            f"an image of {width}x{height} is over the limit of {wire.MAX_PIXELS} pixels"
+            " (2048x2048): lower {name} or the height",
+        )
 
 
 def check_image_size(width: int, height: int, stride: int) -> None:

@@ -190,7 +190,7 @@ def is_int(value: Any) -> bool:
 
 def check_pixels(width: int, height: int, what: str) -> None:
     """The pixel limits of steps and VAE passes (docs/contract.md §1.5): 413 over them."""
-    if width * height > wire.MAX_PIXELS or max(width, height) > wire.MAX_SIDE:
+    if wire.over_pixel_limits(width, height):
         raise ContractError(
             413,
             f"{what} of {width}x{height} pixels is over the limit of {wire.MAX_PIXELS} pixels "

@@ -120,16 +120,12 @@ class ModelStatus(Resource):
     def on_get(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
         entry = resolve_or_404(self.registry, model)
         loaded = self.registry.loaded(entry.model_id)
-        module = family_module(entry.family, self.registry.families)
-        if loaded is None and hasattr(module, "describe"):
-            files = self.registry.files_for(entry, module.describe)
+        body = None
+        if loaded is None:
             body = from_files(
-                entry,
-                lambda: self.service.worker.call(
-                    module.describe, entry.path, entry.model_id, **files
-                ),
+                entry, lambda: self.service.worker.call(self.registry.describe, entry.model_id)
             )
-        else:
+        if body is None:
             # No way to describe it unloaded: load it (it then stays resident).
             loaded = self.service.acquire(entry.model_id)
             try:

@@ -86,3 +86,31 @@ def test_a_model_that_is_not_there_is_explained(tmp_path):
             choose_model(model, config)
         assert words in str(refused.value), (model, str(refused.value))
     assert choose_model("toy-a", config).model_id == "toy-a"
+
+
+@pytest.mark.parametrize(
+    ("size", "message"),
+    [
+        (["--width", "500"], "--width must be a positive multiple of 16, not 500"),
+        (["--width", "8192", "--height", "512"], "--width 8192 is over the limit of 4096"),
+        (["--width", "16", "--height", "4112"], "--height 4112 is over the limit of 4096"),
+        (["--width", "4096", "--height", "4096"], "over the limit of 4194304 pixels"),
+        (["--steps", "3"], "leave --steps out or set it to 8"),
+    ],
+)
+@pytest.mark.parametrize("command", ["sample", "bench"])
+def test_settings_are_refused_before_the_model_loads(monkeypatch, capsys, command, size, message):
+    """The step routes' limits (413 over HTTP) and the model's own, read from its files."""
+    from gmlx_server import image_cli
+    from gmlx_server.engine.registry import ModelRegistry
+
+    def no_load(self, model_id):
+        raise AssertionError(f"{model_id} was loaded before its settings were checked")
+
+    monkeypatch.setattr(ModelRegistry, "acquire", no_load)
+    argv = ["--prompt", "a red fox", *size]
+    argv += ["--out", "unwritten.png"] if command == "sample" else ["--runs", "1"]
+    main = image_cli.sample_main if command == "sample" else image_cli.bench_main
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and "was loaded" not in err
