@@ -289,7 +289,7 @@ class ModelRegistry:
         if entry is None or entry.family is None:  # added, changed or gone since: look again
             entry = self._find(model_id, self.folders(), 0.0)
         if entry is None:
-            raise ContractError(404, f"unknown image model {model_id!r}")
+            raise ContractError(404, self._unknown(model_id))
         if entry.family is None:
             raise ContractError(
                 400,
@@ -297,6 +297,15 @@ class ModelRegistry:
                 f"({', '.join(self.available_families()) or 'none'})",
             )
         return entry
+
+    def _unknown(self, model_id: str) -> str:
+        """Why `model_id` names no model: where folders were looked for, and what is there."""
+        searched = ", ".join(str(d) for d in self.model_dirs) or "none configured"
+        known = ", ".join(sorted(self.folders())) or "none"
+        return (
+            f"unknown image model {model_id!r}: no folder of that name holding {MODEL_INDEX} in"
+            f" the model_dirs ({searched}); the models here: {known}"
+        )
 
     def _find(self, model_id: str, folders: dict[str, Path], max_age: float) -> ModelEntry | None:
         path = folders.get(model_id)

@@ -92,6 +92,16 @@ def test_registry_resolution_statuses(tmp_path):
     assert info.value.status == 400
 
 
+def test_an_unknown_model_is_answered_with_the_folders_searched_and_the_models_there(tmp_path):
+    reg = registry(tmp_path)
+    with pytest.raises(ContractError) as info:
+        reg.resolve("qwen-image-2.1")
+    message = info.value.message
+    assert message.startswith("unknown image model 'qwen-image-2.1': no folder of that name")
+    assert f"model_dirs ({tmp_path / 'models'})" in message
+    assert "the models here: alpha, beta, broken" in message
+
+
 def test_registry_extra_folder_and_first_wins(tmp_path):
     extra = linear_family.make_model_folder(tmp_path / "embedded", "alpha", variant="embedded")
     reg = ModelRegistry(
