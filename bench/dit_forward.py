@@ -197,12 +197,14 @@ def main(argv=None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="dit_bench_"))
     model = build_transformer(folder, seed=0, **config)
     dit = QwenImage21DiT.load(folder)
+    dit.compiled = True  # as a DiT of a real width runs (nn/compiled.py: a narrow one is eager)
     variants = {}
     if args.variants:
         variants["mlx-eager"] = QwenImage21DiT.load(folder)
         variants["mlx-eager"].compiled = False
         with mlx_own_ops():
             variants["mlx-ops"] = QwenImage21DiT.load(folder)
+        variants["mlx-ops"].compiled = True
     rng = np.random.default_rng(0)
     cond = rng.standard_normal((args.text, args.context)).astype(np.float32)
     refs = [

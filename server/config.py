@@ -101,7 +101,7 @@ ENVIRONMENT = {
     "GMLX_BLAS": "the BLAS library MLX's Linux CPU backend uses, or off (engine/blas.py)",
     "GMLX_LOG_LEVEL": "the server's log level (INFO)",
     "GMLX_HEARTBEAT": "where rank 0 of a rank group hears the other ranks (host:port)",
-    "GMLX_DIT_COMPILE": "0 runs the DiT's passes eagerly (engine/nn/compiled.py)",
+    "GMLX_DIT_COMPILE": "0 runs every DiT eagerly, 1 compiles every one (engine/nn/compiled.py)",
     "GMLX_DEBUG": "the image commands print a failure's traceback",
     "GMLX_BASE_URL": "the ComfyUI pack's server URL (docs/comfyui.md)",
     "GMLX_COMFY_SETTINGS": "the ComfyUI pack's settings file",

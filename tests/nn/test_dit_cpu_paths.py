@@ -80,7 +80,7 @@ FALLBACK_SCRIPT = textwrap.dedent(
 def run_forward(folder, tmp_path, env_changes) -> tuple[str, np.ndarray]:
     out = tmp_path / "out.npy"
     script = FALLBACK_SCRIPT.format(root=str(ROOT), folder=str(folder), out=str(out))
-    env = {**os.environ, **env_changes}
+    env = {**os.environ, "GMLX_DIT_COMPILE": "1", **env_changes}  # compiled, unless changed
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
@@ -125,3 +125,19 @@ def test_missing_temporary_directory_falls_back(folder, tmp_path, eager_output):
     log, outputs = run_forward(folder, tmp_path, {"TMPDIR": str(tmp_path / "missing")})
     assert log.count("mx.compile failed") == 1
     np.testing.assert_array_equal(outputs[0], eager_output)
+
+
+def test_a_narrow_dit_runs_eagerly_on_the_cpu_backend_unless_told(monkeypatch):
+    """Where compiling pays (nn/compiled.py): on the CPU backend from 1024 wide; the setting
+    overrides it either way."""
+    import mlx.core as mx
+    from gmlx_server.engine.nn import compiled
+
+    assert mx.default_device().type == mx.DeviceType.cpu
+    monkeypatch.delenv(compiled.SETTING, raising=False)
+    assert not compiled.compile_enabled(256) and compiled.compile_enabled(3072)
+    assert not compiled.CompiledPass(lambda x: x, 256).enabled
+    monkeypatch.setenv(compiled.SETTING, "1")
+    assert compiled.compile_enabled(256) and compiled.CompiledPass(lambda x: x, 256).enabled
+    monkeypatch.setenv(compiled.SETTING, "0")
+    assert not compiled.compile_enabled(3072)

@@ -7,13 +7,18 @@ import numpy as np
 import pytest
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.qwen_image21 import embedded, family
+from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 from gmlx_server.memory import LIMIT_FRACTION, allocation_bound
 
 
 @pytest.fixture(scope="module")
 def model():
+    """The embedded model, compiled (GMLX_DIT_COMPILE=1) as a real, wide one runs: the plan
+    must cover the compiled pass's peaks (a tiny DiT alone runs eagerly, nn/compiled.py)."""
     folder = embedded.ensure_embedded_model()
-    loaded = family.load(folder, folder.name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(COMPILE_SETTING, "1")
+        loaded = family.load(folder, folder.name)
     yield loaded
     loaded.close()
 

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.families.z_image.dit import ZImageDiT
+from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 
 from tests.families.z_image.reference import reference_dit, rel_l2
 from tests.families.z_image.tiny.transformer import TINY_CONFIG, build_transformer
@@ -16,9 +17,13 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    """The reference and our DiT, compiled (GMLX_DIT_COMPILE=1) as a real, wide one runs: so
+    the parity here is the compiled pass's, and a tiny one alone would run eagerly."""
     folder = tmp_path_factory.mktemp("z_image_dit")
     model = build_transformer(folder, seed=0)
-    return model, ZImageDiT.load(folder, mx.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(COMPILE_SETTING, "1")
+        return model, ZImageDiT.load(folder, mx.float32)
 
 
 def inputs(seed: int, cap_lens, hw=(6, 10)):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.z_image import family
+from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 
 from tests.families.z_image.tiny.folder import build_tiny_folder
 
@@ -27,7 +28,11 @@ def peak_of(work) -> int:
 def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("z_image_memory") / "z-image-tiny"
     build_tiny_folder(folder)
-    loaded = family.load(folder, folder.name)
+    # compiled (GMLX_DIT_COMPILE=1) as a real, wide DiT runs, whose plan counts the fused
+    # kernels' extra buffers; a tiny one alone runs eagerly (nn/compiled.py)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(COMPILE_SETTING, "1")
+        loaded = family.load(folder, folder.name)
     yield loaded
     loaded.close()
 

@@ -315,9 +315,9 @@ class QwenImage21DiT:
             OrderedDict()
         )
         # The target pass runs every step: compiled, its elementwise work (RoPE, norms,
-        # modulation, gates) fuses (nn/compiled.py; GMLX_DIT_COMPILE=0 runs it eagerly).
-        # Sharded, it runs eagerly: its collectives stay outside any compiled graph.
-        self.target_pass = CompiledPass(self._target_pass, enabled=stages is None)
+        # modulation, gates) fuses (nn/compiled.py says where it compiles). Sharded, it runs
+        # eagerly: its collectives stay outside any compiled graph.
+        self.target_pass = CompiledPass(self._target_pass, config.inner_dim, enabled=stages is None)
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod

@@ -344,9 +344,9 @@ class ZImageDiT:
         self._time_freqs = time_frequencies()
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
         # The whole forward runs every step: compiled, its elementwise work (RoPE, norms,
-        # modulation, gates) fuses (GMLX_DIT_COMPILE=0 runs it eagerly).
-        # Sharded, it runs eagerly: its collectives stay outside any compiled graph.
-        self.compiled_pass = CompiledPass(self._pass, enabled=stages is None)
+        # modulation, gates) fuses (nn/compiled.py says where it compiles). Sharded, it runs
+        # eagerly: its collectives stay outside any compiled graph.
+        self.compiled_pass = CompiledPass(self._pass, config.dim, enabled=stages is None)
 
     @classmethod
     def load(

@@ -191,7 +191,8 @@ def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
     row = padded(cells * cells) + padded(RESERVE_CAPTION)
     blocked = cpu_ops.use_cpu_ops(dtype)
-    step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compile_enabled())
+    compiled = compile_enabled(config.dim)
+    step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
     vae = Geometry.of(read_config(model_dir / "vae"))
     side = RESERVE_PIXELS
     return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
+from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 
 from tests.families.qwen_image21.dit.conftest import CONFIGS
 from tests.families.qwen_image21.dit.reference import pack, reference_row, rel_l2
@@ -96,6 +97,13 @@ def test_layout_positions_follow_the_reference_rope():
     assert table[1:9, 2].tolist() == [-2, -1, 0, 1] * 2
     assert table[9:].tolist() == [[5, 5, 5], [6, 6, 6]]  # 1 + max(2, 4)
     assert target_frame == 7
+
+
+@pytest.fixture(autouse=True)
+def compiled_pass(monkeypatch):
+    """The parity here is the compiled pass's, as a real (wide) DiT runs it; a tiny one alone
+    runs eagerly on the CPU backend (nn/compiled.py)."""
+    monkeypatch.setenv(COMPILE_SETTING, "1")
 
 
 def test_the_compiled_pass_is_made_anew_after_its_signatures(tiny_transformers, monkeypatch):
