@@ -166,11 +166,10 @@ class FrontGate:
             try:
                 req.context.json = wire.load_json(body)
             except ValueError:
+                # tensor containers are the step routes' alone: an OpenAI client is not told
+                hint = "" if _in_openai(req) else f" (tensor bodies need {wire.CONTAINER_TYPE})"
                 raise GateError(
-                    400,
-                    "invalid_request_error",
-                    "the request body is not JSON (tensor bodies need Content-Type "
-                    f"{wire.CONTAINER_TYPE})",
+                    400, "invalid_request_error", "the request body is not JSON" + hint
                 ) from None
             req.context.json_parsed = True
         return body
@@ -212,6 +211,10 @@ def _in_steps(req: falcon.Request) -> bool:
     return req.path.startswith(PREFIX + "/")
 
 
+def _in_openai(req: falcon.Request) -> bool:
+    return req.path.startswith(openai.PREFIX)
+
+
 def handle_contract_error(req, resp, exc: ContractError, params) -> None:
     resp.status = exc.status
     resp.content_type = "application/json"
@@ -221,7 +224,10 @@ def handle_contract_error(req, resp, exc: ContractError, params) -> None:
 def handle_gate_error(req, resp, exc: GateError, params) -> None:
     resp.status = exc.status
     resp.content_type = "application/json"
-    resp.data = nested_body(exc.kind, exc.message)
+    if _in_openai(req):  # OpenAI's error object, `param` and `code` included
+        resp.data = openai.OpenAIError(exc.status, exc.message, kind=exc.kind).body()
+    else:
+        resp.data = nested_body(exc.kind, exc.message)
 
 
 def handle_http_error(req, resp, exc: falcon.HTTPError, params) -> None:

@@ -48,8 +48,9 @@ from .imagefiles import decode_image_file
 
 log = logging.getLogger("gmlx.server")
 
-GENERATIONS_PATH = "/v1/images/generations"
-EDITS_PATH = "/v1/images/edits"
+PREFIX = "/v1/"
+GENERATIONS_PATH = PREFIX + "images/generations"
+EDITS_PATH = PREFIX + "images/edits"
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's bound on n
 MAX_REFERENCES = 10
 DEFAULT_SIZE = (1024, 1024)
@@ -74,13 +75,22 @@ class OpenAIError(Exception):
     """A refusal in the OpenAI error shape."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
     ):
+        """`kind`: the error's type, where the refusal has its own (the front gate's)."""
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.given_kind = kind
 
     @property
     def kind(self) -> str:
+        if self.given_kind is not None:
+            return self.given_kind
         return {
             401: "authentication_error",
             404: "not_found_error",

@@ -42,6 +42,7 @@ def over_pixel_limits(width: int, height: int) -> bool:
     """Whether an image of width x height pixels is over the limits of steps and VAE passes."""
     return width * height > MAX_PIXELS or max(width, height) > MAX_SIDE
 
+
 METADATA_KEY = "__metadata__"
 FIELDS_KEY = "gmlx"
 ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))

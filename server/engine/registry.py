@@ -157,14 +157,13 @@ class LoadedModel:
 
 def load_refusal(entry: ModelEntry, exc: Exception) -> ContractError:
     """A family's refusal of a model's files as the load's answer: 404 for a missing file, 400
-    for files that do not match the family (EngineInputError, ValueError, KeyError), 503 for
-    anything else."""
+    for files or settings the family cannot load (EngineInputError, ValueError, KeyError: the
+    refusal says which, a file of the wrong shapes or a setting against the stored precision),
+    503 for anything else."""
     if isinstance(exc, FileNotFoundError):
         return ContractError(404, f"model {entry.model_id!r}: a file is missing: {exc}")
     if isinstance(exc, (EngineInputError, ValueError, KeyError)):
-        return ContractError(
-            400, f"model {entry.model_id!r} does not match its family {entry.family}: {exc}"
-        )
+        return ContractError(400, f"model {entry.model_id!r} ({entry.family}) cannot load: {exc}")
     return ContractError(503, f"model {entry.model_id!r} failed to load: {exc}")
 
 

@@ -190,3 +190,18 @@ def test_edit_auto_size_and_refusals(server):
         files={"image": ("a.png", b"not an image")},
     )
     assert garbage.status_code == 400
+
+
+def test_a_body_that_is_not_json_is_refused_in_openais_shape(server):
+    """The front gate's refusal, as an OpenAI client reads errors: param and code present, no
+    word of the step routes' tensor containers."""
+    headers = {"Content-Type": "application/json"}
+    resp = post(server, "/v1/images/generations", data=b"prompt=x", headers=headers)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error == {
+        "message": "the request body is not JSON",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }

@@ -11,9 +11,12 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
+from gmlx_contract.errors import ContractError
 from gmlx_server.engine.families.qwen_image21 import family
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
+from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
+from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.weights import read_header, weight_files
 
 from tests.families.qwen_image21.test_quantized import (
@@ -120,6 +123,18 @@ def test_a_stored_quantized_folder_is_not_quantized_again(folders):
         family.load(written, "again", Quantization(8))
     same = family.load(written, "same", Quantization(4, 32))  # as stored: nothing to do
     assert same.weight_bytes == family.load(written, "plain").weight_bytes
+    # through the registry, as `gmlx image sample --model FOLDER --quantize 8` loads it: the
+    # refusal names the stored precision, not a mismatch with the family
+    registry = ModelRegistry(
+        extra_models=[written], settings=lambda _: LoadSettings(quantization=Quantization(8))
+    )
+    with pytest.raises(ContractError) as refused:
+        registry.acquire(written.name)
+    assert refused.value.status == 400
+    assert refused.value.message.startswith(f"model {written.name!r} (qwen_image21) cannot load:")
+    assert "is stored quantized (4-bit, groups of 32); load it without quantize" in (
+        refused.value.message
+    )
 
 
 def test_bad_commands_are_refused(folders, tmp_path):
