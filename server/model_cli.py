@@ -1,5 +1,6 @@
 """`gmlx model quantize SOURCE DESTINATION --bits N [--group-size N]`: write a copy of a model
-folder whose DiT and text encoder hold quantized weights (the layers the family quantizes at
+folder (SOURCE: the folder, or a model id of the configuration, as `gmlx image sample --model`
+takes it) whose DiT and text encoder hold quantized weights (the layers the family quantizes at
 load: engine/quantize.py), in safetensors as MLX stores them (`X.weight` packed, `X.scales`,
 `X.biases`) with the `quantization` in each component's config.json. The copy loads directly,
 never through float weights (engine/weights.py)."""
@@ -21,7 +22,9 @@ def register(subparsers) -> None:
     commands = model.add_subparsers(dest="model_command", metavar="COMMAND")
     commands.required = True
     parser = commands.add_parser("quantize", help=QUANTIZE_HELP)
-    parser.add_argument("source", type=Path, help="a model folder (holding model_index.json)")
+    parser.add_argument(
+        "source", help="a model folder (holding model_index.json) or a model id of the config"
+    )
     parser.add_argument("destination", type=Path, help="the folder to write (must not exist)")
     parser.add_argument("--bits", type=int, choices=BITS, required=True, help="bits per weight")
     parser.add_argument(
@@ -31,21 +34,24 @@ def register(subparsers) -> None:
         default=DEFAULT_GROUP_SIZE,
         help="weights per scale and bias",
     )
+    parser.add_argument(
+        "--config", type=Path, default=None, help="config file (the default one when left out)"
+    )
     parser.set_defaults(func=run_quantize)
 
 
 def run_quantize(args: argparse.Namespace) -> int:
     prepare_process()  # before mlx is imported
-    from .engine.registry import MODEL_INDEX, ModelRegistry, family_module
+    from .engine.registry import ModelRegistry, family_module
     from .engine.weights import quantize_folder
+    from .image_cli import choose_model
 
-    source = args.source.expanduser()
-    if not (source / MODEL_INDEX).is_file():
-        print(
-            f"gmlx model quantize: {source} is not a model folder (no {MODEL_INDEX})",
-            file=sys.stderr,
-        )
+    try:
+        choice = choose_model(args.source, args.config)
+    except ValueError as exc:  # a ConfigError, or no such folder or model id
+        print(f"gmlx model quantize: {exc}", file=sys.stderr)
         return 2
+    source = choice.registry.folders()[choice.model_id]
     if args.destination.exists():
         print(f"gmlx model quantize: {args.destination} exists; name a new folder", file=sys.stderr)
         return 2

@@ -142,9 +142,26 @@ def test_bad_commands_are_refused(folders, tmp_path):
     exists = quantize_command(str(source), str(written), "--bits", "4")
     assert exists.returncode == 2 and "exists; name a new folder" in exists.stderr
     not_model = quantize_command(str(tmp_path), str(tmp_path / "out"), "--bits", "4")
-    assert not_model.returncode == 2 and "is not a model folder" in not_model.stderr
+    assert not_model.returncode == 2 and "is not a diffusers model folder" in not_model.stderr
+    unknown = quantize_command("no-such-model", str(tmp_path / "out"), "--bits", "4")
+    assert unknown.returncode == 2 and "no model folder 'no-such-model'" in unknown.stderr
     twice = quantize_command(str(written), str(tmp_path / "twice"), "--bits", "8")
     assert twice.returncode == 1 and "is stored quantized already" in twice.stderr
     assert not (tmp_path / "twice").exists()
     bits = quantize_command(str(source), str(tmp_path / "out"), "--bits", "7")
     assert bits.returncode == 2 and "invalid choice: 7" in bits.stderr
+
+
+def test_a_model_id_of_the_configuration_is_quantized_as_its_folder(folders, tmp_path):
+    """As `gmlx image sample --model` takes it: the id of a folder under model_dirs."""
+    source, written = folders
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nmodel_dirs = ["{source.parent}"]\n')
+    by_id = tmp_path / "by-id"
+    result = quantize_command(
+        source.name, str(by_id), "--bits", "4", "--group-size", "32", "--config", str(config)
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for component in ("transformer", "text_encoder"):
+        for file in weight_files(written / component):
+            assert (by_id / component / file.name).read_bytes() == file.read_bytes()
