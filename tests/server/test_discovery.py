@@ -179,3 +179,24 @@ def test_help_status_and_list_run_with_the_core_install_alone(tmp_path, command)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout and "Traceback" not in result.stderr
+
+
+def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
+    """ComfyUI's Python (Pillow, safetensors and tokenizers, no MLX or web server), where the
+    pack asks `gmlx list` for the models of the configured server."""
+    without = "; ".join(f"sys.modules[{name!r}] = None" for name in ("mlx", "falcon", "waitress"))
+    code = f"import sys; {without}; from gmlx_server import cli; sys.exit(cli.main(sys.argv[1:]))"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("GMLX_")} | {
+        "HOME": str(tmp_path),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code, "list", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    listed = [model["model"] for model in json.loads(result.stdout)["models"]]
+    assert listed == ["qwen-image21-random-tiny", "z-image-random-tiny"]

@@ -39,11 +39,11 @@ from ...vaes.autoencoder_kl import Geometry, latent_normalisation
 from ...weights import component_bytes, estimated_bytes, gguf_file, read_config
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
 from .dit import quantized as dit_quantized
+from .facts import PIPELINE_CLASS, SAMPLING
 from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
 
 FAMILY = "z_image"
 TITLE = "Z-Image"
-PIPELINE_CLASS = "ZImagePipeline"
 TEXT_ENCODER_TYPE = "qwen3"  # text_encoder/config.json's model_type (Qwen3Model, Qwen3ForCausalLM)
 COMFY = {"model_class": "ZImage", "image_model": "lumina2"}
 # What a client needs to condition this family (as Qwen-Image 2.1 publishes it): no references,
@@ -52,11 +52,6 @@ CONDITIONING = {"ref_method": None, "empty_prompt": TEMPLATE.empty_prompt}
 LATENT_STRIDE = 8
 LATENT_PATCH = 2
 VAE_STRIDE = 8
-# The variants' own settings (docs/contract.md §5.3); neither has fixed sigmas or a size rule.
-SAMPLING = {
-    "turbo": {"steps": 8, "cfg": 1.0, "shift": 3.0},
-    "base": {"steps": 50, "cfg": 5.0, "shift": 6.0},
-}
 # The VAE tiles images past its sample_size as diffusers' tiling does, which is not the untiled
 # pass: docs/contract.md §8 says so.
 FEATURES = ("noise_mask", "tiled_vae")
