@@ -265,8 +265,9 @@ def latent_size(width: int, height: int, stride: int) -> tuple[int, int, str | N
 
 class GmlxEmptyLatent:
     """Zero latents of the server model's channels and stride (stock empty-latent nodes
-    assume other formats, e.g. 4 or 16 channels at stride 8). A size off the stride is floored,
-    and the node says so (log line and node text)."""
+    assume other formats, e.g. 4 or 16 channels at stride 8). A size off the sides the model
+    takes (the stride times the DiT's patch) is floored, and the node says so (log line and node
+    text)."""
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -285,7 +286,7 @@ class GmlxEmptyLatent:
 
     def empty(self, vae, width, height, batch_size):
         stride = vae.spacial_compression_encode()
-        w, h, note = latent_size(width, height, stride)
+        w, h, note = latent_size(width, height, vae.size_multiple)
         shape = (batch_size, vae.latent_channels, h // stride, w // stride)
         latent = {"samples": torch.zeros(shape, dtype=torch.float32)}
         latent["downscale_ratio_spacial"] = stride  # how current ComfyUI reads the cell size

@@ -59,6 +59,9 @@ class GmlxVAE:
         self.interrupt = interrupt
         self.latent_channels = int(latent.get("channels", 16))
         self.stride = int(vae.get("stride", 8))
+        # the pixels a side must be a multiple of: a latent cell, times the DiT's patch (2 for
+        # Z-Image at stride 8: 16 pixels)
+        self.size_multiple = self.stride * int(latent.get("patch", 1))
         self.output_channels = int(vae.get("channels_out", 3))
         self.downscale_ratio = self.stride
         self.upscale_ratio = self.stride

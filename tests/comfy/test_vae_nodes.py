@@ -147,3 +147,17 @@ def test_empty_latent_node_reports_the_rounding(caplog):
     assert latent["samples"].shape == (1, 64, 18, 31)
     assert out["ui"]["text"] == [caplog.records[0].getMessage()]
     assert "496×288" in out["ui"]["text"][0]
+
+
+def test_empty_latent_node_floors_to_the_patch_of_a_patched_dit():
+    """Z-Image: stride 8, patch 2, so sides of 16 pixels; 200x152 is refused by the DiT, so the
+    node gives 192x144 (latents 24x18, each even) and says so."""
+    status = {"vae": {"stride": 8}, "latent": {"channels": 16, "stride": 8, "patch": 2}}
+    vae = _vae(Client(), status)
+    out = GmlxEmptyLatent().empty(vae, 200, 152, 1)
+    (latent,) = out["result"]
+    assert latent["samples"].shape == (1, 16, 18, 24) and latent["downscale_ratio_spacial"] == 8
+    assert (
+        "200×152 rounded down to 192×144 (the model's sides are multiples of 16)"
+        in (out["ui"]["text"][0])
+    )

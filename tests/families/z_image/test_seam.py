@@ -136,7 +136,12 @@ def test_step_is_the_pipelines_velocity(live, convention):
 
 def test_bad_steps_are_refused(live):
     cond = encode(live, "a red fox")
-    assert step(live, np.zeros((1, 16, 5, 6), np.float32), [0.5], [cond]).status_code == 400
+    odd = step(live, np.zeros((1, 16, 5, 6), np.float32), [0.5], [cond])
+    assert odd.status_code == 400
+    assert (
+        "latents 5x6 (48x40 pixels): Z-Image takes images whose sides are multiples of 16"
+        in (odd.json()["error"])
+    )
     r = step(live, np.zeros((1, 16, 4, 4), np.float32), [0.5], [cond[:, :, :8]])
     assert r.status_code == 400 and "conditioning" in r.text
     ref = live.put_tensor(np.ones((1, 16, 4, 4), np.float32))

@@ -484,8 +484,12 @@ class ZImageModel(FamilyModel):
             )
         _, _, h, w = x.shape
         if h == 0 or w == 0 or h % LATENT_PATCH or w % LATENT_PATCH:
+            multiple = LATENT_STRIDE * LATENT_PATCH
             raise EngineInputError(
-                f"latents {h}x{w}: h and w must be positive multiples of the patch {LATENT_PATCH}"
+                f"latents {h}x{w} ({w * LATENT_STRIDE}x{h * LATENT_STRIDE} pixels): {TITLE} takes"
+                f" images whose sides are multiples of {multiple} pixels (latent sides multiples"
+                f" of its patch {LATENT_PATCH}); in ComfyUI, gmlx Empty Latent rounds a size down"
+                " to them"
             )
         return x
 
