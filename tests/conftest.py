@@ -4,7 +4,7 @@
   plain `pytest` collects and skips them.
 - Under pytest-xdist (`pytest -n auto`) each worker computes with one thread: the workers
   already fill the cores, and torch's OpenMP or MKL threads of two workers on two cores made a
-  small diffusers pass ten times slower than alone. Set before any test module imports torch,
+  small diffusers pass fourteen times slower than alone. Set before any test module imports torch,
   and inherited by the processes the tests start.
 - The modules that take longest run first (`SLOW_FIRST`): a worker that runs out of tests
   takes some of the other's (`--dist worksteal`, pyproject.toml), but not a test under way, so
