@@ -23,9 +23,16 @@ def model(request, tmp_path_factory):
     loaded.close()
 
 
+# (32, [512, 512], [16, 8]) repeats at four times the cost what (16, [512, 40], [8]) shows, two
+# rows and references; it runs with -m heavy.
 @pytest.mark.parametrize(
     ("side", "lengths", "ref_sides"),
-    [(8, [512], []), (16, [512, 40], [8]), (32, [512, 512], [16, 8]), (24, [100, 5, 260], [24])],
+    [
+        (8, [512], []),
+        (16, [512, 40], [8]),
+        pytest.param(32, [512, 512], [16, 8], marks=pytest.mark.heavy),
+        (24, [100, 5, 260], [24]),
+    ],
 )
 def test_step_estimate_bounds_the_measured_peak(model, side, lengths, ref_sides):
     rng = np.random.default_rng(side)
