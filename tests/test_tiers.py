@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY_MARK = re.compile(r"mark\.heavy\b")
 SKIP_REASON = "heavy run: select it with pytest -m heavy"
-# The heavy tier holds at least this many tests (71 when this was written): fuzz and load runs,
+# The heavy tier holds at least this many tests (72 when this was written): fuzz and load runs,
 # the three-rank groups, the schemathesis runs with many examples, the larger memory checks and
 # klein's encoder on every GGUF type and bit width.
 AT_LEAST = 65
