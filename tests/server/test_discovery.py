@@ -165,18 +165,23 @@ def test_the_listing_names_what_the_server_lists(live, tmp_path):
 SERVER_EXTRAS = ("PIL", "mlx", "falcon", "waitress", "safetensors", "tokenizers", "tqdm", "gguf")
 
 
-@pytest.mark.parametrize("command", [["--help"], ["status"], ["list"], ["list", "--json"]])
-def test_help_status_and_list_run_with_the_core_install_alone(tmp_path, command):
-    """As in ComfyUI's Python, where `gmlx comfyui install` puts a gmlx without the server."""
-    without = "; ".join(f"sys.modules[{name!r}] = None" for name in SERVER_EXTRAS)
+def gmlx_without(tmp_path, modules, *argv: str) -> subprocess.CompletedProcess:
+    """`gmlx ARGV` in a fresh Python where `modules` cannot be imported, with a home and cache
+    of its own and no GMLX_ variables."""
+    without = "; ".join(f"sys.modules[{name!r}] = None" for name in modules)
     code = f"import sys; {without}; from gmlx_server import cli; sys.exit(cli.main(sys.argv[1:]))"
     env = {key: value for key, value in os.environ.items() if not key.startswith("GMLX_")} | {
         "HOME": str(tmp_path),
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
     }
-    result = subprocess.run(
-        [sys.executable, "-c", code, *command], capture_output=True, text=True, env=env, timeout=60
-    )
+    command = [sys.executable, "-c", code, *argv]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.mark.parametrize("command", [["--help"], ["status"], ["list"], ["list", "--json"]])
+def test_help_status_and_list_run_with_the_core_install_alone(tmp_path, command):
+    """As in ComfyUI's Python, where `gmlx comfyui install` puts a gmlx without the server."""
+    result = gmlx_without(tmp_path, SERVER_EXTRAS, *command)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout and "Traceback" not in result.stderr
 
@@ -184,19 +189,7 @@ def test_help_status_and_list_run_with_the_core_install_alone(tmp_path, command)
 def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
     """ComfyUI's Python (Pillow, safetensors and tokenizers, no MLX or web server), where the
     pack asks `gmlx list` for the models of the configured server."""
-    without = "; ".join(f"sys.modules[{name!r}] = None" for name in ("mlx", "falcon", "waitress"))
-    code = f"import sys; {without}; from gmlx_server import cli; sys.exit(cli.main(sys.argv[1:]))"
-    env = {key: value for key, value in os.environ.items() if not key.startswith("GMLX_")} | {
-        "HOME": str(tmp_path),
-        "XDG_CACHE_HOME": str(tmp_path / "cache"),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", code, "list", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    result = gmlx_without(tmp_path, ("mlx", "falcon", "waitress"), "list", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     listed = [model["model"] for model in json.loads(result.stdout)["models"]]
     assert listed == ["qwen-image21-random-tiny", "z-image-random-tiny"]
