@@ -7,17 +7,16 @@ import numpy as np
 import pytest
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.qwen_image21 import embedded, family
-from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 from gmlx_server.memory import LIMIT_FRACTION, allocation_bound
+
+from tests.compiled_dits import compiled_dits
 
 
 @pytest.fixture(scope="module")
 def model():
-    """The embedded model, compiled (GMLX_DIT_COMPILE=1) as a real, wide one runs: the plan
-    must cover the compiled pass's peaks (a tiny DiT alone runs eagerly, nn/compiled.py)."""
+    """The embedded model, compiled: the plan must cover the compiled pass's peaks."""
     folder = embedded.ensure_embedded_model()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(COMPILE_SETTING, "1")
+    with compiled_dits():
         loaded = family.load(folder, folder.name)
     yield loaded
     loaded.close()

@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.families.z_image.dit import ZImageDiT
-from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 
+from tests.compiled_dits import compiled_dits
 from tests.families.z_image.reference import reference_dit, rel_l2
 from tests.families.z_image.tiny.transformer import TINY_CONFIG, build_transformer
 
@@ -17,12 +17,10 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The reference and our DiT, compiled (GMLX_DIT_COMPILE=1) as a real, wide one runs: so
-    the parity here is the compiled pass's, and a tiny one alone would run eagerly."""
+    """The reference and our DiT, compiled: the parity here is the compiled pass's."""
     folder = tmp_path_factory.mktemp("z_image_dit")
     model = build_transformer(folder, seed=0)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(COMPILE_SETTING, "1")
+    with compiled_dits():
         return model, ZImageDiT.load(folder, mx.float32)
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.z_image import family
-from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 
+from tests.compiled_dits import compiled_dits
 from tests.families.z_image.tiny.folder import build_tiny_folder
 
 
@@ -28,10 +28,7 @@ def peak_of(work) -> int:
 def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("z_image_memory") / "z-image-tiny"
     build_tiny_folder(folder)
-    # compiled (GMLX_DIT_COMPILE=1) as a real, wide DiT runs, whose plan counts the fused
-    # kernels' extra buffers; a tiny one alone runs eagerly (nn/compiled.py)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(COMPILE_SETTING, "1")
+    with compiled_dits():  # the plan counts the fused kernels' extra buffers
         loaded = family.load(folder, folder.name)
     yield loaded
     loaded.close()

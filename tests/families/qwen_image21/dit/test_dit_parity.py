@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
-from gmlx_server.engine.nn.compiled import SETTING as COMPILE_SETTING
 
+from tests.compiled_dits import compiled_dits
 from tests.families.qwen_image21.dit.conftest import CONFIGS
 from tests.families.qwen_image21.dit.reference import pack, reference_row, rel_l2
 
@@ -100,10 +100,10 @@ def test_layout_positions_follow_the_reference_rope():
 
 
 @pytest.fixture(autouse=True)
-def compiled_pass(monkeypatch):
-    """The parity here is the compiled pass's, as a real (wide) DiT runs it; a tiny one alone
-    runs eagerly on the CPU backend (nn/compiled.py)."""
-    monkeypatch.setenv(COMPILE_SETTING, "1")
+def compiled_pass():
+    """The parity here is the compiled pass's."""
+    with compiled_dits():
+        yield
 
 
 def test_the_compiled_pass_is_made_anew_after_its_signatures(tiny_transformers, monkeypatch):
