@@ -42,7 +42,7 @@ def collected_whole_files(request, files: list[str]) -> bool:
 def test_the_default_run_collects_and_skips_every_heavy_test(request):
     files = heavy_files()
     if not collected_whole_files(request, files):
-        pytest.skip("this run did not collect the files that hold heavy tests")
+        pytest.skip("a run of part of the suite: the tier check needs the whole suite collected")
     heavy = session_heavy(request)
     assert len(heavy) >= AT_LEAST, [item.nodeid for item in heavy]
     for item in heavy:
