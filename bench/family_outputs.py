@@ -248,16 +248,26 @@ def run_dump(tree: Path, root: Path, out: Path) -> None:
     for name, folder in {**PACKAGES, "tests": "tests", "bench": "bench"}.items():
         if not (shim / name).exists():
             (shim / name).symlink_to(tree / folder)
-    env = {**os.environ, "PYTHONPATH": str(shim)}
+    env = dict(os.environ)
     script = tree / "bench" / "family_outputs.py"
     if not script.is_file():  # a revision before this script: this one, on its packages
         script = Path(__file__).resolve()
     subprocess.run(
-        [sys.executable, str(script), "--dump", str(out), "--root", str(root)],
+        [sys.executable, str(script), "--dump", str(out), "--root", str(root), "--packages", str(shim)],
         env=env,
         check=True,
         cwd=tree,
     )
+
+
+def use_packages(folder: Path) -> None:
+    """Import gmlx_server, gmlx_contract, tests and bench from `folder`, not from the editable
+    install (whose finder would answer first)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in type(f).__module__]
+    sys.path.insert(0, str(folder))
+    for name in list(sys.modules):
+        if name.split(".")[0] in (*PACKAGES, "tests", "bench"):
+            del sys.modules[name]
 
 
 def differences(before, after, path="") -> list[str]:
@@ -282,8 +292,14 @@ def main() -> int:
     parser.add_argument("--dump", type=Path, help="write this tree's digest here")
     parser.add_argument("--root", type=Path, help="the folders (built here when absent)")
     parser.add_argument("--keep", type=Path, help="keep the folders and digests here")
+    parser.add_argument("--packages", type=Path, help="import the packages from here")
     args = parser.parse_args()
+    if args.packages:
+        use_packages(args.packages)
     if args.dump:
+        import gmlx_server
+
+        print(f"dumping the answers of {Path(gmlx_server.__file__).parent}", file=sys.stderr)
         args.dump.write_text(json.dumps(dump(args.root), indent=1, sort_keys=True))
         return 0
     work = Path(args.keep or tempfile.mkdtemp(prefix="family-outputs-"))
