@@ -223,7 +223,9 @@ def lora_step(live, model_id, manifest, x, timestep, rows, tensors) -> dict:
             live.put_tensor(array, "adapters")
         patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": 1.0}
         patch |= {"strength": 0.7, "strength_model": 1.0}
-        entries.append({"key": f"diffusion_model.{tensor['name']}", "band": band, "patches": [patch]})
+        entries.append(
+            {"key": f"diffusion_model.{tensor['name']}", "band": band, "patches": [patch]}
+        )
     doc = {"model": model_id, "entries": entries}
     r = live.call(
         "PUT",
@@ -253,7 +255,16 @@ def run_dump(tree: Path, root: Path, out: Path) -> None:
     if not script.is_file():  # a revision before this script: this one, on its packages
         script = Path(__file__).resolve()
     subprocess.run(
-        [sys.executable, str(script), "--dump", str(out), "--root", str(root), "--packages", str(shim)],
+        [
+            sys.executable,
+            str(script),
+            "--dump",
+            str(out),
+            "--root",
+            str(root),
+            "--packages",
+            str(shim),
+        ],
         env=env,
         check=True,
         cwd=tree,

@@ -194,7 +194,7 @@ def write_component(
     """Write root/<component> (see the module's docstring); returns its bytes and time."""
     import mlx.core as mx
     import numpy as np
-    from gmlx_server.engine.families.qwen_image21.family import quantized_files
+    from gmlx_server.engine.families.qwen_image21.family import QWEN_IMAGE21
     from gmlx_server.engine.precision import Quantization
 
     started = time.perf_counter()
@@ -207,7 +207,9 @@ def write_component(
     (target / "config.json").write_text(json.dumps(config, indent=2))
     # the family's choice by file name (it reads transformer/config.json: written first)
     never = lambda name: False  # noqa: E731
-    pick = never if quantization is None else quantized_files(root).get(component, never)
+    pick = (
+        never if quantization is None else QWEN_IMAGE21.quantized_files(root).get(component, never)
+    )
     rng = np.random.default_rng(0)
     shards: dict[str, list[str]] = {}
     for name in shapes:

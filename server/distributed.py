@@ -29,8 +29,6 @@ started again (all its processes: docs/server.md).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import json
 import logging
 import os
@@ -335,33 +333,31 @@ class GroupWorker(ImageWorker):
 
 
 class GroupFamily:
-    """A family module as rank 0's registry sees it: `load` loads the model on every rank (the
+    """A family as rank 0's registry sees it: `load` loads the model on every rank (the
     others after rank 0's `load` message, which carries the model's LoadSettings whole) and
-    wraps rank 0's in a `GroupModel`; the rest is the module's. Its `load` takes what the
-    family's own takes (the registry refuses a setting the family does not read)."""
+    wraps rank 0's in a `GroupModel`; the rest is the family's own (engine.spec.Family)."""
 
-    def __init__(self, name: str, module: Any, group: Group):
-        self._name, self._module, self._group = name, module, group
-        self.load = functools.update_wrapper(functools.partial(self._load), module.load)
+    def __init__(self, spec: Any, family: Any, group: Group):
+        self._spec, self._family, self._group = spec, family, group
 
     def __getattr__(self, attribute: str) -> Any:
-        return getattr(self._module, attribute)
+        return getattr(self._family, attribute)
 
-    def _load(self, model_dir: Path, model_id: str, **options) -> GroupModel:
-        if "shard" not in inspect.signature(self._module.load).parameters:
+    def load(self, model_dir: Path, model_id: str, **options) -> GroupModel:
+        if not self._spec.shards:
             raise ContractError(
                 400,
-                f"model {model_id!r}: family {self._name} has no shard plan; it cannot load over"
+                f"model {model_id!r}: family {self._spec.name} has no shard plan; it cannot load over"
                 f" a group of {self._group.size} ranks (serve it from one process)",
             )
         group = self._group
         settings = LoadSettings(**options)
-        body = {"family": self._name, "path": str(model_dir), "model_id": model_id}
+        body = {"family": self._spec.name, "path": str(model_dir), "model_id": model_id}
         with group.call("load"):
             broadcast(("load", {**body, "settings": settings}))
             failure, model = None, None
             try:
-                model = load_shard(self._module, model_dir, model_id, settings, group.shard(0))
+                model = load_shard(self._family, model_dir, model_id, settings, group.shard(0))
             except Exception as exc:  # noqa: BLE001 - every rank reports before anyone raises
                 failure = exc
             weights, refusals = gather_loads(model, None)
@@ -495,13 +491,7 @@ class GroupModel:
 
 def attach(group: Group, registry: Any) -> None:
     """Make rank 0's registry load every model over the group."""
-    from .engine.registry import family_module
-
-    registry.families = {
-        name: GroupFamily(name, family_module(name, registry.families), group)
-        for name in list(registry.families)
-        if family_module(name, registry.families) is not None
-    }
+    registry.wrap_families(lambda spec, family: GroupFamily(spec, family, group))
 
 
 REPORT_FIGURES = ("weight_bytes", "peak_rss_bytes", "collective_bytes", "pid")
@@ -565,13 +555,14 @@ class Follower:
             getattr(self, "on_" + kind)(body)
 
     def on_load(self, body: dict) -> None:
-        from .engine.registry import ModelEntry, family_module, load_refusal
+        from .engine.registry import ModelEntry, implementation, load_refusal
+        from .engine.spec import family_specs
 
         model, refusal = None, None
         path, model_id = Path(body["path"]), body["model_id"]
         try:
-            module = family_module(body["family"])
-            model = load_shard(module, path, model_id, body["settings"], self.shard)
+            family = implementation(family_specs()[body["family"]])
+            model = load_shard(family, path, model_id, body["settings"], self.shard)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0 through the gather
             log.exception("rank %d could not load %s", self.shard.rank, model_id)
             entry = ModelEntry(model_id, path, body["family"], None)

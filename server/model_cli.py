@@ -42,7 +42,7 @@ def register(subparsers) -> None:
 
 def run_quantize(args: argparse.Namespace) -> int:
     prepare_process()  # before mlx is imported
-    from .engine.registry import ModelRegistry, family_module
+    from .engine.registry import ModelRegistry
     from .engine.weights import quantize_folder
     from .image_cli import choose_model
 
@@ -55,9 +55,11 @@ def run_quantize(args: argparse.Namespace) -> int:
     if args.destination.exists():
         print(f"gmlx model quantize: {args.destination} exists; name a new folder", file=sys.stderr)
         return 2
-    entry = ModelRegistry(extra_models=[source]).entries()[0]
-    module = family_module(entry.family) if entry.family else None
-    if module is None or not hasattr(module, "quantized_files"):
+    registry = ModelRegistry(extra_models=[source])
+    entry = registry.entries()[0]
+    family = registry.family(entry.family) if entry.family else None
+    choice_of = family.quantized_files(source) if family is not None else None
+    if choice_of is None:
         what = f"family {entry.family}" if entry.family else "no family this server has"
         print(
             f"gmlx model quantize: {source} is of {what}, which writes no quantized folder",
@@ -66,7 +68,7 @@ def run_quantize(args: argparse.Namespace) -> int:
         return 1
     quantization = Quantization(args.bits, args.group_size)
     try:
-        quantize_folder(source, args.destination, quantization, module.quantized_files(source))
+        quantize_folder(source, args.destination, quantization, choice_of)
     except (OSError, ValueError) as exc:
         print(f"gmlx model quantize: {exc}", file=sys.stderr)
         return 1

@@ -28,12 +28,16 @@ import numpy as np
 from .base import Capabilities, EngineInputError, StepRow
 from .gguf import DiTFile
 from .lora import TableWeights
-from .nn.dtypes import dtype_name
+from .nn import dtypes
+from .nn.dtypes import default_compute_dtype, dtype_name
+from .quantize import quantization_status
+from .spec import Family, FamilySpec
 from .weights import (
     QUANTIZED,
     TensorInfo,
     component_bytes,
     estimated_bytes,
+    read_config,
     stored_quantization,
     tensor_infos,
 )
@@ -327,3 +331,237 @@ def stored_precision(component_dir: Path, gguf=None) -> dict | None:
         return gguf.status()
     stored = stored_quantization(component_dir)
     return None if stored is None else stored.status()
+
+
+class FolderFamily(Family):
+    """A family served from a diffusers folder (transformer/, text_encoder/, vae/, ...): the
+    status, manifest, checks and `gmlx model quantize`'s choice written once, from the spec and
+    the few facts a family overrides:
+
+    - `dit_file(transformer_dir, dit)`: the DiT's single file as the family reads it (its
+      dit.dit_file), None for diffusers' safetensors;
+    - `encoder_files(model_dir, files)`: the text encoder's GGUF files (None: safetensors);
+    - `vae_row(model_dir)`: status `vae` beyond `channels_out` and `stride`;
+    - `activation_reserve(model_dir, dtype)`: the activations of its reference workload;
+    - `dit_slots(model_dir)`, `dit_quantized`, `encoder_module_name`, `encoder_quantized`:
+      the layers a quantized load quantizes, by file name.
+
+    `files` are a model entry's weight files (`dit`, `text_encoder`, `mmproj`: those the spec
+    lists)."""
+
+    def __init__(self, spec: FamilySpec, load: Callable, titles: dict[str, str] | None = None):
+        super().__init__(spec, load)
+        self.titles = titles or {spec.name: spec.title}
+
+    # -- what a family says of itself ----------------------------------------------------
+
+    def dit_file(self, transformer_dir: Path, dit: Path | None):
+        raise NotImplementedError
+
+    def encoder_files(self, model_dir: Path, files: dict):
+        return None
+
+    def vae_row(self, model_dir: Path) -> dict:
+        return {}
+
+    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
+        raise NotImplementedError
+
+    def dit_slots(self, model_dir: Path) -> dict:
+        raise NotImplementedError
+
+    def encoder_estimate(self, model_dir: Path, files: dict, dtype: mx.Dtype) -> int:
+        """The text encoder's bytes as it would load at `dtype` (encoder_bytes)."""
+        folder = Path(model_dir) / "text_encoder"
+        return encoder_bytes(folder, self.encoder_files(model_dir, files), dtype)
+
+    def vae_estimate(self, model_dir: Path, dtype: mx.Dtype) -> int:
+        return estimated_bytes(Path(model_dir) / "vae", dtype)
+
+    def latent_row(self, model_dir: Path) -> dict:
+        channels = read_config(Path(model_dir) / "transformer")["in_channels"]
+        spec = self.spec
+        return {"channels": channels, "stride": spec.latent_stride, "patch": spec.latent_patch}
+
+    def sampling_row(self, model_dir: Path, variant: str) -> dict:
+        """The variant's own settings (docs/contract.md §2.3)."""
+        return {**self.spec.sampling[variant], "sigmas": None, "schedule": None, "neg_skip": []}
+
+    def encoder_quantization(self, encoder: Any) -> dict | None:
+        """A loaded text encoder's quantization (status `quantization.encoder`)."""
+        return quantization_status(encoder.encoder.model)
+
+    def manifest_extras(self, tensors: dict) -> dict:
+        return {}
+
+    # -- from those: the family's answers ------------------------------------------------
+
+    def identified(self, model_dir: Path) -> tuple[str, str]:
+        found = self.spec.identify(model_dir)
+        if found is None:
+            raise EngineInputError(f"{model_dir} is not a {self.spec.title} folder")
+        return found
+
+    def describe(
+        self, model_dir: Path, model_id: str | None = None, dtype: mx.Dtype | None = None, **files
+    ) -> dict:
+        """The family part of the status (docs/contract.md §2.3), from config files and
+        headers alone, the DiT at `dtype` (its default compute dtype), the encoder and VAE at
+        theirs by default (`encoder_vae_dtype` auto)."""
+        model_dir = Path(model_dir)
+        _, variant = self.identified(model_dir)
+        dtype = dtype or default_compute_dtype()
+        side = dtypes.encoder_vae_dtype()
+        vae_config = read_config(model_dir / "vae")
+        quantization = {
+            "dit": stored_precision(model_dir / "transformer", self._dit(model_dir, files)),
+            "encoder": stored_precision(
+                model_dir / "text_encoder", self.encoder_files(model_dir, files)
+            ),
+            "vae": None,
+        }
+        latent = self.latent_row(model_dir)
+        return {
+            "comfy": dict(self.spec.comfy),
+            "latent": latent,
+            "vae": {
+                "channels_out": vae_config.get("out_channels", 3),
+                "stride": self.spec.vae_stride or latent["stride"],
+                **self.vae_row(model_dir),
+            },
+            "edit_capable": self.spec.edit_capable,
+            "conditioning": dict(self.spec.conditioning),
+            "sampling": self.sampling_row(model_dir, variant),
+            "compute_dtype": dtype_name(dtype),
+            # Extensions of docs/contract.md §2.3: each component's weight precision as the
+            # files store it, and what is held (here nothing) with the bytes each component
+            # would hold loaded; a loaded model reports its own (`loaded_status`).
+            "quantization": quantization,
+            "residency": {
+                "dit": component_row(
+                    False, self.dit_size(model_dir, files, dtype), dtype, quantization["dit"]
+                ),
+                "encoder": component_row(
+                    False,
+                    self.encoder_estimate(model_dir, files, side),
+                    side,
+                    quantization["encoder"],
+                ),
+                "vae": component_row(False, self.vae_estimate(model_dir, side), side, None),
+            },
+            "memory": self.memory(model_dir, dtype, None, files),
+        }
+
+    def loaded_status(self, model_dir: Path, dit: Any, vae: Any, encoder: Any, files: dict):
+        """The status of a loaded model: `describe`'s, with each component's precision and
+        residency as held (bytes counted from the arrays) and its memory as loaded. A
+        component this process did not load (None: a rank > 0 of a sharded model holds its
+        DiT part alone) keeps its row as not held."""
+        status = self.describe(model_dir, None, dit.dtype, **files)
+        dit_gguf = self._dit(model_dir, files)
+        encoder_gguf = self.encoder_files(model_dir, files)
+        if encoder is None:
+            encoder_status = status["quantization"]["encoder"]
+        elif encoder_gguf is None:
+            encoder_status = self.encoder_quantization(encoder)
+        else:
+            encoder_status = encoder_gguf.status()
+        quantization = {
+            "dit": quantization_status(dit.weights) if dit_gguf is None else dit_gguf.status(),
+            "encoder": encoder_status,
+            "vae": None,
+        }
+        unloaded = status["residency"]
+        status["quantization"] = quantization
+        status["residency"] = {
+            "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
+            "encoder": loaded_row(encoder, quantization["encoder"], unloaded["encoder"]),
+            "vae": loaded_row(vae, None, unloaded["vae"]),
+        }
+        weight_bytes = sum(part.weight_bytes for part in (dit, vae, encoder) if part is not None)
+        status["memory"] = self.memory(model_dir, dit.dtype, weight_bytes, files)
+        return status
+
+    def model_parts(self, model_dir: Path, dit: Any, vae: Any, encoder: Any, files: dict):
+        """FamilyModel's `status`, `read_manifest` and `weight_bytes` of a loaded model
+        (`files`: the model entry's weight files; None values are dropped)."""
+        files = {key: path for key, path in files.items() if path is not None}
+        parts = (dit, vae, encoder)
+        return {
+            "status": self.loaded_status(model_dir, dit, vae, encoder, files),
+            "read_manifest": lambda folder: self.manifest(folder, **files),
+            "weight_bytes": sum(part.weight_bytes for part in parts if part is not None),
+        }
+
+    def memory(
+        self, model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None, files: dict
+    ) -> dict:
+        """Status `memory` (memory_row): the file sizes, the reserve of the reference
+        workload, and the weights: a loaded model's `weight_bytes`, else (None) estimated
+        from the headers."""
+        model_dir = Path(model_dir)
+        sizes = {
+            "dit_bytes": self.dit_size(model_dir, files),
+            "encoder_bytes": encoder_bytes(
+                model_dir / "text_encoder", self.encoder_files(model_dir, files)
+            ),
+            "vae_bytes": component_bytes(model_dir / "vae"),
+        }
+        if weight_bytes is None:
+            weights = self.estimated_weight_bytes(model_dir, dtype, files)
+        else:
+            weights = weight_bytes
+        reserve = self.activation_reserve(model_dir, dtype)
+        return memory_row(sizes, weights, reserve, resident=weight_bytes is not None)
+
+    def estimated_weight_bytes(
+        self, model_dir: Path, dit_dtype: mx.Dtype, files: dict | None = None
+    ) -> int:
+        """The weights of a folder as they would load (for the status of a model not
+        loaded): the DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX
+        width), the VAE and the text encoder at theirs by default, weights stored quantized as
+        stored, counted from the file headers. A loaded model counts its arrays instead."""
+        side = dtypes.encoder_vae_dtype()
+        files = files or {}
+        return (
+            self.dit_size(model_dir, files, dit_dtype)
+            + self.vae_estimate(model_dir, side)
+            + self.encoder_estimate(model_dir, files, side)
+        )
+
+    def dit_size(self, model_dir: Path, files: dict, dtype: mx.Dtype | None = None) -> int:
+        """dit_bytes of this family's DiT (its single file, or its folder)."""
+        transformer = Path(model_dir) / "transformer"
+        return dit_bytes(transformer, self._dit(model_dir, files), dtype)
+
+    def _dit(self, model_dir: Path, files: dict):
+        return self.dit_file(Path(model_dir) / "transformer", files.get("dit"))
+
+    def manifest(self, model_dir: Path, **files) -> dict:
+        """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming
+        "diffusers"), whatever the naming of its single file."""
+        family, _ = self.identified(model_dir)
+        transformer = Path(model_dir) / "transformer"
+        tensors = dit_manifest(
+            family, transformer, self.titles[family], self._dit(model_dir, files)
+        )
+        return {**tensors, **self.manifest_extras(tensors)}
+
+    def check(self, model_dir: Path, **files) -> None:
+        """Refuse, before anything loads, a DiT or text encoder file that is cut short, is not
+        this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
+        naming the file and the tensor). The registry asks before it lets the resident model
+        go."""
+        for found in (self._dit(model_dir, files), self.encoder_files(model_dir, files)):
+            if found is not None:
+                found.open()
+
+    def quantized_files(self, model_dir: Path) -> dict:
+        """What `gmlx model quantize` quantizes, by component folder and file tensor name:
+        the weights a quantized load quantizes."""
+        return quantized_file_names(
+            self.dit_slots(model_dir),
+            self.dit_quantized,
+            self.encoder_module_name,
+            self.encoder_quantized,
+        )

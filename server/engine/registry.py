@@ -2,9 +2,11 @@
 
 A model is a folder holding a diffusers `model_index.json`, found directly under one of the
 configured model dirs (or given as an extra folder, e.g. the embedded default); its id is the
-folder's name. The family is found by asking each family module of `FAMILIES` to `identify` the
-folder; the module's `load(model_dir, model_id)` builds the `ImageModel`, which must carry the
-whole seam (base.seam_gaps: a model lacking a member fails its load, naming it).
+folder's name. The family is found by asking each family's spec (engine/spec.py: every family
+folder's `spec.SPECS`, found by themselves) to `identify` the folder, without MLX; the spec's
+`Family` (its `implementation`) describes, checks and loads it, and the `ImageModel` it builds
+must carry the whole seam (base.seam_gaps: a model lacking a member fails its load, naming
+it).
 
 Loading, unloading and everything a loaded model does happen on the image worker thread; the
 methods that do so say so. Holds (an open run, a step between its checks and its forward) keep
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from gmlx_contract.errors import ContractError
 
 from .base import EngineInputError, ImageModel, seam_gaps
 from .load_settings import LoadSettings
+from .spec import Family, FamilySpec, family_specs
 
 log = logging.getLogger("gmlx.server")
 
@@ -38,40 +40,19 @@ MODEL_INDEX = "model_index.json"
 # work on the request path. GET models always lists afresh; a miss looks again at once.
 LISTING_TTL_S = 2.0
 
-# Family name -> the family module (or its import path, imported on first use). A family module
-# provides `identify(model_dir) -> (family, variant)` (None or an exception when the folder is not
-# of that family) and `load(model_dir, model_id) -> ImageModel`, which takes `quantization=` (a
-# precision.Quantization) in a family that quantizes, `encoder_vae_dtype=` (a name of
-# precision.ENCODER_VAE_DTYPES) in one whose encoder and VAE dtype can be set, and `dit=` /
-# `text_encoder=` / `mmproj=` (a model entry's GGUF files) in a family that reads them (the
-# keywords of a load_settings.LoadSettings);
-# optionally `describe(model_dir, model_id) -> dict` (the status of a model that is not
-# loaded), `manifest(model_dir) -> dict` (both taking the same file keywords),
-# `check(model_dir, ...)` (refuse broken GGUF files before the resident model is let go),
-# `quantized_files(model_dir)` (for `gmlx model quantize`) and `FEATURES` (routes/models.py).
-# Adding a family is its folder and one line here (docs/engine.md, "Adding a family"); tests
-# pass their own table as `ModelRegistry(families=...)`.
-FAMILIES: dict[str, Any] = {
-    "qwen_image21": "gmlx_server.engine.families.qwen_image21.family",
-    "z_image": "gmlx_server.engine.families.z_image.family",
-    "flux2_klein": "gmlx_server.engine.families.flux2_klein.family",
-    "flux2_klein_9b": "gmlx_server.engine.families.flux2_klein.family",
-    "flux2_klein_9b_kv": "gmlx_server.engine.families.flux2_klein.family",
-}
-
-
-# The modules of the embedded models, offered when no default model is configured, the first
-# (the embedded default) then the default: each provides MODEL_NAME, default_cache_dir() and
-# ensure_embedded_model() -> its folder, written on first use (engine/embedded.py).
-EMBEDDED_DEFAULT = "gmlx_server.engine.families.qwen_image21.embedded"
-EMBEDDED_MODELS = (EMBEDDED_DEFAULT, "gmlx_server.engine.families.z_image.embedded")
+# The family whose embedded model is the embedded default: offered first, and the default
+# when no default model is configured. Each embedded model's module (a spec's `embedded`)
+# provides MODEL_NAME, default_cache_dir() and ensure_embedded_model() -> its folder, written
+# on first use (engine/embedded.py).
+EMBEDDED_DEFAULT_FAMILY = "qwen_image21"
 
 
 def embedded_modules() -> list[Any]:
     """The embedded models' modules that can be imported (none without the server's extras),
-    in EMBEDDED_MODELS order."""
+    the embedded default's first."""
+    specs = sorted(family_specs().values(), key=lambda s: s.name != EMBEDDED_DEFAULT_FAMILY)
     modules = []
-    for name in EMBEDDED_MODELS:
+    for name in dict.fromkeys(spec.embedded for spec in specs if spec.embedded):
         try:
             modules.append(importlib.import_module(name))
         except ImportError as exc:
@@ -79,18 +60,14 @@ def embedded_modules() -> list[Any]:
     return modules
 
 
-def family_module(name: str, families: dict[str, Any] | None = None) -> Any | None:
-    """The module of a family, importing it on first use; None when it cannot be imported."""
-    table = FAMILIES if families is None else families
-    module = table.get(name)
-    if isinstance(module, str):
-        try:
-            module = importlib.import_module(module)
-        except ImportError as exc:
-            log.debug("family %s is not available: %s", name, exc)
-            return None
-        table[name] = module
-    return module
+def implementation(spec: FamilySpec) -> Family | None:
+    """The family's `Family`, its module imported on first use; None where it cannot be
+    imported (e.g. without MLX)."""
+    try:
+        return spec.load_implementation()
+    except ImportError as exc:
+        log.debug("family %s is not available: %s", spec.name, exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -173,7 +150,7 @@ class ModelRegistry:
         model_dirs: Iterable[Path] = (),
         default_model: str | None = None,
         extra_models: Iterable[Path] = (),
-        families: dict[str, Any] | None = None,
+        families: dict[str, FamilySpec | Family] | None = None,
         max_resident: int = 1,
         load_hooks: Any = None,
         settings: Callable[[str], LoadSettings] | None = None,
@@ -184,13 +161,24 @@ class ModelRegistry:
         or ContractError from either fails the load with its status (400 for a ValueError),
         naming the model. `settings(model_id)` is how a model loads (load_settings.LoadSettings:
         its quantization, its encoder and VAE dtype, its GGUF files; no function: as its folder
-        stores it)."""
+        stores it). `families`: by name, each family's spec (its Family imported on first use)
+        or its Family itself (default: every family folder's spec; tests pass their own)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
         self.settings = settings
         self.extra_models = [Path(p).expanduser() for p in extra_models]
         self.default_model = default_model or None
-        self.families = FAMILIES if families is None else families
+        given = family_specs() if families is None else families
+        self.families: dict[str, FamilySpec] = {}
+        self._given: dict[str, Family] = {}  # the families given whole
+        for name, family in given.items():
+            if isinstance(family, FamilySpec):
+                self.families[name] = family
+            else:
+                self.families[name], self._given[name] = family.spec, family
+        # family name -> its Family, imported on first use; `wrap_families` may replace them
+        self._implementations: dict[str, Family] = {}
+        self._wrap: Callable[[FamilySpec, Family], Family] | None = None
         self.max_resident = max_resident
         self._lock = threading.RLock()
         self._loaded: dict[str, LoadedModel] = {}
@@ -203,8 +191,26 @@ class ModelRegistry:
     # ------------------------------------------------------------ discovery
 
     def available_families(self) -> list[str]:
-        """The families this server can load: those whose module imports."""
-        return sorted(n for n in list(self.families) if family_module(n, self.families))
+        """The families this server can load: those whose implementation imports."""
+        return sorted(name for name in self.families if self.family(name) is not None)
+
+    def family(self, name: str) -> Family | None:
+        """The family's `Family` (None: not available in this server)."""
+        found = self._implementations.get(name)
+        spec = self.families.get(name)
+        if found is None and spec is not None:
+            found = self._given.get(name) or implementation(spec)
+            if found is not None and self._wrap is not None:
+                found = self._wrap(spec, found)
+            if found is not None:
+                self._implementations[name] = found
+        return found
+
+    def wrap_families(self, wrap: Callable[[FamilySpec, Family], Family]) -> None:
+        """Serve every family through `wrap(spec, family)` (a rank group's: it loads a model on
+        every rank)."""
+        self._wrap = wrap
+        self._implementations.clear()
 
     def folders(self) -> dict[str, Path]:
         """Model id -> folder, first found wins (extra folders first, then the model dirs),
@@ -255,12 +261,9 @@ class ModelRegistry:
             self._identified[path] = (stamp, cached[1], cached[2], now)
             return ModelEntry(model_id, path, cached[1], cached[2])
         family, variant = None, None
-        for name in list(self.families):
-            module = family_module(name, self.families)
-            if module is None:
-                continue
+        for spec in self.families.values():
             try:
-                found = module.identify(path)
+                found = spec.identify(path)
             except Exception:  # noqa: BLE001 - "not this family" may be said by raising
                 found = None
             if found:
@@ -363,37 +366,42 @@ class ModelRegistry:
         """How the entry's model loads (its folder's own way without a `settings` function)."""
         return self.settings(entry.model_id) if self.settings else LoadSettings()
 
-    def files_for(self, entry: ModelEntry, function: Callable) -> dict:
-        """The entry's file keywords that `function` (a family's describe, manifest or check)
-        takes; a setting the family does not read is refused by the load, not here."""
-        parameters = inspect.signature(function).parameters
-        files = self.settings_for(entry).files()
-        return {k: v for k, v in files.items() if k in parameters}
+    def files_for(self, entry: ModelEntry) -> dict:
+        """The entry's weight files that its family reads (its spec's `files`); a file the
+        family does not read is refused by the load, not here."""
+        taken = self.families[entry.family].files
+        return {k: v for k, v in self.settings_for(entry).files().items() if k in taken}
 
     def describe(self, model_id: Any) -> dict | None:
         """The status of a model that is not loaded, read from its files (its family's
         `describe`); None where the family cannot say without loading it."""
         entry = self.resolve(model_id)
-        module = family_module(entry.family, self.families)
-        if module is None or not hasattr(module, "describe"):
+        family = self.family(entry.family)
+        if family is None:
             return None
-        return module.describe(entry.path, entry.model_id, **self.files_for(entry, module.describe))
+        return family.describe(entry.path, entry.model_id, **self.files_for(entry))
 
-    def _check_before_load(self, entry: ModelEntry, module: Any) -> None:
+    def manifest(self, entry: ModelEntry) -> dict | None:
+        """The manifest of a model's folder (its family's `manifest`, worker thread); None
+        where the family cannot say without loading it."""
+        family = self.family(entry.family)
+        return None if family is None else family.manifest(entry.path, **self.files_for(entry))
+
+    def _check_before_load(self, entry: ModelEntry, family: Family) -> None:
         """Before the resident model is let go: the family's `check` of the entry's files (a
         GGUF DiT cut short, of another family or of the wrong shapes is refused here, 400),
         then the load hooks' check against the folder's manifest, where the family reads one
         (a manifest it cannot read is the load's to report)."""
-        if hasattr(module, "check"):
-            with self._load_errors(entry):
-                module.check(entry.path, **self.files_for(entry, module.check))
-        if self.load_hooks is None or not hasattr(module, "manifest"):
+        with self._load_errors(entry):
+            family.check(entry.path, **self.files_for(entry))
+        if self.load_hooks is None:
             return
         try:
-            manifest = module.manifest(entry.path, **self.files_for(entry, module.manifest))
-        except Exception:  # noqa: BLE001 - module.load reports a broken folder with its status
+            manifest = family.manifest(entry.path, **self.files_for(entry))
+        except Exception:  # noqa: BLE001 - the load reports a broken folder with its status
             return
-        self._hook(entry.model_id, self.load_hooks.check, entry.model_id, manifest)
+        if manifest is not None:
+            self._hook(entry.model_id, self.load_hooks.check, entry.model_id, manifest)
 
     @contextlib.contextmanager
     def _load_errors(self, entry: ModelEntry):
@@ -405,12 +413,12 @@ class ModelRegistry:
             raise load_refusal(entry, exc) from exc
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
-        module = family_module(entry.family, self.families)
+        module = self.family(entry.family)
         if module is None:
             raise ContractError(400, f"family {entry.family!r} is not available in this server")
         if not (entry.path / MODEL_INDEX).is_file():
             raise ContractError(404, f"model {entry.model_id!r} has vanished from {entry.path}")
-        options = self._load_options(entry, module)
+        options = self._load_options(entry)
         self._check_before_load(entry, module)
         self._make_room(entry.model_id)
         with self._load_errors(entry):
@@ -443,23 +451,21 @@ class ModelRegistry:
         )
         return loaded
 
-    def _load_options(self, entry: ModelEntry, module: Any) -> dict:
+    def _load_options(self, entry: ModelEntry) -> dict:
         """The keyword arguments of the family's `load` for this entry: its load settings'
-        (LoadSettings.options), each refused 400 for a family whose `load` does not take it."""
+        (LoadSettings.options), each refused 400 for a family whose spec does not take it."""
         options = self.settings_for(entry).options()
-        taken = inspect.signature(module.load).parameters
-        refused = {
-            "quantization": "does not quantize its weights; load it without quantize",
-            "encoder_vae_dtype": "has no encoder and VAE dtype to set; leave encoder_vae_dtype out",
-        }
+        spec = self.families[entry.family]
         for name in options:
-            if name not in taken:
-                reason = refused.get(
-                    name, f"reads no GGUF file for its {name}; remove its {name} setting"
-                )
-                raise ContractError(
-                    400, f"model {entry.model_id!r}: family {entry.family} {reason}"
-                )
+            if name == "quantization" and not spec.quantizes:
+                reason = "does not quantize its weights; load it without quantize"
+            elif name == "encoder_vae_dtype" and not spec.encoder_vae_dtype:
+                reason = "has no encoder and VAE dtype to set; leave encoder_vae_dtype out"
+            elif name in ("quantization", "encoder_vae_dtype") or name in spec.files:
+                continue
+            else:
+                reason = f"reads no GGUF file for its {name}; remove its {name} setting"
+            raise ContractError(400, f"model {entry.model_id!r}: family {entry.family} {reason}")
         return options
 
     def _make_room(self, model_id: str) -> None:

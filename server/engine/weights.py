@@ -39,14 +39,11 @@ from .quantize import (
     quantized,
     sanitize_stored,
 )
+from .spec import read_config
 
 QUANTIZED = "quant"  # the dtype tensor_infos gives a quantized weight (docs/contract.md §2.4)
 
 _INDEX_SUFFIX = ".safetensors.index.json"
-
-
-def read_config(component_dir: Path) -> dict:
-    return json.loads((Path(component_dir) / "config.json").read_text())
 
 
 def weight_files(component_dir: Path) -> list[Path]:

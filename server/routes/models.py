@@ -10,12 +10,11 @@ from gmlx_contract import version, wire
 from gmlx_contract.errors import ContractError
 
 from .. import __version__
-from ..engine.registry import ModelEntry, family_module
+from ..engine.registry import ModelEntry
 from .common import Resource, json_body, model_field, send_json
 
-# Features every family of this server provides (docs/contract.md §5.4); a family module may publish its
-# own `FEATURES` instead. `ref_cache` and `skip_blocks` are listed only by families that have them.
-BASE_FEATURES = ("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae")
+# The features of docs/contract.md §5.4 in their published order; each family's spec lists its
+# own, and the capabilities are those of the families this server can load.
 FEATURE_ORDER = ("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae", "ref_cache", "skip_blocks")
 CONVENTIONS = ["comfy", "reference"]
 
@@ -61,8 +60,7 @@ class Capabilities(Resource):
     def _features(self, families: list[str]) -> list[str]:
         found: set[str] = set()
         for name in families:
-            module = family_module(name, self.registry.families)
-            found.update(getattr(module, "FEATURES", BASE_FEATURES))
+            found.update(self.registry.families[name].features)
         return [f for f in FEATURE_ORDER if f in found]
 
 
@@ -146,14 +144,12 @@ class ModelStatus(Resource):
 class ModelManifest(Resource):
     def on_get(self, req: falcon.Request, resp: falcon.Response, model: str) -> None:
         entry = resolve_or_404(self.registry, model)
-        loaded = self.registry.loaded(entry.model_id)
-        module = family_module(entry.family, self.registry.families)
-        if loaded is None and hasattr(module, "manifest"):
-            files = self.registry.files_for(entry, module.manifest)
+        body = None
+        if self.registry.loaded(entry.model_id) is None:
             body = from_files(
-                entry, lambda: self.service.worker.call(module.manifest, entry.path, **files)
+                entry, lambda: self.service.worker.call(self.registry.manifest, entry)
             )
-        else:
+        if body is None:  # no way to read it unloaded: load it (it then stays resident)
             loaded = self.service.acquire(entry.model_id)
             try:
                 body = self.service.on_model(loaded, lambda m: m.manifest())

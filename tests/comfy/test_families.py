@@ -31,7 +31,10 @@ def test_the_empty_prompt_is_the_status_s_else_the_table_s():
 def test_the_server_publishes_what_the_tables_hold_for_its_family():
     family = pytest.importorskip("gmlx_server.engine.families.qwen_image21.family")
     embedded = pytest.importorskip("gmlx_server.engine.families.qwen_image21.embedded")
-    status = {"family": "qwen_image21", **family.describe(embedded.ensure_embedded_model())}
+    status = {
+        "family": "qwen_image21",
+        **family.QWEN_IMAGE21.describe(embedded.ensure_embedded_model()),
+    }
     assert ref_method(status) == ref_method({"family": "qwen_image21"})
     assert empty_prompt("qwen_image21", status["conditioning"]["empty_prompt"]) == (
         empty_prompt("qwen_image21")
@@ -50,7 +53,7 @@ def test_z_image_s_status_gives_the_flux_vae_s_normalisation(tmp_path):
     family = pytest.importorskip("gmlx_server.engine.families.z_image.family")
     folder = pytest.importorskip("tests.families.z_image.tiny.folder")
     folder.build_tiny_folder(tmp_path)
-    status = {"family": "z_image", **family.describe(tmp_path)}
+    status = {"family": "z_image", **family.Z_IMAGE.describe(tmp_path)}
     assert status["comfy"]["model_class"] in PACK_BUILT_CLASSES
     vae = json.loads((tmp_path / "vae" / "config.json").read_text())
     mean, std = latent_normalisation(status)
@@ -68,7 +71,7 @@ def test_flux2_klein_is_a_pack_built_class_in_model_space(tmp_path):
     family = pytest.importorskip("gmlx_server.engine.families.flux2_klein.family")
     folder = pytest.importorskip("tests.families.flux2_klein.tiny.folder")
     folder.build_tiny_folder(tmp_path, num_single_layers=1)
-    status = {"family": "flux2_klein", **family.describe(tmp_path)}
+    status = {"family": "flux2_klein", **family.FLUX2_KLEIN.describe(tmp_path)}
     assert PACK_BUILT_CLASSES[status["comfy"]["model_class"]] == "flux2_klein"
     assert COMFY_BASE_CLASSES["Flux2"] == "Flux2"
     assert latent_normalisation(status) is None

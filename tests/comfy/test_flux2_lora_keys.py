@@ -55,7 +55,7 @@ STRENGTH = 0.6
 def manifest(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux2_keys") / "klein-tiny"
     build_tiny_folder(folder, family="flux2_klein")
-    return klein.manifest(folder)
+    return klein.FLUX2_KLEIN.manifest(folder)
 
 
 def _shapes(manifest):

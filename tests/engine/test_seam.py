@@ -3,11 +3,10 @@ load loudly, naming what it lacks; the test family implements every member."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from gmlx_server.engine.base import ImageModel, MemoryPlanning, seam_gaps
 from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.engine.spec import Family
 
 from tests.server import linear_family
 
@@ -30,10 +29,7 @@ class WithoutPatchTables(linear_family.LinearModel):
 
 def test_a_model_lacking_a_member_fails_its_load_naming_it(tmp_path):
     linear_family.make_model_folder(tmp_path, "lacking")
-    family = SimpleNamespace(
-        identify=linear_family.identify,
-        load=lambda path, model_id: WithoutPatchTables(model_id, ""),
-    )
+    family = Family(linear_family.SPEC, lambda path, model_id: WithoutPatchTables(model_id, ""))
     registry = ModelRegistry([tmp_path], families={linear_family.FAMILY: family})
     with pytest.raises(TypeError, match="check_patch_table"):
         registry.acquire("lacking")

@@ -314,20 +314,20 @@ def test_steps_naming_no_table_run_under_the_entrys_adapters(tmp_path, tiny_fold
 
 
 class CountedFamily:
-    """The Qwen-Image 2.1 family module, counting its weight loads."""
+    """The Qwen-Image 2.1 family, counting its weight loads."""
 
     def __init__(self) -> None:
-        from gmlx_server.engine.families.qwen_image21 import family
+        from gmlx_server.engine.families.qwen_image21.family import QWEN_IMAGE21
 
-        self.module = family
+        self.family = QWEN_IMAGE21
         self.loads = 0
 
     def __getattr__(self, name: str):
-        return getattr(self.module, name)
+        return getattr(self.family, name)
 
-    def load(self, *args):
+    def load(self, *args, **options):
         self.loads += 1
-        return self.module.load(*args)
+        return self.family.load(*args, **options)
 
 
 def refused_load(tiny_folder, spec: AdapterSpec, seed: int) -> tuple[str, int]:

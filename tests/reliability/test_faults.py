@@ -35,7 +35,7 @@ def serve_on(tmp, port: int = 0, **adjust) -> LiveServer:
     """A test-family server on a given port (0: any), Waitress options adjustable."""
     root = model_root(tmp)
     config = replace(ServerConfig(host="127.0.0.1"), model_dirs=[root], image=ImageConfig())
-    registry = ModelRegistry([root], "alpha", families={linear_family.FAMILY: linear_family})
+    registry = ModelRegistry([root], "alpha", families={linear_family.FAMILY: linear_family.LINEAR})
     ctx = build_context(config, registry)
     options = {**waitress_options(config), **adjust}
     server = gated_server(create_app(ctx), host="127.0.0.1", port=port, **options)

@@ -16,7 +16,7 @@ from . import toy_family
 def toy_choice(tmp_path):
     folder = toy_family.make_folder(tmp_path)
     registry = ModelRegistry(
-        extra_models=[folder], default_model=folder.name, families={"toy": toy_family}
+        extra_models=[folder], default_model=folder.name, families={"toy": toy_family.TOY}
     )
     return ModelChoice(registry, folder.name, 0.0)
 

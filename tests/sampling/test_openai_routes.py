@@ -33,7 +33,7 @@ def turbo_server(tmp_path_factory):
 @contextmanager
 def toy_server(folder):
     registry = ModelRegistry(
-        extra_models=[folder], default_model=folder.name, families={"toy": toy_family}
+        extra_models=[folder], default_model=folder.name, families={"toy": toy_family.TOY}
     )
     with StepServer(ModelChoice(registry, folder.name, 0.0)) as running:
         running.load()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from gmlx_server.engine.base import Capabilities, EncodeResult, EngineInputError, StepResult
+from gmlx_server.engine.spec import Family, FamilySpec
 
 FAMILY = "toy"
 PIPELINE_CLASS = "ToyPipeline"
@@ -44,6 +45,18 @@ def identify(model_dir: Path):
 
 def load(model_dir: Path, model_id: str) -> ToyModel:
     return ToyModel(model_id, _index(model_dir).get("sigmas"))
+
+
+SPEC = FamilySpec(
+    name=FAMILY,
+    title="toy",
+    identify=identify,
+    implementation=f"{__name__}:TOY",
+    features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
+    quantizes=False,
+    encoder_vae_dtype=False,
+)
+TOY = Family(SPEC, load)
 
 
 def _text_rows(text: str) -> np.ndarray:

@@ -83,7 +83,9 @@ def start_server(
     root = model_root(tmp)
     config = config or ServerConfig(host="127.0.0.1", port=0)
     config = replace(config, port=0, model_dirs=[root], image=replace(ImageConfig(), **image))
-    registry = ModelRegistry([root], default_model, families={linear_family.FAMILY: linear_family})
+    registry = ModelRegistry(
+        [root], default_model, families={linear_family.FAMILY: linear_family.LINEAR}
+    )
     return serve(config, registry)
 
 

@@ -20,6 +20,7 @@ from gmlx_server.engine.base import (
     StepResult,
     StepRow,
 )
+from gmlx_server.engine.spec import Family, FamilySpec
 
 FAMILY = "test_linear"
 PIPELINE_CLASS = "GmlxTestLinearPipeline"
@@ -49,6 +50,20 @@ def load(model_dir: Path, model_id: str) -> LinearModel:
     if index.get("broken"):
         raise EngineInputError("the transformer does not match the family")
     return LinearModel(model_id, index.get("variant", "base"))
+
+
+# The family as the registry takes it: its spec (no quantization, no encoder and VAE dtype, no
+# weight files) and a Family that loads and says nothing from the files.
+SPEC = FamilySpec(
+    name=FAMILY,
+    title="test linear",
+    identify=identify,
+    implementation=f"{__name__}:LINEAR",
+    features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
+    quantizes=False,
+    encoder_vae_dtype=False,
+)
+LINEAR = Family(SPEC, load)
 
 
 # ---------------------------------------------------------------- the arithmetic

@@ -57,7 +57,7 @@ def test_bad_values_are_refused_naming_the_key(tmp_path, text, message):
 
 def test_a_family_without_the_setting_is_refused_and_auto_asks_nothing(tmp_path):
     folder = linear_family.make_model_folder(tmp_path, "lin")
-    families = {linear_family.FAMILY: linear_family}
+    families = {linear_family.FAMILY: linear_family.LINEAR}
     forced = ModelRegistry(
         extra_models=[folder],
         families=families,

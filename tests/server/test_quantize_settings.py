@@ -98,7 +98,7 @@ def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_pa
     folder = linear_family.make_model_folder(tmp_path, "lin")
     registry = ModelRegistry(
         extra_models=[folder],
-        families={linear_family.FAMILY: linear_family},
+        families={linear_family.FAMILY: linear_family.LINEAR},
         settings=lambda model_id: LoadSettings(Quantization(4)),
     )
     with pytest.raises(ContractError) as refused:
@@ -108,7 +108,7 @@ def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_pa
     assert registry.resident_ids() == []
     plain = ModelRegistry(
         extra_models=[folder],
-        families={linear_family.FAMILY: linear_family},
+        families={linear_family.FAMILY: linear_family.LINEAR},
         settings=lambda model_id: LoadSettings(),
     )
     assert plain.acquire("lin").model_id == "lin"
@@ -136,7 +136,7 @@ def test_a_family_that_reads_no_gguf_refuses_a_dit_setting(tmp_path):
     folder = linear_family.make_model_folder(tmp_path, "lin")
     registry = ModelRegistry(
         extra_models=[folder],
-        families={linear_family.FAMILY: linear_family},
+        families={linear_family.FAMILY: linear_family.LINEAR},
         settings=lambda model_id: LoadSettings(dit=tmp_path / "dit.gguf"),
     )
     with pytest.raises(ContractError) as refused:

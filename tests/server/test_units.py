@@ -76,7 +76,7 @@ def _raise_keyboard_interrupt():
 
 def registry(tmp_path, default="alpha", **kw) -> ModelRegistry:
     root = model_root(tmp_path)
-    return ModelRegistry([root], default, families={"test_linear": linear_family}, **kw)
+    return ModelRegistry([root], default, families={"test_linear": linear_family.LINEAR}, **kw)
 
 
 def test_registry_resolution_statuses(tmp_path):
@@ -108,7 +108,7 @@ def test_registry_extra_folder_and_first_wins(tmp_path):
         [model_root(tmp_path)],
         None,
         extra_models=[extra],
-        families={"test_linear": linear_family},
+        families={"test_linear": linear_family.LINEAR},
     )
     assert reg.resolve("alpha").path == extra and reg.resolve("alpha").variant == "embedded"
 
@@ -144,15 +144,17 @@ def test_registry_vanished_and_broken_models(tmp_path):
 
 
 def test_the_product_family_table_names_its_families():
-    from gmlx_server.engine.registry import FAMILIES
+    from gmlx_server.engine.spec import family_specs
 
-    assert list(FAMILIES) == [
-        "qwen_image21",
-        "z_image",
+    specs = family_specs()
+    assert list(specs) == [
         "flux2_klein",
         "flux2_klein_9b",
         "flux2_klein_9b_kv",
+        "qwen_image21",
+        "z_image",
     ]
+    assert all(spec.name == name for name, spec in specs.items())
 
 
 def test_registry_resolve_reuses_a_recent_listing(tmp_path, monkeypatch):

@@ -147,7 +147,9 @@ def main(folder: str, mode: str) -> None:
     quantization = Quantization(8, GROUP_SIZE)
     stored_folder = folder.parent / (folder.name + "-stored8")  # `gmlx model quantize`'s
     if not stored_folder.exists():
-        quantize_folder(folder, stored_folder, quantization, family.quantized_files(folder))
+        quantize_folder(
+            folder, stored_folder, quantization, family.QWEN_IMAGE21.quantized_files(folder)
+        )
     gguf_folder, dit = gguf_model(folder)
     settings = {
         quantized_folder.name: LoadSettings(quantization),

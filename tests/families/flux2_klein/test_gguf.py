@@ -223,4 +223,4 @@ def test_files_of_another_model_or_shape_are_refused_naming_them(transformer, tm
     cases.append((wrong, "wrong.gguf: tensor img_in.weight has shape [128, 128]"))
     for path, message in cases:
         with pytest.raises(GGUFError, match=re.escape(message)):
-            family.check(root, dit=path)
+            family.FLUX2_KLEIN.check(root, dit=path)

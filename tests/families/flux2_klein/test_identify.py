@@ -27,10 +27,10 @@ def folders(tmp_path_factory):
 
 
 def test_families_and_variants(folders):
-    assert klein.identify(folders["4b"]) == ("flux2_klein", "distilled")
-    assert klein.identify(folders["4b-base"]) == ("flux2_klein", "base")
-    assert klein.identify(folders["9b"]) == ("flux2_klein_9b", "distilled")
-    assert klein.identify(folders["9b-kv"]) == ("flux2_klein_9b_kv", "distilled")
+    assert klein.FLUX2_KLEIN.spec.identify(folders["4b"]) == ("flux2_klein", "distilled")
+    assert klein.FLUX2_KLEIN.spec.identify(folders["4b-base"]) == ("flux2_klein", "base")
+    assert klein.FLUX2_KLEIN.spec.identify(folders["9b"]) == ("flux2_klein_9b", "distilled")
+    assert klein.FLUX2_KLEIN.spec.identify(folders["9b-kv"]) == ("flux2_klein_9b_kv", "distilled")
 
 
 def test_other_pipelines_and_encoders_are_not_klein(folders, tmp_path):
@@ -39,11 +39,11 @@ def test_other_pipelines_and_encoders_are_not_klein(folders, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     (other / "model_index.json").write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
-    assert klein.identify(other) is None
+    assert klein.FLUX2_KLEIN.spec.identify(other) is None
 
 
 def test_sampling_rows(folders):
-    distilled = klein.describe(folders["4b"])["sampling"]
+    distilled = klein.FLUX2_KLEIN.describe(folders["4b"])["sampling"]
     assert distilled == {
         "steps": 4,
         "cfg": 1.0,
@@ -52,5 +52,5 @@ def test_sampling_rows(folders):
         "schedule": {"rule": "flux2"},
         "neg_skip": [],
     }
-    base = klein.describe(folders["4b-base"])["sampling"]
+    base = klein.FLUX2_KLEIN.describe(folders["4b-base"])["sampling"]
     assert (base["steps"], base["cfg"], base["schedule"]) == (50, 4.0, {"rule": "flux2"})

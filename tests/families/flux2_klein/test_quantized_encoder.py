@@ -100,7 +100,7 @@ def test_the_layers_after_the_last_tapped_one_never_load(folder, full):
     assert read_config(folder / "text_encoder")["num_hidden_layers"] == 28
     assert len(full.encoder.encoder.model.layers) == LOADED_LAYERS == 27
     # the unloaded estimate counts what a load holds: no layer 27, no lm_head, no final norm
-    residency = family.describe(folder)["residency"]
+    residency = family.FLUX2_KLEIN.describe(folder)["residency"]
     assert residency["encoder"]["bytes"] == full.encoder.weight_bytes
     assert residency["dit"]["bytes"] == full.dit.weight_bytes
     narrow = folder.parent / "narrow"
@@ -148,10 +148,13 @@ def test_a_stored_quantized_folder_equals_quantizing_at_load(folder, tmp_path):
         assert read_config(written / component)["quantization"] == spec(4)
     stored = family.load(written, "stored")
     at_load = family.load(folder, "at-load", Quantization(4, 32))
-    assert family.describe(written)["quantization"] == at_load.status()["quantization"]
+    assert family.FLUX2_KLEIN.describe(written)["quantization"] == at_load.status()["quantization"]
     assert stored.status()["quantization"] == at_load.status()["quantization"]
     assert stored.weight_bytes == at_load.weight_bytes
-    assert family.describe(written)["residency"]["encoder"]["bytes"] == stored.encoder.weight_bytes
+    assert (
+        family.FLUX2_KLEIN.describe(written)["residency"]["encoder"]["bytes"]
+        == stored.encoder.weight_bytes
+    )
     cond = at_load.encode(PROMPT, [], refs=False).cond
     np.testing.assert_array_equal(stored.encode(PROMPT, [], refs=False).cond, cond)
     # a quantize setting at its own precision changes nothing; at another it is refused
@@ -232,7 +235,7 @@ def test_a_model_entrys_text_encoder_gguf(folder, full, tmp_path):
     wrong = tmp_path / "wrong.gguf"
     write_encoder_gguf(wrong, wide_encoder(tmp_path), T.Q8_0, np.random.default_rng(6))
     with pytest.raises(ValueError, match=r"wrong\.gguf: tensor "):
-        family.check(folder, text_encoder=wrong)
+        family.FLUX2_KLEIN.check(folder, text_encoder=wrong)
     plain = reference_folder(folder, tmp_path / "plain", held)
     expected = family.load(plain, "plain").encode(PROMPT, [], refs=False).cond
     config = ServerConfig(host="127.0.0.1", port=0)

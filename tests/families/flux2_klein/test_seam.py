@@ -17,7 +17,7 @@ import torch
 from gmlx_contract import wire
 from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
 from gmlx_server.config import ImageConfig, ServerConfig
-from gmlx_server.engine.families.flux2_klein.family import ref_state_bytes
+from gmlx_server.engine.families.flux2_klein.family import FLUX2_KLEIN, ref_state_bytes
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import direct_row
 
@@ -85,7 +85,7 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
     assert manifest["family"] == "flux2_klein"
     assert live.post_json("models/load", {"model": KLEIN}).status_code == 200
     loaded = live.call("GET", f"models/{KLEIN}/status").json()
-    skip = ("resident", "residency")
+    skip = ("resident", "residency", "memory")
     assert {k: v for k, v in loaded.items() if k not in skip} == {
         k: v for k, v in unloaded.items() if k not in skip
     }
@@ -96,6 +96,14 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
         assert component["resident"] and not estimate["resident"]
         assert (component["dtype"], component["quantization"]) == (estimate["dtype"], None)
         assert component["bytes"] == estimate["bytes"], name
+    # memory as the other families': the file sizes, the reserve of the reference workload,
+    # and, loaded, the weights' arrays plus that reserve
+    files = ("dit_bytes", "encoder_bytes", "vae_bytes")
+    assert {k: loaded["memory"][k] for k in files} == {k: unloaded["memory"][k] for k in files}
+    model = live.ctx.registry.loaded(KLEIN).model
+    reserve = FLUX2_KLEIN.activation_reserve(model.model_dir, model.dit.dtype)
+    assert reserve > 0 and unloaded["memory"]["resident_bytes"] == 0
+    assert loaded["memory"]["resident_bytes"] == model.weight_bytes + reserve
     kv = live.call("GET", f"models/{KV}/status").json()
     assert (kv["family"], kv["variant"]) == ("flux2_klein_9b_kv", "distilled")
     caps = live.call("GET", "capabilities", versioned=False).json()

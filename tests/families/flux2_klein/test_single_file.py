@@ -232,10 +232,12 @@ def test_the_step_is_diffusers_on_the_files_weights(live, model):
     expected = reference_dit(live.references[model], x, [0.6], cond, [ref])
     assert rel_l2(out, expected) <= TOLERANCE
     loaded = live.call("GET", f"models/{model}/status").json()
-    held = ("resident", "residency")  # what is held changes with the load; the rest does not
+    held = ("resident", "residency", "memory")  # what is held changes with the load
     assert {k: v for k, v in loaded.items() if k not in held} == {
         k: v for k, v in unloaded.items() if k not in held
     }
+    files = ("dit_bytes", "encoder_bytes", "vae_bytes")
+    assert {k: loaded["memory"][k] for k in files} == {k: unloaded["memory"][k] for k in files}
     for name, component in loaded["residency"].items():
         assert component["resident"] and not unloaded["residency"][name]["resident"]
         assert component["bytes"] == unloaded["residency"][name]["bytes"], name

@@ -221,7 +221,7 @@ def test_engine_loads_it_and_makes_an_image(model_dir):
     from gmlx_server.engine.base import StepRow
     from gmlx_server.engine.families.qwen_image21 import family
 
-    assert family.identify(model_dir) == ("qwen_image21", "turbo")
+    assert family.QWEN_IMAGE21.spec.identify(model_dir) == ("qwen_image21", "turbo")
     model = family.load(model_dir, embedded.MODEL_NAME)
     encoding = model.encode("a red fox", [], refs=False)
     assert (

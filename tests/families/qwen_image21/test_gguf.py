@@ -143,7 +143,7 @@ def test_step_equals_the_dequantized_weights_networks(kind, base, tmp_path, cond
     status = model.status()["quantization"]["dit"]
     assert status["format"] == "gguf" and status["file"] == "dit.gguf"
     assert status["types"] == type_counts(types_for(kind, CONFIG), CONFIG)
-    assert status == family.describe(folder)["quantization"]["dit"]
+    assert status == family.QWEN_IMAGE21.describe(folder)["quantization"]["dit"]
 
 
 def test_prefixes_fused_gate_up_orig_shape_and_mixed_widths(base, tmp_path, cond_rows):
@@ -181,14 +181,14 @@ def test_prefixes_fused_gate_up_orig_shape_and_mixed_widths(base, tmp_path, cond
     expected = step(family.load(reference, "reference"), cond_rows)
     assert rel_l2(step(model, cond_rows), expected) <= TOLERANCE
     # the manifest names the diffusers tensors with their logical shapes
-    manifest, plain = model.manifest(), family.manifest(reference)
+    manifest, plain = model.manifest(), family.QWEN_IMAGE21.manifest(reference)
     assert [(t["name"], t["shape"]) for t in manifest["tensors"]] == [
         (t["name"], t["shape"]) for t in plain["tensors"]
     ]
     dtypes = {t["name"]: t["dtype"] for t in manifest["tensors"]}
     assert dtypes[p + "img_mlp.gate_layer.weight"] == "quant"
     assert dtypes[p + "attn.norm_q.weight"] == "f32"
-    assert manifest == family.manifest(folder)
+    assert manifest == family.QWEN_IMAGE21.manifest(folder)
 
 
 def test_memory_counts_the_packed_weights(base, tmp_path):
@@ -201,8 +201,11 @@ def test_memory_counts_the_packed_weights(base, tmp_path):
     # the estimate for the folder unloaded counts the DiT as it loads
     dtype = model.dit.dtype
     assert dit_file(folder / "transformer").estimated_bytes(dtype.size) == model.dit.weight_bytes
-    estimate = family.estimated_weight_bytes(folder, dtype) - model.weight_bytes
-    assert estimate == family.estimated_weight_bytes(reference, dtype) - plain.weight_bytes
+    estimate = family.QWEN_IMAGE21.estimated_weight_bytes(folder, dtype) - model.weight_bytes
+    assert (
+        estimate
+        == family.QWEN_IMAGE21.estimated_weight_bytes(reference, dtype) - plain.weight_bytes
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,12 +295,12 @@ def test_the_family_refuses_a_dit_file_for_a_folder_it_cannot_read(base, tmp_pat
     extra = folder / "transformer" / "second.gguf"
     shutil.copy(folder / "transformer" / "dit.gguf", extra)
     with pytest.raises(ValueError, match="more than one GGUF file"):
-        family.check(folder)
+        family.QWEN_IMAGE21.check(folder)
     assert len(linear_slots(DiTConfig.from_dict(CONFIG))) == 8 + 2 * 7
 
 
 def test_the_qwen3_vl_gguf_pair_comes_whole(base):
     with pytest.raises(ValueError, match="mmproj is set without text_encoder"):
-        family.check(base, mmproj=base / "mmproj.gguf")
+        family.QWEN_IMAGE21.check(base, mmproj=base / "mmproj.gguf")
     with pytest.raises(ValueError, match="text_encoder is set without mmproj"):
-        family.check(base, text_encoder=base / "model.gguf")
+        family.QWEN_IMAGE21.check(base, text_encoder=base / "model.gguf")

@@ -200,7 +200,7 @@ def test_status_manifest_and_memory_report_what_is_resident(folder, full):
     spec = {"bits": 4, "group_size": 32, "mode": "affine"}
     assert status["quantization"] == {"dit": spec, "encoder": spec, "vae": None}
     assert full.status()["quantization"] == {"dit": None, "encoder": None, "vae": None}
-    assert family.describe(folder)["quantization"] == full.status()["quantization"]
+    assert family.QWEN_IMAGE21.describe(folder)["quantization"] == full.status()["quantization"]
     # the manifest keeps the files' logical shapes: a client's LoRA keys still match
     assert quantized.manifest() == full.manifest()
     weights = quantized.dit.weights
@@ -212,7 +212,7 @@ def test_status_manifest_and_memory_report_what_is_resident(folder, full):
     dit_bytes = tree_bytes(weights)
     assert quantized.weight_bytes == dit_bytes + encoder_bytes + quantized.vae.weight_bytes
     assert dit_bytes < full.dit.weight_bytes * 0.6
-    reserve = family.activation_reserve(folder, quantized.dit.dtype)
+    reserve = family.QWEN_IMAGE21.activation_reserve(folder, quantized.dit.dtype)
     assert status["memory"]["resident_bytes"] == quantized.weight_bytes + reserve
     assert status["memory"]["resident_bytes"] < full.status()["memory"]["resident_bytes"]
 
@@ -244,7 +244,10 @@ def test_a_configured_quantize_reaches_the_loaded_model(folder):
             + tree_bytes(model.encoder.encoder.parameters())
             + model.vae.weight_bytes
         )
-        assert model.weight_bytes < family.estimated_weight_bytes(folder, model.dit.dtype) * 0.7
+        assert (
+            model.weight_bytes
+            < family.QWEN_IMAGE21.estimated_weight_bytes(folder, model.dit.dtype) * 0.7
+        )
     finally:
         server.close()
 

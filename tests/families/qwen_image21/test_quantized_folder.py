@@ -76,7 +76,11 @@ def test_the_folder_loads_directly_as_quantizing_at_load_does(folders):
     assert peak <= stored.weight_bytes * 1.1 < float_model.weight_bytes
     assert stored.weight_bytes == at_load.weight_bytes
     status = stored.status()["quantization"]
-    assert status == at_load.status()["quantization"] == family.describe(written)["quantization"]
+    assert (
+        status
+        == at_load.status()["quantization"]
+        == family.QWEN_IMAGE21.describe(written)["quantization"]
+    )
     rows = rows_of(at_load.encode("a lighthouse", [reference_image(1)], refs=True))
     x, sigma = latents(2), np.array([0.6], np.float32)
     np.testing.assert_array_equal(
@@ -95,21 +99,21 @@ def test_a_stored_folder_not_loaded_is_estimated_at_its_quantized_bytes(folders)
     """Status of a folder not loaded: the DiT as it will load (packed weights, scales and
     biases as stored), not its logical shapes at float32."""
     source, written = folders
-    estimate = family.describe(written)["residency"]
+    estimate = family.QWEN_IMAGE21.describe(written)["residency"]
     stored = family.load(written, "stored")
     assert estimate["dit"]["bytes"] == stored.dit.weight_bytes
     assert estimate["dit"]["quantization"] == {"bits": 4, "group_size": 32, "mode": "affine"}
     # the encoder's file holds lm_head beside what loads, as the float folder's does
-    floats = family.describe(source)["residency"]["encoder"]["bytes"]
+    floats = family.QWEN_IMAGE21.describe(source)["residency"]["encoder"]["bytes"]
     assert stored.encoder_bytes < estimate["encoder"]["bytes"] < floats
-    assert family.estimated_weight_bytes(written, mx.float32) < 0.7 * (
-        family.estimated_weight_bytes(source, mx.float32)
+    assert family.QWEN_IMAGE21.estimated_weight_bytes(written, mx.float32) < 0.7 * (
+        family.QWEN_IMAGE21.estimated_weight_bytes(source, mx.float32)
     )
 
 
 def test_the_manifest_keeps_the_logical_shapes(folders):
     source, written = folders
-    stored, plain = family.manifest(written), family.manifest(source)
+    stored, plain = family.QWEN_IMAGE21.manifest(written), family.QWEN_IMAGE21.manifest(source)
     shapes = {t["name"]: t["shape"] for t in plain["tensors"]}
     assert {t["name"]: t["shape"] for t in stored["tensors"]} == shapes
     dtypes = {t["name"]: t["dtype"] for t in stored["tensors"]}

@@ -37,7 +37,7 @@ def test_tiny_folder_variants_are_identified(tmp_path, variant):
     from gmlx_server.engine.families.qwen_image21 import family
 
     root = build_tiny_folder(tmp_path / variant, variant=variant)
-    assert family.identify(root) == ("qwen_image21", variant)
+    assert family.QWEN_IMAGE21.spec.identify(root) == ("qwen_image21", variant)
     index = json.loads((root / "model_index.json").read_text())
     assert index["sample_sigmas"] == (TURBO_SIGMAS if variant == "turbo" else None)
     assert (root / "scheduler" / "scheduler_config.json").is_file()

@@ -18,6 +18,7 @@ from gmlx_server.engine.base import Capabilities, EncodeResult, EngineInputError
 from gmlx_server.engine.family import FamilyModel, dit_manifest
 from gmlx_server.engine.lora import TableWeights
 from gmlx_server.engine.nn.dtypes import default_compute_dtype, dtype_name
+from gmlx_server.engine.spec import Family, FamilySpec
 from gmlx_server.engine.weights import component_bytes, read_config
 
 from .checkpoint import PIPELINE_CLASS
@@ -69,6 +70,28 @@ def load(model_dir: Path, model_id: str) -> TwinBlocksModel:
     vae = PatchVAE.load(model_dir / "vae")
     encoder = ByteEncoder.load(model_dir / "text_encoder")
     return TwinBlocksModel(model_dir, model_id, dit, vae, encoder)
+
+
+class TwinBlocks(Family):
+    """The family as the registry takes it: status and manifest from the files."""
+
+    def describe(self, model_dir: Path, model_id: str | None = None, **files) -> dict:
+        return describe(model_dir, model_id)
+
+    def manifest(self, model_dir: Path, **files) -> dict:
+        return manifest(model_dir)
+
+
+SPEC = FamilySpec(
+    name=FAMILY,
+    title="twin-blocks",
+    identify=identify,
+    implementation=f"{__name__}:TWIN_BLOCKS",
+    features=("noise_mask",),
+    quantizes=False,
+    encoder_vae_dtype=False,
+)
+TWIN_BLOCKS = TwinBlocks(SPEC, load)
 
 
 class TwinBlocksModel(FamilyModel):

@@ -18,7 +18,7 @@ from tests.server.conftest import serve
 
 from . import checkpoint, family
 
-REGISTRY_LINE = {family.FAMILY: family}  # what FAMILIES would carry for a product family
+REGISTRY_LINE = {family.FAMILY: family.TWIN_BLOCKS}  # the family as the registry takes it
 # Layers the table patches: a fused part of each double-block stream, unfused ones of a
 # single block, one with a band, and one outside the blocks.
 PATCHED = {

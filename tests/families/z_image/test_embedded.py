@@ -42,7 +42,7 @@ def test_folder_is_named_and_laid_out_as_the_pipeline(model_dir):
         "tokenizer/tokenizer_config.json",
         STAMP_FILE,
     }
-    assert family.identify(model_dir) == ("z_image", "turbo")
+    assert family.Z_IMAGE.spec.identify(model_dir) == ("z_image", "turbo")
     assert sum(len(data) for data in _files(model_dir).values()) < 6_000_000
 
 

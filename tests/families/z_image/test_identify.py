@@ -7,7 +7,7 @@ import json
 
 import pytest
 from gmlx_server.engine.families.z_image.embedded import MODEL_INDEX
-from gmlx_server.engine.families.z_image.family import identify
+from gmlx_server.engine.families.z_image.spec import identify
 
 
 def folder(root, index=MODEL_INDEX, text_type="qwen3", shift: float | None = 3.0):

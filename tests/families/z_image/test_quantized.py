@@ -135,7 +135,7 @@ def test_status_and_manifest_report_what_is_resident(folder, full):
     spec = {"bits": 4, "group_size": 32, "mode": "affine"}
     assert quantized.status()["quantization"] == {"dit": spec, "encoder": spec, "vae": None}
     assert full.status()["quantization"] == {"dit": None, "encoder": None, "vae": None}
-    assert family.describe(folder)["quantization"] == full.status()["quantization"]
+    assert family.Z_IMAGE.describe(folder)["quantization"] == full.status()["quantization"]
     assert quantized.manifest() == full.manifest()
     weights = quantized.dit.weights
     assert weights["layers"][0]["qkv"].dtype == mx.uint32
@@ -154,7 +154,7 @@ def test_a_stored_quantized_folder_equals_quantizing_at_load(folder, tmp_path):
     stored = family.load(written, "stored")
     at_load = family.load(folder, "at-load", Quantization(4, 32))
     assert stored.status()["quantization"] == at_load.status()["quantization"]
-    assert family.describe(written)["quantization"] == at_load.status()["quantization"]
+    assert family.Z_IMAGE.describe(written)["quantization"] == at_load.status()["quantization"]
     assert stored.weight_bytes == at_load.weight_bytes
     cond = at_load.encode("a lighthouse", [], refs=False).cond
     np.testing.assert_array_equal(stored.encode("a lighthouse", [], refs=False).cond, cond)

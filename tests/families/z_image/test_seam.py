@@ -106,7 +106,7 @@ def check_memory_rows(live, unloaded: dict, loaded: dict) -> None:
     files = ("dit_bytes", "encoder_bytes", "vae_bytes")
     assert {k: loaded[k] for k in files} == {k: unloaded[k] for k in files}
     assert all(loaded[k] > 0 for k in files)
-    reserve = family.activation_reserve(folder, model.dit.dtype)
+    reserve = family.Z_IMAGE.activation_reserve(folder, model.dit.dtype)
     assert reserve > 0 and unloaded["resident_bytes"] == 0
     assert loaded["resident_bytes"] == model.weight_bytes + reserve
     weights = loaded["resident_bytes"] - reserve

@@ -21,7 +21,6 @@ Either way the run's end drops them.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,22 +30,13 @@ import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import (
-    FamilyModel,
-    component_row,
-    dit_bytes,
-    dit_manifest,
-    encoder_bytes,
-    quantized_file_names,
-    stored_precision,
-)
+from ...family import FamilyModel, FolderFamily, encoder_bytes
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
-from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
-from ...quantize import quantization_status
+from ...vaes.autoencoder_kl import Geometry
 from ...vaes.autoencoder_kl_flux2 import latent_facts, loaded_tensor
-from ...weights import component_bytes, estimated_bytes, gguf_file, read_config
+from ...weights import gguf_file, read_config
 from .dit import (
     DiTConfig,
     Flux2DiT,
@@ -57,41 +47,20 @@ from .dit import (
     lora_aliases,
 )
 from .dit import quantized as dit_quantized
-from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH, TEMPLATE
+from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH
+from .spec import FAMILY_9B_KV, MAX_REFS, SPECS
 
-FAMILY_4B = "flux2_klein"
-FAMILY_9B = "flux2_klein_9b"
-FAMILY_9B_KV = "flux2_klein_9b_kv"
-TITLES = {
-    FAMILY_4B: "FLUX.2 klein",
-    FAMILY_9B: "FLUX.2 klein 9B",
-    FAMILY_9B_KV: "FLUX.2 klein 9B KV",
-}
-PIPELINE_CLASS = "Flux2KleinPipeline"
-KV_PIPELINE_CLASS = "Flux2KleinKVPipeline"
-TEXT_ENCODER_TYPE = "qwen3"
-NINE_B_DOUBLE_BLOCKS = 8  # the 9B DiT's double-stream blocks (the 4B has 5)
-COMFY = {"model_class": "Flux2", "image_model": "flux2"}
-# ComfyUI's Flux2 places references by index (time coordinates 10, 20, ...); an empty prompt
-# is encoded as it is.
-CONDITIONING = {"ref_method": "index", "empty_prompt": TEMPLATE.empty_prompt}
-LATENT_PATCH = 1
-MAX_REFS = 10
+TITLES = {spec.name: spec.title for spec in SPECS}
 # Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at most
 # 1024x1024 (it resizes larger ones), sides multiples of 16 (it crops others).
 REF_MIN_SIDE = 64
 REF_MAX_ASPECT = 8
 REF_MAX_AREA = 1024 * 1024
 SCHEDULE = {"rule": "flux2"}  # docs/contract.md §5.3, gmlx_contract.schedules.flux2_sigmas
-SAMPLING = {
-    "distilled": {"steps": 4, "cfg": 1.0, "shift": 1.0},
-    "base": {"steps": 50, "cfg": 4.0, "shift": 1.0},
-}
-FEATURES = ("noise_mask", "ref_cache")
 # Step conventions (docs/contract.md §5.2): both read the timestep as sigma and answer +dx/dsigma
 # (the DiT's own output at t = sigma); `comfy` embeds the float32 time, `reference` the time as
 # the compute dtype holds it (BFL's and diffusers' pipelines).
-CONVENTIONS = ("comfy", "reference")
+CONVENTIONS = SPECS[0].conventions
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row (the
@@ -102,182 +71,94 @@ MLP_BUFFERS = 8  # the fused gate/up, SiLU's temporaries and the product, at the
 SCORE_BLOCK_BUFFERS = (
     10  # cpu_ops.attention's block of scores, its exponentials and their temporaries
 )
+# The reference workload behind status `activation_reserve_bytes` (as the other families'): a
+# guided step (2 rows) on a 1024x1024 image with captions of the encoder's padded length, or one
+# 1024x1024 VAE pass.
+RESERVE_PIXELS = 1024
+RESERVE_ROWS = 2
 
 
-def _model_index(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+class Flux2Klein(FolderFamily):
+    """FLUX.2 klein's own facts under the generic folder family (family.FolderFamily), for
+    its three families."""
 
+    dit_quantized = staticmethod(dit_quantized)
 
-def identify(model_dir: Path) -> tuple[str, str] | None:
-    """(family, variant) of a FLUX.2 klein folder whose text encoder is Qwen3, else None."""
-    model_dir = Path(model_dir)
-    index = _model_index(model_dir)
-    kind = index.get("_class_name")
-    if kind not in (PIPELINE_CLASS, KV_PIPELINE_CLASS):
-        return None
-    if read_config(model_dir / "text_encoder").get("model_type") != TEXT_ENCODER_TYPE:
-        return None
-    if kind == KV_PIPELINE_CLASS:
-        return FAMILY_9B_KV, "distilled"
-    depth = read_config(model_dir / "transformer").get("num_layers", 0)
-    family = FAMILY_9B if depth >= NINE_B_DOUBLE_BLOCKS else FAMILY_4B
-    return family, "distilled" if index.get("is_distilled", False) else "base"
+    def dit_file(self, transformer_dir: Path, dit: Path | None):
+        return dit_file(transformer_dir, dit)
 
+    def encoder_files(self, model_dir: Path, files: dict):
+        """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
+        text_encoder/) as Qwen3 reads its first LOADED_LAYERS layers
+        (encoders.qwen3.text.component_gguf, as Z-Image's); None for safetensors."""
+        from ...encoders.qwen3.text import component_gguf
 
-def sampling_row(variant: str) -> dict:
-    """The variant's own settings (docs/contract.md §2.3): the `flux2` size rule, no sigmas."""
-    return {**SAMPLING[variant], "sigmas": None, "schedule": dict(SCHEDULE), "neg_skip": []}
+        folder = Path(model_dir) / "text_encoder"
+        return component_gguf(folder, files.get("text_encoder"), LOADED_LAYERS)
 
+    def encoder_estimate(self, model_dir: Path, files: dict, dtype: mx.Dtype) -> int:
+        """The text encoder's bytes as it would load at `dtype`: the tensors of its first
+        LOADED_LAYERS layers and its token table (family.encoder_bytes)."""
+        from ...encoders.qwen3.text import module_name
 
-def _identified(model_dir: Path) -> tuple[str, str]:
-    found = identify(model_dir)
-    if found is None:
-        raise EngineInputError(f"{model_dir} is not a FLUX.2 klein folder")
-    return found
+        def loaded(name: str) -> bool:
+            return module_name(name, LOADED_LAYERS) is not None
 
+        folder = Path(model_dir) / "text_encoder"
+        return encoder_bytes(folder, self.encoder_files(model_dir, files), dtype, loaded)
 
-def describe(
-    model_dir: Path,
-    model_id: str | None = None,
-    dtype: mx.Dtype | None = None,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files and headers
-    alone, the DiT at `dtype`; `dit`, `text_encoder`: a model entry's files of the DiT
-    (dit.dit_file) and of the text encoder (`encoder_file`)."""
-    model_dir = Path(model_dir)
-    _, variant = _identified(model_dir)
-    dtype = dtype or default_compute_dtype()
-    latent = latent_facts(read_config(model_dir / "vae"))
-    single = dit_file(model_dir / "transformer", dit)
-    encoder_gguf = encoder_file(model_dir, text_encoder)
-    quantization = {
-        "dit": stored_precision(model_dir / "transformer", single),
-        "encoder": stored_precision(model_dir / "text_encoder", encoder_gguf),
-        "vae": None,
-    }
-    side = dtypes.encoder_vae_dtype()
-    return {
-        "comfy": dict(COMFY),
-        "latent": {**latent, "patch": LATENT_PATCH},
-        # The VAE routes carry the DiT's model space (docs/contract.md §2.12).
-        "vae": {"channels_out": 3, "stride": latent["stride"], "space": "model"},
-        "edit_capable": True,
-        "conditioning": dict(CONDITIONING),
-        "sampling": sampling_row(variant),
-        "compute_dtype": dtype_name(dtype),
-        # Extensions of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes them): each
-        # component's weight precision as the files store it, and what is held (here nothing)
-        # with the bytes each component would hold loaded; a loaded model reports its own
-        # (`loaded_status`).
-        "quantization": quantization,
-        "residency": {
-            "dit": component_row(
-                False,
-                dit_bytes(model_dir / "transformer", single, dtype),
-                dtype,
-                quantization["dit"],
-            ),
-            "encoder": component_row(
-                False,
-                _encoder_estimate(model_dir, encoder_gguf, side),
-                side,
-                quantization["encoder"],
-            ),
-            "vae": component_row(
-                False, estimated_bytes(model_dir / "vae", side, loaded_tensor), side, None
-            ),
-        },
-        "memory": {
-            "dit_bytes": dit_bytes(model_dir / "transformer", single),
-            "encoder_bytes": encoder_bytes(model_dir / "text_encoder", encoder_gguf),
-            "vae_bytes": component_bytes(model_dir / "vae"),
-        },
-    }
+    def vae_estimate(self, model_dir: Path, dtype: mx.Dtype) -> int:
+        from ...weights import estimated_bytes
 
+        return estimated_bytes(Path(model_dir) / "vae", dtype, loaded_tensor)
 
-def loaded_status(model_dir: Path, model_id: str, dit, vae, encoder, files: dict) -> dict:
-    """The status of a loaded model: `describe`'s, with each component's precision and
-    residency as held (bytes counted from the arrays); `files`: the model entry's files
-    (`dit`, `text_encoder`) the weights came from."""
-    status = describe(model_dir, model_id, dit.dtype, **files)
-    single = dit_file(Path(model_dir) / "transformer", files.get("dit"))
-    encoder_gguf = encoder_file(model_dir, files.get("text_encoder"))
-    quantization = {
-        "dit": quantization_status(dit.weights) if single is None else single.status(),
-        "encoder": (
-            quantization_status(encoder.encoder.model)
-            if encoder_gguf is None
-            else encoder_gguf.status()
-        ),
-        "vae": None,
-    }
-    status["quantization"] = quantization
-    status["residency"] = {
-        "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
-        "encoder": component_row(
-            True, encoder.weight_bytes, encoder.dtype, quantization["encoder"]
-        ),
-        "vae": component_row(True, vae.weight_bytes, vae.dtype, None),
-    }
-    return status
+    def latent_row(self, model_dir: Path) -> dict:
+        latent = latent_facts(read_config(Path(model_dir) / "vae"))
+        return {**latent, "patch": self.spec.latent_patch}
 
+    def vae_row(self, model_dir: Path) -> dict:
+        """The VAE routes carry the DiT's model space (docs/contract.md §2.12)."""
+        return {"channels_out": 3, "space": "model"}
 
-def encoder_file(model_dir: Path, text_encoder: Path | None = None):
-    """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
-    text_encoder/) as Qwen3 reads its first LOADED_LAYERS layers
-    (encoders.qwen3.text.component_gguf, as Z-Image's); None for safetensors."""
-    from ...encoders.qwen3.text import component_gguf
+    def sampling_row(self, model_dir: Path, variant: str) -> dict:
+        """The variant's own settings: the `flux2` size rule, no sigmas."""
+        return {**super().sampling_row(model_dir, variant), "schedule": dict(SCHEDULE)}
 
-    return component_gguf(Path(model_dir) / "text_encoder", text_encoder, LOADED_LAYERS)
+    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
+        """The activations of the reference workload (RESERVE_*): a guided step on a
+        RESERVE_PIXELS square image with captions of the encoder's length, or one VAE pass
+        of that image, whichever is larger."""
+        model_dir = Path(model_dir)
+        config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+        vae_config = read_config(model_dir / "vae")
+        cells = RESERVE_PIXELS // latent_facts(vae_config)["stride"]
+        row = cells * cells + MAX_SEQUENCE_LENGTH
+        blocked = cpu_ops.use_cpu_ops(dtype)
+        step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked)
+        vae = Geometry.of(vae_config, tiles=False)  # its pipeline never tiles it
+        side = RESERVE_PIXELS
+        return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))
 
+    def dit_slots(self, model_dir: Path) -> dict:
+        return linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
 
-def _encoder_estimate(model_dir: Path, encoder_gguf, dtype: mx.Dtype) -> int:
-    """The text encoder's bytes as it would load at `dtype`: the tensors of its first
-    LOADED_LAYERS layers and its token table (family.encoder_bytes)."""
-    from ...encoders.qwen3.text import module_name
+    @staticmethod
+    def encoder_module_name(name: str) -> str | None:
+        from ...encoders.qwen3.text import module_name
 
-    def loaded(name: str) -> bool:
-        return module_name(name, LOADED_LAYERS) is not None
+        return module_name(name)
 
-    folder = Path(model_dir) / "text_encoder"
-    return encoder_bytes(folder, encoder_gguf, dtype, loaded)
+    @staticmethod
+    def encoder_quantized(path: str) -> bool:
+        """Qwen3's choice (encoders.qwen3.text.quantized), its layers past LOADED_LAYERS
+        too, so a quantized folder stays whole."""
+        from ...encoders.qwen3.text import quantized
 
+        return quantized(path)
 
-def check(model_dir: Path, dit: Path | None = None, text_encoder: Path | None = None) -> None:
-    """Refuse, before anything loads, a DiT or text encoder file that is cut short, is not
-    this family's (Qwen3's) or holds a tensor of a shape the config does not give
-    (gguf.GGUFError, naming the file and the tensor). The registry asks before it lets the
-    resident model go."""
-    for files in (
-        dit_file(Path(model_dir) / "transformer", dit),
-        encoder_file(model_dir, text_encoder),
-    ):
-        if files is not None:
-            files.open()
-
-
-def quantized_files(model_dir: Path) -> dict:
-    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
-    weights a quantized load quantizes (dit.quantized; Qwen3's choice,
-    encoders.qwen3.text.quantized, its layers past LOADED_LAYERS too, so the folder stays
-    whole)."""
-    from ...encoders.qwen3.text import module_name
-    from ...encoders.qwen3.text import quantized as encoder_quantized
-
-    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-    return quantized_file_names(slots, dit_quantized, module_name, encoder_quantized)
-
-
-def manifest(model_dir: Path, dit: Path | None = None) -> dict:
-    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers"),
-    whatever the naming of its file (BFL's fused qkv listed as to_q, to_k, to_v), and BFL's
-    names of its linear layers as `lora_aliases` (dit.lora_aliases)."""
-    family, _ = _identified(model_dir)
-    transformer = Path(model_dir) / "transformer"
-    tensors = dit_manifest(family, transformer, TITLES[family], dit_file(transformer, dit))
-    return {**tensors, "lora_aliases": lora_aliases(layer_rows(tensors))}
+    def manifest_extras(self, tensors: dict) -> dict:
+        """BFL's names of its linear layers (dit.lora_aliases), for LoRA files in them."""
+        return {"lora_aliases": lora_aliases(layer_rows(tensors))}
 
 
 def load(
@@ -298,8 +179,8 @@ def load(
     from .prompt import Flux2PromptEncoder
 
     model_dir = Path(model_dir)
-    family, variant = _identified(model_dir)
-    check(model_dir, dit, text_encoder)
+    family, variant = FLUX2_KLEIN.identified(model_dir)
+    FLUX2_KLEIN.check(model_dir, dit=dit, text_encoder=text_encoder)
     files = {"dit": dit, "text_encoder": text_encoder}  # `dit` names the network from here on
     dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization, dit=files["dit"])
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
@@ -360,6 +241,9 @@ class StepPlan:
     keys: tuple[tuple | None, ...]
 
 
+FLUX2_KLEIN = Flux2Klein(SPECS[0], load, TITLES)
+
+
 class Flux2KleinModel(FamilyModel):
     capabilities = Capabilities(max_refs=MAX_REFS, conventions=CONVENTIONS, ref_cache=True)
 
@@ -369,7 +253,6 @@ class Flux2KleinModel(FamilyModel):
         """`load_encoder` loads the same text encoder again (after a release); `files`: the
         model entry's files (`dit`, `text_encoder`) the weights came from (none: the
         folder's)."""
-        files = {key: path for key, path in (files or {}).items() if path is not None}
         super().__init__(
             model_dir,
             model_id,
@@ -378,11 +261,9 @@ class Flux2KleinModel(FamilyModel):
             tables=TableWeights(
                 dit.weights, {**linear_slots(dit.config), **bfl_slots(dit.config)}, dit.dtype
             ),
-            status=loaded_status(model_dir, model_id, dit, vae, encoder, files),
-            read_manifest=lambda folder: manifest(folder, files.get("dit")),
-            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
             encoder=encoder,
             load_encoder=load_encoder,
+            **FLUX2_KLEIN.model_parts(model_dir, dit, vae, encoder, files or {}),
         )
         self.family = family
         self.title = TITLES[family]

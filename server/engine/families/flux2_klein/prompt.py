@@ -21,13 +21,14 @@ import numpy as np
 from ...encoders.qwen3.text import Qwen3TextEncoder, quantized
 from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
 from ...precision import Quantization
+from .spec import SPEC_4B as SPEC
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
 # add_generation_prompt=True and enable_thinking=False.
 TEMPLATE = PromptTemplate(
     system_message="",
     text="<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-    empty_prompt="",
+    empty_prompt=SPEC.conditioning["empty_prompt"],
 )
 # The pipeline's text_encoder_out_layers (9, 18, 27) index hidden_states, whose entry 0 is the
 # embeddings: decoder layers 8, 17 and 26.

@@ -9,50 +9,29 @@ family live here.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
-from ...base import EncodeResult, EngineInputError, StepResult, StepRow
-from ...encoders.qwen3.tokenizer import EMPTY_PROMPT
-from ...family import (
-    FamilyModel,
-    component_row,
-    dit_bytes,
-    dit_manifest,
-    encoder_bytes,
-    loaded_row,
-    memory_row,
-    quantized_file_names,
-    stored_precision,
-)
+from ...base import EncodeResult, StepResult, StepRow
+from ...family import FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
-from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
 from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of, quantization_status
 from ...shard import Shard
-from ...weights import component_bytes, estimated_bytes, read_config
+from ...spec import model_index
+from ...weights import read_config
 from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
 from .dit import quantized as dit_quantized
+from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
-FAMILY = "qwen_image21"
-TITLE = "Qwen-Image 2.1"
-PIPELINE_CLASS = "QwenImage21Pipeline"
-COMFY = {"model_class": "QwenImage21", "image_model": "qwen_image21"}
-# What a client needs to condition this family (an extension of docs/contract.md §2.3): the DiT
-# places references by index (ComfyUI's `ref_latents_method`), and an empty prompt is encoded
-# as the Qwen tokenizer's EMPTY_PROMPT.
-CONDITIONING = {"ref_method": "index", "empty_prompt": EMPTY_PROMPT}
-LATENT_STRIDE = 16
-LATENT_PATCH = 1
-VAE_STRIDE = 16
-BASE_SAMPLING = {"steps": 40, "cfg": 1.0, "shift": 1.0}
-TURBO_SAMPLING = {"cfg": 1.0, "shift": 1.0}
+FAMILY = SPEC.name
+TITLE = SPEC.title
+LATENT_STRIDE = SPEC.latent_stride
 # Prefix states kept outside runs (docs/contract.md §3.3), least recently used shed first.
 PREFIX_BUDGET_BYTES = 2 << 30
 # scheduler_config.json keys -> keys of the qwen_image21 schedule object (docs/contract.md §5.3).
@@ -99,27 +78,15 @@ RESERVE_ROWS = 2
 RESERVE_PREFIX = 1024
 
 
-def _model_index(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
-
-
-def identify(model_dir: Path) -> tuple[str, str] | None:
-    """(family, variant) of a folder of this family, else None."""
-    index = _model_index(model_dir)
-    if index.get("_class_name") != PIPELINE_CLASS:
-        return None
-    return FAMILY, "turbo" if index.get("sample_sigmas") else "base"
-
-
 def sampling_row(model_dir: Path) -> dict:
     """The variant's own settings (docs/contract.md §2.3): turbo samples its fixed sigmas (with the
     terminal 0.0 appended); base uses the size-dependent rule with the scheduler's constants."""
     model_dir = Path(model_dir)
-    fixed = _model_index(model_dir).get("sample_sigmas")
+    fixed = model_index(model_dir).get("sample_sigmas")
     if fixed:
         sigmas = [float(s) for s in fixed] + [0.0]
         return {
-            **TURBO_SAMPLING,
+            **SPEC.sampling["turbo"],
             "steps": len(sigmas) - 1,
             "sigmas": sigmas,
             "schedule": None,
@@ -135,74 +102,10 @@ def sampling_row(model_dir: Path) -> dict:
             if config.get(theirs) is not None
         }
     return {
-        **BASE_SAMPLING,
+        **SPEC.sampling["base"],
         "sigmas": None,
         "schedule": qwen_image21_rule(**overrides),
         "neg_skip": [],
-    }
-
-
-def describe(
-    model_dir: Path,
-    model_id: str | None = None,
-    dtype: mx.Dtype | None = None,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-    mmproj: Path | None = None,
-) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files and headers
-    alone, at the default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`); `dit`,
-    `text_encoder`, `mmproj`: a model entry's GGUF files for the DiT (dit.dit_file) and the
-    text encoder (`encoder_files`)."""
-    model_dir = Path(model_dir)
-    dtype = dtype or default_compute_dtype()
-    side = dtypes.encoder_vae_dtype()
-    files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
-    quantization = {
-        "dit": _dit_status(model_dir, dit),
-        "encoder": _encoder_status(model_dir, text_encoder, mmproj),
-        "vae": None,
-    }
-    dit_config = read_config(model_dir / "transformer")
-    vae_config = read_config(model_dir / "vae")
-    return {
-        "comfy": dict(COMFY),
-        "latent": {
-            "channels": dit_config.get("in_channels", 64),
-            "stride": LATENT_STRIDE,
-            "patch": LATENT_PATCH,
-        },
-        "vae": {
-            "channels_out": vae_config.get("out_channels", 4),
-            "stride": VAE_STRIDE,
-            # Extension of docs/contract.md §2.3: the normalisation from the VAE routes' latent space
-            # to the DiT's model space, (z - mean) / std, which a client such as the ComfyUI
-            # pack needs to move ComfyUI's LATENT into the step's space.
-            "latents_mean": [float(v) for v in vae_config["latents_mean"]],
-            "latents_std": [float(v) for v in vae_config["latents_std"]],
-        },
-        "edit_capable": True,
-        "conditioning": dict(CONDITIONING),
-        "sampling": sampling_row(model_dir),
-        "compute_dtype": dtype_name(dtype),
-        # Extension of docs/contract.md §2.3: each component's weight precision, here as the
-        # files store it; a loaded model reports what it holds (`QwenImage21Model`).
-        "quantization": quantization,
-        # Extension of docs/contract.md §2.3: what is held, here nothing, with the bytes each
-        # component would hold loaded.
-        "residency": {
-            "dit": component_row(
-                False,
-                _dit_size(model_dir, files.get("dit"), dtype),
-                dtype,
-                quantization["dit"],
-            ),
-            "encoder": component_row(
-                False, _encoder_bytes(model_dir, files, side), side, quantization["encoder"]
-            ),
-            "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
-        },
-        "memory": _memory(model_dir, dtype, files=files),
     }
 
 
@@ -225,36 +128,6 @@ def encoder_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, 
             f" {missing}"
         )
     return Path(text_encoder), Path(mmproj)
-
-
-def encoder_files(model_dir: Path, text_encoder: Path | None, mmproj: Path | None):
-    """The text encoder's GGUF pair as Qwen3-VL reads it (encoders.qwen3.vl.gguf_files), or
-    None for the folder's safetensors."""
-    from ...encoders.qwen3.text import TextConfig
-    from ...encoders.qwen3.vision import VisionConfig
-    from ...encoders.qwen3.vl import Qwen3VLEncoder, gguf_files
-
-    pair = encoder_pair(text_encoder, mmproj)
-    if pair is None:
-        return None
-    config = read_config(Path(model_dir) / "text_encoder")
-    encoder = Qwen3VLEncoder(
-        TextConfig.from_dict(config["text_config"]),
-        VisionConfig.from_dict(config["vision_config"]),
-    )
-    return gguf_files(encoder, *pair)
-
-
-def _encoder_status(model_dir: Path, text_encoder: Path | None, mmproj: Path | None):
-    return stored_precision(
-        Path(model_dir) / "text_encoder", encoder_files(model_dir, text_encoder, mmproj)
-    )
-
-
-def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
-    """The DiT's precision from its files: a GGUF file's types, else the folder's."""
-    transformer = Path(model_dir) / "transformer"
-    return stored_precision(transformer, dit_file(transformer, dit))
 
 
 def step_peak_bytes(
@@ -313,111 +186,86 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
     return min(rows, query_rows) * group * keys * 4
 
 
-def estimated_weight_bytes(model_dir: Path, dit_dtype: mx.Dtype, files: dict | None = None) -> int:
-    """The weights of a folder as they would load (for the status of a model not loaded): the
-    DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
-    the prompt encoder at theirs by default (`encoder_vae_dtype`; a GGUF pair: about its
-    files' bytes), weights stored quantized as stored, counted from the file headers; `files`:
-    a model entry's GGUF files (`dit`, `text_encoder`, `mmproj`). A loaded model counts its
-    arrays instead (`QwenImage21Model.weight_bytes`)."""
-    model_dir = Path(model_dir)
-    files = files or {}
-    side = dtypes.encoder_vae_dtype()
-    return (
-        _dit_size(model_dir, files.get("dit"), dit_dtype)
-        + estimated_bytes(model_dir / "vae", side)
-        + _encoder_bytes(model_dir, files, side)
-    )
+class QwenImage21(FolderFamily):
+    """Qwen-Image 2.1's own facts under the generic folder family (family.FolderFamily)."""
 
+    dit_quantized = staticmethod(dit_quantized)
 
-def _encoder_bytes(model_dir: Path, files: dict, dtype: mx.Dtype | None = None) -> int:
-    """The text encoder's bytes (family.encoder_bytes: no `dtype`, as stored; else as it
-    would load at `dtype`)."""
-    pair = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
-    return encoder_bytes(Path(model_dir) / "text_encoder", pair, dtype)
+    def dit_file(self, transformer_dir: Path, dit: Path | None):
+        return dit_file(transformer_dir, dit)
 
+    def encoder_files(self, model_dir: Path, files: dict):
+        """The text encoder's GGUF pair as Qwen3-VL reads it (encoders.qwen3.vl.gguf_files),
+        or None for the folder's safetensors."""
+        from ...encoders.qwen3.text import TextConfig
+        from ...encoders.qwen3.vision import VisionConfig
+        from ...encoders.qwen3.vl import Qwen3VLEncoder, gguf_files
 
-def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """The activations of the reference workload (RESERVE_*): the larger of a guided step and
-    a VAE pass at RESERVE_PIXELS square."""
-    from ...vaes.qwen_image21 import (
-        choose_tile_cells,
-        decoder_shapes,
-        encoder_shapes,
-        pass_peak_bytes,
-    )
+        pair = encoder_pair(files.get("text_encoder"), files.get("mmproj"))
+        if pair is None:
+            return None
+        config = read_config(Path(model_dir) / "text_encoder")
+        encoder = Qwen3VLEncoder(
+            TextConfig.from_dict(config["text_config"]),
+            VisionConfig.from_dict(config["vision_config"]),
+        )
+        return gguf_files(encoder, *pair)
 
-    model_dir = Path(model_dir)
-    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-    cells = RESERVE_PIXELS // LATENT_STRIDE
-    blocked = cpu_ops.use_cpu_ops(dtype)
-    step = step_peak_bytes(
-        config, dtype.size, cells * cells, [(RESERVE_PREFIX, True)] * RESERVE_ROWS, blocked
-    )
-    vae_config = read_config(model_dir / "vae")
-    shapes = [list(encoder_shapes(vae_config).stages), list(decoder_shapes(vae_config).stages)]
-    tile = choose_tile_cells(shapes, 4)
-    vae = max(pass_peak_bytes(vae_config, 4, (cells, cells), d, tile) for d in (True, False))
-    return max(step, vae)
+    def vae_row(self, model_dir: Path) -> dict:
+        """Extension of docs/contract.md §2.3: the normalisation from the VAE routes' latent
+        space to the DiT's model space, (z - mean) / std, which a client such as the ComfyUI
+        pack needs to move ComfyUI's LATENT into the step's space."""
+        vae_config = read_config(Path(model_dir) / "vae")
+        return {
+            "latents_mean": [float(v) for v in vae_config["latents_mean"]],
+            "latents_std": [float(v) for v in vae_config["latents_std"]],
+        }
 
+    def sampling_row(self, model_dir: Path, variant: str) -> dict:
+        """Turbo samples its fixed sigmas (with the terminal 0.0 appended); base uses the
+        size-dependent rule with the scheduler's constants."""
+        return sampling_row(model_dir)
 
-def _memory(
-    model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None = None, files: dict | None = None
-) -> dict:
-    """Status `memory` (family.memory_row) with this family's file sizes and reserve. The
-    weights are a loaded model's `weight_bytes`; None: not loaded, estimated from the headers.
-    `files`: a model entry's GGUF files."""
-    files = files or {}
-    sizes = {
-        "dit_bytes": _dit_size(model_dir, files.get("dit")),
-        "encoder_bytes": _encoder_bytes(model_dir, files),
-        "vae_bytes": component_bytes(model_dir / "vae"),
-    }
-    if weight_bytes is None:
-        weights = estimated_weight_bytes(model_dir, dtype, files)
-    else:
-        weights = weight_bytes
-    reserve = activation_reserve(model_dir, dtype)
-    return memory_row(sizes, weights, reserve, resident=weight_bytes is not None)
+    def encoder_quantization(self, encoder) -> dict | None:
+        return quantization_status(encoder.encoder)
 
+    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
+        """The activations of the reference workload (RESERVE_*): the larger of a guided step
+        and a VAE pass at RESERVE_PIXELS square."""
+        from ...vaes.qwen_image21 import (
+            choose_tile_cells,
+            decoder_shapes,
+            encoder_shapes,
+            pass_peak_bytes,
+        )
 
-def quantized_files(model_dir: Path) -> dict[str, Callable[[str], bool]]:
-    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
-    weights a quantized load quantizes (dit.quantized, prompt.quantized)."""
-    from ...encoders.qwen3.vl import module_name
-    from .prompt import quantized as encoder_quantized
+        model_dir = Path(model_dir)
+        config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+        cells = RESERVE_PIXELS // LATENT_STRIDE
+        blocked = cpu_ops.use_cpu_ops(dtype)
+        step = step_peak_bytes(
+            config, dtype.size, cells * cells, [(RESERVE_PREFIX, True)] * RESERVE_ROWS, blocked
+        )
+        vae_config = read_config(model_dir / "vae")
+        shapes = [list(encoder_shapes(vae_config).stages), list(decoder_shapes(vae_config).stages)]
+        tile = choose_tile_cells(shapes, 4)
+        vae = max(pass_peak_bytes(vae_config, 4, (cells, cells), d, tile) for d in (True, False))
+        return max(step, vae)
 
-    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-    return quantized_file_names(slots, dit_quantized, module_name, encoder_quantized)
+    def dit_slots(self, model_dir: Path) -> dict:
+        return linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
 
+    @staticmethod
+    def encoder_module_name(name: str) -> str | None:
+        from ...encoders.qwen3.vl import module_name
 
-def _dit_size(model_dir: Path, dit: Path | None, dtype: mx.Dtype | None = None) -> int:
-    """family.dit_bytes of this family's DiT (its file, dit.dit_file, or its folder)."""
-    transformer = Path(model_dir) / "transformer"
-    return dit_bytes(transformer, dit_file(transformer, dit), dtype)
+        return module_name(name)
 
+    @staticmethod
+    def encoder_quantized(path: str) -> bool:
+        from .prompt import quantized
 
-def manifest(model_dir: Path, dit: Path | None = None) -> dict:
-    """The DiT's tensors by their diffusers names (docs/contract.md §2.4 with naming "diffusers")."""
-    transformer = Path(model_dir) / "transformer"
-    return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
-
-
-def check(
-    model_dir: Path,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-    mmproj: Path | None = None,
-) -> None:
-    """Refuse, before anything loads, a DiT or text encoder GGUF file that is cut short, is
-    not this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
-    naming the file and the tensor). The registry asks before it lets the resident model go."""
-    for files in (
-        dit_file(Path(model_dir) / "transformer", dit),
-        encoder_files(model_dir, text_encoder, mmproj),
-    ):
-        if files is not None:
-            files.open()
+        return quantized(path)
 
 
 def load(
@@ -442,10 +290,8 @@ def load(
     from .prompt import QwenImage21PromptEncoder
 
     model_dir = Path(model_dir)
-    found = identify(model_dir)
-    if found is None:
-        raise EngineInputError(f"{model_dir} is not a Qwen-Image 2.1 folder")
-    check(model_dir, dit, text_encoder, mmproj)
+    found = QWEN_IMAGE21.identified(model_dir)
+    QWEN_IMAGE21.check(model_dir, dit=dit, text_encoder=text_encoder, mmproj=mmproj)
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
     network = QwenImage21DiT.load(
         model_dir / "transformer", quantization=quantization, dit=dit, shard=shard
@@ -462,6 +308,9 @@ def load(
     return QwenImage21Model(
         model_dir, model_id, found[1], network, vae, load_encoder(), load_encoder, files=files
     )
+
+
+QWEN_IMAGE21 = QwenImage21(SPEC, load)
 
 
 class QwenImage21Model(FamilyModel):
@@ -482,33 +331,6 @@ class QwenImage21Model(FamilyModel):
         """`load_encoder`: loads `encoder` again after a release (None: never released).
         `files`: the model entry's GGUF files (`dit`, `text_encoder`, `mmproj`) the weights
         came from (none: the folder's)."""
-        model_dir = Path(model_dir)
-        files = {key: path for key, path in (files or {}).items() if path is not None}
-        dit_path = files.get("dit")
-        # a rank > 0 of a sharded model: the DiT part alone (vae and encoder None)
-        weight_bytes = sum(part.weight_bytes for part in (dit, vae, encoder) if part is not None)
-        status = describe(model_dir, model_id, dit.dtype, **files)
-        gguf = dit_file(model_dir / "transformer", dit_path)
-        encoder_gguf = encoder_files(model_dir, files.get("text_encoder"), files.get("mmproj"))
-        if encoder is None:
-            encoder_status = status["quantization"]["encoder"]
-        elif encoder_gguf is None:
-            encoder_status = quantization_status(encoder.encoder)
-        else:
-            encoder_status = encoder_gguf.status()
-        quantization = {
-            "dit": quantization_status(dit.weights) if gguf is None else gguf.status(),
-            "encoder": encoder_status,
-            "vae": None,
-        }
-        unloaded = status["residency"]
-        status["quantization"] = quantization
-        status["residency"] = {
-            "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
-            "encoder": loaded_row(encoder, quantization["encoder"], unloaded["encoder"]),
-            "vae": loaded_row(vae, None, unloaded["vae"]),
-        }
-        status["memory"] = _memory(model_dir, dit.dtype, weight_bytes, files)
         super().__init__(
             model_dir,
             model_id,
@@ -517,11 +339,9 @@ class QwenImage21Model(FamilyModel):
             tables=TableWeights(
                 dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
             ),
-            status=status,
-            read_manifest=lambda folder: manifest(folder, dit_path),
-            weight_bytes=weight_bytes,
             encoder=encoder,
             load_encoder=load_encoder,
+            **QWEN_IMAGE21.model_parts(model_dir, dit, vae, encoder, files or {}),
         )
         self.dit = dit
         # whether a step's quantized matmuls dequantize their weights first (read here, on the

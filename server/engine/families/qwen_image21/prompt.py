@@ -26,6 +26,7 @@ from ...encoders.qwen3.vl import Qwen3VLEncoder
 from ...precision import Quantization
 from ...weights import read_config
 from .images import ReferenceImage, prepare_reference
+from .spec import SPEC
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 # The chat template's rendering of a system message (ChatML), which is also the template's prefix.
@@ -34,6 +35,7 @@ TEMPLATE = PromptTemplate(
     system_message=SYSTEM_MESSAGE,
     text=SYSTEM_MESSAGE + "<|im_start|>user\n{images}{prompt}<|im_end|>\n<|im_start|>assistant\n",
     image_placeholder="<image{index}>" + VISION_START + IMAGE_PAD + VISION_END,
+    empty_prompt=SPEC.conditioning["empty_prompt"],
 )
 TAPPED_LAYERS = (-1,)  # the conditioning: the last decoder layer, before the final norm
 

@@ -37,7 +37,7 @@ from ...embedded import (
     write_component,
 )
 from ...encoders.qwen3.tiny_tokenizer import PLAIN_ADDED_TOKENS, SPECIAL_TOKENS, train_tokenizer
-from .facts import PIPELINE_CLASS, SAMPLING
+from .spec import PIPELINE_CLASS, SAMPLING
 
 MODEL_NAME = "z-image-random-tiny"
 # Bump when the code below writes something different for the same configs.

@@ -9,7 +9,6 @@ images and keeps no prefix states. The constants of the family live here.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -17,47 +16,26 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import (
-    FamilyModel,
-    component_row,
-    dit_bytes,
-    dit_manifest,
-    encoder_bytes,
-    loaded_row,
-    memory_row,
-    quantized_file_names,
-    stored_precision,
-)
+from ...family import FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.compiled import compile_enabled
-from ...nn.dtypes import default_compute_dtype, dtype_name
 from ...precision import AUTO, Quantization
-from ...quantize import quantization_status
 from ...shard import Shard
 from ...vaes.autoencoder_kl import Geometry, latent_normalisation
-from ...weights import component_bytes, estimated_bytes, gguf_file, read_config
+from ...weights import gguf_file, read_config
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
 from .dit import quantized as dit_quantized
-from .facts import PIPELINE_CLASS, SAMPLING
-from .prompt import MAX_SEQUENCE_LENGTH, TEMPLATE
+from .prompt import MAX_SEQUENCE_LENGTH
+from .spec import SPEC
 
-FAMILY = "z_image"
-TITLE = "Z-Image"
-TEXT_ENCODER_TYPE = "qwen3"  # text_encoder/config.json's model_type (Qwen3Model, Qwen3ForCausalLM)
-COMFY = {"model_class": "ZImage", "image_model": "lumina2"}
-# What a client needs to condition this family (as Qwen-Image 2.1 publishes it): no references,
-# and an empty prompt is encoded as it is (the chat template's own tokens remain).
-CONDITIONING = {"ref_method": None, "empty_prompt": TEMPLATE.empty_prompt}
-LATENT_STRIDE = 8
-LATENT_PATCH = 2
-VAE_STRIDE = 8
-# The VAE tiles images past its sample_size as diffusers' tiling does, which is not the untiled
-# pass: docs/contract.md §8 says so.
-FEATURES = ("noise_mask", "tiled_vae")
+FAMILY = SPEC.name
+TITLE = SPEC.title
+LATENT_STRIDE = SPEC.latent_stride
+LATENT_PATCH = SPEC.latent_patch
 # Step conventions (docs/contract.md §5.2): both read the timestep as sigma (scale 1, shift 0)
 # and answer +dx/dsigma; the DiT itself runs at t = 1 - sigma and its output is negated.
-CONVENTIONS = ("comfy", "reference")
+CONVENTIONS = SPEC.conventions
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, counted in buffers of the DiT's shapes, per token of a row:
@@ -81,221 +59,56 @@ RESERVE_ROWS = 2
 RESERVE_CAPTION = MAX_SEQUENCE_LENGTH
 
 
-def _model_index(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+class ZImage(FolderFamily):
+    """Z-Image's own facts under the generic folder family (family.FolderFamily)."""
 
+    dit_quantized = staticmethod(dit_quantized)
 
-def _scheduler_shift(model_dir: Path) -> float | None:
-    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
-    if not path.is_file():
-        return None
-    shift = json.loads(path.read_text(encoding="utf-8")).get("shift")
-    return None if shift is None else float(shift)
+    def dit_file(self, transformer_dir: Path, dit: Path | None):
+        return dit_file(transformer_dir, dit)
 
+    def encoder_files(self, model_dir: Path, files: dict):
+        """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
+        text_encoder/) as Qwen3 reads it (encoders.qwen3.text.component_gguf); None for
+        safetensors."""
+        from ...encoders.qwen3.text import component_gguf
 
-def identify(model_dir: Path) -> tuple[str, str] | None:
-    """(family, variant) of a ZImagePipeline folder whose text encoder is Qwen3, else None.
-    The variant is the one whose shift is nearest the scheduler's (turbo when the folder has
-    no scheduler shift)."""
-    if _model_index(model_dir).get("_class_name") != PIPELINE_CLASS:
-        return None
-    if read_config(Path(model_dir) / "text_encoder").get("model_type") != TEXT_ENCODER_TYPE:
-        return None
-    shift = _scheduler_shift(model_dir)
-    if shift is None:
-        return FAMILY, "turbo"
-    variant = min(SAMPLING, key=lambda name: abs(SAMPLING[name]["shift"] - shift))
-    return FAMILY, variant
+        return component_gguf(Path(model_dir) / "text_encoder", files.get("text_encoder"))
 
+    def vae_row(self, model_dir: Path) -> dict:
+        """Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): model space
+        is (z - latents_mean) / latents_std, here (z - shift_factor) * scaling_factor."""
+        mean, std = latent_normalisation(read_config(Path(model_dir) / "vae"))
+        return {"latents_mean": mean, "latents_std": std}
 
-def sampling_row(variant: str) -> dict:
-    """The variant's own settings (docs/contract.md §2.3)."""
-    return {**SAMPLING[variant], "sigmas": None, "schedule": None, "neg_skip": []}
+    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
+        """The activations of the reference workload (RESERVE_*): the larger of a guided step
+        and a VAE pass at RESERVE_PIXELS square."""
+        model_dir = Path(model_dir)
+        config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+        cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
+        row = padded(cells * cells) + padded(RESERVE_CAPTION)
+        blocked = cpu_ops.use_cpu_ops(dtype)
+        compiled = compile_enabled(config.dim)
+        step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
+        vae = Geometry.of(read_config(model_dir / "vae"))
+        side = RESERVE_PIXELS
+        return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))
 
+    def dit_slots(self, model_dir: Path) -> dict:
+        return linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
 
-def describe(
-    model_dir: Path,
-    model_id: str | None = None,
-    dtype: mx.Dtype | None = None,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-) -> dict:
-    """The family part of the status (docs/contract.md §2.3), from config files alone, at the
-    default dtypes (the DiT's `dtype`, the encoder's and VAE's `auto`); `dit`,
-    `text_encoder`: a model entry's GGUF files for the DiT (dit.dit_file) and the text encoder
-    (`encoder_file`)."""
-    model_dir = Path(model_dir)
-    dtype = dtype or default_compute_dtype()
-    side = dtypes.encoder_vae_dtype()
-    found = identify(model_dir)
-    if found is None:
-        raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
-    dit_config = read_config(model_dir / "transformer")
-    vae_config = read_config(model_dir / "vae")
-    mean, std = latent_normalisation(vae_config)
-    quantization = {
-        "dit": _dit_status(model_dir, dit),
-        "encoder": _encoder_status(model_dir, text_encoder),
-        "vae": None,
-    }
-    return {
-        "comfy": dict(COMFY),
-        "latent": {
-            "channels": dit_config.get("in_channels", 16),
-            "stride": LATENT_STRIDE,
-            "patch": LATENT_PATCH,
-        },
-        "vae": {
-            "channels_out": vae_config.get("out_channels", 3),
-            "stride": VAE_STRIDE,
-            # Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): model space
-            # is (z - latents_mean) / latents_std, here (z - shift_factor) * scaling_factor.
-            "latents_mean": mean,
-            "latents_std": std,
-        },
-        "edit_capable": False,
-        "conditioning": dict(CONDITIONING),
-        "sampling": sampling_row(found[1]),
-        "compute_dtype": dtype_name(dtype),
-        # Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): each component's
-        # weight precision as the files store it; a loaded model reports what it holds.
-        "quantization": quantization,
-        # Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): what is held,
-        # here nothing, with the bytes each component would hold loaded.
-        "residency": {
-            "dit": component_row(
-                False,
-                _dit_size(model_dir, dit, dtype),
-                dtype,
-                quantization["dit"],
-            ),
-            "encoder": component_row(
-                False, _encoder_bytes(model_dir, text_encoder, side), side, quantization["encoder"]
-            ),
-            "vae": component_row(False, estimated_bytes(model_dir / "vae", side), side, None),
-        },
-        "memory": _memory(model_dir, dtype, dit=dit, text_encoder=text_encoder),
-    }
+    @staticmethod
+    def encoder_module_name(name: str) -> str | None:
+        from ...encoders.qwen3.text import module_name
 
+        return module_name(name)
 
-def activation_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """The activations of the reference workload (RESERVE_*): the larger of a guided step and
-    a VAE pass at RESERVE_PIXELS square."""
-    model_dir = Path(model_dir)
-    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-    cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
-    row = padded(cells * cells) + padded(RESERVE_CAPTION)
-    blocked = cpu_ops.use_cpu_ops(dtype)
-    compiled = compile_enabled(config.dim)
-    step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
-    vae = Geometry.of(read_config(model_dir / "vae"))
-    side = RESERVE_PIXELS
-    return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))
+    @staticmethod
+    def encoder_quantized(path: str) -> bool:
+        from .prompt import quantized
 
-
-def estimated_weight_bytes(
-    model_dir: Path, dit_dtype: mx.Dtype, dit: Path | None = None, text_encoder: Path | None = None
-) -> int:
-    """The weights of a folder as they would load (for the status of a model not loaded): the
-    DiT at its compute dtype (a GGUF DiT's quantized weights at their MLX width), the VAE and
-    the text encoder at theirs by default (`encoder_vae_dtype`; a GGUF text encoder: the bytes
-    of the file's tensors it reads), weights stored quantized as stored, counted from the file headers; `dit`,
-    `text_encoder`: a model entry's GGUF files. A loaded model counts its arrays instead
-    (`ZImageModel.weight_bytes`)."""
-    model_dir = Path(model_dir)
-    side = dtypes.encoder_vae_dtype()
-    return (
-        _dit_size(model_dir, dit, dit_dtype)
-        + estimated_bytes(model_dir / "vae", side)
-        + _encoder_bytes(model_dir, text_encoder, side)
-    )
-
-
-def _memory(
-    model_dir: Path,
-    dtype: mx.Dtype,
-    weight_bytes: int | None = None,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-) -> dict:
-    """Status `memory` (family.memory_row) with this family's file sizes and reserve. The
-    weights are a loaded model's `weight_bytes`; None: not loaded, estimated from the headers.
-    `dit`, `text_encoder`: a model entry's GGUF files."""
-    model_dir = Path(model_dir)
-    sizes = {
-        "dit_bytes": _dit_size(model_dir, dit),
-        "encoder_bytes": _encoder_bytes(model_dir, text_encoder),
-        "vae_bytes": component_bytes(model_dir / "vae"),
-    }
-    if weight_bytes is None:
-        weights = estimated_weight_bytes(model_dir, dtype, dit, text_encoder)
-    else:
-        weights = weight_bytes
-    reserve = activation_reserve(model_dir, dtype)
-    return memory_row(sizes, weights, reserve, resident=weight_bytes is not None)
-
-
-def _dit_status(model_dir: Path, dit: Path | None) -> dict | None:
-    """The DiT's precision from its files: a GGUF file's types, else the folder's."""
-    transformer = Path(model_dir) / "transformer"
-    return stored_precision(transformer, dit_file(transformer, dit))
-
-
-def encoder_file(model_dir: Path, text_encoder: Path | None = None):
-    """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
-    text_encoder/) as Qwen3 reads it (encoders.qwen3.text.component_gguf); None for
-    safetensors."""
-    from ...encoders.qwen3.text import component_gguf
-
-    return component_gguf(Path(model_dir) / "text_encoder", text_encoder)
-
-
-def _encoder_status(model_dir: Path, text_encoder: Path | None) -> dict | None:
-    return stored_precision(Path(model_dir) / "text_encoder", encoder_file(model_dir, text_encoder))
-
-
-def _encoder_bytes(
-    model_dir: Path, text_encoder: Path | None, dtype: mx.Dtype | None = None
-) -> int:
-    """The text encoder's bytes (family.encoder_bytes: no `dtype`, as stored; else as it
-    would load at `dtype`)."""
-    folder = Path(model_dir) / "text_encoder"
-    return encoder_bytes(folder, encoder_file(model_dir, text_encoder), dtype)
-
-
-def _dit_size(model_dir: Path, dit: Path | None, dtype: mx.Dtype | None = None) -> int:
-    """family.dit_bytes of this family's DiT (its file, dit.dit_file, or its folder)."""
-    transformer = Path(model_dir) / "transformer"
-    return dit_bytes(transformer, dit_file(transformer, dit), dtype)
-
-
-def manifest(model_dir: Path, dit: Path | None = None) -> dict:
-    """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming "diffusers"),
-    whatever the naming of a GGUF file (ComfyUI's fused qkv listed as to_q, to_k, to_v)."""
-    transformer = Path(model_dir) / "transformer"
-    return dit_manifest(FAMILY, transformer, TITLE, dit_file(transformer, dit))
-
-
-def check(model_dir: Path, dit: Path | None = None, text_encoder: Path | None = None) -> None:
-    """Refuse, before anything loads, a DiT or text encoder GGUF file that is cut short, is
-    not this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
-    naming the file and the tensor). The registry asks before it lets the resident model go."""
-    for files in (
-        dit_file(Path(model_dir) / "transformer", dit),
-        encoder_file(model_dir, text_encoder),
-    ):
-        if files is not None:
-            files.open()
-
-
-def quantized_files(model_dir: Path) -> dict:
-    """What `gmlx model quantize` quantizes, by component folder and file tensor name: the
-    weights a quantized load quantizes (dit.quantized, prompt.quantized)."""
-    from ...encoders.qwen3.text import module_name
-    from .prompt import quantized as encoder_quantized
-
-    slots = linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-    return quantized_file_names(slots, dit_quantized, module_name, encoder_quantized)
+        return quantized(path)
 
 
 def load(
@@ -317,10 +130,8 @@ def load(
     from .prompt import ZImagePromptEncoder
 
     model_dir = Path(model_dir)
-    found = identify(model_dir)
-    if found is None:
-        raise EngineInputError(f"{model_dir} is not a {TITLE} folder")
-    check(model_dir, dit, text_encoder)
+    found = Z_IMAGE.identified(model_dir)
+    Z_IMAGE.check(model_dir, dit=dit, text_encoder=text_encoder)
     side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
     network = ZImageDiT.load(
         model_dir / "transformer", quantization=quantization, dit=dit, shard=shard
@@ -365,9 +176,12 @@ def step_peak_bytes(
     return total
 
 
+Z_IMAGE = ZImage(SPEC, load)
+
+
 class ZImageModel(FamilyModel):
     family = FAMILY
-    capabilities = Capabilities(max_refs=0, conventions=CONVENTIONS)
+    capabilities = Capabilities(max_refs=SPEC.max_refs, conventions=CONVENTIONS)
 
     def __init__(
         self,
@@ -383,31 +197,6 @@ class ZImageModel(FamilyModel):
         """`load_encoder`: loads `encoder` again after a release (None: never released).
         `files`: the model entry's GGUF files (`dit`, `text_encoder`) the weights came from
         (none: the folder's)."""
-        files = {key: path for key, path in (files or {}).items() if path is not None}
-        # a rank > 0 of a sharded model: the DiT part alone (vae and encoder None)
-        weight_bytes = sum(part.weight_bytes for part in (dit, vae, encoder) if part is not None)
-        status = describe(model_dir, model_id, dit.dtype, **files)
-        dit_gguf = dit_file(Path(model_dir) / "transformer", files.get("dit"))
-        encoder_gguf = encoder_file(model_dir, files.get("text_encoder"))
-        if encoder is None:
-            encoder_status = status["quantization"]["encoder"]
-        elif encoder_gguf is None:
-            encoder_status = quantization_status(encoder.encoder.model)
-        else:
-            encoder_status = encoder_gguf.status()
-        quantization = {
-            "dit": quantization_status(dit.weights) if dit_gguf is None else dit_gguf.status(),
-            "encoder": encoder_status,
-            "vae": None,
-        }
-        unloaded = status["residency"]
-        status["quantization"] = quantization
-        status["residency"] = {
-            "dit": component_row(True, dit.weight_bytes, dit.dtype, quantization["dit"]),
-            "encoder": loaded_row(encoder, quantization["encoder"], unloaded["encoder"]),
-            "vae": loaded_row(vae, None, unloaded["vae"]),
-        }
-        status["memory"] = _memory(model_dir, dit.dtype, weight_bytes, **files)
         super().__init__(
             model_dir,
             model_id,
@@ -416,11 +205,9 @@ class ZImageModel(FamilyModel):
             tables=TableWeights(
                 dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
             ),
-            status=status,
-            read_manifest=lambda folder: manifest(folder, files.get("dit")),
-            weight_bytes=weight_bytes,
             encoder=encoder,
             load_encoder=load_encoder,
+            **Z_IMAGE.model_parts(model_dir, dit, vae, encoder, files or {}),
         )
         self.dit = dit
 

@@ -19,13 +19,14 @@ import numpy as np
 from ...encoders.qwen3.text import Qwen3TextEncoder, quantized
 from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
 from ...precision import Quantization
+from .spec import SPEC
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
 # add_generation_prompt=True and enable_thinking=True.
 TEMPLATE = PromptTemplate(
     system_message="",
     text="<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n",
-    empty_prompt="",
+    empty_prompt=SPEC.conditioning["empty_prompt"],
 )
 TAPPED_LAYERS = (-2,)  # hidden_states[-2]: the second-to-last decoder layer's output
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default truncation

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gmlx_server.engine.families.flux2_klein.family import (
+from gmlx_server.engine.families.flux2_klein.spec import (
     KV_PIPELINE_CLASS,
     NINE_B_DOUBLE_BLOCKS,
     PIPELINE_CLASS,

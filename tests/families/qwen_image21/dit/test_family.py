@@ -35,13 +35,13 @@ def loaded(base_folder):
 
 
 def test_identify(tmp_path, base_folder):
-    assert family.identify(base_folder[0]) == ("qwen_image21", "base")
+    assert family.QWEN_IMAGE21.spec.identify(base_folder[0]) == ("qwen_image21", "base")
     (tmp_path / "model_index.json").write_text(
         json.dumps({"_class_name": "QwenImage21Pipeline", "sample_sigmas": [1.0, 0.5]})
     )
-    assert family.identify(tmp_path) == ("qwen_image21", "turbo")
+    assert family.QWEN_IMAGE21.spec.identify(tmp_path) == ("qwen_image21", "turbo")
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    assert family.identify(tmp_path) is None
+    assert family.QWEN_IMAGE21.spec.identify(tmp_path) is None
 
 
 def test_status_of_the_base_variant(loaded, base_folder):
@@ -80,9 +80,9 @@ def test_status_of_the_base_variant(loaded, base_folder):
     assert memory["encoder_bytes"] > 0 and memory["vae_bytes"] > 0
     assert memory["resident_bytes"] > memory["activation_reserve_bytes"] > 0  # loaded
     # a loaded model's footprint counts its arrays (the file's lm_head is never loaded)
-    reserve = family.activation_reserve(root, model.dit.dtype)
+    reserve = family.QWEN_IMAGE21.activation_reserve(root, model.dit.dtype)
     assert memory["resident_bytes"] == model.weight_bytes + reserve
-    described = family.describe(root, "qwen_base")
+    described = family.QWEN_IMAGE21.describe(root, "qwen_base")
     assert described["memory"]["resident_bytes"] == 0  # not resident
     described["memory"] = memory
     # residency: nothing held before the load, each component's bytes from the headers (the
@@ -140,7 +140,7 @@ def test_half_precision_files_load_and_match(tmp_path, base_folder, dtype, name)
     half = QwenImage21Transformer2DModel.from_pretrained(root / "transformer", torch_dtype=dtype)
     half.save_pretrained(tmp_path / "transformer")
     (tmp_path / "model_index.json").write_text((root / "model_index.json").read_text())
-    assert {t["dtype"] for t in family.manifest(tmp_path)["tensors"]} == {name}
+    assert {t["dtype"] for t in family.QWEN_IMAGE21.manifest(tmp_path)["tensors"]} == {name}
     reference = half.float()
     dit = QwenImage21DiT.load(tmp_path / "transformer")
     assert dit.dtype == mx.float32

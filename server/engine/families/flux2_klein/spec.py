@@ -1,0 +1,66 @@
+"""FLUX.2 klein's facts (4B, 9B and 9B KV: three families of one folder), as data and without
+MLX (engine/spec.py).
+
+The folder is diffusers' `Flux2KleinPipeline` layout (or `Flux2KleinKVPipeline`'s) whose text
+encoder is Qwen3. The family is the KV one for the KV pipeline, else the 9B one for a DiT of
+9B's depth (8 double-stream blocks), else the 4B one; the variant is `distilled` when
+model_index.json says `is_distilled` (always for the KV pipeline), else `base`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from ...spec import FamilySpec, model_index, read_config
+
+FAMILY_4B = "flux2_klein"
+FAMILY_9B = "flux2_klein_9b"
+FAMILY_9B_KV = "flux2_klein_9b_kv"
+PIPELINE_CLASS = "Flux2KleinPipeline"
+KV_PIPELINE_CLASS = "Flux2KleinKVPipeline"
+TEXT_ENCODER_TYPE = "qwen3"
+NINE_B_DOUBLE_BLOCKS = 8  # the 9B DiT's double-stream blocks (the 4B has 5)
+MAX_REFS = 10
+
+
+def identify(model_dir: Path) -> tuple[str, str] | None:
+    """(family, variant) of a FLUX.2 klein folder whose text encoder is Qwen3, else None."""
+    model_dir = Path(model_dir)
+    index = model_index(model_dir)
+    kind = index.get("_class_name")
+    if kind not in (PIPELINE_CLASS, KV_PIPELINE_CLASS):
+        return None
+    if read_config(model_dir / "text_encoder").get("model_type") != TEXT_ENCODER_TYPE:
+        return None
+    if kind == KV_PIPELINE_CLASS:
+        return FAMILY_9B_KV, "distilled"
+    depth = read_config(model_dir / "transformer").get("num_layers", 0)
+    family = FAMILY_9B if depth >= NINE_B_DOUBLE_BLOCKS else FAMILY_4B
+    return family, "distilled" if index.get("is_distilled", False) else "base"
+
+
+SPEC_4B = FamilySpec(
+    name=FAMILY_4B,
+    title="FLUX.2 klein",
+    identify=identify,
+    implementation="gmlx_server.engine.families.flux2_klein.family:FLUX2_KLEIN",
+    comfy={"model_class": "Flux2", "image_model": "flux2"},
+    # ComfyUI's Flux2 places references by index (time coordinates 10, 20, ...); an empty
+    # prompt is encoded as it is.
+    conditioning={"ref_method": "index", "empty_prompt": ""},
+    latent_patch=1,  # strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts)
+    edit_capable=True,
+    max_refs=MAX_REFS,
+    features=("noise_mask", "ref_cache"),
+    sampling={
+        "distilled": {"steps": 4, "cfg": 1.0, "shift": 1.0},
+        "base": {"steps": 50, "cfg": 4.0, "shift": 1.0},
+    },
+    files=("dit", "text_encoder"),
+)
+SPECS = (
+    SPEC_4B,
+    replace(SPEC_4B, name=FAMILY_9B, title="FLUX.2 klein 9B"),
+    replace(SPEC_4B, name=FAMILY_9B_KV, title="FLUX.2 klein 9B KV"),
+)

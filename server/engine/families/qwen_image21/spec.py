@@ -1,0 +1,50 @@
+"""Qwen-Image 2.1's facts, as data and without MLX (engine/spec.py).
+
+The folder is in diffusers layout (model_index.json's `_class_name` "QwenImage21Pipeline");
+the variant is `turbo` when model_index.json carries `sample_sigmas` (a fixed schedule), else
+`base`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...spec import FamilySpec, model_index
+
+FAMILY = "qwen_image21"
+PIPELINE_CLASS = "QwenImage21Pipeline"
+# What an empty prompt is encoded as: the Qwen tokenizer's own rule (Qwen has no BOS token, so
+# an empty prompt would leave the encoder nothing to read; encoders/qwen3/tokenizer.py).
+EMPTY_PROMPT = " "
+
+
+def identify(model_dir: Path) -> tuple[str, str] | None:
+    """(family, variant) of a folder of this family, else None."""
+    index = model_index(model_dir)
+    if index.get("_class_name") != PIPELINE_CLASS:
+        return None
+    return FAMILY, "turbo" if index.get("sample_sigmas") else "base"
+
+
+SPEC = FamilySpec(
+    name=FAMILY,
+    title="Qwen-Image 2.1",
+    identify=identify,
+    implementation="gmlx_server.engine.families.qwen_image21.family:QWEN_IMAGE21",
+    comfy={"model_class": "QwenImage21", "image_model": "qwen_image21"},
+    # The DiT places references by index (ComfyUI's `ref_latents_method`).
+    conditioning={"ref_method": "index", "empty_prompt": EMPTY_PROMPT},
+    latent_stride=16,
+    latent_patch=1,
+    vae_stride=16,
+    edit_capable=True,
+    features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
+    sampling={
+        "base": {"steps": 40, "cfg": 1.0, "shift": 1.0},
+        "turbo": {"cfg": 1.0, "shift": 1.0},  # its steps: its fixed sigmas'
+    },
+    files=("dit", "text_encoder", "mmproj"),
+    shards=True,
+    embedded="gmlx_server.engine.families.qwen_image21.embedded",
+)
+SPECS = (SPEC,)

@@ -1,0 +1,59 @@
+"""Z-Image's facts, as data and without MLX (engine/spec.py): read by the registry, the
+command line's listing and the embedded model's generator without loading the family.
+
+The folder is diffusers' `ZImagePipeline` layout whose text encoder is Qwen3; the variant is
+the one whose static shift is nearest the scheduler's `shift` (turbo: 3, base: 6).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...spec import FamilySpec, model_index, read_config, read_json
+
+FAMILY = "z_image"
+PIPELINE_CLASS = "ZImagePipeline"
+TEXT_ENCODER_TYPE = "qwen3"  # text_encoder/config.json's model_type (Qwen3Model, Qwen3ForCausalLM)
+# The variants' own settings (docs/contract.md §5.3); neither has fixed sigmas or a size rule.
+SAMPLING = {
+    "turbo": {"steps": 8, "cfg": 1.0, "shift": 3.0},
+    "base": {"steps": 50, "cfg": 5.0, "shift": 6.0},
+}
+
+
+def identify(model_dir: Path) -> tuple[str, str] | None:
+    """(family, variant) of a ZImagePipeline folder whose text encoder is Qwen3, else None.
+    The variant is the one whose shift is nearest the scheduler's (turbo when the folder has
+    no scheduler shift)."""
+    model_dir = Path(model_dir)
+    if model_index(model_dir).get("_class_name") != PIPELINE_CLASS:
+        return None
+    if read_config(model_dir / "text_encoder").get("model_type") != TEXT_ENCODER_TYPE:
+        return None
+    scheduler = model_dir / "scheduler" / "scheduler_config.json"
+    shift = read_json(scheduler).get("shift")
+    if shift is None:
+        return FAMILY, "turbo"
+    return FAMILY, min(SAMPLING, key=lambda name: abs(SAMPLING[name]["shift"] - float(shift)))
+
+
+SPEC = FamilySpec(
+    name=FAMILY,
+    title="Z-Image",
+    identify=identify,
+    implementation="gmlx_server.engine.families.z_image.family:Z_IMAGE",
+    comfy={"model_class": "ZImage", "image_model": "lumina2"},
+    # No references; an empty prompt is encoded as it is (the chat template's tokens remain).
+    conditioning={"ref_method": None, "empty_prompt": ""},
+    latent_stride=8,
+    latent_patch=2,
+    vae_stride=8,
+    # The VAE tiles images past its sample_size as diffusers' tiling does, which is not the
+    # untiled pass: docs/contract.md §8 says so.
+    features=("noise_mask", "tiled_vae"),
+    sampling=SAMPLING,
+    files=("dit", "text_encoder"),
+    shards=True,
+    embedded="gmlx_server.engine.families.z_image.embedded",
+)
+SPECS = (SPEC,)

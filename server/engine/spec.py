@@ -1,0 +1,126 @@
+"""What a family declares about itself, as data: `FamilySpec`, and where the specs are found.
+
+Each family folder under `engine/families/` holds a `spec.py` that imports no MLX and
+exports `SPECS`, the families it answers (FLUX.2 klein's folder answers three). The registry
+finds the folders by itself (`family_specs`), identifies a model folder with each spec's
+`identify`, loads it through the spec's `implementation` (the MLX module whose `FAMILY`, an
+`engine.family.Family`, serves describe, manifest, check, quantized_files and load), and reads
+what a family takes (its file keywords, whether it quantizes or shards) from the spec, so the
+listing, identification and the checks of a model's settings run without MLX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("gmlx.server")
+
+FAMILIES_PACKAGE = "gmlx_server.engine.families"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One family's facts. The status (docs/contract.md §2.3) publishes `comfy`,
+    `conditioning`, `edit_capable` and the strides; the capabilities route its `features`."""
+
+    name: str  # the family's name on the wire
+    title: str  # its name in prose, for messages
+    # (model folder) -> (family, variant), or None when the folder is not of this family
+    identify: Callable[[Path], tuple[str, str] | None]
+    # "module:attribute" of the `Family` that serves it (its module may import MLX)
+    implementation: str
+    comfy: dict = field(default_factory=dict)  # status `comfy`: ComfyUI's model class
+    conditioning: dict = field(default_factory=dict)  # status `conditioning`
+    latent_stride: int | None = None  # None: the family reads it from its VAE's config
+    latent_patch: int = 1
+    vae_stride: int | None = None
+    edit_capable: bool = False
+    max_refs: int = 0
+    features: tuple[str, ...] = ()  # docs/contract.md §5.4
+    conventions: tuple[str, ...] = ("comfy", "reference")
+    # The variants' own sampling settings (steps, cfg, shift), by variant name.
+    sampling: dict = field(default_factory=dict)
+    # The weight files a model entry may name for it (load_settings.FILE_KEYS).
+    files: tuple[str, ...] = ()
+    quantizes: bool = True  # a model entry's `quantize` applies
+    encoder_vae_dtype: bool = True  # a model entry's `encoder_vae_dtype` applies
+    shards: bool = False  # its DiT has a shard plan (a rank group may serve it)
+    embedded: str | None = None  # the module of its embedded model (engine/embedded.py)
+
+    def load_implementation(self) -> Family:
+        """The family's `Family` (an ImportError where its module cannot be imported, e.g.
+        without MLX)."""
+        module, _, attribute = self.implementation.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+class Family:
+    """What the registry asks of a family beyond its spec. `load(model_dir, model_id,
+    **options)` builds the `ImageModel` (the options: load_settings.LoadSettings.options, only
+    those the spec says the family takes). A family that can tell its status and manifest from
+    the files alone says so by overriding `describe` and `manifest` (engine.family.FolderFamily
+    does, from the spec); these defaults say nothing."""
+
+    def __init__(self, spec: FamilySpec, load: Callable | None = None) -> None:
+        self.spec = spec
+        if load is not None:
+            self.load = load
+
+    def load(self, model_dir: Path, model_id: str, **options):
+        raise NotImplementedError(f"family {self.spec.name} does not say how it loads")
+
+    def describe(self, model_dir: Path, model_id: str | None = None, **files) -> dict | None:
+        """The status of a model not loaded, from its files; None: not without loading it."""
+        return None
+
+    def manifest(self, model_dir: Path, **files) -> dict | None:
+        """The DiT's manifest from the files; None: not without loading it."""
+        return None
+
+    def check(self, model_dir: Path, **files) -> None:
+        """Refuse broken weight files before the resident model is let go."""
+
+    def quantized_files(self, model_dir: Path) -> dict | None:
+        """For `gmlx model quantize`: by component folder, a predicate on file tensor names;
+        None: the family writes no quantized folder."""
+        return None
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file's object; {} when the file is absent."""
+    path = Path(path)
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def read_config(component_dir: Path) -> dict:
+    """A component folder's config.json (FileNotFoundError when it has none)."""
+    return json.loads((Path(component_dir) / "config.json").read_text(encoding="utf-8"))
+
+
+def model_index(model_dir: Path) -> dict:
+    """A model folder's model_index.json."""
+    return json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+
+
+def family_specs() -> dict[str, FamilySpec]:
+    """Every family of the product's folders by name: each folder's `spec.SPECS`, folders in
+    name order (a folder whose spec cannot be imported is left out, and logged)."""
+    package = importlib.import_module(FAMILIES_PACKAGE)
+    found: dict[str, FamilySpec] = {}
+    for folder in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if not folder.ispkg:
+            continue
+        try:
+            module = importlib.import_module(f"{FAMILIES_PACKAGE}.{folder.name}.spec")
+        except ImportError as exc:
+            log.debug("family folder %s has no spec: %s", folder.name, exc)
+            continue
+        for spec in module.SPECS:
+            found[spec.name] = spec
+    return found
