@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,9 @@ from .weights import (
 # Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
 # stored quantized (`gmlx model quantize`, or any quantized GGUF type) is `quant`.
 MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", QUANTIZED: "quant"}
+# The reference workload's image side behind status `activation_reserve_bytes` (docs/contract.md
+# §3.5): a guided step on an image of this side, or one VAE pass of it, whichever is larger.
+RESERVE_PIXELS = 1024
 
 
 def dit_manifest(
@@ -333,66 +337,82 @@ def stored_precision(component_dir: Path, gguf=None) -> dict | None:
     return None if stored is None else stored.status()
 
 
+@dataclass(frozen=True)
+class DiTPart:
+    """A family's DiT as FolderFamily reads it from a folder: `file(transformer_dir, dit)` its
+    single file (GGUF or safetensors, the family's dit.dit_file; None: diffusers' own
+    folder), `config` its config class (`from_dict`), `linear_slots(config)` its linear layers
+    by file name, `quantized(path)` the weights a quantized load quantizes by tree path, and
+    `manifest_extras(manifest)` what its manifest adds (FLUX.2 klein's `lora_aliases`)."""
+
+    file: Callable[[Path, Path | None], Any]
+    config: Any
+    linear_slots: Callable[[Any], dict]
+    quantized: Callable[[str], bool]
+    manifest_extras: Callable[[dict], dict] = lambda manifest: {}
+
+
 class FolderFamily(Family):
     """A family served from a diffusers folder (transformer/, text_encoder/, vae/, ...): the
     status, manifest, checks and `gmlx model quantize`'s choice written once, from the spec and
-    the few facts a family overrides:
+    the family's parts:
 
-    - `dit_file(transformer_dir, dit)`: the DiT's single file as the family reads it (its
-      dit.dit_file), None for diffusers' safetensors;
-    - `encoder_files(model_dir, files)`: the text encoder's GGUF files (None: safetensors);
-    - `vae_row(model_dir)`: status `vae` beyond `channels_out` and `stride`;
-    - `activation_reserve(model_dir, dtype)`: the activations of its reference workload;
-    - `dit_slots(model_dir)`, `dit_quantized`, `encoder_module_name`, `encoder_quantized`:
-      the layers a quantized load quantizes, by file name.
+    - `dit`: a DiTPart;
+    - `encoder`: its text encoder (encoders.qwen3.text.Qwen3Part, encoders.qwen3.vl.Qwen3VLPart):
+      `gguf(component_dir, files)` its GGUF files (None: safetensors), `include` the folder's
+      tensors a load reads (None: all), `module_name(name)` and `quantized(path)` what a
+      quantized load quantizes, `network(encoder)` the loaded network;
+    - `vae`: its VAE (a `...Part` of `vaes/`): `latent(config)` (None: the DiT's channels at
+      the spec's strides), `status_row(config)`, `estimate(vae_dir, dtype)` and
+      `reserve_bytes(config, pixels)`;
+    - `step_reserve(model_dir, dtype)`: the activations of a guided step of the reference
+      workload (RESERVE_PIXELS square), the family's own memory plan.
 
     `files` are a model entry's weight files (`dit`, `text_encoder`, `mmproj`: those the spec
     lists)."""
 
-    def __init__(self, spec: FamilySpec, load: Callable, titles: dict[str, str] | None = None):
+    def __init__(
+        self,
+        spec: FamilySpec,
+        load: Callable,
+        *,
+        dit: DiTPart,
+        encoder: Any,
+        vae: Any,
+        step_reserve: Callable[[Path, mx.Dtype], int],
+        titles: dict[str, str] | None = None,
+    ):
         super().__init__(spec, load)
+        self.dit, self.encoder, self.vae = dit, encoder, vae
+        self.step_reserve = step_reserve
         self.titles = titles or {spec.name: spec.title}
 
-    # -- what a family says of itself ----------------------------------------------------
-
-    def dit_file(self, transformer_dir: Path, dit: Path | None):
-        raise NotImplementedError
-
     def encoder_files(self, model_dir: Path, files: dict):
-        return None
-
-    def vae_row(self, model_dir: Path) -> dict:
-        return {}
-
-    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
-        raise NotImplementedError
-
-    def dit_slots(self, model_dir: Path) -> dict:
-        raise NotImplementedError
+        return self.encoder.gguf(Path(model_dir) / "text_encoder", files)
 
     def encoder_estimate(self, model_dir: Path, files: dict, dtype: mx.Dtype) -> int:
         """The text encoder's bytes as it would load at `dtype` (encoder_bytes)."""
         folder = Path(model_dir) / "text_encoder"
-        return encoder_bytes(folder, self.encoder_files(model_dir, files), dtype)
-
-    def vae_estimate(self, model_dir: Path, dtype: mx.Dtype) -> int:
-        return estimated_bytes(Path(model_dir) / "vae", dtype)
+        gguf = self.encoder_files(model_dir, files)
+        return encoder_bytes(folder, gguf, dtype, self.encoder.include)
 
     def latent_row(self, model_dir: Path) -> dict:
-        channels = read_config(Path(model_dir) / "transformer")["in_channels"]
-        spec = self.spec
-        return {"channels": channels, "stride": spec.latent_stride, "patch": spec.latent_patch}
+        latent = self.vae.latent(read_config(Path(model_dir) / "vae"))
+        if latent is None:
+            channels = read_config(Path(model_dir) / "transformer")["in_channels"]
+            latent = {"channels": channels, "stride": self.spec.latent_stride}
+        return {**latent, "patch": self.spec.latent_patch}
 
     def sampling_row(self, model_dir: Path, variant: str) -> dict:
         """The variant's own settings (docs/contract.md §2.3)."""
-        return {**self.spec.sampling[variant], "sigmas": None, "schedule": None, "neg_skip": []}
+        schedule = dict(self.spec.schedule) if self.spec.schedule else None
+        return {**self.spec.sampling[variant], "sigmas": None, "schedule": schedule, "neg_skip": []}
 
-    def encoder_quantization(self, encoder: Any) -> dict | None:
-        """A loaded text encoder's quantization (status `quantization.encoder`)."""
-        return quantization_status(encoder.encoder.model)
-
-    def manifest_extras(self, tensors: dict) -> dict:
-        return {}
+    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
+        """The activations of the reference workload: the larger of a guided step and a VAE
+        pass at RESERVE_PIXELS square."""
+        vae = self.vae.reserve_bytes(read_config(Path(model_dir) / "vae"), RESERVE_PIXELS)
+        return max(self.step_reserve(model_dir, dtype), vae)
 
     # -- from those: the family's answers ------------------------------------------------
 
@@ -427,7 +447,7 @@ class FolderFamily(Family):
             "vae": {
                 "channels_out": vae_config.get("out_channels", 3),
                 "stride": self.spec.vae_stride or latent["stride"],
-                **self.vae_row(model_dir),
+                **self.vae.status_row(vae_config),
             },
             "edit_capable": self.spec.edit_capable,
             "conditioning": dict(self.spec.conditioning),
@@ -447,7 +467,7 @@ class FolderFamily(Family):
                     side,
                     quantization["encoder"],
                 ),
-                "vae": component_row(False, self.vae_estimate(model_dir, side), side, None),
+                "vae": component_row(False, self.vae.estimate(model_dir / "vae", side), side, None),
             },
             "memory": self.memory(model_dir, dtype, None, files),
         }
@@ -463,7 +483,7 @@ class FolderFamily(Family):
         if encoder is None:
             encoder_status = status["quantization"]["encoder"]
         elif encoder_gguf is None:
-            encoder_status = self.encoder_quantization(encoder)
+            encoder_status = quantization_status(self.encoder.network(encoder))
         else:
             encoder_status = encoder_gguf.status()
         quantization = {
@@ -525,7 +545,7 @@ class FolderFamily(Family):
         files = files or {}
         return (
             self.dit_size(model_dir, files, dit_dtype)
-            + self.vae_estimate(model_dir, side)
+            + self.vae.estimate(Path(model_dir) / "vae", side)
             + self.encoder_estimate(model_dir, files, side)
         )
 
@@ -535,7 +555,7 @@ class FolderFamily(Family):
         return dit_bytes(transformer, self._dit(model_dir, files), dtype)
 
     def _dit(self, model_dir: Path, files: dict):
-        return self.dit_file(Path(model_dir) / "transformer", files.get("dit"))
+        return self.dit.file(Path(model_dir) / "transformer", files.get("dit"))
 
     def manifest(self, model_dir: Path, **files) -> dict:
         """The DiT's tensors by their diffusers names (docs/contract.md §2.4, naming
@@ -545,7 +565,7 @@ class FolderFamily(Family):
         tensors = dit_manifest(
             family, transformer, self.titles[family], self._dit(model_dir, files)
         )
-        return {**tensors, **self.manifest_extras(tensors)}
+        return {**tensors, **self.dit.manifest_extras(tensors)}
 
     def check(self, model_dir: Path, **files) -> None:
         """Refuse, before anything loads, a DiT or text encoder file that is cut short, is not
@@ -559,9 +579,10 @@ class FolderFamily(Family):
     def quantized_files(self, model_dir: Path) -> dict:
         """What `gmlx model quantize` quantizes, by component folder and file tensor name:
         the weights a quantized load quantizes."""
+        config = self.dit.config.from_dict(read_config(Path(model_dir) / "transformer"))
         return quantized_file_names(
-            self.dit_slots(model_dir),
-            self.dit_quantized,
-            self.encoder_module_name,
-            self.encoder_quantized,
+            self.dit.linear_slots(config),
+            self.dit.quantized,
+            self.encoder.module_name,
+            self.encoder.quantized,
         )

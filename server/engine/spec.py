@@ -44,8 +44,10 @@ class FamilySpec:
     max_refs: int = 0
     features: tuple[str, ...] = ()  # docs/contract.md §5.4
     conventions: tuple[str, ...] = ("comfy", "reference")
-    # The variants' own sampling settings (steps, cfg, shift), by variant name.
+    # The variants' own sampling settings (steps, cfg, shift), by variant name, and the
+    # schedule rule they share (docs/contract.md §5.3; None: none).
     sampling: dict = field(default_factory=dict)
+    schedule: dict | None = None
     # The weight files a model entry may name for it (load_settings.FILE_KEYS).
     files: tuple[str, ...] = ()
     quantizes: bool = True  # a model entry's `quantize` applies

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..base import EngineInputError
 from ..nn.attention import chunked_attention
-from ..weights import load_weights, read_config
+from ..weights import estimated_bytes, load_weights, read_config
 from . import load_checkpoint
 
 NORM_EPS = 1e-6
@@ -521,3 +521,29 @@ def latent_normalisation(config: dict) -> tuple[list[float], list[float]]:
     scale = float(config.get("scaling_factor", 1.0))
     shift = float(config.get("shift_factor") or 0.0)
     return [shift] * channels, [1.0 / scale] * channels
+
+
+@dataclass(frozen=True)
+class AutoencoderKLPart:
+    """This VAE as a family's (family.FolderFamily's `vae`): what the status says of it, its
+    bytes as it would load, and the peak of a pass at the reference size, from its config.
+    Model space is (z - shift_factor) * scaling_factor."""
+
+    tiles: bool = True  # whether its pipeline tiles large images
+
+    def latent(self, config: dict) -> dict | None:
+        return None  # the DiT's channels at the family's strides
+
+    def status_row(self, config: dict) -> dict:
+        """Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): model space is
+        (z - latents_mean) / latents_std, here (z - shift_factor) * scaling_factor."""
+        mean, std = latent_normalisation(config)
+        return {"latents_mean": mean, "latents_std": std}
+
+    def estimate(self, vae_dir: Path, dtype: mx.Dtype) -> int:
+        return estimated_bytes(vae_dir, dtype)
+
+    def reserve_bytes(self, config: dict, pixels: int) -> int:
+        """The larger of an encode and a decode of a `pixels` square image in float32."""
+        geometry = Geometry.of(config, self.tiles)
+        return max(geometry.peak_bytes(4, pixels, pixels, decode) for decode in (True, False))

@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..base import EngineInputError
-from ..weights import load_weights, read_config
-from .autoencoder_kl import AutoencoderKL
+from ..weights import estimated_bytes, load_weights, read_config
+from .autoencoder_kl import AutoencoderKL, AutoencoderKLPart
 
 BATCH_NORM = "bn."
 BATCH_NORM_STATS = ("bn.running_mean", "bn.running_var")
@@ -127,3 +127,21 @@ def latent_facts(config: dict) -> dict:
         "channels": 4 * int(config.get("latent_channels", 32)),
         "stride": 2 ** len(config.get("block_out_channels", (0, 0, 0, 0))),
     }
+
+
+class AutoencoderKLFlux2Part(AutoencoderKLPart):
+    """This VAE as a family's (family.FolderFamily's `vae`): the latents and the VAE routes in
+    the DiT's model space, the batch norm's step counter never loaded, never tiled."""
+
+    def __init__(self) -> None:
+        super().__init__(tiles=False)  # Flux2KleinPipeline never tiles its VAE
+
+    def latent(self, config: dict) -> dict | None:
+        return latent_facts(config)
+
+    def status_row(self, config: dict) -> dict:
+        """The VAE routes carry the DiT's model space (docs/contract.md §2.12)."""
+        return {"channels_out": 3, "space": "model"}
+
+    def estimate(self, vae_dir: Path, dtype: mx.Dtype) -> int:
+        return estimated_bytes(vae_dir, dtype, loaded_tensor)

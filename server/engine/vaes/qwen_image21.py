@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..base import EngineInputError
-from ..weights import load_weights, read_config
+from ..weights import estimated_bytes, load_weights, read_config
 from . import load_checkpoint
 
 # F.normalize clamps the L2 norm at 1e-12; the RMS form below adds eps to the mean square.
@@ -659,3 +659,35 @@ class QwenImage21VAE:
             return _run_stages(x, stages)
         mx.eval(x)  # the global part first, so each tile graph stands alone
         return _run_tiled(x, stages, px_per_cell, cells, self.tile_cells)
+
+
+class QwenImage21VAEPart:
+    """This VAE as a family's (family.FolderFamily's `vae`): what the status says of it, its
+    bytes as it would load, and the peak of a pass at the reference size, from its config."""
+
+    @staticmethod
+    def latent(config: dict) -> dict | None:
+        return None  # the DiT's channels at the family's strides
+
+    @staticmethod
+    def status_row(config: dict) -> dict:
+        """Extension of docs/contract.md §2.3: the normalisation from the VAE routes' latent
+        space to the DiT's model space, (z - mean) / std, which a client such as the ComfyUI
+        pack needs to move ComfyUI's LATENT into the step's space."""
+        return {
+            "latents_mean": [float(v) for v in config["latents_mean"]],
+            "latents_std": [float(v) for v in config["latents_std"]],
+        }
+
+    @staticmethod
+    def estimate(vae_dir: Path, dtype: mx.Dtype) -> int:
+        return estimated_bytes(vae_dir, dtype)
+
+    @staticmethod
+    def reserve_bytes(config: dict, pixels: int) -> int:
+        """The larger of an encode and a decode of a `pixels` square image in float32, tiled
+        as a pass of that size tiles."""
+        cells = pixels // (2 ** (len(config["dim_mult"]) - 1))
+        shapes = [list(encoder_shapes(config).stages), list(decoder_shapes(config).stages)]
+        tile = choose_tile_cells(shapes, 4)
+        return max(pass_peak_bytes(config, 4, (cells, cells), d, tile) for d in (True, False))

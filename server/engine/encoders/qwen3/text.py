@@ -223,6 +223,38 @@ def component_gguf(
     return gguf_files(TextModel(encoder_config(component_dir, layers)), path)
 
 
+@dataclass(frozen=True)
+class Qwen3Part:
+    """Qwen3 as a family's text encoder (family.FolderFamily's `encoder`): its GGUF file, the
+    file tensors a load reads, and what a quantized load quantizes. `layers`: the first
+    `layers` decoder layers alone load (None: all)."""
+
+    layers: int | None = None
+
+    def gguf(self, component_dir: Path, files: dict) -> ModuleFiles | None:
+        """The entry's `text_encoder` GGUF file (else the folder's one .gguf), or None."""
+        return component_gguf(component_dir, files.get("text_encoder"), self.layers)
+
+    @property
+    def include(self) -> Callable[[str], bool] | None:
+        """Which of the folder's tensors a load reads, by file name (None: every one)."""
+        if self.layers is None:
+            return None
+        return lambda name: module_name(name, self.layers) is not None
+
+    @staticmethod
+    def module_name(name: str) -> str | None:
+        """A file name as its module path (every layer: a quantized folder stays whole)."""
+        return module_name(name)
+
+    quantized = staticmethod(quantized)
+
+    @staticmethod
+    def network(encoder) -> nn.Module:
+        """A family's loaded prompt encoder's network (for its quantization status)."""
+        return encoder.encoder.model
+
+
 class Qwen3TextEncoder:
     """Qwen3 alone (a transformers `Qwen3Model` or `Qwen3ForCausalLM` folder) as a prompt
     encoder: token ids -> the hidden states of the tapped layers, positions 0..L-1."""

@@ -186,6 +186,53 @@ _DEEPSTACK = {
 }
 
 
+def gguf_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, Path] | None:
+    """A model entry's Qwen3-VL GGUF pair, which comes whole (a ValueError names the half
+    missing); None when neither is named."""
+    if text_encoder is None and mmproj is None:
+        return None
+    if text_encoder is None or mmproj is None:
+        given, missing = (
+            ("mmproj", "text_encoder") if text_encoder is None else ("text_encoder", "mmproj")
+        )
+        raise ValueError(
+            f"Qwen3-VL from GGUF needs both text_encoder and mmproj: {given} is set without"
+            f" {missing}"
+        )
+    return Path(text_encoder), Path(mmproj)
+
+
+class Qwen3VLPart:
+    """Qwen3-VL as a family's text encoder (family.FolderFamily's `encoder`): its GGUF pair
+    (a model entry's `text_encoder` and `mmproj`), every tensor of its folder read, and the
+    layers a quantized load quantizes (`quantized`, the family's choice, by module path)."""
+
+    include = None
+
+    def __init__(self, quantized: Callable[[str], bool]) -> None:
+        self.quantized = quantized
+
+    @staticmethod
+    def gguf(component_dir: Path, files: dict) -> ModuleFiles | None:
+        pair = gguf_pair(files.get("text_encoder"), files.get("mmproj"))
+        if pair is None:
+            return None
+        config = read_config(component_dir)
+        encoder = Qwen3VLEncoder(
+            TextConfig.from_dict(config["text_config"]),
+            VisionConfig.from_dict(config["vision_config"]),
+        )
+        return gguf_files(encoder, *pair)
+
+    @staticmethod
+    def module_name(name: str) -> str | None:
+        return module_name(name)
+
+    @staticmethod
+    def network(encoder) -> nn.Module:
+        return encoder.encoder
+
+
 def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path) -> ModuleFiles:
     """Qwen3-VL in llama.cpp's pair of GGUF files: the language model in `model_file` under
     Qwen3's names (the converter drops `language_model.`; no q/k permutation, no norm offset),

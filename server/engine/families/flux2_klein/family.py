@@ -30,12 +30,12 @@ import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, FolderFamily, encoder_bytes
+from ...encoders.qwen3.text import Qwen3Part
+from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...precision import AUTO, Quantization
-from ...vaes.autoencoder_kl import Geometry
-from ...vaes.autoencoder_kl_flux2 import latent_facts, loaded_tensor
+from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import gguf_file, read_config
 from .dit import (
     DiTConfig,
@@ -56,7 +56,6 @@ TITLES = {spec.name: spec.title for spec in SPECS}
 REF_MIN_SIDE = 64
 REF_MAX_ASPECT = 8
 REF_MAX_AREA = 1024 * 1024
-SCHEDULE = {"rule": "flux2"}  # docs/contract.md §5.3, gmlx_contract.schedules.flux2_sigmas
 # Step conventions (docs/contract.md §5.2): both read the timestep as sigma and answer +dx/dsigma
 # (the DiT's own output at t = sigma); `comfy` embeds the float32 time, `reference` the time as
 # the compute dtype holds it (BFL's and diffusers' pipelines).
@@ -71,94 +70,25 @@ MLP_BUFFERS = 8  # the fused gate/up, SiLU's temporaries and the product, at the
 SCORE_BLOCK_BUFFERS = (
     10  # cpu_ops.attention's block of scores, its exponentials and their temporaries
 )
-# The reference workload behind status `activation_reserve_bytes` (as the other families'): a
-# guided step (2 rows) on a 1024x1024 image with captions of the encoder's padded length, or one
-# 1024x1024 VAE pass.
-RESERVE_PIXELS = 1024
+# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
+# guided step (2 rows) with captions of the encoder's padded length, or one VAE pass.
 RESERVE_ROWS = 2
 
 
-class Flux2Klein(FolderFamily):
-    """FLUX.2 klein's own facts under the generic folder family (family.FolderFamily), for
-    its three families."""
+def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """A guided step of the reference workload (RESERVE_*) beyond the weights, its captions of
+    the encoder's padded length."""
+    model_dir = Path(model_dir)
+    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
+    row = cells * cells + MAX_SEQUENCE_LENGTH
+    blocked = cpu_ops.use_cpu_ops(dtype)
+    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked)
 
-    dit_quantized = staticmethod(dit_quantized)
 
-    def dit_file(self, transformer_dir: Path, dit: Path | None):
-        return dit_file(transformer_dir, dit)
-
-    def encoder_files(self, model_dir: Path, files: dict):
-        """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
-        text_encoder/) as Qwen3 reads its first LOADED_LAYERS layers
-        (encoders.qwen3.text.component_gguf, as Z-Image's); None for safetensors."""
-        from ...encoders.qwen3.text import component_gguf
-
-        folder = Path(model_dir) / "text_encoder"
-        return component_gguf(folder, files.get("text_encoder"), LOADED_LAYERS)
-
-    def encoder_estimate(self, model_dir: Path, files: dict, dtype: mx.Dtype) -> int:
-        """The text encoder's bytes as it would load at `dtype`: the tensors of its first
-        LOADED_LAYERS layers and its token table (family.encoder_bytes)."""
-        from ...encoders.qwen3.text import module_name
-
-        def loaded(name: str) -> bool:
-            return module_name(name, LOADED_LAYERS) is not None
-
-        folder = Path(model_dir) / "text_encoder"
-        return encoder_bytes(folder, self.encoder_files(model_dir, files), dtype, loaded)
-
-    def vae_estimate(self, model_dir: Path, dtype: mx.Dtype) -> int:
-        from ...weights import estimated_bytes
-
-        return estimated_bytes(Path(model_dir) / "vae", dtype, loaded_tensor)
-
-    def latent_row(self, model_dir: Path) -> dict:
-        latent = latent_facts(read_config(Path(model_dir) / "vae"))
-        return {**latent, "patch": self.spec.latent_patch}
-
-    def vae_row(self, model_dir: Path) -> dict:
-        """The VAE routes carry the DiT's model space (docs/contract.md §2.12)."""
-        return {"channels_out": 3, "space": "model"}
-
-    def sampling_row(self, model_dir: Path, variant: str) -> dict:
-        """The variant's own settings: the `flux2` size rule, no sigmas."""
-        return {**super().sampling_row(model_dir, variant), "schedule": dict(SCHEDULE)}
-
-    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
-        """The activations of the reference workload (RESERVE_*): a guided step on a
-        RESERVE_PIXELS square image with captions of the encoder's length, or one VAE pass
-        of that image, whichever is larger."""
-        model_dir = Path(model_dir)
-        config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-        vae_config = read_config(model_dir / "vae")
-        cells = RESERVE_PIXELS // latent_facts(vae_config)["stride"]
-        row = cells * cells + MAX_SEQUENCE_LENGTH
-        blocked = cpu_ops.use_cpu_ops(dtype)
-        step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked)
-        vae = Geometry.of(vae_config, tiles=False)  # its pipeline never tiles it
-        side = RESERVE_PIXELS
-        return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))
-
-    def dit_slots(self, model_dir: Path) -> dict:
-        return linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-
-    @staticmethod
-    def encoder_module_name(name: str) -> str | None:
-        from ...encoders.qwen3.text import module_name
-
-        return module_name(name)
-
-    @staticmethod
-    def encoder_quantized(path: str) -> bool:
-        """Qwen3's choice (encoders.qwen3.text.quantized), its layers past LOADED_LAYERS
-        too, so a quantized folder stays whole."""
-        from ...encoders.qwen3.text import quantized
-
-        return quantized(path)
-
-    def manifest_extras(self, tensors: dict) -> dict:
-        """BFL's names of its linear layers (dit.lora_aliases), for LoRA files in them."""
-        return {"lora_aliases": lora_aliases(layer_rows(tensors))}
+def manifest_extras(manifest: dict) -> dict:
+    """BFL's names of its linear layers (dit.lora_aliases), for LoRA files in them."""
+    return {"lora_aliases": lora_aliases(layer_rows(manifest))}
 
 
 def load(
@@ -241,7 +171,16 @@ class StepPlan:
     keys: tuple[tuple | None, ...]
 
 
-FLUX2_KLEIN = Flux2Klein(SPECS[0], load, TITLES)
+FLUX2_KLEIN = FolderFamily(
+    SPECS[0],
+    load,
+    dit=DiTPart(dit_file, DiTConfig, linear_slots, dit_quantized, manifest_extras),
+    # its first LOADED_LAYERS decoder layers load (a quantized folder keeps them all)
+    encoder=Qwen3Part(LOADED_LAYERS),
+    vae=AutoencoderKLFlux2Part(),
+    step_reserve=step_reserve,
+    titles=TITLES,
+)
 
 
 class Flux2KleinModel(FamilyModel):

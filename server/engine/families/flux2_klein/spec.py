@@ -57,6 +57,7 @@ SPEC_4B = FamilySpec(
         "distilled": {"steps": 4, "cfg": 1.0, "shift": 1.0},
         "base": {"steps": 50, "cfg": 4.0, "shift": 1.0},
     },
+    schedule={"rule": "flux2"},  # gmlx_contract.schedules.flux2_sigmas
     files=("dit", "text_encoder"),
 )
 SPECS = (

@@ -16,16 +16,19 @@ import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, StepResult, StepRow
-from ...family import FamilyModel, FolderFamily
+from ...encoders.qwen3.vl import Qwen3VLPart, gguf_pair
+from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...precision import AUTO, Quantization
-from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of, quantization_status
+from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of
 from ...shard import Shard
 from ...spec import model_index
+from ...vaes.qwen_image21 import QwenImage21VAEPart
 from ...weights import read_config
 from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
 from .dit import quantized as dit_quantized
+from .prompt import quantized as encoder_quantized
 from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
@@ -71,9 +74,8 @@ SCORE_BLOCK_BUFFERS = 8
 # which on the CPU backend materialises float32 scores and the softmax.
 PREFIX_SCORE_BUFFERS = 3
 IO_BUFFERS = 3  # x and the output, as tokens and in float32
-# The reference workload behind status `activation_reserve_bytes`: a guided step (2 rows) on a
-# 1024x1024 image with 1024-token prefixes built fresh, or one 1024x1024 VAE pass.
-RESERVE_PIXELS = 1024
+# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
+# guided step (2 rows) with 1024-token prefixes built fresh, or one VAE pass.
 RESERVE_ROWS = 2
 RESERVE_PREFIX = 1024
 
@@ -107,27 +109,6 @@ def sampling_row(model_dir: Path) -> dict:
         "schedule": qwen_image21_rule(**overrides),
         "neg_skip": [],
     }
-
-
-def encoder_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, Path] | None:
-    """A model entry's Qwen3-VL GGUF pair, which comes whole (a ValueError names the half
-    missing)."""
-    if text_encoder is None and mmproj is None:
-        return None
-    if text_encoder is None or mmproj is None:
-        given, missing = (
-            ("mmproj", "text_encoder")
-            if text_encoder is None
-            else (
-                "text_encoder",
-                "mmproj",
-            )
-        )
-        raise ValueError(
-            f"Qwen3-VL from GGUF needs both text_encoder and mmproj: {given} is set without"
-            f" {missing}"
-        )
-    return Path(text_encoder), Path(mmproj)
 
 
 def step_peak_bytes(
@@ -187,85 +168,20 @@ def _score_block_bytes(heads: int, rows: int, keys: int) -> int:
 
 
 class QwenImage21(FolderFamily):
-    """Qwen-Image 2.1's own facts under the generic folder family (family.FolderFamily)."""
-
-    dit_quantized = staticmethod(dit_quantized)
-
-    def dit_file(self, transformer_dir: Path, dit: Path | None):
-        return dit_file(transformer_dir, dit)
-
-    def encoder_files(self, model_dir: Path, files: dict):
-        """The text encoder's GGUF pair as Qwen3-VL reads it (encoders.qwen3.vl.gguf_files),
-        or None for the folder's safetensors."""
-        from ...encoders.qwen3.text import TextConfig
-        from ...encoders.qwen3.vision import VisionConfig
-        from ...encoders.qwen3.vl import Qwen3VLEncoder, gguf_files
-
-        pair = encoder_pair(files.get("text_encoder"), files.get("mmproj"))
-        if pair is None:
-            return None
-        config = read_config(Path(model_dir) / "text_encoder")
-        encoder = Qwen3VLEncoder(
-            TextConfig.from_dict(config["text_config"]),
-            VisionConfig.from_dict(config["vision_config"]),
-        )
-        return gguf_files(encoder, *pair)
-
-    def vae_row(self, model_dir: Path) -> dict:
-        """Extension of docs/contract.md §2.3: the normalisation from the VAE routes' latent
-        space to the DiT's model space, (z - mean) / std, which a client such as the ComfyUI
-        pack needs to move ComfyUI's LATENT into the step's space."""
-        vae_config = read_config(Path(model_dir) / "vae")
-        return {
-            "latents_mean": [float(v) for v in vae_config["latents_mean"]],
-            "latents_std": [float(v) for v in vae_config["latents_std"]],
-        }
+    """The folder family with Qwen-Image 2.1's sampling row (its fixed sigmas or its rule)."""
 
     def sampling_row(self, model_dir: Path, variant: str) -> dict:
-        """Turbo samples its fixed sigmas (with the terminal 0.0 appended); base uses the
-        size-dependent rule with the scheduler's constants."""
         return sampling_row(model_dir)
 
-    def encoder_quantization(self, encoder) -> dict | None:
-        return quantization_status(encoder.encoder)
 
-    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
-        """The activations of the reference workload (RESERVE_*): the larger of a guided step
-        and a VAE pass at RESERVE_PIXELS square."""
-        from ...vaes.qwen_image21 import (
-            choose_tile_cells,
-            decoder_shapes,
-            encoder_shapes,
-            pass_peak_bytes,
-        )
-
-        model_dir = Path(model_dir)
-        config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-        cells = RESERVE_PIXELS // LATENT_STRIDE
-        blocked = cpu_ops.use_cpu_ops(dtype)
-        step = step_peak_bytes(
-            config, dtype.size, cells * cells, [(RESERVE_PREFIX, True)] * RESERVE_ROWS, blocked
-        )
-        vae_config = read_config(model_dir / "vae")
-        shapes = [list(encoder_shapes(vae_config).stages), list(decoder_shapes(vae_config).stages)]
-        tile = choose_tile_cells(shapes, 4)
-        vae = max(pass_peak_bytes(vae_config, 4, (cells, cells), d, tile) for d in (True, False))
-        return max(step, vae)
-
-    def dit_slots(self, model_dir: Path) -> dict:
-        return linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-
-    @staticmethod
-    def encoder_module_name(name: str) -> str | None:
-        from ...encoders.qwen3.vl import module_name
-
-        return module_name(name)
-
-    @staticmethod
-    def encoder_quantized(path: str) -> bool:
-        from .prompt import quantized
-
-        return quantized(path)
+def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """A guided step of the reference workload (RESERVE_*) beyond the weights, its prefixes
+    built fresh."""
+    config = DiTConfig.from_dict(read_config(Path(model_dir) / "transformer"))
+    cells = RESERVE_PIXELS // LATENT_STRIDE
+    blocked = cpu_ops.use_cpu_ops(dtype)
+    prefixes = [(RESERVE_PREFIX, True)] * RESERVE_ROWS
+    return step_peak_bytes(config, dtype.size, cells * cells, prefixes, blocked)
 
 
 def load(
@@ -300,7 +216,7 @@ def load(
     if shard is not None and shard.rank != 0:
         return QwenImage21Model(model_dir, model_id, found[1], network, None, None, files=files)
     vae = QwenImage21VAE.load(model_dir / "vae", side)
-    pair = encoder_pair(text_encoder, mmproj)
+    pair = gguf_pair(text_encoder, mmproj)
 
     def load_encoder() -> QwenImage21PromptEncoder:
         return QwenImage21PromptEncoder.load(model_dir, side, quantization, gguf=pair)
@@ -310,7 +226,14 @@ def load(
     )
 
 
-QWEN_IMAGE21 = QwenImage21(SPEC, load)
+QWEN_IMAGE21 = QwenImage21(
+    SPEC,
+    load,
+    dit=DiTPart(dit_file, DiTConfig, linear_slots, dit_quantized),
+    encoder=Qwen3VLPart(encoder_quantized),
+    vae=QwenImage21VAEPart(),
+    step_reserve=step_reserve,
+)
 
 
 class QwenImage21Model(FamilyModel):

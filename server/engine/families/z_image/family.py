@@ -16,13 +16,14 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
-from ...family import FamilyModel, FolderFamily
+from ...encoders.qwen3.text import Qwen3Part
+from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.compiled import compile_enabled
 from ...precision import AUTO, Quantization
 from ...shard import Shard
-from ...vaes.autoencoder_kl import Geometry, latent_normalisation
+from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import gguf_file, read_config
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
 from .dit import quantized as dit_quantized
@@ -51,64 +52,21 @@ COMPILED_MLP_BUFFERS = 12
 # of 123 MiB compiled against 64 MiB eager for two rows of 2816 tokens, the excess in
 # proportion to the block size).
 SCORE_BLOCK_BUFFERS = 8
-# The reference workload behind status `activation_reserve_bytes` (as Qwen-Image 2.1's): a
-# guided step (2 rows) on a 1024x1024 image with captions of the longest prompt the encoder
-# keeps, or one 1024x1024 VAE pass (FLUX.1's VAE tiles only past 1024 pixels).
-RESERVE_PIXELS = 1024
+# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
+# guided step (2 rows) with captions of the longest prompt the encoder keeps, or one VAE pass
+# (FLUX.1's VAE tiles only past 1024 pixels).
 RESERVE_ROWS = 2
 RESERVE_CAPTION = MAX_SEQUENCE_LENGTH
 
 
-class ZImage(FolderFamily):
-    """Z-Image's own facts under the generic folder family (family.FolderFamily)."""
-
-    dit_quantized = staticmethod(dit_quantized)
-
-    def dit_file(self, transformer_dir: Path, dit: Path | None):
-        return dit_file(transformer_dir, dit)
-
-    def encoder_files(self, model_dir: Path, files: dict):
-        """The text encoder's GGUF file (a model entry's `text_encoder`, else the one in
-        text_encoder/) as Qwen3 reads it (encoders.qwen3.text.component_gguf); None for
-        safetensors."""
-        from ...encoders.qwen3.text import component_gguf
-
-        return component_gguf(Path(model_dir) / "text_encoder", files.get("text_encoder"))
-
-    def vae_row(self, model_dir: Path) -> dict:
-        """Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): model space
-        is (z - latents_mean) / latents_std, here (z - shift_factor) * scaling_factor."""
-        mean, std = latent_normalisation(read_config(Path(model_dir) / "vae"))
-        return {"latents_mean": mean, "latents_std": std}
-
-    def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
-        """The activations of the reference workload (RESERVE_*): the larger of a guided step
-        and a VAE pass at RESERVE_PIXELS square."""
-        model_dir = Path(model_dir)
-        config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-        cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
-        row = padded(cells * cells) + padded(RESERVE_CAPTION)
-        blocked = cpu_ops.use_cpu_ops(dtype)
-        compiled = compile_enabled(config.dim)
-        step = step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
-        vae = Geometry.of(read_config(model_dir / "vae"))
-        side = RESERVE_PIXELS
-        return max(step, *(vae.peak_bytes(4, side, side, decode) for decode in (True, False)))
-
-    def dit_slots(self, model_dir: Path) -> dict:
-        return linear_slots(DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")))
-
-    @staticmethod
-    def encoder_module_name(name: str) -> str | None:
-        from ...encoders.qwen3.text import module_name
-
-        return module_name(name)
-
-    @staticmethod
-    def encoder_quantized(path: str) -> bool:
-        from .prompt import quantized
-
-        return quantized(path)
+def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """A guided step of the reference workload (RESERVE_*) beyond the weights."""
+    config = DiTConfig.from_dict(read_config(Path(model_dir) / "transformer"))
+    cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
+    row = padded(cells * cells) + padded(RESERVE_CAPTION)
+    blocked = cpu_ops.use_cpu_ops(dtype)
+    compiled = compile_enabled(config.dim)
+    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
 
 
 def load(
@@ -176,7 +134,14 @@ def step_peak_bytes(
     return total
 
 
-Z_IMAGE = ZImage(SPEC, load)
+Z_IMAGE = FolderFamily(
+    SPEC,
+    load,
+    dit=DiTPart(dit_file, DiTConfig, linear_slots, dit_quantized),
+    encoder=Qwen3Part(),
+    vae=AutoencoderKLPart(),
+    step_reserve=step_reserve,
+)
 
 
 class ZImageModel(FamilyModel):
