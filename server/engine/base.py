@@ -52,6 +52,20 @@ class StepRow:
     prefix_cache: bool = True
 
 
+@dataclass(frozen=True)
+class StepCall:
+    """How a step runs, beyond its inputs: the keywords of `ImageModel.denoise_step`, as one
+    object a family's `FamilyModel.step` receives."""
+
+    convention: str = "comfy"
+    run: str | None = None
+    table: object | None = None
+    plans: Any = None
+    ref_cache: bool = False
+    skip: tuple[int, ...] = ()
+    sample_sigmas: np.ndarray | None = None
+
+
 @dataclass
 class StepResult:
     out: np.ndarray  # float32, the shape of x: sign x dx/dsigma

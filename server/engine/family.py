@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .base import Capabilities, EngineInputError, StepRow
+from .base import Capabilities, EngineInputError, StepCall, StepResult, StepRow
 from .gguf import DiTFile
 from .lora import TableWeights
 from .nn import dtypes
@@ -203,6 +203,32 @@ class FamilyModel:
     def check_patch_table(self, table: Any) -> None:
         """Refuse a patch table whose keys or shapes do not fit this DiT (called at PUT time)."""
         self.tables.check(table)
+
+    # -- the step -------------------------------------------------------------------------
+
+    def denoise_step(
+        self,
+        x: np.ndarray,
+        timestep: np.ndarray,
+        rows: list[StepRow],
+        *,
+        convention: str = "comfy",
+        run: str | None = None,
+        table: object | None = None,
+        plans: Any = None,
+        ref_cache: bool = False,
+        skip: tuple[int, ...] = (),
+        sample_sigmas: np.ndarray | None = None,
+    ) -> StepResult:
+        """The seam's step (base.ImageModel.denoise_step), its keywords handed to the family's
+        `step` as one StepCall."""
+        call = StepCall(convention, run, table, plans, ref_cache, skip, sample_sigmas)
+        return self.step(x, timestep, rows, call)
+
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
+    ) -> StepResult:
+        raise NotImplementedError(f"{type(self).__name__} must run its step")
 
     # -- memory plan: the defaults of a family without prefix states ----------------------
 

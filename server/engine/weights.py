@@ -158,6 +158,40 @@ def load_tree(
 GGUF_SUFFIX = ".gguf"
 
 
+def load_dit_tree(
+    transformer_dir: Path,
+    config: Any,
+    sanitize: Callable[[dict, Any], dict],
+    f32_weights: tuple[str, ...],
+    quantized: Callable[[str], bool],
+    single: DiTFile | None,
+    dtype: mx.Dtype,
+    quantization: Quantization | None = None,
+    shard: Any = None,
+    plan: Any = None,
+    depths: dict[str, int] | None = None,
+) -> tuple[dict, Any]:
+    """A DiT's weight tree (`load_tree`) and, with a `shard` (a shard_plan.Shard), the rank's
+    stages: `sanitize(files, config)` its file names -> tree, the tensors whose names end in
+    one of `f32_weights` kept in float32 (norm scales), `quantized` the tree paths a
+    quantized load quantizes, `single` its single file (None: the folder's safetensors), and
+    for a shard the family's `plan` (shard_plan.ShardPlan) over block stacks of `depths`."""
+    from .shard import Stages, TreeShard
+
+    tree_shard = None if shard is None else TreeShard(plan, shard, depths)
+    weights = load_tree(
+        transformer_dir,
+        lambda files: sanitize(files, config),
+        dtype,
+        keep_f32=lambda name: name.endswith(f32_weights),
+        quantization=quantization,
+        quantized=quantized,
+        gguf=single,
+        shard=tree_shard,
+    )
+    return weights, None if tree_shard is None else Stages(tree_shard)
+
+
 def block_weights(files: dict[str, mx.array], prefix: str, linears: dict, norms: dict) -> dict:
     """One block of a DiT's weight tree from the file's tensors under `prefix`: each of
     `linears` (tree key -> its file names, in row order) one weight, several parts concatenated

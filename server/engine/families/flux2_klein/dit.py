@@ -39,12 +39,11 @@ from ...nn import cpu_ops
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.dtypes import default_compute_dtype, tree_bytes
+from ...nn.embeddings import TIME_PROJ_DIM, time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
-from ...weights import block_weights, load_tree, read_config, single_file
+from ...weights import block_weights, load_dit_tree, read_config, single_file
 
-TIME_PROJ_DIM = 256
-TIME_MAX_PERIOD = 10000.0
 TIME_FACTOR = 1000.0  # the DiT embeds 1000 t
 REF_TIME_SCALE = 10  # reference k sits at time coordinate 10 + 10 k
 REF_MODES = ("joint", "kv")
@@ -350,12 +349,6 @@ def quantized(path: str) -> bool:
     return path.startswith(("double.", "single."))
 
 
-def time_frequencies() -> mx.array:
-    half = TIME_PROJ_DIM // 2
-    exponent = -math.log(TIME_MAX_PERIOD) * np.arange(half, dtype=np.float32) / np.float32(half)
-    return mx.array(np.exp(exponent.astype(np.float32)).astype(np.float32))
-
-
 # ---------------------------------------------------------------------------------------------
 # Positions: host-side integers only
 
@@ -425,14 +418,9 @@ class Flux2DiT:
         `quantization`, the float layers `quantized` picks are quantized as they load."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
-        weights = load_tree(
-            transformer_dir,
-            lambda files: sanitize(files, config),
-            dtype,
-            keep_f32=lambda name: name.endswith(F32_WEIGHTS),
-            quantization=quantization,
-            quantized=quantized,
-            gguf=dit_file(transformer_dir, dit),
+        single = dit_file(transformer_dir, dit)
+        weights, _ = load_dit_tree(
+            transformer_dir, config, sanitize, F32_WEIGHTS, quantized, single, dtype, quantization
         )
         return cls(config, weights, dtype)
 

@@ -29,12 +29,13 @@ import mlx.core as mx
 import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
-from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
+from ...base import Capabilities, EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...precision import AUTO, Quantization
+from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import gguf_file, read_config
 from .dit import (
@@ -274,7 +275,7 @@ class Flux2KleinModel(FamilyModel):
         config, itemsize = self.dit.config, self.dit.dtype.size
         if rows is None:
             return step_peak_bytes(config, itemsize, [image] * batch, self.dit.cpu_ops)
-        lengths = [image + _cond_rows(row) + _ref_tokens(row) for row in rows]
+        lengths = [image + cond_rows(row, MAX_SEQUENCE_LENGTH) + _ref_tokens(row) for row in rows]
         states = 0
         if self.family == FAMILY_9B_KV:
             states = sum(ref_state_bytes(config, itemsize, _ref_tokens(row)) for row in rows)
@@ -297,22 +298,12 @@ class Flux2KleinModel(FamilyModel):
     def end_run(self, run: str) -> None:
         self.ref_caches.pop(run, None)
 
-    def denoise_step(
-        self,
-        x: np.ndarray,
-        timestep: np.ndarray,
-        rows: list[StepRow],
-        *,
-        convention: str = "comfy",
-        run: str | None = None,
-        table: object | None = None,
-        plans=None,
-        ref_cache: bool = False,
-        skip: tuple[int, ...] = (),
-        sample_sigmas: np.ndarray | None = None,
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
     ) -> StepResult:
         """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions), one row per
         batch entry: the DiT's output at t = sigma."""
+        convention, run, table, ref_cache = call.convention, call.run, call.table, call.ref_cache
         x = self._check_latents(x, rows)
         if convention not in CONVENTIONS:
             raise EngineInputError(
@@ -322,7 +313,10 @@ class Flux2KleinModel(FamilyModel):
         if ref_cache and run is None:
             raise EngineInputError("ref_cache needs a run")
         plan = self._plan(rows, table, convention, ref_cache)
-        caps = [mx.array(self._check_cond(row, i)) for i, row in enumerate(rows)]
+        caps = [
+            mx.array(checked_cond(row, i, self.dit.config.joint_attention_dim))
+            for i, row in enumerate(rows)
+        ]
         refs = [self._check_refs(row, i) for i, row in enumerate(rows)]
         weights = self.tables.weights_for(table)
         started = time.perf_counter()
@@ -340,7 +334,7 @@ class Flux2KleinModel(FamilyModel):
             states = [
                 self._state(held, key, r, weights) for key, r in zip(plan.keys, refs, strict=True)
             ]
-        t = mx.array(_row_sigmas(timestep, x.shape[0]))
+        t = mx.array(row_sigmas(timestep, x.shape[0]))
         out = self.dit.forward(
             mx.array(x),
             t,
@@ -365,28 +359,10 @@ class Flux2KleinModel(FamilyModel):
         return state
 
     def _check_latents(self, x: np.ndarray, rows: list[StepRow]) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32)
-        channels = self.dit.config.in_channels
-        if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != channels:
-            raise EngineInputError(
-                f"x must be (rows, {channels}, h, w) with one row per batch entry,"
-                f" got {x.shape} for {len(rows)} rows"
-            )
+        x = checked_latents(x, rows, self.dit.config.in_channels)
         if 0 in x.shape:
             raise EngineInputError(f"latents {x.shape[2]}x{x.shape[3]} must not be empty")
         return x
-
-    def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
-        cond = np.asarray(row.cond, dtype=np.float32)
-        if cond.ndim == 3 and cond.shape[0] == 1:
-            cond = cond[0]
-        width = self.dit.config.joint_attention_dim
-        if cond.ndim != 2 or cond.shape[1] != width or cond.shape[0] < 1:
-            raise EngineInputError(
-                f"rows[{index}]: conditioning must be (1, L, {width}) or (L, {width}) with L >= 1,"
-                f" got {tuple(np.shape(row.cond))}"
-            )
-        return cond
 
     def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
         channels = self.dit.config.in_channels
@@ -414,20 +390,5 @@ def _table_id(table: object | None) -> str | None:
     return None if table is None else table.table_id
 
 
-def _cond_rows(row: StepRow) -> int:
-    shape = np.shape(row.cond)
-    return int(shape[-2]) if len(shape) >= 2 else MAX_SEQUENCE_LENGTH
-
-
 def _ref_tokens(row: StepRow) -> int:
     return sum(int(np.prod(np.shape(r)[-2:])) for r in row.ref_latents)
-
-
-def _row_sigmas(timestep: np.ndarray, batch: int) -> np.ndarray:
-    """The per-row sigma (float32): the timestep itself under both conventions."""
-    values = np.asarray(timestep, dtype=np.float64).reshape(-1)
-    if values.size == 1:
-        values = np.repeat(values, batch)
-    if values.size != batch:
-        raise EngineInputError(f"timestep has {values.size} values for {batch} rows")
-    return values.astype(np.float32)

@@ -33,14 +33,13 @@ from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
 from ...nn.dtypes import default_compute_dtype, tree_bytes
+from ...nn.embeddings import TIME_PROJ_DIM, time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
-from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
-from ...weights import block_weights, gguf_file, load_tree, read_config
+from ...shard import Shard, ShardPlan, Split, Stages
+from ...weights import block_weights, gguf_file, load_dit_tree, read_config
 
-TIME_PROJ_DIM = 256
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
-TIME_MAX_PERIOD = 10000.0
 TARGET_TABLES_KEPT = 16  # target RoPE tables kept, least recently used dropped first
 
 
@@ -149,12 +148,6 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # Small numerical pieces
-
-
-def time_frequencies() -> mx.array:
-    half = TIME_PROJ_DIM // 2
-    exponent = (-math.log(TIME_MAX_PERIOD) * np.arange(half, dtype=np.float32)) / np.float32(half)
-    return mx.array(np.exp(exponent.astype(np.float32)).astype(np.float32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,20 +327,19 @@ class QwenImage21DiT:
         `shard`, only this rank's part of it (shard_plan)."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
-        tree_shard = None
-        if shard is not None:
-            tree_shard = TreeShard(shard_plan(config), shard, {"blocks": config.num_layers})
-        weights = load_tree(
+        weights, stages = load_dit_tree(
             transformer_dir,
-            lambda files: sanitize(files, config),
+            config,
+            sanitize,
+            F32_WEIGHTS,
+            quantized,
+            dit_file(transformer_dir, dit),
             dtype,
-            keep_f32=lambda name: name.endswith(F32_WEIGHTS),
-            quantization=quantization,
-            quantized=quantized,
-            gguf=dit_file(transformer_dir, dit),
-            shard=tree_shard,
+            quantization,
+            shard,
+            None if shard is None else shard_plan(config),
+            {"blocks": config.num_layers},
         )
-        stages = None if tree_shard is None else Stages(tree_shard)
         return cls(config, weights, dtype, stages)
 
     # -- shared pieces --------------------------------------------------------------------

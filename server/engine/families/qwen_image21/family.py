@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
-from ...base import EncodeResult, StepResult, StepRow
+from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, gguf_pair
 from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
@@ -343,22 +343,11 @@ class QwenImage21Model(FamilyModel):
             image_slots=list(encoding.image_slots),
         )
 
-    def denoise_step(
-        self,
-        x: np.ndarray,
-        timestep: np.ndarray,
-        rows: list[StepRow],
-        *,
-        convention: str = "comfy",
-        run: str | None = None,
-        table: object | None = None,
-        plans: list[RowPlan] | None = None,
-        ref_cache: bool = False,
-        skip: tuple[int, ...] = (),
-        sample_sigmas: np.ndarray | None = None,
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
     ) -> StepResult:
-        """`plans`: this step's plan_step(x.shape, rows, table), when the memory plan made it.
-        The family extracts no reference K/V, skips no blocks and needs no sample sigmas
+        """`call.plans`: this step's plan_step(x.shape, rows, table), when the memory plan made
+        it. The family extracts no reference K/V, skips no blocks and needs no sample sigmas
         (`capabilities`), so the route never sets those."""
         return denoise_step(
             self.dit,
@@ -366,11 +355,11 @@ class QwenImage21Model(FamilyModel):
             x,
             timestep,
             rows,
-            convention=convention,
-            run=run,
-            table_id=_table_id(table),
-            weights=self.tables.weights_for(table),
-            plans=plans,
+            convention=call.convention,
+            run=call.run,
+            table_id=_table_id(call.table),
+            weights=self.tables.weights_for(call.table),
+            plans=call.plans,
         )
 
     def end_run(self, run: str) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from ...base import EngineInputError, StepResult, StepRow, kept_image_slots
 from ...nn.dtypes import dtype_name
 from ...prefix_cache import PrefixCache
+from ...step_inputs import checked_latents
 from .dit import PrefixLayout, QwenImage21DiT
 
 # Step conventions of this family (docs/contract.md §5.2): both read the timestep as sigma
@@ -128,12 +129,7 @@ def denoise_step(
     """Model output sign * dx/dsigma (float32, x's shape) for x (B, C, h, w), one row per entry.
     `weights`: the tree of the patch table `table_id` (server/engine/lora.py), None for none.
     `plans`: the rows' plan_row at x's size and `table_id`, when the caller already made them."""
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != dit.config.in_channels:
-        raise EngineInputError(
-            f"x must be (rows, {dit.config.in_channels}, h, w) with one row per batch entry,"
-            f" got {x.shape} for {len(rows)} rows"
-        )
+    x = checked_latents(x, rows, dit.config.in_channels)
     batch, channels, h, w = x.shape
     sigma = sigmas_for(timestep, batch, convention)
     sign = CONVENTIONS[convention][2]

@@ -31,14 +31,13 @@ from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
 from ...nn.dtypes import default_compute_dtype, tree_bytes
+from ...nn.embeddings import TIME_PROJ_DIM, time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...precision import Quantization
-from ...shard import Shard, ShardPlan, Split, Stages, TreeShard
-from ...weights import block_weights, gguf_file, load_tree, read_config
+from ...shard import Shard, ShardPlan, Split, Stages
+from ...weights import block_weights, gguf_file, load_dit_tree, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
-TIME_PROJ_DIM = 256
-TIME_MAX_PERIOD = 10000.0
 ADALN_DIM = 256  # the time embedding's width (at most the model's)
 TIME_MID_DIM = 1024  # the time embedder's hidden width
 QK_NORM_EPS = 1e-5
@@ -309,12 +308,6 @@ def dense(w: dict, key: str, x: mx.array) -> mx.array:
     return out if bias is None else out + bias
 
 
-def time_frequencies() -> mx.array:
-    half = TIME_PROJ_DIM // 2
-    exponent = -math.log(TIME_MAX_PERIOD) * np.arange(half, dtype=np.float32) / np.float32(half)
-    return mx.array(np.exp(exponent.astype(np.float32)).astype(np.float32))
-
-
 # ---------------------------------------------------------------------------------------------
 # Positions: host-side integers only
 
@@ -363,21 +356,19 @@ class ZImageDiT:
         rank's part of it (shard_plan)."""
         dtype = dtype or default_compute_dtype()
         config = DiTConfig.from_dict(read_config(transformer_dir))
-        tree_shard = None
-        if shard is not None:
-            depths = {stack: _stack_depth(stack, config) for stack in STACKS}
-            tree_shard = TreeShard(shard_plan(config), shard, depths)
-        weights = load_tree(
+        weights, stages = load_dit_tree(
             transformer_dir,
-            lambda files: sanitize(files, config),
+            config,
+            sanitize,
+            F32_WEIGHTS,
+            quantized,
+            dit_file(transformer_dir, dit),
             dtype,
-            keep_f32=lambda name: name.endswith(F32_WEIGHTS),
-            quantization=quantization,
-            quantized=quantized,
-            gguf=dit_file(transformer_dir, dit),
-            shard=tree_shard,
+            quantization,
+            shard,
+            None if shard is None else shard_plan(config),
+            {stack: _stack_depth(stack, config) for stack in STACKS},
         )
-        stages = None if tree_shard is None else Stages(tree_shard)
         return cls(config, weights, dtype, stages)
 
     @property

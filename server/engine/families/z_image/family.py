@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...base import Capabilities, EncodeResult, EngineInputError, StepResult, StepRow
+from ...base import Capabilities, EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
@@ -23,6 +23,7 @@ from ...nn import cpu_ops, dtypes
 from ...nn.compiled import compile_enabled
 from ...precision import AUTO, Quantization
 from ...shard import Shard
+from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import gguf_file, read_config
 from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
@@ -187,7 +188,7 @@ class ZImageModel(FamilyModel):
         """Without rows (the quick plan) the image tokens alone; with them each row's caption."""
         batch, _, h, w = x_shape
         image = padded((h // LATENT_PATCH) * (w // LATENT_PATCH))
-        captions = [0] * batch if rows is None else [padded(_cond_rows(row)) for row in rows]
+        captions = [0] * batch if rows is None else [padded(cond_rows(row)) for row in rows]
         # dit.cpu_ops was read at load: the quick plan runs on an HTTP thread, never asks MLX
         dit = self.dit
         lengths = [image + n for n in captions]
@@ -195,45 +196,29 @@ class ZImageModel(FamilyModel):
             dit.config, dit.dtype.size, lengths, dit.cpu_ops, dit.compiled_pass.enabled
         )
 
-    def denoise_step(
-        self,
-        x: np.ndarray,
-        timestep: np.ndarray,
-        rows: list[StepRow],
-        *,
-        convention: str = "comfy",
-        run: str | None = None,
-        table: object | None = None,
-        plans=None,
-        ref_cache: bool = False,
-        skip: tuple[int, ...] = (),
-        sample_sigmas: np.ndarray | None = None,
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
     ) -> StepResult:
         """dx/dsigma for x (B, C, h, w) at sigma = timestep (both conventions), one row per
         batch entry: the DiT's raw output at t = 1 - sigma, negated."""
         x = self._check_latents(x, rows)
-        if convention not in CONVENTIONS:
+        if call.convention not in CONVENTIONS:
             raise EngineInputError(
-                f"unknown convention {convention!r} for {FAMILY}; use one of {list(CONVENTIONS)}"
+                f"unknown convention {call.convention!r} for {FAMILY}; use one of"
+                f" {list(CONVENTIONS)}"
             )
-        sigma = _row_sigmas(timestep, x.shape[0])
+        sigma = row_sigmas(timestep, x.shape[0])
         caps = [mx.array(self._check_cond(row, index)) for index, row in enumerate(rows)]
         started = time.perf_counter()
         t = mx.array(np.float32(1.0) - sigma)
-        raw = self.dit.forward(mx.array(x), t, caps, self.tables.weights_for(table))
+        raw = self.dit.forward(mx.array(x), t, caps, self.tables.weights_for(call.table))
         out = -raw.astype(mx.float32)
         mx.eval(out)
         forward_ms = (time.perf_counter() - started) * 1000.0
         return StepResult(out=np.array(out), prefix_cache="none", forward_ms=forward_ms)
 
     def _check_latents(self, x: np.ndarray, rows: list[StepRow]) -> np.ndarray:
-        x = np.asarray(x, dtype=np.float32)
-        channels = self.dit.config.in_channels
-        if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != channels:
-            raise EngineInputError(
-                f"x must be (rows, {channels}, h, w) with one row per batch entry,"
-                f" got {x.shape} for {len(rows)} rows"
-            )
+        x = checked_latents(x, rows, self.dit.config.in_channels)
         _, _, h, w = x.shape
         if h == 0 or w == 0 or h % LATENT_PATCH or w % LATENT_PATCH:
             multiple = LATENT_STRIDE * LATENT_PATCH
@@ -248,32 +233,8 @@ class ZImageModel(FamilyModel):
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
         if row.ref_latents:
             raise EngineInputError(f"rows[{index}]: {TITLE} takes no reference latents")
-        cond = np.asarray(row.cond, dtype=np.float32)
-        if cond.ndim == 3 and cond.shape[0] == 1:
-            cond = cond[0]
-        width = self.dit.config.cap_feat_dim
-        if cond.ndim != 2 or cond.shape[1] != width or cond.shape[0] < 1:
-            raise EngineInputError(
-                f"rows[{index}]: conditioning must be (1, L, {width}) or (L, {width}) with L >= 1,"
-                f" got {tuple(np.shape(row.cond))}"
-            )
-        return cond
+        return checked_cond(row, index, self.dit.config.cap_feat_dim)
 
     def close(self) -> None:
         self.dit = None
         super().close()
-
-
-def _cond_rows(row: StepRow) -> int:
-    shape = np.shape(row.cond)
-    return int(shape[-2]) if len(shape) >= 2 else 0
-
-
-def _row_sigmas(timestep: np.ndarray, batch: int) -> np.ndarray:
-    """The per-row sigma (float32): the timestep itself under both conventions."""
-    values = np.asarray(timestep, dtype=np.float64).reshape(-1)
-    if values.size == 1:
-        values = np.repeat(values, batch)
-    if values.size != batch:
-        raise EngineInputError(f"timestep has {values.size} values for {batch} rows")
-    return values.astype(np.float32)

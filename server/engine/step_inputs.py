@@ -1,0 +1,54 @@
+"""The checks every family makes of a step's inputs, numpy only: x's shape against its rows,
+each row's conditioning against the DiT's caption width, and the per-row timestep.
+
+A family calls them from its `denoise_step` with its own facts (channels, width); each failure
+is an EngineInputError (answered 400) naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import EngineInputError, StepRow
+
+
+def checked_latents(x: np.ndarray, rows: list[StepRow], channels: int) -> np.ndarray:
+    """x as float32 (B, channels, h, w), one batch entry per row."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != channels:
+        raise EngineInputError(
+            f"x must be (rows, {channels}, h, w) with one row per batch entry,"
+            f" got {x.shape} for {len(rows)} rows"
+        )
+    return x
+
+
+def checked_cond(row: StepRow, index: int, width: int) -> np.ndarray:
+    """A row's conditioning as float32 (L, width), L >= 1 (a leading batch axis of 1 dropped)."""
+    cond = np.asarray(row.cond, dtype=np.float32)
+    if cond.ndim == 3 and cond.shape[0] == 1:
+        cond = cond[0]
+    if cond.ndim != 2 or cond.shape[1] != width or cond.shape[0] < 1:
+        raise EngineInputError(
+            f"rows[{index}]: conditioning must be (1, L, {width}) or (L, {width}) with L >= 1,"
+            f" got {tuple(np.shape(row.cond))}"
+        )
+    return cond
+
+
+def cond_rows(row: StepRow, default: int = 0) -> int:
+    """The rows of a row's conditioning (`default` when it has no row axis: the quick plan's
+    guess before the check refuses it)."""
+    shape = np.shape(row.cond)
+    return int(shape[-2]) if len(shape) >= 2 else default
+
+
+def row_sigmas(timestep: np.ndarray, batch: int) -> np.ndarray:
+    """The per-row sigma (float32) of a timestep read as sigma: one value for every row, or
+    one per row."""
+    values = np.asarray(timestep, dtype=np.float64).reshape(-1)
+    if values.size == 1:
+        values = np.repeat(values, batch)
+    if values.size != batch:
+        raise EngineInputError(f"timestep has {values.size} values for {batch} rows")
+    return values.astype(np.float32)
