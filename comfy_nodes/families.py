@@ -158,13 +158,9 @@ PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21", "ZImage": "z_image", "Flux2
 # not (its Lumina2 is Lumina Image 2.0 alone). FLUX.2 (klein): 0.33 has Flux2, 0.3.64 not.
 COMFY_BASE_CLASSES = {"ZImage": "Lumina2", "Flux2": "Flux2"}
 # The DiT's own reference placement method (ComfyUI's `ref_latents_method` default), for
-# servers whose status has no `conditioning.ref_method`.
-DEFAULT_REF_METHOD = {
-    "qwen_image21": "index",
-    "flux2_klein": "index",
-    "flux2_klein_9b": "index",
-    "flux2_klein_9b_kv": "index",
-}
+# servers whose status has no `conditioning.ref_method`: only families that such an older
+# server served (every server that serves a later family publishes it).
+DEFAULT_REF_METHOD = {"qwen_image21": "index"}
 # Families whose encoder refuses an empty prompt: the pack sends one space (docs/contract.md §7.4),
 # for servers whose status has no `conditioning.empty_prompt`.
 SPACE_FOR_EMPTY_PROMPT = frozenset(("qwen_image", "qwen_image21", "krea2", "flux3_klein"))

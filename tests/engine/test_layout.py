@@ -51,3 +51,62 @@ def test_shared_parts_import_no_family(part):
     for path in paths:
         bad = [m for m in engine_imports(path) if m.startswith("families")]
         assert not bad, f"{path.relative_to(ENGINE)} imports {bad}"
+
+
+# The seam below the HTTP side that must import no MLX: what the registry, the listing and the
+# checks of a model's settings run on before (or without) MLX.
+MLX_FREE = (
+    "gmlx_server.engine.base",
+    "gmlx_server.engine.spec",
+    "gmlx_server.engine.registry",
+    "gmlx_server.engine.load_settings",
+    "gmlx_server.engine.precision",
+    "gmlx_server.engine.step_inputs",
+    *(f"gmlx_server.engine.families.{family}.spec" for family in FAMILIES),
+)
+NO_MLX = """
+import importlib, json, sys
+from pathlib import Path
+
+class NoMLX:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlx" or name.startswith("mlx."):
+            raise ImportError("MLX is blocked in this check")
+
+sys.meta_path.insert(0, NoMLX())
+for name in MODULES:
+    importlib.import_module(name)
+from gmlx_server.engine.registry import ModelRegistry
+
+root = Path(sys.argv[1])
+folders = {
+    "qwen": {"_class_name": "QwenImage21Pipeline", "sample_sigmas": [1.0, 0.5]},
+    "zimage": {"_class_name": "ZImagePipeline"},
+    "klein": {"_class_name": "Flux2KleinKVPipeline"},
+}
+for name, index in folders.items():
+    (root / name / "text_encoder").mkdir(parents=True)
+    (root / name / "model_index.json").write_text(json.dumps(index))
+    (root / name / "text_encoder" / "config.json").write_text('{"model_type": "qwen3"}')
+found = {e.model_id: (e.family, e.variant) for e in ModelRegistry([root]).entries()}
+assert found == {
+    "qwen": ("qwen_image21", "turbo"),
+    "zimage": ("z_image", "turbo"),
+    "klein": ("flux2_klein_9b_kv", "distilled"),
+}, found
+assert not [m for m in sys.modules if m == "mlx" or m.startswith("mlx.")]
+print("ok")
+"""
+
+
+def test_the_seam_and_the_family_specs_import_no_mlx(tmp_path):
+    """The registry finds the family folders, identifies models and lists them with MLX
+    unimportable; a spec that imported MLX would fail here."""
+    import subprocess
+    import sys
+
+    code = NO_MLX.replace("MODULES", repr(MLX_FREE))
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
