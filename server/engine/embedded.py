@@ -1,7 +1,7 @@
 """What the embedded random-weight models share: a folder generated on first use, stamped and
 moved into place atomically, and weights drawn so that every input visibly moves the output.
 
-An embedded model's module (a family's `embedded.py`, listed in registry.EMBEDDED_MODELS)
+An embedded model's module (a family's `embedded.py`, named by its spec's `embedded`)
 provides MODEL_NAME, `default_cache_dir()` and `ensure_embedded_model(cache_dir=None)` -> its
 folder, which it builds with `ensure` below: the folder is written by the module's `write`
 into a temporary folder renamed into place, with a stamp whose fingerprint covers the

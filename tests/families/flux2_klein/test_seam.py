@@ -1,5 +1,5 @@
 """FLUX.2 klein through the whole seam over HTTP on tiny folders found by the product registry
-(its FAMILIES lines): status and manifest unloaded and loaded (its residency estimated, then
+(its spec.py): status and manifest unloaded and loaded (its residency estimated, then
 held), encode with references, steps
 equal to the diffusers transformer (joint references, and the KV model's), the run's reference
 K/V cache (a hit equals the miss, the memory plan counts it and refuses one that does not fit),

@@ -1,6 +1,6 @@
 """The twin-blocks family (tests only): a DiT of two block kinds with fused and unfused
 projections and no prefix cache, its own prompt encoder and VAE, laid out as a family of the
-engine is, to prove the seam: this folder and one registry line are all it takes.
+engine is, to prove the seam: this folder and its spec are all it takes.
 
 Status facts come from the config files alone (`describe`); the generic half of the loaded
 model (status copy, manifest, patch tables, VAE routes, planning defaults) is FamilyModel's.

@@ -1,4 +1,4 @@
-"""The twin-blocks family through the whole seam over HTTP: the registry line below is its only
+"""The twin-blocks family through the whole seam over HTTP: the family handed to the registry below is its only
 tie to the server. Status and manifest unloaded and loaded, encode, steps (memory-planned, no
 prefix cache), the VAE routes and LoRA tables on fused and unfused projections of both block
 kinds, which must equal the step of a checkpoint with the same LoRA merged into its files."""

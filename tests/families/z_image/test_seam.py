@@ -1,5 +1,5 @@
 """Z-Image through the whole seam over HTTP on a tiny folder, found by the product registry
-(its FAMILIES line): status and manifest unloaded and loaded, encode, steps (equal to the
+(its spec.py): status and manifest unloaded and loaded, encode, steps (equal to the
 diffusers transformer under the pipeline's time and sign), refusals, the VAE routes, and a LoRA
 table on fused and unfused layers equal to the reference with the LoRA merged into its weights."""
 

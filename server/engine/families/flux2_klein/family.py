@@ -1,5 +1,5 @@
 """FLUX.2 klein (4B, 9B, 9B KV) as an `ImageModel`: the DiT, the VAE and the prompt encoder of
-one folder. One module serves the three families (`FAMILIES` names it three times).
+one folder. One module serves the three families (spec.py declares them).
 
 The folder is diffusers' `Flux2KleinPipeline` layout (or `Flux2KleinKVPipeline`'s):
 model_index.json (`_class_name`, `is_distilled`), transformer/, vae/ (AutoencoderKLFlux2),
