@@ -594,15 +594,16 @@ class DiTFile:
 
     def estimated_bytes(self, itemsize: int) -> int:
         """The bytes the family's tensors take loaded (for the status of a model not loaded):
-        a quantized weight at its MLX width plus float32 scale and bias per group, the rest at
-        `itemsize` bytes per element."""
+        a weight kept quantized (`tensors`: a linear weight whose every fused part the file
+        quantizes) at its MLX width plus float32 scale and bias per group, the rest (a
+        quantized tensor that is no linear weight too) at `itemsize` bytes per element."""
         file, sources = self.open()
+        widths = self._widths(file, sources)
         total = 0
         for name, shape in self.shapes.items():
-            entry = file.entries[sources[name][0]]
             elements = int(np.prod(shape, dtype=np.int64))
-            if entry.quantized and entry.stored_2d:
-                total += elements * (_width(entry.kind) + 2 * 32 // GROUP_SIZE) // 8
+            if name in widths:
+                total += elements * (widths[name] + 2 * 32 // GROUP_SIZE) // 8
             else:
                 total += elements * itemsize
         return total

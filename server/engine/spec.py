@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .base import Capabilities
+
 log = logging.getLogger("gmlx.server")
 
 FAMILIES_PACKAGE = "gmlx_server.engine.families"
@@ -54,6 +56,14 @@ class FamilySpec:
     encoder_vae_dtype: bool = True  # a model entry's `encoder_vae_dtype` applies
     shards: bool = False  # its DiT has a shard plan (a rank group may serve it)
     embedded: str | None = None  # the module of its embedded model (engine/embedded.py)
+
+    def capabilities(self) -> Capabilities:
+        """What its loaded model can do beyond its status (base.Capabilities), from the spec."""
+        return Capabilities(
+            max_refs=self.max_refs,
+            conventions=self.conventions,
+            ref_cache="ref_cache" in self.features,
+        )
 
     def load_implementation(self) -> Family:
         """The family's `Family` (an ImportError where its module cannot be imported, e.g.

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
-from ...base import Capabilities, EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
@@ -49,7 +49,7 @@ from .dit import (
 )
 from .dit import quantized as dit_quantized
 from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH
-from .spec import FAMILY_9B_KV, MAX_REFS, SPECS
+from .spec import FAMILY_9B_KV, SPECS
 
 TITLES = {spec.name: spec.title for spec in SPECS}
 # Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at most
@@ -185,7 +185,7 @@ FLUX2_KLEIN = FolderFamily(
 
 
 class Flux2KleinModel(FamilyModel):
-    capabilities = Capabilities(max_refs=MAX_REFS, conventions=CONVENTIONS, ref_cache=True)
+    capabilities = SPECS[0].capabilities()  # the three families' alike
 
     def __init__(
         self, model_dir, model_id, family, variant, dit, vae, encoder, load_encoder, files=None

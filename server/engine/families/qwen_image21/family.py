@@ -238,6 +238,7 @@ QWEN_IMAGE21 = QwenImage21(
 
 class QwenImage21Model(FamilyModel):
     family = FAMILY
+    capabilities = SPEC.capabilities()
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ SPEC = FamilySpec(
     latent_patch=1,
     vae_stride=16,
     edit_capable=True,
+    max_refs=10,
     features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
     sampling={
         "base": {"steps": 40, "cfg": 1.0, "shift": 1.0},

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...base import Capabilities, EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
 from ...lora import TableWeights
@@ -147,7 +147,7 @@ Z_IMAGE = FolderFamily(
 
 class ZImageModel(FamilyModel):
     family = FAMILY
-    capabilities = Capabilities(max_refs=SPEC.max_refs, conventions=CONVENTIONS)
+    capabilities = SPEC.capabilities()
 
     def __init__(
         self,

@@ -1,0 +1,235 @@
+"""What every family served from a folder must do, checked the same way for each (the family's
+own tests keep what is its own: parity against its reference pipeline).
+
+Each family's tiny folder is served over HTTP by the product registry, beside the same folder
+under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
+
+- the status read from the files is the loaded status, apart from what is held; the memory
+  row's file sizes agree and, loaded, its resident bytes are the arrays plus the reserve;
+- the manifest read from the files is the loaded manifest;
+- the spec says what the status and the capabilities publish;
+- a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
+  a quantized load of the float folder;
+- a GGUF DiT steps as the same network on `gguf.quants.dequantize`'s weights;
+- a truncated GGUF DiT is refused (400, naming the file) before the resident model goes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gmlx_contract import wire
+from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine.load_settings import LoadSettings
+from gmlx_server.engine.precision import Quantization
+from gmlx_server.engine.registry import ModelRegistry
+from gmlx_server.engine.spec import family_specs
+from gmlx_server.engine.weights import quantize_folder
+from safetensors.numpy import load_file, save_file
+
+from tests.engine.gguf_files import encoded, reference, write_gguf
+from tests.server.conftest import serve
+
+TOLERANCE = 1e-4
+
+
+def qwen_image21(folder):
+    from gmlx_server.engine.families.qwen_image21.embedded import write_embedded_model
+
+    write_embedded_model(folder)
+
+
+def z_image(folder):
+    from gmlx_server.engine.families.z_image.embedded import write_embedded_model
+
+    write_embedded_model(folder)
+
+
+def flux2_klein(folder):
+    from tests.families.flux2_klein.tiny.folder import build_tiny_folder
+
+    build_tiny_folder(folder, "flux2_klein", num_single_layers=1)
+
+
+FAMILIES = {"qwen_image21": qwen_image21, "z_image": z_image, "flux2_klein": flux2_klein}
+
+
+def write_gguf_dit(transformer, path, dequantized) -> None:
+    """The DiT's weights as a GGUF file in diffusers' names (Q8_0 for the matrices a 32-block
+    divides, F32 else), and into `dequantized` (a transformer/ folder) what the file holds, as
+    gguf dequantizes it."""
+    weights = {}
+    for file in sorted(transformer.glob("*.safetensors")):
+        weights.update(load_file(file))
+    rng = np.random.default_rng(0)
+    tensors, held = {}, {}
+    for name, value in weights.items():
+        value = value.astype(np.float32)
+        kind = T.Q8_0 if value.ndim == 2 and value.shape[1] % 32 == 0 else T.F32
+        tensors[name] = (kind, encoded(kind, value, rng))
+        held[name] = reference(kind, tensors[name][1]).reshape(value.shape)
+    write_gguf(path, tensors, arch=None)
+    dequantized.mkdir(parents=True)
+    shutil.copy(transformer / "config.json", dequantized / "config.json")
+    save_file(held, str(dequantized / "diffusion_pytorch_model.safetensors"))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def served(request, tmp_path_factory):
+    """(server, family name): the family's folder as `plain`, `gguf` (its DiT from a GGUF
+    file), `dequantized` (the GGUF's weights as safetensors), `q4` (quantized at load) and
+    `stored` (`gmlx model quantize`'s 4-bit copy)."""
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    models = root / "models"
+    plain = models / "plain"
+    FAMILIES[name](plain)
+    dequantized = models / "dequantized"
+    shutil.copytree(plain, dequantized, ignore=shutil.ignore_patterns("transformer"))
+    write_gguf_dit(plain / "transformer", root / "dit.gguf", dequantized / "transformer")
+    (models / "gguf").symlink_to(plain)
+    (models / "q4").symlink_to(plain)
+    family = ModelRegistry(extra_models=[plain]).family(name)
+    quantize_folder(plain, models / "stored", Quantization(4), family.quantized_files(plain))
+    settings = {
+        "gguf": LoadSettings(dit=root / "dit.gguf"),
+        "q4": LoadSettings(quantization=Quantization(4)),
+    }
+    registry = ModelRegistry(
+        [models], "plain", max_resident=2, settings=lambda m: settings.get(m, LoadSettings())
+    )
+    config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[models])
+    live = serve(replace(config, image=ImageConfig()), registry)
+    yield live, name
+    live.close()
+
+
+def status(live, model):
+    r = live.call("GET", f"models/{model}/status")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tensors(response) -> dict:
+    assert response.status_code == 200, response.text
+    return wire.read_container(response.content).tensors
+
+
+def step(live, model, text="a red fox") -> np.ndarray:
+    """One guided-looking step: two rows (the prompt and the empty prompt) at two sigmas."""
+    r = live.post_json("encode", {"model": model, "text": text})
+    conds = [tensors(r)["cond"], tensors(live.post_json("encode", {"model": model, "text": ""}))]
+    conds[1] = conds[1]["cond"]
+    channels = status(live, model)["latent"]["channels"]
+    x = np.random.default_rng(5).standard_normal((2, channels, 4, 6)).astype(np.float32)
+    rows = [{"cond": live.put_tensor(cond)} for cond in conds]
+    arrays = {"x": x, "timestep": np.array([0.8, 0.3], np.float32)}
+    return tensors(live.post_container("step", arrays, {"model": model, "rows": rows}))["out"]
+
+
+def rel_l2(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_the_status_from_the_files_is_the_loaded_status(served):
+    live, _ = served
+    for model in ("plain", "gguf", "stored"):
+        live.post_json("models/unload", {"model": model})
+        unloaded = status(live, model)
+        assert live.post_json("models/load", {"model": model}).status_code == 200
+        loaded = status(live, model)
+        held = ("resident", "residency", "memory")
+        assert {k: v for k, v in loaded.items() if k not in held} == {
+            k: v for k, v in unloaded.items() if k not in held
+        }, model
+        for part, row in loaded["residency"].items():
+            estimate = unloaded["residency"][part]
+            assert row["resident"] and not estimate["resident"], (model, part)
+            assert (row["dtype"], row["quantization"]) == (
+                estimate["dtype"],
+                estimate["quantization"],
+            )
+            # the encoder's folder may hold tensors a load never reads
+            assert 0 < row["bytes"] <= estimate["bytes"], (model, part)
+        files = ("dit_bytes", "encoder_bytes", "vae_bytes")
+        assert {k: loaded["memory"][k] for k in files} == {k: unloaded["memory"][k] for k in files}
+        held_model = live.ctx.registry.loaded(model).model
+        reserve = live.ctx.registry.family(loaded["family"]).activation_reserve(
+            held_model.model_dir, held_model.dit.dtype
+        )
+        assert reserve > 0 and unloaded["memory"]["resident_bytes"] == 0
+        assert loaded["memory"]["resident_bytes"] == held_model.weight_bytes + reserve
+        live.post_json("models/unload", {"model": model})
+
+
+def test_the_manifest_from_the_files_is_the_loaded_manifest(served):
+    live, _ = served
+    for model in ("plain", "gguf", "stored"):
+        live.post_json("models/unload", {"model": model})
+        unloaded = live.call("GET", f"models/{model}/manifest").json()
+        live.post_json("models/load", {"model": model})
+        assert live.call("GET", f"models/{model}/manifest").json() == unloaded, model
+        assert unloaded["count"] == len(unloaded["tensors"]) > 0
+        live.post_json("models/unload", {"model": model})
+
+
+def test_the_spec_is_what_the_status_and_the_capabilities_say(served):
+    live, name = served
+    spec = family_specs()[name]
+    published = status(live, "plain")
+    assert published["family"] == spec.name
+    assert published["comfy"] == spec.comfy
+    assert published["conditioning"] == spec.conditioning
+    assert published["edit_capable"] is spec.edit_capable
+    assert published["latent"]["patch"] == spec.latent_patch
+    assert {k: published["sampling"][k] for k in spec.sampling[published["variant"]]} == (
+        spec.sampling[published["variant"]]
+    )
+    capabilities = live.call("GET", "capabilities", versioned=False).json()
+    assert name in capabilities["families"]
+    assert set(spec.features) <= set(capabilities["features"])
+    live.post_json("models/load", {"model": "plain"})
+    model = live.ctx.registry.loaded("plain").model
+    assert tuple(model.capabilities.conventions) == spec.conventions
+    assert model.capabilities.max_refs == spec.max_refs
+
+
+def test_a_stored_quantized_folder_steps_as_a_quantized_load(served):
+    """The weights `quantized_files` picks are the ones a quantized load quantizes: the
+    stored folder's step and encode equal the 4-bit load's, bit for bit."""
+    live, _ = served
+    for model in ("stored", "q4"):
+        live.post_json("models/load", {"model": model})
+    np.testing.assert_array_equal(step(live, "stored"), step(live, "q4"))
+    stored = status(live, "stored")["quantization"]
+    assert stored == status(live, "q4")["quantization"]
+    assert stored["dit"] is not None and stored["encoder"] is not None
+    assert rel_l2(step(live, "q4"), step(live, "plain")) > 1e-4  # quantizing moved the step
+
+
+def test_a_gguf_dit_steps_as_its_dequantized_weights(served):
+    live, _ = served
+    assert rel_l2(step(live, "gguf"), step(live, "dequantized")) <= TOLERANCE
+    assert status(live, "gguf")["quantization"]["dit"] is not None
+
+
+def test_a_truncated_gguf_dit_is_refused_before_the_resident_model_goes(served, tmp_path):
+    live, name = served
+    assert live.post_json("models/load", {"model": "plain"}).status_code == 200
+    source = live.ctx.registry.settings_for(live.ctx.registry.resolve("gguf")).dit
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+    registry = live.ctx.registry
+    keep = registry.settings
+    registry.settings = lambda m: LoadSettings(dit=cut) if m == "gguf" else keep(m)
+    try:
+        live.post_json("models/unload", {"model": "gguf"})
+        r = live.post_json("models/load", {"model": "gguf"})
+        assert r.status_code == 400 and str(cut) in r.text, r.text
+        assert "plain" in registry.resident_ids()
+    finally:
+        registry.settings = keep
