@@ -1,5 +1,6 @@
 """What every family served from a folder must do, checked the same way for each (the family's
-own tests keep what is its own: parity against its reference pipeline).
+own tests keep what is its own: parity against its reference pipeline). A family takes part
+through a `conformance.py` in its test folder, found here by itself.
 
 Each family's tiny folder is served over HTTP by the product registry, beside the same folder
 under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
@@ -16,8 +17,10 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,27 +38,22 @@ from tests.engine.gguf_files import encoded, reference, write_gguf
 from tests.server.conftest import serve
 
 TOLERANCE = 1e-4
+HERE = Path(__file__).resolve().parent
 
 
-def qwen_image21(folder):
-    from gmlx_server.engine.families.qwen_image21.embedded import write_embedded_model
-
-    write_embedded_model(folder)
-
-
-def z_image(folder):
-    from gmlx_server.engine.families.z_image.embedded import write_embedded_model
-
-    write_embedded_model(folder)
-
-
-def flux2_klein(folder):
-    from tests.families.flux2_klein.tiny.folder import build_tiny_folder
-
-    build_tiny_folder(folder, "flux2_klein", num_single_layers=1)
+def cases() -> dict:
+    """Every family's case, by family name: each test folder's `conformance.py` (FAMILY, the
+    family's name; write_folder(folder), its tiny folder; FAMILY_OBJECT, the Family of a family
+    of the tests alone, which the product's specs do not list)."""
+    found = {}
+    for folder in sorted(HERE.iterdir()):
+        if (folder / "conformance.py").is_file():
+            case = importlib.import_module(f"tests.families.{folder.name}.conformance")
+            found[case.FAMILY] = case
+    return found
 
 
-FAMILIES = {"qwen_image21": qwen_image21, "z_image": z_image, "flux2_klein": flux2_klein}
+CASES = cases()
 
 
 def write_gguf_dit(transformer, path, dequantized) -> None:
@@ -78,29 +76,37 @@ def write_gguf_dit(transformer, path, dequantized) -> None:
     save_file(held, str(dequantized / "diffusion_pytorch_model.safetensors"))
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(CASES))
 def served(request, tmp_path_factory):
     """(server, family name): the family's folder as `plain`, `gguf` (its DiT from a GGUF
     file), `dequantized` (the GGUF's weights as safetensors), `q4` (quantized at load) and
     `stored` (`gmlx model quantize`'s 4-bit copy)."""
     name = request.param
+    case = CASES[name]
+    families = {**family_specs()}
+    if hasattr(case, "FAMILY_OBJECT"):  # a family of the tests alone
+        families[name] = case.FAMILY_OBJECT
     root = tmp_path_factory.mktemp(name)
     models = root / "models"
     plain = models / "plain"
-    FAMILIES[name](plain)
+    case.write_folder(plain)
     dequantized = models / "dequantized"
     shutil.copytree(plain, dequantized, ignore=shutil.ignore_patterns("transformer"))
     write_gguf_dit(plain / "transformer", root / "dit.gguf", dequantized / "transformer")
     (models / "gguf").symlink_to(plain)
     (models / "q4").symlink_to(plain)
-    family = ModelRegistry(extra_models=[plain]).family(name)
+    family = ModelRegistry(extra_models=[plain], families=families).family(name)
     quantize_folder(plain, models / "stored", Quantization(4), family.quantized_files(plain))
     settings = {
         "gguf": LoadSettings(dit=root / "dit.gguf"),
         "q4": LoadSettings(quantization=Quantization(4)),
     }
     registry = ModelRegistry(
-        [models], "plain", max_resident=2, settings=lambda m: settings.get(m, LoadSettings())
+        [models],
+        "plain",
+        families=families,
+        max_resident=2,
+        settings=lambda m: settings.get(m, LoadSettings()),
     )
     config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[models])
     live = serve(replace(config, image=ImageConfig()), registry)
@@ -179,7 +185,7 @@ def test_the_manifest_from_the_files_is_the_loaded_manifest(served):
 
 def test_the_spec_is_what_the_status_and_the_capabilities_say(served):
     live, name = served
-    spec = family_specs()[name]
+    spec = live.ctx.registry.families[name]
     published = status(live, "plain")
     assert published["family"] == spec.name
     assert published["comfy"] == spec.comfy

@@ -1,0 +1,10 @@
+"""Qwen-Image 2.1 in the conformance suite (tests/families/test_conformance.py): its tiny
+folder is the embedded model's recipe."""
+
+from gmlx_server.engine.families.qwen_image21.embedded import write_embedded_model
+
+FAMILY = "qwen_image21"
+
+
+def write_folder(folder):
+    write_embedded_model(folder)
