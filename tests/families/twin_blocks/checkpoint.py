@@ -1,6 +1,8 @@
 """The tiny-checkpoint recipe of the twin-blocks family: a complete folder of random weights
-(model_index.json, transformer/, text_encoder/, vae/), and the same folder with a LoRA merged
-into its files (the reference a patched step must equal)."""
+(model_index.json, transformer/, text_encoder/ and tokenizer/: a tiny Qwen3, vae/: a tiny
+FLUX.1 AutoencoderKL), and the same folder with a LoRA merged into its files (the reference a
+patched step must equal). The Qwen3 and VAE folders are the embedded Z-Image's recipes of
+those components, a Qwen3 32 wide and a VAE of 16 latent channels at stride 8."""
 
 from __future__ import annotations
 
@@ -8,39 +10,30 @@ import json
 from pathlib import Path
 
 import numpy as np
+from gmlx_server.engine.families.z_image.embedded import write_text_encoder, write_vae
 from safetensors.numpy import save_file
 
-from .dit import QKV, SINGLE_LINEARS, STREAM_LINEARS, STREAMS, TOP_LINEARS
+from .dit import Config, tensor_shapes
+from .spec import PIPELINE_CLASS
 
-PIPELINE_CLASS = "GmlxTwinBlocksPipeline"
+# Wide enough for quantization's groups (64) and GGUF's blocks (32) in every block linear.
 TRANSFORMER = {
-    "channels": 4,
-    "text_width": 8,
-    "hidden": 16,
+    "in_channels": 16,
+    "text_width": 32,
+    "hidden": 64,
     "heads": 2,
     "double_blocks": 2,
     "single_blocks": 2,
-    "mlp": 24,
+    "mlp": 128,
 }
-VAE = {"stride": 8, "scaling_factor": 0.5}
 
 
 def linear_shapes(config: dict = TRANSFORMER) -> dict[str, tuple[int, int]]:
     """Every linear weight of the DiT by its file name less `.weight`: (out, in)."""
-    hidden, mlp = config["hidden"], config["mlp"]
-    shapes = {"time_in": (hidden, 1), "img_in": (hidden, config["channels"])}
-    shapes |= {"txt_in": (hidden, config["text_width"]), "proj_out": (config["channels"], hidden)}
-    assert set(shapes) == set(TOP_LINEARS.values())
-    per_block = {f"attn.{name}": (hidden, hidden) for name in (*QKV, "to_out")}
-    per_block |= {"mlp.up": (mlp, hidden), "mlp.down": (hidden, mlp)}
-    for i in range(config["double_blocks"]):
-        for stream in STREAMS:
-            names = [n for names in STREAM_LINEARS.values() for n in names]
-            shapes |= {f"double_blocks.{i}.{stream}_{n}": per_block[n] for n in names}
-    for i in range(config["single_blocks"]):
-        names = [n for names in SINGLE_LINEARS.values() for n in names]
-        shapes |= {f"single_blocks.{i}.{n}": per_block[n] for n in names}
-    return shapes
+    shapes = tensor_shapes(Config.from_dict(config))
+    return {
+        name.removesuffix(".weight"): shape for name, shape in shapes.items() if len(shape) == 2
+    }
 
 
 def write_folder(root: Path, name: str = "twin-tiny", seed: int = 0, merged=None) -> Path:
@@ -57,21 +50,11 @@ def write_folder(root: Path, name: str = "twin-tiny", seed: int = 0, merged=None
     )
     for layer, delta in (merged or {}).items():
         dit[layer + ".weight"] = (dit[layer + ".weight"] + delta).astype(np.float32)
-    patch = VAE["stride"] ** 2 * 3
-    channels = TRANSFORMER["channels"]
-    vae = {
-        "encoder.weight": (rng.standard_normal((channels, patch)) / np.sqrt(patch)),
-        "decoder.weight": rng.random((patch, channels)),
-    }
-    text = {"embed.weight": rng.standard_normal((256, TRANSFORMER["text_width"]))}
-    for component, config, weights in (
-        ("transformer", TRANSFORMER, dit),
-        ("vae", VAE, vae),
-        ("text_encoder", {}, text),
-    ):
-        (folder / component).mkdir(parents=True, exist_ok=True)
-        (folder / component / "config.json").write_text(json.dumps(config))
-        arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
-        save_file(arrays, str(folder / component / "model.safetensors"))
+    (folder / "transformer").mkdir(parents=True, exist_ok=True)
+    (folder / "transformer" / "config.json").write_text(json.dumps(TRANSFORMER))
+    arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in dit.items()}
+    save_file(arrays, str(folder / "transformer" / "model.safetensors"))
+    write_text_encoder(folder, seed=seed)
+    write_vae(folder / "vae", seed=seed)
     (folder / "model_index.json").write_text(json.dumps({"_class_name": PIPELINE_CLASS}))
     return folder

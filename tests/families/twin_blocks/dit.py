@@ -1,7 +1,8 @@
 """The twin-blocks DiT: double blocks (an image and a text stream, each with its own fused
 q/k/v and unfused output and MLP, attending jointly) then single blocks over the joined
-sequence (unfused q, k, v). A functional weight tree; `sanitize` maps the file's names onto it
-and `linear_slots` names the same places for LoRA, in one place."""
+sequence (unfused q, k, v). A functional weight tree; `sanitize` maps the file's names onto it,
+`linear_slots` names the same places for LoRA and `tensor_shapes` every tensor for single
+files, in one place; `quantized` picks what a quantized load quantizes."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_server.engine.gguf import DiTFile, Naming, fused_weights
 from gmlx_server.engine.lora import LinearSlot, project
 from gmlx_server.engine.nn import cpu_ops
 from gmlx_server.engine.nn.activations import layer_norm, silu
 from gmlx_server.engine.nn.attention import attention
 from gmlx_server.engine.nn.dtypes import tree_bytes
 from gmlx_server.engine.nn.rope import apply_rope, rope_tables
-from gmlx_server.engine.weights import load_weights, read_config
+from gmlx_server.engine.precision import Quantization
+from gmlx_server.engine.weights import gguf_file, load_dit_tree, read_config
 
 QKV = ("to_q", "to_k", "to_v")
 STREAMS = ("img", "txt")
@@ -33,7 +36,7 @@ EPS = 1e-6
 
 @dataclass(frozen=True)
 class Config:
-    channels: int
+    in_channels: int
     text_width: int
     hidden: int
     heads: int
@@ -65,6 +68,40 @@ def linear_slots(config: Config) -> dict[str, LinearSlot]:
     return slots
 
 
+def tensor_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads, by file name, with its shape."""
+    hidden, mlp = config.hidden, config.mlp
+    shapes = {"time_in.weight": (hidden, 1), "img_in.weight": (hidden, config.in_channels)}
+    shapes |= {"txt_in.weight": (hidden, config.text_width)}
+    shapes |= {"proj_out.weight": (config.in_channels, hidden), "norm_out.weight": (hidden,)}
+    per_block = {f"attn.{name}": (hidden, hidden) for name in (*QKV, "to_out")}
+    per_block |= {"mlp.up": (mlp, hidden), "mlp.down": (hidden, mlp)}
+    for i in range(config.double_blocks):
+        for stream in STREAMS:
+            for names in STREAM_LINEARS.values():
+                shapes |= {f"double_blocks.{i}.{stream}_{n}.weight": per_block[n] for n in names}
+    for i in range(config.single_blocks):
+        for names in SINGLE_LINEARS.values():
+            shapes |= {f"single_blocks.{i}.{n}.weight": per_block[n] for n in names}
+    return shapes
+
+
+def quantized(path: str) -> bool:
+    """The blocks' linear weights (the embedders and the output projection stay float)."""
+    return path.startswith(("double.", "single."))
+
+
+def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
+    """The DiT's GGUF file (a model entry's `dit`, else the folder's one .gguf), in its own
+    names; None for safetensors."""
+    path = gguf_file(transformer_dir, dit)
+    if path is None:
+        return None
+    config = Config.from_dict(read_config(transformer_dir))
+    fused = fused_weights(linear_slots(config))
+    return DiTFile(path, Naming(), tensor_shapes(config), fused, "twin-blocks")
+
+
 def sanitize(files: dict[str, mx.array], config: Config) -> dict:
     """The file's tensors as the forward's tree (fused weights concatenated along the rows)."""
 
@@ -94,11 +131,18 @@ class TwinBlocksDiT:
         self.blocked = cpu_ops.use_cpu_ops(dtype)
 
     @classmethod
-    def load(cls, transformer_dir: Path, dtype: mx.Dtype) -> TwinBlocksDiT:
+    def load(
+        cls,
+        transformer_dir: Path,
+        dtype: mx.Dtype,
+        quantization: Quantization | None = None,
+        dit: Path | None = None,
+    ) -> TwinBlocksDiT:
         config = Config.from_dict(read_config(transformer_dir))
-        files = load_weights(transformer_dir, dtype, keep_f32=lambda n: n.endswith(F32_WEIGHTS))
-        weights = sanitize(files, config)
-        mx.eval(weights)
+        single = dit_file(transformer_dir, dit)
+        weights, _ = load_dit_tree(
+            transformer_dir, config, sanitize, F32_WEIGHTS, quantized, single, dtype, quantization
+        )
         return cls(config, weights, dtype)
 
     @property

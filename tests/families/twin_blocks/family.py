@@ -1,157 +1,142 @@
 """The twin-blocks family (tests only): a DiT of two block kinds with fused and unfused
-projections and no prefix cache, its own prompt encoder and VAE, laid out as a family of the
-engine is, to prove the seam: this folder and its spec are all it takes.
+projections and no prefix cache, Qwen3 as its text encoder and FLUX.1's AutoencoderKL as its
+VAE (both shared parts of the engine), laid out as a family of the engine is, to prove that a
+family is its folder: its spec, its DiT and these few lines (the conformance suite,
+tests/families/test_conformance.py, finds it through conformance.py).
 
-Status facts come from the config files alone (`describe`); the generic half of the loaded
-model (status copy, manifest, patch tables, VAE routes, planning defaults) is FamilyModel's.
+Status, manifest, checks and `gmlx model quantize`'s choice come from family.FolderFamily and
+the parts; the generic half of the loaded model (status copy, manifest, patch tables, VAE
+routes, planning defaults) is FamilyModel's.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from gmlx_server.engine.base import Capabilities, EncodeResult, EngineInputError, StepResult
-from gmlx_server.engine.family import FamilyModel, dit_manifest
+from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, StepResult
+from gmlx_server.engine.encoders.qwen3.text import Qwen3Part
+from gmlx_server.engine.family import DiTPart, FamilyModel, FolderFamily
 from gmlx_server.engine.lora import TableWeights
-from gmlx_server.engine.nn.dtypes import default_compute_dtype, dtype_name
-from gmlx_server.engine.spec import Family, FamilySpec
-from gmlx_server.engine.weights import component_bytes, read_config
+from gmlx_server.engine.nn import dtypes
+from gmlx_server.engine.nn.dtypes import default_compute_dtype
+from gmlx_server.engine.precision import AUTO, Quantization
+from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_sigmas
+from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL, AutoencoderKLPart
+from gmlx_server.engine.weights import gguf_file, read_config
 
-from .checkpoint import PIPELINE_CLASS
-from .dit import TwinBlocksDiT, linear_slots
-from .parts import ByteEncoder, PatchVAE
+from .dit import Config, TwinBlocksDiT, dit_file, linear_slots, quantized
+from .prompt import TwinPromptEncoder
+from .spec import FAMILY, SPEC
 
-FAMILY = "twin_blocks"
-SAMPLING = {"steps": 4, "cfg": 1.0, "shift": 1.0, "sigmas": None, "neg_skip": []}
-SCHEDULE = {"rule": "flux2"}
 STEP_BUFFERS = 16  # activations of one token per row, in widths of the hidden size
+RESERVE_CAPTION = 64  # the reference workload's caption rows
 
 
-def identify(model_dir: Path) -> tuple[str, str] | None:
-    index = json.loads((Path(model_dir) / "model_index.json").read_text())
-    return (FAMILY, "base") if index.get("_class_name") == PIPELINE_CLASS else None
-
-
-def describe(model_dir: Path, model_id: str | None = None) -> dict:
+def load(
+    model_dir: Path,
+    model_id: str,
+    quantization: Quantization | None = None,
+    encoder_vae_dtype: str = AUTO,
+    dit: Path | None = None,
+    text_encoder: Path | None = None,
+) -> TwinBlocksModel:
     model_dir = Path(model_dir)
-    dit, vae = read_config(model_dir / "transformer"), read_config(model_dir / "vae")
-    channels, stride = int(dit["channels"]), int(vae["stride"])
-    return {
-        "comfy": {"model_class": "TwinBlocks", "image_model": FAMILY},
-        "latent": {"channels": channels, "stride": stride, "patch": 1},
-        "vae": {
-            "channels_out": 3,
-            "stride": stride,
-            "latents_mean": [0.0] * channels,
-            "latents_std": [1.0 / float(vae["scaling_factor"])] * channels,
-        },
-        "edit_capable": False,
-        "sampling": {**SAMPLING, "schedule": dict(SCHEDULE)},
-        "compute_dtype": dtype_name(default_compute_dtype()),
-        "memory": {
-            "dit_bytes": component_bytes(model_dir / "transformer"),
-            "encoder_bytes": component_bytes(model_dir / "text_encoder"),
-            "vae_bytes": component_bytes(model_dir / "vae"),
-        },
-    }
+    _, variant = TWIN_BLOCKS.identified(model_dir)
+    TWIN_BLOCKS.check(model_dir, dit=dit, text_encoder=text_encoder)
+    network = TwinBlocksDiT.load(
+        model_dir / "transformer", default_compute_dtype(), quantization, dit
+    )
+    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
+    vae = AutoencoderKL.load(model_dir / "vae", side)
+    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
+
+    def load_encoder() -> TwinPromptEncoder:
+        return TwinPromptEncoder.load(model_dir, side, quantization, encoder_gguf)
+
+    encoder = load_encoder()
+    if encoder.hidden_size != network.config.text_width:
+        raise ValueError(
+            f"the text encoder is {encoder.hidden_size} wide; the DiT reads"
+            f" {network.config.text_width}"
+        )
+    files = {"dit": dit, "text_encoder": text_encoder}
+    return TwinBlocksModel(model_dir, model_id, variant, network, vae, encoder, load_encoder, files)
 
 
-def manifest(model_dir: Path) -> dict:
-    return dit_manifest(FAMILY, Path(model_dir) / "transformer", "twin-blocks")
+def step_peak_bytes(config: Config, itemsize: int, rows: int, tokens: int) -> int:
+    """Every row's text and image tokens at the DiT's width, and its scores."""
+    width = STEP_BUFFERS * max(config.hidden, config.mlp)
+    return rows * tokens * (width * itemsize + tokens * 4 * config.heads)
 
 
-def load(model_dir: Path, model_id: str) -> TwinBlocksModel:
-    model_dir = Path(model_dir)
-    dit = TwinBlocksDiT.load(model_dir / "transformer", default_compute_dtype())
-    vae = PatchVAE.load(model_dir / "vae")
-    encoder = ByteEncoder.load(model_dir / "text_encoder")
-    return TwinBlocksModel(model_dir, model_id, dit, vae, encoder)
+def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """A guided step (2 rows) of a 1024x1024 image with RESERVE_CAPTION caption rows."""
+    config = Config.from_dict(read_config(Path(model_dir) / "transformer"))
+    cells = 1024 // SPEC.latent_stride
+    return step_peak_bytes(config, dtype.size, 2, cells * cells + RESERVE_CAPTION)
 
 
-class TwinBlocks(Family):
-    """The family as the registry takes it: status and manifest from the files."""
-
-    def describe(self, model_dir: Path, model_id: str | None = None, **files) -> dict:
-        return describe(model_dir, model_id)
-
-    def manifest(self, model_dir: Path, **files) -> dict:
-        return manifest(model_dir)
-
-
-SPEC = FamilySpec(
-    name=FAMILY,
-    title="twin-blocks",
-    identify=identify,
-    implementation=f"{__name__}:TWIN_BLOCKS",
-    features=("noise_mask",),
-    quantizes=False,
-    encoder_vae_dtype=False,
+TWIN_BLOCKS = FolderFamily(
+    SPEC,
+    load,
+    dit=DiTPart(dit_file, Config, linear_slots, quantized),
+    encoder=Qwen3Part(),
+    vae=AutoencoderKLPart(),
+    step_reserve=step_reserve,
 )
-TWIN_BLOCKS = TwinBlocks(SPEC, load)
 
 
 class TwinBlocksModel(FamilyModel):
     family = FAMILY
-    capabilities = Capabilities(max_refs=0)
+    capabilities = SPEC.capabilities()
 
-    def __init__(self, model_dir: Path, model_id: str, dit, vae, encoder):
+    def __init__(self, model_dir, model_id, variant, dit, vae, encoder, load_encoder, files):
         super().__init__(
             model_dir,
             model_id,
-            "base",
+            variant,
             vae=vae,
             tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
-            status=describe(model_dir, model_id),
-            read_manifest=manifest,
-            weight_bytes=dit.weight_bytes + vae.weight_bytes + encoder.weight_bytes,
+            encoder=encoder,
+            load_encoder=load_encoder,
+            **TWIN_BLOCKS.model_parts(model_dir, dit, vae, encoder, files),
         )
-        self.dit, self.encoder = dit, encoder
+        self.dit = dit
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         if images:
             raise EngineInputError("the twin-blocks family takes no reference images")
-        return EncodeResult(cond=self.encoder.encode(text))
+        return EncodeResult(cond=self.prompt_encoder().encode(text))
 
     def step_peak_bytes(self, x_shape, rows, table=None, plans=None) -> int:
         """Every row's text (as long as its conditioning) and image tokens at the DiT's width."""
-        batch, channels, h, w = x_shape
+        batch, _, h, w = x_shape
         text = max((np.shape(row.cond)[-2] for row in rows), default=0) if rows else 0
-        tokens = text + h * w
-        width = STEP_BUFFERS * max(self.dit.config.hidden, self.dit.config.mlp)
-        return batch * tokens * (width * self.dit.dtype.size + tokens * 4 * self.dit.config.heads)
+        return step_peak_bytes(self.dit.config, self.dit.dtype.size, batch, text + h * w)
 
-    def denoise_step(
-        self,
-        x,
-        timestep,
-        rows,
-        *,
-        convention="comfy",
-        run=None,
-        table=None,
-        plans=None,
-        ref_cache=False,
-        skip=(),
-        sample_sigmas=None,
-    ) -> StepResult:
-        x = np.asarray(x, np.float32)
+    def step(self, x, timestep, rows, call: StepCall) -> StepResult:
+        """The DiT's output at sigma = timestep, one row at a time."""
         config = self.dit.config
-        if x.ndim != 4 or x.shape[0] != len(rows) or x.shape[1] != config.channels:
-            raise EngineInputError(f"x must be (rows, {config.channels}, h, w), got {x.shape}")
+        x = checked_latents(x, rows, config.in_channels)
+        if any(row.ref_latents for row in rows):
+            raise EngineInputError("the twin-blocks family takes no reference latents")
         batch, channels, h, w = x.shape
-        sigmas = np.broadcast_to(np.asarray(timestep, np.float32).reshape(-1), (batch,))
-        weights = self.tables.weights_for(table)
+        sigmas = row_sigmas(timestep, batch)
+        weights = self.tables.weights_for(call.table)
         started = time.perf_counter()
         outs = []
         for index, row in enumerate(rows):
-            cond = np.asarray(row.cond, np.float32).reshape(1, -1, config.text_width)
+            cond = checked_cond(row, index, config.text_width)[None]
             tokens = mx.array(x[index].reshape(channels, h * w).T[None])
             out = self.dit.forward(weights, tokens, float(sigmas[index]), mx.array(cond))
             outs.append(out.astype(mx.float32)[0].T.reshape(channels, h, w))
         out = mx.stack(outs)
         mx.eval(out)
         return StepResult(np.array(out), "none", (time.perf_counter() - started) * 1000.0)
+
+    def close(self) -> None:
+        self.dit = None
+        super().close()

@@ -90,15 +90,12 @@ def test_status_and_manifest_read_unloaded_then_loaded(live):
     assert unloaded["sampling"]["schedule"] == {"rule": "flux2"}
     manifest = live.call("GET", "models/twin-tiny/manifest").json()
     names = {t["name"]: t["shape"] for t in manifest["tensors"]}
-    assert names["double_blocks.0.img_attn.to_q.weight"] == [16, 16]  # logical, unfused names
-    assert names["single_blocks.1.mlp.down.weight"] == [16, 24]
+    assert names["double_blocks.0.img_attn.to_q.weight"] == [64, 64]  # logical, unfused names
+    assert names["single_blocks.1.mlp.down.weight"] == [64, 128]
     assert live.post_json("models/load", {"model": "twin-tiny"}).status_code == 200
     loaded = live.call("GET", "models/twin-tiny/status").json()
     assert loaded["resident"] is True
-    assert {k: v for k, v in loaded.items() if k != "resident"} == {
-        k: v for k, v in unloaded.items() if k != "resident"
-    }
-    assert live.call("GET", "models/twin-tiny/manifest").json() == manifest
+    # (the status and manifest from the files against loaded: tests/families/test_conformance.py)
     model = live.model("twin-tiny")
     stored = sum(t["shape"][0] * t["shape"][1] for t in manifest["tensors"] if len(t["shape"]) == 2)
     assert model.weight_bytes >= 4 * stored  # counted from the arrays, every weight there
@@ -108,8 +105,8 @@ def test_encode_then_step_answers_the_dit_with_no_prefix_cache(live):
     r = live.post_json("encode", {"model": "twin-tiny", "text": "two kinds of blocks"})
     assert r.status_code == 200, r.text
     cond = wire.read_container(r.content).tensors["cond"]
-    assert cond.shape == (1, len("two kinds of blocks"), 8)
-    x = np.random.default_rng(1).standard_normal((1, 4, 3, 5)).astype(np.float32)
+    assert cond.shape[0] == 1 and cond.shape[2] == 32 and cond.shape[1] > 4  # Qwen3's rows
+    x = np.random.default_rng(1).standard_normal((1, 16, 3, 5)).astype(np.float32)
     r = step(live, "twin-tiny", x, 0.7, live.put_tensor(cond))
     out = out_of(r)
     assert out.shape == x.shape and np.all(np.isfinite(out))
@@ -119,9 +116,9 @@ def test_encode_then_step_answers_the_dit_with_no_prefix_cache(live):
 
 
 def test_references_are_refused_as_the_capabilities_say(live):
-    cond = live.put_tensor(np.ones((1, 3, 8), np.float32))
-    ref = live.put_tensor(np.ones((1, 4, 2, 2), np.float32))
-    x = np.zeros((1, 4, 2, 2), np.float32)
+    cond = live.put_tensor(np.ones((1, 3, 32), np.float32))
+    ref = live.put_tensor(np.ones((1, 16, 2, 2), np.float32))
+    x = np.zeros((1, 16, 2, 2), np.float32)
     fields = {"model": "twin-tiny", "rows": [{"cond": cond, "ref_latents": [ref]}]}
     r = live.post_container("step", {"x": x, "timestep": np.array([0.5], np.float32)}, fields)
     assert r.status_code == 400, r.text
@@ -132,7 +129,7 @@ def test_the_vae_routes_round_trip_through_the_family_vae(live):
     r = live.post_container("vae/encode", {"image": image}, {"model": "twin-tiny"})
     assert r.status_code == 200, r.text
     latents = wire.read_container(r.content).tensors["latents"]
-    assert latents.shape == (1, 4, 2, 3)
+    assert latents.shape == (1, 16, 2, 3)
     r = live.post_container("vae/decode", {"latents": latents}, {"model": "twin-tiny"})
     assert r.status_code == 200, r.text
     assert wire.read_container(r.content).tensors["image"].shape == (1, 16, 24, 3)
@@ -157,8 +154,8 @@ def test_a_table_on_fused_and_unfused_layers_equals_the_merged_checkpoint(live):
         params={"model": "twin-tiny"},
     )
     assert r.status_code == 200, r.text
-    cond = live.put_tensor(np.random.default_rng(4).standard_normal((1, 5, 8)).astype(np.float32))
-    x = np.random.default_rng(5).standard_normal((1, 4, 4, 4)).astype(np.float32)
+    cond = live.put_tensor(np.random.default_rng(4).standard_normal((1, 5, 32)).astype(np.float32))
+    x = np.random.default_rng(5).standard_normal((1, 16, 4, 4)).astype(np.float32)
     patched = out_of(step(live, "twin-tiny", x, 0.6, cond, table_id(doc)))
     merged = out_of(step(live, "twin-merged", x, 0.6, cond))
     plain = out_of(step(live, "twin-tiny", x, 0.6, cond))
@@ -167,7 +164,7 @@ def test_a_table_on_fused_and_unfused_layers_equals_the_merged_checkpoint(live):
 
 
 def test_a_key_outside_the_tree_is_refused_naming_a_layer_that_is(live):
-    up, down = np.ones((16, 1), np.float32), np.ones((1, 16), np.float32)
+    up, down = np.ones((64, 1), np.float32), np.ones((1, 64), np.float32)
     for array in (up, down):
         live.put_tensor(array, "adapters")
     patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": None, "strength": 1.0}
@@ -206,7 +203,7 @@ def test_sampling_through_the_routes_equals_sampling_in_process(tmp_path):
         direct, _ = generate(server.direct(), status, request)
         image = server.direct().decode(direct)
     assert len(via.transport_ms) == status["sampling"]["steps"]
-    assert through_routes.shape == (1, 4, 3, 4)
+    assert through_routes.shape == (1, 16, 3, 4)
     np.testing.assert_array_equal(through_routes, direct)
     assert np.std(direct) > 0.01  # latents that the steps moved, not an empty equality
     assert image.shape == (24, 32, 3) and 0.0 <= image.min() and image.max() <= 1.0
