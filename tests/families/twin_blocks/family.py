@@ -54,7 +54,7 @@ def load(
     encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
 
     def load_encoder() -> TwinPromptEncoder:
-        return TwinPromptEncoder.load(model_dir, side, quantization, encoder_gguf)
+        return TwinPromptEncoder.load(model_dir, side, quantization, gguf=encoder_gguf)
 
     encoder = load_encoder()
     if encoder.hidden_size != network.config.text_width:

@@ -3,13 +3,10 @@ template, its last decoder layer's hidden states as the conditioning."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
-from gmlx_server.engine.encoders.qwen3.text import Qwen3TextEncoder, quantized
-from gmlx_server.engine.encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
-from gmlx_server.engine.precision import Quantization
+from gmlx_server.engine.encoders.qwen3.text import Qwen3Prompt
+from gmlx_server.engine.encoders.qwen3.tokenizer import PromptTemplate
 
 from .spec import SPEC
 
@@ -21,25 +18,8 @@ TEMPLATE = PromptTemplate(
 TAPPED_LAYERS = (-1,)
 
 
-class TwinPromptEncoder:
-    def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, dtype):
-        self.encoder, self.tokenizer, self.dtype = encoder, tokenizer, dtype
-        self.weight_bytes = encoder.weight_bytes
-        self.hidden_size = encoder.hidden_size
-
-    @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype,
-        quantization: Quantization | None = None,
-        gguf: Path | None = None,
-    ) -> TwinPromptEncoder:
-        folder = Path(model_dir) / "text_encoder"
-        encoder = Qwen3TextEncoder.load(folder, dtype, quantization, quantized, gguf)
-        return cls(
-            encoder, QwenPromptTokenizer.load(Path(model_dir) / "tokenizer", TEMPLATE), dtype
-        )
+class TwinPromptEncoder(Qwen3Prompt):
+    TEMPLATE = TEMPLATE
 
     def encode(self, text: str) -> np.ndarray:
         """The conditioning (1, L, D) float32 of a prompt."""

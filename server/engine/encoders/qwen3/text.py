@@ -29,6 +29,7 @@ from ...weights import (
     read_config,
     stored_quantization,
 )
+from .tokenizer import PromptTemplate, QwenPromptTokenizer
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,47 @@ class Qwen3Part:
     def network(encoder) -> nn.Module:
         """A family's loaded prompt encoder's network (for its quantization status)."""
         return encoder.encoder.model
+
+
+class Qwen3Prompt:
+    """A family's prompt encoder over Qwen3 alone: the family's `TEMPLATE` tokenized by the
+    folder's tokenizer/, through Qwen3TextEncoder (its first `LAYERS` decoder layers; None:
+    all). A subclass sets the two and says how it encodes (`encode`); one that needs more of
+    the folder builds itself in `of`."""
+
+    TEMPLATE: PromptTemplate
+    LAYERS: int | None = None
+
+    def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, dtype: mx.Dtype):
+        """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
+        quantized, a GGUF file's token table too)."""
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.weight_bytes = encoder.weight_bytes
+        self.hidden_size = encoder.hidden_size
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        dtype: mx.Dtype = mx.float32,
+        quantization: Quantization | None = None,
+        gguf: Path | None = None,
+    ):
+        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, a llama.cpp
+        GGUF file of Qwen3 (text_encoder/config.json still describes it); with a
+        `quantization`, Qwen3's choice of layers (`quantized`: its decoder layers' linears and
+        its token table) quantized as they load."""
+        model_dir = Path(model_dir)
+        folder = model_dir / "text_encoder"
+        encoder = Qwen3TextEncoder.load(folder, dtype, quantization, quantized, gguf, cls.LAYERS)
+        tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", cls.TEMPLATE)
+        return cls.of(model_dir, encoder, tokenizer, dtype)
+
+    @classmethod
+    def of(cls, model_dir: Path, encoder, tokenizer, dtype: mx.Dtype):
+        return cls(encoder, tokenizer, dtype)
 
 
 class Qwen3TextEncoder:

@@ -18,9 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...encoders.qwen3.text import Qwen3TextEncoder, quantized
-from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
-from ...precision import Quantization
+from ...encoders.qwen3.text import Qwen3Prompt
+from ...encoders.qwen3.tokenizer import PromptTemplate
 from .spec import SPEC_4B as SPEC
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
@@ -53,42 +52,21 @@ def pad_token(tokenizer_dir: Path) -> str:
 LOADED_LAYERS = max(TAPPED_LAYERS) + 1
 
 
-class Flux2PromptEncoder:
-    def __init__(
-        self,
-        encoder: Qwen3TextEncoder,
-        tokenizer: QwenPromptTokenizer,
-        pad_id: int,
-        dtype: mx.Dtype = mx.float32,
-    ):
-        """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
-        quantized)."""
-        self.encoder = encoder
-        self.tokenizer = tokenizer
+class Flux2PromptEncoder(Qwen3Prompt):
+    """Qwen3's first LOADED_LAYERS decoder layers under the pipeline's chat template (as
+    Z-Image's, its quantized layers Qwen3's choice), padded with the tokenizer's pad token."""
+
+    TEMPLATE = TEMPLATE
+    LAYERS = LOADED_LAYERS
+
+    def __init__(self, encoder, tokenizer, pad_id: int, dtype: mx.Dtype = mx.float32):
+        super().__init__(encoder, tokenizer, dtype)
         self.pad_id = pad_id
-        self.dtype = dtype
-        self.weight_bytes = encoder.weight_bytes
         self.width = len(TAPPED_LAYERS) * encoder.hidden_size
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype = mx.float32,
-        quantization: Quantization | None = None,
-        gguf: Path | None = None,
-    ) -> Flux2PromptEncoder:
-        """The encoder of a folder, its first LOADED_LAYERS decoder layers from text_encoder/
-        or from `gguf`, a llama.cpp GGUF file of Qwen3 (text_encoder/config.json still
-        describes it), as Z-Image's; with a `quantization`, its decoder layers' float linears
-        and its token table are quantized as they load (Qwen3's choice,
-        encoders.qwen3.text.quantized)."""
-        model_dir = Path(model_dir)
-        encoder = Qwen3TextEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, quantized, gguf, LOADED_LAYERS
-        )
-        tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
-        pad = pad_token(model_dir / "tokenizer")
+    def of(cls, model_dir: Path, encoder, tokenizer, dtype: mx.Dtype) -> Flux2PromptEncoder:
+        pad = pad_token(Path(model_dir) / "tokenizer")
         pad_id = tokenizer.tokenizer.token_to_id(pad)
         if pad_id is None:
             raise ValueError(f"tokenizer.json has no pad token {pad}")

@@ -11,14 +11,11 @@ tokenizer from `tokenizer/tokenizer.json`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 
-from ...encoders.qwen3.text import Qwen3TextEncoder, quantized
-from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer
-from ...precision import Quantization
+from ...encoders.qwen3.text import Qwen3Prompt
+from ...encoders.qwen3.tokenizer import PromptTemplate
 from .spec import SPEC
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
@@ -32,34 +29,10 @@ TAPPED_LAYERS = (-2,)  # hidden_states[-2]: the second-to-last decoder layer's o
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default truncation
 
 
-class ZImagePromptEncoder:
-    def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, dtype: mx.Dtype):
-        """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
-        quantized, a GGUF file's token table too)."""
-        self.encoder = encoder
-        self.tokenizer = tokenizer
-        self.weight_bytes = encoder.weight_bytes
-        self.hidden_size = encoder.hidden_size
-        self.dtype = dtype
+class ZImagePromptEncoder(Qwen3Prompt):
+    """Qwen3 under the pipeline's chat template, all its layers loaded."""
 
-    @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype = mx.float32,
-        quantization: Quantization | None = None,
-        gguf: Path | None = None,
-    ) -> ZImagePromptEncoder:
-        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, a llama.cpp
-        GGUF file of Qwen3 (text_encoder/config.json still describes it); with a
-        `quantization`, its decoder layers' float linears (`quantized`) are quantized as they
-        load (Qwen3's choice, encoders.qwen3.text.quantized)."""
-        model_dir = Path(model_dir)
-        encoder = Qwen3TextEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, quantized, gguf
-        )
-        tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
-        return cls(encoder, tokenizer, dtype)
+    TEMPLATE = TEMPLATE
 
     def token_ids(self, text: str) -> np.ndarray:
         return self.tokenizer.encode(text, []).ids[:MAX_SEQUENCE_LENGTH]
