@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Capabilities, EngineInputError, StepCall, StepResult, StepRow
+from .dit_network import DiTPart
 from .gguf import DiTFile
 from .lora import TableWeights
 from .nn import dtypes
@@ -361,21 +361,6 @@ def stored_precision(component_dir: Path, gguf=None) -> dict | None:
         return gguf.status()
     stored = stored_quantization(component_dir)
     return None if stored is None else stored.status()
-
-
-@dataclass(frozen=True)
-class DiTPart:
-    """A family's DiT as FolderFamily reads it from a folder: `file(transformer_dir, dit)` its
-    single file (GGUF or safetensors, the family's dit.dit_file; None: diffusers' own
-    folder), `config` its config class (`from_dict`), `linear_slots(config)` its linear layers
-    by file name, `quantized(path)` the weights a quantized load quantizes by tree path, and
-    `manifest_extras(manifest)` what its manifest adds (FLUX.2 klein's `lora_aliases`)."""
-
-    file: Callable[[Path, Path | None], Any]
-    config: Any
-    linear_slots: Callable[[Any], dict]
-    quantized: Callable[[str], bool]
-    manifest_extras: Callable[[dict], dict] = lambda manifest: {}
 
 
 class FolderFamily(Family):

@@ -11,15 +11,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_server.engine.dit_network import DiTNetwork, DiTPart
 from gmlx_server.engine.gguf import DiTFile, Naming, fused_weights
 from gmlx_server.engine.lora import LinearSlot, project
-from gmlx_server.engine.nn import cpu_ops
 from gmlx_server.engine.nn.activations import layer_norm, silu
 from gmlx_server.engine.nn.attention import attention
-from gmlx_server.engine.nn.dtypes import tree_bytes
 from gmlx_server.engine.nn.rope import apply_rope, rope_tables
-from gmlx_server.engine.precision import Quantization
-from gmlx_server.engine.weights import gguf_file, load_dit_tree, read_config
+from gmlx_server.engine.weights import gguf_file, read_config
 
 QKV = ("to_q", "to_k", "to_v")
 STREAMS = ("img", "txt")
@@ -123,31 +121,18 @@ def sanitize(files: dict[str, mx.array], config: Config) -> dict:
     return tree
 
 
-class TwinBlocksDiT:
-    def __init__(self, config: Config, weights: dict, dtype: mx.Dtype):
-        self.config = config
-        self.weights = weights
-        self.dtype = dtype
-        self.blocked = cpu_ops.use_cpu_ops(dtype)
+PART = DiTPart(
+    file=dit_file,
+    config=Config,
+    linear_slots=linear_slots,
+    quantized=quantized,
+    sanitize=sanitize,
+    f32_weights=F32_WEIGHTS,
+)
 
-    @classmethod
-    def load(
-        cls,
-        transformer_dir: Path,
-        dtype: mx.Dtype,
-        quantization: Quantization | None = None,
-        dit: Path | None = None,
-    ) -> TwinBlocksDiT:
-        config = Config.from_dict(read_config(transformer_dir))
-        single = dit_file(transformer_dir, dit)
-        weights, _ = load_dit_tree(
-            transformer_dir, config, sanitize, F32_WEIGHTS, quantized, single, dtype, quantization
-        )
-        return cls(config, weights, dtype)
 
-    @property
-    def weight_bytes(self) -> int:
-        return tree_bytes(self.weights)
+class TwinBlocksDiT(DiTNetwork):
+    PART = PART
 
     def forward(self, w: dict, x: mx.array, sigma: float, text: mx.array) -> mx.array:
         """x (1, N, C) image tokens, text (1, L, D) -> (1, N, C): joint attention, no cache."""
@@ -188,7 +173,7 @@ class TwinBlocksDiT:
         """Rotated, attended over the whole sequence, heads merged: (B, N, hidden)."""
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        out = attention(q, k, v, self.config.head_dim**-0.5, self.blocked)
+        out = attention(q, k, v, self.config.head_dim**-0.5, self.cpu_ops)
         return out.transpose(0, 2, 1, 3).reshape(*out.shape[:1], out.shape[2], -1)
 
     def _stream_out(self, node: dict, hidden: mx.array, attended: mx.array) -> mx.array:

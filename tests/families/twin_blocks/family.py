@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, StepResult
 from gmlx_server.engine.encoders.qwen3.text import Qwen3Part
-from gmlx_server.engine.family import DiTPart, FamilyModel, FolderFamily
+from gmlx_server.engine.family import FamilyModel, FolderFamily
 from gmlx_server.engine.lora import TableWeights
 from gmlx_server.engine.nn import dtypes
 from gmlx_server.engine.nn.dtypes import default_compute_dtype
@@ -27,7 +27,8 @@ from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_si
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL, AutoencoderKLPart
 from gmlx_server.engine.weights import gguf_file, read_config
 
-from .dit import Config, TwinBlocksDiT, dit_file, linear_slots, quantized
+from .dit import PART as DIT_PART
+from .dit import Config, TwinBlocksDiT, linear_slots
 from .prompt import TwinPromptEncoder
 from .spec import FAMILY, SPEC
 
@@ -82,7 +83,7 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
 TWIN_BLOCKS = FolderFamily(
     SPEC,
     load,
-    dit=DiTPart(dit_file, Config, linear_slots, quantized),
+    dit=DIT_PART,
     encoder=Qwen3Part(),
     vae=AutoencoderKLPart(),
     step_reserve=step_reserve,

@@ -32,17 +32,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_contract.lora_keys import layer_rows
 
+from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
-from ...nn import cpu_ops
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
-from ...nn.dtypes import default_compute_dtype, tree_bytes
-from ...nn.embeddings import TIME_PROJ_DIM, time_frequencies
+from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
-from ...precision import Quantization
-from ...weights import block_weights, load_dit_tree, read_config, single_file
+from ...weights import block_weights, read_config, single_file
 
 TIME_FACTOR = 1000.0  # the DiT embeds 1000 t
 REF_TIME_SCALE = 10  # reference k sits at time coordinate 10 + 10 k
@@ -397,36 +396,26 @@ class RefState:
         return int(self.keys[0].shape[2])
 
 
-class Flux2DiT:
-    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype):
-        self.config = config
-        self.weights = weights
-        self.dtype = dtype
-        self._time_freqs = time_frequencies()
-        self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+def manifest_extras(manifest: dict) -> dict:
+    """BFL's names of its linear layers (`lora_aliases`), for LoRA files in them."""
+    return {"lora_aliases": lora_aliases(layer_rows(manifest))}
 
-    @classmethod
-    def load(
-        cls,
-        transformer_dir: Path,
-        dtype: mx.Dtype | None = None,
-        quantization: Quantization | None = None,
-        dit: Path | None = None,
-    ) -> Flux2DiT:
-        """The DiT of a transformer/ folder, its weights from diffusers' safetensors or from a
-        single file (`dit`, a model entry's, or the folder's: `dit_file`); with a
-        `quantization`, the float layers `quantized` picks are quantized as they load."""
-        dtype = dtype or default_compute_dtype()
-        config = DiTConfig.from_dict(read_config(transformer_dir))
-        single = dit_file(transformer_dir, dit)
-        weights, _ = load_dit_tree(
-            transformer_dir, config, sanitize, F32_WEIGHTS, quantized, single, dtype, quantization
-        )
-        return cls(config, weights, dtype)
 
-    @property
-    def weight_bytes(self) -> int:
-        return tree_bytes(self.weights)
+# The DiT's weights as data (dit_network.DiTPart): what FolderFamily and the load read; no
+# shard plan.
+PART = DiTPart(
+    file=dit_file,
+    config=DiTConfig,
+    linear_slots=linear_slots,
+    quantized=quantized,
+    sanitize=sanitize,
+    f32_weights=F32_WEIGHTS,
+    manifest_extras=manifest_extras,
+)
+
+
+class Flux2DiT(DiTNetwork):
+    PART = PART
 
     # -- pieces ------------------------------------------------------------------------------
 

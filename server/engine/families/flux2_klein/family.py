@@ -27,27 +27,24 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from gmlx_contract.lora_keys import layer_rows
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...precision import AUTO, Quantization
 from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import gguf_file, read_config
+from .dit import PART as DIT_PART
 from .dit import (
     DiTConfig,
     Flux2DiT,
     RefState,
     bfl_slots,
-    dit_file,
     linear_slots,
-    lora_aliases,
 )
-from .dit import quantized as dit_quantized
 from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH
 from .spec import FAMILY_9B_KV, SPECS
 
@@ -85,11 +82,6 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     row = cells * cells + MAX_SEQUENCE_LENGTH
     blocked = cpu_ops.use_cpu_ops(dtype)
     return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked)
-
-
-def manifest_extras(manifest: dict) -> dict:
-    """BFL's names of its linear layers (dit.lora_aliases), for LoRA files in them."""
-    return {"lora_aliases": lora_aliases(layer_rows(manifest))}
 
 
 def load(
@@ -175,7 +167,7 @@ class StepPlan:
 FLUX2_KLEIN = FolderFamily(
     SPECS[0],
     load,
-    dit=DiTPart(dit_file, DiTConfig, linear_slots, dit_quantized, manifest_extras),
+    dit=DIT_PART,
     # its first LOADED_LAYERS decoder layers load (a quantized folder keeps them all)
     encoder=Qwen3Part(LOADED_LAYERS),
     vae=AutoencoderKLFlux2Part(),

@@ -26,18 +26,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
-from ...nn import cpu_ops
 from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
-from ...nn.dtypes import default_compute_dtype, tree_bytes
-from ...nn.embeddings import TIME_PROJ_DIM, time_frequencies
+from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
-from ...precision import Quantization
-from ...shard import Shard, ShardPlan, Split, Stages
-from ...weights import block_weights, gguf_file, load_dit_tree, read_config
+from ...shard import ShardPlan, Split, Stages
+from ...weights import block_weights, gguf_file, read_config
 
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
 TARGET_TABLES_KEPT = 16  # target RoPE tables kept, least recently used dropped first
@@ -288,7 +286,21 @@ class PrefixState:
         return sum(a.nbytes for a in (*self.keys, *self.values) if a is not None)
 
 
-class QwenImage21DiT:
+# The DiT's weights as data (dit_network.DiTPart): what FolderFamily and the load read.
+PART = DiTPart(
+    file=dit_file,
+    config=DiTConfig,
+    linear_slots=linear_slots,
+    quantized=quantized,
+    sanitize=sanitize,
+    f32_weights=F32_WEIGHTS,
+    shard_layout=lambda config: (shard_plan(config), {"blocks": config.num_layers}),
+)
+
+
+class QwenImage21DiT(DiTNetwork):
+    PART = PART
+
     def __init__(
         self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
     ):
@@ -296,11 +308,7 @@ class QwenImage21DiT:
             raise ValueError("Qwen-Image 2.1 consumes latents unpatched (patch_size 1)")
         if not config.causal_condition:
             raise ValueError("the prefix split needs causal_condition=True")
-        self.config = config
-        self.weights = weights
-        self.dtype = dtype
-        self.stages = stages or Stages()  # this process's part of the blocks (engine/shard.py)
-        self._time_freqs = time_frequencies()
+        super().__init__(config, weights, dtype, stages)
         self._zero_time = mx.zeros((1,), mx.float32)
         # RoPE tables of target blocks by (frame, h, w): the same for every step of a run, and
         # costly to rebuild (MLX's CPU cos/sin are scalar: 6-15 ms at 64x64 latents).
@@ -311,36 +319,6 @@ class QwenImage21DiT:
         # modulation, gates) fuses (nn/compiled.py says where it compiles). Sharded, it runs
         # eagerly: its collectives stay outside any compiled graph.
         self.target_pass = CompiledPass(self._target_pass, config.inner_dim, enabled=stages is None)
-        self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
-
-    @classmethod
-    def load(
-        cls,
-        transformer_dir: Path,
-        dtype: mx.Dtype | None = None,
-        quantization: Quantization | None = None,
-        dit: Path | None = None,
-        shard: Shard | None = None,
-    ) -> QwenImage21DiT:
-        """The DiT of a transformer/ folder; its weights from safetensors or GGUF (the folder's
-        one `.gguf` file, or `dit`, a model entry's file elsewhere: `dit_file`); with a
-        `shard`, only this rank's part of it (shard_plan)."""
-        dtype = dtype or default_compute_dtype()
-        config = DiTConfig.from_dict(read_config(transformer_dir))
-        weights, stages = load_dit_tree(
-            transformer_dir,
-            config,
-            sanitize,
-            F32_WEIGHTS,
-            quantized,
-            dit_file(transformer_dir, dit),
-            dtype,
-            quantization,
-            shard,
-            None if shard is None else shard_plan(config),
-            {"blocks": config.num_layers},
-        )
-        return cls(config, weights, dtype, stages)
 
     # -- shared pieces --------------------------------------------------------------------
 
@@ -541,7 +519,3 @@ class QwenImage21DiT:
             values = mx.concatenate([prefix_values, v[row : row + 1]], axis=2)
             outputs.append(self.attention(q[row : row + 1], keys, values))
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
-
-    @property
-    def weight_bytes(self) -> int:
-        return tree_bytes(self.weights)

@@ -17,7 +17,7 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, gguf_pair
-from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...precision import AUTO, Quantization
@@ -26,8 +26,8 @@ from ...shard import Shard
 from ...spec import model_index
 from ...vaes.qwen_image21 import QwenImage21VAEPart
 from ...weights import read_config
-from .dit import DiTConfig, QwenImage21DiT, dit_file, linear_slots
-from .dit import quantized as dit_quantized
+from .dit import PART as DIT_PART
+from .dit import DiTConfig, QwenImage21DiT, linear_slots
 from .prompt import quantized as encoder_quantized
 from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
@@ -229,7 +229,7 @@ def load(
 QWEN_IMAGE21 = QwenImage21(
     SPEC,
     load,
-    dit=DiTPart(dit_file, DiTConfig, linear_slots, dit_quantized),
+    dit=DIT_PART,
     encoder=Qwen3VLPart(encoder_quantized),
     vae=QwenImage21VAEPart(),
     step_reserve=step_reserve,

@@ -24,18 +24,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
-from ...nn import cpu_ops
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
-from ...nn.dtypes import default_compute_dtype, tree_bytes
-from ...nn.embeddings import TIME_PROJ_DIM, time_frequencies
+from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
-from ...precision import Quantization
-from ...shard import Shard, ShardPlan, Split, Stages
-from ...weights import block_weights, gguf_file, load_dit_tree, read_config
+from ...shard import ShardPlan, Split, Stages
+from ...weights import block_weights, gguf_file, read_config
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
 ADALN_DIM = 256  # the time embedding's width (at most the model's)
@@ -326,54 +324,32 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
     return np.concatenate([grid, np.zeros((padded(h * w) - h * w, 3), grid.dtype)])
 
 
-class ZImageDiT:
+# The DiT's weights as data (dit_network.DiTPart): what FolderFamily and the load read.
+PART = DiTPart(
+    file=dit_file,
+    config=DiTConfig,
+    linear_slots=linear_slots,
+    quantized=quantized,
+    sanitize=sanitize,
+    f32_weights=F32_WEIGHTS,
+    shard_layout=lambda config: (
+        shard_plan(config),
+        {stack: _stack_depth(stack, config) for stack in STACKS},
+    ),
+)
+
+
+class ZImageDiT(DiTNetwork):
+    PART = PART
+
     def __init__(
         self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
     ):
-        self.config = config
-        self.weights = weights
-        self.dtype = dtype
-        self.stages = stages or Stages()  # this process's part of the blocks (engine/shard.py)
-        self._time_freqs = time_frequencies()
-        self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+        super().__init__(config, weights, dtype, stages)
         # The whole forward runs every step: compiled, its elementwise work (RoPE, norms,
         # modulation, gates) fuses (nn/compiled.py says where it compiles). Sharded, it runs
         # eagerly: its collectives stay outside any compiled graph.
         self.compiled_pass = CompiledPass(self._pass, config.dim, enabled=stages is None)
-
-    @classmethod
-    def load(
-        cls,
-        transformer_dir: Path,
-        dtype: mx.Dtype | None = None,
-        quantization: Quantization | None = None,
-        dit: Path | None = None,
-        shard: Shard | None = None,
-    ) -> ZImageDiT:
-        """The DiT of a transformer/ folder, its weights from safetensors or GGUF (the folder's
-        one `.gguf` file, or `dit`, a model entry's file: `dit_file`); with a `quantization`,
-        the float layers `quantized` picks are quantized as they load; with a `shard`, only this
-        rank's part of it (shard_plan)."""
-        dtype = dtype or default_compute_dtype()
-        config = DiTConfig.from_dict(read_config(transformer_dir))
-        weights, stages = load_dit_tree(
-            transformer_dir,
-            config,
-            sanitize,
-            F32_WEIGHTS,
-            quantized,
-            dit_file(transformer_dir, dit),
-            dtype,
-            quantization,
-            shard,
-            None if shard is None else shard_plan(config),
-            {stack: _stack_depth(stack, config) for stack in STACKS},
-        )
-        return cls(config, weights, dtype, stages)
-
-    @property
-    def weight_bytes(self) -> int:
-        return tree_bytes(self.weights)
 
     # -- pieces ------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, DiTPart, FamilyModel, FolderFamily
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
 from ...lora import TableWeights
 from ...nn import cpu_ops, dtypes
 from ...nn.compiled import compile_enabled
@@ -26,8 +26,8 @@ from ...shard import Shard
 from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import gguf_file, read_config
-from .dit import DiTConfig, ZImageDiT, dit_file, linear_slots, padded
-from .dit import quantized as dit_quantized
+from .dit import PART as DIT_PART
+from .dit import DiTConfig, ZImageDiT, linear_slots, padded
 from .prompt import MAX_SEQUENCE_LENGTH
 from .spec import SPEC
 
@@ -138,7 +138,7 @@ def step_peak_bytes(
 Z_IMAGE = FolderFamily(
     SPEC,
     load,
-    dit=DiTPart(dit_file, DiTConfig, linear_slots, dit_quantized),
+    dit=DIT_PART,
     encoder=Qwen3Part(),
     vae=AutoencoderKLPart(),
     step_reserve=step_reserve,

@@ -1,0 +1,119 @@
+"""A family's DiT as data and the half of its network every family shares.
+
+`DiTPart` names what a DiT's weights are (its config class, its file names onto its weight tree,
+its linear layers, which of them a quantized load quantizes, the norm scales kept in float32,
+its single files and its shard plan): FolderFamily reads the status, manifest, checks and
+`gmlx model quantize`'s choice from it, and `DiTNetwork.load` reads the weights through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .nn import cpu_ops
+from .nn.dtypes import default_compute_dtype, tree_bytes
+from .nn.embeddings import time_frequencies
+from .shard import Shard, Stages
+from .weights import load_dit_tree, read_config
+
+
+def _no_extras(manifest: dict) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class DiTPart:
+    """A family's DiT as its folder holds it:
+
+    - `file(transformer_dir, dit)`: its single file (GGUF or safetensors, the family's
+      dit.dit_file; None: diffusers' own folder);
+    - `config`: its config class (`from_dict`);
+    - `linear_slots(config)`: its linear layers by file name (lora.LinearSlot);
+    - `quantized(path)`: the tree paths a quantized load quantizes;
+    - `sanitize(files, config)`: file names -> its weight tree;
+    - `f32_weights`: the name endings of the tensors kept in float32 (norm scales);
+    - `shard_layout(config)`: (shard_plan.ShardPlan, block stack depths), None: never sharded;
+    - `manifest_extras(manifest)`: what its manifest adds (FLUX.2 klein's `lora_aliases`)."""
+
+    file: Callable[[Path, Path | None], Any]
+    config: Any
+    linear_slots: Callable[[Any], dict]
+    quantized: Callable[[str], bool]
+    sanitize: Callable[[dict, Any], dict] | None = None
+    f32_weights: tuple[str, ...] = ()
+    shard_layout: Callable[[Any], tuple[Any, dict[str, int]]] | None = None
+    manifest_extras: Callable[[dict], dict] = _no_extras
+
+    def load(
+        self,
+        transformer_dir: Path,
+        dtype: mx.Dtype,
+        quantization: Any = None,
+        dit: Path | None = None,
+        shard: Shard | None = None,
+    ) -> tuple[Any, dict, Stages | None]:
+        """(config, weight tree, this rank's stages) of a transformer/ folder, its weights from
+        safetensors or its single file (`dit`, a model entry's, else the folder's one), with a
+        `quantization` the float layers `quantized` picks quantized as they load, with a
+        `shard` this rank's part alone (a ValueError for a DiT without a shard layout)."""
+        config = self.config.from_dict(read_config(transformer_dir))
+        plan, depths = None, None
+        if shard is not None:
+            if self.shard_layout is None:
+                raise ValueError("this DiT has no shard plan; serve it from one process")
+            plan, depths = self.shard_layout(config)
+        single = self.file(transformer_dir, dit)
+        weights, stages = load_dit_tree(
+            transformer_dir,
+            config,
+            self.sanitize,
+            self.f32_weights,
+            self.quantized,
+            single,
+            dtype,
+            quantization,
+            shard,
+            plan,
+            depths,
+        )
+        return config, weights, stages
+
+
+class DiTNetwork:
+    """What every family's DiT network holds: its config, weight tree and compute dtype, this
+    process's part of its blocks (`stages`, engine/shard.py), the time embedding's
+    frequencies, and whether attention takes the CPU backend's kernels. A subclass sets
+    `PART`, its DiTPart, and adds its forward."""
+
+    PART: DiTPart
+
+    def __init__(self, config: Any, weights: dict, dtype: mx.Dtype, stages: Stages | None = None):
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.stages = stages or Stages()
+        self._time_freqs = time_frequencies()
+        self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+
+    @classmethod
+    def load(
+        cls,
+        transformer_dir: Path,
+        dtype: mx.Dtype | None = None,
+        quantization: Any = None,
+        dit: Path | None = None,
+        shard: Shard | None = None,
+    ):
+        """The DiT of a transformer/ folder (DiTPart.load)."""
+        dtype = dtype or default_compute_dtype()
+        config, weights, stages = cls.PART.load(transformer_dir, dtype, quantization, dit, shard)
+        return cls(config, weights, dtype, stages)
+
+    @property
+    def weight_bytes(self) -> int:
+        return tree_bytes(self.weights)
