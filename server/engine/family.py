@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,19 @@ def stored_precision(component_dir: Path, gguf=None) -> dict | None:
     return None if stored is None else stored.status()
 
 
+@dataclass
+class LoadedParts:
+    """A folder's networks as FolderFamily.load_parts loads them: the DiT, and on rank 0 the
+    VAE and the prompt encoder with a function that loads it again (None on another rank)."""
+
+    family: str
+    variant: str
+    dit: Any
+    vae: Any = None
+    encoder: Any = None
+    load_encoder: Callable[[], Any] | None = None
+
+
 class FolderFamily(Family):
     """A family served from a diffusers folder (transformer/, text_encoder/, vae/, ...): the
     status, manifest, checks and `gmlx model quantize`'s choice written once, from the spec and
@@ -397,6 +411,41 @@ class FolderFamily(Family):
         self.dit, self.encoder, self.vae = dit, encoder, vae
         self.step_reserve = step_reserve
         self.titles = titles or {spec.name: spec.title}
+
+    def load_parts(
+        self,
+        model_dir: Path,
+        network: Any,
+        vae: Any,
+        prompt: Any,
+        quantization: Any,
+        encoder_vae_dtype: str,
+        files: dict,
+        shard: Any = None,
+    ) -> LoadedParts:
+        """A folder's networks, its files checked first (`check`): the DiT (`network`, a
+        dit_network.DiTNetwork class; with a `shard` this rank's part of it) and, on rank 0,
+        the VAE (`vae`, its class) and the prompt encoder (`prompt`, its class, weights from
+        the folder or the entry's GGUF files), both at the `encoder_vae_dtype` setting's dtype
+        (nn.dtypes.encoder_vae_dtype); with a `quantization`, the layers each part picks are
+        quantized as they load."""
+        model_dir = Path(model_dir)
+        family, variant = self.identified(model_dir)
+        self.check(model_dir, **files)
+        transformer = model_dir / "transformer"
+        dit = network.load(
+            transformer, quantization=quantization, dit=files.get("dit"), shard=shard
+        )
+        if shard is not None and shard.rank != 0:
+            return LoadedParts(family, variant, dit)
+        side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
+        source = self.encoder.source(model_dir / "text_encoder", files)
+
+        def load_encoder() -> Any:
+            return prompt.load(model_dir, side, quantization, gguf=source)
+
+        vae_network = vae.load(model_dir / "vae", side)
+        return LoadedParts(family, variant, dit, vae_network, load_encoder(), load_encoder)
 
     def encoder_files(self, model_dir: Path, files: dict):
         return self.encoder.gguf(Path(model_dir) / "text_encoder", files)

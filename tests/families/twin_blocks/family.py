@@ -20,12 +20,10 @@ from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, St
 from gmlx_server.engine.encoders.qwen3.text import Qwen3Part
 from gmlx_server.engine.family import FamilyModel, FolderFamily
 from gmlx_server.engine.lora import TableWeights
-from gmlx_server.engine.nn import dtypes
-from gmlx_server.engine.nn.dtypes import default_compute_dtype
 from gmlx_server.engine.precision import AUTO, Quantization
 from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_sigmas
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL, AutoencoderKLPart
-from gmlx_server.engine.weights import gguf_file, read_config
+from gmlx_server.engine.weights import read_config
 
 from .dit import PART as DIT_PART
 from .dit import Config, TwinBlocksDiT, linear_slots
@@ -44,27 +42,31 @@ def load(
     dit: Path | None = None,
     text_encoder: Path | None = None,
 ) -> TwinBlocksModel:
-    model_dir = Path(model_dir)
-    _, variant = TWIN_BLOCKS.identified(model_dir)
-    TWIN_BLOCKS.check(model_dir, dit=dit, text_encoder=text_encoder)
-    network = TwinBlocksDiT.load(
-        model_dir / "transformer", default_compute_dtype(), quantization, dit
-    )
-    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    vae = AutoencoderKL.load(model_dir / "vae", side)
-    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
-
-    def load_encoder() -> TwinPromptEncoder:
-        return TwinPromptEncoder.load(model_dir, side, quantization, gguf=encoder_gguf)
-
-    encoder = load_encoder()
-    if encoder.hidden_size != network.config.text_width:
-        raise ValueError(
-            f"the text encoder is {encoder.hidden_size} wide; the DiT reads"
-            f" {network.config.text_width}"
-        )
     files = {"dit": dit, "text_encoder": text_encoder}
-    return TwinBlocksModel(model_dir, model_id, variant, network, vae, encoder, load_encoder, files)
+    parts = TWIN_BLOCKS.load_parts(
+        model_dir,
+        TwinBlocksDiT,
+        AutoencoderKL,
+        TwinPromptEncoder,
+        quantization,
+        encoder_vae_dtype,
+        files,
+    )
+    if parts.encoder.hidden_size != parts.dit.config.text_width:
+        raise ValueError(
+            f"the text encoder is {parts.encoder.hidden_size} wide; the DiT reads"
+            f" {parts.dit.config.text_width}"
+        )
+    return TwinBlocksModel(
+        model_dir,
+        model_id,
+        parts.variant,
+        parts.dit,
+        parts.vae,
+        parts.encoder,
+        parts.load_encoder,
+        files,
+    )
 
 
 def step_peak_bytes(config: Config, itemsize: int, rows: int, tokens: int) -> int:

@@ -236,6 +236,11 @@ class Qwen3Part:
         """The entry's `text_encoder` GGUF file (else the folder's one .gguf), or None."""
         return component_gguf(component_dir, files.get("text_encoder"), self.layers)
 
+    @staticmethod
+    def source(component_dir: Path, files: dict) -> Path | None:
+        """The GGUF file a load reads its weights from (None: the folder's safetensors)."""
+        return gguf_file(component_dir, files.get("text_encoder"))
+
     @property
     def include(self) -> Callable[[str], bool] | None:
         """Which of the folder's tensors a load reads, by file name (None: every one)."""

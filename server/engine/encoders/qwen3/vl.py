@@ -213,6 +213,11 @@ class Qwen3VLPart:
         self.quantized = quantized
 
     @staticmethod
+    def source(component_dir: Path, files: dict) -> tuple[Path, Path] | None:
+        """The GGUF pair a load reads its weights from (None: the folder's safetensors)."""
+        return gguf_pair(files.get("text_encoder"), files.get("mmproj"))
+
+    @staticmethod
     def gguf(component_dir: Path, files: dict) -> ModuleFiles | None:
         pair = gguf_pair(files.get("text_encoder"), files.get("mmproj"))
         if pair is None:

@@ -32,11 +32,11 @@ from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRo
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
 from ...lora import TableWeights
-from ...nn import cpu_ops, dtypes
+from ...nn import cpu_ops
 from ...precision import AUTO, Quantization
 from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
-from ...weights import gguf_file, read_config
+from ...weights import read_config
 from .dit import PART as DIT_PART
 from .dit import (
     DiTConfig,
@@ -101,31 +101,37 @@ def load(
     from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
     from .prompt import Flux2PromptEncoder
 
-    model_dir = Path(model_dir)
-    family, variant = FLUX2_KLEIN.identified(model_dir)
-    FLUX2_KLEIN.check(model_dir, dit=dit, text_encoder=text_encoder)
-    files = {"dit": dit, "text_encoder": text_encoder}  # `dit` names the network from here on
-    dit = Flux2DiT.load(model_dir / "transformer", quantization=quantization, dit=files["dit"])
-    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    vae = AutoencoderKLFlux2.load(model_dir / "vae", side)
-    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
-
-    def load_encoder() -> Flux2PromptEncoder:
-        return Flux2PromptEncoder.load(model_dir, side, quantization, gguf=encoder_gguf)
-
-    encoder = load_encoder()
-    if encoder.width != dit.config.joint_attention_dim:
+    files = {"dit": dit, "text_encoder": text_encoder}
+    parts = FLUX2_KLEIN.load_parts(
+        model_dir,
+        Flux2DiT,
+        AutoencoderKLFlux2,
+        Flux2PromptEncoder,
+        quantization,
+        encoder_vae_dtype,
+        files,
+    )
+    config = parts.dit.config
+    if parts.encoder.width != config.joint_attention_dim:
         raise ValueError(
-            f"the text encoder's three tapped layers are {encoder.width} wide; the DiT's"
-            f" joint_attention_dim is {dit.config.joint_attention_dim}"
+            f"the text encoder's three tapped layers are {parts.encoder.width} wide; the DiT's"
+            f" joint_attention_dim is {config.joint_attention_dim}"
         )
-    if vae.latent_channels != dit.config.in_channels:
+    if parts.vae.latent_channels != config.in_channels:
         raise ValueError(
-            f"the VAE's patchified latents have {vae.latent_channels} channels; the DiT takes"
-            f" {dit.config.in_channels}"
+            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
+            f" takes {config.in_channels}"
         )
     return Flux2KleinModel(
-        model_dir, model_id, family, variant, dit, vae, encoder, load_encoder, files
+        model_dir,
+        model_id,
+        parts.family,
+        parts.variant,
+        parts.dit,
+        parts.vae,
+        parts.encoder,
+        parts.load_encoder,
+        files,
     )
 
 

@@ -16,10 +16,10 @@ import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, StepCall, StepResult, StepRow
-from ...encoders.qwen3.vl import Qwen3VLPart, gguf_pair
+from ...encoders.qwen3.vl import Qwen3VLPart
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
 from ...lora import TableWeights
-from ...nn import cpu_ops, dtypes
+from ...nn import cpu_ops
 from ...precision import AUTO, Quantization
 from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of
 from ...shard import Shard
@@ -205,24 +205,26 @@ def load(
     from ...vaes.qwen_image21 import QwenImage21VAE
     from .prompt import QwenImage21PromptEncoder
 
-    model_dir = Path(model_dir)
-    found = QWEN_IMAGE21.identified(model_dir)
-    QWEN_IMAGE21.check(model_dir, dit=dit, text_encoder=text_encoder, mmproj=mmproj)
-    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    network = QwenImage21DiT.load(
-        model_dir / "transformer", quantization=quantization, dit=dit, shard=shard
-    )
     files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
-    if shard is not None and shard.rank != 0:
-        return QwenImage21Model(model_dir, model_id, found[1], network, None, None, files=files)
-    vae = QwenImage21VAE.load(model_dir / "vae", side)
-    pair = gguf_pair(text_encoder, mmproj)
-
-    def load_encoder() -> QwenImage21PromptEncoder:
-        return QwenImage21PromptEncoder.load(model_dir, side, quantization, gguf=pair)
-
+    parts = QWEN_IMAGE21.load_parts(
+        model_dir,
+        QwenImage21DiT,
+        QwenImage21VAE,
+        QwenImage21PromptEncoder,
+        quantization,
+        encoder_vae_dtype,
+        files,
+        shard,
+    )
     return QwenImage21Model(
-        model_dir, model_id, found[1], network, vae, load_encoder(), load_encoder, files=files
+        model_dir,
+        model_id,
+        parts.variant,
+        parts.dit,
+        parts.vae,
+        parts.encoder,
+        parts.load_encoder,
+        files=files,
     )
 
 

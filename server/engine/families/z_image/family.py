@@ -19,13 +19,13 @@ from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRo
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
 from ...lora import TableWeights
-from ...nn import cpu_ops, dtypes
+from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
 from ...precision import AUTO, Quantization
 from ...shard import Shard
 from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
-from ...weights import gguf_file, read_config
+from ...weights import read_config
 from .dit import PART as DIT_PART
 from .dit import DiTConfig, ZImageDiT, linear_slots, padded
 from .prompt import MAX_SEQUENCE_LENGTH
@@ -88,29 +88,33 @@ def load(
     from ...vaes.autoencoder_kl import AutoencoderKL
     from .prompt import ZImagePromptEncoder
 
-    model_dir = Path(model_dir)
-    found = Z_IMAGE.identified(model_dir)
-    Z_IMAGE.check(model_dir, dit=dit, text_encoder=text_encoder)
-    side = dtypes.encoder_vae_dtype(encoder_vae_dtype)
-    network = ZImageDiT.load(
-        model_dir / "transformer", quantization=quantization, dit=dit, shard=shard
-    )
     files = {"dit": dit, "text_encoder": text_encoder}
-    if shard is not None and shard.rank != 0:
-        return ZImageModel(model_dir, model_id, found[1], network, None, None, files=files)
-    vae = AutoencoderKL.load(model_dir / "vae", side)
-    encoder_gguf = gguf_file(model_dir / "text_encoder", text_encoder)
-
-    def load_encoder() -> ZImagePromptEncoder:
-        return ZImagePromptEncoder.load(model_dir, side, quantization, gguf=encoder_gguf)
-
-    encoder = load_encoder()
-    if encoder.hidden_size != network.config.cap_feat_dim:
+    parts = Z_IMAGE.load_parts(
+        model_dir,
+        ZImageDiT,
+        AutoencoderKL,
+        ZImagePromptEncoder,
+        quantization,
+        encoder_vae_dtype,
+        files,
+        shard,
+    )
+    width = parts.dit.config.cap_feat_dim
+    if parts.encoder is not None and parts.encoder.hidden_size != width:
         raise ValueError(
-            f"the text encoder's width {encoder.hidden_size} differs from the DiT's caption"
-            f" width {network.config.cap_feat_dim}"
+            f"the text encoder's width {parts.encoder.hidden_size} differs from the DiT's"
+            f" caption width {width}"
         )
-    return ZImageModel(model_dir, model_id, found[1], network, vae, encoder, load_encoder, files)
+    return ZImageModel(
+        model_dir,
+        model_id,
+        parts.variant,
+        parts.dit,
+        parts.vae,
+        parts.encoder,
+        parts.load_encoder,
+        files,
+    )
 
 
 def step_peak_bytes(
