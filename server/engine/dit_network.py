@@ -38,7 +38,9 @@ class DiTPart:
     - `sanitize(files, config)`: file names -> its weight tree;
     - `f32_weights`: the name endings of the tensors kept in float32 (norm scales);
     - `shard_layout(config)`: (shard_plan.ShardPlan, block stack depths), None: never sharded;
-    - `manifest_extras(manifest)`: what its manifest adds (FLUX.2 klein's `lora_aliases`)."""
+    - `manifest_extras(manifest)`: what its manifest adds (FLUX.2 klein's `lora_aliases`);
+    - `table_slots(config)`: the layers a LoRA patch table may name (None: `linear_slots`;
+      FLUX.2 klein's BFL names too)."""
 
     file: Callable[[Path, Path | None], Any]
     config: Any
@@ -48,6 +50,7 @@ class DiTPart:
     f32_weights: tuple[str, ...] = ()
     shard_layout: Callable[[Any], tuple[Any, dict[str, int]]] | None = None
     manifest_extras: Callable[[dict], dict] = _no_extras
+    table_slots: Callable[[Any], dict] | None = None
 
     def load(
         self,

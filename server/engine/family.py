@@ -562,15 +562,24 @@ class FolderFamily(Family):
         status["memory"] = self.memory(model_dir, dit.dtype, weight_bytes, files)
         return status
 
-    def model_parts(self, model_dir: Path, dit: Any, vae: Any, encoder: Any, files: dict):
-        """FamilyModel's `status`, `read_manifest` and `weight_bytes` of a loaded model
-        (`files`: the model entry's weight files; None values are dropped)."""
-        files = {key: path for key, path in files.items() if path is not None}
-        parts = (dit, vae, encoder)
+    def model_arguments(self, model_dir: Path, parts: LoadedParts, files: dict | None) -> dict:
+        """FamilyModel's arguments for a loaded model of `parts`: its variant, VAE, encoder (and
+        the function that loads it again), the DiT's LoRA tables, the status, the manifest
+        reader and the weight bytes (`files`: the model entry's weight files; none: the
+        folder's)."""
+        files = {key: path for key, path in (files or {}).items() if path is not None}
+        dit, vae, encoder = parts.dit, parts.vae, parts.encoder
+        slots = (self.dit.table_slots or self.dit.linear_slots)(dit.config)
+        networks = (dit, vae, encoder)
         return {
+            "variant": parts.variant,
+            "vae": vae,
+            "encoder": encoder,
+            "load_encoder": parts.load_encoder,
+            "tables": TableWeights(dit.weights, slots, dit.dtype, shard=dit.stages.tree_shard),
             "status": self.loaded_status(model_dir, dit, vae, encoder, files),
             "read_manifest": lambda folder: self.manifest(folder, **files),
-            "weight_bytes": sum(part.weight_bytes for part in parts if part is not None),
+            "weight_bytes": sum(part.weight_bytes for part in networks if part is not None),
         }
 
     def memory(

@@ -29,6 +29,7 @@ from gmlx_server.engine.families.qwen_image21.dit import (
     tensor_shapes,
 )
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
+from gmlx_server.engine.family import LoadedParts
 from gmlx_server.engine.gguf import EXACT, NEAREST
 from gmlx_server.engine.registry import ModelRegistry
 from safetensors.numpy import save_file
@@ -122,7 +123,9 @@ def step(model, rows, seed=2):
 def dequantized_model(model: family.QwenImage21Model, folder) -> family.QwenImage21Model:
     dit = model.dit
     plain = QwenImage21DiT(dit.config, dequantized_tree(dit.weights), dit.dtype)
-    return family.QwenImage21Model(folder, "plain", model.variant, plain, model.vae, model.encoder)
+    return family.QwenImage21Model(
+        folder, "plain", LoadedParts(family.FAMILY, model.variant, plain, model.vae, model.encoder)
+    )
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda kind: kind.name)

@@ -23,6 +23,7 @@ from gmlx_server.engine.families.qwen_image21 import family
 from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
+from gmlx_server.engine.family import LoadedParts
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.nn.dtypes import tree_bytes
 from gmlx_server.engine.precision import BITS, Quantization
@@ -86,9 +87,8 @@ def dequantized_model(quantized: family.QwenImage21Model, folder) -> family.Qwen
     dit = quantized.dit
     plain_dit = QwenImage21DiT(dit.config, dequantized_tree(dit.weights), dit.dtype)
     encoder = dequantized_encoder(quantized.encoder, folder)
-    return family.QwenImage21Model(
-        folder, "dequantized", quantized.variant, plain_dit, quantized.vae, encoder
-    )
+    parts = LoadedParts(family.FAMILY, quantized.variant, plain_dit, quantized.vae, encoder)
+    return family.QwenImage21Model(folder, "dequantized", parts)
 
 
 @pytest.fixture(scope="module")

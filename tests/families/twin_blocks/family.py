@@ -19,14 +19,13 @@ import numpy as np
 from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, StepResult
 from gmlx_server.engine.encoders.qwen3.text import Qwen3Part
 from gmlx_server.engine.family import FamilyModel, FolderFamily
-from gmlx_server.engine.lora import TableWeights
 from gmlx_server.engine.precision import AUTO, Quantization
 from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_sigmas
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL, AutoencoderKLPart
 from gmlx_server.engine.weights import read_config
 
 from .dit import PART as DIT_PART
-from .dit import Config, TwinBlocksDiT, linear_slots
+from .dit import Config, TwinBlocksDiT
 from .prompt import TwinPromptEncoder
 from .spec import FAMILY, SPEC
 
@@ -57,16 +56,7 @@ def load(
             f"the text encoder is {parts.encoder.hidden_size} wide; the DiT reads"
             f" {parts.dit.config.text_width}"
         )
-    return TwinBlocksModel(
-        model_dir,
-        model_id,
-        parts.variant,
-        parts.dit,
-        parts.vae,
-        parts.encoder,
-        parts.load_encoder,
-        files,
-    )
+    return TwinBlocksModel(model_dir, model_id, parts, files)
 
 
 def step_peak_bytes(config: Config, itemsize: int, rows: int, tokens: int) -> int:
@@ -96,18 +86,11 @@ class TwinBlocksModel(FamilyModel):
     family = FAMILY
     capabilities = SPEC.capabilities()
 
-    def __init__(self, model_dir, model_id, variant, dit, vae, encoder, load_encoder, files):
+    def __init__(self, model_dir, model_id, parts, files):
         super().__init__(
-            model_dir,
-            model_id,
-            variant,
-            vae=vae,
-            tables=TableWeights(dit.weights, linear_slots(dit.config), dit.dtype),
-            encoder=encoder,
-            load_encoder=load_encoder,
-            **TWIN_BLOCKS.model_parts(model_dir, dit, vae, encoder, files),
+            model_dir, model_id, **TWIN_BLOCKS.model_arguments(model_dir, parts, files)
         )
-        self.dit = dit
+        self.dit = parts.dit
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         if images:

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as T
 from gmlx_server.config import ModelSettings, ServerConfig
 from gmlx_server.engine.families.z_image import family
 from gmlx_server.engine.families.z_image.dit import DiTConfig, ZImageDiT, tensor_shapes
+from gmlx_server.engine.family import LoadedParts
 from gmlx_server.engine.gguf import EXACT, NEAREST, GGUFError
 from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.registry import ModelRegistry
@@ -115,7 +116,9 @@ def reference_folder(base, root, held):
 def dequantized_model(model, folder):
     dit = model.dit
     plain = ZImageDiT(dit.config, dequantized_tree(dit.weights), dit.dtype)
-    return family.ZImageModel(folder, "plain", model.variant, plain, model.vae, model.encoder)
+    return family.ZImageModel(
+        folder, "plain", LoadedParts(family.FAMILY, model.variant, plain, model.vae, model.encoder)
+    )
 
 
 @pytest.mark.parametrize("naming", ["diffusers", "comfy"])

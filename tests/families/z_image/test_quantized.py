@@ -18,6 +18,7 @@ from gmlx_server.engine.encoders.qwen3.text import Qwen3TextEncoder
 from gmlx_server.engine.families.z_image import family
 from gmlx_server.engine.families.z_image.dit import ZImageDiT
 from gmlx_server.engine.families.z_image.prompt import ZImagePromptEncoder
+from gmlx_server.engine.family import LoadedParts
 from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.quantize import BIASES, SCALES
 from mlx.utils import tree_flatten
@@ -73,7 +74,9 @@ def dequantized_model(model: family.ZImageModel, folder) -> family.ZImageModel:
     dit = model.dit
     plain = ZImageDiT(dit.config, dequantized_tree(dit.weights), dit.dtype)
     encoder = dequantized_encoder(model.encoder, folder)
-    return family.ZImageModel(folder, "plain", model.variant, plain, model.vae, encoder)
+    return family.ZImageModel(
+        folder, "plain", LoadedParts(family.FAMILY, model.variant, plain, model.vae, encoder)
+    )
 
 
 @pytest.fixture(scope="module", params=BITS, ids=[f"{bits}bit" for bits in BITS])

@@ -411,6 +411,7 @@ PART = DiTPart(
     sanitize=sanitize,
     f32_weights=F32_WEIGHTS,
     manifest_extras=manifest_extras,
+    table_slots=lambda config: {**linear_slots(config), **bfl_slots(config)},  # BFL's names too
 )
 
 

@@ -30,8 +30,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
-from ...lora import TableWeights
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...precision import AUTO, Quantization
 from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
@@ -42,8 +41,6 @@ from .dit import (
     DiTConfig,
     Flux2DiT,
     RefState,
-    bfl_slots,
-    linear_slots,
 )
 from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH
 from .spec import FAMILY_9B_KV, SPECS
@@ -122,17 +119,7 @@ def load(
             f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
             f" takes {config.in_channels}"
         )
-    return Flux2KleinModel(
-        model_dir,
-        model_id,
-        parts.family,
-        parts.variant,
-        parts.dit,
-        parts.vae,
-        parts.encoder,
-        parts.load_encoder,
-        files,
-    )
+    return Flux2KleinModel(model_dir, model_id, parts, files)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -186,26 +173,17 @@ class Flux2KleinModel(FamilyModel):
     capabilities = SPECS[0].capabilities()  # the three families' alike
 
     def __init__(
-        self, model_dir, model_id, family, variant, dit, vae, encoder, load_encoder, files=None
+        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
     ):
-        """`load_encoder` loads the same text encoder again (after a release); `files`: the
-        model entry's files (`dit`, `text_encoder`) the weights came from (none: the
-        folder's)."""
+        """`parts`: the folder's networks (FolderFamily.load_parts; on a rank > 0 of a sharded
+        model the DiT part alone); `files`: the model entry's weight files they came from
+        (none: the folder's)."""
         super().__init__(
-            model_dir,
-            model_id,
-            variant,
-            vae=vae,
-            tables=TableWeights(
-                dit.weights, {**linear_slots(dit.config), **bfl_slots(dit.config)}, dit.dtype
-            ),
-            encoder=encoder,
-            load_encoder=load_encoder,
-            **FLUX2_KLEIN.model_parts(model_dir, dit, vae, encoder, files or {}),
+            model_dir, model_id, **FLUX2_KLEIN.model_arguments(model_dir, parts, files)
         )
-        self.family = family
-        self.title = TITLES[family]
-        self.dit = dit
+        self.family = parts.family
+        self.title = TITLES[parts.family]
+        self.dit = parts.dit
         # run -> reference K/V by row key (docs/contract.md §3.4), dropped when the run ends
         self.ref_caches: dict[str, dict[tuple, RefState]] = {}
 

@@ -17,8 +17,7 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
-from ...lora import TableWeights
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...precision import AUTO, Quantization
 from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of
@@ -27,7 +26,7 @@ from ...spec import model_index
 from ...vaes.qwen_image21 import QwenImage21VAEPart
 from ...weights import read_config
 from .dit import PART as DIT_PART
-from .dit import DiTConfig, QwenImage21DiT, linear_slots
+from .dit import DiTConfig, QwenImage21DiT
 from .prompt import quantized as encoder_quantized
 from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
@@ -216,16 +215,7 @@ def load(
         files,
         shard,
     )
-    return QwenImage21Model(
-        model_dir,
-        model_id,
-        parts.variant,
-        parts.dit,
-        parts.vae,
-        parts.encoder,
-        parts.load_encoder,
-        files=files,
-    )
+    return QwenImage21Model(model_dir, model_id, parts, files)
 
 
 QWEN_IMAGE21 = QwenImage21(
@@ -246,33 +236,20 @@ class QwenImage21Model(FamilyModel):
         self,
         model_dir: Path,
         model_id: str,
-        variant: str,
-        dit,
-        vae,
-        encoder,
-        load_encoder=None,
-        prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
+        parts: LoadedParts,
         files: dict | None = None,
+        prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
     ):
-        """`load_encoder`: loads `encoder` again after a release (None: never released).
-        `files`: the model entry's GGUF files (`dit`, `text_encoder`, `mmproj`) the weights
-        came from (none: the folder's)."""
+        """`parts`: the folder's networks (FolderFamily.load_parts; on a rank > 0 of a sharded
+        model the DiT part alone); `files`: the model entry's weight files they came from
+        (none: the folder's)."""
         super().__init__(
-            model_dir,
-            model_id,
-            variant,
-            vae=vae,
-            tables=TableWeights(
-                dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
-            ),
-            encoder=encoder,
-            load_encoder=load_encoder,
-            **QWEN_IMAGE21.model_parts(model_dir, dit, vae, encoder, files or {}),
+            model_dir, model_id, **QWEN_IMAGE21.model_arguments(model_dir, parts, files)
         )
-        self.dit = dit
+        self.dit = parts.dit
         # whether a step's quantized matmuls dequantize their weights first (read here, on the
         # thread that loads: the quick plan runs on an HTTP thread and never asks MLX)
-        self.dit_dequantizes = quantization_of(dit.weights) is not None and dequantize_first(
+        self.dit_dequantizes = quantization_of(parts.dit.weights) is not None and dequantize_first(
             DEQUANTIZE_MIN_ROWS
         )
         self.prefix_cache = PrefixCache(prefix_budget_bytes)

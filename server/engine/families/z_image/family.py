@@ -17,8 +17,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily
-from ...lora import TableWeights
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
 from ...precision import AUTO, Quantization
@@ -27,7 +26,7 @@ from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import read_config
 from .dit import PART as DIT_PART
-from .dit import DiTConfig, ZImageDiT, linear_slots, padded
+from .dit import DiTConfig, ZImageDiT, padded
 from .prompt import MAX_SEQUENCE_LENGTH
 from .spec import SPEC
 
@@ -105,16 +104,7 @@ def load(
             f"the text encoder's width {parts.encoder.hidden_size} differs from the DiT's"
             f" caption width {width}"
         )
-    return ZImageModel(
-        model_dir,
-        model_id,
-        parts.variant,
-        parts.dit,
-        parts.vae,
-        parts.encoder,
-        parts.load_encoder,
-        files,
-    )
+    return ZImageModel(model_dir, model_id, parts, files)
 
 
 def step_peak_bytes(
@@ -154,32 +144,13 @@ class ZImageModel(FamilyModel):
     capabilities = SPEC.capabilities()
 
     def __init__(
-        self,
-        model_dir: Path,
-        model_id: str,
-        variant: str,
-        dit,
-        vae,
-        encoder,
-        load_encoder=None,
-        files: dict | None = None,
+        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
     ):
-        """`load_encoder`: loads `encoder` again after a release (None: never released).
-        `files`: the model entry's GGUF files (`dit`, `text_encoder`) the weights came from
+        """`parts`: the folder's networks (FolderFamily.load_parts; on a rank > 0 of a sharded
+        model the DiT part alone); `files`: the model entry's weight files they came from
         (none: the folder's)."""
-        super().__init__(
-            model_dir,
-            model_id,
-            variant,
-            vae=vae,
-            tables=TableWeights(
-                dit.weights, linear_slots(dit.config), dit.dtype, shard=dit.stages.tree_shard
-            ),
-            encoder=encoder,
-            load_encoder=load_encoder,
-            **Z_IMAGE.model_parts(model_dir, dit, vae, encoder, files or {}),
-        )
-        self.dit = dit
+        super().__init__(model_dir, model_id, **Z_IMAGE.model_arguments(model_dir, parts, files))
+        self.dit = parts.dit
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         if images:
