@@ -114,13 +114,15 @@ def report_networks(as_json: bool) -> None:
 
     root = Path(tempfile.mkdtemp())
     base = dit_test.ensure_embedded_model(root / "embedded")
-    rows = dit_test.rows_of(family.load(base, "encoder").encode("a red boat", [], refs=False))
+    rows = dit_test.rows_of(
+        family.QWEN_IMAGE21.load(base, "encoder").encode("a red boat", [], refs=False)
+    )
     text_dir = encoder_test.tiny_qwen3(root / "qwen3")
     out = []
     for kind in NEAREST:
         folder, reference = dit_test.gguf_model(base, root, kind)
-        got = dit_test.step(family.load(folder, "gguf"), rows)
-        expected = dit_test.step(family.load(reference, "reference"), rows)
+        got = dit_test.step(family.QWEN_IMAGE21.load(folder, "gguf"), rows)
+        expected = dit_test.step(family.QWEN_IMAGE21.load(reference, "reference"), rows)
         work = root / f"encoder-{kind.name}"
         work.mkdir()
         held = encoder_test.write_encoder_gguf(

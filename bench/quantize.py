@@ -114,7 +114,7 @@ def qwen_image21_measure():
     x = rng.standard_normal((1, 64, 4, 6)).astype(np.float32)
 
     def measure(quantization):
-        model = family.load(folder, "bench", quantization)
+        model = family.FLUX2_KLEIN.load(folder, "bench", quantization)
         encoding = model.encode("a lighthouse on a cliff at dusk", [image], refs=True)
         out = model.denoise_step(x, SIGMA, [row_of(encoding)]).out
         sizes = (tree_bytes(model.dit.weights), tree_bytes(model.encoder.encoder.parameters()))
@@ -138,7 +138,7 @@ def flux2_klein_measure():
     x = rng.standard_normal((1, 128, 4, 6)).astype(np.float32)
 
     def measure(quantization):
-        model = family.load(folder, "bench", quantization)
+        model = family.FLUX2_KLEIN.load(folder, "bench", quantization)
         encoding = model.encode("a lighthouse on a cliff at dusk", [image], refs=True)
         out = model.denoise_step(x, SIGMA, [row_of(encoding)]).out
         return encoding.cond, out, (model.dit.weight_bytes, model.encoder.weight_bytes)

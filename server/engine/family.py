@@ -27,11 +27,11 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Capabilities, EngineInputError, StepCall, StepResult, StepRow
-from .dit_network import DiTPart
 from .gguf import DiTFile
 from .lora import TableWeights
 from .nn import dtypes
 from .nn.dtypes import default_compute_dtype, dtype_name
+from .precision import AUTO
 from .quantize import quantization_status
 from .spec import Family, FamilySpec
 from .weights import (
@@ -382,12 +382,15 @@ class FolderFamily(Family):
     status, manifest, checks and `gmlx model quantize`'s choice written once, from the spec and
     the family's parts:
 
-    - `dit`: a DiTPart;
+    - `network`: its DiT's class (a dit_network.DiTNetwork), whose `PART` is the DiTPart read;
+    - `prompt`: its prompt encoder's class (`load(model_dir, dtype, quantization, gguf=)`);
+    - `model`: its FamilyModel class (`model(model_dir, model_id, parts, files)`);
+    - `fits(parts)`: its checks of the parts' widths against each other (None: none);
     - `encoder`: its text encoder (encoders.qwen3.text.Qwen3Part, encoders.qwen3.vl.Qwen3VLPart):
       `gguf(component_dir, files)` its GGUF files (None: safetensors), `include` the folder's
       tensors a load reads (None: all), `module_name(name)` and `quantized(path)` what a
       quantized load quantizes, `network(encoder)` the loaded network;
-    - `vae`: its VAE (a `...Part` of `vaes/`): `latent(config)` (None: the DiT's channels at
+    - `vae`: its VAE (a `...Part` of `vaes/`): `load(vae_dir, dtype)`, `latent(config)` (None: the DiT's channels at
       the spec's strides), `status_row(config)`, `estimate(vae_dir, dtype)` and
       `reserve_bytes(config, pixels)`;
     - `step_reserve(model_dir, dtype)`: the activations of a guided step of the reference
@@ -399,25 +402,44 @@ class FolderFamily(Family):
     def __init__(
         self,
         spec: FamilySpec,
-        load: Callable,
         *,
-        dit: DiTPart,
+        network: Any,
+        prompt: Any,
+        model: Any,
         encoder: Any,
         vae: Any,
         step_reserve: Callable[[Path, mx.Dtype], int],
+        fits: Callable[[LoadedParts], None] | None = None,
         titles: dict[str, str] | None = None,
     ):
-        super().__init__(spec, load)
-        self.dit, self.encoder, self.vae = dit, encoder, vae
+        super().__init__(spec)
+        self.network, self.prompt, self.model = network, prompt, model
+        self.dit, self.encoder, self.vae = network.PART, encoder, vae
         self.step_reserve = step_reserve
+        self.fits = fits
         self.titles = titles or {spec.name: spec.title}
+
+    def load(
+        self,
+        model_dir: Path,
+        model_id: str,
+        quantization: Any = None,
+        encoder_vae_dtype: str = AUTO,
+        shard: Any = None,
+        **files: Path | None,
+    ):
+        """The model of a folder (`model`, built from `load_parts`), its parts' widths checked
+        against each other first (`fits`: a ValueError names the mismatch). The keywords are
+        a model entry's load settings (load_settings.LoadSettings.options): the registry hands
+        over only those the spec takes."""
+        parts = self.load_parts(model_dir, quantization, encoder_vae_dtype, files, shard)
+        if self.fits is not None and parts.encoder is not None:
+            self.fits(parts)
+        return self.model(model_dir, model_id, parts, files)
 
     def load_parts(
         self,
         model_dir: Path,
-        network: Any,
-        vae: Any,
-        prompt: Any,
         quantization: Any,
         encoder_vae_dtype: str,
         files: dict,
@@ -425,7 +447,7 @@ class FolderFamily(Family):
     ) -> LoadedParts:
         """A folder's networks, its files checked first (`check`): the DiT (`network`, a
         dit_network.DiTNetwork class; with a `shard` this rank's part of it) and, on rank 0,
-        the VAE (`vae`, its class) and the prompt encoder (`prompt`, its class, weights from
+        the VAE (its part's network) and the prompt encoder (`prompt`, its class, weights from
         the folder or the entry's GGUF files), both at the `encoder_vae_dtype` setting's dtype
         (nn.dtypes.encoder_vae_dtype); with a `quantization`, the layers each part picks are
         quantized as they load."""
@@ -433,7 +455,7 @@ class FolderFamily(Family):
         family, variant = self.identified(model_dir)
         self.check(model_dir, **files)
         transformer = model_dir / "transformer"
-        dit = network.load(
+        dit = self.network.load(
             transformer, quantization=quantization, dit=files.get("dit"), shard=shard
         )
         if shard is not None and shard.rank != 0:
@@ -442,9 +464,9 @@ class FolderFamily(Family):
         source = self.encoder.source(model_dir / "text_encoder", files)
 
         def load_encoder() -> Any:
-            return prompt.load(model_dir, side, quantization, gguf=source)
+            return self.prompt.load(model_dir, side, quantization, gguf=source)
 
-        vae_network = vae.load(model_dir / "vae", side)
+        vae_network = self.vae.load(model_dir / "vae", side)
         return LoadedParts(family, variant, dit, vae_network, load_encoder(), load_encoder)
 
     def encoder_files(self, model_dir: Path, files: dict):

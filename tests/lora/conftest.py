@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gmlx_server.engine.families.qwen_image21.family import load
+from gmlx_server.engine.families.qwen_image21.family import QWEN_IMAGE21
 
 from tests.families.qwen_image21.dit.folder import build_folder
 
@@ -22,6 +22,6 @@ def tiny_folder(tmp_path_factory):
 def engine(tiny_folder):
     """The family's loaded model (the object the step route calls)."""
     _, folder = tiny_folder
-    model = load(folder, MODEL_ID)
+    model = QWEN_IMAGE21.load(folder, MODEL_ID)
     yield model
     model.close()

@@ -64,7 +64,7 @@ def model_of(server):
 
 
 def test_a_released_encoder_frees_its_memory_and_loads_again_with_the_same_conditioning(folder):
-    model = family.load(folder, "released")
+    model = family.QWEN_IMAGE21.load(folder, "released")
     first = model.encode(PROMPT, [], refs=False).cond
     encoder_bytes, all_bytes = model.encoder_bytes, model.weight_bytes
     gc.collect()

@@ -69,7 +69,7 @@ def via_steps(registry, folder: Path, group) -> dict:
         with StepClient(server.base_url) as client:
             via = ViaStepsTransport(client, server.direct(), folder.name)
             latents, _ = generate(via, status, request)
-    single = family.load(folder, folder.name)
+    single = family.QWEN_IMAGE21.load(folder, folder.name)
     alone, _ = generate(DirectTransport(single), single.status(), request)
     return {"rel_l2": rel_l2(latents, alone), "distributed": status["distributed"]}
 
@@ -172,7 +172,7 @@ def main(folder: str, mode: str) -> None:
         loaded = registry.acquire(model_id)
         sharded = loaded.model
         options = registry.settings(model_id).options()
-        single = family.load(registry.resolve(model_id).path, model_id, **options)
+        single = family.QWEN_IMAGE21.load(registry.resolve(model_id).path, model_id, **options)
         doc, adapters = lora_doc(model_id, rng)
         tables = [make_table(engine, doc, adapters) for engine in (sharded, single)]
         uncached = [dataclasses.replace(r, prefix_cache=False) for r in rows]

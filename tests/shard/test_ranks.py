@@ -279,7 +279,7 @@ def engine_out(folder: Path, x: np.ndarray, cond: np.ndarray) -> np.ndarray:
     from gmlx_server.engine.base import StepRow
     from gmlx_server.engine.families.qwen_image21 import family
 
-    model = family.load(folder, folder.name)
+    model = family.QWEN_IMAGE21.load(folder, folder.name)
     row = StepRow(cond=cond[0], cond_key="wire:" + tensor_hash(cond))
     return model.denoise_step(x, np.array([0.6], np.float32), [row], convention="reference").out
 

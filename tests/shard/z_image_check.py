@@ -58,7 +58,7 @@ def main(folder: str, mode: str) -> None:
         results["load"] = {"refused": getattr(exc, "message", str(exc))}
     else:
         sharded = loaded.model
-        single = family.load(folder, folder.name)
+        single = family.Z_IMAGE.load(folder, folder.name)
         rng = np.random.default_rng(3)
         rows = [
             StepRow(rng.standard_normal((n, 32)).astype(np.float32), f"wire:z{n}") for n in (7, 40)

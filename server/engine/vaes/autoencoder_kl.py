@@ -531,6 +531,10 @@ class AutoencoderKLPart:
 
     tiles: bool = True  # whether its pipeline tiles large images
 
+    def load(self, vae_dir: Path, dtype: mx.Dtype) -> AutoencoderKL:
+        """The VAE's network from its folder, computing in `dtype`."""
+        return AutoencoderKL.load(vae_dir, dtype)
+
     def latent(self, config: dict) -> dict | None:
         return None  # the DiT's channels at the family's strides
 

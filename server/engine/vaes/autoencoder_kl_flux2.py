@@ -133,6 +133,10 @@ class AutoencoderKLFlux2Part(AutoencoderKLPart):
     """This VAE as a family's (family.FolderFamily's `vae`): the latents and the VAE routes in
     the DiT's model space, the batch norm's step counter never loaded, never tiled."""
 
+    def load(self, vae_dir: Path, dtype: mx.Dtype) -> AutoencoderKLFlux2:
+        """The VAE's network from its folder, computing in `dtype`."""
+        return AutoencoderKLFlux2.load(vae_dir, dtype)
+
     def __init__(self) -> None:
         super().__init__(tiles=False)  # Flux2KleinPipeline never tiles its VAE
 

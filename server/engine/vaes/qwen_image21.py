@@ -665,6 +665,10 @@ class QwenImage21VAEPart:
     """This VAE as a family's (family.FolderFamily's `vae`): what the status says of it, its
     bytes as it would load, and the peak of a pass at the reference size, from its config."""
 
+    def load(self, vae_dir: Path, dtype: mx.Dtype) -> QwenImage21VAE:
+        """The VAE's network from its folder, computing in `dtype`."""
+        return QwenImage21VAE.load(vae_dir, dtype)
+
     @staticmethod
     def latent(config: dict) -> dict | None:
         return None  # the DiT's channels at the family's strides

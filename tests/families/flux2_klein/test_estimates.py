@@ -18,7 +18,7 @@ from tests.families.z_image.test_estimates import peak_of
 def model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux2_memory") / request.param
     build_tiny_folder(folder, family=request.param, num_single_layers=2)
-    loaded = family.load(folder, folder.name)
+    loaded = family.FLUX2_KLEIN.load(folder, folder.name)
     yield loaded
     loaded.close()
 

@@ -27,7 +27,9 @@ def rel_l2(a, b) -> float:
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux2_lean") / "klein-tiny"
     build_tiny_folder(folder)
-    return family.load(folder, "f32"), family.load(folder, "bf16", encoder_vae_dtype="bf16")
+    return family.FLUX2_KLEIN.load(folder, "f32"), family.FLUX2_KLEIN.load(
+        folder, "bf16", encoder_vae_dtype="bf16"
+    )
 
 
 def test_the_status_names_each_components_dtype_and_bytes(models):

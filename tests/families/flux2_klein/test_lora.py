@@ -42,7 +42,7 @@ DIM = 64
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux2_lora") / "klein-tiny"
     base = build_tiny_folder(folder, family="flux2_klein")
-    engine = klein.load(folder, "klein-tiny")
+    engine = klein.FLUX2_KLEIN.load(folder, "klein-tiny")
     return folder, base, engine
 
 

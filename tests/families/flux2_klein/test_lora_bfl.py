@@ -58,7 +58,7 @@ LAYERS = KOHYA_LAYERS + (
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("flux2_bfl_lora") / "klein-tiny"
     base = build_tiny_folder(folder, family="flux2_klein")
-    return folder, base, klein.load(folder, "klein-tiny")
+    return folder, base, klein.FLUX2_KLEIN.load(folder, "klein-tiny")
 
 
 def loaded(engine):

@@ -63,7 +63,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(folder):
-    return family.load(folder, "full")
+    return family.FLUX2_KLEIN.load(folder, "full")
 
 
 def dequantized(prompt: Flux2PromptEncoder, folder) -> Flux2PromptEncoder:
@@ -83,7 +83,7 @@ def spec(bits: int, group_size: int = 32) -> dict:
     "bits", [b if b in (4, 8) else pytest.param(b, marks=pytest.mark.heavy) for b in BITS]
 )
 def test_a_quantized_encoder_encodes_as_its_dequantized_weights(folder, full, bits):
-    model = family.load(folder, "quantized", Quantization(bits, 32))
+    model = family.FLUX2_KLEIN.load(folder, "quantized", Quantization(bits, 32))
     layers = dict(model.encoder.encoder.model.named_modules())
     assert isinstance(layers["embed_tokens"], nn.QuantizedEmbedding)  # the token table too
     assert isinstance(layers["layers.0.self_attn.q_proj"], nn.QuantizedLinear)
@@ -146,8 +146,8 @@ def test_a_stored_quantized_folder_equals_quantizing_at_load(folder, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     for component in ("transformer", "text_encoder"):
         assert read_config(written / component)["quantization"] == spec(4)
-    stored = family.load(written, "stored")
-    at_load = family.load(folder, "at-load", Quantization(4, 32))
+    stored = family.FLUX2_KLEIN.load(written, "stored")
+    at_load = family.FLUX2_KLEIN.load(folder, "at-load", Quantization(4, 32))
     assert family.FLUX2_KLEIN.describe(written)["quantization"] == at_load.status()["quantization"]
     assert stored.status()["quantization"] == at_load.status()["quantization"]
     assert stored.weight_bytes == at_load.weight_bytes
@@ -158,10 +158,10 @@ def test_a_stored_quantized_folder_equals_quantizing_at_load(folder, tmp_path):
     cond = at_load.encode(PROMPT, [], refs=False).cond
     np.testing.assert_array_equal(stored.encode(PROMPT, [], refs=False).cond, cond)
     # a quantize setting at its own precision changes nothing; at another it is refused
-    same = family.load(written, "same", Quantization(4, 32))
+    same = family.FLUX2_KLEIN.load(written, "same", Quantization(4, 32))
     np.testing.assert_array_equal(same.encode(PROMPT, [], refs=False).cond, cond)
     with pytest.raises(ValueError, match="stored quantized"):
-        family.load(written, "other", Quantization(8, 32))
+        family.FLUX2_KLEIN.load(written, "other", Quantization(8, 32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_a_model_entrys_text_encoder_gguf(folder, full, tmp_path):
     with pytest.raises(ValueError, match=r"wrong\.gguf: tensor "):
         family.FLUX2_KLEIN.check(folder, text_encoder=wrong)
     plain = reference_folder(folder, tmp_path / "plain", held)
-    expected = family.load(plain, "plain").encode(PROMPT, [], refs=False).cond
+    expected = family.FLUX2_KLEIN.load(plain, "plain").encode(PROMPT, [], refs=False).cond
     config = ServerConfig(host="127.0.0.1", port=0)
     config.models[folder.name] = ModelSettings(text_encoder=path, quantization=Quantization(4, 32))
     registry = ModelRegistry(

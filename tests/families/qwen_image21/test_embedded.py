@@ -222,7 +222,7 @@ def test_engine_loads_it_and_makes_an_image(model_dir):
     from gmlx_server.engine.families.qwen_image21 import family
 
     assert family.QWEN_IMAGE21.spec.identify(model_dir) == ("qwen_image21", "turbo")
-    model = family.load(model_dir, embedded.MODEL_NAME)
+    model = family.QWEN_IMAGE21.load(model_dir, embedded.MODEL_NAME)
     encoding = model.encode("a red fox", [], refs=False)
     assert (
         encoding.cond.shape[-1] == _config(model_dir, "text_encoder")["text_config"]["hidden_size"]

@@ -17,7 +17,7 @@ def model():
     """The embedded model, compiled: the plan must cover the compiled pass's peaks."""
     folder = embedded.ensure_embedded_model()
     with compiled_dits():
-        loaded = family.load(folder, folder.name)
+        loaded = family.QWEN_IMAGE21.load(folder, folder.name)
     yield loaded
     loaded.close()
 

@@ -111,7 +111,7 @@ def gguf_model(base, root, kind: T, **write):
 
 @pytest.fixture(scope="module")
 def cond_rows(base):
-    model = family.load(base, "encoder")
+    model = family.QWEN_IMAGE21.load(base, "encoder")
     return rows_of(model.encode("a red boat at dawn", [], refs=False))
 
 
@@ -131,8 +131,8 @@ def dequantized_model(model: family.QwenImage21Model, folder) -> family.QwenImag
 @pytest.mark.parametrize("kind", TYPES, ids=lambda kind: kind.name)
 def test_step_equals_the_dequantized_weights_networks(kind, base, tmp_path, cond_rows):
     folder, reference = gguf_model(base, tmp_path, kind)
-    model = family.load(folder, "gguf")
-    expected = step(family.load(reference, "reference"), cond_rows)
+    model = family.QWEN_IMAGE21.load(folder, "gguf")
+    expected = step(family.QWEN_IMAGE21.load(reference, "reference"), cond_rows)
     got = step(model, cond_rows)
     block = model.dit.weights["blocks"][0]
     if kind in EXACT or kind in NEAREST:
@@ -177,11 +177,11 @@ def test_prefixes_fused_gate_up_orig_shape_and_mixed_widths(base, tmp_path, cond
         flattened=("img_in.weight",),
     )
     reference = reference_folder(base, tmp_path / "reference", held)
-    model = family.load(folder, "comfy")
+    model = family.QWEN_IMAGE21.load(folder, "comfy")
     qkv = model.dit.weights["blocks"][0]["qkv"]
     assert model.dit.weights["blocks"][0]["qkv.quantization"] == (8, 32)
     assert qkv.shape == (3 * 256, 256 * 8 // 32)
-    expected = step(family.load(reference, "reference"), cond_rows)
+    expected = step(family.QWEN_IMAGE21.load(reference, "reference"), cond_rows)
     assert rel_l2(step(model, cond_rows), expected) <= TOLERANCE
     # the manifest names the diffusers tensors with their logical shapes
     manifest, plain = model.manifest(), family.QWEN_IMAGE21.manifest(reference)
@@ -196,7 +196,10 @@ def test_prefixes_fused_gate_up_orig_shape_and_mixed_widths(base, tmp_path, cond
 
 def test_memory_counts_the_packed_weights(base, tmp_path):
     folder, reference = gguf_model(base, tmp_path, T.Q4_K)
-    model, plain = family.load(folder, "gguf"), family.load(reference, "float")
+    model, plain = (
+        family.QWEN_IMAGE21.load(folder, "gguf"),
+        family.QWEN_IMAGE21.load(reference, "float"),
+    )
     assert model.dit.weight_bytes < 0.5 * plain.dit.weight_bytes
     memory = model.status()["memory"]
     gguf_bytes = (folder / "transformer" / "dit.gguf").stat().st_size
@@ -286,7 +289,7 @@ def test_a_model_entrys_dit_file_replaces_the_folders_weights(base, tmp_path, co
         assert types == type_counts(types_for(T.Q5_K, CONFIG), CONFIG)
         assert server.call("GET", f"models/{name}/manifest").json() == unloaded
         # the folder's own safetensors hold gguf's dequantized weights: the same step
-        expected = step(family.load(reference, "float"), cond_rows)
+        expected = step(family.QWEN_IMAGE21.load(reference, "float"), cond_rows)
         got = server.ctx.service.worker.call(step, loaded, cond_rows)  # MLX's own thread
         assert rel_l2(got, expected) <= TOLERANCE
     finally:

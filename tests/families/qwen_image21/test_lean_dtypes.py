@@ -42,7 +42,9 @@ def test_the_rule_is_float32_on_the_cpu_unless_a_setting_names_a_dtype():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     folder = ensure_embedded_model(tmp_path_factory.mktemp("embedded"))
-    return family.load(folder, "f32"), family.load(folder, "bf16", encoder_vae_dtype="bf16")
+    return family.QWEN_IMAGE21.load(folder, "f32"), family.QWEN_IMAGE21.load(
+        folder, "bf16", encoder_vae_dtype="bf16"
+    )
 
 
 def test_the_status_names_each_components_dtype(models):

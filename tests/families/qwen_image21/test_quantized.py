@@ -98,13 +98,13 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(folder):
-    return family.load(folder, "full")
+    return family.QWEN_IMAGE21.load(folder, "full")
 
 
 @pytest.fixture(scope="module", params=BITS, ids=[f"{bits}bit" for bits in BITS])
 def models(request, folder):
     """(quantized, the same networks with the dequantized weights in float32)."""
-    quantized = family.load(folder, "quantized", Quantization(request.param))
+    quantized = family.QWEN_IMAGE21.load(folder, "quantized", Quantization(request.param))
     return quantized, dequantized_model(quantized, folder)
 
 
@@ -193,7 +193,7 @@ def test_status_manifest_and_memory_report_what_is_resident(folder, full):
     mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    quantized = family.load(folder, "q", Quantization(4, 32))
+    quantized = family.QWEN_IMAGE21.load(folder, "q", Quantization(4, 32))
     # tensor by tensor: the load peaks near the quantized bytes, never the float model's
     assert mx.get_peak_memory() - before <= quantized.weight_bytes * 1.1 < full.weight_bytes
     status = quantized.status()

@@ -68,10 +68,10 @@ def test_the_folder_loads_directly_as_quantizing_at_load_does(folders):
     mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
-    stored = family.load(written, "stored")
+    stored = family.QWEN_IMAGE21.load(written, "stored")
     peak = mx.get_peak_memory() - before
-    at_load = family.load(source, "at-load", Quantization(4, 32))
-    float_model = family.load(source, "float")
+    at_load = family.QWEN_IMAGE21.load(source, "at-load", Quantization(4, 32))
+    float_model = family.QWEN_IMAGE21.load(source, "float")
     # never the float weights: the load peaks near the quantized bytes
     assert peak <= stored.weight_bytes * 1.1 < float_model.weight_bytes
     assert stored.weight_bytes == at_load.weight_bytes
@@ -100,7 +100,7 @@ def test_a_stored_folder_not_loaded_is_estimated_at_its_quantized_bytes(folders)
     biases as stored), not its logical shapes at float32."""
     source, written = folders
     estimate = family.QWEN_IMAGE21.describe(written)["residency"]
-    stored = family.load(written, "stored")
+    stored = family.QWEN_IMAGE21.load(written, "stored")
     assert estimate["dit"]["bytes"] == stored.dit.weight_bytes
     assert estimate["dit"]["quantization"] == {"bits": 4, "group_size": 32, "mode": "affine"}
     # the encoder's file holds lm_head beside what loads, as the float folder's does
@@ -124,9 +124,11 @@ def test_the_manifest_keeps_the_logical_shapes(folders):
 def test_a_stored_quantized_folder_is_not_quantized_again(folders):
     _, written = folders
     with pytest.raises(ValueError, match="stored quantized .4-bit, groups of 32.; load it without"):
-        family.load(written, "again", Quantization(8))
-    same = family.load(written, "same", Quantization(4, 32))  # as stored: nothing to do
-    assert same.weight_bytes == family.load(written, "plain").weight_bytes
+        family.QWEN_IMAGE21.load(written, "again", Quantization(8))
+    same = family.QWEN_IMAGE21.load(
+        written, "same", Quantization(4, 32)
+    )  # as stored: nothing to do
+    assert same.weight_bytes == family.QWEN_IMAGE21.load(written, "plain").weight_bytes
     # through the registry, as `gmlx image sample --model FOLDER --quantize 8` loads it: the
     # refusal names the stored precision, not a mismatch with the family
     registry = ModelRegistry(

@@ -103,7 +103,7 @@ def test_encode_step_and_vae_through_the_routes(qwen):
     np.testing.assert_array_equal(outs[0], outs[1])  # a prefix hit equals the miss
 
     # the same arrays through a model of its own, in process: equal to the route's answer
-    direct = family.load(qwen.folder, qwen.model_id)
+    direct = family.QWEN_IMAGE21.load(qwen.folder, qwen.model_id)
     cond = c.tensors["cond"][0]
     direct_rows = [
         StepRow(

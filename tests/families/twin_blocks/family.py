@@ -18,13 +18,11 @@ import mlx.core as mx
 import numpy as np
 from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, StepResult
 from gmlx_server.engine.encoders.qwen3.text import Qwen3Part
-from gmlx_server.engine.family import FamilyModel, FolderFamily
-from gmlx_server.engine.precision import AUTO, Quantization
+from gmlx_server.engine.family import FamilyModel, FolderFamily, LoadedParts
 from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_sigmas
-from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL, AutoencoderKLPart
+from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKLPart
 from gmlx_server.engine.weights import read_config
 
-from .dit import PART as DIT_PART
 from .dit import Config, TwinBlocksDiT
 from .prompt import TwinPromptEncoder
 from .spec import FAMILY, SPEC
@@ -33,30 +31,13 @@ STEP_BUFFERS = 16  # activations of one token per row, in widths of the hidden s
 RESERVE_CAPTION = 64  # the reference workload's caption rows
 
 
-def load(
-    model_dir: Path,
-    model_id: str,
-    quantization: Quantization | None = None,
-    encoder_vae_dtype: str = AUTO,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-) -> TwinBlocksModel:
-    files = {"dit": dit, "text_encoder": text_encoder}
-    parts = TWIN_BLOCKS.load_parts(
-        model_dir,
-        TwinBlocksDiT,
-        AutoencoderKL,
-        TwinPromptEncoder,
-        quantization,
-        encoder_vae_dtype,
-        files,
-    )
+def fits(parts: LoadedParts) -> None:
+    """The text encoder is as wide as the DiT's text input."""
     if parts.encoder.hidden_size != parts.dit.config.text_width:
         raise ValueError(
             f"the text encoder is {parts.encoder.hidden_size} wide; the DiT reads"
             f" {parts.dit.config.text_width}"
         )
-    return TwinBlocksModel(model_dir, model_id, parts, files)
 
 
 def step_peak_bytes(config: Config, itemsize: int, rows: int, tokens: int) -> int:
@@ -70,16 +51,6 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     config = Config.from_dict(read_config(Path(model_dir) / "transformer"))
     cells = 1024 // SPEC.latent_stride
     return step_peak_bytes(config, dtype.size, 2, cells * cells + RESERVE_CAPTION)
-
-
-TWIN_BLOCKS = FolderFamily(
-    SPEC,
-    load,
-    dit=DIT_PART,
-    encoder=Qwen3Part(),
-    vae=AutoencoderKLPart(),
-    step_reserve=step_reserve,
-)
 
 
 class TwinBlocksModel(FamilyModel):
@@ -126,3 +97,15 @@ class TwinBlocksModel(FamilyModel):
     def close(self) -> None:
         self.dit = None
         super().close()
+
+
+TWIN_BLOCKS = FolderFamily(
+    SPEC,
+    network=TwinBlocksDiT,
+    prompt=TwinPromptEncoder,
+    model=TwinBlocksModel,
+    encoder=Qwen3Part(),
+    vae=AutoencoderKLPart(),
+    step_reserve=step_reserve,
+    fits=fits,
+)

@@ -56,7 +56,7 @@ def test_comfy_convention_is_comfyuis_model_call(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     comfy = np.load(tmp_path / "comfy.npy")
 
-    model = family.load(folder, folder.name)
+    model = family.Z_IMAGE.load(folder, folder.name)
     ours = model.denoise_step(x, sigma, [StepRow(cap, "c")], convention="comfy").out
     assert rel_l2(ours, comfy) <= 1e-4
     assert rel_l2(-ours, comfy) > 1  # the sign is what is checked

@@ -81,7 +81,7 @@ def test_the_pipeline_loads_it_with_every_parameter(model_dir):
 
 
 def test_the_prompt_moves_the_output(model_dir):
-    model = family.load(model_dir, embedded.MODEL_NAME)
+    model = family.Z_IMAGE.load(model_dir, embedded.MODEL_NAME)
     try:
         x = np.random.default_rng(0).standard_normal((1, 16, 16, 16)).astype(np.float32)
         t = np.array([0.6], np.float32)

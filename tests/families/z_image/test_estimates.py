@@ -29,7 +29,7 @@ def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("z_image_memory") / "z-image-tiny"
     build_tiny_folder(folder)
     with compiled_dits():  # the plan counts the fused kernels' extra buffers
-        loaded = family.load(folder, folder.name)
+        loaded = family.Z_IMAGE.load(folder, folder.name)
     yield loaded
     loaded.close()
 

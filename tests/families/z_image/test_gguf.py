@@ -59,7 +59,7 @@ def weights(base):
 
 @pytest.fixture(scope="module")
 def rows(base):
-    return rows_of(family.load(base, "encoder").encode("a red boat", [], refs=False).cond)
+    return rows_of(family.Z_IMAGE.load(base, "encoder").encode("a red boat", [], refs=False).cond)
 
 
 def types_for(kind: T, config: DiTConfig) -> dict[str, T]:
@@ -141,8 +141,8 @@ def test_step_equals_the_dequantized_weights_networks(kind, naming, base, weight
     )
     held.pop("norm_final.weight", None)
     reference = reference_folder(base, tmp_path, held)
-    model = family.load(folder, "gguf")
-    got, expected = step(model, rows), step(family.load(reference, "reference"), rows)
+    model = family.Z_IMAGE.load(folder, "gguf")
+    got, expected = step(model, rows), step(family.Z_IMAGE.load(reference, "reference"), rows)
     if kind in NEAREST:
         assert rel_l2(got, step(dequantized_model(model, folder), rows)) <= TOLERANCE
         assert TOLERANCE < rel_l2(got, expected) <= NEAREST_STEP_BOUND[kind]
@@ -176,7 +176,7 @@ def test_a_quantize_setting_quantizes_the_files_float_layers(base, weights, rows
     types["layers.0.attention.to_k.weight"] = T.Q8_0
     types["layers.0.attention.to_v.weight"] = T.Q8_0
     write_dit(path, weights, types, np.random.default_rng(1), arch="lumina2")
-    model = family.load(folder, "q", Quantization(4, 32))
+    model = family.Z_IMAGE.load(folder, "q", Quantization(4, 32))
     layers = model.dit.weights["layers"]
     assert layers[0]["qkv.quantization"] == (8, 32)  # as the file holds it
     assert layers[1]["qkv.quantization"] == (4, 32)  # an F16 weight, quantized at load
@@ -229,7 +229,7 @@ def test_a_model_entrys_text_encoder_gguf_encodes_as_its_dequantized_weights(bas
         assert server.post_json("models/load", {"model": base.name}).status_code == 200
         model = registry.loaded(base.name).model
         got = server.ctx.service.worker.call(lambda: model.encode("a red fox", [], False).cond)
-        expected = family.load(plain, "plain").encode("a red fox", [], refs=False).cond
+        expected = family.Z_IMAGE.load(plain, "plain").encode("a red fox", [], refs=False).cond
         assert rel_l2(got, expected) <= TOLERANCE
         assert model.status()["quantization"]["encoder"]["types"]["Q8_0"] > 0
     finally:

@@ -42,7 +42,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full(folder):
-    return family.load(folder, "full")
+    return family.Z_IMAGE.load(folder, "full")
 
 
 def dequantized_qwen3(encoder: Qwen3TextEncoder, component_dir) -> Qwen3TextEncoder:
@@ -81,7 +81,7 @@ def dequantized_model(model: family.ZImageModel, folder) -> family.ZImageModel:
 
 @pytest.fixture(scope="module", params=BITS, ids=[f"{bits}bit" for bits in BITS])
 def models(request, folder):
-    quantized = family.load(folder, "quantized", Quantization(request.param, 32))
+    quantized = family.Z_IMAGE.load(folder, "quantized", Quantization(request.param, 32))
     return quantized, dequantized_model(quantized, folder)
 
 
@@ -134,7 +134,7 @@ def test_a_lora_table_on_a_quantized_base(models, full):
 
 
 def test_status_and_manifest_report_what_is_resident(folder, full):
-    quantized = family.load(folder, "q", Quantization(4, 32))
+    quantized = family.Z_IMAGE.load(folder, "q", Quantization(4, 32))
     spec = {"bits": 4, "group_size": 32, "mode": "affine"}
     assert quantized.status()["quantization"] == {"dit": spec, "encoder": spec, "vae": None}
     assert full.status()["quantization"] == {"dit": None, "encoder": None, "vae": None}
@@ -154,8 +154,8 @@ def test_a_stored_quantized_folder_equals_quantizing_at_load(folder, tmp_path):
     command += [str(written), "--bits", "4", "--group-size", "32"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    stored = family.load(written, "stored")
-    at_load = family.load(folder, "at-load", Quantization(4, 32))
+    stored = family.Z_IMAGE.load(written, "stored")
+    at_load = family.Z_IMAGE.load(folder, "at-load", Quantization(4, 32))
     assert stored.status()["quantization"] == at_load.status()["quantization"]
     assert family.Z_IMAGE.describe(written)["quantization"] == at_load.status()["quantization"]
     assert stored.weight_bytes == at_load.weight_bytes

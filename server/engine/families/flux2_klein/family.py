@@ -32,17 +32,15 @@ from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRo
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
-from ...precision import AUTO, Quantization
 from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import read_config
-from .dit import PART as DIT_PART
 from .dit import (
     DiTConfig,
     Flux2DiT,
     RefState,
 )
-from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH
+from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH, Flux2PromptEncoder
 from .spec import FAMILY_9B_KV, SPECS
 
 TITLES = {spec.name: spec.title for spec in SPECS}
@@ -81,33 +79,9 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked)
 
 
-def load(
-    model_dir: Path,
-    model_id: str,
-    quantization: Quantization | None = None,
-    encoder_vae_dtype: str = AUTO,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-) -> Flux2KleinModel:
-    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
-    that the family picks (dit.quantized; encoders.qwen3.text.quantized) are quantized as they
-    load (a GGUF file's float layers only). The text encoder and the VAE compute in the dtype
-    the `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`,
-    `text_encoder`: a model entry's files of the DiT (GGUF or BFL's safetensors) and of Qwen3
-    (GGUF)."""
-    from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
-    from .prompt import Flux2PromptEncoder
-
-    files = {"dit": dit, "text_encoder": text_encoder}
-    parts = FLUX2_KLEIN.load_parts(
-        model_dir,
-        Flux2DiT,
-        AutoencoderKLFlux2,
-        Flux2PromptEncoder,
-        quantization,
-        encoder_vae_dtype,
-        files,
-    )
+def fits(parts: LoadedParts) -> None:
+    """The three tapped layers are as wide as the DiT's joint attention, and the VAE's
+    patchified latents have the DiT's channels."""
     config = parts.dit.config
     if parts.encoder.width != config.joint_attention_dim:
         raise ValueError(
@@ -119,7 +93,6 @@ def load(
             f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
             f" takes {config.in_channels}"
         )
-    return Flux2KleinModel(model_dir, model_id, parts, files)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -155,18 +128,6 @@ class StepPlan:
 
     ref_mode: str
     keys: tuple[tuple | None, ...]
-
-
-FLUX2_KLEIN = FolderFamily(
-    SPECS[0],
-    load,
-    dit=DIT_PART,
-    # its first LOADED_LAYERS decoder layers load (a quantized folder keeps them all)
-    encoder=Qwen3Part(LOADED_LAYERS),
-    vae=AutoencoderKLFlux2Part(),
-    step_reserve=step_reserve,
-    titles=TITLES,
-)
 
 
 class Flux2KleinModel(FamilyModel):
@@ -368,3 +329,17 @@ def _table_id(table: object | None) -> str | None:
 
 def _ref_tokens(row: StepRow) -> int:
     return sum(int(np.prod(np.shape(r)[-2:])) for r in row.ref_latents)
+
+
+FLUX2_KLEIN = FolderFamily(
+    SPECS[0],
+    network=Flux2DiT,
+    prompt=Flux2PromptEncoder,
+    model=Flux2KleinModel,
+    # its first LOADED_LAYERS decoder layers load (a quantized folder keeps them all)
+    encoder=Qwen3Part(LOADED_LAYERS),
+    vae=AutoencoderKLFlux2Part(),
+    step_reserve=step_reserve,
+    fits=fits,
+    titles=TITLES,
+)

@@ -19,14 +19,12 @@ from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
-from ...precision import AUTO, Quantization
 from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of
-from ...shard import Shard
 from ...spec import model_index
 from ...vaes.qwen_image21 import QwenImage21VAEPart
 from ...weights import read_config
-from .dit import PART as DIT_PART
 from .dit import DiTConfig, QwenImage21DiT
+from .prompt import QwenImage21PromptEncoder
 from .prompt import quantized as encoder_quantized
 from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
@@ -183,51 +181,6 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return step_peak_bytes(config, dtype.size, cells * cells, prefixes, blocked)
 
 
-def load(
-    model_dir: Path,
-    model_id: str,
-    quantization: Quantization | None = None,
-    encoder_vae_dtype: str = AUTO,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-    mmproj: Path | None = None,
-    shard: Shard | None = None,
-) -> QwenImage21Model:
-    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
-    that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
-    DiT's float layers only). The text encoder and the VAE compute in the dtype the
-    `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`, `text_encoder`
-    and `mmproj`: a model entry's GGUF files for the DiT and for Qwen3-VL (its language model
-    and its vision tower). With a `shard`, the DiT is this rank's part of it
-    (dit.shard_plan); the VAE and the text encoder load on rank 0 only."""
-    # Imported here so the DiT side of the family works while its siblings are absent.
-    from ...vaes.qwen_image21 import QwenImage21VAE
-    from .prompt import QwenImage21PromptEncoder
-
-    files = {"dit": dit, "text_encoder": text_encoder, "mmproj": mmproj}
-    parts = QWEN_IMAGE21.load_parts(
-        model_dir,
-        QwenImage21DiT,
-        QwenImage21VAE,
-        QwenImage21PromptEncoder,
-        quantization,
-        encoder_vae_dtype,
-        files,
-        shard,
-    )
-    return QwenImage21Model(model_dir, model_id, parts, files)
-
-
-QWEN_IMAGE21 = QwenImage21(
-    SPEC,
-    load,
-    dit=DIT_PART,
-    encoder=Qwen3VLPart(encoder_quantized),
-    vae=QwenImage21VAEPart(),
-    step_reserve=step_reserve,
-)
-
-
 class QwenImage21Model(FamilyModel):
     family = FAMILY
     capabilities = SPEC.capabilities()
@@ -360,3 +313,14 @@ class QwenImage21Model(FamilyModel):
 def _table_id(table: object | None) -> str | None:
     """The patch table's id for the prefix-state key (a `service.PatchTable`; None: no table)."""
     return None if table is None else table.table_id
+
+
+QWEN_IMAGE21 = QwenImage21(
+    SPEC,
+    network=QwenImage21DiT,
+    prompt=QwenImage21PromptEncoder,
+    model=QwenImage21Model,
+    encoder=Qwen3VLPart(encoder_quantized),
+    vae=QwenImage21VAEPart(),
+    step_reserve=step_reserve,
+)

@@ -20,14 +20,11 @@ from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
-from ...precision import AUTO, Quantization
-from ...shard import Shard
 from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import read_config
-from .dit import PART as DIT_PART
 from .dit import DiTConfig, ZImageDiT, padded
-from .prompt import MAX_SEQUENCE_LENGTH
+from .prompt import MAX_SEQUENCE_LENGTH, ZImagePromptEncoder
 from .spec import SPEC
 
 FAMILY = SPEC.name
@@ -69,42 +66,14 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
 
 
-def load(
-    model_dir: Path,
-    model_id: str,
-    quantization: Quantization | None = None,
-    encoder_vae_dtype: str = AUTO,
-    dit: Path | None = None,
-    text_encoder: Path | None = None,
-    shard: Shard | None = None,
-) -> ZImageModel:
-    """The model of a folder; with a `quantization`, the DiT's and the text encoder's layers
-    that the family picks (dit.quantized, prompt.quantized) are quantized as they load (a GGUF
-    file's float layers only). The text encoder and the VAE compute in the dtype the
-    `encoder_vae_dtype` setting gives (nn.dtypes.encoder_vae_dtype). `dit`, `text_encoder`: a
-    model entry's GGUF files. With a `shard`, the DiT is this rank's part of it
-    (dit.shard_plan), and the VAE and the text encoder load on rank 0 only."""
-    from ...vaes.autoencoder_kl import AutoencoderKL
-    from .prompt import ZImagePromptEncoder
-
-    files = {"dit": dit, "text_encoder": text_encoder}
-    parts = Z_IMAGE.load_parts(
-        model_dir,
-        ZImageDiT,
-        AutoencoderKL,
-        ZImagePromptEncoder,
-        quantization,
-        encoder_vae_dtype,
-        files,
-        shard,
-    )
+def fits(parts: LoadedParts) -> None:
+    """The text encoder is as wide as the DiT's captions."""
     width = parts.dit.config.cap_feat_dim
-    if parts.encoder is not None and parts.encoder.hidden_size != width:
+    if parts.encoder.hidden_size != width:
         raise ValueError(
             f"the text encoder's width {parts.encoder.hidden_size} differs from the DiT's"
             f" caption width {width}"
         )
-    return ZImageModel(model_dir, model_id, parts, files)
 
 
 def step_peak_bytes(
@@ -127,16 +96,6 @@ def step_peak_bytes(
         every_block = config.num_heads * longest * longest * 4 if compiled else 0
         total += len(lengths) * (block + every_block)
     return total
-
-
-Z_IMAGE = FolderFamily(
-    SPEC,
-    load,
-    dit=DIT_PART,
-    encoder=Qwen3Part(),
-    vae=AutoencoderKLPart(),
-    step_reserve=step_reserve,
-)
 
 
 class ZImageModel(FamilyModel):
@@ -213,3 +172,15 @@ class ZImageModel(FamilyModel):
     def close(self) -> None:
         self.dit = None
         super().close()
+
+
+Z_IMAGE = FolderFamily(
+    SPEC,
+    network=ZImageDiT,
+    prompt=ZImagePromptEncoder,
+    model=ZImageModel,
+    encoder=Qwen3Part(),
+    vae=AutoencoderKLPart(),
+    step_reserve=step_reserve,
+    fits=fits,
+)

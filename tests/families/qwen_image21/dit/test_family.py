@@ -29,7 +29,7 @@ def base_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(base_folder):
     root, model = base_folder
-    loaded = family.load(root, "qwen_base")
+    loaded = family.QWEN_IMAGE21.load(root, "qwen_base")
     yield loaded, model
     loaded.close()
 
