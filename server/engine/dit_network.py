@@ -28,7 +28,8 @@ def _no_extras(manifest: dict) -> dict:
 
 @dataclass(frozen=True)
 class DiTPart:
-    """A family's DiT as its folder holds it:
+    """A family's DiT as its folder holds it (the fields in order, the first six given
+    positionally by the families):
 
     - `file(transformer_dir, dit)`: its single file (GGUF or safetensors, the family's
       dit.dit_file; None: diffusers' own folder);

@@ -121,14 +121,7 @@ def sanitize(files: dict[str, mx.array], config: Config) -> dict:
     return tree
 
 
-PART = DiTPart(
-    file=dit_file,
-    config=Config,
-    linear_slots=linear_slots,
-    quantized=quantized,
-    sanitize=sanitize,
-    f32_weights=F32_WEIGHTS,
-)
+PART = DiTPart(dit_file, Config, linear_slots, quantized, sanitize, F32_WEIGHTS)
 
 
 class TwinBlocksDiT(DiTNetwork):

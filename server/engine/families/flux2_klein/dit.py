@@ -403,15 +403,20 @@ def manifest_extras(manifest: dict) -> dict:
 
 # The DiT's weights as data (dit_network.DiTPart): what FolderFamily and the load read; no
 # shard plan.
+def table_slots(config: DiTConfig) -> dict[str, LinearSlot]:
+    """The layers a patch table may name: the diffusers names and BFL's."""
+    return {**linear_slots(config), **bfl_slots(config)}
+
+
 PART = DiTPart(
-    file=dit_file,
-    config=DiTConfig,
-    linear_slots=linear_slots,
-    quantized=quantized,
-    sanitize=sanitize,
-    f32_weights=F32_WEIGHTS,
+    dit_file,
+    DiTConfig,
+    linear_slots,
+    quantized,
+    sanitize,
+    F32_WEIGHTS,
     manifest_extras=manifest_extras,
-    table_slots=lambda config: {**linear_slots(config), **bfl_slots(config)},  # BFL's names too
+    table_slots=table_slots,
 )
 
 

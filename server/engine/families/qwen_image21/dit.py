@@ -287,15 +287,11 @@ class PrefixState:
 
 
 # The DiT's weights as data (dit_network.DiTPart): what FolderFamily and the load read.
-PART = DiTPart(
-    file=dit_file,
-    config=DiTConfig,
-    linear_slots=linear_slots,
-    quantized=quantized,
-    sanitize=sanitize,
-    f32_weights=F32_WEIGHTS,
-    shard_layout=lambda config: (shard_plan(config), {"blocks": config.num_layers}),
-)
+def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
+    return shard_plan(config), {"blocks": config.num_layers}
+
+
+PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
 
 
 class QwenImage21DiT(DiTNetwork):

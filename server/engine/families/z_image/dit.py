@@ -325,18 +325,11 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 
 
 # The DiT's weights as data (dit_network.DiTPart): what FolderFamily and the load read.
-PART = DiTPart(
-    file=dit_file,
-    config=DiTConfig,
-    linear_slots=linear_slots,
-    quantized=quantized,
-    sanitize=sanitize,
-    f32_weights=F32_WEIGHTS,
-    shard_layout=lambda config: (
-        shard_plan(config),
-        {stack: _stack_depth(stack, config) for stack in STACKS},
-    ),
-)
+def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
+    return shard_plan(config), {stack: _stack_depth(stack, config) for stack in STACKS}
+
+
+PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
 
 
 class ZImageDiT(DiTNetwork):
