@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from gmlx_contract import wire
-from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.families.flux2_klein.family import FLUX2_KLEIN, ref_state_bytes
 from gmlx_server.engine.registry import ModelRegistry
@@ -23,6 +22,7 @@ from gmlx_server.engine.sampling import direct_row
 
 from tests.families.flux2_klein.reference import reference_dit, rel_l2
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
+from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
 
 KLEIN, KV = "klein-tiny", "klein-kv-tiny"
@@ -264,46 +264,21 @@ STRENGTH, ALPHA, RANK = 0.7, 1.0, 2
 
 
 def lora_deltas(transformer) -> tuple[list[dict], dict, dict]:
-    rng = np.random.default_rng(9)
+    """Patch-table entries, their adapter tensors, and the same LoRA as whole-weight deltas."""
     weights = dict(transformer.named_parameters())
-    entries, adapters, deltas = [], {}, {}
-    for layer, band in PATCHED.items():
-        rows, cols = weights[layer + ".weight"].shape
-        band_rows, band_cols = slice(None), slice(None)
-        if band is not None and band[0] == 0:
-            band_rows, rows = slice(band[1], band[1] + band[2]), band[2]
-        elif band is not None:
-            band_cols, cols = slice(band[1], band[1] + band[2]), band[2]
-        up = rng.standard_normal((rows, RANK)).astype(np.float32)
-        down = rng.standard_normal((RANK, cols)).astype(np.float32)
-        adapters |= {tensor_hash(up): up, tensor_hash(down): down}
-        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": ALPHA}
-        patch |= {"strength": STRENGTH, "strength_model": 1.0}
-        entries.append({"key": f"diffusion_model.{layer}.weight", "band": band, "patches": [patch]})
-        delta = np.zeros(weights[layer + ".weight"].shape, np.float32)
-        delta[band_rows, band_cols] = STRENGTH * ALPHA / RANK * (up @ down)
-        deltas[layer] = delta
-    return entries, adapters, deltas
+    shapes = {layer: tuple(weights[layer + ".weight"].shape) for layer in PATCHED}
+    return lora_table(shapes, PATCHED, 9, STRENGTH, ALPHA, RANK)
 
 
 def test_a_table_on_fused_and_unfused_layers_equals_the_merged_weights(live):
     transformer = live.transformers[KLEIN]
     entries, adapters, deltas = lora_deltas(transformer)
-    for array in adapters.values():
-        live.put_tensor(array, "adapters")
-    doc = {"model": KLEIN, "entries": entries}
-    r = live.call(
-        "PUT",
-        f"patch-tables/{table_id(doc)}",
-        data=canonical_json(doc),
-        headers={"Content-Type": "application/json"},
-        params={"model": KLEIN},
-    )
+    r, table = put_table(live, KLEIN, entries, adapters)
     assert r.status_code == 200, r.text
     cond = encode(live, "a red fox")
     refs = [latents(14, 128, 2, 2)]
     x = latents(15, 1, 128, 3, 4)
-    patched = out_of(step(live, x, [0.6], [(cond, refs)], patch_table=table_id(doc)))
+    patched = out_of(step(live, x, [0.6], [(cond, refs)], patch_table=table))
     merged = copy.deepcopy(transformer)
     with torch.no_grad():
         for layer, delta in deltas.items():

@@ -10,10 +10,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from gmlx_contract import wire
-from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
+from gmlx_contract.hashing import tensor_hash
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 
+from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
 
 from . import checkpoint, family
@@ -32,38 +33,16 @@ PATCHED = {
 STRENGTH, ALPHA, RANK = 0.8, 1.0, 2
 
 
-def lora(seed: int = 3) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """(up, down) per patched layer, fitting the layer or its band."""
-    rng = np.random.default_rng(seed)
-    shapes = checkpoint.linear_shapes()
-    pairs = {}
-    for layer, band in PATCHED.items():
-        rows, cols = shapes[layer]
-        if band is not None:
-            rows, cols = (band[2], cols) if band[0] == 0 else (rows, band[2])
-        up = rng.standard_normal((rows, RANK)).astype(np.float32)
-        pairs[layer] = (up, rng.standard_normal((RANK, cols)).astype(np.float32))
-    return pairs
-
-
-def merged_deltas(pairs) -> dict[str, np.ndarray]:
-    """The same LoRA as deltas of the whole weights: strength * alpha / rank * up @ down."""
-    shapes, deltas = checkpoint.linear_shapes(), {}
-    for layer, (up, down) in pairs.items():
-        delta = np.zeros(shapes[layer], np.float32)
-        band = PATCHED[layer]
-        rows = slice(None) if band is None or band[0] == 1 else slice(band[1], band[1] + band[2])
-        cols = slice(None) if band is None or band[0] == 0 else slice(band[1], band[1] + band[2])
-        delta[rows, cols] = STRENGTH * ALPHA / RANK * (up @ down)
-        deltas[layer] = delta
-    return deltas
+def lora() -> tuple[list[dict], dict, dict]:
+    """The table's entries, its adapter tensors, and the same LoRA as whole-weight deltas."""
+    return lora_table(checkpoint.linear_shapes(), PATCHED, 3, STRENGTH, ALPHA, RANK)
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     root = tmp_path_factory.mktemp("twin")
     checkpoint.write_folder(root, "twin-tiny")
-    checkpoint.write_folder(root, "twin-merged", merged=merged_deltas(lora()))
+    checkpoint.write_folder(root, "twin-merged", merged=lora()[2])
     config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
     config = replace(config, image=ImageConfig())
     server = serve(
@@ -136,27 +115,12 @@ def test_the_vae_routes_round_trip_through_the_family_vae(live):
 
 
 def test_a_table_on_fused_and_unfused_layers_equals_the_merged_checkpoint(live):
-    entries, adapters = [], {}
-    for layer, (up, down) in sorted(lora().items()):
-        adapters |= {tensor_hash(up): up, tensor_hash(down): down}
-        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": ALPHA}
-        patch |= {"strength": STRENGTH, "strength_model": 1.0}
-        entries.append({"key": f"diffusion_model.{layer}.weight", "band": PATCHED[layer]})
-        entries[-1]["patches"] = [patch]
-    for array in adapters.values():
-        live.put_tensor(array, "adapters")
-    doc = {"model": "twin-tiny", "entries": entries}
-    r = live.call(
-        "PUT",
-        f"patch-tables/{table_id(doc)}",
-        data=canonical_json(doc),
-        headers={"Content-Type": "application/json"},
-        params={"model": "twin-tiny"},
-    )
+    entries, adapters, _ = lora()
+    r, table = put_table(live, "twin-tiny", entries, adapters)
     assert r.status_code == 200, r.text
     cond = live.put_tensor(np.random.default_rng(4).standard_normal((1, 5, 32)).astype(np.float32))
     x = np.random.default_rng(5).standard_normal((1, 16, 4, 4)).astype(np.float32)
-    patched = out_of(step(live, "twin-tiny", x, 0.6, cond, table_id(doc)))
+    patched = out_of(step(live, "twin-tiny", x, 0.6, cond, table))
     merged = out_of(step(live, "twin-merged", x, 0.6, cond))
     plain = out_of(step(live, "twin-tiny", x, 0.6, cond))
     np.testing.assert_allclose(patched, merged, rtol=1e-4, atol=1e-5)
@@ -165,18 +129,10 @@ def test_a_table_on_fused_and_unfused_layers_equals_the_merged_checkpoint(live):
 
 def test_a_key_outside_the_tree_is_refused_naming_a_layer_that_is(live):
     up, down = np.ones((64, 1), np.float32), np.ones((1, 64), np.float32)
-    for array in (up, down):
-        live.put_tensor(array, "adapters")
     patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": None, "strength": 1.0}
     entry = {"key": "diffusion_model.blocks.0.attn.to_q.weight", "band": None}
-    doc = {"model": "twin-tiny", "entries": [{**entry, "patches": [patch]}]}
-    r = live.call(
-        "PUT",
-        f"patch-tables/{table_id(doc)}",
-        data=canonical_json(doc),
-        headers={"Content-Type": "application/json"},
-        params={"model": "twin-tiny"},
-    )
+    adapters = {tensor_hash(up): up, tensor_hash(down): down}
+    r, _ = put_table(live, "twin-tiny", [{**entry, "patches": [patch]}], adapters)
     assert r.status_code == 400 and "double_blocks.0.img_attn.to_q" in r.json()["error"]
 
 

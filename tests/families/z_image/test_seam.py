@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 from gmlx_contract import wire
-from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 from PIL import Image
 
 from tests.families.z_image.reference import reference_dit, rel_l2
 from tests.families.z_image.tiny.folder import build_tiny_folder
+from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
 
 
@@ -188,46 +188,20 @@ STRENGTH, ALPHA, RANK = 0.7, 1.0, 2
 
 def lora_deltas(transformer) -> tuple[list[dict], dict, dict]:
     """Patch-table entries, their adapter tensors, and the same LoRA as whole-weight deltas."""
-    rng = np.random.default_rng(9)
     weights = dict(transformer.named_parameters())
-    entries, adapters, deltas = [], {}, {}
-    for layer, band in PATCHED.items():
-        rows, cols = weights[layer + ".weight"].shape
-        band_rows, band_cols = slice(None), slice(None)
-        if band is not None and band[0] == 0:
-            band_rows, rows = slice(band[1], band[1] + band[2]), band[2]
-        elif band is not None:
-            band_cols, cols = slice(band[1], band[1] + band[2]), band[2]
-        up = rng.standard_normal((rows, RANK)).astype(np.float32)
-        down = rng.standard_normal((RANK, cols)).astype(np.float32)
-        adapters |= {tensor_hash(up): up, tensor_hash(down): down}
-        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": ALPHA}
-        patch |= {"strength": STRENGTH, "strength_model": 1.0}
-        entries.append({"key": f"diffusion_model.{layer}.weight", "band": band, "patches": [patch]})
-        delta = np.zeros(weights[layer + ".weight"].shape, np.float32)
-        delta[band_rows, band_cols] = STRENGTH * ALPHA / RANK * (up @ down)
-        deltas[layer] = delta
-    return entries, adapters, deltas
+    shapes = {layer: tuple(weights[layer + ".weight"].shape) for layer in PATCHED}
+    return lora_table(shapes, PATCHED, 9, STRENGTH, ALPHA, RANK)
 
 
 def test_a_table_on_fused_and_unfused_layers_equals_the_merged_weights(live):
     entries, adapters, deltas = lora_deltas(live.transformer)
-    for array in adapters.values():
-        live.put_tensor(array, "adapters")
-    doc = {"model": "z-image-tiny", "entries": entries}
-    r = live.call(
-        "PUT",
-        f"patch-tables/{table_id(doc)}",
-        data=canonical_json(doc),
-        headers={"Content-Type": "application/json"},
-        params={"model": "z-image-tiny"},
-    )
+    r, table = put_table(live, "z-image-tiny", entries, adapters)
     assert r.status_code == 200, r.text
     cond = encode(live, "a red fox")
     x = np.random.default_rng(6).standard_normal((1, 16, 4, 6)).astype(np.float32)
     fields = {"model": "z-image-tiny", "rows": [{"cond": live.put_tensor(cond)}]}
     arrays = {"x": x, "timestep": np.array([0.6], np.float32)}
-    patched = out_of(live.post_container("step", arrays, {**fields, "patch_table": table_id(doc)}))
+    patched = out_of(live.post_container("step", arrays, {**fields, "patch_table": table}))
     merged = copy.deepcopy(live.transformer)
     with torch.no_grad():
         for layer, delta in deltas.items():
