@@ -341,13 +341,15 @@ LOAD_CONFIG = {"num_layers": 8, "num_attention_heads": 16, "attention_head_dim":
 
 def load_figures() -> int:
     import numpy as np
+    from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS, draw, write_component
     from gmlx_server.engine.families.qwen_image21 import embedded
 
     config = {**embedded.TRANSFORMER_CONFIG, **LOAD_CONFIG, "axes_dims_rope": [16, 24, 24]}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "transformer"
-        weights = embedded._draw(embedded.transformer_tensors(config), np.random.default_rng(0))
-        embedded._write_component(folder, config, weights, embedded.DIFFUSERS_WEIGHTS)
+        tensors = embedded.transformer_tensors(config)
+        weights = draw(tensors, np.random.default_rng(0), embedded.CONSTANT_NOISE)
+        write_component(folder, config, weights, DIFFUSERS_WEIGHTS)
         del weights
         for mode, rank in (("whole", 0), ("pipeline", 1), ("tensor", 0)):
             command = [sys.executable, __file__, "load-one", str(folder), mode, str(rank)]
