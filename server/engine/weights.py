@@ -35,6 +35,8 @@ from .quantize import (
     PACKED_BITS,
     SCALES,
     quantizable,
+    quantize_module,
+    quantize_stored_module,
     quantize_tree,
     quantized,
     sanitize_stored,
@@ -101,6 +103,37 @@ def quantization_at_load(component_dir: Path, requested: Quantization | None):
             f" {stored.group_size}); load it without quantize or at that precision"
         )
     return None
+
+
+def load_module(
+    module: Any,
+    component_dir: Path,
+    quantization: Quantization | None,
+    quantized: Callable[[str], bool] | None,
+    from_gguf: Callable[[], dict] | None,
+    from_folder: Callable[[], dict],
+) -> None:
+    """Load an `mlx.nn` encoder's weights into `module`, evaluated leaf by leaf: from its GGUF
+    files (`from_gguf`, the tensors kept quantized as the files hold them) or from its folder
+    (`from_folder`, a folder stored quantized as stored); with a `quantization`, the float
+    linear layers whose module path `quantized` picks (the family's choice) are quantized as
+    they load (quantize.quantize_module)."""
+    if from_gguf is not None:
+        weights = from_gguf()
+        quantize_stored_module(module, weights, GGUF_GROUP_SIZE)
+    else:
+        quantization = quantization_at_load(Path(component_dir), quantization)
+        weights = from_folder()
+        stored = stored_quantization(component_dir)
+        if stored is not None:
+            quantize_stored_module(module, weights, stored.group_size)
+    if quantization is not None:
+        if quantized is None:
+            raise ValueError("a quantized load needs the family's choice of layers")
+        quantize_module(module, weights, quantization, quantized)
+    module.load_weights(list(weights.items()), strict=True)
+    del weights
+    eval_leaf_by_leaf(module.parameters())
 
 
 def load_tree(

@@ -31,8 +31,8 @@ import numpy as np
 
 from ..base import EngineInputError
 from ..nn.attention import chunked_attention
-from ..weights import estimated_bytes, load_weights, read_config
-from . import load_checkpoint
+from ..weights import estimated_bytes
+from . import CheckpointVAE
 
 NORM_EPS = 1e-6
 # The peak of one pass, in buffers of its widest full-resolution activation (the encoder's first
@@ -405,7 +405,7 @@ def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
     ]
 
 
-class AutoencoderKL:
+class AutoencoderKL(CheckpointVAE):
     """Encode images to raw latents (the posterior's mean) and decode raw latents to images."""
 
     def __init__(self, config: dict, dtype: mx.Dtype = mx.float32, tiles: bool = True):
@@ -425,15 +425,7 @@ class AutoencoderKL:
         self.model = _Autoencoder(config)
         self.weight_bytes = 0
 
-    @classmethod
-    def load(cls, vae_dir: Path, dtype: mx.Dtype = mx.float32) -> AutoencoderKL:
-        vae = cls(read_config(Path(vae_dir)), dtype)
-        vae.load_weights(load_weights(Path(vae_dir), dtype))
-        return vae
-
-    def load_weights(self, weights: dict[str, mx.array]) -> None:
-        """Take the checkpoint's weights (file names and layouts); every parameter must be there."""
-        self.weight_bytes = load_checkpoint(self.model, _mlx_weights(weights))
+    mlx_weights = staticmethod(_mlx_weights)
 
     # Latent normalisation: the DiT works on (z - shift_factor) * scaling_factor.
 

@@ -29,8 +29,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..base import EngineInputError
-from ..weights import estimated_bytes, load_weights, read_config
-from . import load_checkpoint
+from ..weights import estimated_bytes
+from . import CheckpointVAE
 
 # F.normalize clamps the L2 norm at 1e-12; the RMS form below adds eps to the mean square.
 _NORM_EPS = 1e-24
@@ -545,7 +545,7 @@ class _Autoencoder(nn.Module):
         self.decoder = Decoder(config)
 
 
-class QwenImage21VAE:
+class QwenImage21VAE(CheckpointVAE):
     """Encode images to raw latents (distribution mean) and decode raw latents to images.
 
     Images are channels-last in [0, 1]; latents are (B, z_dim, h, w) in the VAE's own space.
@@ -569,15 +569,7 @@ class QwenImage21VAE:
         self.tile_cells = choose_tile_cells(stage_lists, dtype.size)
         self.weight_bytes = 0
 
-    @classmethod
-    def load(cls, vae_dir: Path, dtype: mx.Dtype = mx.float32) -> QwenImage21VAE:
-        vae = cls(read_config(Path(vae_dir)), dtype)
-        vae.load_weights(load_weights(Path(vae_dir), dtype))
-        return vae
-
-    def load_weights(self, weights: dict[str, mx.array]) -> None:
-        """Take the checkpoint's weights (file names and layouts); every parameter must be there."""
-        self.weight_bytes = load_checkpoint(self.model, _mlx_weights(weights))
+    mlx_weights = staticmethod(_mlx_weights)
 
     # Latent normalisation of the family: the DiT works on (raw - mean) / std.
 

@@ -15,20 +15,12 @@ import numpy as np
 from gguf import MODEL_ARCH
 from mlx.utils import tree_flatten
 
-from ...gguf import GROUP_SIZE as GGUF_GROUP_SIZE
 from ...gguf import ModuleFiles, llama_cpp_names
 from ...nn.attention import chunked_attention
-from ...nn.dtypes import eval_leaf_by_leaf, tree_bytes
+from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...precision import Quantization
-from ...quantize import quantize_module, quantize_stored_module
-from ...weights import (
-    gguf_file,
-    load_weights,
-    quantization_at_load,
-    read_config,
-    stored_quantization,
-)
+from ...weights import gguf_file, load_module, load_weights, read_config
 from .tokenizer import PromptTemplate, QwenPromptTokenizer
 
 
@@ -328,26 +320,15 @@ class Qwen3TextEncoder:
         only the first `layers` decoder layers load (`encoder_config`): a family that taps no
         later layer never reads the rest."""
         model = TextModel(encoder_config(component_dir, layers))
-        if gguf is not None:
-            weights = gguf_files(model, gguf).weights(dtype)
-            quantize_stored_module(model, weights, GGUF_GROUP_SIZE)
-        else:
-            quantization = quantization_at_load(Path(component_dir), quantization)
-            weights = {}
-            for name, value in load_weights(component_dir, dtype).items():
-                name = module_name(name, layers)
-                if name is not None:
-                    weights[name] = value
-            stored = stored_quantization(component_dir)
-            if stored is not None:
-                quantize_stored_module(model, weights, stored.group_size)
-        if quantization is not None:
-            if quantized is None:
-                raise ValueError("a quantized load needs the family's choice of layers")
-            quantize_module(model, weights, quantization, quantized)
-        model.load_weights(list(weights.items()), strict=True)
-        del weights
-        eval_leaf_by_leaf(model.parameters())
+
+        def from_folder() -> dict:
+            named = {
+                module_name(n, layers): v for n, v in load_weights(component_dir, dtype).items()
+            }
+            return {name: value for name, value in named.items() if name is not None}
+
+        from_gguf = None if gguf is None else lambda: gguf_files(model, gguf).weights(dtype)
+        load_module(model, component_dir, quantization, quantized, from_gguf, from_folder)
         return cls(model, tree_bytes(model.parameters()))
 
     @property

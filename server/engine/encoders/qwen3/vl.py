@@ -20,13 +20,11 @@ import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR
 from mlx.utils import tree_flatten
 
-from ...gguf import GROUP_SIZE as GGUF_GROUP_SIZE
 from ...gguf import ModuleFiles, llama_cpp_names
-from ...nn.dtypes import eval_leaf_by_leaf, tree_bytes
+from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin
 from ...precision import Quantization
-from ...quantize import quantize_module, quantize_stored_module
-from ...weights import load_weights, quantization_at_load, read_config, stored_quantization
+from ...weights import load_module, load_weights, read_config
 from .text import TextConfig, TextModel
 from .vision import VisionConfig, VisionModel
 
@@ -66,22 +64,12 @@ class Qwen3VLEncoder(nn.Module):
             TextConfig.from_dict(config["text_config"]),
             VisionConfig.from_dict(config["vision_config"]),
         )
-        if gguf is not None:
-            weights = gguf_weights(encoder, *gguf, dtype)
-            quantize_stored_module(encoder, weights, GGUF_GROUP_SIZE)
-        else:
-            quantization = quantization_at_load(Path(component_dir), quantization)
-            weights = sanitize(load_weights(component_dir, dtype))
-            stored = stored_quantization(component_dir)
-            if stored is not None:
-                quantize_stored_module(encoder, weights, stored.group_size)
-        if quantization is not None:
-            if quantized is None:
-                raise ValueError("a quantized load needs the family's choice of layers")
-            quantize_module(encoder, weights, quantization, quantized)
-        encoder.load_weights(list(weights.items()), strict=True)
-        del weights
-        eval_leaf_by_leaf(encoder.parameters())
+
+        def from_folder() -> dict:
+            return sanitize(load_weights(component_dir, dtype))
+
+        from_gguf = None if gguf is None else lambda: gguf_weights(encoder, *gguf, dtype)
+        load_module(encoder, component_dir, quantization, quantized, from_gguf, from_folder)
         return encoder, tree_bytes(encoder.parameters())
 
     def hidden_states(
