@@ -7,8 +7,8 @@ text_encoder/ (Qwen3: Qwen3-4B for 4B, Qwen3-8B for 9B), tokenizer/, scheduler/;
 weights may be one file instead (BFL's safetensors or a GGUF file, in transformer/ or a model
 entry's `dit`: dit.dit_file). The family is the KV one for the KV pipeline, else the 9B one for
 a DiT of 9B's depth (8 double-stream blocks), else the 4B one; the variant is `distilled` when
-model_index.json says `is_distilled` (always for the KV pipeline), else `base`. The constants
-of the family live here.
+model_index.json says `is_distilled` (always for the KV pipeline), else `base`. Its facts as data
+(identification, status facts, sampling) live in spec.py; its memory plan and model here.
 
 References are VAE latents only (the text encoder never reads images), in model space. They
 run with the image tokens at the step's time (`joint`), except in the KV model's way (`kv`:

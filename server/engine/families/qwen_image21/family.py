@@ -2,8 +2,8 @@
 
 The folder is in diffusers layout (model_index.json with `_class_name` "QwenImage21Pipeline",
 transformer/, vae/, text_encoder/, processor/, scheduler/). The variant is `turbo` when
-model_index.json carries `sample_sigmas` (a fixed schedule), else `base`. The constants of the
-family live here.
+model_index.json carries `sample_sigmas` (a fixed schedule), else `base`. Its facts as data
+(identification, status facts, sampling) live in spec.py; its memory plan and model here.
 """
 
 from __future__ import annotations

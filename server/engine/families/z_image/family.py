@@ -4,7 +4,8 @@ The folder is diffusers' `ZImagePipeline` layout: model_index.json (`_class_name
 "ZImagePipeline"), transformer/, vae/ (the FLUX.1 AutoencoderKL), text_encoder/ (Qwen3, its
 config's `model_type` "qwen3"), tokenizer/, scheduler/. The variant is the one whose static
 shift is nearest the scheduler's `shift` (turbo: 3, base: 6). The family takes no reference
-images and keeps no prefix states. The constants of the family live here.
+images and keeps no prefix states. Its facts as data (identification,
+status facts, sampling) live in spec.py; its memory plan and model here.
 """
 
 from __future__ import annotations
