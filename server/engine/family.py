@@ -527,8 +527,8 @@ class FolderFamily(Family):
             "comfy": dict(self.spec.comfy),
             "latent": latent,
             "vae": {
-                "channels_out": vae_config.get("out_channels", 3),
-                "stride": self.spec.vae_stride or latent["stride"],
+                "channels_out": vae_config["out_channels"],
+                "stride": latent["stride"],  # the VAE routes' latents are the DiT's cells
                 **self.vae.status_row(vae_config),
             },
             "edit_capable": self.spec.edit_capable,

@@ -41,7 +41,6 @@ class FamilySpec:
     conditioning: dict = field(default_factory=dict)  # status `conditioning`
     latent_stride: int | None = None  # None: the family reads it from its VAE's config
     latent_patch: int = 1
-    vae_stride: int | None = None
     edit_capable: bool = False
     max_refs: int = 0
     features: tuple[str, ...] = ()  # docs/contract.md §5.4

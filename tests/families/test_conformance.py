@@ -127,9 +127,10 @@ def tensors(response) -> dict:
 
 def step(live, model, text="a red fox") -> np.ndarray:
     """One guided-looking step: two rows (the prompt and the empty prompt) at two sigmas."""
-    r = live.post_json("encode", {"model": model, "text": text})
-    conds = [tensors(r)["cond"], tensors(live.post_json("encode", {"model": model, "text": ""}))]
-    conds[1] = conds[1]["cond"]
+    conds = [
+        tensors(live.post_json("encode", {"model": model, "text": prompt}))["cond"]
+        for prompt in (text, "")
+    ]
     channels = status(live, model)["latent"]["channels"]
     x = np.random.default_rng(5).standard_normal((2, channels, 4, 6)).astype(np.float32)
     rows = [{"cond": live.put_tensor(cond)} for cond in conds]

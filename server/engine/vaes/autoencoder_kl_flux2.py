@@ -145,7 +145,7 @@ class AutoencoderKLFlux2Part(AutoencoderKLPart):
 
     def status_row(self, config: dict) -> dict:
         """The VAE routes carry the DiT's model space (docs/contract.md §2.12)."""
-        return {"channels_out": 3, "space": "model"}
+        return {"space": "model"}
 
     def estimate(self, vae_dir: Path, dtype: mx.Dtype) -> int:
         return estimated_bytes(vae_dir, dtype, loaded_tensor)

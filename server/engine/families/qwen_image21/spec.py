@@ -36,7 +36,6 @@ SPEC = FamilySpec(
     conditioning={"ref_method": "index", "empty_prompt": EMPTY_PROMPT},
     latent_stride=16,
     latent_patch=1,
-    vae_stride=16,
     edit_capable=True,
     max_refs=10,
     features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),

@@ -47,7 +47,6 @@ SPEC = FamilySpec(
     conditioning={"ref_method": None, "empty_prompt": ""},
     latent_stride=8,
     latent_patch=2,
-    vae_stride=8,
     # The VAE tiles images past its sample_size as diffusers' tiling does, which is not the
     # untiled pass: docs/contract.md §8 says so.
     features=("noise_mask", "tiled_vae"),
