@@ -71,7 +71,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
     import tomli as tomllib
 
-from .engine.load_settings import FILE_KEYS, LoadSettings
+from .engine.load_settings import FILE_KEYS, GGUF_WEIGHTS_SETTING, LoadSettings, gguf_weights
 from .engine.precision import (
     AUTO,
     BITS,
@@ -102,6 +102,8 @@ ENVIRONMENT = {
     "GMLX_LOG_LEVEL": "the server's log level (INFO)",
     "GMLX_HEARTBEAT": "where rank 0 of a rank group hears the other ranks (host:port)",
     "GMLX_DIT_COMPILE": "0 runs every DiT eagerly, 1 compiles every one (engine/nn/compiled.py)",
+    "GMLX_GGUF_WEIGHTS": "how a GGUF file's quantized weights are held: blocks (the file's own,"
+    " exact; the default) or affine (MLX's quantization; engine/gguf.py)",
     "GMLX_DEBUG": "the image commands print a failure's traceback",
     "GMLX_BASE_URL": "the ComfyUI pack's server URL (docs/comfyui.md)",
     "GMLX_COMFY_SETTINGS": "the ComfyUI pack's settings file",
@@ -444,6 +446,10 @@ def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
                 f"environment variable {name} names no setting{_nearest(name, ENVIRONMENT)}"
                 f" (known: {', '.join(ENVIRONMENT)})"
             )
+    try:
+        gguf_weights(env.get(GGUF_WEIGHTS_SETTING))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if env.get("GMLX_HOST"):
         config.host = env["GMLX_HOST"]
     if env.get("GMLX_PORT"):

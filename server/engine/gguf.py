@@ -9,22 +9,22 @@ a `comfy.gguf.orig_shape.<name>` entry (ComfyUI-GGUF's convert script flattens s
 rows of 256) restores the original. Names may sit under `model.diffusion_model.` or
 `diffusion_model.`, which `GGUFFile` strips.
 
-Types, and what a tensor of each becomes (`read`):
-- F32, F16, BF16: a float array.
-- Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32: one scale d, and a min m or a fixed offset) and
-  Q4_K, Q5_K (super-blocks of 256 whose eight sub-blocks of 32 carry a 6-bit scale and min):
-  MLX's affine quantization at group 32 with float32 scales and biases, exactly: w = s·q + b
-  with s = d (K: d·sc) and b = m, −8·d, −16·d, −128·d (K: −dmin·m), so `mx.dequantize` equals
-  `gguf.quants.dequantize` bit for bit in float32 (tests/engine/test_gguf.py).
-- Q6_K, Q3_K, Q2_K (sub-blocks of 16, below MLX's smallest group of 32): no exact MLX form;
-  dequantized by `gguf.quants.dequantize` and quantized again by `mx.quantize` at NEAREST's
-  width, group 32. The error that adds is measured in docs/benchmarks.md ("GGUF types").
-Any other type is refused, naming the tensor.
+What a linear weight stored quantized becomes, as `GMLX_GGUF_WEIGHTS` says (`held_as`):
+- `blocks` (the default): the file's own bytes, every type exact, no bigger than the file
+  (ggml_blocks.py: decoded by MLX operations at each matmul, bit for bit gguf's weights). A
+  fused weight whose parts mix types, or mix a float part in, keeps each part's bytes.
+- `affine`: MLX's affine quantization at group 32 (gguf_affine.py: exact for seven types, at 1.5
+  bits a weight more than the file; Q6_K, Q3_K and Q2_K quantized again), for MLX's own
+  quantized kernels.
+Every other tensor (and a quantized one not stored in its logical rows) is a float array, a
+quantized one dequantized by `gguf.quants.dequantize`. A type outside READABLE is refused,
+naming the tensor.
 """
 
 from __future__ import annotations
 
 import mmap
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,172 +35,31 @@ import numpy as np
 import safetensors
 from gguf import GGMLQuantizationType as T
 
-from .precision import MODE
+from .ggml_blocks import BlockLayout, Blocks
+from .gguf_affine import GROUP_SIZE, Quantized, affine, rows_of, swapped_rows, width
+from .load_settings import GGUF_WEIGHTS, GGUF_WEIGHTS_SETTING, gguf_weights
 from .quantize import BIASES, SCALES
 
-GROUP_SIZE = 32
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 ORIG_SHAPE = "comfy.gguf.orig_shape."
 ARCHITECTURE = "general.architecture"
 FLOAT_TYPES = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}
-# The types held as MLX affine quantization without loss, and their width.
-EXACT = {T.Q8_0: 8, T.Q4_0: 4, T.Q4_1: 4, T.Q5_0: 5, T.Q5_1: 5, T.Q4_K: 4, T.Q5_K: 5}
-# The types with no exact MLX form, and the width they are quantized again at.
-NEAREST = {T.Q6_K: 8, T.Q3_K: 5, T.Q2_K: 4}
-ROWS_PER_CHUNK = 256  # rows converted at once, bounding a conversion's numpy temporaries
+QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+READABLE = (*FLOAT_TYPES, *QUANTIZED_TYPES)
+
+# How a quantized linear weight is held: the file's blocks, or MLX's affine form.
+HELD_SETTING = GGUF_WEIGHTS_SETTING
+BLOCKS, AFFINE = GGUF_WEIGHTS
+
+
+def held_as() -> str:
+    """`GMLX_GGUF_WEIGHTS`: `blocks` (the default) or `affine`; anything else is refused."""
+    return gguf_weights(os.environ.get(HELD_SETTING))
 
 
 class GGUFError(ValueError):
     """A GGUF file (or a DiT's single safetensors file) that cannot be read as the model's
     weights; the text names the file (and the tensor)."""
-
-
-@dataclass(frozen=True)
-class Quantized:
-    """One weight in MLX's affine form at group GROUP_SIZE: the integer levels q (rows, cols),
-    uint8, and float32 scales and biases (rows, cols / GROUP_SIZE); w = scales * q + biases."""
-
-    q: np.ndarray
-    scales: np.ndarray
-    biases: np.ndarray
-    bits: int
-
-    def packed(self, bits: int | None = None) -> tuple[mx.array, mx.array, mx.array]:
-        """(packed uint32, scales, biases) at `bits` (default: its own width; a wider one holds
-        the same levels, so widening is exact)."""
-        bits = self.bits if bits is None else bits
-        if bits < self.bits:
-            raise ValueError(f"cannot pack {self.bits}-bit levels in {bits} bits")
-        return mx.array(pack(self.q, bits)), mx.array(self.scales), mx.array(self.biases)
-
-
-def pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Levels (rows, cols) < 2**bits as MLX packs them: one little-endian bit stream per row
-    (level j at bits j*bits ...), read as uint32 words (rows, cols * bits / 32)."""
-    rows, cols = q.shape
-    per_word = 8 // np.gcd(8, bits)  # levels that fill whole bytes
-    groups = q.reshape(rows, cols // per_word, per_word).astype(np.uint64)
-    shifts = (np.arange(per_word, dtype=np.uint64) * np.uint64(bits))[None, None, :]
-    words = np.bitwise_or.reduce(groups << shifts, axis=-1)  # each < 2**(per_word*bits) <= 2**40
-    width = per_word * bits // 8
-    stream = words[..., None].view(np.uint8)[..., :width]  # little-endian: low bytes first
-    return np.ascontiguousarray(stream).reshape(rows, -1).view(np.uint32)
-
-
-def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """The levels of `pack`'s words, uint8 (rows, cols)."""
-    rows = packed.shape[0]
-    stream = np.unpackbits(packed.view(np.uint8).reshape(rows, -1), axis=-1, bitorder="little")
-    stream = stream.reshape(rows, -1, bits)
-    weights = (1 << np.arange(bits)).astype(np.uint8)
-    return (stream * weights).sum(axis=-1, dtype=np.uint8)
-
-
-# ---------------------------------------------------------------------------------------------
-# The exact types: block bytes -> levels, scales and biases (mirroring gguf.quants' layouts)
-
-
-def _half(raw: np.ndarray) -> np.ndarray:
-    """(n, 2) bytes -> (n, 1) float32 of the float16 they hold."""
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
-    """(n, k) bytes -> (n, 2 * k / run, run) levels: per run of `run` bytes, the low nibbles
-    then the high ones (the order of Q4_0's 16 bytes, Q4_K's 32-byte chunks)."""
-    n = qs.shape[0]
-    runs = qs.reshape(n, -1, 1, run) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    return (runs & 0x0F).reshape(n, -1, run)
-
-
-def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
-    """Q5_0/Q5_1's 4 bytes -> (n, 32) fifth bits (element j: bit j of the little-endian word)."""
-    word = np.ascontiguousarray(qh).view(np.uint32)
-    return ((word >> np.arange(count, dtype=np.uint32)[None, :]) & 1).astype(np.uint8)
-
-
-def _q8_0(b):
-    d = _half(b[:, :2])
-    q = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    return q, d, -128 * d
-
-
-def _q4_0(b):
-    d = _half(b[:, :2])
-    return _nibbles(b[:, 2:], 16).reshape(-1, 32), d, -8 * d
-
-
-def _q4_1(b):
-    return _nibbles(b[:, 4:], 16).reshape(-1, 32), _half(b[:, :2]), _half(b[:, 2:4])
-
-
-def _q5_0(b):
-    d = _half(b[:, :2])
-    q = _nibbles(b[:, 6:], 16).reshape(-1, 32) | (_high_bits(b[:, 2:6], 32) << 4)
-    return q, d, -16 * d
-
-
-def _q5_1(b):
-    q = _nibbles(b[:, 8:], 16).reshape(-1, 32) | (_high_bits(b[:, 4:8], 32) << 4)
-    return q, _half(b[:, :2]), _half(b[:, 2:4])
-
-
-def _k_scales(b):
-    """Q4_K/Q5_K's super-block header -> scales d·sc and biases −dmin·m per sub-block (n, 8)."""
-    sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    scales = _half(b[:, :2]) * sc.astype(np.float32)
-    return scales, -(_half(b[:, 2:4]) * m.astype(np.float32))
-
-
-def _q4_k(b):
-    scales, biases = _k_scales(b)
-    return _nibbles(b[:, 16:], 32), scales, biases
-
-
-def _q5_k(b):
-    scales, biases = _k_scales(b)
-    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    return _nibbles(b[:, 48:], 32) | ((qh & 1) << 4), scales, biases
-
-
-_EXACT_BLOCKS = {
-    T.Q8_0: _q8_0,
-    T.Q4_0: _q4_0,
-    T.Q4_1: _q4_1,
-    T.Q5_0: _q5_0,
-    T.Q5_1: _q5_1,
-    T.Q4_K: _q4_k,
-    T.Q5_K: _q5_k,
-}
-
-
-def affine(kind: T, data: np.ndarray, rows: int, cols: int) -> Quantized:
-    """A quantized tensor's bytes (rows, bytes per row) in MLX's affine form at group 32:
-    exact for EXACT's types, quantized again at NEAREST's width for the others."""
-    if kind in EXACT:
-        block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
-        convert = _EXACT_BLOCKS[kind]
-        parts = [convert(chunk.reshape(-1, type_size)) for chunk in _row_chunks(data)]
-        q = np.concatenate([p[0].reshape(-1, cols) for p in parts])
-        scales = np.concatenate([p[1].reshape(-1, cols // GROUP_SIZE) for p in parts])
-        biases = np.concatenate([p[2].reshape(-1, cols // GROUP_SIZE) for p in parts])
-        return Quantized(q, scales, biases, EXACT[kind])
-    bits = NEAREST[kind]
-    levels, all_scales, all_biases = [], [], []
-    for chunk in _row_chunks(data):
-        values = mx.array(gguf.quants.dequantize(chunk, kind).reshape(-1, cols))
-        packed, scales, biases = mx.quantize(values, GROUP_SIZE, bits, mode=MODE)
-        levels.append(unpack(np.array(packed), bits))
-        all_scales.append(np.array(scales, np.float32))
-        all_biases.append(np.array(biases, np.float32))
-    return Quantized(
-        np.concatenate(levels), np.concatenate(all_scales), np.concatenate(all_biases), bits
-    )
-
-
-def _row_chunks(data: np.ndarray):
-    for start in range(0, data.shape[0], ROWS_PER_CHUNK):
-        yield np.asarray(data[start : start + ROWS_PER_CHUNK])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +111,7 @@ class GGUFFile:
         self.entries: dict[str, TensorEntry] = {}
         for tensor in reader.tensors:
             kind = tensor.tensor_type
-            if kind not in FLOAT_TYPES and kind not in EXACT and kind not in NEAREST:
+            if kind not in READABLE:
                 raise GGUFError(
                     f"{self.path}: tensor {tensor.name} is {kind.name}, which this server does"
                     f" not read (it reads {', '.join(readable_types())})"
@@ -284,6 +143,19 @@ class GGUFFile:
         value = value.reshape(entry.shape)
         return value if dtype is None else value.astype(dtype)
 
+    def read_blocks(self, name: str, rows: slice | None = None, swapped: bool = False) -> Blocks:
+        """A 2-D tensor stored in its logical rows as the file holds it (`rows`: those rows
+        alone; `swapped`: its two halves of rows exchanged first), quantized or float."""
+        entry = self.entries[name]
+        count, cols = entry.shape
+        data = np.asarray(entry.tensor.data).view(np.uint8).reshape(count, -1)
+        if swapped:
+            data = np.concatenate([data[count // 2 :], data[: count // 2]])
+        data = data if rows is None else data[rows]
+        value = mx.array(np.ascontiguousarray(data).reshape(-1))
+        self._release_pages(entry)
+        return Blocks(value, BlockLayout(cols, ((entry.kind, data.shape[0]),)))
+
     def _release_pages(self, entry: TensorEntry) -> None:
         """Drop a tensor's pages of the file from this process's resident set once they are
         read (every read above copies them into MLX or numpy arrays first). The mapping is
@@ -307,9 +179,15 @@ class GGUFFile:
         """The file's precision as status reports it: its name and its tensors' types."""
         return {"format": "gguf", "file": self.path.name, "types": self.type_counts()}
 
+    def quantized_2d(self, name: str) -> bool:
+        """Whether tensor `name` is a quantized one stored in its logical rows (one a linear
+        weight may be held quantized as)."""
+        entry = self.entries[name]
+        return entry.quantized and entry.stored_2d
+
 
 def readable_types() -> list[str]:
-    return [kind.name for kind in (*FLOAT_TYPES, *EXACT, *NEAREST)]
+    return [kind.name for kind in READABLE]
 
 
 def common_prefix(names: list[str]) -> str:
@@ -507,18 +385,20 @@ class DiTFile:
 
     def tensors(
         self, dtype: mx.Dtype | None = None, keep_f32=None, reads=None
-    ) -> dict[str, mx.array]:
-        """The family's tensors by diffusers name, as a stored quantized folder holds them: a
-        linear weight `X.weight` quantized in the file is packed beside `X.scales` and
-        `X.biases` (group 32, float32), every part of a fused weight at the widest part's
-        width (widening is exact) or, when a part is float, all in float; everything else is a
-        float array cast to `dtype` (float32 for the names `keep_f32` picks). Read one file
-        tensor at a time; a file tensor none of whose names `reads` picks (the blocks of
-        another rank: shard.TreeShard.reads) is never read: its names hold zeros of their
-        shapes that are never evaluated (MLX arrays are lazy), for the caller to drop."""
+    ) -> dict[str, mx.array | Blocks]:
+        """The family's tensors by diffusers name. A linear weight `X.weight` of a fused group
+        with a part quantized in the file (every part stored in its logical rows) is held
+        quantized, as `held_as()` says: as `Blocks` of the file's bytes (each part's own type,
+        float parts too), or in MLX's affine form packed beside `X.scales` and `X.biases`
+        (group 32, float32; every part at the widest part's width, widening being exact, and
+        only when every part is quantized). Everything else is a float array cast to `dtype`
+        (float32 for the names `keep_f32` picks). Read one file tensor at a time; a file
+        tensor none of whose names `reads` picks (the blocks of another rank:
+        shard.TreeShard.reads) is never read: its names hold zeros of their shapes that are
+        never evaluated (MLX arrays are lazy), for the caller to drop."""
         file, sources = self.open()
-        widths = self._widths(file, sources)
-        out: dict[str, mx.array] = {}
+        held = self.held(file, sources)
+        out: dict[str, mx.array | Blocks] = {}
         by_file: dict[str, list[tuple[str, int, int]]] = {}
         for name in self.shapes:
             file_name, part, parts = sources[name]
@@ -528,18 +408,23 @@ class DiTFile:
             if keep_f32 is not None and all(keep_f32(name) for name, _, _ in targets):
                 float_dtype = mx.float32
             swapped = file_name in self.naming.swapped
-            kept_quantized = all(name in widths for name, _, _ in targets)
+            form = held.get(targets[0][0]) if all(n in held for n, _, _ in targets) else None
             if reads is not None and not any(reads(name) for name, _, _ in targets):
                 for name, _, _ in targets:
-                    width = widths[name] if kept_quantized else None
-                    out.update(self._unread(name, width, float_dtype))
+                    out.update(self._unread(file, file_name, name, form, float_dtype))
                 continue
-            if kept_quantized:
+            if isinstance(form, str):  # blocks
+                for name, part, _ in targets:
+                    size = self.shapes[name][0]
+                    rows = slice(part * size, (part + 1) * size)
+                    out[name] = file.read_blocks(file_name, rows, swapped)
+                continue
+            if form is not None:  # affine, at that width
                 value = file.read(file_name)
-                value = _swapped_rows(value) if swapped else value
+                value = swapped_rows(value) if swapped else value
                 for name, part, parts in targets:
                     base = name[: -len(".weight")]
-                    packed = _rows(value, part, parts).packed(widths[name])
+                    packed = rows_of(value, part, parts).packed(held[name])
                     out[name], out[base + SCALES], out[base + BIASES] = packed
             else:
                 value = file.read(file_name, float_dtype, as_float=True)
@@ -549,29 +434,39 @@ class DiTFile:
             del value
         return out
 
-    def _unread(self, name: str, width: int | None, dtype: mx.Dtype | None) -> dict:
-        """Lazy zeros in place of a tensor that is not read: packed at `width` with its scales
-        and biases (a weight kept quantized), else a float array."""
+    def _unread(self, file, file_name: str, name: str, form, dtype: mx.Dtype | None) -> dict:
+        """Lazy zeros in place of a tensor that is not read: as it would be held (blocks, the
+        affine form at its width with its scales and biases, or a float array)."""
         shape = tuple(self.shapes[name])
-        if width is None:
+        if form is None:
             return {name: mx.zeros(shape, dtype or mx.float32)}
         rows, cols = shape
+        if isinstance(form, str):
+            layout = BlockLayout(cols, ((file.entries[file_name].kind, rows),))
+            return {name: Blocks(mx.zeros((layout.nbytes,), mx.uint8), layout)}
         base = name[: -len(".weight")]
         return {
-            name: mx.zeros((rows, cols * width // 32), mx.uint32),
+            name: mx.zeros((rows, cols * form // 32), mx.uint32),
             base + SCALES: mx.zeros((rows, cols // GROUP_SIZE), mx.float32),
             base + BIASES: mx.zeros((rows, cols // GROUP_SIZE), mx.float32),
         }
 
-    def _widths(self, file: GGUFFile, sources) -> dict[str, int]:
-        """Diffusers weight name -> the width it is packed at, for the weights kept quantized:
-        those whose every fused part is quantized in its logical rows."""
-        widths: dict[str, int] = {}
+    def held(self, file, sources) -> dict[str, str | int]:
+        """Diffusers weight name -> how it is held quantized: BLOCKS, or (affine) the width it
+        is packed at; the weights not named are float arrays. Held quantized: the linear
+        weights of a fused group with a part quantized in its logical rows, every part stored
+        in its logical rows (as affine: every part quantized)."""
+        affine_form = held_as() == AFFINE
+        forms: dict[str, str | int] = {}
         for name, group in self.fused.items():
             entries = [file.entries[sources[part][0]] for part in group]
-            if all(entry.quantized and entry.stored_2d for entry in entries):
-                widths[name] = max(_width(entry.kind) for entry in entries)
-        return widths
+            if not all(entry.stored_2d for entry in entries):
+                continue
+            if affine_form and all(entry.quantized for entry in entries):
+                forms[name] = max(width(entry.kind) for entry in entries)
+            elif not affine_form and any(entry.quantized for entry in entries):
+                forms[name] = BLOCKS
+        return forms
 
     def infos(self) -> list[tuple[str, tuple[int, ...], str]]:
         """(diffusers name, logical shape, stored type) of every tensor the family reads:
@@ -584,9 +479,20 @@ class DiTFile:
         return out
 
     def status(self) -> dict | None:
-        """The component's precision as status reports it: a GGUF file and its tensors' types;
-        None for a safetensors file (float, as a folder's)."""
-        return weights_file(self.path).status()
+        """The component's precision as status reports it: a GGUF file, its tensors' types, how
+        its quantized linear weights are held (`weights`: BLOCKS or AFFINE) and at how many
+        bits a weight (`bits_per_weight`, over those weights); None for a safetensors file
+        (float, as a folder's)."""
+        file = weights_file(self.path)
+        status = file.status()
+        if status is None:
+            return None
+        sources = self.open()[1]
+        held = self.held(file, sources)
+        bits = [self._held_bits(file, sources, name, held[name]) for name in held]
+        elements = sum(count for count, _ in bits)
+        per_weight = round(sum(total for _, total in bits) / elements, 3) if elements else None
+        return {**status, "weights": held_as(), "bits_per_weight": per_weight}
 
     def stored_bytes(self) -> int:
         """Bytes of tensor data in the file."""
@@ -594,48 +500,32 @@ class DiTFile:
 
     def estimated_bytes(self, itemsize: int) -> int:
         """The bytes the family's tensors take loaded (for the status of a model not loaded):
-        a weight kept quantized (`tensors`: a linear weight whose every fused part the file
-        quantizes) at its MLX width plus float32 scale and bias per group, the rest (a
-        quantized tensor that is no linear weight too) at `itemsize` bytes per element."""
+        a weight held quantized (`held`) at its file's bytes (blocks) or at its MLX width plus
+        float32 scale and bias per group (affine), the rest (a quantized tensor that is no
+        linear weight too) at `itemsize` bytes per element."""
         file, sources = self.open()
-        widths = self._widths(file, sources)
+        held = self.held(file, sources)
         total = 0
         for name, shape in self.shapes.items():
-            elements = int(np.prod(shape, dtype=np.int64))
-            if name in widths:
-                total += elements * (widths[name] + 2 * 32 // GROUP_SIZE) // 8
+            if name in held:
+                total += self._held_bits(file, sources, name, held[name])[1] // 8
             else:
-                total += elements * itemsize
+                total += int(np.prod(shape, dtype=np.int64)) * itemsize
         return total
 
-
-def _width(kind: T) -> int:
-    return EXACT.get(kind) or NEAREST[kind]
+    def _held_bits(self, file, sources, name: str, form) -> tuple[int, int]:
+        """(elements, bits held) of a weight held quantized."""
+        rows, cols = self.shapes[name]
+        if isinstance(form, str):
+            kind = file.entries[sources[name][0]].kind
+            return rows * cols, BlockLayout(cols, ((kind, rows),)).nbytes * 8
+        return rows * cols, rows * cols * (form + 2 * 32 // GROUP_SIZE)
 
 
 def _part_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
     if parts == 1:
         return tuple(shape)
     return (shape[0] // parts, *shape[1:]) if shape[0] % parts == 0 else tuple(shape)
-
-
-def _rows(item: Quantized, part: int, parts: int) -> Quantized:
-    """Part `part` of `parts` equal row groups of an affine form."""
-    if parts == 1:
-        return item
-    size = item.q.shape[0] // parts
-    rows = slice(part * size, (part + 1) * size)
-    return Quantized(item.q[rows], item.scales[rows], item.biases[rows], item.bits)
-
-
-def _swapped_rows(item: Quantized) -> Quantized:
-    """An affine form with its two halves of rows swapped."""
-    half = item.q.shape[0] // 2
-
-    def swap(a: np.ndarray) -> np.ndarray:
-        return np.concatenate([a[half:], a[:half]])
-
-    return Quantized(swap(item.q), swap(item.scales), swap(item.biases), item.bits)
 
 
 def _swapped_halves(value: mx.array) -> mx.array:
@@ -710,30 +600,50 @@ class ModuleFiles:
                 )
         return files
 
-    def weights(self, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
-        """The module's parameters: a 2-D weight quantized in the file packed beside its
-        `.scales` and `.biases` (quantize.quantize_stored_module makes its layer a quantized
-        one), every other tensor a float array cast to `dtype`; one file tensor at a time."""
+    def weights(self, dtype: mx.Dtype | None = None) -> dict[str, mx.array | Blocks]:
+        """The module's parameters: a 2-D weight quantized in the file held quantized as
+        `held_as()` says (`Blocks` of its bytes, or packed beside its `.scales` and `.biases`:
+        weights.load_module makes its layer a quantized one), every other tensor a float array
+        cast to `dtype`; one file tensor at a time."""
         files = self.open()
-        out: dict[str, mx.array] = {}
+        blocks = held_as() == BLOCKS
+        out: dict[str, mx.array | Blocks] = {}
         for name, (index, file_name) in self.names.items():
-            value = files[index].read(file_name, dtype)
-            if isinstance(value, Quantized) and name.endswith(".weight"):
+            file = files[index]
+            quantized = file.quantized_2d(file_name) and name.endswith(".weight")
+            if quantized and blocks:
+                out[name] = file.read_blocks(file_name)
+            elif quantized:
+                value = file.read(file_name)
                 base = name[: -len(".weight")]
                 out[name], out[base + SCALES], out[base + BIASES] = value.packed()
-            elif isinstance(value, Quantized):
-                out[name] = files[index].read(file_name, dtype, as_float=True)
             else:
-                out[name] = value
+                out[name] = file.read(file_name, dtype, as_float=True)
         return out
 
     def status(self) -> dict:
-        """The component's precision as status reports it: the files and their types."""
+        """The component's precision as status reports it: the files, their types, how the
+        quantized weights are held and at how many bits a weight (as DiTFile.status)."""
+        files = [GGUFFile(path) for path in self.paths]
         counts: dict[str, int] = {}
-        for file in (GGUFFile(path) for path in self.paths):
+        for file in files:
             for kind, count in file.type_counts().items():
                 counts[kind] = counts.get(kind, 0) + count
-        return {"format": "gguf", "file": self.paths[0].name, "types": dict(sorted(counts.items()))}
+        elements = bits = 0
+        affine_form = held_as() == AFFINE
+        for name, (index, file_name) in self.names.items():
+            entry = files[index].entries[file_name]
+            if name.endswith(".weight") and files[index].quantized_2d(file_name):
+                size = int(np.prod(entry.shape, dtype=np.int64))
+                elements += size
+                bits += size * (width(entry.kind) + 2) if affine_form else entry.nbytes * 8
+        return {
+            "format": "gguf",
+            "file": self.paths[0].name,
+            "types": dict(sorted(counts.items())),
+            "weights": held_as(),
+            "bits_per_weight": round(bits / elements, 3) if elements else None,
+        }
 
     def stored_bytes(self) -> int:
         """Bytes of tensor data in the files."""

@@ -16,6 +16,20 @@ from pathlib import Path
 
 from .precision import AUTO, Quantization
 
+# How a GGUF file's quantized linear weights are held (`GMLX_GGUF_WEIGHTS`, engine/gguf.py):
+# the file's own blocks (the default), or MLX's affine quantization.
+GGUF_WEIGHTS_SETTING = "GMLX_GGUF_WEIGHTS"
+GGUF_WEIGHTS = ("blocks", "affine")
+
+
+def gguf_weights(value: str | None) -> str:
+    """The setting's value (None: the default), checked."""
+    held = (value or GGUF_WEIGHTS[0]).strip().lower()
+    if held not in GGUF_WEIGHTS:
+        raise ValueError(f"{GGUF_WEIGHTS_SETTING} must be blocks or affine, not {value!r}")
+    return held
+
+
 # The components whose weights a model entry may name a file for, by the family's `load`
 # keyword: the DiT, the text encoder, and its vision tower (llama.cpp's mmproj).
 FILE_KEYS = ("dit", "text_encoder", "mmproj")

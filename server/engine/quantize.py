@@ -29,6 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
+from . import ggml_blocks
+from .ggml_blocks import LAYOUT, BlockLayout
 from .precision import MODE, Quantization
 
 SCALES = ".scales"
@@ -39,7 +41,11 @@ DEQUANTIZE_MIN_ROWS = 16  # quantized_matmul, below: MLX's CPU kernel is faster 
 
 
 def linear(node: dict, name: str, x: mx.array) -> mx.array:
-    """x W^T for the weight `name` of a tree node, quantized or not."""
+    """x W^T for the weight `name` of a tree node: float, affine quantized, or a GGUF file's
+    blocks (ggml_blocks.py)."""
+    layout = node.get(name + LAYOUT)
+    if layout is not None:
+        return ggml_blocks.matmul(x, node[name], BlockLayout.of(layout))
     spec = node.get(name + SPEC)
     if spec is None:
         return x @ node[name].T
@@ -90,6 +96,9 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 def logical_shape(node: dict, name: str) -> tuple[int, int]:
     """(out, in) of the linear weight `name` as the file holds it, quantized or not."""
+    layout = node.get(name + LAYOUT)
+    if layout is not None:
+        return BlockLayout.of(layout).shape
     rows, cols = node[name].shape
     spec = node.get(name + SPEC)
     return (rows, cols) if spec is None else (rows, cols * PACKED_BITS // spec[0])
@@ -140,8 +149,10 @@ def quantize_tree(
         value, where = tree[key], path + key
         if isinstance(value, (dict, list)):
             quantize_tree(value, quantization, include, where + ".")
-        elif key.endswith((SCALES, BIASES, SPEC)) or key + SPEC in tree:
+        elif key.endswith((SCALES, BIASES, SPEC, LAYOUT)) or key + SPEC in tree:
             continue  # held quantized already (a GGUF file's), with its scales and biases
+        elif key + LAYOUT in tree:
+            continue  # held as a GGUF file's blocks
         elif quantizable(value, quantization) and include(where):
             tree[key], tree[key + SCALES], tree[key + BIASES] = quantized(value, quantization)
             tree[key + SPEC] = (quantization.bits, quantization.group_size)

@@ -33,7 +33,8 @@ import mlx.core as mx
 import numpy as np
 
 from .base import EngineInputError
-from .quantize import BIASES, PACKED_BITS, SCALES, SPEC
+from .ggml_blocks import LAYOUT, BlockLayout, take_columns, take_rows
+from .quantize import BIASES, SCALES, SPEC, logical_shape
 from .shard_plan import MODES, Shard, ShardPlan, Split, stage_bounds
 
 __all__ = ["MODES", "Shard", "ShardPlan", "Split", "Stages", "TreeShard", "all_sum"]
@@ -109,12 +110,10 @@ class TreeShard:
         """The whole DiT's (out, in) of each linear weight of a block (LoRA tables are checked
         and placed against them), from the shapes alone."""
         for key, value in block.items():
-            if (
-                isinstance(value, mx.array)
-                and value.ndim == 2
-                and not key.endswith((SCALES, BIASES))
+            if isinstance(value, mx.array) and (
+                key + LAYOUT in block or (value.ndim == 2 and not key.endswith((SCALES, BIASES)))
             ):
-                self.full_shapes[(path, key)] = _logical_shape(block, key)
+                self.full_shapes[(path, key)] = logical_shape(block, key)
 
     def _slice_leaf(self, node: dict, key: str, path: tuple) -> None:
         value = node[key]
@@ -123,15 +122,18 @@ class TreeShard:
         if self.shard.tensor and (key in self.plan.columns or key in self.plan.rows):
             for name, part in self._cut(node, key, path).items():
                 node[name] = part
-                mx.eval(part)
+                if isinstance(part, mx.array):
+                    mx.eval(part)
         else:
             mx.eval(value)
 
     def _cut(self, node: dict, key: str, path: tuple) -> dict[str, mx.array]:
         """The rank's slice of the weight `key` (with its scales and biases when quantized)."""
-        names = [key] + ([key + SCALES, key + BIASES] if key + SPEC in node else [])
-        out_rows, in_cols = _logical_shape(node, key)
+        out_rows, in_cols = logical_shape(node, key)
         where = f"{'.'.join(map(str, path))}.{key}"
+        if key + LAYOUT in node:
+            return self._cut_blocks(node, key, where)
+        names = [key] + ([key + SCALES, key + BIASES] if key + SPEC in node else [])
         if key in self.plan.columns:
             rows = self.column_rows(self.plan.columns[key], out_rows, where)
             return {name: node[name][mx.array(rows)] for name in names}
@@ -149,6 +151,23 @@ class TreeShard:
                 )
             cut[name] = array[:, int(lo) : int(hi)]
         return cut
+
+    def _cut_blocks(self, node: dict, key: str, where: str) -> dict:
+        """The rank's slice of a weight held as a GGUF file's blocks, and its layout."""
+        layout = BlockLayout.of(node[key + LAYOUT])
+        if key in self.plan.columns:
+            rows = self.column_rows(self.plan.columns[key], layout.rows, where)
+            data, cut = take_rows(node[key], layout, rows)
+        else:
+            start, stop = self.input_columns(self.plan.rows[key], layout.cols, where)
+            taken = take_columns(node[key], layout, start, stop)
+            if taken is None:
+                raise EngineInputError(
+                    f"{where}: its {layout.cols} input columns cut over {self.shard.size} ranks"
+                    " do not fall on whole blocks of its GGUF types; use another rank count"
+                )
+            data, cut = taken
+        return {key: data, key + LAYOUT: cut.constants()}
 
     def column_rows(self, split: Split, rows: int, where: str) -> np.ndarray:
         """The output rows a rank keeps: its chunk of each segment."""
@@ -219,12 +238,6 @@ class TreeShard:
 
 def _of_units(unit: int, what: str) -> str:
     return "" if unit == 1 else f" of whole heads ({unit} {what} each)"
-
-
-def _logical_shape(node: dict, key: str) -> tuple[int, int]:
-    rows, cols = node[key].shape
-    spec = node.get(key + SPEC)
-    return (rows, cols) if spec is None else (rows, cols * PACKED_BITS // spec[0])
 
 
 # ---------------------------------------------------------------- running the blocks

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
 from .gguf import DiTFile, Naming, common_prefix
 from .nn.dtypes import eval_leaf_by_leaf
@@ -120,6 +121,7 @@ def load_module(
     they load (quantize.quantize_module)."""
     if from_gguf is not None:
         weights = from_gguf()
+        hold_blocks(module, weights)
         quantize_stored_module(module, weights, GGUF_GROUP_SIZE)
     else:
         quantization = quantization_at_load(Path(component_dir), quantization)
@@ -165,7 +167,10 @@ def load_tree(
     component_dir = Path(component_dir)
     if gguf is not None:
         files = gguf.tensors(dtype, keep_f32, reads=None if shard is None else shard.reads)
-        tree = sanitize_stored(files, sanitize, GGUF_GROUP_SIZE)
+        if any(isinstance(value, Blocks) for value in files.values()):
+            tree = sanitize_blocks(files, sanitize)
+        else:
+            tree = sanitize_stored(files, sanitize, GGUF_GROUP_SIZE)
     else:
         quantization = quantization_at_load(component_dir, quantization)
         files = load_weights(component_dir, dtype, keep_f32)

@@ -205,6 +205,14 @@ def test_an_environment_variable_naming_no_setting_is_refused():
     assert load_config(None, env={"GMLX_LOG_LEVEL": "DEBUG", "OTHER_PROT": "1"}).port == 8080
 
 
+def test_a_mistyped_gguf_weights_setting_is_refused():
+    with pytest.raises(
+        ConfigError, match="GMLX_GGUF_WEIGHTS must be blocks or affine, not 'afine'"
+    ):
+        load_config(None, env={"GMLX_GGUF_WEIGHTS": "afine"})
+    load_config(None, env={"GMLX_GGUF_WEIGHTS": "affine"})
+
+
 def test_every_gmlx_variable_the_project_reads_is_known():
     root = Path(__file__).resolve().parents[2]
     named = set()

@@ -30,7 +30,9 @@ from gmlx_server.engine.families.qwen_image21.dit import (
 )
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.family import LoadedParts
-from gmlx_server.engine.gguf import EXACT, NEAREST
+from gmlx_server.engine.ggml_blocks import LAYOUT, BlockLayout
+from gmlx_server.engine.gguf import HELD_SETTING, READABLE
+from gmlx_server.engine.gguf_affine import EXACT, NEAREST
 from gmlx_server.engine.registry import ModelRegistry
 from safetensors.numpy import save_file
 
@@ -41,9 +43,9 @@ from tests.server.conftest import serve
 TOLERANCE = 1e-4
 # Wide enough that every block linear's input (256 and 768) takes a K-quant's 256-blocks.
 CONFIG = {**embedded.TRANSFORMER_CONFIG, "attention_head_dim": 128, "axes_dims_rope": [32, 48, 48]}
-TYPES = [T.F32, T.F16, T.BF16, *EXACT, *NEAREST]
-# The step's distance from the gguf-dequantized networks' for the types quantized again
-# (docs/benchmarks.md, "GGUF types", at the step).
+TYPES = list(READABLE)
+# The step's distance from the gguf-dequantized networks' for the types the affine setting
+# quantizes again (docs/benchmarks.md, "GGUF types", at the step).
 NEAREST_STEP_BOUND = {T.Q6_K: 0.005, T.Q3_K: 0.03, T.Q2_K: 0.03}
 GATE_UP = "img_mlp.gate_up.weight"
 
@@ -133,10 +135,27 @@ def test_step_equals_the_dequantized_weights_networks(kind, base, tmp_path, cond
     folder, reference = gguf_model(base, tmp_path, kind)
     model = family.QWEN_IMAGE21.load(folder, "gguf")
     expected = step(family.QWEN_IMAGE21.load(reference, "reference"), cond_rows)
-    got = step(model, cond_rows)
+    assert rel_l2(step(model, cond_rows), expected) <= TOLERANCE
     block = model.dit.weights["blocks"][0]
     if kind in EXACT or kind in NEAREST:
-        assert block["qkv"].dtype == mx.uint32  # held quantized, never as float
+        assert block["qkv"].dtype == mx.uint8  # held as the file's blocks, never as float
+    status = model.status()["quantization"]["dit"]
+    assert status["format"] == "gguf" and status["file"] == "dit.gguf"
+    assert status["types"] == type_counts(types_for(kind, CONFIG), CONFIG)
+    assert status["weights"] == "blocks"
+    assert status == family.QWEN_IMAGE21.describe(folder)["quantization"]["dit"]
+
+
+@pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda kind: kind.name)
+def test_the_affine_setting_holds_mlx_quantization(kind, base, tmp_path, cond_rows, monkeypatch):
+    """`GMLX_GGUF_WEIGHTS=affine`: MLX's affine form, exact for Q4_K and quantized again (two
+    bits wider) for Q6_K."""
+    monkeypatch.setenv(HELD_SETTING, "affine")
+    folder, reference = gguf_model(base, tmp_path, kind)
+    model = family.QWEN_IMAGE21.load(folder, "gguf")
+    expected = step(family.QWEN_IMAGE21.load(reference, "reference"), cond_rows)
+    got = step(model, cond_rows)
+    assert model.dit.weights["blocks"][0]["qkv"].dtype == mx.uint32
     if kind in NEAREST:
         # exactly the networks of its own (MLX) weights, near gguf's
         assert rel_l2(got, step(dequantized_model(model, folder), cond_rows)) <= TOLERANCE
@@ -144,15 +163,18 @@ def test_step_equals_the_dequantized_weights_networks(kind, base, tmp_path, cond
     else:
         assert rel_l2(got, expected) <= TOLERANCE
     status = model.status()["quantization"]["dit"]
-    assert status["format"] == "gguf" and status["file"] == "dit.gguf"
-    assert status["types"] == type_counts(types_for(kind, CONFIG), CONFIG)
+    assert status["weights"] == "affine"
     assert status == family.QWEN_IMAGE21.describe(folder)["quantization"]["dit"]
+    monkeypatch.delenv(HELD_SETTING)
+    blocks = family.QWEN_IMAGE21.describe(folder)["quantization"]["dit"]
+    if kind in EXACT:  # float32 scale and bias per 32 weights over the file's blocks
+        assert status["bits_per_weight"] == blocks["bits_per_weight"] + 1.5
 
 
 def test_prefixes_fused_gate_up_orig_shape_and_mixed_widths(base, tmp_path, cond_rows):
     """ComfyUI's form of a file: `model.diffusion_model.` names, the SwiGLU's gate and up as one
     `gate_up` weight, img_in flattened to rows of 256; and one fused q/k/v whose parts are of
-    three widths (packed at the widest, exactly)."""
+    three types (each part's blocks held as they are)."""
     weights = draw_weights(CONFIG, 5)
     types = types_for(T.Q4_K, CONFIG)
     p = BLOCK_PREFIX.format(0)
@@ -178,9 +200,8 @@ def test_prefixes_fused_gate_up_orig_shape_and_mixed_widths(base, tmp_path, cond
     )
     reference = reference_folder(base, tmp_path / "reference", held)
     model = family.QWEN_IMAGE21.load(folder, "comfy")
-    qkv = model.dit.weights["blocks"][0]["qkv"]
-    assert model.dit.weights["blocks"][0]["qkv.quantization"] == (8, 32)
-    assert qkv.shape == (3 * 256, 256 * 8 // 32)
+    layout = BlockLayout.of(model.dit.weights["blocks"][0]["qkv" + LAYOUT])
+    assert layout.runs == ((T.Q4_K, 256), (T.Q8_0, 256), (T.Q5_0, 256))
     expected = step(family.QWEN_IMAGE21.load(reference, "reference"), cond_rows)
     assert rel_l2(step(model, cond_rows), expected) <= TOLERANCE
     # the manifest names the diffusers tensors with their logical shapes
@@ -194,13 +215,16 @@ def test_prefixes_fused_gate_up_orig_shape_and_mixed_widths(base, tmp_path, cond
     assert manifest == family.QWEN_IMAGE21.manifest(folder)
 
 
-def test_memory_counts_the_packed_weights(base, tmp_path):
+def test_memory_counts_the_held_blocks(base, tmp_path):
     folder, reference = gguf_model(base, tmp_path, T.Q4_K)
     model, plain = (
         family.QWEN_IMAGE21.load(folder, "gguf"),
         family.QWEN_IMAGE21.load(reference, "float"),
     )
     assert model.dit.weight_bytes < 0.5 * plain.dit.weight_bytes
+    # no bigger than the file's tensors
+    stored = dit_file(folder / "transformer").stored_bytes()
+    assert stored <= model.dit.weight_bytes <= 1.01 * stored, model.dit.weight_bytes / stored
     memory = model.status()["memory"]
     gguf_bytes = (folder / "transformer" / "dit.gguf").stat().st_size
     assert 0.9 * gguf_bytes < memory["dit_bytes"] <= gguf_bytes

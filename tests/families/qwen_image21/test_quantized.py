@@ -24,6 +24,7 @@ from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 from gmlx_server.engine.family import LoadedParts
+from gmlx_server.engine.ggml_blocks import LAYOUT, BlockLayout, decode
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.nn.dtypes import tree_bytes
 from gmlx_server.engine.precision import BITS, Quantization
@@ -47,14 +48,17 @@ def rel_l2(a, b) -> float:
 
 
 def dequantized_tree(tree):
-    """A copy of a weight tree with every quantized weight dequantized to float32."""
+    """A copy of a weight tree with every quantized weight (affine, or a GGUF file's blocks)
+    dequantized to float32."""
     if isinstance(tree, list):
         return [dequantized_tree(child) for child in tree]
     out = {}
     for key, value in tree.items():
-        if key.endswith((SCALES, BIASES, SPEC)):
+        if key.endswith((SCALES, BIASES, SPEC, LAYOUT)):
             continue
-        if key + SPEC in tree:
+        if key + LAYOUT in tree:
+            out[key] = decode(value, BlockLayout.of(tree[key + LAYOUT]))
+        elif key + SPEC in tree:
             bits, group_size = tree[key + SPEC]
             scales, biases = tree[key + SCALES], tree[key + BIASES]
             out[key] = mx.dequantize(value, scales, biases, group_size=group_size, bits=bits)
