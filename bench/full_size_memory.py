@@ -41,7 +41,11 @@ all     the measurements of docs/benchmarks.md ("Full-size memory"), each in its
 `--gguf TYPE` (write, load): the DiT as one GGUF file in root/gguf-TYPE/transformer, written
 with the `gguf` package one tensor at a time, the blocks' linear weights random valid blocks
 of TYPE (tests/engine/gguf_files.py), the rest float16 and the norm scales float32, loaded
-through the server's loader (the family's dit_file).
+through the server's loader (the family's dit_file) as `GMLX_GGUF_WEIGHTS` says. `Q4_K_M`
+mixes as llama.cpp's preset of that name does: the value and MLP-down matrices Q6_K in the
+first and last eighth of the blocks and every third block between (llama.cpp's
+`use_more_bits`), every other block linear Q4_K. The load reports the file's tensor bytes
+beside what the DiT holds.
 
 Results go to docs/benchmarks.md ("Full-size memory").
 """
@@ -130,7 +134,8 @@ def parse_args(argv=None):
         "--gguf",
         default=None,
         metavar="TYPE",
-        help="write, load: the DiT as one GGUF file, its blocks' linears of this type (Q4_K)",
+        help="write, load, step: the DiT as one GGUF file, its blocks' linears of this type"
+        " (Q4_K, or Q4_K_M's mix)",
     )
     return parser.parse_args(argv)
 
@@ -253,9 +258,8 @@ def write_gguf_dit(root: Path, type_name: str) -> dict:
     from tests.engine.gguf_files import random_blocks
 
     started = time.perf_counter()
-    kind = gguf.GGMLQuantizationType[type_name]
-    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
     config, shapes = checkpoint_shapes("transformer")
+    kinds = block_linear_types(type_name, config["num_layers"])
     target = root / "transformer"
     target.mkdir(parents=True, exist_ok=False)
     (target / "config.json").write_text(json.dumps(config, indent=2))
@@ -264,6 +268,8 @@ def write_gguf_dit(root: Path, type_name: str) -> dict:
         """(type, numpy dtype, stored shape, bytes) of a tensor as the file holds it."""
         if len(shape) == 2 and name.startswith("transformer_blocks.") and name.endswith(".weight"):
             rows, cols = shape
+            kind = kinds(name)
+            block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
             return (
                 kind,
                 np.uint8,
@@ -294,6 +300,28 @@ def write_gguf_dit(root: Path, type_name: str) -> dict:
         total += nbytes
     writer.close()
     return {"bytes": total, "write_s": round(time.perf_counter() - started, 1)}
+
+
+# The block linears llama.cpp's Q4_K_M gives more bits (its attn_v and ffn_down).
+MORE_BITS = (".attn.to_v.weight", ".img_mlp.out.weight")
+
+
+def block_linear_types(type_name: str, blocks: int):
+    """name -> the GGUF type of a block linear: `type_name`'s, or Q4_K_M's mix."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if type_name != "Q4_K_M":
+        return lambda name: T[type_name]
+
+    def more_bits(index: int) -> bool:  # llama.cpp's use_more_bits
+        return index < blocks // 8 or index >= 7 * blocks // 8 or (index - blocks // 8) % 3 == 2
+
+    def kind(name: str):
+        index = int(name.split(".")[1])
+        return T.Q6_K if name.endswith(MORE_BITS) and more_bits(index) else T.Q4_K
+
+    return kind
 
 
 def packed_tensors(rng, shape, quantization):
@@ -396,7 +424,13 @@ def measure_load(args) -> dict:
         getattr(mx, args.dtype),
     )
     seconds = time.perf_counter() - started
-    return {"weights": weight_bytes, **since(before), "load_s": round(seconds, 1)}
+    row = {"weights": weight_bytes, **since(before), "load_s": round(seconds, 1)}
+    if args.gguf:
+        from gmlx_server.engine.families.qwen_image21.dit import dit_file
+
+        transformer = folder(args.root, args.bits, args.group_size, args.gguf) / "transformer"
+        row["file_tensor_bytes"] = dit_file(transformer).stored_bytes()
+    return row
 
 
 def measure_step(args) -> dict:
@@ -409,14 +443,16 @@ def measure_step(args) -> dict:
     from gmlx_server.engine.families.qwen_image21.family import step_peak_bytes
     from gmlx_server.engine.families.qwen_image21.step import denoise_step
     from gmlx_server.engine.prefix_cache import PrefixCache
-    from gmlx_server.engine.quantize import dequantize_first, quantization_of
+    from gmlx_server.engine.quantize import float_weight_bytes
     from gmlx_server.memory import allocation_bound
 
-    model_dir = folder(args.root, args.bits, args.group_size)
+    model_dir = folder(args.root, args.bits, args.group_size, args.gguf)
     dtype = getattr(mx, args.dtype)
     start = reset_peaks()
     dit, dit_bytes = load_component(model_dir, "transformer", dtype)
-    _, vae_bytes = load_component(model_dir, "vae", mx.float32)
+    vae_bytes = 0
+    if (model_dir / "vae").is_dir():  # a GGUF DiT's folder holds the DiT alone
+        _, vae_bytes = load_component(model_dir, "vae", mx.float32)
     resident = since(start)
     view = QwenImage21DiT(
         dit.config, {**dit.weights, "blocks": dit.weights["blocks"][: args.blocks]}, dtype
@@ -429,7 +465,7 @@ def measure_step(args) -> dict:
     ]
     x = rng.standard_normal((2, 64, cells, cells), dtype=np.float32)
     cache = PrefixCache(4 << 30)
-    dequantized = quantization_of(dit.weights) is not None and dequantize_first(cells * cells)
+    weight_element_bytes = float_weight_bytes(dit.weights, dtype.size)
     steps = []
     for label, built in (("prefix built", True), ("prefix held", False))[: args.steps]:
         # the server's plan of the whole step (all the blocks), which bounds MLX's allocations
@@ -439,7 +475,7 @@ def measure_step(args) -> dict:
             cells * cells,
             [(row.cond.shape[0], built) for row in rows],
             view.cpu_ops,
-            dequantized,
+            weight_element_bytes,
         )
         before = reset_peaks()
         started = time.perf_counter()

@@ -1,21 +1,28 @@
-"""GGUF types as MLX weights: the error each conversion adds (engine/gguf.py).
+"""GGUF types as MLX weights: what each way of holding them costs in bits, error and time.
 
 For every quantized GGUF type the server reads, a (`--rows`, `--cols`) tensor of random valid
 blocks (as tests/engine/gguf_files.py writes them: float16 scales of 0.002..0.02, any levels;
-Q8_0..Q5_1 quantized from Gaussian weights by `gguf.quants.quantize`) is converted to MLX's
-affine form and dequantized by `mx.dequantize`; against `gguf.quants.dequantize` of the same
-bytes: the relative L2, the largest difference relative to the largest weight, and the bits
-per weight each form holds (MLX: packed levels plus float32 scale and bias per 32). For the
-types with no exact form, the same at every MLX width from the source's up, to show the choice
-(engine/gguf.NEAREST).
+Q8_0..Q5_1 quantized from Gaussian weights by `gguf.quants.quantize`), against
+`gguf.quants.dequantize` of the same bytes (relative L2, and the largest difference relative
+to the largest weight), held two ways:
+- as the file's blocks (engine/ggml_blocks.py, the default), decoded by `ggml_blocks.decode`;
+- in MLX's affine form (engine/gguf_affine.py, `GMLX_GGUF_WEIGHTS=affine`), dequantized by
+  `mx.dequantize`: exact for seven types at their width, Q6_K/Q3_K/Q2_K at NEAREST's.
+Bits per weight: the file's, and the affine form's (levels plus float32 scale and bias per 32).
 
-With `--networks`, what those types add at the output of whole networks, as the tests build
-them (K-quant blocks at the float weights' RMS): Qwen-Image 2.1's step on the tiny GGUF DiT of
-tests/families/qwen_image21/test_gguf.py (every block linear of the type) and Qwen3's hidden
-states on the tiny GGUF encoder of tests/encoders/qwen3/test_gguf.py (every matrix, the token
-embedding included), each against the same network on gguf's dequantized weights.
+With `--speed`, the time of one linear (`--tokens` rows through a `--rows` x `--cols` weight)
+held as float32, affine (quantize.quantized_matmul) and blocks (ggml_blocks.matmul), median
+of `--repeats`, for the types given by `--types`.
 
-    .venv/bin/python bench/gguf_types.py [--rows 1024] [--cols 4096] [--networks] [--json]
+With `--networks`, what the affine form adds at the output of whole networks, as the tests
+build them (K-quant blocks at the float weights' RMS): Qwen-Image 2.1's step on the tiny GGUF
+DiT of tests/families/qwen_image21/test_gguf.py (every block linear of the type) and Qwen3's
+hidden states on the tiny GGUF encoder of tests/encoders/qwen3/test_gguf.py (every matrix, the
+token embedding included), each against the same network on gguf's dequantized weights.
+
+    .venv/bin/python bench/gguf_types.py [--rows 1024] [--cols 4096] [--json]
+    .venv/bin/python bench/gguf_types.py --speed [--tokens 1024] [--types Q4_K Q6_K]
+    .venv/bin/python bench/gguf_types.py --networks
 
 Results go to docs/benchmarks.md ("GGUF types").
 """
@@ -24,25 +31,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import gguf
-import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gmlx_server.engine.gguf import EXACT, GROUP_SIZE, NEAREST, affine  # noqa: E402
+from gmlx_server.engine.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()  # before mlx is imported, or it has no effect
+
+import mlx.core as mx  # noqa: E402
+from gmlx_server.engine.ggml_blocks import BlockLayout, decode, matmul  # noqa: E402
+from gmlx_server.engine.gguf import HELD_SETTING, QUANTIZED_TYPES  # noqa: E402
+from gmlx_server.engine.gguf_affine import GROUP_SIZE, NEAREST, affine  # noqa: E402
+from gmlx_server.engine.quantize import quantized_matmul  # noqa: E402
 
 from tests.engine.gguf_files import random_blocks  # noqa: E402
-
-SOURCE_BITS = {
-    gguf.GGMLQuantizationType.Q6_K: 6,
-    gguf.GGMLQuantizationType.Q3_K: 3,
-    gguf.GGMLQuantizationType.Q2_K: 2,
-}
-MLX_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def errors(got: np.ndarray, expected: np.ndarray) -> dict:
@@ -52,8 +62,13 @@ def errors(got: np.ndarray, expected: np.ndarray) -> dict:
     }
 
 
-def mlx_bpw(bits: int) -> float:
-    return bits + 2 * 32 / GROUP_SIZE
+def held_forms(kind, shape):
+    """(gguf's weights, blocks (data, layout), affine (packed, scales, biases, bits))."""
+    data = random_blocks(kind, shape, np.random.default_rng(int(kind)))
+    expected = gguf.quants.dequantize(data, kind)
+    layout = BlockLayout(shape[1], ((kind, shape[0]),))
+    item = affine(kind, data, *shape)
+    return expected, (mx.array(data.reshape(-1)), layout), (*item.packed(), item.bits)
 
 
 def main(argv=None) -> None:
@@ -61,45 +76,92 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, default=1024)
     parser.add_argument("--cols", type=int, default=4096)
     parser.add_argument("--networks", action="store_true")
+    parser.add_argument("--speed", action="store_true")
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K", "Q6_K"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.networks:
         report_networks(args.json)
         return
+    if args.speed:
+        report_speed(args)
+        return
     shape = (args.rows, args.cols)
     rows = []
-    for kind in (*EXACT, *NEAREST):
-        data = random_blocks(kind, shape, np.random.default_rng(int(kind)))
-        expected = gguf.quants.dequantize(data, kind)
+    for kind in QUANTIZED_TYPES:
+        expected, (data, layout), (packed, scales, biases, bits) = held_forms(kind, shape)
         block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
-        widths = [EXACT[kind]] if kind in EXACT else [b for b in MLX_BITS if b >= SOURCE_BITS[kind]]
-        for bits in widths:
-            if kind in EXACT:
-                item = affine(kind, data, *shape)
-                packed, scales, biases = item.packed()
-            else:
-                packed, scales, biases = mx.quantize(mx.array(expected), GROUP_SIZE, bits)
-            got = np.array(mx.dequantize(packed, scales, biases, group_size=GROUP_SIZE, bits=bits))
-            rows.append(
-                {
-                    "type": kind.name,
-                    "gguf_bpw": 8 * type_size / block_size,
-                    "mlx_bits": bits,
-                    "mlx_bpw": mlx_bpw(bits),
-                    "chosen": kind in EXACT or NEAREST[kind] == bits,
-                    **errors(got, expected),
-                }
-            )
+        blocks = np.array(decode(data, layout))
+        dequantized = mx.dequantize(packed, scales, biases, group_size=GROUP_SIZE, bits=bits)
+        rows.append(
+            {
+                "type": kind.name,
+                "gguf_bpw": 8 * type_size / block_size,
+                "blocks": errors(blocks, expected),
+                "affine_bits": bits,
+                "affine_bpw": bits + 2 * 32 / GROUP_SIZE,
+                "affine": errors(np.array(dequantized), expected),
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print("| type | GGUF bpw | MLX bits | MLX bpw | rel-L2 | max / max weight |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| type | file bpw | blocks rel-L2 | affine bits | affine bpw | affine rel-L2 | affine max / max weight |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        mark = " (kept)" if row["chosen"] and row["type"] in {k.name for k in NEAREST} else ""
         print(
-            f"| {row['type']} | {row['gguf_bpw']:.4g} | {row['mlx_bits']}{mark} |"
-            f" {row['mlx_bpw']:g} | {row['rel_l2']:.2g} | {row['max_rel']:.2g} |"
+            f"| {row['type']} | {row['gguf_bpw']:.4g} | {row['blocks']['rel_l2']:.2g} |"
+            f" {row['affine_bits']} | {row['affine_bpw']:g} | {row['affine']['rel_l2']:.2g} |"
+            f" {row['affine']['max_rel']:.2g} |"
+        )
+
+
+def timed(run, repeats: int) -> float:
+    mx.eval(run())  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(run())
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def speeds(kind, shape, x: mx.array, repeats: int) -> dict:
+    """Median ms of one linear with the weight held as float32, affine and blocks."""
+    expected, (data, layout), (packed, scales, biases, bits) = held_forms(kind, shape)
+    weight = mx.array(expected)
+    mx.eval(x, weight, data, packed, scales, biases)
+    return {
+        "type": kind.name,
+        "float32_ms": timed(lambda: x @ weight.T, repeats),
+        "affine_ms": timed(
+            lambda: quantized_matmul(x, packed, scales, biases, bits, GROUP_SIZE), repeats
+        ),
+        "blocks_ms": timed(lambda: matmul(x, data, layout), repeats),
+        "decode_ms": timed(lambda: decode(data, layout), repeats),
+    }
+
+
+def report_speed(args) -> None:
+    shape = (args.rows, args.cols)
+    x = mx.random.normal((args.tokens, args.cols))
+    kinds = [gguf.GGMLQuantizationType[name] for name in args.types]
+    out = [speeds(kind, shape, x, args.repeats) for kind in kinds]
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print(f"{args.tokens} rows through a {shape[0]} x {shape[1]} weight, median of {args.repeats}")
+    print("| type | float32 ms | affine ms | blocks ms | blocks / affine | decode alone ms |")
+    print("|---|---|---|---|---|---|")
+    for row in out:
+        print(
+            f"| {row['type']} | {row['float32_ms']:.1f} | {row['affine_ms']:.1f} |"
+            f" {row['blocks_ms']:.1f} | {row['blocks_ms'] / row['affine_ms']:.2f} |"
+            f" {row['decode_ms']:.1f} |"
         )
 
 
@@ -118,6 +180,7 @@ def report_networks(as_json: bool) -> None:
         family.QWEN_IMAGE21.load(base, "encoder").encode("a red boat", [], refs=False)
     )
     text_dir = encoder_test.tiny_qwen3(root / "qwen3")
+    os.environ[HELD_SETTING] = "affine"
     out = []
     for kind in NEAREST:
         folder, reference = dit_test.gguf_model(base, root, kind)

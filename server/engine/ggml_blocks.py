@@ -30,6 +30,10 @@ from gguf import GGMLQuantizationType as T
 from mlx.utils import tree_map_with_path
 
 LAYOUT = ".ggml"  # beside a weight held as blocks: its BlockLayout
+# Bytes per weight element a decode holds at its peak: the float32 matrix and half as much
+# again of its temporaries (measured on the full-size Qwen-Image 2.1 step, docs/benchmarks.md
+# "Full-size memory": the GGUF step's peak over the plan's with the float32 matrix alone).
+DECODE_BYTES = 6
 QK_K = 256  # the K-quants' super-block
 
 

@@ -384,20 +384,23 @@ class DiTFile:
         return file, sources
 
     def tensors(
-        self, dtype: mx.Dtype | None = None, keep_f32=None, reads=None
+        self, dtype: mx.Dtype | None = None, keep_f32=None, reads=None, quantizing: bool = False
     ) -> dict[str, mx.array | Blocks]:
         """The family's tensors by diffusers name. A linear weight `X.weight` of a fused group
         with a part quantized in the file (every part stored in its logical rows) is held
         quantized, as `held_as()` says: as `Blocks` of the file's bytes (each part's own type,
         float parts too), or in MLX's affine form packed beside `X.scales` and `X.biases`
         (group 32, float32; every part at the widest part's width, widening being exact, and
-        only when every part is quantized). Everything else is a float array cast to `dtype`
-        (float32 for the names `keep_f32` picks). Read one file tensor at a time; a file
+        only when every part is quantized). A linear weight stored in a float narrower than
+        `dtype` (F16 or BF16 at float32 compute) is held as stored too, as blocks, unless the
+        load is `quantizing` its float layers. Everything else is a float array cast to
+        `dtype` (float32 for the names `keep_f32` picks). Read one file tensor at a time; a file
         tensor none of whose names `reads` picks (the blocks of another rank:
         shard.TreeShard.reads) is never read: its names hold zeros of their shapes that are
         never evaluated (MLX arrays are lazy), for the caller to drop."""
         file, sources = self.open()
-        held = self.held(file, sources)
+        narrower = None if quantizing or dtype is None else dtype.size
+        held = self.held(file, sources, narrower)
         out: dict[str, mx.array | Blocks] = {}
         by_file: dict[str, list[tuple[str, int, int]]] = {}
         for name in self.shapes:
@@ -451,20 +454,24 @@ class DiTFile:
             base + BIASES: mx.zeros((rows, cols // GROUP_SIZE), mx.float32),
         }
 
-    def held(self, file, sources) -> dict[str, str | int]:
-        """Diffusers weight name -> how it is held quantized: BLOCKS, or (affine) the width it
-        is packed at; the weights not named are float arrays. Held quantized: the linear
+    def held(self, file, sources, narrower: int | None = None) -> dict[str, str | int]:
+        """Diffusers weight name -> how it is held as stored: BLOCKS, or (affine) the width it
+        is packed at; the weights not named are float arrays. Held as stored: the linear
         weights of a fused group with a part quantized in its logical rows, every part stored
-        in its logical rows (as affine: every part quantized)."""
+        in its logical rows (as affine: every part quantized), and (blocks, `narrower` given)
+        those of a float group stored in floats of fewer bytes than `narrower`."""
         affine_form = held_as() == AFFINE
         forms: dict[str, str | int] = {}
         for name, group in self.fused.items():
             entries = [file.entries[sources[part][0]] for part in group]
             if not all(entry.stored_2d for entry in entries):
                 continue
-            if affine_form and all(entry.quantized for entry in entries):
-                forms[name] = max(width(entry.kind) for entry in entries)
-            elif not affine_form and any(entry.quantized for entry in entries):
+            if affine_form:
+                if all(entry.quantized for entry in entries):
+                    forms[name] = max(width(entry.kind) for entry in entries)
+            elif any(entry.quantized for entry in entries) or (
+                narrower is not None and all(_narrower(entry, narrower) for entry in entries)
+            ):
                 forms[name] = BLOCKS
         return forms
 
@@ -500,11 +507,11 @@ class DiTFile:
 
     def estimated_bytes(self, itemsize: int) -> int:
         """The bytes the family's tensors take loaded (for the status of a model not loaded):
-        a weight held quantized (`held`) at its file's bytes (blocks) or at its MLX width plus
-        float32 scale and bias per group (affine), the rest (a quantized tensor that is no
+        a weight held as stored (`held`, loaded without a quantize setting) at its file's bytes
+        (blocks) or at its MLX width plus float32 scale and bias per group (affine), the rest (a quantized tensor that is no
         linear weight too) at `itemsize` bytes per element."""
         file, sources = self.open()
-        held = self.held(file, sources)
+        held = self.held(file, sources, itemsize)
         total = 0
         for name, shape in self.shapes.items():
             if name in held:
@@ -520,6 +527,11 @@ class DiTFile:
             kind = file.entries[sources[name][0]].kind
             return rows * cols, BlockLayout(cols, ((kind, rows),)).nbytes * 8
         return rows * cols, rows * cols * (form + 2 * 32 // GROUP_SIZE)
+
+
+def _narrower(entry, itemsize: int) -> bool:
+    """A float tensor stored in fewer bytes an element than `itemsize`."""
+    return entry.kind in (T.F16, T.BF16) and itemsize > 2
 
 
 def _part_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:

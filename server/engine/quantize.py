@@ -122,17 +122,29 @@ def quantization_of(weights: dict | list | nn.Module) -> Quantization | None:
     return None if spec is None else Quantization(*spec)
 
 
-def _specs(tree):
-    """The (bits, group_size) of a tree's quantized weights, depth first."""
+def _specs(tree, suffix: str = SPEC):
+    """The constants beside a tree's quantized weights (`suffix`: SPEC's (bits, group_size), or
+    LAYOUT's), depth first."""
     if isinstance(tree, list):
         for child in tree:
-            yield from _specs(child)
+            yield from _specs(child, suffix)
     elif isinstance(tree, dict):
         for key, value in tree.items():
-            if key.endswith(SPEC):
+            if key.endswith(suffix):
                 yield value
             else:
-                yield from _specs(value)
+                yield from _specs(value, suffix)
+
+
+def float_weight_bytes(tree: dict, itemsize: int) -> int:
+    """Bytes per weight element that a step's matmul holds beside its quantized weight while it
+    runs: a GGUF file's blocks are decoded every time (ggml_blocks.DECODE_BYTES), affine
+    weights are dequantized at `itemsize` on the CPU backend (dequantize_first), else none."""
+    if next(_specs(tree, LAYOUT), None) is not None:
+        return ggml_blocks.DECODE_BYTES
+    if quantization_of(tree) is not None and dequantize_first(DEQUANTIZE_MIN_ROWS):
+        return itemsize
+    return 0
 
 
 def quantize_tree(

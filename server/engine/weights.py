@@ -166,7 +166,8 @@ def load_tree(
     before quantizing; of a GGUF file, the blocks of other ranks' stages are never read."""
     component_dir = Path(component_dir)
     if gguf is not None:
-        files = gguf.tensors(dtype, keep_f32, reads=None if shard is None else shard.reads)
+        reads = None if shard is None else shard.reads
+        files = gguf.tensors(dtype, keep_f32, reads, quantizing=quantization is not None)
         if any(isinstance(value, Blocks) for value in files.values()):
             tree = sanitize_blocks(files, sanitize)
         else:

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gmlx_contract import wire
 from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine.gguf import READABLE
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.registry import ModelRegistry
@@ -35,6 +37,7 @@ from gmlx_server.engine.weights import quantize_folder
 from safetensors.numpy import load_file, save_file
 
 from tests.engine.gguf_files import encoded, reference, write_gguf
+from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
 
 TOLERANCE = 1e-4
@@ -56,24 +59,30 @@ def cases() -> dict:
 CASES = cases()
 
 
-def write_gguf_dit(transformer, path, dequantized) -> None:
-    """The DiT's weights as a GGUF file in diffusers' names (Q8_0 for the matrices a 32-block
-    divides, F32 else), and into `dequantized` (a transformer/ folder) what the file holds, as
-    gguf dequantizes it."""
+def write_gguf_dit(transformer, path, dequantized) -> dict[str, int]:
+    """The DiT's weights as a GGUF file in diffusers' names, its matrices of every type in
+    turn (READABLE's, of those whose blocks divide the matrix's input: so q, k and v of one
+    fused weight differ), its vectors F32, and into `dequantized` (a transformer/ folder) what
+    the file holds, as gguf dequantizes it. Returns how many tensors of each type it holds."""
     weights = {}
     for file in sorted(transformer.glob("*.safetensors")):
         weights.update(load_file(file))
     rng = np.random.default_rng(0)
-    tensors, held = {}, {}
-    for name, value in weights.items():
+    tensors, held, counts = {}, {}, {}
+    for index, (name, value) in enumerate(sorted(weights.items())):
         value = value.astype(np.float32)
-        kind = T.Q8_0 if value.ndim == 2 and value.shape[1] % 32 == 0 else T.F32
+        kind = T.F32
+        if value.ndim == 2:
+            fits = [k for k in READABLE if value.shape[1] % GGML_QUANT_SIZES[k][0] == 0]
+            kind = fits[index % len(fits)]
         tensors[name] = (kind, encoded(kind, value, rng))
         held[name] = reference(kind, tensors[name][1]).reshape(value.shape)
+        counts[kind.name] = counts.get(kind.name, 0) + 1
     write_gguf(path, tensors, arch=None)
     dequantized.mkdir(parents=True)
     shutil.copy(transformer / "config.json", dequantized / "config.json")
     save_file(held, str(dequantized / "diffusion_pytorch_model.safetensors"))
+    return counts
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -92,7 +101,8 @@ def served(request, tmp_path_factory):
     case.write_folder(plain)
     dequantized = models / "dequantized"
     shutil.copytree(plain, dequantized, ignore=shutil.ignore_patterns("transformer"))
-    write_gguf_dit(plain / "transformer", root / "dit.gguf", dequantized / "transformer")
+    types = write_gguf_dit(plain / "transformer", root / "dit.gguf", dequantized / "transformer")
+    print(f"{name}: GGUF DiT of {types}")
     (models / "gguf").symlink_to(plain)
     (models / "q4").symlink_to(plain)
     family = ModelRegistry(extra_models=[plain], families=families).family(name)
@@ -125,8 +135,9 @@ def tensors(response) -> dict:
     return wire.read_container(response.content).tensors
 
 
-def step(live, model, text="a red fox") -> np.ndarray:
-    """One guided-looking step: two rows (the prompt and the empty prompt) at two sigmas."""
+def step(live, model, text="a red fox", table=None) -> np.ndarray:
+    """One guided-looking step: two rows (the prompt and the empty prompt) at two sigmas,
+    under the LoRA patch table `table` (an id) when given."""
     conds = [
         tensors(live.post_json("encode", {"model": model, "text": prompt}))["cond"]
         for prompt in (text, "")
@@ -135,7 +146,8 @@ def step(live, model, text="a red fox") -> np.ndarray:
     x = np.random.default_rng(5).standard_normal((2, channels, 4, 6)).astype(np.float32)
     rows = [{"cond": live.put_tensor(cond)} for cond in conds]
     arrays = {"x": x, "timestep": np.array([0.8, 0.3], np.float32)}
-    return tensors(live.post_container("step", arrays, {"model": model, "rows": rows}))["out"]
+    fields = {"model": model, "rows": rows, **({"patch_table": table} if table else {})}
+    return tensors(live.post_container("step", arrays, fields))["out"]
 
 
 def rel_l2(a, b) -> float:
@@ -219,9 +231,32 @@ def test_a_stored_quantized_folder_steps_as_a_quantized_load(served):
 
 
 def test_a_gguf_dit_steps_as_its_dequantized_weights(served):
+    """Every type the DiT's widths allow, mixed within its fused weights: held as the file's
+    blocks, at the file's bits a weight."""
     live, _ = served
     assert rel_l2(step(live, "gguf"), step(live, "dequantized")) <= TOLERANCE
-    assert status(live, "gguf")["quantization"]["dit"] is not None
+    held = status(live, "gguf")["quantization"]["dit"]
+    assert held["weights"] == "blocks" and held["bits_per_weight"] < 16
+    assert len(held["types"]) >= 8
+
+
+def test_a_lora_table_on_a_gguf_dit_steps_as_on_its_dequantized_weights(served):
+    """The pairs stay in float beside the file's blocks: a table on q, k and v of the first
+    block (parts of one fused weight of mixed types) and on a band of another layer."""
+    live, _ = served
+    manifest = live.call("GET", "models/gguf/manifest").json()["tensors"]
+    shapes = {t["name"][: -len(".weight")]: tuple(t["shape"]) for t in manifest}
+    qkv = [n for n in shapes if n.endswith((".to_q", ".to_k", ".to_v"))][:3]
+    other = next(n for n in shapes if n.endswith((".to_out.0", ".to_out")))
+    patched = {**dict.fromkeys(qkv), other: [0, 0, shapes[other][0] // 2]}
+    entries, adapters, _ = lora_table(shapes, patched, 3, 0.8, alpha=2.0)
+    outs = {}
+    for model in ("gguf", "dequantized"):
+        r, table = put_table(live, model, entries, adapters)
+        assert r.status_code == 200, r.text
+        outs[model] = step(live, model, table=table)
+    assert rel_l2(outs["gguf"], outs["dequantized"]) <= TOLERANCE
+    assert rel_l2(outs["gguf"], step(live, "gguf")) > 1e-3  # the table moved the step
 
 
 def test_a_truncated_gguf_dit_is_refused_before_the_resident_model_goes(served, tmp_path):

@@ -90,18 +90,20 @@ def folder(tmp_path_factory):
     return tiny_qwen3(tmp_path_factory.mktemp("qwen3") / "text_encoder")
 
 
-def write_encoder_gguf(path, folder, kind: T, rng):
+def write_encoder_gguf(path, folder, kind: T | None, rng):
     """The folder's weights as a llama.cpp GGUF file: matrices of `kind` (Q8_0 where its blocks
-    do not divide the input), norms F32; returns what it holds by transformers name."""
+    do not divide the input; None: every type in turn), norms F32; returns what it holds by
+    transformers name."""
     import gguf
 
-    block = gguf.GGML_QUANT_SIZES[kind][0]
     tensors, held = {}, {}
-    for name, value in load_weights(folder, mx.float32).items():
+    for index, (name, value) in enumerate(sorted(load_weights(folder, mx.float32).items())):
         value = np.array(value)
         tensor_kind = T.F32
         if value.ndim == 2:
-            tensor_kind = kind if value.shape[1] % block == 0 else T.Q8_0
+            wanted = TYPES[index % len(TYPES)] if kind is None else kind
+            block = gguf.GGML_QUANT_SIZES[wanted][0]
+            tensor_kind = wanted if value.shape[1] % block == 0 else T.Q8_0
         data = encoded(tensor_kind, value, rng)
         tensors[llama_cpp_name(name)] = (tensor_kind, data)
         held[name] = reference(tensor_kind, data).reshape(value.shape)
@@ -139,6 +141,18 @@ def test_hidden_states_equal_the_dequantized_weights_encoder(kind, folder, tmp_p
     assert isinstance(layers["embed_tokens"], BlockEmbedding) == quantized
     # weight_bytes counts the held blocks
     assert (encoder.weight_bytes < 0.6 * 4 * sum(v.size for v in held.values())) == quantized
+
+
+def test_a_file_mixing_every_type_encodes_as_its_dequantized_weights(folder, tmp_path):
+    path = tmp_path / "Qwen3-mixed.gguf"
+    held = write_encoder_gguf(path, folder, None, np.random.default_rng(13))
+    encoder = Qwen3TextEncoder.load(folder, gguf=path)
+    expected = hidden(Qwen3TextEncoder.load(reference_folder(folder, tmp_path / "ref", held)))
+    assert rel_l2(hidden(encoder), expected) <= TOLERANCE
+    kinds = {
+        layer.layout.types for _, layer in encoder.model.named_modules() if hasattr(layer, "layout")
+    }
+    assert len(kinds) >= 8, kinds  # K-quants among them
 
 
 def test_a_file_of_other_shapes_or_another_model_is_refused_naming_it(folder, tmp_path):

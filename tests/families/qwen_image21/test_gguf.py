@@ -146,6 +146,24 @@ def test_step_equals_the_dequantized_weights_networks(kind, base, tmp_path, cond
     assert status == family.QWEN_IMAGE21.describe(folder)["quantization"]["dit"]
 
 
+def test_a_file_mixing_every_type_steps_as_its_dequantized_weights(base, tmp_path, cond_rows):
+    """Every type in one file, in turn over the matrices, so each fused q/k/v and gate/up mixes
+    types (random K-quant blocks: every sub-block's scale its own)."""
+    folder = tmp_path / "mixed"
+    model_folder(base, folder, CONFIG)
+    weights = draw_weights(CONFIG, 11)
+    matrices = sorted(name for name, value in weights.items() if value.ndim == 2)
+    types = {name: TYPES[index % len(TYPES)] for index, name in enumerate(matrices)}
+    held = write_dit(folder / "transformer" / "dit.gguf", weights, types, np.random.default_rng(12))
+    reference = reference_folder(base, tmp_path / "reference", held)
+    model = family.QWEN_IMAGE21.load(folder, "mixed")
+    expected = step(family.QWEN_IMAGE21.load(reference, "reference"), cond_rows)
+    assert rel_l2(step(model, cond_rows), expected) <= TOLERANCE
+    assert set(model.status()["quantization"]["dit"]["types"]) == {kind.name for kind in TYPES}
+    mixed = [BlockLayout.of(b["qkv" + LAYOUT]).types for b in model.dit.weights["blocks"]]
+    assert all(len(kinds) > 1 for kinds in mixed)
+
+
 @pytest.mark.parametrize("kind", [T.Q4_K, T.Q6_K], ids=lambda kind: kind.name)
 def test_the_affine_setting_holds_mlx_quantization(kind, base, tmp_path, cond_rows, monkeypatch):
     """`GMLX_GGUF_WEIGHTS=affine`: MLX's affine form, exact for Q4_K and quantized again (two

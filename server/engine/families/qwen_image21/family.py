@@ -19,7 +19,7 @@ from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
-from ...quantize import DEQUANTIZE_MIN_ROWS, dequantize_first, quantization_of
+from ...quantize import float_weight_bytes
 from ...spec import model_index
 from ...vaes.qwen_image21 import QwenImage21VAEPart
 from ...weights import read_config
@@ -114,18 +114,19 @@ def step_peak_bytes(
     tokens: int,
     prefixes: list[tuple[int, bool]],
     blocked_attention: bool,
-    dequantized: bool = False,
+    weight_element_bytes: int = 0,
 ) -> int:
     """Peak bytes of one step beyond the weights and held states, for one row per entry of
     `prefixes` = (prefix length, built now?), `tokens` = h*w target tokens, activations of
-    `itemsize` bytes; `dequantized`: the blocks' quantized weights are dequantized before
-    their matmuls (the CPU backend: quantize.dequantize_first), each alive in the compute
-    dtype while its matmul runs. Pure: no allocation. A prefix built now adds its pass and its
+    `itemsize` bytes; `weight_element_bytes`: what the blocks' quantized weights hold per
+    element beside them while their matmuls run (quantize.float_weight_bytes: a dequantized
+    or decoded float matrix). Pure: no allocation. A prefix built now adds its pass and its
     new state."""
     width, hidden = config.inner_dim, config.inner_dim * config.mlp_ratio
     rows = len(prefixes)
-    qkv_weight = 3 * width * width * itemsize if dequantized else 0
-    gate_up_weight = 2 * hidden * width * itemsize if dequantized else 0
+    qkv_weight = 3 * width * width * weight_element_bytes
+    gate_up_weight = 2 * hidden * width * weight_element_bytes
+    down_weight = hidden * width * weight_element_bytes  # beside the activation it multiplies
     per_token = {
         "qkv": (RESIDUAL_BUFFERS + QKV_BUFFERS) * width * itemsize + QK_F32_BUFFERS * width * 4,
         "attention": (1 + QKV_BUFFERS + ATTENTION_BUFFERS) * width * itemsize,
@@ -143,7 +144,7 @@ def step_peak_bytes(
         rows * tokens * per_token["qkv"] + qkv_weight,
         attention,
         rows * tokens * per_token["gate_up"] + gate_up_weight,
-        rows * tokens * per_token["activation"],
+        rows * tokens * per_token["activation"] + down_weight,
     )
     total = block + QUEUED_BUFFERS * rows * tokens * hidden * itemsize
     total += IO_BUFFERS * rows * tokens * max(config.in_channels, config.out_channels) * 4
@@ -200,11 +201,9 @@ class QwenImage21Model(FamilyModel):
             model_dir, model_id, **QWEN_IMAGE21.model_arguments(model_dir, parts, files)
         )
         self.dit = parts.dit
-        # whether a step's quantized matmuls dequantize their weights first (read here, on the
-        # thread that loads: the quick plan runs on an HTTP thread and never asks MLX)
-        self.dit_dequantizes = quantization_of(parts.dit.weights) is not None and dequantize_first(
-            DEQUANTIZE_MIN_ROWS
-        )
+        # what a step's quantized matmuls hold of their float weights (read here, on the thread
+        # that loads: the quick plan runs on an HTTP thread and never asks MLX)
+        self.dit_float_weight_bytes = float_weight_bytes(parts.dit.weights, parts.dit.dtype.size)
         self.prefix_cache = PrefixCache(prefix_budget_bytes)
 
     # -- memory plan (server/memory.py asks these) ---------------------------------------
@@ -247,7 +246,7 @@ class QwenImage21Model(FamilyModel):
             h * w,
             prefixes,
             self.dit.cpu_ops,
-            self.dit_dequantizes,
+            self.dit_float_weight_bytes,
         )
 
     def step_keys(
