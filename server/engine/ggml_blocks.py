@@ -7,7 +7,9 @@ weight (q, k and v as one matrix) may mix types: Q4_K_M files store some matrice
 Q4_K ones, and a float part (F16, BF16, F32) is a run too. Nothing is widened, so the weight
 holds exactly its file's bytes.
 
-`decode` turns the bytes into the float matrix with the arithmetic of `gguf.quants.dequantize`
+On Metal with the `kquant` extra installed (`mlx-kquant`, the same codecs as Metal kernels),
+`matmul` runs its quantized matmul on the bytes as they are. Elsewhere, and on Metal without
+it, `decode` turns the bytes into the float matrix with the arithmetic of `gguf.quants.dequantize`
 (llama.cpp's reference in Python), step for step in float32, so on the CPU backend it equals
 gguf's weights bit for bit for every type (tests/engine/test_ggml_blocks.py). `matmul` decodes
 just before the product, as quantize.quantized_matmul dequantizes affine weights on the CPU:
@@ -20,6 +22,7 @@ In a weight tree the bytes sit at the weight's key and the layout beside them at
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -123,11 +126,56 @@ def decode(data: mx.array, layout: BlockLayout, dtype: mx.Dtype = mx.float32) ->
 
 
 def matmul(x: mx.array, data: mx.array, layout: BlockLayout) -> mx.array:
-    """x W^T for a weight held as blocks: W decoded at x's dtype, then the float GEMM."""
+    """x W^T for a weight held as blocks: on a GPU backend with `mlx-kquant` installed, its
+    quantized kernels run on the blocks as they are (`kquant_matmul`); else W decoded at x's
+    dtype, then the float GEMM."""
+    if on_metal() and kquant_codecs(layout) is not None:
+        return kquant_matmul(x, data, layout)
     # Not before x: MLX evaluates ready nodes breadth-first, and a decode that hangs on the
     # weights alone would run ahead with every other, all float weights alive at once.
     (data,) = mx.depends([data], [x])
     return x @ decode(data, layout, x.dtype).T
+
+
+def on_metal() -> bool:
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+@functools.cache
+def kquant():
+    """`mlx_kquant` (the optional extra: Metal kernels for llama.cpp's codecs), or None."""
+    try:
+        import mlx_kquant
+    except ImportError:
+        return None
+    return mlx_kquant
+
+
+def kquant_codecs(layout: BlockLayout) -> list[str] | None:
+    """mlx-kquant's codec of each run (llama.cpp's type names, lower case), or None when the
+    extra is absent or a run is of a type it has no codec for (the float ones)."""
+    extra = kquant()
+    if extra is None:
+        return None
+    codecs = [kind.name.lower() for kind in layout.types]
+    known = set(extra.codecs())
+    return codecs if all(codec in known for codec in codecs) else None
+
+
+def kquant_matmul(x: mx.array, data: mx.array, layout: BlockLayout) -> mx.array:
+    """x W^T by mlx-kquant's `quantized_matmul`, one run of rows at a time (its output rows
+    joined), on the blocks as the file holds them (the codecs keep their scales inside the
+    bytes; the `scales` argument is the extra's placeholder)."""
+    extra = kquant()
+    placeholder = mx.zeros((1,), mx.uint8)
+    outs = []
+    for kind, _, rows, offset in layout.spans():
+        width = layout.row_bytes(kind)
+        part = data[offset : offset + rows * width].reshape(rows, width)
+        codec = kind.name.lower()
+        outs.append(extra.quantized_matmul(x, part, placeholder, codec, transpose=True))
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=-1)
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
 def sanitize_blocks(files: dict, sanitize) -> dict:

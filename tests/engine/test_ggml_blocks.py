@@ -120,3 +120,24 @@ def test_module_layers_hold_the_blocks():
     )
     held = sum(v.nbytes for _, v in nn.utils.tree_flatten(module.parameters()))
     assert held == table.nbytes + w.nbytes + bias.nbytes
+
+
+KQUANT_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+@pytest.mark.parametrize("kind", KQUANT_TYPES, ids=lambda kind: kind.name)
+def test_mlx_kquant_decodes_and_multiplies_as_the_blocks(kind):
+    """Where the `kquant` extra is importable (macOS's wheels, or its sdist built on Linux),
+    its codecs against ours: the same weights, and its quantized matmul (the path a Metal
+    server takes) within its bf16 accumulation of ours."""
+    kq = pytest.importorskip("mlx_kquant")
+    raw, expected = tensor(kind)
+    held = blocks((kind, raw))
+    codec = kind.name.lower()
+    placeholder = mx.zeros((1,), mx.uint8)
+    theirs = kq.dequantize(mx.array(raw), placeholder, codec, dtype=mx.float32)
+    np.testing.assert_array_equal(np.array(theirs), expected)
+    x = mx.array(np.random.default_rng(14).standard_normal((20, SHAPE[1])).astype(np.float32))
+    got = np.array(ggml_blocks.kquant_matmul(x, held.data, held.layout), np.float64)
+    ours = np.array(linear({"w": held.data, "w" + LAYOUT: held.layout.constants()}, "w", x))
+    assert np.linalg.norm(got - ours) / np.linalg.norm(ours) <= 1e-2
