@@ -12,7 +12,8 @@ Bits per weight: the file's, and the affine form's (levels plus float32 scale an
 
 With `--speed`, the time of one linear (`--tokens` rows through a `--rows` x `--cols` weight)
 held as float32, affine (quantize.quantized_matmul) and blocks (ggml_blocks.matmul), median
-of `--repeats`, for the types given by `--types`.
+of `--repeats`, for the types given by `--types`; where `mlx-kquant` is importable, its
+quantized matmul on the same blocks beside them.
 
 With `--networks`, what the affine form adds at the output of whole networks, as the tests
 build them (K-quant blocks at the float weights' RMS): Qwen-Image 2.1's step on the tiny GGUF
@@ -47,7 +48,13 @@ from gmlx_server.engine.blas import ensure_fast_blas  # noqa: E402
 ensure_fast_blas()  # before mlx is imported, or it has no effect
 
 import mlx.core as mx  # noqa: E402
-from gmlx_server.engine.ggml_blocks import BlockLayout, decode, matmul  # noqa: E402
+from gmlx_server.engine.ggml_blocks import (  # noqa: E402
+    BlockLayout,
+    decode,
+    kquant,
+    kquant_matmul,
+    matmul,
+)
 from gmlx_server.engine.gguf import HELD_SETTING, QUANTIZED_TYPES  # noqa: E402
 from gmlx_server.engine.gguf_affine import GROUP_SIZE, NEAREST, affine  # noqa: E402
 from gmlx_server.engine.quantize import quantized_matmul  # noqa: E402
@@ -143,6 +150,20 @@ def speeds(kind, shape, x: mx.array, repeats: int) -> dict:
         ),
         "blocks_ms": timed(lambda: matmul(x, data, layout), repeats),
         "decode_ms": timed(lambda: decode(data, layout), repeats),
+        **kquant_speed(x, data, layout, repeats),
+    }
+
+
+def kquant_speed(x: mx.array, data: mx.array, layout, repeats: int) -> dict:
+    """mlx-kquant's quantized matmul on the same blocks, where the extra is importable: its
+    time and its distance from the blocks' product."""
+    if kquant() is None:
+        return {}
+    ours = np.array(matmul(x, data, layout), np.float64)
+    theirs = np.array(kquant_matmul(x, data, layout), np.float64)
+    return {
+        "kquant_ms": timed(lambda: kquant_matmul(x, data, layout), repeats),
+        "kquant_rel_l2": float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)),
     }
 
 
@@ -155,14 +176,19 @@ def report_speed(args) -> None:
         print(json.dumps(out, indent=2))
         return
     print(f"{args.tokens} rows through a {shape[0]} x {shape[1]} weight, median of {args.repeats}")
-    print("| type | float32 ms | affine ms | blocks ms | blocks / affine | decode alone ms |")
-    print("|---|---|---|---|---|---|")
+    extra = "kquant_ms" in out[0]
+    head = "| type | float32 ms | affine ms | blocks ms | blocks / affine | decode alone ms |"
+    print(head + (" mlx-kquant ms | its rel-L2 |" if extra else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if extra else ""))
     for row in out:
-        print(
+        line = (
             f"| {row['type']} | {row['float32_ms']:.1f} | {row['affine_ms']:.1f} |"
             f" {row['blocks_ms']:.1f} | {row['blocks_ms'] / row['affine_ms']:.2f} |"
             f" {row['decode_ms']:.1f} |"
         )
+        if extra:
+            line += f" {row['kquant_ms']:.0f} | {row['kquant_rel_l2']:.2g} |"
+        print(line)
 
 
 def report_networks(as_json: bool) -> None:
