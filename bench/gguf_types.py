@@ -24,6 +24,11 @@ token embedding included), each against the same network on gguf's dequantized w
     .venv/bin/python bench/gguf_types.py [--rows 1024] [--cols 4096] [--json]
     .venv/bin/python bench/gguf_types.py --speed [--tokens 1024] [--types Q4_K Q6_K]
     .venv/bin/python bench/gguf_types.py --networks
+    .venv/bin/python bench/gguf_types.py --kquant   (where mlx-kquant is importable)
+
+With `--kquant`, the loss of mlx-kquant's encoder (Q4_K, Q5_K, Q6_K, Q8_0, as `gmlx model
+quantize --kquant` writes them) on a Gaussian float16 tensor against MLX's affine quantization
+at the same bits a weight (groups of 64, float16 scales and biases).
 
 Results go to docs/benchmarks.md ("GGUF types").
 """
@@ -87,8 +92,12 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K", "Q6_K"])
+    parser.add_argument("--kquant", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.kquant:
+        report_kquant(args)
+        return
     if args.networks:
         report_networks(args.json)
         return
@@ -189,6 +198,52 @@ def report_speed(args) -> None:
         if extra:
             line += f" {row['kquant_ms']:.0f} | {row['kquant_rel_l2']:.2g} |"
         print(line)
+
+
+# K-quant encodings (mlx-kquant's) against MLX affine at the same bits a weight: groups of 64
+# with float16 scales and biases add 0.5 bit, as the K-quants' own scales do.
+KQUANT_VS_AFFINE = (("Q4_K", 4), ("Q5_K", 5), ("Q6_K", 6), ("Q8_0", 8))
+
+
+def report_kquant(args) -> None:
+    """The loss of encoding Gaussian weights (float16) by mlx-kquant's K-quant encoder and by
+    MLX's affine quantization at the same bits a weight, against the weights."""
+    extra = kquant()
+    if extra is None:
+        raise SystemExit("--kquant needs mlx-kquant importable")
+    shape = (args.rows, args.cols)
+    weights = mx.array(np.random.default_rng(0).standard_normal(shape).astype(np.float16))
+    reference = np.array(weights, np.float64)
+    out = []
+    for name, bits in KQUANT_VS_AFFINE:
+        kind = gguf.GGMLQuantizationType[name]
+        encoded, _ = extra.quantize(weights.astype(mx.float32), name.lower())
+        layout = BlockLayout(shape[1], ((kind, shape[0]),))
+        kq_values = np.array(decode(encoded.reshape(-1), layout), np.float64)
+        packed, scales, biases = mx.quantize(weights, 64, bits)
+        affine_values = np.array(mx.dequantize(packed, scales, biases, group_size=64, bits=bits))
+        block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+        out.append(
+            {
+                "type": name,
+                "bpw": 8 * type_size / block_size,
+                "kquant_rel_l2": errors(kq_values, reference)["rel_l2"],
+                "affine_bits": bits,
+                "affine_bpw": bits + 2 * 16 / 64,
+                "affine_rel_l2": errors(affine_values.astype(np.float64), reference)["rel_l2"],
+            }
+        )
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print("| K-quant | bpw | rel-L2 | affine bits (g64, f16) | bpw | rel-L2 | K-quant / affine |")
+    print("|---|---|---|---|---|---|---|")
+    for row in out:
+        print(
+            f"| {row['type']} | {row['bpw']:.4g} | {row['kquant_rel_l2']:.3g} |"
+            f" {row['affine_bits']} | {row['affine_bpw']:g} | {row['affine_rel_l2']:.3g} |"
+            f" {row['kquant_rel_l2'] / row['affine_rel_l2']:.2f} |"
+        )
 
 
 def report_networks(as_json: bool) -> None:

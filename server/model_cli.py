@@ -3,7 +3,8 @@ folder (SOURCE: the folder, or a model id of the configuration, as `gmlx image s
 takes it) whose DiT and text encoder hold quantized weights (the layers the family quantizes at
 load: engine/quantize.py), in safetensors as MLX stores them (`X.weight` packed, `X.scales`,
 `X.biases`) with the `quantization` in each component's config.json. The copy loads directly,
-never through float weights (engine/weights.py)."""
+never through float weights (engine/weights.py). `--kquant PRESET` instead writes the DiT as one
+GGUF file of llama.cpp's K-quants (engine/kquant_folder.py, through mlx-kquant)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .engine.load_settings import KQUANT_PRESETS
 from .engine.precision import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, Quantization
 from .process import prepare_process
 
@@ -26,7 +28,13 @@ def register(subparsers) -> None:
         "source", help="a model folder (holding model_index.json) or a model id of the config"
     )
     parser.add_argument("destination", type=Path, help="the folder to write (must not exist)")
-    parser.add_argument("--bits", type=int, choices=BITS, required=True, help="bits per weight")
+    precision = parser.add_mutually_exclusive_group(required=True)
+    precision.add_argument("--bits", type=int, choices=BITS, help="bits per weight (MLX affine)")
+    precision.add_argument(
+        "--kquant",
+        choices=KQUANT_PRESETS,
+        help="the DiT as one GGUF file of llama.cpp's K-quant preset (needs mlx-kquant)",
+    )
     parser.add_argument(
         "--group-size",
         type=int,
@@ -66,6 +74,8 @@ def run_quantize(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.kquant:
+        return write_kquant(source, args.destination, args.kquant, choice_of["transformer"])
     quantization = Quantization(args.bits, args.group_size)
     try:
         quantize_folder(source, args.destination, quantization, choice_of)
@@ -73,4 +83,20 @@ def run_quantize(args: argparse.Namespace) -> int:
         print(f"gmlx model quantize: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {args.destination} ({args.bits}-bit, groups of {args.group_size})")
+    return 0
+
+
+def write_kquant(source: Path, destination: Path, preset: str, include) -> int:
+    from .engine.kquant_folder import write_kquant_folder
+
+    try:
+        counts = write_kquant_folder(source, destination, preset, include)
+    except RuntimeError as exc:  # mlx-kquant is not installed
+        print(f"gmlx model quantize: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"gmlx model quantize: {exc}", file=sys.stderr)
+        return 1
+    types = ", ".join(f"{count} {kind}" for kind, count in counts.items())
+    print(f"wrote {destination} (its DiT as {preset}: {types}; text encoder and VAE as they were)")
     return 0

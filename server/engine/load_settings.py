@@ -30,6 +30,9 @@ def gguf_weights(value: str | None) -> str:
     return held
 
 
+# `gmlx model quantize --kquant`'s presets, llama.cpp's names (engine/kquant_folder.py).
+KQUANT_PRESETS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0")
+
 # The components whose weights a model entry may name a file for, by the family's `load`
 # keyword: the DiT, the text encoder, and its vision tower (llama.cpp's mmproj).
 FILE_KEYS = ("dit", "text_encoder", "mmproj")
