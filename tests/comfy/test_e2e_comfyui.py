@@ -56,6 +56,7 @@ Z_IMAGE_MODEL = "z-image-random-tiny"
 # The tiny FLUX.2 klein (4B, distilled) folder the server's model dir holds
 # (tests/families/flux2_klein/tiny).
 FLUX2_MODEL = "flux2-klein-tiny"
+GGUF_MODEL = "qwen-image21-gguf-q4-k-m-tiny"  # a Q4_K_M GGUF DiT (write_gguf_model)
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
@@ -172,6 +173,7 @@ def gmlx_server(workdir):
 
     models = workdir / "models"
     build_flux2_folder(models / FLUX2_MODEL, family="flux2_klein", num_single_layers=1)
+    write_gguf_model(workdir / "embedded", models / GGUF_MODEL)
     config = workdir / "config.toml"
     config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(models))}]\n", encoding="utf-8")
     port = _free_port()
@@ -193,6 +195,27 @@ def gmlx_server(workdir):
     finally:
         _stop(proc)
         log.close()
+
+
+def write_gguf_model(scratch: Path, target: Path) -> None:
+    """A Qwen-Image 2.1 folder (the embedded model's, its DiT 256 wide so K-quants' 256-blocks
+    fit) whose DiT is one GGUF file in llama.cpp's Q4_K_M mix: the block linears Q4_K, the value
+    and MLP-down matrices of the first block Q6_K, so its fused q/k/v mixes the two."""
+    from gguf import GGMLQuantizationType as T
+    from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
+
+    from tests.engine.gguf_files import write_dit
+    from tests.families.qwen_image21.test_gguf import CONFIG, draw_weights, model_folder
+
+    model_folder(ensure_embedded_model(scratch), target, CONFIG)
+    weights = draw_weights(CONFIG, 21)
+    more_bits = ("transformer_blocks.0.attn.to_v.weight", "transformer_blocks.0.img_mlp.out.weight")
+    types = {
+        name: T.Q6_K if name in more_bits else T.Q4_K
+        for name, value in weights.items()
+        if name.startswith("transformer_blocks.") and value.ndim == 2
+    }
+    write_dit(target / "transformer" / "dit-Q4_K_M.gguf", weights, types, np.random.default_rng(22))
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +310,17 @@ def quantized_engine(quantized_server):
 
     choice = choose_model(None, quantized_server["config"], {"quantize": QUANTIZE_BITS})
     return choice.registry.acquire(choice.model_id).model
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(gmlx_server):
+    """The server's Q4_K_M GGUF model loaded in this process."""
+    from gmlx_server.image_cli import choose_model
+
+    choice = choose_model(GGUF_MODEL, gmlx_server["config"])
+    model = choice.registry.acquire(choice.model_id).model
+    assert model.status()["quantization"]["dit"]["types"].keys() >= {"Q4_K", "Q6_K"}
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -505,6 +539,20 @@ def test_text_to_image_equals_gmlx_image_sample(comfyui, gmlx_server, engine, wo
     )
     (image,) = _output_files(comfyui, entry, "images")
     assert np.abs(_rgb(image) - _rgb(out)).max() <= PIXEL_TOLERANCE
+
+
+def test_text_to_image_on_a_q4_k_m_gguf_dit_equals_the_engines_generate(
+    comfyui, gmlx_server, gguf_engine
+):
+    """The text-to-image example with its loader on a model whose DiT is a Q4_K_M GGUF file,
+    held as the file's blocks by the server."""
+    seed = 4
+    wf = _on_model(_save_latent(_workflow("gmlx_text_to_image"), "11"), GGUF_MODEL)
+    wf["8"]["inputs"]["noise_seed"] = seed
+    got = _latent(comfyui, _run(comfyui, wf))
+    want = direct_generate(gguf_engine, wf["4"]["inputs"]["text"], seed)
+    assert got.shape == want.shape
+    assert _rel(got, want) <= LATENT_RTOL
 
 
 def test_z_image_text_to_image_equals_the_engines_generate(comfyui, gmlx_server, z_image_engine):
