@@ -11,7 +11,9 @@ from typing import NoReturn, Protocol, TypeVar
 
 T = TypeVar("T")
 
-POLL_S = 0.1
+# How often a waiting call reads ComfyUI's interrupt flag: a read is a function call, and the
+# user's interrupt is seen within this (docs/comfyui.md, "Runs and interrupts").
+POLL_S = 0.01
 
 
 class Cancelled(Exception):

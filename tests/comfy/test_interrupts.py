@@ -17,6 +17,23 @@ def test_result_and_error_come_back():
         call_interruptible(fail, lambda: False, lambda: None)
 
 
+def test_a_cancel_is_seen_within_20_ms_at_the_default_poll():
+    """The median over five calls of the time from the flag rising to Cancelled."""
+    delays = []
+    for _ in range(5):
+        release, raised = threading.Event(), {}
+
+        def rise(raised=raised):
+            raised["at"] = time.monotonic()
+
+        threading.Timer(0.05, rise).start()
+        with pytest.raises(Cancelled):
+            call_interruptible(release.wait, lambda raised=raised: "at" in raised, lambda: None)
+        delays.append(time.monotonic() - raised["at"])
+        release.set()
+    assert sorted(delays)[2] < 0.02, delays
+
+
 def test_cancel_is_seen_within_a_poll_and_calls_on_cancel():
     release = threading.Event()
     flag = {"cancel": False, "sent": 0}
