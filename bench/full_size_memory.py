@@ -268,7 +268,7 @@ def write_gguf_dit(root: Path, type_name: str) -> dict:
         """(type, numpy dtype, stored shape, bytes) of a tensor as the file holds it."""
         if len(shape) == 2 and name.startswith("transformer_blocks.") and name.endswith(".weight"):
             rows, cols = shape
-            kind = kinds(name)
+            kind = kinds(name, shape)
             block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
             return (
                 kind,
@@ -302,26 +302,15 @@ def write_gguf_dit(root: Path, type_name: str) -> dict:
     return {"bytes": total, "write_s": round(time.perf_counter() - started, 1)}
 
 
-# The block linears llama.cpp's Q4_K_M gives more bits (its attn_v and ffn_down).
-MORE_BITS = (".attn.to_v.weight", ".img_mlp.out.weight")
-
-
 def block_linear_types(type_name: str, blocks: int):
-    """name -> the GGUF type of a block linear: `type_name`'s, or Q4_K_M's mix."""
+    """(name, shape) -> the GGUF type of a block linear: `type_name`'s, or (Q4_K_M) the mix
+    `gmlx model quantize --kquant q4_k_m` writes (engine/kquant_folder.py)."""
     import gguf
+    from gmlx_server.engine.kquant_folder import preset_types
 
-    T = gguf.GGMLQuantizationType
-    if type_name != "Q4_K_M":
-        return lambda name: T[type_name]
-
-    def more_bits(index: int) -> bool:  # llama.cpp's use_more_bits
-        return index < blocks // 8 or index >= 7 * blocks // 8 or (index - blocks // 8) % 3 == 2
-
-    def kind(name: str):
-        index = int(name.split(".")[1])
-        return T.Q6_K if name.endswith(MORE_BITS) and more_bits(index) else T.Q4_K
-
-    return kind
+    if type_name == "Q4_K_M":
+        return preset_types("q4_k_m", blocks)
+    return lambda name, shape: gguf.GGMLQuantizationType[type_name]
 
 
 def packed_tensors(rng, shape, quantization):

@@ -38,9 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import gguf
@@ -64,6 +62,7 @@ from gmlx_server.engine.gguf import HELD_SETTING, QUANTIZED_TYPES  # noqa: E402
 from gmlx_server.engine.gguf_affine import GROUP_SIZE, NEAREST, affine  # noqa: E402
 from gmlx_server.engine.quantize import quantized_matmul  # noqa: E402
 
+from bench.timing import median_ms  # noqa: E402
 from tests.engine.gguf_files import random_blocks  # noqa: E402
 
 
@@ -72,6 +71,28 @@ def errors(got: np.ndarray, expected: np.ndarray) -> dict:
         "rel_l2": float(np.linalg.norm(got - expected) / np.linalg.norm(expected)),
         "max_rel": float(np.abs(got - expected).max() / np.abs(expected).max()),
     }
+
+
+def file_bpw(kind) -> float:
+    """Bits a weight of a GGUF type, as the file (and the blocks) hold it."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    return 8 * type_size / block_size
+
+
+def report(rows: list[dict], as_json: bool, columns: tuple[str, ...], line) -> None:
+    """The rows as JSON, or as a markdown table of `columns`, one `line(row)` each."""
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(line(row)) + " |")
+
+
+def evaluated_ms(run, repeats: int) -> float:
+    """median_ms of evaluating what `run` builds."""
+    return median_ms(lambda: mx.eval(run()), repeats)
 
 
 def held_forms(kind, shape):
@@ -108,42 +129,33 @@ def main(argv=None) -> None:
     rows = []
     for kind in QUANTIZED_TYPES:
         expected, (data, layout), (packed, scales, biases, bits) = held_forms(kind, shape)
-        block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
         blocks = np.array(decode(data, layout))
         dequantized = mx.dequantize(packed, scales, biases, group_size=GROUP_SIZE, bits=bits)
         rows.append(
             {
                 "type": kind.name,
-                "gguf_bpw": 8 * type_size / block_size,
+                "gguf_bpw": file_bpw(kind),
                 "blocks": errors(blocks, expected),
                 "affine_bits": bits,
                 "affine_bpw": bits + 2 * 32 / GROUP_SIZE,
                 "affine": errors(np.array(dequantized), expected),
             }
         )
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print(
-        "| type | file bpw | blocks rel-L2 | affine bits | affine bpw | affine rel-L2 | affine max / max weight |"
+    columns = ("type", "file bpw", "blocks rel-L2", "affine bits", "affine bpw", "affine rel-L2")
+    report(
+        rows,
+        args.json,
+        (*columns, "affine max / max weight"),
+        lambda row: (
+            row["type"],
+            f"{row['gguf_bpw']:.4g}",
+            f"{row['blocks']['rel_l2']:.2g}",
+            str(row["affine_bits"]),
+            f"{row['affine_bpw']:g}",
+            f"{row['affine']['rel_l2']:.2g}",
+            f"{row['affine']['max_rel']:.2g}",
+        ),
     )
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(
-            f"| {row['type']} | {row['gguf_bpw']:.4g} | {row['blocks']['rel_l2']:.2g} |"
-            f" {row['affine_bits']} | {row['affine_bpw']:g} | {row['affine']['rel_l2']:.2g} |"
-            f" {row['affine']['max_rel']:.2g} |"
-        )
-
-
-def timed(run, repeats: int) -> float:
-    mx.eval(run())  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(run())
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
 
 
 def speeds(kind, shape, x: mx.array, repeats: int) -> dict:
@@ -153,12 +165,12 @@ def speeds(kind, shape, x: mx.array, repeats: int) -> dict:
     mx.eval(x, weight, data, packed, scales, biases)
     return {
         "type": kind.name,
-        "float32_ms": timed(lambda: x @ weight.T, repeats),
-        "affine_ms": timed(
+        "float32_ms": evaluated_ms(lambda: x @ weight.T, repeats),
+        "affine_ms": evaluated_ms(
             lambda: quantized_matmul(x, packed, scales, biases, bits, GROUP_SIZE), repeats
         ),
-        "blocks_ms": timed(lambda: matmul(x, data, layout), repeats),
-        "decode_ms": timed(lambda: decode(data, layout), repeats),
+        "blocks_ms": evaluated_ms(lambda: matmul(x, data, layout), repeats),
+        "decode_ms": evaluated_ms(lambda: decode(data, layout), repeats),
         **kquant_speed(x, data, layout, repeats),
     }
 
@@ -171,7 +183,7 @@ def kquant_speed(x: mx.array, data: mx.array, layout, repeats: int) -> dict:
     ours = np.array(matmul(x, data, layout), np.float64)
     theirs = np.array(kquant_matmul(x, data, layout), np.float64)
     return {
-        "kquant_ms": timed(lambda: kquant_matmul(x, data, layout), repeats),
+        "kquant_ms": evaluated_ms(lambda: kquant_matmul(x, data, layout), repeats),
         "kquant_rel_l2": float(np.linalg.norm(theirs - ours) / np.linalg.norm(ours)),
     }
 
@@ -181,23 +193,27 @@ def report_speed(args) -> None:
     x = mx.random.normal((args.tokens, args.cols))
     kinds = [gguf.GGMLQuantizationType[name] for name in args.types]
     out = [speeds(kind, shape, x, args.repeats) for kind in kinds]
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return
-    print(f"{args.tokens} rows through a {shape[0]} x {shape[1]} weight, median of {args.repeats}")
+    if not args.json:
+        print(
+            f"{args.tokens} rows through a {shape[0]} x {shape[1]} weight, median of {args.repeats}"
+        )
     extra = "kquant_ms" in out[0]
-    head = "| type | float32 ms | affine ms | blocks ms | blocks / affine | decode alone ms |"
-    print(head + (" mlx-kquant ms | its rel-L2 |" if extra else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if extra else ""))
-    for row in out:
-        line = (
-            f"| {row['type']} | {row['float32_ms']:.1f} | {row['affine_ms']:.1f} |"
-            f" {row['blocks_ms']:.1f} | {row['blocks_ms'] / row['affine_ms']:.2f} |"
-            f" {row['decode_ms']:.1f} |"
+    columns = ("type", "float32 ms", "affine ms", "blocks ms", "blocks / affine", "decode alone ms")
+
+    def line(row: dict) -> tuple[str, ...]:
+        cells = (
+            row["type"],
+            f"{row['float32_ms']:.1f}",
+            f"{row['affine_ms']:.1f}",
+            f"{row['blocks_ms']:.1f}",
+            f"{row['blocks_ms'] / row['affine_ms']:.2f}",
+            f"{row['decode_ms']:.1f}",
         )
         if extra:
-            line += f" {row['kquant_ms']:.0f} | {row['kquant_rel_l2']:.2g} |"
-        print(line)
+            cells += (f"{row['kquant_ms']:.0f}", f"{row['kquant_rel_l2']:.2g}")
+        return cells
+
+    report(out, args.json, columns + (("mlx-kquant ms", "its rel-L2") if extra else ()), line)
 
 
 # K-quant encodings (mlx-kquant's) against MLX affine at the same bits a weight: groups of 64
@@ -222,28 +238,31 @@ def report_kquant(args) -> None:
         kq_values = np.array(decode(encoded.reshape(-1), layout), np.float64)
         packed, scales, biases = mx.quantize(weights, 64, bits)
         affine_values = np.array(mx.dequantize(packed, scales, biases, group_size=64, bits=bits))
-        block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
         out.append(
             {
                 "type": name,
-                "bpw": 8 * type_size / block_size,
+                "bpw": file_bpw(kind),
                 "kquant_rel_l2": errors(kq_values, reference)["rel_l2"],
                 "affine_bits": bits,
                 "affine_bpw": bits + 2 * 16 / 64,
                 "affine_rel_l2": errors(affine_values.astype(np.float64), reference)["rel_l2"],
             }
         )
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return
-    print("| K-quant | bpw | rel-L2 | affine bits (g64, f16) | bpw | rel-L2 | K-quant / affine |")
-    print("|---|---|---|---|---|---|---|")
-    for row in out:
-        print(
-            f"| {row['type']} | {row['bpw']:.4g} | {row['kquant_rel_l2']:.3g} |"
-            f" {row['affine_bits']} | {row['affine_bpw']:g} | {row['affine_rel_l2']:.3g} |"
-            f" {row['kquant_rel_l2'] / row['affine_rel_l2']:.2f} |"
-        )
+    columns = ("K-quant", "bpw", "rel-L2", "affine bits (g64, f16)", "bpw", "rel-L2")
+    report(
+        out,
+        args.json,
+        (*columns, "K-quant / affine"),
+        lambda row: (
+            row["type"],
+            f"{row['bpw']:.4g}",
+            f"{row['kquant_rel_l2']:.3g}",
+            str(row["affine_bits"]),
+            f"{row['affine_bpw']:g}",
+            f"{row['affine_rel_l2']:.3g}",
+            f"{row['kquant_rel_l2'] / row['affine_rel_l2']:.2f}",
+        ),
+    )
 
 
 def report_networks(as_json: bool) -> None:
@@ -282,16 +301,17 @@ def report_networks(as_json: bool) -> None:
                 "encode_rel_l2": encoder_test.rel_l2(encoded, encoder_test.hidden(plain)),
             }
         )
-    if as_json:
-        print(json.dumps(out, indent=2))
-        return
-    print("| type | MLX bits | Qwen-Image 2.1 step rel-L2 | Qwen3 hidden states rel-L2 |")
-    print("|---|---|---|---|")
-    for row in out:
-        print(
-            f"| {row['type']} | {row['mlx_bits']} | {row['step_rel_l2']:.2g} |"
-            f" {row['encode_rel_l2']:.2g} |"
-        )
+    report(
+        out,
+        as_json,
+        ("type", "MLX bits", "Qwen-Image 2.1 step rel-L2", "Qwen3 hidden states rel-L2"),
+        lambda row: (
+            row["type"],
+            str(row["mlx_bits"]),
+            f"{row['step_rel_l2']:.2g}",
+            f"{row['encode_rel_l2']:.2g}",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ class BlockLayout:
         return (self.cols, *(int(v) for kind, rows in self.runs for v in (kind, rows)))
 
     @classmethod
+    @functools.cache
     def of(cls, constants: tuple[int, ...]) -> BlockLayout:
+        """The layout a tree's constants give (cached: every step's every linear asks)."""
         cols, *flat = constants
         return cls(cols, tuple((T(flat[i]), flat[i + 1]) for i in range(0, len(flat), 2)))
 
@@ -109,10 +111,6 @@ def merged(runs) -> tuple[tuple[T, int], ...]:
     return tuple(out)
 
 
-def decodable(kind: T) -> bool:
-    return kind in _DECODERS
-
-
 def decode(data: mx.array, layout: BlockLayout, dtype: mx.Dtype = mx.float32) -> mx.array:
     """The (rows, cols) float matrix of a weight's bytes, in `dtype` (decoded in float32)."""
     parts = []
@@ -126,9 +124,9 @@ def decode(data: mx.array, layout: BlockLayout, dtype: mx.Dtype = mx.float32) ->
 
 
 def matmul(x: mx.array, data: mx.array, layout: BlockLayout) -> mx.array:
-    """x W^T for a weight held as blocks: on a GPU backend with `mlx-kquant` installed, its
-    quantized kernels run on the blocks as they are (`kquant_matmul`); else W decoded at x's
-    dtype, then the float GEMM."""
+    """x W^T for a weight held as blocks: on Metal with `mlx-kquant` installed, its quantized
+    kernels run on the blocks as they are (`kquant_matmul`); else W decoded at x's dtype,
+    then the float GEMM."""
     if on_metal() and kquant_codecs(layout) is not None:
         return kquant_matmul(x, data, layout)
     # Not before x: MLX evaluates ready nodes breadth-first, and a decode that hangs on the
@@ -151,13 +149,14 @@ def kquant():
     return mlx_kquant
 
 
-def kquant_codecs(layout: BlockLayout) -> list[str] | None:
+@functools.cache
+def kquant_codecs(layout: BlockLayout) -> tuple[str, ...] | None:
     """mlx-kquant's codec of each run (llama.cpp's type names, lower case), or None when the
     extra is absent or a run is of a type it has no codec for (the float ones)."""
     extra = kquant()
     if extra is None:
         return None
-    codecs = [kind.name.lower() for kind in layout.types]
+    codecs = tuple(kind.name.lower() for kind in layout.types)
     known = set(extra.codecs())
     return codecs if all(codec in known for codec in codecs) else None
 
@@ -167,7 +166,7 @@ def kquant_matmul(x: mx.array, data: mx.array, layout: BlockLayout) -> mx.array:
     joined), on the blocks as the file holds them (the codecs keep their scales inside the
     bytes; the `scales` argument is the extra's placeholder)."""
     extra = kquant()
-    placeholder = mx.zeros((1,), mx.uint8)
+    placeholder = _constant((0,), mx.uint8)
     outs = []
     for kind, _, rows, offset in layout.spans():
         width = layout.row_bytes(kind)
@@ -186,8 +185,6 @@ def sanitize_blocks(files: dict, sanitize) -> dict:
     held as blocks gets its layout beside it (key + LAYOUT), its runs found by passing each
     row's type through the same sanitize."""
     blocked = {name for name, value in files.items() if isinstance(value, Blocks)}
-    if not blocked:
-        return sanitize(files)
     plain = {n: files[n].data if n in blocked else v for n, v in files.items()}
     kinds = {n: _row_kinds(files[n].layout) if n in blocked else v for n, v in files.items()}
     tree = sanitize(plain)
@@ -271,6 +268,12 @@ def _joined(pieces: list[mx.array]) -> mx.array:
 # The types: (n, type size) uint8 blocks -> (n, block size) float32, as gguf.quants computes
 
 
+@functools.cache
+def _constant(values: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A small constant array, made once (the decoders' shifts, built at every matmul else)."""
+    return mx.array(values, dtype)
+
+
 def _f16(blocks: mx.array, start: int) -> mx.array:
     """(n, 1) float32 of the float16 at byte `start` of each block."""
     return blocks[:, start : start + 2].view(mx.float16).astype(mx.float32)
@@ -280,7 +283,7 @@ def _shifted(qs: mx.array, run: int, shifts: tuple[int, ...]) -> mx.array:
     """(n, k) bytes -> (n, k / run, len(shifts), run): each run of `run` bytes shifted right by
     each of `shifts` (the order in which llama.cpp packs 4-, 2- and 1-bit fields)."""
     n = qs.shape[0]
-    by = mx.array(shifts, mx.uint8).reshape(1, 1, len(shifts), 1)
+    by = _constant(shifts, mx.uint8).reshape(1, 1, len(shifts), 1)
     return qs.reshape(n, -1, 1, run) >> by
 
 
@@ -292,7 +295,7 @@ def _nibbles(qs: mx.array, run: int) -> mx.array:
 def _bits32(word: mx.array) -> mx.array:
     """(n, 4) bytes -> (n, 32) uint8: bit j of the little-endian word, for j = 0..31."""
     word = word.view(mx.uint32)
-    return ((word >> mx.arange(32, dtype=mx.uint32)[None, :]) & 1).astype(mx.uint8)
+    return ((word >> _constant(tuple(range(32)), mx.uint32)[None, :]) & 1).astype(mx.uint8)
 
 
 def _float(kind: mx.Dtype):

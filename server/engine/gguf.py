@@ -143,18 +143,17 @@ class GGUFFile:
         value = value.reshape(entry.shape)
         return value if dtype is None else value.astype(dtype)
 
-    def read_blocks(self, name: str, rows: slice | None = None, swapped: bool = False) -> Blocks:
-        """A 2-D tensor stored in its logical rows as the file holds it (`rows`: those rows
-        alone; `swapped`: its two halves of rows exchanged first), quantized or float."""
+    def read_blocks(self, name: str, swapped: bool = False) -> Blocks:
+        """A 2-D tensor stored in its logical rows as the file holds it, quantized or float
+        (`swapped`: its two halves of rows exchanged)."""
         entry = self.entries[name]
         count, cols = entry.shape
         data = np.asarray(entry.tensor.data).view(np.uint8).reshape(count, -1)
         if swapped:
             data = np.concatenate([data[count // 2 :], data[: count // 2]])
-        data = data if rows is None else data[rows]
         value = mx.array(np.ascontiguousarray(data).reshape(-1))
         self._release_pages(entry)
-        return Blocks(value, BlockLayout(cols, ((entry.kind, data.shape[0]),)))
+        return Blocks(value, BlockLayout(cols, ((entry.kind, count),)))
 
     def _release_pages(self, entry: TensorEntry) -> None:
         """Drop a tensor's pages of the file from this process's resident set once they are
@@ -417,12 +416,10 @@ class DiTFile:
                     out.update(self._unread(file, file_name, name, form, float_dtype))
                 continue
             if isinstance(form, str):  # blocks
-                for name, part, _ in targets:
-                    size = self.shapes[name][0]
-                    rows = slice(part * size, (part + 1) * size)
-                    out[name] = file.read_blocks(file_name, rows, swapped)
-                continue
-            if form is not None:  # affine, at that width
+                value = file.read_blocks(file_name, swapped)
+                for name, part, parts in targets:
+                    out[name] = _split_blocks(value, part, parts)
+            elif form is not None:  # affine, at that width
                 value = file.read(file_name)
                 value = swapped_rows(value) if swapped else value
                 for name, part, parts in targets:
@@ -490,16 +487,13 @@ class DiTFile:
         its quantized linear weights are held (`weights`: BLOCKS or AFFINE) and at how many
         bits a weight (`bits_per_weight`, over those weights); None for a safetensors file
         (float, as a folder's)."""
-        file = weights_file(self.path)
+        file, sources = self.open()
         status = file.status()
         if status is None:
             return None
-        sources = self.open()[1]
         held = self.held(file, sources)
         bits = [self._held_bits(file, sources, name, held[name]) for name in held]
-        elements = sum(count for count, _ in bits)
-        per_weight = round(sum(total for _, total in bits) / elements, 3) if elements else None
-        return {**status, "weights": held_as(), "bits_per_weight": per_weight}
+        return {**status, "weights": held_as(), "bits_per_weight": bits_per_weight(bits)}
 
     def stored_bytes(self) -> int:
         """Bytes of tensor data in the file."""
@@ -523,10 +517,23 @@ class DiTFile:
     def _held_bits(self, file, sources, name: str, form) -> tuple[int, int]:
         """(elements, bits held) of a weight held quantized."""
         rows, cols = self.shapes[name]
-        if isinstance(form, str):
-            kind = file.entries[sources[name][0]].kind
-            return rows * cols, BlockLayout(cols, ((kind, rows),)).nbytes * 8
-        return rows * cols, rows * cols * (form + 2 * 32 // GROUP_SIZE)
+        kind = file.entries[sources[name][0]].kind
+        return rows * cols, held_bits(kind, rows * cols, None if isinstance(form, str) else form)
+
+
+def held_bits(kind: T, elements: int, affine_width: int | None) -> int:
+    """The bits `elements` weights of a GGUF `kind` are held in: the file's blocks, or the
+    affine form at `affine_width` with a float32 scale and bias per GROUP_SIZE."""
+    if affine_width is not None:
+        return elements * (affine_width + 2 * 32 // GROUP_SIZE)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    return elements // block_size * type_size * 8
+
+
+def bits_per_weight(held: list[tuple[int, int]]) -> float | None:
+    """Status `bits_per_weight` of (elements, bits) pairs (None: no weight held quantized)."""
+    elements = sum(count for count, _ in held)
+    return round(sum(bits for _, bits in held) / elements, 3) if elements else None
 
 
 def _narrower(entry, itemsize: int) -> bool:
@@ -543,6 +550,16 @@ def _part_shape(shape: tuple[int, ...], parts: int) -> tuple[int, ...]:
 def _swapped_halves(value: mx.array) -> mx.array:
     first, second = mx.split(value, 2, axis=0)
     return mx.concatenate([second, first], axis=0)
+
+
+def _split_blocks(value: Blocks, part: int, parts: int) -> Blocks:
+    """Part `part` of `parts` equal row groups of a tensor's blocks (one type: a byte range)."""
+    if parts == 1:
+        return value
+    ((kind, count),) = value.layout.runs
+    size = value.data.size // parts
+    layout = BlockLayout(value.layout.cols, ((kind, count // parts),))
+    return Blocks(value.data[part * size : (part + 1) * size], layout)
 
 
 def _split_rows(value: mx.array, part: int, parts: int) -> mx.array:
@@ -641,20 +658,20 @@ class ModuleFiles:
         for file in files:
             for kind, count in file.type_counts().items():
                 counts[kind] = counts.get(kind, 0) + count
-        elements = bits = 0
         affine_form = held_as() == AFFINE
+        held = []
         for name, (index, file_name) in self.names.items():
             entry = files[index].entries[file_name]
             if name.endswith(".weight") and files[index].quantized_2d(file_name):
                 size = int(np.prod(entry.shape, dtype=np.int64))
-                elements += size
-                bits += size * (width(entry.kind) + 2) if affine_form else entry.nbytes * 8
+                affine_width = width(entry.kind) if affine_form else None
+                held.append((size, held_bits(entry.kind, size, affine_width)))
         return {
             "format": "gguf",
             "file": self.paths[0].name,
             "types": dict(sorted(counts.items())),
             "weights": held_as(),
-            "bits_per_weight": round(bits / elements, 3) if elements else None,
+            "bits_per_weight": bits_per_weight(held),
         }
 
     def stored_bytes(self) -> int:

@@ -42,7 +42,7 @@ MORE_BITS = re.compile(
     r"|\.ff\.linear_out|\.ff_context\.linear_out|\.feed_forward\.w2)\.weight$"
 )
 FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_0, T.Q6_K: T.Q8_0}
-FLOATS = {"float32": T.F32, "float16": T.F16, "bfloat16": T.BF16}
+FLOATS = {mx.float32: T.F32, mx.float16: T.F16, mx.bfloat16: T.BF16}
 INSTALL = (
     "--kquant needs mlx-kquant, the `kquant` extra (macOS: pip install -e '.[kquant]'; on"
     " Linux build its sdist with pip install mlx-kquant in a venv of mlx 0.32.3)"
@@ -113,10 +113,13 @@ def write_kquant_folder(
         value = tensors[name]
         kind = kind_of(name, value.shape) if value.ndim == 2 and include(name) else None
         if kind is None:
-            kind = FLOATS[str(value.dtype).removeprefix("mlx.core.")]
-            data = np.array(value.astype(mx.float32) if kind == T.BF16 else value)
-            if kind == T.BF16:
-                data = gguf.quants.quantize(data, T.BF16)
+            kind = FLOATS[value.dtype]
+            # bf16 as its bytes (numpy has no bfloat16)
+            data = (
+                np.array(value.view(mx.uint16)).view(np.uint8)
+                if kind == T.BF16
+                else np.array(value)
+            )
         else:
             encoded, _ = kq.quantize(value.astype(mx.float32), kind.name.lower())
             data = np.array(encoded)

@@ -161,10 +161,12 @@ def quantize_tree(
         value, where = tree[key], path + key
         if isinstance(value, (dict, list)):
             quantize_tree(value, quantization, include, where + ".")
-        elif key.endswith((SCALES, BIASES, SPEC, LAYOUT)) or key + SPEC in tree:
-            continue  # held quantized already (a GGUF file's), with its scales and biases
-        elif key + LAYOUT in tree:
-            continue  # held as a GGUF file's blocks
+        elif (
+            key.endswith((SCALES, BIASES, SPEC, LAYOUT))
+            or key + SPEC in tree
+            or key + LAYOUT in tree
+        ):
+            continue  # held quantized already (a GGUF file's: affine, or its blocks)
         elif quantizable(value, quantization) and include(where):
             tree[key], tree[key + SCALES], tree[key + BIASES] = quantized(value, quantization)
             tree[key + SPEC] = (quantization.bits, quantization.group_size)
