@@ -55,6 +55,9 @@ class FamilySpec:
     encoder_vae_dtype: bool = True  # a model entry's `encoder_vae_dtype` applies
     shards: bool = False  # its DiT has a shard plan (a rank group may serve it)
     embedded: str | None = None  # the module of its embedded model (engine/embedded.py)
+    # The module that tells its model from component files (engine/components.py: `family`,
+    # `variant`, `configs`, `fits_encoder`, `fits_vae`, `tokenizer_repo`); None: folders only.
+    component_rule: str | None = None
 
     def capabilities(self) -> Capabilities:
         """What its loaded model can do beyond its status (base.Capabilities), from the spec."""
@@ -63,6 +66,11 @@ class FamilySpec:
             conventions=self.conventions,
             ref_cache="ref_cache" in self.features,
         )
+
+    def load_component_rule(self):
+        """The family's component-file rule (None: it has none; an ImportError where its
+        module cannot be imported)."""
+        return None if self.component_rule is None else importlib.import_module(self.component_rule)
 
     def load_implementation(self) -> Family:
         """The family's `Family` (an ImportError where its module cannot be imported, e.g.

@@ -32,7 +32,8 @@ import numpy as np
 from ..base import EngineInputError
 from ..nn.attention import chunked_attention
 from ..weights import estimated_bytes
-from . import CheckpointVAE
+from . import ldm_names
+from .checkpoint import CheckpointVAE
 
 NORM_EPS = 1e-6
 # The peak of one pass, in buffers of its widest full-resolution activation (the encoder's first
@@ -398,10 +399,11 @@ class Geometry:
 
 
 def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
-    """Checkpoint tensors -> MLX parameters: convolution kernels OIHW -> OHWI."""
+    """Checkpoint tensors (diffusers' names, or the ldm names of BFL's and ComfyUI's single
+    files: ldm_names) -> MLX parameters: convolution kernels OIHW -> OHWI."""
     return [
         (name, value.transpose(0, 2, 3, 1) if value.ndim == 4 else value)
-        for name, value in weights.items()
+        for name, value in ldm_names.renamed(weights).items()
     ]
 
 

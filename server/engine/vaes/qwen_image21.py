@@ -30,7 +30,7 @@ import numpy as np
 
 from ..base import EngineInputError
 from ..weights import estimated_bytes
-from . import CheckpointVAE
+from .checkpoint import CheckpointVAE
 
 # F.normalize clamps the L2 norm at 1e-12; the RMS form below adds eps to the mean square.
 _NORM_EPS = 1e-24

@@ -5,9 +5,10 @@ loads wherever Qwen's does (the server's `QwenTokenizer`, transformers' `AutoTok
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors as token_processors
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from tokenizers.trainers import BpeTrainer
+
+from .vocab_files import qwen_pipeline
 
 # Qwen's added tokens in the order of their ids (151643 onwards in the real vocabulary); the
 # last four are added but not special.
@@ -37,26 +38,11 @@ SPECIAL_TOKENS = [
 ]
 PLAIN_ADDED_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
 
-# Qwen2's pre-tokenizer split, as Qwen's tokenizer.json carries it.
-SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-
 
 def train_tokenizer(corpus: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE with Qwen's normalizer, split and decoder, trained on `corpus`, then
     Qwen's added tokens in Qwen's order (so their ids follow the learned vocabulary)."""
-    tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = token_processors.ByteLevel(trim_offsets=False)
+    tokenizer = qwen_pipeline(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     trainer = BpeTrainer(
         vocab_size=vocab_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

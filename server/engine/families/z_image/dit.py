@@ -33,7 +33,7 @@ from ...nn.compiled import CompiledPass
 from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Split, Stages
-from ...weights import block_weights, gguf_file, read_config
+from ...weights import block_weights, read_config, single_file
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
 ADALN_DIM = 256  # the time embedding's width (at most the model's)
@@ -289,14 +289,16 @@ def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
 
 
 def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
-    """The DiT's GGUF file (a model entry's `dit`, else the one in transformer/) as the family
-    reads it, in diffusers' or ComfyUI's naming; None for safetensors."""
-    path = gguf_file(transformer_dir, dit)
+    """The DiT's single file (a model entry's `dit`, GGUF or safetensors, else the one `.gguf`
+    in transformer/ or its one safetensors file in ComfyUI's naming or under a prefix) as the
+    family reads it, in diffusers' or ComfyUI's naming; None for diffusers' own folder."""
+    config = DiTConfig.from_dict(read_config(transformer_dir))
+    naming = comfy_naming(config)
+    path = single_file(transformer_dir, dit, naming)
     if path is None:
         return None
-    config = DiTConfig.from_dict(read_config(transformer_dir))
     fused = fused_weights(linear_slots(config))
-    return DiTFile(path, comfy_naming(config), tensor_shapes(config), fused, TITLE)
+    return DiTFile(path, naming, tensor_shapes(config), fused, TITLE)
 
 
 def dense(w: dict, key: str, x: mx.array) -> mx.array:

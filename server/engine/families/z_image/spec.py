@@ -54,5 +54,6 @@ SPEC = FamilySpec(
     files=("dit", "text_encoder"),
     shards=True,
     embedded="gmlx_server.engine.families.z_image.embedded",
+    component_rule="gmlx_server.engine.families.z_image.components",
 )
 SPECS = (SPEC,)

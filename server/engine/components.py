@@ -1,0 +1,325 @@
+"""A model from its component files, with no diffusers folder: a DiT, a text encoder and a VAE,
+each one `.safetensors` or `.gguf` file, as ComfyUI's model folders hold them
+(`diffusion_models/`, `text_encoders/`, `vae/`) or a model entry names them.
+
+The family comes from the DiT's tensors (each spec's `component_rule`, as ComfyUI's model
+detection finds it), the variant from the entry, else from what the rule reads in the file
+names, else the entry must name it. The configs diffusers keeps in JSON come from the family's
+rule: sizes from the tensors' shapes, the rest from the family's own facts. They are written,
+with links to the files and the tokenizer, into a small folder of the server's cache
+(`set_folder`): a folder in diffusers' layout whose weights are the user's files, unchanged, so
+the rest of the engine serves it as any other folder. Headers alone are read (no MLX, no tensor
+data), so the listing and the refusals of a bad set come before anything loads.
+
+A rule (a family's `components.py`, the module its spec's `component_rule` names) provides:
+- `family(dit) -> str | None`: the family of a DiT's header, None when not its;
+- `variant(dit, name) -> str | None`: the variant the files say (`name`: the DiT file's stem);
+- `configs(family, variant, dit, encoder, vae) -> {relative path: JSON}`: the folder's configs,
+  a ComponentError (naming file and tensor) when the parts do not fit each other;
+- `fits_encoder(dit, encoder)`, `fits_vae(dit, vae)`: whether files fit, for the listing;
+- `TOKENIZER_REPO`: where the family's tokenizer is published (the refusal's hint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import file_headers
+from .embedded import default_cache_dir, ensure
+from .file_headers import Header, HeaderError
+
+# Bump when set_folder writes something else for the same files.
+SET_GENERATOR = 1
+SETS_FOLDER = "sets"
+# ComfyUI's model folders by component, its legacy names too (folder_paths.py).
+COMFY_FOLDERS = {
+    "dit": ("diffusion_models", "unet"),
+    "text_encoder": ("text_encoders", "clip"),
+    "vae": ("vae",),
+}
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+# ComfyUI's own copy of Qwen's tokenizer (vocab.json, merges.txt, tokenizer_config.json),
+# under a ComfyUI checkout.
+COMFY_QWEN_TOKENIZER = Path("comfy") / "text_encoders" / "qwen25_tokenizer"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class ComponentError(ValueError):
+    """A set of files the server cannot serve as one model; the text names file and tensor."""
+
+
+@dataclass(frozen=True)
+class ComponentFiles:
+    """A model's files: each component's weights, and optionally a tokenizer folder, the
+    family and the variant (what the files cannot tell)."""
+
+    dit: Path
+    text_encoder: Path
+    vae: Path
+    tokenizer: Path | None = None
+    family: str | None = None
+    variant: str | None = None
+    comfyui: Path | None = None  # the ComfyUI checkout whose tokenizer files may serve
+
+    def paths(self) -> dict[str, Path]:
+        return {"dit": self.dit, "text_encoder": self.text_encoder, "vae": self.vae}
+
+
+@dataclass(frozen=True)
+class IdentifiedSet:
+    files: ComponentFiles
+    family: str
+    variant: str
+    rule: Any
+    headers: dict[str, Header]
+
+
+def rules(specs: dict) -> dict[str, Any]:
+    """The component rule of each family that has one and can import it, by family name."""
+    found = {}
+    for name, spec in specs.items():
+        try:
+            rule = spec.load_component_rule()
+        except ImportError:
+            continue
+        if rule is not None:
+            found[name] = rule
+    return found
+
+
+def header(path: Path) -> Header:
+    try:
+        return file_headers.read(path)
+    except FileNotFoundError:
+        raise
+    except HeaderError as exc:
+        raise ComponentError(str(exc)) from None
+
+
+def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
+    """The set's family and variant, from the entry or the DiT's tensors; a ComponentError
+    saying which setting to add when the files cannot tell."""
+    for key, path in files.paths().items():
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"the {key} file {path} does not exist")
+    dit = header(files.dit)
+    found = rules(specs)
+    family = files.family
+    if family is None:
+        family = next((f for rule in found.values() if (f := rule.family(dit))), None)
+        if family is None:
+            arch = f" (GGUF architecture {dit.architecture})" if dit.architecture else ""
+            raise ComponentError(
+                f"{files.dit} is not the DiT of a family this server serves from its files"
+                f"{arch}: {', '.join(sorted(found)) or 'none'}"
+            )
+    elif family not in found:
+        raise ComponentError(
+            f"family {family!r} is not served from component files here"
+            f" (these are: {', '.join(sorted(found)) or 'none'})"
+        )
+    rule = found[family]
+    variants = tuple(specs[family].sampling)
+    variant = files.variant or rule.variant(dit, Path(files.dit).stem.lower())
+    if variant is None:
+        raise ComponentError(
+            f"{files.dit} does not say which {specs[family].title} variant it is; name it in the"
+            f" model entry: variant = one of {', '.join(repr(v) for v in variants)}"
+        )
+    if variant not in variants:
+        raise ComponentError(
+            f"variant {variant!r} is not one of {specs[family].title}'s ({', '.join(variants)})"
+        )
+    headers = {"dit": dit, "text_encoder": header(files.text_encoder), "vae": header(files.vae)}
+    return IdentifiedSet(files, family, variant, rule, headers)
+
+
+def configs(found: IdentifiedSet) -> dict[str, dict]:
+    """The set's configs by relative path (model_index.json, transformer/config.json, ...)."""
+    h = found.headers
+    return found.rule.configs(found.family, found.variant, h["dit"], h["text_encoder"], h["vae"])
+
+
+def tokenizer_source(found: IdentifiedSet) -> tuple[str, Path]:
+    """Where the set's tokenizer comes from, the first of: the entry's tokenizer folder, the
+    GGUF text encoder's own tokens, a `tokenizer/` folder beside the DiT or the text encoder,
+    the ComfyUI checkout's copy of Qwen's; else a ComponentError naming the file to fetch."""
+    files = found.files
+    if files.tokenizer is not None:
+        if not (Path(files.tokenizer) / TOKENIZER_FILE).is_file():
+            raise ComponentError(f"the tokenizer folder {files.tokenizer} has no {TOKENIZER_FILE}")
+        return "folder", Path(files.tokenizer)
+    encoder = found.headers["text_encoder"]
+    if Path(files.text_encoder).suffix.lower() == ".gguf" and encoder.metadata.get(
+        "tokenizer.ggml.model"
+    ):
+        return "gguf", Path(files.text_encoder)
+    for beside in (Path(files.dit).parent, Path(files.text_encoder).parent):
+        if (beside / "tokenizer" / TOKENIZER_FILE).is_file():
+            return "folder", beside / "tokenizer"
+    for root in comfyui_roots(files):
+        if (root / COMFY_QWEN_TOKENIZER / "vocab.json").is_file():
+            return "bpe", root / COMFY_QWEN_TOKENIZER
+    repo = found.rule.TOKENIZER_REPO
+    raise ComponentError(
+        f"no tokenizer for {files.text_encoder}: it is not a GGUF file carrying its tokens, and"
+        f" no tokenizer/{TOKENIZER_FILE} is beside it; fetch {repo}'s tokenizer/{TOKENIZER_FILE}"
+        f" (`gmlx pull {repo} --include 'tokenizer/*'`) into a tokenizer/ folder beside"
+        f" {Path(files.text_encoder).name}, or name a folder holding it (tokenizer = ...)"
+    )
+
+
+def comfyui_roots(files: ComponentFiles) -> list[Path]:
+    """ComfyUI checkouts the files may belong to: the one named, then the folder above a
+    `models/` folder holding any of them."""
+    roots = [Path(files.comfyui)] if files.comfyui else []
+    for path in files.paths().values():
+        for parent in Path(path).resolve().parents:
+            if parent.name == "models":
+                roots.append(parent.parent)
+                break
+    return list(dict.fromkeys(roots))
+
+
+def fingerprint(found: IdentifiedSet, tokenizer: tuple[str, Path]) -> str:
+    """What decides the set's folder: the files (path, size, time), family, variant, tokenizer."""
+    parts: dict[str, Any] = {"generator": SET_GENERATOR}
+    for key, path in found.files.paths().items():
+        stat = Path(path).stat()
+        parts[key] = [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+    parts.update(
+        family=found.family, variant=found.variant, tokenizer=[tokenizer[0], str(tokenizer[1])]
+    )
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def set_folder(files: ComponentFiles, specs: dict, cache_dir: Path | None = None) -> Path:
+    """The set's folder in the cache (written when missing or when the files changed): its
+    configs, links to the weight files and its tokenizer; a ComponentError or
+    FileNotFoundError when the set cannot be served, before anything loads."""
+    found = identify(files, specs)
+    written = configs(found)
+    tokenizer = tokenizer_source(found)
+    digest = fingerprint(found, tokenizer)
+    wanted = {"name": "component set", "generator": SET_GENERATOR, "fingerprint": digest}
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / SETS_FOLDER
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(files.dit).stem)[:48]
+
+    def write(folder: Path) -> None:
+        for relative, doc in written.items():
+            target = folder / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(doc, indent=2))
+        link(folder / "transformer", files.dit, None)
+        link(folder / "text_encoder", files.text_encoder, "model.safetensors")
+        link(folder / "vae", files.vae, "diffusion_pytorch_model.safetensors")
+        write_tokenizer(folder / "tokenizer", *tokenizer)
+
+    return ensure(root, f"{stem}-{digest[:12]}", wanted, write)
+
+
+def link(folder: Path, path: Path, safetensors_name: str | None) -> None:
+    """`folder`/<name> pointing at `path` (a safetensors file under `safetensors_name`, when
+    given, so the folder reads as the component's usual one)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = Path(path).resolve()
+    name = path.name
+    if safetensors_name and path.suffix.lower() == ".safetensors":
+        name = safetensors_name
+    os.symlink(path, folder / name)
+
+
+def write_tokenizer(folder: Path, kind: str, source: Path) -> None:
+    """folder/tokenizer.json from the source `tokenizer_source` found."""
+    from .encoders.qwen3.vocab_files import bpe_tokenizer, gguf_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if kind == "folder":
+        for item in Path(source).iterdir():
+            if item.is_file():
+                shutil.copyfile(item, folder / item.name)
+        return
+    try:
+        if kind == "gguf":
+            built = gguf_tokenizer(file_headers.gguf_tokenizer(source), str(source))
+        else:
+            built = bpe_tokenizer(source)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ComponentError(f"cannot build the tokenizer from {source}: {exc}") from None
+    (folder / TOKENIZER_FILE).write_text(built.to_str())
+
+
+# -- ComfyUI's model folders ------------------------------------------------------------------
+
+
+def comfy_files(models_dirs: list[Path]) -> dict[str, list[Path]]:
+    """The weight files of each component in ComfyUI model folders (each a `models/` folder,
+    or a folder holding `diffusion_models/`, `text_encoders/`, `vae/`), sorted by name."""
+    found: dict[str, list[Path]] = {key: [] for key in COMFY_FOLDERS}
+    for root in models_dirs:
+        for key, names in COMFY_FOLDERS.items():
+            for name in names:
+                folder = Path(root).expanduser() / name
+                if folder.is_dir():
+                    found[key] += [
+                        p
+                        for p in sorted(folder.rglob("*"))
+                        if p.suffix.lower() in WEIGHT_SUFFIXES and p.is_file()
+                    ]
+    return {key: list(dict.fromkeys(paths)) for key, paths in found.items()}
+
+
+@dataclass
+class _Cached:
+    stamp: tuple
+    header: Header | None
+
+
+_HEADERS: dict[Path, _Cached] = {}
+
+
+def cached_header(path: Path) -> Header | None:
+    """A file's header, kept while its size and time stay (None: not a readable weight file)."""
+    stat = path.stat()
+    stamp = (stat.st_size, stat.st_mtime_ns)
+    cached = _HEADERS.get(path)
+    if cached is None or cached.stamp != stamp:
+        try:
+            read = file_headers.read(path)
+        except (HeaderError, OSError):
+            read = None
+        cached = _HEADERS[path] = _Cached(stamp, read)
+    return cached.header
+
+
+def comfy_sets(models_dirs: list[Path], specs: dict) -> dict[str, ComponentFiles]:
+    """Every complete set the folders' files make, by model id (`dit + text encoder + vae`, the
+    files' stems): each DiT a family's rule recognises, with each text encoder and VAE its rule
+    says fit it (`fits(family, dit, encoder, vae)`). Headers only."""
+    files = comfy_files(models_dirs)
+    found = rules(specs)
+    headers = {key: [(p, cached_header(p)) for p in paths] for key, paths in files.items()}
+    sets: dict[str, ComponentFiles] = {}
+    for dit_path, dit in headers["dit"]:
+        if dit is None:
+            continue
+        family = next((f for rule in found.values() if (f := rule.family(dit))), None)
+        if family is None:
+            continue
+        rule = found[family]
+        for encoder_path, encoder in headers["text_encoder"]:
+            if encoder is None or not rule.fits_encoder(dit, encoder):
+                continue
+            for vae_path, vae in headers["vae"]:
+                if vae is None or not rule.fits_vae(dit, vae):
+                    continue
+                model_id = f"{dit_path.stem} + {encoder_path.stem} + {vae_path.stem}"
+                sets.setdefault(model_id, ComponentFiles(dit_path, encoder_path, vae_path))
+    return sets

@@ -1,0 +1,213 @@
+"""The tensors of one weight file, from its header alone: names, row-major shapes, stored types
+and a GGUF file's metadata. No MLX and no tensor data: listing a folder of model files reads
+these (engine/components.py), so it stays fast and runs in a Python without MLX.
+
+A safetensors header is its JSON. A GGUF header is read here rather than with `gguf`'s
+GGUFReader, which turns every metadata array into numpy arrays as it opens the file: a text
+encoder's 151,936 tokens and merges cost seconds that a listing of many files cannot spend.
+The value types and layout are GGUF's (`gguf.GGUFValueType`); a shape is ggml's reversed,
+or a ComfyUI-GGUF `comfy.gguf.orig_shape.<name>` entry where one restores it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+GGUF_MAGIC = b"GGUF"
+ORIG_SHAPE = "comfy.gguf.orig_shape."
+# Prefixes under which single files hold a DiT's names (ComfyUI's checkpoints and GGUF files).
+DIT_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# Metadata arrays kept by the reader (the tokenizer's are read only when asked: `tokenizer`).
+_SCALARS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
+
+
+class HeaderError(ValueError):
+    """A file whose header cannot be read (cut short, or not a weight file); says which."""
+
+
+@dataclass
+class Header:
+    """One file's tensors by name (`prefix` stripped where every name has it): row-major shape
+    and stored type (safetensors' dtype name, or the GGUF type's name); its metadata (GGUF's
+    scalars and short arrays; safetensors' `__metadata__`); its size in bytes."""
+
+    path: Path
+    shapes: dict[str, tuple[int, ...]]
+    types: dict[str, str]
+    metadata: dict = field(default_factory=dict)
+    prefix: str = ""
+    size: int = 0
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def has(self, *names: str) -> bool:
+        return all(name in self.shapes for name in names)
+
+    def count(self, stem: str) -> int:
+        """How many numbered blocks `stem.N.` the file holds (0, 1, ... consecutively)."""
+        found = {
+            name[len(stem) :].split(".", 1)[0] for name in self.shapes if name.startswith(stem)
+        }
+        depth = 0
+        while str(depth) in found:
+            depth += 1
+        return depth
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape; a HeaderError naming the file and the tensor when it has none."""
+        try:
+            return self.shapes[name]
+        except KeyError:
+            raise HeaderError(f"{self.path} has no tensor {name}") from None
+
+
+def read(path: Path, prefixes: tuple[str, ...] = DIT_PREFIXES) -> Header:
+    """The header of a `.safetensors` or `.gguf` file, names under one of `prefixes` (when all
+    are) stripped; a HeaderError when it cannot be read."""
+    path = Path(path)
+    try:
+        header = _read_gguf(path) if path.suffix.lower() == ".gguf" else _read_safetensors(path)
+    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError) as exc:
+        raise HeaderError(f"{path}: not a readable weight file ({exc})") from None
+    names = list(header.shapes)
+    prefix = next((p for p in prefixes if names and all(n.startswith(p) for n in names)), "")
+    if prefix:
+        header.shapes = {n[len(prefix) :]: s for n, s in header.shapes.items()}
+        header.types = {n[len(prefix) :]: t for n, t in header.types.items()}
+        header.prefix = prefix
+    return header
+
+
+def _read_safetensors(path: Path) -> Header:
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > size - 8:
+            raise HeaderError(f"{path}: its header runs past the end of the file (cut short?)")
+        doc = json.loads(handle.read(length))
+    metadata = doc.pop("__metadata__", None) or {}
+    end = max((entry["data_offsets"][1] for entry in doc.values()), default=0)
+    if 8 + length + end > size:
+        raise HeaderError(
+            f"{path} is cut short: its tensors end at byte {8 + length + end}, the file has {size}"
+        )
+    shapes = {name: tuple(entry["shape"]) for name, entry in doc.items()}
+    types = {name: entry["dtype"] for name, entry in doc.items()}
+    return Header(path, shapes, types, metadata, size=size)
+
+
+class _Cursor:
+    def __init__(self, data, path: Path):
+        self.data, self.at, self.path = data, 0, path
+
+    def take(self, fmt: str):
+        width = struct.calcsize(fmt)
+        if self.at + width > len(self.data):
+            raise HeaderError(f"{self.path}: the GGUF header is cut short")
+        (value,) = struct.unpack_from(fmt, self.data, self.at)
+        self.at += width
+        return value
+
+    def string(self, keep: bool = True) -> str | None:
+        length = self.take("<Q")
+        if self.at + length > len(self.data):
+            raise HeaderError(f"{self.path}: the GGUF header is cut short")
+        text = bytes(self.data[self.at : self.at + length]).decode("utf-8") if keep else None
+        self.at += length
+        return text
+
+    def value(self, kind: int, keep: bool):
+        if kind == GGUFValueType.STRING:
+            return self.string(keep)
+        if kind == GGUFValueType.ARRAY:
+            item, count = self.take("<I"), self.take("<Q")
+            if item != GGUFValueType.STRING and item in _SCALARS:
+                width = struct.calcsize(_SCALARS[item])
+                if not keep:
+                    self.at += width * count
+                    return None
+                return [self.take(_SCALARS[item]) for _ in range(count)]
+            values = [self.value(item, keep) for _ in range(count)]
+            return values if keep else None
+        return self.take(_SCALARS[GGUFValueType(kind)])
+
+
+def _read_gguf(path: Path, arrays: tuple[str, ...] = ()) -> Header:
+    """A GGUF file's tensors and metadata: scalars, strings, and arrays of up to 16 entries
+    (orig_shape), plus the arrays `arrays` names whole."""
+    size = path.stat().st_size
+    if size < 24:
+        raise HeaderError(f"{path} is not a GGUF file (only {size} bytes)")
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        # mapped, so only the header's pages are read from disk
+        return _parse_gguf(_Cursor(data, path), path, size, arrays)
+
+
+def _parse_gguf(cursor: _Cursor, path: Path, size: int, arrays: tuple[str, ...]) -> Header:
+    if bytes(cursor.data[:4]) != GGUF_MAGIC:
+        raise HeaderError(f"{path} is not a GGUF file (no GGUF magic)")
+    cursor.at = 4
+    version, tensors, entries = cursor.take("<I"), cursor.take("<Q"), cursor.take("<Q")
+    metadata: dict = {}
+    for _ in range(entries):
+        key = cursor.string()
+        kind = cursor.take("<I")
+        keep = key in arrays or kind != GGUFValueType.ARRAY or _short_array(cursor)
+        value = cursor.value(kind, keep)
+        if keep:
+            metadata[key] = value
+    shapes, types, end = {}, {}, 0
+    for _ in range(tensors):
+        name = cursor.string()
+        dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
+        kind, offset = GGMLQuantizationType(cursor.take("<I")), cursor.take("<Q")
+        restored = metadata.get(ORIG_SHAPE + name)
+        shapes[name] = tuple(int(v) for v in restored) if restored else tuple(reversed(dims))
+        types[name] = kind.name
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        end = max(end, offset + math.prod(dims) // block * block_bytes)
+    alignment = int(metadata.get("general.alignment", 32))
+    start = -(-cursor.at // alignment) * alignment
+    if start + end > size:
+        raise HeaderError(
+            f"{path} is cut short: its tensors end at byte {start + end}, the file has {size}"
+        )
+    metadata["gguf.version"] = version
+    return Header(path, shapes, types, metadata, size=size)
+
+
+def _short_array(cursor: _Cursor) -> bool:
+    """Whether the array at the cursor holds at most 16 entries (peeked, not consumed)."""
+    item, count = struct.unpack_from("<IQ", cursor.data, cursor.at)
+    return count <= 16 and item != GGUFValueType.ARRAY
+
+
+def gguf_tokenizer(path: Path) -> dict | None:
+    """A llama.cpp GGUF file's tokenizer metadata (`tokenizer.ggml.model`, `.pre`, `.tokens`,
+    `.merges`, `.token_type`), or None when it carries no tokens."""
+    metadata = _read_gguf(Path(path), TOKENIZER_KEYS).metadata
+    if "tokenizer.ggml.tokens" not in metadata:
+        return None
+    return {key: value for key, value in metadata.items() if key.startswith("tokenizer.ggml.")}

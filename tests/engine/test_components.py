@@ -1,0 +1,128 @@
+"""What models from component files rest on (engine/components.py): the header reader against
+`gguf`'s GGUFReader and safetensors' own, refusing files cut short; the ldm VAE names against
+diffusers' single-file conversion; Qwen's tokenizer rebuilt from ComfyUI's vocab/merges copy and
+from a GGUF file's metadata, encoding as tokenizer.json does; ComfyUI's folders listed as sets,
+headers only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gmlx_server.engine import file_headers
+from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import train_tokenizer
+from gmlx_server.engine.encoders.qwen3.vocab_files import bpe_tokenizer, gguf_tokenizer
+from gmlx_server.engine.file_headers import HeaderError
+from gmlx_server.engine.vaes import ldm_names
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer
+
+from tests.engine.comfy_files import ldm_vae, write_comfy_tokenizer, write_gguf_text_encoder
+from tests.engine.gguf_files import encoded, write_gguf
+
+TEXTS = [
+    "a red fox in the snow, 35mm <|im_start|>user\nhello<|im_end|>",
+    "<think>\n\n</think>\n\nEin Fuchs im Schnee. 雪の中のキツネ。",
+    "  spaces   and\ttabs\r\n0123456789 <|image_pad|><|vision_end|>",
+]
+
+
+def test_gguf_headers_read_as_gguf_reads_them(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        "blk.0.attn_q.weight": (T.Q8_0, encoded(T.Q8_0, rng.standard_normal((64, 64)), rng)),
+        "blk.0.ffn_down.weight": (T.Q4_K, encoded(T.Q4_K, rng.standard_normal((32, 256)), rng)),
+        "token_embd.weight": (T.F32, rng.standard_normal((10, 64)).astype(np.float32)),
+        "flat.weight": (T.F16, rng.standard_normal((2, 256)).astype(np.float16)),
+    }
+    path = write_gguf(
+        tmp_path / "t.gguf", tensors, arch="qwen3", orig_shapes={"flat.weight": (16, 32)}
+    )
+    header = file_headers.read(path)
+    reader = GGUFReader(str(path))
+    for tensor in reader.tensors:
+        expected = (
+            (16, 32) if tensor.name == "flat.weight" else tuple(reversed(tensor.shape.tolist()))
+        )
+        assert header.shapes[tensor.name] == expected
+        assert header.types[tensor.name] == tensor.tensor_type.name
+    assert header.architecture == "qwen3"
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-10])
+    with pytest.raises(HeaderError, match="cut short"):
+        file_headers.read(tmp_path / "cut.gguf")
+    (tmp_path / "head.gguf").write_bytes(data[:40])
+    with pytest.raises(HeaderError, match="cut short"):
+        file_headers.read(tmp_path / "head.gguf")
+
+
+def test_safetensors_headers_strip_a_dit_prefix_and_refuse_a_cut_file(tmp_path):
+    path = tmp_path / "dit.safetensors"
+    save_file({"model.diffusion_model.a.weight": np.zeros((3, 4), np.float32)}, str(path))
+    header = file_headers.read(path)
+    assert header.shapes == {"a.weight": (3, 4)} and header.prefix == "model.diffusion_model."
+    (tmp_path / "cut.safetensors").write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(HeaderError, match="cut short"):
+        file_headers.read(tmp_path / "cut.safetensors")
+
+
+def test_ldm_vae_names_are_what_diffusers_converts(tmp_path):
+    from diffusers import AutoencoderKL
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    config = {
+        "block_out_channels": (32, 32, 32, 32),
+        "down_block_types": ("DownEncoderBlock2D",) * 4,
+        "up_block_types": ("UpDecoderBlock2D",) * 4,
+        "latent_channels": 16,
+        "layers_per_block": 2,
+        "norm_num_groups": 32,
+    }
+    weights = {n: v.numpy() for n, v in AutoencoderKL(**config).state_dict().items()}
+    ldm = ldm_vae(weights)
+    assert ldm_names.is_ldm(ldm) and not ldm_names.is_ldm(weights)
+    back = convert_ldm_vae_checkpoint({n: torch.from_numpy(v) for n, v in ldm.items()}, config)
+    assert set(back) == set(weights)
+    renamed = ldm_names.renamed(ldm)
+    assert set(renamed) == set(weights)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(back[name].numpy(), value, err_msg=name)
+        np.testing.assert_array_equal(renamed[name], value, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    train_tokenizer([*TEXTS, "the quick brown fox jumps over the lazy dog"] * 3, 300).save(
+        str(path)
+    )
+    return path
+
+
+def test_qwens_tokenizer_from_comfyuis_copy_encodes_as_tokenizer_json(tokenizer_json, tmp_path):
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    rebuilt = bpe_tokenizer(write_comfy_tokenizer(tokenizer_json, tmp_path / "qwen25_tokenizer"))
+    for text in TEXTS:
+        assert (
+            rebuilt.encode(text, add_special_tokens=False).ids
+            == reference.encode(text, add_special_tokens=False).ids
+        )
+
+
+def test_qwens_tokenizer_from_gguf_metadata_encodes_as_tokenizer_json(tokenizer_json, tmp_path):
+    weights = {"model.embed_tokens.weight": np.zeros((4, 8), np.float32)}
+    path = write_gguf_text_encoder(tmp_path / "te.gguf", weights, tokenizer_json)
+    metadata = file_headers.gguf_tokenizer(path)
+    assert metadata["tokenizer.ggml.pre"] == "qwen2"
+    assert "tokenizer.ggml.tokens" not in file_headers.read(path).metadata  # listing skips them
+    reference = Tokenizer.from_file(str(tokenizer_json))
+    rebuilt = gguf_tokenizer(metadata)
+    for text in TEXTS:
+        assert (
+            rebuilt.encode(text, add_special_tokens=False).ids
+            == reference.encode(text, add_special_tokens=False).ids
+        )
+    with pytest.raises(ValueError, match="not Qwen's byte-level BPE"):
+        gguf_tokenizer({**metadata, "tokenizer.ggml.model": "llama"})

@@ -1,0 +1,173 @@
+"""Z-Image from ComfyUI's component files, with no diffusers folder (engine/components.py):
+the tiny model's DiT in ComfyUI's NextDiT names under `model.diffusion_model.` (safetensors)
+or as a GGUF file, its Qwen3 as one file (transformers' names, or llama.cpp's GGUF carrying
+its tokenizer) and FLUX.1's VAE in ldm names, in a ComfyUI `models/` folder. The set's folder
+holds configs told from the shapes, and serves the same encodes, steps and decodes as the
+tiny diffusers folder, bit for bit; a set that does not fit is refused naming file and tensor
+before anything loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine import components
+from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.families.z_image import embedded, family
+from gmlx_server.engine.families.z_image.dit import DiTConfig
+from gmlx_server.engine.spec import family_specs, read_config
+from gmlx_server.engine.weights import load_weights
+from safetensors.numpy import save_file
+
+from tests.engine.comfy_files import ldm_vae, write_comfy_tokenizer, write_gguf_text_encoder
+from tests.families.z_image.test_gguf import comfy_layout
+from tests.families.z_image.test_quantized import rows_of
+
+# FLUX.1's VAE has 32 groups per norm, which its file cannot say: the tiny VAE takes them.
+VAE = {"norm_num_groups": 32, "block_out_channels": [32, 32, 32, 32]}
+DIT_FILE = "z_image_turbo_tiny.safetensors"
+
+
+def arrays(folder):
+    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny diffusers folder, and ComfyUI's models/ folder holding the same weights."""
+    root = tmp_path_factory.mktemp("z_components")
+    folder = root / "z-image-tiny"
+    embedded.write_embedded_model(folder)
+    embedded.write_vae(folder / "vae", **VAE)
+    comfy = root / "ComfyUI"
+    models = comfy / "models"
+    for name in ("diffusion_models", "text_encoders", "vae"):
+        (models / name).mkdir(parents=True)
+    dit = arrays(folder / "transformer")
+    config = DiTConfig.from_dict(read_config(folder / "transformer"))
+    state = {
+        "model.diffusion_model." + name: np.concatenate([dit[part] for part in parts])
+        for name, parts in comfy_layout(config).items()
+    }
+    state["model.diffusion_model.norm_final.weight"] = np.ones(config.dim, np.float32)
+    save_file(state, str(models / "diffusion_models" / DIT_FILE))
+    shutil.copy(
+        folder / "text_encoder" / "model.safetensors",
+        models / "text_encoders" / "qwen_3_tiny.safetensors",
+    )
+    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / "ae_tiny.safetensors"))
+    write_comfy_tokenizer(
+        folder / "tokenizer" / "tokenizer.json", comfy / components.COMFY_QWEN_TOKENIZER
+    )
+    return folder, models
+
+
+def component_files(models, **changes):
+    named = {
+        "dit": models / "diffusion_models" / DIT_FILE,
+        "text_encoder": models / "text_encoders" / "qwen_3_tiny.safetensors",
+        "vae": models / "vae" / "ae_tiny.safetensors",
+    }
+    return ComponentFiles(**{**named, **changes})
+
+
+def set_folder(files, tmp_path):
+    return components.set_folder(files, family_specs(), tmp_path / "sets")
+
+
+def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
+    folder, models = tiny
+    made = set_folder(component_files(models), tmp_path)
+    for component in ("transformer", "text_encoder", "vae"):
+        told, written = read_config(made / component), read_config(folder / component)
+        differing = {
+            k for k in told if k in written and told[k] != written[k] and not k.startswith("_")
+        }
+        # the RoPE tables' bounds and the tiny configs' extra keys are not read from files
+        assert differing <= {"axes_lens", "max_position_embeddings", "dtype", "architectures"}, (
+            component,
+            differing,
+        )
+    assert json.loads((made / "scheduler" / "scheduler_config.json").read_text())["shift"] == 3.0
+
+
+def loaded(folder):
+    return family.Z_IMAGE.load(folder, folder.name)
+
+
+def outputs(model):
+    encoded = model.encode("a red boat on a lake", [], refs=False)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
+    step = model.denoise_step(x, np.array([0.6], np.float32), rows_of(encoded.cond))
+    decoded = model.vae_decode(rng.standard_normal((16, 8, 8)).astype(np.float32), alpha=False)
+    image = rng.random((64, 64, 3)).astype(np.float32)
+    return encoded.cond, step.out, decoded, model.vae_encode(image)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    return outputs(loaded(tiny[0]))
+
+
+@pytest.mark.parametrize("tokenizer", ["comfyui", "beside"])
+def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path, tokenizer):
+    folder, models = tiny
+    files = component_files(models)
+    if tokenizer == "beside":  # a tokenizer/ folder beside the DiT file, over ComfyUI's copy
+        local = tmp_path / "local"
+        local.mkdir()
+        shutil.copy(files.dit, local / DIT_FILE)
+        shutil.copytree(folder / "tokenizer", local / "tokenizer")
+        files = component_files(models, dit=local / DIT_FILE)
+    made = set_folder(files, tmp_path)
+    for got, want in zip(outputs(loaded(made)), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_gguf_text_encoder_brings_its_tokenizer(tiny, expected, tmp_path):
+    folder, models = tiny
+    path = write_gguf_text_encoder(
+        tmp_path / "Qwen3-tiny-F32.gguf",
+        arrays(folder / "text_encoder"),
+        folder / "tokenizer" / "tokenizer.json",
+    )
+    made = set_folder(component_files(models, text_encoder=path, comfyui=None), tmp_path)
+    got = loaded(made).encode("a red boat on a lake", [], refs=False).cond
+    np.testing.assert_allclose(got, expected[0], rtol=0, atol=1e-5)
+
+
+def test_the_variant_comes_from_the_name_or_the_entry(tiny, tmp_path):
+    _, models = tiny
+    plain = tmp_path / "z_image_tiny.safetensors"
+    shutil.copy(models / "diffusion_models" / DIT_FILE, plain)
+    with pytest.raises(ComponentError, match="variant = one of 'turbo', 'base'"):
+        set_folder(component_files(models, dit=plain), tmp_path)
+    made = set_folder(component_files(models, dit=plain, variant="base"), tmp_path)
+    assert json.loads((made / "scheduler" / "scheduler_config.json").read_text())["shift"] == 6.0
+
+
+def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
+    folder, models = tiny
+    encoder = arrays(folder / "text_encoder")
+    wide = {
+        n: np.zeros(v.shape[:-1] + (64,), np.float32) if n.endswith("embed_tokens.weight") else v
+        for n, v in encoder.items()
+    }
+    save_file(wide, str(tmp_path / "wide.safetensors"))
+    with pytest.raises(ComponentError, match=r"cap_embedder\.1\.weight.*embed_tokens"):
+        set_folder(component_files(models, text_encoder=tmp_path / "wide.safetensors"), tmp_path)
+    vae = ldm_vae(arrays(folder / "vae"))
+    vae["decoder.conv_in.weight"] = np.zeros((32, 8, 3, 3), np.float32)
+    save_file(vae, str(tmp_path / "vae8.safetensors"))
+    with pytest.raises(ComponentError, match=r"decoder\.conv_in\.weight takes 8 channels"):
+        set_folder(component_files(models, vae=tmp_path / "vae8.safetensors"), tmp_path)
+    cut = tmp_path / "z_image_turbo_cut.safetensors"
+    cut.write_bytes((models / "diffusion_models" / DIT_FILE).read_bytes()[:-100])
+    with pytest.raises(ComponentError, match="cut short"):
+        set_folder(component_files(models, dit=cut), tmp_path)
+    with pytest.raises(ComponentError, match="is not the DiT of a family"):
+        set_folder(component_files(models, dit=models / "vae" / "ae_tiny.safetensors"), tmp_path)
