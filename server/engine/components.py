@@ -125,6 +125,8 @@ def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
             f"family {family!r} is not served from component files here"
             f" (these are: {', '.join(sorted(found)) or 'none'})"
         )
+    elif found[family].family(dit) is None:
+        raise ComponentError(f"{files.dit} is not a {specs[family].title} DiT")
     rule = found[family]
     variants = tuple(specs[family].sampling)
     variant = files.variant or rule.variant(dit, Path(files.dit).stem.lower())

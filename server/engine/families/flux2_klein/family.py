@@ -40,8 +40,8 @@ from .dit import (
     Flux2DiT,
     RefState,
 )
-from .prompt import LOADED_LAYERS, MAX_SEQUENCE_LENGTH, Flux2PromptEncoder
-from .spec import FAMILY_9B_KV, SPECS
+from .prompt import MAX_SEQUENCE_LENGTH, Flux2PromptEncoder
+from .spec import FAMILY_9B_KV, LOADED_LAYERS, SPECS
 
 TITLES = {spec.name: spec.title for spec in SPECS}
 # Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at most

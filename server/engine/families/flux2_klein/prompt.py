@@ -20,6 +20,7 @@ import numpy as np
 
 from ...encoders.qwen3.text import Qwen3Prompt
 from ...encoders.qwen3.tokenizer import PromptTemplate
+from .spec import LOADED_LAYERS, TAPPED_LAYERS
 from .spec import SPEC_4B as SPEC
 
 # Qwen3's chat template rendering [{"role": "user", "content": prompt}] with
@@ -29,9 +30,6 @@ TEMPLATE = PromptTemplate(
     text="<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
     empty_prompt=SPEC.conditioning["empty_prompt"],
 )
-# The pipeline's text_encoder_out_layers (9, 18, 27) index hidden_states, whose entry 0 is the
-# embeddings: decoder layers 8, 17 and 26.
-TAPPED_LAYERS = (8, 17, 26)
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default, padded to and cut at
 DEFAULT_PAD_TOKEN = "<|endoftext|>"  # Qwen3's, where tokenizer_config.json names none
 
@@ -45,11 +43,6 @@ def pad_token(tokenizer_dir: Path) -> str:
         if token:
             return token
     return DEFAULT_PAD_TOKEN
-
-
-# The decoder layers the encoder loads: the tapped ones and those before them (Qwen3-4B and
-# Qwen3-8B have 36; the last 9 are never read).
-LOADED_LAYERS = max(TAPPED_LAYERS) + 1
 
 
 class Flux2PromptEncoder(Qwen3Prompt):

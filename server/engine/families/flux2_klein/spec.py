@@ -22,6 +22,12 @@ KV_PIPELINE_CLASS = "Flux2KleinKVPipeline"
 TEXT_ENCODER_TYPE = "qwen3"
 NINE_B_DOUBLE_BLOCKS = 8  # the 9B DiT's double-stream blocks (the 4B has 5)
 MAX_REFS = 10
+# The pipeline's text_encoder_out_layers (9, 18, 27) index hidden_states, whose entry 0 is the
+# embeddings: decoder layers 8, 17 and 26, side by side.
+TAPPED_LAYERS = (8, 17, 26)
+# The decoder layers the encoder loads: the tapped ones and those before them (Qwen3-4B and
+# Qwen3-8B have 36; the last 9 are never read).
+LOADED_LAYERS = max(TAPPED_LAYERS) + 1
 
 
 def identify(model_dir: Path) -> tuple[str, str] | None:
@@ -59,6 +65,7 @@ SPEC_4B = FamilySpec(
     },
     schedule={"rule": "flux2"},  # gmlx_contract.schedules.flux2_sigmas
     files=("dit", "text_encoder"),
+    component_rule="gmlx_server.engine.families.flux2_klein.components",
 )
 SPECS = (
     SPEC_4B,

@@ -1,0 +1,175 @@
+"""FLUX.2 klein from its component files (engine/components.py): the DiT as BFL publishes it and
+ComfyUI's `diffusion_models` hold it (`double_blocks.N.img_attn.qkv.weight`, ..., optionally
+under `model.diffusion_model.`; GGUF files converted from it) or in diffusers' names, Qwen3 as
+one file (ComfyUI's `qwen_3_4b.safetensors`, `qwen_3_8b...`, or llama.cpp's GGUF) and FLUX.2's
+VAE (`flux2-vae.safetensors`: ldm names and the batch norm). No MLX.
+
+ComfyUI tells FLUX.2 by `double_stream_modulation_img.lin.weight`; a guidance embedder
+(`guidance_in`) is FLUX.2 dev, not klein. The 9B DiT has 8 double-stream blocks (the 4B 5);
+the KV model has the 9B's shapes, so only the entry can say it (`family`). Distilled and base
+have the same shapes: BFL names the base files `...-base-...`, the distilled ones without.
+"""
+
+from __future__ import annotations
+
+from ...encoders.qwen3 import files as qwen3_files
+from ...file_headers import Header
+from ...vaes import from_files as vae_files
+from .spec import (
+    FAMILY_4B,
+    FAMILY_9B,
+    FAMILY_9B_KV,
+    KV_PIPELINE_CLASS,
+    LOADED_LAYERS,
+    NINE_B_DOUBLE_BLOCKS,
+    PIPELINE_CLASS,
+    TAPPED_LAYERS,
+)
+
+TOKENIZER_REPO = "black-forest-labs/FLUX.2-klein-4B"
+# The same tensors in BFL's names and diffusers'.
+MODULATION = (
+    "double_stream_modulation_img.lin.weight",
+    "double_stream_modulation_img.linear.weight",
+)
+IMAGE_IN = ("img_in.weight", "x_embedder.weight")
+TEXT_IN = ("txt_in.weight", "context_embedder.weight")
+QUERY_NORM = (
+    "double_blocks.0.img_attn.norm.query_norm.scale",
+    "transformer_blocks.0.attn.norm_q.weight",
+)
+MLP_IN = ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.linear_in.weight")
+DOUBLE_STEMS = ("double_blocks.", "transformer_blocks.")
+SINGLE_STEMS = ("single_blocks.", "single_transformer_blocks.")
+GUIDANCE = ("guidance_in.in_layer.weight", "time_guidance_embed.guidance_embedder.linear_1.weight")
+# klein's fixed constants (diffusers' Flux2Transformer2DModel config of the klein checkpoints).
+DIT_FACTS = {
+    "_class_name": "Flux2Transformer2DModel",
+    "patch_size": 1,
+    "timestep_guidance_channels": 256,
+    "rope_theta": 2000,
+    "eps": 1e-6,
+    "guidance_embeds": False,
+}
+ROPE_AXES = 4  # the head splits into four equal RoPE axes (t, h, w, l)
+# FLUX.2's autoencoder: what its file cannot say (flux2-vae's diffusers config).
+VAE_FACTS = {
+    "_class_name": "AutoencoderKLFlux2",
+    "norm_num_groups": 32,
+    "batch_norm_eps": 1e-4,
+    "batch_norm_momentum": 0.1,
+    "patch_size": [2, 2],
+    "sample_size": 1024,
+    "force_upcast": True,
+}
+RAW_LATENT_CHANNELS = 32
+# The klein checkpoints' scheduler (FlowMatchEulerDiscreteScheduler, dynamic shifting).
+SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+
+
+def _shape(header: Header, names) -> tuple[int, ...] | None:
+    return next((header.shapes[n] for n in names if n in header.shapes), None)
+
+
+def _count(header: Header, stems) -> int:
+    return max(header.count(stem) for stem in stems)
+
+
+def family(dit: Header) -> str | None:
+    if not (_shape(dit, MODULATION) and _shape(dit, IMAGE_IN) and _shape(dit, TEXT_IN)):
+        return None
+    if _shape(dit, GUIDANCE):
+        return None
+    return FAMILY_9B if _count(dit, DOUBLE_STEMS) >= NINE_B_DOUBLE_BLOCKS else FAMILY_4B
+
+
+def variant(dit: Header, name: str) -> str | None:
+    return "base" if "base" in name else "distilled"
+
+
+def joint_width(dit: Header) -> int:
+    return _shape(dit, TEXT_IN)[1]
+
+
+def fits_encoder(dit: Header, encoder: Header) -> bool:
+    width = qwen3_files.width(encoder)
+    return (
+        width is not None
+        and len(TAPPED_LAYERS) * width == joint_width(dit)
+        and (qwen3_files.layers(encoder) >= LOADED_LAYERS)
+    )
+
+
+def fits_vae(dit: Header, vae: Header) -> bool:
+    return vae_files.latent_channels(vae) == RAW_LATENT_CHANNELS and vae_files.has_batch_norm(vae)
+
+
+def dit_config(dit: Header) -> dict:
+    hidden, in_channels = _shape(dit, IMAGE_IN)
+    head_dim = _shape(dit, QUERY_NORM)[0]
+    return {
+        **DIT_FACTS,
+        "in_channels": in_channels,
+        "num_layers": _count(dit, DOUBLE_STEMS),
+        "num_single_layers": _count(dit, SINGLE_STEMS),
+        "attention_head_dim": head_dim,
+        "num_attention_heads": hidden // head_dim,
+        "joint_attention_dim": joint_width(dit),
+        "mlp_ratio": _shape(dit, MLP_IN)[0] / 2 / hidden,
+        "axes_dims_rope": [head_dim // ROPE_AXES] * ROPE_AXES,
+    }
+
+
+def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header) -> dict:
+    from ...components import ComponentError
+
+    width, layers = qwen3_files.width(encoder), qwen3_files.layers(encoder)
+    if width is None or len(TAPPED_LAYERS) * width != joint_width(dit):
+        raise ComponentError(
+            f"{encoder.path} is not a Qwen3 text encoder {joint_width(dit) // len(TAPPED_LAYERS)}"
+            f" wide, as the DiT {dit.path.name} takes ({TEXT_IN[0]} reads {len(TAPPED_LAYERS)}"
+            f" layers of {joint_width(dit) // len(TAPPED_LAYERS)}); its embedding"
+            f" ({qwen3_files.NAMES['embed'][0]}) is {qwen3_files.shape(encoder, 'embed')}"
+        )
+    if layers < LOADED_LAYERS:
+        raise ComponentError(
+            f"{encoder.path} has {layers} decoder layers; FLUX.2 klein reads the first"
+            f" {LOADED_LAYERS}"
+        )
+    channels = vae_files.latent_channels(vae)
+    if channels != RAW_LATENT_CHANNELS or not vae_files.has_batch_norm(vae):
+        raise ComponentError(
+            f"{vae.path} is not FLUX.2's {RAW_LATENT_CHANNELS}-channel autoencoder with its batch"
+            f" norm (decoder.conv_in.weight takes {channels} channels"
+            + (
+                ")"
+                if vae_files.has_batch_norm(vae)
+                else f"; it has no {vae_files.BATCH_NORM_MEAN})"
+            )
+        )
+    kv = family == FAMILY_9B_KV
+    return {
+        "model_index.json": {
+            "_class_name": KV_PIPELINE_CLASS if kv else PIPELINE_CLASS,
+            "is_distilled": kv or variant == "distilled",
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+            "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+            "transformer": ["diffusers", "Flux2Transformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKLFlux2"],
+        },
+        "transformer/config.json": dit_config(dit),
+        "text_encoder/config.json": qwen3_files.config(encoder),
+        "vae/config.json": vae_files.config(vae, VAE_FACTS),
+        "scheduler/scheduler_config.json": SCHEDULER,
+    }
