@@ -42,6 +42,18 @@ File (default ~/.config/gmlx-steps/config.toml):
     mmproj = "~/gguf/mmproj-Qwen3-VL-8B-F16.gguf"  # and its vision tower's (Qwen-Image 2.1's
                                     # Qwen3-VL: text_encoder and mmproj together)
 
+    [models."z-image-turbo"]        # a model from its component files, no model folder: dit,
+    dit = "~/ComfyUI/models/diffusion_models/z_image_turbo_bf16.safetensors"  # text_encoder
+    text_encoder = "~/ComfyUI/models/text_encoders/qwen_3_4b.safetensors"   # (.safetensors or
+    vae = "~/ComfyUI/models/vae/ae.safetensors"                            # .gguf) and vae
+    variant = "turbo"               # what the files cannot tell: the variant, the family
+                                    # (flux2_klein_9b_kv), a tokenizer folder (tokenizer.json)
+
+and in [server], `comfyui_model_dirs = ["~/ComfyUI/models"]`: ComfyUI model folders whose
+diffusion_models/, text_encoders/ and vae/ files are served as every set they make (the
+ComfyUI folders `gmlx comfyui install` recorded are read too, with their
+extra_model_paths.yaml: server/comfyui_models.py).
+
 Every table and key the file holds must be one of these: an unknown one (a typo: `model_dir`,
 `[sever]`) is refused at start-up, naming the nearest known one.
 
@@ -168,9 +180,34 @@ def parse_adapter(text: str, base: Path | None = None) -> AdapterSpec:
 @dataclass
 class ModelSettings(LoadSettings):
     """What the configuration says about one model entry (`[models."id"]`): how its model
-    loads (LoadSettings) and the adapters its steps run under by default."""
+    loads (LoadSettings), the adapters its steps run under by default and, for a model from
+    its component files (engine/components.py), its VAE file and what the files cannot tell
+    (family, variant, tokenizer folder)."""
 
     adapters: tuple[AdapterSpec, ...] = ()
+    vae: Path | None = None
+    family: str | None = None
+    variant: str | None = None
+    tokenizer: Path | None = None
+
+    def component_files(self):
+        """The entry's components.ComponentFiles (None: the entry names no VAE file, so its
+        model is a folder)."""
+        if self.vae is None:
+            return None
+        from .engine.components import ComponentFiles
+
+        return ComponentFiles(
+            self.dit, self.text_encoder, self.vae, self.tokenizer, self.family, self.variant
+        )
+
+    def load_settings(self) -> LoadSettings:
+        """These settings alone; a model from component files reads its files through its set's
+        folder, which links them, so they are not named again."""
+        settings = super().load_settings()
+        if self.vae is not None:
+            settings.dit = settings.text_encoder = None
+        return settings
 
 
 # A model entry's keys (`[models."id"]`), each with what it sets: the configuration reads these,
@@ -184,25 +221,43 @@ MODEL_SETTINGS = {
     f" {DEFAULT_GROUP_SIZE} when left out)",
     "encoder_vae_dtype": "the text encoder's and the VAE's compute dtype"
     f" ({', '.join(ENCODER_VAE_DTYPES)}; {AUTO}: bf16 on a GPU backend, f32 on the CPU one)",
-    "dit": "a GGUF file (or, for FLUX.2 klein, BFL's single safetensors file) holding the DiT's"
+    "dit": "a GGUF file or a single safetensors file (ComfyUI's, BFL's) holding the DiT's"
     " weights, in place of the folder's transformer/ weights",
-    "text_encoder": "a GGUF file holding the text encoder's weights (llama.cpp's names)",
+    "text_encoder": "a GGUF file holding the text encoder's weights (llama.cpp's names; with vae,"
+    " also one safetensors file)",
     "mmproj": "the GGUF file of the text encoder's vision tower (llama.cpp's mmproj; with"
     " text_encoder)",
+    "vae": "the VAE's safetensors file: with dit and text_encoder, the model is served from these"
+    " component files, with no model folder",
+    "family": "with vae: the family, where the files cannot tell it (flux2_klein_9b_kv)",
+    "variant": "with vae: the variant, where the files cannot tell it (turbo or base)",
+    "tokenizer": "with vae: a folder holding the text encoder's tokenizer.json",
 }
+# A model entry's keys that make sense only for a model from component files.
+COMPONENT_KEYS = ("vae", "family", "variant", "tokenizer")
 MODEL_SETTING_KEYS = tuple(MODEL_SETTINGS)
 GGUF_SUFFIX = ".gguf"
 # The files each file setting may name: a DiT also comes as one safetensors file (BFL's).
 FILE_SUFFIXES = {
     "dit": (GGUF_SUFFIX, ".safetensors"),
-    "text_encoder": (GGUF_SUFFIX,),
+    "text_encoder": (GGUF_SUFFIX, ".safetensors"),
     "mmproj": (GGUF_SUFFIX,),
+    "vae": (".safetensors",),
 }
 
 
 # The file's tables and keys (a model entry's keys: MODEL_SETTING_KEYS).
 FILE_TABLES = ("server", "models")
-SERVER_KEYS = ("host", "port", "api_key", "model_dirs", "default_model", "threads", "image")
+SERVER_KEYS = (
+    "host",
+    "port",
+    "api_key",
+    "model_dirs",
+    "comfyui_model_dirs",
+    "default_model",
+    "threads",
+    "image",
+)
 IMAGE_KEYS = tuple(f.name for f in dataclasses.fields(ImageConfig))
 
 
@@ -212,6 +267,7 @@ class ServerConfig:
     port: int = 8080
     api_key: str | None = None
     model_dirs: list[Path] = field(default_factory=list)
+    comfyui_model_dirs: list[Path] = field(default_factory=list)  # ComfyUI `models/` folders
     default_model: str | None = None
     threads: int = 8
     image: ImageConfig = field(default_factory=ImageConfig)
@@ -227,6 +283,29 @@ class ServerConfig:
         if self.quantization is not None:
             settings.quantization = self.quantization
         return settings
+
+    def component_sets(self) -> dict:
+        """Every model from component files, by id (components.ComponentFiles): the ComfyUI
+        model folders' sets (server/comfyui_models.py), then the entries naming a `vae`; an
+        entry of a listed set's id adds what the files cannot tell (family, variant,
+        tokenizer)."""
+        from .comfyui_models import comfyui_sets
+
+        sets = comfyui_sets(self.comfyui_model_dirs)
+        for model_id, entry in self.models.items():
+            own = entry.component_files()
+            if own is not None:
+                sets[model_id] = own
+            elif model_id in sets:
+                sets[model_id] = dataclasses.replace(
+                    sets[model_id],
+                    **{
+                        k: getattr(entry, k)
+                        for k in ("family", "variant", "tokenizer")
+                        if getattr(entry, k)
+                    },
+                )
+        return sets
 
     @property
     def loopback_bind(self) -> bool:
@@ -299,11 +378,12 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
         config.port = _typed(server, "port", int)
     if "api_key" in server:
         config.api_key = _typed(server, "api_key", str) or None
-    if "model_dirs" in server:
-        dirs = server["model_dirs"]
-        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
-            raise ConfigError("server.model_dirs must be a list of folder paths")
-        config.model_dirs = [Path(d).expanduser() for d in dirs]
+    for key in ("model_dirs", "comfyui_model_dirs"):
+        if key in server:
+            dirs = server[key]
+            if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+                raise ConfigError(f"server.{key} must be a list of folder paths")
+            setattr(config, key, [Path(d).expanduser() for d in dirs])
     if "default_model" in server:
         config.default_model = _typed(server, "default_model", str) or None
     if "threads" in server:
@@ -376,7 +456,7 @@ def model_settings(
             listed = ", ".join(f'"{c}"' for c in ENCODER_VAE_DTYPES)
             raise refuse(f"{name('encoder_vae_dtype')} must be one of {listed}, not {dtype!r}")
     files = {}
-    for key in FILE_KEYS:
+    for key in (*FILE_KEYS, "vae"):
         if key in table:
             path = Path(_typed(table, key, str)).expanduser()
             files[key] = folder / path if not path.is_absolute() else path
@@ -399,8 +479,20 @@ def model_settings(
             )
         except ValueError as exc:
             raise refuse(str(exc)) from None
+    facts = {key: _typed(table, key, str) for key in ("family", "variant") if key in table}
+    if "tokenizer" in table:
+        facts["tokenizer"] = folder / Path(_typed(table, "tokenizer", str)).expanduser()
+        if not facts["tokenizer"].is_dir():
+            raise refuse(f"{name('tokenizer')}: no folder at {str(facts['tokenizer'])!r}")
+    if "vae" in files:
+        missing = [key for key in ("dit", "text_encoder") if key not in files]
+        if missing:
+            raise refuse(
+                f"{name('vae')} makes a model of component files, which needs"
+                f" {' and '.join(name(key) for key in missing)} too"
+            )
     return ModelSettings(
-        adapters=specs, quantization=quantization, encoder_vae_dtype=dtype, **files
+        adapters=specs, quantization=quantization, encoder_vae_dtype=dtype, **files, **facts
     )
 
 

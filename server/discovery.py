@@ -136,8 +136,9 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
     `[models."id"]` and default_model name (with no folder when none is found yet)."""
     from .engine.registry import ModelRegistry
 
+    registry = ModelRegistry(config.model_dirs, component_sets=config.component_sets)
     folders: dict[str, str | None] = {
-        model_id: str(path) for model_id, path in ModelRegistry(config.model_dirs).folders().items()
+        model_id: str(path) for model_id, path in registry.folders().items()
     }
     default = config.default_model
     if default is None:

@@ -51,6 +51,9 @@ FLAG_FORMS = {
     "quantize": {"type": int, "choices": BITS, "metavar": "BITS"},
     "group_size": {"type": int, "choices": GROUP_SIZES},
     "encoder_vae_dtype": {"choices": ENCODER_VAE_DTYPES},
+    "family": {"metavar": "FAMILY"},
+    "variant": {"metavar": "VARIANT"},
+    "tokenizer": {"metavar": "FOLDER"},
 }
 # A model entry's keys a command takes otherwise: its `--adapter` (repeatable, the sampling's).
 NOT_FLAGS = ("adapters",)

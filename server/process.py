@@ -50,6 +50,7 @@ def config_registry(config, model: str | None = None):
         extra_models=extra,
         load_hooks=hooks,
         settings=config.load_settings_for,
+        component_sets=config.component_sets,
     )
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup

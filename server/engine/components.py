@@ -95,8 +95,10 @@ def rules(specs: dict) -> dict[str, Any]:
 
 
 def header(path: Path) -> Header:
+    """A file's header (kept while its size and time stay); a ComponentError naming the file
+    when it cannot be read."""
     try:
-        return file_headers.read(path)
+        return read_kept(Path(path))
     except FileNotFoundError:
         raise
     except HeaderError as exc:
@@ -261,51 +263,61 @@ def write_tokenizer(folder: Path, kind: str, source: Path) -> None:
 # -- ComfyUI's model folders ------------------------------------------------------------------
 
 
-def comfy_files(models_dirs: list[Path]) -> dict[str, list[Path]]:
-    """The weight files of each component in ComfyUI model folders (each a `models/` folder,
-    or a folder holding `diffusion_models/`, `text_encoders/`, `vae/`), sorted by name."""
-    found: dict[str, list[Path]] = {key: [] for key in COMFY_FOLDERS}
-    for root in models_dirs:
-        for key, names in COMFY_FOLDERS.items():
-            for name in names:
-                folder = Path(root).expanduser() / name
-                if folder.is_dir():
-                    found[key] += [
-                        p
-                        for p in sorted(folder.rglob("*"))
-                        if p.suffix.lower() in WEIGHT_SUFFIXES and p.is_file()
-                    ]
-    return {key: list(dict.fromkeys(paths)) for key, paths in found.items()}
+def comfy_files(folders: dict[str, list[Path]]) -> dict[str, list[Path]]:
+    """The weight files of each component (COMFY_FOLDERS' keys) in its folders, sorted by name
+    within each folder; a folder that does not exist holds none."""
+    found: dict[str, list[Path]] = {}
+    for key, roots in folders.items():
+        paths = []
+        for folder in roots:
+            if Path(folder).is_dir():
+                paths += [
+                    p
+                    for p in sorted(Path(folder).rglob("*"))
+                    if p.suffix.lower() in WEIGHT_SUFFIXES and p.is_file()
+                ]
+        found[key] = list(dict.fromkeys(paths))
+    return found
 
 
-@dataclass
-class _Cached:
-    stamp: tuple
-    header: Header | None
+# path -> ((size, time), the header or the HeaderError reading it gave)
+_HEADERS: dict[Path, tuple[tuple[int, int], Header | HeaderError]] = {}
 
 
-_HEADERS: dict[Path, _Cached] = {}
+def read_kept(path: Path) -> Header:
+    """file_headers.read, kept while the file's size and time stay (a listing reads each file
+    once); a HeaderError likewise."""
+    stat = path.stat()
+    stamp = (stat.st_size, stat.st_mtime_ns)
+    kept = _HEADERS.get(path)
+    if kept is None or kept[0] != stamp:
+        try:
+            read: Header | HeaderError = file_headers.read(path)
+        except HeaderError as exc:
+            read = exc
+        kept = _HEADERS[path] = (stamp, read)
+    if isinstance(kept[1], HeaderError):
+        raise kept[1]
+    return kept[1]
 
 
 def cached_header(path: Path) -> Header | None:
-    """A file's header, kept while its size and time stay (None: not a readable weight file)."""
-    stat = path.stat()
-    stamp = (stat.st_size, stat.st_mtime_ns)
-    cached = _HEADERS.get(path)
-    if cached is None or cached.stamp != stamp:
-        try:
-            read = file_headers.read(path)
-        except (HeaderError, OSError):
-            read = None
-        cached = _HEADERS[path] = _Cached(stamp, read)
-    return cached.header
+    """read_kept, None for a file that is not a readable weight file."""
+    try:
+        return read_kept(path)
+    except (HeaderError, OSError):
+        return None
 
 
-def comfy_sets(models_dirs: list[Path], specs: dict) -> dict[str, ComponentFiles]:
-    """Every complete set the folders' files make, by model id (`dit + text encoder + vae`, the
-    files' stems): each DiT a family's rule recognises, with each text encoder and VAE its rule
-    says fit it (`fits(family, dit, encoder, vae)`). Headers only."""
-    files = comfy_files(models_dirs)
+def comfy_sets(
+    folders: dict[str, list[Path]], specs: dict, comfyui: Path | None = None
+) -> dict[str, ComponentFiles]:
+    """Every complete set the folders' files make (`folders`: by component, as comfy_files
+    takes them), by model id (`dit + text encoder + vae`, the files' stems): each DiT a
+    family's rule recognises, with each text encoder and VAE its rule says fit it
+    (`fits_encoder`, `fits_vae`). Headers only. `comfyui`: the ComfyUI folder whose tokenizer
+    copy the sets may use."""
+    files = comfy_files(folders)
     found = rules(specs)
     headers = {key: [(p, cached_header(p)) for p in paths] for key, paths in files.items()}
     sets: dict[str, ComponentFiles] = {}
@@ -323,5 +335,7 @@ def comfy_sets(models_dirs: list[Path], specs: dict) -> dict[str, ComponentFiles
                 if vae is None or not rule.fits_vae(dit, vae):
                     continue
                 model_id = f"{dit_path.stem} + {encoder_path.stem} + {vae_path.stem}"
-                sets.setdefault(model_id, ComponentFiles(dit_path, encoder_path, vae_path))
+                sets.setdefault(
+                    model_id, ComponentFiles(dit_path, encoder_path, vae_path, comfyui=comfyui)
+                )
     return sets

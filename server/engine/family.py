@@ -568,8 +568,10 @@ class FolderFamily(Family):
             encoder_status = quantization_status(self.encoder.network(encoder))
         else:
             encoder_status = encoder_gguf.status()
+        # a float single file (a safetensors one) reports what the load made of it, as a folder
+        dit_file_status = None if dit_gguf is None else dit_gguf.status()
         quantization = {
-            "dit": quantization_status(dit.weights) if dit_gguf is None else dit_gguf.status(),
+            "dit": quantization_status(dit.weights) if dit_file_status is None else dit_file_status,
             "encoder": encoder_status,
             "vae": None,
         }

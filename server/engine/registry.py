@@ -154,6 +154,8 @@ class ModelRegistry:
         max_resident: int = 1,
         load_hooks: Any = None,
         settings: Callable[[str], LoadSettings] | None = None,
+        component_sets: Callable[[], dict] | None = None,
+        sets_dir: Path | None = None,
     ) -> None:
         """`load_hooks` (lora_files.DefaultAdapters) has `check(model_id, manifest)`, asked
         before a model's weights load with the family's manifest of its folder, and
@@ -162,11 +164,16 @@ class ModelRegistry:
         naming the model. `settings(model_id)` is how a model loads (load_settings.LoadSettings:
         its quantization, its encoder and VAE dtype, its GGUF files; no function: as its folder
         stores it). `families`: by name, each family's spec (its Family imported on first use)
-        or its Family itself (default: every family folder's spec; tests pass their own)."""
+        or its Family itself (default: every family folder's spec; tests pass their own).
+        `component_sets()`: the models from component files, by id (components.ComponentFiles),
+        each served from its folder under `sets_dir` (default: the cache's)."""
         self.model_dirs = [Path(d).expanduser() for d in model_dirs]
         self.load_hooks = load_hooks
         self.settings = settings
         self.extra_models = [Path(p).expanduser() for p in extra_models]
+        self.component_sets = component_sets
+        self.sets_dir = sets_dir
+        self._set_errors: dict[str, Exception] = {}  # model id -> why its set cannot be served
         self.default_model = default_model or None
         given = family_specs() if families is None else families
         self.families: dict[str, FamilySpec] = {}
@@ -227,9 +234,32 @@ class ModelRegistry:
             for child in children:
                 if (child / MODEL_INDEX).is_file():
                     found.setdefault(child.name, child)
+        for model_id, folder in self._set_folders().items():
+            found.setdefault(model_id, folder)
         with self._lock:
             self._listing = (self._clock(), found)
         return found
+
+    def _set_folders(self) -> dict[str, Path]:
+        """Each model from component files by id, its folder (engine/components.py); a set that
+        cannot be served is left out, and why is kept for `resolve` to say."""
+        if self.component_sets is None:
+            return {}
+        try:
+            from .components import ComponentError, set_folder
+        except ImportError as exc:  # without the serving extras: no header readers
+            log.debug("no models from component files: %s", exc)
+            return {}
+
+        folders, errors = {}, {}
+        for model_id, files in self.component_sets().items():
+            try:
+                folders[model_id] = set_folder(files, self.families, self.sets_dir)
+            except (ComponentError, OSError) as exc:
+                errors[model_id] = exc
+        with self._lock:
+            self._set_errors = errors
+        return folders
 
     def _recent_folders(self) -> dict[str, Path]:
         """The last listing when younger than LISTING_TTL_S, else a new one."""
@@ -291,6 +321,10 @@ class ModelRegistry:
         if entry is None or entry.family is None:  # added, changed or gone since: look again
             entry = self._find(model_id, self.folders(), 0.0)
         if entry is None:
+            refused = self._set_errors.get(model_id)
+            if refused is not None:
+                status = 404 if isinstance(refused, FileNotFoundError) else 400
+                raise ContractError(status, f"model {model_id!r} cannot be served: {refused}")
             raise ContractError(404, self._unknown(model_id))
         if entry.family is None:
             raise ContractError(

@@ -54,7 +54,7 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         (
             "bits = 4",
             "unknown setting 'bits' (known: adapters, quantize, group_size, encoder_vae_dtype,"
-            " dit, text_encoder, mmproj)",
+            " dit, text_encoder, mmproj, vae, family, variant, tokenizer)",
         ),
     ],
 )
@@ -124,7 +124,7 @@ def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
     for entry, message in (
         ('dit = "gguf/missing.gguf"', "dit: no file at"),
         ('dit = "config.toml"', "dit must name a .gguf or .safetensors file"),
-        ('text_encoder = "config.toml"', "text_encoder must name a .gguf file"),
+        ('text_encoder = "config.toml"', "text_encoder must name a .gguf or .safetensors file"),
         ("dit = 4", "config key 'dit' has the wrong type"),
     ):
         path = config_file(tmp_path, f'[models."m1"]\n{entry}\n')

@@ -11,58 +11,23 @@ from __future__ import annotations
 import json
 import shutil
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine import components
 from gmlx_server.engine.components import ComponentError, ComponentFiles
-from gmlx_server.engine.families.z_image import embedded, family
-from gmlx_server.engine.families.z_image.dit import DiTConfig
+from gmlx_server.engine.families.z_image import family
 from gmlx_server.engine.spec import family_specs, read_config
-from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import ldm_vae, write_comfy_tokenizer, write_gguf_text_encoder
-from tests.families.z_image.test_gguf import comfy_layout
+from tests.engine.comfy_files import ldm_vae, write_gguf_text_encoder
 from tests.families.z_image.test_quantized import rows_of
-
-# FLUX.1's VAE has 32 groups per norm, which its file cannot say: the tiny VAE takes them.
-VAE = {"norm_num_groups": 32, "block_out_channels": [32, 32, 32, 32]}
-DIT_FILE = "z_image_turbo_tiny.safetensors"
-
-
-def arrays(folder):
-    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
+from tests.families.z_image.tiny.comfy import DIT_FILE, arrays, write_comfy_models
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny diffusers folder, and ComfyUI's models/ folder holding the same weights."""
-    root = tmp_path_factory.mktemp("z_components")
-    folder = root / "z-image-tiny"
-    embedded.write_embedded_model(folder)
-    embedded.write_vae(folder / "vae", **VAE)
-    comfy = root / "ComfyUI"
-    models = comfy / "models"
-    for name in ("diffusion_models", "text_encoders", "vae"):
-        (models / name).mkdir(parents=True)
-    dit = arrays(folder / "transformer")
-    config = DiTConfig.from_dict(read_config(folder / "transformer"))
-    state = {
-        "model.diffusion_model." + name: np.concatenate([dit[part] for part in parts])
-        for name, parts in comfy_layout(config).items()
-    }
-    state["model.diffusion_model.norm_final.weight"] = np.ones(config.dim, np.float32)
-    save_file(state, str(models / "diffusion_models" / DIT_FILE))
-    shutil.copy(
-        folder / "text_encoder" / "model.safetensors",
-        models / "text_encoders" / "qwen_3_tiny.safetensors",
-    )
-    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / "ae_tiny.safetensors"))
-    write_comfy_tokenizer(
-        folder / "tokenizer" / "tokenizer.json", comfy / components.COMFY_QWEN_TOKENIZER
-    )
-    return folder, models
+    return write_comfy_models(tmp_path_factory.mktemp("z_components"))
 
 
 def component_files(models, **changes):

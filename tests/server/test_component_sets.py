@@ -1,0 +1,129 @@
+"""Models from component files through the configuration, the registry and the routes: a
+ComfyUI `models/` folder named by `comfyui_model_dirs` (or recorded by `gmlx comfyui install`,
+with its extra_model_paths.yaml) is listed as the sets it makes, a model entry naming `dit`,
+`text_encoder` and `vae` is one too, both load and step over HTTP, and a set that cannot be
+served is answered 400 naming its file, with the resident model kept."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from gmlx_server.comfyui_models import comfyui_folders, extra_model_folders
+from gmlx_server.config import ServerConfig, load_config
+from gmlx_server.process import config_registry
+
+from tests.families.z_image.tiny.comfy import DIT_FILE, ENCODER_FILE, VAE_FILE, write_comfy_models
+from tests.server.conftest import serve
+
+SET_ID = "z_image_turbo_tiny + qwen_3_tiny + ae_tiny"
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory):
+    return write_comfy_models(tmp_path_factory.mktemp("sets"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("GMLX_COMFY_SETTINGS", str(tmp_path / "comfyui.json"))
+    return tmp_path / "cache"
+
+
+def write_config(tmp_path, models, entries: str = "") -> object:
+    path = tmp_path / "config.toml"
+    path.write_text(
+        f'[server]\ncomfyui_model_dirs = ["{models}"]\ndefault_model = "{SET_ID}"\n{entries}'
+    )
+    return load_config(path, env={})
+
+
+def test_comfyuis_folder_is_listed_as_its_sets_and_serves_them(comfy, cache, tmp_path):
+    _, models = comfy
+    bad = tmp_path / "z_image_turbo_cut.safetensors"
+    bad.write_bytes((models / "diffusion_models" / DIT_FILE).read_bytes()[:-64])
+    entries = (
+        f'[models."mine"]\ndit = "{models / "diffusion_models" / DIT_FILE}"\n'
+        f'text_encoder = "{models / "text_encoders" / ENCODER_FILE}"\n'
+        f'vae = "{models / "vae" / VAE_FILE}"\nquantize = 8\n'
+        f'[models."cut"]\ndit = "{bad}"\n'
+        f'text_encoder = "{models / "text_encoders" / ENCODER_FILE}"\n'
+        f'vae = "{models / "vae" / VAE_FILE}"\n'
+    )
+    config = write_config(tmp_path, models, entries)
+    registry, _ = config_registry(config)
+    assert {SET_ID, "mine"} <= set(registry.folders())
+    assert all(str(p).startswith(str(cache)) for p in registry.folders().values())
+    server = serve(config, registry)
+    try:
+        listed = {m["model"] for m in server.call("GET", "models").json()["models"]}
+        assert {SET_ID, "mine"} <= listed and "cut" not in listed
+        status = server.call("GET", f"models/{SET_ID}/status").json()
+        assert status["family"] == "z_image" and status["variant"] == "turbo"
+        assert server.post_json("models/load", {"model": SET_ID}).status_code == 200
+        # status and load answer a resolution failure 404, the routes that load on demand 400
+        # (docs/contract.md §2): each names the file and why
+        refused = server.call("GET", "models/cut/status")
+        assert (
+            refused.status_code == 404 and "cut short" in refused.text and bad.name in refused.text
+        )
+        refused = server.post_json("encode", {"model": "cut", "text": "a boat"})
+        assert refused.status_code == 400 and "cut short" in refused.text
+        assert registry.resident_ids() == [SET_ID]
+        assert server.post_json("models/load", {"model": "mine"}).status_code == 200
+        mine = server.call("GET", "models/mine/status").json()
+        assert mine["quantization"]["dit"]["bits"] == 8
+    finally:
+        server.close()
+
+
+def test_gmlx_list_names_the_sets(comfy, cache, tmp_path):
+    _, models = comfy
+    write_config(tmp_path, models)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gmlx_server",
+            "list",
+            "--json",
+            "--config",
+            str(tmp_path / "config.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert SET_ID in [m["model"] for m in json.loads(done.stdout)["models"]]
+
+
+def test_a_recorded_comfyui_install_and_its_extra_model_paths_are_read(comfy, cache, tmp_path):
+    folder, models = comfy
+    checkout = tmp_path / "ComfyUI"
+    (checkout / "models").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    for kind in ("diffusion_models", "text_encoders", "vae"):
+        shutil.copytree(models / kind, elsewhere / kind)
+    (checkout / "extra_model_paths.yaml").write_text(
+        "mine:\n"
+        f"  base_path: {elsewhere}\n"
+        "  diffusion_models: |\n    diffusion_models\n    unet\n"
+        "  text_encoders: text_encoders\n"
+        "  vae: vae\n"
+    )
+    record = {
+        "installs": [
+            {"comfy_dir": str(checkout), "link": str(checkout / "x"), "python": sys.executable}
+        ]
+    }
+    (tmp_path / "comfyui.json").write_text(json.dumps(record))
+    found = extra_model_folders(checkout / "extra_model_paths.yaml")
+    assert found["dit"] == [elsewhere / "diffusion_models", elsewhere / "unet"]
+    folders = comfyui_folders([])
+    assert elsewhere / "vae" in folders["vae"] and checkout / "models" / "vae" in folders["vae"]
+    sets = ServerConfig().component_sets()
+    assert SET_ID in sets and sets[SET_ID].dit == elsewhere / "diffusion_models" / DIT_FILE
