@@ -107,8 +107,16 @@ def choose_model(
         )
         return ModelChoice(registry, folder.name, time.perf_counter() - started)
     config = load_config(config_path)
+    if model is None and "vae" in flags:  # --dit, --text-encoder and --vae: component files
+        settings = model_settings_over(None, flags, Path.cwd(), flag_name)
+        files = settings.component_files()
+        model = " + ".join(Path(p).stem for p in (files.dit, files.text_encoder, files.vae))
+        config.models[model] = settings
     registry, _ = config_registry(config, model)
     if model and model not in registry.folders():
+        refused = registry.resolve_refusal(model)
+        if refused is not None:
+            raise ValueError(refused)
         raise ValueError(unknown_model(model, sorted(registry.folders())))
     model_id = registry.default_model
     if not model_id:

@@ -324,7 +324,7 @@ class ModelRegistry:
             refused = self._set_errors.get(model_id)
             if refused is not None:
                 status = 404 if isinstance(refused, FileNotFoundError) else 400
-                raise ContractError(status, f"model {model_id!r} cannot be served: {refused}")
+                raise ContractError(status, self.resolve_refusal(model_id))
             raise ContractError(404, self._unknown(model_id))
         if entry.family is None:
             raise ContractError(
@@ -333,6 +333,12 @@ class ModelRegistry:
                 f"({', '.join(self.available_families()) or 'none'})",
             )
         return entry
+
+    def resolve_refusal(self, model_id: str) -> str | None:
+        """Why the model from component files `model_id` cannot be served (as the last listing
+        found), or None."""
+        refused = self._set_errors.get(model_id)
+        return None if refused is None else f"model {model_id!r} cannot be served: {refused}"
 
     def _unknown(self, model_id: str) -> str:
         """Why `model_id` names no model: where folders were looked for, and what is there."""

@@ -7,6 +7,7 @@ served is answered 400 naming its file, with the resident model kept."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -127,3 +128,58 @@ def test_a_recorded_comfyui_install_and_its_extra_model_paths_are_read(comfy, ca
     assert elsewhere / "vae" in folders["vae"] and checkout / "models" / "vae" in folders["vae"]
     sets = ServerConfig().component_sets()
     assert SET_ID in sets and sets[SET_ID].dit == elsewhere / "diffusion_models" / DIT_FILE
+
+
+def test_gmlx_image_sample_takes_the_files_as_flags(comfy, tmp_path):
+    """`--dit --text-encoder --vae` with no --model: the same image as the diffusers folder."""
+    folder, models = comfy
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env["GMLX_COMFY_SETTINGS"] = str(tmp_path / "none.json")
+    common = [
+        "--prompt",
+        "a red fox",
+        "--width",
+        "64",
+        "--height",
+        "48",
+        "--seed",
+        "5",
+        "--steps",
+        "2",
+    ]
+    line = [sys.executable, "-m", "gmlx_server", "image", "sample", *common]
+    files = [
+        "--dit",
+        str(models / "diffusion_models" / DIT_FILE),
+        "--text-encoder",
+        str(models / "text_encoders" / ENCODER_FILE),
+        "--vae",
+        str(models / "vae" / VAE_FILE),
+    ]
+    config = ["--config", str(tmp_path / "empty.toml")]
+    (tmp_path / "empty.toml").write_text("")
+    sets = subprocess.run(
+        line + files + config + ["--out", str(tmp_path / "set.png")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert sets.returncode == 0, sets.stderr[-2000:]
+    direct = subprocess.run(
+        line + ["--model", str(folder), "--out", str(tmp_path / "folder.png")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    assert (tmp_path / "set.png").read_bytes() == (tmp_path / "folder.png").read_bytes()
+    cut = tmp_path / "z_image_turbo_cut.safetensors"
+    cut.write_bytes((models / "diffusion_models" / DIT_FILE).read_bytes()[:-64])
+    files[1] = str(cut)
+    refused = subprocess.run(
+        line + files + config + ["--out", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert refused.returncode != 0 and "cut short" in refused.stderr
