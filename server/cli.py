@@ -100,6 +100,7 @@ COMMANDS: list[Callable | str] = [
     register_image,
     "gmlx_server.discovery:register",  # `gmlx status`, `gmlx list`
     "gmlx_server.model_cli:register",  # `gmlx model quantize`
+    "gmlx_server.pull:register",  # `gmlx pull`
 ]
 
 

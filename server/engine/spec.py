@@ -27,6 +27,17 @@ FAMILIES_PACKAGE = "gmlx_server.engine.families"
 
 
 @dataclass(frozen=True)
+class Published:
+    """A repository of the Hugging Face Hub holding a family's model (`gmlx pull NAME`): a
+    short name, the repository, the files to fetch (patterns; empty: all) and what it holds."""
+
+    name: str
+    repo: str
+    include: tuple[str, ...] = ()
+    holds: str = "a diffusers folder"
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One family's facts. The status (docs/contract.md §2.3) publishes `comfy`,
     `conditioning`, `edit_capable` and the strides; the capabilities route its `features`."""
@@ -58,6 +69,8 @@ class FamilySpec:
     # The module that tells its model from component files (engine/components.py: `family`,
     # `variant`, `configs`, `fits_encoder`, `fits_vae`, `tokenizer_repo`); None: folders only.
     component_rule: str | None = None
+    # Where its models are published (`gmlx pull`'s catalog).
+    published: tuple[Published, ...] = ()
 
     def capabilities(self) -> Capabilities:
         """What its loaded model can do beyond its status (base.Capabilities), from the spec."""

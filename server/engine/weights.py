@@ -395,9 +395,8 @@ def write_quantized(
 ) -> None:
     """Copy a component folder with the float matrices `include` picks by file name (and
     whose rows the group size divides) quantized from float32: `X.weight` packed, `X.scales`
-    and `X.biases` (float32),
-    shard by shard, each tensor quantized and evaluated before the next; its config records
-    the `quantization`."""
+    and `X.biases` (float32), shard by shard (`quantize_shard`), each tensor quantized and
+    evaluated before the next; its config records the `quantization` (`finish_quantized`)."""
     destination.mkdir()
     shards = {path.name for path in weight_files(source)}
     for item in sorted(source.iterdir()):
@@ -406,19 +405,37 @@ def write_quantized(
             copy(item, destination / item.name)
     weight_map = {}
     for path in weight_files(source):
-        tensors = {}
-        for name, value in mx.load(str(path)).items():
-            if name.endswith(".weight") and include(name) and quantizable(value, quantization):
-                base = name[: -len(".weight")]
-                # in float32, as a load at float32 quantizes: the two give the same weights
-                packed = quantized(value.astype(mx.float32), quantization)
-                tensors[name], tensors[base + SCALES], tensors[base + BIASES] = packed
-            else:
-                tensors[name] = value
-        mx.save_safetensors(str(destination / path.name), tensors, metadata={"format": "mlx"})
-        weight_map.update(dict.fromkeys(tensors, path.name))
-    for index in source.glob("*" + _INDEX_SUFFIX):
+        weight_map.update(quantize_shard(path, destination, quantization, include))
+    finish_quantized(source, destination, quantization, weight_map)
+
+
+def quantize_shard(
+    path: Path, destination: Path, quantization: Quantization, include: Callable[[str], bool]
+) -> dict[str, str]:
+    """One safetensors shard written into `destination` under its name, the weights `include`
+    picks quantized (write_quantized); its tensors' names -> the shard's name."""
+    tensors = {}
+    for name, value in mx.load(str(path)).items():
+        if name.endswith(".weight") and include(name) and quantizable(value, quantization):
+            base = name[: -len(".weight")]
+            # in float32, as a load at float32 quantizes: the two give the same weights
+            packed = quantized(value.astype(mx.float32), quantization)
+            tensors[name], tensors[base + SCALES], tensors[base + BIASES] = packed
+        else:
+            tensors[name] = value
+    mx.save_safetensors(
+        str(Path(destination) / Path(path).name), tensors, metadata={"format": "mlx"}
+    )
+    return dict.fromkeys(tensors, Path(path).name)
+
+
+def finish_quantized(
+    source: Path, destination: Path, quantization: Quantization, weight_map: dict[str, str]
+) -> None:
+    """A quantized component's index (its shards' new tensor names, `weight_map`) and its
+    config recording the `quantization`, from the float component's (`source`)."""
+    for index in Path(source).glob("*" + _INDEX_SUFFIX):
         doc = json.loads(index.read_text())
-        (destination / index.name).write_text(json.dumps({**doc, "weight_map": weight_map}))
+        (Path(destination) / index.name).write_text(json.dumps({**doc, "weight_map": weight_map}))
     config = {**read_config(source), "quantization": quantization.status()}
-    (destination / "config.json").write_text(json.dumps(config, indent=2))
+    (Path(destination) / "config.json").write_text(json.dumps(config, indent=2))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ...spec import FamilySpec, model_index, read_config
+from ...spec import FamilySpec, Published, model_index, read_config
 
 FAMILY_4B = "flux2_klein"
 FAMILY_9B = "flux2_klein_9b"
@@ -68,7 +68,26 @@ SPEC_4B = FamilySpec(
     component_rule="gmlx_server.engine.families.flux2_klein.components",
 )
 SPECS = (
-    SPEC_4B,
-    replace(SPEC_4B, name=FAMILY_9B, title="FLUX.2 klein 9B"),
-    replace(SPEC_4B, name=FAMILY_9B_KV, title="FLUX.2 klein 9B KV"),
+    replace(
+        SPEC_4B,
+        published=(
+            Published("flux2-klein-4b", "black-forest-labs/FLUX.2-klein-4B"),
+            Published("flux2-klein-base-4b", "black-forest-labs/FLUX.2-klein-base-4B"),
+        ),
+    ),
+    replace(
+        SPEC_4B,
+        name=FAMILY_9B,
+        title="FLUX.2 klein 9B",
+        published=(
+            Published("flux2-klein-9b", "black-forest-labs/FLUX.2-klein-9B"),
+            Published("flux2-klein-base-9b", "black-forest-labs/FLUX.2-klein-base-9B"),
+        ),
+    ),
+    replace(
+        SPEC_4B,
+        name=FAMILY_9B_KV,
+        title="FLUX.2 klein 9B KV",
+        published=(Published("flux2-klein-9b-kv", "black-forest-labs/FLUX.2-klein-9b-kv"),),
+    ),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import FamilySpec, model_index
+from ...spec import FamilySpec, Published, model_index
 
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
@@ -46,5 +46,6 @@ SPEC = FamilySpec(
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
     embedded="gmlx_server.engine.families.qwen_image21.embedded",
+    published=(Published("qwen-image-2.1", "Qwen/Qwen-Image-2.1"),),
 )
 SPECS = (SPEC,)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import FamilySpec, model_index, read_config, read_json
+from ...spec import FamilySpec, Published, model_index, read_config, read_json
 
 FAMILY = "z_image"
 PIPELINE_CLASS = "ZImagePipeline"
@@ -55,5 +55,6 @@ SPEC = FamilySpec(
     shards=True,
     embedded="gmlx_server.engine.families.z_image.embedded",
     component_rule="gmlx_server.engine.families.z_image.components",
+    published=(Published("z-image-turbo", "Tongyi-MAI/Z-Image-Turbo"),),
 )
 SPECS = (SPEC,)
