@@ -103,19 +103,20 @@ def published() -> dict:
     }
 
 
-def resolve(name: str) -> tuple[str, tuple[str, ...]]:
-    """(repository, default patterns) of a published name or an `owner/name` repository."""
+def resolve(name: str) -> tuple[str, tuple[str, ...], str]:
+    """(repository, default patterns, folder name) of a published name (its folder is named
+    so) or an `owner/name` repository (its folder: the repository's name)."""
     known = published()
     if name in known:
         entry = known[name][1]
-        return entry.repo, entry.include
+        return entry.repo, entry.include, name
     if name.count("/") != 1 or not all(name.split("/")):
         names = ", ".join(sorted(known)) or "none"
         raise PullError(
             f"{name!r} is neither a repository (owner/name) nor a published model name"
             f" ({names}; `gmlx pull --list`)"
         )
-    return name, ()
+    return name, (), name.split("/")[1]
 
 
 def repo_files(repo: str, revision: str | None) -> tuple[str, list[RepoFile]]:
@@ -168,8 +169,9 @@ def select(files: list[RepoFile], include: tuple[str, ...], gguf: str | None) ->
     return chosen
 
 
-def target_folder(model_dirs: list[Path], to: Path | None, repo: str, quantization) -> Path:
-    """Where the files go: `to`, else the first model_dirs folder / the repository's name."""
+def target_folder(model_dirs: list[Path], to: Path | None, name: str, quantization) -> Path:
+    """Where the files go: `to`, else the first model_dirs folder / `name` (with the bits of a
+    quantized pull)."""
     if to is not None:
         return Path(to).expanduser()
     if not model_dirs:
@@ -177,7 +179,7 @@ def target_folder(model_dirs: list[Path], to: Path | None, repo: str, quantizati
             "no model_dirs folder to pull into: set [server] model_dirs in the config (or"
             " GMLX_MODEL_DIRS), or name a folder with --to"
         )
-    name = repo.split("/")[1] + (f"-{quantization.bits}bit" if quantization else "")
+    name += f"-{quantization.bits}bit" if quantization else ""
     return Path(model_dirs[0]).expanduser() / name
 
 
@@ -317,10 +319,10 @@ def pull_command(args: argparse.Namespace) -> int:
         elif args.group_size is not None:
             raise PullError("--group-size needs --quantize")
         config = load_config(args.config)
-        repo, include = resolve(args.repo)
+        repo, include, name = resolve(args.repo)
         commit, files = repo_files(repo, args.revision)
         chosen = select(files, tuple(args.include) or include, args.gguf)
-        target = target_folder(config.model_dirs, args.to, repo, quantization)
+        target = target_folder(config.model_dirs, args.to, name, quantization)
         plan = Plan(repo, commit, tuple(chosen), target, quantization)
         print(f"model {plan.model_id}: {len(chosen)} files of {repo} into {target}")
         print(

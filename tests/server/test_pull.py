@@ -209,7 +209,7 @@ def test_published_names_and_gguf_types(hub, tmp_path):
     assert "z-image-turbo: Tongyi-MAI/Z-Image-Turbo (Z-Image" in listed.stdout
     done = run_pull(hub, tmp_path, "z-image-turbo", "--include", "scheduler/*")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "models" / "Z-Image-Turbo" / "scheduler" / "scheduler_config.json").is_file()
+    assert (tmp_path / "models" / "z-image-turbo" / "scheduler" / "scheduler_config.json").is_file()
     done = run_pull(hub, tmp_path, "tiny-org/gguf", "--gguf", "Q8_0")
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "models" / "gguf").glob("*.gguf")) == [
