@@ -16,10 +16,13 @@ import pytest
 from gmlx_server.engine import components
 from gmlx_server.engine.components import ComponentError, ComponentFiles
 from gmlx_server.engine.families.z_image import family
+from gmlx_server.engine.families.z_image.dit import DiTConfig
 from gmlx_server.engine.spec import family_specs, read_config
 from safetensors.numpy import save_file
 
 from tests.engine.comfy_files import ldm_vae, write_gguf_text_encoder
+from tests.engine.gguf_files import write_dit
+from tests.families.z_image.test_gguf import comfy_layout
 from tests.families.z_image.test_quantized import rows_of
 from tests.families.z_image.tiny.comfy import DIT_FILE, arrays, write_comfy_models
 
@@ -89,6 +92,21 @@ def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path, tokenizer
         shutil.copytree(folder / "tokenizer", local / "tokenizer")
         files = component_files(models, dit=local / DIT_FILE)
     made = set_folder(files, tmp_path)
+    for got, want in zip(outputs(loaded(made)), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_gguf_dit_in_comfyuis_names_serves_what_the_folder_serves(tiny, expected, tmp_path):
+    """ComfyUI-GGUF's Z-Image file: NextDiT names, q/k/v fused, float32 here (the quantized
+    types are tests/families/z_image/test_gguf.py's)."""
+    folder, models = tiny
+    weights = arrays(folder / "transformer")
+    config = DiTConfig.from_dict(read_config(folder / "transformer"))
+    path = tmp_path / "z_image_turbo-tiny-F32.gguf"
+    write_dit(
+        path, weights, {}, np.random.default_rng(0), fused=comfy_layout(config), arch="lumina2"
+    )
+    made = set_folder(component_files(models, dit=path), tmp_path)
     for got, want in zip(outputs(loaded(made)), expected, strict=True):
         np.testing.assert_array_equal(got, want)
 
