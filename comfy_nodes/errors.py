@@ -10,6 +10,10 @@ class GmlxError(Exception):
     what was refused and, where it can, the node upstream that caused it.
     """
 
+    # ComfyUI names a failed node's exception type by its module and name; loaded from
+    # custom_nodes/ the module's name is its path, so the type says the pack's package instead.
+    __module__ = "gmlx_comfy.errors"
+
     def __init__(self, message: str) -> None:
         if not message.startswith("gmlx:"):
             message = "gmlx: " + message
