@@ -144,6 +144,7 @@ class GmlxCLIP:
 
     def _encode(self, item: GmlxTokens) -> tuple[dict, dict]:
         text = prompt_text(item.text, self.family, self.empty_prompt)
+        self.conn.ensure_reachable()
         with self.conn.lock:
             try:
                 # With images the reference latents come from the gmlx VAE node instead.

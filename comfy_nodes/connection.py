@@ -41,6 +41,12 @@ DISCOVERY_TTL_S = 30.0
 START_WAIT_S = 180.0
 # How often the wait for a freshly started server polls /health.
 START_POLL_S = 1.0
+# What a started server that lacks the server's packages is told to do.
+MISSING_SERVER_FIX = (
+    "; this `gmlx` lacks the server's packages: run `gmlx comfyui install` again from the"
+    " environment that has them (it records its own `gmlx` as the settings file's"
+    " gmlx_command), or set GMLX_COMMAND to that `gmlx`"
+)
 # How many of its log's last lines the error quotes when a started server exits.
 LOG_TAIL_LINES = 4
 # How long a started server gets to stop (SIGTERM) when ComfyUI exits, before it is killed.
@@ -60,10 +66,31 @@ class Connection:
     lock: threading.RLock = field(default_factory=threading.RLock)
     # Adapter hashes uploaded or found on the server through this connection.
     adapters_held: set[str] = field(default_factory=set)
+    # How to connect again when the server has gone (`connect` with the loaders' settings;
+    # None: the loaders said not to start one), and how often it has (what was put on the
+    # server before, patch tables, is gone with it).
+    revive: Any = None
+    generation: int = 0
 
     @property
     def features(self) -> set[str]:
         return set(self.capabilities.get("features") or [])
+
+    def ensure_reachable(self) -> None:
+        """Where the server no longer answers since the loaders connected (ComfyUI does not run
+        cached loaders again), connect again, starting it as the loaders' start_server says;
+        else say so, naming what to do."""
+        if self.client.health():
+            return
+        if self.revive is None:
+            raise GmlxError(
+                f"gmlx: the server at {self.url} no longer answers; start it again (`gmlx"
+                " serve`), or switch on the loader's start_server"
+            )
+        log.warning("gmlx: the server at %s no longer answers; connecting again", self.url)
+        self.revive()
+        self.adapters_held.clear()
+        self.generation += 1
 
     def control_client(self, timeout: float) -> StepClient:
         """A separate client (own session) for calls made while a step is in flight:
@@ -109,6 +136,12 @@ def connect(widget_url: str = "", start_server: bool = True, settings: Settings 
     (`StartedServer`) and waits for it.
     """
     settings = settings or load_settings()
+    conn = _connect(settings, widget_url, start_server)
+    conn.revive = (lambda: _connect(settings, widget_url, True)) if start_server else None
+    return conn
+
+
+def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connection:
     explicit = settings.explicit_url(widget_url)
     discovered = "" if explicit else _discovered_url(settings)
     urls = candidate_urls(explicit, discovered)
@@ -260,10 +293,11 @@ class StartedServer:
             while time.monotonic() < deadline:
                 code = self.process.poll()
                 if code is not None:
+                    tail = self.log_tail()
                     raise GmlxError(
                         f"gmlx: `{shlex.join(self.command)}` exited with status {code} before "
-                        f"answering at {self.url}; the end of its log {self.log_path}: "
-                        f"{self.log_tail()}"
+                        f"answering at {self.url}; the end of its log {self.log_path}: {tail}"
+                        + (MISSING_SERVER_FIX if "No module named" in tail else "")
                     )
                 if probe.health():
                     conn = handshake()
@@ -348,19 +382,23 @@ class ModelList:
 
     @staticmethod
     def _probe(settings: Settings) -> list[str]:
-        """The model list of the explicit or default URL (discovery would run a subprocess on
-        every refresh; the configured list covers the configured server)."""
-        url = settings.explicit_url() or DEFAULT_BASE_URL
-        with StepClient(url, settings.api_key, timeout=MODEL_PROBE_TIMEOUT_S) as client:
-            if not client.health():
-                return []
-            try:
-                names = model_names_from_answer(client.models())
-            except StepError:
-                return []
-        if names:
-            settings.remember_models(url, names)
-        return names
+        """The model list of the first server that answers where `connect` looks: the explicit
+        URL alone, else where the server's configuration puts it (`gmlx status --json`, reused
+        for DISCOVERY_TTL_S), then the default URL."""
+        explicit = settings.explicit_url()
+        discovered = "" if explicit else _discovered_url(settings)
+        for url in candidate_urls(explicit, discovered):
+            with StepClient(url, settings.api_key, timeout=MODEL_PROBE_TIMEOUT_S) as client:
+                if not client.health():
+                    continue
+                try:
+                    names = model_names_from_answer(client.models())
+                except StepError:
+                    continue
+            if names:
+                settings.remember_models(url, names)
+                return names
+        return []
 
 
 MODEL_LIST = ModelList()

@@ -24,6 +24,8 @@ from .settings import read_settings, replace_settings, settings_path
 LINK_NAME = "gmlx_steps"
 DISTRIBUTION = "gmlx-steps"
 PACK_DIR = Path(__file__).resolve().parent
+# The settings file's `gmlx` command (the pack starts the server with it).
+COMMAND_KEY = "gmlx_command"
 # The settings file's list of installs, and the single record older versions kept.
 INSTALLS_KEY = "installs"
 LEGACY_INSTALL_KEY = "installed"
@@ -126,6 +128,7 @@ def install(
     record = Install(comfy_dir=custom_nodes.parent, link=link, python=interpreter)
     others = [i for i in recorded_installs(environ) if i.comfy_dir != record.comfy_dir]
     _record_installs([*others, record], environ)
+    _record_server_command(environ)
     return InstallResult(link=link, python=interpreter, pip_command=command, replaced_link=replaced)
 
 
@@ -177,6 +180,27 @@ def _record_installs(installs: list[Install], environ: dict[str, str] | None) ->
     doc.pop(LEGACY_INSTALL_KEY, None)
     doc[INSTALLS_KEY] = [i.record() for i in installs]
     replace_settings(path, doc)
+
+
+def server_command() -> list[str] | None:
+    """The `gmlx` that serves: this Python's, when it has the server's packages (the project's
+    own environment, which runs `gmlx comfyui install`); None otherwise."""
+    from .settings import server_installed_here
+
+    if not server_installed_here():
+        return None
+    return [sys.executable, "-m", "gmlx_server"]
+
+
+def _record_server_command(environ: dict[str, str] | None) -> None:
+    """Record `server_command` as the settings file's `gmlx_command` (ComfyUI's own Python gets
+    the pack's needs alone, so its `gmlx` cannot serve), unless one is recorded already."""
+    command = server_command()
+    path = settings_path(environ)
+    doc = read_settings(path)
+    if command is not None and not doc.get(COMMAND_KEY):
+        doc[COMMAND_KEY] = command
+        replace_settings(path, doc)
 
 
 @dataclass(frozen=True)

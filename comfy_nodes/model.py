@@ -163,6 +163,7 @@ class RemoteDiT(torch.nn.Module):
         self.hashes = AdapterHashes()
         self.row_hashes = TensorHashes(as_f32)
         self.tables: dict[Any, str | None] = {}
+        self.tables_generation = conn.generation  # the server's, when these were defined
         self.timings: list[dict[str, Any]] = []
         self.warned: set[str] = set()
         self._owner: weakref.ref | None = None
@@ -184,6 +185,9 @@ class RemoteDiT(torch.nn.Module):
         """The patch table id of `patcher`'s live patches, defined on the server once per
         patch uuid (a strength change is one small PUT; matrices go up once)."""
         uuid = getattr(patcher, "patches_uuid", None)
+        if self.tables_generation != self.conn.generation:  # the server restarted
+            self.tables.clear()
+            self.tables_generation = self.conn.generation
         if uuid in self.tables:
             return self.tables[uuid]
         table = build_table(
@@ -493,6 +497,7 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
 
     def pre_run(self):
         super().pre_run()
+        self.remote.conn.ensure_reachable()
         self.remote.sync_table(self)
         with self.remote.conn.lock:
             try:

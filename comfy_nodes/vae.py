@@ -127,6 +127,7 @@ class GmlxVAE:
 
     def _each(self, what: str, batch: np.ndarray, call) -> torch.Tensor:
         """`call` on each image of the batch in turn, one request each, interruptible."""
+        self.conn.ensure_reachable()
         parts = []
         for i in range(batch.shape[0]):
             try:

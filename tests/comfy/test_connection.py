@@ -150,6 +150,31 @@ def test_start_server_serves_at_a_custom_url_logs_to_a_file_and_stops(
     assert server.process.poll() is not None and not StepClient(url).health()
 
 
+def test_a_server_gone_since_the_loaders_ran_is_started_again(isolated, monkeypatch):
+    """ComfyUI keeps the loaders' outputs, so the next prompt after the server stopped reaches
+    the pack's CLIP, VAE or model first: each makes sure the server answers, starting it again
+    as the loader's start_server says, or saying what to do."""
+    monkeypatch.setenv("GMLX_DEFAULT_MODEL", "none-configured")  # no embedded model to make
+    url = _free_url()
+    settings = _settings(isolated)
+    conn = connection.connect(url, start_server=True, settings=settings)
+    conn.adapters_held.add("a" * 64)
+    connection.stop_started_servers()
+    assert not StepClient(url).health()
+    conn.ensure_reachable()
+    assert StepClient(url).health() and conn.generation == 1 and not conn.adapters_held
+    conn.ensure_reachable()  # answering: nothing to do
+    assert conn.generation == 1
+    assert connection.connect(url, start_server=False, settings=settings) is conn
+    connection.stop_started_servers()
+    with pytest.raises(GmlxError) as caught:
+        conn.ensure_reachable()
+    assert str(caught.value) == (
+        f"gmlx: the server at {url} no longer answers; start it again (`gmlx serve`), or"
+        " switch on the loader's start_server"
+    )
+
+
 def test_a_started_server_that_exits_is_reported_at_once_with_its_log(isolated):
     script = isolated / "fails.py"
     script.write_text("import sys\nprint('listen failed: port taken')\nsys.exit(3)\n")
@@ -164,6 +189,19 @@ def test_a_started_server_that_exits_is_reported_at_once_with_its_log(isolated):
     assert f"exited with status 3 before answering at {url}" in text
     assert text.endswith(f"the end of its log {settings.server_log}: listen failed: port taken")
     assert text.count("gmlx:") == 1
+
+
+def test_a_started_gmlx_without_the_servers_packages_is_told_the_fix(isolated):
+    script = isolated / "no_falcon.py"
+    script.write_text(
+        "import sys\nprint(\"ModuleNotFoundError: No module named 'falcon'\")\nsys.exit(1)\n"
+    )
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    with pytest.raises(GmlxError) as caught:
+        connection.connect(_free_url(), start_server=True, settings=settings)
+    text = str(caught.value)
+    assert "No module named 'falcon'" in text
+    assert "run `gmlx comfyui install` again from the environment that has them" in text
 
 
 def test_a_started_server_that_never_answers_is_given_up_on_and_reused(isolated, monkeypatch):
@@ -242,6 +280,26 @@ def test_model_list_is_the_configuration_then_the_server_then_what_it_listed_las
         "url": server.url,
         "models": ["b", "a"],
     }
+
+
+def test_model_list_asks_the_server_where_its_configuration_puts_it(isolated, tmp_path):
+    """A server on a port of its config.toml, not the default one: the loaders' list is its
+    list, and follows it when it changes (after the list's time to live)."""
+    server = _serving(["a"], default="a")
+    try:
+        port = server.url.rsplit(":", 1)[1]
+        config = tmp_path / "home" / ".config" / "gmlx-steps" / "config.toml"
+        config.parent.mkdir(parents=True)
+        config.write_text(f"[server]\nport = {port}\n")
+        models = connection.ModelList()
+        assert models.names(_settings(isolated)) == ["a"]
+        server.overrides[("GET", "models")] = json_answer(
+            200, {"models": [{"model": "a"}, {"model": "new"}], "default_model": "a"}
+        )
+        models._at -= connection.MODEL_LIST_TTL_S
+        assert models.names(_settings(isolated)) == ["a", "new"]
+    finally:
+        server.stop()
 
 
 def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):

@@ -190,3 +190,21 @@ def test_the_gmlx_commands_uninstall_and_status(tmp_path, monkeypatch, capsys):
     assert f"gmlx-steps stays installed in {tmp_path / 'py'}" in out and "--pip" in out
     assert cli.main(["comfyui", "uninstall", "--comfy", str(root)]) == 2
     assert "no install into" in capsys.readouterr().err
+
+
+def test_install_records_the_gmlx_that_serves_unless_one_is_set(tmp_path):
+    """ComfyUI's Python gets the pack's needs alone, so its `gmlx` cannot serve: the install
+    records the serving `gmlx` of the Python it runs in (which has the server) for the pack to
+    start; a command the user set stays."""
+    root = _comfy(tmp_path)
+    env = {"GMLX_COMFY_SETTINGS": str(tmp_path / "s.json")}
+    install.install(root, python=Path(sys.executable), run=Recorder(), environ=env)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["gmlx_command"] == [sys.executable, "-m", "gmlx_server"]
+    from gmlx_comfy.settings import load_settings
+
+    assert load_settings(env).gmlx_command(serve=True) == [sys.executable, "-m", "gmlx_server"]
+    doc["gmlx_command"] = ["/opt/mine/gmlx"]
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    install.install(root, python=Path(sys.executable), run=Recorder(), environ=env)
+    assert json.loads((tmp_path / "s.json").read_text())["gmlx_command"] == ["/opt/mine/gmlx"]
