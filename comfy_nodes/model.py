@@ -39,6 +39,7 @@ from .request import (
     as_f32,
     build_rows,
     check_call,
+    check_latent_sides,
     prefix_cache_enabled,
     refusal_text,
     step_timestep,
@@ -220,6 +221,7 @@ class RemoteDiT(torch.nn.Module):
     ) -> torch.Tensor:
         options = transformer_options or {}
         check = self._check(kwargs, options, control)
+        check_latent_sides(tuple(x.shape), self.status, self.model_id)
         patcher = getattr(self.owner, "current_patcher", None)
         table_id = self.sync_table(patcher) if patcher is not None else None
         run = getattr(patcher, "gmlx_run", None)

@@ -172,6 +172,28 @@ def _row(
     return row
 
 
+# The node that makes a latent of the sides a model takes (comfy_nodes/nodes.py).
+EMPTY_LATENT_NODE = "gmlx Empty Latent"
+
+
+def check_latent_sides(shape: tuple[int, ...], status: Mapping[str, Any], model_id: str) -> None:
+    """Refuse, in pixels and naming the node to use, latents whose sides the model's DiT does
+    not take (its status `latent`: one cell per `stride` pixels, sides in whole `patch`es),
+    e.g. a stock 1000×600 empty latent for a model of 16-pixel sides."""
+    latent = status.get("latent") or {}
+    stride, patch = int(latent.get("stride") or 1), int(latent.get("patch") or 1)
+    height, width = int(shape[-2]), int(shape[-1])
+    if height % patch == 0 and width % patch == 0:
+        return
+    side = stride * patch
+    raise GmlxError(
+        f"gmlx: the latent is {width * stride}×{height * stride} pixels; {model_id!r} takes"
+        f" sides that are multiples of {side} pixels (such as"
+        f" {width * stride // side * side}×{height * stride // side * side}): make the latent with"
+        f" {EMPTY_LATENT_NODE}, which rounds a size down to them, or pick such a size"
+    )
+
+
 def step_timestep(timestep: np.ndarray, batch_size: int) -> np.ndarray:
     """ComfyUI's timesteps as F32 (B,): one per row, broadcast when ComfyUI gives one."""
     t = as_f32(np.asarray(timestep).reshape(-1))

@@ -30,10 +30,10 @@ from types import ModuleType
 from typing import Any
 
 from .errors import GmlxError
+from .request import EMPTY_LATENT_NODE
 
 log = logging.getLogger("gmlx_comfy")
 
-EMPTY_LATENT_NODE = "gmlx Empty Latent"
 # Pixels a side of one cell of ComfyUI's stock empty latents (EmptyLatentImage, EmptySD3...).
 STOCK_EMPTY_LATENT_STRIDE = 8
 

@@ -603,6 +603,22 @@ def test_stock_ksampler_on_z_image_equals_the_in_process_sampler(
     assert _rel(want, direct_sample(z_image_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
 
 
+def test_a_stock_latent_of_sides_z_image_does_not_take_is_refused_in_pixels(comfyui, gmlx_server):
+    """A stock EmptyLatentImage of 200×152 (multiples of 8, not of Z-Image's 16): the pack
+    refuses it before the step, in pixels, naming the node to use."""
+    wf = _workflow("gmlx_lora")
+    for loader in ("1", "2", "3"):
+        wf[loader]["inputs"]["model_name"] = Z_IMAGE_MODEL
+    assert wf["6"]["class_type"] == "GmlxEmptyLatent"
+    wf["6"] = {
+        "class_type": "EmptyLatentImage",
+        "inputs": {"width": 200, "height": 152, "batch_size": 1},
+    }
+    message = _failure(comfyui, wf)
+    assert "the latent is 200×152 pixels" in message and "multiples of 16 pixels" in message
+    assert "gmlx Empty Latent" in message
+
+
 def flux2_sample(
     model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False, table=None
 ) -> np.ndarray:

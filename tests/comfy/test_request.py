@@ -165,3 +165,20 @@ def test_comfy_flux_kv_cache_becomes_ref_cache_where_the_server_has_it():
     other = {"patches": {"attn1_patch": [print], "post_input": [model_input_patch]}}
     assert check_call({}, other, ref_cache=True).refusals  # another attention patch
     assert check_call({}, {}, ref_cache=True).ref_cache is False
+
+
+def test_latent_sides_the_dit_does_not_take_are_refused_in_pixels():
+    """A stock empty latent of 1000×600 (multiples of 8) for Z-Image (8-pixel cells in 2×2
+    patches): refused before the step, in pixels, naming the node that makes such latents."""
+    from gmlx_comfy.request import check_latent_sides
+
+    status = {"latent": {"stride": 8, "patch": 2}}
+    check_latent_sides((1, 16, 74, 124), status, "z")  # 992×592
+    with pytest.raises(GmlxError) as caught:
+        check_latent_sides((1, 16, 75, 125), status, "z")
+    assert str(caught.value) == (
+        "gmlx: the latent is 1000×600 pixels; 'z' takes sides that are multiples of 16 pixels"
+        " (such as 992×592): make the latent with gmlx Empty Latent, which rounds a size down to"
+        " them, or pick such a size"
+    )
+    check_latent_sides((1, 128, 3, 5), {"latent": {"stride": 16, "patch": 1}}, "klein")
