@@ -60,7 +60,7 @@ class Client:
 
 
 def _vae(client, status=STATUS, flag=None):
-    conn = SimpleNamespace(client=client, lock=threading.RLock())
+    conn = SimpleNamespace(client=client, lock=threading.RLock(), ensure_reachable=lambda: None)
     return GmlxVAE(conn, "tiny", status, interrupt=flag or Flag())
 
 

@@ -37,7 +37,18 @@ def references() -> list[np.ndarray]:
     return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in REFERENCE_SIZES]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# The distilled 4B runs the same pipeline class as the base 4B, unguided: the base case (cfg
+# 4) and the KV case (cfg 1) cover its arithmetic; it runs with -m heavy.
+HEAVY_CASES = ("4b-distilled",)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(name, marks=pytest.mark.heavy) if name in HEAVY_CASES else name
+        for name in sorted(CASES)
+    ],
+)
 def case(request, tmp_path_factory):
     family, distilled, steps, cfg = CASES[request.param]
     folder = tmp_path_factory.mktemp("flux2_pipeline") / f"klein-{request.param}"
