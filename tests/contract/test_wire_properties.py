@@ -22,6 +22,10 @@ json_values = st.recursive(
 )
 fields_strategy = st.none() | st.dictionaries(st.text(max_size=6), json_values, max_size=4)
 
+# Examples per structured property: the deep search of the same reader is the fuzz corpus's
+# (fuzz/fuzz_container.py, the heavy tier); raw bytes get more below.
+EXAMPLES = 400
+
 
 @st.composite
 def tensor_sets(draw):
@@ -36,7 +40,7 @@ def tensor_sets(draw):
     return tensors, dtypes
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tensor_sets(), fields_strategy)
 def test_writer_then_reader_is_identity(tensor_set, fields):
     tensors, dtypes = tensor_set
@@ -68,7 +72,7 @@ def test_arbitrary_bytes_only_raise_wire_error(body):
     read_or_refuse(body)
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tensor_sets(), fields_strategy, st.data())
 def test_mutated_containers_only_raise_wire_error(tensor_set, fields, data):
     tensors, dtypes = tensor_set
@@ -108,7 +112,7 @@ metadata_like = st.dictionaries(
 )
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None)
 @given(
     st.dictionaries(
         st.sampled_from(["a", "b", "c", "__metadata__"]), entry_like | metadata_like, max_size=4
