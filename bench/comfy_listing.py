@@ -30,27 +30,20 @@ MERGES = 151387
 def write_folder(root: Path, dits: int) -> Path:
     import gguf
     import numpy as np
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
-    from gmlx_server.engine.families.z_image.dit import DiTConfig
 
-    from tests.engine.test_components_full_size import meta_model, qwen3, vae_file, write_sparse
-    from tests.families.z_image.test_gguf import comfy_layout
+    from tests.engine.test_components_full_size import (
+        flux1_vae_file,
+        qwen3,
+        write_sparse,
+        z_image_dit_files,
+    )
 
     models = root / "models"
     for kind in ("diffusion_models", "text_encoders", "vae"):
         (models / kind).mkdir(parents=True, exist_ok=True)
-    model = meta_model(ZImageTransformer2DModel)
-    shapes = {name: tuple(value.shape) for name, value in model.state_dict().items()}
-    layout = comfy_layout(DiTConfig.from_dict(dict(model.config)))
-    comfy = {
-        n: (sum(shapes[p][0] for p in parts), *shapes[parts[0]][1:]) for n, parts in layout.items()
-    }
-    for i in range(dits):
-        write_sparse(
-            models / "diffusion_models" / f"z_image_turbo_{i:03d}.safetensors",
-            comfy,
-            "model.diffusion_model.",
-        )
+    z_image_dit_files(
+        models / "diffusion_models" / f"z_image_turbo_{i:03d}.safetensors" for i in range(dits)
+    )
     write_sparse(
         models / "text_encoders" / "qwen_3_4b.safetensors", qwen3(2560, 36, 32, 8, 9728)[1]
     )
@@ -66,16 +59,7 @@ def write_folder(root: Path, dits: int) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    vae_file(
-        models / "vae" / "ae.safetensors",
-        lambda: AutoencoderKL(
-            latent_channels=16,
-            block_out_channels=(128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=2,
-        ),
-    )
+    flux1_vae_file(models / "vae" / "ae.safetensors")
     return models
 
 

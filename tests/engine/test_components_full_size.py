@@ -91,14 +91,28 @@ def vae_file(path, build):
     return write_sparse(path, ldm)
 
 
-@pytest.fixture(scope="module")
-def qwen3_4b(tmp_path_factory):
-    config, shapes = qwen3(2560, 36, 32, 8, 9728)
-    return config, write_sparse(tmp_path_factory.mktemp("te") / "qwen_3_4b.safetensors", shapes)
+# FLUX.1's autoencoder (ae.safetensors), the VAE Z-Image decodes with.
+FLUX1_VAE = dict(
+    block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    latent_channels=16,
+    layers_per_block=2,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
 
 
-def test_z_image_turbos_files_give_its_configs(tmp_path, qwen3_4b):
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
+def flux1_vae_file(path):
+    from diffusers import AutoencoderKL
+
+    return vae_file(path, lambda: AutoencoderKL(**FLUX1_VAE))
+
+
+def z_image_comfy_shapes():
+    """Z-Image Turbo's DiT (diffusers' defaults, on the meta device) and its tensors' shapes in
+    ComfyUI's names."""
+    from diffusers import ZImageTransformer2DModel
 
     reference = meta_model(ZImageTransformer2DModel)
     shapes = {name: tuple(value.shape) for name, value in reference.state_dict().items()}
@@ -107,17 +121,27 @@ def test_z_image_turbos_files_give_its_configs(tmp_path, qwen3_4b):
         name: (sum(shapes[p][0] for p in parts), *shapes[parts[0]][1:])
         for name, parts in layout.items()
     }
+    return comfy, reference
+
+
+def z_image_dit_files(paths) -> None:
+    """Z-Image Turbo's DiT in ComfyUI's names as sparse files (copying one would write its
+    holes out)."""
+    comfy, _ = z_image_comfy_shapes()
+    for path in paths:
+        write_sparse(path, comfy, "model.diffusion_model.")
+
+
+@pytest.fixture(scope="module")
+def qwen3_4b(tmp_path_factory):
+    config, shapes = qwen3(2560, 36, 32, 8, 9728)
+    return config, write_sparse(tmp_path_factory.mktemp("te") / "qwen_3_4b.safetensors", shapes)
+
+
+def test_z_image_turbos_files_give_its_configs(tmp_path, qwen3_4b):
+    comfy, reference = z_image_comfy_shapes()
     dit = write_sparse(tmp_path / "z_image_turbo_bf16.safetensors", comfy, "model.diffusion_model.")
-    flux1 = dict(
-        block_out_channels=(128, 256, 512, 512),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=16,
-        layers_per_block=2,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    vae = vae_file(tmp_path / "ae.safetensors", lambda: AutoencoderKL(**flux1))
+    vae = flux1_vae_file(tmp_path / "ae.safetensors")
     text_config, encoder = qwen3_4b
     found = identify(ComponentFiles(dit, encoder, vae), family_specs())
     assert (found.family, found.variant) == ("z_image", "turbo")
@@ -147,7 +171,7 @@ def test_z_image_turbos_files_give_its_configs(tmp_path, qwen3_4b):
     ):
         assert te[key] == getattr(text_config, key), key
     vae_config = told["vae/config.json"]
-    for key, value in flux1.items():
+    for key, value in FLUX1_VAE.items():
         assert list(np.atleast_1d(vae_config[key])) == list(np.atleast_1d(value)), key
 
 
@@ -204,39 +228,18 @@ def test_flux2_kleins_files_give_its_configs(tmp_path, size, dit, encoder):
     )
 
 
-def test_a_comfyui_folder_lists_its_sets_from_headers(tmp_path, qwen3_4b):
-    """200 full-size files (sparse: 13 TB of nominal data) list as the sets they make."""
-    from diffusers import AutoencoderKL, ZImageTransformer2DModel
-
+def test_a_comfyui_folder_lists_its_sets_from_headers(tmp_path):
+    """200 full-size files (sparse: 2.2 TB of nominal data) list as the sets they make."""
     models = tmp_path / "models"
     for kind in ("diffusion_models", "text_encoders", "vae"):
         (models / kind).mkdir(parents=True)
-    shapes = meta_shapes(ZImageTransformer2DModel)
-    layout = comfy_layout(ZConfig.from_dict(dict(meta_model(ZImageTransformer2DModel).config)))
-    comfy = {
-        name: (sum(shapes[p][0] for p in parts), *shapes[parts[0]][1:])
-        for name, parts in layout.items()
-    }
-    for i in range(180):
-        write_sparse(
-            models / "diffusion_models" / f"z_image_turbo_{i:03d}.safetensors",
-            comfy,
-            "model.diffusion_model.",
-        )
-    _, encoder = qwen3_4b
+    z_image_dit_files(
+        models / "diffusion_models" / f"z_image_turbo_{i:03d}.safetensors" for i in range(180)
+    )
     write_sparse(
-        models / "text_encoders" / "qwen_3_4b.safetensors", dict(qwen3(2560, 36, 32, 8, 9728)[1])
+        models / "text_encoders" / "qwen_3_4b.safetensors", qwen3(2560, 36, 32, 8, 9728)[1]
     )
-    vae_file(
-        models / "vae" / "ae.safetensors",
-        lambda: AutoencoderKL(
-            latent_channels=16,
-            block_out_channels=(128, 256, 512, 512),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=2,
-        ),
-    )
+    flux1_vae_file(models / "vae" / "ae.safetensors")
     for i in range(18):  # files of no family: another VAE, a broken file
         (models / "vae" / f"broken_{i}.safetensors").write_bytes(
             b"\x10\x00\x00\x00\x00\x00\x00\x00{}"

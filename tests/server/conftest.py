@@ -125,3 +125,18 @@ def server_factory(tmp_path):
     yield factory
     for server in started:
         server.close()
+
+
+def listed_models(config: Path) -> list[str]:
+    """The model ids `gmlx list --json --config CONFIG` names."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "gmlx_server", "list", "--json", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [m["model"] for m in json.loads(done.stdout)["models"]]

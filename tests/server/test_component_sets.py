@@ -18,7 +18,7 @@ from gmlx_server.config import ServerConfig, load_config
 from gmlx_server.process import config_registry
 
 from tests.families.z_image.tiny.comfy import DIT_FILE, ENCODER_FILE, VAE_FILE, write_comfy_models
-from tests.server.conftest import serve
+from tests.server.conftest import listed_models, serve
 
 SET_ID = "z_image_turbo_tiny + qwen_3_tiny + ae_tiny"
 
@@ -85,21 +85,7 @@ def test_comfyuis_folder_is_listed_as_its_sets_and_serves_them(comfy, cache, tmp
 def test_gmlx_list_names_the_sets(comfy, cache, tmp_path):
     _, models = comfy
     write_config(tmp_path, models)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gmlx_server",
-            "list",
-            "--json",
-            "--config",
-            str(tmp_path / "config.toml"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert SET_ID in [m["model"] for m in json.loads(done.stdout)["models"]]
+    assert SET_ID in listed_models(tmp_path / "config.toml")
 
 
 def test_a_recorded_comfyui_install_and_its_extra_model_paths_are_read(comfy, cache, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 from gmlx_server.engine.families.z_image import embedded
 from safetensors.numpy import save_file
 
+from tests.server.conftest import listed_models
 from tests.server.loopback_hub import LoopbackHub
 
 SHARDS = 16
@@ -102,21 +103,7 @@ def test_a_pull_lands_the_repository_in_the_model_dirs_and_serves(hub, repo, tmp
     target = tmp_path / "models" / "Z-Image-Tiny"
     assert tree(target) == tree(repo)
     assert "model Z-Image-Tiny:" in done.stdout and "disk: about" in done.stdout
-    listed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gmlx_server",
-            "list",
-            "--json",
-            "--config",
-            str(tmp_path / "config.toml"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "Z-Image-Tiny" in [m["model"] for m in json.loads(listed.stdout)["models"]]
+    assert "Z-Image-Tiny" in listed_models(tmp_path / "config.toml")
 
 
 def test_a_cut_download_resumes_where_it_stopped(hub, tmp_path):

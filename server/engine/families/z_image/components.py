@@ -14,7 +14,7 @@ from __future__ import annotations
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
-from .spec import FAMILY, PIPELINE_CLASS, SAMPLING
+from .spec import FAMILY, MODEL_INDEX, SAMPLING, scheduler_config
 
 TOKENIZER_REPO = "Tongyi-MAI/Z-Image-Turbo"
 # The same tensors in ComfyUI's names and diffusers'.
@@ -107,21 +107,9 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
             + (", and it has FLUX.2's batch norm)" if vae_files.has_batch_norm(vae) else ")")
         )
     return {
-        "model_index.json": {
-            "_class_name": PIPELINE_CLASS,
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-            "tokenizer": ["transformers", "Qwen2Tokenizer"],
-            "transformer": ["diffusers", "ZImageTransformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKL"],
-        },
+        "model_index.json": MODEL_INDEX,
         "transformer/config.json": transformer,
         "text_encoder/config.json": qwen3_files.config(encoder),
         "vae/config.json": vae_files.config(vae, VAE_FACTS),
-        "scheduler/scheduler_config.json": {
-            "_class_name": "FlowMatchEulerDiscreteScheduler",
-            "num_train_timesteps": 1000,
-            "shift": SAMPLING[variant]["shift"],
-            "use_dynamic_shifting": False,
-        },
+        "scheduler/scheduler_config.json": scheduler_config(variant),
     }

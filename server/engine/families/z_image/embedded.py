@@ -37,7 +37,7 @@ from ...embedded import (
     write_component,
 )
 from ...encoders.qwen3.tiny_tokenizer import PLAIN_ADDED_TOKENS, SPECIAL_TOKENS, train_tokenizer
-from .spec import PIPELINE_CLASS, SAMPLING
+from . import spec
 
 MODEL_NAME = "z-image-random-tiny"
 # Bump when the code below writes something different for the same configs.
@@ -141,26 +141,12 @@ CHAT_TEMPLATE = (
     "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}\n"
 )
 
-MODEL_INDEX = {
-    "_class_name": PIPELINE_CLASS,
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-    "tokenizer": ["transformers", "Qwen2Tokenizer"],
-    "transformer": ["diffusers", "ZImageTransformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
-}
+MODEL_INDEX = {**spec.MODEL_INDEX, "_diffusers_version": DIFFUSERS_FORMAT}
 
 
 def scheduler_config(variant: str) -> dict:
     """scheduler_config.json: the pipeline's flow-matching Euler at the variant's static shift."""
-    return {
-        "_class_name": "FlowMatchEulerDiscreteScheduler",
-        "_diffusers_version": DIFFUSERS_FORMAT,
-        "num_train_timesteps": 1000,
-        "shift": SAMPLING[variant]["shift"],
-        "use_dynamic_shifting": False,
-    }
+    return {**spec.scheduler_config(variant), "_diffusers_version": DIFFUSERS_FORMAT}
 
 
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:

@@ -20,6 +20,27 @@ SAMPLING = {
     "base": {"steps": 50, "cfg": 5.0, "shift": 6.0},
 }
 
+# The pipeline folder's model_index.json (its components' classes) and a variant's scheduler
+# config, as diffusers writes them for Z-Image.
+MODEL_INDEX = {
+    "_class_name": PIPELINE_CLASS,
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+    "tokenizer": ["transformers", "Qwen2Tokenizer"],
+    "transformer": ["diffusers", "ZImageTransformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+}
+
+
+def scheduler_config(variant: str) -> dict:
+    """scheduler_config.json: the pipeline's flow-matching Euler at the variant's static shift."""
+    return {
+        "_class_name": "FlowMatchEulerDiscreteScheduler",
+        "num_train_timesteps": 1000,
+        "shift": SAMPLING[variant]["shift"],
+        "use_dynamic_shifting": False,
+    }
+
 
 def identify(model_dir: Path) -> tuple[str, str] | None:
     """(family, variant) of a ZImagePipeline folder whose text encoder is Qwen3, else None.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gmlx_server.engine.families.flux2_klein.components import SCHEDULER
 from gmlx_server.engine.families.flux2_klein.spec import (
     KV_PIPELINE_CLASS,
     NINE_B_DOUBLE_BLOCKS,
@@ -23,18 +24,8 @@ from tests.families.flux2_klein.tiny.text_encoder import build_text_encoder
 from tests.families.flux2_klein.tiny.transformer import build_transformer
 from tests.families.flux2_klein.tiny.vae import build_vae
 
-SCHEDULER_CONFIG = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "_diffusers_version": "0.42.1",
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 4096,
-    "max_shift": 1.15,
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "time_shift_type": "exponential",
-    "use_dynamic_shifting": True,
-}
+# The klein checkpoints' scheduler, as the server writes it for a model from component files.
+SCHEDULER_CONFIG = {**SCHEDULER, "_diffusers_version": "0.42.1"}
 # family -> (pipeline class, the DiT's double-stream blocks)
 LAYOUTS = {
     "flux2_klein": (PIPELINE_CLASS, 2),
