@@ -187,6 +187,10 @@ def test_a_quantized_pull_writes_what_model_quantize_writes_shard_by_shard(hub, 
     assert not (target / ".pull-float").exists()
     peaks = json.loads(done.stdout.split("PEAKS ", 1)[1])
     size = sum(len(v) for v in got.values())
+    print(
+        f"quantized pull: disk peak {peaks['disk'] / size:.3f}x, MLX memory peak"
+        f" {peaks['memory'] / size:.3f}x of the {size} B quantized folder"
+    )
     assert peaks["disk"] <= 1.15 * size, (peaks, size)
     assert peaks["memory"] <= 1.15 * size, (peaks, size)
 
