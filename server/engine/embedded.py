@@ -135,3 +135,117 @@ def write_component(folder: Path, config: dict, weights: dict, file_name: str) -
 
 def dumps(document: dict) -> str:
     return json.dumps(document, indent=2, sort_keys=True) + "\n"
+
+
+# ---- the inventories of the parts several families' embedded models share ----------------
+# (diffusers' AutoencoderKL, the FLUX.1 and FLUX.2 body; transformers' Qwen3ForCausalLM)
+
+
+def autoencoder_kl_tensors(config: dict) -> Inventory:
+    """Names, shapes and kinds of AutoencoderKL's parameters (its down and up encoder blocks,
+    one attention in each mid block) for `config`."""
+    tensors: Inventory = {}
+    dims, blocks = list(config["block_out_channels"]), config["layers_per_block"]
+    latent = config["latent_channels"]
+    last = len(dims) - 1
+    conv_tensors(tensors, "encoder.conv_in", config["in_channels"], dims[0], 3)
+    for i, out_dim in enumerate(dims):
+        prefix = f"encoder.down_blocks.{i}"
+        for r in range(blocks):
+            resnet_tensors(
+                tensors,
+                f"{prefix}.resnets.{r}",
+                dims[max(i - 1, 0)] if r == 0 else out_dim,
+                out_dim,
+            )
+        if i != last:
+            conv_tensors(tensors, f"{prefix}.downsamplers.0.conv", out_dim, out_dim, 3)
+    mid_block_tensors(tensors, "encoder.mid_block", dims[-1])
+    norm_tensors(tensors, "encoder.conv_norm_out", dims[-1])
+    conv_tensors(tensors, "encoder.conv_out", dims[-1], 2 * latent, 3)
+    if config.get("use_quant_conv", True):
+        conv_tensors(tensors, "quant_conv", 2 * latent, 2 * latent, 1)
+    if config.get("use_post_quant_conv", True):
+        conv_tensors(tensors, "post_quant_conv", latent, latent, 1)
+    dims = dims[::-1]
+    conv_tensors(tensors, "decoder.conv_in", latent, dims[0], 3)
+    mid_block_tensors(tensors, "decoder.mid_block", dims[0])
+    for i, out_dim in enumerate(dims):
+        prefix = f"decoder.up_blocks.{i}"
+        for r in range(blocks + 1):
+            resnet_tensors(
+                tensors,
+                f"{prefix}.resnets.{r}",
+                dims[max(i - 1, 0)] if r == 0 else out_dim,
+                out_dim,
+            )
+        if i != last:
+            conv_tensors(tensors, f"{prefix}.upsamplers.0.conv", out_dim, out_dim, 3)
+    norm_tensors(tensors, "decoder.conv_norm_out", dims[-1])
+    conv_tensors(tensors, "decoder.conv_out", dims[-1], config["out_channels"], 3)
+    return tensors
+
+
+def qwen3_tensors(config: dict) -> Inventory:
+    """Names, shapes and kinds of Qwen3ForCausalLM's parameters for `config`."""
+    hidden, head, inner = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    q_width = config["num_attention_heads"] * head
+    kv_width = config["num_key_value_heads"] * head
+    vocab = config["vocab_size"]
+    tensors: Inventory = {
+        "model.embed_tokens.weight": ((vocab, hidden), MATRIX),
+        "model.norm.weight": ((hidden,), GAIN),
+        "lm_head.weight": ((vocab, hidden), MATRIX),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        for name, shape in {
+            "self_attn.q_proj": (q_width, hidden),
+            "self_attn.k_proj": (kv_width, hidden),
+            "self_attn.v_proj": (kv_width, hidden),
+            "self_attn.o_proj": (hidden, q_width),
+            "mlp.gate_proj": (inner, hidden),
+            "mlp.up_proj": (inner, hidden),
+            "mlp.down_proj": (hidden, inner),
+        }.items():
+            tensors[prefix + name + ".weight"] = (shape, MATRIX)
+        for name, width in {
+            "self_attn.q_norm": head,
+            "self_attn.k_norm": head,
+            "input_layernorm": hidden,
+            "post_attention_layernorm": hidden,
+        }.items():
+            tensors[prefix + name + ".weight"] = ((width,), GAIN)
+    return tensors
+
+
+def linear_tensors(tensors: Inventory, prefix: str, in_dim: int, out_dim: int) -> None:
+    tensors[f"{prefix}.weight"] = ((out_dim, in_dim), MATRIX)
+    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
+
+
+def conv_tensors(tensors: Inventory, prefix: str, in_dim: int, out_dim: int, kernel: int) -> None:
+    tensors[f"{prefix}.weight"] = ((out_dim, in_dim, kernel, kernel), MATRIX)
+    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
+
+
+def norm_tensors(tensors: Inventory, prefix: str, dim: int) -> None:
+    tensors[f"{prefix}.weight"] = ((dim,), GAIN)
+    tensors[f"{prefix}.bias"] = ((dim,), SHIFT)
+
+
+def resnet_tensors(tensors: Inventory, prefix: str, in_dim: int, out_dim: int) -> None:
+    norm_tensors(tensors, f"{prefix}.norm1", in_dim)
+    conv_tensors(tensors, f"{prefix}.conv1", in_dim, out_dim, 3)
+    norm_tensors(tensors, f"{prefix}.norm2", out_dim)
+    conv_tensors(tensors, f"{prefix}.conv2", out_dim, out_dim, 3)
+    if in_dim != out_dim:
+        conv_tensors(tensors, f"{prefix}.conv_shortcut", in_dim, out_dim, 1)
+
+
+def mid_block_tensors(tensors: Inventory, prefix: str, dim: int) -> None:
+    resnet_tensors(tensors, f"{prefix}.resnets.0", dim, dim)
+    norm_tensors(tensors, f"{prefix}.attentions.0.group_norm", dim)
+    for name in ("to_q", "to_k", "to_v", "to_out.0"):
+        linear_tensors(tensors, f"{prefix}.attentions.0.{name}", dim, dim)
+    resnet_tensors(tensors, f"{prefix}.resnets.1", dim, dim)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gmlx_server.engine import embedded as shared
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.embedded import STAMP_FILE
 from gmlx_server.engine.families.z_image import embedded, family
@@ -65,8 +66,8 @@ def test_the_pipeline_loads_it_with_every_parameter(model_dir):
     pipe = ZImagePipeline.from_pretrained(str(model_dir))
     inventories = {
         "transformer": embedded.transformer_tensors(dict(pipe.transformer.config)),
-        "vae": embedded.vae_tensors(dict(pipe.vae.config)),
-        "text_encoder": embedded.text_encoder_tensors(pipe.text_encoder.config.to_dict()),
+        "vae": shared.autoencoder_kl_tensors(dict(pipe.vae.config)),
+        "text_encoder": shared.qwen3_tensors(pipe.text_encoder.config.to_dict()),
     }
     for name, inventory in inventories.items():
         state = getattr(pipe, name).state_dict()

@@ -5,6 +5,9 @@ loads wherever Qwen's does (the server's `QwenTokenizer`, transformers' `AutoTok
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from tokenizers.trainers import BpeTrainer
 
@@ -38,6 +41,26 @@ SPECIAL_TOKENS = [
 ]
 PLAIN_ADDED_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>"]
 
+# What the BPE learns its merges from, and its vocabulary bound.
+TOKENIZER_CORPUS = [
+    "A capybara wearing a wizard hat, reading a book by candlelight, oil painting",
+    "a red fox in the snow, photograph, 35mm, golden hour light",
+    "user assistant system the of and with in on a an",
+    "0123456789 The quick brown fox jumps over the lazy dog.",
+    "Ein Fuchs im Schnee. Un renard dans la neige. 雪の中のキツネ。",
+] * 4
+BPE_VOCAB_SIZE = 320
+# Qwen3's chat template as far as a prompt encoder uses it: turns of string content, the
+# generation prompt, and the empty thinking block written when thinking is switched off.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}\n"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}\n"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}\n"
+)
+
 
 def train_tokenizer(corpus: list[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE with Qwen's normalizer, split and decoder, trained on `corpus`, then
@@ -61,3 +84,19 @@ def train_tokenizer(corpus: list[str], vocab_size: int) -> Tokenizer:
 def token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """The id of each of Qwen's added tokens in `tokenizer`."""
     return {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS + PLAIN_ADDED_TOKENS}
+
+
+def write_tokenizer(folder: Path, tokenizer) -> None:
+    """folder/tokenizer.json and tokenizer_config.json (with Qwen3's chat template)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 131072,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

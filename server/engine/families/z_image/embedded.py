@@ -16,7 +16,6 @@ tiny Z-Image folders are this recipe too (tests/families/z_image/tiny), at their
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -29,14 +28,25 @@ from ...embedded import (
     SHIFT,
     TRANSFORMERS_WEIGHTS,
     Inventory,
+    autoencoder_kl_tensors,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     draw,
     dumps,
     ensure,
+    linear_tensors,
+    qwen3_tensors,
     stamp,
     write_component,
 )
-from ...encoders.qwen3.tiny_tokenizer import PLAIN_ADDED_TOKENS, SPECIAL_TOKENS, train_tokenizer
+from ...encoders.qwen3.tiny_tokenizer import (
+    BPE_VOCAB_SIZE,
+    CHAT_TEMPLATE,
+    PLAIN_ADDED_TOKENS,
+    SPECIAL_TOKENS,
+    TOKENIZER_CORPUS,
+    train_tokenizer,
+    write_tokenizer,
+)
 from . import spec
 
 MODEL_NAME = "z-image-random-tiny"
@@ -121,26 +131,6 @@ TEXT_CONFIG = {
 # norms need more to matter).
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
-# What the BPE learns its merges from, and its vocabulary bound.
-TOKENIZER_CORPUS = [
-    "A capybara wearing a wizard hat, reading a book by candlelight, oil painting",
-    "a red fox in the snow, photograph, 35mm, golden hour light",
-    "user assistant system the of and with in on a an",
-    "0123456789 The quick brown fox jumps over the lazy dog.",
-    "Ein Fuchs im Schnee. Un renard dans la neige. 雪の中のキツネ。",
-] * 4
-BPE_VOCAB_SIZE = 320
-# Qwen3's chat template as far as a prompt encoder uses it: turns of string content, the
-# generation prompt, and the empty thinking block written when thinking is switched off.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}\n"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}\n"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}\n"
-)
-
 MODEL_INDEX = {**spec.MODEL_INDEX, "_diffusers_version": DIFFUSERS_FORMAT}
 
 
@@ -177,7 +167,7 @@ def write_transformer(folder: Path, seed: int = SEED, **overrides) -> None:
 
 def write_vae(folder: Path, seed: int = SEED, **overrides) -> None:
     config = {**VAE_CONFIG, **overrides}
-    _write(Path(folder), "vae", config, vae_tensors(config), seed)
+    _write(Path(folder), "vae", config, autoencoder_kl_tensors(config), seed)
 
 
 def write_text_encoder(root: Path, seed: int = SEED) -> None:
@@ -186,7 +176,7 @@ def write_text_encoder(root: Path, seed: int = SEED) -> None:
     tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
     write_tokenizer(root / "tokenizer", tokenizer)
     config = _text_config(tokenizer.get_vocab_size())
-    _write(root / "text_encoder", "text_encoder", config, text_encoder_tensors(config), seed)
+    _write(root / "text_encoder", "text_encoder", config, qwen3_tensors(config), seed)
 
 
 def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
@@ -231,12 +221,12 @@ def transformer_tensors(config: dict) -> Inventory:
         "cap_pad_token": ((1, dim), SHIFT),
         "cap_embedder.0.weight": ((config["cap_feat_dim"],), GAIN),
     }
-    _linear(tensors, f"all_x_embedder.{key}", patch_values, dim)
-    _linear(tensors, f"all_final_layer.{key}.linear", dim, patch_values)
-    _linear(tensors, f"all_final_layer.{key}.adaLN_modulation.1", adaln, dim)
-    _linear(tensors, "t_embedder.mlp.0", TIME_FREQUENCIES, TIME_MID_SIZE)
-    _linear(tensors, "t_embedder.mlp.2", TIME_MID_SIZE, adaln)
-    _linear(tensors, "cap_embedder.1", config["cap_feat_dim"], dim)
+    linear_tensors(tensors, f"all_x_embedder.{key}", patch_values, dim)
+    linear_tensors(tensors, f"all_final_layer.{key}.linear", dim, patch_values)
+    linear_tensors(tensors, f"all_final_layer.{key}.adaLN_modulation.1", adaln, dim)
+    linear_tensors(tensors, "t_embedder.mlp.0", TIME_FREQUENCIES, TIME_MID_SIZE)
+    linear_tensors(tensors, "t_embedder.mlp.2", TIME_MID_SIZE, adaln)
+    linear_tensors(tensors, "cap_embedder.1", config["cap_feat_dim"], dim)
     stacks = {
         "noise_refiner": (config["n_refiner_layers"], True),
         "context_refiner": (config["n_refiner_layers"], False),
@@ -260,118 +250,8 @@ def transformer_tensors(config: dict) -> Inventory:
             for name in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
                 tensors[prefix + name + ".weight"] = ((dim,), GAIN)
             if modulated:
-                _linear(tensors, prefix + "adaLN_modulation.0", adaln, 4 * dim)
+                linear_tensors(tensors, prefix + "adaLN_modulation.0", adaln, 4 * dim)
     return tensors
-
-
-def vae_tensors(config: dict) -> Inventory:
-    """Names, shapes and kinds of AutoencoderKL's parameters (its down and up encoder blocks,
-    one attention in each mid block) for `config`."""
-    tensors: Inventory = {}
-    dims, blocks = list(config["block_out_channels"]), config["layers_per_block"]
-    latent = config["latent_channels"]
-    last = len(dims) - 1
-    _conv(tensors, "encoder.conv_in", config["in_channels"], dims[0], 3)
-    for i, out_dim in enumerate(dims):
-        prefix = f"encoder.down_blocks.{i}"
-        for r in range(blocks):
-            _resnet(
-                tensors,
-                f"{prefix}.resnets.{r}",
-                dims[max(i - 1, 0)] if r == 0 else out_dim,
-                out_dim,
-            )
-        if i != last:
-            _conv(tensors, f"{prefix}.downsamplers.0.conv", out_dim, out_dim, 3)
-    _mid_block(tensors, "encoder.mid_block", dims[-1])
-    _norm(tensors, "encoder.conv_norm_out", dims[-1])
-    _conv(tensors, "encoder.conv_out", dims[-1], 2 * latent, 3)
-    if config.get("use_quant_conv", True):
-        _conv(tensors, "quant_conv", 2 * latent, 2 * latent, 1)
-    if config.get("use_post_quant_conv", True):
-        _conv(tensors, "post_quant_conv", latent, latent, 1)
-    dims = dims[::-1]
-    _conv(tensors, "decoder.conv_in", latent, dims[0], 3)
-    _mid_block(tensors, "decoder.mid_block", dims[0])
-    for i, out_dim in enumerate(dims):
-        prefix = f"decoder.up_blocks.{i}"
-        for r in range(blocks + 1):
-            _resnet(
-                tensors,
-                f"{prefix}.resnets.{r}",
-                dims[max(i - 1, 0)] if r == 0 else out_dim,
-                out_dim,
-            )
-        if i != last:
-            _conv(tensors, f"{prefix}.upsamplers.0.conv", out_dim, out_dim, 3)
-    _norm(tensors, "decoder.conv_norm_out", dims[-1])
-    _conv(tensors, "decoder.conv_out", dims[-1], config["out_channels"], 3)
-    return tensors
-
-
-def text_encoder_tensors(config: dict) -> Inventory:
-    """Names, shapes and kinds of Qwen3ForCausalLM's parameters for `config`."""
-    hidden, head, inner = config["hidden_size"], config["head_dim"], config["intermediate_size"]
-    q_width = config["num_attention_heads"] * head
-    kv_width = config["num_key_value_heads"] * head
-    vocab = config["vocab_size"]
-    tensors: Inventory = {
-        "model.embed_tokens.weight": ((vocab, hidden), MATRIX),
-        "model.norm.weight": ((hidden,), GAIN),
-        "lm_head.weight": ((vocab, hidden), MATRIX),
-    }
-    for layer in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}."
-        for name, shape in {
-            "self_attn.q_proj": (q_width, hidden),
-            "self_attn.k_proj": (kv_width, hidden),
-            "self_attn.v_proj": (kv_width, hidden),
-            "self_attn.o_proj": (hidden, q_width),
-            "mlp.gate_proj": (inner, hidden),
-            "mlp.up_proj": (inner, hidden),
-            "mlp.down_proj": (hidden, inner),
-        }.items():
-            tensors[prefix + name + ".weight"] = (shape, MATRIX)
-        for name, width in {
-            "self_attn.q_norm": head,
-            "self_attn.k_norm": head,
-            "input_layernorm": hidden,
-            "post_attention_layernorm": hidden,
-        }.items():
-            tensors[prefix + name + ".weight"] = ((width,), GAIN)
-    return tensors
-
-
-def _linear(tensors: Inventory, prefix: str, in_dim: int, out_dim: int) -> None:
-    tensors[f"{prefix}.weight"] = ((out_dim, in_dim), MATRIX)
-    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
-
-
-def _conv(tensors: Inventory, prefix: str, in_dim: int, out_dim: int, kernel: int) -> None:
-    tensors[f"{prefix}.weight"] = ((out_dim, in_dim, kernel, kernel), MATRIX)
-    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
-
-
-def _norm(tensors: Inventory, prefix: str, dim: int) -> None:
-    tensors[f"{prefix}.weight"] = ((dim,), GAIN)
-    tensors[f"{prefix}.bias"] = ((dim,), SHIFT)
-
-
-def _resnet(tensors: Inventory, prefix: str, in_dim: int, out_dim: int) -> None:
-    _norm(tensors, f"{prefix}.norm1", in_dim)
-    _conv(tensors, f"{prefix}.conv1", in_dim, out_dim, 3)
-    _norm(tensors, f"{prefix}.norm2", out_dim)
-    _conv(tensors, f"{prefix}.conv2", out_dim, out_dim, 3)
-    if in_dim != out_dim:
-        _conv(tensors, f"{prefix}.conv_shortcut", in_dim, out_dim, 1)
-
-
-def _mid_block(tensors: Inventory, prefix: str, dim: int) -> None:
-    _resnet(tensors, f"{prefix}.resnets.0", dim, dim)
-    _norm(tensors, f"{prefix}.attentions.0.group_norm", dim)
-    for name in ("to_q", "to_k", "to_v", "to_out.0"):
-        _linear(tensors, f"{prefix}.attentions.0.{name}", dim, dim)
-    _resnet(tensors, f"{prefix}.resnets.1", dim, dim)
 
 
 # ---- text encoder config and tokenizer ----------------------------------------------------
@@ -385,19 +265,3 @@ def _text_config(vocab_size: int) -> dict:
         "eos_token_id": None,
         "pad_token_id": None,
     }
-
-
-def write_tokenizer(folder: Path, tokenizer) -> None:
-    """folder/tokenizer.json and tokenizer_config.json (with Qwen3's chat template)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n")
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 131072,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

@@ -3,15 +3,19 @@
 `build_text_encoder(model_dir)` writes `model_dir/text_encoder` (a random `Qwen3ForCausalLM`,
 32 wide and deep enough for the layers the pipeline taps, 9, 18 and 27) and
 `model_dir/tokenizer` (the tiny Qwen-style tokenizer with Qwen3's chat template of the embedded
-Z-Image, server/engine/families/z_image/embedded.py). Nothing is downloaded; torch and transformers are test-only.
+models, server/engine/encoders/qwen3/tiny_tokenizer.py). Nothing is downloaded; torch and transformers are test-only.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import train_tokenizer
-from gmlx_server.engine.families.z_image import embedded
+from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import (
+    BPE_VOCAB_SIZE,
+    TOKENIZER_CORPUS,
+    train_tokenizer,
+    write_tokenizer,
+)
 
 from tests.families.tiny_weights import redraw
 
@@ -37,8 +41,8 @@ def build_text_encoder(model_dir: Path, seed: int = 0, **overrides) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     model_dir = Path(model_dir)
-    tokenizer = train_tokenizer(embedded.TOKENIZER_CORPUS, embedded.BPE_VOCAB_SIZE)
-    embedded.write_tokenizer(model_dir / "tokenizer", tokenizer)
+    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+    write_tokenizer(model_dir / "tokenizer", tokenizer)
     vocab_size = tokenizer.get_vocab_size()
     config = Qwen3Config(**{**TINY_TEXT, **overrides}, vocab_size=vocab_size)
     torch.manual_seed(seed)

@@ -1,0 +1,130 @@
+"""FLUX.2 klein's DiT as data, without MLX: its config (diffusers' `Flux2Transformer2DModel`
+keys), the diffusers names of its weights by the forward's tree keys, and every tensor's shape
+(`tensor_shapes`). The network (dit.py), the weight checks of single files and the embedded
+model's recipe (embedded.py, which the listing imports without MLX) read these one tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    in_channels: int
+    num_layers: int
+    num_single_layers: int
+    num_heads: int
+    head_dim: int
+    joint_attention_dim: int
+    mlp_ratio: float
+    axes_dims: tuple[int, ...]
+    rope_theta: float
+    eps: float
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DiTConfig:
+        if config.get("patch_size", 1) != 1:
+            raise ValueError("FLUX.2's DiT takes patchified latents as they are (patch_size 1)")
+        if config.get("guidance_embeds", False):
+            raise ValueError("a guidance-embedding FLUX.2 DiT (guidance_embeds) is not klein")
+        out_channels = config.get("out_channels")
+        in_channels = config.get("in_channels", 128)
+        if out_channels not in (None, in_channels):
+            raise ValueError(f"out_channels {out_channels} must equal in_channels {in_channels}")
+        return cls(
+            in_channels=in_channels,
+            num_layers=config.get("num_layers", 8),
+            num_single_layers=config.get("num_single_layers", 48),
+            num_heads=config.get("num_attention_heads", 48),
+            head_dim=config.get("attention_head_dim", 128),
+            joint_attention_dim=config.get("joint_attention_dim", 15360),
+            mlp_ratio=float(config.get("mlp_ratio", 3.0)),
+            axes_dims=tuple(config.get("axes_dims_rope", (32, 32, 32, 32))),
+            rope_theta=float(config.get("rope_theta", 2000)),
+            eps=float(config.get("eps", 1e-6)),
+        )
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
+# The diffusers names of the weights, in one place.
+
+# Linear layers outside the blocks: tree key -> diffusers name.
+TOP_LINEARS = {
+    "x_in": "x_embedder",
+    "ctx_in": "context_embedder",
+    "time_1": "time_guidance_embed.timestep_embedder.linear_1",
+    "time_2": "time_guidance_embed.timestep_embedder.linear_2",
+    "mod_img": "double_stream_modulation_img.linear",
+    "mod_txt": "double_stream_modulation_txt.linear",
+    "mod_single": "single_stream_modulation.linear",
+    "final_mod": "norm_out.linear",
+    "final": "proj_out",
+}
+DOUBLE = "transformer_blocks.{}."
+SINGLE = "single_transformer_blocks.{}."
+# Linear layers of a double block by diffusers name, grouped into the fused weights the forward
+# uses (the projections of q, k and v of each stream as one matrix).
+DOUBLE_LINEARS = {
+    "img_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "txt_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "img_out": ("attn.to_out.0",),
+    "txt_out": ("attn.to_add_out",),
+    "img_ff_in": ("ff.linear_in",),
+    "img_ff_out": ("ff.linear_out",),
+    "txt_ff_in": ("ff_context.linear_in",),
+    "txt_ff_out": ("ff_context.linear_out",),
+}
+DOUBLE_NORMS = {
+    "norm_q": "attn.norm_q",
+    "norm_k": "attn.norm_k",
+    "norm_added_q": "attn.norm_added_q",
+    "norm_added_k": "attn.norm_added_k",
+}
+SINGLE_LINEARS = {"qkv_mlp": "attn.to_qkv_mlp_proj", "out": "attn.to_out"}
+SINGLE_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k"}
+# Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
+F32_WEIGHTS = tuple(name + ".weight" for name in {*DOUBLE_NORMS.values(), *SINGLE_NORMS.values()})
+
+
+def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
+    from ...nn.embeddings import TIME_PROJ_DIM  # with MLX: what needs shapes loads the network
+
+    dim, mlp, head = config.dim, config.mlp_dim, (config.head_dim,)
+    top = {
+        "x_in": (dim, config.in_channels),
+        "ctx_in": (dim, config.joint_attention_dim),
+        "time_1": (dim, TIME_PROJ_DIM),
+        "time_2": (dim, dim),
+        "mod_img": (6 * dim, dim),
+        "mod_txt": (6 * dim, dim),
+        "mod_single": (3 * dim, dim),
+        "final_mod": (2 * dim, dim),
+        "final": (config.in_channels, dim),
+    }
+    shapes = {TOP_LINEARS[key] + ".weight": shape for key, shape in top.items()}
+    double = {
+        **dict.fromkeys(("img_qkv", "txt_qkv", "img_out", "txt_out"), (dim, dim)),
+        **dict.fromkeys(("img_ff_in", "txt_ff_in"), (2 * mlp, dim)),
+        **dict.fromkeys(("img_ff_out", "txt_ff_out"), (dim, mlp)),
+    }
+    for i in range(config.num_layers):
+        for key, parts in DOUBLE_LINEARS.items():
+            for name in parts:
+                shapes[DOUBLE.format(i) + name + ".weight"] = double[key]
+        for name in DOUBLE_NORMS.values():
+            shapes[DOUBLE.format(i) + name + ".weight"] = head
+    single = {"qkv_mlp": (3 * dim + 2 * mlp, dim), "out": (dim, dim + mlp)}
+    for i in range(config.num_single_layers):
+        for key, name in SINGLE_LINEARS.items():
+            shapes[SINGLE.format(i) + name + ".weight"] = single[key]
+        for name in SINGLE_NORMS.values():
+            shapes[SINGLE.format(i) + name + ".weight"] = head
+    return shapes
