@@ -762,6 +762,18 @@ def test_flux2_klein_text_to_image_example_equals_the_in_process_sampler(
     assert _rel(got, want) <= LATENT_RTOL
 
 
+def test_flux2_klein_examples_as_shipped_run_on_the_embedded_klein(comfyui, gmlx_server):
+    """Both FLUX.2 klein examples as shipped: their loaders name the server's embedded klein,
+    so they run on a fresh install."""
+    for name in ("gmlx_flux2_klein_text_to_image", "gmlx_flux2_klein_edit_two_references"):
+        wf = _save_latent(_workflow(name), "11")
+        assert {wf[loader]["inputs"]["model_name"] for loader in ("1", "2", "3")} == {
+            "flux2-klein-random-tiny"
+        }
+        got = _latent(comfyui, _run(comfyui, wf))
+        assert got.shape == (1, 128, SIZE // 16, SIZE // 16) and np.isfinite(got).all()
+
+
 def test_flux2_klein_edit_example_with_two_references(comfyui, gmlx_server, flux2_engine):
     """The FLUX.2 klein edit example with its loaders on the server's tiny klein and its two
     LoadImage nodes on two pictures: the server's step with their VAE latents as the row's

@@ -155,13 +155,17 @@ def test_workflow_names_an_embedded_model(name):
 
 
 @pytest.mark.parametrize("name", FLUX2_KLEIN_NAMES)
-def test_flux2_klein_example_names_its_folder_and_says_where_to_put_it(name):
-    """No FLUX.2 klein is embedded: the loaders name the folder of BFL's klein 4B and a note
-    says to put that folder under the server's model_dirs."""
+def test_flux2_klein_example_names_the_embedded_klein_and_says_how_to_use_a_real_one(name):
+    """The loaders name the embedded FLUX.2 klein (so the example runs on a fresh install) and a
+    note says how to use a real klein: its folder under the server's model_dirs (`gmlx pull`)
+    or its files in ComfyUI's models/."""
+    from gmlx_server.engine.families.flux2_klein import embedded
+
+    assert FLUX2_KLEIN_MODEL == embedded.MODEL_NAME
     assert _models_named(name) == ({FLUX2_KLEIN_MODEL}, {FLUX2_KLEIN_MODEL})
     (note,) = [node for node in ui_workflow(name)["nodes"] if node["type"] in FRONTEND_NODES]
     (text,) = note["widgets_values"]
-    assert FLUX2_KLEIN_MODEL in text and "model_dirs" in text
+    assert FLUX2_KLEIN_MODEL in text and "model_dirs" in text and "gmlx pull" in text
 
 
 def test_the_flux2_klein_edit_example_attaches_two_vae_encoded_references():

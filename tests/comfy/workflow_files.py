@@ -15,8 +15,8 @@ API_DIR = PACK_DIR / "api_workflows"
 # ComfyUI's lora template): the pack's names carry its prefix.
 NAME_PREFIX = "gmlx_"
 # The examples on an embedded model (the default, or the embedded Z-Image for Z_IMAGE_EXAMPLES),
-# and those on FLUX.2 klein, whose loaders name the folder FLUX2_KLEIN_MODEL and carry a note
-# saying where to put it.
+# and those on FLUX.2 klein, whose loaders name the embedded klein, FLUX2_KLEIN_MODEL, and carry
+# a note saying how to use a real one.
 DEFAULT_MODEL_NAMES = (
     "gmlx_text_to_image",
     "gmlx_lora",
@@ -26,7 +26,7 @@ DEFAULT_MODEL_NAMES = (
 Z_IMAGE_EXAMPLES = ("gmlx_z_image_text_to_image",)
 FLUX2_KLEIN_NAMES = ("gmlx_flux2_klein_text_to_image", "gmlx_flux2_klein_edit_two_references")
 NAMES = DEFAULT_MODEL_NAMES + FLUX2_KLEIN_NAMES
-FLUX2_KLEIN_MODEL = "FLUX.2-klein-4B"
+FLUX2_KLEIN_MODEL = "flux2-klein-random-tiny"  # server/engine/families/flux2_klein/embedded.py
 
 # The stock ComfyUI node types the examples use (the e2e suite checks them against a real
 # ComfyUI's /object_info).

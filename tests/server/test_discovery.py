@@ -145,10 +145,15 @@ def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(
     assert doc["default_model"] == "qwen-image21-random-tiny"
     assert [m["model"] for m in doc["models"]] == [
         "qwen-image21-random-tiny",
+        "flux2-klein-random-tiny",
         "z-image-random-tiny",
     ]
-    assert [m["default"] for m in doc["models"]] == [True, False]
-    assert [m["folder"] for m in doc["models"]] == [None, None]  # not generated yet in this cache
+    assert [m["default"] for m in doc["models"]] == [True, False, False]
+    assert [m["folder"] for m in doc["models"]] == [
+        None,
+        None,
+        None,
+    ]  # not generated yet in this cache
 
 
 def test_the_listing_names_what_the_server_lists(live, tmp_path):
@@ -192,4 +197,4 @@ def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
     result = gmlx_without(tmp_path, ("mlx", "falcon", "waitress"), "list", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     listed = [model["model"] for model in json.loads(result.stdout)["models"]]
-    assert listed == ["qwen-image21-random-tiny", "z-image-random-tiny"]
+    assert listed == ["qwen-image21-random-tiny", "flux2-klein-random-tiny", "z-image-random-tiny"]

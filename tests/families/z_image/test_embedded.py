@@ -96,14 +96,18 @@ def test_the_prompt_moves_the_output(model_dir):
 
 
 def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monkeypatch):
-    """With no default_model the server's registry lists both embedded models, the Qwen-Image
+    """With no default_model the server's registry lists every embedded model, the Qwen-Image
     2.1 one as the default, and loads the Z-Image one by its id."""
     from gmlx_server.config import ServerConfig
     from gmlx_server.process import config_registry
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     registry, extra = config_registry(ServerConfig())
-    assert [folder.name for folder in extra] == ["qwen-image21-random-tiny", embedded.MODEL_NAME]
+    assert [folder.name for folder in extra] == [
+        "qwen-image21-random-tiny",
+        "flux2-klein-random-tiny",
+        embedded.MODEL_NAME,
+    ]
     assert registry.default_id() == "qwen-image21-random-tiny"
     entries = {entry.model_id: entry for entry in registry.entries()}
     assert (entries[embedded.MODEL_NAME].family, entries[embedded.MODEL_NAME].variant) == (

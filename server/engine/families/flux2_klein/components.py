@@ -23,6 +23,7 @@ from .spec import (
     LOADED_LAYERS,
     NINE_B_DOUBLE_BLOCKS,
     PIPELINE_CLASS,
+    SCHEDULER,
     TAPPED_LAYERS,
 )
 
@@ -63,18 +64,6 @@ VAE_FACTS = {
     "force_upcast": True,
 }
 RAW_LATENT_CHANNELS = 32
-# The klein checkpoints' scheduler (FlowMatchEulerDiscreteScheduler, dynamic shifting).
-SCHEDULER = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 4096,
-    "max_shift": 1.15,
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "time_shift_type": "exponential",
-    "use_dynamic_shifting": True,
-}
 
 
 def _shape(header: Header, names) -> tuple[int, ...] | None:

@@ -28,6 +28,18 @@ TAPPED_LAYERS = (8, 17, 26)
 # The decoder layers the encoder loads: the tapped ones and those before them (Qwen3-4B and
 # Qwen3-8B have 36; the last 9 are never read).
 LOADED_LAYERS = max(TAPPED_LAYERS) + 1
+# The klein checkpoints' scheduler (FlowMatchEulerDiscreteScheduler, dynamic shifting).
+SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
 
 
 def identify(model_dir: Path) -> tuple[str, str] | None:
@@ -66,6 +78,7 @@ SPEC_4B = FamilySpec(
     schedule={"rule": "flux2"},  # gmlx_contract.schedules.flux2_sigmas
     files=("dit", "text_encoder"),
     component_rule="gmlx_server.engine.families.flux2_klein.components",
+    embedded="gmlx_server.engine.families.flux2_klein.embedded",
 )
 SPECS = (
     replace(

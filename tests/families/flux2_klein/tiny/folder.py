@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gmlx_server.engine.families.flux2_klein.components import SCHEDULER
 from gmlx_server.engine.families.flux2_klein.spec import (
     KV_PIPELINE_CLASS,
     NINE_B_DOUBLE_BLOCKS,
     PIPELINE_CLASS,
+    SCHEDULER,
 )
 
 from tests.families.flux2_klein.tiny.text_encoder import build_text_encoder

@@ -1,0 +1,196 @@
+"""The embedded FLUX.2 klein: a tiny FLUX.2 klein 4B (distilled) with random weights, generated
+on first use.
+
+The server offers it beside the embedded default so the FLUX.2 klein templates run on a fresh
+install: a complete folder in diffusers' `Flux2KleinPipeline` layout (model_index.json,
+transformer/, vae/, text_encoder/, tokenizer/, scheduler/) with the real file formats, config
+keys and weight names, at a small size, its weights drawn from a fixed seed (engine/embedded.py's
+rule). It makes noise-like pictures, and its name says so ("flux2-klein-random-tiny").
+
+Interface sizes are the real model's where clients see them: the VAE's 32 channels at stride 8,
+patchified 2x2 into 128 at stride 16 under its batch norm, the three tapped Qwen3 layers side
+by side (so 28 decoder layers, 27 of them read), Qwen's token ids' order; the networks inside
+are narrow and shallow (a DiT of two 32-wide heads with two double- and two single-stream
+blocks, a VAE whose widest stage has 32 channels, a Qwen3 of width 32). The weight names come
+from the DiT's own tables (layout.py) and the shared parts' inventories (engine/embedded.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ...embedded import (
+    DIFFUSERS_FORMAT,
+    DIFFUSERS_WEIGHTS,
+    GAIN,
+    MATRIX,
+    SHIFT,
+    TRANSFORMERS_WEIGHTS,
+    Inventory,
+    autoencoder_kl_tensors,
+    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
+    draw,
+    dumps,
+    ensure,
+    qwen3_tensors,
+    stamp,
+    write_component,
+)
+from ...encoders.qwen3.tiny_tokenizer import (
+    BPE_VOCAB_SIZE,
+    CHAT_TEMPLATE,
+    TOKENIZER_CORPUS,
+    train_tokenizer,
+    write_tokenizer,
+)
+from .layout import DiTConfig, tensor_shapes
+from .spec import PIPELINE_CLASS, SCHEDULER, TAPPED_LAYERS
+
+MODEL_NAME = "flux2-klein-random-tiny"
+# Bump when the code below writes something different for the same configs.
+GENERATOR_VERSION = 1
+SEED = 0
+COMPONENT_INDEX = {"transformer": 0, "vae": 1, "text_encoder": 2}
+TEXT_WIDTH = 32
+
+TRANSFORMER_CONFIG = {
+    "_class_name": "Flux2Transformer2DModel",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "patch_size": 1,
+    "in_channels": 128,
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 32,
+    "num_attention_heads": 2,
+    "joint_attention_dim": len(TAPPED_LAYERS) * TEXT_WIDTH,
+    "timestep_guidance_channels": 256,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": [8, 8, 8, 8],  # a quarter of the head each, as the real model's
+    "rope_theta": 2000,
+    "eps": 1e-06,
+    "guidance_embeds": False,
+}
+
+VAE_CONFIG = {
+    "_class_name": "AutoencoderKLFlux2",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "act_fn": "silu",
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 32,
+    "block_out_channels": [16, 32, 32, 32],  # four blocks: stride 8
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "mid_block_add_attention": True,
+    "use_quant_conv": True,
+    "use_post_quant_conv": True,
+    "batch_norm_eps": 0.0001,
+    "batch_norm_momentum": 0.1,
+    "patch_size": [2, 2],
+    "sample_size": 1024,
+    "force_upcast": True,
+}
+# The batch norm over the patchified latents: statistics of its own (running_var positive).
+BATCH_NORM = {"bn.running_mean": SHIFT, "bn.running_var": GAIN}
+
+TEXT_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "dtype": "float32",
+    "hidden_size": TEXT_WIDTH,
+    "intermediate_size": 64,
+    "num_hidden_layers": max(TAPPED_LAYERS) + 2,  # one more than the family reads
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 1024,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+}
+
+CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
+
+MODEL_INDEX = {
+    "_class_name": PIPELINE_CLASS,
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "is_distilled": True,
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+    "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+    "transformer": ["diffusers", "Flux2Transformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKLFlux2"],
+}
+
+
+def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
+    """The embedded FLUX.2 klein's folder under `cache_dir` (default: `default_cache_dir()`),
+    generated first if it is missing or was made by a different generator."""
+    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+
+
+def write_embedded_model(root: Path, seed: int = SEED) -> None:
+    """Write every file of the tiny FLUX.2 klein folder into `root` (created if missing)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
+    _write(root / "vae", "vae", VAE_CONFIG, vae_tensors(), seed)
+    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+    write_tokenizer(root / "tokenizer", tokenizer)
+    text = {**TEXT_CONFIG, "vocab_size": tokenizer.get_vocab_size()}
+    text.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    _write(root / "text_encoder", "text_encoder", text, qwen3_tensors(text), seed)
+    (root / "scheduler").mkdir(exist_ok=True)
+    scheduler = {**SCHEDULER, "_diffusers_version": DIFFUSERS_FORMAT}
+    (root / "scheduler" / "scheduler_config.json").write_text(dumps(scheduler))
+    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
+
+
+def transformer_tensors() -> Inventory:
+    """Flux2Transformer2DModel's parameters for the config, from the DiT's own tables: its
+    matrices and its norm scales (it has no biases)."""
+    shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
+    return {name: (shape, MATRIX if len(shape) > 1 else GAIN) for name, shape in shapes.items()}
+
+
+def vae_tensors() -> Inventory:
+    """AutoencoderKLFlux2's parameters: the AutoencoderKL body and the batch norm's statistics."""
+    channels = 4 * VAE_CONFIG["latent_channels"]
+    return {
+        **autoencoder_kl_tensors(VAE_CONFIG),
+        **{name: ((channels,), kind) for name, kind in BATCH_NORM.items()},
+    }
+
+
+def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
+    rng = np.random.default_rng([seed, COMPONENT_INDEX[component]])
+    weights = draw(inventory, rng, CONSTANT_NOISE[component])
+    if component == "vae":  # the batch norm's step counter, which nothing reads
+        weights["bn.num_batches_tracked"] = np.array(0, np.int64)
+    file_name = TRANSFORMERS_WEIGHTS if component == "text_encoder" else DIFFUSERS_WEIGHTS
+    write_component(folder, config, weights, file_name)
+
+
+def _stamp() -> dict:
+    """Who made the folder: a fingerprint over everything that decides its contents."""
+    recipe = {
+        "generator": GENERATOR_VERSION,
+        "seed": SEED,
+        "transformer": TRANSFORMER_CONFIG,
+        "vae": VAE_CONFIG,
+        "text": TEXT_CONFIG,
+        "noise": CONSTANT_NOISE,
+        "scheduler": SCHEDULER,
+        "model_index": MODEL_INDEX,
+        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
