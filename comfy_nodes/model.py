@@ -33,7 +33,14 @@ from .connection import Connection
 from .errors import GmlxError, named_nodes
 from .families import COMFY_BASE_CLASSES, PACK_BUILT_CLASSES, latent_normalisation, ref_method
 from .interrupts import COMFY_INTERRUPT, call_or_interrupt
-from .patches import AdapterHashes, Aliases, build_table, lora_key_map, unmapped_patches_text
+from .patches import (
+    AdapterHashes,
+    Aliases,
+    build_table,
+    lora_key_map,
+    misfit_patch,
+    unmapped_patches_text,
+)
 from .request import (
     CallCheck,
     as_f32,
@@ -494,6 +501,18 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
             foreign = sorted(str(k if isinstance(k, str) else k[0]) for k in patches)
             raise GmlxError(
                 unmapped_patches_text(executing_patch_source(), self.remote.model_id, foreign)
+            )
+        counts: dict[str, int] = {}  # the entries this call appended, by weight key
+        for k in added:
+            key = k if isinstance(k, str) else k[0]
+            counts[key] = counts.get(key, 0) + 1
+        shapes = {key: tuple(value.shape) for key, value in self.model.state_dict().items()}
+        misfit = misfit_patch({k: self.patches[k][-n:] for k, n in counts.items()}, shapes)
+        if misfit is not None:  # refused here, naming the file, not at the sampler
+            for key, n in counts.items():
+                del self.patches[key][-n:]
+            raise GmlxError(
+                f"gmlx: {executing_patch_source()} does not fit {self.remote.model_id!r}: {misfit}"
             )
         return added
 

@@ -116,6 +116,39 @@ def unmapped_patches_text(source: str, model_id: str, foreign_keys: list[str]) -
     )
 
 
+def misfit_patch(patches: dict[str, list[tuple]], shapes: dict[str, tuple]) -> str | None:
+    """The first LoRA patch whose matrices do not fit the weight it lands on (`shapes`: the
+    model's weights by key; a band's rows as the band says), as a phrase naming key and shapes;
+    None when every one fits."""
+    for key, entries in patches.items():
+        shape = shapes.get(key)
+        if shape is None or len(shape) != 2:
+            continue
+        for patch in entries:
+            kind, weights = _is_lora_value(patch[1])
+            if kind != "lora" or not weights or len(weights) < 2:
+                continue
+            up, down = weights[0], weights[1]
+            rows, columns = shape
+            offset = patch[3] if len(patch) > 3 else None
+            if offset is not None and int(offset[0]) == 0:
+                rows = int(offset[2])
+            up_shape, down_shape = tuple(up.shape), tuple(down.shape)
+            fits = (
+                len(up_shape) == 2
+                and len(down_shape) == 2
+                and up_shape[0] == rows
+                and down_shape[1] == columns
+                and up_shape[1] == down_shape[0]
+            )
+            if not fits:
+                return (
+                    f"its patch of {key} is up {list(up_shape)} × down {list(down_shape)}, where"
+                    f" that weight is {rows} × {columns} (out × in)"
+                )
+    return None
+
+
 @dataclass
 class PatchTable:
     """A table document (None when no patch is live) and the adapter matrices it names."""

@@ -1415,6 +1415,24 @@ def test_a_lora_that_maps_onto_nothing_is_an_error_naming_the_file(comfyui, gmlx
     assert "'other_model.safetensors'" in message and "changes nothing" in message
 
 
+def test_a_lora_of_the_wrong_shape_is_refused_at_its_loader_naming_the_file(comfyui, gmlx_server):
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    stem = "transformer.transformer_blocks.0.attn.to_q"  # a layer of the model, other widths
+    state = {
+        f"{stem}.lora_A.weight": rng.standard_normal((2, 7)).astype(np.float32),
+        f"{stem}.lora_B.weight": rng.standard_normal((5, 2)).astype(np.float32),
+    }
+    save_file(state, comfyui["base"] / "models" / "loras" / "wrong_shape.safetensors")
+    wf = _with_lora(_pack_prompt(gmlx_server["model"], 1, 1), "wrong_shape.safetensors")
+    entry = _wait_done(comfyui, _queue(comfyui, wf))
+    errors = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert errors and errors[0]["node_type"] == "LoraLoaderModelOnly", errors
+    message = errors[0]["exception_message"]
+    assert "'wrong_shape.safetensors' does not fit" in message and "attn.to_q" in message
+
+
 def _stock_latent_carries_its_stride() -> bool:
     """Whether this ComfyUI's empty latents say their stride (`downscale_ratio_spacial`)."""
     sample = Path(os.environ["COMFYUI_DIR"]) / "comfy" / "sample.py"

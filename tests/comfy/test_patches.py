@@ -182,3 +182,27 @@ def test_inference_tensors_hash_without_a_version_counter():
     digest, array = hashes.hash(up)
     assert digest == tensor_hash(up.numpy())
     assert hashes.hash(up)[0] == digest
+
+
+def test_a_lora_patch_of_the_wrong_shape_is_named_with_its_key():
+    """What the pack's patcher refuses at the LoRA loader (naming the file there): a patch whose
+    matrices do not fit the weight (or the band of rows) it lands on."""
+    from types import SimpleNamespace
+
+    from gmlx_comfy.patches import misfit_patch
+
+    def lora(up, down):
+        return SimpleNamespace(name="lora", weights=(np.zeros(up), np.zeros(down), None, None))
+
+    shapes = {"a.weight": (8, 16), "qkv.weight": (24, 16)}
+    fits = {
+        "a.weight": [(1.0, lora((8, 2), (2, 16)), 1.0, None, None)],
+        "qkv.weight": [(1.0, lora((8, 2), (2, 16)), 1.0, (0, 8, 8), None)],  # its k rows
+    }
+    assert misfit_patch(fits, shapes) is None
+    wrong = {"a.weight": [(1.0, lora((8, 2), (2, 32)), 1.0, None, None)]}
+    assert misfit_patch(wrong, shapes) == (
+        "its patch of a.weight is up [8, 2] × down [2, 32], where that weight is 8 × 16 (out × in)"
+    )
+    band = {"qkv.weight": [(1.0, lora((24, 2), (2, 16)), 1.0, (0, 8, 8), None)]}
+    assert "up [24, 2]" in misfit_patch(band, shapes) and "8 × 16" in misfit_patch(band, shapes)
