@@ -128,14 +128,20 @@ def repo_files(repo: str, revision: str | None) -> tuple[str, list[RepoFile]]:
         RevisionNotFoundError,
     )
 
+    api = HfApi()
     try:
-        info = HfApi().model_info(repo, revision=revision, files_metadata=True)
+        info = api.model_info(repo, revision=revision, files_metadata=True)
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise PullError(
             f"the Hub has no {repo}{'@' + revision if revision else ''}: {exc}"
         ) from None
-    except (HfHubHTTPError, OSError) as exc:
+    except HfHubHTTPError as exc:
         raise PullError(f"cannot read {repo}'s files from the Hub: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - no answer at all: httpx's errors are no OSErrors
+        raise PullError(
+            f"cannot reach the Hub at {api.endpoint} ({type(exc).__name__}: {exc}); check the"
+            " network, or name a mirror with HF_ENDPOINT"
+        ) from None
     files = []
     for sibling in info.siblings or []:
         lfs = sibling.lfs
@@ -210,7 +216,7 @@ def fetch(plan: Plan, file: RepoFile, folder: Path) -> Path:
                 hf_hub_download(plan.repo, file.name, revision=plan.commit, local_dir=folder)
             )
             break
-        except OSError as exc:  # a cut connection (httpx's errors are OSErrors), a full disk
+        except Exception as exc:  # noqa: BLE001 - a connection lost for good, a full disk
             error = exc
     else:
         raise PullError(f"{file.name} did not download after {RETRIES} tries: {error}")
@@ -320,9 +326,9 @@ def pull_command(args: argparse.Namespace) -> int:
             raise PullError("--group-size needs --quantize")
         config = load_config(args.config)
         repo, include, name = resolve(args.repo)
+        target = target_folder(config.model_dirs, args.to, name, quantization)
         commit, files = repo_files(repo, args.revision)
         chosen = select(files, tuple(args.include) or include, args.gguf)
-        target = target_folder(config.model_dirs, args.to, name, quantization)
         plan = Plan(repo, commit, tuple(chosen), target, quantization)
         print(f"model {plan.model_id}: {len(chosen)} files of {repo} into {target}")
         print(

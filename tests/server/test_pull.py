@@ -210,3 +210,19 @@ def test_published_names_and_gguf_types(hub, tmp_path):
     assert refused.returncode == 1 and "no .gguf file of type Q2_K" in refused.stderr
     unknown = run_pull(hub, tmp_path, "nothing-like-this")
     assert unknown.returncode == 1 and "published model name" in unknown.stderr
+
+
+def test_no_model_dirs_and_no_hub_are_said_plainly(tmp_path):
+    """Before any download: where the files would go, then whether the Hub answers."""
+    config = tmp_path / "none.toml"
+    config.write_text("")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    line = [sys.executable, "-m", "gmlx_server", "pull", REPO, "--config", str(config)]
+    done = subprocess.run(line, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "no model_dirs folder to pull into" in done.stderr
+    assert "Traceback" not in done.stderr
+    to = [*line, "--to", str(tmp_path / "x")]
+    done = subprocess.run(to, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "cannot reach the Hub at http://127.0.0.1:9" in done.stderr
+    assert "HF_ENDPOINT" in done.stderr
