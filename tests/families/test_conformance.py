@@ -115,7 +115,7 @@ def served(request, tmp_path_factory):
         [models],
         "plain",
         families=families,
-        max_resident=2,
+        max_resident=5,  # every model of the case stays loaded: no test reloads one
         settings=lambda m: settings.get(m, LoadSettings()),
     )
     config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[models])
@@ -135,13 +135,22 @@ def tensors(response) -> dict:
     return wire.read_container(response.content).tensors
 
 
+# Each model's encodings, kept for the module's server: an encode is deterministic, and FLUX.2
+# klein's (a 512-token prompt through 27 layers) takes about a second on the CPU backend.
+_ENCODED: dict[tuple[int, str, str], np.ndarray] = {}
+
+
+def encoding(live, model: str, text: str) -> np.ndarray:
+    key = (id(live), model, text)
+    if key not in _ENCODED:
+        _ENCODED[key] = tensors(live.post_json("encode", {"model": model, "text": text}))["cond"]
+    return _ENCODED[key]
+
+
 def step(live, model, text="a red fox", table=None) -> np.ndarray:
     """One guided-looking step: two rows (the prompt and the empty prompt) at two sigmas,
     under the LoRA patch table `table` (an id) when given."""
-    conds = [
-        tensors(live.post_json("encode", {"model": model, "text": prompt}))["cond"]
-        for prompt in (text, "")
-    ]
+    conds = [encoding(live, model, prompt) for prompt in (text, "")]
     channels = status(live, model)["latent"]["channels"]
     x = np.random.default_rng(5).standard_normal((2, channels, 4, 6)).astype(np.float32)
     rows = [{"cond": live.put_tensor(cond)} for cond in conds]

@@ -1,10 +1,10 @@
-"""FLUX.2 klein in the conformance suite (tests/families/test_conformance.py): the tests' tiny
-4B folder, one single-stream block."""
+"""FLUX.2 klein in the conformance suite (tests/families/test_conformance.py): its tiny folder is
+the embedded model's recipe (a 4B, distilled)."""
 
-from tests.families.flux2_klein.tiny.folder import build_tiny_folder
+from gmlx_server.engine.families.flux2_klein.embedded import write_embedded_model
 
 FAMILY = "flux2_klein"
 
 
 def write_folder(folder):
-    build_tiny_folder(folder, "flux2_klein", num_single_layers=1)
+    write_embedded_model(folder)
