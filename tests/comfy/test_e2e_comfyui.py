@@ -36,6 +36,7 @@ import pytest
 
 from tests.comfy.workflow_files import (
     CONTROL_AFTER_GENERATE,
+    FLUX2_KLEIN_MODEL,
     FLUX2_KLEIN_NAMES,
     NAMES,
     STOCK_NODES,
@@ -1010,7 +1011,7 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
 ):
     comfy, gmlx_url = comfyui_alone, comfyui_alone["gmlx_url"]
     info = _json(comfy["url"] + "/object_info/GmlxModelLoader")["GmlxModelLoader"]
-    embedded = [gmlx_server["model"], Z_IMAGE_MODEL]  # the default first
+    embedded = [gmlx_server["model"], FLUX2_KLEIN_MODEL, Z_IMAGE_MODEL]  # the default first
     assert info["input"]["required"]["model_name"][0] == embedded
 
     workflow = {
