@@ -127,6 +127,49 @@ def draw(inventory: Inventory, rng, constant_noise: float) -> dict[str, np.ndarr
     return weights
 
 
+# Each component's weights draw from a stream of their own, [seed, index], so a component
+# written alone equals the same component of a whole folder of that seed.
+COMPONENT_INDEX = {"transformer": 0, "vae": 1, "text_encoder": 2}
+# The tiny Qwen3 the embedded models prompt with (transformers' Qwen3ForCausalLM config; its
+# vocabulary and token ids come from the tiny tokenizer, its depth from the family).
+TINY_QWEN3_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "dtype": "float32",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 1024,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+}
+
+
+def write_drawn(
+    folder: Path,
+    component: str,
+    config: dict,
+    inventory: Inventory,
+    seed: int,
+    noise: float,
+    extra: dict | None = None,
+) -> None:
+    """A component's folder: its config and the weights drawn for its inventory from its own
+    stream (`extra`: tensors beside them, such as a buffer that is not drawn), in diffusers' or
+    (the text encoder) transformers' file name."""
+    weights = draw(inventory, np.random.default_rng([seed, COMPONENT_INDEX[component]]), noise)
+    weights.update(extra or {})
+    file_name = TRANSFORMERS_WEIGHTS if component == "text_encoder" else DIFFUSERS_WEIGHTS
+    write_component(folder, config, weights, file_name)
+
+
 def write_component(folder: Path, config: dict, weights: dict, file_name: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(dumps(config))

@@ -24,14 +24,15 @@ def model(request, tmp_path_factory):
 
 
 # (32, [512, 512], [16, 8]) repeats at four times the cost what (16, [512, 40], [8]) shows, two
-# rows and references; it runs with -m heavy.
+# rows and references, and (24, [100, 5, 260], [24]) at three times (rows of three lengths,
+# one reference as large as the image); they run with -m heavy.
 @pytest.mark.parametrize(
     ("side", "lengths", "ref_sides"),
     [
         (8, [512], []),
         (16, [512, 40], [8]),
         pytest.param(32, [512, 512], [16, 8], marks=pytest.mark.heavy),
-        (24, [100, 5, 260], [24]),
+        pytest.param(24, [100, 5, 260], [24], marks=pytest.mark.heavy),
     ],
 )
 def test_step_estimate_bounds_the_measured_peak(model, side, lengths, ref_sides):

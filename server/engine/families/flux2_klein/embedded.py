@@ -23,20 +23,18 @@ import numpy as np
 
 from ...embedded import (
     DIFFUSERS_FORMAT,
-    DIFFUSERS_WEIGHTS,
     GAIN,
     MATRIX,
     SHIFT,
-    TRANSFORMERS_WEIGHTS,
+    TINY_QWEN3_CONFIG,
     Inventory,
     autoencoder_kl_tensors,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    draw,
     dumps,
     ensure,
     qwen3_tensors,
     stamp,
-    write_component,
+    write_drawn,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
     BPE_VOCAB_SIZE,
@@ -52,8 +50,7 @@ MODEL_NAME = "flux2-klein-random-tiny"
 # Bump when the code below writes something different for the same configs.
 GENERATOR_VERSION = 1
 SEED = 0
-COMPONENT_INDEX = {"transformer": 0, "vae": 1, "text_encoder": 2}
-TEXT_WIDTH = 32
+TEXT_WIDTH = TINY_QWEN3_CONFIG["hidden_size"]
 
 TRANSFORMER_CONFIG = {
     "_class_name": "Flux2Transformer2DModel",
@@ -97,25 +94,7 @@ VAE_CONFIG = {
 # The batch norm over the patchified latents: statistics of its own (running_var positive).
 BATCH_NORM = {"bn.running_mean": SHIFT, "bn.running_var": GAIN}
 
-TEXT_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "dtype": "float32",
-    "hidden_size": TEXT_WIDTH,
-    "intermediate_size": 64,
-    "num_hidden_layers": max(TAPPED_LAYERS) + 2,  # one more than the family reads
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-06,
-    "max_position_embeddings": 1024,
-    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "use_cache": True,
-}
+TEXT_CONFIG = {**TINY_QWEN3_CONFIG, "num_hidden_layers": max(TAPPED_LAYERS) + 2}  # one unread
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
@@ -171,12 +150,9 @@ def vae_tensors() -> Inventory:
 
 
 def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    rng = np.random.default_rng([seed, COMPONENT_INDEX[component]])
-    weights = draw(inventory, rng, CONSTANT_NOISE[component])
-    if component == "vae":  # the batch norm's step counter, which nothing reads
-        weights["bn.num_batches_tracked"] = np.array(0, np.int64)
-    file_name = TRANSFORMERS_WEIGHTS if component == "text_encoder" else DIFFUSERS_WEIGHTS
-    write_component(folder, config, weights, file_name)
+    # the VAE's batch-norm step counter, which nothing reads, is not drawn
+    extra = {"bn.num_batches_tracked": np.array(0, np.int64)} if component == "vae" else None
+    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component], extra)
 
 
 def _stamp() -> dict:

@@ -18,25 +18,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from ...embedded import (
     DIFFUSERS_FORMAT,
-    DIFFUSERS_WEIGHTS,
     GAIN,
     MATRIX,
     SHIFT,
-    TRANSFORMERS_WEIGHTS,
+    TINY_QWEN3_CONFIG,
     Inventory,
     autoencoder_kl_tensors,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    draw,
     dumps,
     ensure,
     linear_tensors,
     qwen3_tensors,
     stamp,
-    write_component,
+    write_drawn,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
     BPE_VOCAB_SIZE,
@@ -54,9 +50,6 @@ MODEL_NAME = "z-image-random-tiny"
 GENERATOR_VERSION = 1
 SEED = 0
 VARIANT = "turbo"
-# Each component draws from its own stream, [seed, index], so a component written alone equals
-# the same component of a whole folder of that seed.
-COMPONENT_INDEX = {"transformer": 0, "vae": 1, "text_encoder": 2}
 
 TRANSFORMER_CONFIG = {
     "_class_name": "ZImageTransformer2DModel",
@@ -106,26 +99,8 @@ VAE_CONFIG = {
     "use_post_quant_conv": False,
 }
 
-TEXT_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "dtype": "float32",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-06,
-    "max_position_embeddings": 1024,
-    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "tie_word_embeddings": False,
-    "use_cache": True,
-    # vocab_size and the token ids come from the tokenizer (see _text_config).
-}
+# vocab_size and the token ids come from the tokenizer (see _text_config).
+TEXT_CONFIG = {**TINY_QWEN3_CONFIG, "num_hidden_layers": 3}
 
 # Noise given to parameters that start constant, per component (the DiT's pad tokens and
 # norms need more to matter).
@@ -180,10 +155,7 @@ def write_text_encoder(root: Path, seed: int = SEED) -> None:
 
 
 def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    rng = np.random.default_rng([seed, COMPONENT_INDEX[component]])
-    weights = draw(inventory, rng, CONSTANT_NOISE[component])
-    file_name = TRANSFORMERS_WEIGHTS if component == "text_encoder" else DIFFUSERS_WEIGHTS
-    write_component(folder, config, weights, file_name)
+    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
 
 
 def _stamp() -> dict:
