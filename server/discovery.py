@@ -132,11 +132,13 @@ def _residency_line(resident: dict[str, Any]) -> str:
 
 def configured_models(config: ServerConfig) -> dict[str, Any]:
     """The models `gmlx serve` with this configuration would list: each model folder under
-    model_dirs, the embedded models when no default_model is set, and the ids that
-    `[models."id"]` and default_model name (with no folder when none is found yet)."""
+    model_dirs, the models from component files (with their `files`), the embedded models when
+    no default_model is set, and the ids that `[models."id"]` and default_model name (with no
+    folder when none is found yet)."""
     from .engine.registry import ModelRegistry
 
-    registry = ModelRegistry(config.model_dirs, component_sets=config.component_sets)
+    sets = config.component_sets()
+    registry = ModelRegistry(config.model_dirs, component_sets=lambda: sets)
     folders: dict[str, str | None] = {
         model_id: str(path) for model_id, path in registry.folders().items()
     }
@@ -152,6 +154,9 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
         {"model": model_id, "folder": folder, "default": model_id == default}
         for model_id, folder in sorted(folders.items(), key=lambda item: item[0] != default)
     ]
+    for model in models:  # a model from component files: its files (its folder is the cache's)
+        if model["model"] in sets:
+            model["files"] = {k: str(v) for k, v in sets[model["model"]].paths().items()}
     return {
         "models": models,
         "default_model": default,
@@ -204,8 +209,10 @@ def list_command(args: argparse.Namespace) -> int:
         return 0
     for model in doc["models"]:
         mark = " (default)" if model["default"] else ""
-        folder = model["folder"] or "no folder yet"
-        print(f"{model['model']}{mark}: {folder}")
+        where = model["folder"] or "no folder yet"
+        if "files" in model:
+            where = ", ".join(f"{k} {v}" for k, v in model["files"].items())
+        print(f"{model['model']}{mark}: {where}")
     dirs = ", ".join(doc["model_dirs"]) or "none"
     print(f"model_dirs: {dirs}; config: {doc['config'] or 'no config file (defaults)'}")
     return 0

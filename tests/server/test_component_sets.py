@@ -86,6 +86,14 @@ def test_gmlx_list_names_the_sets(comfy, cache, tmp_path):
     _, models = comfy
     write_config(tmp_path, models)
     assert SET_ID in listed_models(tmp_path / "config.toml")
+    done = subprocess.run(
+        [sys.executable, "-m", "gmlx_server", "list", "--config", str(tmp_path / "config.toml")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith(SET_ID)]
+    assert f"dit {models / 'diffusion_models' / DIT_FILE}" in line and "vae " in line
 
 
 def test_a_recorded_comfyui_install_and_its_extra_model_paths_are_read(comfy, cache, tmp_path):
