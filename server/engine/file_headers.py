@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 GGUF_MAGIC = b"GGUF"
 ORIG_SHAPE = "comfy.gguf.orig_shape."
 # Prefixes under which single files hold a DiT's names (ComfyUI's checkpoints and GGUF files).
-DIT_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 # Metadata arrays kept by the reader (the tokenizer's are read only when asked: `tokenizer`).
 _SCALARS = {
     GGUFValueType.UINT8: "<B",
@@ -83,16 +83,20 @@ class Header:
             raise HeaderError(f"{self.path} has no tensor {name}") from None
 
 
-def read(path: Path, prefixes: tuple[str, ...] = DIT_PREFIXES) -> Header:
-    """The header of a `.safetensors` or `.gguf` file, names under one of `prefixes` (when all
+def common_prefix(names: list[str]) -> str:
+    """The one of PREFIXES every name starts with, else ""."""
+    return next((p for p in PREFIXES if names and all(n.startswith(p) for n in names)), "")
+
+
+def read(path: Path) -> Header:
+    """The header of a `.safetensors` or `.gguf` file, names under one of PREFIXES (when all
     are) stripped; a HeaderError when it cannot be read."""
     path = Path(path)
     try:
         header = _read_gguf(path) if path.suffix.lower() == ".gguf" else _read_safetensors(path)
     except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError) as exc:
         raise HeaderError(f"{path}: not a readable weight file ({exc})") from None
-    names = list(header.shapes)
-    prefix = next((p for p in prefixes if names and all(n.startswith(p) for n in names)), "")
+    prefix = common_prefix(list(header.shapes))
     if prefix:
         header.shapes = {n[len(prefix) :]: s for n, s in header.shapes.items()}
         header.types = {n[len(prefix) :]: t for n, t in header.types.items()}
@@ -100,13 +104,21 @@ def read(path: Path, prefixes: tuple[str, ...] = DIT_PREFIXES) -> Header:
     return header
 
 
+def safetensors_doc(path: Path) -> tuple[dict, int]:
+    """A safetensors file's JSON header (its `__metadata__` included) and that header's length
+    in bytes, without its data."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length)), length
+
+
 def _read_safetensors(path: Path) -> Header:
     size = path.stat().st_size
     with open(path, "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
-        if length > size - 8:
-            raise HeaderError(f"{path}: its header runs past the end of the file (cut short?)")
-        doc = json.loads(handle.read(length))
+    if length > size - 8:
+        raise HeaderError(f"{path}: its header runs past the end of the file (cut short?)")
+    doc, _ = safetensors_doc(path)
     metadata = doc.pop("__metadata__", None) or {}
     end = max((entry["data_offsets"][1] for entry in doc.values()), default=0)
     if 8 + length + end > size:

@@ -35,13 +35,12 @@ import numpy as np
 import safetensors
 from gguf import GGMLQuantizationType as T
 
+from .file_headers import ORIG_SHAPE, common_prefix
 from .ggml_blocks import BlockLayout, Blocks
 from .gguf_affine import GROUP_SIZE, Quantized, affine, rows_of, swapped_rows, width
 from .load_settings import GGUF_WEIGHTS, GGUF_WEIGHTS_SETTING, gguf_weights
 from .quantize import BIASES, SCALES
 
-PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-ORIG_SHAPE = "comfy.gguf.orig_shape."
 ARCHITECTURE = "general.architecture"
 FLOAT_TYPES = {T.F32: mx.float32, T.F16: mx.float16, T.BF16: mx.bfloat16}
 QUANTIZED_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -189,11 +188,6 @@ def readable_types() -> list[str]:
     return [kind.name for kind in READABLE]
 
 
-def common_prefix(names: list[str]) -> str:
-    """The one of PREFIXES every name starts with, else ""."""
-    return next((p for p in PREFIXES if names and all(n.startswith(p) for n in names)), "")
-
-
 def _shape(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> tuple[int, ...]:
     """The tensor's row-major shape: its orig_shape entry's, else its GGUF shape reversed."""
     field = reader.get_field(ORIG_SHAPE + tensor.name)
@@ -248,7 +242,7 @@ class SafetensorsEntry:
 class SafetensorsFile:
     """A DiT's single safetensors file (a checkpoint in its own naming, as ComfyUI's
     `diffusion_models` hold it) with GGUFFile's reading interface: names less the prefix
-    (PREFIXES), float tensors only (F32, F16, BF16: any other dtype, such as a float8
+    (file_headers.PREFIXES), float tensors only (F32, F16, BF16: any other dtype, such as a float8
     checkpoint's, is refused naming the tensor), each read on its own (`mx.load` is lazy)."""
 
     architecture = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .file_headers import common_prefix, safetensors_doc
 from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
-from .gguf import DiTFile, Naming, common_prefix
+from .gguf import DiTFile, Naming
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
 from .quantize import (
@@ -348,9 +348,7 @@ def estimated_bytes(
 
 def read_header(path: Path) -> dict:
     """The safetensors header of one file (names to dtype, shape, offsets), without its data."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
+    header, _ = safetensors_doc(path)
     header.pop("__metadata__", None)
     return header
 
