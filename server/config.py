@@ -233,8 +233,6 @@ MODEL_SETTINGS = {
     "variant": "with vae: the variant, where the files cannot tell it (turbo or base)",
     "tokenizer": "with vae: a folder holding the text encoder's tokenizer.json",
 }
-# A model entry's keys that make sense only for a model from component files.
-COMPONENT_KEYS = ("vae", "family", "variant", "tokenizer")
 MODEL_SETTING_KEYS = tuple(MODEL_SETTINGS)
 GGUF_SUFFIX = ".gguf"
 # The files each file setting may name: a DiT also comes as one safetensors file (BFL's).

@@ -65,8 +65,12 @@ class Header:
     def has(self, *names: str) -> bool:
         return all(name in self.shapes for name in names)
 
-    def count(self, stem: str) -> int:
-        """How many numbered blocks `stem.N.` the file holds (0, 1, ... consecutively)."""
+    def count(self, *stems: str) -> int:
+        """How many numbered blocks `stem.N.` the file holds (0, 1, ... consecutively), under
+        whichever of `stems` (one naming's and another's) holds the most."""
+        return max(self._depth(stem) for stem in stems)
+
+    def _depth(self, stem: str) -> int:
         found = {
             name[len(stem) :].split(".", 1)[0] for name in self.shapes if name.startswith(stem)
         }
@@ -74,6 +78,11 @@ class Header:
         while str(depth) in found:
             depth += 1
         return depth
+
+    def first_shape(self, names) -> tuple[int, ...] | None:
+        """The shape of the first of `names` (one tensor's names in several namings) the file
+        holds; None when it holds none of them."""
+        return next((self.shapes[n] for n in names if n in self.shapes), None)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape; a HeaderError naming the file and the tensor when it has none."""

@@ -67,7 +67,7 @@ class FamilySpec:
     shards: bool = False  # its DiT has a shard plan (a rank group may serve it)
     embedded: str | None = None  # the module of its embedded model (engine/embedded.py)
     # The module that tells its model from component files (engine/components.py: `family`,
-    # `variant`, `configs`, `fits_encoder`, `fits_vae`, `tokenizer_repo`); None: folders only.
+    # `variant`, `configs`, `fits_encoder`, `fits_vae`, `TOKENIZER_REPO`); None: folders only.
     component_rule: str | None = None
     # Where its models are published (`gmlx pull`'s catalog).
     published: tuple[Published, ...] = ()

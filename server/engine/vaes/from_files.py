@@ -36,16 +36,14 @@ def config(header: Header, facts: dict) -> dict:
     for name in needed:
         if name not in shapes:
             raise HeaderError(f"{header.path} is not an AutoencoderKL VAE: it has no {name}")
-    blocks = max(header.count("encoder.down."), header.count("encoder.down_blocks."))
+    blocks = header.count("encoder.down.", "encoder.down_blocks.")
     channels = []
     for i in range(blocks):
         resnet = f"encoder.down_blocks.{i}.resnets.0.conv1.weight"
         if resnet not in shapes:
             raise HeaderError(f"{header.path} has no tensor for {resnet}")
         channels.append(shapes[resnet][0])
-    resnets = max(
-        header.count("encoder.down.0.block."), header.count("encoder.down_blocks.0.resnets.")
-    )
+    resnets = header.count("encoder.down.0.block.", "encoder.down_blocks.0.resnets.")
     return {
         **facts,
         "in_channels": shapes["encoder.conv_in.weight"][1],

@@ -39,7 +39,7 @@ LAYER_STEMS = ("model.layers.", "layers.", "blk.")
 
 
 def shape(header: Header, key: str) -> tuple[int, ...] | None:
-    return next((header.shapes[n] for n in NAMES[key] if n in header.shapes), None)
+    return header.first_shape(NAMES[key])
 
 
 def is_qwen3(header: Header) -> bool:
@@ -54,7 +54,7 @@ def width(header: Header) -> int | None:
 
 
 def layers(header: Header) -> int:
-    return max(header.count(stem) for stem in LAYER_STEMS)
+    return header.count(*LAYER_STEMS)
 
 
 def config(header: Header) -> dict:

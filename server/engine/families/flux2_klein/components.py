@@ -66,20 +66,12 @@ VAE_FACTS = {
 RAW_LATENT_CHANNELS = 32
 
 
-def _shape(header: Header, names) -> tuple[int, ...] | None:
-    return next((header.shapes[n] for n in names if n in header.shapes), None)
-
-
-def _count(header: Header, stems) -> int:
-    return max(header.count(stem) for stem in stems)
-
-
 def family(dit: Header) -> str | None:
-    if not (_shape(dit, MODULATION) and _shape(dit, IMAGE_IN) and _shape(dit, TEXT_IN)):
+    if not (dit.first_shape(MODULATION) and dit.first_shape(IMAGE_IN) and dit.first_shape(TEXT_IN)):
         return None
-    if _shape(dit, GUIDANCE):
+    if dit.first_shape(GUIDANCE):
         return None
-    return FAMILY_9B if _count(dit, DOUBLE_STEMS) >= NINE_B_DOUBLE_BLOCKS else FAMILY_4B
+    return FAMILY_9B if dit.count(*DOUBLE_STEMS) >= NINE_B_DOUBLE_BLOCKS else FAMILY_4B
 
 
 def variant(dit: Header, name: str) -> str | None:
@@ -87,7 +79,7 @@ def variant(dit: Header, name: str) -> str | None:
 
 
 def joint_width(dit: Header) -> int:
-    return _shape(dit, TEXT_IN)[1]
+    return dit.first_shape(TEXT_IN)[1]
 
 
 def fits_encoder(dit: Header, encoder: Header) -> bool:
@@ -104,17 +96,17 @@ def fits_vae(dit: Header, vae: Header) -> bool:
 
 
 def dit_config(dit: Header) -> dict:
-    hidden, in_channels = _shape(dit, IMAGE_IN)
-    head_dim = _shape(dit, QUERY_NORM)[0]
+    hidden, in_channels = dit.first_shape(IMAGE_IN)
+    head_dim = dit.first_shape(QUERY_NORM)[0]
     return {
         **DIT_FACTS,
         "in_channels": in_channels,
-        "num_layers": _count(dit, DOUBLE_STEMS),
-        "num_single_layers": _count(dit, SINGLE_STEMS),
+        "num_layers": dit.count(*DOUBLE_STEMS),
+        "num_single_layers": dit.count(*SINGLE_STEMS),
         "attention_head_dim": head_dim,
         "num_attention_heads": hidden // head_dim,
         "joint_attention_dim": joint_width(dit),
-        "mlp_ratio": _shape(dit, MLP_IN)[0] / 2 / hidden,
+        "mlp_ratio": dit.first_shape(MLP_IN)[0] / 2 / hidden,
         "axes_dims_rope": [head_dim // ROPE_AXES] * ROPE_AXES,
     }
 

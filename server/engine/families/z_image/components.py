@@ -50,12 +50,8 @@ VAE_FACTS = {
 }
 
 
-def _shape(header: Header, names) -> tuple[int, ...] | None:
-    return next((header.shapes[n] for n in names if n in header.shapes), None)
-
-
 def family(dit: Header) -> str | None:
-    if dit.has(CAPTION, PAD_TOKEN) and _shape(dit, K_NORM) and _shape(dit, X_EMBEDDER):
+    if dit.has(CAPTION, PAD_TOKEN) and dit.first_shape(K_NORM) and dit.first_shape(X_EMBEDDER):
         return FAMILY
     return None
 
@@ -74,8 +70,8 @@ def fits_vae(dit: Header, vae: Header) -> bool:
 
 
 def dit_config(dit: Header) -> dict:
-    dim, patch_channels = _shape(dit, X_EMBEDDER)
-    head_dim = _shape(dit, Q_NORM)[0]
+    dim, patch_channels = dit.first_shape(X_EMBEDDER)
+    head_dim = dit.first_shape(Q_NORM)[0]
     return {
         **DIT_FACTS,
         "in_channels": patch_channels // (PATCH * PATCH),
