@@ -39,6 +39,11 @@ MODEL_INDEX = "model_index.json"
 # model_index.json: a step resolves its model, and listing every folder per step is file-system
 # work on the request path. GET models always lists afresh; a miss looks again at once.
 LISTING_TTL_S = 2.0
+# How long the models from component files, as `component_sets` lists them (ComfyUI's model
+# folders walked, their headers read), are reused before they are asked for again: a listing
+# runs on a step's path (through `resolve`), and walking ComfyUI's folders costs 0.3 s for
+# 200 files (docs/benchmarks.md). A set's folder is made again only when its files change.
+SET_LISTING_TTL_S = 10.0
 
 # The family whose embedded model is the embedded default: offered first, and the default
 # when no default model is configured. Each embedded model's module (a spec's `embedded`)
@@ -174,6 +179,9 @@ class ModelRegistry:
         self.component_sets = component_sets
         self.sets_dir = sets_dir
         self._set_errors: dict[str, Exception] = {}  # model id -> why its set cannot be served
+        self._sets_listed: tuple[float, dict] | None = None  # (when, component_sets())
+        # a set's files -> (their stamps, its folder), for sets that could be served
+        self._set_made: dict[Any, tuple[tuple, Path]] = {}
         self.default_model = default_model or None
         given = family_specs() if families is None else families
         self.families: dict[str, FamilySpec] = {}
@@ -251,15 +259,34 @@ class ModelRegistry:
             log.debug("no models from component files: %s", exc)
             return {}
 
+        now = self._clock()
+        with self._lock:
+            listed = self._sets_listed
+        if listed is None or now - listed[0] >= SET_LISTING_TTL_S:
+            listed = (now, self.component_sets())
+            with self._lock:
+                self._sets_listed = listed
         folders, errors = {}, {}
-        for model_id, files in self.component_sets().items():
+        for model_id, files in listed[1].items():
             try:
-                folders[model_id] = set_folder(files, self.families, self.sets_dir)
+                folders[model_id] = self._set_folder(files, set_folder)
             except (ComponentError, OSError) as exc:
                 errors[model_id] = exc
         with self._lock:
             self._set_errors = errors
         return folders
+
+    def _set_folder(self, files: Any, make: Callable) -> Path:
+        """The set's folder, made again (`make`: components.set_folder) only when one of its
+        files, or a folder beside them that may gain a tokenizer, changed since."""
+        paths = [*files.paths().values(), Path(files.dit).parent, Path(files.text_encoder).parent]
+        stamps = tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in map(Path, paths))
+        made = self._set_made.get(files)
+        if made is not None and made[0] == stamps and made[1].is_dir():
+            return made[1]
+        folder = make(files, self.families, self.sets_dir)
+        self._set_made[files] = (stamps, folder)
+        return folder
 
     def _recent_folders(self) -> dict[str, Path]:
         """The last listing when younger than LISTING_TTL_S, else a new one."""

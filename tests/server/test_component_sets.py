@@ -177,3 +177,31 @@ def test_gmlx_image_sample_takes_the_files_as_flags(comfy, tmp_path):
         env=env,
     )
     assert refused.returncode != 0 and "cut short" in refused.stderr
+
+
+def test_a_listing_reuses_the_sets_and_their_folders_until_their_files_change(comfy, tmp_path):
+    """A listing runs on a step's path: the sets are asked for again after SET_LISTING_TTL_S,
+    and a set's folder is made again only when one of its files changed."""
+    from gmlx_server.engine import registry as registry_module
+    from gmlx_server.engine.components import ComponentFiles
+    from gmlx_server.engine.registry import ModelRegistry
+
+    _, models = comfy
+    dit = tmp_path / DIT_FILE
+    shutil.copy(models / "diffusion_models" / DIT_FILE, dit)
+    files = ComponentFiles(dit, models / "text_encoders" / ENCODER_FILE, models / "vae" / VAE_FILE)
+    asked = []
+    now = [0.0]
+    registry = ModelRegistry(
+        component_sets=lambda: asked.append(1) or {"mine": files}, sets_dir=tmp_path / "sets"
+    )
+    registry._clock = lambda: now[0]
+    folder = registry.folders()["mine"]
+    stamp = (folder / "gmlx_embedded.json").stat().st_mtime_ns
+    assert registry.folders()["mine"] == folder and len(asked) == 1
+    now[0] += registry_module.SET_LISTING_TTL_S
+    assert registry.folders()["mine"] == folder and len(asked) == 2
+    assert (folder / "gmlx_embedded.json").stat().st_mtime_ns == stamp  # not made again
+    dit.write_bytes(dit.read_bytes())  # the same bytes, a new file time
+    now[0] += registry_module.SET_LISTING_TTL_S
+    assert registry.folders()["mine"] != folder  # its fingerprint covers the file's time
