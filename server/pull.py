@@ -271,8 +271,8 @@ def quantized_choices(folder: Path) -> dict:
     from .engine.registry import ModelRegistry
 
     registry = ModelRegistry(extra_models=[folder])
-    entry = registry.folders() and registry.entries()[0]
-    family = registry.family(entry.family) if entry and entry.family else None
+    entries = [entry for entry in registry.entries() if entry.family]
+    family = registry.family(entries[0].family) if entries else None
     choices = family.quantized_files(folder) if family is not None else None
     if not choices:
         raise PullError(

@@ -9,25 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gmlx_server.engine.families.flux2_klein import embedded
+
 from ...tiny_weights import redraw
 
-TINY_CONFIG = {
-    "patch_size": 1,
-    "in_channels": 128,
-    "num_layers": 2,
-    "num_single_layers": 2,
-    "attention_head_dim": 32,
-    "num_attention_heads": 2,
-    "joint_attention_dim": 96,  # three tapped layers of the tiny 32-wide text encoder
-    "timestep_guidance_channels": 256,
-    "mlp_ratio": 3.0,
-    "axes_dims_rope": (8, 8, 8, 8),
-    "rope_theta": 2000,
-    "eps": 1e-6,
-    "guidance_embeds": False,
-}
-# The 9B DiT's depth in double-stream blocks: a tiny 9B folder has as many (identify reads it).
-NINE_B_DOUBLE_BLOCKS = 8
+# The embedded klein's DiT config (three tapped layers of its 32-wide text encoder make the
+# joint width 96), less diffusers' bookkeeping keys.
+TINY_CONFIG = {k: v for k, v in embedded.TRANSFORMER_CONFIG.items() if not k.startswith("_")}
 
 LINEAR_GAIN = 1.0
 CONSTANT_NOISE = 0.3
