@@ -16,17 +16,12 @@ from gmlx_server.engine.embedded import STAMP_FILE
 from gmlx_server.engine.families.flux2_klein import embedded, family
 
 from tests.families.flux2_klein.reference import rel_l2
+from tests.families.z_image.test_embedded import _files
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return embedded.ensure_embedded_model(tmp_path_factory.mktemp("cache"))
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
 
 
 def test_folder_is_named_and_laid_out_as_the_pipeline(model_dir):
