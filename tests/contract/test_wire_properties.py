@@ -24,7 +24,7 @@ fields_strategy = st.none() | st.dictionaries(st.text(max_size=6), json_values, 
 
 # Examples per structured property: the deep search of the same reader is the fuzz corpus's
 # (fuzz/fuzz_container.py, the heavy tier); raw bytes get more below.
-EXAMPLES = 400
+EXAMPLES = 250
 
 
 @st.composite
