@@ -61,6 +61,9 @@ def test_a_fitting_step_passes_and_a_large_one_gets_400_with_what_fits(qwen):
     assert fits.status_code == 200, fits.text
 
 
+# tests/memory/test_residency.py's step that does not fit after the encoder's release runs its
+# rows one at a time through the same plan, at half the cost; this one runs with -m heavy.
+@pytest.mark.heavy
 def test_rows_that_do_not_fit_together_run_one_at_a_time(qwen):
     c = cond(qwen, 16, 1)
     planner = qwen.ctx.service.memory

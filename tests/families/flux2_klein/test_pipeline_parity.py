@@ -38,8 +38,9 @@ def references() -> list[np.ndarray]:
 
 
 # The distilled 4B runs the same pipeline class as the base 4B, unguided: the base case (cfg
-# 4) and the KV case (cfg 1) cover its arithmetic; it runs with -m heavy.
-HEAVY_CASES = ("4b-distilled",)
+# 4) covers its arithmetic. The KV pipeline's references at time 0 and their kept K/V are
+# tests/families/flux2_klein/test_seam.py's against the transformer. Both run with -m heavy.
+HEAVY_CASES = ("4b-distilled", "9b-kv")
 
 
 @pytest.fixture(
