@@ -66,6 +66,7 @@ def test_a_fitting_step_passes_and_a_large_one_gets_400_with_what_fits(qwen):
 @pytest.mark.heavy
 def test_rows_that_do_not_fit_together_run_one_at_a_time(qwen):
     c = cond(qwen, 16, 1)
+    assert qwen.post_json("models/load", {"model": qwen.model_id}).status_code == 200
     planner = qwen.ctx.service.memory
     model = qwen.ctx.registry.loaded(qwen.model_id).model
     free = planner.budget() - planner.held(states=False)
