@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
+from .config import ImageConfig
 from .engine.sampling import (
     SAMPLERS,
     DirectTransport,
@@ -42,6 +43,7 @@ from .engine.sampling import (
 from .imagefiles import read_image_file
 from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
+from .memory import MemoryPlanner, PlannedTransport
 from .parsers import (
     CommandParser,
     add_group_arguments,
@@ -65,6 +67,7 @@ class ModelChoice:
     registry: Any
     model_id: str
     prepare_s: float  # finding the folder (and generating the embedded default on first use)
+    image: ImageConfig = field(default_factory=ImageConfig)  # the memory plan's settings
     group: Any = None  # the rank group the model loads over (server/distributed.py), or None
 
     def check(self, request: ImageRequest) -> None:
@@ -97,6 +100,7 @@ def choose_model(
 
     started = time.perf_counter()
     flags = flags or {}
+    config = load_config(config_path)
     if model and (Path(model).expanduser() / MODEL_INDEX).is_file():
         folder = Path(model).expanduser().resolve()
         settings = model_settings_over(None, flags, Path.cwd(), flag_name).load_settings()
@@ -105,8 +109,7 @@ def choose_model(
             default_model=folder.name,
             settings=lambda _model_id: settings,
         )
-        return ModelChoice(registry, folder.name, time.perf_counter() - started)
-    config = load_config(config_path)
+        return ModelChoice(registry, folder.name, time.perf_counter() - started, config.image)
     if model is None and "vae" in flags:  # --dit, --text-encoder and --vae: component files
         settings = model_settings_over(None, flags, Path.cwd(), flag_name)
         files = settings.component_files()
@@ -123,7 +126,7 @@ def choose_model(
         raise ValueError("no model named, none configured and no embedded default available")
     entry = config.models.get(model_id)
     config.models[model_id] = model_settings_over(entry, flags, Path.cwd(), flag_name)
-    return ModelChoice(registry, model_id, time.perf_counter() - started)
+    return ModelChoice(registry, model_id, time.perf_counter() - started, config.image)
 
 
 def unknown_model(model: str, known: list[str]) -> str:
@@ -335,8 +338,11 @@ def sample_direct(
         bar.update()
         loaded = choice.registry.acquire(choice.model_id)
         bar.update()
-    transport = DirectTransport(loaded.model, table=sampling_table(loaded, adapters))
-    latents, timings = generate(transport, loaded.model.status(), request, progress=True)
+    memory = MemoryPlanner(choice.registry, [], choice.image)
+    transport = PlannedTransport(loaded, memory, table=sampling_table(loaded, adapters))
+    status = loaded.model.status()
+    transport.check_image(status, request)
+    latents, timings = generate(transport, status, request, progress=True)
     return transport.decode(latents), len(timings.step_s)
 
 
@@ -432,7 +438,9 @@ class StepServer:
         from .config import ServerConfig
 
         self.choice = choice
-        self.config = ServerConfig(host="127.0.0.1", port=0, default_model=choice.model_id)
+        self.config = ServerConfig(
+            host="127.0.0.1", port=0, default_model=choice.model_id, image=choice.image
+        )
         self.ctx = build_context(self.config, choice.registry, choice.group)
         self.http = ServerThread(make_server(create_app(self.ctx), self.config))
         self.loaded = None
@@ -460,10 +468,12 @@ class StepServer:
         self.loaded = self.service.acquire(self.choice.model_id)
         return self.loaded
 
-    def direct(self, table: Any = None) -> DirectTransport:
-        """The in-process transport on the same loaded model, through the same worker (under
-        patch table `table`, None for the plain model)."""
-        return DirectTransport(self.loaded.model, call=self.service.worker.call, table=table)
+    def direct(self, table: Any = None) -> PlannedTransport:
+        """The in-process transport on the same loaded model, through the same worker and memory
+        plan (under patch table `table`, None for the plain model)."""
+        return PlannedTransport(
+            self.loaded, self.service.memory, call=self.service.worker.call, table=table
+        )
 
 
 class ViaStepsTransport:

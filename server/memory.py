@@ -35,9 +35,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .config import ImageConfig
-from .engine.base import MemoryPlanError
+from .engine.base import MemoryPlanError, StepResult
 from .engine.registry import LoadedModel, ModelRegistry
+from .engine.sampling import (
+    DirectTransport,
+    ImageRequest,
+    call_inline,
+    check_request,
+    decode_latents,
+)
 
 log = logging.getLogger("gmlx.server")
 
@@ -300,6 +309,31 @@ class MemoryPlanner:
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
         return StepPlan(plans, need)
 
+    def run_step(
+        self,
+        loaded: LoadedModel,
+        x: np.ndarray,
+        timestep: np.ndarray,
+        rows: list,
+        table: Any,
+        denoise: Callable[..., StepResult],
+        ref_cache_run: str | None = None,
+    ) -> StepResult:
+        """A step under its detailed plan (`check_step`), on the worker right before the work:
+        `denoise(x, timestep, rows, plans)` within the plan's allocation bound, or once per row
+        (each row planned again by `check_row`) when the rows run one at a time."""
+        plan = self.check_step(loaded, x.shape, rows, table, ref_cache_run=ref_cache_run)
+        if not plan.one_row_at_a_time:
+            with allocation_bound(plan.peak_bytes):
+                return denoise(x, timestep, rows, plan.plans)
+        results = []
+        for index, row in enumerate(rows):
+            row_plan = self.check_row(loaded, x.shape, rows, index, table, plan)
+            one = slice(index, index + 1)
+            with allocation_bound(row_plan.peak_bytes):
+                results.append(denoise(x[one], timestep[one], [row], row_plan.plans))
+        return joined(results)
+
     def check_row(
         self, loaded: LoadedModel, x_shape: tuple, rows: list, index: int, table: Any, plan: Any
     ) -> StepPlan:
@@ -320,6 +354,16 @@ class MemoryPlanner:
             hint = f"row {index} of the step does not fit alone after the rows before it"
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
         return StepPlan(plans, need)
+
+    def check_image(self, loaded: LoadedModel, width: int, height: int, rows: int) -> None:
+        """Before an image sampled in process is encoded: its steps' quick plan (`rows` rows of
+        its latents) and its decode, so that work which cannot fit is refused before any of it
+        runs."""
+        facts = loaded.facts
+        stride = facts.latent_stride
+        x_shape = (rows, facts.latent_channels, height // stride, width // stride)
+        self.check_step_quick(loaded, x_shape)
+        self.check_vae(loaded, height, width, True)
 
     # ------------------------------------------------------------ the text encoder
 
@@ -437,6 +481,70 @@ class MemoryPlanner:
         footprint = int(footprint or loaded.model.weight_bytes)
         table = loaded.default_table
         return footprint + (table.nbytes if table is not None else 0)
+
+
+def joined(results: list[StepResult]) -> StepResult:
+    """The rows of a step run one at a time, as the step's answer: the outputs in row order,
+    the forwards' time summed, and the prefix-cache header the batch would have had (§3.3)."""
+    headers = {result.prefix_cache for result in results}
+    if len(headers) == 1:
+        header = headers.pop()
+    else:
+        header = "off" if "off" in headers else "miss"
+    return StepResult(
+        out=np.concatenate([result.out for result in results], axis=0),
+        prefix_cache=header,
+        forward_ms=sum(result.forward_ms for result in results),
+    )
+
+
+class PlannedTransport(DirectTransport):
+    """Sampling in process under the memory plan, as the step and VAE routes plan it: each step
+    through `run_step` (the rows one at a time where they do not fit together), the decode
+    after `check_vae`. What `gmlx image sample` and the OpenAI routes sample through."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        memory: MemoryPlanner,
+        call: Callable[..., Any] = call_inline,
+        table: Any = None,
+    ):
+        super().__init__(loaded.model, call=call, table=table)
+        self.loaded = loaded
+        self.memory = memory
+
+    def step(self, x: np.ndarray, timestep: np.ndarray, rows) -> np.ndarray:
+        def denoise(x, timestep, rows, plans) -> StepResult:
+            return self.model.denoise_step(
+                x,
+                timestep,
+                rows,
+                convention=self.convention,
+                run=self.run_id,
+                table=self.table,
+                plans=plans,
+            )
+
+        run_step = self.memory.run_step
+        return self.call(run_step, self.loaded, x, timestep, list(rows), self.table, denoise).out
+
+    def decode(self, latents: np.ndarray) -> np.ndarray:
+        _, _, h, w = np.shape(latents)
+        stride = self.loaded.facts.latent_stride
+
+        def planned() -> np.ndarray:
+            self.memory.check_vae(self.loaded, h * stride, w * stride, True)
+            return decode_latents(self.model, latents)
+
+        return self.call(planned)
+
+    def check_image(self, status: dict, request: ImageRequest) -> None:
+        """Refuse, before anything of it runs, an image whose steps (one row, or two with
+        guidance) or decode cannot fit (`MemoryPlanner.check_image`)."""
+        _, cfg = check_request(status, request)
+        rows = 1 if cfg == 1.0 else 2
+        self.call(self.memory.check_image, self.loaded, request.width, request.height, rows)
 
 
 def _nth(plans: Any, index: int) -> Any:

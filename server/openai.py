@@ -38,13 +38,13 @@ from gmlx_contract.errors import ContractError
 from .engine.base import EngineInputError
 from .engine.sampling import (
     SAMPLERS,
-    DirectTransport,
     ImageRequest,
     SettingError,
     generate,
     to_uint8,
 )
 from .imagefiles import decode_image_file
+from .memory import PlannedTransport
 
 log = logging.getLogger("gmlx.server")
 
@@ -278,10 +278,12 @@ class ImageRoute:
         ).encode("utf-8")
 
     def one_image(self, loaded: Any, request: ImageRequest, output_format: str) -> str:
-        transport = DirectTransport(
-            loaded.model, call=self.service.worker.call, table=loaded.default_table
+        service = self.service
+        transport = PlannedTransport(
+            loaded, service.memory, call=service.worker.call, table=loaded.default_table
         )
-        status = self.service.worker.call(loaded.model.status)
+        status = service.worker.call(loaded.model.status)
+        transport.check_image(status, request)
         latents, timings = generate(transport, status, request)
         pixels = transport.decode(latents)
         log.info(

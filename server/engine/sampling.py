@@ -387,7 +387,7 @@ def direct_row(encoding: EncodeResult, prefix_cache: bool = True) -> StepRow:
     )
 
 
-def _inline(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def call_inline(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return fn(*args, **kwargs)
 
 
@@ -402,7 +402,7 @@ class DirectTransport:
     def __init__(
         self,
         model: Any,
-        call: Callable[..., Any] = _inline,
+        call: Callable[..., Any] = call_inline,
         run_id: str | None = None,
         table: Any = None,
     ):

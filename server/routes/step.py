@@ -18,7 +18,6 @@ from gmlx_contract.errors import ContractError
 
 from ..engine.base import StepResult, StepRow, kept_image_slots
 from ..engine.registry import LoadedModel
-from ..memory import allocation_bound
 from ..service import CachedTensor, Run, StepsService, tensor_of
 from .common import Resource, check_pixels, container_body, flag, is_int, send_container
 
@@ -99,40 +98,19 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
         service.check_live(run)  # interrupted while queued: do not compute
         # 11: the detailed plan, with the rows' prefixes, right before the work (sheds states,
         # releases the text encoder, or has the rows run one at a time)
-        plan = service.memory.check_step(
-            loaded, request.x.shape, rows, table, ref_cache_run=run.run_id if ref_cache else None
+        return service.memory.run_step(
+            loaded,
+            request.x,
+            request.timestep,
+            rows,
+            table,
+            denoise,
+            ref_cache_run=run.run_id if ref_cache else None,
         )
-        if not plan.one_row_at_a_time:
-            with allocation_bound(plan.peak_bytes):
-                return denoise(request.x, request.timestep, rows, plan.plans)
-        results = []
-        for index, row in enumerate(rows):
-            row_plan = service.memory.check_row(loaded, request.x.shape, rows, index, table, plan)
-            one = slice(index, index + 1)
-            with allocation_bound(row_plan.peak_bytes):
-                results.append(
-                    denoise(request.x[one], request.timestep[one], [row], row_plan.plans)
-                )
-        return joined(results)
 
     result = service.worker.call(forward)
     service.check_live(run)  # 12: interrupted or ended while running: the result is dropped
     return result
-
-
-def joined(results: list[StepResult]) -> StepResult:
-    """The rows of a step run one at a time, as the step's answer: the outputs in row order,
-    the forwards' time summed, and the prefix-cache header the batch would have had (§3.3)."""
-    headers = {result.prefix_cache for result in results}
-    if len(headers) == 1:
-        header = headers.pop()
-    else:
-        header = "off" if "off" in headers else "miss"
-    return StepResult(
-        out=np.concatenate([result.out for result in results], axis=0),
-        prefix_cache=header,
-        forward_ms=sum(result.forward_ms for result in results),
-    )
 
 
 # ---------------------------------------------------------------- step 3: shapes

@@ -104,6 +104,25 @@ def test_vae_routes_refuse_what_does_not_fit_with_the_largest_size(qwen):
     assert r.status_code == 400 and "encode's memory plan" in r.json()["error"]
 
 
+def test_an_openai_image_is_planned_before_it_is_encoded(qwen, monkeypatch):
+    """/v1/images/generations samples in process under the same plan as the step routes: an
+    image whose steps do not fit is refused 400 with what fits, before its prompt is encoded."""
+    loaded = qwen.ctx.registry.acquire(qwen.model_id)
+    qwen.ctx.registry.release(loaded)
+    model = loaded.model
+
+    def no_encode(*args, **kwargs):
+        raise AssertionError("the prompt was encoded before the plan")
+
+    monkeypatch.setattr(model, "encode", no_encode)
+    doc = {"prompt": "a red fox", "size": "1536x1536", "model": qwen.model_id}
+    r = qwen.session.post(qwen.base + "/v1/images/generations", json=doc, timeout=30)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "step's memory plan does not fit" in message and f"{BUDGET_MB} MiB" in message
+    assert "fit at up to" in message
+
+
 def test_status_memory_keys_and_cache_bounds(qwen):
     qwen.post_json("models/load", {"model": qwen.model_id})
     memory = qwen.call("GET", f"models/{qwen.model_id}/status").json()["memory"]
