@@ -37,9 +37,11 @@ from .patches import (
     AdapterHashes,
     Aliases,
     build_table,
+    half_matching_text,
     lora_key_map,
     misfit_patch,
     unmapped_patches_text,
+    unmatched_stems,
 )
 from .request import (
     CallCheck,
@@ -349,9 +351,9 @@ def running_prompt_classes() -> list[str]:
     ]
 
 
-def executing_patch_source() -> str:
-    """What the executing node patches the model from, as an error names it: "the LoRA file
-    'x'" for a node with a `lora_name` input, else the node; "a LoRA" outside a prompt."""
+def _executing_node() -> tuple[str | None, dict | None]:
+    """(id, prompt entry) of the node ComfyUI is executing; (None, None) outside a prompt, the
+    entry None where the prompt is not found."""
     try:
         from comfy_execution.utils import get_executing_context
 
@@ -359,15 +361,57 @@ def executing_patch_source() -> str:
     except ImportError:
         context = None
     if context is None:
-        return "a LoRA"
+        return None, None
     for prompt_id, prompt in _running_prompts():
         node = prompt.get(context.node_id) if prompt_id == context.prompt_id else None
         if isinstance(node, dict):
-            name = (node.get("inputs") or {}).get("lora_name")
-            if isinstance(name, str):
-                return f"the LoRA file {name!r}"
-            return f"node {context.node_id} ({node.get('class_type')})"
-    return f"node {context.node_id}"
+            return context.node_id, node
+    return context.node_id, None
+
+
+def _lora_name(node: dict | None) -> str | None:
+    name = (node or {}).get("inputs", {}).get("lora_name")
+    return name if isinstance(name, str) else None
+
+
+def executing_patch_source() -> str:
+    """What the executing node patches the model from, as an error names it: "the LoRA file
+    'x'" for a node with a `lora_name` input, else the node; "a LoRA" outside a prompt."""
+    node_id, node = _executing_node()
+    if node_id is None:
+        return "a LoRA"
+    if _lora_name(node) is not None:
+        return f"the LoRA file {_lora_name(node)!r}"
+    return f"node {node_id}" + (f" ({node.get('class_type')})" if node else "")
+
+
+def warn_half_matching_lora(model_id: str, key_map: dict[str, str]) -> None:
+    """When the executing node's LoRA file has layers that name none of the model's (ComfyUI
+    leaves them out, logging each as 'lora key not loaded'), say so in ComfyUI's log and on the
+    node itself, as one line naming the file and how much of it applies."""
+    node_id, node = _executing_node()
+    name = _lora_name(node)
+    if name is None:
+        return
+    try:
+        import folder_paths
+        from safetensors import safe_open
+
+        with safe_open(folder_paths.get_full_path_or_raise("loras", name), "np") as lora:
+            keys = list(lora.keys())
+    except Exception:  # noqa: BLE001 - ComfyUI read the file already; the warning is best effort
+        return
+    unmatched, total = unmatched_stems(keys, key_map)
+    if not unmatched:
+        return
+    text = half_matching_text(f"the LoRA file {name!r}", model_id, unmatched, total)
+    log.warning("%s", text)
+    try:
+        import server  # ComfyUI's own module
+
+        server.PromptServer.instance.send_progress_text(text, node_id)
+    except Exception:  # noqa: BLE001 - an older ComfyUI shows no text on a node
+        pass
 
 
 # ---------------------------------------------------------------- BaseModel and patcher
@@ -514,6 +558,8 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
             raise GmlxError(
                 f"gmlx: {executing_patch_source()} does not fit {self.remote.model_id!r}: {misfit}"
             )
+        if strength_patch != 0.0:
+            warn_half_matching_lora(self.remote.model_id, self.remote.lora_keys)
         return added
 
     def pre_run(self):

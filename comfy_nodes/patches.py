@@ -27,6 +27,7 @@ from gmlx_contract.hashing import tensor_hash
 from gmlx_contract.lora_keys import (
     KOHYA_PREFIX,
     PREFIXES,
+    SUFFIXES,
     alias_landings,
     layer_aliases,
     layer_rows,
@@ -113,6 +114,23 @@ def unmapped_patches_text(source: str, model_id: str, foreign_keys: list[str]) -
         f"{forms}, <layer> or {KOHYA_PREFIX}<layer with _ for .>, each with .lora_up/.lora_down "
         "or .lora_B/.lora_A, where <layer> is a linear layer of the model's manifest or one of "
         "its lora_aliases (FLUX.2 klein: BFL's names)"
+    )
+
+
+def unmatched_stems(keys: list[str], key_map: dict[str, str]) -> tuple[list[str], int]:
+    """The LoRA stems of a file's keys (each key less its SUFFIXES part) that the key map
+    (`lora_key_map`) does not map, sorted, and how many stems the file has."""
+    stems = {key[: -len(s)] for key in keys for s in SUFFIXES if key.endswith(s)}
+    return sorted(stem for stem in stems if stem not in key_map), len(stems)
+
+
+def half_matching_text(source: str, model_id: str, unmatched: list[str], total: int) -> str:
+    """The warning for a LoRA of which only some layers land on the model; the rest is left out."""
+    first = ", ".join(unmatched[:3]) + (", ..." if len(unmatched) > 3 else "")
+    return (
+        f"gmlx: {source} patches {total - len(unmatched)} of its {total} layers in "
+        f"{model_id!r}; {len(unmatched)} name no layer of this model and are left out "
+        f"({first}). Is it a LoRA for another model or variant?"
     )
 
 

@@ -1114,6 +1114,48 @@ def _failure(comfy: dict, workflow: dict) -> str:
     return errors[0]["exception_message"]
 
 
+# Prints, a JSON line each, the node texts (ComfyUI's binary TEXT event: node id, then text)
+# that ComfyUI's websocket sends, until it is killed; run in ComfyUI's Python (it has aiohttp).
+_NODE_TEXT_LISTENER = """
+import asyncio, json, struct, sys
+import aiohttp
+
+async def listen(url):
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(url + "/ws?clientId=gmlx-node-texts") as ws:
+            print("ready", flush=True)
+            async for message in ws:
+                if message.type != aiohttp.WSMsgType.BINARY:
+                    continue
+                event, size = struct.unpack(">II", message.data[:8])
+                if event == 3:
+                    node = message.data[8 : 8 + size].decode()
+                    text = message.data[8 + size :].decode()
+                    print(json.dumps([node, text]), flush=True)
+
+asyncio.run(listen(sys.argv[1]))
+"""
+
+
+class _NodeTexts:
+    """The texts ComfyUI showed on nodes while the block ran: [(node id, text)]."""
+
+    def __init__(self, comfy: dict):
+        self.url = comfy["url"]
+
+    def __enter__(self):
+        command = [os.environ["COMFYUI_PYTHON"], "-c", _NODE_TEXT_LISTENER, self.url]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        assert self.process.stdout.readline().strip() == "ready"
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(0.5)  # the last messages in flight
+        self.process.kill()
+        lines = self.process.stdout.read().splitlines()
+        self.texts = [tuple(json.loads(line)) for line in lines if line]
+
+
 class _LogSlice:
     """What a log file gained while the block ran."""
 
@@ -1414,6 +1456,40 @@ def test_a_lora_that_maps_onto_nothing_is_an_error_naming_the_file(comfyui, gmlx
     wf = _with_lora(_pack_prompt(gmlx_server["model"], 1, 1), "other_model.safetensors")
     message = _failure(comfyui, wf)
     assert "'other_model.safetensors'" in message and "changes nothing" in message
+
+
+def test_a_half_matching_lora_applies_what_lands_and_says_what_is_left_out(
+    comfyui, gmlx_server, engine
+):
+    """A LoRA of one layer of the model and one it lacks: ComfyUI applies the first (the
+    latents are the engine's under that layer alone) and the pack's warning names the file and
+    the layer left out, in ComfyUI's log and on the LoRA node."""
+    from safetensors.numpy import save_file
+
+    seed, steps = 6, 2
+    layer = "transformer_blocks.0.attn.to_q"
+    out_dim, in_dim = next(
+        t["shape"] for t in engine.manifest()["tensors"] if t["name"] == layer + ".weight"
+    )
+    rng = np.random.default_rng(0)
+    state = {}
+    for block in (0, 99):  # 99: a block past the last
+        stem = f"transformer.transformer_blocks.{block}.attn.to_q"
+        state[f"{stem}.lora_A.weight"] = rng.standard_normal((2, in_dim)).astype(np.float32)
+        state[f"{stem}.lora_B.weight"] = rng.standard_normal((out_dim, 2)).astype(np.float32)
+    loras = comfyui["base"] / "models" / "loras"
+    save_file(state, loras / "half.safetensors")
+    fits = {k: v for k, v in state.items() if ".99." not in k}
+    save_file(fits, loras / "half_fitting_part.safetensors")
+    wf = _with_lora(_pack_prompt(gmlx_server["model"], seed, steps), "half.safetensors")
+    with _LogSlice(comfyui["log"]) as log, _NodeTexts(comfyui) as shown:
+        got = _latent(comfyui, _run(comfyui, wf))
+    warning = "gmlx: the LoRA file 'half.safetensors' patches 1 of its 2 layers"
+    assert warning in log.text and "transformer_blocks.99.attn.to_q" in log.text, log.text
+    assert [text for node, text in shown.texts if node == "30" and warning in text], shown.texts
+    table = _server_table(engine, loras / "half_fitting_part.safetensors")
+    want = direct_sample(engine, PACK_PROMPT, seed, comfy_simple_sigmas(steps), table)
+    assert _rel(got, want) <= LATENT_RTOL
 
 
 def test_a_lora_of_the_wrong_shape_is_refused_at_its_loader_naming_the_file(comfyui, gmlx_server):

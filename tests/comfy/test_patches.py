@@ -206,3 +206,27 @@ def test_a_lora_patch_of_the_wrong_shape_is_named_with_its_key():
     )
     band = {"qkv.weight": [(1.0, lora((24, 2), (2, 16)), 1.0, (0, 8, 8), None)]}
     assert "up [24, 2]" in misfit_patch(band, shapes) and "8 × 16" in misfit_patch(band, shapes)
+
+
+def test_the_stems_a_key_map_leaves_out_are_named():
+    from gmlx_comfy.patches import half_matching_text, lora_key_map, unmatched_stems
+
+    manifest = {"tensors": [{"name": KEY_Q[len("diffusion_model.") :], "shape": [16, 8]}]}
+    key_map = lora_key_map(manifest)
+    keys = [
+        "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight",
+        "lora_unet_transformer_blocks_0_attn_to_q.lora_up.weight",
+        "lora_unet_transformer_blocks_0_attn_to_q.alpha",
+        "transformer.transformer_blocks.9.attn.to_q.lora_A.weight",
+        "transformer.transformer_blocks.9.attn.to_q.lora_B.weight",
+        "lora_te_text_model_encoder_layers_0_mlp_fc1.lora_up.weight",
+    ]
+    unmatched, total = unmatched_stems(keys, key_map)
+    assert total == 3
+    assert unmatched == [
+        "lora_te_text_model_encoder_layers_0_mlp_fc1",
+        "transformer.transformer_blocks.9.attn.to_q",
+    ]
+    text = half_matching_text("the LoRA file 'x.safetensors'", "m", unmatched, total)
+    assert text.startswith("gmlx: the LoRA file 'x.safetensors' patches 1 of its 3 layers in 'm'")
+    assert unmatched_stems(keys[:3], key_map) == ([], 1)
