@@ -1,0 +1,443 @@
+"""The Krea 2 diffusion transformer in MLX (diffusers' `Krea2Transformer2DModel`, its weight
+names).
+
+A single-stream DiT over 16-channel latents cut into 2x2 patches. A row's conditioning is a stack
+of text-encoder hidden states per token (L, num_text_layers, text_dim). The text fusion stage
+collapses the layer axis (two blocks attending across the layers of each token, a linear
+projector) and refines the token sequence (two blocks across the tokens), `txt_in` projects it to
+the DiT's width, and the row's [text, image] sequence runs through the main blocks, each
+modulated by one shared time vector plus its own learned table. Attention is grouped-query, its
+output gated by a sigmoid of the input; the norms are RMS norms scaling by 1 + weight, in
+float32. Text tokens sit at RoPE position (0, 0, 0), image tokens at (0, row, column).
+
+The reference pads every prompt to a fixed length and masks the padded keys everywhere; a padded
+token is never read back. Here a row carries its real tokens only, which gives the real tokens
+the same answer. Rows of a batch with conditionings of different lengths are left-padded to the
+longest, and each row attends over its own keys only (its keys are the last ones), so the padding
+is never read either.
+
+The DiT's raw output at time t = sigma is the flow velocity dx/dsigma, as the pipeline uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...dit_network import DiTNetwork, DiTPart
+from ...lora import LinearSlot, project
+from ...nn.activations import gelu_tanh, silu
+from ...nn.attention import attention
+from ...nn.compiled import CompiledPass
+from ...nn.embeddings import time_frequencies
+from ...nn.rope import apply_rope, rope_tables
+from ...shard import ShardPlan, Split, Stages
+from ...weights import block_weights
+
+PATCH = 2  # latents are cut into 2x2 patches (the pipeline's patch_size)
+TIME_SCALE = 1000.0  # the sinusoid embeds 1000 t
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    in_channels: int  # patch channels: latent channels x PATCH^2
+    num_layers: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    time_embed_dim: int
+    text_dim: int
+    num_text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate_size: int
+    layerwise_blocks: int
+    refiner_blocks: int
+    axes_dims: tuple[int, ...]
+    rope_theta: float
+    norm_eps: float
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DiTConfig:
+        made = cls(
+            in_channels=config.get("in_channels", 64),
+            num_layers=config.get("num_layers", 28),
+            head_dim=config.get("attention_head_dim", 128),
+            num_heads=config.get("num_attention_heads", 48),
+            num_kv_heads=config.get("num_key_value_heads", 12),
+            intermediate_size=config.get("intermediate_size", 16384),
+            time_embed_dim=config.get("timestep_embed_dim", 256),
+            text_dim=config.get("text_hidden_dim", 2560),
+            num_text_layers=config.get("num_text_layers", 12),
+            text_heads=config.get("text_num_attention_heads", 20),
+            text_kv_heads=config.get("text_num_key_value_heads", 20),
+            text_intermediate_size=config.get("text_intermediate_size", 6912),
+            layerwise_blocks=config.get("num_layerwise_text_blocks", 2),
+            refiner_blocks=config.get("num_refiner_text_blocks", 2),
+            axes_dims=tuple(config.get("axes_dims_rope", (32, 48, 48))),
+            rope_theta=float(config.get("rope_theta", 1000.0)),
+            norm_eps=float(config.get("norm_eps", 1e-5)),
+        )
+        if sum(made.axes_dims) != made.head_dim:
+            raise ValueError(
+                f"axes_dims_rope {list(made.axes_dims)} must add up to attention_head_dim "
+                f"{made.head_dim}"
+            )
+        if made.in_channels % (PATCH * PATCH):
+            raise ValueError(f"in_channels {made.in_channels} is no multiple of {PATCH * PATCH}")
+        return made
+
+    @property
+    def hidden(self) -> int:
+        return self.head_dim * self.num_heads
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels // (PATCH * PATCH)
+
+    @property
+    def text_head_dim(self) -> int:
+        return self.text_dim // self.text_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: the diffusers names mapped to the forward's tree, in one place
+
+# The block stacks: tree key -> diffusers prefix. The text fusion's two run before the main one.
+STACKS = {
+    "layerwise": "text_fusion.layerwise_blocks.{}.",
+    "refiner": "text_fusion.refiner_blocks.{}.",
+    "blocks": "transformer_blocks.{}.",
+}
+# A block's linear layers by diffusers name, grouped into the fused weights the forward uses (each
+# group's parts are of one size: q and the gate are both as wide as the block, k and v both
+# as wide as the key/value heads).
+BLOCK_LINEARS = {
+    "q_gate": ("attn.to_q", "attn.to_gate"),
+    "kv": ("attn.to_k", "attn.to_v"),
+    "out": ("attn.to_out.0",),
+    "gate_up": ("ff.gate", "ff.up"),
+    "down": ("ff.down",),
+}
+BLOCK_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k", "norm1": "norm1", "norm2": "norm2"}
+MODULATION_TABLE = "scale_shift_table"  # a main block's (6, hidden) table
+# Linear layers outside the blocks: tree key -> diffusers name (all with biases but the projector).
+TOP_LINEARS = {
+    "img_in": "img_in",
+    "time_1": "time_embed.linear_1",
+    "time_2": "time_embed.linear_2",
+    "time_mod": "time_mod_proj",
+    "txt_in_1": "txt_in.linear_1",
+    "txt_in_2": "txt_in.linear_2",
+    "final": "final_layer.linear",
+}
+PROJECTOR = "text_fusion.projector"  # (1, num_text_layers): collapses the layer axis
+TOP_NORMS = {"txt_norm": "txt_in.norm.weight", "final_norm": "final_layer.norm.weight"}
+FINAL_TABLE = "final_layer.scale_shift_table"  # (2, hidden)
+BIAS = "_bias"  # a linear's bias sits beside it in the tree under key + BIAS
+# The RMS norms run in float32 and their scales stay float32 (the reference keeps them so).
+F32_WEIGHTS = tuple(f"{name}.weight" for name in BLOCK_NORMS.values()) + tuple(TOP_NORMS.values())
+
+
+def stack_depth(stack: str, config: DiTConfig) -> int:
+    return {
+        "layerwise": config.layerwise_blocks,
+        "refiner": config.refiner_blocks,
+        "blocks": config.num_layers,
+    }[stack]
+
+
+def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
+    """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
+    slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
+    slots[PROJECTOR] = LinearSlot("projector")
+    for stack, prefix in STACKS.items():
+        for i in range(stack_depth(stack, config)):
+            for key, parts in BLOCK_LINEARS.items():
+                for part, name in enumerate(parts):
+                    slots[prefix.format(i) + name] = LinearSlot(key, (stack, i), part, len(parts))
+    return slots
+
+
+def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
+    """The file's tensors (diffusers names) as the forward's weight tree: q with the gate, k with
+    v and the SwiGLU's gate with its up projection concatenated so each pair runs as one matmul;
+    biases sit beside their linear under key + BIAS. `linear_slots` names the same places."""
+    weights = {}
+    for key, name in TOP_LINEARS.items():
+        weights[key] = files[name + ".weight"]
+        weights[key + BIAS] = files[name + ".bias"]
+    weights["projector"] = files[PROJECTOR + ".weight"]
+    for key, name in TOP_NORMS.items():
+        weights[key] = files[name]
+    weights["final_table"] = files[FINAL_TABLE]
+    for stack, prefix in STACKS.items():
+        weights[stack] = []
+        for i in range(stack_depth(stack, config)):
+            p = prefix.format(i)
+            block = block_weights(files, p, BLOCK_LINEARS, BLOCK_NORMS)
+            if stack == "blocks":
+                block["table"] = files[p + MODULATION_TABLE]
+            weights[stack].append(block)
+    return weights
+
+
+def quantized(path: str) -> bool:
+    """The weights a quantized load quantizes, by tree path: the attention and feed-forward
+    linears of the main blocks, which hold nearly all of the DiT. The text fusion (narrow, and
+    run once per conditioning), the embedders, the modulation tables, the final layer and the
+    norm scales keep the compute dtype."""
+    stack, _, rest = path.partition(".")
+    return stack == "blocks" and rest.rpartition(".")[2] in BLOCK_LINEARS
+
+
+def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
+    hidden = config.hidden
+    linears = {
+        "img_in": (hidden, config.in_channels),
+        "time_1": (hidden, config.time_embed_dim),
+        "time_2": (hidden, hidden),
+        "time_mod": (6 * hidden, hidden),
+        "txt_in_1": (hidden, config.text_dim),
+        "txt_in_2": (hidden, hidden),
+        "final": (config.in_channels, hidden),
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    for key, shape in linears.items():
+        name = TOP_LINEARS[key]
+        shapes[name + ".weight"], shapes[name + ".bias"] = shape, shape[:1]
+    shapes[PROJECTOR + ".weight"] = (1, config.num_text_layers)
+    shapes[TOP_NORMS["txt_norm"]] = (config.text_dim,)
+    shapes[TOP_NORMS["final_norm"]] = (hidden,)
+    shapes[FINAL_TABLE] = (2, hidden)
+    for stack, prefix in STACKS.items():
+        text = stack != "blocks"
+        width = config.text_dim if text else hidden
+        head_dim = config.text_head_dim if text else config.head_dim
+        kv = head_dim * (config.text_kv_heads if text else config.num_kv_heads)
+        inner = config.text_intermediate_size if text else config.intermediate_size
+        block = {
+            "attn.to_q": (width, width),
+            "attn.to_gate": (width, width),
+            "attn.to_k": (kv, width),
+            "attn.to_v": (kv, width),
+            "attn.to_out.0": (width, width),
+            "ff.gate": (inner, width),
+            "ff.up": (inner, width),
+            "ff.down": (width, inner),
+        }
+        for i in range(stack_depth(stack, config)):
+            p = prefix.format(i)
+            for name, shape in block.items():
+                shapes[p + name + ".weight"] = shape
+            shapes[p + "attn.norm_q.weight"] = shapes[p + "attn.norm_k.weight"] = (head_dim,)
+            shapes[p + "norm1.weight"] = shapes[p + "norm2.weight"] = (width,)
+            if not text:
+                shapes[p + MODULATION_TABLE] = (6, hidden)
+    return shapes
+
+
+def shard_plan(config: DiTConfig) -> ShardPlan:
+    """How the DiT splits over ranks (engine/shard.py): the main blocks are the pipeline (the
+    text fusion, run once per conditioning, is whole on every rank); in every main block q with the gate and k with v (two segments each, whole heads) and
+    the SwiGLU's gate with up split by output rows, the attention output (whole heads) and the
+    down projection by input columns. A rank's query heads keep their key/value heads when the
+    key/value heads split evenly, which the group refuses otherwise."""
+    return ShardPlan(
+        stacks=("blocks",),
+        columns={
+            "q_gate": Split(2, config.head_dim),
+            "kv": Split(2, config.head_dim),
+            "gate_up": Split(2),
+        },
+        rows={"out": Split(1, config.head_dim), "down": Split(1)},
+        prefixes={"blocks": STACKS["blocks"]},
+    )
+
+
+def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
+    return shard_plan(config), {"blocks": config.num_layers}
+
+
+def dit_file(transformer_dir: Path, dit: Path | None = None):
+    """Diffusers' own folder only, for now: no single-file naming is read yet."""
+    if dit is not None:
+        raise ValueError("Krea 2 reads its DiT from a diffusers transformer/ folder")
+    return None
+
+
+PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
+
+
+def dense(w: dict, key: str, x: mx.array) -> mx.array:
+    """x through the linear w[key] (LoRA-aware: lora.project), plus its bias when it has one."""
+    out = project(w, key, x)
+    bias = w.get(key + BIAS)
+    return out if bias is None else out + bias
+
+
+def image_positions(h: int, w: int) -> np.ndarray:
+    """(h*w, 3): patch (i, j) at (0, i, j) in raster order (text tokens sit at (0, 0, 0))."""
+    return np.stack([np.zeros(h * w), np.repeat(np.arange(h), w), np.tile(np.arange(w), h)], 1)
+
+
+class Krea2DiT(DiTNetwork):
+    PART = PART
+
+    def __init__(
+        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
+    ):
+        super().__init__(config, weights, dtype, stages)
+        self._time_freqs = time_frequencies(config.time_embed_dim)
+        self.compiled_pass = CompiledPass(self._pass, config.hidden, enabled=stages is None)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def rms_norm(self, x: mx.array, weight: mx.array) -> mx.array:
+        """RMS norm scaling by 1 + weight, in float32 (`Krea2RMSNorm`)."""
+        scale = 1.0 + weight.astype(mx.float32)
+        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.config.norm_eps).astype(
+            self.dtype
+        )
+
+    def time_embedding(self, w: dict, t: mx.array) -> mx.array:
+        """(B,) t -> (B, 1, hidden): cos-first sinusoid of 1000 t, then the two-layer MLP."""
+        args = (TIME_SCALE * t.astype(mx.float32))[:, None, None] * self._time_freqs
+        embedding = mx.concatenate([mx.cos(args), mx.sin(args)], axis=-1).astype(self.dtype)
+        return dense(w, "time_2", gelu_tanh(dense(w, "time_1", embedding)))
+
+    def attention(self, block: dict, x, head_dim: int, rope, starts: list[int]) -> mx.array:
+        """Gated grouped-query self-attention of x (B, N, width); row b over its keys from
+        starts[b] on; `rope`: (cos, sin) tables or None."""
+        batch, length, _ = x.shape
+        q, gate = mx.split(project(block, "q_gate", x), 2, axis=-1)
+        k, v = mx.split(project(block, "kv", x), 2, axis=-1)
+        # heads from the weights: all of them, or a rank's share in tensor mode (shard_plan)
+        q = self.rms_norm(q.reshape(batch, length, -1, head_dim), block["norm_q"])
+        k = self.rms_norm(k.reshape(batch, length, -1, head_dim), block["norm_k"])
+        v = v.reshape(batch, length, -1, head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        groups = q.shape[2] // k.shape[2]
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        if groups > 1:
+            k, v = mx.repeat(k, groups, axis=1), mx.repeat(v, groups, axis=1)
+        attended = self._rows_attention(q, k, v, head_dim, starts)
+        merged = attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        return project(block, "out", merged * mx.sigmoid(gate))
+
+    def _rows_attention(self, q, k, v, head_dim: int, starts: list[int]) -> mx.array:
+        """Each row's queries over its own keys (from starts[b] on); rows of one start together."""
+        scale = 1.0 / math.sqrt(head_dim)
+        if all(start == starts[0] for start in starts):
+            s = starts[0]
+            return attention(q, k[:, :, s:], v[:, :, s:], scale, self.cpu_ops)
+        outputs = []
+        for row, s in enumerate(starts):
+            one = slice(row, row + 1)
+            outputs.append(attention(q[one], k[one, :, s:], v[one, :, s:], scale, self.cpu_ops))
+        return mx.concatenate(outputs, axis=0)
+
+    def feed_forward(self, block: dict, x: mx.array) -> mx.array:
+        gate, up = mx.split(project(block, "gate_up", x), 2, axis=-1)
+        return project(block, "down", silu(gate) * up)
+
+    def text_block(self, block: dict, x: mx.array, starts: list[int]) -> mx.array:
+        """A text fusion block: pre-norm attention and SwiGLU, no RoPE, no modulation."""
+        head_dim = self.config.text_head_dim
+        x = x + self.attention(block, self.rms_norm(x, block["norm1"]), head_dim, None, starts)
+        return x + self.feed_forward(block, self.rms_norm(x, block["norm2"]))
+
+    def main_block(self, block: dict, x, modulation, rope, starts) -> mx.array:
+        """A main block under the shared modulation (B, 1, 6, hidden) plus its own table."""
+        mod = modulation + block["table"].astype(modulation.dtype)
+        prescale, preshift, pregate, postscale, postshift, postgate = (
+            mod[:, :, i] for i in range(6)
+        )
+        normed = (1 + prescale) * self.rms_norm(x, block["norm1"]) + preshift
+        x = x + pregate * self.attention(block, normed, self.config.head_dim, rope, starts)
+        normed = (1 + postscale) * self.rms_norm(x, block["norm2"]) + postshift
+        return x + postgate * self.feed_forward(block, normed)
+
+    # -- the forward -------------------------------------------------------------------------
+
+    def patchify(self, x: mx.array) -> mx.array:
+        """(B, C, H, W) -> (B, (H/p)(W/p), C*p*p): patches in raster order, (C, ph, pw) inside."""
+        batch, channels, height, width = x.shape
+        x = x.reshape(batch, channels, height // PATCH, PATCH, width // PATCH, PATCH)
+        x = x.transpose(0, 2, 4, 1, 3, 5)
+        return x.reshape(batch, (height // PATCH) * (width // PATCH), channels * PATCH * PATCH)
+
+    def unpatchify(self, tokens: mx.array, height: int, width: int) -> mx.array:
+        batch, channels = tokens.shape[0], self.config.latent_channels
+        x = tokens.reshape(batch, height // PATCH, width // PATCH, channels, PATCH, PATCH)
+        return x.transpose(0, 3, 1, 4, 2, 5).reshape(batch, channels, height, width)
+
+    def forward(
+        self, x: mx.array, t: mx.array, conds: list[mx.array], weights: dict | None = None
+    ) -> mx.array:
+        """The velocity (B, C, H, W) for latents x (B, C, H, W) at t = sigma (B,), row b
+        conditioned on its text stack conds[b] (L_b, num_text_layers, text_dim). `weights`: a
+        tree carrying a LoRA table's pairs (default: the plain weights). The pass runs compiled
+        (nn/compiled.py), traced once per weight tree, size and conditioning lengths."""
+        w = self.weights if weights is None else weights
+        _, _, height, width = x.shape
+        if height % PATCH or width % PATCH:
+            raise ValueError(f"latents {height}x{width} must be multiples of the patch {PATCH}")
+        positions = image_positions(height // PATCH, width // PATCH)
+        cos, sin = rope_tables(positions, self.config.axes_dims, self.config.rope_theta)
+        lengths = tuple(int(cond.shape[0]) for cond in conds)
+        signature = (id(w), x.shape, lengths)
+        return self.compiled_pass(signature, w, x.astype(self.dtype), t, conds, (cos, sin))
+
+    def fused_text(self, w: dict, cond: mx.array) -> mx.array:
+        """One row's text stack (L, num_text_layers, text_dim) -> its tokens (L, hidden): the
+        layerwise blocks across each token's layers, the projector over the layer axis, the
+        refiner blocks across the tokens, then txt_in."""
+        tokens = cond.astype(self.dtype)  # (L, layers, text_dim): L sequences of the layers
+        for block in w["layerwise"]:
+            tokens = self.text_block(block, tokens, [0])
+        refined = dense(w, "projector", tokens.swapaxes(1, 2)).swapaxes(1, 2)  # (L, 1, text_dim)
+        refined = refined.swapaxes(0, 1)  # one sequence of the L tokens
+        for block in w["refiner"]:
+            refined = self.text_block(block, refined, [0])
+        hidden = dense(w, "txt_in_1", self.rms_norm(refined[0], w["txt_norm"]))
+        return dense(w, "txt_in_2", gelu_tanh(hidden))
+
+    def _pass(self, w: dict, x: mx.array, t: mx.array, conds: list[mx.array], rope) -> mx.array:
+        """The forward as a pure function of arrays (weights included), so `mx.compile` traces
+        it once per shape. Every length comes from a shape."""
+        batch, _, height, width = x.shape
+        hidden = self.config.hidden
+        temb = self.time_embedding(w, t)  # (B, 1, hidden)
+        modulation = dense(w, "time_mod", gelu_tanh(temb)).reshape(batch, 1, 6, hidden)
+
+        texts = [self.fused_text(w, cond) for cond in conds]
+        longest = max(text.shape[0] for text in texts)
+        starts = [longest - text.shape[0] for text in texts]  # left padding: own keys last
+        text = mx.stack(
+            [mx.pad(row, ((start, 0), (0, 0))) for row, start in zip(texts, starts, strict=True)]
+        )
+        image = dense(w, "img_in", self.patchify(x))
+        tokens = mx.concatenate([text, image], axis=1)
+
+        cos, sin = rope
+        ones, zeros = mx.ones((longest, 1, cos.shape[-1])), mx.zeros((longest, 1, cos.shape[-1]))
+        tables = (mx.concatenate([ones, cos]), mx.concatenate([zeros, sin]))
+
+        def run_block(index: int, block: dict, tokens: mx.array) -> mx.array:
+            return self.main_block(block, tokens, modulation, tables, starts)
+
+        tokens = self.stages.run("blocks", w["blocks"], tokens, run_block)
+
+        image = tokens[:, longest:]
+        final = temb + w["final_table"].astype(temb.dtype)[None]  # (B, 2, hidden)
+        scale, shift = final[:, :1], final[:, 1:]
+        out = dense(w, "final", (1 + scale) * self.rms_norm(image, w["final_norm"]) + shift)
+        return self.unpatchify(out, height, width)
