@@ -225,6 +225,44 @@ class UpBlock(nn.Module):
         return x
 
 
+class PlainUpBlock(nn.Module):
+    """`QwenImage21UpBlock` of the plain layout (is_residual false, Wan 2.1's, as
+    `QwenImageUpBlock`): resnets, then an upsampler that halves the channels."""
+
+    def __init__(self, in_dim, out_dim, num_res_blocks, up: bool):
+        super().__init__()
+        dims = [in_dim] + [out_dim] * (num_res_blocks + 1)
+        self.resnets = [ResidualBlock(a, b) for a, b in pairwise(dims)]
+        if up:
+            self.upsamplers = [Upsampler(out_dim, out_dim // 2)]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        for resnet in self.resnets:
+            x = resnet(x)
+        return self.upsamplers[0](x) if "upsamplers" in self else x
+
+
+def plain_down_blocks(dims: list[int], num_res_blocks: int) -> list[list[nn.Module]]:
+    """The encoder's levels in the plain layout (is_residual false): each level's resnets and,
+    but for the last, its downsampler; the checkpoint numbers them as one flat list."""
+    last = len(dims) - 2
+    levels = []
+    for i in range(last + 1):
+        level = [
+            ResidualBlock(a, b) for a, b in pairwise([dims[i]] + [dims[i + 1]] * num_res_blocks)
+        ]
+        if i != last:
+            level.append(Downsampler(dims[i + 1]))
+        levels.append(level)
+    return levels
+
+
+def plain_up_in_dims(dims: list[int]) -> list[int]:
+    """Each plain up block's input channels: after the first, half the level's (the upsampler
+    before it halved them)."""
+    return [dim if i == 0 else dim // 2 for i, dim in enumerate(dims[:-1])]
+
+
 @dataclass(frozen=True)
 class Stage:
     """A local part of a network, as the tiler sees it.
@@ -302,16 +340,22 @@ class Encoder(nn.Module):
         last = len(mults) - 1
         self.num_res_blocks = config["num_res_blocks"]
         self.conv_in = nn.Conv2d(config["in_channels"], dims[0], 3, padding=1)
-        self.down_blocks = [
-            DownBlock(
-                dims[i],
-                dims[i + 1],
-                self.num_res_blocks,
-                temporal=bool(config["temperal_downsample"][i]) if i != last else False,
-                down=i != last,
-            )
-            for i in range(len(mults))
-        ]
+        if config.get("is_residual", True):
+            self._levels = [
+                [
+                    DownBlock(
+                        dims[i],
+                        dims[i + 1],
+                        self.num_res_blocks,
+                        temporal=bool(config["temperal_downsample"][i]) if i != last else False,
+                        down=i != last,
+                    )
+                ]
+                for i in range(len(mults))
+            ]
+        else:
+            self._levels = plain_down_blocks(dims, self.num_res_blocks)
+        self.down_blocks = [module for level in self._levels for module in level]
         self.mid_block = MidBlock(dims[-1])
         self.norm_out = RMSNorm(dims[-1])
         self.conv_out = nn.Conv2d(dims[-1], config["z_dim"] * 2, 3, padding=1)
@@ -321,8 +365,8 @@ class Encoder(nn.Module):
     def stages(self) -> list[Stage]:
         """The local part (conv_in and the down blocks), one stage per block."""
         runs = [
-            _chain(self.conv_in, block) if i == 0 else block
-            for i, block in enumerate(self.down_blocks)
+            _chain(self.conv_in, *level) if i == 0 else _chain(*level)
+            for i, level in enumerate(self._levels)
         ]
         return [
             replace(shape, run=run) for shape, run in zip(self._shapes.stages, runs, strict=True)
@@ -345,16 +389,23 @@ class Decoder(nn.Module):
         self.num_res_blocks = config["num_res_blocks"]
         self.conv_in = nn.Conv2d(config["z_dim"], dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
-        self.up_blocks = [
-            UpBlock(
-                dims[i],
-                dims[i + 1],
-                self.num_res_blocks,
-                temporal=bool(temporal[i]) if i != last else False,
-                up=i != last,
-            )
-            for i in range(len(mults))
-        ]
+        if config.get("is_residual", True):
+            self.up_blocks = [
+                UpBlock(
+                    dims[i],
+                    dims[i + 1],
+                    self.num_res_blocks,
+                    temporal=bool(temporal[i]) if i != last else False,
+                    up=i != last,
+                )
+                for i in range(len(mults))
+            ]
+        else:
+            ins = plain_up_in_dims(dims)
+            self.up_blocks = [
+                PlainUpBlock(ins[i], dims[i + 1], self.num_res_blocks, up=i != last)
+                for i in range(len(mults))
+            ]
         self.norm_out = RMSNorm(dims[-1])
         self.conv_out = nn.Conv2d(dims[-1], config["out_channels"], 3, padding=1)
         self._shapes = decoder_shapes(config)
@@ -510,15 +561,13 @@ def _crop(tile: mx.array, outer, inner, px_per_cell: int) -> mx.array:
 
 
 def _check_config(config: dict) -> None:
-    if not config.get("is_residual", True):
-        raise ValueError("only the residual VAE design of Qwen-Image 2.1 (is_residual: true) loads")
     if config.get("patch_size") not in (None, 1):
         raise ValueError(f"a VAE patch_size of {config['patch_size']} is not supported")
     if len(config["temperal_downsample"]) < len(config["dim_mult"]) - 1:
         raise ValueError("temperal_downsample needs one entry per downsampling")
 
 
-def _mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
+def checkpoint_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
     """The file's weights under this module's names and layouts, time_conv left out."""
     converted = []
     for name, value in weights.items():
@@ -569,7 +618,7 @@ class QwenImage21VAE(CheckpointVAE):
         self.tile_cells = choose_tile_cells(stage_lists, dtype.size)
         self.weight_bytes = 0
 
-    mlx_weights = staticmethod(_mlx_weights)
+    mlx_weights = staticmethod(checkpoint_weights)
 
     # Latent normalisation of the family: the DiT works on (raw - mean) / std.
 

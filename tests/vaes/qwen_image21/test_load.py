@@ -55,7 +55,9 @@ def test_wrong_shape_is_refused(rgba_vae, tmp_path):
 
 @pytest.mark.parametrize(
     ("key", "value", "message"),
-    [("is_residual", False, "is_residual"), ("patch_size", 2, "patch_size")],
+    # is_residual false is the plain layout (vaes/qwen_image.py's): a residual file's weights
+    # do not match it
+    [("is_residual", False, "do not match"), ("patch_size", 2, "patch_size")],
 )
 def test_unsupported_designs_are_refused(rgba_vae, tmp_path, key, value, message):
     target = _copy(rgba_vae[0], tmp_path)
