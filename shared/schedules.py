@@ -54,6 +54,32 @@ def qwen_image21_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.nda
     return np.append(stretched.astype(np.float32), np.float32(0.0))
 
 
+def krea2_rule(
+    base_len: int = 256, max_len: int = 6400, base_shift: float = 0.5, max_shift: float = 1.15
+) -> dict:
+    """The status object of the Krea 2 raw rule (Krea2Pipeline's `calculate_shift` constants
+    from its scheduler config)."""
+    return {
+        "rule": "krea2",
+        "base_len": base_len,
+        "max_len": max_len,
+        "base_shift": base_shift,
+        "max_shift": max_shift,
+    }
+
+
+def krea2_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
+    """Dynamic exponential shift, as Krea2Pipeline's base checkpoint samples: numpy's linspace
+    from 1 to 1/steps in float32, mu linear in the token count (double precision), then
+    e^mu / (e^mu + (1/t - 1)) in float32 (diffusers' FlowMatchEulerDiscreteScheduler), 0 appended."""
+    base = np.linspace(1.0, 1.0 / steps, steps).astype(np.float32)
+    slope = (rule["max_shift"] - rule["base_shift"]) / (rule["max_len"] - rule["base_len"])
+    mu = tokens * slope + (rule["base_shift"] - slope * rule["base_len"])
+    shift = np.float32(math.exp(mu))
+    shifted = shift / (shift + (np.float32(1.0) / base - np.float32(1.0)))
+    return np.append(shifted.astype(np.float32), np.float32(0.0))
+
+
 def flux2_mu(tokens: int, steps: int) -> float:
     """The `flux2` rule's shift exponent, fitted to the token count and the step count, in
     double precision (as BFL's and ComfyUI's `compute_empirical_mu`)."""
@@ -103,6 +129,7 @@ def torch_linspace(start: float, end: float, count: int) -> np.ndarray:
 RULES: dict[str, Callable[[dict[str, Any], int, int], np.ndarray]] = {
     "qwen_image21": qwen_image21_sigmas,
     "flux2": flux2_sigmas,
+    "krea2": krea2_sigmas,
 }
 
 

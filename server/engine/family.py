@@ -486,9 +486,12 @@ class FolderFamily(Family):
         return {**latent, "patch": self.spec.latent_patch}
 
     def sampling_row(self, model_dir: Path, variant: str) -> dict:
-        """The variant's own settings (docs/contract.md §2.3)."""
-        schedule = dict(self.spec.schedule) if self.spec.schedule else None
-        return {**self.spec.sampling[variant], "sigmas": None, "schedule": schedule, "neg_skip": []}
+        """The variant's own settings (docs/contract.md §2.3): its row of the spec's sampling,
+        under the spec's schedule rule unless the row names its own (None: none)."""
+        row = dict(self.spec.sampling[variant])
+        schedule = row.pop("schedule", self.spec.schedule)
+        schedule = dict(schedule) if schedule else None
+        return {**row, "sigmas": None, "schedule": schedule, "neg_skip": []}
 
     def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
         """The activations of the reference workload: the larger of a guided step and a VAE
@@ -527,7 +530,8 @@ class FolderFamily(Family):
             "comfy": dict(self.spec.comfy),
             "latent": latent,
             "vae": {
-                "channels_out": vae_config["out_channels"],
+                # a VAE whose config names no out_channels says them in its status row
+                "channels_out": vae_config.get("out_channels"),
                 "stride": latent["stride"],  # the VAE routes' latents are the DiT's cells
                 **self.vae.status_row(vae_config),
             },

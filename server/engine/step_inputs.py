@@ -23,6 +23,22 @@ def checked_latents(x: np.ndarray, rows: list[StepRow], channels: int) -> np.nda
     return x
 
 
+def checked_patch_latents(
+    x: np.ndarray, rows: list[StepRow], channels: int, stride: int, patch: int, title: str
+) -> np.ndarray:
+    """`checked_latents` for a DiT that cuts latents into patch x patch pieces: sides that are
+    no multiple of the patch are refused in pixels, naming the node that rounds them."""
+    x = checked_latents(x, rows, channels)
+    _, _, h, w = x.shape
+    if h == 0 or w == 0 or h % patch or w % patch:
+        raise EngineInputError(
+            f"latents {h}x{w} ({w * stride}x{h * stride} pixels): {title} takes images whose"
+            f" sides are multiples of {stride * patch} pixels (latent sides multiples of its"
+            f" patch {patch}); in ComfyUI, gmlx Empty Latent rounds a size down to them"
+        )
+    return x
+
+
 def checked_cond(row: StepRow, index: int, width: int) -> np.ndarray:
     """A row's conditioning as float32 (L, width), L >= 1 (a leading batch axis of 1 dropped)."""
     cond = np.asarray(row.cond, dtype=np.float32)

@@ -60,8 +60,15 @@ class QwenImageVAEPart(QwenImage21VAEPart):
         return QwenImageVAE.load(vae_dir, dtype)
 
     @staticmethod
+    def latent(config: dict) -> dict:
+        """The VAE's own latent: its channels at its stride (the DiT reads them in patches)."""
+        plain = plain_config(config)
+        return {"channels": int(plain["z_dim"]), "stride": 2 ** (len(plain["dim_mult"]) - 1)}
+
+    @staticmethod
     def status_row(config: dict) -> dict:
-        return QwenImage21VAEPart.status_row(plain_config(config))
+        plain = plain_config(config)
+        return {"channels_out": plain["out_channels"], **QwenImage21VAEPart.status_row(plain)}
 
     @staticmethod
     def reserve_bytes(config: dict, pixels: int) -> int:

@@ -21,7 +21,7 @@ from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
-from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
+from ...step_inputs import checked_cond, checked_patch_latents, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import read_config
 from .dit import DiTConfig, ZImageDiT, padded
@@ -153,17 +153,8 @@ class ZImageModel(FamilyModel):
         return StepResult(out=np.array(out), prefix_cache="none", forward_ms=forward_ms)
 
     def _check_latents(self, x: np.ndarray, rows: list[StepRow]) -> np.ndarray:
-        x = checked_latents(x, rows, self.dit.config.in_channels)
-        _, _, h, w = x.shape
-        if h == 0 or w == 0 or h % LATENT_PATCH or w % LATENT_PATCH:
-            multiple = LATENT_STRIDE * LATENT_PATCH
-            raise EngineInputError(
-                f"latents {h}x{w} ({w * LATENT_STRIDE}x{h * LATENT_STRIDE} pixels): {TITLE} takes"
-                f" images whose sides are multiples of {multiple} pixels (latent sides multiples"
-                f" of its patch {LATENT_PATCH}); in ComfyUI, gmlx Empty Latent rounds a size down"
-                " to them"
-            )
-        return x
+        channels = self.dit.config.in_channels
+        return checked_patch_latents(x, rows, channels, LATENT_STRIDE, LATENT_PATCH, TITLE)
 
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
         if row.ref_latents:

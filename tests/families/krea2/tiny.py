@@ -1,0 +1,76 @@
+"""A tiny Krea 2 folder in diffusers' Krea2Pipeline layout, from the references themselves:
+the tiny DiT of reference.py, a tiny AutoencoderKLQwenImage, a tiny Qwen3VLModel text encoder
+with the tests' Qwen tokenizer, the scheduler config of the pipeline's docstring. Nothing is
+downloaded; torch, diffusers and transformers are development dependencies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import write_tokenizer
+
+from tests.families.krea2.reference import build_transformer
+from tests.families.qwen_image21.tiny.text_encoder import _redraw, build_tokenizer, tiny_config
+from tests.families.tiny_weights import redraw
+
+TEXT_LAYERS = 4  # the tiny encoder's decoder layers; the taps below read three of them
+SELECT_LAYERS = (1, 2, 3)
+TEXT_WIDTH = 64
+VAE = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
+SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "num_train_timesteps": 1000,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 6400,
+}
+
+
+def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo") -> Path:
+    """Write a tiny Krea 2 folder at `root`; returns it."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen3VLModel
+
+    root = Path(root)
+    build_transformer(
+        root / "transformer", seed, text_hidden_dim=TEXT_WIDTH, num_text_layers=len(SELECT_LAYERS)
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(**VAE)
+    redraw(vae, torch.Generator().manual_seed(seed + 1), 1.0, 0.2, lambda n, p: p.ndim >= 2)
+    vae.save_pretrained(str(root / "vae"))
+    tokenizer = build_tokenizer()
+    write_tokenizer(root / "tokenizer", tokenizer)
+    config = tiny_config(tokenizer, text={"num_hidden_layers": TEXT_LAYERS})
+    torch.manual_seed(seed + 2)
+    encoder = Qwen3VLModel(config).eval()
+    _redraw(encoder, seed + 2)
+    encoder.save_pretrained(str(root / "text_encoder"))
+    (root / "scheduler").mkdir(parents=True, exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
+    index = {
+        "_class_name": "Krea2Pipeline",
+        "_diffusers_version": "0.42.1",
+        "is_distilled": variant == "turbo",
+        "patch_size": 2,
+        "text_encoder_select_layers": list(SELECT_LAYERS),
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3VLModel"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Krea2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    return root
+
+
+def reference_pipeline(root: Path):
+    """The folder as diffusers' Krea2Pipeline (float32, CPU)."""
+    from diffusers import Krea2Pipeline
+
+    return Krea2Pipeline.from_pretrained(str(root))
