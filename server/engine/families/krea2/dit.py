@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...dit_network import DiTNetwork, DiTPart
+from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
 from ...nn.activations import gelu_tanh, silu
 from ...nn.attention import attention
@@ -36,7 +37,7 @@ from ...nn.compiled import CompiledPass
 from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Split, Stages
-from ...weights import block_weights
+from ...weights import block_weights, read_config, single_file
 
 PATCH = 2  # latents are cut into 2x2 patches (the pipeline's patch_size)
 TIME_SCALE = 1000.0  # the sinusoid embeds 1000 t
@@ -265,11 +266,21 @@ def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
     return shard_plan(config), {"blocks": config.num_layers}
 
 
-def dit_file(transformer_dir: Path, dit: Path | None = None):
-    """Diffusers' own folder only, for now: no single-file naming is read yet."""
-    if dit is not None:
-        raise ValueError("Krea 2 reads its DiT from a diffusers transformer/ folder")
-    return None
+TITLE = "Krea 2"
+# Single files in diffusers' names (under a prefix such as `model.diffusion_model.` too).
+NAMING = Naming()
+
+
+def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
+    """The DiT's single file (a model entry's `dit`, GGUF or safetensors, else the one `.gguf`
+    in transformer/ or its one safetensors file under a prefix) as the family reads it; None
+    for diffusers' own folder."""
+    config = DiTConfig.from_dict(read_config(transformer_dir))
+    path = single_file(transformer_dir, dit, NAMING)
+    if path is None:
+        return None
+    fused = fused_weights(linear_slots(config))
+    return DiTFile(path, NAMING, tensor_shapes(config), fused, TITLE)
 
 
 PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)

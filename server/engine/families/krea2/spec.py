@@ -63,7 +63,7 @@ SPEC = FamilySpec(
     latent_patch=2,
     sampling=SAMPLING,
     schedule=krea2_rule(),
-    files=(),
+    files=("dit", "text_encoder", "mmproj"),
     shards=True,
 )
 SPECS = (SPEC,)
