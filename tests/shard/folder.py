@@ -54,3 +54,15 @@ def build_z_image_folder(root: Path, seed: int = 0) -> Path:
 
     build_tiny_folder(root, seed=seed, **Z_IMAGE_TRANSFORMER)
     return Path(root)
+
+
+# A tiny Krea 2 DiT that splits over 2 ranks in both modes: 4 query heads over 2 key/value heads
+# of 16, 2 main blocks (its text fusion stays whole on every rank).
+KREA2_TRANSFORMER = {"num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def build_krea2_folder(root: Path, seed: int = 0) -> Path:
+    """A tiny Krea 2 folder (tests/families/krea2/tiny.py) with KREA2_TRANSFORMER."""
+    from tests.families.krea2.tiny import build_tiny_folder
+
+    return build_tiny_folder(root, seed=seed, **KREA2_TRANSFORMER)
