@@ -1,5 +1,6 @@
-"""`gmlx image sample` and `gmlx image bench` on a tiny Z-Image folder, as a user runs them: the
-step routes (--via-steps) give the in-process image bit for bit."""
+"""`gmlx image sample` and `gmlx image bench` on tiny folders of the families with no model of
+their own here (the embedded models' are tests/sampling/test_sample_cli.py's), as a user runs
+them: the step routes (--via-steps) give the in-process image bit for bit."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import sys
 import pytest
 from PIL import Image
 
-from tests.families.z_image.tiny.folder import build_tiny_folder
+from tests.families.krea2 import tiny as krea2_tiny
+from tests.families.z_image.tiny import folder as z_image_tiny
+
+BUILDERS = {"z_image": z_image_tiny.build_tiny_folder, "krea2": krea2_tiny.build_tiny_folder}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("z_image_cli") / "z-image-tiny"
-    build_tiny_folder(root, variant="turbo")
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def folder(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"{request.param}_cli") / f"{request.param}-tiny"
+    BUILDERS[request.param](root, variant="turbo")
     return root
 
 
@@ -51,4 +55,4 @@ def test_guided_bench_via_steps_is_equal_to_direct(tmp_path, folder):
     record = json.loads(out.read_text())
     assert record["transport"]["mode"] == "steps"
     assert record["transport"]["equal_to_direct"] is True
-    assert record["model"]["family"] == "z_image"
+    assert record["model"]["family"] == folder.name.removesuffix("-tiny")
