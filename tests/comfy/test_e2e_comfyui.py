@@ -17,6 +17,7 @@ frontend's template browser and runs it from there.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -58,6 +59,8 @@ Z_IMAGE_MODEL = "z-image-random-tiny"
 # (tests/families/flux2_klein/tiny).
 FLUX2_MODEL = "flux2-klein-tiny"
 GGUF_MODEL = "qwen-image21-gguf-q4-k-m-tiny"  # a Q4_K_M GGUF DiT (write_gguf_model)
+# The tiny Krea 2 (turbo) folder the server's model dir holds (tests/families/krea2/tiny.py).
+KREA2_MODEL = "krea2-tiny"
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
@@ -167,13 +170,15 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gmlx_server(workdir):
-    """`gmlx serve` with one model dir holding a tiny FLUX.2 klein folder and no default model:
+    """`gmlx serve` with one model dir holding tiny FLUX.2 klein and Krea 2 folders and no default model:
     it serves that model and its embedded models, the default `qwen-image21-random-tiny` and
     the Z-Image model."""
     from tests.families.flux2_klein.tiny.folder import build_tiny_folder as build_flux2_folder
+    from tests.families.krea2.tiny import build_tiny_folder as build_krea2_folder
 
     models = workdir / "models"
     build_flux2_folder(models / FLUX2_MODEL, family="flux2_klein", num_single_layers=1)
+    build_krea2_folder(models / KREA2_MODEL)
     write_gguf_model(workdir / "embedded", models / GGUF_MODEL)
     config = workdir / "config.toml"
     config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(models))}]\n", encoding="utf-8")
@@ -324,13 +329,19 @@ def gguf_engine(gmlx_server):
     return model
 
 
+@functools.cache
+def _served_engine(config: Path, model: str):
+    """A model the server serves, loaded in this process (once per module's server)."""
+    from gmlx_server.image_cli import choose_model
+
+    choice = choose_model(model, config)
+    return choice.registry.acquire(choice.model_id).model
+
+
 @pytest.fixture(scope="module")
 def z_image_engine(gmlx_server):
     """The server's embedded Z-Image model loaded in this process."""
-    from gmlx_server.image_cli import choose_model
-
-    choice = choose_model(Z_IMAGE_MODEL, gmlx_server["config"])
-    return choice.registry.acquire(choice.model_id).model
+    return _served_engine(gmlx_server["config"], Z_IMAGE_MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -582,26 +593,31 @@ def test_stock_ksampler_euler_simple_equals_the_in_process_sampler(comfyui, gmlx
     assert _rel(got, want) <= LATENT_RTOL
 
 
-def test_stock_ksampler_on_z_image_equals_the_in_process_sampler(
-    comfyui, gmlx_server, z_image_engine
+@pytest.mark.parametrize(
+    ("model", "comfy_class"), [(Z_IMAGE_MODEL, "ZImage"), (KREA2_MODEL, "Krea2")]
+)
+def test_stock_ksampler_on_a_pack_built_model_equals_the_in_process_sampler(
+    comfyui, gmlx_server, model, comfy_class
 ):
-    """The stock KSampler (euler, "simple") on the server's Z-Image model: ComfyUI's Z-Image
-    model class where it has one, the pack's own otherwise; the status's shift (3) shapes the
+    """The stock KSampler (euler, "simple") on the server's Z-Image and Krea 2 models: ComfyUI's
+    model class where it has one (Z-Image on 0.33 and newer), the pack's own otherwise (Krea 2
+    on every ComfyUI); the status's shift (Z-Image turbo 3, Krea 2 turbo e^1.15) shapes the
     sigmas on both sides."""
     seed, steps = 5, 4
+    engine = _served_engine(gmlx_server["config"], model)
     wf = _save_latent(_workflow("gmlx_lora"), "11")
     for loader in ("1", "2", "3"):
-        wf[loader]["inputs"]["model_name"] = Z_IMAGE_MODEL
+        wf[loader]["inputs"]["model_name"] = model
     wf["11"]["inputs"].update(seed=seed, steps=steps)
     got = _latent(comfyui, _run(comfyui, wf))
-    status = z_image_engine.status()
-    assert status["comfy"]["model_class"] == "ZImage" and status["sampling"]["shift"] == 3.0
+    status = engine.status()
+    assert status["comfy"]["model_class"] == comfy_class
     sigmas = comfy_simple_sigmas(steps, status["sampling"]["shift"])
-    want = direct_sample(z_image_engine, wf["4"]["inputs"]["text"], seed, sigmas)
+    want = direct_sample(engine, wf["4"]["inputs"]["text"], seed, sigmas)
     assert got.shape == want.shape == (1, 16, SIZE // 8, SIZE // 8)
-    print(f"Z-Image stock KSampler against the engine's sampler: rel L2 {_rel(got, want):.1e}")
+    print(f"{model} stock KSampler against the engine's sampler: rel L2 {_rel(got, want):.1e}")
     assert _rel(got, want) <= LATENT_RTOL
-    assert _rel(want, direct_sample(z_image_engine, "", seed, sigmas)) > 100 * LATENT_RTOL
+    assert _rel(want, direct_sample(engine, "", seed, sigmas)) > 100 * LATENT_RTOL
 
 
 def test_a_stock_latent_of_sides_z_image_does_not_take_is_refused_in_pixels(comfyui, gmlx_server):
@@ -1649,6 +1665,19 @@ def _open_frontend(browser, comfy: dict):
     return page
 
 
+def _find_pack_templates(page, link_name: str) -> None:
+    """In the open template browser, the pack's templates as docs/comfyui.md says: the pack's
+    own entry under Extensions where the frontend has one (1.3x, ComfyUI 0.8: cards found by a
+    search there keep their placeholders and never fetch their thumbnails), else a search."""
+    search = page.get_by_placeholder(re.compile("^Search"))
+    search.wait_for()  # the dialog, its sidebar with it
+    extension = page.get_by_text(link_name, exact=True)
+    if extension.count():
+        extension.first.click()
+    else:
+        search.fill("gmlx")
+
+
 def _command(page, command: str) -> None:
     """Run a frontend command (what its menus and buttons call)."""
     page.evaluate("command => app.extensionManager.command.execute(command)", command)
@@ -1688,7 +1717,7 @@ def test_example_opens_from_the_template_browser_and_runs(comfyui, browser, name
     page.on("response", lambda r: fetched.append(r.status) if r.url.endswith(thumbnail) else None)
     try:
         _command(page, "Comfy.BrowseTemplates")
-        page.get_by_placeholder(re.compile("^Search")).fill("gmlx")  # as docs/comfyui.md says
+        _find_pack_templates(page, LINK_NAME)
         card_title = page.get_by_text(name, exact=True).first
         card_title.scroll_into_view_if_needed()
         deadline = time.monotonic() + 30
