@@ -151,7 +151,12 @@ PUBLISHED_NORMALISATION = {
 }
 
 # model_class (status `comfy.model_class`) -> family the pack builds a ComfyUI model for.
-PACK_BUILT_CLASSES = {"QwenImage21": "qwen_image21", "ZImage": "z_image", "Flux2": "flux2_klein"}
+PACK_BUILT_CLASSES = {
+    "QwenImage21": "qwen_image21",
+    "ZImage": "z_image",
+    "Flux2": "flux2_klein",
+    "Krea2": "krea2",  # no ComfyUI has it (0.8.0 neither)
+}
 # model_class -> ComfyUI's own BaseModel class (in comfy.model_base) the pack's model also
 # derives from on a ComfyUI that knows the model class (comfy.supported_models has it), so stock
 # code that tells models apart by class treats it as that family's. Z-Image: 0.33 has it, 0.3.64
