@@ -181,7 +181,8 @@ def dumps(document: dict) -> str:
 
 
 # ---- the inventories of the parts several families' embedded models share ----------------
-# (diffusers' AutoencoderKL, the FLUX.1 and FLUX.2 body; transformers' Qwen3ForCausalLM)
+# (diffusers' AutoencoderKL, the FLUX.1 and FLUX.2 body, and AutoencoderKLQwenImage;
+# transformers' Qwen3ForCausalLM and Qwen3-VL)
 
 
 def autoencoder_kl_tensors(config: dict) -> Inventory:
@@ -260,6 +261,131 @@ def qwen3_tensors(config: dict) -> Inventory:
         }.items():
             tensors[prefix + name + ".weight"] = ((width,), GAIN)
     return tensors
+
+
+def qwen3_vl_tensors(config: dict, prefix: str = "model.", head: bool = True) -> Inventory:
+    """Names, shapes and kinds of Qwen3-VL's parameters for `config`: its language model and
+    vision tower under `prefix` (Qwen3VLForConditionalGeneration's "model.", with its `lm_head`
+    when `head`; Qwen3VLModel's "" without)."""
+    text, vision = config["text_config"], config["vision_config"]
+    lm = f"{prefix}language_model"
+    tensors = {
+        name.replace("model.", f"{lm}.", 1): value
+        for name, value in qwen3_tensors(text).items()
+        if head or name != "lm_head.weight"
+    }
+    width, patch = vision["hidden_size"], vision["patch_size"]
+    merged = width * vision["spatial_merge_size"] ** 2
+    visual = f"{prefix}visual"
+    patch_shape = (width, vision["in_channels"], vision["temporal_patch_size"], patch, patch)
+    tensors[f"{visual}.patch_embed.proj.weight"] = (patch_shape, MATRIX)
+    tensors[f"{visual}.patch_embed.proj.bias"] = ((width,), SHIFT)
+    tensors[f"{visual}.pos_embed.weight"] = ((vision["num_position_embeddings"], width), MATRIX)
+    for block in range(vision["depth"]):
+        block_prefix = f"{visual}.blocks.{block}"
+        norm_tensors(tensors, f"{block_prefix}.norm1", width)
+        norm_tensors(tensors, f"{block_prefix}.norm2", width)
+        linear_tensors(tensors, f"{block_prefix}.attn.qkv", width, 3 * width)
+        linear_tensors(tensors, f"{block_prefix}.attn.proj", width, width)
+        linear_tensors(
+            tensors, f"{block_prefix}.mlp.linear_fc1", width, vision["intermediate_size"]
+        )
+        linear_tensors(
+            tensors, f"{block_prefix}.mlp.linear_fc2", vision["intermediate_size"], width
+        )
+    # The final merger normalises before the 2x2 shuffle, the deepstack mergers after it.
+    _merger_tensors(tensors, f"{visual}.merger", merged, vision["out_hidden_size"], norm=width)
+    for index in range(len(vision["deepstack_visual_indexes"])):
+        merger = f"{visual}.deepstack_merger_list.{index}"
+        _merger_tensors(tensors, merger, merged, vision["out_hidden_size"], norm=merged)
+    return tensors
+
+
+def _merger_tensors(tensors: Inventory, prefix: str, merged: int, out: int, norm: int) -> None:
+    norm_tensors(tensors, f"{prefix}.norm", norm)
+    linear_tensors(tensors, f"{prefix}.linear_fc1", merged, merged)
+    linear_tensors(tensors, f"{prefix}.linear_fc2", merged, out)
+
+
+def qwen_image_vae_tensors(config: dict) -> Inventory:
+    """Names, shapes and kinds of AutoencoderKLQwenImage's parameters for `config` (Wan 2.1's
+    layout: causal 3D kernels, 2D resampling convolutions, a temporal conv beside each temporal
+    resample, RMS gains broadcast over (T, H, W), or over (H, W) in the attentions)."""
+    tensors: Inventory = {}
+    base, mults = config["base_dim"], list(config["dim_mult"])
+    z_dim, blocks, temporal = (
+        config["z_dim"],
+        config["num_res_blocks"],
+        config["temperal_downsample"],
+    )
+    channels = config.get("input_channels", 3)
+    dims = [base * m for m in [1, *mults]]
+    last = len(mults) - 1
+    _causal(tensors, "encoder.conv_in", channels, dims[0], 3)
+    index = 0
+    for i in range(len(mults)):
+        in_dim = dims[i]
+        for _ in range(blocks):
+            _wan_residual(tensors, f"encoder.down_blocks.{index}", in_dim, dims[i + 1])
+            in_dim, index = dims[i + 1], index + 1
+        if i != last:
+            _resample(
+                tensors, f"encoder.down_blocks.{index}", dims[i + 1], dims[i + 1], temporal[i], 1
+            )
+            index += 1
+    _wan_mid(tensors, "encoder.mid_block", dims[-1])
+    tensors["encoder.norm_out.gamma"] = ((dims[-1], 1, 1, 1), GAIN)
+    _causal(tensors, "encoder.conv_out", dims[-1], 2 * z_dim, 3)
+    _causal(tensors, "quant_conv", 2 * z_dim, 2 * z_dim, 1)
+    _causal(tensors, "post_quant_conv", z_dim, z_dim, 1)
+    up = [base * m for m in [mults[-1], *mults[::-1]]]
+    _causal(tensors, "decoder.conv_in", z_dim, up[0], 3)
+    _wan_mid(tensors, "decoder.mid_block", up[0])
+    for i in range(len(mults)):
+        in_dim = up[i] if i == 0 else up[i] // 2
+        for r in range(blocks + 1):
+            _wan_residual(tensors, f"decoder.up_blocks.{i}.resnets.{r}", in_dim, up[i + 1])
+            in_dim = up[i + 1]
+        if i != last:
+            prefix = f"decoder.up_blocks.{i}.upsamplers.0"
+            _resample(tensors, prefix, up[i + 1], up[i + 1] // 2, temporal[::-1][i], 2)
+    tensors["decoder.norm_out.gamma"] = ((up[-1], 1, 1, 1), GAIN)
+    _causal(tensors, "decoder.conv_out", up[-1], channels, 3)
+    return tensors
+
+
+def _causal(tensors: Inventory, prefix: str, in_dim: int, out_dim: int, kernel: int) -> None:
+    tensors[f"{prefix}.weight"] = ((out_dim, in_dim, kernel, kernel, kernel), MATRIX)
+    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
+
+
+def _wan_residual(tensors: Inventory, prefix: str, in_dim: int, out_dim: int) -> None:
+    tensors[f"{prefix}.norm1.gamma"] = ((in_dim, 1, 1, 1), GAIN)
+    _causal(tensors, f"{prefix}.conv1", in_dim, out_dim, 3)
+    tensors[f"{prefix}.norm2.gamma"] = ((out_dim, 1, 1, 1), GAIN)
+    _causal(tensors, f"{prefix}.conv2", out_dim, out_dim, 3)
+    if in_dim != out_dim:
+        _causal(tensors, f"{prefix}.conv_shortcut", in_dim, out_dim, 1)
+
+
+def _wan_mid(tensors: Inventory, prefix: str, dim: int) -> None:
+    _wan_residual(tensors, f"{prefix}.resnets.0", dim, dim)
+    tensors[f"{prefix}.attentions.0.norm.gamma"] = ((dim, 1, 1), GAIN)
+    conv_tensors(tensors, f"{prefix}.attentions.0.to_qkv", dim, 3 * dim, 1)
+    conv_tensors(tensors, f"{prefix}.attentions.0.proj", dim, dim, 1)
+    _wan_residual(tensors, f"{prefix}.resnets.1", dim, dim)
+
+
+def _resample(
+    tensors: Inventory, prefix: str, dim: int, out_dim: int, temporal: bool, time_factor: int
+) -> None:
+    """A Resample: its 2D convolution (`resample.1`) and, temporal, its causal time conv
+    (downsampling: dim to dim; upsampling: dim to time_factor x dim, both of kernel (3, 1, 1))."""
+    conv_tensors(tensors, f"{prefix}.resample.1", dim, out_dim, 3)
+    if temporal:
+        time_out = dim * time_factor
+        tensors[f"{prefix}.time_conv.weight"] = ((time_out, dim, 3, 1, 1), MATRIX)
+        tensors[f"{prefix}.time_conv.bias"] = ((time_out,), SHIFT)
 
 
 def linear_tensors(tensors: Inventory, prefix: str, in_dim: int, out_dim: int) -> None:

@@ -146,14 +146,11 @@ def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(
     assert [m["model"] for m in doc["models"]] == [
         "qwen-image21-random-tiny",
         "flux2-klein-random-tiny",
+        "krea2-random-tiny",
         "z-image-random-tiny",
     ]
-    assert [m["default"] for m in doc["models"]] == [True, False, False]
-    assert [m["folder"] for m in doc["models"]] == [
-        None,
-        None,
-        None,
-    ]  # not generated yet in this cache
+    assert [m["default"] for m in doc["models"]] == [True, False, False, False]
+    assert [m["folder"] for m in doc["models"]] == [None] * 4  # not generated yet in this cache
 
 
 def test_the_listing_names_what_the_server_lists(live, tmp_path):

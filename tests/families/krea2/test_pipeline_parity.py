@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gmlx_contract.client import StepClient
+from gmlx_server.engine.families.krea2.embedded import write_embedded_model
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate, initial_noise
 from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
@@ -20,11 +21,17 @@ from tests.families.krea2.reference import rel_l2
 from tests.families.krea2.tiny import build_tiny_folder, reference_pipeline
 
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
+PROMPTS = (PROMPT, "a lighthouse at dusk")
 
 
-@pytest.fixture(scope="module", params=["turbo", "raw"])
+@pytest.fixture(scope="module", params=["turbo", "raw", "embedded"])
 def folder(request, tmp_path_factory):
+    """The tests' tiny folders of both variants, and the embedded krea2-random-tiny (turbo),
+    its product recipe loaded into the references."""
     root = tmp_path_factory.mktemp("krea2_pipeline") / f"krea2-{request.param}-tiny"
+    if request.param == "embedded":
+        write_embedded_model(root)
+        return root
     return build_tiny_folder(root, variant=request.param)
 
 
@@ -91,3 +98,10 @@ def test_sampling_through_the_routes_equals_the_pipeline(
     ours = through_routes(server, request)
     assert rel_l2(ours, unpacked(expected, h, w)) <= 1e-4
     assert rel_l2(ours, noise) > 0.1  # the sampling moved the latents
+
+
+def test_the_prompt_moves_the_latents(server):
+    """The recipes' rule (engine/embedded.py): the prompt visibly moves the image."""
+    requests = [ImageRequest(prompt=p, width=32, height=32, seed=3, steps=2) for p in PROMPTS]
+    first, second = (through_routes(server, request) for request in requests)
+    assert rel_l2(first, second) > 1e-2

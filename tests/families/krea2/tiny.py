@@ -30,15 +30,18 @@ SCHEDULER = {
 }
 
 
-def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo") -> Path:
-    """Write a tiny Krea 2 folder at `root`; returns it."""
+def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **transformer) -> Path:
+    """Write a tiny Krea 2 folder at `root` (`transformer`: overrides of the tiny DiT's
+    config); returns it."""
     import torch
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen3VLModel
 
     root = Path(root)
     build_transformer(
-        root / "transformer", seed, text_hidden_dim=TEXT_WIDTH, num_text_layers=len(SELECT_LAYERS)
+        root / "transformer",
+        seed,
+        **{"text_hidden_dim": TEXT_WIDTH, "num_text_layers": len(SELECT_LAYERS), **transformer},
     )
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLQwenImage(**VAE)

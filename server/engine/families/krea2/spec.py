@@ -65,5 +65,6 @@ SPEC = FamilySpec(
     schedule=krea2_rule(),
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
+    embedded="gmlx_server.engine.families.krea2.embedded",
 )
 SPECS = (SPEC,)

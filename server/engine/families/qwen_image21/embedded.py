@@ -41,6 +41,7 @@ from ...embedded import (
     draw,
     dumps,
     ensure,
+    qwen3_vl_tensors,
     stamp,
     write_component,
 )
@@ -250,7 +251,7 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     components = {
         "transformer": (TRANSFORMER_CONFIG, transformer_tensors(TRANSFORMER_CONFIG)),
         "vae": (vae_config, vae_tensors(vae_config)),
-        "text_encoder": (text_encoder_config, text_encoder_tensors(text_encoder_config)),
+        "text_encoder": (text_encoder_config, qwen3_vl_tensors(text_encoder_config)),
     }
     for index, (name, (config, inventory)) in enumerate(components.items()):
         weights = draw(inventory, np.random.default_rng([seed, index]), CONSTANT_NOISE)
@@ -437,71 +438,6 @@ def _text_encoder_config(vocab_size: int, ids: dict[str, int]) -> dict:
         },
         "vision_config": dict(VISION_CONFIG),
     }
-
-
-def text_encoder_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Names, shapes and kinds of Qwen3VLForConditionalGeneration's parameters for `config`."""
-    text, vision = config["text_config"], config["vision_config"]
-    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
-    hidden, head = text["hidden_size"], text["head_dim"]
-    q_width = text["num_attention_heads"] * head
-    kv_width = text["num_key_value_heads"] * head
-    lm = "model.language_model"
-    tensors[f"{lm}.embed_tokens.weight"] = ((text["vocab_size"], hidden), MATRIX)
-    tensors[f"{lm}.norm.weight"] = ((hidden,), GAIN)
-    tensors["lm_head.weight"] = ((text["vocab_size"], hidden), MATRIX)
-    for layer in range(text["num_hidden_layers"]):
-        prefix = f"{lm}.layers.{layer}"
-        tensors[f"{prefix}.input_layernorm.weight"] = ((hidden,), GAIN)
-        tensors[f"{prefix}.post_attention_layernorm.weight"] = ((hidden,), GAIN)
-        tensors[f"{prefix}.self_attn.q_proj.weight"] = ((q_width, hidden), MATRIX)
-        tensors[f"{prefix}.self_attn.k_proj.weight"] = ((kv_width, hidden), MATRIX)
-        tensors[f"{prefix}.self_attn.v_proj.weight"] = ((kv_width, hidden), MATRIX)
-        tensors[f"{prefix}.self_attn.o_proj.weight"] = ((hidden, q_width), MATRIX)
-        tensors[f"{prefix}.self_attn.q_norm.weight"] = ((head,), GAIN)
-        tensors[f"{prefix}.self_attn.k_norm.weight"] = ((head,), GAIN)
-        inner = text["intermediate_size"]
-        tensors[f"{prefix}.mlp.gate_proj.weight"] = ((inner, hidden), MATRIX)
-        tensors[f"{prefix}.mlp.up_proj.weight"] = ((inner, hidden), MATRIX)
-        tensors[f"{prefix}.mlp.down_proj.weight"] = ((hidden, inner), MATRIX)
-
-    width, patch = vision["hidden_size"], vision["patch_size"]
-    merged = width * vision["spatial_merge_size"] ** 2
-    visual = "model.visual"
-    patch_shape = (width, vision["in_channels"], vision["temporal_patch_size"], patch, patch)
-    tensors[f"{visual}.patch_embed.proj.weight"] = (patch_shape, MATRIX)
-    tensors[f"{visual}.patch_embed.proj.bias"] = ((width,), SHIFT)
-    tensors[f"{visual}.pos_embed.weight"] = ((vision["num_position_embeddings"], width), MATRIX)
-    for block in range(vision["depth"]):
-        prefix = f"{visual}.blocks.{block}"
-        _layer_norm(tensors, f"{prefix}.norm1", width)
-        _layer_norm(tensors, f"{prefix}.norm2", width)
-        _linear(tensors, f"{prefix}.attn.qkv", width, 3 * width)
-        _linear(tensors, f"{prefix}.attn.proj", width, width)
-        _linear(tensors, f"{prefix}.mlp.linear_fc1", width, vision["intermediate_size"])
-        _linear(tensors, f"{prefix}.mlp.linear_fc2", vision["intermediate_size"], width)
-    # The final merger normalises before the 2x2 shuffle, the deepstack mergers after it.
-    _merger(tensors, f"{visual}.merger", merged, vision["out_hidden_size"], norm=width)
-    for index in range(len(vision["deepstack_visual_indexes"])):
-        prefix = f"{visual}.deepstack_merger_list.{index}"
-        _merger(tensors, prefix, merged, vision["out_hidden_size"], norm=merged)
-    return tensors
-
-
-def _linear(tensors: dict, prefix: str, in_dim: int, out_dim: int) -> None:
-    tensors[f"{prefix}.weight"] = ((out_dim, in_dim), MATRIX)
-    tensors[f"{prefix}.bias"] = ((out_dim,), SHIFT)
-
-
-def _layer_norm(tensors: dict, prefix: str, dim: int) -> None:
-    tensors[f"{prefix}.weight"] = ((dim,), GAIN)
-    tensors[f"{prefix}.bias"] = ((dim,), SHIFT)
-
-
-def _merger(tensors: dict, prefix: str, merged: int, out: int, norm: int) -> None:
-    _layer_norm(tensors, f"{prefix}.norm", norm)
-    _linear(tensors, f"{prefix}.linear_fc1", merged, merged)
-    _linear(tensors, f"{prefix}.linear_fc2", merged, out)
 
 
 # ---- tokenizer and processor files --------------------------------------------------------

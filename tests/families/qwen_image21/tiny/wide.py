@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from gmlx_server.engine.embedded import draw
+from gmlx_server.engine.embedded import draw, qwen3_vl_tensors
 from gmlx_server.engine.families.qwen_image21 import embedded
 
 TRANSFORMER = {
@@ -62,7 +62,7 @@ def write_wide_folder(root: Path, dtype: mx.Dtype = mx.bfloat16) -> Path:
     inventories = {
         "transformer": embedded.transformer_tensors,
         "vae": embedded.vae_tensors,
-        "text_encoder": embedded.text_encoder_tensors,
+        "text_encoder": qwen3_vl_tensors,
     }
     for index, (name, config) in enumerate(configs.items()):
         shutil.rmtree(root / name)

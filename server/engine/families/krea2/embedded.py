@@ -1,0 +1,248 @@
+"""The embedded Krea 2: a tiny Krea 2 turbo with random weights, generated on first use.
+
+The server offers it beside the embedded default so that Krea 2 runs on a fresh install: a
+complete folder in diffusers' `Krea2Pipeline` layout (model_index.json, transformer/, vae/,
+text_encoder/, tokenizer/, scheduler/) with the real file formats, config keys and weight names,
+at a small size, its weights drawn from a fixed seed (engine/embedded.py's rule). It makes
+noise-like pictures, and its name says so ("krea2-random-tiny").
+
+Interface sizes are the real model's where clients see them: the VAE's 16 channels at stride 8
+under Qwen-Image's published normalisation, patchified 2x2 by the DiT; three tapped layers of
+the text encoder stacked per token; Qwen's token ids' order. The networks inside are narrow and
+shallow (a DiT of four 16-wide query heads over two key/value heads with two blocks, a VAE whose
+widest stage has 16 channels, a Qwen3-VL of width 32). The weight names come from the DiT's own
+table (dit.tensor_shapes) and the shared parts' inventories (engine/embedded.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...embedded import (
+    DIFFUSERS_FORMAT,
+    MATRIX,
+    SHIFT,
+    TINY_QWEN3_CONFIG,
+    Inventory,
+    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
+    dumps,
+    ensure,
+    qwen3_vl_tensors,
+    qwen_image_vae_tensors,
+    stamp,
+    write_drawn,
+)
+from ...encoders.qwen3.tiny_tokenizer import (
+    BPE_VOCAB_SIZE,
+    CHAT_TEMPLATE,
+    TOKENIZER_CORPUS,
+    token_ids,
+    train_tokenizer,
+    write_tokenizer,
+)
+from .dit import DiTConfig, tensor_shapes
+from .spec import PIPELINE_CLASS
+
+MODEL_NAME = "krea2-random-tiny"
+# Bump when the code below writes something different for the same configs.
+GENERATOR_VERSION = 1
+SEED = 0
+TEXT_WIDTH = TINY_QWEN3_CONFIG["hidden_size"]
+SELECT_LAYERS = [1, 2, 3]  # hidden states after the first three of the encoder's four layers
+
+TRANSFORMER_CONFIG = {
+    "_class_name": "Krea2Transformer2DModel",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "in_channels": 64,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "timestep_embed_dim": 32,
+    "text_hidden_dim": TEXT_WIDTH,
+    "num_text_layers": len(SELECT_LAYERS),
+    "text_num_attention_heads": 4,
+    "text_num_key_value_heads": 2,
+    "text_intermediate_size": 64,
+    "num_layerwise_text_blocks": 1,
+    "num_refiner_text_blocks": 1,
+    "axes_dims_rope": [4, 6, 6],
+    "rope_theta": 1000.0,
+    "norm_eps": 1e-5,
+}
+
+VAE_CONFIG = {
+    "_class_name": "AutoencoderKLQwenImage",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "base_dim": 8,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 2, 2],  # four stages: stride 8
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "input_channels": 3,
+    # Qwen-Image's published normalisation (diffusers' AutoencoderKLQwenImage defaults)
+    "latents_mean": [
+        -0.7571,
+        -0.7089,
+        -0.9113,
+        0.1075,
+        -0.1745,
+        0.9653,
+        -0.1517,
+        1.5508,
+        0.4134,
+        -0.0715,
+        0.5517,
+        -0.3632,
+        -0.1922,
+        -0.9497,
+        0.2503,
+        -0.2921,
+    ],  # fmt: skip
+    "latents_std": [
+        2.8184,
+        1.4541,
+        2.3275,
+        2.6558,
+        1.2196,
+        1.7708,
+        2.6052,
+        2.0743,
+        3.2687,
+        2.1526,
+        2.8652,
+        1.5579,
+        1.6382,
+        1.1253,
+        2.8251,
+        1.9160,
+    ],  # fmt: skip
+}
+
+# Qwen3VLModel over the tiny Qwen3's text width: four layers, interleaved multimodal RoPE
+# sections of its 8-wide heads, and a one-block vision tower (loaded, never run by Krea 2).
+TEXT_CONFIG = {
+    **{k: v for k, v in TINY_QWEN3_CONFIG.items() if k not in ("architectures", "model_type")},
+    "num_hidden_layers": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
+VISION_CONFIG = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": TEXT_WIDTH,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],
+}
+
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "num_train_timesteps": 1000,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 6400,
+}
+
+MODEL_INDEX = {
+    "_class_name": PIPELINE_CLASS,
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "is_distilled": True,
+    "patch_size": 2,
+    "text_encoder_select_layers": SELECT_LAYERS,
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "Qwen3VLModel"],
+    "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+    "transformer": ["diffusers", "Krea2Transformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKLQwenImage"],
+}
+
+CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
+
+
+def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
+    """The embedded Krea 2's folder under `cache_dir` (default: `default_cache_dir()`),
+    generated first if it is missing or was made by a different generator."""
+    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+
+
+def write_embedded_model(root: Path, seed: int = SEED) -> None:
+    """Write every file of the tiny Krea 2 folder into `root` (created if missing)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
+    _write(root / "vae", "vae", VAE_CONFIG, qwen_image_vae_tensors(VAE_CONFIG), seed)
+    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+    write_tokenizer(root / "tokenizer", tokenizer)
+    text = text_encoder_config(tokenizer)
+    _write(root / "text_encoder", "text_encoder", text, qwen3_vl_tensors(text, "", False), seed)
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
+    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
+
+
+def text_encoder_config(tokenizer) -> dict:
+    """Qwen3VLModel's config, with the token ids of this tokenizer."""
+    ids = token_ids(tokenizer)
+    return {
+        "architectures": ["Qwen3VLModel"],
+        "model_type": "qwen3_vl",
+        "dtype": "float32",
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            **TEXT_CONFIG,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        "vision_config": dict(VISION_CONFIG),
+    }
+
+
+def transformer_tensors() -> Inventory:
+    """Krea2Transformer2DModel's parameters for the config, from the DiT's own table: its
+    matrices, modulation tables and projector, and its biases and norm scales (zero-centred:
+    a norm scales by 1 + weight), drawn as shifts."""
+    shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
+    return {name: (shape, MATRIX if len(shape) > 1 else SHIFT) for name, shape in shapes.items()}
+
+
+def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
+    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
+
+
+def _stamp() -> dict:
+    """Who made the folder: a fingerprint over everything that decides its contents."""
+    recipe = {
+        "generator": GENERATOR_VERSION,
+        "seed": SEED,
+        "transformer": TRANSFORMER_CONFIG,
+        "vae": VAE_CONFIG,
+        "text": TEXT_CONFIG,
+        "vision": VISION_CONFIG,
+        "noise": CONSTANT_NOISE,
+        "scheduler": SCHEDULER_CONFIG,
+        "model_index": MODEL_INDEX,
+        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
