@@ -59,8 +59,8 @@ Z_IMAGE_MODEL = "z-image-random-tiny"
 # (tests/families/flux2_klein/tiny).
 FLUX2_MODEL = "flux2-klein-tiny"
 GGUF_MODEL = "qwen-image21-gguf-q4-k-m-tiny"  # a Q4_K_M GGUF DiT (write_gguf_model)
-# The tiny Krea 2 (turbo) folder the server's model dir holds (tests/families/krea2/tiny.py).
-KREA2_MODEL = "krea2-tiny"
+# The server's embedded tiny Krea 2 turbo (server/engine/families/krea2/embedded.py).
+KREA2_MODEL = "krea2-random-tiny"
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
@@ -170,15 +170,13 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gmlx_server(workdir):
-    """`gmlx serve` with one model dir holding tiny FLUX.2 klein and Krea 2 folders and no default model:
+    """`gmlx serve` with one model dir holding a tiny FLUX.2 klein folder and no default model:
     it serves that model and its embedded models, the default `qwen-image21-random-tiny` and
     the Z-Image model."""
     from tests.families.flux2_klein.tiny.folder import build_tiny_folder as build_flux2_folder
-    from tests.families.krea2.tiny import build_tiny_folder as build_krea2_folder
 
     models = workdir / "models"
     build_flux2_folder(models / FLUX2_MODEL, family="flux2_klein", num_single_layers=1)
-    build_krea2_folder(models / KREA2_MODEL)
     write_gguf_model(workdir / "embedded", models / GGUF_MODEL)
     config = workdir / "config.toml"
     config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(models))}]\n", encoding="utf-8")
@@ -567,18 +565,25 @@ def test_text_to_image_on_a_q4_k_m_gguf_dit_equals_the_engines_generate(
     assert _rel(got, want) <= LATENT_RTOL
 
 
-def test_z_image_text_to_image_equals_the_engines_generate(comfyui, gmlx_server, z_image_engine):
-    """The Z-Image text-to-image example as shipped (its loaders on the embedded Z-Image):
-    gmlx Sigmas gives the turbo variant's steps and cfg (8, 1) on ComfyUI's "simple" schedule
-    at the status's shift."""
+@pytest.mark.parametrize(
+    ("example", "model"),
+    [("gmlx_z_image_text_to_image", Z_IMAGE_MODEL), ("gmlx_krea2_text_to_image", KREA2_MODEL)],
+)
+def test_an_embedded_family_example_equals_the_engines_generate(
+    comfyui, gmlx_server, example, model
+):
+    """The Z-Image and Krea 2 text-to-image examples as shipped (their loaders on the family's
+    embedded model): gmlx Sigmas gives the turbo variant's steps and cfg (8, 1) on ComfyUI's
+    "simple" schedule at the status's shift."""
     seed = 9
-    wf = _save_latent(_workflow("gmlx_z_image_text_to_image"), "11")
-    assert {wf[loader]["inputs"]["model_name"] for loader in ("1", "2", "3")} == {Z_IMAGE_MODEL}
+    engine = _served_engine(gmlx_server["config"], model)
+    wf = _save_latent(_workflow(example), "11")
+    assert {wf[loader]["inputs"]["model_name"] for loader in ("1", "2", "3")} == {model}
     wf["8"]["inputs"]["noise_seed"] = seed
     got = _latent(comfyui, _run(comfyui, wf))
-    want = direct_generate(z_image_engine, wf["4"]["inputs"]["text"], seed)
+    want = direct_generate(engine, wf["4"]["inputs"]["text"], seed)
     assert got.shape == want.shape == (1, 16, SIZE // 8, SIZE // 8)
-    print(f"Z-Image example against the engine's generate: rel L2 {_rel(got, want):.1e}")
+    print(f"{example} against the engine's generate: rel L2 {_rel(got, want):.1e}")
     assert _rel(got, want) <= LATENT_RTOL
 
 

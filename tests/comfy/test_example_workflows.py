@@ -4,6 +4,7 @@ thumbnail, and converts to its API copy (which the e2e suite queues on a real Co
 
 from __future__ import annotations
 
+import importlib
 import runpy
 import sys
 import uuid
@@ -14,6 +15,7 @@ import pytest
 from tests.comfy.workflow_files import (
     API_DIR,
     DEFAULT_MODEL_NAMES,
+    EMBEDDED_FAMILY,
     FLUX2_KLEIN_MODEL,
     FLUX2_KLEIN_NAMES,
     FRONTEND_NODES,
@@ -22,7 +24,6 @@ from tests.comfy.workflow_files import (
     PACK_DIR,
     STOCK_NODES,
     UI_DIR,
-    Z_IMAGE_EXAMPLES,
     api_workflow,
     ui_to_api,
     ui_workflow,
@@ -146,11 +147,10 @@ def _models_named(name: str) -> tuple[set, set]:
 
 @pytest.mark.parametrize("name", DEFAULT_MODEL_NAMES)
 def test_workflow_names_an_embedded_model(name):
-    """The default server's model, or, in a Z-Image example, the embedded Z-Image."""
-    from gmlx_server.engine.families.qwen_image21 import embedded as default
-    from gmlx_server.engine.families.z_image import embedded as z_image
-
-    expected = (z_image if name in Z_IMAGE_EXAMPLES else default).MODEL_NAME
+    """The default server's model, or, in a Z-Image or Krea 2 example, that family's embedded
+    model."""
+    family = EMBEDDED_FAMILY.get(name, "qwen_image21")
+    expected = importlib.import_module(f"gmlx_server.engine.families.{family}.embedded").MODEL_NAME
     assert _models_named(name) == ({expected}, {expected})
 
 

@@ -14,16 +14,17 @@ API_DIR = PACK_DIR / "api_workflows"
 # The frontend finds a template by its name among ComfyUI's own first (a pack's "lora" opens
 # ComfyUI's lora template): the pack's names carry its prefix.
 NAME_PREFIX = "gmlx_"
-# The examples on an embedded model (the default, or the embedded Z-Image for Z_IMAGE_EXAMPLES),
-# and those on FLUX.2 klein, whose loaders name the embedded klein, FLUX2_KLEIN_MODEL, and carry
-# a note saying how to use a real one.
+# The examples on an embedded model (the default, or the family's of EMBEDDED_FAMILY), and those
+# on FLUX.2 klein, whose loaders name the embedded klein, FLUX2_KLEIN_MODEL, and carry a note
+# saying how to use a real one.
 DEFAULT_MODEL_NAMES = (
     "gmlx_text_to_image",
     "gmlx_lora",
     "gmlx_edit_two_references",
     "gmlx_z_image_text_to_image",
+    "gmlx_krea2_text_to_image",
 )
-Z_IMAGE_EXAMPLES = ("gmlx_z_image_text_to_image",)
+EMBEDDED_FAMILY = {"gmlx_z_image_text_to_image": "z_image", "gmlx_krea2_text_to_image": "krea2"}
 FLUX2_KLEIN_NAMES = ("gmlx_flux2_klein_text_to_image", "gmlx_flux2_klein_edit_two_references")
 NAMES = DEFAULT_MODEL_NAMES + FLUX2_KLEIN_NAMES
 FLUX2_KLEIN_MODEL = "flux2-klein-random-tiny"  # server/engine/families/flux2_klein/embedded.py
