@@ -337,12 +337,6 @@ def _served_engine(config: Path, model: str):
 
 
 @pytest.fixture(scope="module")
-def z_image_engine(gmlx_server):
-    """The server's embedded Z-Image model loaded in this process."""
-    return _served_engine(gmlx_server["config"], Z_IMAGE_MODEL)
-
-
-@pytest.fixture(scope="module")
 def flux2_engine(gmlx_server):
     """The server's tiny FLUX.2 klein model loaded in this process."""
     from gmlx_server.image_cli import choose_model
@@ -1343,25 +1337,41 @@ def test_a_lora_on_the_quantized_model_applies_as_the_server_loader_does(
     assert _rel(want, plain) > 1000 * LATENT_RTOL
 
 
-@pytest.mark.parametrize("form", ["diffusers", "kohya", "comfy", "peft", "bare", "model"])
-def test_a_z_image_lora_in_every_key_form_applies_as_the_server_loader_does(
-    comfyui, gmlx_server, z_image_engine, form
+# Krea 2's: q and the gate (fused here), k and v (fused), the text fusion, an MLP's down.
+KREA2_LORA_LAYERS = (
+    "transformer_blocks.0.attn.to_q",
+    "transformer_blocks.0.attn.to_gate",
+    "transformer_blocks.1.attn.to_v",
+    "transformer_blocks.1.ff.down",
+    "text_fusion.refiner_blocks.0.attn.to_k",
+)
+FORMS_ON = [
+    (Z_IMAGE_MODEL, Z_IMAGE_LORA_LAYERS, form)
+    for form in ("diffusers", "kohya", "comfy", "peft", "bare", "model")
+] + [(KREA2_MODEL, KREA2_LORA_LAYERS, form) for form in ("diffusers", "kohya", "comfy", "peft")]
+
+
+@pytest.mark.parametrize(("model", "layers", "form"), FORMS_ON)
+def test_a_pack_built_models_lora_in_every_key_form_applies_as_the_server_loader_does(
+    comfyui, gmlx_server, model, layers, form
 ):
     """As above on Z-Image, whose ComfyUI class (0.33) maps the diffusers forms onto its own
-    fused qkv names: the pack's keys take their place, so every key still loads."""
+    fused qkv names (the pack's keys take their place, so every key still loads), and on
+    Krea 2, which no ComfyUI knows."""
     seed, steps = 6, 4
-    folder = comfyui["base"] / "models" / "loras" / "z_image"
-    path = _lora_files(z_image_engine, folder, Z_IMAGE_LORA_LAYERS)[form]
+    engine = _served_engine(gmlx_server["config"], model)
+    folder = comfyui["base"] / "models" / "loras" / model
+    path = _lora_files(engine, folder, layers)[form]
     name = str(path.relative_to(comfyui["base"] / "models" / "loras"))
-    wf = _with_lora(_pack_prompt(Z_IMAGE_MODEL, seed, steps), name)
+    wf = _with_lora(_pack_prompt(model, seed, steps), name)
     with _LogSlice(comfyui["log"]) as log:
         got = _latent(comfyui, _run(comfyui, wf))
     assert "lora key not loaded" not in log.text and "NOT LOADED" not in log.text, log.text
-    sigmas = comfy_simple_sigmas(steps, z_image_engine.status()["sampling"]["shift"])
-    table = _server_table(z_image_engine, path)
-    want = direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas, table)
-    moved = _rel(want, direct_sample(z_image_engine, PACK_PROMPT, seed, sigmas))
-    print(f"Z-Image LoRA ({form}): rel L2 {_rel(got, want):.1e}, the LoRA moves it {moved:.1%}")
+    sigmas = comfy_simple_sigmas(steps, engine.status()["sampling"]["shift"])
+    table = _server_table(engine, path)
+    want = direct_sample(engine, PACK_PROMPT, seed, sigmas, table)
+    moved = _rel(want, direct_sample(engine, PACK_PROMPT, seed, sigmas))
+    print(f"{model} LoRA ({form}): rel L2 {_rel(got, want):.1e}, the LoRA moves it {moved:.1%}")
     assert _rel(got, want) <= LATENT_RTOL
     assert moved > 100 * LATENT_RTOL
 

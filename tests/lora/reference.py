@@ -29,12 +29,13 @@ def layer_shapes(model) -> dict[str, tuple[int, int]]:
     }
 
 
-def peft_model(folder, loras: list[tuple[Lora, float]]):
+def peft_model(folder, loras: list[tuple[Lora, float]], model=None):
     """The transformer with each LoRA added as a peft adapter, active together at its strength
-    (peft scales each by strength * lora_alpha / r)."""
+    (peft scales each by strength * lora_alpha / r); `model`: another family's diffusers
+    transformer (default: the folder's Qwen-Image 2.1 one)."""
     from peft import LoraConfig
 
-    model = plain_model(folder)
+    model = plain_model(folder) if model is None else model
     names = []
     for index, (lora, _) in enumerate(loras):
         name = f"lora{index}"

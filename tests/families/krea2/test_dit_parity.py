@@ -8,31 +8,40 @@ import pytest
 from gmlx_server.engine.families.krea2.dit import Krea2DiT
 
 from tests.compiled_dits import compiled_dits
-from tests.families.krea2.reference import (
-    TINY_TRANSFORMER,
-    build_transformer,
-    reference_dit,
-    rel_l2,
-)
+from tests.families.krea2.reference import build_transformer, reference_dit, rel_l2
 
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+# Two shapes: the tiny config (grouped-query attention, three tapped layers), and one with as
+# many key/value heads as query heads, two tapped layers and two layerwise fusion blocks.
+CONFIGS = {
+    "gqa": {},
+    "mha": {
+        "num_key_value_heads": 4,
+        "text_num_key_value_heads": 4,
+        "num_text_layers": 2,
+        "num_layerwise_text_blocks": 2,
+        "num_refiner_text_blocks": 1,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
     """The reference and our DiT, compiled: the parity here is the compiled pass's."""
-    folder = tmp_path_factory.mktemp("krea2_dit")
-    model = build_transformer(folder, seed=0)
+    folder = tmp_path_factory.mktemp(f"krea2_dit_{request.param}")
+    model = build_transformer(folder, seed=0, **CONFIGS[request.param])
     with compiled_dits():
         return model, Krea2DiT.load(folder, mx.float32)
 
 
-def inputs(seed: int, lengths, hw=(6, 10)):
+def inputs(dit, seed: int, lengths, hw=(6, 10)):
     rng = np.random.default_rng(seed)
-    channels = TINY_TRANSFORMER["in_channels"] // 4
-    x = rng.standard_normal((len(lengths), channels, *hw)).astype(np.float32)
-    layers, dim = TINY_TRANSFORMER["num_text_layers"], TINY_TRANSFORMER["text_hidden_dim"]
-    conds = [rng.standard_normal((n, layers, dim)).astype(np.float32) for n in lengths]
+    config = dit.config
+    x = rng.standard_normal((len(lengths), config.latent_channels, *hw)).astype(np.float32)
+    shape = (config.num_text_layers, config.text_dim)
+    conds = [rng.standard_normal((n, *shape)).astype(np.float32) for n in lengths]
     return x, conds
 
 
@@ -44,14 +53,14 @@ def ours(dit, x, t, conds) -> np.ndarray:
 @pytest.mark.parametrize("t", [0.0, 0.37, 1.0])
 def test_one_row(tiny, t):
     model, dit = tiny
-    x, conds = inputs(1, [9])
+    x, conds = inputs(dit, 1, [9])
     assert rel_l2(ours(dit, x, [t], conds), reference_dit(model, x, [t], conds)) <= TOLERANCE
 
 
 @pytest.mark.parametrize("hw", [(2, 2), (6, 10), (10, 6), (14, 18)])
 def test_sizes_and_odd_patch_grids(tiny, hw):
     model, dit = tiny
-    x, conds = inputs(2, [5], hw)
+    x, conds = inputs(dit, 2, [5], hw)
     want = reference_dit(model, x, [0.6], conds)
     assert rel_l2(ours(dit, x, [0.6], conds), want) <= TOLERANCE
 
@@ -60,7 +69,7 @@ def test_rows_of_different_lengths_batch_as_the_masked_reference(tiny):
     """Two rows, prompts of 3 and 11 tokens: the reference pads and masks, ours left-pads and
     attends over each row's own keys; each row also equals itself alone."""
     model, dit = tiny
-    x, conds = inputs(3, [3, 11])
+    x, conds = inputs(dit, 3, [3, 11])
     t = [0.8, 0.25]
     got = ours(dit, x, t, conds)
     assert rel_l2(got, reference_dit(model, x, t, conds)) <= TOLERANCE
@@ -70,8 +79,8 @@ def test_rows_of_different_lengths_batch_as_the_masked_reference(tiny):
 
 def test_the_prompt_and_the_time_move_the_output(tiny):
     _, dit = tiny
-    x, conds = inputs(4, [7])
-    _, other = inputs(5, [7])
+    x, conds = inputs(dit, 4, [7])
+    _, other = inputs(dit, 5, [7])
     base = ours(dit, x, [0.5], conds)
     assert rel_l2(ours(dit, x, [0.5], other), base) > 1e-2
     assert rel_l2(ours(dit, x, [0.9], conds), base) > 1e-2

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gmlx_contract.client import StepClient
+from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.krea2.embedded import write_embedded_model
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate, initial_noise
@@ -105,3 +106,21 @@ def test_the_prompt_moves_the_latents(server):
     requests = [ImageRequest(prompt=p, width=32, height=32, seed=3, steps=2) for p in PROMPTS]
     first, second = (through_routes(server, request) for request in requests)
     assert rel_l2(first, second) > 1e-2
+
+
+@pytest.mark.parametrize("convention", ["comfy", "reference"])
+def test_a_step_in_each_convention_is_the_references_velocity(folder, server, convention):
+    """Both conventions read the timestep as sigma and answer the DiT's velocity as it is."""
+    from diffusers import Krea2Transformer2DModel
+
+    from tests.families.krea2.reference import reference_dit
+
+    model = server.loaded.model
+    config = model.dit.config
+    rng = np.random.default_rng(5)
+    cond = rng.standard_normal((6, config.num_text_layers, config.text_dim)).astype(np.float32)
+    x = rng.standard_normal((1, config.latent_channels, 6, 4)).astype(np.float32)
+    row = StepRow(cond.reshape(1, 6, -1), "wire:c")
+    out = model.denoise_step(x, np.float32([0.45]), [row], convention=convention).out
+    reference = Krea2Transformer2DModel.from_pretrained(str(folder / "transformer")).eval()
+    assert rel_l2(out, reference_dit(reference, x, [0.45], [cond])) <= 1e-4
