@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .base import Capabilities, EngineInputError, StepCall, StepResult, StepRow
+from .base import Capabilities, EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from .gguf import DiTFile
 from .lora import TableWeights
 from .nn import dtypes
@@ -131,6 +131,7 @@ class FamilyModel:
     that loads the same encoder again, make the encoder releasable."""
 
     family: str = ""  # the family's name, set by the subclass
+    title: str = ""  # its name in prose, for messages
     capabilities = Capabilities()
 
     def __init__(
@@ -200,6 +201,13 @@ class FamilyModel:
 
     def manifest(self) -> dict:
         return self._read_manifest(self.model_dir)
+
+    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
+        """The prompt's conditioning, for a family that takes no reference images (one that
+        does overrides this)."""
+        if images:
+            raise EngineInputError(f"{self.title} takes no reference images")
+        return EncodeResult(cond=self.prompt_encoder().encode(text))
 
     def check_patch_table(self, table: Any) -> None:
         """Refuse a patch table whose keys or shapes do not fit this DiT (called at PUT time)."""

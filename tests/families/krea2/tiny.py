@@ -1,6 +1,6 @@
 """A tiny Krea 2 folder in diffusers' Krea2Pipeline layout, from the references themselves:
 the tiny DiT of reference.py, a tiny AutoencoderKLQwenImage, a tiny Qwen3VLModel text encoder
-with the tests' Qwen tokenizer, the scheduler config of the pipeline's docstring. Nothing is
+with the tests' Qwen tokenizer, the embedded model's scheduler config (the pipeline docstring's). Nothing is
 downloaded; torch, diffusers and transformers are development dependencies."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import write_tokenizer
+from gmlx_server.engine.families.krea2.embedded import SCHEDULER_CONFIG
 
 from tests.families.krea2.reference import build_transformer
 from tests.families.qwen_image21.tiny.text_encoder import _redraw, build_tokenizer, tiny_config
@@ -18,16 +19,6 @@ TEXT_LAYERS = 4  # the tiny encoder's decoder layers; the taps below read three 
 SELECT_LAYERS = (1, 2, 3)
 TEXT_WIDTH = 64
 VAE = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
-SCHEDULER = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "num_train_timesteps": 1000,
-    "use_dynamic_shifting": True,
-    "time_shift_type": "exponential",
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 6400,
-}
 
 
 def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **transformer) -> Path:
@@ -55,7 +46,7 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **trans
     _redraw(encoder, seed + 2)
     encoder.save_pretrained(str(root / "text_encoder"))
     (root / "scheduler").mkdir(parents=True, exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
     index = {
         "_class_name": "Krea2Pipeline",
         "_diffusers_version": "0.42.1",

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from ...base import EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn.attention import QUERY_CHUNK
@@ -96,6 +96,7 @@ def fits(parts: LoadedParts) -> None:
 
 class Krea2Model(FamilyModel):
     family = FAMILY
+    title = TITLE
     capabilities = SPEC.capabilities()
 
     def __init__(
@@ -103,11 +104,6 @@ class Krea2Model(FamilyModel):
     ):
         super().__init__(model_dir, model_id, **KREA2.model_arguments(model_dir, parts, files))
         self.dit = parts.dit
-
-    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
-        if images:
-            raise EngineInputError(f"{TITLE} takes no reference images")
-        return EncodeResult(cond=self.prompt_encoder().encode(text))
 
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from ...base import EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
@@ -101,6 +101,7 @@ def step_peak_bytes(
 
 class ZImageModel(FamilyModel):
     family = FAMILY
+    title = TITLE
     capabilities = SPEC.capabilities()
 
     def __init__(
@@ -111,11 +112,6 @@ class ZImageModel(FamilyModel):
         (none: the folder's)."""
         super().__init__(model_dir, model_id, **Z_IMAGE.model_arguments(model_dir, parts, files))
         self.dit = parts.dit
-
-    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
-        if images:
-            raise EngineInputError(f"{TITLE} takes no reference images")
-        return EncodeResult(cond=self.prompt_encoder().encode(text))
 
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
