@@ -1026,7 +1026,8 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
 ):
     comfy, gmlx_url = comfyui_alone, comfyui_alone["gmlx_url"]
     info = _json(comfy["url"] + "/object_info/GmlxModelLoader")["GmlxModelLoader"]
-    embedded = [gmlx_server["model"], FLUX2_KLEIN_MODEL, Z_IMAGE_MODEL]  # the default first
+    # the embedded models, the default first
+    embedded = [gmlx_server["model"], FLUX2_KLEIN_MODEL, KREA2_MODEL, Z_IMAGE_MODEL]
     assert info["input"]["required"]["model_name"][0] == embedded
 
     workflow = {
