@@ -188,7 +188,10 @@ DEEPSTACK_NAMES = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 def vl_file_names(name: str, taps: list[int]) -> list[tuple[int, str, int | None]]:
     """(file: 0 model, 1 mmproj; llama.cpp's name; temporal slice or None) of a Qwen3-VL
-    checkpoint tensor, as llama.cpp's converter writes it."""
+    checkpoint tensor (Qwen3VLForConditionalGeneration's names, or Qwen3VLModel's without
+    `model.`), as llama.cpp's converter writes it."""
+    if name.startswith(("language_model.", "visual.")):
+        name = "model." + name
     if name.startswith("model.language_model."):
         text = name.replace("model.language_model.", "model.", 1)
         return [(0, llama_cpp_name(text), None)]
@@ -229,26 +232,28 @@ def vl_folder(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K], ids=lambda kind: kind.name)
-def test_qwen3_vl_from_the_gguf_pair_encodes_as_its_dequantized_weights(kind, vl_folder, tmp_path):
+def gguf_pair(folder, kind: T, tmp_path):
+    """The folder's Qwen3-VL as llama.cpp's pair of GGUF files (its matrices of `kind`, or Q8_0,
+    or F32, where their blocks do not divide a row) and a copy of the folder holding what the pair holds,
+    as gguf dequantizes it: (model file, mmproj file, that copy)."""
     import shutil
 
     import gguf
-    from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 
-    config = json.loads((vl_folder / "text_encoder" / "config.json").read_text())
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
     taps = config["vision_config"]["deepstack_visual_indexes"]
     block = gguf.GGML_QUANT_SIZES[kind][0]
     rng = np.random.default_rng(int(kind))
     files, held = [{}, {}], {}
-    for name, value in load_weights(vl_folder / "text_encoder", mx.float32).items():
+    for name, value in load_weights(folder / "text_encoder", mx.float32).items():
         value = np.array(value)
         slices = []
         for index, file_name, temporal in vl_file_names(name, taps):
             part = value if temporal is None else value[:, :, temporal]
             part_kind = T.F32
             if part.ndim == 2:
-                part_kind = kind if part.shape[1] % block == 0 else T.Q8_0
+                fallback = T.Q8_0 if part.shape[1] % 32 == 0 else T.F32  # Q8_0's blocks: 32
+                part_kind = kind if part.shape[1] % block == 0 else fallback
             elif part.ndim == 4:
                 part_kind = T.F16
             data = encoded(part_kind, part, rng)
@@ -258,9 +263,17 @@ def test_qwen3_vl_from_the_gguf_pair_encodes_as_its_dequantized_weights(kind, vl
     model_file = write_gguf(tmp_path / "Qwen3-VL-tiny.gguf", files[0], arch="qwen3vl")
     mmproj = write_gguf(tmp_path / "mmproj-Qwen3-VL-tiny.gguf", files[1], arch="clip")
     plain = tmp_path / "plain"
-    shutil.copytree(vl_folder, plain)
+    shutil.copytree(folder, plain)
     weights = {n: np.ascontiguousarray(v, np.float32) for n, v in held.items()}
     save_file(weights, str(next((plain / "text_encoder").glob("*.safetensors"))))
+    return model_file, mmproj, plain
+
+
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K], ids=lambda kind: kind.name)
+def test_qwen3_vl_from_the_gguf_pair_encodes_as_its_dequantized_weights(kind, vl_folder, tmp_path):
+    from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
+
+    model_file, mmproj, plain = gguf_pair(vl_folder, kind, tmp_path)
     image = np.random.default_rng(1).integers(0, 256, (256, 320, 3), dtype=np.uint8)
     got = QwenImage21PromptEncoder.load(vl_folder, gguf=(model_file, mmproj))
     expected = QwenImage21PromptEncoder.load(plain)
@@ -269,4 +282,21 @@ def test_qwen3_vl_from_the_gguf_pair_encodes_as_its_dequantized_weights(kind, vl
     assert a.image_slots == b.image_slots
     layers = dict(got.encoder.named_modules())
     assert isinstance(layers["visual.blocks.0.attn.qkv"], BlockLinear)
+    assert isinstance(layers["language_model.layers.0.mlp.up_proj"], BlockLinear)
+
+
+def test_krea2s_qwen3_vl_from_the_gguf_pair_encodes_as_its_dequantized_weights(tmp_path):
+    """Krea 2's prompt (its tapped layers, stacked) from the embedded Krea 2's encoder as a pair
+    in Qwen3VLModel's names."""
+    from gmlx_server.engine.families.krea2.embedded import write_embedded_model
+    from gmlx_server.engine.families.krea2.prompt import Krea2PromptEncoder
+
+    folder = tmp_path / "krea2"
+    write_embedded_model(folder)
+    (tmp_path / "pair").mkdir()
+    model_file, mmproj, plain = gguf_pair(folder, T.Q8_0, tmp_path / "pair")
+    got = Krea2PromptEncoder.load(folder, gguf=(model_file, mmproj))
+    expected = Krea2PromptEncoder.load(plain)
+    assert rel_l2(got.encode("a red boat"), expected.encode("a red boat")) <= TOLERANCE
+    layers = dict(got.encoder.named_modules())
     assert isinstance(layers["language_model.layers.0.mlp.up_proj"], BlockLinear)
