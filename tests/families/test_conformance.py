@@ -122,6 +122,7 @@ def served(request, tmp_path_factory):
     live = serve(replace(config, image=ImageConfig()), registry)
     yield live, name
     live.close()
+    _ENCODED.clear()  # a later case's server may take this one's id
 
 
 def status(live, model):
@@ -135,8 +136,9 @@ def tensors(response) -> dict:
     return wire.read_container(response.content).tensors
 
 
-# Each model's encodings, kept for the module's server: an encode is deterministic, and FLUX.2
-# klein's (a 512-token prompt through 27 layers) takes about a second on the CPU backend.
+# Each model's encodings, kept while the case's server runs (`served` clears them): an encode is
+# deterministic, and FLUX.2 klein's (a 512-token prompt through 27 layers) takes about a second
+# on the CPU backend.
 _ENCODED: dict[tuple[int, str, str], np.ndarray] = {}
 
 

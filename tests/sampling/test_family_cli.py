@@ -18,7 +18,12 @@ from tests.families.z_image.tiny import folder as z_image_tiny
 BUILDERS = {"z_image": z_image_tiny.build_tiny_folder, "krea2": krea2_tiny.build_tiny_folder}
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
+# Z-Image's repeats Krea 2's through the same command paths (its sampling through the routes is
+# tests/families/z_image/test_pipeline_parity.py's); it runs with -m heavy.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param("z_image", marks=pytest.mark.heavy), "krea2"],
+)
 def folder(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"{request.param}_cli") / f"{request.param}-tiny"
     BUILDERS[request.param](root, variant="turbo")

@@ -188,7 +188,9 @@ def test_three_ranks_step_as_one_process(folder, mode):
     check_equal(rank_check(folder, 3, mode), folder.name, 3, mode)
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
+# Tensor mode runs the same check as Krea 2's (tests/shard/family_check.py), whose split of
+# grouped key/value heads is the harder case; Z-Image's runs with -m heavy.
+@pytest.mark.parametrize("mode", ["pipeline", pytest.param("tensor", marks=pytest.mark.heavy)])
 def test_z_image_over_two_ranks_steps_as_one_process(z_image_folder, mode):
     results = rank_check(z_image_folder, 2, mode, "family_check")
     assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
