@@ -1,7 +1,9 @@
 """Qwen-Image 2.1's VAE (diffusers' `AutoencoderKLQwenImage21`) in MLX, for single images.
 
 The reference is a video VAE (Wan's residual design) specialised to images: its "causal 3D"
-convolutions are already 2D convolutions over one frame. What stays temporal reduces, for one
+convolutions are already 2D convolutions over one frame. Its `is_residual` false is Wan 2.1's
+plain layout (no shortcuts around the resamplers, the decoder's upsamplers halving the
+channels: `PlainUpBlock`, `plain_down_blocks`), which Qwen-Image's VAE is (vaes/qwen_image.py). What stays temporal reduces, for one
 frame, as follows (checked by the parity tests):
 - `time_conv` of the 3D resamplers is never applied to a first chunk: the encoder only caches the
   frame, the decoder marks the cache "Rep". Those weights are not loaded.
