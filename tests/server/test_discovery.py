@@ -194,4 +194,9 @@ def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
     result = gmlx_without(tmp_path, ("mlx", "falcon", "waitress"), "list", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     listed = [model["model"] for model in json.loads(result.stdout)["models"]]
-    assert listed == ["qwen-image21-random-tiny", "flux2-klein-random-tiny", "z-image-random-tiny"]
+    assert listed == [
+        "qwen-image21-random-tiny",
+        "flux2-klein-random-tiny",
+        "krea2-random-tiny",
+        "z-image-random-tiny",
+    ]

@@ -11,7 +11,7 @@ under Qwen-Image's published normalisation, patchified 2x2 by the DiT; three tap
 the text encoder stacked per token; Qwen's token ids' order. The networks inside are narrow and
 shallow (a DiT of four 16-wide query heads over two key/value heads with two blocks, a VAE whose
 widest stage has 16 channels, a Qwen3-VL of width 32). The weight names come from the DiT's own
-table (dit.tensor_shapes) and the shared parts' inventories (engine/embedded.py).
+table (layout.tensor_shapes) and the shared parts' inventories (engine/embedded.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ...encoders.qwen3.tiny_tokenizer import (
     train_tokenizer,
     write_tokenizer,
 )
-from .dit import DiTConfig, tensor_shapes
+from .layout import DiTConfig, tensor_shapes
 from .spec import PIPELINE_CLASS
 
 MODEL_NAME = "krea2-random-tiny"

@@ -22,7 +22,8 @@ from ...nn.attention import QUERY_CHUNK
 from ...step_inputs import checked_cond, checked_patch_latents, cond_rows, row_sigmas
 from ...vaes.qwen_image import QwenImageVAEPart
 from ...weights import read_config
-from .dit import PATCH, DiTConfig, Krea2DiT
+from .dit import Krea2DiT
+from .layout import PATCH, DiTConfig
 from .prompt import Krea2PromptEncoder, quantized
 from .spec import MAX_SEQUENCE_LENGTH, SPEC, SUFFIX_TOKENS
 
