@@ -12,15 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gmlx_contract.client import StepClient
 from gmlx_contract.schedules import rule_sigmas
-from gmlx_server.engine.registry import ModelRegistry
-from gmlx_server.engine.sampling import ImageRequest, generate, initial_noise
-from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+from gmlx_server.engine.sampling import ImageRequest, initial_noise
 from PIL import Image
 
 from tests.families.flux2_klein.reference import rel_l2, use_kv_processors
 from tests.families.flux2_klein.tiny.folder import SCHEDULER_CONFIG, build_tiny_folder
+from tests.families.routes import served_folder, through_routes
 
 WIDTH, HEIGHT = 64, 48
 PROMPT = "a red fox in the snow"
@@ -54,9 +52,7 @@ def case(request, tmp_path_factory):
     family, distilled, steps, cfg = CASES[request.param]
     folder = tmp_path_factory.mktemp("flux2_pipeline") / f"klein-{request.param}"
     build_tiny_folder(folder, family=family, distilled=distilled, num_single_layers=2)
-    registry = ModelRegistry(extra_models=[folder], default_model=folder.name)
-    with StepServer(ModelChoice(registry, folder.name, 0.0)) as server:
-        server.load()
+    with served_folder(folder) as server:
         yield folder, server, family, steps, cfg
 
 
@@ -84,14 +80,6 @@ def pipeline(folder, family: str):
         use_kv_processors(parts["transformer"])
         return Flux2KleinKVPipeline(**parts)
     return Flux2KleinPipeline(**parts, is_distilled=False)
-
-
-def through_routes(server, request: ImageRequest) -> np.ndarray:
-    status = server.loaded.model.status()
-    with StepClient(server.base_url) as client:
-        via = ViaStepsTransport(client, server.direct(), server.choice.model_id)
-        latents, _ = generate(via, status, request)
-    return latents
 
 
 def test_sampling_with_two_references_equals_the_pipeline(case):

@@ -11,15 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gmlx_contract.client import StepClient
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.krea2.embedded import write_embedded_model
-from gmlx_server.engine.registry import ModelRegistry
-from gmlx_server.engine.sampling import ImageRequest, generate, initial_noise
-from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
 from tests.families.krea2.reference import rel_l2
 from tests.families.krea2.tiny import build_tiny_folder, reference_pipeline
+from tests.families.routes import served_folder, through_routes
 
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
 PROMPTS = (PROMPT, "a lighthouse at dusk")
@@ -38,9 +36,7 @@ def folder(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    registry = ModelRegistry(extra_models=[folder], default_model=folder.name)
-    with StepServer(ModelChoice(registry, folder.name, 0.0)) as server:
-        server.load()
+    with served_folder(folder) as server:
         yield server
 
 
@@ -55,14 +51,6 @@ def unpacked(tokens: np.ndarray, h: int, w: int) -> np.ndarray:
     b, _, channels = tokens.shape
     x = tokens.reshape(b, h // 2, w // 2, channels // 4, 2, 2).transpose(0, 3, 1, 4, 2, 5)
     return x.reshape(b, channels // 4, h, w)
-
-
-def through_routes(server, request: ImageRequest) -> np.ndarray:
-    status = server.loaded.model.status()
-    with StepClient(server.base_url) as client:
-        via = ViaStepsTransport(client, server.direct(), server.choice.model_id)
-        latents, _ = generate(via, status, request)
-    return latents
 
 
 @pytest.mark.parametrize(

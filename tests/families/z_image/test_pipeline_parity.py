@@ -8,14 +8,11 @@ The pipeline's guidance_scale g is `pos + g (pos - neg)`, the sampler's cfg is
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gmlx_contract.client import StepClient
-from gmlx_server.engine.registry import ModelRegistry
-from gmlx_server.engine.sampling import ImageRequest, generate, initial_noise
-from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
+from tests.families.routes import served_folder, through_routes
 from tests.families.z_image.reference import rel_l2
 from tests.families.z_image.tiny.folder import build_tiny_folder
 
@@ -32,9 +29,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    registry = ModelRegistry(extra_models=[folder], default_model=folder.name)
-    with StepServer(ModelChoice(registry, folder.name, 0.0)) as server:
-        server.load()
+    with served_folder(folder) as server:
         yield server
 
 
@@ -54,15 +49,6 @@ def pipeline(folder):
         tokenizer=AutoTokenizer.from_pretrained(folder / "tokenizer"),
         transformer=ZImageTransformer2DModel.from_pretrained(folder / "transformer").eval(),
     )
-
-
-def through_routes(server, request: ImageRequest) -> np.ndarray:
-    """`generate` over the step routes: the status's schedule, ComfyUI's noise for the seed."""
-    status = server.loaded.model.status()
-    with StepClient(server.base_url) as client:
-        via = ViaStepsTransport(client, server.direct(), server.choice.model_id)
-        latents, _ = generate(via, status, request)
-    return latents
 
 
 @pytest.mark.parametrize(("steps", "guidance_scale"), [(4, 0.0), (3, 1.5)])
