@@ -380,8 +380,9 @@ def executing_patch_source() -> str:
     node_id, node = _executing_node()
     if node_id is None:
         return "a LoRA"
-    if _lora_name(node) is not None:
-        return f"the LoRA file {_lora_name(node)!r}"
+    name = _lora_name(node)
+    if name is not None:
+        return f"the LoRA file {name!r}"
     return f"node {node_id}" + (f" ({node.get('class_type')})" if node else "")
 
 

@@ -515,19 +515,10 @@ class PlannedTransport(DirectTransport):
         self.memory = memory
 
     def step(self, x: np.ndarray, timestep: np.ndarray, rows) -> np.ndarray:
-        def denoise(x, timestep, rows, plans) -> StepResult:
-            return self.model.denoise_step(
-                x,
-                timestep,
-                rows,
-                convention=self.convention,
-                run=self.run_id,
-                table=self.table,
-                plans=plans,
-            )
-
         run_step = self.memory.run_step
-        return self.call(run_step, self.loaded, x, timestep, list(rows), self.table, denoise).out
+        return self.call(
+            run_step, self.loaded, x, timestep, list(rows), self.table, self.denoise
+        ).out
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         _, _, h, w = np.shape(latents)

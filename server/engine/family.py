@@ -399,7 +399,7 @@ class FolderFamily(Family):
       tensors a load reads (None: all), `module_name(name)` and `quantized(path)` what a
       quantized load quantizes, `network(encoder)` the loaded network;
     - `vae`: its VAE (a `...Part` of `vaes/`): `load(vae_dir, dtype)`, `latent(config)` (None: the DiT's channels at
-      the spec's strides), `status_row(config)`, `estimate(vae_dir, dtype)` and
+      the spec's strides), `channels_out(config)`, `status_row(config)`, `estimate(vae_dir, dtype)` and
       `reserve_bytes(config, pixels)`;
     - `step_reserve(model_dir, dtype)`: the activations of a guided step of the reference
       workload (RESERVE_PIXELS square), the family's own memory plan.
@@ -538,8 +538,7 @@ class FolderFamily(Family):
             "comfy": dict(self.spec.comfy),
             "latent": latent,
             "vae": {
-                # a VAE whose config names no out_channels says them in its status row
-                "channels_out": vae_config.get("out_channels"),
+                "channels_out": self.vae.channels_out(vae_config),
                 "stride": latent["stride"],  # the VAE routes' latents are the DiT's cells
                 **self.vae.status_row(vae_config),
             },

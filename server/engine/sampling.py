@@ -421,16 +421,20 @@ class DirectTransport:
         pass
 
     def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray:
-        result = self.call(
-            self.model.denoise_step,
+        return self.call(self.denoise, x, timestep, list(rows)).out
+
+    def denoise(self, x: np.ndarray, timestep: np.ndarray, rows: list, plans: Any = None):
+        """The model's step on these rows as the step route calls it (`plans`: a memory plan's
+        plan of the rows, None: the model plans them)."""
+        return self.model.denoise_step(
             x,
             timestep,
-            list(rows),
+            rows,
             convention=self.convention,
             run=self.run_id,
             table=self.table,
+            plans=plans,
         )
-        return result.out
 
     def end(self) -> None:
         self.call(self.model.end_run, self.run_id)

@@ -52,6 +52,14 @@ def checked_cond(row: StepRow, index: int, width: int) -> np.ndarray:
     return cond
 
 
+def checked_text_cond(row: StepRow, index: int, width: int, title: str) -> np.ndarray:
+    """`checked_cond` for a family that takes no reference latents: a row carrying some is
+    refused, naming the family."""
+    if row.ref_latents:
+        raise EngineInputError(f"rows[{index}]: {title} takes no reference latents")
+    return checked_cond(row, index, width)
+
+
 def cond_rows(row: StepRow, default: int = 0) -> int:
     """The rows of a row's conditioning (`default` when it has no row axis: the quick plan's
     guess before the check refuses it)."""

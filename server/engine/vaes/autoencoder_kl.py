@@ -532,6 +532,11 @@ class AutoencoderKLPart:
     def latent(self, config: dict) -> dict | None:
         return None  # the DiT's channels at the family's strides
 
+    @staticmethod
+    def channels_out(config: dict) -> int:
+        """The image channels a decode gives (status `vae.channels_out`)."""
+        return int(config["out_channels"])
+
     def status_row(self, config: dict) -> dict:
         """Extension of docs/contract.md §2.3 (as Qwen-Image 2.1 publishes it): model space is
         (z - latents_mean) / latents_std, here (z - shift_factor) * scaling_factor."""

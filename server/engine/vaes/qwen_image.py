@@ -66,9 +66,12 @@ class QwenImageVAEPart(QwenImage21VAEPart):
         return {"channels": int(plain["z_dim"]), "stride": 2 ** (len(plain["dim_mult"]) - 1)}
 
     @staticmethod
+    def channels_out(config: dict) -> int:
+        return int(plain_config(config)["out_channels"])
+
+    @staticmethod
     def status_row(config: dict) -> dict:
-        plain = plain_config(config)
-        return {"channels_out": plain["out_channels"], **QwenImage21VAEPart.status_row(plain)}
+        return QwenImage21VAEPart.status_row(plain_config(config))
 
     @staticmethod
     def reserve_bytes(config: dict, pixels: int) -> int:

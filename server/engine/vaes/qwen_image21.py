@@ -717,6 +717,11 @@ class QwenImage21VAEPart:
         return None  # the DiT's channels at the family's strides
 
     @staticmethod
+    def channels_out(config: dict) -> int:
+        """The image channels a decode gives (status `vae.channels_out`)."""
+        return int(config["out_channels"])
+
+    @staticmethod
     def status_row(config: dict) -> dict:
         """Extension of docs/contract.md §2.3: the normalisation from the VAE routes' latent
         space to the DiT's model space, (z - mean) / std, which a client such as the ComfyUI

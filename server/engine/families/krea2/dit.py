@@ -21,6 +21,7 @@ The DiT's raw output at time t = sigma is the flow velocity dx/dsigma, as the pi
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -154,6 +155,12 @@ def image_positions(h: int, w: int) -> np.ndarray:
     return np.stack([np.zeros(h * w), np.repeat(np.arange(h), w), np.tile(np.arange(w), h)], 1)
 
 
+@functools.lru_cache(maxsize=16)
+def image_rope(h: int, w: int, axes_dims: tuple[int, ...], theta: float) -> tuple:
+    """The image tokens' RoPE tables for an h x w patch grid: made once per grid, not per step."""
+    return rope_tables(image_positions(h, w), axes_dims, theta)
+
+
 class Krea2DiT(DiTNetwork):
     PART = PART
 
@@ -257,8 +264,8 @@ class Krea2DiT(DiTNetwork):
         _, _, height, width = x.shape
         if height % PATCH or width % PATCH:
             raise ValueError(f"latents {height}x{width} must be multiples of the patch {PATCH}")
-        positions = image_positions(height // PATCH, width // PATCH)
-        cos, sin = rope_tables(positions, self.config.axes_dims, self.config.rope_theta)
+        config = self.config
+        cos, sin = image_rope(height // PATCH, width // PATCH, config.axes_dims, config.rope_theta)
         lengths = tuple(int(cond.shape[0]) for cond in conds)
         signature = (id(w), x.shape, lengths)
         return self.compiled_pass(signature, w, x.astype(self.dtype), t, conds, (cos, sin))

@@ -19,7 +19,7 @@ from ...base import EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn.attention import QUERY_CHUNK
-from ...step_inputs import checked_cond, checked_patch_latents, cond_rows, row_sigmas
+from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
 from ...vaes.qwen_image import QwenImageVAEPart
 from ...weights import read_config
 from .dit import Krea2DiT
@@ -138,10 +138,8 @@ class Krea2Model(FamilyModel):
 
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
         """A row's conditioning (1, L, layers x text width) as the DiT's (L, layers, width)."""
-        if row.ref_latents:
-            raise EngineInputError(f"rows[{index}]: {TITLE} takes no reference latents")
         config = self.dit.config
-        cond = checked_cond(row, index, config.num_text_layers * config.text_dim)
+        cond = checked_text_cond(row, index, config.num_text_layers * config.text_dim, TITLE)
         return cond.reshape(cond.shape[0], config.num_text_layers, config.text_dim)
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
-from ...step_inputs import checked_cond, checked_patch_latents, cond_rows, row_sigmas
+from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import read_config
 from .dit import DiTConfig, ZImageDiT, padded
@@ -153,9 +153,7 @@ class ZImageModel(FamilyModel):
         return checked_patch_latents(x, rows, channels, LATENT_STRIDE, LATENT_PATCH, TITLE)
 
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
-        if row.ref_latents:
-            raise EngineInputError(f"rows[{index}]: {TITLE} takes no reference latents")
-        return checked_cond(row, index, self.dit.config.cap_feat_dim)
+        return checked_text_cond(row, index, self.dit.config.cap_feat_dim, TITLE)
 
     def close(self) -> None:
         self.dit = None
