@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from .encoders.qwen3.tiny_tokenizer import token_ids
+
 STAMP_FILE = "gmlx_embedded.json"
 # The diffusers release whose file layout and config keys the embedded folders follow.
 DIFFUSERS_FORMAT = "0.42.1"
@@ -150,6 +152,91 @@ TINY_QWEN3_CONFIG = {
     "tie_word_embeddings": False,
     "use_cache": True,
 }
+
+# A tiny AutoencoderKLFlux2 (FLUX.2 klein's and FLUX.3 klein's VAE): the real 32 latent channels
+# at stride 8, patchified 2x2 under its batch norm, a widest stage of 32 channels.
+TINY_FLUX2_VAE_CONFIG = {
+    "_class_name": "AutoencoderKLFlux2",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "act_fn": "silu",
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 32,
+    "block_out_channels": [16, 32, 32, 32],  # four blocks: stride 8
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "mid_block_add_attention": True,
+    "use_quant_conv": True,
+    "use_post_quant_conv": True,
+    "batch_norm_eps": 0.0001,
+    "batch_norm_momentum": 0.1,
+    "patch_size": [2, 2],
+    "sample_size": 1024,
+    "force_upcast": True,
+}
+# Its batch norm over the patchified latents: statistics of its own (running_var positive).
+FLUX2_BATCH_NORM = {"bn.running_mean": SHIFT, "bn.running_var": GAIN}
+# The VAE's batch-norm step counter, which nothing reads, is written, not drawn.
+FLUX2_VAE_UNDRAWN = {"bn.num_batches_tracked": np.array(0, np.int64)}
+
+
+def flux2_vae_tensors(config: dict = TINY_FLUX2_VAE_CONFIG) -> Inventory:
+    """AutoencoderKLFlux2's parameters: the AutoencoderKL body and the batch norm's statistics."""
+    channels = 4 * config["latent_channels"]
+    return {
+        **autoencoder_kl_tensors(config),
+        **{name: ((channels,), kind) for name, kind in FLUX2_BATCH_NORM.items()},
+    }
+
+
+# Qwen3VLModel over the tiny Qwen3's text width: four layers, interleaved multimodal RoPE
+# sections of its 8-wide heads, and a one-block vision tower (loaded, never run by a family that reads text alone).
+TINY_QWEN3_VL_TEXT = {
+    **{k: v for k, v in TINY_QWEN3_CONFIG.items() if k not in ("architectures", "model_type")},
+    "num_hidden_layers": 4,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    },
+}
+TINY_QWEN3_VL_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": TINY_QWEN3_CONFIG["hidden_size"],
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],
+}
+
+
+def tiny_qwen3_vl_config(tokenizer) -> dict:
+    """The tiny Qwen3VLModel's config (TINY_QWEN3_VL_*), with the token ids of `tokenizer`."""
+    ids = token_ids(tokenizer)
+    return {
+        "architectures": ["Qwen3VLModel"],
+        "model_type": "qwen3_vl",
+        "dtype": "float32",
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            **TINY_QWEN3_VL_TEXT,
+            "vocab_size": tokenizer.get_vocab_size(),
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        "vision_config": dict(TINY_QWEN3_VL_VISION),
+    }
 
 
 def write_drawn(

@@ -9,6 +9,7 @@ pipeline drops are the tokens of its system message as the chat template renders
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,19 @@ VISION_END = "<|vision_end|>"
 # Qwen has no BOS token, so an empty prompt would leave the encoder nothing to read: it is
 # encoded as this text instead (a family's status says so to its clients).
 EMPTY_PROMPT = " "
+DEFAULT_PAD_TOKEN = "<|endoftext|>"  # Qwen's, where tokenizer_config.json names none
+
+
+def pad_token(tokenizer_dir: Path) -> str:
+    """The pad token tokenizer_config.json names (its AddedToken form too), else Qwen's."""
+    config = Path(tokenizer_dir) / "tokenizer_config.json"
+    if config.is_file():
+        token = json.loads(config.read_text(encoding="utf-8")).get("pad_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if token:
+            return token
+    return DEFAULT_PAD_TOKEN
 
 
 @dataclass(frozen=True)
@@ -59,14 +73,15 @@ class QwenPromptTokenizer:
     def __init__(self, tokenizer: Tokenizer, template: PromptTemplate):
         self.tokenizer = tokenizer
         self.template = template
-        self.image_pad_id = self._special_id(IMAGE_PAD)
+        self.image_pad_id = self.token_id(IMAGE_PAD)
         self.drop_index = len(self._encode(template.system_message))
 
     @classmethod
     def load(cls, processor_dir: Path, template: PromptTemplate) -> QwenPromptTokenizer:
         return cls(Tokenizer.from_file(str(Path(processor_dir) / "tokenizer.json")), template)
 
-    def _special_id(self, token: str) -> int:
+    def token_id(self, token: str) -> int:
+        """The id of `token` (a ValueError where tokenizer.json has none)."""
         token_id = self.tokenizer.token_to_id(token)
         if token_id is None:
             raise ValueError(f"tokenizer.json has no {token} token")

@@ -78,9 +78,13 @@ class Qwen3VLEncoder(nn.Module):
         spans: list[tuple[int, int]],
         images: list[VisionInput],
         taps: tuple[int, ...] = (-1,),
+        positions: np.ndarray | None = None,
+        valid_keys: int | None = None,
     ) -> list[mx.array]:
         """(L, D) states after the decoder layers `taps` names (before the final norm) for the
-        expanded ids; image i's rows are ids[spans[i][0]:spans[i][1]]."""
+        expanded ids; image i's rows are ids[spans[i][0]:spans[i][1]]. `positions` (3, L): the
+        caller's multimodal RoPE positions (default: Qwen3-VL's own, `positions`);
+        `valid_keys`: the ids from that index on are right padding, attended by none."""
         language, visual = self.language_model, self.visual
         embeds = language.embed_tokens(mx.array(ids))
         after_layer = None
@@ -99,9 +103,10 @@ class Qwen3VLEncoder(nn.Module):
                     return hidden
                 return hidden.at[:, image_rows].add(deepstack[index][None].astype(hidden.dtype))
 
-        positions = self.positions(ids.shape[0], spans, images)
+        if positions is None:
+            positions = self.positions(ids.shape[0], spans, images)
         cos, sin = self.rotary(positions, embeds.dtype)
-        tapped = language(embeds[None], cos, sin, taps, after_layer)
+        tapped = language(embeds[None], cos, sin, taps, after_layer, valid_keys)
         tapped = [hidden[0] for hidden in tapped]
         mx.eval(tapped)
         return tapped
@@ -143,6 +148,26 @@ class Qwen3VLEncoder(nn.Module):
             cursor = end
         positions[:, cursor:] = np.arange(length - cursor) + current
         return positions
+
+
+def text_quantized(path: str) -> bool:
+    """The layers a quantized load quantizes of a Qwen3-VL a family runs on text alone, by
+    module path: the decoder's linear layers and the token table. The vision tower, never run,
+    keeps its dtype."""
+    return path == "language_model.embed_tokens" or path.startswith("language_model.layers.")
+
+
+def hidden_state_taps(indices: tuple[int, ...], num_layers: int, setting: str) -> tuple[int, ...]:
+    """The decoder layers whose outputs a pipeline's `hidden_states` indices name (index i is
+    the output of layer i - 1); the embeddings (0) and the final norm's output (num_layers) are
+    no tap of this encoder. `setting`: the pipeline's name of the indices, for the error."""
+    for index in indices:
+        if not 1 <= index < num_layers:
+            raise ValueError(
+                f"{setting} entry {index} is outside 1..{num_layers - 1} "
+                f"(the encoder's {num_layers} decoder layers, before the final norm)"
+            )
+    return tuple(index - 1 for index in indices)
 
 
 # Checkpoint name prefixes -> module names, newest layout first.

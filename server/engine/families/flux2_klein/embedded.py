@@ -19,19 +19,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from ...embedded import (
     DIFFUSERS_FORMAT,
+    FLUX2_VAE_UNDRAWN,
     GAIN,
     MATRIX,
-    SHIFT,
+    TINY_FLUX2_VAE_CONFIG,
     TINY_QWEN3_CONFIG,
     Inventory,
-    autoencoder_kl_tensors,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
     ensure,
+    flux2_vae_tensors,
     qwen3_tensors,
     stamp,
     write_drawn,
@@ -70,30 +69,6 @@ TRANSFORMER_CONFIG = {
     "guidance_embeds": False,
 }
 
-VAE_CONFIG = {
-    "_class_name": "AutoencoderKLFlux2",
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "act_fn": "silu",
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 32,
-    "block_out_channels": [16, 32, 32, 32],  # four blocks: stride 8
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "layers_per_block": 1,
-    "norm_num_groups": 8,
-    "mid_block_add_attention": True,
-    "use_quant_conv": True,
-    "use_post_quant_conv": True,
-    "batch_norm_eps": 0.0001,
-    "batch_norm_momentum": 0.1,
-    "patch_size": [2, 2],
-    "sample_size": 1024,
-    "force_upcast": True,
-}
-# The batch norm over the patchified latents: statistics of its own (running_var positive).
-BATCH_NORM = {"bn.running_mean": SHIFT, "bn.running_var": GAIN}
-
 TEXT_CONFIG = {**TINY_QWEN3_CONFIG, "num_hidden_layers": max(TAPPED_LAYERS) + 2}  # one unread
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
@@ -121,7 +96,7 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
-    _write(root / "vae", "vae", VAE_CONFIG, vae_tensors(), seed)
+    _write(root / "vae", "vae", TINY_FLUX2_VAE_CONFIG, flux2_vae_tensors(), seed)
     tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
     write_tokenizer(root / "tokenizer", tokenizer)
     text = {**TEXT_CONFIG, "vocab_size": tokenizer.get_vocab_size()}
@@ -140,18 +115,8 @@ def transformer_tensors() -> Inventory:
     return {name: (shape, MATRIX if len(shape) > 1 else GAIN) for name, shape in shapes.items()}
 
 
-def vae_tensors() -> Inventory:
-    """AutoencoderKLFlux2's parameters: the AutoencoderKL body and the batch norm's statistics."""
-    channels = 4 * VAE_CONFIG["latent_channels"]
-    return {
-        **autoencoder_kl_tensors(VAE_CONFIG),
-        **{name: ((channels,), kind) for name, kind in BATCH_NORM.items()},
-    }
-
-
 def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    # the VAE's batch-norm step counter, which nothing reads, is not drawn
-    extra = {"bn.num_batches_tracked": np.array(0, np.int64)} if component == "vae" else None
+    extra = FLUX2_VAE_UNDRAWN if component == "vae" else None
     write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component], extra)
 
 
@@ -161,7 +126,7 @@ def _stamp() -> dict:
         "generator": GENERATOR_VERSION,
         "seed": SEED,
         "transformer": TRANSFORMER_CONFIG,
-        "vae": VAE_CONFIG,
+        "vae": TINY_FLUX2_VAE_CONFIG,
         "text": TEXT_CONFIG,
         "noise": CONSTANT_NOISE,
         "scheduler": SCHEDULER,

@@ -12,14 +12,13 @@ decoder layers after the last tapped one are never read, so they never load.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ...encoders.qwen3.text import Qwen3Prompt
-from ...encoders.qwen3.tokenizer import PromptTemplate
+from ...encoders.qwen3.tokenizer import PromptTemplate, pad_token
 from .spec import LOADED_LAYERS, TAPPED_LAYERS
 from .spec import SPEC_4B as SPEC
 
@@ -31,18 +30,6 @@ TEMPLATE = PromptTemplate(
     empty_prompt=SPEC.conditioning["empty_prompt"],
 )
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default, padded to and cut at
-DEFAULT_PAD_TOKEN = "<|endoftext|>"  # Qwen3's, where tokenizer_config.json names none
-
-
-def pad_token(tokenizer_dir: Path) -> str:
-    config = Path(tokenizer_dir) / "tokenizer_config.json"
-    if config.is_file():
-        token = json.loads(config.read_text(encoding="utf-8")).get("pad_token")
-        if isinstance(token, dict):  # the AddedToken form
-            token = token.get("content")
-        if token:
-            return token
-    return DEFAULT_PAD_TOKEN
 
 
 class Flux2PromptEncoder(Qwen3Prompt):
@@ -59,10 +46,7 @@ class Flux2PromptEncoder(Qwen3Prompt):
 
     @classmethod
     def of(cls, model_dir: Path, encoder, tokenizer, dtype: mx.Dtype) -> Flux2PromptEncoder:
-        pad = pad_token(Path(model_dir) / "tokenizer")
-        pad_id = tokenizer.tokenizer.token_to_id(pad)
-        if pad_id is None:
-            raise ValueError(f"tokenizer.json has no pad token {pad}")
+        pad_id = tokenizer.token_id(pad_token(Path(model_dir) / "tokenizer"))
         return cls(encoder, tokenizer, pad_id, dtype)
 
     def token_ids(self, text: str) -> tuple[np.ndarray, int]:

@@ -23,6 +23,8 @@ from ...embedded import (
     MATRIX,
     SHIFT,
     TINY_QWEN3_CONFIG,
+    TINY_QWEN3_VL_TEXT,
+    TINY_QWEN3_VL_VISION,
     Inventory,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
@@ -30,13 +32,13 @@ from ...embedded import (
     qwen3_vl_tensors,
     qwen_image_vae_tensors,
     stamp,
+    tiny_qwen3_vl_config,
     write_drawn,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
     BPE_VOCAB_SIZE,
     CHAT_TEMPLATE,
     TOKENIZER_CORPUS,
-    token_ids,
     train_tokenizer,
     write_tokenizer,
 )
@@ -122,32 +124,6 @@ VAE_CONFIG = {
     ],  # fmt: skip
 }
 
-# Qwen3VLModel over the tiny Qwen3's text width: four layers, interleaved multimodal RoPE
-# sections of its 8-wide heads, and a one-block vision tower (loaded, never run by Krea 2).
-TEXT_CONFIG = {
-    **{k: v for k, v in TINY_QWEN3_CONFIG.items() if k not in ("architectures", "model_type")},
-    "num_hidden_layers": 4,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 1000000.0,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
-}
-VISION_CONFIG = {
-    "depth": 1,
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_heads": 2,
-    "in_channels": 3,
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "spatial_merge_size": 2,
-    "out_hidden_size": TEXT_WIDTH,
-    "num_position_embeddings": 16,
-    "deepstack_visual_indexes": [0],
-}
-
 SCHEDULER_CONFIG = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
     "_diffusers_version": DIFFUSERS_FORMAT,
@@ -190,32 +166,11 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     _write(root / "vae", "vae", VAE_CONFIG, qwen_image_vae_tensors(VAE_CONFIG), seed)
     tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
     write_tokenizer(root / "tokenizer", tokenizer)
-    text = text_encoder_config(tokenizer)
+    text = tiny_qwen3_vl_config(tokenizer)
     _write(root / "text_encoder", "text_encoder", text, qwen3_vl_tensors(text, "", False), seed)
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
     (root / "model_index.json").write_text(dumps(MODEL_INDEX))
-
-
-def text_encoder_config(tokenizer) -> dict:
-    """Qwen3VLModel's config, with the token ids of this tokenizer."""
-    ids = token_ids(tokenizer)
-    return {
-        "architectures": ["Qwen3VLModel"],
-        "model_type": "qwen3_vl",
-        "dtype": "float32",
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "tie_word_embeddings": False,
-        "text_config": {
-            **TEXT_CONFIG,
-            "vocab_size": tokenizer.get_vocab_size(),
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        "vision_config": dict(VISION_CONFIG),
-    }
 
 
 def transformer_tensors() -> Inventory:
@@ -237,8 +192,8 @@ def _stamp() -> dict:
         "seed": SEED,
         "transformer": TRANSFORMER_CONFIG,
         "vae": VAE_CONFIG,
-        "text": TEXT_CONFIG,
-        "vision": VISION_CONFIG,
+        "text": TINY_QWEN3_VL_TEXT,
+        "vision": TINY_QWEN3_VL_VISION,
         "noise": CONSTANT_NOISE,
         "scheduler": SCHEDULER_CONFIG,
         "model_index": MODEL_INDEX,

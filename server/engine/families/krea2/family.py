@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import EngineInputError, StepCall, StepResult, StepRow
-from ...encoders.qwen3.vl import Qwen3VLPart
+from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn.attention import QUERY_CHUNK
 from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
@@ -24,7 +24,7 @@ from ...vaes.qwen_image import QwenImageVAEPart
 from ...weights import read_config
 from .dit import Krea2DiT
 from .layout import PATCH, DiTConfig
-from .prompt import Krea2PromptEncoder, quantized
+from .prompt import Krea2PromptEncoder
 from .spec import MAX_SEQUENCE_LENGTH, SPEC, SUFFIX_TOKENS
 
 FAMILY = SPEC.name
@@ -152,7 +152,7 @@ KREA2 = FolderFamily(
     network=Krea2DiT,
     prompt=Krea2PromptEncoder,
     model=Krea2Model,
-    encoder=Qwen3VLPart(quantized),
+    encoder=Qwen3VLPart(text_quantized),
     vae=QwenImageVAEPart(),
     step_reserve=step_reserve,
     fits=fits,

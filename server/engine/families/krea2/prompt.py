@@ -18,30 +18,10 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from ...encoders.qwen3.vl import Qwen3VLEncoder
+from ...encoders.qwen3.vl import Qwen3VLEncoder, hidden_state_taps, text_quantized
 from ...precision import Quantization
 from ...spec import model_index
 from .spec import MAX_SEQUENCE_LENGTH, PREFIX, PREFIX_ROWS, SELECT_LAYERS, SUFFIX, SUFFIX_TOKENS
-
-
-def quantized(path: str) -> bool:
-    """The text encoder's layers a quantized load quantizes, by module path: the decoder's
-    linear layers and the token table. The vision tower, which Krea 2 never runs, keeps its
-    dtype."""
-    return path == "language_model.embed_tokens" or path.startswith("language_model.layers.")
-
-
-def layer_taps(select_layers: tuple[int, ...], num_layers: int) -> tuple[int, ...]:
-    """The decoder layers whose outputs the pipeline's `hidden_states` indices name (index i is
-    the output of layer i - 1); the embeddings (0) and the final norm's output (num_layers) are
-    no tap of this encoder."""
-    for index in select_layers:
-        if not 1 <= index < num_layers:
-            raise ValueError(
-                f"text_encoder_select_layers entry {index} is outside 1..{num_layers - 1} "
-                f"(the encoder's {num_layers} decoder layers, before the final norm)"
-            )
-    return tuple(index - 1 for index in select_layers)
 
 
 class Krea2PromptEncoder:
@@ -56,7 +36,9 @@ class Krea2PromptEncoder:
         self.encoder = encoder
         self.tokenizer = tokenizer
         config = encoder.language_model.config
-        self.taps = layer_taps(tuple(select_layers), config.num_layers)
+        self.taps = hidden_state_taps(
+            tuple(select_layers), config.num_layers, "text_encoder_select_layers"
+        )
         self.text_dim = config.hidden_size
         self.hidden_size = len(self.taps) * config.hidden_size  # the wire's D
         self.weight_bytes = weight_bytes
@@ -74,7 +56,7 @@ class Krea2PromptEncoder:
         pair of files; the tapped layers from model_index.json (the pipeline's defaults)."""
         model_dir = Path(model_dir)
         encoder, weight_bytes = Qwen3VLEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, quantized, gguf
+            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf
         )
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer" / "tokenizer.json"))
         select = model_index(model_dir).get("text_encoder_select_layers") or SELECT_LAYERS
