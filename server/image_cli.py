@@ -37,6 +37,7 @@ from .engine.sampling import (
     ImageTimings,
     SettingError,
     check_request,
+    flow_map_schedule,
     generate,
     to_uint8,
 )
@@ -492,6 +493,7 @@ class ViaStepsTransport:
         self.model_id = model_id
         self.patch_table = patch_table
         self.run: str | None = None
+        self.sample_sigmas: np.ndarray | None = None
         self.transport_ms: list[float] = []  # wall - forward per step request
         self.server_ms: list[float] = []  # X-Gmlx-Server-Ms - forward: the route's own part
         self.uploads: dict[str, np.ndarray] = {}
@@ -517,8 +519,9 @@ class ViaStepsTransport:
             self.client.put_tensor(array)
         return digest
 
-    def begin(self) -> None:
+    def begin(self, sigmas: np.ndarray) -> None:
         self.run = self.client.begin_run(self.model_id)
+        self.sample_sigmas = flow_map_schedule(self.direct.model, sigmas)
 
     def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray:
         answer = self.client.step(
@@ -530,6 +533,7 @@ class ViaStepsTransport:
             convention=self.convention,
             patch_table=self.patch_table,
             uploads=self.uploads,
+            sample_sigmas=self.sample_sigmas,
         )
         forward = answer.forward_ms or 0.0
         self.transport_ms.append(answer.wall_ms - forward)

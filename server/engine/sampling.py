@@ -256,7 +256,7 @@ class Transport(Protocol):
 
     def row(self, encoding: EncodeResult) -> Any: ...
 
-    def begin(self) -> None: ...
+    def begin(self, sigmas: np.ndarray) -> None: ...
 
     def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray: ...
 
@@ -309,7 +309,7 @@ def generate(
         timings.step_s.append(now - last[0])
         last[0] = now
 
-    transport.begin()
+    transport.begin(sigmas)
     try:
         latents = sample(
             transport.step,
@@ -410,6 +410,7 @@ class DirectTransport:
         self.call = call
         self.run_id = run_id or "direct-" + secrets.token_hex(8)
         self.table = table
+        self.sample_sigmas: np.ndarray | None = None
 
     def encode(self, text: str, images: Sequence[np.ndarray]) -> EncodeResult:
         return self.call(self.model.encode, text, list(images), True)
@@ -417,8 +418,9 @@ class DirectTransport:
     def row(self, encoding: EncodeResult) -> StepRow:
         return direct_row(encoding)
 
-    def begin(self) -> None:
-        pass
+    def begin(self, sigmas: np.ndarray) -> None:
+        """A flow-map DiT's steps name the run's schedule (`sample_sigmas`)."""
+        self.sample_sigmas = flow_map_schedule(self.model, sigmas)
 
     def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray:
         return self.call(self.denoise, x, timestep, list(rows)).out
@@ -434,6 +436,7 @@ class DirectTransport:
             run=self.run_id,
             table=self.table,
             plans=plans,
+            sample_sigmas=self.sample_sigmas,
         )
 
     def end(self) -> None:
@@ -441,6 +444,12 @@ class DirectTransport:
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         return self.call(decode_latents, self.model, latents)
+
+
+def flow_map_schedule(model: Any, sigmas: np.ndarray) -> np.ndarray | None:
+    """What a step on `model` sends as `sample_sigmas` for a run along `sigmas`: the schedule
+    for a flow-map DiT, else nothing (docs/contract.md §2.11)."""
+    return np.asarray(sigmas, np.float32) if model.capabilities.flow_map else None
 
 
 def decode_latents(model: Any, latents: np.ndarray) -> np.ndarray:

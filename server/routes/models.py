@@ -15,7 +15,15 @@ from .common import Resource, json_body, model_field, send_json
 
 # The features of docs/contract.md §5.4 in their published order; each family's spec lists its
 # own, and the capabilities are those of the families this server can load.
-FEATURE_ORDER = ("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae", "ref_cache", "skip_blocks")
+FEATURE_ORDER = (
+    "prefix_cache",
+    "noise_mask",
+    "rgba_vae",
+    "tiled_vae",
+    "ref_cache",
+    "skip_blocks",
+    "flow_map",  # an extension: a family whose distilled checkpoint needs `sample_sigmas`
+)
 CONVENTIONS = ["comfy", "reference"]
 
 

@@ -268,6 +268,7 @@ def test_model_list_is_the_configuration_then_the_server_then_what_it_listed_las
     assert connection.ModelList().names(settings) == [
         "qwen-image21-random-tiny",
         "flux2-klein-random-tiny",
+        "flux3-klein-random-tiny",
         "krea2-random-tiny",
         "z-image-random-tiny",
     ]

@@ -151,12 +151,15 @@ def encoding(live, model: str, text: str) -> np.ndarray:
 
 def step(live, model, text="a red fox", table=None) -> np.ndarray:
     """One guided-looking step: two rows (the prompt and the empty prompt) at two sigmas,
-    under the LoRA patch table `table` (an id) when given."""
+    under the LoRA patch table `table` (an id) when given (a flow map's along a schedule)."""
     conds = [encoding(live, model, prompt) for prompt in (text, "")]
-    channels = status(live, model)["latent"]["channels"]
+    published = status(live, model)
+    channels = published["latent"]["channels"]
     x = np.random.default_rng(5).standard_normal((2, channels, 4, 6)).astype(np.float32)
     rows = [{"cond": live.put_tensor(cond)} for cond in conds]
     arrays = {"x": x, "timestep": np.array([0.8, 0.3], np.float32)}
+    if published["sampling"].get("flow_map"):  # a flow map's step names its schedule
+        arrays["sample_sigmas"] = np.array([1.0, 0.8, 0.55, 0.3, 0.0], np.float32)
     fields = {"model": model, "rows": rows, **({"patch_table": table} if table else {})}
     return tensors(live.post_container("step", arrays, fields))["out"]
 

@@ -12,21 +12,28 @@ import sys
 import pytest
 from PIL import Image
 
+from tests.families.flux3_klein import tiny as flux3_tiny
 from tests.families.krea2 import tiny as krea2_tiny
 from tests.families.z_image.tiny import folder as z_image_tiny
 
-BUILDERS = {"z_image": z_image_tiny.build_tiny_folder, "krea2": krea2_tiny.build_tiny_folder}
+# Each family's tiny folder of its few-step variant, and that variant's steps.
+BUILDERS = {
+    "z_image": (z_image_tiny.build_tiny_folder, "turbo", 8),
+    "krea2": (krea2_tiny.build_tiny_folder, "turbo", 8),
+    "flux3_klein": (flux3_tiny.build_tiny_folder, "distilled", 16),  # a flow map
+}
 
 
 # Z-Image's repeats Krea 2's through the same command paths (its sampling through the routes is
 # tests/families/z_image/test_pipeline_parity.py's); it runs with -m heavy.
 @pytest.fixture(
     scope="module",
-    params=[pytest.param("z_image", marks=pytest.mark.heavy), "krea2"],
+    params=[pytest.param("z_image", marks=pytest.mark.heavy), "krea2", "flux3_klein"],
 )
 def folder(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"{request.param}_cli") / f"{request.param}-tiny"
-    BUILDERS[request.param](root, variant="turbo")
+    build, variant, _ = BUILDERS[request.param]
+    build(root, variant=variant)
     return root
 
 
@@ -44,7 +51,8 @@ def test_sample_via_the_step_routes_writes_the_direct_png(tmp_path, folder):
         tmp_path, folder, "sample", "--out", str(tmp_path / "routed.png"), "--via-steps"
     )
     assert routed.returncode == 0, routed.stderr[-2000:]
-    assert "8 steps" in routed.stdout and "via the step routes" in routed.stdout
+    steps = BUILDERS[folder.name.removesuffix("-tiny")][2]
+    assert f"{steps} steps" in routed.stdout and "via the step routes" in routed.stdout
     with Image.open(tmp_path / "direct.png") as image:
         assert image.size == (64, 48) and image.mode == "RGB"
     assert (tmp_path / "direct.png").read_bytes() == (tmp_path / "routed.png").read_bytes()

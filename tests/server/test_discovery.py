@@ -146,11 +146,12 @@ def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(
     assert [m["model"] for m in doc["models"]] == [
         "qwen-image21-random-tiny",
         "flux2-klein-random-tiny",
+        "flux3-klein-random-tiny",
         "krea2-random-tiny",
         "z-image-random-tiny",
     ]
-    assert [m["default"] for m in doc["models"]] == [True, False, False, False]
-    assert [m["folder"] for m in doc["models"]] == [None] * 4  # not generated yet in this cache
+    assert [m["default"] for m in doc["models"]] == [True, False, False, False, False]
+    assert [m["folder"] for m in doc["models"]] == [None] * 5  # not generated yet in this cache
 
 
 def test_the_listing_names_what_the_server_lists(live, tmp_path):
@@ -197,6 +198,7 @@ def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
     assert listed == [
         "qwen-image21-random-tiny",
         "flux2-klein-random-tiny",
+        "flux3-klein-random-tiny",
         "krea2-random-tiny",
         "z-image-random-tiny",
     ]

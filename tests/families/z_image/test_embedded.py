@@ -94,6 +94,7 @@ def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monke
     assert [folder.name for folder in extra] == [
         "qwen-image21-random-tiny",
         "flux2-klein-random-tiny",
+        "flux3-klein-random-tiny",
         "krea2-random-tiny",
         embedded.MODEL_NAME,
     ]

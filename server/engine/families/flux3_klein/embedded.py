@@ -1,0 +1,146 @@
+"""The embedded FLUX.3 klein: a tiny FLUX.3 klein (distilled, a flow map) with random weights,
+generated on first use.
+
+The server offers it beside the embedded default so the FLUX.3 klein templates run on a fresh
+install: a complete folder in diffusers' layout of the distilled modular pipeline
+(model_index.json, transformer/, vae/, text_encoder/, tokenizer/, scheduler/) with the real file
+formats, config keys and weight names, at a small size, its weights drawn from a fixed seed
+(engine/embedded.py's rule). It makes noise-like pictures, and its name says so
+("flux3-klein-random-tiny").
+
+Interface sizes are the real model's where clients see them: the VAE's 32 channels at stride 8,
+patchified 2x2 into 128 at stride 16 under its batch norm; three tapped layers of the text
+encoder stacked per token; Qwen's token ids' order. The networks inside are narrow and shallow
+(a DiT of two 16-wide heads with one per-mode block per mode and two joint blocks, the shared
+tiny FLUX.2 VAE and Qwen3-VL of engine/embedded.py). The weight names come from the DiT's own
+table (layout.tensor_shapes) and the shared parts' inventories.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...embedded import (
+    DIFFUSERS_FORMAT,
+    FLUX2_VAE_UNDRAWN,
+    GAIN,
+    MATRIX,
+    TINY_FLUX2_VAE_CONFIG,
+    TINY_QWEN3_CONFIG,
+    TINY_QWEN3_VL_TEXT,
+    TINY_QWEN3_VL_VISION,
+    Inventory,
+    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
+    dumps,
+    ensure,
+    flux2_vae_tensors,
+    qwen3_vl_tensors,
+    stamp,
+    tiny_qwen3_vl_config,
+    write_drawn,
+)
+from ...encoders.qwen3.tiny_tokenizer import (
+    BPE_VOCAB_SIZE,
+    CHAT_TEMPLATE,
+    TOKENIZER_CORPUS,
+    train_tokenizer,
+    write_tokenizer,
+)
+from .layout import DiTConfig, tensor_shapes
+from .spec import SHIFT
+
+MODEL_NAME = "flux3-klein-random-tiny"
+# Bump when the code below writes something different for the same configs.
+GENERATOR_VERSION = 1
+SEED = 0
+OUT_LAYERS = [1, 2, 3]  # hidden states after the first three of the encoder's four layers
+
+TRANSFORMER_CONFIG = {
+    "_class_name": "Flux3Transformer2DModel",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "in_channels": 128,
+    "cond_in_channels": 128,
+    "num_layers": 1,
+    "num_single_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": len(OUT_LAYERS) * TINY_QWEN3_CONFIG["hidden_size"],
+    "timestep_channels": 256,
+    "mlp_ratio": 3.0,
+    "axes_dims_rope": [4, 4, 4, 4],  # a quarter of the head each, as the real model's
+    "rope_theta": 10000,
+    "eps": 1e-06,
+    "flow_map": True,
+}
+
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "num_train_timesteps": 1000,
+    "shift": SHIFT,
+    "use_dynamic_shifting": False,
+}
+
+MODEL_INDEX = {
+    "_class_name": "Flux3DistilledModularPipeline",
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "text_encoder_out_layers": OUT_LAYERS,
+    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+    "text_encoder": ["transformers", "Qwen3VLModel"],
+    "tokenizer": ["transformers", "Qwen3VLProcessor"],
+    "transformer": ["diffusers", "Flux3Transformer2DModel"],
+    "vae": ["diffusers", "AutoencoderKLFlux2"],
+}
+
+CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
+
+
+def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
+    """The embedded FLUX.3 klein's folder under `cache_dir` (default: `default_cache_dir()`),
+    generated first if it is missing or was made by a different generator."""
+    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+
+
+def write_embedded_model(root: Path, seed: int = SEED) -> None:
+    """Write every file of the tiny FLUX.3 klein folder into `root` (created if missing)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
+    _write(root / "vae", "vae", TINY_FLUX2_VAE_CONFIG, flux2_vae_tensors(), seed)
+    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+    write_tokenizer(root / "tokenizer", tokenizer)
+    text = tiny_qwen3_vl_config(tokenizer)
+    _write(root / "text_encoder", "text_encoder", text, qwen3_vl_tensors(text, "", False), seed)
+    (root / "scheduler").mkdir(exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
+    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
+
+
+def transformer_tensors() -> Inventory:
+    """Flux3Transformer2DModel's parameters for the config, from the DiT's own table: its
+    matrices and its norm scales (it has no biases)."""
+    shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
+    return {name: (shape, MATRIX if len(shape) > 1 else GAIN) for name, shape in shapes.items()}
+
+
+def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
+    extra = FLUX2_VAE_UNDRAWN if component == "vae" else None
+    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component], extra)
+
+
+def _stamp() -> dict:
+    """Who made the folder: a fingerprint over everything that decides its contents."""
+    recipe = {
+        "generator": GENERATOR_VERSION,
+        "seed": SEED,
+        "transformer": TRANSFORMER_CONFIG,
+        "vae": TINY_FLUX2_VAE_CONFIG,
+        "text": TINY_QWEN3_VL_TEXT,
+        "vision": TINY_QWEN3_VL_VISION,
+        "noise": CONSTANT_NOISE,
+        "scheduler": SCHEDULER_CONFIG,
+        "model_index": MODEL_INDEX,
+        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)

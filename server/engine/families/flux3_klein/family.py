@@ -1,0 +1,230 @@
+"""FLUX.3 klein as an `ImageModel`: the DiT, the VAE and the prompt encoder of one folder.
+
+The folder is diffusers' layout of the FLUX.3 modular pipelines (spec.py). References are VAE
+latents only (the text encoder never reads images), in model space, up to MAX_REFS per row; they
+run as their own token mode at time 0 beside the image tokens. The distilled checkpoint is a
+flow map: each step names the schedule it follows (`sample_sigmas`, docs/contract.md §2.11), and
+the DiT jumps from the row's time to the entry after the one nearest it (§5.2). It keeps no
+prefix states: the text tokens are modulated by the step's target time in a flow map, and they
+attend to the image tokens in every joint block. Its facts as data live in spec.py; its memory
+plan and model here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
+from ...nn import cpu_ops
+from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
+from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
+from ...weights import read_config
+from .dit import Flux3DiT
+from .layout import DiTConfig
+from .prompt import Flux3PromptEncoder
+from .spec import PAD_MULTIPLE, SPEC
+
+FAMILY = SPEC.name
+TITLE = SPEC.title
+CONVENTIONS = SPEC.conventions  # both: timestep = sigma, out = +dx/dsigma, the DiT's time rule
+# The pipeline's reference images: sides multiples of the stride from 64 to 4096; one of at
+# most 4 megapixels, or several of at most 1 megapixel each (it resizes larger ones).
+REF_MIN_SIDE = 64
+REF_MAX_SIDE = 4096
+ONE_REF_MAX_AREA = 4 * 1024 * 1024
+REF_MAX_AREA = 1024 * 1024
+
+# ------------------------------------------------------ memory plan (docs/contract.md §3.5)
+# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
+TOKEN_WIDTH_BUFFERS = 14  # hidden, normed, modulated, q, k, v, attention out, residual sums
+TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
+MLP_BUFFERS = 8  # the fused gate/up, SiLU's temporaries and the product, at the MLP's width
+SCORE_BLOCK_BUFFERS = 10  # cpu_ops.attention's block of scores and its temporaries
+# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
+# guided step (2 rows) with prompts of the encoder's first padded length, or one VAE pass.
+RESERVE_ROWS = 2
+RESERVE_TEXT = 4 * PAD_MULTIPLE
+
+
+def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
+    """Peak bytes of one step beyond the weights for rows of `lengths` joint tokens each (text,
+    image and references). Pure: no allocation."""
+    if not lengths:
+        return 0
+    longest = max(lengths)
+    per_token = (
+        TOKEN_WIDTH_BUFFERS * config.dim * itemsize
+        + TOKEN_F32_BUFFERS * config.dim * 4
+        + MLP_BUFFERS * config.mlp_dim * itemsize
+    )
+    total = sum(lengths) * per_token
+    if blocked:  # a block of scores per row of a batch
+        rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
+        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+    else:
+        total += len(lengths) * config.num_heads * longest * longest * itemsize
+    return total
+
+
+def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """A guided step of the reference workload (RESERVE_*) beyond the weights."""
+    model_dir = Path(model_dir)
+    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
+    row = cells * cells + RESERVE_TEXT
+    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, cpu_ops.use_cpu_ops(dtype))
+
+
+def fits(parts: LoadedParts) -> None:
+    """The tapped layers are as wide as the DiT's joint attention, and the VAE's patchified
+    latents have the DiT's channels."""
+    config = parts.dit.config
+    if parts.encoder.hidden_size != config.joint_attention_dim:
+        raise ValueError(
+            f"the text encoder's {len(parts.encoder.taps)} tapped layers are"
+            f" {parts.encoder.hidden_size} wide; the DiT's joint_attention_dim is"
+            f" {config.joint_attention_dim}"
+        )
+    if parts.vae.latent_channels != config.in_channels:
+        raise ValueError(
+            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
+            f" takes {config.in_channels}"
+        )
+
+
+def flow_map_targets(sigmas: np.ndarray, sample_sigmas: np.ndarray) -> np.ndarray:
+    """Each row's target time (docs/contract.md §5.2): the entry of the schedule after the one
+    nearest the row's sigma, the last entry at most."""
+    schedule = np.asarray(sample_sigmas, np.float32).reshape(-1)
+    nearest = np.abs(schedule[None, :] - np.asarray(sigmas, np.float32)[:, None]).argmin(axis=1)
+    return schedule[np.minimum(nearest + 1, schedule.size - 1)]
+
+
+class Flux3KleinModel(FamilyModel):
+    family = FAMILY
+    title = TITLE
+
+    def __init__(
+        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
+    ):
+        super().__init__(
+            model_dir, model_id, **FLUX3_KLEIN.model_arguments(model_dir, parts, files)
+        )
+        self.dit = parts.dit
+        self.capabilities = replace(SPEC.capabilities(), flow_map=self.dit.config.flow_map)
+
+    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
+        """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
+        text encoder reads no images, so `refs` false returns the text alone)."""
+        cond = self.prompt_encoder().encode(text)
+        if not refs:
+            return EncodeResult(cond=cond)
+        latents = [self._reference_latents(i, image, len(images)) for i, image in enumerate(images)]
+        return EncodeResult(cond=cond, ref_latents=latents)
+
+    def _reference_latents(self, index: int, image: np.ndarray, count: int) -> np.ndarray:
+        height, width = image.shape[:2]
+        stride = self.vae.stride
+        area = ONE_REF_MAX_AREA if count == 1 else REF_MAX_AREA
+        if (
+            height % stride
+            or width % stride
+            or min(height, width) < REF_MIN_SIDE
+            or max(height, width) > REF_MAX_SIDE
+            or height * width > area
+        ):
+            raise EngineInputError(
+                f"image {index} is {width}x{height}: {TITLE} references must have sides that are"
+                f" multiples of {stride} from {REF_MIN_SIDE} to {REF_MAX_SIDE} and at most"
+                f" {area} pixels ({'one reference' if count == 1 else 'each of several'}: the"
+                " pipeline's sizes, which it would resize to), or be sent as latents from"
+                " vae/encode"
+            )
+        pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
+        return np.array(self.vae.encode(pixels).astype(mx.float32))
+
+    def step_peak_bytes(
+        self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
+    ) -> int:
+        """Without rows (the quick plan) the image tokens alone; with them each row's text and
+        references."""
+        batch, _, h, w = x_shape
+        config, itemsize = self.dit.config, self.dit.dtype.size
+        if rows is None:
+            return step_peak_bytes(config, itemsize, [h * w] * batch, self.dit.cpu_ops)
+        lengths = [h * w + cond_rows(row) + _ref_tokens(row) for row in rows]
+        return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops)
+
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
+    ) -> StepResult:
+        """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions), one row per
+        batch entry; a flow map's jump to the target `call.sample_sigmas` names."""
+        config = self.dit.config
+        x = checked_latents(x, rows, config.in_channels)
+        if 0 in x.shape:
+            raise EngineInputError(f"latents {x.shape[2]}x{x.shape[3]} must not be empty")
+        if call.convention not in CONVENTIONS:
+            raise EngineInputError(
+                f"unknown convention {call.convention!r} for {FAMILY}; use one of"
+                f" {list(CONVENTIONS)}"
+            )
+        sigma = row_sigmas(timestep, x.shape[0])
+        targets = None
+        if config.flow_map:
+            if call.sample_sigmas is None:
+                raise EngineInputError(f"{TITLE} is a flow-map DiT: send sample_sigmas")
+            targets = mx.array(flow_map_targets(sigma, call.sample_sigmas))
+        texts = [
+            mx.array(checked_cond(row, i, config.joint_attention_dim)) for i, row in enumerate(rows)
+        ]
+        refs = [self._check_refs(row, i) for i, row in enumerate(rows)]
+        weights = self.tables.weights_for(call.table)
+        started = time.perf_counter()
+        out = self.dit.forward(mx.array(x), mx.array(sigma), texts, refs, targets, weights)
+        out = out.astype(mx.float32)
+        mx.eval(out)
+        forward_ms = (time.perf_counter() - started) * 1000.0
+        return StepResult(out=np.array(out), prefix_cache="none", forward_ms=forward_ms)
+
+    def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
+        channels = self.dit.config.cond_in_channels
+        refs = []
+        for k, latent in enumerate(row.ref_latents):
+            latent = np.asarray(latent, np.float32)
+            if latent.ndim == 4 and latent.shape[0] == 1:
+                latent = latent[0]
+            if latent.ndim != 3 or latent.shape[0] != channels or 0 in latent.shape:
+                raise EngineInputError(
+                    f"rows[{index}].ref_latents[{k}] must be ({channels}, h, w) model-space"
+                    f" latents (vae/encode's), got {tuple(np.shape(row.ref_latents[k]))}"
+                )
+            refs.append(mx.array(latent))
+        return refs
+
+    def close(self) -> None:
+        self.dit = None
+        super().close()
+
+
+def _ref_tokens(row: StepRow) -> int:
+    return sum(int(np.prod(np.shape(r)[-2:])) for r in row.ref_latents)
+
+
+FLUX3_KLEIN = FolderFamily(
+    SPEC,
+    network=Flux3DiT,
+    prompt=Flux3PromptEncoder,
+    model=Flux3KleinModel,
+    encoder=Qwen3VLPart(text_quantized),
+    vae=AutoencoderKLFlux2Part(),
+    step_reserve=step_reserve,
+    fits=fits,
+)

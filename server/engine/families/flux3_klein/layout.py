@@ -1,0 +1,141 @@
+"""FLUX.3 klein's DiT as data, without MLX: its config (diffusers' `Flux3Transformer2DModel`
+keys), the diffusers names of its weights by the forward's tree keys, and every tensor's shape
+(`tensor_shapes`). The network (dit.py), the single-file checks and the embedded model's recipe
+read these one tables, so `gmlx list` names the embedded FLUX.3 klein in a Python without MLX."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TIME_FACTOR = 1000.0  # the DiT embeds 1000 t
+IMAGE_ROPE_SCALE = 0.5  # the pipeline's image positions: (row, column) x 0.5
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    in_channels: int  # the image tokens' channels (the VAE's latents patchified 2x2)
+    cond_in_channels: int  # the reference tokens'
+    num_layers: int  # per-mode blocks of each mode
+    num_single_layers: int
+    num_heads: int
+    head_dim: int
+    joint_attention_dim: int  # the stacked text-encoder layers' width
+    time_dim: int  # the sinusoidal time projection's channels
+    mlp_ratio: float
+    axes_dims: tuple[int, ...]
+    rope_theta: float
+    eps: float
+    flow_map: bool  # a step-distilled checkpoint: it also embeds the time each step jumps to
+
+    @classmethod
+    def from_dict(cls, config: dict) -> DiTConfig:
+        made = cls(
+            in_channels=config.get("in_channels", 128),
+            cond_in_channels=config.get("cond_in_channels", 128),
+            num_layers=config.get("num_layers", 5),
+            num_single_layers=config.get("num_single_layers", 28),
+            num_heads=config.get("num_attention_heads", 24),
+            head_dim=config.get("attention_head_dim", 128),
+            joint_attention_dim=config.get("joint_attention_dim", 20480),
+            time_dim=config.get("timestep_channels", 256),
+            mlp_ratio=float(config.get("mlp_ratio", 3.0)),
+            axes_dims=tuple(config.get("axes_dims_rope", (32, 32, 32, 32))),
+            rope_theta=float(config.get("rope_theta", 10000)),
+            eps=float(config.get("eps", 1e-6)),
+            flow_map=bool(config.get("flow_map", False)),
+        )
+        if sum(made.axes_dims) != made.head_dim:
+            raise ValueError(
+                f"axes_dims_rope {list(made.axes_dims)} must add up to attention_head_dim "
+                f"{made.head_dim}"
+            )
+        return made
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# The diffusers names of the weights, in one place
+
+# The three token modes: tree key -> diffusers name of the mode. The image tokens run at the
+# step's time, the references (`image_cond`) and the text at time 0.
+MODES = {"image": "image", "cond": "image_cond", "txt": "txt"}
+# Linear layers outside the blocks: tree key -> diffusers name.
+TOP_LINEARS = {
+    "x_in": "x_embedders.image",
+    "cond_in": "x_embedders.image_cond",
+    "ctx_in": "context_embedder",
+    "time_1": "timestep_embedder.linear_1",
+    "time_2": "timestep_embedder.linear_2",
+    **{f"early_{key}": f"early_stream_modulations.{name}.linear" for key, name in MODES.items()},
+    **{f"single_{key}": f"single_stream_modulations.{name}.linear" for key, name in MODES.items()},
+    "final_mod": "norm_out.linear",
+    "final": "proj_out",
+}
+# A flow-map checkpoint's embedder of the time each step jumps to.
+TARGET_LINEARS = {
+    "target_1": "target_timestep_embedder.linear_1",
+    "target_2": "target_timestep_embedder.linear_2",
+}
+# The block stacks: tree key -> diffusers prefix, in the order the forward runs them.
+STACKS = {
+    "txt_blocks": "txt_mode_blocks.{}.",
+    "image_blocks": "mode_blocks.image.{}.",
+    "cond_blocks": "mode_blocks.image_cond.{}.",
+    "single": "single_transformer_blocks.{}.",
+}
+# Every block (per-mode or joint) is alike: its linear layers by diffusers name, grouped into the
+# fused weights the forward uses (q, k and v as one matrix).
+BLOCK_LINEARS = {
+    "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "out": ("attn.to_out.0",),
+    "ff_in": ("ff.linear_in",),
+    "ff_out": ("ff.linear_out",),
+}
+BLOCK_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k"}
+# The QK norms run in float32 and their scales stay float32 (the reference keeps them so).
+F32_WEIGHTS = tuple(name + ".weight" for name in BLOCK_NORMS.values())
+
+
+def top_linears(config: DiTConfig) -> dict[str, str]:
+    """The linear layers outside the blocks this config has (a flow map's target embedder)."""
+    return {**TOP_LINEARS, **(TARGET_LINEARS if config.flow_map else {})}
+
+
+def stack_depth(stack: str, config: DiTConfig) -> int:
+    return config.num_single_layers if stack == "single" else config.num_layers
+
+
+def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
+    dim, mlp, head = config.dim, config.mlp_dim, (config.head_dim,)
+    top = {
+        "x_in": (dim, config.in_channels),
+        "cond_in": (dim, config.cond_in_channels),
+        "ctx_in": (dim, config.joint_attention_dim),
+        "time_1": (dim, config.time_dim),
+        "time_2": (dim, dim),
+        "target_1": (dim, config.time_dim),
+        "target_2": (dim, dim),
+        **{f"early_{key}": (3 * dim, dim) for key in MODES},
+        **{f"single_{key}": (3 * dim, dim) for key in MODES},
+        "final_mod": (2 * dim, dim),
+        "final": (config.in_channels, dim),
+    }
+    shapes = {name + ".weight": top[key] for key, name in top_linears(config).items()}
+    block = {"qkv": (dim, dim), "out": (dim, dim), "ff_in": (2 * mlp, dim), "ff_out": (dim, mlp)}
+    for stack, prefix in STACKS.items():
+        for i in range(stack_depth(stack, config)):
+            p = prefix.format(i)
+            for key, parts in BLOCK_LINEARS.items():
+                for name in parts:
+                    shapes[p + name + ".weight"] = block[key]
+            for name in BLOCK_NORMS.values():
+                shapes[p + name + ".weight"] = head
+    return shapes

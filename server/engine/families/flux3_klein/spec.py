@@ -1,0 +1,69 @@
+"""FLUX.3 klein's facts, as data and without MLX (engine/spec.py).
+
+The folder is diffusers' layout of the FLUX.3 modular pipelines (`Flux3ModularPipeline`, the
+base checkpoint, and `Flux3DistilledModularPipeline`, the step-distilled one): transformer/
+(Flux3Transformer2DModel), vae/ (AutoencoderKLFlux2), text_encoder/ (Qwen3-VL), tokenizer/ (its
+processor's tokenizer), scheduler/. The DiT's config says which checkpoint it is: `flow_map`
+(the distilled one, which embeds the time each step jumps to) is the `distilled` variant, else
+`base`.
+
+The pipelines' schedule is a linspace from 1 to 1/steps under the static shift 6.93
+(FlowMatchEulerDiscreteScheduler's `shift`), then 0: 16 unguided steps for the distilled
+checkpoint, each jumping to the next sigma; 50 steps at guidance 3.5
+(`uncond + g (cond - uncond)`, ComfyUI's cfg as it is) for the base one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...spec import FamilySpec, read_config
+
+FAMILY = "flux3_klein"
+TRANSFORMER_CLASS = "Flux3Transformer2DModel"
+SHIFT = 6.93  # the pipelines' scheduler shift
+MAX_REFS = 10
+SAMPLING = {
+    "distilled": {"steps": 16, "cfg": 1.0, "shift": SHIFT, "flow_map": True},
+    "base": {"steps": 50, "cfg": 3.5, "shift": SHIFT, "flow_map": False},
+}
+# The pipeline's text layout: the prompt as one user turn of Qwen3-VL's chat template with the
+# generation prompt, cut at MAX_SEQUENCE_LENGTH tokens and right-padded to a multiple of
+# PAD_MULTIPLE; the hidden states after these entries of the encoder's `hidden_states` (0 is
+# the embedding output), stacked per token.
+CHAT_TEXT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+MAX_SEQUENCE_LENGTH = 8192
+PAD_MULTIPLE = 80
+OUT_LAYERS = (4, 8, 12, 16, 20, 24, 28, 32)
+
+
+def identify(model_dir: Path) -> tuple[str, str] | None:
+    """(family, variant) of a folder whose transformer/ is a FLUX.3 DiT, else None."""
+    try:
+        config = read_config(Path(model_dir) / "transformer")
+    except (FileNotFoundError, ValueError):
+        return None
+    if config.get("_class_name") != TRANSFORMER_CLASS:
+        return None
+    return FAMILY, "distilled" if config.get("flow_map") else "base"
+
+
+SPEC = FamilySpec(
+    name=FAMILY,
+    title="FLUX.3 klein",
+    identify=identify,
+    implementation="gmlx_server.engine.families.flux3_klein.family:FLUX3_KLEIN",
+    comfy={"model_class": "Flux3", "image_model": "flux3"},
+    # References are told apart by their index (their own RoPE layer); an empty prompt is
+    # encoded as it is (the template's tokens remain).
+    conditioning={"ref_method": "index", "empty_prompt": ""},
+    latent_patch=1,  # strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts)
+    edit_capable=True,
+    max_refs=MAX_REFS,
+    features=("noise_mask", "flow_map"),
+    sampling=SAMPLING,
+    files=("dit", "text_encoder", "mmproj"),
+    shards=True,
+    embedded="gmlx_server.engine.families.flux3_klein.embedded",
+)
+SPECS = (SPEC,)
