@@ -156,6 +156,7 @@ PACK_BUILT_CLASSES = {
     "ZImage": "z_image",
     "Flux2": "flux2_klein",
     "Krea2": "krea2",  # no ComfyUI has it (0.8.0 neither)
+    "Flux3": "flux3_klein",  # no ComfyUI has it (0.8.0 neither)
 }
 # model_class -> ComfyUI's own BaseModel class (in comfy.model_base) the pack's model also
 # derives from on a ComfyUI that knows the model class (comfy.supported_models has it), so stock
@@ -169,6 +170,12 @@ DEFAULT_REF_METHOD = {"qwen_image21": "index"}
 # Families whose encoder refuses an empty prompt: the pack sends one space (docs/contract.md §7.4),
 # for servers whose status has no `conditioning.empty_prompt`.
 SPACE_FOR_EMPTY_PROMPT = frozenset(("qwen_image", "qwen_image21", "krea2", "flux3_klein"))
+
+
+def flow_map(status: dict[str, Any]) -> bool:
+    """Whether the model's DiT is a flow map, whose steps send the sampler's schedule
+    (status `sampling.flow_map`, docs/contract.md §7.5)."""
+    return bool((status.get("sampling") or {}).get("flow_map"))
 
 
 def ref_method(status: dict[str, Any]) -> str | None:

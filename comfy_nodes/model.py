@@ -31,7 +31,13 @@ from gmlx_contract.lora_keys import layer_aliases
 from . import stock
 from .connection import Connection
 from .errors import GmlxError, named_nodes
-from .families import COMFY_BASE_CLASSES, PACK_BUILT_CLASSES, latent_normalisation, ref_method
+from .families import (
+    COMFY_BASE_CLASSES,
+    PACK_BUILT_CLASSES,
+    flow_map,
+    latent_normalisation,
+    ref_method,
+)
 from .interrupts import COMFY_INTERRUPT, call_or_interrupt
 from .patches import (
     AdapterHashes,
@@ -247,6 +253,7 @@ class RemoteDiT(torch.nn.Module):
             hashes=self.row_hashes,
         )
         x_np, t_np = as_f32(x), step_timestep(as_f32(timesteps), batch)
+        sample_sigmas = self._sample_sigmas(options)
         # ComfyUI's Flux KV Cache: the run keeps the references' K/V (docs/contract.md §3.4)
         ref_cache = check.ref_cache and run is not None and bool(kwargs.get("ref_latents"))
 
@@ -260,6 +267,7 @@ class RemoteDiT(torch.nn.Module):
                 convention="comfy",
                 patch_table=table_id,
                 ref_cache=ref_cache,
+                sample_sigmas=sample_sigmas,
                 uploads=rows.tensors,
             )
 
@@ -267,6 +275,20 @@ class RemoteDiT(torch.nn.Module):
         self._keep_timing(answer)
         out = torch.from_numpy(np.array(answer.out, dtype=np.float32))
         return out.to(device=x.device, dtype=x.dtype)
+
+    def _sample_sigmas(self, options: dict) -> np.ndarray | None:
+        """A flow-map DiT's step sends the sampler's whole schedule (ComfyUI's
+        `transformer_options["sample_sigmas"]`); other DiTs send none."""
+        if not flow_map(self.status):
+            return None
+        sigmas = options.get("sample_sigmas")
+        if sigmas is None:
+            raise GmlxError(
+                f"gmlx: {self.model_id!r} is a flow-map model: each step needs the sampler's"
+                " schedule (transformer_options['sample_sigmas']), which this sampler did not set;"
+                " sample it with a stock KSampler or SamplerCustom"
+            )
+        return as_f32(sigmas).reshape(-1)
 
     def _check(self, kwargs: dict, options: dict, control: Any) -> CallCheck:
         check = check_call(

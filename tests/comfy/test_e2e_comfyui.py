@@ -39,6 +39,7 @@ from tests.comfy.workflow_files import (
     CONTROL_AFTER_GENERATE,
     FLUX2_KLEIN_MODEL,
     FLUX2_KLEIN_NAMES,
+    FLUX3_KLEIN_MODEL,
     NAMES,
     STOCK_NODES,
     UPLOAD_BUTTONS,
@@ -636,11 +637,12 @@ def test_a_stock_latent_of_sides_z_image_does_not_take_is_refused_in_pixels(comf
 
 
 def flux2_sample(
-    model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False, table=None
+    model, prompt: str, seed: int, sigmas, refs=(), ref_cache=False, table=None, schedule=None
 ) -> np.ndarray:
     """The in-process euler sampler (cfg 1) along `sigmas` under the comfy convention, the row
     carrying reference latents (model space) and, with `ref_cache`, the run's reference K/V;
-    every step under a patch table."""
+    every step under a patch table. A flow-map DiT's steps (FLUX.3 klein's) name `schedule`
+    as their `sample_sigmas` (default: `sigmas`, what ComfyUI's samplers send)."""
     from gmlx_server.engine import sampling
 
     row = sampling.direct_row(
@@ -659,9 +661,19 @@ def flux2_sample(
     noise = sampling.initial_noise(seed, int(latent["channels"]), side, side)
     run = "e2e-" + uuid.uuid4().hex[:8]
 
+    flow_map = model.capabilities.flow_map
+    sample_sigmas = np.asarray(sigmas if schedule is None else schedule, np.float32)
+
     def step(x, timestep, rows):
         return model.denoise_step(
-            x, timestep, list(rows), convention="comfy", run=run, ref_cache=ref_cache, table=table
+            x,
+            timestep,
+            list(rows),
+            convention="comfy",
+            run=run,
+            ref_cache=ref_cache,
+            table=table,
+            sample_sigmas=sample_sigmas if flow_map else None,
         ).out
 
     try:
@@ -808,6 +820,54 @@ def test_flux2_klein_edit_example_with_two_references(comfyui, gmlx_server, flux
     want = flux2_sample(flux2_engine, prompt, seed, sigmas, refs)
     assert _rel(got, want) <= LATENT_RTOL
     assert _rel(want, flux2_sample(flux2_engine, prompt, seed, sigmas)) > 100 * LATENT_RTOL
+
+
+@pytest.fixture(scope="module")
+def flux3_engine(gmlx_server):
+    """The server's embedded FLUX.3 klein (distilled: a flow map) loaded in this process."""
+    return _served_engine(gmlx_server["config"], FLUX3_KLEIN_MODEL)
+
+
+def test_the_flux3_klein_example_equals_the_in_process_flow_map_sampler(
+    comfyui, gmlx_server, flux3_engine
+):
+    """The FLUX.3 klein text-to-image example as shipped (its loaders on the embedded
+    flux3-klein-random-tiny; the pack's own Flux3 model, which no ComfyUI has): the stock
+    KSampler's 16 euler steps on "simple" at the status's shift 6.93, each step sending
+    ComfyUI's schedule (`sample_sigmas`), which decides every step's jump."""
+    seed = 5
+    wf = _save_latent(_workflow("gmlx_flux3_klein_text_to_image"), "11")
+    assert {wf[loader]["inputs"]["model_name"] for loader in ("1", "2", "3")} == {FLUX3_KLEIN_MODEL}
+    wf["11"]["inputs"]["seed"] = seed
+    got = _latent(comfyui, _run(comfyui, wf))
+    status = flux3_engine.status()
+    assert status["comfy"]["model_class"] == "Flux3" and status["sampling"]["flow_map"]
+    steps, prompt = wf["11"]["inputs"]["steps"], wf["4"]["inputs"]["text"]
+    sigmas = comfy_simple_sigmas(steps, status["sampling"]["shift"])
+    want = flux2_sample(flux3_engine, prompt, seed, sigmas)
+    assert got.shape == want.shape == (1, 128, SIZE // 16, SIZE // 16)
+    print(f"FLUX.3 klein stock KSampler against the engine's sampler: rel L2 {_rel(got, want):.1e}")
+    assert _rel(got, want) <= LATENT_RTOL
+    other = flux2_sample(flux3_engine, prompt, seed, sigmas, schedule=np.linspace(1, 0, steps + 1))
+    assert _rel(want, other) > 100 * LATENT_RTOL  # the schedule sent moved the jumps
+
+
+def test_the_flux3_klein_edit_example_with_two_references(comfyui, gmlx_server, flux3_engine):
+    """The FLUX.3 klein edit example as shipped, its two LoadImage nodes on two pictures: the
+    server's flow-map steps with their VAE latents as the row's references, in the order of the
+    ReferenceLatent chain."""
+    refs = _flux2_references(comfyui, flux3_engine)
+    seed = 7
+    wf = _save_latent(_workflow("gmlx_flux3_klein_edit_two_references"), "11")
+    wf["11"]["inputs"]["seed"] = seed
+    for node_id, i in (("20", 1), ("21", 2)):
+        wf[node_id]["inputs"]["image"] = f"flux2_ref_{i}.png"
+    got = _latent(comfyui, _run(comfyui, wf))
+    steps, prompt = wf["11"]["inputs"]["steps"], wf["4"]["inputs"]["text"]
+    sigmas = comfy_simple_sigmas(steps, flux3_engine.status()["sampling"]["shift"])
+    want = flux2_sample(flux3_engine, prompt, seed, sigmas, refs)
+    assert _rel(got, want) <= LATENT_RTOL
+    assert _rel(want, flux2_sample(flux3_engine, prompt, seed, sigmas)) > 100 * LATENT_RTOL
 
 
 def test_stock_ksampler_uni_pc_bh2_equals_the_in_process_sampler(comfyui, gmlx_server, engine):
@@ -1027,7 +1087,13 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
     comfy, gmlx_url = comfyui_alone, comfyui_alone["gmlx_url"]
     info = _json(comfy["url"] + "/object_info/GmlxModelLoader")["GmlxModelLoader"]
     # the embedded models, the default first
-    embedded = [gmlx_server["model"], FLUX2_KLEIN_MODEL, KREA2_MODEL, Z_IMAGE_MODEL]
+    embedded = [
+        gmlx_server["model"],
+        FLUX2_KLEIN_MODEL,
+        FLUX3_KLEIN_MODEL,
+        KREA2_MODEL,
+        Z_IMAGE_MODEL,
+    ]
     assert info["input"]["required"]["model_name"][0] == embedded
 
     workflow = {

@@ -11,16 +11,16 @@ import uuid
 from pathlib import Path
 
 import pytest
+from gmlx_server.engine.spec import family_specs
 
 from tests.comfy.workflow_files import (
     API_DIR,
     DEFAULT_MODEL_NAMES,
     EMBEDDED_FAMILY,
-    FLUX2_KLEIN_MODEL,
-    FLUX2_KLEIN_NAMES,
     FRONTEND_NODES,
     NAME_PREFIX,
     NAMES,
+    NOTED_FAMILY,
     PACK_DIR,
     STOCK_NODES,
     UI_DIR,
@@ -154,24 +154,28 @@ def test_workflow_names_an_embedded_model(name):
     assert _models_named(name) == ({expected}, {expected})
 
 
-@pytest.mark.parametrize("name", FLUX2_KLEIN_NAMES)
-def test_flux2_klein_example_names_the_embedded_klein_and_says_how_to_use_a_real_one(name):
-    """The loaders name the embedded FLUX.2 klein (so the example runs on a fresh install) and a
-    note says how to use a real klein: its folder under the server's model_dirs (`gmlx pull`)
-    or its files in ComfyUI's models/."""
-    from gmlx_server.engine.families.flux2_klein import embedded
-
-    assert FLUX2_KLEIN_MODEL == embedded.MODEL_NAME
-    assert _models_named(name) == ({FLUX2_KLEIN_MODEL}, {FLUX2_KLEIN_MODEL})
+@pytest.mark.parametrize("name", sorted(NOTED_FAMILY))
+def test_a_noted_example_names_its_embedded_model_and_says_how_to_use_a_real_one(name):
+    """The loaders name the family's embedded model (so the example runs on a fresh install)
+    and a note says how to use a real one: its folder under the server's model_dirs (`gmlx
+    pull` where the family's models are published)."""
+    family = NOTED_FAMILY[name]
+    embedded = importlib.import_module(f"gmlx_server.engine.families.{family}.embedded")
+    model = embedded.MODEL_NAME
+    assert _models_named(name) == ({model}, {model})
     (note,) = [node for node in ui_workflow(name)["nodes"] if node["type"] in FRONTEND_NODES]
     (text,) = note["widgets_values"]
-    assert FLUX2_KLEIN_MODEL in text and "model_dirs" in text and "gmlx pull" in text
+    assert model in text and "model_dirs" in text
+    assert ("gmlx pull" in text) == bool(family_specs()[family].published)
 
 
-def test_the_flux2_klein_edit_example_attaches_two_vae_encoded_references():
+@pytest.mark.parametrize(
+    "name", ["gmlx_flux2_klein_edit_two_references", "gmlx_flux3_klein_edit_two_references"]
+)
+def test_a_klein_edit_example_attaches_two_vae_encoded_references(name):
     """Both LoadImage pictures go through the gmlx VAE (stock VAEEncode) into a chain of stock
     ReferenceLatent nodes on the prompt, which is the sampler's positive."""
-    api = api_workflow("gmlx_flux2_klein_edit_two_references")
+    api = api_workflow(name)
     (sampler,) = [node for node in api.values() if node["class_type"] == "KSampler"]
     chain, node_id = [], sampler["inputs"]["positive"][0]
     while api[node_id]["class_type"] == "ReferenceLatent":

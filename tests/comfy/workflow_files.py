@@ -15,8 +15,8 @@ API_DIR = PACK_DIR / "api_workflows"
 # ComfyUI's lora template): the pack's names carry its prefix.
 NAME_PREFIX = "gmlx_"
 # The examples on an embedded model (the default, or the family's of EMBEDDED_FAMILY), and those
-# on FLUX.2 klein, whose loaders name the embedded klein, FLUX2_KLEIN_MODEL, and carry a note
-# saying how to use a real one.
+# whose loaders name a family's embedded model and carry a note saying how to use a real one
+# (NOTED_FAMILY: by name, the family).
 DEFAULT_MODEL_NAMES = (
     "gmlx_text_to_image",
     "gmlx_lora",
@@ -25,9 +25,16 @@ DEFAULT_MODEL_NAMES = (
     "gmlx_krea2_text_to_image",
 )
 EMBEDDED_FAMILY = {"gmlx_z_image_text_to_image": "z_image", "gmlx_krea2_text_to_image": "krea2"}
-FLUX2_KLEIN_NAMES = ("gmlx_flux2_klein_text_to_image", "gmlx_flux2_klein_edit_two_references")
-NAMES = DEFAULT_MODEL_NAMES + FLUX2_KLEIN_NAMES
+NOTED_FAMILY = {
+    "gmlx_flux2_klein_text_to_image": "flux2_klein",
+    "gmlx_flux2_klein_edit_two_references": "flux2_klein",
+    "gmlx_flux3_klein_text_to_image": "flux3_klein",
+    "gmlx_flux3_klein_edit_two_references": "flux3_klein",
+}
+FLUX2_KLEIN_NAMES = tuple(name for name, family in NOTED_FAMILY.items() if family == "flux2_klein")
+NAMES = DEFAULT_MODEL_NAMES + tuple(NOTED_FAMILY)
 FLUX2_KLEIN_MODEL = "flux2-klein-random-tiny"  # server/engine/families/flux2_klein/embedded.py
+FLUX3_KLEIN_MODEL = "flux3-klein-random-tiny"  # server/engine/families/flux3_klein/embedded.py
 
 # The stock ComfyUI node types the examples use (the e2e suite checks them against a real
 # ComfyUI's /object_info).

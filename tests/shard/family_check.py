@@ -42,7 +42,19 @@ CASES = {
             "transformer_blocks.1.ff.down.weight": (64, 96),
         },
     ),
+    # tests/families/flux3_klein: 4 heads x 16, MLP 192; three text layers of 64
+    "flux3_klein": (
+        192,
+        128,
+        {
+            "mode_blocks.image.0.attn.to_q.weight": (64, 64),
+            "single_transformer_blocks.0.attn.to_k.weight": (64, 64),
+            "single_transformer_blocks.1.ff.linear_out.weight": (64, 192),
+        },
+    ),
 }
+# A flow map's steps (FLUX.3 klein's) follow this schedule.
+SCHEDULE = np.array([1.0, 0.7, 0.4, 0.0], np.float32)
 
 
 def lora_doc(model_id: str, keys: dict, rng) -> tuple[dict, dict[str, np.ndarray]]:
@@ -89,8 +101,15 @@ def main(folder: str, mode: str) -> None:
         doc, adapters = lora_doc(folder.name, keys, rng)
         tables = [make_table(engine, doc, adapters) for engine in (sharded, single)]
         for name, table in (("step", None), ("lora", tables)):
+            schedule = SCHEDULE if single.capabilities.flow_map else None
             answers = [
-                engine.denoise_step(x, timestep, rows, table=None if table is None else table[i])
+                engine.denoise_step(
+                    x,
+                    timestep,
+                    rows,
+                    table=None if table is None else table[i],
+                    sample_sigmas=schedule,
+                )
                 for i, engine in enumerate((sharded, single))
             ]
             results[name] = {"rel_l2": rel_l2(answers[0].out, answers[1].out)}

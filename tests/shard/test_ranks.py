@@ -211,6 +211,22 @@ def test_krea2_over_two_ranks_steps_as_one_process(krea2_folder, mode):
     assert max(results["weights"]["ranks"]) < results["weights"]["single"]
 
 
+@pytest.fixture(scope="module")
+def flux3_folder(tmp_path_factory) -> Path:
+    from tests.families.flux3_klein.tiny import build_tiny_folder
+
+    return build_tiny_folder(tmp_path_factory.mktemp("shard") / "tiny-flux3")
+
+
+# Tensor mode splits FLUX.3 klein's joint blocks by heads and keeps its per-mode blocks whole;
+# its pipeline mode runs with -m heavy.
+@pytest.mark.parametrize("mode", [pytest.param("pipeline", marks=pytest.mark.heavy), "tensor"])
+def test_flux3_klein_over_two_ranks_steps_as_one_process(flux3_folder, mode):
+    results = rank_check(flux3_folder, 2, mode, "family_check")
+    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
+    assert max(results["weights"]["ranks"]) < results["weights"]["single"]
+
+
 @pytest.mark.heavy
 def test_z_image_over_three_ranks(z_image_folder):
     # pipeline: the noise refiner on rank 0, the context refiner on rank 1, the layers on rank 2

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_contract.lora_keys import layer_rows
 
 from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import DiTFile, Naming, fused_weights
@@ -44,7 +46,9 @@ from .layout import (
     F32_WEIGHTS,
     IMAGE_ROPE_SCALE,
     STACKS,
+    TARGET_LINEARS,
     TIME_FACTOR,
+    TOP_LINEARS,
     DiTConfig,
     stack_depth,
     tensor_shapes,
@@ -105,23 +109,112 @@ def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
     return shard_plan(config), {"single": config.num_single_layers}
 
 
-# Single files in diffusers' names (under a prefix such as `model.diffusion_model.` too).
-NAMING = Naming()
+# BFL's names of the DiT's tensors (its own checkpoints, the GGUF files converted from them and
+# the LoRA files trained on them), as diffusers' single-file conversion
+# (`convert_flux3_transformer_checkpoint_to_diffusers`) maps them: whole names by tree key,
+# name prefixes, and the names inside a block; a modulation's `.lin` is `.linear`.
+BFL_TOP = {
+    "time_1": "time_in.in_layer",
+    "time_2": "time_in.out_layer",
+    "target_1": "ref_time_in.in_layer",
+    "target_2": "ref_time_in.out_layer",
+    "final": "final_layer.image.linear",
+}
+# BFL's final modulation holds (shift, scale) where diffusers' norm_out.linear holds (scale,
+# shift).
+BFL_SWAPPED_HALVES = {"final_mod": "final_layer.image.adaLN_modulation.1"}
+BFL_PREFIXES = {
+    "emb_in.": "x_embedders.",
+    "txt_in.": "context_embedder.",
+    "content_mode_blocks.": "mode_blocks.",
+    "single_blocks.": "single_transformer_blocks.",
+}
+BFL_BLOCK = {
+    "q_proj": "attn.to_q",
+    "k_proj": "attn.to_k",
+    "v_proj": "attn.to_v",
+    "attn_out": "attn.to_out.0",
+    "mlp_in": "ff.linear_in",
+    "mlp_out": "ff.linear_out",
+    "norm.query_norm": "attn.norm_q",
+    "norm.key_norm": "attn.norm_k",
+}
+BFL_MODULATION = (".lin.", ".linear.")
+
+
+def bfl_naming() -> Naming:
+    """BFL's naming onto the diffusers names (which it leaves as they are): the tables above,
+    the norm scales' `.scale` as `.weight`, the final modulation's halves swapped."""
+    top = {**BFL_TOP, **BFL_SWAPPED_HALVES}
+    renames = [(rf"^{re.escape(bfl)}\.", TOP_NAMES[key] + ".") for key, bfl in top.items()]
+    renames += [(rf"^{re.escape(bfl)}", name) for bfl, name in BFL_PREFIXES.items()]
+    renames.append((rf"{re.escape(BFL_MODULATION[0])}weight$", BFL_MODULATION[1] + "weight"))
+    for bfl, name in BFL_BLOCK.items():
+        renames.append((rf"(\.\d+\.){re.escape(bfl)}\.(weight|scale)$", rf"\g<1>{name}.weight"))
+    swapped = tuple(bfl + ".weight" for bfl in BFL_SWAPPED_HALVES.values())
+    return Naming(renames=tuple(renames), swapped=swapped)
+
+
+def bfl_name(layer: str) -> str:
+    """BFL's name of a diffusers linear layer (bfl_naming's inverse, for LoRA files)."""
+    for key, bfl in BFL_TOP.items():
+        if layer == TOP_NAMES[key]:
+            return bfl
+    dotted = layer + "."
+    for bfl, name in BFL_PREFIXES.items():
+        if dotted.startswith(name):
+            dotted = bfl + dotted[len(name) :]
+            break
+    layer = dotted[:-1]
+    stem, _, last = layer.rpartition(".")
+    if last == BFL_MODULATION[1].strip("."):
+        return stem + BFL_MODULATION[0].rstrip(".")
+    for bfl, name in BFL_BLOCK.items():
+        if layer.endswith("." + name):
+            return layer[: -len(name)] + bfl
+    return layer
+
+
+def manifest_extras(manifest: dict) -> dict:
+    """BFL's names of its linear layers (`lora_aliases`), for LoRA files in them: each the
+    whole diffusers layer, the final modulation's halves swapped."""
+    rows = layer_rows(manifest)
+    aliases = {}
+    for layer, count in rows.items():
+        if layer == TOP_NAMES["final_mod"]:
+            half = count // 2
+            aliases[BFL_SWAPPED_HALVES["final_mod"]] = [[layer, half, half], [layer, 0, half]]
+        elif bfl_name(layer) != layer:
+            aliases[bfl_name(layer)] = [[layer, 0, count]]
+    return {"lora_aliases": aliases}
+
+
+TOP_NAMES = {**TOP_LINEARS, **TARGET_LINEARS}
+BFL_NAMING = bfl_naming()
 
 
 def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
     """The DiT's single file (a model entry's `dit`, GGUF or safetensors, else the one `.gguf`
-    in transformer/ or its one safetensors file under a prefix) as the family reads it; None
-    for diffusers' own folder."""
-    path = single_file(transformer_dir, dit, NAMING)
+    in transformer/ or its one safetensors file in BFL's naming or under a prefix) as the
+    family reads it, in BFL's naming or diffusers'; None for diffusers' own folder."""
+    path = single_file(transformer_dir, dit, BFL_NAMING)
     if path is None:
         return None
     config = DiTConfig.from_dict(read_config(transformer_dir))
     fused = fused_weights(linear_slots(config))
-    return DiTFile(path, NAMING, tensor_shapes(config), fused, TITLE)
+    return DiTFile(path, BFL_NAMING, tensor_shapes(config), fused, TITLE)
 
 
-PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
+PART = DiTPart(
+    dit_file,
+    DiTConfig,
+    linear_slots,
+    quantized,
+    sanitize,
+    F32_WEIGHTS,
+    shard_layout,
+    manifest_extras=manifest_extras,
+)
 
 
 # ---------------------------------------------------------------------------------------------
