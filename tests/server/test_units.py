@@ -151,6 +151,7 @@ def test_the_product_family_table_names_its_families():
         "flux2_klein",
         "flux2_klein_9b",
         "flux2_klein_9b_kv",
+        "flux3_klein",
         "krea2",
         "qwen_image21",
         "z_image",

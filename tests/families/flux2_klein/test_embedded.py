@@ -48,7 +48,7 @@ def test_the_pipeline_loads_it_with_every_parameter(model_dir):
     from diffusers import Flux2KleinPipeline
 
     pipe = Flux2KleinPipeline.from_pretrained(str(model_dir))
-    vae = {**embedded.vae_tensors(), "bn.num_batches_tracked": ((), None)}
+    vae = {**shared.flux2_vae_tensors(), "bn.num_batches_tracked": ((), None)}
     inventories = {
         "transformer": embedded.transformer_tensors(),
         "vae": vae,

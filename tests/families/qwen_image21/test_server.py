@@ -44,6 +44,7 @@ def test_discovery_routes(qwen):
         "flux2_klein",
         "flux2_klein_9b",
         "flux2_klein_9b_kv",
+        "flux3_klein",
         "krea2",
         "qwen_image21",
         "z_image",
