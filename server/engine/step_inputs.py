@@ -1,5 +1,6 @@
 """The checks every family makes of a step's inputs, numpy only: x's shape against its rows,
-each row's conditioning against the DiT's caption width, and the per-row timestep.
+each row's conditioning against the DiT's caption width, its reference latents against the
+DiT's channels, and the per-row timestep.
 
 A family calls them from its `denoise_step` with its own facts (channels, width); each failure
 is an EngineInputError (answered 400) naming what was wrong.
@@ -58,6 +59,28 @@ def checked_text_cond(row: StepRow, index: int, width: int, title: str) -> np.nd
     if row.ref_latents:
         raise EngineInputError(f"rows[{index}]: {title} takes no reference latents")
     return checked_cond(row, index, width)
+
+
+def checked_ref_latents(row: StepRow, index: int, channels: int) -> list[np.ndarray]:
+    """A row's reference latents as float32 (channels, h, w) each (a leading batch axis of 1
+    dropped): model-space latents, as vae/encode gives them."""
+    refs = []
+    for k, latent in enumerate(row.ref_latents):
+        latent = np.asarray(latent, np.float32)
+        if latent.ndim == 4 and latent.shape[0] == 1:
+            latent = latent[0]
+        if latent.ndim != 3 or latent.shape[0] != channels or 0 in latent.shape:
+            raise EngineInputError(
+                f"rows[{index}].ref_latents[{k}] must be ({channels}, h, w) model-space"
+                f" latents (vae/encode's), got {tuple(np.shape(row.ref_latents[k]))}"
+            )
+        refs.append(latent)
+    return refs
+
+
+def ref_tokens(row: StepRow) -> int:
+    """The tokens of a row's references (one per latent cell)."""
+    return sum(int(np.prod(np.shape(r)[-2:])) for r in row.ref_latents)
 
 
 def cond_rows(row: StepRow, default: int = 0) -> int:

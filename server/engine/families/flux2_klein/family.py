@@ -32,7 +32,14 @@ from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRo
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
-from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
+from ...step_inputs import (
+    checked_cond,
+    checked_latents,
+    checked_ref_latents,
+    cond_rows,
+    ref_tokens,
+    row_sigmas,
+)
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import read_config
 from .dit import (
@@ -212,10 +219,10 @@ class Flux2KleinModel(FamilyModel):
         config, itemsize = self.dit.config, self.dit.dtype.size
         if rows is None:
             return step_peak_bytes(config, itemsize, [image] * batch, self.dit.cpu_ops)
-        lengths = [image + cond_rows(row, MAX_SEQUENCE_LENGTH) + _ref_tokens(row) for row in rows]
+        lengths = [image + cond_rows(row, MAX_SEQUENCE_LENGTH) + ref_tokens(row) for row in rows]
         states = 0
         if self.family == FAMILY_9B_KV:
-            states = sum(ref_state_bytes(config, itemsize, _ref_tokens(row)) for row in rows)
+            states = sum(ref_state_bytes(config, itemsize, ref_tokens(row)) for row in rows)
         return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops) + states
 
     def ref_cache_bytes(self, rows: list[StepRow], table, run: str) -> int:
@@ -225,7 +232,7 @@ class Flux2KleinModel(FamilyModel):
         total = 0
         for key, row in zip(self._plan(rows, table, "comfy", True).keys, rows, strict=True):
             if key is not None and key not in held:
-                total += ref_state_bytes(self.dit.config, self.dit.dtype.size, _ref_tokens(row))
+                total += ref_state_bytes(self.dit.config, self.dit.dtype.size, ref_tokens(row))
         return total
 
     def held_bytes(self) -> int:
@@ -302,19 +309,7 @@ class Flux2KleinModel(FamilyModel):
         return x
 
     def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
-        channels = self.dit.config.in_channels
-        refs = []
-        for k, latent in enumerate(row.ref_latents):
-            latent = np.asarray(latent, np.float32)
-            if latent.ndim == 4 and latent.shape[0] == 1:
-                latent = latent[0]
-            if latent.ndim != 3 or latent.shape[0] != channels or 0 in latent.shape:
-                raise EngineInputError(
-                    f"rows[{index}].ref_latents[{k}] must be ({channels}, h, w) model-space"
-                    f" latents (vae/encode's), got {tuple(np.shape(row.ref_latents[k]))}"
-                )
-            refs.append(mx.array(latent))
-        return refs
+        return [mx.array(r) for r in checked_ref_latents(row, index, self.dit.config.in_channels)]
 
     def close(self) -> None:
         self.ref_caches.clear()
@@ -325,10 +320,6 @@ class Flux2KleinModel(FamilyModel):
 def _table_id(table: object | None) -> str | None:
     """The patch table's id for a reference state's key (a `service.PatchTable`; None: none)."""
     return None if table is None else table.table_id
-
-
-def _ref_tokens(row: StepRow) -> int:
-    return sum(int(np.prod(np.shape(r)[-2:])) for r in row.ref_latents)
 
 
 FLUX2_KLEIN = FolderFamily(

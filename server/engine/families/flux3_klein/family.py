@@ -23,7 +23,14 @@ from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRo
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
-from ...step_inputs import checked_cond, checked_latents, cond_rows, row_sigmas
+from ...step_inputs import (
+    checked_cond,
+    checked_latents,
+    checked_ref_latents,
+    cond_rows,
+    ref_tokens,
+    row_sigmas,
+)
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import read_config
 from .dit import Flux3DiT
@@ -159,7 +166,7 @@ class Flux3KleinModel(FamilyModel):
         config, itemsize = self.dit.config, self.dit.dtype.size
         if rows is None:
             return step_peak_bytes(config, itemsize, [h * w] * batch, self.dit.cpu_ops)
-        lengths = [h * w + cond_rows(row) + _ref_tokens(row) for row in rows]
+        lengths = [h * w + cond_rows(row) + ref_tokens(row) for row in rows]
         return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops)
 
     def step(
@@ -195,27 +202,13 @@ class Flux3KleinModel(FamilyModel):
         return StepResult(out=np.array(out), prefix_cache="none", forward_ms=forward_ms)
 
     def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
-        channels = self.dit.config.cond_in_channels
-        refs = []
-        for k, latent in enumerate(row.ref_latents):
-            latent = np.asarray(latent, np.float32)
-            if latent.ndim == 4 and latent.shape[0] == 1:
-                latent = latent[0]
-            if latent.ndim != 3 or latent.shape[0] != channels or 0 in latent.shape:
-                raise EngineInputError(
-                    f"rows[{index}].ref_latents[{k}] must be ({channels}, h, w) model-space"
-                    f" latents (vae/encode's), got {tuple(np.shape(row.ref_latents[k]))}"
-                )
-            refs.append(mx.array(latent))
-        return refs
+        return [
+            mx.array(r) for r in checked_ref_latents(row, index, self.dit.config.cond_in_channels)
+        ]
 
     def close(self) -> None:
         self.dit = None
         super().close()
-
-
-def _ref_tokens(row: StepRow) -> int:
-    return sum(int(np.prod(np.shape(r)[-2:])) for r in row.ref_latents)
 
 
 FLUX3_KLEIN = FolderFamily(
