@@ -425,30 +425,41 @@ class MemoryPlanner:
 
     # ------------------------------------------------------------ the VAE
 
-    def check_vae(self, loaded: LoadedModel, height: int, width: int, decode: bool) -> None:
-        """docs/contract.md §2.12-2.13, on the worker: one image of height x width pixels (images go one
-        at a time); held states are shed when that makes it fit."""
+    def check_vae(self, loaded: LoadedModel, height: int, width: int, decode: bool) -> bool:
+        """docs/contract.md §2.12-2.13, on the worker: one image of height x width pixels (images
+        go one at a time), whole where that fits, held states shed and the text encoder released
+        when that makes it fit; else in tiles where the VAE can tile it (not the whole pass:
+        ComfyUI's fallback on out-of-memory). Returns whether the pass tiles."""
         model = loaded.model
-        need = model.vae_peak_bytes(height, width, decode)
         budget = self.budget()
+        tiling = (False, True) if model.vae_tileable(height, width, decode) else (False,)
+        for tiled in tiling:
+            need = model.vae_peak_bytes(height, width, decode, tiled)
+            free = self._room(loaded, need, budget, "a VAE pass")
+            if need <= free:
+                return tiled
+        stride = loaded.facts.vae_stride
+        cells = _largest_side(
+            lambda s: model.vae_peak_bytes(s * stride, s * stride, decode, tiling[-1]) <= free,
+            max(height, width) // stride,
+        )
+        hint = (
+            f"images of up to {cells * stride}x{cells * stride} pixels fit"
+            if cells
+            else "no image fits; unload other work or raise the budget"
+        )
+        what = "decode" if decode else "encode"
+        raise MemoryPlanError(self._refusal(what, need, free, budget, hint))
+
+    def _room(self, loaded: LoadedModel, need: int, budget: int, work: str) -> int:
+        """The bytes of `budget` free for `need`, after shedding held states and releasing the
+        text encoder where either makes it fit."""
         free = budget - self.held()
         if need > free:
-            free += model.shed_states(need - free, set())
+            free += loaded.model.shed_states(need - free, set())
         if free < need <= free + self._releasable(loaded):
-            free += self._release_encoder(loaded, "a VAE pass")
-        if need > free:
-            stride = loaded.facts.vae_stride
-            cells = _largest_side(
-                lambda s: model.vae_peak_bytes(s * stride, s * stride, decode) <= free,
-                max(height, width) // stride,
-            )
-            hint = (
-                f"images of up to {cells * stride}x{cells * stride} pixels fit"
-                if cells
-                else "no image fits; unload other work or raise the budget"
-            )
-            what = "decode" if decode else "encode"
-            raise MemoryPlanError(self._refusal(what, need, free, budget, hint))
+            free += self._release_encoder(loaded, work)
+        return free
 
     @staticmethod
     def _refusal(what: str, need: int, free: int, budget: int, hint: str) -> str:
@@ -525,8 +536,8 @@ class PlannedTransport(DirectTransport):
         stride = self.loaded.facts.latent_stride
 
         def planned() -> np.ndarray:
-            self.memory.check_vae(self.loaded, h * stride, w * stride, True)
-            return decode_latents(self.model, latents)
+            tiled = self.memory.check_vae(self.loaded, h * stride, w * stride, True)
+            return decode_latents(self.model, latents, tiled)
 
         return self.call(planned)
 

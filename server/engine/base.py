@@ -129,8 +129,12 @@ class MemoryPlanning(Protocol):
     ) -> set:
         """The held states a step uses (never shed to make room for that step)."""
 
-    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
-        """One VAE pass's peak at height x width pixels."""
+    def vae_peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
+        """One VAE pass's peak at height x width pixels, whole or (`tiled`) in tiles."""
+
+    def vae_tileable(self, height: int, width: int, decode: bool) -> bool:
+        """Whether that pass can run in tiles (which are not the whole pass): the memory plan's
+        fallback where the whole pass does not fit."""
 
     def shed_states(self, need_bytes: int, keep: set) -> int:
         """Shed held states (never those in `keep`) until need_bytes are freed; the bytes freed."""
@@ -184,11 +188,13 @@ class ImageModel(MemoryPlanning, Protocol):
         """Latents (C, h, w) in the DiT's model space -> the VAE routes' space (the identity
         where status `vae.space` is "model")."""
 
-    def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
-        """One image: latents (C, h, w) in the VAE's own space -> (H, W, 3 or 4) in [0, 1]."""
+    def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
+        """One image: latents (C, h, w) in the VAE's own space -> (H, W, 3 or 4) in [0, 1],
+        in tiles where the memory plan says so."""
 
-    def vae_encode(self, image: np.ndarray) -> np.ndarray:
-        """One image: (H, W, C) in [0, 1] -> latents (C, h, w) in the VAE's own space."""
+    def vae_encode(self, image: np.ndarray, tiled: bool = False) -> np.ndarray:
+        """One image: (H, W, C) in [0, 1] -> latents (C, h, w) in the VAE's own space, in
+        tiles where the memory plan says so."""
 
     def close(self) -> None:
         """Drop the weights."""

@@ -278,8 +278,13 @@ class FamilyModel:
     def keep_states(self, keys) -> None:
         """Drop every held state but those of `keys` (what rank 0 holds)."""
 
-    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
-        return self.vae.peak_bytes(height, width, decode)
+    def vae_peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
+        return self.vae.peak_bytes(height, width, decode, tiled)
+
+    def vae_tileable(self, height: int, width: int, decode: bool) -> bool:
+        """Whether a pass of this image could run in tiles, which are not the whole pass: the
+        memory plan's fallback where the whole pass does not fit."""
+        return self.vae.tileable(height, width, decode)
 
     # -- the VAE routes -------------------------------------------------------------------
 
@@ -288,21 +293,21 @@ class FamilyModel:
         vae_space = self.vae.from_model_space(mx.array(np.asarray(latents, np.float32))[None])[0]
         return np.array(vae_space.astype(mx.float32))
 
-    def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
+    def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         latents = np.asarray(latents, np.float32)
         if latents.ndim != 3:
             raise EngineInputError(f"latents must be (C, h, w), got {latents.shape}")
         if alpha and self.vae.out_channels < 4:
             raise EngineInputError("this VAE has no alpha channel; decode without alpha")
-        image = self.vae.decode(mx.array(latents)[None])[0]
+        image = self.vae.decode(mx.array(latents)[None], tiled)[0]
         image = image if alpha else image[..., :3]
         return np.array(image.astype(mx.float32))
 
-    def vae_encode(self, image: np.ndarray) -> np.ndarray:
+    def vae_encode(self, image: np.ndarray, tiled: bool = False) -> np.ndarray:
         image = np.asarray(image, np.float32)
         if image.ndim != 3:
             raise EngineInputError(f"image must be (H, W, C), got {image.shape}")
-        latents = self.vae.encode(mx.array(image)[None])[0]
+        latents = self.vae.encode(mx.array(image)[None], tiled)[0]
         return np.array(latents.astype(mx.float32))
 
     def close(self) -> None:

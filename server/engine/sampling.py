@@ -452,12 +452,12 @@ def flow_map_schedule(model: Any, sigmas: np.ndarray) -> np.ndarray | None:
     return np.asarray(sigmas, np.float32) if model.capabilities.flow_map else None
 
 
-def decode_latents(model: Any, latents: np.ndarray) -> np.ndarray:
+def decode_latents(model: Any, latents: np.ndarray, tiled: bool = False) -> np.ndarray:
     """Final latents (1, C, h, w) in model space -> RGB (H, W, 3) float32 in [0, 1], through
-    the model's `vae_space` (the VAE routes take the VAE's own latent space). Runs on the image
-    worker."""
+    the model's `vae_space` (the VAE routes take the VAE's own latent space), in tiles where
+    the memory plan says so. Runs on the image worker."""
     latents = np.asarray(latents, dtype=np.float32)[0]
-    return model.vae_decode(model.vae_space(latents), False)
+    return model.vae_decode(model.vae_space(latents), False, tiled)
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:

@@ -18,6 +18,8 @@ from .common import (
     send_container,
 )
 
+TILED_HEADER = "X-Gmlx-Vae-Tiled"
+
 
 def _batch(container: wire.Container, name: str, layout: str) -> np.ndarray:
     """The named 4-D batch as float32: absent or not 4-D 400, over 16 images 413."""
@@ -48,18 +50,19 @@ class VaeDecode(Resource):
             stride = loaded.facts.vae_stride
             _, _, h, w = latents.shape
             check_pixels(w * stride, h * stride, "the decoded image")
-            self.service.worker.call(
+            tiled = self.service.worker.call(
                 self.service.memory.check_vae, loaded, h * stride, w * stride, True
             )
             # alpha is checked after the plan (docs/contract.md §2.12)
             if alpha and loaded.facts.vae_channels_out != 4:
                 raise ContractError(400, f"{loaded.entry.family}'s VAE has no alpha channel")
             images = [
-                self.service.on_model(loaded, lambda m, z=z: m.vae_decode(z, alpha))
+                self.service.on_model(loaded, lambda m, z=z: m.vae_decode(z, alpha, tiled))
                 for z in latents
             ]
         finally:
             self.service.release(loaded)
+        said_tiled(resp, tiled)
         send_container(resp, wire.container_pieces({"image": _stack(images)}))
 
 
@@ -71,13 +74,22 @@ class VaeEncode(Resource):
         check_pixels(width, height, "the image")
         loaded = self.service.acquire(model_field(container.fields))
         try:
-            self.service.worker.call(self.service.memory.check_vae, loaded, height, width, False)
+            check = self.service.memory.check_vae
+            tiled = self.service.worker.call(check, loaded, height, width, False)
             latents = [
-                self.service.on_model(loaded, lambda m, im=im: m.vae_encode(im)) for im in images
+                self.service.on_model(loaded, lambda m, im=im: m.vae_encode(im, tiled))
+                for im in images
             ]
         finally:
             self.service.release(loaded)
+        said_tiled(resp, tiled)
         send_container(resp, wire.container_pieces({"latents": _stack(latents)}))
+
+
+def said_tiled(resp: falcon.Response, tiled: bool) -> None:
+    """Extension of docs/contract.md §2.12-2.13: whether the pass ran in tiles (the memory
+    plan's fallback where the whole pass does not fit; tiles are not the whole pass)."""
+    resp.set_header(TILED_HEADER, "true" if tiled else "false")
 
 
 def _stack(arrays: list[np.ndarray]) -> np.ndarray:

@@ -495,6 +495,7 @@ def direct_sample(
     from gmlx_server.engine import sampling
 
     transport = sampling.DirectTransport(model, table=table)
+    transport.begin(sigmas)
     row = transport.row(transport.encode(prompt, []))
     latent = model.status()["latent"]
     side = SIZE // int(latent["stride"])
@@ -1412,10 +1413,22 @@ KREA2_LORA_LAYERS = (
     "transformer_blocks.1.ff.down",
     "text_fusion.refiner_blocks.0.attn.to_k",
 )
+# FLUX.3 klein's: q and k of a joint block (fused here), the image mode's MLP input, the text
+# mode's v.
+FLUX3_LORA_LAYERS = (
+    "single_transformer_blocks.0.attn.to_q",
+    "single_transformer_blocks.0.attn.to_k",
+    "mode_blocks.image.0.ff.linear_in",
+    "txt_mode_blocks.0.attn.to_v",
+)
 FORMS_ON = [
     (Z_IMAGE_MODEL, Z_IMAGE_LORA_LAYERS, form)
     for form in ("diffusers", "kohya", "comfy", "peft", "bare", "model")
-] + [(KREA2_MODEL, KREA2_LORA_LAYERS, form) for form in ("diffusers", "kohya", "comfy", "peft")]
+] + [
+    (model, layers, form)
+    for model, layers in ((KREA2_MODEL, KREA2_LORA_LAYERS), (FLUX3_KLEIN_MODEL, FLUX3_LORA_LAYERS))
+    for form in ("diffusers", "kohya", "comfy", "peft")
+]
 
 
 @pytest.mark.parametrize(("model", "layers", "form"), FORMS_ON)
@@ -1424,7 +1437,7 @@ def test_a_pack_built_models_lora_in_every_key_form_applies_as_the_server_loader
 ):
     """As above on Z-Image, whose ComfyUI class (0.33) maps the diffusers forms onto its own
     fused qkv names (the pack's keys take their place, so every key still loads), and on
-    Krea 2, which no ComfyUI knows."""
+    Krea 2 and FLUX.3 klein (a flow map), which no ComfyUI knows."""
     seed, steps = 6, 4
     engine = _served_engine(gmlx_server["config"], model)
     folder = comfyui["base"] / "models" / "loras" / model

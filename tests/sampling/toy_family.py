@@ -177,8 +177,11 @@ class ToyModel:
     def step_keys(self, x_shape, rows, table=None, plans=None) -> set:
         return set()
 
-    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
+    def vae_peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
         return 4 * 3 * height * width
+
+    def vae_tileable(self, height: int, width: int, decode: bool) -> bool:
+        return False
 
     def shed_states(self, need_bytes: int, keep: set) -> int:
         return 0
@@ -187,11 +190,11 @@ class ToyModel:
         """Status `vae.space` is "model": the VAE takes model-space latents."""
         return np.asarray(latents, np.float32)
 
-    def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
+    def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         image = 1.0 / (1.0 + np.exp(-latents[:3].transpose(1, 2, 0)))
         return np.repeat(np.repeat(image, STRIDE, axis=0), STRIDE, axis=1).astype(np.float32)
 
-    def vae_encode(self, image: np.ndarray) -> np.ndarray:
+    def vae_encode(self, image: np.ndarray, tiled: bool = False) -> np.ndarray:
         raise EngineInputError("the toy model encodes no images")
 
     def close(self) -> None:

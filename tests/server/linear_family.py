@@ -237,8 +237,11 @@ class LinearModel:
     def step_keys(self, x_shape, rows, table=None, plans=None) -> set:
         return set()
 
-    def vae_peak_bytes(self, height: int, width: int, decode: bool) -> int:
+    def vae_peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
         return 4 * 4 * height * width
+
+    def vae_tileable(self, height: int, width: int, decode: bool) -> bool:
+        return False
 
     def shed_states(self, need_bytes: int, keep: set) -> int:
         return 0
@@ -247,12 +250,12 @@ class LinearModel:
         """The VAE routes' latents are the step's (no normalisation)."""
         return np.asarray(latents, np.float32)
 
-    def vae_decode(self, latents: np.ndarray, alpha: bool) -> np.ndarray:
+    def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         if latents.shape[0] != CHANNELS:
             raise EngineInputError(f"latents need {CHANNELS} channels")
         return vae_decode_array(latents, alpha)
 
-    def vae_encode(self, image: np.ndarray) -> np.ndarray:
+    def vae_encode(self, image: np.ndarray, tiled: bool = False) -> np.ndarray:
         return vae_encode_array(np.asarray(image, np.float32))
 
     def close(self) -> None:

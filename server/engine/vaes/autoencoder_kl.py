@@ -10,8 +10,10 @@ Arrays are channels-last (NHWC) inside; the public methods take and give the lay
 engine/family.py: images (B, H, W, C) in [0, 1], latents (B, C, h, w). Encoding returns the
 posterior's mean. Images are processed one at a time.
 
-An image larger than the config's `sample_size` (1024 pixels for FLUX.1) is processed in tiles,
-as diffusers' `AutoencoderKL` does once `enable_tiling()` is on (`tiled_encode`,
+Every image runs whole unless the pass is asked to tile (`tiled=True`: what the memory plan asks
+for an image whose whole pass does not fit, as ComfyUI falls back to tiles on out-of-memory).
+An image larger than the config's `sample_size` (1024 pixels for FLUX.1) may then be processed
+in tiles, as diffusers' `AutoencoderKL` does once `enable_tiling()` is on (`tiled_encode`,
 `tiled_decode`): square tiles of `sample_size` pixels (`sample_size / stride` latent cells),
 a quarter of which overlaps the next tile, each run through the whole network on its own and
 blended into its upper and left neighbours linearly across the overlap. The group norms and the
@@ -320,7 +322,7 @@ class Geometry:
     stride, diffusers' tile sides (sample_size pixels, int(sample_size / stride) latent cells),
     the channels, and the widest full-resolution activation of each side (the encoder's first
     block, the decoder's last upsampler: the second-to-last up block). `tiles` false: a VAE
-    whose pipeline never tiles it (FLUX.2's), every image run whole."""
+    that never tiles (FLUX.2's), every image run whole."""
 
     stride: int
     tile_pixels: int
@@ -351,9 +353,10 @@ class Geometry:
             tiles=tiles,
         )
 
-    def tiled(self, height: int, width: int, decode: bool) -> bool:
-        """Whether a pass of a height x width image tiles: diffusers' rule, on the latent
-        size when decoding and on the image when encoding (never for a VAE that does not tile)."""
+    def tileable(self, height: int, width: int, decode: bool) -> bool:
+        """Whether a pass of a height x width image can run in tiles: diffusers' rule, on the
+        latent size when decoding and on the image when encoding (never for a VAE that does not
+        tile)."""
         if not self.tiles:
             return False
         if decode:
@@ -365,12 +368,15 @@ class Geometry:
             return Tiling.of(self.tile_cells, self.tile_pixels)
         return Tiling.of(self.tile_pixels, self.tile_cells)
 
-    def peak_bytes(self, itemsize: int, height: int, width: int, decode: bool) -> int:
+    def peak_bytes(
+        self, itemsize: int, height: int, width: int, decode: bool, tiled: bool = False
+    ) -> int:
         """Bytes one pass of a height x width image may hold at its peak beyond the weights,
         activations of `itemsize` bytes: buffers of the widest full-resolution activation over
-        the image, or over one tile plus the blended tiles and output a tiled pass holds."""
+        the image, or (`tiled`, where the image can tile) over one tile plus the blended tiles
+        and output a tiled pass holds."""
         cells = self._cells(height, width)
-        tiled = self.tiled(height, width, decode)
+        tiled = tiled and self.tileable(height, width, decode)
         window = [min(n, self.tile_cells) for n in cells] if tiled else list(cells)
         pixels = window[0] * window[1] * self.stride**2
         if decode:
@@ -411,8 +417,8 @@ class AutoencoderKL(CheckpointVAE):
     """Encode images to raw latents (the posterior's mean) and decode raw latents to images."""
 
     def __init__(self, config: dict, dtype: mx.Dtype = mx.float32, tiles: bool = True):
-        """`tiles`: tile images past the config's sample_size as diffusers' enable_tiling()
-        does (`Geometry`); false: run every image whole."""
+        """`tiles`: a pass asked to tile tiles images past the config's sample_size as
+        diffusers' enable_tiling() does (`Geometry`); false: every image runs whole."""
         if config.get("mid_block_add_attention", True) is not True:
             raise ValueError("an AutoencoderKL without mid-block attention is not supported")
         self.config = config
@@ -439,8 +445,13 @@ class AutoencoderKL(CheckpointVAE):
 
     # Passes.
 
-    def encode(self, image: mx.array) -> mx.array:
-        """(B, H, W, C) in [0, 1], H and W multiples of the stride -> (B, latent, H/s, W/s)."""
+    def tileable(self, height: int, width: int, decode: bool) -> bool:
+        """Whether a pass of a height x width image can run in tiles (`Geometry.tileable`)."""
+        return self.geometry.tileable(height, width, decode)
+
+    def encode(self, image: mx.array, tiled: bool = False) -> mx.array:
+        """(B, H, W, C) in [0, 1], H and W multiples of the stride -> (B, latent, H/s, W/s);
+        in tiles where `tiled` and the image can tile."""
         if image.ndim != 4:
             raise EngineInputError(f"an image batch is (B, H, W, C); got shape {image.shape}")
         _, height, width, channels = image.shape
@@ -453,28 +464,30 @@ class AutoencoderKL(CheckpointVAE):
                 f"image size {width}x{height} is not a multiple of the VAE stride {self.stride}"
             )
         latents = [
-            self._encode_one(image[i : i + 1, ..., : self.in_channels]) for i in range(len(image))
+            self._encode_one(image[i : i + 1, ..., : self.in_channels], tiled)
+            for i in range(len(image))
         ]
         return mx.concatenate(latents, axis=0) if len(latents) > 1 else latents[0]
 
-    def decode(self, latents: mx.array) -> mx.array:
-        """(B, latent, h, w) raw latents -> (B, s*h, s*w, out_channels) in [0, 1], float32."""
+    def decode(self, latents: mx.array, tiled: bool = False) -> mx.array:
+        """(B, latent, h, w) raw latents -> (B, s*h, s*w, out_channels) in [0, 1], float32; in
+        tiles where `tiled` and the image can tile."""
         if latents.ndim != 4 or latents.shape[1] != self.latent_channels or 0 in latents.shape:
             raise EngineInputError(
                 f"latents are (B, {self.latent_channels}, h, w) for this VAE; got shape"
                 f" {latents.shape}"
             )
-        images = [self._decode_one(latents[i : i + 1]) for i in range(latents.shape[0])]
+        images = [self._decode_one(latents[i : i + 1], tiled) for i in range(latents.shape[0])]
         return mx.concatenate(images, axis=0) if len(images) > 1 else images[0]
 
-    def peak_bytes(self, height: int, width: int, decode: bool) -> int:
+    def peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
         """The memory plan of one image of height x width pixels (`Geometry.peak_bytes`)."""
-        return self.geometry.peak_bytes(self.dtype.size, height, width, decode)
+        return self.geometry.peak_bytes(self.dtype.size, height, width, decode, tiled)
 
-    def _encode_one(self, image: mx.array) -> mx.array:
+    def _encode_one(self, image: mx.array, tiled: bool) -> mx.array:
         x = (image.astype(self.dtype) * 2.0) - 1.0  # diffusers' image processor: [0, 1] -> [-1, 1]
         _, height, width, _ = x.shape
-        if self.geometry.tiled(height, width, decode=False):
+        if tiled and self.geometry.tileable(height, width, decode=False):
             mean = run_tiled(x, self._encode_mean, self.geometry.tiling(decode=False))
         else:
             mean = self._encode_mean(x)
@@ -489,10 +502,10 @@ class AutoencoderKL(CheckpointVAE):
             moments = self.model.quant_conv(moments)
         return moments[..., : self.latent_channels]  # the log-variance is unused
 
-    def _decode_one(self, latents: mx.array) -> mx.array:
+    def _decode_one(self, latents: mx.array, tiled: bool) -> mx.array:
         z = latents.transpose(0, 2, 3, 1).astype(self.dtype)
         _, cells_h, cells_w, _ = z.shape
-        if self.geometry.tiled(cells_h * self.stride, cells_w * self.stride, decode=True):
+        if tiled and self.geometry.tileable(cells_h * self.stride, cells_w * self.stride, True):
             x = run_tiled(z, self._decode_raw, self.geometry.tiling(decode=True))
         else:
             x = self._decode_raw(z)
@@ -523,7 +536,7 @@ class AutoencoderKLPart:
     bytes as it would load, and the peak of a pass at the reference size, from its config.
     Model space is (z - shift_factor) * scaling_factor."""
 
-    tiles: bool = True  # whether its pipeline tiles large images
+    tiles: bool = True  # whether a pass may tile large images (the memory plan's fallback)
 
     def load(self, vae_dir: Path, dtype: mx.Dtype) -> AutoencoderKL:
         """The VAE's network from its folder, computing in `dtype`."""
@@ -547,6 +560,6 @@ class AutoencoderKLPart:
         return estimated_bytes(vae_dir, dtype)
 
     def reserve_bytes(self, config: dict, pixels: int) -> int:
-        """The larger of an encode and a decode of a `pixels` square image in float32."""
+        """The larger of an encode and a decode of a `pixels` square image in float32, whole."""
         geometry = Geometry.of(config, self.tiles)
         return max(geometry.peak_bytes(4, pixels, pixels, decode) for decode in (True, False))

@@ -77,8 +77,13 @@ class AutoencoderKLFlux2:
 
     # Passes.
 
-    def encode(self, image: mx.array) -> mx.array:
-        """(B, H, W, C) in [0, 1], H and W multiples of 16 -> (B, 4*latent, H/16, W/16)."""
+    def tileable(self, height: int, width: int, decode: bool) -> bool:
+        """Never: every image runs whole (its pipeline never tiles it)."""
+        return False
+
+    def encode(self, image: mx.array, tiled: bool = False) -> mx.array:
+        """(B, H, W, C) in [0, 1], H and W multiples of 16 -> (B, 4*latent, H/16, W/16), whole
+        (`tiled` has nothing to ask: `tileable`)."""
         if image.ndim == 4:
             height, width = image.shape[1:3]
             if height % self.stride or width % self.stride:
@@ -88,8 +93,9 @@ class AutoencoderKLFlux2:
         raw = self.body.encode(image)
         return (self.patchify(raw) - self.mean[:, None, None]) / self.std[:, None, None]
 
-    def decode(self, latents: mx.array) -> mx.array:
-        """(B, 4*latent, h, w) model-space latents -> (B, 16h, 16w, out_channels) in [0, 1]."""
+    def decode(self, latents: mx.array, tiled: bool = False) -> mx.array:
+        """(B, 4*latent, h, w) model-space latents -> (B, 16h, 16w, out_channels) in [0, 1],
+        whole."""
         if latents.ndim != 4 or latents.shape[1] != self.latent_channels or 0 in latents.shape:
             raise EngineInputError(
                 f"latents are (B, {self.latent_channels}, h, w) for this VAE; got shape"
@@ -98,7 +104,7 @@ class AutoencoderKLFlux2:
         raw = latents.astype(mx.float32) * self.std[:, None, None] + self.mean[:, None, None]
         return self.body.decode(self.unpatchify(raw))
 
-    def peak_bytes(self, height: int, width: int, decode: bool) -> int:
+    def peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
         return self.body.peak_bytes(height, width, decode)
 
     @staticmethod

@@ -639,8 +639,13 @@ class QwenImage21VAE(CheckpointVAE):
 
     # Passes.
 
-    def encode(self, image: mx.array) -> mx.array:
-        """(B, H, W, C) in [0, 1], H and W multiples of the stride -> (B, z_dim, H/16, W/16)."""
+    def tileable(self, height: int, width: int, decode: bool) -> bool:
+        """Never on request: its tiles are exact, so a pass tiles by size on its own."""
+        return False
+
+    def encode(self, image: mx.array, tiled: bool = False) -> mx.array:
+        """(B, H, W, C) in [0, 1], H and W multiples of the stride -> (B, z_dim, H/16, W/16)
+        (`tiled` has nothing to ask: `tileable`)."""
         if image.ndim != 4:
             raise EngineInputError(f"an image batch is (B, H, W, C); got shape {image.shape}")
         image = self._input_channels(image)
@@ -652,7 +657,7 @@ class QwenImage21VAE(CheckpointVAE):
         latents = [self._encode_one(image[i : i + 1]) for i in range(image.shape[0])]
         return mx.concatenate(latents, axis=0) if len(latents) > 1 else latents[0]
 
-    def decode(self, latents: mx.array) -> mx.array:
+    def decode(self, latents: mx.array, tiled: bool = False) -> mx.array:
         """(B, z_dim, h, w) raw latents -> (B, 16h, 16w, out_channels) in [0, 1], float32."""
         if latents.ndim != 4 or latents.shape[1] != self.z_dim:
             raise EngineInputError(
@@ -661,7 +666,7 @@ class QwenImage21VAE(CheckpointVAE):
         images = [self._decode_one(latents[i : i + 1]) for i in range(latents.shape[0])]
         return mx.concatenate(images, axis=0) if len(images) > 1 else images[0]
 
-    def peak_bytes(self, height: int, width: int, decode: bool) -> int:
+    def peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
         """The memory plan of one image of height x width pixels (see `pass_peak_bytes`)."""
         cells = (math.ceil(height / self.stride), math.ceil(width / self.stride))
         return pass_peak_bytes(self.config, self.dtype.size, cells, decode, self.tile_cells)

@@ -43,8 +43,14 @@ def tiled_vae(tmp_path_factory):
 @pytest.mark.parametrize(("height", "width"), [(128, 128), (256, 384)])
 @pytest.mark.parametrize("decode", [True, False])
 def test_estimate_bounds_the_measured_peak(vae, height, width, decode):
-    assert not vae.geometry.tiled(height, width, decode)
+    assert not vae.geometry.tileable(height, width, decode)
     check_estimate(vae, height, width, decode)
+
+
+def test_an_untiled_pass_of_a_tileable_image_is_estimated_whole(tiled_vae):
+    """Not asked to tile, a pass larger than a tile runs whole: its estimate is the whole
+    image's, as the VAE whose tile is larger gives it."""
+    check_estimate(tiled_vae, 128, 128, True, tiled=False)
 
 
 # 512x512 (64 tiles) repeats the bound that 256x384 (24 tiles, both directions) shows at a
@@ -54,20 +60,21 @@ def test_estimate_bounds_the_measured_peak(vae, height, width, decode):
 )
 @pytest.mark.parametrize("decode", [True, False])
 def test_estimate_bounds_the_measured_tiled_peak(vae, tiled_vae, height, width, decode):
-    assert tiled_vae.geometry.tiled(height, width, decode)
-    check_estimate(tiled_vae, height, width, decode)
-    assert tiled_vae.peak_bytes(height, width, decode) < vae.peak_bytes(height, width, decode) / 4
+    assert tiled_vae.geometry.tileable(height, width, decode)
+    check_estimate(tiled_vae, height, width, decode, tiled=True)
+    tiled = tiled_vae.peak_bytes(height, width, decode, tiled=True)
+    assert tiled < vae.peak_bytes(height, width, decode) / 4
 
 
-def check_estimate(vae, height, width, decode):
+def check_estimate(vae, height, width, decode, tiled=False):
     rng = np.random.default_rng(3)
     if decode:
         z = mx.array(rng.standard_normal((1, 16, height // 8, width // 8), dtype=np.float32))
-        measured = peak_of(lambda: vae.decode(z))
+        measured = peak_of(lambda: vae.decode(z, tiled))
     else:
         image = mx.array(rng.random((1, height, width, 3), dtype=np.float32))
-        measured = peak_of(lambda: vae.encode(image))
-    estimate = vae.peak_bytes(height, width, decode)
+        measured = peak_of(lambda: vae.encode(image, tiled))
+    estimate = vae.peak_bytes(height, width, decode, tiled)
     print(
         f"{'decode' if decode else 'encode'} {width}x{height}: measured"
         f" {measured / 2**20:.1f} MiB, estimate {estimate / 2**20:.1f} MiB"

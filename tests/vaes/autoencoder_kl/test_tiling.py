@@ -6,7 +6,8 @@ The tiny VAE's `sample_size` is 32 pixels here (4 latent cells at stride 8), so 
 already span several tiles: even and uneven grids, a non-square one, and sizes whose last tile
 is shorter than the overlap. An image no larger than a tile is not tiled, and stays the untiled
 pass; a tiled pass differs from the untiled one (the group norms see one tile), which shows the
-comparison would see a pass that did not tile.
+comparison would see a pass that did not tile. A pass tiles only when asked (`tiled=True`, the
+memory plan's fallback): not asked, it is diffusers' untiled pass at every size.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def test_tiled_decode_matches_diffusers_tiling(vaes, hw):
     model, vae = vaes
     cells = (hw[0] // 8, hw[1] // 8)
     latents = np.random.default_rng(7).standard_normal((1, 16, *cells)).astype(np.float32)
-    assert vae.geometry.tiled(*hw, decode=True)
-    ours = np.array(vae.decode(mx.array(latents)))
+    assert vae.geometry.tileable(*hw, decode=True)
+    ours = np.array(vae.decode(mx.array(latents), tiled=True))
     expected = diffusers_decode(model, latents)
     assert ours.shape == expected.shape == (1, *hw, 3)
     assert rel_l2(ours, expected) <= 1e-4
@@ -67,8 +68,8 @@ def test_tiled_decode_matches_diffusers_tiling(vaes, hw):
 def test_tiled_encode_matches_diffusers_tiling(vaes, hw):
     model, vae = vaes
     image = np.random.default_rng(8).random((1, *hw, 3), dtype=np.float32)
-    assert vae.geometry.tiled(*hw, decode=False)
-    ours = np.array(vae.encode(mx.array(image)))
+    assert vae.geometry.tileable(*hw, decode=False)
+    ours = np.array(vae.encode(mx.array(image), tiled=True))
     expected = diffusers_encode(model, image)
     assert ours.shape == expected.shape == (1, 16, hw[0] // 8, hw[1] // 8)
     assert rel_l2(ours, expected) <= 1e-4
@@ -80,16 +81,35 @@ def test_tiled_encode_matches_diffusers_tiling(vaes, hw):
     assert rel_l2(ours, untiled) > 1e-3
 
 
+@pytest.mark.parametrize("hw", SIZES)
+def test_a_pass_not_asked_to_tile_is_diffusers_untiled_pass(vaes, hw):
+    """Larger than a tile, but not asked to tile (the memory plan asks only where the whole
+    pass does not fit): both directions are diffusers' untiled passes."""
+    model, vae = vaes
+    latents = np.random.default_rng(11).standard_normal((1, 16, hw[0] // 8, hw[1] // 8))
+    latents = latents.astype(np.float32)
+    image = np.random.default_rng(12).random((1, *hw, 3), dtype=np.float32)
+    model.disable_tiling()
+    try:
+        decoded, encoded = diffusers_decode(model, latents), diffusers_encode(model, image)
+    finally:
+        model.enable_tiling()
+    assert rel_l2(np.array(vae.decode(mx.array(latents))), decoded) <= 1e-4
+    assert rel_l2(np.array(vae.encode(mx.array(image))), encoded) <= 1e-4
+
+
 def test_an_image_of_one_tile_is_not_tiled(vaes):
     """At sample_size itself diffusers does not tile, and neither does the server."""
     model, vae = vaes
-    assert not vae.geometry.tiled(TILE, TILE, decode=True) and not vae.geometry.tiled(
+    assert not vae.geometry.tileable(TILE, TILE, decode=True) and not vae.geometry.tileable(
         TILE, TILE, decode=False
     )
     latents = np.random.default_rng(9).standard_normal((1, 16, 4, 4)).astype(np.float32)
     image = np.random.default_rng(10).random((1, TILE, TILE, 3), dtype=np.float32)
-    assert rel_l2(np.array(vae.decode(mx.array(latents))), diffusers_decode(model, latents)) <= 1e-4
-    assert rel_l2(np.array(vae.encode(mx.array(image))), diffusers_encode(model, image)) <= 1e-4
+    decoded = np.array(vae.decode(mx.array(latents), tiled=True))
+    assert rel_l2(decoded, diffusers_decode(model, latents)) <= 1e-4
+    encoded = np.array(vae.encode(mx.array(image), tiled=True))
+    assert rel_l2(encoded, diffusers_encode(model, image)) <= 1e-4
 
 
 def test_the_tile_side_is_the_configs_sample_size(tmp_path):
@@ -97,6 +117,6 @@ def test_the_tile_side_is_the_configs_sample_size(tmp_path):
     build_vae(tmp_path, seed=0, sample_size=1024)
     vae = AutoencoderKL.load(tmp_path)
     assert (vae.geometry.tile_pixels, vae.geometry.tile_cells) == (1024, 128)
-    assert not vae.geometry.tiled(1024, 1024, decode=True) and vae.geometry.tiled(
+    assert not vae.geometry.tileable(1024, 1024, decode=True) and vae.geometry.tileable(
         1024, 1032, decode=True
     )
