@@ -31,6 +31,7 @@ from . import openai
 from .config import ServerConfig, is_loopback_host
 from .engine.registry import ModelRegistry
 from .http_gate import ReceivedBody, body_limit, gated_server, log_request
+from .metrics import Metrics, MetricsMiddleware, ServerMetrics
 from .routes import encode, models, runs, step, uploads, vae
 from .routes.common import PREFIX, Resource, ServerContext
 from .service import StepsService
@@ -38,6 +39,7 @@ from .worker import ImageWorker
 
 log = logging.getLogger("gmlx.server")
 HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
 
 
 class GateError(Exception):
@@ -266,7 +268,9 @@ def handle_unexpected(req, resp, exc: Exception, params) -> None:
 
 
 def create_app(ctx: ServerContext) -> falcon.App:
-    app = falcon.App(middleware=[FrontGate(ctx.config)])
+    if ctx.metrics is None:  # one app's metrics, counted over its context
+        ctx.metrics = ServerMetrics(ctx.service, ctx.group)
+    app = falcon.App(middleware=[FrontGate(ctx.config), MetricsMiddleware(ctx.metrics)])
     app.req_options.strip_url_path_trailing_slash = False
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ValueError, handle_value_error)
@@ -274,6 +278,7 @@ def create_app(ctx: ServerContext) -> falcon.App:
     app.add_error_handler(ContractError, handle_contract_error)
     app.add_error_handler(GateError, handle_gate_error)
     app.add_route(HEALTH_PATH, models.Health(ctx))
+    app.add_route(METRICS_PATH, Metrics(ctx.metrics))
     if ctx.config.image.steps_api:
         for path, resource in step_routes(ctx):
             app.add_route(PREFIX + "/" + path, resource)

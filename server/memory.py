@@ -309,6 +309,53 @@ class MemoryPlanner:
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
         return StepPlan(plans, need)
 
+    def dry_run(
+        self,
+        loaded: LoadedModel,
+        x_shape: tuple,
+        rows: list,
+        table: Any,
+        ref_cache_run: str | None = None,
+    ) -> dict:
+        """A step's plan and its image's decode plan, as `check_step` and `check_vae` would make
+        them, without shedding, releasing or running anything (a step's `dry_run`): held states
+        count as sheddable and the text encoder as releasable, as the quick plan counts them."""
+        model = loaded.model
+        x_shape = tuple(x_shape)
+        budget = self.budget()
+        held = self.held(states=False)
+        releasable = self._releasable(loaded)
+        free = budget - held + releasable
+        plans = model.plan_step(x_shape, rows, table)
+        cached = 0 if ref_cache_run is None else model.ref_cache_bytes(rows, table, ref_cache_run)
+        need = model.step_peak_bytes(x_shape, rows, table, plans=plans) + cached
+        one_row = need
+        if len(rows) > 1:
+            one_row = cached + max(
+                model.step_peak_bytes((1, *x_shape[1:]), [row], table, plans=_nth(plans, index))
+                for index, row in enumerate(rows)
+            )
+        runs = "together" if need <= free else "one_row_at_a_time" if one_row <= free else "refused"
+        stride = loaded.facts.latent_stride
+        height, width = x_shape[2] * stride, x_shape[3] * stride
+        whole = model.vae_peak_bytes(height, width, True)
+        tiled = model.vae_peak_bytes(height, width, True, tiled=True)
+        tiles = whole > free and model.vae_tileable(height, width, True) and tiled <= free
+        return {
+            "dry_run": True,
+            "budget_bytes": budget,
+            "held_bytes": held,
+            "held_states_bytes": self.held() - held,
+            "releasable_bytes": releasable,
+            "free_bytes": free,
+            "step": {"need_bytes": need, "one_row_bytes": one_row, "runs": runs},
+            "decode": {
+                "need_bytes": tiled if tiles else whole,
+                "tiled": tiles,
+                "fits": whole <= free or tiles,
+            },
+        }
+
     def run_step(
         self,
         loaded: LoadedModel,

@@ -102,6 +102,8 @@ class ByteLRU:
         self._items: OrderedDict[str, CachedTensor] = OrderedDict()
         self._total = 0
         self._lock = threading.Lock()
+        self.hits = 0  # `get`s that found their entry, and those that did not (server/metrics.py)
+        self.misses = 0
 
     @property
     def bound(self) -> int:
@@ -126,7 +128,10 @@ class ByteLRU:
     def get(self, digest: str) -> CachedTensor | None:
         with self._lock:
             tensor = self._items.get(digest)
-            if tensor is not None:
+            if tensor is None:
+                self.misses += 1
+            else:
+                self.hits += 1
                 self._items.move_to_end(digest)
             return tensor
 

@@ -41,6 +41,11 @@ class ImageWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def depth(self) -> int:
+        """The jobs queued and not started (about: the queue moves while it is read)."""
+        return self._jobs.qsize()
+
     def on_worker_thread(self) -> bool:
         return threading.current_thread() is self._thread
 

@@ -198,6 +198,9 @@ class ModelRegistry:
         self._lock = threading.RLock()
         self._loaded: dict[str, LoadedModel] = {}
         self._generation = 0
+        self.loading: set[str] = set()  # the models loading now
+        self.loads = 0  # models loaded, and the seconds their loads took (server/metrics.py)
+        self.load_seconds = 0.0
         # path -> (model_index.json mtime, family, variant, when that mtime was read)
         self._identified: dict[Path, tuple[float, str | None, str | None, float]] = {}
         self._listing: tuple[float, dict[str, Path]] | None = None  # (when, folders())
@@ -480,6 +483,22 @@ class ModelRegistry:
             raise load_refusal(entry, exc) from exc
 
     def _load(self, entry: ModelEntry) -> LoadedModel:
+        """The entry's model loaded, counted (`loads`, `load_seconds`) and, while it loads,
+        named in `loading` (the readiness answer's)."""
+        started = time.perf_counter()
+        with self._lock:
+            self.loading.add(entry.model_id)
+        try:
+            loaded = self._load_model(entry)
+        finally:
+            with self._lock:
+                self.loading.discard(entry.model_id)
+        with self._lock:
+            self.loads += 1
+            self.load_seconds += time.perf_counter() - started
+        return loaded
+
+    def _load_model(self, entry: ModelEntry) -> LoadedModel:
         module = self.family(entry.family)
         if module is None:
             raise ContractError(400, f"family {entry.family!r} is not available in this server")

@@ -31,6 +31,7 @@ class ServerContext:
     registry: ModelRegistry
     service: StepsService
     group: Any = None  # the rank group (server/distributed.py), None for one process
+    metrics: Any = None  # its metrics.ServerMetrics (GET /metrics), made by create_app
 
 
 class Resource:

@@ -11,6 +11,7 @@ from gmlx_contract.errors import ContractError
 
 from .. import __version__
 from ..engine.registry import ModelEntry
+from ..metrics import RETRY_AFTER_S, readiness
 from .common import Resource, json_body, model_field, send_json
 
 # The features of docs/contract.md §5.4 in their published order; each family's spec lists its
@@ -31,7 +32,27 @@ class Health(Resource):
     versioned = False
 
     def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
-        send_json(resp, {"status": "ok", "gmlx_version": __version__})
+        """Liveness; with `ready=1`, readiness: 503 with Retry-After while the server cannot
+        take work now (a model loading, the rank group not ok), naming why."""
+        if not ready_asked(req.get_param("ready")):
+            send_json(resp, {"status": "ok", "gmlx_version": __version__})
+            return
+        reason = readiness(self.service, self.ctx.group)
+        if reason is None:
+            send_json(resp, {"status": "ok", "ready": True, "gmlx_version": __version__})
+            return
+        resp.set_header("Retry-After", str(RETRY_AFTER_S))
+        body = {"status": "not_ready", "ready": False, "reason": reason}
+        send_json(resp, {**body, "gmlx_version": __version__}, 503)
+
+
+def ready_asked(value: str | None) -> bool:
+    """The `ready` query parameter: 1/true asks for readiness, 0/false or none does not."""
+    if value is None or value.lower() in ("0", "false"):
+        return False
+    if value.lower() in ("1", "true"):
+        return True
+    raise ContractError(400, f"ready must be 1, true, 0 or false, not {value!r}")
 
 
 class Capabilities(Resource):

@@ -19,7 +19,15 @@ from gmlx_contract.errors import ContractError
 from ..engine.base import StepResult, StepRow, kept_image_slots
 from ..engine.registry import LoadedModel
 from ..service import CachedTensor, Run, StepsService, tensor_of
-from .common import Resource, check_pixels, container_body, flag, is_int, send_container
+from .common import (
+    Resource,
+    check_pixels,
+    container_body,
+    flag,
+    is_int,
+    send_container,
+    send_json,
+)
 
 
 @dataclass
@@ -47,29 +55,45 @@ class Step(Resource):
         container = container_body(req)  # 1
         fields = container.fields
         run = self.service.run_for_step(fields.get("run"))  # 2
+        dry_run = flag(fields, "dry_run", False)
         try:
             request = parse_request(container)  # 3
             loaded = self.service.acquire_for_step(fields.get("model"), run)  # 4
             try:
-                result = execute(self.service, loaded, run, request)
+                result = execute(self.service, loaded, run, request, dry_run)
             finally:
                 self.service.release(loaded)
         finally:
             self.service.step_done(run)
+        if dry_run:  # the plan, nothing run (an extension of docs/contract.md §2.11)
+            send_json(resp, result)
+            return
         self.service.record_step(run, request.x.shape, result.forward_ms, result.prefix_cache)
         out = np.asarray(result.out, dtype=np.float32)
         send_container(resp, wire.container_pieces({"out": out}))
+        server_ms = (time.perf_counter() - started) * 1000.0
+        family = loaded.entry.family
+        self.ctx.metrics.step(family, result.prefix_cache, result.forward_ms, server_ms)
         resp.set_header("X-Gmlx-Forward-Ms", f"{result.forward_ms:.2f}")
-        resp.set_header("X-Gmlx-Server-Ms", f"{(time.perf_counter() - started) * 1000.0:.2f}")
+        resp.set_header("X-Gmlx-Server-Ms", f"{server_ms:.2f}")
         resp.set_header("X-Gmlx-Prefix-Cache", result.prefix_cache)
 
 
-def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request: StepRequest):
+def execute(
+    service: StepsService,
+    loaded: LoadedModel,
+    run: Run | None,
+    request: StepRequest,
+    dry_run: bool = False,
+):
+    """The step's checks in the contract's order, then its forward (a StepResult); with
+    `dry_run` the memory plan it would make instead (a dict: MemoryPlanner.dry_run)."""
     facts = loaded.facts
     fields = request.fields
     _, _, h, w = request.x.shape
     check_pixels(w * facts.latent_stride, h * facts.latent_stride, "the step's image")  # 5
-    if run is None or run.planned_shape != request.x.shape:  # 5: the quick plan, x alone
+    quick = run is None or run.planned_shape != request.x.shape
+    if quick and not dry_run:  # 5: the quick plan, x alone (a dry run reports the full plan)
         service.memory.check_step_quick(loaded, request.x.shape)
     check_reference_count(loaded, request.rows)  # 6
     convention = check_convention(loaded, fields.get("convention", "comfy"))  # 7
@@ -77,6 +101,10 @@ def execute(service: StepsService, loaded: LoadedModel, run: Run | None, request
     tensors, table = gather(service, loaded, request)  # 9
     check_sigmas(loaded, request)  # 10
     rows = [build_row(loaded, row, tensors) for row in request.rows]  # 11
+    if dry_run:
+        cache_run = run.run_id if ref_cache else None
+        plan = service.memory.dry_run
+        return service.worker.call(plan, loaded, request.x.shape, rows, table, cache_run)
 
     flow_map = facts.flow_map and request.sample_sigmas is not None
 

@@ -48,7 +48,8 @@ for method, path in routes:
     for label, headers in (("key", {"Authorization": "Bearer " + key}), ("nokey", {})):
         headers["X-Gmlx-Steps-Contract"] = "1.0"
         r = session.request(method, base + path, headers=headers, timeout=20)
-        body = r.json() if r.content else None
+        json_body = r.headers.get("Content-Type", "").startswith("application/json")
+        body = r.json() if r.content and json_body else None
         out[f"{label} {method} {path}"] = [r.status_code, body]
 print(json.dumps(out))
 """
@@ -66,8 +67,8 @@ def probe_routes(ns: str, base: str, key: str, routes) -> dict:
 
 
 def test_the_description_has_every_route():
-    # the 19 operations of docs/contract.md §2, /health and the two OpenAI image routes
-    assert len(ROUTES) == 22 and len(STEP_ROUTES) == 19
+    # the 19 operations of docs/contract.md §2, /health, /metrics and the two OpenAI image routes
+    assert len(ROUTES) == 23 and len(STEP_ROUTES) == 19
 
 
 def test_a_default_server_cannot_be_reached_from_another_address(namespace, server_factory):  # noqa: F811
@@ -98,7 +99,7 @@ def test_every_route_refuses_a_real_remote_peer_without_steps_remote(namespace, 
             assert keyed[0] == bare[0] == 200
             continue
         assert bare[0] == 401, (method, path, bare)
-        if (method, path) not in STEP_ROUTES:  # the OpenAI routes: the key is enough
+        if (method, path) not in STEP_ROUTES:  # /metrics, the OpenAI routes: the key is enough
             assert keyed[0] not in (401, 403) and keyed[0] < 500, (method, path, keyed)
             continue
         assert keyed[0] == 403, (method, path, keyed)
