@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..base import EngineInputError
+from ..config_keys import all_of, check_fixed
 from ..nn.attention import chunked_attention
 from ..weights import estimated_bytes
 from . import ldm_names
@@ -54,6 +55,21 @@ TILE_OVERLAP = 0.25
 KEPT_TILE_ROWS = 2
 TILED_OUTPUT_COPIES = 3
 TILED_INPUT_COPIES = 2
+
+
+# Config keys fixed to what the network builds (engine/config_keys.py), and those that change
+# nothing it computes.
+FIXED = {
+    "down_block_types": all_of("DownEncoderBlock2D"),
+    "up_block_types": all_of("UpDecoderBlock2D"),
+    "act_fn": "silu",
+    "mid_block_add_attention": True,
+}
+NOT_READ = {
+    "latents_mean": "its pipelines normalise with scaling_factor and shift_factor",
+    "latents_std": "its pipelines normalise with scaling_factor and shift_factor",
+    "force_upcast": "the dtype a pipeline runs it in: the model entry's encoder_vae_dtype here",
+}
 
 
 class Conv3x3(nn.Conv2d):
@@ -419,8 +435,7 @@ class AutoencoderKL(CheckpointVAE):
     def __init__(self, config: dict, dtype: mx.Dtype = mx.float32, tiles: bool = True):
         """`tiles`: a pass asked to tile tiles images past the config's sample_size as
         diffusers' enable_tiling() does (`Geometry`); false: every image runs whole."""
-        if config.get("mid_block_add_attention", True) is not True:
-            raise ValueError("an AutoencoderKL without mid-block attention is not supported")
+        check_fixed(config, FIXED, "the AutoencoderKL")
         self.config = config
         self.dtype = dtype
         self.latent_channels = int(config["latent_channels"])

@@ -18,6 +18,9 @@ from ..base import EngineInputError
 from ..weights import estimated_bytes, load_weights, read_config
 from .autoencoder_kl import AutoencoderKL, AutoencoderKLPart
 
+# Config keys that change nothing the network computes (engine/config_keys.py; the body's
+# are autoencoder_kl.py's).
+NOT_READ = {"batch_norm_momentum": "the running statistics' update in training"}
 BATCH_NORM = "bn."
 BATCH_NORM_STATS = ("bn.running_mean", "bn.running_var")
 

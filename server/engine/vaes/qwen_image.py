@@ -31,6 +31,8 @@ def plain_config(config: dict) -> dict:
         "in_channels": channels,
         "out_channels": channels,
         "is_residual": False,
+        "latents_mean": config["latents_mean"],
+        "latents_std": config["latents_std"],
     }
 
 

@@ -31,6 +31,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..base import EngineInputError
+from ..config_keys import check_fixed
 from ..weights import estimated_bytes
 from .checkpoint import CheckpointVAE
 
@@ -562,7 +563,18 @@ def _crop(tile: mx.array, outer, inner, px_per_cell: int) -> mx.array:
     ]
 
 
+# Config keys fixed to what the network builds (engine/config_keys.py): no attention beyond
+# the mid blocks'; and those that change nothing it computes.
+FIXED = {"attn_scales": []}
+NOT_READ = {
+    "dropout": "inactive at inference",
+    "scale_factor_temporal": "its pipelines' fact; the strides come from dim_mult here",
+    "scale_factor_spatial": "its pipelines' fact; the strides come from dim_mult here",
+}
+
+
 def _check_config(config: dict) -> None:
+    check_fixed(config, FIXED, "the Qwen-Image VAE")
     if config.get("patch_size") not in (None, 1):
         raise ValueError(f"a VAE patch_size of {config['patch_size']} is not supported")
     if len(config["temperal_downsample"]) < len(config["dim_mult"]) - 1:

@@ -39,6 +39,7 @@ from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
+from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...weights import block_weights, read_config, single_file
 from .layout import (
@@ -316,6 +317,10 @@ PART = DiTPart(
 
 class Flux2DiT(DiTNetwork):
     PART = PART
+
+    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages=None):
+        super().__init__(config, weights, dtype, stages)
+        self._time_freqs = time_frequencies(config.time_dim)
 
     # -- pieces ------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ class DiTConfig:
     axes_dims: tuple[int, ...]
     rope_theta: float
     eps: float
+    time_dim: int = 256  # the sinusoidal time projection's channels
 
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
@@ -42,6 +43,7 @@ class DiTConfig:
             axes_dims=tuple(config.get("axes_dims_rope", (32, 32, 32, 32))),
             rope_theta=float(config.get("rope_theta", 2000)),
             eps=float(config.get("eps", 1e-6)),
+            time_dim=int(config.get("timestep_guidance_channels", 256)),
         )
 
     @property
@@ -95,13 +97,11 @@ F32_WEIGHTS = tuple(name + ".weight" for name in {*DOUBLE_NORMS.values(), *SINGL
 
 def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
-    from ...nn.embeddings import TIME_PROJ_DIM  # with MLX: what needs shapes loads the network
-
     dim, mlp, head = config.dim, config.mlp_dim, (config.head_dim,)
     top = {
         "x_in": (dim, config.in_channels),
         "ctx_in": (dim, config.joint_attention_dim),
-        "time_1": (dim, TIME_PROJ_DIM),
+        "time_1": (dim, config.time_dim),
         "time_2": (dim, dim),
         "mod_img": (6 * dim, dim),
         "mod_txt": (6 * dim, dim),

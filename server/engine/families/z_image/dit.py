@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...config_keys import check_fixed
 from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
@@ -40,6 +41,11 @@ ADALN_DIM = 256  # the time embedding's width (at most the model's)
 TIME_MID_DIM = 1024  # the time embedder's hidden width
 QK_NORM_EPS = 1e-5
 FINAL_NORM_EPS = 1e-6
+
+
+# Config keys fixed to what the network builds (engine/config_keys.py): QK RMS norms, and as
+# many key/value heads as query heads (n_kv_heads, checked against n_heads).
+FIXED = {"qk_norm": True}
 
 
 @dataclass(frozen=True)
@@ -68,12 +74,14 @@ class DiTConfig:
             )
         if config.get("siglip_feat_dim") is not None:
             raise ValueError("the Omni variant (siglip_feat_dim) is not supported")
+        heads = config.get("n_heads", 30)
+        check_fixed(config, {**FIXED, "n_kv_heads": heads}, "Z-Image's DiT")
         return cls(
             in_channels=config.get("in_channels", 16),
             dim=config.get("dim", 3840),
             num_layers=config.get("n_layers", 30),
             num_refiner_layers=config.get("n_refiner_layers", 2),
-            num_heads=config.get("n_heads", 30),
+            num_heads=heads,
             norm_eps=config.get("norm_eps", 1e-5),
             cap_feat_dim=config.get("cap_feat_dim", 2560),
             rope_theta=float(config.get("rope_theta", 256.0)),
