@@ -229,7 +229,7 @@ def serve(args: argparse.Namespace) -> int:
         server.close()
         if group is not None:
             distributed.stop_group(group)
-    return 0
+    return 1 if group is not None and group.broken else 0
 
 
 def _launch_group(args: argparse.Namespace) -> int:
@@ -260,18 +260,14 @@ def setup_logging() -> None:
 
 
 def _stop_on_signals(group=None) -> None:
-    """SIGINT and SIGTERM stop the server. Rank 0 of a rank group takes its first SIGTERM to
-    the group's decision (distributed.Group.on_terminate: it stays up when a rank was lost)."""
+    """SIGINT and SIGTERM stop the server; so does, on rank 0 of a rank group, the group's end
+    (a broken group, its launcher gone: distributed.Group.on_end)."""
     import _thread
 
-    deferred = []
-
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
-        if group is not None and signum == signal.SIGTERM and not deferred:
-            deferred.append(signum)
-            group.on_terminate(_thread.interrupt_main)
-            return
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    if group is not None:
+        group.on_end = _thread.interrupt_main

@@ -22,8 +22,9 @@ step under way when a rank falls silent (killed, stopped, its machine gone) or t
 rank timeout is answered 503 naming the rank, within that bound, by the HTTP thread waiting on it
 (`GroupWorker`), and every model call is refused 503 while the step stays stuck. A step that
 comes back (a stopped rank resumed) clears the state; a collective that failed (a rank's
-connection lost) leaves the group broken: every model call is refused 503 until the group is
-started again (all its processes: docs/server.md).
+connection lost) leaves the group broken: model calls are refused 503, and rank 0 ends
+BROKEN_END_S later (a broken group cannot recover: start it again, all its processes:
+docs/server.md). No rank outlives its launcher: each watches its parent (`watch_launcher`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ HEARTBEAT_S = 0.5  # how often a rank tells rank 0 it is alive
 SILENT_S = 3.0  # a rank silent this long is named lost
 RANK_TIMEOUT_S = 300.0  # the longest a step may take while every rank is heard
 POLL_S = 0.2  # how often a waiting HTTP thread and the watchdog look at the group
+BROKEN_END_S = 2.0  # how long rank 0 answers 503 after its group broke, before it ends
 TABLES_SENT = 8  # patch tables the other ranks keep, least recently used dropped first
 LAUNCH_RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
@@ -153,6 +155,44 @@ def start_heartbeat(rank: int, address: tuple[str, int]) -> threading.Thread:
     return thread
 
 
+def heartbeat_port_taken(address: tuple[str, int], exc: OSError) -> str:
+    """Why rank 0 cannot hear heartbeats on `address`, naming the process that holds the port
+    where the system says (an earlier rank 0 still running, typically)."""
+    host, port = address
+    holders = []
+    try:
+        import psutil
+
+        for connection in psutil.net_connections(kind="udp"):
+            if connection.laddr and connection.laddr.port == port and connection.pid:
+                process = psutil.Process(connection.pid)
+                holders.append(f"pid {connection.pid} ({' '.join(process.cmdline())[:120]})")
+    except Exception:  # noqa: BLE001 - naming the holder is a courtesy; the refusal stands
+        pass
+    held = f", held by {', '.join(holders)}" if holders else ""
+    return (
+        f"the rank group's heartbeat port {host}:{port} is taken{held}: {exc.strerror}; stop"
+        " that process, or start the group on other ports (mlx.launch --starting-port, or"
+        " GMLX_HEARTBEAT=host:port)"
+    )
+
+
+def watch_launcher(on_gone, parent: int | None = None) -> threading.Thread:
+    """A daemon thread calling `on_gone()` once this process's parent (its launcher:
+    mlx.launch, or the shell that started the rank) has gone, so no rank outlives it."""
+    parent = os.getppid() if parent is None else parent
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(POLL_S)
+        log.error("the launcher (pid %d) has gone: this rank ends", parent)
+        on_gone()
+
+    thread = threading.Thread(target=watch, name="gmlx-launcher-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 class Heartbeats:
     """Rank 0's record of when each other rank was last heard."""
 
@@ -163,7 +203,11 @@ class Heartbeats:
         self.address = address
         if address is not None:
             self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            self._socket.bind(address)
+            try:
+                self._socket.bind(address)
+            except OSError as exc:
+                self._socket.close()
+                raise OSError(exc.errno, heartbeat_port_taken(address, exc)) from exc
             threading.Thread(target=self._listen, name="gmlx-heartbeats", daemon=True).start()
 
     def _listen(self) -> None:
@@ -196,8 +240,9 @@ class Group:
         self.size = size
         self.rank_timeout_s = rank_timeout_s
         self.heartbeats = Heartbeats(size, heartbeat_address())
-        self.broken: str | None = None  # why the group takes no more work (until restarted)
+        self.broken: str | None = None  # why the group takes no more work (it then ends)
         self.stuck: str | None = None  # why the call under way is abandoned (while it lasts)
+        self.on_end = None  # how rank 0 stops when the group cannot go on (set by `gmlx serve`)
         self._pending: tuple[str, float] | None = None
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, name="gmlx-watchdog", daemon=True).start()
@@ -244,7 +289,8 @@ class Group:
             yield
         except RuntimeError as exc:
             self.broken = f"{what} failed on the group ({exc}); {self._named_loss()}"
-            log.error("rank group broken: %s", self.broken)
+            log.error("rank group broken: %s; rank 0 ends in %.0f s", self.broken, BROKEN_END_S)
+            self.end_soon()
             raise ContractError(503, f"the rank group failed: {self.broken}") from exc
         finally:
             with self._lock:
@@ -263,24 +309,22 @@ class Group:
             time.sleep(POLL_S)
         return "every rank is still heard; restart the group"
 
-    def on_terminate(self, stop) -> None:
-        """A SIGTERM on rank 0: mlx.launch ends every rank once one has died. When a rank falls
-        silent within SILENT_S, that is what happened: rank 0 stays up, the group broken,
-        refusing model work 503 naming the lost rank until it is stopped; otherwise `stop()`."""
+    def launcher_gone(self) -> None:
+        """The launcher has gone: the other ranks end with it, so the group cannot go on."""
+        self.broken = self.broken or "the launcher has gone, and the other ranks with it"
+        if self.on_end is not None:
+            self.on_end()
 
-        def decide() -> None:
-            lost = self._named_loss()
-            if "is lost" not in lost:
-                stop()
-                return
-            self.broken = self.broken or lost
-            log.error(
-                "rank group broken: %s; staying up to answer 503 until stopped (Ctrl-C, or"
-                " SIGTERM again), then start the group again",
-                self.broken,
-            )
+    def end_soon(self) -> None:
+        """Stop rank 0 (`on_end`) after BROKEN_END_S, so the requests under way are answered
+        503 first: a broken group cannot recover, and rank 0 must not outlive it."""
 
-        threading.Thread(target=decide, name="gmlx-terminate", daemon=True).start()
+        def end() -> None:
+            time.sleep(BROKEN_END_S)
+            if self.on_end is not None:
+                self.on_end()
+
+        threading.Thread(target=end, name="gmlx-group-end", daemon=True).start()
 
     def _watch(self) -> None:
         while True:
@@ -649,11 +693,14 @@ def join(mode: str, rank_timeout_s: float = RANK_TIMEOUT_S) -> Group | None:
         # Ctrl-C reaches every rank of a launched group at once. A rank other than 0 ends on
         # rank 0's stop, which it cannot hear once dead: rank 0 would then wait on it for ever.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        watch_launcher(lambda: os._exit(1))
         code = Follower(mode, world.rank(), world.size()).run()
         logging.shutdown()
         os._exit(code)
     log.info("rank 0 of %d: serving, the DiT sharded in %s mode", world.size(), mode)
-    return Group(mode, world.size(), rank_timeout_s)
+    group = Group(mode, world.size(), rank_timeout_s)
+    watch_launcher(group.launcher_gone)
+    return group
 
 
 LAUNCH_FLAGS = ("--hostfile", "--backend")  # `gmlx serve`'s, for mlx.launch, not the ranks

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,7 +34,7 @@ import pytest
 from gmlx_contract.client import StepClient
 from gmlx_contract.errors import StepError
 from gmlx_contract.hashing import tensor_hash
-from gmlx_server.distributed import HEARTBEAT_S, POLL_S, SILENT_S
+from gmlx_server.distributed import BROKEN_END_S, HEARTBEAT_S, POLL_S, SILENT_S
 
 from tests.shard.folder import build_krea2_folder, build_shard_folder, build_z_image_folder
 
@@ -42,6 +44,8 @@ LAUNCH = [sys.executable, "-c", "from mlx._distributed_utils.launch import main;
 # A lost rank is answered within its silence limit, the watchdog's look and the HTTP poll.
 LOSS_BOUND_S = SILENT_S + 2 * HEARTBEAT_S + 2 * POLL_S + 2.0
 CTRL_C_BOUND_S = 10.0  # a group told to stop ends within this (it stops in well under 1 s)
+# a group that lost a rank ends within this: the loss named, the answers under way given
+END_BOUND_S = SILENT_S + BROKEN_END_S + 5.0
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +79,50 @@ def _free(port: int) -> bool:
     return True
 
 
+def launch_line(ranks: int, command: list[str]) -> list[str]:
+    """The mlx.launch command running `command` (after `python`) on `ranks` loopback ranks."""
+    args = [*LAUNCH, "-n", str(ranks), "--backend", "ring"]
+    return args + ["--starting-port", str(free_port_range(ranks)), "--", sys.executable, *command]
+
+
 def launch(ranks: int, command: list[str], **options) -> subprocess.Popen:
     """`command` (after `python`) on `ranks` loopback ranks, in a session of its own."""
-    args = [*LAUNCH, "-n", str(ranks), "--backend", "ring"]
-    args += ["--starting-port", str(free_port_range(ranks)), "--", sys.executable, *command]
-    return subprocess.Popen(args, cwd=ROOT, start_new_session=True, text=True, **options)
+    line = launch_line(ranks, command)
+    return subprocess.Popen(line, cwd=ROOT, start_new_session=True, text=True, **options)
+
+
+class _Session:
+    """A tmux session standing in for the launcher's Popen: its pane's process group."""
+
+    def __init__(self, name: str):
+        self.name = name
+        deadline = time.monotonic() + 30
+        while True:
+            listed = subprocess.run(
+                ["tmux", "list-panes", "-t", name, "-F", "#{pane_pid}"],
+                capture_output=True,
+                text=True,
+            )
+            if listed.returncode == 0 and listed.stdout.strip():
+                self.pid = os.getpgid(int(listed.stdout.split()[0]))
+                return
+            assert time.monotonic() < deadline, "tmux did not start"
+            time.sleep(0.1)
+
+    def poll(self):
+        alive = subprocess.run(["tmux", "has-session", "-t", self.name], capture_output=True)
+        return None if alive.returncode == 0 else 0
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("tmux", timeout)
+            time.sleep(0.1)
+        return 0
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -242,7 +285,7 @@ def test_z_image_over_three_ranks(z_image_folder):
 class Served:
     """`gmlx serve` over two loopback ranks on a free port, with the tiny folder as default."""
 
-    def __init__(self, folder: Path, tmp: Path, mode: str):
+    def __init__(self, folder: Path, tmp: Path, mode: str, terminal: bool = False):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -253,7 +296,18 @@ class Served:
         )
         self.log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed in close()
         command = ["-m", "gmlx_server", "serve", "--config", str(config), "--shard", mode]
-        self.process = launch(2, command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.session = None
+        if terminal:  # in a tmux terminal of its own, the launcher its foreground job
+            self.session = f"gmlx-{self.port}"
+            line = " ".join(shlex.quote(word) for word in launch_line(2, command))
+            line += f" > {shlex.quote(str(tmp / 'serve.log'))} 2>&1"
+            subprocess.run(
+                ["tmux", "new-session", "-d", "-s", self.session, "-c", str(ROOT), line],
+                check=True,
+            )
+            self.process = _Session(self.session)
+        else:
+            self.process = launch(2, command, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = StepClient(self.url)
         deadline = time.monotonic() + 120
@@ -285,6 +339,8 @@ class Served:
     def close(self) -> None:
         self.client.close()
         stop(self.process)
+        if self.session is not None:
+            self.process.kill()
         self.log.close()
 
 
@@ -360,26 +416,90 @@ def test_served_group_answers_and_refuses_a_dead_rank(served, folder):
     again = one_step(client, folder.name, x, cond)
     assert again.prefix_cache == "miss" and rel_l2(again.out, expected) <= TOLERANCE
 
+    rank0 = served.rank_pid(0)
     os.kill(served.rank_pid(1), signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(StepError) as refused:
         one_step(client, folder.name, x, cond)
     assert time.monotonic() - started <= LOSS_BOUND_S
-    assert refused.value.status == 503
-    assert re.search(r"rank 1 of 2", str(refused.value)), str(refused.value)
-    # the group stays refused: every later step is a prompt 503, and capabilities say why
+    # refused 503 naming the lost rank, or no answer once rank 0 has ended with its group
+    assert refused.value.status in (503, None), refused.value
+    if refused.value.status == 503:
+        assert re.search(r"rank 1 of 2", str(refused.value)), str(refused.value)
+    # mlx.launch ends every rank once one has died: rank 0 ends too, and so does the launcher
+    deadline = time.monotonic() + END_BOUND_S
+    while not (ended(rank0) and served.process.poll() is not None):
+        assert time.monotonic() < deadline, "rank 0 outlived its group"
+        time.sleep(0.1)
+
+
+def all_ended(pids: list[int], bound: float) -> float:
+    """Seconds until every process of `pids` ended (an AssertionError past `bound`)."""
     started = time.monotonic()
-    with pytest.raises(StepError) as again:
-        one_step(client, folder.name, x, cond)
-    assert again.value.status == 503 and time.monotonic() - started <= LOSS_BOUND_S
-    assert "rank 1 of 2" in str(again.value)
-    # mlx.launch asked rank 0 to end with the others; it stays, refusing, until stopped
-    time.sleep(SILENT_S + 1)
-    group = client.capabilities()["distributed"]
-    assert group["state"] == "broken" and "rank 1 of 2" in group["reason"]
-    with pytest.raises(StepError) as later:
-        one_step(client, folder.name, x, cond)
-    assert later.value.status == 503
+    while not all(ended(pid) for pid in pids):
+        assert time.monotonic() - started < bound, f"still running: {pids}"
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def heartbeat_port(served) -> int:
+    """Rank 0's heartbeat port: the ring's first port less one (distributed.heartbeat_address)."""
+    environ = Path(f"/proc/{served.rank_pid(0)}/environ").read_bytes().split(b"\0")
+    hostfile = next(v for v in environ if v.startswith(b"MLX_HOSTFILE="))
+    hosts = json.loads(Path(hostfile.split(b"=", 1)[1].decode()).read_text())
+    return int(hosts[0][0].rpartition(":")[2]) - 1
+
+
+@pytest.mark.parametrize("served", ["pipeline"], indirect=True)
+def test_sigterm_to_the_launchers_group_ends_every_rank_and_frees_its_ports(served, folder):
+    """What an operator's `kill -TERM -PGID` (or a service manager's stop) does: every rank
+    ends within seconds, rank 0 too, and the heartbeat port is free for the next launch."""
+    x, cond = inputs()
+    one_step(served.client, folder.name, x, cond)
+    ranks, port = [served.rank_pid(0), served.rank_pid(1)], heartbeat_port(served)
+    os.killpg(served.process.pid, signal.SIGTERM)
+    print(f"SIGTERM to the group: every rank ended in {all_ended(ranks, END_BOUND_S):.1f} s")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", port))  # free again
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("served", ["tensor"], indirect=True)
+def test_the_launcher_killed_ends_its_ranks(served):
+    """The launcher gone without a word (SIGKILL): its ranks end with it."""
+    ranks = [served.rank_pid(0), served.rank_pid(1)]
+    served.process.kill()
+    served.process.wait(10)
+    print(f"the launcher killed: every rank ended in {all_ended(ranks, END_BOUND_S):.1f} s")
+
+
+@pytest.mark.heavy
+def test_ctrl_c_in_a_terminal_stops_the_group(folder, tmp_path):
+    """`mlx.launch ... -- gmlx serve --shard pipeline` in a terminal (tmux), then Ctrl-C."""
+    if shutil.which("tmux") is None:
+        pytest.skip("no tmux")
+    served = Served(folder, tmp_path, "pipeline", terminal=True)
+    try:
+        ranks = [served.rank_pid(0), served.rank_pid(1)]
+        subprocess.run(["tmux", "send-keys", "-t", served.session, "C-c"], check=True)
+        print(
+            f"Ctrl-C in the terminal: every rank ended in {all_ended(ranks, CTRL_C_BOUND_S):.1f} s"
+        )
+    finally:
+        served.close()
+
+
+def test_a_taken_heartbeat_port_is_refused_naming_its_holder():
+    from gmlx_server.distributed import Heartbeats
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        with pytest.raises(OSError) as taken:
+            Heartbeats(2, ("127.0.0.1", port))
+    message = str(taken.value)
+    assert f"127.0.0.1:{port} is taken" in message and f"pid {os.getpid()}" in message
+    assert "--starting-port" in message
 
 
 @pytest.mark.parametrize("served", ["tensor"], indirect=True)
