@@ -196,10 +196,14 @@ def step_requests(draw):
                 "ref_cache": json_values,
                 "skip": json_values | st.lists(st.integers(-1, 3), max_size=3),
                 "model": st.sampled_from(["alpha", "beta", "broken", "stranger", "nope", 3]),
+                "dry_run": json_values,
             },
         )
     )
-    return {"x": (dtype, x), "timestep": (t_dtype, timestep)}, fields
+    tensors = {"x": (dtype, x), "timestep": (t_dtype, timestep)}
+    if draw(st.booleans()):  # a schedule, which only a flow map reads
+        tensors["sample_sigmas"] = draw(arrays(max_dims=2, max_side=4))
+    return tensors, fields
 
 
 @ROUTE_QUICK
@@ -221,7 +225,9 @@ def test_adversarial_steps(target, request):
     )
     r = send(target, "POST", "step", body, wire.CONTAINER_TYPE)
     refusal_is_clean(r)
-    if r.status_code == 200:
+    if r.status_code == 200 and r.headers["Content-Type"].startswith("application/json"):
+        assert r.json()["dry_run"] is True  # a dry run's plan
+    elif r.status_code == 200:
         out = wire.read_container(r.content).tensors["out"]
         assert out.shape == tensors["x"][1].shape
 
@@ -325,3 +331,42 @@ def test_edge_vae_passes_on_the_embedded_model(qwen, path, name, shape):
     r = qwen.post_container(path, {name: np.zeros(shape, np.float32)})
     refusal_is_clean(r)
     assert r.status_code == 400
+
+
+@pytest.fixture(scope="module")
+def flux3(tmp_path_factory):
+    """The embedded FLUX.3 klein (a flow map: its steps read `sample_sigmas`), served."""
+    from gmlx_server.config import ServerConfig
+    from gmlx_server.engine.families.flux3_klein import embedded
+    from gmlx_server.engine.registry import ModelRegistry
+
+    from ..server.conftest import serve
+
+    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded_flux3"))
+    server = serve(
+        ServerConfig(host="127.0.0.1", port=0),
+        ModelRegistry([], folder.name, extra_models=[folder]),
+    )
+    reply = server.post_json("encode", {"text": "a fox"})
+    assert reply.status_code == 200
+    server.cond = wire.read_container(reply.content).fields["cond"]
+    yield server
+    assert server.ctx.service.worker.alive
+    server.close()
+
+
+@ROUTE_QUICK
+@given(sigmas=arrays(max_dims=3, max_side=5), t=st.floats(allow_nan=True, allow_infinity=True))
+def test_adversarial_sample_sigmas_on_a_flow_map(flux3, sigmas, t):
+    """Any dtype and shape of `sample_sigmas` (NaN, infinities, one value, none), at any
+    timestep: a step answered (the jump's target from the schedule) or refused 400, no 5xx."""
+    dtype, array = sigmas
+    tensors = {"x": np.zeros((1, 128, 2, 2), np.float32), "timestep": np.float32([t])}
+    dtypes = {"x": "F32", "timestep": "F32", "sample_sigmas": dtype}
+    body = wire.write_container(
+        {**tensors, "sample_sigmas": array}, {"rows": [{"cond": flux3.cond}]}, dtypes
+    )
+    r = send(flux3, "POST", "step", body, wire.CONTAINER_TYPE)
+    refusal_is_clean(r)
+    if r.status_code == 200:
+        assert wire.read_container(r.content).tensors["out"].shape == (1, 128, 2, 2)

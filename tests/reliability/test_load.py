@@ -8,9 +8,11 @@ them, and docs/reliability.md records a run.
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -199,3 +201,65 @@ def test_start_server_reuse_is_clean(tmp_path):
     after = [t.name for t in threading.enumerate() if t.name not in before]
     prefixes = ("gmlx-image", "gmlx-sweeper", "gmlx-http", "waitress-")
     assert not [n for n in after if n.startswith(prefixes)]
+
+
+# ---------------------------------------------------------------- a soak with LoRA tables changing
+
+
+def lora_soak(steps: int, tables: int) -> tuple[float, float, float, float]:
+    """`steps` steps of the embedded Z-Image in one run, cycling through `tables` LoRA patch
+    tables of their own adapters (a table change every 10 steps, its pairs built anew each
+    time it comes back): RSS after warm-up, at its peak and at the end, and the seconds."""
+    from gmlx_server.engine.families.z_image import embedded
+
+    from ..lora.over_http import lora_table, put_table
+
+    folder = embedded.ensure_embedded_model(Path(tempfile.mkdtemp()) / "cache")
+    registry = ModelRegistry([], folder.name, extra_models=[folder])
+    server = serve(ServerConfig(host="127.0.0.1", port=0), registry)
+    try:
+        encoded = server.post_json("encode", {"text": "a lighthouse"})
+        cond = wire.read_container(encoded.content).fields["cond"]
+        manifest = server.call("GET", f"models/{folder.name}/manifest").json()["tensors"]
+        shapes = {t["name"][: -len(".weight")]: tuple(t["shape"]) for t in manifest}
+        layers = [n for n in shapes if n.endswith(".attention.to_q")][:2]
+        ids = []
+        for seed in range(tables):
+            entries, adapters, _ = lora_table(shapes, dict.fromkeys(layers), seed, 0.5)
+            reply, table = put_table(server, folder.name, entries, adapters)
+            assert reply.status_code == 200, reply.text
+            ids.append(table)
+        x = np.random.default_rng(3).standard_normal((1, 16, 8, 8)).astype(np.float32)
+        with StepClient(server.base) as client:
+            run = client.begin_run(folder.name)
+            warm, peak = None, 0.0
+            started = time.perf_counter()
+            for i in range(steps):
+                table = ids[(i // 10) % tables]
+                answer = client.step(x, [0.5], [{"cond": cond}], run=run, patch_table=table)
+                assert answer.out.shape == x.shape
+                if i == steps // 5:
+                    warm = rss_mib()
+                if i >= steps // 5:
+                    peak = max(peak, rss_mib())
+            seconds = time.perf_counter() - started
+            client.end_run(run)
+        return warm, peak, rss_mib(), seconds
+    finally:
+        server.close()
+
+
+@pytest.mark.heavy
+def test_a_soak_of_ten_thousand_steps_with_tables_changing_keeps_rss_flat():
+    warm, peak, end, seconds = lora_soak(10_000, tables=8)
+    figure(
+        f"LoRA soak: 10,000 steps of the embedded Z-Image in {seconds:.0f} s, 8 patch tables"
+        f" changing every 10 steps; RSS after warm-up {warm:.1f} MiB, peak {peak:.1f} MiB,"
+        f" end {end:.1f} MiB ({(peak - warm) / warm:+.2%})"
+    )
+    assert peak <= warm * 1.02, f"RSS grew from {warm:.1f} to {peak:.1f} MiB"
+
+
+def test_a_short_soak_with_tables_changing():
+    warm, peak, _, _ = lora_soak(300, tables=4)
+    assert peak - warm < 32

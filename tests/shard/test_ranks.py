@@ -431,6 +431,7 @@ def test_served_group_answers_and_refuses_a_dead_rank(served, folder):
     while not (ended(rank0) and served.process.poll() is not None):
         assert time.monotonic() < deadline, "rank 0 outlived its group"
         time.sleep(0.1)
+    print(f"a rank killed: rank 0 and the launcher ended {time.monotonic() - started:.1f} s after")
 
 
 def all_ended(pids: list[int], bound: float) -> float:
