@@ -29,7 +29,14 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from .encoders.qwen3.tiny_tokenizer import token_ids
+from .encoders.qwen3.tiny_tokenizer import (
+    BPE_VOCAB_SIZE,
+    CHAT_TEMPLATE,
+    TOKENIZER_CORPUS,
+    token_ids,
+    train_tokenizer,
+    write_tokenizer,
+)
 
 STAMP_FILE = "gmlx_embedded.json"
 # The diffusers release whose file layout and config keys the embedded folders follow.
@@ -237,6 +244,26 @@ def tiny_qwen3_vl_config(tokenizer) -> dict:
         },
         "vision_config": dict(TINY_QWEN3_VL_VISION),
     }
+
+
+# What decides a tiny Qwen3-VL text encoder's files, for a recipe's stamp.
+TINY_QWEN3_VL_RECIPE = {
+    "text": TINY_QWEN3_VL_TEXT,
+    "vision": TINY_QWEN3_VL_VISION,
+    "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+    "chat_template": CHAT_TEMPLATE,
+}
+
+
+def write_tiny_qwen3_vl(root: Path, seed: int, noise: float) -> None:
+    """root/tokenizer and root/text_encoder of a family whose text encoder is the tiny
+    Qwen3-VL (TINY_QWEN3_VL_*), which it runs on text alone: the tests' Qwen tokenizer and the
+    Qwen3VLModel's drawn weights, their names without a prefix and no language-model head."""
+    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+    write_tokenizer(root / "tokenizer", tokenizer)
+    text = tiny_qwen3_vl_config(tokenizer)
+    inventory = qwen3_vl_tensors(text, "", False)
+    write_drawn(root / "text_encoder", "text_encoder", text, inventory, seed, noise)
 
 
 def write_drawn(

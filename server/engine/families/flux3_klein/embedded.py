@@ -27,24 +27,15 @@ from ...embedded import (
     MATRIX,
     TINY_FLUX2_VAE_CONFIG,
     TINY_QWEN3_CONFIG,
-    TINY_QWEN3_VL_TEXT,
-    TINY_QWEN3_VL_VISION,
+    TINY_QWEN3_VL_RECIPE,
     Inventory,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
     ensure,
     flux2_vae_tensors,
-    qwen3_vl_tensors,
     stamp,
-    tiny_qwen3_vl_config,
     write_drawn,
-)
-from ...encoders.qwen3.tiny_tokenizer import (
-    BPE_VOCAB_SIZE,
-    CHAT_TEMPLATE,
-    TOKENIZER_CORPUS,
-    train_tokenizer,
-    write_tokenizer,
+    write_tiny_qwen3_vl,
 )
 from .layout import DiTConfig, tensor_shapes
 from .spec import SHIFT
@@ -107,10 +98,7 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     root.mkdir(parents=True, exist_ok=True)
     _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
     _write(root / "vae", "vae", TINY_FLUX2_VAE_CONFIG, flux2_vae_tensors(), seed)
-    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-    write_tokenizer(root / "tokenizer", tokenizer)
-    text = tiny_qwen3_vl_config(tokenizer)
-    _write(root / "text_encoder", "text_encoder", text, qwen3_vl_tensors(text, "", False), seed)
+    write_tiny_qwen3_vl(root, seed, CONSTANT_NOISE["text_encoder"])
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
     (root / "model_index.json").write_text(dumps(MODEL_INDEX))
@@ -135,12 +123,9 @@ def _stamp() -> dict:
         "seed": SEED,
         "transformer": TRANSFORMER_CONFIG,
         "vae": TINY_FLUX2_VAE_CONFIG,
-        "text": TINY_QWEN3_VL_TEXT,
-        "vision": TINY_QWEN3_VL_VISION,
+        **TINY_QWEN3_VL_RECIPE,
         "noise": CONSTANT_NOISE,
         "scheduler": SCHEDULER_CONFIG,
         "model_index": MODEL_INDEX,
-        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
-        "chat_template": CHAT_TEMPLATE,
     }
     return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
