@@ -66,13 +66,17 @@ def load_weights(
     component_dir: Path,
     dtype: mx.Dtype | None = None,
     keep_f32: Callable[[str], bool] | None = None,
+    include: Callable[[str], bool] | None = None,
 ) -> dict[str, mx.array]:
-    """All tensors of a component by their file names, cast to `dtype` when given; the names
-    `keep_f32` picks (norm scales, read by norms that run in float32) are cast to float32.
-    Packed quantized weights (uint32) are never cast."""
+    """The tensors of a component by their file names (`include`: those it picks, None: all;
+    the others are never read), cast to `dtype` when given; the names `keep_f32` picks (norm
+    scales, read by norms that run in float32) are cast to float32. Packed quantized weights
+    (uint32) are never cast."""
     weights: dict[str, mx.array] = {}
     for path in weight_files(component_dir):
         for name, value in mx.load(str(path)).items():
+            if include is not None and not include(name):
+                continue
             target = mx.float32 if keep_f32 is not None and keep_f32(name) else dtype
             if target is None or value.dtype == mx.uint32:
                 weights[name] = value

@@ -5,6 +5,7 @@ one."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 import torch
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
@@ -39,3 +40,18 @@ def test_a_longer_prompt_pads_to_the_next_multiple(both):
     _, encoder = both
     assert encoder.encode(PROMPTS[0]).shape[1] == PAD_MULTIPLE
     assert encoder.encode(PROMPTS[2]).shape[1] == 2 * PAD_MULTIPLE
+
+
+def test_the_vision_tower_is_never_loaded(tmp_path):
+    """FLUX.3 klein (as Krea 2) reads its Qwen3-VL on text alone: from a folder, only the
+    language model's tensors load, and the status counts those alone."""
+    from gmlx_server.engine.registry import ModelRegistry
+    from gmlx_server.engine.weights import estimated_bytes
+
+    folder = build_tiny_folder(tmp_path / "flux3-tiny")
+    loaded = ModelRegistry(extra_models=[folder]).acquire(folder.name)
+    encoder = loaded.model.encoder.encoder
+    assert "visual" not in encoder and "language_model" in encoder
+    residency = loaded.model.status()["residency"]["encoder"]
+    whole = estimated_bytes(folder / "text_encoder", mx.float32)
+    assert residency["bytes"] == loaded.model.encoder.weight_bytes < whole

@@ -37,12 +37,15 @@ class VisionInput(Protocol):
 
 
 class Qwen3VLEncoder(nn.Module):
-    """The parts of `Qwen3VLForConditionalGeneration` the encode path runs."""
+    """The parts of `Qwen3VLForConditionalGeneration` the encode path runs; without a `vision`
+    config the language model alone (a family that reads text alone: its vision tower never
+    loads)."""
 
-    def __init__(self, text: TextConfig, vision: VisionConfig):
+    def __init__(self, text: TextConfig, vision: VisionConfig | None):
         super().__init__()
         self.language_model = TextModel(text)
-        self.visual = VisionModel(vision)
+        if vision is not None:
+            self.visual = VisionModel(vision)
 
     @classmethod
     def load(
@@ -52,21 +55,25 @@ class Qwen3VLEncoder(nn.Module):
         quantization: Quantization | None = None,
         quantized: Callable[[str], bool] | None = None,
         gguf: tuple[Path, Path] | None = None,
+        text_only: bool = False,
     ) -> tuple[Qwen3VLEncoder, int]:
         """The encoder of a transformers folder (its config.json), and the bytes of its loaded
         weights; the weights from the folder's safetensors or from `gguf`, llama.cpp's pair of
         files (the language model, its `mmproj` vision tower: `gguf_files`), kept quantized as
         they hold them. With a `quantization`, the float linear layers whose module path
         `quantized` picks (the family's choice) are quantized as they load
-        (quantize.quantize_module); a folder stored quantized loads as stored."""
+        (quantize.quantize_module); a folder stored quantized loads as stored. `text_only`: a
+        folder's vision tower is not loaded (a GGUF pair loads both halves)."""
         config = read_config(component_dir)
+        vision = None if text_only and gguf is None else config["vision_config"]
         encoder = cls(
             TextConfig.from_dict(config["text_config"]),
-            VisionConfig.from_dict(config["vision_config"]),
+            None if vision is None else VisionConfig.from_dict(vision),
         )
+        include = language_model_tensor if vision is None else None
 
         def from_folder() -> dict:
-            return sanitize(load_weights(component_dir, dtype))
+            return sanitize(load_weights(component_dir, dtype, include=include))
 
         from_gguf = None if gguf is None else lambda: gguf_weights(encoder, *gguf, dtype)
         load_module(encoder, component_dir, quantization, quantized, from_gguf, from_folder)
@@ -85,10 +92,11 @@ class Qwen3VLEncoder(nn.Module):
         expanded ids; image i's rows are ids[spans[i][0]:spans[i][1]]. `positions` (3, L): the
         caller's multimodal RoPE positions (default: Qwen3-VL's own, `positions`);
         `valid_keys`: the ids from that index on are right padding, attended by none."""
-        language, visual = self.language_model, self.visual
+        language = self.language_model
         embeds = language.embed_tokens(mx.array(ids))
         after_layer = None
         if images:
+            visual = self.visual
             features = [visual(mx.array(image.pixel_values), image.grid_thw) for image in images]
             image_rows = mx.array(np.concatenate([np.arange(s, e) for s, e in spans]))
             merged = mx.concatenate([f.merged for f in features]).astype(embeds.dtype)
@@ -131,7 +139,7 @@ class Qwen3VLEncoder(nn.Module):
         """Multimodal RoPE positions (3, L) as Qwen3-VL's `get_rope_index` gives them: text runs
         count up on all three axes; an image's rows take (t, h, w) grid positions offset by the
         running position, which then advances by the larger merged grid side."""
-        merge = self.visual.config.merge_size
+        merge = self.visual.config.merge_size if images else 1
         positions = np.zeros((3, length), dtype=np.int64)
         current, cursor = 0, 0
         for (start, end), image in zip(spans, images, strict=True):
@@ -217,13 +225,13 @@ def gguf_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, Pat
 
 class Qwen3VLPart:
     """Qwen3-VL as a family's text encoder (family.FolderFamily's `encoder`): its GGUF pair
-    (a model entry's `text_encoder` and `mmproj`), every tensor of its folder read, and the
-    layers a quantized load quantizes (`quantized`, the family's choice, by module path)."""
+    (a model entry's `text_encoder` and `mmproj`), the tensors of its folder a load reads
+    (`text_only`: the language model's alone), and the layers a quantized load quantizes
+    (`quantized`, the family's choice, by module path)."""
 
-    include = None
-
-    def __init__(self, quantized: Callable[[str], bool]) -> None:
+    def __init__(self, quantized: Callable[[str], bool], text_only: bool = False) -> None:
         self.quantized = quantized
+        self.include = language_model_tensor if text_only else None
 
     @staticmethod
     def source(component_dir: Path, files: dict) -> tuple[Path, Path] | None:
@@ -304,6 +312,12 @@ def gguf_weights(
     kernel = mx.stack(slices, axis=2)  # (out, in, temporal, p, p), as the Conv3d holds it
     weights[PATCH_EMBED] = kernel.reshape(kernel.shape[0], -1)
     return weights
+
+
+def language_model_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to the language model (a text-only load's)."""
+    module = module_name(name)
+    return module is not None and module.startswith("language_model.")
 
 
 def module_name(name: str) -> str | None:

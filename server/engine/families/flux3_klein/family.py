@@ -216,7 +216,7 @@ FLUX3_KLEIN = FolderFamily(
     network=Flux3DiT,
     prompt=Flux3PromptEncoder,
     model=Flux3KleinModel,
-    encoder=Qwen3VLPart(text_quantized),
+    encoder=Qwen3VLPart(text_quantized, text_only=True),
     vae=AutoencoderKLFlux2Part(),
     step_reserve=step_reserve,
     fits=fits,

@@ -62,7 +62,7 @@ class Flux3PromptEncoder:
         (default: the pipeline's)."""
         model_dir = Path(model_dir)
         encoder, weight_bytes = Qwen3VLEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf
+            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf, text_only=True
         )
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
         pad_id = tokenizer.token_id(pad_token(model_dir / "tokenizer"))

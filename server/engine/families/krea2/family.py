@@ -152,7 +152,7 @@ KREA2 = FolderFamily(
     network=Krea2DiT,
     prompt=Krea2PromptEncoder,
     model=Krea2Model,
-    encoder=Qwen3VLPart(text_quantized),
+    encoder=Qwen3VLPart(text_quantized, text_only=True),
     vae=QwenImageVAEPart(),
     step_reserve=step_reserve,
     fits=fits,

@@ -56,7 +56,7 @@ class Krea2PromptEncoder:
         pair of files; the tapped layers from model_index.json (the pipeline's defaults)."""
         model_dir = Path(model_dir)
         encoder, weight_bytes = Qwen3VLEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf
+            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf, text_only=True
         )
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer" / "tokenizer.json"))
         select = model_index(model_dir).get("text_encoder_select_layers") or SELECT_LAYERS
