@@ -435,9 +435,12 @@ def finish_quantized(
     source: Path, destination: Path, quantization: Quantization, weight_map: dict[str, str]
 ) -> None:
     """A quantized component's index (its shards' new tensor names, `weight_map`) and its
-    config recording the `quantization`, from the float component's (`source`)."""
+    config recording the `quantization`, from the float component's (`source`): only where a
+    weight was quantized (a component too narrow for the group size stays float, and says so)."""
     for index in Path(source).glob("*" + _INDEX_SUFFIX):
         doc = json.loads(index.read_text())
         (Path(destination) / index.name).write_text(json.dumps({**doc, "weight_map": weight_map}))
-    config = {**read_config(source), "quantization": quantization.status()}
+    config = read_config(source)
+    if any(name.endswith(SCALES) for name in weight_map):
+        config = {**config, "quantization": quantization.status()}
     (Path(destination) / "config.json").write_text(json.dumps(config, indent=2))

@@ -264,3 +264,25 @@ def test_a_sharded_component_is_written_quantized_and_loads_as_stored(tmp_path):
         load_tree(component, sanitize, mx.float32, None, Quantization(4), lambda p: True)
     again = load_tree(component, sanitize, mx.float32, None, Quantization(8, 32), lambda p: True)
     assert again["a"].dtype == mx.float32  # loaded as stored, nothing quantized again
+
+
+def test_a_component_too_narrow_to_quantize_stays_float_and_says_so(tmp_path):
+    """`gmlx model quantize` on a DiT whose every width the group size leaves whole: its copy
+    records no quantization (the text encoder, wide enough, does), so the status read from the
+    files and the loaded model's agree."""
+    from gmlx_server.engine.registry import ModelRegistry
+    from gmlx_server.engine.weights import quantize_folder
+
+    from tests.families.flux3_klein.tiny import build_tiny_folder
+
+    plain = build_tiny_folder(tmp_path / "plain", num_attention_heads=2)  # 32 wide
+    family = ModelRegistry(extra_models=[plain]).family("flux3_klein")
+    stored = tmp_path / "stored"
+    quantize_folder(plain, stored, Quantization(4, 64), family.quantized_files(plain))
+    assert "quantization" not in json.loads((stored / "transformer" / "config.json").read_text())
+    assert "quantization" in json.loads((stored / "text_encoder" / "config.json").read_text())
+    registry = ModelRegistry(extra_models=[stored])
+    unloaded = registry.describe("stored")["quantization"]
+    loaded = registry.acquire("stored").model.status()["quantization"]
+    assert unloaded["dit"] is None and loaded["dit"] is None
+    assert unloaded["encoder"] == loaded["encoder"] is not None
