@@ -8,6 +8,7 @@ many more.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ SCHEMA = schemathesis.openapi.from_path(OPENAPI)
 OPERATIONS = [result.ok() for result in SCHEMA.get_all_operations()]
 VERSION = {"X-Gmlx-Steps-Contract": "1.0"}
 QUICK_EXAMPLES = 8
-HEAVY_EXAMPLES = 300
+HEAVY_EXAMPLES = int(os.environ.get("GMLX_FUZZ_EXAMPLES", "300"))  # per operation and mode
 # What "conform" means here. Not `positive_data_acceptance`: a body can fit the description and
 # still be refused for what JSON Schema cannot say (a hash that was never uploaded, a container
 # whose bytes do not parse, a model id that does not exist).
