@@ -96,7 +96,9 @@ class LiveState:
         yield _gauge(
             "gmlx_memory_budget_bytes", "The image worker's memory budget", memory.budget()
         )
-        yield _gauge("gmlx_memory_held_bytes", "Bytes held beside the next work", memory.held())
+        # weights and upload caches: a model's held states change on the image worker meanwhile
+        held = memory.held(states=False)
+        yield _gauge("gmlx_memory_held_bytes", "Weights and upload caches held", held)
         if self.group is not None:
             state = self.group.describe()
             family = GaugeMetricFamily(
