@@ -86,7 +86,7 @@ class LiveState:
         )
         yield from self._caches()
         yield _gauge("gmlx_models_resident", "Models held in memory", len(registry.resident_ids()))
-        yield _gauge("gmlx_models_loading", "Models loading now", len(registry.loading))
+        yield _gauge("gmlx_models_loading", "Models loading now", len(registry.loading_ids()))
         yield _counter("gmlx_model_loads", "Models loaded", registry.loads)
         yield _counter(
             "gmlx_model_load_seconds", "Seconds spent loading models", registry.load_seconds
@@ -170,7 +170,7 @@ def readiness(service: Any, group: Any) -> str | None:
     worker stopped, or the rank group stuck or broken."""
     if not service.worker.alive:
         return "the image worker has stopped"
-    loading = sorted(service.registry.loading)
+    loading = service.registry.loading_ids()
     if loading:
         return f"loading {', '.join(loading)}"
     if group is not None:

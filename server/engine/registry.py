@@ -482,6 +482,11 @@ class ModelRegistry:
         except (FileNotFoundError, EngineInputError, ValueError, KeyError) as exc:
             raise load_refusal(entry, exc) from exc
 
+    def loading_ids(self) -> list[str]:
+        """The models loading now, sorted (a copy: loads start and end on other threads)."""
+        with self._lock:
+            return sorted(self.loading)
+
     def _load(self, entry: ModelEntry) -> LoadedModel:
         """The entry's model loaded, counted (`loads`, `load_seconds`) and, while it loads,
         named in `loading` (the readiness answer's)."""
