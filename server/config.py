@@ -122,6 +122,7 @@ ENVIRONMENT = {
     "GMLX_DEFAULT_IMAGE_MODEL": "the ComfyUI pack's default model",
     "GMLX_COMMAND": "the command the ComfyUI pack starts the server with",
     "GMLX_SITE": "the ComfyUI end-to-end tests: the project's site-packages (docs/comfyui.md)",
+    "GMLX_FUZZ_EXAMPLES": "the heavy tier's long fuzz runs: inputs per test (docs/reliability.md)",
 }
 
 
