@@ -291,10 +291,7 @@ class MemoryPlanner:
             free += freed
         one_row = need
         if need > free and len(rows) > 1:  # the largest row alone
-            one_row = cached + max(
-                model.step_peak_bytes((1, *x_shape[1:]), [row], table, plans=_nth(plans, index))
-                for index, row in enumerate(rows)
-            )
+            one_row = _largest_row_bytes(model, x_shape, rows, table, plans) + cached
         if need > free and min(need, one_row) <= free + self._releasable(loaded):
             free += self._release_encoder(loaded, "a step")
         if need > free and one_row <= free:
@@ -331,10 +328,7 @@ class MemoryPlanner:
         need = model.step_peak_bytes(x_shape, rows, table, plans=plans) + cached
         one_row = need
         if len(rows) > 1:
-            one_row = cached + max(
-                model.step_peak_bytes((1, *x_shape[1:]), [row], table, plans=_nth(plans, index))
-                for index, row in enumerate(rows)
-            )
+            one_row = _largest_row_bytes(model, x_shape, rows, table, plans) + cached
         runs = "together" if need <= free else "one_row_at_a_time" if one_row <= free else "refused"
         stride = loaded.facts.latent_stride
         height, width = x_shape[2] * stride, x_shape[3] * stride
@@ -594,6 +588,14 @@ class PlannedTransport(DirectTransport):
         _, cfg = check_request(status, request)
         rows = 1 if cfg == 1.0 else 2
         self.call(self.memory.check_image, self.loaded, request.width, request.height, rows)
+
+
+def _largest_row_bytes(model, x_shape: tuple, rows: list, table: Any, plans: Any) -> int:
+    """The step's peak for its largest row alone (how a step that does not fit runs)."""
+    return max(
+        model.step_peak_bytes((1, *x_shape[1:]), [row], table, plans=_nth(plans, index))
+        for index, row in enumerate(rows)
+    )
 
 
 def _nth(plans: Any, index: int) -> Any:

@@ -198,6 +198,20 @@ def flux2_vae_tensors(config: dict = TINY_FLUX2_VAE_CONFIG) -> Inventory:
     }
 
 
+def write_tiny_flux2_vae(root: Path, seed: int, noise: float) -> None:
+    """root/vae: the tiny AutoencoderKLFlux2 (FLUX.2 klein's and FLUX.3 klein's), drawn."""
+    inventory = flux2_vae_tensors()
+    write_drawn(
+        root / "vae", "vae", TINY_FLUX2_VAE_CONFIG, inventory, seed, noise, FLUX2_VAE_UNDRAWN
+    )
+
+
+def table_inventory(shapes: dict[str, tuple[int, ...]], vectors: str) -> Inventory:
+    """A network's inventory from its own table of shapes: its matrices drawn as MATRIX, its
+    vectors as `vectors` (GAIN: norm scales around one; SHIFT: biases, or scales around 0)."""
+    return {name: (shape, MATRIX if len(shape) > 1 else vectors) for name, shape in shapes.items()}
+
+
 # Qwen3VLModel over the tiny Qwen3's text width: four layers, interleaved multimodal RoPE
 # sections of its 8-wide heads, and a one-block vision tower (loaded, never run by a family that reads text alone).
 TINY_QWEN3_VL_TEXT = {

@@ -24,6 +24,23 @@ def checked_latents(x: np.ndarray, rows: list[StepRow], channels: int) -> np.nda
     return x
 
 
+def checked_nonempty_latents(x: np.ndarray, rows: list[StepRow], channels: int) -> np.ndarray:
+    """`checked_latents` for a DiT that takes latent cells as they are (patch 1): no side 0."""
+    x = checked_latents(x, rows, channels)
+    if 0 in x.shape:
+        raise EngineInputError(f"latents {x.shape[2]}x{x.shape[3]} must not be empty")
+    return x
+
+
+def checked_convention(convention: str, conventions: tuple[str, ...], name: str) -> str:
+    """A step convention the family (`name`) answers."""
+    if convention not in conventions:
+        raise EngineInputError(
+            f"unknown convention {convention!r} for {name}; use one of {list(conventions)}"
+        )
+    return convention
+
+
 def checked_patch_latents(
     x: np.ndarray, rows: list[StepRow], channels: int, stride: int, patch: int, title: str
 ) -> np.ndarray:

@@ -478,7 +478,7 @@ def test_the_launcher_killed_ends_its_ranks(served):
 def test_ctrl_c_in_a_terminal_stops_the_group(folder, tmp_path):
     """`mlx.launch ... -- gmlx serve --shard pipeline` in a terminal (tmux), then Ctrl-C."""
     if shutil.which("tmux") is None:
-        pytest.skip("no tmux")
+        pytest.skip("tmux is not installed: the check runs the group in a tmux terminal")
     served = Served(folder, tmp_path, "pipeline", terminal=True)
     try:
         ranks = [served.rank_pid(0), served.rank_pid(1)]

@@ -21,19 +21,18 @@ from pathlib import Path
 
 from ...embedded import (
     DIFFUSERS_FORMAT,
-    FLUX2_VAE_UNDRAWN,
     GAIN,
-    MATRIX,
     TINY_FLUX2_VAE_CONFIG,
     TINY_QWEN3_CONFIG,
     Inventory,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
     ensure,
-    flux2_vae_tensors,
     qwen3_tensors,
     stamp,
+    table_inventory,
     write_drawn,
+    write_tiny_flux2_vae,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
     BPE_VOCAB_SIZE,
@@ -96,7 +95,7 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
-    _write(root / "vae", "vae", TINY_FLUX2_VAE_CONFIG, flux2_vae_tensors(), seed)
+    write_tiny_flux2_vae(root, seed, CONSTANT_NOISE["vae"])
     tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
     write_tokenizer(root / "tokenizer", tokenizer)
     text = {**TEXT_CONFIG, "vocab_size": tokenizer.get_vocab_size()}
@@ -112,12 +111,11 @@ def transformer_tensors() -> Inventory:
     """Flux2Transformer2DModel's parameters for the config, from the DiT's own tables: its
     matrices and its norm scales (it has no biases)."""
     shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
-    return {name: (shape, MATRIX if len(shape) > 1 else GAIN) for name, shape in shapes.items()}
+    return table_inventory(shapes, GAIN)
 
 
 def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    extra = FLUX2_VAE_UNDRAWN if component == "vae" else None
-    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component], extra)
+    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
 
 
 def _stamp() -> dict:

@@ -34,7 +34,8 @@ from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...step_inputs import (
     checked_cond,
-    checked_latents,
+    checked_convention,
+    checked_nonempty_latents,
     checked_ref_latents,
     cond_rows,
     ref_tokens,
@@ -248,12 +249,8 @@ class Flux2KleinModel(FamilyModel):
         """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions), one row per
         batch entry: the DiT's output at t = sigma."""
         convention, run, table, ref_cache = call.convention, call.run, call.table, call.ref_cache
-        x = self._check_latents(x, rows)
-        if convention not in CONVENTIONS:
-            raise EngineInputError(
-                f"unknown convention {convention!r} for {self.family}; use one of"
-                f" {list(CONVENTIONS)}"
-            )
+        x = checked_nonempty_latents(x, rows, self.dit.config.in_channels)
+        checked_convention(convention, CONVENTIONS, self.family)
         if ref_cache and run is None:
             raise EngineInputError("ref_cache needs a run")
         plan = self._plan(rows, table, convention, ref_cache)
@@ -301,12 +298,6 @@ class Flux2KleinModel(FamilyModel):
             state = self.dit.reference_states(refs, weights)
             held[key] = state
         return state
-
-    def _check_latents(self, x: np.ndarray, rows: list[StepRow]) -> np.ndarray:
-        x = checked_latents(x, rows, self.dit.config.in_channels)
-        if 0 in x.shape:
-            raise EngineInputError(f"latents {x.shape[2]}x{x.shape[3]} must not be empty")
-        return x
 
     def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
         return [mx.array(r) for r in checked_ref_latents(row, index, self.dit.config.in_channels)]

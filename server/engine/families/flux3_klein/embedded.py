@@ -22,9 +22,7 @@ from pathlib import Path
 
 from ...embedded import (
     DIFFUSERS_FORMAT,
-    FLUX2_VAE_UNDRAWN,
     GAIN,
-    MATRIX,
     TINY_FLUX2_VAE_CONFIG,
     TINY_QWEN3_CONFIG,
     TINY_QWEN3_VL_RECIPE,
@@ -32,9 +30,10 @@ from ...embedded import (
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
     ensure,
-    flux2_vae_tensors,
     stamp,
+    table_inventory,
     write_drawn,
+    write_tiny_flux2_vae,
     write_tiny_qwen3_vl,
 )
 from .layout import DiTConfig, tensor_shapes
@@ -97,7 +96,7 @@ def write_embedded_model(root: Path, seed: int = SEED) -> None:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
-    _write(root / "vae", "vae", TINY_FLUX2_VAE_CONFIG, flux2_vae_tensors(), seed)
+    write_tiny_flux2_vae(root, seed, CONSTANT_NOISE["vae"])
     write_tiny_qwen3_vl(root, seed, CONSTANT_NOISE["text_encoder"])
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
@@ -108,12 +107,11 @@ def transformer_tensors() -> Inventory:
     """Flux3Transformer2DModel's parameters for the config, from the DiT's own table: its
     matrices and its norm scales (it has no biases)."""
     shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
-    return {name: (shape, MATRIX if len(shape) > 1 else GAIN) for name, shape in shapes.items()}
+    return table_inventory(shapes, GAIN)
 
 
 def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    extra = FLUX2_VAE_UNDRAWN if component == "vae" else None
-    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component], extra)
+    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
 
 
 def _stamp() -> dict:

@@ -25,7 +25,8 @@ from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...step_inputs import (
     checked_cond,
-    checked_latents,
+    checked_convention,
+    checked_nonempty_latents,
     checked_ref_latents,
     cond_rows,
     ref_tokens,
@@ -175,14 +176,8 @@ class Flux3KleinModel(FamilyModel):
         """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions), one row per
         batch entry; a flow map's jump to the target `call.sample_sigmas` names."""
         config = self.dit.config
-        x = checked_latents(x, rows, config.in_channels)
-        if 0 in x.shape:
-            raise EngineInputError(f"latents {x.shape[2]}x{x.shape[3]} must not be empty")
-        if call.convention not in CONVENTIONS:
-            raise EngineInputError(
-                f"unknown convention {call.convention!r} for {FAMILY}; use one of"
-                f" {list(CONVENTIONS)}"
-            )
+        x = checked_nonempty_latents(x, rows, config.in_channels)
+        checked_convention(call.convention, CONVENTIONS, FAMILY)
         sigma = row_sigmas(timestep, x.shape[0])
         targets = None
         if config.flow_map:

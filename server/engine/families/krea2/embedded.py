@@ -20,7 +20,6 @@ from pathlib import Path
 
 from ...embedded import (
     DIFFUSERS_FORMAT,
-    MATRIX,
     SHIFT,
     TINY_QWEN3_CONFIG,
     TINY_QWEN3_VL_RECIPE,
@@ -30,6 +29,7 @@ from ...embedded import (
     ensure,
     qwen_image_vae_tensors,
     stamp,
+    table_inventory,
     write_drawn,
     write_tiny_qwen3_vl,
 )
@@ -166,7 +166,7 @@ def transformer_tensors() -> Inventory:
     matrices, modulation tables and projector, and its biases and norm scales (zero-centred:
     a norm scales by 1 + weight), drawn as shifts."""
     shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
-    return {name: (shape, MATRIX if len(shape) > 1 else SHIFT) for name, shape in shapes.items()}
+    return table_inventory(shapes, SHIFT)
 
 
 def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:

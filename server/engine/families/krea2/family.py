@@ -15,11 +15,17 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...base import EngineInputError, StepCall, StepResult, StepRow
+from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn.attention import QUERY_CHUNK
-from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
+from ...step_inputs import (
+    checked_convention,
+    checked_patch_latents,
+    checked_text_cond,
+    cond_rows,
+    row_sigmas,
+)
 from ...vaes.qwen_image import QwenImageVAEPart
 from ...weights import read_config
 from .dit import Krea2DiT
@@ -122,11 +128,7 @@ class Krea2Model(FamilyModel):
         batch entry: the DiT's output as it is."""
         config = self.dit.config
         x = checked_patch_latents(x, rows, config.latent_channels, LATENT_STRIDE, PATCH, TITLE)
-        if call.convention not in CONVENTIONS:
-            raise EngineInputError(
-                f"unknown convention {call.convention!r} for {FAMILY}; use one of"
-                f" {list(CONVENTIONS)}"
-            )
+        checked_convention(call.convention, CONVENTIONS, FAMILY)
         sigma = row_sigmas(timestep, x.shape[0])
         conds = [mx.array(self._check_cond(row, index)) for index, row in enumerate(rows)]
         started = time.perf_counter()

@@ -16,12 +16,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...base import EngineInputError, StepCall, StepResult, StepRow
+from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
-from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
+from ...step_inputs import (
+    checked_convention,
+    checked_patch_latents,
+    checked_text_cond,
+    cond_rows,
+    row_sigmas,
+)
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import read_config
 from .dit import DiTConfig, ZImageDiT, padded
@@ -133,11 +139,7 @@ class ZImageModel(FamilyModel):
         """dx/dsigma for x (B, C, h, w) at sigma = timestep (both conventions), one row per
         batch entry: the DiT's raw output at t = 1 - sigma, negated."""
         x = self._check_latents(x, rows)
-        if call.convention not in CONVENTIONS:
-            raise EngineInputError(
-                f"unknown convention {call.convention!r} for {FAMILY}; use one of"
-                f" {list(CONVENTIONS)}"
-            )
+        checked_convention(call.convention, CONVENTIONS, FAMILY)
         sigma = row_sigmas(timestep, x.shape[0])
         caps = [mx.array(self._check_cond(row, index)) for index, row in enumerate(rows)]
         started = time.perf_counter()
