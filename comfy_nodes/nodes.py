@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import torch
+from gmlx_contract import schedules
 
 from .clip import GmlxCLIP
 from .connection import MODEL_LIST, Connection, connect
@@ -181,9 +182,11 @@ def simple_sigmas(model, steps: int, denoise: float) -> torch.Tensor:
 
     if denoise <= 0.0:
         return torch.FloatTensor([])
-    total = steps if denoise >= 1.0 else int(steps / denoise)
-    sigmas = comfy.samplers.simple_scheduler(model.get_model_object("model_sampling"), total)
-    return sigmas[-(steps + 1) :]
+    model_sampling = model.get_model_object("model_sampling")
+    sigmas = comfy.samplers.simple_scheduler(
+        model_sampling, schedules.denoise_total(steps, denoise)
+    )
+    return schedules.keep_tail(sigmas, steps)
 
 
 def reference_size(width: int, height: int) -> tuple[int, int]:

@@ -28,11 +28,6 @@ def image_tokens(width: int, height: int, latent: dict[str, Any]) -> int:
     return (height // px) * (width // px)
 
 
-def keep_tail(sigmas: np.ndarray, steps: int) -> np.ndarray:
-    """The final steps + 1 sigmas (how denoise < 1 shortens a schedule)."""
-    return sigmas[-(steps + 1) :]
-
-
 def fixed_sigmas(fixed: list[float], steps: int, denoise: float) -> np.ndarray:
     """A variant's fixed schedule: steps must be 0 or its count; denoise keeps the tail."""
     sigmas = np.asarray(fixed, dtype=np.float32)
@@ -42,12 +37,7 @@ def fixed_sigmas(fixed: list[float], steps: int, denoise: float) -> np.ndarray:
             f"gmlx: this model samples with its fixed {count}-step schedule; "
             f"set steps to 0 or {count}"
         )
-    if denoise >= 1.0:
-        return sigmas
-    kept = int(count * denoise)
-    if kept < 1:
-        return np.zeros(0, dtype=np.float32)
-    return keep_tail(sigmas, kept)
+    return schedules.fixed_tail(sigmas, denoise)
 
 
 def server_sigmas(
@@ -80,9 +70,10 @@ def server_sigmas(
         )
     if denoise <= 0.0:
         return np.zeros(0, dtype=np.float32)
-    total = steps if denoise >= 1.0 else int(steps / denoise)
-    sigmas = rule_sigmas(rule, total, image_tokens(width, height, latent))
-    return keep_tail(sigmas, steps)
+    sigmas = rule_sigmas(
+        rule, schedules.denoise_total(steps, denoise), image_tokens(width, height, latent)
+    )
+    return schedules.keep_tail(sigmas, steps)
 
 
 def default_steps(sampling: dict[str, Any] | None, steps: int) -> int:

@@ -40,6 +40,7 @@ from .engine.sampling import (
     flow_map_schedule,
     generate,
     to_uint8,
+    with_first_refs,
 )
 from .imagefiles import read_image_file
 from .kernel_compiles import CompileWatch
@@ -501,7 +502,11 @@ class ViaStepsTransport:
     def encode(self, text: str, images: Sequence[np.ndarray]):
         return self.direct.encode(text, images)
 
-    def row(self, encoding) -> dict:
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        return self.direct.encode_image(pixels)
+
+    def row(self, encoding, first_refs: Sequence[np.ndarray] = ()) -> dict:
+        encoding = with_first_refs(encoding, first_refs)
         cond = np.ascontiguousarray(encoding.cond, dtype=np.float32)
         row: dict[str, Any] = {"cond": self._upload(cond), "num_tokens": int(cond.shape[-2])}
         if encoding.ref_latents:

@@ -46,6 +46,7 @@ from .engine.sampling import (
     call_inline,
     check_request,
     decode_latents,
+    encode_pixels,
 )
 
 log = logging.getLogger("gmlx.server")
@@ -579,6 +580,15 @@ class PlannedTransport(DirectTransport):
         def planned() -> np.ndarray:
             tiled = self.memory.check_vae(self.loaded, h * stride, w * stride, True)
             return decode_latents(self.model, latents, tiled)
+
+        return self.call(planned)
+
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        height, width = np.shape(pixels)[:2]
+
+        def planned() -> np.ndarray:
+            tiled = self.memory.check_vae(self.loaded, height, width, False)
+            return encode_pixels(self.model, pixels, tiled)
 
         return self.call(planned)
 

@@ -125,6 +125,27 @@ def torch_linspace(start: float, end: float, count: int) -> np.ndarray:
     return out
 
 
+def denoise_total(steps: int, denoise: float) -> int:
+    """The step count a schedule is evaluated for when only its last `steps` steps run, at
+    denoise (strength) below 1: int(steps / denoise), as ComfyUI's schedulers do (docs/contract.md
+    §5.3). `keep_tail` then keeps the final steps + 1 sigmas."""
+    return steps if denoise >= 1.0 else int(steps / denoise)
+
+
+def keep_tail(sigmas: np.ndarray, steps: int) -> np.ndarray:
+    """The final steps + 1 sigmas (how denoise < 1 shortens a schedule)."""
+    return sigmas[-(steps + 1) :]
+
+
+def fixed_tail(sigmas: np.ndarray, denoise: float) -> np.ndarray:
+    """A variant's fixed schedule at denoise (strength) `denoise`: its last int(count x denoise)
+    steps; empty when none is left (denoise 0)."""
+    if denoise >= 1.0:
+        return sigmas
+    kept = int((len(sigmas) - 1) * denoise)
+    return keep_tail(sigmas, kept) if kept >= 1 else np.zeros(0, dtype=np.float32)
+
+
 # Rule name (status `sampling.schedule.rule`) -> its sigmas(rule, steps, tokens).
 RULES: dict[str, Callable[[dict[str, Any], int, int], np.ndarray]] = {
     "qwen_image21": qwen_image21_sigmas,

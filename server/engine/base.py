@@ -188,6 +188,10 @@ class ImageModel(MemoryPlanning, Protocol):
         """Latents (C, h, w) in the DiT's model space -> the VAE routes' space (the identity
         where status `vae.space` is "model")."""
 
+    def model_space(self, latents: np.ndarray) -> np.ndarray:
+        """Latents (C, h, w) in the VAE routes' space -> the DiT's model space (`vae_space`'s
+        inverse; what an image to image starts from)."""
+
     def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         """One image: latents (C, h, w) in the VAE's own space -> (H, W, 3 or 4) in [0, 1],
         in tiles where the memory plan says so."""

@@ -293,6 +293,11 @@ class FamilyModel:
         vae_space = self.vae.from_model_space(mx.array(np.asarray(latents, np.float32))[None])[0]
         return np.array(vae_space.astype(mx.float32))
 
+    def model_space(self, latents: np.ndarray) -> np.ndarray:
+        """The VAE's own latents (C, h, w) -> model space, in MLX float32."""
+        model_space = self.vae.to_model_space(mx.array(np.asarray(latents, np.float32))[None])[0]
+        return np.array(model_space.astype(mx.float32))
+
     def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         latents = np.asarray(latents, np.float32)
         if latents.ndim != 3:

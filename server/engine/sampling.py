@@ -53,6 +53,9 @@ class Guidance:
         return [self.cond, self.uncond] if self.guided else [self.cond]
 
 
+MAX_MASK_BLUR = 256.0  # pixels
+
+
 class SettingError(ValueError):
     """An `ImageRequest` setting the model cannot take. `setting` is the field it is about;
     `text` says what is wrong with `{name}` in place of the setting's name, so that each caller
@@ -89,15 +92,26 @@ def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
 
 
 def resolve_sigmas(
-    sampling: dict | None, steps: int | None, width: int, height: int, *, pixels_per_token: int
+    sampling: dict | None,
+    steps: int | None,
+    width: int,
+    height: int,
+    *,
+    pixels_per_token: int,
+    denoise: float = 1.0,
 ) -> np.ndarray:
     """The sigma schedule (float32, ending in 0) for a model's status `sampling` object.
 
     A variant's fixed `sigmas` win (a `steps` that disagrees with their count is refused), else the
     size-dependent `schedule` rule of docs/contract.md §5.3, else a linear schedule under the
     variant's static `shift` (`shifted_sigmas`; plain linear at shift 1). `steps` None means the
-    variant's own step count.
+    variant's own step count. At `denoise` (an image to image's strength) below 1 the schedule
+    is shortened as ComfyUI's schedulers shorten it (§5.3): a rule is evaluated for
+    int(steps / denoise) steps and its last `steps` are kept; fixed sigmas keep their last
+    int(count x denoise) steps.
     """
+    from gmlx_contract import schedules as contract_schedules
+
     sampling = sampling or {}
     fixed = sampling.get("sigmas")
     if fixed:
@@ -109,20 +123,23 @@ def resolve_sigmas(
                 f"this model samples with its fixed {count}-step schedule; "
                 f"leave {{name}} out or set it to {count}",
             )
-        return sigmas
+        return contract_schedules.fixed_tail(sigmas, denoise)
     if steps is not None and steps < 0:
         raise SettingError("steps", "{name} must be at least 1")
     steps = steps or int(sampling.get("steps") or 0)
     if steps < 1:
         raise SettingError("steps", "this model has no step count of its own; give {name}")
+    total = contract_schedules.denoise_total(steps, denoise)
     rule = sampling.get("schedule")
     if rule:
         from gmlx_server.engine import schedules
 
         tokens = (height // pixels_per_token) * (width // pixels_per_token)
-        return np.asarray(schedules.sigmas(rule, steps, tokens), dtype=np.float32)
-    shift = float(sampling.get("shift") or 1.0)
-    return linear_sigmas(steps) if shift == 1.0 else shifted_sigmas(steps, shift)
+        sigmas = np.asarray(schedules.sigmas(rule, total, tokens), dtype=np.float32)
+    else:
+        shift = float(sampling.get("shift") or 1.0)
+        sigmas = linear_sigmas(total) if shift == 1.0 else shifted_sigmas(total, shift)
+    return contract_schedules.keep_tail(sigmas, steps)
 
 
 def step_batch(
@@ -154,7 +171,8 @@ def euler_update(
 
 class EulerSteps:
     """The Euler update rule of `sample`: the model is called at the current latents and each
-    step moves them along the velocity to the next sigma."""
+    step moves them along the velocity to the next sigma. An update rule keeps its latents in
+    `x`, which an inpainting sampler replaces after each step (img2img.blended)."""
 
     def __init__(self, x: np.ndarray, sigmas: np.ndarray):
         self.x = x
@@ -173,6 +191,16 @@ UPDATE_RULES = {"euler": EulerSteps, unipc.NAME: unipc.UniPCSteps}
 SAMPLERS = tuple(UPDATE_RULES)
 
 
+@dataclass(frozen=True)
+class Start:
+    """Where an image to image starts: the init image's latents (1, C, h, w) in model space,
+    and for inpainting the mask on the latent grid (1, 1, h, w), 1 where to paint
+    (engine/img2img.py)."""
+
+    latents: np.ndarray
+    mask: np.ndarray | None = None
+
+
 def sample(
     step_fn: StepFn,
     noise: np.ndarray,
@@ -183,20 +211,37 @@ def sample(
     timestep_scale: float = 1.0,
     progress: bool = False,
     on_step: Callable[[int, np.ndarray], None] | None = None,
+    start: Start | None = None,
+    on_denoised: Callable[[int, np.ndarray], None] | None = None,
 ) -> np.ndarray:
     """Sample from `noise` along `sigmas`; returns the final latents (1, C, h, w) float32.
 
-    The starting latents are noise x sigmas[0] (pure noise at sigma 1). Each step makes one
-    model call at sigmas[i] (`sampler` says at which latents, and how they move on);
-    `on_step(i, x)` is called after each step, e.g. to time steps or to stop.
+    The starting latents are noise x sigmas[0] (pure noise at sigma 1), or with a `start` its
+    latents noised to sigmas[0]; with its mask the known region is put back after every step.
+    Each step makes one model call at sigmas[i] (`sampler` says at which latents, and how they
+    move on); `on_step(i, x)` is called after each step, e.g. to time steps or to stop, and
+    `on_denoised(i, x0)` with the step's estimate of the clean latents, x - sigma x velocity
+    (what a preview shows).
     """
+    from . import img2img
+
     sigmas = np.asarray(sigmas, dtype=np.float32)
     check_sampler(sampler, sigmas)
-    x = (np.asarray(noise, dtype=np.float32) * sigmas[0]).astype(np.float32)
+    noise = np.asarray(noise, dtype=np.float32)
+    if start is None:
+        x = (noise * sigmas[0]).astype(np.float32)
+    else:
+        x = img2img.noised(start.latents, noise, sigmas[0])
     rule = UPDATE_RULES[sampler](x, sigmas)
     for i in _step_indices(len(sigmas) - 1, progress):
-        batch, timestep, rows = step_batch(rule.model_input(i), sigmas[i], guidance, timestep_scale)
-        x = rule.advance(i, guided_velocity(step_fn(batch, timestep, rows), guidance))
+        model_input = rule.model_input(i)
+        batch, timestep, rows = step_batch(model_input, sigmas[i], guidance, timestep_scale)
+        velocity = guided_velocity(step_fn(batch, timestep, rows), guidance)
+        x = rule.advance(i, velocity)
+        if start is not None and start.mask is not None:
+            x = rule.x = img2img.blended(x, start.latents, noise, sigmas[i + 1], start.mask)
+        if on_denoised is not None:
+            on_denoised(i, (model_input - sigmas[i] * velocity).astype(np.float32))
         if on_step is not None:
             on_step(i, x)
     return x
@@ -236,6 +281,14 @@ class ImageRequest:
     negative: str | None = None
     images: tuple[np.ndarray, ...] = ()  # reference images, uint8 (H, W, 3 or 4)
     sampler: str = "euler"
+    # Image to image (engine/img2img.py): the init image, uint8 (H, W, 3 or 4), resized to the
+    # request's size; `strength` in (0, 1], how much of it is drawn again (the schedule's
+    # tail, as ComfyUI's denoise); for inpainting a mask, uint8 (H, W), 255 where to paint,
+    # and the radius in pixels its edge is feathered by.
+    init_image: np.ndarray | None = None
+    strength: float = 1.0
+    mask: np.ndarray | None = None
+    mask_blur: float = 0.0
 
 
 @dataclass
@@ -254,7 +307,9 @@ class Transport(Protocol):
 
     def encode(self, text: str, images: Sequence[np.ndarray]) -> EncodeResult: ...
 
-    def row(self, encoding: EncodeResult) -> Any: ...
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray: ...
+
+    def row(self, encoding: EncodeResult, first_refs: Sequence[np.ndarray] = ()) -> Any: ...
 
     def begin(self, sigmas: np.ndarray) -> None: ...
 
@@ -277,31 +332,34 @@ def generate(
     request: ImageRequest,
     *,
     progress: bool = False,
+    on_denoised: Callable[[int, np.ndarray], None] | None = None,
 ) -> tuple[np.ndarray, ImageTimings]:
     """Encode, sample and leave the final latents (1, C, h, w) in model space; with timings.
 
     With guidance (cfg != 1) the negative prompt (empty when not given) is encoded too and both
-    rows go in one step call. Decoding is the caller's (`transport.decode`), so a bench can time
-    it and a test can compare latents.
+    rows go in one step call. With an init image the sampling starts from it (`Start`), and
+    for inpainting a family whose status says `conditioning.inpaint_reference` also takes the
+    init image as its first reference, as its diffusers inpaint pipeline does. Decoding is the
+    caller's (`transport.decode`), so a bench can time it and a test can compare latents;
+    `on_denoised` sees each step's estimate of the clean latents (previews).
     """
     timings = ImageTimings()
     started = time.perf_counter()
     latent = status["latent"]
     sigmas, cfg = check_request(status, request)
+    shape = (request.height // int(latent["stride"]), request.width // int(latent["stride"]))
 
     begin = time.perf_counter()
-    cond = transport.row(transport.encode(request.prompt, request.images))
+    start = image_start(transport, status, request, shape)
+    first_refs = inpaint_references(status, start)
+    cond = transport.row(transport.encode(request.prompt, request.images), first_refs)
     uncond = None
     if cfg != 1.0:
-        uncond = transport.row(transport.encode(request.negative or "", request.images))
+        negative = transport.encode(request.negative or "", request.images)
+        uncond = transport.row(negative, first_refs)
     timings.encode_s = time.perf_counter() - begin
 
-    noise = initial_noise(
-        request.seed,
-        int(latent["channels"]),
-        request.height // int(latent["stride"]),
-        request.width // int(latent["stride"]),
-    )
+    noise = initial_noise(request.seed, int(latent["channels"]), *shape)
     last = [time.perf_counter()]
 
     def on_step(i: int, x: np.ndarray) -> None:
@@ -319,11 +377,41 @@ def generate(
             sampler=request.sampler,
             progress=progress,
             on_step=on_step,
+            start=start,
+            on_denoised=on_denoised,
         )
     finally:
         transport.end()
     timings.image_s = time.perf_counter() - started
     return latents, timings
+
+
+def image_start(
+    transport: Transport, status: dict, request: ImageRequest, shape: tuple[int, int]
+) -> Start | None:
+    """The `Start` of an image to image (None for text to image)."""
+    from . import img2img
+
+    if request.init_image is None:
+        return None
+    rgb = img2img.init_rgb(request.init_image, request.width, request.height)
+    latents = transport.encode_image(rgb.astype(np.float32) / np.float32(255.0))
+    if request.mask is None:
+        return Start(latents)
+    conditioning = status.get("conditioning") or {}
+    resize = conditioning.get("inpaint_mask", img2img.DEFAULT_MASK_RESIZE)
+    mask = img2img.pixel_mask(request.mask, request.width, request.height, request.mask_blur)
+    return Start(latents, img2img.latent_mask(mask, *shape, resize))
+
+
+def inpaint_references(status: dict, start: Start | None) -> tuple[np.ndarray, ...]:
+    """The reference latents a row takes before its images': for inpainting on a family whose
+    status says `conditioning.inpaint_reference`, the init image's, as its diffusers inpaint
+    pipeline passes them."""
+    inpainting = start is not None and start.mask is not None
+    if inpainting and (status.get("conditioning") or {}).get("inpaint_reference"):
+        return (start.latents,)
+    return ()
 
 
 def check_request(status: dict, request: ImageRequest) -> tuple[np.ndarray, float]:
@@ -334,15 +422,40 @@ def check_request(status: dict, request: ImageRequest) -> tuple[np.ndarray, floa
     stride = int(status["latent"]["stride"]) * int(status["latent"].get("patch", 1))
     check_pixel_limits(request.width, request.height)
     check_image_size(request.width, request.height, stride)
+    check_image_start(request)
     sigmas = resolve_sigmas(
         status.get("sampling"),
         request.steps,
         request.width,
         request.height,
         pixels_per_token=stride,
+        denoise=request.strength,
     )
+    if len(sigmas) < 2:
+        raise SettingError(
+            "strength",
+            f"{{name}} {request.strength:g} leaves none of the schedule's steps; raise it",
+        )
     check_sampler(request.sampler, sigmas)
     return sigmas, guidance_scale(request, status.get("sampling"))
+
+
+def check_image_start(request: ImageRequest) -> None:
+    """An image to image's settings: a strength in (0, 1] (below 1 only with an init image), a
+    mask only with an init image, 2-D, and a blur radius from 0 to MAX_MASK_BLUR pixels."""
+    strength = request.strength
+    if not (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0):
+        raise SettingError("strength", "{name} must be a number above 0 and at most 1")
+    if request.init_image is None:
+        if strength != 1.0:
+            raise SettingError("strength", "{name} needs an init image to start from")
+        if request.mask is not None:
+            raise SettingError("mask", "a {name} needs an init image to paint into")
+        return
+    if request.mask is not None and np.ndim(request.mask) != 2:
+        raise SettingError("mask", "a {name} must be one grayscale channel")
+    if not 0.0 <= request.mask_blur <= MAX_MASK_BLUR:
+        raise SettingError("mask_blur", f"{{name}} must be from 0 to {MAX_MASK_BLUR:g} pixels")
 
 
 def check_pixel_limits(width: int, height: int) -> None:
@@ -372,9 +485,25 @@ def check_image_size(width: int, height: int, stride: int) -> None:
 # ---------------------------------------------------------------- the direct transport
 
 
-def direct_row(encoding: EncodeResult, prefix_cache: bool = True) -> StepRow:
+def with_first_refs(encoding: EncodeResult, first_refs: Sequence[np.ndarray]) -> EncodeResult:
+    """The encoding with `first_refs` (model-space latents) before its own references; their
+    image slots stay those of its own references."""
+    if not first_refs:
+        return encoding
+    return EncodeResult(
+        cond=encoding.cond,
+        ref_latents=[*first_refs, *encoding.ref_latents],
+        image_slots=list(encoding.image_slots),
+    )
+
+
+def direct_row(
+    encoding: EncodeResult, prefix_cache: bool = True, first_refs: Sequence[np.ndarray] = ()
+) -> StepRow:
     """The StepRow the step route builds for `{"cond": hash, "num_tokens": L, "ref_latents":
-    [...], "image_slots": [...]}` naming these tensors: same arrays, same cache keys."""
+    [...], "image_slots": [...]}` naming these tensors: same arrays, same cache keys
+    (`first_refs`: latents before the encoding's references, `with_first_refs`)."""
+    encoding = with_first_refs(encoding, first_refs)
     cond = np.asarray(encoding.cond, dtype=np.float32)
     refs = tuple(np.asarray(r, dtype=np.float32) for r in encoding.ref_latents)
     return StepRow(
@@ -415,8 +544,11 @@ class DirectTransport:
     def encode(self, text: str, images: Sequence[np.ndarray]) -> EncodeResult:
         return self.call(self.model.encode, text, list(images), True)
 
-    def row(self, encoding: EncodeResult) -> StepRow:
-        return direct_row(encoding)
+    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
+        return self.call(encode_pixels, self.model, pixels)
+
+    def row(self, encoding: EncodeResult, first_refs: Sequence[np.ndarray] = ()) -> StepRow:
+        return direct_row(encoding, first_refs=first_refs)
 
     def begin(self, sigmas: np.ndarray) -> None:
         """A flow-map DiT's steps name the run's schedule (`sample_sigmas`)."""
@@ -458,6 +590,13 @@ def decode_latents(model: Any, latents: np.ndarray, tiled: bool = False) -> np.n
     the memory plan says so. Runs on the image worker."""
     latents = np.asarray(latents, dtype=np.float32)[0]
     return model.vae_decode(model.vae_space(latents), False, tiled)
+
+
+def encode_pixels(model: Any, pixels: np.ndarray, tiled: bool = False) -> np.ndarray:
+    """RGB (H, W, 3) float32 in [0, 1] -> latents (1, C, h, w) in the DiT's model space, through
+    the VAE's encoder (the mean) and the model's `model_space`. Runs on the image worker."""
+    latents = model.model_space(model.vae_encode(np.asarray(pixels, np.float32), tiled))
+    return np.ascontiguousarray(latents[None], dtype=np.float32)
 
 
 def to_uint8(image: np.ndarray) -> np.ndarray:

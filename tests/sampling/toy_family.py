@@ -190,6 +190,10 @@ class ToyModel:
         """Status `vae.space` is "model": the VAE takes model-space latents."""
         return np.asarray(latents, np.float32)
 
+    def model_space(self, latents: np.ndarray) -> np.ndarray:
+        """Status `vae.space` is "model": the VAE gives model-space latents."""
+        return np.asarray(latents, np.float32)
+
     def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         image = 1.0 / (1.0 + np.exp(-latents[:3].transpose(1, 2, 0)))
         return np.repeat(np.repeat(image, STRIDE, axis=0), STRIDE, axis=1).astype(np.float32)

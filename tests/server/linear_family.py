@@ -250,6 +250,10 @@ class LinearModel:
         """The VAE routes' latents are the step's (no normalisation)."""
         return np.asarray(latents, np.float32)
 
+    def model_space(self, latents: np.ndarray) -> np.ndarray:
+        """The step's latents are the VAE routes' (no normalisation)."""
+        return np.asarray(latents, np.float32)
+
     def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         if latents.shape[0] != CHANNELS:
             raise EngineInputError(f"latents need {CHANNELS} channels")

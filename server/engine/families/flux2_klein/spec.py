@@ -65,8 +65,14 @@ SPEC_4B = FamilySpec(
     implementation="gmlx_server.engine.families.flux2_klein.family:FLUX2_KLEIN",
     comfy={"model_class": "Flux2", "image_model": "flux2"},
     # ComfyUI's Flux2 places references by index (time coordinates 10, 20, ...); an empty
-    # prompt is encoded as it is.
-    conditioning={"ref_method": "index", "empty_prompt": ""},
+    # prompt is encoded as it is. Inpainting as Flux2KleinInpaintPipeline: the init image is
+    # also the first reference, the mask reaches the latent grid bilinearly.
+    conditioning={
+        "ref_method": "index",
+        "empty_prompt": "",
+        "inpaint_mask": "bilinear",
+        "inpaint_reference": True,
+    },
     latent_patch=1,  # strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts)
     edit_capable=True,
     max_refs=MAX_REFS,

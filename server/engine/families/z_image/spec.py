@@ -65,7 +65,8 @@ SPEC = FamilySpec(
     implementation="gmlx_server.engine.families.z_image.family:Z_IMAGE",
     comfy={"model_class": "ZImage", "image_model": "lumina2"},
     # No references; an empty prompt is encoded as it is (the chat template's tokens remain).
-    conditioning={"ref_method": None, "empty_prompt": ""},
+    # ZImageInpaintPipeline brings the mask to the latent grid by nearest neighbour.
+    conditioning={"ref_method": None, "empty_prompt": "", "inpaint_mask": "nearest"},
     latent_stride=8,
     latent_patch=2,
     # The VAE tiles images past its sample_size as diffusers' tiling does, which is not the
