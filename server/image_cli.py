@@ -42,7 +42,7 @@ from .engine.sampling import (
     to_uint8,
     with_first_refs,
 )
-from .imagefiles import read_image_file
+from .imagefiles import mask_of, read_image_file
 from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
 from .memory import MemoryPlanner, PlannedTransport
@@ -200,6 +200,13 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     add_image_arguments(parser)
     add_adapter_argument(parser)
     parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
+    parser.add_argument(
+        "--preview",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write a preview PNG of the image forming here after every step",
+    )
     add_group_arguments(parser)
     parser.add_argument(
         "--via-steps",
@@ -250,6 +257,32 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="noise seed")
     parser.add_argument("--sampler", default="euler", choices=SAMPLERS, help="update rule")
+    parser.add_argument(
+        "--init-image",
+        default=None,
+        metavar="IMAGE",
+        help="image to image: start from this picture (resized to --width x --height)",
+    )
+    parser.add_argument(
+        "--strength",
+        type=float,
+        default=1.0,
+        help="with --init-image: how much of it is drawn again, above 0 and at most 1 (the"
+        " schedule's last strength x steps; ComfyUI's denoise)",
+    )
+    parser.add_argument(
+        "--mask",
+        default=None,
+        metavar="IMAGE",
+        help="with --init-image: inpaint where this mask is white (or, with alpha, transparent)",
+    )
+    parser.add_argument(
+        "--mask-blur",
+        type=float,
+        default=0.0,
+        metavar="PIXELS",
+        help="feather the mask's edge by a Gaussian of this radius",
+    )
     parser.add_argument(
         "--model",
         default=None,
@@ -304,21 +337,20 @@ def run_sample(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace, group: Any) -> int:
     try:
-        images = read_references(args.ref)
+        request = image_request(args, read_references(args.ref))
         flags = model_flags(args)
     except ValueError as exc:
         print(f"gmlx image sample: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    request = image_request(args, images)
     try:
         choice = choose_model(args.model, args.config, flags)
         choice.check(request)
         choice.join(group)
         with CompileWatch(note):
             if args.via_steps:
-                pixels, steps = sample_via_steps(choice, request, args.adapter)
+                pixels, steps = sample_via_steps(choice, request, args.adapter, args.preview)
             else:
-                pixels, steps = sample_direct(choice, request, args.adapter)
+                pixels, steps = sample_direct(choice, request, args.adapter, args.preview)
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
@@ -333,9 +365,12 @@ def _sample(args: argparse.Namespace, group: Any) -> int:
 
 
 def sample_direct(
-    choice: ModelChoice, request: ImageRequest, adapters: Sequence[AdapterSpec] = ()
+    choice: ModelChoice,
+    request: ImageRequest,
+    adapters: Sequence[AdapterSpec] = (),
+    preview: Path | None = None,
 ) -> tuple[np.ndarray, int]:
-    """Load the model and sample in process, with a progress bar."""
+    """Load the model and sample in process, with a progress bar (and a preview file)."""
     with loading_bar(choice.model_id) as bar:
         bar.update()
         loaded = choice.registry.acquire(choice.model_id)
@@ -344,8 +379,25 @@ def sample_direct(
     transport = PlannedTransport(loaded, memory, table=sampling_table(loaded, adapters))
     status = loaded.model.status()
     transport.check_image(status, request)
-    latents, timings = generate(transport, status, request, progress=True)
+    previews = preview_writer(transport, request, preview)
+    latents, timings = generate(transport, status, request, progress=True, on_denoised=previews)
     return transport.decode(latents), len(timings.step_s)
+
+
+def preview_writer(transport: Any, request: ImageRequest, path: Path | None):
+    """`generate`'s `on_denoised` that writes each step's preview to `path` (None: no previews),
+    whole files only (written beside it, then renamed over it)."""
+    if path is None:
+        return None
+    from .engine.previews import preview_for
+
+    def write(step: int, denoised: np.ndarray) -> None:
+        fitted = preview_for(transport.model, transport.encode_image)
+        partial = path.with_name(f".{path.name}.partial")
+        write_png(fitted.picture(denoised, request.width, request.height), partial)
+        os.replace(partial, path)
+
+    return write
 
 
 def note(text: str) -> None:
@@ -356,7 +408,10 @@ def note(text: str) -> None:
 
 
 def sample_via_steps(
-    choice: ModelChoice, request: ImageRequest, adapters: Sequence[AdapterSpec] = ()
+    choice: ModelChoice,
+    request: ImageRequest,
+    adapters: Sequence[AdapterSpec] = (),
+    preview: Path | None = None,
 ) -> tuple[np.ndarray, int]:
     """Serve the model's step routes on a loopback port and sample through them with the shared
     step client: the prompt is encoded in process and uploaded by hash, each step is a request;
@@ -378,25 +433,34 @@ def sample_via_steps(
                 arrays = {digest: tensor.array for digest, tensor in matrices.items()}
                 table = client.put_patch_table(doc, choice.model_id, arrays)
             transport = ViaStepsTransport(client, direct, choice.model_id, table)
-            latents, timings = generate(transport, loaded.model.status(), request, progress=True)
+            previews = preview_writer(direct, request, preview)
+            latents, timings = generate(
+                transport, loaded.model.status(), request, progress=True, on_denoised=previews
+            )
         return direct.decode(latents), len(timings.step_s)
 
 
 def read_references(paths: Sequence[str]) -> tuple[np.ndarray, ...]:
     """The `--ref` images; a ValueError naming the flag and the file that failed."""
-    images = []
-    for path in paths:
-        try:
-            images.append(read_image_file(path))
-        except OSError as exc:
-            raise ValueError(f"--ref {path}: cannot be read: {exc.strerror or exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"--ref {path}: {exc}") from None
-    return tuple(images)
+    return tuple(read_flag_image("--ref", path) for path in paths)
+
+
+def read_flag_image(flag: str, path: str | None) -> np.ndarray | None:
+    """The image a flag names (None: not given); a ValueError naming the flag and the file."""
+    if path is None:
+        return None
+    try:
+        return read_image_file(path)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot be read: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from None
 
 
 def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> ImageRequest:
-    """The request that `sample` and `bench` arguments describe, with the reference `images`."""
+    """The request that `sample` and `bench` arguments describe, with the reference `images`;
+    a ValueError naming the flag of an init image or mask that cannot be read."""
+    mask = read_flag_image("--mask", args.mask)
     return ImageRequest(
         prompt=args.prompt,
         negative=args.negative,
@@ -407,12 +471,16 @@ def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> I
         cfg=args.cfg,
         seed=args.seed,
         sampler=args.sampler,
+        init_image=read_flag_image("--init-image", args.init_image),
+        strength=args.strength,
+        mask=None if mask is None else mask_of(mask),
+        mask_blur=args.mask_blur,
     )
 
 
 def _message(exc: Exception) -> str:
-    if isinstance(exc, SettingError):  # named by its flag: --steps, --width, --height
-        return exc.naming("--" + exc.setting)
+    if isinstance(exc, SettingError):  # named by its flag: --steps, --width, --mask-blur
+        return exc.naming(flag_name(exc.setting))
     body = getattr(exc, "body", None)
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         return body["error"]

@@ -1,5 +1,5 @@
 """Image files (PNG, JPEG, WebP, GIF) as the uint8 arrays the models take: the one decoder of
-the encode route, the OpenAI image edits and `gmlx image sample --ref`."""
+the encode route, the OpenAI image routes and `gmlx image sample`'s images; and masks."""
 
 from __future__ import annotations
 
@@ -49,3 +49,18 @@ def read_image_file(path: str | Path) -> np.ndarray:
 
 def _has_alpha(image) -> bool:
     return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+
+
+def mask_of(image: np.ndarray) -> np.ndarray:
+    """An inpainting mask from an image file's pixels: uint8 (H, W), 255 where to paint. An image
+    with alpha is read as OpenAI's edit masks are, transparent where to paint (255 - alpha);
+    one without, as diffusers' inpaint pipelines read theirs, white where to paint (its
+    luminance, Pillow's "L" conversion)."""
+    from PIL import Image
+
+    image = np.asarray(image, dtype=np.uint8)
+    if image.ndim == 3 and image.shape[2] == 4:
+        return (255 - image[..., 3]).astype(np.uint8)
+    if image.ndim == 2:
+        return image
+    return np.asarray(Image.fromarray(np.ascontiguousarray(image[..., :3]), "RGB").convert("L"))

@@ -114,3 +114,58 @@ def test_settings_are_refused_before_the_model_loads(monkeypatch, capsys, comman
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and "was loaded" not in err
+
+
+def write_init_and_mask(tmp_path) -> tuple[str, str]:
+    import numpy as np
+
+    rows, cols = np.mgrid[0:96, 0:128]
+    picture = np.stack([rows * 2, cols * 2, 255 - rows * 2], axis=-1).astype(np.uint8)
+    Image.fromarray(picture).save(tmp_path / "init.png")
+    mask = np.zeros((96, 128, 4), np.uint8)
+    mask[..., 3] = 255
+    mask[32:64, 32:96, 3] = 0  # transparent where to paint, as OpenAI's edit masks
+    Image.fromarray(mask, "RGBA").save(tmp_path / "mask.png")
+    return str(tmp_path / "init.png"), str(tmp_path / "mask.png")
+
+
+def test_inpainting_with_a_preview_is_the_same_in_process_and_via_the_step_routes(tmp_path):
+    """--init-image, --strength, --mask and --mask-blur reach the sampler on both paths; the
+    preview file is a whole PNG of the image's size; the kept region is the init image's."""
+    import numpy as np
+
+    init, mask = write_init_and_mask(tmp_path)
+    flags = ["--init-image", init, "--strength", "0.75", "--mask", mask, "--mask-blur", "2"]
+    direct = sample(tmp_path, "direct.png", *flags, "--preview", str(tmp_path / "preview.png"))
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    routed = sample(tmp_path, "routed.png", *flags, "--via-steps")
+    assert routed.returncode == 0, routed.stderr[-2000:]
+    assert (tmp_path / "direct.png").read_bytes() == (tmp_path / "routed.png").read_bytes()
+    with Image.open(tmp_path / "preview.png") as preview:
+        assert preview.size == (128, 96)
+    assert not list(tmp_path.glob(".*partial"))
+    plain = sample(tmp_path, "plain.png")
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    # the tiny VAE's random weights reconstruct no picture, so the kept region's latents are
+    # checked in the parity tests (tests/families/z_image/test_img2img_parity.py), not here
+    assert (tmp_path / "plain.png").read_bytes() != (tmp_path / "direct.png").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--strength", "0.5"], "--strength needs an init image to start from"),
+        (["--strength", "0"], "--strength must be a number above 0 and at most 1"),
+        (["--mask", "MASK"], "a --mask needs an init image to paint into"),
+        (["--init-image", "INIT", "--mask-blur", "-1"], "--mask-blur must be from 0 to 256"),
+        (["--init-image", "nowhere.png"], "--init-image nowhere.png: cannot be read"),
+    ],
+)
+def test_image_to_image_settings_are_refused_by_their_flags(tmp_path, flags, message):
+    init, mask = write_init_and_mask(tmp_path)
+    flags = [init if f == "INIT" else mask if f == "MASK" else f for f in flags]
+    result = sample(tmp_path, "x.png", *flags)
+    assert result.returncode in (1, 2)
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "x.png").exists()
