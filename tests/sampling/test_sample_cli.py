@@ -131,8 +131,7 @@ def write_init_and_mask(tmp_path) -> tuple[str, str]:
 
 def test_inpainting_with_a_preview_is_the_same_in_process_and_via_the_step_routes(tmp_path):
     """--init-image, --strength, --mask and --mask-blur reach the sampler on both paths; the
-    preview file is a whole PNG of the image's size; the kept region is the init image's."""
-    import numpy as np
+    preview file is a whole PNG of the image's size."""
 
     init, mask = write_init_and_mask(tmp_path)
     flags = ["--init-image", init, "--strength", "0.75", "--mask", mask, "--mask-blur", "2"]
