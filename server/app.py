@@ -2,7 +2,7 @@
 
 Order of checks on a request (docs/contract.md §1.2, 1.9, 4):
   1. host guard (loopback bind: non-loopback peers and Host headers)    403 nested
-  2. API key (every path but /health)                                    401 nested
+  2. API key (every path but /health and the OpenAI images by URL)     401 nested
   3. step gate (non-loopback or unknown peer without steps_remote)      403 flat
   4. size gate (Content-Length against the limit, before reading)       413 nested
   5. JSON gate (a non-container body must be JSON)                       400 nested
@@ -96,12 +96,17 @@ class FrontGate:
         req.context.peer = peer
         if self.config.loopback_bind:
             self._host_guard(req, peer)
-        if self.key is not None and req.path != HEALTH_PATH:
+        if self.key is not None and not self._keyless(req.path):
             self._check_key(req)
         if req.path.startswith(PREFIX + "/") and self.config.image.steps_api:
             self._step_gate(peer)
         req.context.body = self._read_body(req)
         req.context.gate_passed = time.perf_counter()
+
+    @staticmethod
+    def _keyless(path: str) -> bool:
+        """/health, and the OpenAI routes' images by URL, whose random names are their key."""
+        return path == HEALTH_PATH or path.startswith(openai.FILES_PREFIX)
 
     def _host_guard(self, req: falcon.Request, peer: str | None) -> None:
         if not peer_is_loopback(peer):

@@ -23,6 +23,10 @@ File (default ~/.config/gmlx-steps/config.toml):
                                     # "release" it after every encode (loaded again for the
                                     # next), or "auto": release it only when a step or a VAE
                                     # pass would not fit beside it (server/memory.py)
+    image_url_ttl_s = 3600.0        # the OpenAI routes' images answered by URL are kept this
+    image_url_store_mb = 512        # long, in at most this much disk (the oldest go first),
+    image_url_dir = ""              # in this folder, relative to this file's ("": a temporary
+                                    # one, removed at stop)
 
     [models."qwen-image-2.1"]       # settings of one model entry, by its id
     adapters = ["~/loras/style.safetensors:0.8"]   # LoRA files (FILE[:STRENGTH], relative to
@@ -137,6 +141,9 @@ class ImageConfig:
     memory_headroom_mb: int = 2048
     memory_budget_mb: int = 0  # 0: the machine's memory less the headroom (server/memory.py)
     encoder_residency: str = "auto"  # one of ENCODER_RESIDENCIES
+    image_url_ttl_s: float = 3600.0  # server/image_store.py
+    image_url_store_mb: int = 512
+    image_url_dir: str = ""  # "": a temporary folder of the server's own
 
 
 @dataclass(frozen=True)
@@ -390,15 +397,18 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     for name in ("tensor_cache_mb", "adapter_cache_mb"):
         if name in image:
             setattr(config.image, name, _typed(image, name, int))
-    for name in ("memory_headroom_mb", "memory_budget_mb"):
+    for name in ("memory_headroom_mb", "memory_budget_mb", "image_url_store_mb"):
         if name in image:
             setattr(config.image, name, _typed(image, name, int))
     for name in ("steps_api", "steps_remote"):
         if name in image:
             setattr(config.image, name, _typed(image, name, bool))
-    for name in ("run_idle_s", "run_sweep_s"):
+    for name in ("run_idle_s", "run_sweep_s", "image_url_ttl_s"):
         if name in image:
             setattr(config.image, name, float(_typed(image, name, (int, float))))
+    if _typed(image, "image_url_dir", str) if "image_url_dir" in image else "":
+        folder = path.parent / Path(image["image_url_dir"]).expanduser()  # relative: to the file
+        config.image.image_url_dir = str(folder)
     if "encoder_residency" in image:
         config.image.encoder_residency = _choice(
             image, "encoder_residency", ENCODER_RESIDENCIES, "server.image"
@@ -572,3 +582,5 @@ def _validate(config: ServerConfig) -> None:
             raise ConfigError(f"server.image.{name} must not be negative")
     if image.run_idle_s <= 0 or image.run_sweep_s <= 0:
         raise ConfigError("server.image.run_idle_s and run_sweep_s must be positive")
+    if not image.image_url_ttl_s > 0 or image.image_url_store_mb <= 0:
+        raise ConfigError("server.image.image_url_ttl_s and image_url_store_mb must be positive")

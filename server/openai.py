@@ -1,20 +1,33 @@
-"""The OpenAI image routes: POST /v1/images/generations and POST /v1/images/edits.
+"""The OpenAI image routes: POST /v1/images/generations, /v1/images/edits and
+/v1/images/variations, and GET /v1/images/files/{name} for the images answered by URL.
 
 They answer the OpenAI images API's shape, `{"created": <unix time>, "data": [{"b64_json":
-"<base64 PNG>"}, ...]}`, and refuse in its error shape, `{"error": {"message", "type", "param",
-"code"}}`. Images are sampled with the in-process sampler (`engine/sampling.py`) on the server's
-loaded model. Every model call (each encode, each step, each decode) is its own job on the image
-worker, so the steps of step clients and of these routes interleave in arrival order instead of
-one image holding the worker for its whole duration.
+"<base64 PNG>"} or {"url": ...}, ...]}`, or with `stream: true` its Server-Sent Events
+(`image_generation.partial_image` ... `image_generation.completed`; `image_edit.*` for edits),
+and refuse in its error shape, `{"error": {"message", "type", "param", "code"}}`. Images are
+sampled with the in-process sampler (`engine/sampling.py`) on the server's loaded model. Every
+model call (each encode, each step, each decode) is its own job on the image worker, so the
+steps of step clients and of these routes interleave in arrival order instead of one image
+holding the worker for its whole duration.
+
+How an edit uses its images:
+- with a `mask` (OpenAI's: a PNG with alpha, transparent where to paint; without alpha, white
+  where to paint) it inpaints the first image at `strength` (default 1), the others being
+  references;
+- with a `strength` and no mask it is an image to image from the first image;
+- with neither, the images are references, for a model that takes them; a model that takes none
+  starts from the first image at DEFAULT_IMAGE_STRENGTH.
+A variation is an image to image from its image at `strength` (default DEFAULT_IMAGE_STRENGTH)
+under `prompt` (default empty); a model that takes references gets the image as one too.
 
 Fields beyond OpenAI's, all optional: `seed` (int; default random, image i of `n` gets seed + i),
 `steps` (int 1-1000; default the model's own), `cfg` or `guidance` (number 0-100, cfg winning;
-default the model's own), `negative_prompt` (str), `sampler` ("euler" or "uni_pc_bh2"). A JSON
-field that is null is absent; a form field's text is read as the JSON value it stands for
-(`form_value`). Only `response_format: "b64_json"` is served: `"url"` is refused 400 (this server
-keeps no files). Sizes are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a
-generation, the first reference's size for an edit); over 2048x2048 pixels or a side over 4096
-is refused 413, as on the step routes. docs/openapi.yaml describes both routes field by field.
+default the model's own), `negative_prompt` (str), `sampler` ("euler" or "uni_pc_bh2"),
+`strength` (number above 0, at most 1), `mask_blur` (pixels, 0-256). A JSON field that is null
+is absent; a form field's text is read as the JSON value it stands for (`form_value`). Sizes
+are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a generation, the first image's
+size for an edit or variation); over 2048x2048 pixels or a side over 4096 is refused 413, as on
+the step routes. docs/openapi.yaml describes the routes field by field.
 """
 
 from __future__ import annotations
@@ -24,9 +37,12 @@ import binascii
 import io
 import json
 import logging
+import queue
 import re
 import secrets
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,14 +52,18 @@ from gmlx_contract import wire
 from gmlx_contract.errors import ContractError
 
 from .engine.base import EngineInputError
+from .engine.previews import preview_for
 from .engine.sampling import (
+    MAX_MASK_BLUR,
     SAMPLERS,
     ImageRequest,
     SettingError,
+    check_request,
     generate,
     to_uint8,
 )
-from .imagefiles import decode_image_file
+from .image_store import StoreFull
+from .imagefiles import decode_image_file, mask_of
 from .memory import PlannedTransport
 
 log = logging.getLogger("gmlx.server")
@@ -51,7 +71,14 @@ log = logging.getLogger("gmlx.server")
 PREFIX = "/v1/"
 GENERATIONS_PATH = PREFIX + "images/generations"
 EDITS_PATH = PREFIX + "images/edits"
+VARIATIONS_PATH = PREFIX + "images/variations"
+FILES_PREFIX = PREFIX + "images/files/"
+FILES_PATH = FILES_PREFIX + "{name}"
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's bound on n
+MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on partial_images
+# The strength of a variation, and of an edit without mask or strength on a model that takes
+# no references: enough of the image is drawn again to vary it, and its layout stays.
+DEFAULT_IMAGE_STRENGTH = 0.75
 MAX_REFERENCES = 10
 DEFAULT_SIZE = (1024, 1024)
 SIZE_MULTIPLE = 16
@@ -61,13 +88,27 @@ MAX_GUIDANCE = 100
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 RESPONSE_FORMATS = ("b64_json", "url")
 SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # whole value; docs/openapi.yaml says so too
-# Form fields (multipart edits) that are numbers in a JSON body.
-FORM_NUMBERS = {"n": int, "seed": int, "steps": int, "cfg": float, "guidance": float}
+# Form fields (multipart bodies) that are numbers or booleans in a JSON body.
+FORM_NUMBERS = {
+    "n": int,
+    "seed": int,
+    "steps": int,
+    "cfg": float,
+    "guidance": float,
+    "strength": float,
+    "mask_blur": float,
+    "partial_images": int,
+}
+FORM_BOOLEANS = ("stream",)
+IMAGE_PARTS = ("image", "image[]", "images", "images[]")
 # A sampling setting the model refuses, as a refusal names it: (its words, the request field).
 SETTING_FIELDS = {
     "steps": ("steps", "steps"),
     "width": ("the width in size", "size"),
     "height": ("the height in size", "size"),
+    "strength": ("strength", "strength"),
+    "mask": ("mask", "mask"),
+    "mask_blur": ("mask_blur", "mask_blur"),
 }
 
 
@@ -114,6 +155,8 @@ def add_routes(app: falcon.App, ctx: Any) -> None:
     app.add_error_handler(OpenAIError, handle_openai_error)
     app.add_route(GENERATIONS_PATH, Generations(ctx))
     app.add_route(EDITS_PATH, Edits(ctx))
+    app.add_route(VARIATIONS_PATH, Variations(ctx))
+    app.add_route(FILES_PATH, ImageFile(ctx))
 
 
 # ---------------------------------------------------------------- request fields
@@ -162,14 +205,33 @@ def _int(fields: dict, name: str, default: int | None, low: int, high: int) -> i
     return value
 
 
-def _float(fields: dict, name: str) -> float | None:
+def _float(fields: dict, name: str, high: float = MAX_GUIDANCE) -> float | None:
     value = fields.get(name)
     if value is None:
         return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not 0 <= value <= MAX_GUIDANCE:  # NaN compares False
-        raise OpenAIError(400, f"{name} must be a number from 0 to {MAX_GUIDANCE}", name)
+    if not number or not 0 <= value <= high:  # NaN compares False
+        raise OpenAIError(400, f"{name} must be a number from 0 to {high:g}", name)
     return float(value)
+
+
+def _strength(fields: dict) -> float | None:
+    value = fields.get("strength")
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not 0 < value <= 1:
+        raise OpenAIError(400, "strength must be a number above 0 and at most 1", "strength")
+    return float(value)
+
+
+def _bool(fields: dict, name: str) -> bool:
+    value = fields.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise OpenAIError(400, f"{name} must be true or false", name)
+    return value
 
 
 def _text(fields: dict, name: str, required: bool = False) -> str | None:
@@ -193,32 +255,41 @@ def _choice(fields: dict, name: str, choices: Any, default: str) -> str:
 @dataclass(frozen=True)
 class Job:
     """What a request asks for: `count` images like `request` (seeds counting up from its seed)
-    in `output_format`, of `model` (None: the default model)."""
+    in `output_format`, of `model` (None: the default model), answered as `response_format`
+    or streamed (`stream`, with `partial_images` previews each, as events named `events`);
+    `use` says how the images sent are used once the model is known (`for_model`)."""
 
     request: ImageRequest
     count: int
     output_format: str
     model: str | None
+    response_format: str = "b64_json"
+    stream: bool = False
+    partial_images: int = 0
+    events: str = "image_generation"
+    use: str = "prompt"  # "prompt", "start", "references" or "variation"
 
 
-def parse_job(fields: dict, default_size: tuple[int, int]) -> Job:
+def parse_job(fields: dict, default_size: tuple[int, int], prompt_required: bool = True) -> Job:
     """The job of a request's fields: JSON values (a form's are converted first, `form_value`;
     null is the same as absent). A size over the limit is refused last."""
     model = model_field(fields)
-    if fields.get("response_format") == "url":
-        raise OpenAIError(
-            400,
-            "response_format 'url' is not served: this server keeps no image files; use 'b64_json'",
-            "response_format",
-        )
-    _choice(fields, "response_format", RESPONSE_FORMATS, "b64_json")
+    response_format = _choice(fields, "response_format", RESPONSE_FORMATS, "b64_json")
     output_format = _choice(fields, "output_format", OUTPUT_FORMATS, "png")
     sampler = _choice(fields, "sampler", SAMPLERS, "euler")
+    stream = _bool(fields, "stream")
+    if stream and response_format == "url":
+        raise OpenAIError(
+            400, "streamed images come as b64_json: leave response_format out", "response_format"
+        )
+    partial_images = _int(fields, "partial_images", 0, 0, MAX_PARTIAL_IMAGES)
     cfg, guidance = _float(fields, "cfg"), _float(fields, "guidance")
     width, height = parse_size(fields.get("size"), default_size)
     seed = _int(fields, "seed", None, 0, MAX_SEED)
+    strength = _strength(fields)
+    prompt = _text(fields, "prompt", required=prompt_required)
     request = ImageRequest(
-        prompt=_text(fields, "prompt", required=True),
+        prompt=prompt or "",
         negative=_text(fields, "negative_prompt"),
         width=width,
         height=height,
@@ -226,10 +297,34 @@ def parse_job(fields: dict, default_size: tuple[int, int]) -> Job:
         steps=_int(fields, "steps", None, 1, MAX_STEPS),
         cfg=guidance if cfg is None else cfg,
         sampler=sampler,
+        strength=1.0 if strength is None else strength,
+        mask_blur=_float(fields, "mask_blur", MAX_MASK_BLUR) or 0.0,
     )
-    job = Job(request, _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST), output_format, model)
+    count = _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST)
+    job = Job(request, count, output_format, model, response_format, stream, partial_images)
     check_size_limit(width, height)
     return job
+
+
+def for_model(job: Job, status: dict, model_id: str) -> ImageRequest:
+    """The job's request on a model of this status: an edit's images as references where the
+    model takes them, else as the image it starts from (module docstring)."""
+    takes_references = bool(status.get("edit_capable"))
+    request = job.request
+    if job.use == "references" and not takes_references:
+        first, *others = request.images
+        request = replace(
+            request, init_image=first, images=tuple(others), strength=DEFAULT_IMAGE_STRENGTH
+        )
+    elif job.use == "variation" and takes_references:
+        request = replace(request, images=(request.init_image,))
+    if request.images and not takes_references:
+        raise OpenAIError(
+            400,
+            f"model {model_id} takes no reference images: send one image to start from",
+            "image",
+        )
+    return request
 
 
 def model_field(fields: dict) -> str | None:
@@ -251,40 +346,65 @@ class ImageRoute:
     def service(self):
         return self.ctx.service
 
-    def answer(self, resp: falcon.Response, job: Job) -> None:
+    def answer(self, req: falcon.Request, resp: falcon.Response, job: Job) -> None:
+        """Sample the job's images and answer them (JSON, or events with `stream`). Every
+        refusal the requests can meet is made before the first image is sampled."""
         try:
             loaded = self.service.acquire(job.model)
         except ContractError as exc:
             raise OpenAIError(exc.status, exc.message, "model") from None
-        request = job.request
         try:
-            images = [
-                self.one_image(loaded, replace(request, seed=request.seed + i), job.output_format)
-                for i in range(job.count)
-            ]
-        except ContractError as exc:
-            raise OpenAIError(exc.status, exc.message) from None
-        except SettingError as exc:
-            name, field = SETTING_FIELDS.get(exc.setting, (exc.setting, exc.setting))
-            raise OpenAIError(400, exc.naming(name), field) from None
-        except ValueError as exc:  # engine input errors and sampler refusals are the client's
-            raise OpenAIError(400, str(exc) or type(exc).__name__) from None
-        finally:
+            with refusals():
+                status = self.service.worker.call(loaded.model.status)
+                request = for_model(job, status, loaded.model_id)
+                requests = [replace(request, seed=request.seed + i) for i in range(job.count)]
+                for each in requests:
+                    self.transport(loaded).check_image(status, each)
+            if job.stream:
+                resp.status = 200
+                resp.content_type = "text/event-stream"
+                resp.set_header("Cache-Control", "no-cache")
+                resp.stream = EventStream(self, loaded, status, job, requests)
+                return
+            with refusals():
+                files = [self.one_image(loaded, status, each, job) for each in requests]
+        except BaseException:
             self.service.release(loaded)
+            raise
+        self.service.release(loaded)
+        data = [self.answer_item(req, data, job) for data in files]
         resp.status = 200
         resp.content_type = "application/json"
         resp.data = json.dumps(
-            {"created": int(time.time()), "data": [{"b64_json": image} for image in images]}
+            {
+                "created": int(time.time()),
+                "data": data,
+                "output_format": job.output_format,
+                "size": f"{request.width}x{request.height}",
+            }
         ).encode("utf-8")
 
-    def one_image(self, loaded: Any, request: ImageRequest, output_format: str) -> str:
-        service = self.service
-        transport = PlannedTransport(
-            loaded, service.memory, call=service.worker.call, table=loaded.default_table
+    def answer_item(self, req: falcon.Request, data: bytes, job: Job) -> dict:
+        """One image of the answer: base64, or a URL of the image store's."""
+        if job.response_format == "b64_json":
+            return {"b64_json": base64.b64encode(data).decode("ascii")}
+        try:
+            name = self.service.image_store().put(data, job.output_format)
+        except StoreFull as exc:
+            raise OpenAIError(503, str(exc)) from None
+        return {"url": req.prefix + FILES_PREFIX + name}
+
+    def transport(self, loaded: Any) -> PlannedTransport:
+        return PlannedTransport(
+            loaded, self.service.memory, call=self.service.worker.call, table=loaded.default_table
         )
-        status = service.worker.call(loaded.model.status)
-        transport.check_image(status, request)
-        latents, timings = generate(transport, status, request)
+
+    def one_image(
+        self, loaded: Any, status: dict, request: ImageRequest, job: Job, on_denoised=None
+    ) -> bytes:
+        """One image's file in the job's format (`on_denoised`: the sampler's previews)."""
+        transport = self.transport(loaded)
+        latents, timings = generate(transport, status, request, on_denoised=on_denoised)
         pixels = transport.decode(latents)
         log.info(
             "image %dx%d, %d steps, seed %d in %.2f s",
@@ -294,37 +414,219 @@ class ImageRoute:
             request.seed,
             timings.image_s,
         )
-        return encode_image(pixels, output_format)
+        return encode_image(pixels, job.output_format)
 
 
-def encode_image(pixels: np.ndarray, output_format: str) -> str:
+@contextmanager
+def refusals():
+    """The sampler's and the engine's refusals in the OpenAI error shape."""
+    try:
+        yield
+    except ContractError as exc:
+        raise OpenAIError(exc.status, exc.message) from None
+    except SettingError as exc:
+        name, field = SETTING_FIELDS.get(exc.setting, (exc.setting, exc.setting))
+        raise OpenAIError(400, exc.naming(name), field) from None
+    except ValueError as exc:  # engine input errors and sampler refusals are the client's
+        raise OpenAIError(400, str(exc) or type(exc).__name__) from None
+
+
+def encode_image(pixels: np.ndarray, output_format: str) -> bytes:
+    return encode_picture(to_uint8(pixels), output_format)
+
+
+def encode_picture(picture: np.ndarray, output_format: str) -> bytes:
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.fromarray(to_uint8(pixels)).save(buffer, format=OUTPUT_FORMATS[output_format])
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    Image.fromarray(picture).save(buffer, format=OUTPUT_FORMATS[output_format])
+    return buffer.getvalue()
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def partial_steps(steps: int, partial_images: int) -> list[int]:
+    """The steps after which a preview is sent: `partial_images` of them spread evenly, never
+    the last (the final image follows it)."""
+    chosen = {(k + 1) * steps // (partial_images + 1) - 1 for k in range(partial_images)}
+    return sorted(step for step in chosen if 0 <= step < steps - 1)
+
+
+class StreamClosed(Exception):
+    """The client of a streamed answer went away: its sampling stops at the next step."""
+
+
+class EventStream:
+    """The body of a streamed answer: for each image its previews, then the image, as
+    Server-Sent Events in OpenAI's shape. A thread of its own samples the images and queues
+    the events as they are made; the body hands them on. When the client goes away (Waitress
+    closes the body) the sampling stops at its next step. The model is released when the
+    sampling has ended, however it ended."""
+
+    def __init__(self, route: ImageRoute, loaded: Any, status: dict, job: Job, requests) -> None:
+        self.route, self.loaded, self.status, self.job = route, loaded, status, job
+        self.requests = requests
+        self.events: queue.Queue = queue.Queue()
+        self.closed = threading.Event()
+        self.sampler = threading.Thread(target=self._produce, name="gmlx-openai-stream")
+        self.sampler.daemon = True
+        self.sampler.start()
+
+    def __iter__(self):
+        while True:
+            event = self.events.get()
+            if event is None:
+                return
+            yield event
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def _produce(self) -> None:
+        try:
+            for request in self.requests:
+                self._one(request)
+        except StreamClosed:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the client is told, in OpenAI's shape
+            self.events.put(self._event("error", json.loads(self._refusal(exc).body())))
+        finally:
+            self.route.service.release(self.loaded)
+            self.events.put(None)
+
+    @staticmethod
+    def _refusal(exc: Exception) -> OpenAIError:
+        try:
+            with refusals():
+                raise exc
+        except OpenAIError as refused:
+            return refused
+        except Exception:  # noqa: BLE001 - the server's own failure
+            log.exception("a streamed image failed")
+            return OpenAIError(500, f"the image failed: {type(exc).__name__}")
+
+    def _one(self, request: ImageRequest) -> None:
+        job, route = self.job, self.route
+        sigmas, _ = check_request(self.status, request)
+        wanted = partial_steps(len(sigmas) - 1, job.partial_images)
+        transport = route.transport(self.loaded)
+
+        def on_denoised(step: int, denoised: np.ndarray) -> None:
+            if self.closed.is_set():
+                raise StreamClosed
+            if step in wanted:
+                fitted = preview_for(self.loaded.model, transport.encode_image)
+                picture = fitted.picture(denoised, request.width, request.height)
+                data = encode_picture(picture, job.output_format)
+                index = wanted.index(step)
+                self.events.put(self._image_event("partial_image", data, request, index))
+
+        image = route.one_image(self.loaded, self.status, request, job, on_denoised)
+        self.events.put(self._image_event("completed", image, request))
+
+    def _image_event(self, kind: str, data: bytes, request: ImageRequest, index=None) -> bytes:
+        body = {
+            "type": f"{self.job.events}.{kind}",
+            "b64_json": base64.b64encode(data).decode("ascii"),
+            "created_at": int(time.time()),
+            "size": f"{request.width}x{request.height}",
+            "quality": "auto",
+            "background": "opaque",
+            "output_format": self.job.output_format,
+        }
+        if index is not None:
+            body["partial_image_index"] = index
+        else:
+            body["usage"] = NO_USAGE
+        return self._event(body["type"], body)
+
+    @staticmethod
+    def _event(name: str, body: dict) -> bytes:
+        return f"event: {name}\ndata: {json.dumps(body)}\n\n".encode()
+
+
+# OpenAI's token usage, which a diffusion model has none of.
+NO_USAGE = {
+    "input_tokens": 0,
+    "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+    "output_tokens": 0,
+    "total_tokens": 0,
+}
+
+
+# ---------------------------------------------------------------- the routes
 
 
 class Generations(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        self.answer(resp, parse_job(json_fields(req), DEFAULT_SIZE))
+        self.answer(req, resp, parse_job(json_fields(req), DEFAULT_SIZE))
 
 
 class Edits(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        if (req.content_type or "").split(";", 1)[0].strip() == "multipart/form-data":
-            fields, images = multipart_fields(req)
-        else:
-            fields = json_fields(req)
-            images = json_images(fields)
+        fields, images, mask = image_fields(req)
         if not images:
-            raise OpenAIError(400, "an edit needs at least one reference image", "image")
+            raise OpenAIError(400, "an edit needs at least one image", "image")
         if len(images) > MAX_REFERENCES:
-            raise OpenAIError(400, f"at most {MAX_REFERENCES} reference images", "image")
-        if fields.get("mask") is not None:
-            raise OpenAIError(400, "masks are not supported; send the image(s) only", "mask")
+            raise OpenAIError(400, f"at most {MAX_REFERENCES} images", "image")
         job = parse_job(fields, edit_size(images[0]))
-        self.answer(resp, replace(job, request=replace(job.request, images=tuple(images))))
+        job = replace(job, events="image_edit")
+        if mask is not None:
+            check_mask(mask, images[0])
+            first, *others = images
+            request = replace(job.request, init_image=first, images=tuple(others), mask=mask)
+            self.answer(req, resp, replace(job, request=request, use="start"))
+        elif fields.get("strength") is not None:
+            first, *others = images
+            request = replace(job.request, init_image=first, images=tuple(others))
+            self.answer(req, resp, replace(job, request=request, use="start"))
+        else:
+            request = replace(job.request, images=tuple(images))
+            self.answer(req, resp, replace(job, request=request, use="references"))
+
+
+class Variations(ImageRoute):
+    def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
+        fields, images, mask = image_fields(req)
+        if len(images) != 1:
+            raise OpenAIError(400, "a variation takes exactly one image", "image")
+        if mask is not None:
+            raise OpenAIError(400, "a variation takes no mask; use an edit", "mask")
+        if fields.get("stream") is not None:
+            raise OpenAIError(400, "variations are not streamed", "stream")
+        job = parse_job(fields, edit_size(images[0]), prompt_required=False)
+        if fields.get("strength") is None:
+            job = replace(job, request=replace(job.request, strength=DEFAULT_IMAGE_STRENGTH))
+        request = replace(job.request, init_image=images[0])
+        self.answer(req, resp, replace(job, request=request, use="variation"))
+
+
+class ImageFile:
+    """GET /v1/images/files/{name}: an image the routes answered by URL, while it is kept. The
+    name is the capability (128 random bits), so no API key is asked (app.FrontGate)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response, name: str) -> None:
+        store = self.ctx.service.image_store(create=False)
+        found = None if store is None else store.get(name)
+        if found is None:
+            raise OpenAIError(404, f"no image {name[:80]!r} is kept here (it may have expired)")
+        resp.data, resp.content_type = found
+        resp.set_header("Cache-Control", "private, max-age=60")
+
+
+def check_mask(mask: np.ndarray, image: np.ndarray) -> None:
+    """OpenAI's rule: the mask has the image's size."""
+    if mask.shape[:2] != image.shape[:2]:
+        raise OpenAIError(
+            400,
+            f"the mask is {mask.shape[1]}x{mask.shape[0]} but the image is"
+            f" {image.shape[1]}x{image.shape[0]}: they must be the same size",
+            "mask",
+        )
 
 
 def edit_size(image: np.ndarray) -> tuple[int, int]:
@@ -407,33 +709,55 @@ def _decode_file(field: str, index: int, data: bytes) -> np.ndarray:
         raise OpenAIError(400, f"{field}[{index}]: {exc}", field) from None
 
 
-def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray]]:
-    """Fields and reference images of a multipart edit (`image`, `image[]` or `images[]`)."""
+def image_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray], np.ndarray | None]:
+    """The fields, images and mask (uint8 (H, W), 255 where to paint; None: none) of an edit
+    or a variation, multipart or JSON."""
+    if (req.content_type or "").split(";", 1)[0].strip() == "multipart/form-data":
+        fields, images, mask_file = multipart_fields(req)
+        mask = None if mask_file is None else _decode_file("mask", 0, mask_file)
+    else:
+        fields = json_fields(req)
+        images = json_images(fields)
+        mask = fields.get("mask")
+        if mask is not None:
+            mask = _decode("mask", 0, _base64_of("mask", 0, mask))
+    return fields, images, None if mask is None else mask_of(mask)
+
+
+def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray], bytes | None]:
+    """Fields, images (`image`, `image[]`, `images` or `images[]` parts) and the mask file of a
+    multipart body."""
     body = getattr(req.context, "body", None)
     if body is None:
         body = req.bounded_stream.read()
     handler = req.options.media_handlers["multipart/form-data"]
     fields: dict[str, Any] = {}
     images: list[np.ndarray] = []
+    mask = None
     try:
         for part in handler.deserialize(io.BytesIO(body), req.content_type, len(body)):
             name = part.name or ""
-            if name in ("image", "image[]", "images", "images[]"):
+            if name in IMAGE_PARTS:
                 data = part.stream.read()
                 images.append(_decode_file("image", len(images), data))
             elif name == "mask":
-                fields["mask"] = True
+                mask = part.stream.read()
             else:
                 fields[name] = form_value(name, part.text)
     except falcon.HTTPError as exc:  # malformed multipart (Falcon's MediaMalformedError etc.)
         raise OpenAIError(400, f"the multipart body could not be read: {exc.title}") from None
-    return fields, images
+    return fields, images, mask
 
 
 def form_value(name: str, text: str) -> Any:
     """A form field as the JSON value it stands for: numbers parsed, "" absent (None)."""
     if text == "":
         return None
+    if name in FORM_BOOLEANS:
+        value = {"true": True, "false": False}.get(text.strip().lower())
+        if value is None:
+            raise OpenAIError(400, f"{name} must be true or false, not {text[:40]!r}", name)
+        return value
     kind = FORM_NUMBERS.get(name)
     if kind is None:
         return text

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -379,6 +380,8 @@ class StepsService:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="gmlx-sweeper", daemon=True)
+        self.config = config
+        self._image_store = None
 
     def start(self) -> None:
         self.worker.start()
@@ -398,6 +401,24 @@ class StepsService:
         self.worker.stop()
         if self._sweeper.is_alive():
             self._sweeper.join(timeout=self.sweep_s + 1)
+        with self._lock:
+            store, self._image_store = self._image_store, None
+        if store is not None:
+            store.close()
+
+    def image_store(self, create: bool = True):
+        """The OpenAI routes' store of images answered by URL (server/image_store.py), made the
+        first time one is put (None before that, when `create` is false)."""
+        from .image_store import ImageStore
+
+        with self._lock:
+            if self._image_store is None and create:
+                image = self.config
+                folder = Path(image.image_url_dir) if image.image_url_dir else None
+                self._image_store = ImageStore(
+                    folder, image.image_url_ttl_s, image.image_url_store_mb * MiB
+                )
+            return self._image_store
 
     # ------------------------------------------------------------ models
 

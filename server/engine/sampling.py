@@ -54,6 +54,8 @@ class Guidance:
 
 
 MAX_MASK_BLUR = 256.0  # pixels
+# The longest schedule a strength below 1 may shorten (int(steps / strength) steps).
+MAX_SCHEDULE = 10_000
 
 
 class SettingError(ValueError):
@@ -129,7 +131,15 @@ def resolve_sigmas(
     steps = steps or int(sampling.get("steps") or 0)
     if steps < 1:
         raise SettingError("steps", "this model has no step count of its own; give {name}")
-    total = contract_schedules.denoise_total(steps, denoise)
+    total = (
+        contract_schedules.denoise_total(steps, denoise) if denoise >= steps / MAX_SCHEDULE else 0
+    )
+    if not 0 < total <= MAX_SCHEDULE:
+        raise SettingError(
+            "strength",
+            f"{{name}} {denoise:g} with {steps} steps shortens a schedule of more than"
+            f" {MAX_SCHEDULE} steps; raise it or give fewer steps",
+        )
     rule = sampling.get("schedule")
     if rule:
         from gmlx_server.engine import schedules

@@ -103,12 +103,12 @@ def exercise(server, operation, mode: GenerationMode, examples: int, headers=Non
 def test_the_description_lists_every_route():
     """Every route of the app is described, and nothing else."""
     from gmlx_server.app import HEALTH_PATH, METRICS_PATH, step_routes
-    from gmlx_server.openai import EDITS_PATH, GENERATIONS_PATH
+    from gmlx_server.openai import EDITS_PATH, FILES_PATH, GENERATIONS_PATH, VARIATIONS_PATH
     from gmlx_server.routes.common import PREFIX
 
     doc = yaml.safe_load(OPENAPI.read_text())
     described = set(doc["paths"])
-    served = {HEALTH_PATH, METRICS_PATH, GENERATIONS_PATH, EDITS_PATH}
+    served = {HEALTH_PATH, METRICS_PATH, GENERATIONS_PATH, EDITS_PATH, VARIATIONS_PATH, FILES_PATH}
     served |= {PREFIX + "/" + path for path, _ in step_routes(None)}
     assert described == served
 
@@ -116,9 +116,10 @@ def test_the_description_lists_every_route():
 def test_the_openai_fields_are_described_as_served():
     """The OpenAI routes' bounds and choices in the description are the code's."""
     from gmlx_server import openai
-    from gmlx_server.engine.sampling import SAMPLERS
+    from gmlx_server.engine.sampling import MAX_MASK_BLUR, SAMPLERS
 
-    job = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]["ImageJob"]["properties"]
+    schemas = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]
+    job = schemas["ImageJobFields"]["properties"]
     assert job["size"]["pattern"] == f"^(auto|{openai.SIZE_RE.pattern})$"
     assert job["n"]["maximum"] == openai.MAX_IMAGES_PER_REQUEST
     assert job["steps"]["maximum"] == openai.MAX_STEPS
@@ -127,6 +128,9 @@ def test_the_openai_fields_are_described_as_served():
     assert job["sampler"]["enum"] == [*SAMPLERS, None]
     assert job["output_format"]["enum"] == [*openai.OUTPUT_FORMATS, None]
     assert job["response_format"]["enum"] == [*openai.RESPONSE_FORMATS, None]
+    assert job["partial_images"]["maximum"] == openai.MAX_PARTIAL_IMAGES
+    assert job["mask_blur"]["maximum"] == MAX_MASK_BLUR
+    assert (job["strength"]["minimum"], job["strength"]["maximum"]) == (0, 1)
 
 
 @pytest.mark.parametrize("operation", OPERATIONS, ids=operation_id)

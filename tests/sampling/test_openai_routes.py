@@ -69,7 +69,8 @@ def test_generation_answers_the_openai_shape_and_equals_direct(server):
     resp = post(server, "/v1/images/generations", json=doc)
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    assert set(body) == {"created", "data"} and isinstance(body["created"], int)
+    assert set(body) == {"created", "data", "output_format", "size"}
+    assert isinstance(body["created"], int) and body["size"] == "64x32"
     assert len(body["data"]) == 2 and set(body["data"][0]) == {"b64_json"}
     first, second = (png_pixels(item["b64_json"]) for item in body["data"])
     assert first.shape == (32, 64, 3)
@@ -80,7 +81,11 @@ def test_generation_answers_the_openai_shape_and_equals_direct(server):
 
 def test_generation_refusals(server):
     cases = [
-        ({"prompt": "x", "response_format": "url"}, 400, "response_format"),
+        ({"prompt": "x", "response_format": "link"}, 400, "response_format"),
+        ({"prompt": "x", "response_format": "url", "stream": True}, 400, "response_format"),
+        ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "x", "stream": True, "partial_images": 4}, 400, "partial_images"),
+        ({"prompt": "x", "size": "32x32", "strength": 0.5}, 400, "strength"),
         ({"prompt": "x", "size": "2064x2048"}, 413, "size"),
         ({"prompt": "x", "size": "4112x16"}, 413, "size"),
         ({"prompt": "x", "size": "100x100"}, 400, "size"),
@@ -172,9 +177,18 @@ def test_edit_auto_size_and_refusals(server):
         server,
         "/v1/images/edits",
         data={"prompt": "x"},
-        files={"image": ("a.png", image), "mask": ("m.png", image)},
+        files={"image": ("a.png", image), "mask": ("m.png", png_file(40, 64, 4))},
     )
     assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
+    assert "the mask is 40x64 but the image is 40x72" in masked.json()["error"]["message"]
+    for strength in ("0", "1e-9", "1.5", "nan"):  # 1e-9 would evaluate 10^9 steps to keep 1
+        weak = post(
+            server,
+            "/v1/images/edits",
+            data={"prompt": "x", "steps": "1", "strength": strength},
+            files={"image": ("a.png", image)},
+        )
+        assert weak.status_code == 400 and weak.json()["error"]["param"] == "strength", weak.text
     remote = post(
         server, "/v1/images/edits", json={"prompt": "x", "image": "https://example.com/a.png"}
     )

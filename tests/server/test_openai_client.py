@@ -1,0 +1,236 @@
+"""The official `openai` Python client drives every OpenAI image route of a real server (loopback
+port) on the embedded tiny models: generations, edits with and without a mask, variations,
+`b64_json` and `url` answers, and `stream=True` with partial images. What the client parses is
+compared with the in-process sampler's image of the same request, pixel for pixel."""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import requests
+from gmlx_server.engine.sampling import ImageRequest, generate, to_uint8
+from gmlx_server.image_cli import ModelChoice, StepServer
+from gmlx_server.imagefiles import mask_of
+from gmlx_server.memory import PlannedTransport
+from PIL import Image
+
+openai = pytest.importorskip("openai")
+
+Z_IMAGE = "z-image-random-tiny"  # takes no references: edits start from the image
+KLEIN = "flux2-klein-random-tiny"  # takes references
+SIZE = (96, 64)
+
+
+@pytest.fixture(scope="module")
+def server():
+    from gmlx_server.config import ServerConfig
+    from gmlx_server.process import config_registry
+
+    registry, _ = config_registry(ServerConfig(), Z_IMAGE)  # the embedded models
+    with StepServer(ModelChoice(registry, Z_IMAGE, 0.0)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def pixels_of(data: bytes) -> np.ndarray:
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def init_picture() -> np.ndarray:
+    rows, cols = np.mgrid[0 : SIZE[1], 0 : SIZE[0]]
+    return np.stack([rows * 5, cols * 4, 255 - rows * 5], axis=-1).astype(np.uint8)
+
+
+def alpha_mask() -> np.ndarray:
+    """OpenAI's edit mask: opaque where kept, transparent where to paint."""
+    mask = np.full((SIZE[1], SIZE[0], 4), 255, np.uint8)
+    mask[8:40, 16:48, 3] = 0
+    return mask
+
+
+def in_process(server, model_id: str, request: ImageRequest) -> np.ndarray:
+    loaded = server.service.acquire(model_id)
+    try:
+        service = server.service
+        transport = PlannedTransport(
+            loaded, service.memory, call=service.worker.call, table=loaded.default_table
+        )
+        status = loaded.model.status()
+        latents, _ = generate(transport, status, request)
+        return to_uint8(transport.decode(latents))
+    finally:
+        server.service.release(loaded)
+
+
+def request_of(prompt: str, **settings) -> ImageRequest:
+    return ImageRequest(prompt=prompt, width=SIZE[0], height=SIZE[1], **settings)
+
+
+def test_generation_as_base64_and_as_a_url(server, client):
+    args = {"prompt": "a lighthouse", "size": "96x64", "extra_body": {"seed": 3}}
+    answer = client.images.generate(model=Z_IMAGE, **args)
+    image = pixels_of(base64.b64decode(answer.data[0].b64_json))
+    np.testing.assert_array_equal(
+        image, in_process(server, Z_IMAGE, request_of("a lighthouse", seed=3))
+    )
+    linked = client.images.generate(model=Z_IMAGE, response_format="url", **args)
+    url = linked.data[0].url
+    assert url.startswith(server.base_url + "/v1/images/files/")
+    fetched = requests.get(url, timeout=30)
+    assert fetched.status_code == 200 and fetched.headers["Content-Type"] == "image/png"
+    np.testing.assert_array_equal(pixels_of(fetched.content), image)
+
+
+def test_an_edit_with_a_mask_inpaints_the_first_image(server, client):
+    answer = client.images.edit(
+        model=Z_IMAGE,
+        image=("init.png", png(init_picture()), "image/png"),
+        mask=("mask.png", png(alpha_mask()), "image/png"),
+        prompt="a boat",
+        size="96x64",
+        extra_body={"seed": 4, "mask_blur": 2},
+    )
+    expected = request_of(
+        "a boat", seed=4, init_image=init_picture(), mask=mask_of(alpha_mask()), mask_blur=2.0
+    )
+    got = pixels_of(base64.b64decode(answer.data[0].b64_json))
+    np.testing.assert_array_equal(got, in_process(server, Z_IMAGE, expected))
+
+
+def test_an_edit_without_a_mask_references_or_starts_from_its_image(server, client):
+    image = ("init.png", png(init_picture()), "image/png")
+    klein = client.images.edit(
+        model=KLEIN, image=image, prompt="a boat", size="96x64", extra_body={"seed": 4}
+    )
+    referenced = request_of("a boat", seed=4, images=(init_picture(),))
+    got = pixels_of(base64.b64decode(klein.data[0].b64_json))
+    np.testing.assert_array_equal(got, in_process(server, KLEIN, referenced))
+    started = client.images.edit(
+        model=Z_IMAGE, image=image, prompt="a boat", size="96x64", extra_body={"seed": 4}
+    )
+    from_image = request_of("a boat", seed=4, init_image=init_picture(), strength=0.75)
+    got = pixels_of(base64.b64decode(started.data[0].b64_json))
+    np.testing.assert_array_equal(got, in_process(server, Z_IMAGE, from_image))
+    stronger = client.images.edit(
+        model=Z_IMAGE, image=image, prompt="a boat", extra_body={"seed": 4, "strength": 0.5}
+    )
+    got = pixels_of(base64.b64decode(stronger.data[0].b64_json))
+    np.testing.assert_array_equal(
+        got, in_process(server, Z_IMAGE, replace(from_image, strength=0.5))
+    )
+
+
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the client's variations
+@pytest.mark.parametrize("model_id", [Z_IMAGE, KLEIN])
+def test_a_variation_is_an_image_to_image_of_its_picture(server, client, model_id):
+    answer = client.images.create_variation(
+        model=model_id,
+        image=("init.png", png(init_picture()), "image/png"),
+        n=2,
+        extra_body={"seed": 8},
+    )
+    assert len(answer.data) == 2
+    references = (init_picture(),) if model_id == KLEIN else ()
+    expected = request_of("", seed=9, init_image=init_picture(), strength=0.75, images=references)
+    got = pixels_of(base64.b64decode(answer.data[1].b64_json))
+    np.testing.assert_array_equal(got, in_process(server, model_id, expected))
+
+
+def test_streamed_images_arrive_with_their_partial_images(server, client):
+    events = list(
+        client.images.generate(
+            model=Z_IMAGE,
+            prompt="a lighthouse",
+            size="96x64",
+            stream=True,
+            partial_images=2,
+            extra_body={"seed": 3, "steps": 6},
+        )
+    )
+    kinds = [event.type for event in events]
+    assert kinds == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [event.partial_image_index for event in events[:2]] == [0, 1]
+    for event in events[:2]:
+        assert pixels_of(base64.b64decode(event.b64_json)).shape == (64, 96, 3)
+    final = pixels_of(base64.b64decode(events[-1].b64_json))
+    np.testing.assert_array_equal(
+        final, in_process(server, Z_IMAGE, request_of("a lighthouse", seed=3, steps=6))
+    )
+    edits = list(
+        client.images.edit(
+            model=Z_IMAGE,
+            image=("init.png", png(init_picture()), "image/png"),
+            mask=("mask.png", png(alpha_mask()), "image/png"),
+            prompt="a boat",
+            stream=True,
+            partial_images=1,
+            extra_body={"seed": 4, "steps": 4},
+        )
+    )
+    assert [event.type for event in edits] == ["image_edit.partial_image", "image_edit.completed"]
+
+
+def test_refusals_reach_the_client_as_its_errors(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(model=Z_IMAGE, prompt="x", size="60x48")
+    assert "multiples of 16" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.edit(
+            model=Z_IMAGE,
+            image=[("a.png", png(init_picture()), "image/png")] * 2,
+            prompt="x",
+        )
+    assert "takes no reference images" in refused.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.images.generate(model="no-such-model", prompt="x")
+
+
+def test_an_expired_or_made_up_image_url_is_not_found(server):
+    for name in ("0" * 32 + ".png", "../../etc/passwd", "x.png"):
+        answer = requests.get(server.base_url + "/v1/images/files/" + name, timeout=30)
+        assert answer.status_code == 404
+        assert answer.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_stream_whose_client_goes_away_stops_and_lets_the_model_go(server):
+    """A client that reads the first preview and hangs up: the sampling stops at its next step
+    and the model's hold is released (nothing is left held or running)."""
+    import json
+    import time
+
+    body = {"model": Z_IMAGE, "prompt": "x", "size": "96x64", "stream": True, "steps": 80}
+    body["partial_images"] = 3
+    with requests.post(
+        server.base_url + "/v1/images/generations", json=body, stream=True, timeout=60
+    ) as answer:
+        assert answer.status_code == 200
+        assert answer.headers["Content-Type"].startswith("text/event-stream")
+        lines = answer.iter_lines()
+        assert next(lines) == b"event: image_generation.partial_image"
+        assert json.loads(next(lines).removeprefix(b"data: "))["partial_image_index"] == 0
+    registry = server.service.registry
+    deadline = time.monotonic() + 30
+    while registry.holds(Z_IMAGE) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert registry.holds(Z_IMAGE) == 0
+    # and the server serves the next request at once
+    quick = {"model": Z_IMAGE, "prompt": "x", "size": "96x64", "steps": 1}
+    started = time.monotonic()
+    assert requests.post(server.base_url + "/v1/images/generations", json=quick, timeout=60).ok
+    assert time.monotonic() - started < 10
