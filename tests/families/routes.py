@@ -30,3 +30,45 @@ def through_routes(server: StepServer, request: ImageRequest) -> np.ndarray:
         via = ViaStepsTransport(client, server.direct(), server.choice.model_id)
         latents, _ = generate(via, status, request)
     return latents
+
+
+def through_openai_edit(server: StepServer, request: ImageRequest) -> np.ndarray:
+    """The same image to image (or inpainting) as an OpenAI edit of the server: multipart, the
+    init image and the mask (white where to paint) as PNG files; the answer's pixels."""
+    import base64
+    import io
+
+    import requests
+    from PIL import Image
+
+    def png(pixels: np.ndarray) -> bytes:
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    fields = {
+        "prompt": request.prompt,
+        "size": f"{request.width}x{request.height}",
+        "seed": str(request.seed),
+        "strength": str(request.strength),
+        **({"steps": str(request.steps)} if request.steps else {}),
+        **({"cfg": str(request.cfg)} if request.cfg is not None else {}),
+        **({"negative_prompt": request.negative} if request.negative else {}),
+    }
+    files = {"image": ("init.png", png(request.init_image), "image/png")}
+    if request.mask is not None:
+        files["mask"] = ("mask.png", png(request.mask), "image/png")
+    answer = requests.post(
+        server.base_url + "/v1/images/edits", data=fields, files=files, timeout=120
+    )
+    assert answer.status_code == 200, answer.text
+    data = base64.b64decode(answer.json()["data"][0]["b64_json"])
+    with Image.open(io.BytesIO(data)) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def decoded(server: StepServer, latents: np.ndarray) -> np.ndarray:
+    """Final latents as the routes' PNG pixels."""
+    from gmlx_server.engine.sampling import to_uint8
+
+    return to_uint8(server.direct().decode(latents))

@@ -1,7 +1,8 @@
 """Inpainting on the tiny FLUX.2 klein equals diffusers' Flux2KleinInpaintPipeline on the same
 weights, init image, mask, seed and schedule: the final latents in model space, relative L2
-<= 1e-4 in float32, through the in-process sampler and through the step routes. The pipeline
-also takes the init image as its first reference (status `conditioning.inpaint_reference`).
+<= 1e-4 in float32, through the in-process sampler, the step routes and an OpenAI edit (its
+PNG is the decode of those latents). The pipeline also takes the init image as its first
+reference (status `conditioning.inpaint_reference`).
 
 As in test_pipeline_parity.py the pipeline is handed the `flux2` rule's sigmas (its scheduler
 unshifted); the sampler shortens its schedule as ComfyUI does (int(steps / strength) steps
@@ -21,7 +22,7 @@ from PIL import Image
 from tests.families.flux2_klein.reference import rel_l2
 from tests.families.flux2_klein.test_pipeline_parity import pipeline
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
-from tests.families.routes import served_folder, through_routes
+from tests.families.routes import decoded, served_folder, through_openai_edit, through_routes
 
 WIDTH, HEIGHT = 64, 48
 PROMPT = "a red fox in the snow"
@@ -93,3 +94,4 @@ def test_inpainting_equals_the_pipeline(served, steps, strength, cfg):
     assert direct.shape == expected.shape
     assert rel_l2(direct, expected) <= 1e-4
     assert np.array_equal(through_routes(server, request), direct)
+    assert np.array_equal(through_openai_edit(server, request), decoded(server, direct))

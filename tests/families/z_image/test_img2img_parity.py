@@ -1,7 +1,7 @@
 """Image to image and inpainting on the tiny Z-Image equal diffusers' ZImageImg2ImgPipeline and
 ZImageInpaintPipeline on the same weights, init image, mask, seed and schedule: the final
-latents, relative L2 <= 1e-4 in float32, through the in-process sampler and through the step
-routes.
+latents, relative L2 <= 1e-4 in float32, through the in-process sampler, the step routes and
+an OpenAI edit (its PNG is the decode of those latents).
 
 The sampler shortens its schedule as ComfyUI does (int(steps / strength) steps evaluated, the
 last `steps` run); the pipelines drop the first steps of an N-step schedule. With N = steps /
@@ -19,7 +19,7 @@ import torch
 from gmlx_server.engine.sampling import ImageRequest, generate
 from PIL import Image
 
-from tests.families.routes import served_folder, through_routes
+from tests.families.routes import decoded, served_folder, through_openai_edit, through_routes
 from tests.families.z_image.reference import rel_l2
 from tests.families.z_image.tiny.folder import build_tiny_folder
 
@@ -136,6 +136,7 @@ def test_image_to_image_equals_the_pipeline(monkeypatch, folder, server, name):
     assert direct.shape == expected.shape
     assert rel_l2(direct, expected) <= 1e-4
     assert np.array_equal(through_routes(server, request), direct)
+    assert np.array_equal(through_openai_edit(server, request), decoded(server, direct))
     if kind == "inpaint":  # the kept region is the init image's latents, exactly
         start = server.direct().encode_image(init_image().astype(np.float32) / 255)
         kept = mask_image()[::8, ::8] == 0
