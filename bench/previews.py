@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.timing import median_ms  # noqa: E402 - after the path insert
 from gmlx_server.engine.previews import LatentPreview  # noqa: E402
+
+from bench.timing import median_ms  # noqa: E402 - after the path insert
 
 # (family, latent channels, latent stride) of the model space the sampler works in.
 LATENTS = [
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
         side = args.size // stride
         preview = LatentPreview(rng.normal(size=(channels + 1, 3)).astype(np.float32) * 0.1)
         latents = rng.normal(size=(1, channels, side, side)).astype(np.float32)
-        ms = median_ms(lambda: preview.picture(latents, args.size, args.size), args.repeats)
+        ms = median_ms(partial(preview.picture, latents, args.size, args.size), args.repeats)
         print(f"| {name} | {channels} × {side}² | {ms:.1f} |")
     return 0
 

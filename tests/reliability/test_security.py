@@ -20,7 +20,15 @@ from gmlx_server.routes.common import PREFIX
 from ..server.test_remote_peer import client_for, namespace  # noqa: F401 - fixture
 
 OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.yaml"
-SAMPLE_PARAMS = {"{model}": "alpha", "{digest}": "0" * 64, "{run}": "0123456789abcdef"}
+SAMPLE_PARAMS = {
+    "{model}": "alpha",
+    "{digest}": "0" * 64,
+    "{run}": "0123456789abcdef",
+    "{name}": "0" * 32 + ".png",
+}
+# The paths no key guards, and what they answer without one: liveness, and the OpenAI routes'
+# images by URL, whose random names are their key (none is kept under the sample name).
+KEYLESS = {"/health": 200, "/v1/images/files/" + "0" * 32 + ".png": 404}
 
 
 def every_route() -> list[tuple[str, str]]:
@@ -36,7 +44,7 @@ def every_route() -> list[tuple[str, str]]:
 
 
 ROUTES = every_route()
-KEYED_ROUTES = [(m, p) for m, p in ROUTES if p != "/health"]  # the API key guards these
+KEYED_ROUTES = [(m, p) for m, p in ROUTES if p not in KEYLESS]  # the API key guards these
 STEP_ROUTES = [(m, p) for m, p in ROUTES if p.startswith(PREFIX + "/")]  # loopback unless told
 
 PROBE = """
@@ -67,8 +75,8 @@ def probe_routes(ns: str, base: str, key: str, routes) -> dict:
 
 
 def test_the_description_has_every_route():
-    # the 19 operations of docs/contract.md §2, /health, /metrics and the two OpenAI image routes
-    assert len(ROUTES) == 23 and len(STEP_ROUTES) == 19
+    # the 19 operations of docs/contract.md §2, /health, /metrics and the four OpenAI image routes
+    assert len(ROUTES) == 25 and len(STEP_ROUTES) == 19
 
 
 def test_a_default_server_cannot_be_reached_from_another_address(namespace, server_factory):  # noqa: F811
@@ -95,8 +103,8 @@ def test_every_route_refuses_a_real_remote_peer_without_steps_remote(namespace, 
     got = probe_routes(name, server.base, "k", ROUTES)
     for method, path in ROUTES:
         keyed, bare = got[f"key {method} {path}"], got[f"nokey {method} {path}"]
-        if path == "/health":
-            assert keyed[0] == bare[0] == 200
+        if path in KEYLESS:
+            assert keyed[0] == bare[0] == KEYLESS[path]
             continue
         assert bare[0] == 401, (method, path, bare)
         if (method, path) not in STEP_ROUTES:  # /metrics, the OpenAI routes: the key is enough

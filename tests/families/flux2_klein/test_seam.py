@@ -76,7 +76,12 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
     assert unloaded["latent"] == {"channels": 128, "stride": 16, "patch": 1}
     assert unloaded["vae"] == {"channels_out": 3, "stride": 16, "space": "model"}
     assert unloaded["edit_capable"] is True
-    assert unloaded["conditioning"] == {"ref_method": "index", "empty_prompt": ""}
+    assert unloaded["conditioning"] == {
+        "ref_method": "index",
+        "empty_prompt": "",
+        "inpaint_mask": "bilinear",
+        "inpaint_reference": True,
+    }
     assert unloaded["sampling"]["schedule"] == {"rule": "flux2"}
     manifest = live.call("GET", f"models/{KLEIN}/manifest").json()
     names = {t["name"]: t["shape"] for t in manifest["tensors"]}
