@@ -114,6 +114,7 @@ def test_an_edit_with_a_mask_inpaints_the_first_image(server, client):
     np.testing.assert_array_equal(got, in_process(server, Z_IMAGE, expected))
 
 
+@pytest.mark.heavy  # the same paths as the masked edit and the variations, one image each
 def test_an_edit_without_a_mask_references_or_starts_from_its_image(server, client):
     image = ("init.png", png(init_picture()), "image/png")
     klein = client.images.edit(

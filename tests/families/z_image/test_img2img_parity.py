@@ -116,7 +116,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# The guided cases run with -m heavy: their guidance is the pipelines' of
+# test_pipeline_parity.py, the image-to-image arithmetic the unguided cases'.
+HEAVY = ("img2img-guided", "inpaint-whole")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in sorted(CASES)],
+)
 def test_image_to_image_equals_the_pipeline(monkeypatch, folder, server, name):
     kind, steps, strength, guidance_scale = CASES[name]
     request = ImageRequest(
