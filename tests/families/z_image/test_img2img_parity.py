@@ -19,26 +19,13 @@ import torch
 from gmlx_server.engine.sampling import ImageRequest, generate
 from PIL import Image
 
-from tests.families.routes import decoded, served_folder, through_openai_edit, through_routes
+from tests.families.routes import decoded, through_openai_edit, through_routes
 from tests.families.z_image.reference import rel_l2
-from tests.families.z_image.tiny.folder import build_tiny_folder
+from tests.families.z_image.test_pipeline_parity import pipeline
 
 WIDTH, HEIGHT = 64, 48
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
 SEED = 5
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("z_image_img2img") / "z-image-tiny"
-    build_tiny_folder(root, variant="turbo")
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with served_folder(folder) as server:
-        yield server
 
 
 def init_image() -> np.ndarray:
@@ -63,22 +50,14 @@ def mean_latents(monkeypatch, module) -> None:
     monkeypatch.setattr(module, "retrieve_latents", mean)
 
 
-def pipeline(folder, kind: str):
+def pipeline_of(folder, kind: str):
     import diffusers
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
 
     pipeline_class = {
         "img2img": diffusers.ZImageImg2ImgPipeline,
         "inpaint": diffusers.ZImageInpaintPipeline,
     }[kind]
-    return pipeline_class(
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(folder / "scheduler"),
-        vae=AutoencoderKL.from_pretrained(folder / "vae"),
-        text_encoder=Qwen3ForCausalLM.from_pretrained(folder / "text_encoder").eval(),
-        tokenizer=AutoTokenizer.from_pretrained(folder / "tokenizer"),
-        transformer=ZImageTransformer2DModel.from_pretrained(folder / "transformer").eval(),
-    )
+    return pipeline_class(**pipeline(folder).components)
 
 
 def expected_latents(monkeypatch, folder, kind, steps, strength, guidance_scale) -> np.ndarray:
@@ -90,7 +69,7 @@ def expected_latents(monkeypatch, folder, kind, steps, strength, guidance_scale)
     extra = {"mask_image": Image.fromarray(mask_image(), "L")} if kind == "inpaint" else {}
     with torch.no_grad():
         return (
-            pipeline(folder, kind)(
+            pipeline_of(folder, kind)(
                 PROMPT,
                 image=Image.fromarray(init_image()),
                 negative_prompt=NEGATIVE,
@@ -125,7 +104,8 @@ HEAVY = ("img2img-guided", "inpaint-whole")
     "name",
     [pytest.param(n, marks=pytest.mark.heavy) if n in HEAVY else n for n in sorted(CASES)],
 )
-def test_image_to_image_equals_the_pipeline(monkeypatch, folder, server, name):
+def test_image_to_image_equals_the_pipeline(monkeypatch, turbo_folder, turbo_server, name):
+    folder, server = turbo_folder, turbo_server
     kind, steps, strength, guidance_scale = CASES[name]
     request = ImageRequest(
         prompt=PROMPT,
@@ -151,7 +131,8 @@ def test_image_to_image_equals_the_pipeline(monkeypatch, folder, server, name):
         assert np.array_equal(direct[0][:, kept], start[0][:, kept])
 
 
-def test_the_init_image_holds_the_result_closer_than_text_alone(server):
+def test_the_init_image_holds_the_result_closer_than_text_alone(turbo_server):
+    server = turbo_server
     request = ImageRequest(
         prompt=PROMPT, width=WIDTH, height=HEIGHT, seed=SEED, steps=2, init_image=init_image()
     )

@@ -12,25 +12,11 @@ import pytest
 import torch
 from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
-from tests.families.routes import served_folder, through_routes
+from tests.families.routes import through_routes
 from tests.families.z_image.reference import rel_l2
-from tests.families.z_image.tiny.folder import build_tiny_folder
 
 WIDTH, HEIGHT = 64, 48
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("z_image_pipeline") / "z-image-tiny"
-    build_tiny_folder(root, variant="turbo")
-    return root
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with served_folder(folder) as server:
-        yield server
 
 
 def pipeline(folder):
@@ -52,7 +38,10 @@ def pipeline(folder):
 
 
 @pytest.mark.parametrize(("steps", "guidance_scale"), [(4, 0.0), (3, 1.5)])
-def test_sampling_through_the_routes_equals_the_pipeline(folder, server, steps, guidance_scale):
+def test_sampling_through_the_routes_equals_the_pipeline(
+    turbo_folder, turbo_server, steps, guidance_scale
+):
+    folder, server = turbo_folder, turbo_server
     request = ImageRequest(
         prompt=PROMPT,
         negative=NEGATIVE,
