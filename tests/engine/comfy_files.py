@@ -107,3 +107,58 @@ def write_gguf_text_encoder(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# diffusers' AutoencoderKLQwenImage names -> Wan 2.1's (ComfyUI's qwen_image_vae.safetensors),
+# written from ComfyUI's WanVAE module tree: checked against diffusers' own converter
+# (tests/vaes/qwen_image/test_wan_names.py), so the product's map is checked against both.
+WAN_RESIDUAL = {"norm1.": "residual.0.", "conv1.": "residual.2.", "norm2.": "residual.3.",
+                "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}  # fmt: skip
+WAN_TOP = {
+    "quant_conv.": "conv1.",
+    "post_quant_conv.": "conv2.",
+    "encoder.conv_in.": "encoder.conv1.",
+    "decoder.conv_in.": "decoder.conv1.",
+    "encoder.norm_out.": "encoder.head.0.",
+    "encoder.conv_out.": "encoder.head.2.",
+    "decoder.norm_out.": "decoder.head.0.",
+    "decoder.conv_out.": "decoder.head.2.",
+}
+
+
+UP_PART = re.compile(r"decoder\.up_blocks\.(\d+)\.(?:resnets\.(\d+)|upsamplers\.0)\.")
+
+
+def wan_vae(weights: dict) -> dict:
+    """A diffusers AutoencoderKLQwenImage state dict in Wan 2.1's names."""
+    parts = set()  # (up block, resnet index; upsampler: after its resnets)
+    for name in weights:
+        if m := UP_PART.match(name):
+            parts.add((int(m.group(1)), int(m.group(2)) if m.group(2) else UPSAMPLER))
+    flat = {part: index for index, part in enumerate(sorted(parts))}  # Wan's one flat list
+    return {wan_name(name, flat): value for name, value in weights.items()}
+
+
+UPSAMPLER = 1_000
+
+
+def wan_name(name: str, flat: dict) -> str:
+    for diffusers, wan in WAN_TOP.items():
+        if name.startswith(diffusers):
+            return wan + name[len(diffusers) :]
+    if m := re.match(r"(encoder|decoder)\.mid_block\.(resnets\.(\d)|attentions\.0)\.", name):
+        index = {"0": 0, "1": 2}[m.group(3)] if m.group(3) is not None else 1
+        return _wan_residual(f"{m.group(1)}.middle.{index}." + name[m.end() :])
+    if m := re.match(r"encoder\.down_blocks\.(\d+)\.", name):
+        return _wan_residual(f"encoder.downsamples.{m.group(1)}." + name[m.end() :])
+    if m := UP_PART.match(name):
+        key = (int(m.group(1)), int(m.group(2)) if m.group(2) else UPSAMPLER)
+        return _wan_residual(f"decoder.upsamples.{flat[key]}." + name[m.end() :])
+    return name
+
+
+def _wan_residual(name: str) -> str:
+    for diffusers, wan in WAN_RESIDUAL.items():
+        if f".{diffusers}" in name and ".resample." not in name:
+            return name.replace(f".{diffusers}", f".{wan}", 1)
+    return name

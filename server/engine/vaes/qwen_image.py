@@ -6,7 +6,8 @@ channels), over three image channels at stride 8, with true 3D causal convolutio
 On one frame a causal convolution of temporal kernel k sees only its last temporal slice (the
 others fall on the zero frames padded in front), so each kernel is cut to that slice as it loads;
 the resamplers' `time_conv` is never applied to a first frame (see qwen_image21.py). Tiling,
-memory plans and the latent normalisation are that module's.
+memory plans and the latent normalisation are that module's. A file in Wan's own names
+(ComfyUI's `qwen_image_vae.safetensors`) reads as one in diffusers' (wan_names).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import wan_names
 from .qwen_image21 import QwenImage21VAE, QwenImage21VAEPart, checkpoint_weights
 
 
@@ -51,7 +53,8 @@ class QwenImageVAE(QwenImage21VAE):
 
     @staticmethod
     def mlx_weights(weights: dict[str, mx.array]) -> list[tuple[str, mx.array]]:
-        return checkpoint_weights(causal_frame_weights(weights))
+        """The file's tensors, in diffusers' names or Wan's (ComfyUI's file: wan_names)."""
+        return checkpoint_weights(causal_frame_weights(wan_names.renamed(weights)))
 
 
 class QwenImageVAEPart(QwenImage21VAEPart):

@@ -1,0 +1,69 @@
+"""The Qwen-Image VAE in Wan 2.1's names (ComfyUI's `qwen_image_vae.safetensors`): the test's
+Wan naming is the one diffusers' own converter (`convert_wan_vae_to_diffusers`) reads, the
+product's map (vaes/wan_names.py) gives diffusers' names back, and a VAE folder holding the
+Wan-named file decodes and encodes as the diffusers-named one, bit for bit."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine.vaes import wan_names
+from gmlx_server.engine.vaes.qwen_image import QwenImageVAE
+from safetensors.numpy import save_file
+
+from tests.engine.comfy_files import wan_vae
+from tests.families.tiny_weights import redraw
+
+# The real layout's shape (four levels, two resnets a level, as diffusers' converter's fixed
+# indices assume), narrow.
+CONFIG = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(3)
+    model = AutoencoderKLQwenImage(**CONFIG)
+    redraw(
+        model,
+        torch.Generator().manual_seed(3),
+        linear_gain=1.0,
+        constant_noise=0.2,
+        is_linear=lambda name, param: param.ndim >= 2,
+    )
+    folder = tmp_path_factory.mktemp("qwen_image_vae")
+    model.save_pretrained(str(folder))
+    weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return folder, weights
+
+
+def test_the_wan_names_are_the_ones_diffusers_converts(tiny):
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    _, weights = tiny
+    wan = wan_vae(weights)
+    assert wan_names.is_wan(wan) and not wan_names.is_wan(weights)
+    converted = convert_wan_vae_to_diffusers(dict(wan))
+    assert set(converted) == set(weights)
+    assert all(np.array_equal(converted[n], weights[n]) for n in weights)
+    ours = wan_names.renamed(wan)
+    assert set(ours) == set(weights)
+    assert all(np.array_equal(ours[n], weights[n]) for n in weights)
+
+
+def test_a_wan_named_file_reads_as_the_diffusers_named_one(tiny, tmp_path):
+    import shutil
+
+    folder, weights = tiny
+    wan_folder = tmp_path / "vae"
+    wan_folder.mkdir()
+    shutil.copy(folder / "config.json", wan_folder / "config.json")
+    save_file(wan_vae(weights), str(wan_folder / "diffusion_pytorch_model.safetensors"))
+    ours, theirs = QwenImageVAE.load(wan_folder), QwenImageVAE.load(folder)
+    latents = mx.array(np.random.default_rng(1).standard_normal((1, 16, 5, 6)).astype(np.float32))
+    image = mx.array(np.random.default_rng(2).random((1, 40, 48, 3), dtype=np.float32))
+    assert np.array_equal(np.array(ours.decode(latents)), np.array(theirs.decode(latents)))
+    assert np.array_equal(np.array(ours.encode(image)), np.array(theirs.encode(image)))
