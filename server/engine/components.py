@@ -17,7 +17,8 @@ A rule (a family's `components.py`, the module its spec's `component_rule` names
 - `configs(family, variant, dit, encoder, vae) -> {relative path: JSON}`: the folder's configs,
   a ComponentError (naming file and tensor) when the parts do not fit each other;
 - `fits_encoder(dit, encoder)`, `fits_vae(dit, vae)`: whether files fit, for the listing;
-- `TOKENIZER_REPO`: where the family's tokenizer is published (the refusal's hint).
+- `TOKENIZER_REPO`: where the family's tokenizer is published (the refusal's hint), and
+  optionally `TOKENIZER_INCLUDE`, its file's path there (default: a `tokenizer/` folder).
 """
 
 from __future__ import annotations
@@ -172,10 +173,14 @@ def tokenizer_source(found: IdentifiedSet) -> tuple[str, Path]:
         if (root / COMFY_QWEN_TOKENIZER / "vocab.json").is_file():
             return "bpe", root / COMFY_QWEN_TOKENIZER
     repo = found.rule.TOKENIZER_REPO
+    published = getattr(found.rule, "TOKENIZER_INCLUDE", None)
+    path, pattern = (
+        (published, published) if published else (f"tokenizer/{TOKENIZER_FILE}", "tokenizer/*")
+    )
     raise ComponentError(
         f"no tokenizer for {files.text_encoder}: it is not a GGUF file carrying its tokens, and"
-        f" no tokenizer/{TOKENIZER_FILE} is beside it; fetch {repo}'s tokenizer/{TOKENIZER_FILE}"
-        f" (`gmlx pull {repo} --include 'tokenizer/*'`) into a tokenizer/ folder beside"
+        f" no tokenizer/{TOKENIZER_FILE} is beside it; fetch {repo}'s {path}"
+        f" (`gmlx pull {repo} --include '{pattern}'`) into a tokenizer/ folder beside"
         f" {Path(files.text_encoder).name}, or name a folder holding it (tokenizer = ...)"
     )
 

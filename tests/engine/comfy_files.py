@@ -75,16 +75,17 @@ def write_comfy_tokenizer(tokenizer_json: Path, folder: Path) -> Path:
 
 
 def write_gguf_text_encoder(
-    path: Path, weights: dict[str, np.ndarray], tokenizer_json: Path | None
+    path: Path, weights: dict[str, np.ndarray], tokenizer_json: Path | None, arch: str = "qwen3"
 ) -> Path:
-    """Qwen3's weights (transformers names) as a float32 llama.cpp GGUF file, with the
-    tokenizer's metadata as llama.cpp's converter writes it (tokens in id order, control and
-    user-defined types for the added ones, merges) when `tokenizer_json` is given."""
+    """Qwen3's weights (transformers names) as a float32 llama.cpp GGUF file of `arch`
+    ("qwen3vl": Qwen3-VL's language model, its names under `model.`), with the tokenizer's
+    metadata as llama.cpp's converter writes it (tokens in id order, control and user-defined
+    types for the added ones, merges) when `tokenizer_json` is given."""
     tensors = {
         llama_cpp_name(n): (T.F32, np.ascontiguousarray(v, np.float32)) for n, v in weights.items()
     }
     if tokenizer_json is None:
-        return write_gguf(path, tensors, arch="qwen3")
+        return write_gguf(path, tensors, arch=arch)
     vocab, merges, added = tokenizer_parts(tokenizer_json)
     tokens = {i: t for t, i in vocab.items()}
     kinds = dict.fromkeys(tokens, int(gguf.TokenType.NORMAL))
@@ -94,7 +95,7 @@ def write_gguf_text_encoder(
             gguf.TokenType.CONTROL if token["special"] else gguf.TokenType.USER_DEFINED
         )
     order = sorted(tokens)
-    writer = gguf.GGUFWriter(str(path), arch="qwen3")
+    writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list([tokens[i] for i in order])

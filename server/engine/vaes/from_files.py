@@ -1,12 +1,13 @@
-"""An `AutoencoderKL`'s diffusers config told from one VAE file's header, in diffusers' names or
-the ldm names of BFL's and ComfyUI's files (ldm_names): the channels and depths from the
-shapes; the group count and the latent normalisation, which shapes cannot tell, are the
-family's (`facts`). No MLX: the listing of model files reads it."""
+"""A VAE's diffusers config told from one file's header: an `AutoencoderKL` in diffusers' names
+or the ldm names of BFL's and ComfyUI's files (ldm_names), an `AutoencoderKLQwenImage` in
+diffusers' names or Wan 2.1's (wan_names, ComfyUI's `qwen_image_vae.safetensors`). The channels
+and depths come from the shapes; what shapes cannot tell (the group count, the latent
+normalisation) is the family's (`facts`). No MLX: the listing of model files reads it."""
 
 from __future__ import annotations
 
 from ..file_headers import Header, HeaderError
-from . import ldm_names
+from . import ldm_names, wan_names
 
 BATCH_NORM_MEAN = "bn.running_mean"
 
@@ -57,4 +58,58 @@ def config(header: Header, facts: dict) -> dict:
         "mid_block_add_attention": "encoder.mid_block.attentions.0.to_q.weight" in shapes,
         "use_quant_conv": "quant_conv.weight" in shapes,
         "use_post_quant_conv": "post_quant_conv.weight" in shapes,
+    }
+
+
+# -- AutoencoderKLQwenImage --------------------------------------------------------------------
+
+# Qwen-Image's published latent normalisation (diffusers' AutoencoderKLQwenImage defaults),
+# which its files do not carry.
+QWEN_IMAGE_LATENTS = {
+    "latents_mean": [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921],
+    "latents_std": [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160],
+}  # fmt: skip
+
+
+def qwen_image_shapes(header: Header) -> dict[str, tuple[int, ...]]:
+    names = wan_names.diffusers_names(header.shapes)
+    return {names[n]: s for n, s in header.shapes.items()}
+
+
+def qwen_image_latent_channels(header: Header) -> int | None:
+    """The latent channels a Qwen-Image VAE file's decoder takes (None: not one; its kernels
+    are 5-D, an AutoencoderKL's 4-D)."""
+    conv_in = qwen_image_shapes(header).get("decoder.conv_in.weight")
+    return conv_in[1] if conv_in is not None and len(conv_in) == 5 else None
+
+
+def qwen_image_config(header: Header, facts: dict) -> dict:
+    """vae/config.json of an AutoencoderKLQwenImage file: `facts` (class name, latent
+    normalisation) over the sizes its shapes give."""
+    shapes = qwen_image_shapes(header)
+    if qwen_image_latent_channels(header) is None or "encoder.conv_in.weight" not in shapes:
+        raise HeaderError(
+            f"{header.path} is not a Qwen-Image VAE: it has no 5-D decoder.conv_in.weight"
+            f" (nor Wan's {wan_names.WAN_MARKERS[0]})"
+        )
+    levels: list[list[int]] = [[]]  # each level's resnet widths, between the resamplers
+    temporal = []
+    count = header.count("encoder.down_blocks.", "encoder.downsamples.")
+    for index in range(count):
+        prefix = f"encoder.down_blocks.{index}."
+        if prefix + "resample.1.weight" in shapes:
+            temporal.append(prefix + "time_conv.weight" in shapes)
+            levels.append([])
+        elif prefix + "conv1.weight" in shapes:
+            levels[-1].append(shapes[prefix + "conv1.weight"][0])
+    base = shapes["encoder.conv_in.weight"][0]
+    return {
+        **facts,
+        "base_dim": base,
+        "z_dim": shapes["decoder.conv_in.weight"][1],
+        "dim_mult": [level[0] // base for level in levels],
+        "num_res_blocks": len(levels[0]),
+        "attn_scales": [],
+        "temperal_downsample": temporal,
+        "input_channels": shapes["encoder.conv_in.weight"][1],
     }

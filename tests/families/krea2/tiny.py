@@ -21,9 +21,16 @@ TEXT_WIDTH = 64
 VAE = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1}
 
 
-def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **transformer) -> Path:
+def build_tiny_folder(
+    root: Path,
+    seed: int = 0,
+    variant: str = "turbo",
+    text_layers: int = TEXT_LAYERS,
+    select_layers: tuple[int, ...] = SELECT_LAYERS,
+    **transformer,
+) -> Path:
     """Write a tiny Krea 2 folder at `root` (`transformer`: overrides of the tiny DiT's
-    config); returns it."""
+    config; its encoder of `text_layers` layers, tapped after `select_layers`); returns it."""
     import torch
     from diffusers import AutoencoderKLQwenImage
     from transformers import Qwen3VLModel
@@ -32,7 +39,7 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **trans
     build_transformer(
         root / "transformer",
         seed,
-        **{"text_hidden_dim": TEXT_WIDTH, "num_text_layers": len(SELECT_LAYERS), **transformer},
+        **{"text_hidden_dim": TEXT_WIDTH, "num_text_layers": len(select_layers), **transformer},
     )
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLQwenImage(**VAE)
@@ -40,7 +47,7 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **trans
     vae.save_pretrained(str(root / "vae"))
     tokenizer = build_tokenizer()
     write_tokenizer(root / "tokenizer", tokenizer)
-    config = tiny_config(tokenizer, text={"num_hidden_layers": TEXT_LAYERS})
+    config = tiny_config(tokenizer, text={"num_hidden_layers": text_layers})
     torch.manual_seed(seed + 2)
     encoder = Qwen3VLModel(config).eval()
     _redraw(encoder, seed + 2)
@@ -52,7 +59,7 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "turbo", **trans
         "_diffusers_version": "0.42.1",
         "is_distilled": variant == "turbo",
         "patch_size": 2,
-        "text_encoder_select_layers": list(SELECT_LAYERS),
+        "text_encoder_select_layers": list(select_layers),
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen3VLModel"],
         "tokenizer": ["transformers", "Qwen2TokenizerFast"],

@@ -1,8 +1,10 @@
 """Qwen3's transformers config told from one weight file's header (a text encoder without its
 folder: ComfyUI's `qwen_3_4b.safetensors`, transformers' names under `model.`; or a llama.cpp
 GGUF file, `token_embd.weight`, `blk.N.attn_q.weight`). The sizes come from the shapes; what
-shapes cannot tell (the RoPE base, the norm epsilon) is Qwen3's, the same at every size. No
-MLX: the listing of model files reads it."""
+shapes cannot tell (the RoPE base, the norm epsilon) is Qwen3's, the same at every size. Also
+Qwen3-VL's language model, its `text_config` (`vl_text_config`: transformers' names under
+`model.language_model.` or `language_model.`, or llama.cpp's `qwen3vl` GGUF). No MLX: the
+listing of model files reads it."""
 
 from __future__ import annotations
 
@@ -43,7 +45,10 @@ def shape(header: Header, key: str) -> tuple[int, ...] | None:
 
 
 def is_qwen3(header: Header) -> bool:
-    """Whether the file holds a Qwen3 decoder (its q/k norms tell it from Qwen2.5)."""
+    """Whether the file holds a Qwen3 decoder (its q/k norms tell it from Qwen2.5; a GGUF file
+    of Qwen3-VL's language model, under the same names, is not one)."""
+    if header.architecture == VL_ARCHITECTURE:
+        return False
     return all(shape(header, key) is not None for key in NAMES)
 
 
@@ -80,4 +85,70 @@ def config(header: Header) -> dict:
         "max_position_embeddings": MAX_POSITIONS,
         "attention_bias": False,
         "tie_word_embeddings": False,
+    }
+
+
+# -- Qwen3-VL's language model -----------------------------------------------------------------
+
+VL_ARCHITECTURE = "qwen3vl"  # llama.cpp's
+VL_PREFIXES = ("model.language_model.", "language_model.")
+VL_ROPE_THETA = 5_000_000.0  # Qwen3-VL's RoPE base (its configs' rope_parameters)
+LLAMA_NAMES = {key: names[-1] for key, names in NAMES.items()}
+
+
+def vl_names(header: Header) -> dict[str, str] | None:
+    """The file's names of Qwen3-VL's language-model tensors (NAMES' keys), None when it holds
+    no Qwen3-VL language model."""
+    if header.architecture == VL_ARCHITECTURE:
+        return LLAMA_NAMES if all(n in header.shapes for n in LLAMA_NAMES.values()) else None
+    for prefix in VL_PREFIXES:
+        names = {key: prefix + names[1] for key, names in NAMES.items()}
+        if all(name in header.shapes for name in names.values()):
+            return names
+    return None
+
+
+def vl_width(header: Header) -> int | None:
+    """The language model's hidden width (None: not a Qwen3-VL file)."""
+    names = vl_names(header)
+    return None if names is None else header.shapes[names["embed"]][1]
+
+
+def vl_layers(header: Header) -> int:
+    return header.count(*(prefix + "layers." for prefix in VL_PREFIXES), "blk.")
+
+
+def vl_text_config(header: Header) -> dict:
+    """Qwen3-VL's `text_config` for the file (its RoPE base from a GGUF file's metadata, else
+    Qwen3-VL's; its multimodal RoPE sections in Qwen3-VL's proportions, which text alone,
+    every axis at one position, does not depend on); a HeaderError when it is none."""
+    names = vl_names(header)
+    if names is None:
+        raise HeaderError(
+            f"{header.path} is not a Qwen3-VL text encoder: it has no {VL_PREFIXES[0]}"
+            f"{NAMES['q_norm'][1]} (nor llama.cpp's {LLAMA_NAMES['q_norm']})"
+        )
+    vocab, hidden = header.shapes[names["embed"]]
+    head_dim = header.shapes[names["q_norm"]][0]
+    half = head_dim // 2
+    spatial = half * 5 // 16
+    theta = header.metadata.get(f"{VL_ARCHITECTURE}.rope.freq_base", VL_ROPE_THETA)
+    return {
+        "model_type": "qwen3_vl_text",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": header.shapes[names["gate"]][0],
+        "num_hidden_layers": vl_layers(header),
+        "num_attention_heads": header.shapes[names["q"]][0] // head_dim,
+        "num_key_value_heads": header.shapes[names["k"]][0] // head_dim,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": RMS_NORM_EPS,
+        "attention_bias": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(theta),
+            "mrope_section": [half - 2 * spatial, spatial, spatial],
+            "mrope_interleaved": True,
+        },
     }

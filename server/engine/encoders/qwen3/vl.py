@@ -24,7 +24,7 @@ from ...gguf import ModuleFiles, llama_cpp_names
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin
 from ...precision import Quantization
-from ...weights import load_module, load_weights, read_config
+from ...weights import gguf_file, load_module, load_weights, read_config
 from .text import TextConfig, TextModel
 from .vision import VisionConfig, VisionModel
 
@@ -62,10 +62,11 @@ class Qwen3VLEncoder(nn.Module):
         files (the language model, its `mmproj` vision tower: `gguf_files`), kept quantized as
         they hold them. With a `quantization`, the float linear layers whose module path
         `quantized` picks (the family's choice) are quantized as they load
-        (quantize.quantize_module); a folder stored quantized loads as stored. `text_only`: a
-        folder's vision tower is not loaded (a GGUF pair loads both halves)."""
+        (quantize.quantize_module); a folder stored quantized loads as stored. `text_only`: the
+        vision tower is not loaded (a GGUF "pair" may then be the language model's file alone,
+        its mmproj None)."""
         config = read_config(component_dir)
-        vision = None if text_only and gguf is None else config["vision_config"]
+        vision = None if text_only else config["vision_config"]
         encoder = cls(
             TextConfig.from_dict(config["text_config"]),
             None if vision is None else VisionConfig.from_dict(vision),
@@ -207,11 +208,16 @@ _DEEPSTACK = {
 }
 
 
-def gguf_pair(text_encoder: Path | None, mmproj: Path | None) -> tuple[Path, Path] | None:
+def gguf_pair(
+    text_encoder: Path | None, mmproj: Path | None, text_only: bool = False
+) -> tuple[Path, Path | None] | None:
     """A model entry's Qwen3-VL GGUF pair, which comes whole (a ValueError names the half
-    missing); None when neither is named."""
+    missing) but for a family reading text alone, which needs no mmproj; None when neither
+    is named."""
     if text_encoder is None and mmproj is None:
         return None
+    if text_only and text_encoder is not None:
+        return Path(text_encoder), None if mmproj is None else Path(mmproj)
     if text_encoder is None or mmproj is None:
         given, missing = (
             ("mmproj", "text_encoder") if text_encoder is None else ("text_encoder", "mmproj")
@@ -231,23 +237,24 @@ class Qwen3VLPart:
 
     def __init__(self, quantized: Callable[[str], bool], text_only: bool = False) -> None:
         self.quantized = quantized
+        self.text_only = text_only
         self.include = language_model_tensor if text_only else None
 
-    @staticmethod
-    def source(component_dir: Path, files: dict) -> tuple[Path, Path] | None:
-        """The GGUF pair a load reads its weights from (None: the folder's safetensors)."""
-        return gguf_pair(files.get("text_encoder"), files.get("mmproj"))
+    def source(self, component_dir: Path, files: dict) -> tuple[Path, Path | None] | None:
+        """The GGUF pair a load reads its weights from (None: the folder's safetensors); for a
+        family reading text alone, also the folder's one `.gguf` file (a component set's)."""
+        text = files.get("text_encoder")
+        if text is None and self.text_only:
+            text = gguf_file(component_dir)
+        return gguf_pair(text, files.get("mmproj"), self.text_only)
 
-    @staticmethod
-    def gguf(component_dir: Path, files: dict) -> ModuleFiles | None:
-        pair = gguf_pair(files.get("text_encoder"), files.get("mmproj"))
+    def gguf(self, component_dir: Path, files: dict) -> ModuleFiles | None:
+        pair = self.source(component_dir, files)
         if pair is None:
             return None
         config = read_config(component_dir)
-        encoder = Qwen3VLEncoder(
-            TextConfig.from_dict(config["text_config"]),
-            VisionConfig.from_dict(config["vision_config"]),
-        )
+        vision = None if self.text_only else VisionConfig.from_dict(config["vision_config"])
+        encoder = Qwen3VLEncoder(TextConfig.from_dict(config["text_config"]), vision)
         return gguf_files(encoder, *pair)
 
     @staticmethod
@@ -259,15 +266,13 @@ class Qwen3VLPart:
         return encoder.encoder
 
 
-def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path) -> ModuleFiles:
+def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path | None) -> ModuleFiles:
     """Qwen3-VL in llama.cpp's pair of GGUF files: the language model in `model_file` under
     Qwen3's names (the converter drops `language_model.`; no q/k permutation, no norm offset),
     the vision tower in `mmproj` (gguf's MMPROJ names, and the converter's own names above;
-    the patch kernel's temporal slices as `PATCH_EMBED.0`, `.1`, joined by `gguf_weights`)."""
+    the patch kernel's temporal slices as `PATCH_EMBED.0`, `.1`, joined by `gguf_weights`). An
+    encoder without its vision tower reads `model_file` alone."""
     shapes = {name: tuple(value.shape) for name, value in tree_flatten(encoder.parameters())}
-    vision = encoder.visual.config
-    kernel = (vision.hidden_size, vision.in_channels, vision.patch_size, vision.patch_size)
-    shapes.pop(PATCH_EMBED)
     names: dict[str, tuple[int, str]] = {}
     text = {
         "model." + n.removeprefix("language_model."): n
@@ -277,6 +282,11 @@ def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path) -> Modul
     layers = encoder.language_model.config.num_layers
     for hf, file_name in llama_cpp_names(MODEL_ARCH.QWEN3VL, layers, text).items():
         names[text[hf]] = (0, file_name)
+    if "visual" not in encoder:
+        return _module_files((Path(model_file),), names, shapes)
+    vision = encoder.visual.config
+    kernel = (vision.hidden_size, vision.in_channels, vision.patch_size, vision.patch_size)
+    shapes.pop(PATCH_EMBED)
     tables = llama_cpp_names(
         MODEL_ARCH.MMPROJ, vision.depth, [n for n in shapes if n.startswith("visual.")]
     )
@@ -296,18 +306,24 @@ def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path) -> Modul
     for index, suffix in enumerate(("", ".1")):
         names[f"{PATCH_EMBED}.{index}"] = (1, patch_file + suffix)
         shapes[f"{PATCH_EMBED}.{index}"] = kernel
+    return _module_files((Path(model_file), Path(mmproj)), names, shapes)
+
+
+def _module_files(files: tuple[Path, ...], names: dict, shapes: dict) -> ModuleFiles:
     unmapped = sorted(set(shapes) - set(names))
     if unmapped:
         raise ValueError(f"llama.cpp's names cover no tensor for {unmapped[0]}")
-    return ModuleFiles((Path(model_file), Path(mmproj)), names, shapes, "Qwen3-VL text encoder")
+    return ModuleFiles(files, names, shapes, "Qwen3-VL text encoder")
 
 
 def gguf_weights(
-    encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path, dtype: mx.Dtype | None
+    encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path | None, dtype: mx.Dtype | None
 ) -> dict[str, mx.array]:
     """The encoder's parameters from llama.cpp's pair of files, the patch kernel's temporal
     slices joined into the flattened Conv3d kernel PatchEmbed applies."""
     weights = gguf_files(encoder, model_file, mmproj).weights(dtype)
+    if "visual" not in encoder:
+        return weights
     slices = [weights.pop(f"{PATCH_EMBED}.{index}") for index in range(2)]
     kernel = mx.stack(slices, axis=2)  # (out, in, temporal, p, p), as the Conv3d holds it
     weights[PATCH_EMBED] = kernel.reshape(kernel.shape[0], -1)

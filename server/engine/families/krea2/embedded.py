@@ -33,8 +33,9 @@ from ...embedded import (
     write_drawn,
     write_tiny_qwen3_vl,
 )
+from ...vaes.from_files import QWEN_IMAGE_LATENTS
 from .layout import DiTConfig, tensor_shapes
-from .spec import PIPELINE_CLASS
+from .spec import SCHEDULER_CONFIG, model_index_of
 
 MODEL_NAME = "krea2-random-tiny"
 # Bump when the code below writes something different for the same configs.
@@ -76,69 +77,10 @@ VAE_CONFIG = {
     "temperal_downsample": [False, True, True],
     "dropout": 0.0,
     "input_channels": 3,
-    # Qwen-Image's published normalisation (diffusers' AutoencoderKLQwenImage defaults)
-    "latents_mean": [
-        -0.7571,
-        -0.7089,
-        -0.9113,
-        0.1075,
-        -0.1745,
-        0.9653,
-        -0.1517,
-        1.5508,
-        0.4134,
-        -0.0715,
-        0.5517,
-        -0.3632,
-        -0.1922,
-        -0.9497,
-        0.2503,
-        -0.2921,
-    ],  # fmt: skip
-    "latents_std": [
-        2.8184,
-        1.4541,
-        2.3275,
-        2.6558,
-        1.2196,
-        1.7708,
-        2.6052,
-        2.0743,
-        3.2687,
-        2.1526,
-        2.8652,
-        1.5579,
-        1.6382,
-        1.1253,
-        2.8251,
-        1.9160,
-    ],  # fmt: skip
+    **QWEN_IMAGE_LATENTS,
 }
 
-SCHEDULER_CONFIG = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "num_train_timesteps": 1000,
-    "use_dynamic_shifting": True,
-    "time_shift_type": "exponential",
-    "base_shift": 0.5,
-    "max_shift": 1.15,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 6400,
-}
-
-MODEL_INDEX = {
-    "_class_name": PIPELINE_CLASS,
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "is_distilled": True,
-    "patch_size": 2,
-    "text_encoder_select_layers": SELECT_LAYERS,
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "Qwen3VLModel"],
-    "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-    "transformer": ["diffusers", "Krea2Transformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKLQwenImage"],
-}
+MODEL_INDEX = model_index_of("turbo", SELECT_LAYERS)
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 

@@ -43,6 +43,36 @@ MAX_SEQUENCE_LENGTH = 512  # the pipeline's default: prefix and prompt keep 512 
 SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
 
 
+# The pipeline's scheduler, and its model_index.json (engine/embedded.py's format).
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": "0.42.1",
+    "num_train_timesteps": 1000,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 6400,
+}
+
+
+def model_index_of(variant: str, select_layers) -> dict:
+    """model_index.json of a Krea 2 folder of this variant, tapping `select_layers`."""
+    return {
+        "_class_name": PIPELINE_CLASS,
+        "_diffusers_version": "0.42.1",
+        "is_distilled": variant == "turbo",
+        "patch_size": 2,
+        "text_encoder_select_layers": list(select_layers),
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3VLModel"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Krea2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+    }
+
+
 def identify(model_dir: Path) -> tuple[str, str] | None:
     """(family, variant) of a Krea2Pipeline folder, else None."""
     index = model_index(Path(model_dir))
@@ -66,5 +96,6 @@ SPEC = FamilySpec(
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
     embedded="gmlx_server.engine.families.krea2.embedded",
+    component_rule="gmlx_server.engine.families.krea2.components",
 )
 SPECS = (SPEC,)

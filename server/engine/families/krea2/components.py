@@ -1,0 +1,121 @@
+"""Krea 2 from its component files (engine/components.py): the DiT as one file in diffusers'
+`Krea2Transformer2DModel` names (safetensors, or a GGUF file converted from it: no ComfyUI
+has Krea 2, so no other naming exists), Qwen3-VL's language model as one file (transformers'
+names under `model.language_model.` or `language_model.`, the vision tower's tensors left
+unread; or llama.cpp's `qwen3vl` GGUF, no mmproj needed), and Qwen-Image's VAE (ComfyUI's
+`qwen_image_vae.safetensors` in Wan 2.1's names, or diffusers'). No MLX.
+
+The DiT is told by its text fusion (`text_fusion.projector.weight`) with the gated main blocks'
+modulation tables. Turbo and raw have the same shapes: the file's name says which (`turbo`,
+`raw`), else the model entry must (`variant`). The tapped encoder layers are the pipeline's
+(`SELECT_LAYERS`); a DiT that fuses another number of layers cannot say which it reads and is
+refused.
+"""
+
+from __future__ import annotations
+
+from ...encoders.qwen3 import files as qwen3_files
+from ...file_headers import Header
+from ...vaes import from_files as vae_files
+from .spec import FAMILY, SAMPLING, SCHEDULER_CONFIG, SELECT_LAYERS, model_index_of
+
+# Where its tokenizer is published: Qwen3-VL's own (tokenizer.json at the repository's root).
+TOKENIZER_REPO = "Qwen/Qwen3-VL-4B-Instruct"
+TOKENIZER_INCLUDE = "tokenizer.json"
+PROJECTOR = "text_fusion.projector.weight"
+IMG_IN = "img_in.weight"
+TXT_IN = "txt_in.linear_1.weight"
+TIME_IN = "time_embed.linear_1.weight"
+BLOCK = "transformer_blocks.0."
+TEXT_BLOCK = "text_fusion.layerwise_blocks.0."
+# RoPE axes split the head as 1/4, 3/8, 3/8 (Krea2Transformer2DModel's 32:48:48 of 128); the
+# RoPE base and the norm epsilon are its config's defaults.
+AXES_SHARES = (1 / 4, 3 / 8, 3 / 8)
+DIT_FACTS = {"_class_name": "Krea2Transformer2DModel", "rope_theta": 1000.0, "norm_eps": 1e-5}
+VAE_FACTS = {"_class_name": "AutoencoderKLQwenImage", **vae_files.QWEN_IMAGE_LATENTS}
+
+
+def family(dit: Header) -> str | None:
+    if dit.has(
+        PROJECTOR, IMG_IN, TXT_IN, BLOCK + "scale_shift_table", BLOCK + "attn.to_gate.weight"
+    ):
+        return FAMILY
+    return None
+
+
+def variant(dit: Header, name: str) -> str | None:
+    named = [v for v in SAMPLING if v in name]
+    return named[0] if len(named) == 1 else None
+
+
+def fits_encoder(dit: Header, encoder: Header) -> bool:
+    return qwen3_files.vl_width(encoder) == dit.shape(TXT_IN)[1]
+
+
+def fits_vae(dit: Header, vae: Header) -> bool:
+    return vae_files.qwen_image_latent_channels(vae) == dit.shape(IMG_IN)[1] // 4
+
+
+def dit_config(dit: Header) -> dict:
+    hidden, in_channels = dit.shape(IMG_IN)
+    head_dim = dit.shape(BLOCK + "attn.norm_q.weight")[0]
+    text_dim = dit.shape(TXT_IN)[1]
+    text_head_dim = dit.shape(TEXT_BLOCK + "attn.norm_q.weight")[0]
+    return {
+        **DIT_FACTS,
+        "in_channels": in_channels,
+        "num_layers": dit.count("transformer_blocks."),
+        "attention_head_dim": head_dim,
+        "num_attention_heads": hidden // head_dim,
+        "num_key_value_heads": dit.shape(BLOCK + "attn.to_k.weight")[0] // head_dim,
+        "intermediate_size": dit.shape(BLOCK + "ff.gate.weight")[0],
+        "timestep_embed_dim": dit.shape(TIME_IN)[1],
+        "text_hidden_dim": text_dim,
+        "num_text_layers": dit.shape(PROJECTOR)[1],
+        "text_num_attention_heads": text_dim // text_head_dim,
+        "text_num_key_value_heads": dit.shape(TEXT_BLOCK + "attn.to_k.weight")[0] // text_head_dim,
+        "text_intermediate_size": dit.shape(TEXT_BLOCK + "ff.gate.weight")[0],
+        "num_layerwise_text_blocks": dit.count("text_fusion.layerwise_blocks."),
+        "num_refiner_text_blocks": dit.count("text_fusion.refiner_blocks."),
+        "axes_dims_rope": [round(head_dim * share) for share in AXES_SHARES],
+    }
+
+
+def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header) -> dict:
+    from ...components import ComponentError
+
+    transformer = dit_config(dit)
+    if transformer["num_text_layers"] != len(SELECT_LAYERS):
+        raise ComponentError(
+            f"{dit.path.name} fuses {transformer['num_text_layers']} text encoder layers"
+            f" ({PROJECTOR}); Krea 2's pipeline taps {len(SELECT_LAYERS)}, and the files do not"
+            " say which others; serve it from a folder whose model_index.json names them"
+            " (text_encoder_select_layers)"
+        )
+    width = qwen3_files.vl_width(encoder)
+    if width != transformer["text_hidden_dim"]:
+        raise ComponentError(
+            f"{encoder.path} is not a Qwen3-VL text encoder {transformer['text_hidden_dim']}"
+            f" wide, as the DiT {dit.path.name} takes ({TXT_IN})"
+            + ("" if width is None else f"; its language model is {width} wide")
+        )
+    text = qwen3_files.vl_text_config(encoder)
+    if text["num_hidden_layers"] < max(SELECT_LAYERS):
+        raise ComponentError(
+            f"{encoder.path} has {text['num_hidden_layers']} layers; Krea 2 taps the states"
+            f" after layer {max(SELECT_LAYERS)}"
+        )
+    channels = vae_files.qwen_image_latent_channels(vae)
+    if channels != transformer["in_channels"] // 4:
+        raise ComponentError(
+            f"{vae.path} is not the {transformer['in_channels'] // 4}-channel Qwen-Image VAE"
+            " that Krea 2 decodes with (decoder.conv_in.weight, Wan's decoder.conv1.weight,"
+            f" takes {channels} channels)"
+        )
+    return {
+        "model_index.json": model_index_of(variant, SELECT_LAYERS),
+        "transformer/config.json": transformer,
+        "text_encoder/config.json": {"model_type": "qwen3_vl", "text_config": text},
+        "vae/config.json": vae_files.qwen_image_config(vae, VAE_FACTS),
+        "scheduler/scheduler_config.json": SCHEDULER_CONFIG,
+    }

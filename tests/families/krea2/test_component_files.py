@@ -1,0 +1,163 @@
+"""Krea 2 from its component files, with no diffusers folder (engine/components.py): the tiny
+model's DiT as one safetensors file in diffusers' names, its Qwen3-VL as one file (the
+folder's transformers names, or llama.cpp's `qwen3vl` GGUF alone, no mmproj) and Qwen-Image's
+VAE in Wan 2.1's names (ComfyUI's `qwen_image_vae.safetensors`), in a ComfyUI `models/`
+folder. The set's folder holds configs told from the shapes and serves the same encodes,
+steps and decodes as the diffusers folder, bit for bit (the GGUF encoder's within float
+rounding); a set that does not fit is refused naming file and tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine import components
+from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.families.krea2 import family
+from gmlx_server.engine.families.krea2.spec import SELECT_LAYERS
+from gmlx_server.engine.spec import family_specs, read_config
+from gmlx_server.engine.weights import load_weights
+from safetensors.numpy import save_file
+
+from tests.engine.comfy_files import wan_vae, write_gguf_text_encoder
+from tests.families.krea2.tiny import build_tiny_folder
+
+DIT_FILE = "krea2_turbo_tiny.safetensors"
+ENCODER_FILE = "qwen_3_vl_tiny.safetensors"
+VAE_FILE = "qwen_image_vae_tiny.safetensors"
+PROMPT = "a red boat on a lake"
+
+
+def arrays(folder) -> dict[str, np.ndarray]:
+    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Krea 2 folder tapping the pipeline's own layers, and a ComfyUI models/ folder
+    holding the same weights as single files."""
+    root = tmp_path_factory.mktemp("krea2_components")
+    folder = build_tiny_folder(
+        root / "krea2-tiny", text_layers=max(SELECT_LAYERS) + 1, select_layers=SELECT_LAYERS
+    )
+    models = root / "ComfyUI" / "models"
+    for name in ("diffusion_models", "text_encoders", "vae"):
+        (models / name).mkdir(parents=True)
+    save_file(arrays(folder / "transformer"), str(models / "diffusion_models" / DIT_FILE))
+    save_file(arrays(folder / "text_encoder"), str(models / "text_encoders" / ENCODER_FILE))
+    save_file(wan_vae(arrays(folder / "vae")), str(models / "vae" / VAE_FILE))
+    shutil.copytree(folder / "tokenizer", models / "text_encoders" / "tokenizer")
+    return folder, models
+
+
+def component_files(models, **changes):
+    named = {
+        "dit": models / "diffusion_models" / DIT_FILE,
+        "text_encoder": models / "text_encoders" / ENCODER_FILE,
+        "vae": models / "vae" / VAE_FILE,
+    }
+    return ComponentFiles(**{**named, **changes})
+
+
+def set_folder(files, tmp_path):
+    return components.set_folder(files, family_specs(), tmp_path / "sets")
+
+
+def outputs(folder):
+    model = family.KREA2.load(folder, folder.name)
+    encoded = model.encode(PROMPT, [], refs=False)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 16, 6, 8)).astype(np.float32)
+    row = model_row(encoded.cond)
+    step = model.denoise_step(x, np.array([0.6], np.float32), [row])
+    decoded = model.vae_decode(rng.standard_normal((16, 6, 8)).astype(np.float32), alpha=False)
+    image = rng.random((48, 64, 3)).astype(np.float32)
+    return encoded.cond, step.out, decoded, model.vae_encode(image)
+
+
+def model_row(cond):
+    from gmlx_server.engine.base import EncodeResult
+    from gmlx_server.engine.sampling import direct_row
+
+    return direct_row(EncodeResult(cond=cond))
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    return outputs(tiny[0])
+
+
+def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
+    folder, models = tiny
+    made = set_folder(component_files(models), tmp_path)
+    for component in ("transformer", "vae"):
+        told, written = read_config(made / component), read_config(folder / component)
+        differing = {
+            k for k in told if k in written and told[k] != written[k] and not k.startswith("_")
+        }
+        assert not differing, (component, differing)
+    told = read_config(made / "text_encoder")["text_config"]
+    written = read_config(folder / "text_encoder")["text_config"]
+    assert {k: written[k] for k in told if k in written} == {
+        k: v for k, v in told.items() if k in written
+    }
+    index = json.loads((made / "model_index.json").read_text())
+    assert index["is_distilled"] is True  # "turbo" in the DiT file's name
+    assert index["text_encoder_select_layers"] == list(SELECT_LAYERS)
+
+
+def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path):
+    _, models = tiny
+    made = set_folder(component_files(models), tmp_path)
+    for got, want in zip(outputs(made), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_gguf_text_encoder_alone_serves_with_its_tokenizer(tiny, expected, tmp_path):
+    folder, models = tiny
+    weights = {
+        "model." + n.removeprefix("language_model."): v
+        for n, v in arrays(folder / "text_encoder").items()
+        if n.startswith("language_model.")
+    }
+    path = write_gguf_text_encoder(
+        tmp_path / "Qwen3-VL-tiny-F32.gguf",
+        weights,
+        folder / "tokenizer" / "tokenizer.json",
+        arch="qwen3vl",
+    )
+    made = set_folder(component_files(models, text_encoder=path), tmp_path)
+    model = family.KREA2.load(made, made.name)
+    got = model.encode(PROMPT, [], refs=False).cond
+    np.testing.assert_allclose(got, expected[0], rtol=0, atol=1e-5)
+
+
+def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
+    folder, models = tiny
+    z_image_vae = tmp_path / "ae.safetensors"
+    save_file({"decoder.conv_in.weight": np.zeros((8, 4, 3, 3), np.float32)}, str(z_image_vae))
+    with pytest.raises(ComponentError, match="not the 16-channel Qwen-Image VAE"):
+        set_folder(component_files(models, vae=z_image_vae), tmp_path)
+    narrow = tmp_path / "narrow.safetensors"
+    encoder = arrays(folder / "text_encoder")
+    encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
+    save_file(encoder, str(narrow))
+    with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
+        set_folder(component_files(models, text_encoder=narrow), tmp_path)
+    plain = tmp_path / "krea2_tiny.safetensors"
+    shutil.copy(models / "diffusion_models" / DIT_FILE, plain)
+    with pytest.raises(ComponentError, match="variant = one of 'turbo', 'raw'"):
+        set_folder(component_files(models, dit=plain), tmp_path)
+
+
+def test_the_comfyui_folder_lists_the_set(tiny):
+    _, models = tiny
+    folders = {
+        key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
+    }
+    sets = components.comfy_sets(folders, family_specs())
+    wanted = f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-12]} + {VAE_FILE[:-12]}"
+    assert wanted in sets, sorted(sets)
