@@ -5,6 +5,9 @@ Wan-named file decodes and encodes as the diffusers-named one, bit for bit."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -67,3 +70,54 @@ def test_a_wan_named_file_reads_as_the_diffusers_named_one(tiny, tmp_path):
     image = mx.array(np.random.default_rng(2).random((1, 40, 48, 3), dtype=np.float32))
     assert np.array_equal(np.array(ours.decode(latents)), np.array(theirs.decode(latents)))
     assert np.array_equal(np.array(ours.encode(image)), np.array(theirs.encode(image)))
+
+
+COMFY_DIR = os.environ.get("COMFYUI_DIR")
+
+
+@pytest.mark.skipif(
+    not (COMFY_DIR and (Path(COMFY_DIR) / "comfy" / "ldm" / "wan" / "vae.py").is_file()),
+    reason="COMFYUI_DIR does not name a ComfyUI checkout with the Wan VAE",
+)
+def test_comfyuis_own_wan_vae_reads_the_file_and_decodes_as_this_one(tiny, tmp_path):
+    """ComfyUI's WanVAE, built at the tiny config, loads the Wan-named file strictly and
+    decodes it as this server does; at full size its names are those the test's naming gives
+    diffusers' full-size AutoencoderKLQwenImage, which the product's map takes back."""
+    import json
+    import subprocess
+    import sys
+
+    from diffusers import AutoencoderKLQwenImage
+
+    folder, weights = tiny
+    save_file(wan_vae(weights), str(tmp_path / "vae.safetensors"))
+    latents = np.random.default_rng(5).standard_normal((1, 16, 4, 6)).astype(np.float32)
+    np.save(tmp_path / "latents.npy", latents)
+    script = Path(__file__).with_name("comfy_wan_vae.py")
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    files = ["vae.safetensors", "config.json", "latents.npy", "comfy.npy", "names.json"]
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    run = subprocess.run(
+        [python, str(script), *(str(tmp_path / f) for f in files)],
+        cwd=COMFY_DIR,
+        env={**os.environ, "PYTHONPATH": COMFY_DIR},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ours = np.array(QwenImageVAE.load(folder).decode(mx.array(latents)))[0]
+    comfy = np.load(tmp_path / "comfy.npy")
+    assert np.linalg.norm(ours - comfy) / np.linalg.norm(comfy) <= 1e-4
+
+    comfy_names = json.loads((tmp_path / "names.json").read_text())
+    with torch_meta():
+        full = AutoencoderKLQwenImage()
+    shapes = {n: list(v.shape) for n, v in full.state_dict().items()}
+    assert {n: shapes[d] for n, d in wan_names.diffusers_names(comfy_names).items()} == comfy_names
+    assert set(wan_vae(shapes)) == set(comfy_names)
+
+
+def torch_meta():
+    import torch
+
+    return torch.device("meta")
