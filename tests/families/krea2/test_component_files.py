@@ -23,6 +23,7 @@ from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
 from tests.engine.comfy_files import wan_vae, write_gguf_text_encoder
+from tests.engine.gguf_files import write_dit
 from tests.families.krea2.tiny import build_tiny_folder
 
 DIT_FILE = "krea2_turbo_tiny.safetensors"
@@ -112,6 +113,20 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
 def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path):
     _, models = tiny
     made = set_folder(component_files(models), tmp_path)
+    for got, want in zip(outputs(made), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_gguf_dit_serves_what_the_folder_serves(tiny, expected, tmp_path):
+    """A GGUF Krea 2 DiT keeps diffusers' names (ComfyUI-GGUF converts no Krea 2: no ComfyUI
+    knows it), under ComfyUI's prefix; float32 here, the quantized types are test_gguf's."""
+    folder, models = tiny
+    path = tmp_path / "krea2_turbo-tiny-F32.gguf"
+    weights = arrays(folder / "transformer")
+    write_dit(
+        path, weights, {}, np.random.default_rng(0), prefix="model.diffusion_model.", arch=None
+    )
+    made = set_folder(component_files(models, dit=path), tmp_path)
     for got, want in zip(outputs(made), expected, strict=True):
         np.testing.assert_array_equal(got, want)
 
