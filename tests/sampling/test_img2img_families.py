@@ -17,7 +17,15 @@ MODELS = {module.MODEL_NAME: module for module in embedded_modules()}
 WIDTH, HEIGHT = 128, 96
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+# FLUX.2 klein's inpainting is checked against its pipeline (test_inpaint_parity.py); here it
+# runs with -m heavy.
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(m, marks=pytest.mark.heavy) if m.startswith("flux2") else m
+        for m in sorted(MODELS)
+    ],
+)
 def server(request, tmp_path_factory):
     folder = MODELS[request.param].ensure_embedded_model(tmp_path_factory.mktemp("cache"))
     with served_folder(folder) as running:
