@@ -1,0 +1,357 @@
+"""Qwen3.5's language model in MLX (transformers' `Qwen3_5TextModel`), for encoding prompts: a
+hybrid decoder whose layers are Gated DeltaNet linear attention, three in four, or gated full
+attention, each with a SwiGLU MLP, under zero-centred RMS norms (`x (1 + w)`).
+
+- **Gated DeltaNet** (`GatedDeltaNet`): q, k, v through a causal depthwise convolution (SiLU),
+  q and k L2-normalised, a per-head decay `g = -exp(A_log) softplus(a + dt_bias)` and update
+  rate `beta = sigmoid(b)`; the state follows the gated delta rule
+  `S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T`, `o_t = S_t^T q_t`. It runs
+  in the chunked form (`chunked_delta_rule`), as transformers' `torch_chunk_gated_delta_rule`
+  does: within a chunk of 64 tokens every update is a few matrix products (the unit lower
+  triangular system inverted by repeated squaring, exact for a nilpotent part), and the state
+  is carried across chunks. The output is RMS-normed per head and gated by SiLU(z).
+- **Gated attention** (`GatedAttention`): the query projection carries a sigmoid output gate
+  beside the queries; q and k are RMS-normed per head; RoPE rotates the first
+  `partial_rotary_factor` of each head (rotate-half). A prompt alone has one position per
+  token on every multimodal axis, so Qwen3.5's multimodal RoPE is plain RoPE here.
+
+Weights load by transformers' names (`model.language_model.` or `model.` or none before
+`layers.`); `lm_head` and the vision tower are not read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ...nn.dtypes import tree_bytes
+from ...weights import load_weights, read_config
+
+CHUNK = 64  # the chunked delta rule's chunk length (transformers' default)
+LINEAR, FULL = "linear_attention", "full_attention"
+PREFIXES = ("model.language_model.", "language_model.", "model.")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int
+    layer_types: tuple[str, ...]
+    conv_kernel: int
+    linear_key_heads: int
+    linear_value_heads: int
+    linear_key_dim: int
+    linear_value_dim: int
+
+    @classmethod
+    def from_dict(cls, config: dict) -> TextConfig:
+        rope = config.get("rope_parameters") or {}
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        layers = config["num_hidden_layers"]
+        interval = config.get("full_attention_interval", 4)
+        types = config.get("layer_types") or [
+            FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)
+        ]
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+            layer_types=tuple(types[:layers]),
+            conv_kernel=config.get("linear_conv_kernel_dim", 4),
+            linear_key_heads=config.get("linear_num_key_heads", 16),
+            linear_value_heads=config.get("linear_num_value_heads", 32),
+            linear_key_dim=config.get("linear_key_head_dim", 128),
+            linear_value_dim=config.get("linear_value_head_dim", 128),
+        )
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMS norm with scale 1 + w, in float32."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps)
+        return (normed * (1.0 + self.weight.astype(mx.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm (scale w) of the delta rule's output, then gated by SiLU(z), in float32."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        normed = mx.fast.rms_norm(x.astype(mx.float32), None, self.eps).astype(x.dtype)
+        return (self.weight * normed).astype(mx.float32) * nn.silu(gate.astype(mx.float32))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        width, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(width, inner, bias=False)
+        self.up_proj = nn.Linear(width, inner, bias=False)
+        self.down_proj = nn.Linear(inner, width, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        width, head = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(width, config.num_heads * head * 2, bias=False)
+        self.k_proj = nn.Linear(width, config.num_kv_heads * head, bias=False)
+        self.v_proj = nn.Linear(width, config.num_kv_heads * head, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * head, width, bias=False)
+        self.q_norm = ZeroCenteredRMSNorm(head, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(head, config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        batch, length, _ = x.shape
+        head = self.config.head_dim
+        query_gate = self.q_proj(x).reshape(batch, length, -1, 2 * head)
+        query, gate = query_gate[..., :head], query_gate[..., head:]
+        gate = gate.reshape(batch, length, -1)
+        query = self.q_norm(query).transpose(0, 2, 1, 3)
+        key = self.k_norm(self.k_proj(x).reshape(batch, length, -1, head)).transpose(0, 2, 1, 3)
+        value = self.v_proj(x).reshape(batch, length, -1, head).transpose(0, 2, 1, 3)
+        query, key = rotated(query, cos, sin), rotated(key, cos, sin)
+        out = mx.fast.scaled_dot_product_attention(
+            query, key, value, scale=head**-0.5, mask="causal"
+        )
+        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        return self.o_proj(out * mx.sigmoid(gate))
+
+
+def rotated(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """Rotate-half RoPE on the first cos.shape[-1] dims of each head; the rest passes."""
+    dims = cos.shape[-1]
+    rot, rest = x[..., :dims], x[..., dims:]
+    half = dims // 2
+    turned = mx.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return mx.concatenate([rot * cos + turned * sin, rest], axis=-1)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        width = config.hidden_size
+        self.key_dim = config.linear_key_heads * config.linear_key_dim
+        self.value_dim = config.linear_value_heads * config.linear_value_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        # transformers' depthwise Conv1d weight (channels, 1, kernel)
+        self.conv1d = {"weight": mx.zeros((conv_dim, 1, config.conv_kernel))}
+        self.in_proj_qkv = nn.Linear(width, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(width, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(width, config.linear_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(width, config.linear_value_heads, bias=False)
+        self.dt_bias = mx.ones((config.linear_value_heads,))
+        self.A_log = mx.zeros((config.linear_value_heads,))
+        self.norm = GatedRMSNorm(config.linear_value_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, width, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        config = self.config
+        batch, length, _ = x.shape
+        mixed = nn.silu(causal_conv(self.in_proj_qkv(x), self.conv1d["weight"]))
+        query = mixed[..., : self.key_dim].reshape(batch, length, -1, config.linear_key_dim)
+        key = mixed[..., self.key_dim : 2 * self.key_dim].reshape(query.shape)
+        value = mixed[..., 2 * self.key_dim :].reshape(batch, length, -1, config.linear_value_dim)
+        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        a = self.in_proj_a(x).astype(mx.float32)
+        decay = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias)
+        out = chunked_delta_rule(query, key, value, decay, beta).astype(x.dtype)
+        z = self.in_proj_z(x).reshape(batch, length, -1, config.linear_value_dim)
+        gated = self.norm(out, z).astype(x.dtype).reshape(batch, length, -1)
+        return self.out_proj(gated)
+
+
+def causal_conv(x: mx.array, weight: mx.array) -> mx.array:
+    """A causal depthwise convolution over the sequence: x (B, L, C), weight (C, 1, K)."""
+    kernel = weight.shape[-1]
+    padded = mx.pad(x, [(0, 0), (kernel - 1, 0), (0, 0)])
+    taps = weight[:, 0, :].T.astype(x.dtype)  # (K, C)
+    length = x.shape[1]
+    return sum(padded[:, k : k + length] * taps[k] for k in range(kernel))
+
+
+def l2_normed(x: mx.array, eps: float = 1e-6) -> mx.array:
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def unit_lower_inverse(lower: mx.array) -> mx.array:
+    """(I + L)^-1 for strictly lower triangular L (..., C, C): the product of I + (-L)^(2^k),
+    exact since L is nilpotent (L^C = 0)."""
+    size = lower.shape[-1]
+    eye = mx.eye(size, dtype=lower.dtype)
+    power, inverse, span = -lower, eye + -lower, 2
+    while span < size:
+        power = power @ power
+        inverse = inverse @ (eye + power)
+        span *= 2
+    return inverse
+
+
+def chunked_delta_rule(
+    query: mx.array, key: mx.array, value: mx.array, decay: mx.array, beta: mx.array
+) -> mx.array:
+    """The gated delta rule over a whole sequence, chunked: q, k (B, L, Hk, Dk), v (B, L, Hv,
+    Dv), decay and beta (B, L, Hv); returns (B, L, Hv, Dv) float32, from a zero state."""
+    batch, length, key_heads, key_dim = key.shape
+    value_heads, value_dim = value.shape[-2:]
+    if key_heads != value_heads:  # each q/k head serves consecutive value heads
+        query = mx.repeat(query, value_heads // key_heads, axis=2)
+        key = mx.repeat(key, value_heads // key_heads, axis=2)
+    query, key, value = (t.astype(mx.float32).transpose(0, 2, 1, 3) for t in (query, key, value))
+    beta, decay = (t.astype(mx.float32).transpose(0, 2, 1) for t in (beta, decay))
+    query = l2_normed(query) * key_dim**-0.5
+    key = l2_normed(key)
+    pad = (-length) % CHUNK
+    if pad:
+        query, key, value = (
+            mx.pad(t, [(0, 0), (0, 0), (0, pad), (0, 0)]) for t in (query, key, value)
+        )
+        beta, decay = (mx.pad(t, [(0, 0), (0, 0), (0, pad)]) for t in (beta, decay))
+    chunks = (length + pad) // CHUNK
+
+    def chunked(t: mx.array) -> mx.array:
+        return t.reshape(batch, value_heads, chunks, CHUNK, *t.shape[3:])
+
+    value_beta = chunked(value * beta[..., None])
+    key_beta = chunked(key * beta[..., None])
+    query, key = chunked(query), chunked(key)
+    cumulative = mx.cumsum(chunked(decay), axis=-1)  # (B, H, N, C)
+    lower = mx.tril(mx.ones((CHUNK, CHUNK), dtype=mx.bool_))
+    gaps = cumulative[..., :, None] - cumulative[..., None, :]
+    pairwise = mx.where(lower, mx.exp(mx.where(lower, gaps, 0.0)), 0.0)
+    system = (key_beta @ key.swapaxes(-1, -2)) * pairwise
+    strictly = mx.tril(mx.ones((CHUNK, CHUNK), dtype=mx.bool_), k=-1)
+    inverse = unit_lower_inverse(mx.where(strictly, system, 0.0))
+    new_values = inverse @ value_beta
+    key_cumulative = inverse @ (key_beta * mx.exp(cumulative)[..., None])
+    intra = (query @ key.swapaxes(-1, -2)) * pairwise
+    query = query * mx.exp(cumulative)[..., None]
+    key = key * mx.exp(cumulative[..., -1:] - cumulative)[..., None]
+    chunk_decay = mx.exp(cumulative[..., -1])[..., None, None]
+    state = mx.zeros((batch, value_heads, key_dim, value_dim), dtype=mx.float32)
+    outputs = []
+    for i in range(chunks):
+        fresh = new_values[:, :, i] - key_cumulative[:, :, i] @ state
+        outputs.append(query[:, :, i] @ state + intra[:, :, i] @ fresh)
+        state = state * chunk_decay[:, :, i] + key[:, :, i].swapaxes(-1, -2) @ fresh
+    out = mx.concatenate(outputs, axis=2)[:, :, :length]
+    return out.transpose(0, 2, 1, 3)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TextConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        normed = self.input_layernorm(x)
+        if self.kind == LINEAR:
+            x = x + self.linear_attn(normed)
+        else:
+            x = x + self.self_attn(normed, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, config: TextConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = [DecoderLayer(config, kind) for kind in config.layer_types]
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def rotary(self, length: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        config = self.config
+        exponents = np.arange(0, config.rotary_dim, 2, dtype=np.float32) / config.rotary_dim
+        inverse = 1.0 / (config.rope_theta ** exponents.astype(np.float32))
+        angles = np.arange(length, dtype=np.float32)[:, None] * inverse.astype(np.float32)
+        angles = np.concatenate([angles, angles], axis=-1)
+        return mx.array(np.cos(angles)).astype(dtype), mx.array(np.sin(angles)).astype(dtype)
+
+    def hidden_states(self, ids: np.ndarray, taps: Iterable[int]) -> list[mx.array]:
+        """The hidden states of one prompt (token ids (L,)) after the layers `taps` names, as
+        transformers' `hidden_states` counts them (0: the embeddings; num_layers: after the
+        final norm), each (L, hidden)."""
+        wanted = sorted(set(taps))
+        x = self.embed_tokens(mx.array(np.asarray(ids, np.int32))[None])
+        cos, sin = self.rotary(x.shape[1], x.dtype)
+        states = {0: x}
+        last = max(wanted)
+        for index, layer in enumerate(self.layers[: min(last, self.config.num_layers)], 1):
+            x = layer(x, cos, sin)
+            states[index] = x
+        if last == self.config.num_layers:
+            states[last] = self.norm(x)
+        return [states[t][0] for t in wanted]
+
+
+def load_text_model(component_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[TextModel, int]:
+    """Qwen3.5's language model from a transformers folder (its config.json's `text_config`,
+    or the config itself for a text-only checkpoint) and the bytes of its weights."""
+    config = read_config(component_dir)
+    model = TextModel(TextConfig.from_dict(config.get("text_config", config)))
+    weights = {}
+    for name, value in load_weights(component_dir, dtype).items():
+        module = module_name(name)
+        if module is not None:
+            weights[module] = value
+    model.load_weights(list(weights.items()))
+    mx.eval(model.parameters())
+    return model, tree_bytes(model.parameters())
+
+
+def module_name(name: str) -> str | None:
+    """A checkpoint tensor's module name (None: not the language model's)."""
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    else:
+        if not name.startswith(("layers.", "embed_tokens.", "norm.")):
+            return None
+    if not name.startswith(("layers.", "embed_tokens.", "norm.")):
+        return None
+    return name
