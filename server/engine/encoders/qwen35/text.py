@@ -29,7 +29,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...nn.attention import chunked_attention
 from ...nn.dtypes import tree_bytes
+from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...weights import load_weights, read_config
 
 CHUNK = 64  # the chunked delta rule's chunk length (transformers' default)
@@ -146,9 +148,7 @@ class GatedAttention(nn.Module):
         key = self.k_norm(self.k_proj(x).reshape(batch, length, -1, head)).transpose(0, 2, 1, 3)
         value = self.v_proj(x).reshape(batch, length, -1, head).transpose(0, 2, 1, 3)
         query, key = rotated(query, cos, sin), rotated(key, cos, sin)
-        out = mx.fast.scaled_dot_product_attention(
-            query, key, value, scale=head**-0.5, mask="causal"
-        )
+        out = chunked_attention(query, key, value, head**-0.5, causal=True)
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return self.o_proj(out * mx.sigmoid(gate))
 
@@ -156,10 +156,7 @@ class GatedAttention(nn.Module):
 def rotated(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """Rotate-half RoPE on the first cos.shape[-1] dims of each head; the rest passes."""
     dims = cos.shape[-1]
-    rot, rest = x[..., :dims], x[..., dims:]
-    half = dims // 2
-    turned = mx.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    return mx.concatenate([rot * cos + turned * sin, rest], axis=-1)
+    return mx.concatenate([apply_rotary(x[..., :dims], cos, sin), x[..., dims:]], axis=-1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -304,12 +301,9 @@ class TextModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def rotary(self, length: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        config = self.config
-        exponents = np.arange(0, config.rotary_dim, 2, dtype=np.float32) / config.rotary_dim
-        inverse = 1.0 / (config.rope_theta ** exponents.astype(np.float32))
-        angles = np.arange(length, dtype=np.float32)[:, None] * inverse.astype(np.float32)
-        angles = np.concatenate([angles, angles], axis=-1)
-        return mx.array(np.cos(angles)).astype(dtype), mx.array(np.sin(angles)).astype(dtype)
+        """Plain RoPE tables over the rotated dims for positions 0..length-1."""
+        inverse = inverse_frequencies(self.config.rope_theta, self.config.rotary_dim)
+        return cos_sin(np.arange(length, dtype=np.float32)[:, None] * inverse[None, :], dtype)
 
     def hidden_states(self, ids: np.ndarray, taps: Iterable[int]) -> list[mx.array]:
         """The hidden states of one prompt (token ids (L,)) after the layers `taps` names, as
