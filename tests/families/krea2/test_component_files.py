@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from gmlx_server.engine import components
 from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.encoders.qwen3 import files as qwen3_files
 from gmlx_server.engine.families.krea2 import family
 from gmlx_server.engine.families.krea2.spec import SELECT_LAYERS
 from gmlx_server.engine.spec import family_specs, read_config
@@ -144,6 +145,9 @@ def test_a_gguf_text_encoder_alone_serves_with_its_tokenizer(tiny, expected, tmp
         folder / "tokenizer" / "tokenizer.json",
         arch="qwen3vl",
     )
+    # Qwen3-VL's language model under llama.cpp's Qwen3 names is no Qwen3 (Z-Image's encoder)
+    assert not qwen3_files.is_qwen3(components.header(path))
+    assert qwen3_files.vl_width(components.header(path)) == 64
     made = set_folder(component_files(models, text_encoder=path), tmp_path)
     model = family.KREA2.load(made, made.name)
     got = model.encode(PROMPT, [], refs=False).cond
