@@ -82,6 +82,12 @@ class IdentifiedSet:
     headers: dict[str, Header]
 
 
+def named_variant(name: str, variants) -> str | None:
+    """The one of `variants` a file's name holds (None: none, or more than one)."""
+    named = [variant for variant in variants if variant in name]
+    return named[0] if len(named) == 1 else None
+
+
 def rules(specs: dict) -> dict[str, Any]:
     """The component rule of each family that has one and can import it, by family name."""
     found = {}

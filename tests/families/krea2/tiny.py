@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import write_tokenizer
-from gmlx_server.engine.families.krea2.embedded import SCHEDULER_CONFIG
+from gmlx_server.engine.families.krea2.spec import SCHEDULER_CONFIG, model_index_of
 
 from tests.families.krea2.reference import build_transformer
 from tests.families.qwen_image21.tiny.text_encoder import _redraw, build_tokenizer, tiny_config
@@ -54,18 +54,7 @@ def build_tiny_folder(
     encoder.save_pretrained(str(root / "text_encoder"))
     (root / "scheduler").mkdir(parents=True, exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
-    index = {
-        "_class_name": "Krea2Pipeline",
-        "_diffusers_version": "0.42.1",
-        "is_distilled": variant == "turbo",
-        "patch_size": 2,
-        "text_encoder_select_layers": list(select_layers),
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3VLModel"],
-        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Krea2Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
-    }
+    index = model_index_of(variant, select_layers)
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
 

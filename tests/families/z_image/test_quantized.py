@@ -24,7 +24,6 @@ from gmlx_server.engine.quantize import BIASES, SCALES
 from mlx.utils import tree_flatten
 
 from tests.families.qwen_image21.test_quantized import dequantized_tree, rel_l2
-from tests.families.z_image.tiny.folder import build_tiny_folder
 from tests.lora.reference import make_table
 
 TOLERANCE = 1e-4
@@ -34,10 +33,8 @@ X_IN = "all_x_embedder.2-1.weight"  # a layer the family keeps in float
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    root = tmp_path_factory.mktemp("z_quantized") / "z-image-tiny"
-    build_tiny_folder(root, variant="turbo")
-    return root
+def folder(turbo_folder):
+    return turbo_folder  # conftest.py's, read only
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,9 @@ def family(dit: Header) -> str | None:
 
 
 def variant(dit: Header, name: str) -> str | None:
-    named = [v for v in SAMPLING if v in name]
-    return named[0] if len(named) == 1 else None
+    from ...components import named_variant
+
+    return named_variant(name, SAMPLING)
 
 
 def fits_encoder(dit: Header, encoder: Header) -> bool:
