@@ -593,7 +593,7 @@ class Variations(ImageRoute):
             raise OpenAIError(400, "a variation takes exactly one image", "image")
         if mask is not None:
             raise OpenAIError(400, "a variation takes no mask; use an edit", "mask")
-        if fields.get("stream") is not None:
+        if _bool(fields, "stream"):
             raise OpenAIError(400, "variations are not streamed", "stream")
         job = parse_job(fields, edit_size(images[0]), prompt_required=False)
         if fields.get("strength") is None:
