@@ -98,5 +98,8 @@ def test_inpainting_equals_the_pipeline(served, steps, strength, cfg):
     direct, _ = generate(server.direct(), server.loaded.model.status(), request)
     assert direct.shape == expected.shape
     assert rel_l2(direct, expected) <= 1e-4
+    print(
+        f"FIGURE klein inpaint {steps} steps at {strength}: rel-L2 {rel_l2(direct, expected):.1e}"
+    )
     assert np.array_equal(through_routes(server, request), direct)
     assert np.array_equal(through_openai_edit(server, request), decoded(server, direct))

@@ -123,6 +123,7 @@ def test_image_to_image_equals_the_pipeline(monkeypatch, turbo_folder, turbo_ser
     direct, _ = generate(server.direct(), server.loaded.model.status(), request)
     assert direct.shape == expected.shape
     assert rel_l2(direct, expected) <= 1e-4
+    print(f"FIGURE z-image {name}: rel-L2 {rel_l2(direct, expected):.1e}")
     assert np.array_equal(through_routes(server, request), direct)
     assert np.array_equal(through_openai_edit(server, request), decoded(server, direct))
     if kind == "inpaint":  # the kept region is the init image's latents, exactly

@@ -107,7 +107,9 @@ def test_comfyuis_own_wan_vae_reads_the_file_and_decodes_as_this_one(tiny, tmp_p
     assert run.returncode == 0, run.stderr[-3000:]
     ours = np.array(QwenImageVAE.load(folder).decode(mx.array(latents)))[0]
     comfy = np.load(tmp_path / "comfy.npy")
-    assert np.linalg.norm(ours - comfy) / np.linalg.norm(comfy) <= 1e-4
+    difference = np.linalg.norm(ours - comfy) / np.linalg.norm(comfy)
+    assert difference <= 1e-4
+    print(f"FIGURE ComfyUI's WanVAE against this decode: rel-L2 {difference:.1e}")
 
     comfy_names = json.loads((tmp_path / "names.json").read_text())
     with torch_meta():
