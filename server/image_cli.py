@@ -40,7 +40,6 @@ from .engine.sampling import (
     flow_map_schedule,
     generate,
     to_uint8,
-    with_first_refs,
 )
 from .imagefiles import mask_of, read_image_file
 from .kernel_compiles import CompileWatch
@@ -573,8 +572,7 @@ class ViaStepsTransport:
     def encode_image(self, pixels: np.ndarray) -> np.ndarray:
         return self.direct.encode_image(pixels)
 
-    def row(self, encoding, first_refs: Sequence[np.ndarray] = ()) -> dict:
-        encoding = with_first_refs(encoding, first_refs)
+    def row(self, encoding) -> dict:
         cond = np.ascontiguousarray(encoding.cond, dtype=np.float32)
         row: dict[str, Any] = {"cond": self._upload(cond), "num_tokens": int(cond.shape[-2])}
         if encoding.ref_latents:

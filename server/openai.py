@@ -358,8 +358,7 @@ class ImageRoute:
                 status = self.service.worker.call(loaded.model.status)
                 request = for_model(job, status, loaded.model_id)
                 requests = [replace(request, seed=request.seed + i) for i in range(job.count)]
-                for each in requests:
-                    self.transport(loaded).check_image(status, each)
+                self.transport(loaded).check_image(status, request)  # the seeds change nothing
             if job.stream:
                 resp.status = 200
                 resp.content_type = "text/event-stream"
@@ -417,18 +416,24 @@ class ImageRoute:
         return encode_image(pixels, job.output_format)
 
 
+def openai_refusal(exc: ContractError | ValueError) -> OpenAIError:
+    """A refusal of the sampler's or the engine's in the OpenAI error shape."""
+    if isinstance(exc, ContractError):
+        return OpenAIError(exc.status, exc.message)
+    if isinstance(exc, SettingError):
+        name, field = SETTING_FIELDS.get(exc.setting, (exc.setting, exc.setting))
+        return OpenAIError(400, exc.naming(name), field)
+    # engine input errors and sampler refusals are the client's
+    return OpenAIError(400, str(exc) or type(exc).__name__)
+
+
 @contextmanager
 def refusals():
-    """The sampler's and the engine's refusals in the OpenAI error shape."""
+    """The sampler's and the engine's refusals raised in the OpenAI error shape."""
     try:
         yield
-    except ContractError as exc:
-        raise OpenAIError(exc.status, exc.message) from None
-    except SettingError as exc:
-        name, field = SETTING_FIELDS.get(exc.setting, (exc.setting, exc.setting))
-        raise OpenAIError(400, exc.naming(name), field) from None
-    except ValueError as exc:  # engine input errors and sampler refusals are the client's
-        raise OpenAIError(400, str(exc) or type(exc).__name__) from None
+    except (ContractError, ValueError) as exc:
+        raise openai_refusal(exc) from None
 
 
 def encode_image(pixels: np.ndarray, output_format: str) -> bytes:
@@ -497,14 +502,12 @@ class EventStream:
 
     @staticmethod
     def _refusal(exc: Exception) -> OpenAIError:
-        try:
-            with refusals():
-                raise exc
-        except OpenAIError as refused:
-            return refused
-        except Exception:  # noqa: BLE001 - the server's own failure
-            log.exception("a streamed image failed")
-            return OpenAIError(500, f"the image failed: {type(exc).__name__}")
+        if isinstance(exc, OpenAIError):
+            return exc
+        if isinstance(exc, (ContractError, ValueError)):
+            return openai_refusal(exc)
+        log.exception("a streamed image failed")
+        return OpenAIError(500, f"the image failed: {type(exc).__name__}")
 
     def _one(self, request: ImageRequest) -> None:
         job, route = self.job, self.route

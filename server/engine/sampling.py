@@ -131,15 +131,13 @@ def resolve_sigmas(
     steps = steps or int(sampling.get("steps") or 0)
     if steps < 1:
         raise SettingError("steps", "this model has no step count of its own; give {name}")
-    total = (
-        contract_schedules.denoise_total(steps, denoise) if denoise >= steps / MAX_SCHEDULE else 0
-    )
-    if not 0 < total <= MAX_SCHEDULE:
+    if steps / denoise > MAX_SCHEDULE:
         raise SettingError(
             "strength",
             f"{{name}} {denoise:g} with {steps} steps shortens a schedule of more than"
             f" {MAX_SCHEDULE} steps; raise it or give fewer steps",
         )
+    total = contract_schedules.denoise_total(steps, denoise)
     rule = sampling.get("schedule")
     if rule:
         from gmlx_server.engine import schedules
@@ -319,7 +317,7 @@ class Transport(Protocol):
 
     def encode_image(self, pixels: np.ndarray) -> np.ndarray: ...
 
-    def row(self, encoding: EncodeResult, first_refs: Sequence[np.ndarray] = ()) -> Any: ...
+    def row(self, encoding: EncodeResult) -> Any: ...
 
     def begin(self, sigmas: np.ndarray) -> None: ...
 
@@ -362,11 +360,13 @@ def generate(
     begin = time.perf_counter()
     start = image_start(transport, status, request, shape)
     first_refs = inpaint_references(status, start)
-    cond = transport.row(transport.encode(request.prompt, request.images), first_refs)
+    cond = transport.row(
+        with_first_refs(transport.encode(request.prompt, request.images), first_refs)
+    )
     uncond = None
     if cfg != 1.0:
         negative = transport.encode(request.negative or "", request.images)
-        uncond = transport.row(negative, first_refs)
+        uncond = transport.row(with_first_refs(negative, first_refs))
     timings.encode_s = time.perf_counter() - begin
 
     noise = initial_noise(request.seed, int(latent["channels"]), *shape)
@@ -507,13 +507,9 @@ def with_first_refs(encoding: EncodeResult, first_refs: Sequence[np.ndarray]) ->
     )
 
 
-def direct_row(
-    encoding: EncodeResult, prefix_cache: bool = True, first_refs: Sequence[np.ndarray] = ()
-) -> StepRow:
+def direct_row(encoding: EncodeResult, prefix_cache: bool = True) -> StepRow:
     """The StepRow the step route builds for `{"cond": hash, "num_tokens": L, "ref_latents":
-    [...], "image_slots": [...]}` naming these tensors: same arrays, same cache keys
-    (`first_refs`: latents before the encoding's references, `with_first_refs`)."""
-    encoding = with_first_refs(encoding, first_refs)
+    [...], "image_slots": [...]}` naming these tensors: same arrays, same cache keys."""
     cond = np.asarray(encoding.cond, dtype=np.float32)
     refs = tuple(np.asarray(r, dtype=np.float32) for r in encoding.ref_latents)
     return StepRow(
@@ -557,8 +553,8 @@ class DirectTransport:
     def encode_image(self, pixels: np.ndarray) -> np.ndarray:
         return self.call(encode_pixels, self.model, pixels)
 
-    def row(self, encoding: EncodeResult, first_refs: Sequence[np.ndarray] = ()) -> StepRow:
-        return direct_row(encoding, first_refs=first_refs)
+    def row(self, encoding: EncodeResult) -> StepRow:
+        return direct_row(encoding)
 
     def begin(self, sigmas: np.ndarray) -> None:
         """A flow-map DiT's steps name the run's schedule (`sample_sigmas`)."""

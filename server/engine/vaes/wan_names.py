@@ -45,7 +45,9 @@ def up_layout(names) -> dict[int, str]:
     or `decoder.up_blocks.i.upsamplers.0.`), from where the resamplers stand."""
     indices = sorted({int(m.group(1)) for n in names if (m := _UP.match(n))})
     resamplers = {
-        int(m.group(1)) for n in names if (m := _UP.match(n)) and ".resample." in n[m.end() - 1 :]
+        int(m.group(1))
+        for n in names
+        if (m := _UP.match(n)) and n[m.end() :].startswith("resample.")
     }
     layout, block, resnet = {}, 0, 0
     for index in indices:

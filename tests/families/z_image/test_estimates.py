@@ -3,25 +3,14 @@ the CPU backend): rows of equal and of different caption lengths, several sizes.
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.z_image import family
 
 from tests.compiled_dits import compiled_dits
+from tests.families.estimates import peak_of
 from tests.families.z_image.tiny.folder import build_tiny_folder
-
-
-def peak_of(work) -> int:
-    """MLX's peak allocation during `work`, above what was held before it."""
-    mx.synchronize()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    work()
-    mx.synchronize()
-    return mx.get_peak_memory() - base
 
 
 @pytest.fixture(scope="module")

@@ -30,21 +30,29 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny(request, tmp_path_factory):
+def tiny_vae(config: dict, seed: int):
+    """diffusers' AutoencoderKLQwenImage of `config`, random weights of the tests' spread."""
     import torch
     from diffusers import AutoencoderKLQwenImage
 
-    torch.set_num_threads(1)
-    torch.manual_seed(7)
-    model = AutoencoderKLQwenImage(**CONFIGS[request.param])
+    torch.manual_seed(seed)
+    model = AutoencoderKLQwenImage(**config)
     redraw(
         model,
-        torch.Generator().manual_seed(7),
+        torch.Generator().manual_seed(seed),
         linear_gain=1.0,
         constant_noise=0.2,
         is_linear=lambda name, param: param.ndim >= 2,
     )
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    import torch
+
+    torch.set_num_threads(1)
+    model = tiny_vae(CONFIGS[request.param], 7)
     folder = tmp_path_factory.mktemp(f"qwen_image_vae_{request.param}")
     model.save_pretrained(str(folder))
     return QwenImageVAE.load(folder), model.eval()

@@ -16,7 +16,7 @@ from gmlx_server.engine.vaes.qwen_image import QwenImageVAE
 from safetensors.numpy import save_file
 
 from tests.engine.comfy_files import wan_vae
-from tests.families.tiny_weights import redraw
+from tests.vaes.qwen_image.test_parity import tiny_vae
 
 # The real layout's shape (four levels, two resnets a level, as diffusers' converter's fixed
 # indices assume), narrow.
@@ -25,18 +25,7 @@ CONFIG = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import torch
-    from diffusers import AutoencoderKLQwenImage
-
-    torch.manual_seed(3)
-    model = AutoencoderKLQwenImage(**CONFIG)
-    redraw(
-        model,
-        torch.Generator().manual_seed(3),
-        linear_gain=1.0,
-        constant_noise=0.2,
-        is_linear=lambda name, param: param.ndim >= 2,
-    )
+    model = tiny_vae(CONFIG, 3)
     folder = tmp_path_factory.mktemp("qwen_image_vae")
     model.save_pretrained(str(folder))
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
