@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.base import StepRow
@@ -10,6 +9,7 @@ from gmlx_server.engine.families.qwen_image21 import embedded, family
 from gmlx_server.memory import LIMIT_FRACTION, allocation_bound
 
 from tests.compiled_dits import compiled_dits
+from tests.families.estimates import peak_of
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +20,6 @@ def model():
         loaded = family.QWEN_IMAGE21.load(folder, folder.name)
     yield loaded
     loaded.close()
-
-
-def peak_of(work) -> int:
-    """MLX's peak allocation during `work`, above what was held before it."""
-    mx.synchronize()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    work()
-    mx.synchronize()
-    return mx.get_peak_memory() - base
 
 
 def rows(count: int, length: int, refs: int = 0, seed: int = 0) -> list[StepRow]:

@@ -9,19 +9,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL
 
+from tests.families.estimates import peak_of
 from tests.families.z_image.tiny.vae import build_vae
-
-
-def peak_of(work) -> int:
-    """MLX's peak allocation during `work`, above what was held before it."""
-    mx.synchronize()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    work()
-    mx.synchronize()
-    return mx.get_peak_memory() - base
-
 
 TILED_SAMPLE_SIZE = 64
 
