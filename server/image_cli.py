@@ -594,7 +594,9 @@ class ViaStepsTransport:
         self.run = self.client.begin_run(self.model_id)
         self.sample_sigmas = flow_map_schedule(self.direct.model, sigmas)
 
-    def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray:
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any], skip: Sequence[int] = ()
+    ) -> np.ndarray:
         answer = self.client.step(
             x,
             timestep,
@@ -603,6 +605,7 @@ class ViaStepsTransport:
             run=self.run,
             convention=self.convention,
             patch_table=self.patch_table,
+            skip=list(skip) or None,
             uploads=self.uploads,
             sample_sigmas=self.sample_sigmas,
         )

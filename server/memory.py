@@ -567,11 +567,13 @@ class PlannedTransport(DirectTransport):
         self.loaded = loaded
         self.memory = memory
 
-    def step(self, x: np.ndarray, timestep: np.ndarray, rows) -> np.ndarray:
+    def step(self, x: np.ndarray, timestep: np.ndarray, rows, skip=()) -> np.ndarray:
         run_step = self.memory.run_step
-        return self.call(
-            run_step, self.loaded, x, timestep, list(rows), self.table, self.denoise
-        ).out
+
+        def denoise(x, timestep, rows, plans):
+            return self.denoise(x, timestep, rows, plans, tuple(skip))
+
+        return self.call(run_step, self.loaded, x, timestep, list(rows), self.table, denoise).out
 
     def decode(self, latents: np.ndarray) -> np.ndarray:
         _, _, h, w = np.shape(latents)

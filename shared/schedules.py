@@ -108,6 +108,33 @@ def flux2_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
+def moss_image_rule(shift: float = 5.0, train_steps: int = 1000) -> dict:
+    """The status object of MOSS-Image's rule: a static shift whose sigmas snap to the
+    training grid (MOSSImageScheduler's constants)."""
+    return {"rule": "moss_image", "shift": shift, "train_steps": train_steps}
+
+
+def moss_image_sigmas(rule: dict[str, Any], steps: int, tokens: int) -> np.ndarray:
+    """MOSS-Image's schedule (the size does not enter): torch's float32 linspace from 1 to
+    shift / (train_steps + shift - 1) with `steps` points under the static shift
+    s t / (1 + (s - 1) t), each sigma snapped to the nearest of the training grid's
+    linspace(1, 1 / train_steps, train_steps) (the lower one on a tie), repeats dropped as
+    torch's unique_consecutive drops them, then 0: so where two steps snap to one grid value
+    the schedule has fewer than steps + 1 sigmas."""
+    shift, total = float(rule["shift"]), int(rule["train_steps"])
+    base = torch_linspace(1.0, shift / (total + shift - 1), steps)
+    sigmas = (np.float32(shift) * base / (np.float32(1) + np.float32(shift - 1) * base)).astype(
+        np.float32
+    )
+    grid = torch_linspace(1.0, 1.0 / total, total)[::-1].copy()  # ascending
+    upper = np.clip(np.searchsorted(grid, sigmas, side="left"), None, total - 1)
+    lower = np.clip(upper - 1, 0, None)
+    nearer_lower = np.abs(sigmas - grid[lower]) <= np.abs(grid[upper] - sigmas)
+    snapped = grid[np.where(nearer_lower, lower, upper)]
+    kept = np.concatenate([[True], snapped[1:] != snapped[:-1]])
+    return np.append(snapped[kept], np.float32(0.0)).astype(np.float32)
+
+
 def torch_linspace(start: float, end: float, count: int) -> np.ndarray:
     """torch.linspace in float32, bit for bit: the first half steps up from `start`, the second
     half steps down from `end`, each value one fused multiply-add (torch's vectorised CPU
@@ -151,6 +178,7 @@ RULES: dict[str, Callable[[dict[str, Any], int, int], np.ndarray]] = {
     "qwen_image21": qwen_image21_sigmas,
     "flux2": flux2_sigmas,
     "krea2": krea2_sigmas,
+    "moss_image": moss_image_sigmas,
 }
 
 

@@ -339,7 +339,7 @@ def autoencoder_kl_tensors(config: dict) -> Inventory:
         conv_tensors(tensors, "quant_conv", 2 * latent, 2 * latent, 1)
     if config.get("use_post_quant_conv", True):
         conv_tensors(tensors, "post_quant_conv", latent, latent, 1)
-    dims = dims[::-1]
+    dims = list(config.get("decoder_block_out_channels") or dims)[::-1]
     conv_tensors(tensors, "decoder.conv_in", latent, dims[0], 3)
     mid_block_tensors(tensors, "decoder.mid_block", dims[0])
     for i, out_dim in enumerate(dims):

@@ -509,7 +509,8 @@ class FolderFamily(Family):
         row = dict(self.spec.sampling[variant])
         schedule = row.pop("schedule", self.spec.schedule)
         schedule = dict(schedule) if schedule else None
-        return {**row, "sigmas": None, "schedule": schedule, "neg_skip": []}
+        neg_skip = list(row.pop("neg_skip", ()))
+        return {**row, "sigmas": None, "schedule": schedule, "neg_skip": neg_skip}
 
     def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
         """The activations of the reference workload: the larger of a guided step and a VAE
@@ -554,7 +555,11 @@ class FolderFamily(Family):
             },
             "edit_capable": self.spec.edit_capable,
             "conditioning": dict(self.spec.conditioning),
-            "sampling": self.sampling_row(model_dir, variant),
+            # the timestep's scale (docs/contract.md §5.2) is an extension of §2.3's row
+            "sampling": {
+                **self.sampling_row(model_dir, variant),
+                "timestep_scale": self.spec.timestep_scale,
+            },
             "compute_dtype": dtype_name(dtype),
             # Extensions of docs/contract.md §2.3: each component's weight precision as the
             # files store it, and what is held (here nothing) with the bytes each component

@@ -30,19 +30,21 @@ from . import unipc
 from .base import EncodeResult, StepRow
 from .noise import comfy_noise
 
-# A step function: latents (B, C, h, w) f32, timestep (B,) f32, one row per batch entry -> the
-# model output (B, C, h, w) f32. Rows are opaque here: StepRow objects for the direct path, wire
-# row dicts for the via-steps path.
-StepFn = Callable[[np.ndarray, np.ndarray, Sequence[Any]], np.ndarray]
+# A step function: latents (B, C, h, w) f32, timestep (B,) f32, one row per batch entry, and
+# the DiT blocks every row leaves out (`skip`) -> the model output (B, C, h, w) f32. Rows are
+# opaque here: StepRow objects for the direct path, wire row dicts for the via-steps path.
+StepFn = Callable[..., np.ndarray]
 
 
 @dataclass(frozen=True)
 class Guidance:
-    """The rows of one sampling: the prompt's row and, when guided, the negative prompt's row."""
+    """The rows of one sampling: the prompt's row and, when guided, the negative prompt's row,
+    whose pass leaves out the DiT blocks `neg_skip` (status `sampling.neg_skip`)."""
 
     cond: Any
     uncond: Any | None = None
     cfg: float = 1.0
+    neg_skip: tuple[int, ...] = ()
 
     @property
     def guided(self) -> bool:
@@ -151,13 +153,27 @@ def resolve_sigmas(
 
 
 def step_batch(
-    x: np.ndarray, sigma: np.float32, guidance: Guidance, timestep_scale: float = 1.0
-) -> tuple[np.ndarray, np.ndarray, list[Any]]:
-    """The arrays and rows of one step call: x once per row, one timestep per row."""
-    rows = guidance.rows()
+    x: np.ndarray, sigma: np.float32, rows: list[Any], timestep_scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """The arrays of one step call: x once per row, one timestep per row, sigma / scale in
+    float32 (sigma x 1000 where the scale is 0.001, as the pipelines multiply)."""
     batch = np.concatenate([x] * len(rows), axis=0) if len(rows) > 1 else x
-    timestep = np.full(len(rows), np.float32(sigma) / np.float32(timestep_scale), dtype=np.float32)
-    return np.ascontiguousarray(batch, dtype=np.float32), timestep, rows
+    per_sigma = np.float32(1.0 / timestep_scale)
+    timestep = np.full(len(rows), np.float32(sigma) * per_sigma, dtype=np.float32)
+    return np.ascontiguousarray(batch, dtype=np.float32), timestep
+
+
+def model_outputs(
+    step_fn: StepFn, x: np.ndarray, sigma: np.float32, guidance: Guidance, scale: float
+) -> np.ndarray:
+    """The rows' outputs at x: one step call for every row, or, when the negative pass skips
+    blocks, the negative row's call of its own with `skip` (docs/contract.md §6)."""
+    rows = guidance.rows()
+    if guidance.guided and guidance.neg_skip:
+        cond = step_fn(*step_batch(x, sigma, rows[:1], scale), rows[:1])
+        uncond = step_fn(*step_batch(x, sigma, rows[1:], scale), rows[1:], guidance.neg_skip)
+        return np.concatenate([cond, uncond], axis=0)
+    return step_fn(*step_batch(x, sigma, rows, scale), rows)
 
 
 def guided_velocity(out: np.ndarray, guidance: Guidance) -> np.ndarray:
@@ -226,8 +242,8 @@ def sample(
 
     The starting latents are noise x sigmas[0] (pure noise at sigma 1), or with a `start` its
     latents noised to sigmas[0]; with its mask the known region is put back after every step.
-    Each step makes one model call at sigmas[i] (`sampler` says at which latents, and how they
-    move on); `on_step(i, x)` is called after each step, e.g. to time steps or to stop, and
+    Each step makes one model call at sigmas[i] (two where the negative pass skips blocks;
+    `sampler` says at which latents, and how they move on), its timestep sigma / `timestep_scale`; `on_step(i, x)` is called after each step, e.g. to time steps or to stop, and
     `on_denoised(i, x0)` with the step's estimate of the clean latents, x - sigma x velocity
     (what a preview shows).
     """
@@ -243,8 +259,8 @@ def sample(
     rule = UPDATE_RULES[sampler](x, sigmas)
     for i in _step_indices(len(sigmas) - 1, progress):
         model_input = rule.model_input(i)
-        batch, timestep, rows = step_batch(model_input, sigmas[i], guidance, timestep_scale)
-        velocity = guided_velocity(step_fn(batch, timestep, rows), guidance)
+        outputs = model_outputs(step_fn, model_input, sigmas[i], guidance, timestep_scale)
+        velocity = guided_velocity(outputs, guidance)
         x = rule.advance(i, velocity)
         if start is not None and start.mask is not None:
             x = rule.x = img2img.blended(x, start.latents, noise, sigmas[i + 1], start.mask)
@@ -321,7 +337,9 @@ class Transport(Protocol):
 
     def begin(self, sigmas: np.ndarray) -> None: ...
 
-    def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray: ...
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any], skip: Sequence[int] = ()
+    ) -> np.ndarray: ...
 
     def end(self) -> None: ...
 
@@ -377,14 +395,17 @@ def generate(
         timings.step_s.append(now - last[0])
         last[0] = now
 
+    sampling = status.get("sampling") or {}
+    guidance = Guidance(cond, uncond, cfg, tuple(sampling.get("neg_skip") or ()))
     transport.begin(sigmas)
     try:
         latents = sample(
             transport.step,
             noise,
             sigmas,
-            Guidance(cond, uncond, cfg),
+            guidance,
             sampler=request.sampler,
+            timestep_scale=float(sampling.get("timestep_scale") or 1.0),
             progress=progress,
             on_step=on_step,
             start=start,
@@ -560,10 +581,19 @@ class DirectTransport:
         """A flow-map DiT's steps name the run's schedule (`sample_sigmas`)."""
         self.sample_sigmas = flow_map_schedule(self.model, sigmas)
 
-    def step(self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any]) -> np.ndarray:
-        return self.call(self.denoise, x, timestep, list(rows)).out
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any], skip: Sequence[int] = ()
+    ) -> np.ndarray:
+        return self.call(self.denoise, x, timestep, list(rows), None, tuple(skip)).out
 
-    def denoise(self, x: np.ndarray, timestep: np.ndarray, rows: list, plans: Any = None):
+    def denoise(
+        self,
+        x: np.ndarray,
+        timestep: np.ndarray,
+        rows: list,
+        plans: Any = None,
+        skip: tuple[int, ...] = (),
+    ):
         """The model's step on these rows as the step route calls it (`plans`: a memory plan's
         plan of the rows, None: the model plans them)."""
         return self.model.denoise_step(
@@ -574,6 +604,7 @@ class DirectTransport:
             run=self.run_id,
             table=self.table,
             plans=plans,
+            skip=skip,
             sample_sigmas=self.sample_sigmas,
         )
 

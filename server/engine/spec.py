@@ -56,6 +56,9 @@ class FamilySpec:
     max_refs: int = 0
     features: tuple[str, ...] = ()  # docs/contract.md §5.4
     conventions: tuple[str, ...] = ("comfy", "reference")
+    # sigma = timestep_scale x timestep under both conventions (docs/contract.md §5.2): the
+    # step's timestep is 1000 sigma where it is 0.001 (MOSS-Image)
+    timestep_scale: float = 1.0
     # The variants' own sampling settings (steps, cfg, shift), by variant name, and the
     # schedule rule they share (docs/contract.md §5.3; None: none).
     sampling: dict = field(default_factory=dict)

@@ -32,7 +32,8 @@ import numpy as np
 from ...nn.attention import chunked_attention
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
-from ...weights import load_weights, read_config
+from ...precision import Quantization
+from ...weights import load_module, load_weights, read_config
 
 CHUNK = 64  # the chunked delta rule's chunk length (transformers' default)
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -322,19 +323,30 @@ class TextModel(nn.Module):
         return [states[t][0] for t in wanted]
 
 
-def load_text_model(component_dir: Path, dtype: mx.Dtype = mx.float32) -> tuple[TextModel, int]:
+def load_text_model(
+    component_dir: Path,
+    dtype: mx.Dtype = mx.float32,
+    quantization: Quantization | None = None,
+) -> tuple[TextModel, int]:
     """Qwen3.5's language model from a transformers folder (its config.json's `text_config`,
-    or the config itself for a text-only checkpoint) and the bytes of its weights."""
+    or the config itself for a text-only checkpoint) and the bytes of its weights; with a
+    `quantization`, its decoder layers' linears and token table (`quantized`) quantized as they
+    load, a folder stored quantized as stored (weights.load_module)."""
     config = read_config(component_dir)
     model = TextModel(TextConfig.from_dict(config.get("text_config", config)))
-    weights = {}
-    for name, value in load_weights(component_dir, dtype).items():
-        module = module_name(name)
-        if module is not None:
-            weights[module] = value
-    model.load_weights(list(weights.items()))
-    mx.eval(model.parameters())
+
+    def from_folder() -> dict:
+        named = {module_name(n): v for n, v in load_weights(component_dir, dtype).items()}
+        return {name: value for name, value in named.items() if name is not None}
+
+    load_module(model, component_dir, quantization, quantized, None, from_folder)
     return model, tree_bytes(model.parameters())
+
+
+def quantized(path: str) -> bool:
+    """The layers a quantized load of Qwen3.5 quantizes, by module path: its decoder layers'
+    linears (attention, delta rule projections, MLP) and its token table."""
+    return path == "embed_tokens" or path.startswith("layers.")
 
 
 def module_name(name: str) -> str | None:
@@ -349,3 +361,34 @@ def module_name(name: str) -> str | None:
     if not name.startswith(("layers.", "embed_tokens.", "norm.")):
         return None
     return name
+
+
+class Qwen35Part:
+    """Qwen3.5 as a family's text encoder (family.FolderFamily's `encoder`): its weights from
+    the folder's safetensors (the language model's alone: the vision tower and the LM head are
+    never read), and what a quantized load quantizes (`quantized`)."""
+
+    quantized = staticmethod(quantized)
+
+    @staticmethod
+    def source(component_dir: Path, files: dict) -> None:
+        """A GGUF file to read it from: none (the folder's safetensors)."""
+        return None
+
+    @staticmethod
+    def gguf(component_dir: Path, files: dict) -> None:
+        return None
+
+    @staticmethod
+    def include(name: str) -> bool:
+        """Which of the folder's tensors a load reads, by file name."""
+        return module_name(name) is not None
+
+    @staticmethod
+    def module_name(name: str) -> str | None:
+        return module_name(name)
+
+    @staticmethod
+    def network(encoder) -> nn.Module:
+        """A family's loaded prompt encoder's network (for its quantization status)."""
+        return encoder.model

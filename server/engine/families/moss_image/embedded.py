@@ -1,0 +1,228 @@
+"""The embedded MOSS-Image: a tiny MOSS-Image with random weights, generated on first use.
+
+The server offers it beside the embedded default so the MOSS-Image template runs on a fresh
+install: a complete folder in upstream's diffusers custom pipeline layout (model_index.json,
+transformer/, vae/, text_encoder/, tokenizer/) with the real file formats, config keys and
+weight names, at a small size, its weights drawn from a fixed seed (engine/embedded.py's rule).
+It makes noise-like pictures, and its name says so ("moss-image-random-tiny").
+
+Interface sizes are the real model's where clients see them: FLUX.2's VAE latents (32 channels
+at stride 8, patchified 2x2 into 128 at stride 16 under its batch norm), a decoder narrower than
+its encoder as MOSS-Image's, Qwen's token ids' order. The networks inside are narrow: a DiT of
+two 16-wide heads and 24 blocks (so the pipeline's negative skip of block 22 applies), and a
+Qwen3.5 of four layers (three Gated DeltaNet, one gated attention) at the tiny Qwen3's width.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...embedded import (
+    BPE_VOCAB_SIZE,
+    DIFFUSERS_FORMAT,
+    FLUX2_VAE_UNDRAWN,
+    GAIN,
+    MATRIX,
+    SHIFT,
+    TINY_FLUX2_VAE_CONFIG,
+    TINY_QWEN3_CONFIG,
+    TOKENIZER_CORPUS,
+    Inventory,
+    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
+    dumps,
+    ensure,
+    flux2_vae_tensors,
+    stamp,
+    train_tokenizer,
+    write_drawn,
+    write_tokenizer,
+)
+from .layout import DiTConfig, tensor_shapes
+from .spec import PIPELINE_CLASS, TRANSFORMER_CLASS
+
+MODEL_NAME = "moss-image-random-tiny"
+# Bump when the code below writes something different for the same configs.
+GENERATOR_VERSION = 1
+SEED = 0
+
+# Qwen3.5's language model at the tiny Qwen3's width: three Gated DeltaNet layers and one
+# gated attention (the real model's one in four), a quarter of each head rotated.
+TINY_QWEN35_TEXT = {
+    "model_type": "qwen3_5_text",
+    "dtype": "float32",
+    "hidden_size": TINY_QWEN3_CONFIG["hidden_size"],
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "tie_word_embeddings": False,
+}
+TRANSFORMER_CONFIG = {
+    "_class_name": TRANSFORMER_CLASS,
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "dim": 32,
+    "ffn_dim": 64,
+    "num_heads": 2,
+    "num_layers": 24,
+    "text_dim": TINY_QWEN35_TEXT["hidden_size"],
+    "freq_dim": 256,
+    "latent_channels": 128,
+    "rope_base": 10000.0,
+}
+# FLUX.2's VAE with a decoder narrower than its encoder, as MOSS-Image's.
+VAE_CONFIG = {**TINY_FLUX2_VAE_CONFIG, "decoder_block_out_channels": [8, 16, 16, 16]}
+MODEL_INDEX = {
+    "_class_name": PIPELINE_CLASS,
+    "_diffusers_version": DIFFUSERS_FORMAT,
+    "text_encoder": ["transformers", "Qwen3_5ForConditionalGeneration"],
+    "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+    "transformer": ["pipeline_moss_image", TRANSFORMER_CLASS],
+    "vae": ["diffusers", "AutoencoderKLFlux2"],
+}
+
+CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
+
+
+def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
+    """The embedded MOSS-Image's folder under `cache_dir` (default: `default_cache_dir()`),
+    generated first if it is missing or was made by a different generator."""
+    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+
+
+def write_embedded_model(
+    root: Path,
+    seed: int = SEED,
+    transformer: dict = TRANSFORMER_CONFIG,
+    text: dict = TINY_QWEN35_TEXT,
+) -> None:
+    """Write every file of the tiny MOSS-Image folder into `root` (created if missing); the
+    tests draw other shapes with their own `transformer` and `text` configs."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    inventory = transformer_tensors(transformer)
+    _write(root / "transformer", "transformer", transformer, inventory, seed)
+    write_drawn(
+        root / "vae",
+        "vae",
+        VAE_CONFIG,
+        flux2_vae_tensors(VAE_CONFIG),
+        seed,
+        CONSTANT_NOISE["vae"],
+        FLUX2_VAE_UNDRAWN,
+    )
+    write_tiny_qwen35(root, seed, CONSTANT_NOISE["text_encoder"], text)
+    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
+
+
+def transformer_tensors(config: dict) -> Inventory:
+    """MOSSImageTransformer's parameters for the config, from the DiT's own table: matrices,
+    norm scales around one, biases around zero."""
+    shapes = tensor_shapes(DiTConfig.from_dict(config))
+    return {
+        name: (shape, MATRIX if len(shape) > 1 else SHIFT if name.endswith(".bias") else GAIN)
+        for name, shape in shapes.items()
+    }
+
+
+def qwen35_text_config(vocab_size: int, text: dict = TINY_QWEN35_TEXT) -> dict:
+    """The tiny Qwen3.5 checkpoint's config.json (Qwen3_5ForConditionalGeneration's layout: the
+    language model's settings under `text_config`)."""
+    return {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": {**text, "vocab_size": vocab_size},
+        "tie_word_embeddings": False,
+    }
+
+
+def qwen35_tensors(text: dict, prefix: str = "model.language_model.") -> Inventory:
+    """Names, shapes and kinds of Qwen3.5's language model for `text` (its text_config): the
+    zero-centred norms (x (1 + w)) drawn around zero, the gated norm's scales around one."""
+    hidden, inner = text["hidden_size"], text["intermediate_size"]
+    heads, kv, head = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    key_heads, value_heads = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    key_dim, value_dim = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    conv = 2 * key_heads * key_dim + value_heads * value_dim
+    interval = text["full_attention_interval"]
+    tensors: Inventory = {
+        prefix + "embed_tokens.weight": ((text["vocab_size"], hidden), MATRIX),
+        prefix + "norm.weight": ((hidden,), SHIFT),
+    }
+    for layer in range(text["num_hidden_layers"]):
+        p = f"{prefix}layers.{layer}."
+        linears = {
+            "mlp.gate_proj": (inner, hidden),
+            "mlp.up_proj": (inner, hidden),
+            "mlp.down_proj": (hidden, inner),
+        }
+        norms = {"input_layernorm": hidden, "post_attention_layernorm": hidden}
+        if (layer + 1) % interval == 0:
+            linears |= {
+                "self_attn.q_proj": (2 * heads * head, hidden),  # the queries and their gate
+                "self_attn.k_proj": (kv * head, hidden),
+                "self_attn.v_proj": (kv * head, hidden),
+                "self_attn.o_proj": (hidden, heads * head),
+            }
+            norms |= {"self_attn.q_norm": head, "self_attn.k_norm": head}
+        else:
+            linears |= {
+                "linear_attn.in_proj_qkv": (conv, hidden),
+                "linear_attn.in_proj_z": (value_heads * value_dim, hidden),
+                "linear_attn.in_proj_b": (value_heads, hidden),
+                "linear_attn.in_proj_a": (value_heads, hidden),
+                "linear_attn.out_proj": (hidden, value_heads * value_dim),
+            }
+            tensors[p + "linear_attn.conv1d.weight"] = (
+                (conv, 1, text["linear_conv_kernel_dim"]),
+                MATRIX,
+            )
+            tensors[p + "linear_attn.norm.weight"] = ((value_dim,), GAIN)
+            tensors[p + "linear_attn.A_log"] = ((value_heads,), SHIFT)
+            tensors[p + "linear_attn.dt_bias"] = ((value_heads,), GAIN)
+        for name, shape in linears.items():
+            tensors[p + name + ".weight"] = (shape, MATRIX)
+        for name, width in norms.items():
+            tensors[p + name + ".weight"] = ((width,), SHIFT)
+    return tensors
+
+
+def write_tiny_qwen35(root: Path, seed: int, noise: float, text: dict = TINY_QWEN35_TEXT) -> None:
+    """root/tokenizer and root/text_encoder: the tests' Qwen tokenizer and the tiny Qwen3.5's
+    drawn weights under the checkpoint's names (no vision tower, no language-model head)."""
+    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+    write_tokenizer(root / "tokenizer", tokenizer)
+    config = qwen35_text_config(tokenizer.get_vocab_size(), text)
+    inventory = qwen35_tensors(config["text_config"])
+    write_drawn(root / "text_encoder", "text_encoder", config, inventory, seed, noise)
+
+
+def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
+    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
+
+
+def _stamp() -> dict:
+    """Who made the folder: a fingerprint over everything that decides its contents."""
+    recipe = {
+        "generator": GENERATOR_VERSION,
+        "seed": SEED,
+        "transformer": TRANSFORMER_CONFIG,
+        "vae": VAE_CONFIG,
+        "text": TINY_QWEN35_TEXT,
+        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+        "noise": CONSTANT_NOISE,
+        "model_index": MODEL_INDEX,
+    }
+    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)

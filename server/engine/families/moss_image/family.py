@@ -1,0 +1,162 @@
+"""MOSS-Image as an `ImageModel`: the DiT, the VAE and the prompt encoder of one folder.
+
+The folder is upstream's diffusers custom pipeline layout (spec.py). The family takes no
+reference images. Its steps may leave main blocks out (`skip`, docs/contract.md §2.11): the
+pipeline's negative pass skips `sampling.neg_skip`, which a client sends as the negative row's
+own step. A step's timestep is 1000 sigma (timestep_scale 0.001), which the DiT embeds as it
+is. It keeps no prefix states: every block modulates the text tokens with the step's time.
+Its facts as data live in spec.py; its memory plan and model here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ...base import StepCall, StepResult, StepRow
+from ...encoders.qwen35.text import Qwen35Part
+from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
+from ...nn import cpu_ops
+from ...step_inputs import (
+    checked_cond,
+    checked_convention,
+    checked_nonempty_latents,
+    cond_rows,
+    row_sigmas,
+)
+from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
+from ...weights import read_config
+from .dit import MOSSImageDiT
+from .layout import DiTConfig
+from .prompt import MOSSImagePromptEncoder
+from .spec import SPEC
+
+FAMILY = SPEC.name
+TITLE = SPEC.title
+CONVENTIONS = SPEC.conventions  # both: timestep = 1000 sigma, out = +dx/dsigma
+
+# ------------------------------------------------------ memory plan (docs/contract.md §3.5)
+# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
+TOKEN_WIDTH_BUFFERS = 14  # hidden, normed, modulated, q, k, v, attention out, residual sums
+TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm
+FFN_BUFFERS = 8  # the fused up/gate, SITU's temporaries and the product, at the FFN's width
+SCORE_BLOCK_BUFFERS = 10  # cpu_ops.attention's block of scores and its temporaries
+# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
+# guided step (2 rows) with prompts of this many tokens, or one VAE pass.
+RESERVE_ROWS = 2
+RESERVE_TEXT = 512
+
+
+def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
+    """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (image and
+    text). Pure: no allocation."""
+    if not lengths:
+        return 0
+    longest = max(lengths)
+    per_token = (
+        TOKEN_WIDTH_BUFFERS * config.dim * itemsize
+        + TOKEN_F32_BUFFERS * config.dim * 4
+        + FFN_BUFFERS * config.ffn_dim * itemsize
+    )
+    total = sum(lengths) * per_token
+    if blocked:  # a block of scores per row of a batch
+        rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
+        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
+    else:
+        total += len(lengths) * config.num_heads * longest * longest * itemsize
+    return total
+
+
+def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
+    """A guided step of the reference workload (RESERVE_*) beyond the weights."""
+    model_dir = Path(model_dir)
+    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
+    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
+    row = cells * cells + RESERVE_TEXT
+    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, cpu_ops.use_cpu_ops(dtype))
+
+
+def fits(parts: LoadedParts) -> None:
+    """The text encoder is as wide as the DiT's text input, and the VAE's patchified latents
+    have the DiT's channels."""
+    config = parts.dit.config
+    if parts.encoder.hidden_size != config.text_dim:
+        raise ValueError(
+            f"the text encoder is {parts.encoder.hidden_size} wide; the DiT's text_dim is"
+            f" {config.text_dim}"
+        )
+    if parts.vae.latent_channels != config.latent_channels:
+        raise ValueError(
+            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
+            f" takes {config.latent_channels}"
+        )
+
+
+class MOSSImageModel(FamilyModel):
+    family = FAMILY
+    title = TITLE
+
+    def __init__(
+        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
+    ):
+        super().__init__(model_dir, model_id, **MOSS_IMAGE.model_arguments(model_dir, parts, files))
+        self.dit = parts.dit
+        self.capabilities = replace(SPEC.capabilities(), skip_blocks=self.dit.skip_blocks)
+
+    def step_peak_bytes(
+        self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
+    ) -> int:
+        """Without rows (the quick plan) the image tokens alone; with them each row's text."""
+        batch, _, h, w = x_shape
+        config, itemsize = self.dit.config, self.dit.dtype.size
+        texts = [1] * batch if rows is None else [max(1, cond_rows(row)) for row in rows]
+        lengths = [h * w + text for text in texts]
+        return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops)
+
+    def step(
+        self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
+    ) -> StepResult:
+        """dx/dsigma for x (B, 128, h, w) at timestep = 1000 sigma (both conventions), one row
+        per batch entry, the main blocks `call.skip` names left out."""
+        config = self.dit.config
+        x = checked_nonempty_latents(x, rows, config.latent_channels)
+        checked_convention(call.convention, CONVENTIONS, FAMILY)
+        times = row_sigmas(timestep, x.shape[0])  # the timesteps themselves: 1000 sigma
+        texts = [mx.array(checked_cond(row, i, config.text_dim)) for i, row in enumerate(rows)]
+        weights = self.tables.weights_for(call.table)
+        started = time.perf_counter()
+        out = self.dit.forward(mx.array(x), times, texts, weights, call.skip)
+        out = out.astype(mx.float32)
+        mx.eval(out)
+        forward_ms = (time.perf_counter() - started) * 1000.0
+        return StepResult(out=np.array(out), prefix_cache="none", forward_ms=forward_ms)
+
+    def close(self) -> None:
+        self.dit = None
+        super().close()
+
+
+class MOSSImageFamily(FolderFamily):
+    """The folder family whose negative pass skips the pipeline's blocks where the DiT has
+    them (a DiT of fewer blocks skips none)."""
+
+    def sampling_row(self, model_dir: Path, variant: str) -> dict:
+        row = super().sampling_row(model_dir, variant)
+        depth = DiTConfig.from_dict(read_config(Path(model_dir) / "transformer")).num_layers
+        return {**row, "neg_skip": [block for block in row["neg_skip"] if block < depth]}
+
+
+MOSS_IMAGE = MOSSImageFamily(
+    SPEC,
+    network=MOSSImageDiT,
+    prompt=MOSSImagePromptEncoder,
+    model=MOSSImageModel,
+    encoder=Qwen35Part(),
+    vae=AutoencoderKLFlux2Part(),
+    step_reserve=step_reserve,
+    fits=fits,
+)
