@@ -157,6 +157,7 @@ PACK_BUILT_CLASSES = {
     "Flux2": "flux2_klein",
     "Krea2": "krea2",  # no ComfyUI has it (0.8.0 neither)
     "Flux3": "flux3_klein",  # no ComfyUI has it (0.8.0 neither)
+    "MOSSImage": "moss_image",  # no ComfyUI has it (0.8.0 neither)
 }
 # model_class -> ComfyUI's own BaseModel class (in comfy.model_base) the pack's model also
 # derives from on a ComfyUI that knows the model class (comfy.supported_models has it), so stock

@@ -267,6 +267,7 @@ class RemoteDiT(torch.nn.Module):
                 convention="comfy",
                 patch_table=table_id,
                 ref_cache=ref_cache,
+                skip=check.skip or None,
                 sample_sigmas=sample_sigmas,
                 uploads=rows.tensors,
             )
@@ -298,6 +299,7 @@ class RemoteDiT(torch.nn.Module):
             edit_capable=bool(self.status.get("edit_capable", True)),
             default_ref_method=ref_method(self.status),
             ref_cache="ref_cache" in self.conn.features,
+            skip_blocks="skip_blocks" in self.conn.features,
         )
         for key in check.unknown_options:
             if key not in self.warned:
@@ -464,8 +466,13 @@ def model_config_for(status: dict) -> GmlxModelConfig:
         }
     )
     sampling = status.get("sampling") or {}
-    # Flow matching with timestep = sigma (docs/contract.md §5.2, comfy convention, scale 1).
-    config.sampling_settings = {"multiplier": 1.0, "shift": float(sampling.get("shift") or 1.0)}
+    # Flow matching with timestep = sigma / timestep_scale (docs/contract.md §5.2, the comfy
+    # convention: sigma x 1000 for MOSS-Image), the variant's static shift.
+    multiplier = 1.0 / float(sampling.get("timestep_scale") or 1.0)
+    config.sampling_settings = {
+        "multiplier": multiplier,
+        "shift": float(sampling.get("shift") or 1.0),
+    }
     stride = latent.get("stride") or (status.get("vae") or {}).get("stride")
     if not stride:
         raise GmlxError("gmlx: the server's status gives no latent stride (latent.stride)")
@@ -626,8 +633,10 @@ def load_remote_model(conn: Connection, model_id: str) -> GmlxModelPatcher:
             f"gmlx: {model_id!r} is a {model_class} model; this pack builds "
             f"{', '.join(sorted(PACK_BUILT_CLASSES))} models only"
         )
+    # Where ComfyUI has the model class, its LoRA keys name q, k and v apart; a class only the
+    # pack builds has no other naming than its files' (MOSS-Image's text blocks fuse qkv).
     fused = [t["name"] for t in manifest.get("tensors", []) if fused_qkv(t["name"])]
-    if fused:
+    if fused and hasattr(comfy.supported_models, model_class):
         raise GmlxError(
             f"gmlx: {model_id!r} stores fused qkv weights ({fused[0]}, ...); LoRA keys cannot "
             "map to that layout"

@@ -47,6 +47,12 @@ DIFFUSION_MODEL_WRAPPER = "diffusion_model"
 # attn1 patch object of this class and a post-input patch function of this name. The server's
 # `ref_cache` step field stands in for them (docs/contract.md §3.4, §7.5).
 FLUX_KV_CACHE_PATCHES = {"attn1_patch": "KV_Attn_Input", "post_input": "model_input_patch"}
+# What ComfyUI's skip-layer guidance nodes (comfy_extras/nodes_slg.py: SkipLayerGuidanceDiT,
+# SkipLayerGuidanceDiTSimple) put in `patches_replace["dit"]` for each block they leave out: the
+# key (kind, index) and their identity function `skip`. The server's `skip` step field stands in
+# for them where it lists `skip_blocks` (docs/contract.md §7.5).
+SKIP_LAYER_MODULE = "comfy_extras.nodes_slg"
+SKIP_LAYER_KIND = "single_block"
 
 
 class RowTensors(Mapping):
@@ -220,6 +226,8 @@ class CallCheck:
     suspect_words: list[str] = field(default_factory=list)
     # ComfyUI's Flux KV Cache node is on, and the server takes `ref_cache` in its place.
     ref_cache: bool = False
+    # The blocks skip-layer guidance leaves out of this call, sent as the step's `skip`.
+    skip: list[int] = field(default_factory=list)
 
 
 def is_flux_kv_cache(patches: Any) -> bool:
@@ -237,6 +245,26 @@ def is_flux_kv_cache(patches: Any) -> bool:
     return True
 
 
+def skipped_blocks(patches_replace: Any) -> list[int] | None:
+    """The single-stream blocks a `patches_replace` of ComfyUI's skip-layer guidance alone
+    leaves out (sorted), else None: any other patch, or another kind of block."""
+    if not isinstance(patches_replace, dict) or set(patches_replace) != {"dit"}:
+        return None
+    entries = patches_replace["dit"]
+    if not isinstance(entries, dict) or not entries:
+        return None
+    blocks = []
+    for key, function in entries.items():
+        if not (isinstance(key, tuple) and len(key) == 2 and key[0] == SKIP_LAYER_KIND):
+            return None
+        if getattr(function, "__module__", None) != SKIP_LAYER_MODULE:
+            return None
+        if getattr(function, "__name__", None) != "skip" or not isinstance(key[1], int):
+            return None
+        blocks.append(key[1])
+    return sorted(blocks)
+
+
 def check_call(
     extra_inputs: dict[str, Any],
     transformer_options: dict[str, Any],
@@ -246,12 +274,16 @@ def check_call(
     edit_capable: bool = True,
     default_ref_method: str | None = "index",
     ref_cache: bool = False,
+    skip_blocks: bool = False,
 ) -> CallCheck:
     """Collect refusals for one DiT call (docs/contract.md §7.5), without raising. `ref_cache`:
     the server has the `ref_cache` feature, so ComfyUI's Flux KV Cache node is honoured by it
-    (the check's `ref_cache`) rather than refused as an attention patch."""
+    (the check's `ref_cache`) rather than refused as an attention patch; `skip_blocks`: the
+    server has that feature, so skip-layer guidance over single-stream blocks is sent as the
+    step's `skip` (the check's `skip`)."""
     refusals: list[str] = []
     words: list[str] = []
+    skip = skipped_blocks(transformer_options.get("patches_replace")) if skip_blocks else None
     kv_cache = is_flux_kv_cache(transformer_options.get("patches"))
     if kv_cache and not ref_cache:
         refusals.append("ComfyUI's Flux KV Cache (this server has no ref_cache feature)")
@@ -260,7 +292,7 @@ def check_call(
         refusals.append("ControlNet (the server runs no control models)")
         words += ["ControlNet"]
     for name in ("patches", "patches_replace"):
-        if name == "patches" and kv_cache:
+        if (name == "patches" and kv_cache) or (name == "patches_replace" and skip):
             continue
         if transformer_options.get(name):
             kinds = ", ".join(sorted(map(str, transformer_options[name])))
@@ -292,6 +324,7 @@ def check_call(
         unknown_options=unknown,
         suspect_words=words,
         ref_cache=kv_cache and ref_cache,
+        skip=skip or [],
     )
 
 

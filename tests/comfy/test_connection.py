@@ -270,6 +270,7 @@ def test_model_list_is_the_configuration_then_the_server_then_what_it_listed_las
         "flux2-klein-random-tiny",
         "flux3-klein-random-tiny",
         "krea2-random-tiny",
+        "moss-image-random-tiny",
         "z-image-random-tiny",
     ]
     server = _serving(["a", "b"], default="b")

@@ -167,6 +167,35 @@ def test_comfy_flux_kv_cache_becomes_ref_cache_where_the_server_has_it():
     assert check_call({}, {}, ref_cache=True).ref_cache is False
 
 
+def slg_patches(*keys, module="comfy_extras.nodes_slg"):
+    """transformer_options as ComfyUI's skip-layer guidance nodes leave them: their identity
+    function `skip` under ("single_block" or "double_block", index) of patches_replace["dit"]."""
+
+    def skip(args, extra_args):
+        return args
+
+    skip.__module__ = module
+    return {"patches_replace": {"dit": {key: skip for key in keys}}}
+
+
+def test_skip_layer_guidance_becomes_skip_where_the_server_has_it():
+    """SkipLayerGuidanceDiT(Simple)'s single-block skips are the step's `skip` on a server with
+    the skip_blocks feature (docs/contract.md §7.5); anything else stays refused by name."""
+    options = slg_patches(("single_block", 22), ("single_block", 3))
+    honoured = check_call({}, options, skip_blocks=True)
+    assert honoured.refusals == [] and honoured.skip == [3, 22]
+    refused = check_call({}, options, skip_blocks=False)
+    assert refused.skip == [] and "patches_replace" in refusal_text(refused.refusals)
+    assert "SkipLayer" in refused.suspect_words
+    for other in (
+        slg_patches(("double_block", 3)),  # MOSS-Image's blocks are single-stream
+        slg_patches(("single_block", 3), module="custom_nodes.other"),
+        {"patches_replace": {"dit": {("single_block", 3): print}}},
+    ):
+        assert check_call({}, other, skip_blocks=True).refusals
+    assert check_call({}, {}, skip_blocks=True).skip == []
+
+
 def test_latent_sides_the_dit_does_not_take_are_refused_in_pixels():
     """A stock empty latent of 1000×600 (multiples of 8) for Z-Image (8-pixel cells in 2×2
     patches): refused before the step, in pixels, naming the node that makes such latents."""

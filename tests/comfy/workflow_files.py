@@ -23,8 +23,13 @@ DEFAULT_MODEL_NAMES = (
     "gmlx_edit_two_references",
     "gmlx_z_image_text_to_image",
     "gmlx_krea2_text_to_image",
+    "gmlx_moss_image_text_to_image",
 )
-EMBEDDED_FAMILY = {"gmlx_z_image_text_to_image": "z_image", "gmlx_krea2_text_to_image": "krea2"}
+EMBEDDED_FAMILY = {
+    "gmlx_z_image_text_to_image": "z_image",
+    "gmlx_krea2_text_to_image": "krea2",
+    "gmlx_moss_image_text_to_image": "moss_image",
+}
 NOTED_FAMILY = {
     "gmlx_flux2_klein_text_to_image": "flux2_klein",
     "gmlx_flux2_klein_edit_two_references": "flux2_klein",
@@ -50,6 +55,7 @@ STOCK_NODES = frozenset(
         "ReferenceLatent",
         "SamplerCustomAdvanced",
         "SaveImage",
+        "SkipLayerGuidanceDiTSimple",
         "VAEDecode",
         "VAEEncode",
     }

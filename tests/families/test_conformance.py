@@ -260,8 +260,12 @@ def test_a_lora_table_on_a_gguf_dit_steps_as_on_its_dequantized_weights(served):
     live, _ = served
     manifest = live.call("GET", "models/gguf/manifest").json()["tensors"]
     shapes = {t["name"][: -len(".weight")]: tuple(t["shape"]) for t in manifest}
-    qkv = [n for n in shapes if n.endswith((".to_q", ".to_k", ".to_v"))][:3]
-    other = next(n for n in shapes if n.endswith((".to_out.0", ".to_out")))
+    qkv = [
+        n
+        for n in shapes
+        if n.endswith((".to_q", ".to_k", ".to_v", ".proj.q", ".proj.k", ".proj.v"))
+    ][:3]
+    other = next(n for n in shapes if n.endswith((".to_out.0", ".to_out", ".proj.o")))
     patched = {**dict.fromkeys(qkv), other: [0, 0, shapes[other][0] // 2]}
     entries, adapters, _ = lora_table(shapes, patched, 3, 0.8, alpha=2.0)
     outs = {}

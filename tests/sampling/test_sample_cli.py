@@ -77,7 +77,8 @@ def test_a_model_that_is_not_there_is_explained(tmp_path):
         str(plain / "checkpoint.safetensors"): "is a file, not a model folder",
         # with no default_model configured, the embedded models are known too
         "no-such-id": "no model of that id (model ids known here: flux2-klein-random-tiny,"
-        " flux3-klein-random-tiny, krea2-random-tiny, qwen-image21-random-tiny, toy-a, z-image-random-tiny)",
+        " flux3-klein-random-tiny, krea2-random-tiny, moss-image-random-tiny, qwen-image21-random-tiny,"
+        " toy-a, z-image-random-tiny)",
     }
     (models / "toy-a" / "transformer").mkdir()
     cases[str(models / "toy-a" / "transformer")] = "part of the model folder"

@@ -148,10 +148,11 @@ def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(
         "flux2-klein-random-tiny",
         "flux3-klein-random-tiny",
         "krea2-random-tiny",
+        "moss-image-random-tiny",
         "z-image-random-tiny",
     ]
-    assert [m["default"] for m in doc["models"]] == [True, False, False, False, False]
-    assert [m["folder"] for m in doc["models"]] == [None] * 5  # not generated yet in this cache
+    assert [m["default"] for m in doc["models"]] == [True, False, False, False, False, False]
+    assert [m["folder"] for m in doc["models"]] == [None] * 6  # not generated yet in this cache
 
 
 def test_the_listing_names_what_the_server_lists(live, tmp_path):
@@ -200,5 +201,6 @@ def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
         "flux2-klein-random-tiny",
         "flux3-klein-random-tiny",
         "krea2-random-tiny",
+        "moss-image-random-tiny",
         "z-image-random-tiny",
     ]

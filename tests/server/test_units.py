@@ -153,6 +153,7 @@ def test_the_product_family_table_names_its_families():
         "flux2_klein_9b_kv",
         "flux3_klein",
         "krea2",
+        "moss_image",
         "qwen_image21",
         "z_image",
     ]

@@ -52,6 +52,17 @@ CASES = {
             "single_transformer_blocks.1.ff.linear_out.weight": (64, 192),
         },
     ),
+    # moss-image-random-tiny: 2 heads x 16, feed-forward 64; Qwen3.5 32 wide
+    "moss_image": (
+        32,
+        128,
+        {
+            "text_embedder.blocks.0.qkv.weight": (96, 32),
+            "layers.0.proj.k.weight": (32, 32),
+            "layers.1.proj.ffn_up_gate.weight": (128, 32),
+            "layers.23.proj.ffn_down.weight": (32, 64),
+        },
+    ),
 }
 # A flow map's steps (FLUX.3 klein's) follow this schedule.
 SCHEDULE = np.array([1.0, 0.7, 0.4, 0.0], np.float32)

@@ -270,6 +270,22 @@ def test_flux3_klein_over_two_ranks_steps_as_one_process(flux3_folder, mode):
     assert max(results["weights"]["ranks"]) < results["weights"]["single"]
 
 
+@pytest.fixture(scope="module")
+def moss_folder(tmp_path_factory) -> Path:
+    from tests.families.moss_image.tiny import build_tiny_folder
+
+    return build_tiny_folder(tmp_path_factory.mktemp("shard") / "tiny-moss")
+
+
+# Tensor mode splits MOSS-Image's main blocks by heads (q, k and v one fused weight) and keeps
+# its text projection whole; its pipeline mode runs with -m heavy.
+@pytest.mark.parametrize("mode", [pytest.param("pipeline", marks=pytest.mark.heavy), "tensor"])
+def test_moss_image_over_two_ranks_steps_as_one_process(moss_folder, mode):
+    results = rank_check(moss_folder, 2, mode, "family_check")
+    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
+    assert max(results["weights"]["ranks"]) < results["weights"]["single"]
+
+
 @pytest.mark.heavy
 def test_z_image_over_three_ranks(z_image_folder):
     # pipeline: the noise refiner on rank 0, the context refiner on rank 1, the layers on rank 2

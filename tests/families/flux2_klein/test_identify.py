@@ -51,6 +51,7 @@ def test_sampling_rows(folders):
         "sigmas": None,
         "schedule": {"rule": "flux2"},
         "neg_skip": [],
+        "timestep_scale": 1.0,
     }
     base = klein.FLUX2_KLEIN.describe(folders["4b-base"])["sampling"]
     assert (base["steps"], base["cfg"], base["schedule"]) == (50, 4.0, {"rule": "flux2"})

@@ -46,6 +46,7 @@ def test_discovery_routes(qwen):
         "flux2_klein_9b_kv",
         "flux3_klein",
         "krea2",
+        "moss_image",
         "qwen_image21",
         "z_image",
     ]

@@ -96,6 +96,7 @@ def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monke
         "flux2-klein-random-tiny",
         "flux3-klein-random-tiny",
         "krea2-random-tiny",
+        "moss-image-random-tiny",
         embedded.MODEL_NAME,
     ]
     assert registry.default_id() == "qwen-image21-random-tiny"

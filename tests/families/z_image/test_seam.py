@@ -70,6 +70,7 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
         "sigmas": None,
         "schedule": None,
         "neg_skip": [],
+        "timestep_scale": 1.0,
     }
     manifest = live.call("GET", "models/z-image-tiny/manifest").json()
     names = {t["name"]: t["shape"] for t in manifest["tensors"]}

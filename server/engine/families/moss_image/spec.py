@@ -26,7 +26,7 @@ TRANSFORMER_CLASS = "MOSSImageTransformer"
 SHIFT = 5.0
 NEG_SKIP = (22,)  # the blocks the pipeline's negative pass leaves out
 SAMPLING = {
-    variant: {"steps": 50, "cfg": 3.0, "shift": SHIFT, "neg_skip": NEG_SKIP}
+    variant: {"steps": 50, "cfg": 3.0, "shift": SHIFT, "neg_skip": list(NEG_SKIP)}
     for variant in ("sft", "base")
 }
 # The pipeline's text layout: the prompt as one user turn of Qwen3.5's chat template with the

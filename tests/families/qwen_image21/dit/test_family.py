@@ -64,6 +64,7 @@ def test_status_of_the_base_variant(loaded, base_folder):
         "shift": 1.0,
         "sigmas": None,
         "neg_skip": [],
+        "timestep_scale": 1.0,
         "schedule": {
             "rule": "qwen_image21",
             "base_len": SCHEDULER_CONFIG["base_image_seq_len"],
