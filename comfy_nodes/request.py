@@ -49,9 +49,11 @@ DIFFUSION_MODEL_WRAPPER = "diffusion_model"
 FLUX_KV_CACHE_PATCHES = {"attn1_patch": "KV_Attn_Input", "post_input": "model_input_patch"}
 # What ComfyUI's skip-layer guidance nodes (comfy_extras/nodes_slg.py: SkipLayerGuidanceDiT,
 # SkipLayerGuidanceDiTSimple) put in `patches_replace["dit"]` for each block they leave out: the
-# key (kind, index) and their identity function `skip`. The server's `skip` step field stands in
-# for them where it lists `skip_blocks` (docs/contract.md §7.5).
-SKIP_LAYER_MODULE = "comfy_extras.nodes_slg"
+# key (kind, index) and their identity function `skip`, defined in the node's method (ComfyUI
+# names the module by its file's path). The server's `skip` step field stands in for them where
+# it lists `skip_blocks` (docs/contract.md §7.5).
+SKIP_LAYER_MODULE = ("comfy_extras", "nodes_slg")
+SKIP_LAYER_NODES = frozenset(("SkipLayerGuidanceDiT", "SkipLayerGuidanceDiTSimple"))
 SKIP_LAYER_KIND = "single_block"
 
 
@@ -257,12 +259,21 @@ def skipped_blocks(patches_replace: Any) -> list[int] | None:
     for key, function in entries.items():
         if not (isinstance(key, tuple) and len(key) == 2 and key[0] == SKIP_LAYER_KIND):
             return None
-        if getattr(function, "__module__", None) != SKIP_LAYER_MODULE:
-            return None
-        if getattr(function, "__name__", None) != "skip" or not isinstance(key[1], int):
+        if not isinstance(key[1], int) or not is_skip_layer_patch(function):
             return None
         blocks.append(key[1])
     return sorted(blocks)
+
+
+def is_skip_layer_patch(function: Any) -> bool:
+    """Whether a block patch is the identity `skip` of one of ComfyUI's skip-layer nodes."""
+    module = str(getattr(function, "__module__", "")).replace("\\", "/").replace(".", "/")
+    owner = str(getattr(function, "__qualname__", "")).split(".")[0]
+    return (
+        tuple(module.split("/")[-2:]) == SKIP_LAYER_MODULE
+        and owner in SKIP_LAYER_NODES
+        and getattr(function, "__name__", None) == "skip"
+    )
 
 
 def check_call(

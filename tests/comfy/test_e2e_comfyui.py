@@ -62,6 +62,8 @@ FLUX2_MODEL = "flux2-klein-tiny"
 GGUF_MODEL = "qwen-image21-gguf-q4-k-m-tiny"  # a Q4_K_M GGUF DiT (write_gguf_model)
 # The server's embedded tiny Krea 2 turbo (server/engine/families/krea2/embedded.py).
 KREA2_MODEL = "krea2-random-tiny"
+# The server's embedded tiny MOSS-Image (server/engine/families/moss_image/embedded.py).
+MOSS_MODEL = "moss-image-random-tiny"
 START_TIMEOUT_S = 300.0
 PROMPT_TIMEOUT_S = 600.0
 # Relative L2 of ComfyUI's final latents against the in-process engine's (measured: ~2e-7).
@@ -151,8 +153,11 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = START_TIMEOUT_
 def _json(url: str, doc=None):
     data = None if doc is None else json.dumps(doc).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as answer:
-        return json.loads(answer.read())
+    try:
+        with urllib.request.urlopen(req, timeout=30) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as err:  # ComfyUI's answer says which node it refused
+        raise AssertionError(f"{url}: {err.code} {err.read()[:3000]!r}") from err
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -581,6 +586,42 @@ def test_an_embedded_family_example_equals_the_engines_generate(
     assert got.shape == want.shape == (1, 16, SIZE // 8, SIZE // 8)
     print(f"{example} against the engine's generate: rel L2 {_rel(got, want):.1e}")
     assert _rel(got, want) <= LATENT_RTOL
+
+
+def guided_generate(model, prompt: str, seed: int, steps: int) -> np.ndarray:
+    """`gmlx image sample` with the variant's own guidance and an empty negative prompt (for
+    MOSS-Image: cfg 3, the negative pass leaving out its `neg_skip` blocks)."""
+    from gmlx_server.engine import sampling
+
+    request = sampling.ImageRequest(
+        prompt=prompt, width=SIZE, height=SIZE, seed=seed, steps=steps, negative=""
+    )
+    latents, _ = sampling.generate(sampling.DirectTransport(model), model.status(), request)
+    return _to_vae_space(model, latents)
+
+
+def test_the_moss_image_example_equals_the_engines_guided_generate(comfyui, gmlx_server):
+    """The MOSS-Image example as shipped (loaders on the embedded moss-image-random-tiny, gmlx
+    Sigmas on the pipeline's snapped schedule and cfg 3, stock CFGGuider, and ComfyUI's own
+    SkipLayerGuidanceDiTSimple on block 22), at 6 steps: the pack sends the negative rows'
+    calls with `skip` [22], the engine's guided sampling skips `neg_skip` [22], and the two
+    agree. Bypassing the skip-layer node gives another image."""
+    seed, steps = 6, 6
+    engine = _served_engine(gmlx_server["config"], MOSS_MODEL)
+    wf = _save_latent(_workflow("gmlx_moss_image_text_to_image"), "11")
+    assert {wf[loader]["inputs"]["model_name"] for loader in ("1", "2", "3")} == {MOSS_MODEL}
+    assert wf["14"]["class_type"] == "SkipLayerGuidanceDiTSimple"
+    wf["8"]["inputs"]["noise_seed"] = seed
+    wf["7"]["inputs"]["steps"] = steps
+    got = _latent(comfyui, _run(comfyui, wf))
+    want = guided_generate(engine, wf["4"]["inputs"]["text"], seed, steps)
+    assert got.shape == want.shape == (1, 128, SIZE // 16, SIZE // 16)
+    print(f"MOSS-Image example against the engine's guided generate: rel L2 {_rel(got, want):.1e}")
+    assert _rel(got, want) <= LATENT_RTOL
+    wf["9"]["inputs"]["model"] = ["1", 0]  # the skip-layer node left out
+    del wf["14"]
+    plain = _latent(comfyui, _run(comfyui, wf))
+    assert _rel(plain, want) > 100 * LATENT_RTOL
 
 
 def test_stock_ksampler_euler_simple_equals_the_in_process_sampler(comfyui, gmlx_server, engine):

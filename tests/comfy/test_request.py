@@ -167,14 +167,16 @@ def test_comfy_flux_kv_cache_becomes_ref_cache_where_the_server_has_it():
     assert check_call({}, {}, ref_cache=True).ref_cache is False
 
 
-def slg_patches(*keys, module="comfy_extras.nodes_slg"):
+def slg_patches(*keys, module="/opt/ComfyUI/comfy_extras/nodes_slg"):
     """transformer_options as ComfyUI's skip-layer guidance nodes leave them: their identity
-    function `skip` under ("single_block" or "double_block", index) of patches_replace["dit"]."""
+    function `skip` (of their node's method; ComfyUI names the module by its file's path)
+    under ("single_block" or "double_block", index) of patches_replace["dit"]."""
 
     def skip(args, extra_args):
         return args
 
     skip.__module__ = module
+    skip.__qualname__ = "SkipLayerGuidanceDiTSimple.execute.<locals>.skip"
     return {"patches_replace": {"dit": {key: skip for key in keys}}}
 
 
@@ -189,7 +191,7 @@ def test_skip_layer_guidance_becomes_skip_where_the_server_has_it():
     assert "SkipLayer" in refused.suspect_words
     for other in (
         slg_patches(("double_block", 3)),  # MOSS-Image's blocks are single-stream
-        slg_patches(("single_block", 3), module="custom_nodes.other"),
+        slg_patches(("single_block", 3), module="/opt/ComfyUI/custom_nodes/other"),
         {"patches_replace": {"dit": {("single_block", 3): print}}},
     ):
         assert check_call({}, other, skip_blocks=True).refusals
