@@ -28,7 +28,7 @@ import numpy as np
 from .file_headers import common_prefix, safetensors_doc
 from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
-from .gguf import DiTFile, Naming
+from .gguf import DiTFile, Naming, fused_weights
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
 from .quantize import (
@@ -283,6 +283,31 @@ def single_file(component_dir: Path, override: Path | None, naming: Naming) -> P
         if common_prefix(names) or naming.holds(names):
             return files[0]
     return None
+
+
+def single_dit_file(
+    config_class: Any,
+    linear_slots: Callable[[Any], dict],
+    tensor_shapes: Callable[[Any], dict],
+    naming: Naming | Callable[[Any], Naming],
+    title: str,
+) -> Callable[[Path, Path | None], DiTFile | None]:
+    """A DiT's `dit_file(transformer_dir, dit=None)` (dit_network.DiTPart's `file`): its single
+    file (`single_file`: a model entry's `dit`, GGUF or safetensors, else the folder's one
+    `.gguf`, else its one safetensors file under a prefix or in `naming`) as the family reads
+    it, in `naming` (or the naming the config gives, for a function) or the family's file
+    names; None for the folder's own safetensors."""
+
+    def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
+        config = config_class.from_dict(read_config(transformer_dir))
+        named = naming if isinstance(naming, Naming) else naming(config)
+        path = single_file(transformer_dir, dit, named)
+        if path is None:
+            return None
+        fused = fused_weights(linear_slots(config))
+        return DiTFile(path, named, tensor_shapes(config), fused, title)
+
+    return dit_file
 
 
 @dataclass(frozen=True)

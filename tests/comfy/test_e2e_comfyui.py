@@ -1134,6 +1134,7 @@ def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_
         FLUX2_KLEIN_MODEL,
         FLUX3_KLEIN_MODEL,
         KREA2_MODEL,
+        MOSS_MODEL,
         Z_IMAGE_MODEL,
     ]
     assert info["input"]["required"]["model_name"][0] == embedded

@@ -376,3 +376,58 @@ def test_adversarial_sample_sigmas_on_a_flow_map(flux3, sigmas, t):
     refusal_is_clean(r)
     if r.status_code == 200:
         assert wire.read_container(r.content).tensors["out"].shape == (1, 128, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def moss(tmp_path_factory):
+    """The embedded MOSS-Image (its steps take `skip`: 24 blocks), served."""
+    from gmlx_server.config import ServerConfig
+    from gmlx_server.engine.families.moss_image import embedded
+    from gmlx_server.engine.registry import ModelRegistry
+
+    from ..server.conftest import serve
+
+    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded_moss"))
+    server = serve(
+        ServerConfig(host="127.0.0.1", port=0),
+        ModelRegistry([], folder.name, extra_models=[folder]),
+    )
+    reply = server.post_json("encode", {"text": "a sign"})
+    assert reply.status_code == 200
+    server.cond = wire.read_container(reply.content).fields["cond"]
+    yield server
+    assert server.ctx.service.worker.alive
+    server.close()
+
+
+SKIPS = (
+    json_values
+    | st.lists(st.integers(-30, 30), max_size=30)
+    | st.lists(st.integers(0, 23), max_size=30)
+    | st.lists(st.integers(-(2**70), 2**70) | st.booleans() | st.floats(), max_size=3)
+)
+
+
+@ROUTE_QUICK
+@given(skip=SKIPS, t=st.floats(allow_nan=True, allow_infinity=True), rows=st.integers(1, 3))
+def test_adversarial_skip_on_a_dit_that_skips(moss, skip, t, rows):
+    """Any `skip` (every JSON kind; indices in and out of range, repeated, huge, booleans,
+    floats; every block at once) at any timestep on rows of two lengths: answered, every row's
+    output of the shape of x, or refused 400, no 5xx."""
+    x = np.zeros((rows, 128, 2, 2), np.float32)
+    short = moss.put_tensor(np.full((1, 3, 32), 0.25, np.float32))
+    row_list = [{"cond": moss.cond if i % 2 == 0 else short} for i in range(rows)]
+    body = wire.write_container(
+        {"x": x, "timestep": np.full(rows, t, np.float32)}, {"rows": row_list, "skip": skip}
+    )
+    r = send(moss, "POST", "step", body, wire.CONTAINER_TYPE)
+    refusal_is_clean(r)
+    if r.status_code == 200:
+        assert wire.read_container(r.content).tensors["out"].shape == x.shape
+
+
+@pytest.mark.heavy
+@HEAVY
+@given(skip=SKIPS, t=st.floats(allow_nan=True, allow_infinity=True), rows=st.integers(1, 3))
+def test_long_run_of_adversarial_skip(moss, skip, t, rows):
+    test_adversarial_skip_on_a_dit_that_skips.hypothesis.inner_test(moss, skip, t, rows)

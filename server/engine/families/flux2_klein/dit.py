@@ -28,20 +28,19 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import DiTFile, Naming, fused_weights
+from ...gguf import Naming
 from ...lora import LinearSlot, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
-from ...weights import block_weights, read_config, single_file
+from ...weights import block_weights, single_dit_file
 from .layout import (
     DOUBLE,
     DOUBLE_LINEARS,
@@ -175,16 +174,9 @@ BFL_NAMING = bfl_naming()
 TITLE = "FLUX.2 klein"
 
 
-def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
-    """The DiT's single file (a model entry's `dit`, GGUF or safetensors, else the one `.gguf`
-    in transformer/ or its one safetensors file in BFL's naming) as the family reads it, in
-    BFL's naming or diffusers'; None for diffusers' own safetensors folder."""
-    path = single_file(transformer_dir, dit, BFL_NAMING)
-    if path is None:
-        return None
-    config = DiTConfig.from_dict(read_config(transformer_dir))
-    fused = fused_weights(linear_slots(config))
-    return DiTFile(path, BFL_NAMING, tensor_shapes(config), fused, TITLE)
+# The DiT's single file (GGUF or safetensors) in BFL's naming or diffusers' as the family reads
+# it (weights.single_dit_file).
+dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, BFL_NAMING, TITLE)
 
 
 def lora_aliases(rows: dict[str, int]) -> dict[str, list[list]]:

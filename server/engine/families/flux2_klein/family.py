@@ -41,6 +41,7 @@ from ...step_inputs import (
     ref_tokens,
     row_sigmas,
 )
+from ...step_memory import TokenBuffers, joint_step_peak_bytes
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import read_config
 from .dit import (
@@ -65,12 +66,10 @@ CONVENTIONS = SPECS[0].conventions
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row (the
 # tiny model's measured peaks: tests/families/flux2_klein/test_estimates.py):
-TOKEN_WIDTH_BUFFERS = 16  # hidden, normed, q, k, v, attention out, residual sums, projections
-TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
-MLP_BUFFERS = 8  # the fused gate/up, SiLU's temporaries and the product, at the MLP's width
-SCORE_BLOCK_BUFFERS = (
-    10  # cpu_ops.attention's block of scores, its exponentials and their temporaries
-)
+# hidden, normed, q, k, v, attention out, residual sums, projections; q and k in float32
+# around their RMS norm and RoPE; the fused gate/up, SiLU's temporaries and the product at the
+# MLP's width; cpu_ops.attention's block of scores, its exponentials and their temporaries
+BUFFERS = TokenBuffers(width=16, f32=4, mlp=8, score_block=10)
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with captions of the encoder's padded length, or one VAE pass.
 RESERVE_ROWS = 2
@@ -105,22 +104,10 @@ def fits(parts: LoadedParts) -> None:
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
     """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (text, image
-    and the references that run with them). Pure: no allocation."""
-    if not lengths:
-        return 0
-    longest = max(lengths)
-    per_token = (
-        TOKEN_WIDTH_BUFFERS * config.dim * itemsize
-        + TOKEN_F32_BUFFERS * config.dim * 4
-        + MLP_BUFFERS * config.mlp_dim * itemsize
+    and the references that run with them; rows of one layout run together)."""
+    return joint_step_peak_bytes(
+        BUFFERS, config.dim, config.mlp_dim, config.num_heads, itemsize, lengths, blocked
     )
-    total = sum(lengths) * per_token
-    if blocked:  # a block of scores per row of a batch (rows of one layout run together)
-        rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
-        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
-    else:
-        total += len(lengths) * config.num_heads * longest * longest * itemsize  # fused scores
-    return total
 
 
 def ref_state_bytes(config: DiTConfig, itemsize: int, tokens: int) -> int:

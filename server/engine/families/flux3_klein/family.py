@@ -32,6 +32,7 @@ from ...step_inputs import (
     ref_tokens,
     row_sigmas,
 )
+from ...step_memory import TokenBuffers, joint_step_peak_bytes
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import read_config
 from .dit import Flux3DiT
@@ -51,10 +52,10 @@ REF_MAX_AREA = 1024 * 1024
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
-TOKEN_WIDTH_BUFFERS = 14  # hidden, normed, modulated, q, k, v, attention out, residual sums
-TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm and RoPE
-MLP_BUFFERS = 8  # the fused gate/up, SiLU's temporaries and the product, at the MLP's width
-SCORE_BLOCK_BUFFERS = 10  # cpu_ops.attention's block of scores and its temporaries
+# hidden, normed, modulated, q, k, v, attention out, residual sums; q and k in float32 around
+# their RMS norm and RoPE; the fused gate/up, SiLU's temporaries and the product at the MLP's
+# width; cpu_ops.attention's block of scores and its temporaries
+BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with prompts of the encoder's first padded length, or one VAE pass.
 RESERVE_ROWS = 2
@@ -63,22 +64,10 @@ RESERVE_TEXT = 4 * PAD_MULTIPLE
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
     """Peak bytes of one step beyond the weights for rows of `lengths` joint tokens each (text,
-    image and references). Pure: no allocation."""
-    if not lengths:
-        return 0
-    longest = max(lengths)
-    per_token = (
-        TOKEN_WIDTH_BUFFERS * config.dim * itemsize
-        + TOKEN_F32_BUFFERS * config.dim * 4
-        + MLP_BUFFERS * config.mlp_dim * itemsize
+    image and references)."""
+    return joint_step_peak_bytes(
+        BUFFERS, config.dim, config.mlp_dim, config.num_heads, itemsize, lengths, blocked
     )
-    total = sum(lengths) * per_token
-    if blocked:  # a block of scores per row of a batch
-        rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
-        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
-    else:
-        total += len(lengths) * config.num_heads * longest * longest * itemsize
-    return total
 
 
 def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import functools
 import math
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import DiTFile, Naming, fused_weights
+from ...gguf import Naming
 from ...lora import LinearSlot, project
 from ...nn.activations import gelu_tanh, silu
 from ...nn.attention import attention
@@ -37,7 +36,7 @@ from ...nn.compiled import CompiledPass
 from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Split, Stages
-from ...weights import block_weights, read_config, single_file
+from ...weights import block_weights, single_dit_file
 from .layout import (
     BIAS,
     BLOCK_LINEARS,
@@ -128,16 +127,8 @@ TITLE = "Krea 2"
 NAMING = Naming()
 
 
-def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
-    """The DiT's single file (a model entry's `dit`, GGUF or safetensors, else the one `.gguf`
-    in transformer/ or its one safetensors file under a prefix) as the family reads it; None
-    for diffusers' own folder."""
-    config = DiTConfig.from_dict(read_config(transformer_dir))
-    path = single_file(transformer_dir, dit, NAMING)
-    if path is None:
-        return None
-    fused = fused_weights(linear_slots(config))
-    return DiTFile(path, NAMING, tensor_shapes(config), fused, TITLE)
+# The DiT's single file (GGUF or safetensors) as the family reads it (weights.single_dit_file).
+dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, NAMING, TITLE)
 
 
 PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)

@@ -28,6 +28,7 @@ from ...step_inputs import (
     cond_rows,
     row_sigmas,
 )
+from ...step_memory import TokenBuffers, joint_step_peak_bytes
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
 from ...weights import read_config
 from .dit import MOSSImageDiT
@@ -41,10 +42,10 @@ CONVENTIONS = SPEC.conventions  # both: timestep = 1000 sigma, out = +dx/dsigma
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
-TOKEN_WIDTH_BUFFERS = 14  # hidden, normed, modulated, q, k, v, attention out, residual sums
-TOKEN_F32_BUFFERS = 4  # q and k in float32 around their RMS norm
-FFN_BUFFERS = 8  # the fused up/gate, SITU's temporaries and the product, at the FFN's width
-SCORE_BLOCK_BUFFERS = 10  # cpu_ops.attention's block of scores and its temporaries
+# hidden, normed, modulated, q, k, v, attention out, residual sums; q and k in float32 around
+# their RMS norm; the fused up/gate, SITU's temporaries and the product at the feed-forward's
+# width; cpu_ops.attention's block of scores and its temporaries
+BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with prompts of this many tokens, or one VAE pass.
 RESERVE_ROWS = 2
@@ -53,22 +54,10 @@ RESERVE_TEXT = 512
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
     """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (image and
-    text). Pure: no allocation."""
-    if not lengths:
-        return 0
-    longest = max(lengths)
-    per_token = (
-        TOKEN_WIDTH_BUFFERS * config.dim * itemsize
-        + TOKEN_F32_BUFFERS * config.dim * 4
-        + FFN_BUFFERS * config.ffn_dim * itemsize
+    text)."""
+    return joint_step_peak_bytes(
+        BUFFERS, config.dim, config.ffn_dim, config.num_heads, itemsize, lengths, blocked
     )
-    total = sum(lengths) * per_token
-    if blocked:  # a block of scores per row of a batch
-        rows, group = cpu_ops._block_shape(config.num_heads, longest, longest)
-        total += len(lengths) * SCORE_BLOCK_BUFFERS * min(rows, longest) * group * longest * 4
-    else:
-        total += len(lengths) * config.num_heads * longest * longest * itemsize
-    return total
 
 
 def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ...config_keys import check_fixed
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import DiTFile, Naming, fused_weights
+from ...gguf import Naming
 from ...lora import LinearSlot, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
@@ -34,7 +33,7 @@ from ...nn.compiled import CompiledPass
 from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Split, Stages
-from ...weights import block_weights, read_config, single_file
+from ...weights import block_weights, single_dit_file
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
 ADALN_DIM = 256  # the time embedding's width (at most the model's)
@@ -296,17 +295,9 @@ def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:
-    """The DiT's single file (a model entry's `dit`, GGUF or safetensors, else the one `.gguf`
-    in transformer/ or its one safetensors file in ComfyUI's naming or under a prefix) as the
-    family reads it, in diffusers' or ComfyUI's naming; None for diffusers' own folder."""
-    config = DiTConfig.from_dict(read_config(transformer_dir))
-    naming = comfy_naming(config)
-    path = single_file(transformer_dir, dit, naming)
-    if path is None:
-        return None
-    fused = fused_weights(linear_slots(config))
-    return DiTFile(path, naming, tensor_shapes(config), fused, TITLE)
+# The DiT's single file (GGUF or safetensors) in diffusers' or ComfyUI's naming as the family
+# reads it (weights.single_dit_file).
+dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, comfy_naming, TITLE)
 
 
 def dense(w: dict, key: str, x: mx.array) -> mx.array:
