@@ -140,6 +140,10 @@ class GatedAttention(nn.Module):
         self.k_norm = ZeroCenteredRMSNorm(head, config.rms_norm_eps)
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        return self.prefill(x, cos, sin)[0]
+
+    def projected(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple:
+        """(query, key, value, gate): q and k normed and rotated, heads first (B, H, L, D)."""
         batch, length, _ = x.shape
         head = self.config.head_dim
         query_gate = self.q_proj(x).reshape(batch, length, -1, 2 * head)
@@ -148,10 +152,27 @@ class GatedAttention(nn.Module):
         query = self.q_norm(query).transpose(0, 2, 1, 3)
         key = self.k_norm(self.k_proj(x).reshape(batch, length, -1, head)).transpose(0, 2, 1, 3)
         value = self.v_proj(x).reshape(batch, length, -1, head).transpose(0, 2, 1, 3)
-        query, key = rotated(query, cos, sin), rotated(key, cos, sin)
-        out = chunked_attention(query, key, value, head**-0.5, causal=True)
+        return rotated(query, cos, sin), rotated(key, cos, sin), value, gate
+
+    def attended(self, query, key, value, gate, causal: bool) -> mx.array:
+        batch, _, length, head = query.shape
+        out = chunked_attention(query, key, value, head**-0.5, causal=causal)
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return self.o_proj(out * mx.sigmoid(gate))
+
+    def prefill(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple:
+        """The layer over a whole sequence, and its keys and values (the cache of `step`)."""
+        query, key, value, gate = self.projected(x, cos, sin)
+        return self.attended(query, key, value, gate, causal=True), (key, value)
+
+    def step(self, x: mx.array, cos: mx.array, sin: mx.array, cache: tuple) -> tuple:
+        """The layer at one more position (x (B, 1, D), its RoPE tables), over the cached keys
+        and values and its own; the cache grown by it."""
+        query, key, value, gate = self.projected(x, cos, sin)
+        keys, values = (
+            mx.concatenate([held, new], axis=2) for held, new in zip(cache, (key, value))
+        )
+        return self.attended(query, keys, values, gate, causal=False), (keys, values)
 
 
 def rotated(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -180,18 +201,49 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, width, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
+        return self.prefill(x)[0]
+
+    def prefill(self, x: mx.array) -> tuple:
+        """The layer over a whole sequence from a zero state, and what `step` carries on from:
+        the convolution's last inputs (B, K - 1, C) and the delta rule's state."""
+        projected = self.in_proj_qkv(x)
+        query, key, value = self.heads(nn.silu(causal_conv(projected, self.conv1d["weight"])))
+        decay, beta = self.rates(x)
+        out, state = chunked_delta_rule(query, key, value, decay, beta)
+        kernel = self.config.conv_kernel
+        window = mx.pad(projected, [(0, 0), (max(0, kernel - 1 - x.shape[1]), 0), (0, 0)])
+        return self.gated(x, out), (window[:, window.shape[1] - (kernel - 1) :], state)
+
+    def step(self, x: mx.array, cache: tuple) -> tuple:
+        """The layer at one more position (x (B, 1, D)): the convolution over its window, one
+        step of the delta rule (`delta_rule_step`); the carried inputs and state moved on."""
+        inputs, state = cache
+        window = mx.concatenate([inputs, self.in_proj_qkv(x)], axis=1)  # (B, K, C)
+        taps = self.conv1d["weight"][:, 0, :].T.astype(x.dtype)  # (K, C)
+        mixed = nn.silu((window * taps).sum(axis=1, keepdims=True))
+        query, key, value = self.heads(mixed)
+        decay, beta = self.rates(x)
+        out, state = delta_rule_step(query, key, value, decay, beta, state)
+        return self.gated(x, out), (window[:, 1:], state)
+
+    def heads(self, mixed: mx.array) -> tuple:
         config = self.config
-        batch, length, _ = x.shape
-        mixed = nn.silu(causal_conv(self.in_proj_qkv(x), self.conv1d["weight"]))
+        batch, length, _ = mixed.shape
         query = mixed[..., : self.key_dim].reshape(batch, length, -1, config.linear_key_dim)
         key = mixed[..., self.key_dim : 2 * self.key_dim].reshape(query.shape)
         value = mixed[..., 2 * self.key_dim :].reshape(batch, length, -1, config.linear_value_dim)
+        return query, key, value
+
+    def rates(self, x: mx.array) -> tuple:
+        """Per position and value head: the decay g (log) and the update rate beta, float32."""
         beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
         a = self.in_proj_a(x).astype(mx.float32)
-        decay = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias)
-        out = chunked_delta_rule(query, key, value, decay, beta).astype(x.dtype)
-        z = self.in_proj_z(x).reshape(batch, length, -1, config.linear_value_dim)
-        gated = self.norm(out, z).astype(x.dtype).reshape(batch, length, -1)
+        return -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias), beta
+
+    def gated(self, x: mx.array, out: mx.array) -> mx.array:
+        batch, length, _ = x.shape
+        z = self.in_proj_z(x).reshape(batch, length, -1, self.config.linear_value_dim)
+        gated = self.norm(out.astype(x.dtype), z).astype(x.dtype).reshape(batch, length, -1)
         return self.out_proj(gated)
 
 
@@ -221,20 +273,43 @@ def unit_lower_inverse(lower: mx.array) -> mx.array:
     return inverse
 
 
-def chunked_delta_rule(
-    query: mx.array, key: mx.array, value: mx.array, decay: mx.array, beta: mx.array
-) -> mx.array:
-    """The gated delta rule over a whole sequence, chunked: q, k (B, L, Hk, Dk), v (B, L, Hv,
-    Dv), decay and beta (B, L, Hv); returns (B, L, Hv, Dv) float32, from a zero state."""
-    batch, length, key_heads, key_dim = key.shape
-    value_heads, value_dim = value.shape[-2:]
+def rule_inputs(query, key, value, decay, beta) -> tuple:
+    """The delta rule's inputs heads first in float32: q and k repeated over their groups of
+    value heads and L2-normed (q scaled by 1/sqrt(Dk)), (B, H, L, D) and (B, H, L)."""
+    key_heads, key_dim = key.shape[-2:]
+    value_heads = value.shape[-2]
     if key_heads != value_heads:  # each q/k head serves consecutive value heads
         query = mx.repeat(query, value_heads // key_heads, axis=2)
         key = mx.repeat(key, value_heads // key_heads, axis=2)
     query, key, value = (t.astype(mx.float32).transpose(0, 2, 1, 3) for t in (query, key, value))
     beta, decay = (t.astype(mx.float32).transpose(0, 2, 1) for t in (beta, decay))
-    query = l2_normed(query) * key_dim**-0.5
-    key = l2_normed(key)
+    return l2_normed(query) * key_dim**-0.5, l2_normed(key), value, decay, beta
+
+
+def delta_rule_step(query, key, value, decay, beta, state: mx.array) -> tuple:
+    """One position of the gated delta rule (as transformers' recurrent form): q, k (B, 1, Hk,
+    Dk), v (B, 1, Hv, Dv), decay and beta (B, 1, Hv), the state (B, Hv, Dk, Dv) float32;
+    S <- exp(g) S, then S <- S + k (beta (v - S^T k))^T, o = S^T q. Returns (B, 1, Hv, Dv)."""
+    query, key, value, decay, beta = rule_inputs(query, key, value, decay, beta)
+    q, k, v = query[:, :, 0], key[:, :, 0], value[:, :, 0]  # (B, H, D)
+    state = state * mx.exp(decay[:, :, 0])[..., None, None]
+    remembered = (state * k[..., None]).sum(axis=-2)  # (B, H, Dv)
+    delta = (v - remembered) * beta[:, :, 0][..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    out = (state * q[..., None]).sum(axis=-2)
+    return out[:, None], state
+
+
+def chunked_delta_rule(
+    query: mx.array, key: mx.array, value: mx.array, decay: mx.array, beta: mx.array
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over a whole sequence, chunked: q, k (B, L, Hk, Dk), v (B, L, Hv,
+    Dv), decay and beta (B, L, Hv); returns (B, L, Hv, Dv) float32, from a zero state, and the
+    state after the last position (B, Hv, Dk, Dv) (the padding of the last chunk, of rate 0 and
+    decay 0, leaves it as it is)."""
+    batch, length, _, key_dim = key.shape
+    value_heads, value_dim = value.shape[-2:]
+    query, key, value, decay, beta = rule_inputs(query, key, value, decay, beta)
     pad = (-length) % CHUNK
     if pad:
         query, key, value = (
@@ -269,7 +344,7 @@ def chunked_delta_rule(
         outputs.append(query[:, :, i] @ state + intra[:, :, i] @ fresh)
         state = state * chunk_decay[:, :, i] + key[:, :, i].swapaxes(-1, -2) @ fresh
     out = mx.concatenate(outputs, axis=2)[:, :, :length]
-    return out.transpose(0, 2, 1, 3)
+    return out.transpose(0, 2, 1, 3), state
 
 
 class DecoderLayer(nn.Module):
@@ -285,11 +360,27 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        return self.prefill(x, cos, sin)[0]
+
+    def prefill(self, x: mx.array, cos: mx.array, sin: mx.array) -> tuple:
+        """The layer over a whole sequence, and its cache for `step`."""
         normed = self.input_layernorm(x)
         if self.kind == LINEAR:
-            x = x + self.linear_attn(normed)
+            mixed, cache = self.linear_attn.prefill(normed)
         else:
-            x = x + self.self_attn(normed, cos, sin)
+            mixed, cache = self.self_attn.prefill(normed, cos, sin)
+        return self.feed(x + mixed), cache
+
+    def step(self, x: mx.array, cos: mx.array, sin: mx.array, cache: tuple) -> tuple:
+        """The layer at one more position, carrying its cache on."""
+        normed = self.input_layernorm(x)
+        if self.kind == LINEAR:
+            mixed, cache = self.linear_attn.step(normed, cache)
+        else:
+            mixed, cache = self.self_attn.step(normed, cos, sin, cache)
+        return self.feed(x + mixed), cache
+
+    def feed(self, x: mx.array) -> mx.array:
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
