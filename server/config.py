@@ -46,6 +46,10 @@ File (default ~/.config/gmlx-steps/config.toml):
     mmproj = "~/gguf/mmproj-Qwen3-VL-8B-F16.gguf"  # and its vision tower's (Qwen-Image 2.1's
                                     # Qwen3-VL: text_encoder and mmproj together)
 
+    [models."flux3-klein"]
+    prompt_upsampler = "~/models/flux-3-image-klein-pup"  # a chat model folder that rewrites
+    prompt_upsampling = true        # prompts on encode, always unless a request says false
+
     [models."z-image-turbo"]        # a model from its component files, no model folder: dit,
     dit = "~/ComfyUI/models/diffusion_models/z_image_turbo_bf16.safetensors"  # text_encoder
     text_encoder = "~/ComfyUI/models/text_encoders/qwen_3_4b.safetensors"   # (.safetensors or
@@ -197,6 +201,10 @@ class ModelSettings(LoadSettings):
     family: str | None = None
     variant: str | None = None
     tokenizer: Path | None = None
+    # A chat model folder that rewrites prompts on encode, and whether it does when the request
+    # leaves it open (docs/contract.md §2.6, engine/upsampling.py).
+    prompt_upsampler: Path | None = None
+    prompt_upsampling: bool = False
 
     def component_files(self):
         """The entry's components.ComponentFiles (None: the entry names no VAE file, so its
@@ -240,6 +248,10 @@ MODEL_SETTINGS = {
     "family": "with vae: the family, where the files cannot tell it (flux2_klein_9b_kv)",
     "variant": "with vae: the variant, where the files cannot tell it (turbo or base)",
     "tokenizer": "with vae: a folder holding the text encoder's tokenizer.json",
+    "prompt_upsampler": "a chat model folder (Qwen3.5 in transformers' layout, with its chat"
+    " template) that rewrites a text-only encode's prompt where asked (FLUX.3 klein's upsampler)",
+    "prompt_upsampling": "with prompt_upsampler: whether an encode that does not say is rewritten"
+    " (true or false; default false)",
 }
 MODEL_SETTING_KEYS = tuple(MODEL_SETTINGS)
 GGUF_SUFFIX = ".gguf"
@@ -493,6 +505,7 @@ def model_settings(
         facts["tokenizer"] = folder / Path(_typed(table, "tokenizer", str)).expanduser()
         if not facts["tokenizer"].is_dir():
             raise refuse(f"{name('tokenizer')}: no folder at {str(facts['tokenizer'])!r}")
+    upsampling = upsampling_settings(table, folder, refuse, name)
     if "vae" in files:
         missing = [key for key in ("dit", "text_encoder") if key not in files]
         if missing:
@@ -501,8 +514,30 @@ def model_settings(
                 f" {' and '.join(name(key) for key in missing)} too"
             )
     return ModelSettings(
-        adapters=specs, quantization=quantization, encoder_vae_dtype=dtype, **files, **facts
+        adapters=specs,
+        quantization=quantization,
+        encoder_vae_dtype=dtype,
+        **files,
+        **facts,
+        **upsampling,
     )
+
+
+def upsampling_settings(table: dict, folder: Path, refuse, name) -> dict:
+    """An entry's prompt_upsampler (a folder holding a config.json) and prompt_upsampling."""
+    found: dict = {}
+    if "prompt_upsampler" in table:
+        path = folder / Path(_typed(table, "prompt_upsampler", str)).expanduser()
+        if not (path / "config.json").is_file():
+            raise refuse(
+                f"{name('prompt_upsampler')}: no chat model folder (config.json) at {str(path)!r}"
+            )
+        found["prompt_upsampler"] = path
+    if "prompt_upsampling" in table:
+        found["prompt_upsampling"] = _typed(table, "prompt_upsampling", bool)
+        if found["prompt_upsampling"] and "prompt_upsampler" not in found:
+            raise refuse(f"{name('prompt_upsampling')} needs {name('prompt_upsampler')}")
+    return found
 
 
 def model_settings_over(

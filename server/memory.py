@@ -445,6 +445,22 @@ class MemoryPlanner:
             hint = "the text encoder does not fit beside the DiT and the VAE"
             raise MemoryPlanError(self._refusal("encode", need, free, budget, hint))
 
+    def check_upsample(self, loaded: LoadedModel, need: int) -> None:
+        """Before a prompt upsampler loads (engine/upsampling.py), on the worker: it fits beside
+        what is held, the text encoder released first where it may be (it loads again for the
+        encode after) and held states shed."""
+        model = loaded.model
+        free = self.budget() - self.held()
+        if need > free and model.encoder_releasable:
+            free += model.release_encoder()
+        if need > free:
+            free += model.shed_states(need - free, set())
+        if need > free:
+            hint = "the prompt upsampler does not fit beside the image model; quantize it"
+            raise MemoryPlanError(
+                self._refusal("prompt upsampler", need, free, self.budget(), hint)
+            )
+
     def after_encode(self, loaded: LoadedModel) -> None:
         """After an encode, on the worker: with encoder_residency "release", the encoder goes."""
         if self.encoder_residency == "release":

@@ -55,8 +55,9 @@ FLAG_FORMS = {
     "variant": {"metavar": "VARIANT"},
     "tokenizer": {"metavar": "FOLDER"},
 }
-# A model entry's keys a command takes otherwise: its `--adapter` (repeatable, the sampling's).
-NOT_FLAGS = ("adapters",)
+# A model entry's keys a command takes otherwise (its `--adapter`, repeatable, the sampling's) or
+# not at all (the upsampler rewrites the encode route's prompts).
+NOT_FLAGS = ("adapters", "prompt_upsampler", "prompt_upsampling")
 
 
 def flag_name(key: str) -> str:

@@ -460,6 +460,35 @@ class StepsService:
         """Run fn(model, ...) on the worker."""
         return self.worker.call(fn, loaded.model, *args, **kw)
 
+    def upsampled_prompt(
+        self, loaded: LoadedModel, text: str, images: list, asked: bool | None
+    ) -> str | None:
+        """The prompt rewritten by the model entry's upsampler (docs/contract.md §2.6), on the
+        worker, or None where it is not: the request forbids it (false), or leaves it to the
+        entry (null) and the entry does not ask for it, or images are given. Asked for (true)
+        where the entry names no upsampler: 400."""
+        settings = self.registry.settings_for(loaded.entry)
+        folder = getattr(settings, "prompt_upsampler", None)
+        if asked is True and folder is None:
+            raise ContractError(
+                400,
+                f"prompt_upsampling was asked for, but model {loaded.entry.model_id!r} has no"
+                " prompt upsampler (its [models] entry names no prompt_upsampler)",
+            )
+        wanted = getattr(settings, "prompt_upsampling", False) if asked is None else asked
+        if not wanted or folder is None or images:
+            return None
+
+        def rewrite() -> str:
+            from .engine import upsampling
+            from .engine.nn.dtypes import encoder_vae_dtype
+
+            dtype = encoder_vae_dtype(settings.encoder_vae_dtype)
+            self.memory.check_upsample(loaded, upsampling.need_bytes(folder, dtype))
+            return upsampling.rewrite(folder, text, dtype, settings.quantization)
+
+        return self.worker.call(rewrite)
+
     def encode(self, loaded: LoadedModel, text: str, images: list, refs: bool) -> Any:
         """The model's encode on the worker, between the memory plan's look at the text
         encoder's residency (a released encoder loads again) and its release after the encode

@@ -39,7 +39,7 @@ class Encode(Resource):
         if not isinstance(text, str):
             raise ContractError(400, "encode needs text: the prompt, a string")
         refs = flag(fields, "refs", True)
-        check_upsampling(fields.get("prompt_upsampling"))
+        asked = upsampling_asked(fields.get("prompt_upsampling"))
         if images is None:
             images = images_of_json(fields.get("images"))
         if len(images) > MAX_IMAGES:
@@ -47,16 +47,21 @@ class Encode(Resource):
 
         loaded = self.service.acquire(model_field(fields))
         try:
-            result = self.service.encode(loaded, text, images, refs)
+            revised = self.service.upsampled_prompt(loaded, text, images, asked)
+            result = self.service.encode(loaded, revised or text, images, refs)
+            typed = None if revised is None else self.service.encode(loaded, text, [], refs)
         finally:
             self.service.release(loaded)
-        send_container(resp, self._answer(result, refs))
+        send_container(resp, self._answer(result, refs, revised, typed))
 
-    def _answer(self, result, refs: bool) -> list:
+    def _answer(self, result, refs: bool, revised: str | None = None, typed=None) -> list:
+        """The container: `cond` and the references' latents; where the prompt was rewritten,
+        `revised_prompt` and the conditioning of the prompt as typed (`cond_typed`)."""
         cond = np.ascontiguousarray(result.cond, dtype=np.float32)
         latents = [np.ascontiguousarray(r, dtype=np.float32) for r in result.ref_latents]
         latents = latents if refs else []
-        for array in (cond, *latents):
+        extra = [] if typed is None else [np.ascontiguousarray(typed.cond, dtype=np.float32)]
+        for array in (cond, *latents, *extra):
             if array.nbytes > self.service.tensors.limit:
                 raise ContractError(
                     413,
@@ -72,16 +77,19 @@ class Encode(Resource):
             "image_slots": [int(s) for s in result.image_slots],
             "num_tokens": int(cond.shape[1]) if cond.ndim == 3 else int(cond.shape[0]),
         }
+        if typed is not None:
+            tensors["cond_typed"] = extra[0]
+            fields["cond_typed"] = self.service.store_tensor(CachedTensor(extra[0], "F32"))
+            fields["revised_prompt"] = revised
         return wire.container_pieces(tensors, fields)
 
 
-def check_upsampling(value) -> None:
+def upsampling_asked(value) -> bool | None:
+    """The request's prompt_upsampling: true forces, false forbids, null leaves it to the
+    model entry (service.upsampled_prompt)."""
     if value is not None and not isinstance(value, bool):
         raise ContractError(400, "prompt_upsampling must be true, false or null")
-    if value is True:
-        raise ContractError(
-            400, "prompt_upsampling was asked for, but this server has no prompt upsampler"
-        )
+    return value
 
 
 def images_of_container(container: wire.Container) -> list[np.ndarray]:

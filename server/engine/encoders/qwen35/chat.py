@@ -25,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 from tokenizers import Tokenizer
 
+from ...base import EngineInputError
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin, inverse_frequencies
 from ...precision import Quantization
@@ -37,8 +38,8 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 
 
-class ChatModelError(ValueError):
-    """A chat model folder that cannot be used, saying which file and why."""
+class ChatModelError(EngineInputError):
+    """A chat model folder that cannot be used, saying which file and why (400)."""
 
 
 class ChatNetwork(nn.Module):

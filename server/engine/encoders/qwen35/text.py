@@ -169,9 +169,9 @@ class GatedAttention(nn.Module):
         """The layer at one more position (x (B, 1, D), its RoPE tables), over the cached keys
         and values and its own; the cache grown by it."""
         query, key, value, gate = self.projected(x, cos, sin)
-        keys, values = (
-            mx.concatenate([held, new], axis=2) for held, new in zip(cache, (key, value))
-        )
+        held_keys, held_values = cache
+        keys = mx.concatenate([held_keys, key], axis=2)
+        values = mx.concatenate([held_values, value], axis=2)
         return self.attended(query, keys, values, gate, causal=False), (keys, values)
 
 
