@@ -140,6 +140,16 @@ def test_relative_adapter_paths_are_under_the_config_files_folder(tmp_path, monk
     )
 
 
+def test_an_entrys_prompt_upsampler_is_a_folder_under_the_config_files(tmp_path):
+    (tmp_path / "pup").mkdir()
+    (tmp_path / "pup" / "config.json").write_text("{}")
+    (tmp_path / "c.toml").write_text(
+        '[models.m]\nprompt_upsampler = "pup"\nprompt_upsampling = true\n'
+    )
+    entry = load_config(tmp_path / "c.toml", env={}).models["m"]
+    assert (entry.prompt_upsampler, entry.prompt_upsampling) == (tmp_path / "pup", True)
+
+
 def test_entries_naming_no_model_folder_are_warned_about(tmp_path, caplog):
     (tmp_path / "models" / "here").mkdir(parents=True)
     (tmp_path / "models" / "here" / "model_index.json").write_text("{}")
@@ -159,6 +169,9 @@ def test_entries_naming_no_model_folder_are_warned_about(tmp_path, caplog):
         ("[models.m]\nadapter = []", "unknown setting 'adapter'"),
         ('[models.m]\nadapters = ["c.toml:nan"]', "finite"),
         ("[models]\nm = 3", "must be a table"),
+        ('[models.m]\nprompt_upsampler = "/nowhere"', "no chat model folder"),
+        ("[models.m]\nprompt_upsampling = true", "prompt_upsampling needs prompt_upsampler"),
+        ('[models.m]\nprompt_upsampling = "yes"', "wrong type"),
     ],
 )
 def test_bad_model_entries_are_refused_by_name(tmp_path, text, message):

@@ -10,6 +10,18 @@ from ..file_headers import Header, HeaderError
 from . import ldm_names, wan_names
 
 BATCH_NORM_MEAN = "bn.running_mean"
+# FLUX.2's autoencoder (`AutoencoderKLFlux2`, FLUX.2 klein's and FLUX.3 klein's): what its file
+# cannot say (flux2-vae's diffusers config), and its raw latent channels.
+FLUX2_VAE_FACTS = {
+    "_class_name": "AutoencoderKLFlux2",
+    "norm_num_groups": 32,
+    "batch_norm_eps": 1e-4,
+    "batch_norm_momentum": 0.1,
+    "patch_size": [2, 2],
+    "sample_size": 1024,
+    "force_upcast": True,
+}
+FLUX2_LATENT_CHANNELS = 32
 
 
 def diffusers_shapes(header: Header) -> dict[str, tuple[int, ...]]:
@@ -27,6 +39,21 @@ def latent_channels(header: Header) -> int | None:
 
 def has_batch_norm(header: Header) -> bool:
     return BATCH_NORM_MEAN in header.shapes
+
+
+def is_flux2_vae(header: Header) -> bool:
+    """FLUX.2's autoencoder: 32 latent channels and the batch norm over its patchified latents."""
+    return latent_channels(header) == FLUX2_LATENT_CHANNELS and has_batch_norm(header)
+
+
+def flux2_vae_refusal(header: Header) -> str:
+    """Why a file is not FLUX.2's autoencoder, naming the tensor."""
+    channels = latent_channels(header)
+    missing = "" if has_batch_norm(header) else f"; it has no {BATCH_NORM_MEAN}"
+    return (
+        f"{header.path} is not FLUX.2's {FLUX2_LATENT_CHANNELS}-channel autoencoder with its"
+        f" batch norm (decoder.conv_in.weight takes {channels} channels{missing})"
+    )
 
 
 def config(header: Header, facts: dict) -> dict:

@@ -26,9 +26,16 @@ SCHEDULER = {
 }
 
 
-def build_tiny_folder(root: Path, seed: int = 0, variant: str = "distilled", **transformer):
-    """Write a tiny FLUX.3 klein folder at `root` (`transformer`: overrides of the tiny DiT's
-    config); returns it."""
+def build_tiny_folder(
+    root: Path,
+    seed: int = 0,
+    variant: str = "distilled",
+    text_layers: int = TEXT_LAYERS,
+    out_layers: tuple[int, ...] = OUT_LAYERS,
+    **transformer,
+):
+    """Write a tiny FLUX.3 klein folder at `root` (`text_layers`: the encoder's depth, tapped
+    after `out_layers`; `transformer`: overrides of the tiny DiT's config); returns it."""
     import torch
     from transformers import Qwen3VLModel
 
@@ -37,7 +44,7 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "distilled", **t
         root / "transformer",
         seed,
         **{
-            "joint_attention_dim": len(OUT_LAYERS) * TEXT_WIDTH,
+            "joint_attention_dim": len(out_layers) * TEXT_WIDTH,
             "flow_map": variant == "distilled",
             **transformer,
         },
@@ -45,7 +52,7 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "distilled", **t
     build_vae(root / "vae", seed + 1)
     tokenizer = build_tokenizer()
     write_tokenizer(root / "tokenizer", tokenizer)
-    config = tiny_config(tokenizer, text={"num_hidden_layers": TEXT_LAYERS})
+    config = tiny_config(tokenizer, text={"num_hidden_layers": text_layers})
     torch.manual_seed(seed + 2)
     encoder = Qwen3VLModel(config).eval()
     _redraw(encoder, seed + 2)
@@ -55,7 +62,7 @@ def build_tiny_folder(root: Path, seed: int = 0, variant: str = "distilled", **t
     index = {
         "_class_name": PIPELINES[variant],
         "_diffusers_version": "0.42.1",
-        "text_encoder_out_layers": list(OUT_LAYERS),
+        "text_encoder_out_layers": list(out_layers),
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "text_encoder": ["transformers", "Qwen3VLModel"],
         "tokenizer": ["transformers", "Qwen3VLProcessor"],

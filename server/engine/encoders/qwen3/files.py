@@ -93,6 +93,10 @@ def config(header: Header) -> dict:
 VL_ARCHITECTURE = "qwen3vl"  # llama.cpp's
 VL_PREFIXES = ("model.language_model.", "language_model.")
 VL_ROPE_THETA = 5_000_000.0  # Qwen3-VL's RoPE base (its configs' rope_parameters)
+# Where Qwen3-VL's tokenizer is published (tokenizer.json at the repository's root), for a
+# family whose text encoder comes as one file (engine/components.py's TOKENIZER_REPO).
+VL_TOKENIZER_REPO = "Qwen/Qwen3-VL-4B-Instruct"
+VL_TOKENIZER_INCLUDE = "tokenizer.json"
 LLAMA_NAMES = {key: names[-1] for key, names in NAMES.items()}
 
 

@@ -53,17 +53,6 @@ DIT_FACTS = {
     "guidance_embeds": False,
 }
 ROPE_AXES = 4  # the head splits into four equal RoPE axes (t, h, w, l)
-# FLUX.2's autoencoder: what its file cannot say (flux2-vae's diffusers config).
-VAE_FACTS = {
-    "_class_name": "AutoencoderKLFlux2",
-    "norm_num_groups": 32,
-    "batch_norm_eps": 1e-4,
-    "batch_norm_momentum": 0.1,
-    "patch_size": [2, 2],
-    "sample_size": 1024,
-    "force_upcast": True,
-}
-RAW_LATENT_CHANNELS = 32
 
 
 def family(dit: Header) -> str | None:
@@ -92,7 +81,7 @@ def fits_encoder(dit: Header, encoder: Header) -> bool:
 
 
 def fits_vae(dit: Header, vae: Header) -> bool:
-    return vae_files.latent_channels(vae) == RAW_LATENT_CHANNELS and vae_files.has_batch_norm(vae)
+    return vae_files.is_flux2_vae(vae)
 
 
 def dit_config(dit: Header) -> dict:
@@ -127,17 +116,8 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
             f"{encoder.path} has {layers} decoder layers; FLUX.2 klein reads the first"
             f" {LOADED_LAYERS}"
         )
-    channels = vae_files.latent_channels(vae)
-    if channels != RAW_LATENT_CHANNELS or not vae_files.has_batch_norm(vae):
-        raise ComponentError(
-            f"{vae.path} is not FLUX.2's {RAW_LATENT_CHANNELS}-channel autoencoder with its batch"
-            f" norm (decoder.conv_in.weight takes {channels} channels"
-            + (
-                ")"
-                if vae_files.has_batch_norm(vae)
-                else f"; it has no {vae_files.BATCH_NORM_MEAN})"
-            )
-        )
+    if not vae_files.is_flux2_vae(vae):
+        raise ComponentError(vae_files.flux2_vae_refusal(vae))
     kv = family == FAMILY_9B_KV
     return {
         "model_index.json": {
@@ -151,6 +131,6 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
         },
         "transformer/config.json": dit_config(dit),
         "text_encoder/config.json": qwen3_files.config(encoder),
-        "vae/config.json": vae_files.config(vae, VAE_FACTS),
+        "vae/config.json": vae_files.config(vae, vae_files.FLUX2_VAE_FACTS),
         "scheduler/scheduler_config.json": SCHEDULER,
     }

@@ -40,15 +40,20 @@ from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Split
 from ...weights import block_weights, single_dit_file
 from .layout import (
+    BFL_BLOCK,
+    BFL_MODULATION,
+    BFL_PREFIXES,
+    BFL_SWAPPED_HALVES,
+    BFL_TOP,
     BLOCK_LINEARS,
     BLOCK_NORMS,
     F32_WEIGHTS,
     IMAGE_ROPE_SCALE,
     STACKS,
-    TARGET_LINEARS,
     TIME_FACTOR,
-    TOP_LINEARS,
+    TOP_NAMES,
     DiTConfig,
+    bfl_name,
     stack_depth,
     tensor_shapes,
     top_linears,
@@ -108,39 +113,6 @@ def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
     return shard_plan(config), {"single": config.num_single_layers}
 
 
-# BFL's names of the DiT's tensors (its own checkpoints, the GGUF files converted from them and
-# the LoRA files trained on them), as diffusers' single-file conversion
-# (`convert_flux3_transformer_checkpoint_to_diffusers`) maps them: whole names by tree key,
-# name prefixes, and the names inside a block; a modulation's `.lin` is `.linear`.
-BFL_TOP = {
-    "time_1": "time_in.in_layer",
-    "time_2": "time_in.out_layer",
-    "target_1": "ref_time_in.in_layer",
-    "target_2": "ref_time_in.out_layer",
-    "final": "final_layer.image.linear",
-}
-# BFL's final modulation holds (shift, scale) where diffusers' norm_out.linear holds (scale,
-# shift).
-BFL_SWAPPED_HALVES = {"final_mod": "final_layer.image.adaLN_modulation.1"}
-BFL_PREFIXES = {
-    "emb_in.": "x_embedders.",
-    "txt_in.": "context_embedder.",
-    "content_mode_blocks.": "mode_blocks.",
-    "single_blocks.": "single_transformer_blocks.",
-}
-BFL_BLOCK = {
-    "q_proj": "attn.to_q",
-    "k_proj": "attn.to_k",
-    "v_proj": "attn.to_v",
-    "attn_out": "attn.to_out.0",
-    "mlp_in": "ff.linear_in",
-    "mlp_out": "ff.linear_out",
-    "norm.query_norm": "attn.norm_q",
-    "norm.key_norm": "attn.norm_k",
-}
-BFL_MODULATION = (".lin.", ".linear.")
-
-
 def bfl_naming() -> Naming:
     """BFL's naming onto the diffusers names (which it leaves as they are): the tables above,
     the norm scales' `.scale` as `.weight`, the final modulation's halves swapped."""
@@ -152,26 +124,6 @@ def bfl_naming() -> Naming:
         renames.append((rf"(\.\d+\.){re.escape(bfl)}\.(weight|scale)$", rf"\g<1>{name}.weight"))
     swapped = tuple(bfl + ".weight" for bfl in BFL_SWAPPED_HALVES.values())
     return Naming(renames=tuple(renames), swapped=swapped)
-
-
-def bfl_name(layer: str) -> str:
-    """BFL's name of a diffusers linear layer (bfl_naming's inverse, for LoRA files)."""
-    for key, bfl in BFL_TOP.items():
-        if layer == TOP_NAMES[key]:
-            return bfl
-    dotted = layer + "."
-    for bfl, name in BFL_PREFIXES.items():
-        if dotted.startswith(name):
-            dotted = bfl + dotted[len(name) :]
-            break
-    layer = dotted[:-1]
-    stem, _, last = layer.rpartition(".")
-    if last == BFL_MODULATION[1].strip("."):
-        return stem + BFL_MODULATION[0].rstrip(".")
-    for bfl, name in BFL_BLOCK.items():
-        if layer.endswith("." + name):
-            return layer[: -len(name)] + bfl
-    return layer
 
 
 def manifest_extras(manifest: dict) -> dict:
@@ -188,7 +140,6 @@ def manifest_extras(manifest: dict) -> dict:
     return {"lora_aliases": aliases}
 
 
-TOP_NAMES = {**TOP_LINEARS, **TARGET_LINEARS}
 BFL_NAMING = bfl_naming()
 
 

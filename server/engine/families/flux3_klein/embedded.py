@@ -37,7 +37,7 @@ from ...embedded import (
     write_tiny_qwen3_vl,
 )
 from .layout import DiTConfig, tensor_shapes
-from .spec import SHIFT
+from .spec import SCHEDULER_CONFIG, model_index_of
 
 MODEL_NAME = "flux3-klein-random-tiny"
 # Bump when the code below writes something different for the same configs.
@@ -63,24 +63,7 @@ TRANSFORMER_CONFIG = {
     "flow_map": True,
 }
 
-SCHEDULER_CONFIG = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "num_train_timesteps": 1000,
-    "shift": SHIFT,
-    "use_dynamic_shifting": False,
-}
-
-MODEL_INDEX = {
-    "_class_name": "Flux3DistilledModularPipeline",
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "text_encoder_out_layers": OUT_LAYERS,
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "Qwen3VLModel"],
-    "tokenizer": ["transformers", "Qwen3VLProcessor"],
-    "transformer": ["diffusers", "Flux3Transformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKLFlux2"],
-}
+MODEL_INDEX = model_index_of("distilled", OUT_LAYERS)
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 

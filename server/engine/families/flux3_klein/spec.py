@@ -37,6 +37,31 @@ PAD_MULTIPLE = 80
 OUT_LAYERS = (4, 8, 12, 16, 20, 24, 28, 32)
 
 
+# The pipelines' scheduler, and a folder's model_index.json (engine/embedded.py's format).
+SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "_diffusers_version": "0.42.1",
+    "num_train_timesteps": 1000,
+    "shift": SHIFT,
+    "use_dynamic_shifting": False,
+}
+PIPELINE_CLASSES = {"distilled": "Flux3DistilledModularPipeline", "base": "Flux3ModularPipeline"}
+
+
+def model_index_of(variant: str, out_layers) -> dict:
+    """model_index.json of a FLUX.3 klein folder of this variant, tapping `out_layers`."""
+    return {
+        "_class_name": PIPELINE_CLASSES[variant],
+        "_diffusers_version": "0.42.1",
+        "text_encoder_out_layers": list(out_layers),
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3VLModel"],
+        "tokenizer": ["transformers", "Qwen3VLProcessor"],
+        "transformer": ["diffusers", TRANSFORMER_CLASS],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }
+
+
 def identify(model_dir: Path) -> tuple[str, str] | None:
     """(family, variant) of a folder whose transformer/ is a FLUX.3 DiT, else None."""
     try:
@@ -65,5 +90,6 @@ SPEC = FamilySpec(
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
     embedded="gmlx_server.engine.families.flux3_klein.embedded",
+    component_rule="gmlx_server.engine.families.flux3_klein.components",
 )
 SPECS = (SPEC,)

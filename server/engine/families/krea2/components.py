@@ -19,9 +19,9 @@ from ...file_headers import Header
 from ...vaes import from_files as vae_files
 from .spec import FAMILY, SAMPLING, SCHEDULER_CONFIG, SELECT_LAYERS, model_index_of
 
-# Where its tokenizer is published: Qwen3-VL's own (tokenizer.json at the repository's root).
-TOKENIZER_REPO = "Qwen/Qwen3-VL-4B-Instruct"
-TOKENIZER_INCLUDE = "tokenizer.json"
+# Where its tokenizer is published: Qwen3-VL's own.
+TOKENIZER_REPO = qwen3_files.VL_TOKENIZER_REPO
+TOKENIZER_INCLUDE = qwen3_files.VL_TOKENIZER_INCLUDE
 PROJECTOR = "text_fusion.projector.weight"
 IMG_IN = "img_in.weight"
 TXT_IN = "txt_in.linear_1.weight"

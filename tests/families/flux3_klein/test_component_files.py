@@ -1,0 +1,156 @@
+"""FLUX.3 klein from its component files, with no diffusers folder (engine/components.py): the
+tiny model's DiT as one file in BFL's names (tests/families/flux3_klein/bfl.py, the inverse of
+diffusers' single-file conversion) or diffusers', its Qwen3-VL as one file, FLUX.2's VAE in
+ComfyUI's ldm names, in a ComfyUI `models/` folder. The set's folder holds configs told from the
+shapes and serves the same encodes, steps and decodes as the diffusers folder, bit for bit; a
+set that does not fit is refused naming file and tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine import components
+from gmlx_server.engine.base import EncodeResult
+from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.families.flux3_klein import family
+from gmlx_server.engine.families.flux3_klein.spec import OUT_LAYERS
+from gmlx_server.engine.sampling import direct_row
+from gmlx_server.engine.spec import family_specs, read_config
+from gmlx_server.engine.weights import load_weights
+from safetensors.numpy import save_file
+
+from tests.engine.comfy_files import ldm_vae
+from tests.families.flux2_klein.tiny.vae import build_vae
+from tests.families.flux3_klein.bfl import bfl_state_dict
+from tests.families.flux3_klein.tiny import build_tiny_folder
+
+DIT_FILE = "flux-3-klein-tiny.safetensors"
+ENCODER_FILE = "qwen_3_vl_tiny.safetensors"
+VAE_FILE = "flux2-vae-tiny.safetensors"
+PROMPT = "a red boat on a lake"
+# FLUX.2's VAE with the real group count, which its file cannot tell (vaes/from_files.py's facts)
+VAE = {"norm_num_groups": 32, "block_out_channels": (32, 32, 32, 32)}
+
+
+def arrays(folder) -> dict[str, np.ndarray]:
+    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
+
+
+@pytest.fixture(scope="module", params=["distilled", "base"])
+def tiny(request, tmp_path_factory):
+    """A tiny FLUX.3 klein folder tapping the pipelines' own layers, and a ComfyUI models/
+    folder holding the same weights as single files (the DiT in BFL's names)."""
+    root = tmp_path_factory.mktemp(f"flux3_components_{request.param}")
+    folder = build_tiny_folder(
+        root / "flux3-tiny",
+        variant=request.param,
+        text_layers=max(OUT_LAYERS) + 1,
+        out_layers=OUT_LAYERS,
+    )
+    build_vae(folder / "vae", seed=0, **VAE)
+    models = root / "ComfyUI" / "models"
+    for name in ("diffusion_models", "text_encoders", "vae"):
+        (models / name).mkdir(parents=True)
+    dit = bfl_state_dict(arrays(folder / "transformer"))
+    save_file(dit, str(models / "diffusion_models" / DIT_FILE))
+    save_file(arrays(folder / "text_encoder"), str(models / "text_encoders" / ENCODER_FILE))
+    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / VAE_FILE))
+    shutil.copytree(folder / "tokenizer", models / "text_encoders" / "tokenizer")
+    return folder, models, request.param
+
+
+def component_files(models, **changes):
+    named = {
+        "dit": models / "diffusion_models" / DIT_FILE,
+        "text_encoder": models / "text_encoders" / ENCODER_FILE,
+        "vae": models / "vae" / VAE_FILE,
+    }
+    return ComponentFiles(**{**named, **changes})
+
+
+def set_folder(files, tmp_path):
+    return components.set_folder(files, family_specs(), tmp_path / "sets")
+
+
+def outputs(folder):
+    model = family.FLUX3_KLEIN.load(folder, folder.name)
+    encoded = model.encode(PROMPT, [], refs=False)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 128, 3, 4)).astype(np.float32)
+    row = direct_row(EncodeResult(cond=encoded.cond))
+    schedule = np.float32([1.0, 0.6, 0.0])
+    step = model.denoise_step(x, np.array([0.6], np.float32), [row], sample_sigmas=schedule)
+    decoded = model.vae_decode(rng.standard_normal((128, 3, 4)).astype(np.float32), alpha=False)
+    image = rng.random((48, 64, 3)).astype(np.float32)
+    return encoded.cond, step.out, decoded, model.vae_encode(image)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny):
+    return outputs(tiny[0])
+
+
+def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
+    folder, models, variant = tiny
+    made = set_folder(component_files(models), tmp_path)
+    for component in ("transformer", "vae"):
+        told, written = read_config(made / component), read_config(folder / component)
+        differing = {
+            k for k in told if k in written and told[k] != written[k] and not k.startswith("_")
+        }
+        assert not differing, (component, differing)
+    told = read_config(made / "text_encoder")["text_config"]
+    written = read_config(folder / "text_encoder")["text_config"]
+    assert {k: written[k] for k in told if k in written} == {
+        k: v for k, v in told.items() if k in written
+    }
+    index = json.loads((made / "model_index.json").read_text())
+    assert index["text_encoder_out_layers"] == list(OUT_LAYERS)
+    assert family.FLUX3_KLEIN.spec.identify(made) == ("flux3_klein", variant)  # by the flow map
+
+
+def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path):
+    _, models, _ = tiny
+    made = set_folder(component_files(models), tmp_path)
+    for got, want in zip(outputs(made), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_dit_in_diffusers_names_serves_the_same(tiny, expected, tmp_path):
+    folder, models, _ = tiny
+    path = tmp_path / "flux3_diffusers.safetensors"
+    save_file(
+        {"model.diffusion_model." + n: v for n, v in arrays(folder / "transformer").items()},
+        str(path),
+    )
+    made = set_folder(component_files(models, dit=path), tmp_path)
+    for got, want in zip(outputs(made), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
+    folder, models, _ = tiny
+    z_image_vae = tmp_path / "ae.safetensors"
+    save_file({"decoder.conv_in.weight": np.zeros((8, 16, 3, 3), np.float32)}, str(z_image_vae))
+    with pytest.raises(ComponentError, match="not FLUX.2's 32-channel autoencoder"):
+        set_folder(component_files(models, vae=z_image_vae), tmp_path)
+    narrow = tmp_path / "narrow.safetensors"
+    encoder = arrays(folder / "text_encoder")
+    encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
+    save_file(encoder, str(narrow))
+    with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
+        set_folder(component_files(models, text_encoder=narrow), tmp_path)
+
+
+def test_the_comfyui_folder_lists_the_set(tiny):
+    _, models, _ = tiny
+    folders = {
+        key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
+    }
+    sets = components.comfy_sets(folders, family_specs())
+    wanted = f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-12]} + {VAE_FILE[:-12]}"
+    assert wanted in sets, sorted(sets)
