@@ -243,8 +243,9 @@ def sample(
     The starting latents are noise x sigmas[0] (pure noise at sigma 1), or with a `start` its
     latents noised to sigmas[0]; with its mask the known region is put back after every step.
     Each step makes one model call at sigmas[i] (two where the negative pass skips blocks;
-    `sampler` says at which latents, and how they move on), its timestep sigma / `timestep_scale`; `on_step(i, x)` is called after each step, e.g. to time steps or to stop, and
-    `on_denoised(i, x0)` with the step's estimate of the clean latents, x - sigma x velocity
+    `sampler` says at which latents, and how they move on), its timestep sigma divided by
+    `timestep_scale`; `on_step(i, x)` is called after each step, e.g. to time steps or to stop,
+    and `on_denoised(i, x0)` with the step's estimate of the clean latents, x - sigma x velocity
     (what a preview shows).
     """
     from . import img2img

@@ -126,3 +126,21 @@ def test_generation_ends_at_a_stop_token_as_transformers_does(chat):
         )[0, len(ids) :].tolist()
     assert got.stopped and got.ids == free[:first] == expected[:first]
     assert expected[first] == stop
+
+
+def test_a_quantized_load_generates_from_quantized_layers(chat):
+    """With a quantization (the model entry's), the decoder layers, the token table and the head
+    load quantized, and generation runs on them."""
+    import mlx.nn as nn
+    from gmlx_server.engine.precision import Quantization
+
+    _, ours, folder = chat
+    if ours.network.model.config.hidden_size % 32:
+        pytest.skip("a width of no group of 32 keeps its layers float")
+    quantized = ChatModel.load(folder, quantization=Quantization(8, 32))
+    layers = [m for _, m in quantized.network.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert len(layers) >= 7 * ours.network.model.config.num_layers
+    assert quantized.weight_bytes < ours.weight_bytes
+    ids = ours.prompt_ids(messages(REQUESTS[0]), enable_thinking=False)
+    got = quantized.greedy(ids, 8)
+    assert len(got.ids) == 8 or got.stopped

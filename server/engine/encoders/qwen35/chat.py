@@ -185,7 +185,8 @@ def chat_template(folder: Path) -> str:
     )
     if not isinstance(template, str):
         raise ChatModelError(
-            f"{folder} has no chat template ({TEMPLATE_FILE}, or chat_template in {TOKENIZER_CONFIG})"
+            f"{folder} has no chat template ({TEMPLATE_FILE}, or chat_template in"
+            f" {TOKENIZER_CONFIG})"
         )
     return template
 
