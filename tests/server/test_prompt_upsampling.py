@@ -20,7 +20,7 @@ from tests.encoders.qwen35.test_chat import TEMPLATE
 from tests.encoders.qwen35.test_text_parity import CONFIGS
 from tests.families.tiny_weights import redraw
 
-NEW_TOKENS = 30
+NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")

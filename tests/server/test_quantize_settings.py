@@ -54,7 +54,8 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
         (
             "bits = 4",
             "unknown setting 'bits' (known: adapters, quantize, group_size, encoder_vae_dtype,"
-            " dit, text_encoder, mmproj, vae, family, variant, tokenizer)",
+            " dit, text_encoder, mmproj, vae, family, variant, tokenizer, prompt_upsampler,"
+            " prompt_upsampling)",
         ),
     ],
 )
