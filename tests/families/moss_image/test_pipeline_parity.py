@@ -13,7 +13,6 @@ import pytest
 from gmlx_contract.client import StepClient
 from gmlx_contract.errors import StepError
 from gmlx_server.engine.sampling import ImageRequest, initial_noise
-from moss_image_mlx.pipeline import Request, _sample
 
 from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, reference_dit, rel_l2
 from tests.families.routes import served_folder, through_routes
@@ -35,6 +34,8 @@ def server(folder):
 
 
 def port_latents(folder, server, request: ImageRequest, neg_skip: list[int]) -> np.ndarray:
+    from moss_image_mlx.pipeline import Request, _sample  # mlx-lm and transformers: seconds
+
     model = server.loaded.model
     positive = model.encode(request.prompt, [], False).cond
     negative = model.encode(request.negative or "", [], False).cond
