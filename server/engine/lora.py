@@ -56,6 +56,17 @@ def project(w: dict, name: str, x: mx.array) -> mx.array:
     return out
 
 
+# A linear's bias sits beside it in a DiT's weight tree under key + BIAS (dense).
+BIAS = "_bias"
+
+
+def dense(w: dict, key: str, x: mx.array) -> mx.array:
+    """x through the linear w[key] (`project`, LoRA-aware), plus its bias when it has one."""
+    out = project(w, key, x)
+    bias = w.get(key + BIAS)
+    return out if bias is None else out + bias
+
+
 @dataclass(frozen=True)
 class LinearSlot:
     """Where a linear layer lives in a weight tree: the key of its (possibly fused) weight in the

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import Naming
-from ...lora import LinearSlot, project
+from ...lora import BIAS, LinearSlot, dense, project
 from ...nn.activations import gelu_tanh, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
@@ -38,7 +38,6 @@ from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Split, Stages
 from ...weights import block_weights, single_dit_file
 from .layout import (
-    BIAS,
     BLOCK_LINEARS,
     BLOCK_NORMS,
     F32_WEIGHTS,
@@ -132,13 +131,6 @@ dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, NAMING, TITLE
 
 
 PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
-
-
-def dense(w: dict, key: str, x: mx.array) -> mx.array:
-    """x through the linear w[key] (LoRA-aware: lora.project), plus its bias when it has one."""
-    out = project(w, key, x)
-    bias = w.get(key + BIAS)
-    return out if bias is None else out + bias
 
 
 def image_positions(h: int, w: int) -> np.ndarray:

@@ -108,7 +108,6 @@ TOP_LINEARS = {
 PROJECTOR = "text_fusion.projector"  # (1, num_text_layers): collapses the layer axis
 TOP_NORMS = {"txt_norm": "txt_in.norm.weight", "final_norm": "final_layer.norm.weight"}
 FINAL_TABLE = "final_layer.scale_shift_table"  # (2, hidden)
-BIAS = "_bias"  # a linear's bias sits beside it in the tree under key + BIAS
 # The RMS norms run in float32 and their scales stay float32 (the reference keeps them so).
 F32_WEIGHTS = tuple(f"{name}.weight" for name in BLOCK_NORMS.values()) + tuple(TOP_NORMS.values())
 

@@ -33,14 +33,13 @@ import numpy as np
 
 from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import Naming
-from ...lora import LinearSlot, project
+from ...lora import BIAS, LinearSlot, dense
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
 from ...nn.rope import apply_rotary
 from ...shard import ShardPlan, Split, Stages
 from ...weights import block_weights, single_dit_file
 from .layout import (
-    BIAS,
     BLOCK_NORMS,
     F32_WEIGHTS,
     FINAL_NORM,
@@ -129,13 +128,6 @@ dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, NAMING, TITLE
 
 
 PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
-
-
-def dense(w: dict, key: str, x: mx.array) -> mx.array:
-    """x through the linear w[key] (LoRA-aware: lora.project), plus its bias when it has one."""
-    out = project(w, key, x)
-    bias = w.get(key + BIAS)
-    return out if bias is None else out + bias
 
 
 def situ(hidden: mx.array, gate: mx.array) -> mx.array:

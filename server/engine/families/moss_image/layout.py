@@ -86,7 +86,6 @@ UNBIASED = ("final",)
 FINAL_NORM = "final_norm_video.weight"
 # A derived constant some files carry (the RoPE frequencies), recomputed here.
 DERIVED = ("rope.bands",)
-BIAS = "_bias"  # a linear's bias sits beside it in the tree under key + BIAS
 # The RMS norms' scales stay float32 (they are applied in float32).
 F32_WEIGHTS = tuple(f"{name}.weight" for name in BLOCK_NORMS.values()) + (FINAL_NORM,)
 

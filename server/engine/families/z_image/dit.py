@@ -26,7 +26,7 @@ import numpy as np
 from ...config_keys import check_fixed
 from ...dit_network import DiTNetwork, DiTPart
 from ...gguf import Naming
-from ...lora import LinearSlot, project
+from ...lora import BIAS, LinearSlot, dense, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
@@ -149,7 +149,6 @@ TOP_LINEARS = {
 }
 CAP_NORM = "cap_embedder.0.weight"
 PAD_TOKENS = {"x_pad": "x_pad_token", "cap_pad": "cap_pad_token"}
-BIAS = "_bias"  # a linear's bias sits beside it in the tree under key + BIAS
 # Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
 F32_WEIGHTS = tuple(name + ".weight" for name in BLOCK_NORMS.values()) + (CAP_NORM,)
 
@@ -298,13 +297,6 @@ def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
 # The DiT's single file (GGUF or safetensors) in diffusers' or ComfyUI's naming as the family
 # reads it (weights.single_dit_file).
 dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, comfy_naming, TITLE)
-
-
-def dense(w: dict, key: str, x: mx.array) -> mx.array:
-    """x through the linear w[key] (LoRA-aware: lora.project), plus its bias when it has one."""
-    out = project(w, key, x)
-    bias = w.get(key + BIAS)
-    return out if bias is None else out + bias
 
 
 # ---------------------------------------------------------------------------------------------
