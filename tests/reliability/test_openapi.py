@@ -69,12 +69,33 @@ def operation_id(operation) -> str:
 
 
 def rejects_invalid_data(ctx, response, case):
-    """schemathesis' negative_data_rejection, less one case it gets wrong here: a JSON route
-    reads an empty or blank body as {} (docs/contract.md §1.1), which is valid."""
+    """schemathesis' negative_data_rejection, less two cases it gets wrong here: a JSON route
+    reads an empty or blank body as {} (docs/contract.md §1.1), which is valid; and a multipart
+    body whose only mutations give a text field another type, which the form sends as text
+    the field takes (an array as "[]")."""
     body = case.body
     if isinstance(body, (bytes, str)) and not body.strip():
         return None
+    if text_fields_retyped_only(case):
+        return None
     return negative_data_rejection(ctx, response, case)
+
+
+def text_fields_retyped_only(case) -> bool:
+    """Whether a multipart case's every mutation changes the type of a string field."""
+    from schemathesis.core.mutations import OperatorKind
+    from schemathesis.core.parameters import ParameterLocation
+
+    if not str(case.media_type or "").startswith("multipart/form-data") or case.meta is None:
+        return False
+    mutations = getattr(case.meta.phase.data, "mutations", ())
+    return bool(mutations) and all(
+        m.operator == OperatorKind.CHANGE_TYPE
+        and m.parameter_location == ParameterLocation.BODY
+        and m.keywords == ("type",)
+        and m.original_value == "string"
+        for m in mutations
+    )
 
 
 def exercise(server, operation, mode: GenerationMode, examples: int, headers=None) -> None:
