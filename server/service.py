@@ -465,8 +465,9 @@ class StepsService:
     ) -> str | None:
         """The prompt rewritten by the model entry's upsampler (docs/contract.md §2.6), on the
         worker, or None where it is not: the request forbids it (false), or leaves it to the
-        entry (null) and the entry does not ask for it, or images are given. Asked for (true)
-        where the entry names no upsampler: 400."""
+        entry (null) and the entry does not ask for it, or images are given, or the prompt is
+        empty (nothing to expand: the pipelines' negative prompt is never rewritten). Asked for
+        (true) where the entry names no upsampler: 400."""
         settings = self.registry.settings_for(loaded.entry)
         folder = getattr(settings, "prompt_upsampler", None)
         if asked is True and folder is None:
@@ -476,7 +477,7 @@ class StepsService:
                 " prompt upsampler (its [models] entry names no prompt_upsampler)",
             )
         wanted = getattr(settings, "prompt_upsampling", False) if asked is None else asked
-        if not wanted or folder is None or images:
+        if not wanted or folder is None or images or not text.strip():
             return None
 
         def rewrite() -> str:

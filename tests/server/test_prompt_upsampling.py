@@ -126,6 +126,14 @@ def test_the_entry_decides_what_the_request_leaves_open(served):
     assert np.array_equal(off.tensors["cond"], on.tensors["cond_typed"])
 
 
+def test_an_empty_prompt_is_never_rewritten(served):
+    """The empty negative prompt of a guided sampling stays empty, on an entry that rewrites
+    every prompt (the pipelines rewrite the prompt alone)."""
+    server, _ = served
+    answer = encode(server, "upsampling", text="", prompt_upsampling=True)
+    assert "revised_prompt" not in answer.fields and "cond_typed" not in answer.tensors
+
+
 def test_with_images_it_never_runs(served):
     """An edit's encode (FLUX.3 klein's references) on the entry that rewrites every prompt:
     the prompt stays as typed."""
