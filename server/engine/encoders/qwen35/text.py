@@ -28,12 +28,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from gguf import MODEL_ARCH
+from mlx.utils import tree_flatten
 
+from ...gguf import ModuleFiles, llama_cpp_names
 from ...nn.attention import chunked_attention
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...precision import Quantization
-from ...weights import load_module, load_weights, read_config
+from ...weights import gguf_file, load_module, load_weights, read_config
 
 CHUNK = 64  # the chunked delta rule's chunk length (transformers' default)
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -191,6 +194,9 @@ class GatedDeltaNet(nn.Module):
         conv_dim = 2 * self.key_dim + self.value_dim
         # transformers' depthwise Conv1d weight (channels, 1, kernel)
         self.conv1d = {"weight": mx.zeros((conv_dim, 1, config.conv_kernel))}
+        # The value heads' order: grouped by key head (transformers': v0 and v1 of k0, then of
+        # k1, ...) or tiled (llama.cpp's GGUF files: k0's v0, k1's v0, ..., then each v1).
+        self.tiled_heads = False
         self.in_proj_qkv = nn.Linear(width, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(width, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(width, config.linear_value_heads, bias=False)
@@ -209,7 +215,7 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_proj_qkv(x)
         query, key, value = self.heads(nn.silu(causal_conv(projected, self.conv1d["weight"])))
         decay, beta = self.rates(x)
-        out, state = chunked_delta_rule(query, key, value, decay, beta)
+        out, state = chunked_delta_rule(query, key, value, decay, beta, self.tiled_heads)
         kernel = self.config.conv_kernel
         window = mx.pad(projected, [(0, 0), (max(0, kernel - 1 - x.shape[1]), 0), (0, 0)])
         return self.gated(x, out), (window[:, window.shape[1] - (kernel - 1) :], state)
@@ -223,7 +229,7 @@ class GatedDeltaNet(nn.Module):
         mixed = nn.silu((window * taps).sum(axis=1, keepdims=True))
         query, key, value = self.heads(mixed)
         decay, beta = self.rates(x)
-        out, state = delta_rule_step(query, key, value, decay, beta, state)
+        out, state = delta_rule_step(query, key, value, decay, beta, state, self.tiled_heads)
         return self.gated(x, out), (window[:, 1:], state)
 
     def heads(self, mixed: mx.array) -> tuple:
@@ -273,24 +279,28 @@ def unit_lower_inverse(lower: mx.array) -> mx.array:
     return inverse
 
 
-def rule_inputs(query, key, value, decay, beta) -> tuple:
-    """The delta rule's inputs heads first in float32: q and k repeated over their groups of
-    value heads and L2-normed (q scaled by 1/sqrt(Dk)), (B, H, L, D) and (B, H, L)."""
+def rule_inputs(query, key, value, decay, beta, tiled: bool = False) -> tuple:
+    """The delta rule's inputs heads first in float32: q and k over the value heads they serve
+    (consecutive value heads each, or with `tiled` every key_heads-th) and L2-normed (q scaled
+    by 1/sqrt(Dk)), (B, H, L, D) and (B, H, L)."""
     key_heads, key_dim = key.shape[-2:]
     value_heads = value.shape[-2]
-    if key_heads != value_heads:  # each q/k head serves consecutive value heads
-        query = mx.repeat(query, value_heads // key_heads, axis=2)
-        key = mx.repeat(key, value_heads // key_heads, axis=2)
+    if key_heads != value_heads:
+        groups = value_heads // key_heads
+        if tiled:
+            query, key = (mx.tile(t, (1, 1, groups, 1)) for t in (query, key))
+        else:
+            query, key = (mx.repeat(t, groups, axis=2) for t in (query, key))
     query, key, value = (t.astype(mx.float32).transpose(0, 2, 1, 3) for t in (query, key, value))
     beta, decay = (t.astype(mx.float32).transpose(0, 2, 1) for t in (beta, decay))
     return l2_normed(query) * key_dim**-0.5, l2_normed(key), value, decay, beta
 
 
-def delta_rule_step(query, key, value, decay, beta, state: mx.array) -> tuple:
+def delta_rule_step(query, key, value, decay, beta, state: mx.array, tiled: bool = False) -> tuple:
     """One position of the gated delta rule (as transformers' recurrent form): q, k (B, 1, Hk,
     Dk), v (B, 1, Hv, Dv), decay and beta (B, 1, Hv), the state (B, Hv, Dk, Dv) float32;
     S <- exp(g) S, then S <- S + k (beta (v - S^T k))^T, o = S^T q. Returns (B, 1, Hv, Dv)."""
-    query, key, value, decay, beta = rule_inputs(query, key, value, decay, beta)
+    query, key, value, decay, beta = rule_inputs(query, key, value, decay, beta, tiled)
     q, k, v = query[:, :, 0], key[:, :, 0], value[:, :, 0]  # (B, H, D)
     state = state * mx.exp(decay[:, :, 0])[..., None, None]
     remembered = (state * k[..., None]).sum(axis=-2)  # (B, H, Dv)
@@ -301,7 +311,12 @@ def delta_rule_step(query, key, value, decay, beta, state: mx.array) -> tuple:
 
 
 def chunked_delta_rule(
-    query: mx.array, key: mx.array, value: mx.array, decay: mx.array, beta: mx.array
+    query: mx.array,
+    key: mx.array,
+    value: mx.array,
+    decay: mx.array,
+    beta: mx.array,
+    tiled: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """The gated delta rule over a whole sequence, chunked: q, k (B, L, Hk, Dk), v (B, L, Hv,
     Dv), decay and beta (B, L, Hv); returns (B, L, Hv, Dv) float32, from a zero state, and the
@@ -309,7 +324,7 @@ def chunked_delta_rule(
     decay 0, leaves it as it is)."""
     batch, length, _, key_dim = key.shape
     value_heads, value_dim = value.shape[-2:]
-    query, key, value, decay, beta = rule_inputs(query, key, value, decay, beta)
+    query, key, value, decay, beta = rule_inputs(query, key, value, decay, beta, tiled)
     pad = (-length) % CHUNK
     if pad:
         query, key, value = (
@@ -418,20 +433,82 @@ def load_text_model(
     component_dir: Path,
     dtype: mx.Dtype = mx.float32,
     quantization: Quantization | None = None,
+    gguf: Path | None = None,
 ) -> tuple[TextModel, int]:
     """Qwen3.5's language model from a transformers folder (its config.json's `text_config`,
-    or the config itself for a text-only checkpoint) and the bytes of its weights; with a
-    `quantization`, its decoder layers' linears and token table (`quantized`) quantized as they
-    load, a folder stored quantized as stored (weights.load_module)."""
-    config = read_config(component_dir)
-    model = TextModel(TextConfig.from_dict(config.get("text_config", config)))
+    or the config itself for a text-only checkpoint) and the bytes of its weights; the weights
+    from the folder's safetensors or from `gguf`, llama.cpp's `qwen35` file (`gguf_files`,
+    kept quantized as it holds them). With a `quantization`, its decoder layers' linears and
+    token table (`quantized`) are quantized as they load, a folder stored quantized as stored
+    (weights.load_module)."""
+    model = TextModel(text_config(component_dir))
 
     def from_folder() -> dict:
         named = {module_name(n): v for n, v in load_weights(component_dir, dtype).items()}
         return {name: value for name, value in named.items() if name is not None}
 
-    load_module(model, component_dir, quantization, quantized, None, from_folder)
+    from_gguf = None
+    if gguf is not None:
+        files = gguf_files(model, gguf)
+        from_gguf = lambda: gguf_weights(files, dtype)  # noqa: E731
+        for layer in model.layers:
+            if layer.kind == LINEAR:
+                layer.linear_attn.tiled_heads = True
+    load_module(model, component_dir, quantization, quantized, from_gguf, from_folder)
     return model, tree_bytes(model.parameters())
+
+
+def text_config(component_dir: Path) -> TextConfig:
+    config = read_config(component_dir)
+    return TextConfig.from_dict(config.get("text_config", config))
+
+
+# llama.cpp's converter (its Qwen3.5 and Qwen3-Next classes) writes these tensors changed:
+# the decay's log A_log as A = -exp(A_log), dt_bias as the `dt_proj` bias, the convolution
+# squeezed to (channels, kernel), and the zero-centred norms' scales as 1 + w (the delta rule's
+# gated norm as it is); it also orders the value heads tiled rather than grouped by key head,
+# which the DeltaNet layers then read as such (GatedDeltaNet.tiled_heads).
+ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight")
+ZERO_CENTRED += ("k_norm.weight",)
+
+
+def gguf_source_name(name: str) -> str:
+    """The transformers name llama.cpp's converter maps a parameter's file tensor from."""
+    if name.endswith(".linear_attn.dt_bias"):
+        return "model." + name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    return "model." + name
+
+
+def gguf_files(model: TextModel, path: Path) -> ModuleFiles:
+    """Qwen3.5's language model in llama.cpp's `qwen35` GGUF file (`token_embd.weight`,
+    `blk.N.attn_qkv.weight`, `blk.N.ssm_a`, ...): the module's parameters by the names the gguf
+    package's tables give their transformers names, at the shapes the file holds them in (the
+    convolution squeezed)."""
+    shapes = {name: tuple(value.shape) for name, value in tree_flatten(model.parameters())}
+    sources = {gguf_source_name(name): name for name in shapes}
+    mapped = llama_cpp_names(MODEL_ARCH.QWEN35, model.config.num_layers, sources)
+    unmapped = sorted(set(sources) - set(mapped))
+    if unmapped:
+        raise ValueError(f"llama.cpp's tables name no tensor for {unmapped[0]}")
+    names = {sources[source]: (0, file_name) for source, file_name in mapped.items()}
+    for name, shape in shapes.items():
+        if name.endswith(".conv1d.weight"):
+            shapes[name] = (shape[0], shape[2])
+    return ModuleFiles((Path(path),), names, shapes, "Qwen3.5 text encoder")
+
+
+def gguf_weights(files: ModuleFiles, dtype: mx.Dtype) -> dict:
+    """The file's tensors as the module's parameters: the converter's changes undone."""
+    weights = files.weights(dtype)
+    for name in list(weights):
+        value = weights[name]
+        if name.endswith(".A_log"):
+            weights[name] = mx.log(-value.astype(mx.float32)).astype(value.dtype)
+        elif name.endswith(".conv1d.weight"):
+            weights[name] = value[:, None, :]
+        elif name == "norm.weight" or name.endswith(ZERO_CENTRED):
+            weights[name] = (value.astype(mx.float32) - 1.0).astype(value.dtype)
+    return weights
 
 
 def quantized(path: str) -> bool:
@@ -457,18 +534,22 @@ def module_name(name: str) -> str | None:
 class Qwen35Part:
     """Qwen3.5 as a family's text encoder (family.FolderFamily's `encoder`): its weights from
     the folder's safetensors (the language model's alone: the vision tower and the LM head are
-    never read), and what a quantized load quantizes (`quantized`)."""
+    never read) or from llama.cpp's `qwen35` GGUF file (a model entry's `text_encoder`, else the
+    folder's one `.gguf`), and what a quantized load quantizes (`quantized`)."""
 
     quantized = staticmethod(quantized)
 
     @staticmethod
-    def source(component_dir: Path, files: dict) -> None:
-        """A GGUF file to read it from: none (the folder's safetensors)."""
-        return None
+    def source(component_dir: Path, files: dict) -> Path | None:
+        """The GGUF file a load reads its weights from (None: the folder's safetensors)."""
+        return gguf_file(component_dir, files.get("text_encoder"))
 
     @staticmethod
-    def gguf(component_dir: Path, files: dict) -> None:
-        return None
+    def gguf(component_dir: Path, files: dict) -> ModuleFiles | None:
+        path = gguf_file(component_dir, files.get("text_encoder"))
+        if path is None:
+            return None
+        return gguf_files(TextModel(text_config(component_dir)), path)
 
     @staticmethod
     def include(name: str) -> bool:

@@ -5,7 +5,8 @@ The pipeline renders the prompt as one user turn of Qwen3.5's chat template with
 prompt and thinking on (`CHAT_TEXT`), tokenizes it cut at MAX_SEQUENCE_LENGTH tokens, and takes
 the language model's last hidden state (after the final norm), one prompt at a time and
 unpadded. The row's conditioning is those states, (1, L, hidden). Weights load from
-`text_encoder/` by transformers' names; the tokenizer from `tokenizer/tokenizer.json`.
+`text_encoder/` by transformers' names, or from llama.cpp's GGUF file (text_encoder/config.json
+still describes it); the tokenizer from `tokenizer/tokenizer.json`.
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ class MOSSImagePromptEncoder:
         model_dir: Path,
         dtype: mx.Dtype = mx.float32,
         quantization: Quantization | None = None,
-        gguf: None = None,
+        gguf: Path | None = None,
     ) -> MOSSImagePromptEncoder:
-        """The encoder of a folder, its weights from text_encoder/ (with a `quantization`, the
-        decoder layers' linears and the token table quantized as they load)."""
+        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, llama.cpp's
+        `qwen35` file (with a `quantization`, the decoder layers' linears and the token table
+        of float weights quantized as they load)."""
         model_dir = Path(model_dir)
-        model, weight_bytes = load_text_model(model_dir / "text_encoder", dtype, quantization)
+        folder = model_dir / "text_encoder"
+        model, weight_bytes = load_text_model(folder, dtype, quantization, gguf)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer" / "tokenizer.json"))
         return cls(model, tokenizer, weight_bytes, dtype)
 

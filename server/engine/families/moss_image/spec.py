@@ -74,7 +74,7 @@ SPEC = FamilySpec(
     timestep_scale=0.001,
     sampling=SAMPLING,
     schedule=moss_image_rule(SHIFT),
-    files=("dit",),
+    files=("dit", "text_encoder"),
     shards=True,
     embedded="gmlx_server.engine.families.moss_image.embedded",
 )
