@@ -72,6 +72,14 @@ def config(header: Header, facts: dict) -> dict:
             raise HeaderError(f"{header.path} has no tensor for {resnet}")
         channels.append(shapes[resnet][0])
     resnets = header.count("encoder.down.0.block.", "encoder.down_blocks.0.resnets.")
+    # A decoder of its own widths (MOSS-Image's narrower one): its up blocks, last first.
+    decoder = []
+    for i in range(blocks):
+        resnet = f"decoder.up_blocks.{i}.resnets.0.conv2.weight"
+        if resnet not in shapes:
+            raise HeaderError(f"{header.path} has no tensor for {resnet}")
+        decoder.append(shapes[resnet][0])
+    own_decoder = decoder[::-1] != channels
     return {
         **facts,
         "in_channels": shapes["encoder.conv_in.weight"][1],
@@ -85,6 +93,7 @@ def config(header: Header, facts: dict) -> dict:
         "mid_block_add_attention": "encoder.mid_block.attentions.0.to_q.weight" in shapes,
         "use_quant_conv": "quant_conv.weight" in shapes,
         "use_post_quant_conv": "post_quant_conv.weight" in shapes,
+        **({"decoder_block_out_channels": decoder[::-1]} if own_decoder else {}),
     }
 
 

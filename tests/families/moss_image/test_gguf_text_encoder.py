@@ -68,9 +68,10 @@ def converted(name: str, value: np.ndarray, text: dict) -> tuple[str, np.ndarray
     return name.replace("model.language_model.", "model."), value
 
 
-def write_qwen35_gguf(folder, path) -> dict[str, np.ndarray]:
-    """The folder's Qwen3.5 as llama.cpp's GGUF file at `path`; returns the transformers
-    weights the file holds (the Q8_0 matrices as gguf dequantizes them)."""
+def write_qwen35_gguf(folder, path, metadata: bool = False) -> dict[str, np.ndarray]:
+    """The folder's Qwen3.5 as llama.cpp's GGUF file at `path` (with `metadata`, the sizes and
+    the tokenizer as the converter writes them); returns the transformers weights the file
+    holds (the Q8_0 matrices as gguf dequantizes them)."""
     import json
 
     text = json.loads((folder / "text_encoder" / "config.json").read_text())["text_config"]
@@ -90,8 +91,57 @@ def write_qwen35_gguf(folder, path) -> dict[str, np.ndarray]:
             held[name] = unconverted(name, held[name], text)
         else:
             held[name] = value
-    write_gguf(path, tensors, arch="qwen35")
+    if not metadata:
+        write_gguf(path, tensors, arch="qwen35")
+        return held
+    writer = gguf.GGUFWriter(str(path), arch="qwen35")
+    add_metadata(writer, text, folder / "tokenizer" / "tokenizer.json")
+    for name, (kind, data) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=None if kind == T.F32 else kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return held
+
+
+def add_metadata(writer, text: dict, tokenizer_json) -> None:
+    """What llama.cpp's converter writes of a Qwen3.5 checkpoint's config (its text model's
+    base sizes, then the Qwen3-Next class's DeltaNet sizes and rotated dims) and tokenizer."""
+    from tests.engine.comfy_files import tokenizer_parts
+
+    head_dim = text["head_dim"]
+    writer.add_block_count(text["num_hidden_layers"])
+    writer.add_embedding_length(text["hidden_size"])
+    writer.add_feed_forward_length(text["intermediate_size"])
+    writer.add_head_count(text["num_attention_heads"])
+    writer.add_head_count_kv(text["num_key_value_heads"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(text["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    writer.add_ssm_conv_kernel(text["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(text["linear_key_head_dim"])
+    writer.add_ssm_group_count(text["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(text["linear_num_value_heads"])
+    writer.add_ssm_inner_size(text["linear_value_head_dim"] * text["linear_num_value_heads"])
+    writer.add_full_attention_interval(text["full_attention_interval"])
+    rotated = int(head_dim * text["rope_parameters"]["partial_rotary_factor"])
+    writer.add_rope_dimension_count(rotated)
+    vocab, merges, added = tokenizer_parts(tokenizer_json)
+    tokens = {i: t for t, i in vocab.items()}
+    kinds = dict.fromkeys(tokens, int(gguf.TokenType.NORMAL))
+    for token in added:
+        tokens[token["id"]] = token["content"]
+        kinds[token["id"]] = int(
+            gguf.TokenType.CONTROL if token["special"] else gguf.TokenType.USER_DEFINED
+        )
+    order = sorted(tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list([tokens[i] for i in order])
+    writer.add_token_types([kinds[i] for i in order])
+    writer.add_token_merges(merges)
 
 
 def unconverted(name: str, value: np.ndarray, text: dict) -> np.ndarray:

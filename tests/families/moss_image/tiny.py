@@ -19,6 +19,7 @@ import numpy as np
 from gmlx_server.engine.families.moss_image.embedded import (
     TINY_QWEN35_TEXT,
     TRANSFORMER_CONFIG,
+    VAE_CONFIG,
     write_embedded_model,
 )
 
@@ -55,9 +56,10 @@ SHAPES = {
 }
 
 
-def build_tiny_folder(root: Path, shape: str = "embedded", seed: int = 0) -> Path:
+def build_tiny_folder(root: Path, shape: str = "embedded", seed: int = 0, **vae) -> Path:
+    """The folder of a shape (`vae`: overrides of the tiny VAE's config)."""
     transformer, text = SHAPES[shape]
-    write_embedded_model(root, seed, transformer, text)
+    write_embedded_model(root, seed, transformer, text, {**VAE_CONFIG, **vae})
     return root
 
 

@@ -38,7 +38,7 @@ from ...embedded import (
     write_tokenizer,
 )
 from .layout import DiTConfig, tensor_shapes
-from .spec import PIPELINE_CLASS, TRANSFORMER_CLASS
+from .spec import MODEL_INDEX, TRANSFORMER_CLASS
 
 MODEL_NAME = "moss-image-random-tiny"
 # Bump when the code below writes something different for the same configs.
@@ -84,14 +84,6 @@ TRANSFORMER_CONFIG = {
 }
 # FLUX.2's VAE with a decoder narrower than its encoder, as MOSS-Image's.
 VAE_CONFIG = {**TINY_FLUX2_VAE_CONFIG, "decoder_block_out_channels": [8, 16, 16, 16]}
-MODEL_INDEX = {
-    "_class_name": PIPELINE_CLASS,
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "text_encoder": ["transformers", "Qwen3_5ForConditionalGeneration"],
-    "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-    "transformer": ["pipeline_moss_image", TRANSFORMER_CLASS],
-    "vae": ["diffusers", "AutoencoderKLFlux2"],
-}
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
@@ -107,9 +99,10 @@ def write_embedded_model(
     seed: int = SEED,
     transformer: dict = TRANSFORMER_CONFIG,
     text: dict = TINY_QWEN35_TEXT,
+    vae: dict = VAE_CONFIG,
 ) -> None:
     """Write every file of the tiny MOSS-Image folder into `root` (created if missing); the
-    tests draw other shapes with their own `transformer` and `text` configs."""
+    tests draw other shapes with their own `transformer`, `text` and `vae` configs."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     inventory = transformer_tensors(transformer)
@@ -117,8 +110,8 @@ def write_embedded_model(
     write_drawn(
         root / "vae",
         "vae",
-        VAE_CONFIG,
-        flux2_vae_tensors(VAE_CONFIG),
+        vae,
+        flux2_vae_tensors(vae),
         seed,
         CONSTANT_NOISE["vae"],
         FLUX2_VAE_UNDRAWN,

@@ -35,6 +35,17 @@ CHAT_TEXT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think
 MAX_SEQUENCE_LENGTH = 4096
 
 
+# A folder's model_index.json (engine/embedded.py's format).
+MODEL_INDEX = {
+    "_class_name": PIPELINE_CLASS,
+    "_diffusers_version": "0.42.1",
+    "text_encoder": ["transformers", "Qwen3_5ForConditionalGeneration"],
+    "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+    "transformer": ["pipeline_moss_image", TRANSFORMER_CLASS],
+    "vae": ["diffusers", "AutoencoderKLFlux2"],
+}
+
+
 def pipeline_class(index: dict) -> str | None:
     """model_index.json's `_class_name`: a name, or a custom pipeline's [module, name]."""
     name = index.get("_class_name")
@@ -77,5 +88,6 @@ SPEC = FamilySpec(
     files=("dit", "text_encoder"),
     shards=True,
     embedded="gmlx_server.engine.families.moss_image.embedded",
+    component_rule="gmlx_server.engine.families.moss_image.components",
 )
 SPECS = (SPEC,)

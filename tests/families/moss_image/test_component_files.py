@@ -1,0 +1,131 @@
+"""MOSS-Image from its component files, with no diffusers folder (engine/components.py): the tiny
+model's DiT as one safetensors file in upstream's names, its Qwen3.5 as llama.cpp's `qwen35`
+GGUF file with the converter's metadata and tokens (tests/families/moss_image/
+test_gguf_text_encoder.py), FLUX.2's VAE with the narrower decoder in ComfyUI's ldm names, in a
+ComfyUI `models/` folder. The set's folder holds configs told from the shapes and the metadata,
+and serves the same encodes, steps and decodes as the diffusers folder reading the same GGUF
+file, bit for bit; a set that does not fit is refused naming file and tensor."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gmlx_server.engine import components
+from gmlx_server.engine.base import EncodeResult
+from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.families.moss_image.family import MOSS_IMAGE
+from gmlx_server.engine.sampling import direct_row
+from gmlx_server.engine.spec import family_specs, read_config
+from gmlx_server.engine.weights import load_weights
+from safetensors.numpy import save_file
+
+from tests.engine.comfy_files import ldm_vae
+from tests.families.moss_image.test_gguf_text_encoder import write_qwen35_gguf
+from tests.families.moss_image.tiny import build_tiny_folder
+
+DIT_FILE = "moss_image_sft_tiny.safetensors"
+ENCODER_FILE = "Qwen3.5-tiny-Q8_0.gguf"
+VAE_FILE = "moss_image_vae_tiny.safetensors"
+PROMPT = "a neon sign that reads OPEN LATE"
+# FLUX.2's VAE with the real group count (which its file cannot tell) and a narrower decoder
+VAE = {
+    "norm_num_groups": 32,
+    "block_out_channels": [32, 64, 64, 64],
+    "decoder_block_out_channels": [32, 32, 32, 32],
+}
+
+
+def arrays(folder) -> dict[str, np.ndarray]:
+    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moss_components")
+    folder = build_tiny_folder(root / "moss-tiny", **VAE)
+    models = root / "ComfyUI" / "models"
+    for name in ("diffusion_models", "text_encoders", "vae"):
+        (models / name).mkdir(parents=True)
+    save_file(arrays(folder / "transformer"), str(models / "diffusion_models" / DIT_FILE))
+    write_qwen35_gguf(folder, models / "text_encoders" / ENCODER_FILE, metadata=True)
+    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / VAE_FILE))
+    return folder, models
+
+
+def component_files(models, **changes):
+    named = {
+        "dit": models / "diffusion_models" / DIT_FILE,
+        "text_encoder": models / "text_encoders" / ENCODER_FILE,
+        "vae": models / "vae" / VAE_FILE,
+    }
+    return ComponentFiles(**{**named, **changes})
+
+
+def set_folder(files, tmp_path):
+    return components.set_folder(files, family_specs(), tmp_path / "sets")
+
+
+def outputs(folder, **files):
+    model = MOSS_IMAGE.load(folder, folder.name, **files)
+    encoded = model.encode(PROMPT, [], refs=False)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 128, 3, 4)).astype(np.float32)
+    row = direct_row(EncodeResult(cond=encoded.cond))
+    step = model.denoise_step(x, np.array([600.0], np.float32), [row], skip=(22,))
+    decoded = model.vae_decode(rng.standard_normal((128, 3, 4)).astype(np.float32), alpha=False)
+    image = rng.random((48, 64, 3)).astype(np.float32)
+    return encoded.cond, step.out, decoded, model.vae_encode(image)
+
+
+def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
+    folder, models = tiny
+    made = set_folder(component_files(models), tmp_path)
+    for component in ("transformer", "vae"):
+        told, written = read_config(made / component), read_config(folder / component)
+        differing = {
+            k for k in told if k in written and told[k] != written[k] and not k.startswith("_")
+        }
+        assert not differing, (component, differing)
+    told = read_config(made / "text_encoder")["text_config"]
+    written = read_config(folder / "text_encoder")["text_config"]
+    assert {k: v for k, v in told.items() if k in written} == {
+        k: written[k] for k in told if k in written
+    }
+    assert (
+        read_config(made / "vae")["decoder_block_out_channels"] == VAE["decoder_block_out_channels"]
+    )
+    assert json.loads((made / "model_index.json").read_text())["_class_name"] == "MOSSImagePipeline"
+    assert MOSS_IMAGE.spec.identify(made) == ("moss_image", "sft")
+
+
+def test_a_set_serves_what_the_folder_serves_with_that_gguf(tiny, tmp_path):
+    folder, models = tiny
+    made = set_folder(component_files(models), tmp_path)
+    expected = outputs(folder, text_encoder=models / "text_encoders" / ENCODER_FILE)
+    for got, want in zip(outputs(made), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
+    folder, models = tiny
+    safetensors = tmp_path / "qwen_3.5_tiny.safetensors"
+    save_file(arrays(folder / "text_encoder"), str(safetensors))
+    with pytest.raises(ComponentError, match="not llama.cpp's Qwen3.5 text encoder 32 wide"):
+        set_folder(component_files(models, text_encoder=safetensors), tmp_path)
+    z_image_vae = tmp_path / "ae.safetensors"
+    save_file({"decoder.conv_in.weight": np.zeros((8, 16, 3, 3), np.float32)}, str(z_image_vae))
+    with pytest.raises(ComponentError, match="not FLUX.2's 32-channel autoencoder"):
+        set_folder(component_files(models, vae=z_image_vae), tmp_path)
+
+
+def test_the_comfyui_folder_lists_the_set(tiny):
+    _, models = tiny
+    folders = {
+        key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
+    }
+    sets = components.comfy_sets(folders, family_specs())
+    wanted = f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-5]} + {VAE_FILE[:-12]}"
+    assert wanted in sets, sorted(sets)
