@@ -163,3 +163,37 @@ def _wan_residual(name: str) -> str:
         if f".{diffusers}" in name and ".resample." not in name:
             return name.replace(f".{diffusers}", f".{wan}", 1)
     return name
+
+
+# -- component sets in a ComfyUI models/ folder -----------------------------------------------------
+
+# The folders a set's files sit in, by component.
+SET_FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
+
+
+def set_files(models: Path, names: dict[str, str], **changes):
+    """A ComponentFiles of the files `names` gives (component -> file name) in a ComfyUI
+    `models/` folder, `changes` (component -> path) in their place."""
+    from gmlx_server.engine.components import ComponentFiles
+
+    named = {key: models / SET_FOLDERS[key] / name for key, name in names.items()}
+    return ComponentFiles(**{**named, **changes})
+
+
+def set_folder(files, tmp_path: Path) -> Path:
+    """The folder the server makes of a set (engine/components.py), under tmp_path."""
+    from gmlx_server.engine import components
+    from gmlx_server.engine.spec import family_specs
+
+    return components.set_folder(files, family_specs(), tmp_path / "sets")
+
+
+def listed_sets(models: Path) -> list[str]:
+    """The set ids a ComfyUI `models/` folder lists (as the server lists ComfyUI's folders)."""
+    from gmlx_server.engine import components
+    from gmlx_server.engine.spec import family_specs
+
+    folders = {
+        key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
+    }
+    return sorted(components.comfy_sets(folders, family_specs()))

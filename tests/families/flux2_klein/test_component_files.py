@@ -16,13 +16,13 @@ from gguf import GGMLQuantizationType as T
 from gmlx_contract.hashing import tensor_hash
 from gmlx_server.engine import components
 from gmlx_server.engine.base import StepRow
-from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.families.flux2_klein import family
-from gmlx_server.engine.spec import family_specs, model_index, read_config
+from gmlx_server.engine.spec import model_index, read_config
 from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import ldm_vae, write_comfy_tokenizer
+from tests.engine.comfy_files import ldm_vae, set_files, set_folder, write_comfy_tokenizer
 from tests.families.flux2_klein.test_gguf import write_file
 from tests.families.flux2_klein.tiny.bfl import bfl_state_dict
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
@@ -62,16 +62,12 @@ def tiny(tmp_path_factory):
 
 
 def component_files(models, **changes):
-    named = {
-        "dit": models / "diffusion_models" / DIT_FILE,
-        "text_encoder": models / "text_encoders" / "qwen_3_tiny.safetensors",
-        "vae": models / "vae" / "flux2-vae-tiny.safetensors",
+    names = {
+        "dit": DIT_FILE,
+        "text_encoder": "qwen_3_tiny.safetensors",
+        "vae": "flux2-vae-tiny.safetensors",
     }
-    return ComponentFiles(**{**named, **changes})
-
-
-def set_folder(files, tmp_path):
-    return components.set_folder(files, family_specs(), tmp_path / "sets")
+    return set_files(models, names, **changes)
 
 
 def outputs(model):

@@ -13,16 +13,15 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from gmlx_server.engine import components
 from gmlx_server.engine.base import EncodeResult
-from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.families.moss_image.family import MOSS_IMAGE
 from gmlx_server.engine.sampling import direct_row
-from gmlx_server.engine.spec import family_specs, read_config
+from gmlx_server.engine.spec import read_config
 from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import ldm_vae
+from tests.engine.comfy_files import ldm_vae, listed_sets, set_files, set_folder
 from tests.families.moss_image.test_gguf_text_encoder import write_qwen35_gguf
 from tests.families.moss_image.tiny import build_tiny_folder
 
@@ -56,16 +55,8 @@ def tiny(tmp_path_factory):
 
 
 def component_files(models, **changes):
-    named = {
-        "dit": models / "diffusion_models" / DIT_FILE,
-        "text_encoder": models / "text_encoders" / ENCODER_FILE,
-        "vae": models / "vae" / VAE_FILE,
-    }
-    return ComponentFiles(**{**named, **changes})
-
-
-def set_folder(files, tmp_path):
-    return components.set_folder(files, family_specs(), tmp_path / "sets")
+    names = {"dit": DIT_FILE, "text_encoder": ENCODER_FILE, "vae": VAE_FILE}
+    return set_files(models, names, **changes)
 
 
 def outputs(folder, **files):
@@ -123,9 +114,4 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
 
 def test_the_comfyui_folder_lists_the_set(tiny):
     _, models = tiny
-    folders = {
-        key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
-    }
-    sets = components.comfy_sets(folders, family_specs())
-    wanted = f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-5]} + {VAE_FILE[:-12]}"
-    assert wanted in sets, sorted(sets)
+    assert f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-5]} + {VAE_FILE[:-12]}" in listed_sets(models)

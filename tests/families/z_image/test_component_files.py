@@ -13,14 +13,13 @@ import shutil
 
 import numpy as np
 import pytest
-from gmlx_server.engine import components
-from gmlx_server.engine.components import ComponentError, ComponentFiles
+from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.families.z_image import family
 from gmlx_server.engine.families.z_image.dit import DiTConfig
-from gmlx_server.engine.spec import family_specs, read_config
+from gmlx_server.engine.spec import read_config
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import ldm_vae, write_gguf_text_encoder
+from tests.engine.comfy_files import ldm_vae, set_files, set_folder, write_gguf_text_encoder
 from tests.engine.gguf_files import write_dit
 from tests.families.z_image.test_gguf import comfy_layout
 from tests.families.z_image.test_quantized import rows_of
@@ -34,16 +33,12 @@ def tiny(tmp_path_factory):
 
 
 def component_files(models, **changes):
-    named = {
-        "dit": models / "diffusion_models" / DIT_FILE,
-        "text_encoder": models / "text_encoders" / "qwen_3_tiny.safetensors",
-        "vae": models / "vae" / "ae_tiny.safetensors",
+    names = {
+        "dit": DIT_FILE,
+        "text_encoder": "qwen_3_tiny.safetensors",
+        "vae": "ae_tiny.safetensors",
     }
-    return ComponentFiles(**{**named, **changes})
-
-
-def set_folder(files, tmp_path):
-    return components.set_folder(files, family_specs(), tmp_path / "sets")
+    return set_files(models, names, **changes)
 
 
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
