@@ -50,6 +50,8 @@ def test_the_default_run_collects_and_skips_every_heavy_test(request):
         assert SKIP_REASON in reasons, item.nodeid
 
 
+# A second collection of every heavy file (about nine seconds) is the heavy tier's own check.
+@pytest.mark.heavy
 def test_pytest_m_heavy_selects_exactly_the_heavy_tests(request):
     files = heavy_files()
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "heavy", *files]
