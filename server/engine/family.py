@@ -48,8 +48,10 @@ from .weights import (
 # stored quantized (`gmlx model quantize`, or any quantized GGUF type) is `quant`.
 MANIFEST_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", QUANTIZED: "quant"}
 # The reference workload's image side behind status `activation_reserve_bytes` (docs/contract.md
-# §3.5): a guided step on an image of this side, or one VAE pass of it, whichever is larger.
+# §3.5): a guided step (RESERVE_ROWS rows) on an image of this side, or one VAE pass of it,
+# whichever is larger.
 RESERVE_PIXELS = 1024
+RESERVE_ROWS = 2
 
 
 def dit_manifest(

@@ -2,13 +2,21 @@
 DiTs whose blocks run every token of a row in one sequence with full attention (FLUX.2 klein,
 FLUX.3 klein, MOSS-Image): a family says how many buffers of its shapes a token holds
 (`TokenBuffers`, from its tiny model's measured peaks) and `joint_step_peak_bytes` adds them
-up with the attention's scores. Pure: no allocation."""
+up with the attention's scores; `joint_step_reserve` is the reference workload's. Pure: no
+allocation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import mlx.core as mx
+
+from .family import RESERVE_PIXELS, RESERVE_ROWS
 from .nn import cpu_ops
+from .vaes.autoencoder_kl_flux2 import latent_facts
+from .weights import read_config
 
 
 @dataclass(frozen=True)
@@ -49,3 +57,16 @@ def joint_step_peak_bytes(
     else:
         total += len(lengths) * heads * longest * longest * itemsize
     return total
+
+
+def joint_step_reserve(
+    model_dir: Path, dtype: mx.Dtype, config_type: type, peak: Callable, text_tokens: int
+) -> int:
+    """A guided step of the reference workload beyond the weights (family.RESERVE_*): rows of
+    a RESERVE_PIXELS square's latent tokens (FLUX.2's VAE) and `text_tokens` each, by the
+    family's `peak(config, itemsize, lengths, blocked)` for the folder's DiT config."""
+    model_dir = Path(model_dir)
+    config = config_type.from_dict(read_config(model_dir / "transformer"))
+    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
+    row = cells * cells + text_tokens
+    return peak(config, dtype.size, [row] * RESERVE_ROWS, cpu_ops.use_cpu_ops(dtype))

@@ -30,8 +30,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
-from ...nn import cpu_ops
+from ...family import FamilyModel, FolderFamily, LoadedParts
 from ...step_inputs import (
     checked_cond,
     checked_convention,
@@ -41,9 +40,8 @@ from ...step_inputs import (
     ref_tokens,
     row_sigmas,
 )
-from ...step_memory import TokenBuffers, joint_step_peak_bytes
-from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
-from ...weights import read_config
+from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
+from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
 from .dit import (
     DiTConfig,
     Flux2DiT,
@@ -70,20 +68,12 @@ CONVENTIONS = SPECS[0].conventions
 # around their RMS norm and RoPE; the fused gate/up, SiLU's temporaries and the product at the
 # MLP's width; cpu_ops.attention's block of scores, its exponentials and their temporaries
 BUFFERS = TokenBuffers(width=16, f32=4, mlp=8, score_block=10)
-# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
-# guided step (2 rows) with captions of the encoder's padded length, or one VAE pass.
-RESERVE_ROWS = 2
 
 
 def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload (RESERVE_*) beyond the weights, its captions of
-    the encoder's padded length."""
-    model_dir = Path(model_dir)
-    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
-    row = cells * cells + MAX_SEQUENCE_LENGTH
-    blocked = cpu_ops.use_cpu_ops(dtype)
-    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked)
+    """A guided step of the reference workload (family.RESERVE_*) beyond the weights, its
+    captions of the encoder's padded length."""
+    return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, MAX_SEQUENCE_LENGTH)
 
 
 def fits(parts: LoadedParts) -> None:

@@ -21,8 +21,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
-from ...nn import cpu_ops
+from ...family import FamilyModel, FolderFamily, LoadedParts
 from ...step_inputs import (
     checked_cond,
     checked_convention,
@@ -32,9 +31,8 @@ from ...step_inputs import (
     ref_tokens,
     row_sigmas,
 )
-from ...step_memory import TokenBuffers, joint_step_peak_bytes
-from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
-from ...weights import read_config
+from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
+from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
 from .dit import Flux3DiT
 from .layout import DiTConfig
 from .prompt import Flux3PromptEncoder
@@ -58,7 +56,6 @@ REF_MAX_AREA = 1024 * 1024
 BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with prompts of the encoder's first padded length, or one VAE pass.
-RESERVE_ROWS = 2
 RESERVE_TEXT = 4 * PAD_MULTIPLE
 
 
@@ -71,12 +68,8 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
 
 
 def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload (RESERVE_*) beyond the weights."""
-    model_dir = Path(model_dir)
-    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
-    row = cells * cells + RESERVE_TEXT
-    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, cpu_ops.use_cpu_ops(dtype))
+    """A guided step of the reference workload beyond the weights."""
+    return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, RESERVE_TEXT)
 
 
 def fits(parts: LoadedParts) -> None:

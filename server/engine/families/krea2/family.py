@@ -17,7 +17,7 @@ import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
+from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
 from ...nn.attention import QUERY_CHUNK
 from ...step_inputs import (
     checked_convention,
@@ -46,7 +46,6 @@ MLP_BUFFERS = 8  # gate and up, SiLU's temporaries and the product, at the MLP's
 SCORE_BUFFERS = 3  # the scores, their softmax and its temporaries, per head and query chunk
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with the longest conditioning the encoder gives, or one VAE pass.
-RESERVE_ROWS = 2
 RESERVE_TEXT = MAX_SEQUENCE_LENGTH + SUFFIX_TOKENS
 
 

@@ -19,8 +19,7 @@ import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen35.text import Qwen35Part
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
-from ...nn import cpu_ops
+from ...family import FamilyModel, FolderFamily, LoadedParts
 from ...step_inputs import (
     checked_cond,
     checked_convention,
@@ -28,8 +27,8 @@ from ...step_inputs import (
     cond_rows,
     row_sigmas,
 )
-from ...step_memory import TokenBuffers, joint_step_peak_bytes
-from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part, latent_facts
+from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
+from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
 from ...weights import read_config
 from .dit import MOSSImageDiT
 from .layout import DiTConfig
@@ -48,7 +47,6 @@ CONVENTIONS = SPEC.conventions  # both: timestep = 1000 sigma, out = +dx/dsigma
 BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with prompts of this many tokens, or one VAE pass.
-RESERVE_ROWS = 2
 RESERVE_TEXT = 512
 
 
@@ -61,12 +59,8 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
 
 
 def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload (RESERVE_*) beyond the weights."""
-    model_dir = Path(model_dir)
-    config = DiTConfig.from_dict(read_config(model_dir / "transformer"))
-    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
-    row = cells * cells + RESERVE_TEXT
-    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, cpu_ops.use_cpu_ops(dtype))
+    """A guided step of the reference workload beyond the weights."""
+    return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, RESERVE_TEXT)
 
 
 def fits(parts: LoadedParts) -> None:

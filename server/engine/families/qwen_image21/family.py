@@ -17,7 +17,7 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
+from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...quantize import float_weight_bytes
 from ...spec import model_index
@@ -73,7 +73,6 @@ PREFIX_SCORE_BUFFERS = 3
 IO_BUFFERS = 3  # x and the output, as tokens and in float32
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with 1024-token prefixes built fresh, or one VAE pass.
-RESERVE_ROWS = 2
 RESERVE_PREFIX = 1024
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, FamilyModel, FolderFamily, LoadedParts
+from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
 from ...step_inputs import (
@@ -59,7 +59,6 @@ SCORE_BLOCK_BUFFERS = 8
 # The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
 # guided step (2 rows) with captions of the longest prompt the encoder keeps, or one VAE pass
 # (FLUX.1's VAE tiles only past 1024 pixels).
-RESERVE_ROWS = 2
 RESERVE_CAPTION = MAX_SEQUENCE_LENGTH
 
 
