@@ -239,7 +239,8 @@ def measure_route(
     """Transport per step of the real step route on the embedded default model (or the
     configured default), as `gmlx image bench --via-steps` drives it: (wall - forward, and the
     part of it spent in the route on the server: X-Gmlx-Server-Ms - forward)."""
-    from gmlx_server.image_cli import StepServer, ViaStepsTransport, choose_model
+    from gmlx_server.model_choice import choose_model
+    from gmlx_server.step_server import StepServer, ViaStepsTransport
 
     choice = choose_model(None)
     with StepServer(choice) as server, StepClient(server.base_url) as client:

@@ -2,10 +2,10 @@
 
 sample   encode the prompt (and references), sample with the in-process sampler, decode, write a
          PNG. With no model named or configured it uses the embedded default model.
-bench    time whole images and print the record of docs/contract.md §6 (schema gmlx.image.bench/1).
-         With --via-steps it serves the step routes on an ephemeral 127.0.0.1 port of its own
-         process and drives them with the shared StepClient, one request per step; the last
-         timed run's latents are compared with a direct run's (`equal_to_direct`).
+bench    time whole images and print the record of docs/contract.md §6 (image_bench.py). With
+         --via-steps it serves the step routes on an ephemeral 127.0.0.1 port of its own
+         process and drives them with the shared StepClient, one request per step
+         (step_server.py); the last timed run's latents are compared with a direct run's.
 
 Both commands call the same `denoise_step` through `gmlx_server.engine.sampling`, so a sample
 and a bench at the same seed reach the same latents bit for bit.
@@ -16,35 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import __version__
-from .config import ImageConfig
-from .engine.sampling import (
-    SAMPLERS,
-    DirectTransport,
-    ImageRequest,
-    ImageTimings,
-    SettingError,
-    check_request,
-    flow_map_schedule,
-    generate,
-    to_uint8,
-)
+from .engine.sampling import SAMPLERS, ImageRequest, SettingError, generate, to_uint8
+from .image_bench import run_bench, summary_text
 from .imagefiles import mask_of, read_image_file
 from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
 from .memory import MemoryPlanner, PlannedTransport
+from .model_choice import ModelChoice, choose_model, loading_bar
 from .parsers import (
     CommandParser,
     add_group_arguments,
@@ -52,120 +38,10 @@ from .parsers import (
     flag_name,
     model_flags,
 )
-from .process import config_registry, prepare_process
+from .process import prepare_process
+from .step_server import StepServer, ViaStepsTransport
 
-SCHEMA = "gmlx.image.bench/1"
 EXIT_USAGE = 2
-
-
-# ---------------------------------------------------------------- choosing and loading a model
-
-
-@dataclass
-class ModelChoice:
-    """A registry that knows the chosen model, and the chosen model's id."""
-
-    registry: Any
-    model_id: str
-    prepare_s: float  # finding the folder (and generating the embedded default on first use)
-    image: ImageConfig = field(default_factory=ImageConfig)  # the memory plan's settings
-    group: Any = None  # the rank group the model loads over (server/distributed.py), or None
-
-    def check(self, request: ImageRequest) -> None:
-        """Refuse, before the model loads, what its status from the files says it cannot take
-        (sampling.check_request: size, pixel limits, steps, sampler)."""
-        status = self.registry.describe(self.model_id)
-        if status is not None:
-            check_request(status, request)
-
-    def join(self, group: Any) -> None:
-        """Load the model over a rank group from now on (None: in this process alone)."""
-        if group is not None:
-            from .distributed import attach
-
-            attach(group, self.registry)
-            self.group = group
-
-
-def choose_model(
-    model: str | None,
-    config_path: Path | None = None,
-    flags: dict | None = None,
-) -> ModelChoice:
-    """A folder (holding model_index.json), a model id of the configuration, or, with neither,
-    the configured default model or else the embedded default; loaded with its model entry's
-    settings and `flags` over them (a model entry's table from the command's flags:
-    parsers.model_flags)."""
-    from .config import load_config, model_settings_over
-    from .engine.registry import MODEL_INDEX, ModelRegistry
-
-    started = time.perf_counter()
-    flags = flags or {}
-    config = load_config(config_path)
-    if model and (Path(model).expanduser() / MODEL_INDEX).is_file():
-        folder = Path(model).expanduser().resolve()
-        settings = model_settings_over(None, flags, Path.cwd(), flag_name).load_settings()
-        registry = ModelRegistry(
-            extra_models=[folder],
-            default_model=folder.name,
-            settings=lambda _model_id: settings,
-        )
-        return ModelChoice(registry, folder.name, time.perf_counter() - started, config.image)
-    if model is None and "vae" in flags:  # --dit, --text-encoder and --vae: component files
-        settings = model_settings_over(None, flags, Path.cwd(), flag_name)
-        files = settings.component_files()
-        model = " + ".join(Path(p).stem for p in (files.dit, files.text_encoder, files.vae))
-        config.models[model] = settings
-    registry, _ = config_registry(config, model)
-    if model and model not in registry.folders():
-        refused = registry.resolve_refusal(model)
-        if refused is not None:
-            raise ValueError(refused)
-        raise ValueError(unknown_model(model, sorted(registry.folders())))
-    model_id = registry.default_model
-    if not model_id:
-        raise ValueError("no model named, none configured and no embedded default available")
-    entry = config.models.get(model_id)
-    config.models[model_id] = model_settings_over(entry, flags, Path.cwd(), flag_name)
-    return ModelChoice(registry, model_id, time.perf_counter() - started, config.image)
-
-
-def unknown_model(model: str, known: list[str]) -> str:
-    """Why `--model` names nothing this command can load: which folder lacks what, or which ids
-    there are."""
-    from .engine.registry import MODEL_INDEX
-
-    folder = Path(model).expanduser()
-    if folder.is_dir():
-        if (folder.parent / MODEL_INDEX).is_file():
-            return (
-                f"{folder} is the {folder.name!r} part of the model folder {folder.parent}: "
-                "name that folder"
-            )
-        inner = sorted(d.name for d in folder.iterdir() if (d / MODEL_INDEX).is_file())
-        if inner:
-            return (
-                f"{folder} holds model folders ({', '.join(inner)}), not a model: name one of "
-                "them, or list this folder in the config's model_dirs"
-            )
-        return (
-            f"{folder} exists but is not a diffusers model folder: it has no {MODEL_INDEX}. A "
-            f"model folder holds {MODEL_INDEX} beside one folder per component (transformer/, "
-            "text_encoder/, vae/, ...); single checkpoint files are not read"
-        )
-    ids = ", ".join(known) or "none"
-    if folder.exists():
-        return f"{folder} is a file, not a model folder (model ids known here: {ids})"
-    return f"no model folder {model!r} and no model of that id (model ids known here: {ids})"
-
-
-@contextmanager
-def loading_bar(model_id: str):
-    """A progress bar over the two loading stages (folder, weights)."""
-    from tqdm import tqdm
-
-    with tqdm(total=2, desc=f"loading {model_id}", unit="stage", leave=False) as bar:
-        yield bar
 
 
 # ---------------------------------------------------------------- gmlx image sample
@@ -335,32 +211,43 @@ def run_sample(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace, group: Any) -> int:
-    try:
-        request = image_request(args, read_references(args.ref))
-        flags = model_flags(args)
-    except ValueError as exc:
-        print(f"gmlx image sample: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        choice = choose_model(args.model, args.config, flags)
-        choice.check(request)
-        choice.join(group)
-        with CompileWatch(note):
-            if args.via_steps:
-                pixels, steps = sample_via_steps(choice, request, args.adapter, args.preview)
-            else:
-                pixels, steps = sample_direct(choice, request, args.adapter, args.preview)
-    except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
-        if os.environ.get("GMLX_DEBUG"):
-            raise
-        print(f"gmlx image sample: {_message(exc)}", file=sys.stderr)
-        return 1
+    def sample(choice: ModelChoice, request: ImageRequest) -> tuple[np.ndarray, int]:
+        run = sample_via_steps if args.via_steps else sample_direct
+        return run(choice, request, args.adapter, args.preview)
+
+    done = chosen_run(args, group, "sample", sample)
+    if isinstance(done, int):
+        return done
+    choice, request, (pixels, steps) = done
     write_png(pixels, args.out)
     print(
         f"wrote {args.out} ({request.width}x{request.height}, {steps} steps, "
         f"seed {request.seed}, model {choice.model_id}{', via the step routes' if args.via_steps else ''})"
     )
     return 0
+
+
+def chosen_run(args: argparse.Namespace, group: Any, command: str, run) -> int | tuple:
+    """`run(choice, request)` on the model and request the command's arguments name, over the
+    rank group `group`: (the choice, the request, what `run` gave), or the exit code of a
+    refusal, printed on one line (2: the arguments; 1: the model or the run)."""
+    try:
+        request = image_request(args, read_references(args.ref))
+        flags = model_flags(args)
+    except ValueError as exc:
+        print(f"gmlx image {command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        choice = choose_model(args.model, args.config, flags)
+        choice.check(request)
+        choice.join(group)
+        with CompileWatch(note):
+            return choice, request, run(choice, request)
+    except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
+        if os.environ.get("GMLX_DEBUG"):
+            raise
+        print(f"gmlx image {command}: {_message(exc)}", file=sys.stderr)
+        return 1
 
 
 def sample_direct(
@@ -494,135 +381,6 @@ def write_png(pixels: np.ndarray, path: Path) -> None:
     Image.fromarray(to_uint8(pixels)).save(path, format="PNG")
 
 
-# ---------------------------------------------------------------- the step server
-
-
-class StepServer:
-    """The server `gmlx serve` runs (registry, worker, service, step routes, http_gate's
-    request-head gate) for one model, on an ephemeral 127.0.0.1 port of this process: what
-    `gmlx image bench --via-steps` and `gmlx image sample --via-steps` drive."""
-
-    def __init__(self, choice: ModelChoice) -> None:
-        from .app import ServerThread, build_context, create_app, make_server
-        from .config import ServerConfig
-
-        self.choice = choice
-        self.config = ServerConfig(
-            host="127.0.0.1", port=0, default_model=choice.model_id, image=choice.image
-        )
-        self.ctx = build_context(self.config, choice.registry, choice.group)
-        self.http = ServerThread(make_server(create_app(self.ctx), self.config))
-        self.loaded = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http.port}"
-
-    @property
-    def service(self):
-        return self.ctx.service
-
-    def __enter__(self) -> StepServer:
-        self.http.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.loaded is not None:
-            self.service.release(self.loaded)
-        self.http.stop()
-        self.service.close()
-
-    def load(self):
-        """Load (and hold) the model on the worker: the loaded instance the routes use."""
-        self.loaded = self.service.acquire(self.choice.model_id)
-        return self.loaded
-
-    def direct(self, table: Any = None) -> PlannedTransport:
-        """The in-process transport on the same loaded model, through the same worker and memory
-        plan (under patch table `table`, None for the plain model)."""
-        return PlannedTransport(
-            self.loaded, self.service.memory, call=self.service.worker.call, table=table
-        )
-
-
-class ViaStepsTransport:
-    """Sampling through the step routes (docs/contract.md §6): encode and decode in process, the
-    conditionings uploaded by hash (HEAD, then PUT), rows `{"cond": hash, "num_tokens": L}`,
-    a run, one step request per step under convention `reference` (naming `patch_table`, a
-    table the client defined, or none)."""
-
-    convention = "reference"
-
-    def __init__(
-        self, client: Any, direct: DirectTransport, model_id: str, patch_table: str | None = None
-    ) -> None:
-        self.client = client
-        self.direct = direct
-        self.model_id = model_id
-        self.patch_table = patch_table
-        self.run: str | None = None
-        self.sample_sigmas: np.ndarray | None = None
-        self.transport_ms: list[float] = []  # wall - forward per step request
-        self.server_ms: list[float] = []  # X-Gmlx-Server-Ms - forward: the route's own part
-        self.uploads: dict[str, np.ndarray] = {}
-
-    def encode(self, text: str, images: Sequence[np.ndarray]):
-        return self.direct.encode(text, images)
-
-    def encode_image(self, pixels: np.ndarray) -> np.ndarray:
-        return self.direct.encode_image(pixels)
-
-    def row(self, encoding) -> dict:
-        cond = np.ascontiguousarray(encoding.cond, dtype=np.float32)
-        row: dict[str, Any] = {"cond": self._upload(cond), "num_tokens": int(cond.shape[-2])}
-        if encoding.ref_latents:
-            refs = [np.ascontiguousarray(r, dtype=np.float32) for r in encoding.ref_latents]
-            row["ref_latents"] = [self._upload(r) for r in refs]
-            row["image_slots"] = list(encoding.image_slots[: len(refs)])
-        return row
-
-    def _upload(self, array: np.ndarray) -> str:
-        from gmlx_contract.hashing import tensor_hash
-
-        digest = tensor_hash(array)
-        self.uploads[digest] = array
-        if not self.client.has_tensor(digest):
-            self.client.put_tensor(array)
-        return digest
-
-    def begin(self, sigmas: np.ndarray) -> None:
-        self.run = self.client.begin_run(self.model_id)
-        self.sample_sigmas = flow_map_schedule(self.direct.model, sigmas)
-
-    def step(
-        self, x: np.ndarray, timestep: np.ndarray, rows: Sequence[Any], skip: Sequence[int] = ()
-    ) -> np.ndarray:
-        answer = self.client.step(
-            x,
-            timestep,
-            list(rows),
-            model=self.model_id,
-            run=self.run,
-            convention=self.convention,
-            patch_table=self.patch_table,
-            skip=list(skip) or None,
-            uploads=self.uploads,
-            sample_sigmas=self.sample_sigmas,
-        )
-        forward = answer.forward_ms or 0.0
-        self.transport_ms.append(answer.wall_ms - forward)
-        self.server_ms.append((answer.server_ms or forward) - forward)
-        return answer.out
-
-    def end(self) -> None:
-        if self.run is not None:
-            self.client.end_run(self.run)
-            self.run = None
-
-    def decode(self, latents: np.ndarray) -> np.ndarray:
-        return self.direct.decode(latents)
-
-
 # ---------------------------------------------------------------- gmlx image bench
 
 
@@ -643,25 +401,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, group: Any) -> int:
-    try:
-        request = image_request(args, read_references(args.ref))
-        flags = model_flags(args)
-    except ValueError as exc:
-        print(f"gmlx image bench: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        choice = choose_model(args.model, args.config, flags)
-        choice.check(request)
-        choice.join(group)
-        with CompileWatch(note):
-            record = run_bench(
-                choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
-            )
-    except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
-        if os.environ.get("GMLX_DEBUG"):
-            raise
-        print(f"gmlx image bench: {_message(exc)}", file=sys.stderr)
-        return 1
+    def bench(choice: ModelChoice, request: ImageRequest) -> dict:
+        return run_bench(
+            choice, request, args.runs, args.warmup, args.via_steps, args.label, args.adapter
+        )
+
+    done = chosen_run(args, group, "bench", bench)
+    if isinstance(done, int):
+        return done
+    record = done[2]
     text = json.dumps(record, indent=2)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -671,229 +419,6 @@ def _bench(args: argparse.Namespace, group: Any) -> int:
     else:
         print(summary_text(record))
     return 0
-
-
-@dataclass
-class BenchRun:
-    timings: ImageTimings
-    decode_s: float
-    peak_bytes: int
-    latents: np.ndarray
-    transport_ms: list[float] = field(default_factory=list)
-
-    def record(self, via_steps: bool) -> dict:
-        doc = {
-            "encode_s": round(self.timings.encode_s, 6),
-            "step_s": [round(s, 6) for s in self.timings.step_s],
-            "decode_s": round(self.decode_s, 6),
-            "image_s": round(self.timings.image_s + self.decode_s, 6),
-            "peak_bytes": self.peak_bytes,
-        }
-        if via_steps:
-            doc["transport_ms"] = [round(ms, 3) for ms in self.transport_ms]
-        return doc
-
-
-def run_bench(
-    choice: ModelChoice,
-    request: ImageRequest,
-    runs: int,
-    warmup: int,
-    via_steps: bool,
-    label: str | None = None,
-    adapters: Sequence[AdapterSpec] = (),
-) -> dict:
-    """The bench record of docs/contract.md §6 for one size (`adapters`: direct mode only)."""
-    from gmlx_contract.client import StepClient
-
-    with StepServer(choice) as server:
-        started = time.perf_counter()
-        loaded = server.load()
-        weights_s = time.perf_counter() - started
-        status = loaded.model.status()
-        table = server.service.worker.call(sampling_table, loaded, adapters)
-        direct = server.direct(table)
-        adapters = adapters or loaded.default_adapters
-        timed: list[BenchRun] = []
-        client = StepClient(server.base_url) if via_steps else None
-        try:
-            for i in range(warmup + runs):
-                if via_steps:
-                    server.service.tensors.clear()  # each run uploads its conditionings
-                    client.forget_known()
-                    transport = ViaStepsTransport(client, direct, choice.model_id)
-                else:
-                    transport = direct
-                run = one_image(transport, status, request)
-                if i >= warmup:
-                    timed.append(run)
-            equal = None
-            if via_steps:
-                reference = one_image(direct, status, request)
-                equal = bool(np.array_equal(timed[-1].latents, reference.latents, equal_nan=True))
-        finally:
-            if client is not None:
-                client.close()
-    load_s = {"prepare": round(choice.prepare_s, 6), "weights": round(weights_s, 6)}
-    load_s["total"] = round(choice.prepare_s + weights_s, 6)
-    return bench_record(
-        choice, loaded, status, request, timed, load_s, via_steps, equal, label, adapters
-    )
-
-
-def one_image(transport: Any, status: dict, request: ImageRequest) -> BenchRun:
-    import mlx.core as mx
-
-    mx.reset_peak_memory()
-    latents, timings = generate(transport, status, request)
-    started = time.perf_counter()
-    transport.decode(latents)
-    decode_s = time.perf_counter() - started
-    return BenchRun(
-        timings=timings,
-        decode_s=decode_s,
-        peak_bytes=int(mx.get_peak_memory()),
-        latents=latents,
-        transport_ms=list(getattr(transport, "transport_ms", [])),
-    )
-
-
-def bench_record(
-    choice: ModelChoice,
-    loaded: Any,
-    status: dict,
-    request: ImageRequest,
-    runs: list[BenchRun],
-    load_s: dict,
-    via_steps: bool,
-    equal_to_direct: bool | None,
-    label: str | None,
-    adapters: Sequence[AdapterSpec] = (),
-) -> dict:
-    import mlx.core as mx
-
-    steps_per_run = [run.timings.step_s for run in runs]
-    all_steps = [s for steps in steps_per_run for s in steps]
-    sampling = status.get("sampling") or {}
-    settings = {
-        "width": request.width,
-        "height": request.height,
-        "steps": len(steps_per_run[0]),
-        "sampler": request.sampler,
-        "scheduler": None,
-        "guidance": float(request.cfg if request.cfg is not None else sampling.get("cfg") or 1.0),
-        "batch": 1,
-        "adapters": [spec.record() for spec in adapters],
-        "seed": request.seed,
-        "prompt": request.prompt,
-    }
-    if request.images and not via_steps:
-        settings["refs"] = [list(image.shape) for image in request.images]
-    if via_steps:
-        transport_all = [ms for run in runs for ms in run.transport_ms]
-        transport = {
-            "mode": "steps",
-            "overhead_ms_median": round(statistics.median(transport_all), 3),
-            "equal_to_direct": equal_to_direct,
-        }
-    else:
-        transport = {"mode": "direct", "overhead_ms_median": None}
-    return {
-        "schema": SCHEMA,
-        "gmlx_version": __version__,
-        "mlx_version": mx.__version__,
-        "label": label,
-        "machine": machine(),
-        "model": model_record(loaded, status),
-        "settings": settings,
-        "runs": [run.record(via_steps) for run in runs],
-        "summary": {
-            "load_s": load_s,
-            "encode_s": round(statistics.median(r.timings.encode_s for r in runs), 6),
-            "s_per_step": {
-                "first": round(statistics.median(steps[0] for steps in steps_per_run), 6),
-                "median": round(statistics.median(all_steps), 6),
-                "mean": round(statistics.fmean(all_steps), 6),
-            },
-            "decode_s": round(statistics.median(r.decode_s for r in runs), 6),
-            "s_per_image": round(
-                statistics.median(r.timings.image_s + r.decode_s for r in runs), 6
-            ),
-            "peak_bytes": max(r.peak_bytes for r in runs),
-        },
-        "transport": transport,
-    }
-
-
-def model_record(loaded: Any, status: dict) -> dict:
-    folder = Path(loaded.entry.path)
-    memory = status.get("memory", {})
-    # the resident precision (status `quantization`, an extension): null as the files store it
-    quantization = status.get("quantization") or {}
-    residency = status.get("residency") or {}  # an extension too: each component's dtype
-    dtypes = sorted({t["dtype"] for t in loaded.model.manifest().get("tensors", [])})
-    return {
-        "id": loaded.model_id,
-        "family": loaded.entry.family,
-        "variant": loaded.entry.variant,
-        "dit": {
-            "file": str(folder / "transformer"),
-            "bytes": int(memory.get("dit_bytes", 0)),
-            "quant": "+".join(dtypes) or None,
-            "quantization": quantization.get("dit"),
-        },
-        "encoder": {
-            "file": str(folder / "text_encoder"),
-            "bytes": int(memory.get("encoder_bytes", 0)),
-            "shared": False,
-            "quantization": quantization.get("encoder"),
-        },
-        "vae": {
-            "file": str(folder / "vae"),
-            "bytes": int(memory.get("vae_bytes", 0)),
-            "dtype": residency.get("vae", {}).get("dtype", "f32"),
-        },
-    }
-
-
-def machine() -> dict:
-    return {"chip": chip_name(), "ram_bytes": ram_bytes(), "os": platform.platform()}
-
-
-def chip_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def summary_text(record: dict) -> str:
-    s, t = record["summary"], record["transport"]
-    settings = record["settings"]
-    lines = [
-        f"{record['model']['id']} {settings['width']}x{settings['height']}, "
-        f"{settings['steps']} steps, cfg {settings['guidance']}, {record['machine']['chip']}",
-        f"  load {s['load_s']['total']:.2f} s, encode {s['encode_s']:.3f} s, "
-        f"step median {s['s_per_step']['median'] * 1000:.1f} ms (first "
-        f"{s['s_per_step']['first'] * 1000:.1f} ms), decode {s['decode_s']:.3f} s, "
-        f"image {s['s_per_image']:.2f} s",
-    ]
-    if t["mode"] == "steps":
-        lines.append(
-            f"  via steps: transport {t['overhead_ms_median']:.2f} ms per step (median), "
-            f"equal_to_direct {t['equal_to_direct']}"
-        )
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

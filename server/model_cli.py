@@ -52,7 +52,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     prepare_process()  # before mlx is imported
     from .engine.registry import ModelRegistry
     from .engine.weights import quantize_folder
-    from .image_cli import choose_model
+    from .model_choice import choose_model
 
     try:
         choice = choose_model(args.source, args.config)

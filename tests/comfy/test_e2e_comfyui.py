@@ -305,7 +305,7 @@ def comfyui(workdir, gmlx_server):
 @pytest.fixture(scope="module")
 def engine(gmlx_server):
     """The same model loaded in this process, for direct engine calls."""
-    from gmlx_server.image_cli import choose_model
+    from gmlx_server.model_choice import choose_model
 
     choice = choose_model(None, gmlx_server["config"])
     loaded = choice.registry.acquire(choice.model_id)
@@ -316,7 +316,7 @@ def engine(gmlx_server):
 @pytest.fixture(scope="module")
 def quantized_engine(quantized_server):
     """The quantized server's model loaded in this process at the same precision."""
-    from gmlx_server.image_cli import choose_model
+    from gmlx_server.model_choice import choose_model
 
     choice = choose_model(None, quantized_server["config"], {"quantize": QUANTIZE_BITS})
     return choice.registry.acquire(choice.model_id).model
@@ -325,7 +325,7 @@ def quantized_engine(quantized_server):
 @pytest.fixture(scope="module")
 def gguf_engine(gmlx_server):
     """The server's Q4_K_M GGUF model loaded in this process."""
-    from gmlx_server.image_cli import choose_model
+    from gmlx_server.model_choice import choose_model
 
     choice = choose_model(GGUF_MODEL, gmlx_server["config"])
     model = choice.registry.acquire(choice.model_id).model
@@ -336,7 +336,7 @@ def gguf_engine(gmlx_server):
 @functools.cache
 def _served_engine(config: Path, model: str):
     """A model the server serves, loaded in this process (once per module's server)."""
-    from gmlx_server.image_cli import choose_model
+    from gmlx_server.model_choice import choose_model
 
     choice = choose_model(model, config)
     return choice.registry.acquire(choice.model_id).model
@@ -345,7 +345,7 @@ def _served_engine(config: Path, model: str):
 @pytest.fixture(scope="module")
 def flux2_engine(gmlx_server):
     """The server's tiny FLUX.2 klein model loaded in this process."""
-    from gmlx_server.image_cli import choose_model
+    from gmlx_server.model_choice import choose_model
 
     choice = choose_model(FLUX2_MODEL, gmlx_server["config"])
     return choice.registry.acquire(choice.model_id).model

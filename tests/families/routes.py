@@ -10,7 +10,8 @@ import numpy as np
 from gmlx_contract.client import StepClient
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate
-from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+from gmlx_server.model_choice import ModelChoice
+from gmlx_server.step_server import StepServer, ViaStepsTransport
 
 
 @contextmanager

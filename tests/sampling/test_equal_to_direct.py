@@ -7,7 +7,9 @@ import pytest
 from gmlx_contract.client import StepClient
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate
-from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport, run_bench
+from gmlx_server.image_bench import run_bench
+from gmlx_server.model_choice import ModelChoice
+from gmlx_server.step_server import StepServer, ViaStepsTransport
 
 from . import toy_family
 

@@ -8,7 +8,8 @@ from gmlx_contract.client import StepClient
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate
-from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+from gmlx_server.model_choice import ModelChoice
+from gmlx_server.step_server import StepServer, ViaStepsTransport
 
 
 @pytest.fixture(scope="module")

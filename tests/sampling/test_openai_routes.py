@@ -10,7 +10,8 @@ import pytest
 import requests
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate, to_uint8
-from gmlx_server.image_cli import ModelChoice, StepServer
+from gmlx_server.model_choice import ModelChoice
+from gmlx_server.step_server import StepServer
 from PIL import Image
 
 from . import toy_family

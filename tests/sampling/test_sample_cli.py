@@ -60,7 +60,7 @@ def test_sample_names_the_flag_a_refused_setting_came_from(tmp_path):
 def test_a_model_that_is_not_there_is_explained(tmp_path):
     """--model naming a folder that is no model folder, or an id nobody has, says what is
     missing rather than only that the model is unknown."""
-    from gmlx_server.image_cli import choose_model
+    from gmlx_server.model_choice import choose_model
 
     from . import toy_family
 

@@ -19,7 +19,8 @@ from gmlx_server.config import MODEL_SETTINGS, ConfigError, ModelSettings
 from gmlx_server.engine.families.qwen_image21 import embedded
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
-from gmlx_server.image_cli import bench_parser, choose_model, sample_parser
+from gmlx_server.image_cli import bench_parser, sample_parser
+from gmlx_server.model_choice import choose_model
 from gmlx_server.parsers import NOT_FLAGS, flag_name, model_flags
 from safetensors.numpy import load_file
 

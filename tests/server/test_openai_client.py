@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import requests
 from gmlx_server.engine.sampling import ImageRequest, generate, to_uint8
-from gmlx_server.image_cli import ModelChoice, StepServer
 from gmlx_server.imagefiles import mask_of
 from gmlx_server.memory import PlannedTransport
+from gmlx_server.model_choice import ModelChoice
+from gmlx_server.step_server import StepServer
 from PIL import Image
 
 openai = pytest.importorskip("openai")

@@ -59,7 +59,8 @@ def via_steps(registry, folder: Path, group) -> dict:
     from gmlx_contract.client import StepClient
     from gmlx_server.engine.families.qwen_image21 import family
     from gmlx_server.engine.sampling import DirectTransport, ImageRequest, generate
-    from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+    from gmlx_server.model_choice import ModelChoice
+    from gmlx_server.step_server import StepServer, ViaStepsTransport
 
     request = ImageRequest(
         prompt="a red fox", negative="blur", width=64, height=64, steps=3, cfg=2.5, seed=11

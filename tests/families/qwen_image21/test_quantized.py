@@ -31,7 +31,8 @@ from gmlx_server.engine.precision import BITS, Quantization
 from gmlx_server.engine.quantize import BIASES, SCALES, SPEC
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate
-from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+from gmlx_server.model_choice import ModelChoice
+from gmlx_server.step_server import StepServer, ViaStepsTransport
 from mlx.utils import tree_flatten
 
 from tests.lora.reference import make_table

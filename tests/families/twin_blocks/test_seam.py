@@ -142,7 +142,8 @@ def test_sampling_through_the_routes_equals_sampling_in_process(tmp_path):
     bit for bit."""
     from gmlx_contract.client import StepClient
     from gmlx_server.engine.sampling import ImageRequest, generate
-    from gmlx_server.image_cli import ModelChoice, StepServer, ViaStepsTransport
+    from gmlx_server.model_choice import ModelChoice
+    from gmlx_server.step_server import StepServer, ViaStepsTransport
 
     folder = checkpoint.write_folder(tmp_path, "twin-sampled", seed=6)
     registry = ModelRegistry(

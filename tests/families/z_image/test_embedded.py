@@ -116,7 +116,7 @@ def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monke
 
 def test_the_image_commands_take_it_by_id(tmp_path, monkeypatch):
     """`gmlx image sample --model z-image-random-tiny` with no default_model configured."""
-    from gmlx_server.image_cli import choose_model
+    from gmlx_server.model_choice import choose_model
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     config = tmp_path / "config.toml"
