@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Capabilities, EncodeResult, EngineInputError, StepCall, StepResult, StepRow
-from .gguf import DiTFile
+from .dit_file import DiTFile
 from .lora import TableWeights
 from .nn import dtypes
 from .nn.dtypes import default_compute_dtype, dtype_name
@@ -59,7 +59,7 @@ def dit_manifest(
 ) -> dict:
     """GET models/{model}/manifest less `model`, naming "diffusers": the DiT's tensors by their
     file names with their logical shapes (weights.tensor_infos; for a DiT read from a GGUF file,
-    the family's names and shapes with the file's types: `gguf.DiTFile.infos`), sorted by name.
+    the family's names and shapes with the file's types: `dit_file.DiTFile.infos`), sorted by name.
     A tensor stored in a dtype the families load from neither is refused, naming it (`title`:
     the family's name in prose)."""
     if gguf is not None:
@@ -348,7 +348,7 @@ def quantized_file_names(
 
 def dit_bytes(transformer_dir: Path, single=None, dtype: mx.Dtype | None = None) -> int:
     """A DiT's bytes for status `memory` and `residency`: its single file's tensor data
-    (`single`: the family's gguf.DiTFile, a GGUF or single safetensors file; None: the
+    (`single`: the family's dit_file.DiTFile, a GGUF or single safetensors file; None: the
     folder's safetensors), else its folder's. No `dtype`: as stored; with one, as a load at
     `dtype` would hold it (a file's quantized weights at their MLX width, floats at `dtype`)."""
     if single is not None:
@@ -364,7 +364,7 @@ def encoder_bytes(
     include: Callable[[str], bool] | None = None,
 ) -> int:
     """A text encoder's bytes for status `memory` and `residency`: its GGUF files' tensor data
-    (`gguf`: its gguf.ModuleFiles, None for safetensors), else its folder's. No `dtype`: as
+    (`gguf`: its module_files.ModuleFiles, None for safetensors), else its folder's. No `dtype`: as
     stored (the files' sizes); with one, as a load at `dtype` would hold it (the tensors the
     GGUF module reads; the folder's tensors `include` picks by file name, None: all, float ones
     at `dtype`: weights.estimated_bytes)."""
@@ -376,7 +376,7 @@ def encoder_bytes(
 
 def stored_precision(component_dir: Path, gguf=None) -> dict | None:
     """A component's precision as its files hold it, for status `quantization`: a GGUF file's
-    types (`gguf`: its gguf.DiTFile or gguf.ModuleFiles, None for safetensors), else the
+    types (`gguf`: its dit_file.DiTFile or module_files.ModuleFiles, None for safetensors), else the
     folder's stored quantization, else None (float)."""
     if gguf is not None:
         return gguf.status()

@@ -452,7 +452,7 @@ class BlockEmbedding(nn.Module):
 
 
 def hold_blocks(module: nn.Module, weights: dict) -> None:
-    """Make the module's layers whose weight is `Blocks` (gguf.ModuleFiles) `BlockLinear` or
+    """Make the module's layers whose weight is `Blocks` (module_files.ModuleFiles) `BlockLinear` or
     `BlockEmbedding` layers, and put the bytes in the weights' place, ready for
     `load_weights`."""
 

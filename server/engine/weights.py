@@ -25,10 +25,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .dit_file import DiTFile, Naming, fused_weights
 from .file_headers import common_prefix, safetensors_doc
 from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
-from .gguf import DiTFile, Naming, fused_weights
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
 from .quantize import (
@@ -153,7 +153,7 @@ def load_tree(
     shard: Any = None,
 ) -> dict:
     """A component's weight tree, evaluated: its tensors read (`load_weights`, or from the
-    single file, GGUF or safetensors, the gguf.DiTFile `gguf` names), mapped by the family's `sanitize` (file names -> tree), and with a
+    single file, GGUF or safetensors, the dit_file.DiTFile `gguf` names), mapped by the family's `sanitize` (file names -> tree), and with a
     `quantization` the float linear weights whose tree path `quantized` picks quantized, one
     at a time (quantize.quantize_tree), so the float model is never whole in memory. A
     component stored quantized (a folder of `gmlx model quantize`, or GGUF) loads as stored

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from gmlx_server.engine.dit_file import DiTFile, Naming, fused_weights
 from gmlx_server.engine.dit_network import DiTNetwork, DiTPart
-from gmlx_server.engine.gguf import DiTFile, Naming, fused_weights
 from gmlx_server.engine.lora import LinearSlot, project
 from gmlx_server.engine.nn.activations import layer_norm, silu
 from gmlx_server.engine.nn.attention import attention

@@ -15,7 +15,7 @@ import numpy as np
 from gguf import MODEL_ARCH
 from mlx.utils import tree_flatten
 
-from ...gguf import ModuleFiles, llama_cpp_names
+from ...module_files import ModuleFiles, llama_cpp_names
 from ...nn.attention import chunked_attention
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
@@ -158,7 +158,7 @@ _LAYERS = "layers."
 def gguf_files(model: TextModel, path: Path) -> ModuleFiles:
     """Qwen3's decoder in a llama.cpp GGUF file (`token_embd.weight`, `blk.N.attn_q.weight`
     ...): the module's parameters by the names llama.cpp's converter gives their transformers
-    names (gguf.llama_cpp_names). The converter maps Qwen3's tensors by name alone: no q/k
+    names (module_files.llama_cpp_names). The converter maps Qwen3's tensors by name alone: no q/k
     permutation (Qwen3's rotary halves are llama.cpp's NEOX order) and no norm offset."""
     shapes = {name: tuple(value.shape) for name, value in tree_flatten(model.parameters())}
     hf_names = {_DECODER_PREFIX + name: name for name in shapes}

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import MODEL_ARCH, MODEL_TENSOR
 from mlx.utils import tree_flatten
 
-from ...gguf import ModuleFiles, llama_cpp_names
+from ...module_files import ModuleFiles, llama_cpp_names
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin
 from ...precision import Quantization

@@ -31,7 +31,7 @@ import numpy as np
 from gguf import MODEL_ARCH
 from mlx.utils import tree_flatten
 
-from ...gguf import ModuleFiles, llama_cpp_names
+from ...module_files import ModuleFiles, llama_cpp_names
 from ...nn.attention import chunked_attention
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies

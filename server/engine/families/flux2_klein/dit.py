@@ -33,8 +33,8 @@ import mlx.core as mx
 import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
+from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import Naming
 from ...lora import LinearSlot, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention

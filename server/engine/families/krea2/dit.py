@@ -27,8 +27,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import Naming
 from ...lora import BIAS, LinearSlot, dense, project
 from ...nn.activations import gelu_tanh, silu
 from ...nn.attention import attention

@@ -31,8 +31,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import Naming
 from ...lora import BIAS, LinearSlot, dense
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass

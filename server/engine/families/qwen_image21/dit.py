@@ -26,8 +26,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...dit_file import DiTFile, Naming, fused_weights
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import DiTFile, Naming, fused_weights
 from ...lora import LinearSlot, project
 from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention

@@ -24,8 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...config_keys import check_fixed
+from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...gguf import Naming
 from ...lora import BIAS, LinearSlot, dense, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
