@@ -542,12 +542,11 @@ class MemoryPlanner:
 
     @staticmethod
     def _footprint(loaded: LoadedModel | None) -> int:
-        """A loaded model's planned footprint (status `memory.resident_bytes`, else its
-        weights), and its configured adapters' table."""
+        """A loaded model's planned footprint (its facts' `resident_bytes`, else its weights),
+        and its configured adapters' table."""
         if loaded is None:
             return 0
-        footprint = loaded.model.status().get("memory", {}).get("resident_bytes")
-        footprint = int(footprint or loaded.model.weight_bytes)
+        footprint = loaded.model.facts.resident_bytes or loaded.model.weight_bytes
         table = loaded.default_table
         return footprint + (table.nbytes if table is not None else 0)
 

@@ -92,6 +92,21 @@ class Capabilities:
     flow_map: bool = False  # the step needs `sample_sigmas`
 
 
+@dataclass(frozen=True)
+class Facts:
+    """What the routes and the memory planner read of a loaded model, typed, and what its
+    status publishes of them (docs/contract.md §2.3: `latent.channels`, `latent.stride`,
+    `vae.stride`, `vae.channels_out`, `edit_capable`, `memory.resident_bytes`; a family writes
+    those members from these values, engine/family.py)."""
+
+    latent_channels: int  # the step's x channels (model space)
+    latent_stride: int  # pixels per latent cell
+    vae_stride: int  # pixels per cell of the VAE routes' latents
+    vae_channels_out: int  # the image channels a decode gives (3, or 4 with alpha)
+    edit_capable: bool  # a row may carry reference images
+    resident_bytes: int = 0  # the memory plan's footprint of the model loaded (0: its weights)
+
+
 class MemoryPlanning(Protocol):
     """What the memory planner (server/memory.py) asks a loaded model: pure estimates from
     shapes and config, and the states it may shed. `plans` is the model's own plan of a step's
@@ -148,10 +163,12 @@ class ImageModel(MemoryPlanning, Protocol):
     family: str
     variant: str
     capabilities: Capabilities
+    facts: Facts
 
     def status(self) -> dict:
         """The family part of GET models/{model}/status: comfy, latent, vae, edit_capable,
-        sampling, compute_dtype and memory (dit_bytes, encoder_bytes, vae_bytes)."""
+        sampling, compute_dtype and memory (dit_bytes, encoder_bytes, vae_bytes), its `facts`
+        among them."""
 
     def manifest(self) -> dict:
         """GET models/{model}/manifest without `model`: family, naming, arch, count, tensors, inline."""

@@ -26,7 +26,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .base import Capabilities, EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from .base import (
+    Capabilities,
+    EncodeResult,
+    EngineInputError,
+    Facts,
+    StepCall,
+    StepResult,
+    StepRow,
+)
 from .dit_file import DiTFile
 from .lora import TableWeights
 from .nn import dtypes
@@ -87,19 +95,33 @@ def dit_manifest(
     }
 
 
-def memory_row(sizes: dict, weights: int, activation_reserve: int, resident: bool) -> dict:
-    """Status `memory` (docs/contract.md §2.3): `sizes`, the components' file sizes
-    (`dit_bytes`, `encoder_bytes`, `vae_bytes`); the activation reserve (the plan's footprint,
-    `weights` plus the family's `activation_reserve` for its reference workload, less the file
-    sizes) and the resident bytes (the footprint if `resident`, else 0). `weights`: a loaded
-    model's `weight_bytes`, counted from its arrays (quantized or not), else the family's
-    estimate from the file headers."""
+@dataclass(frozen=True)
+class MemoryRow:
+    """Status `memory` (docs/contract.md §2.3), typed: `sizes`, the components' file sizes
+    (`dit_bytes`, `encoder_bytes`, `vae_bytes`); the activation reserve (the plan's footprint
+    less the file sizes) and the resident bytes (the footprint of a model loaded, else 0)."""
+
+    sizes: dict[str, int]
+    activation_reserve_bytes: int
+    resident_bytes: int
+
+    def status(self) -> dict:
+        return {
+            **self.sizes,
+            "activation_reserve_bytes": self.activation_reserve_bytes,
+            "resident_bytes": self.resident_bytes,
+        }
+
+
+def memory_row(sizes: dict, weights: int, activation_reserve: int, resident: bool) -> MemoryRow:
+    """The memory row of a folder: its footprint is `weights` plus the family's
+    `activation_reserve` for its reference workload. `weights`: a loaded model's
+    `weight_bytes`, counted from its arrays (quantized or not), else the family's estimate from
+    the file headers; `resident`: whether the model is loaded."""
     footprint = weights + activation_reserve
-    return {
-        **sizes,
-        "activation_reserve_bytes": max(0, footprint - sum(sizes.values())),
-        "resident_bytes": footprint if resident else 0,
-    }
+    return MemoryRow(
+        dict(sizes), max(0, footprint - sum(sizes.values())), footprint if resident else 0
+    )
 
 
 def component_row(resident: bool, nbytes: int, dtype: mx.Dtype, quantization: dict | None) -> dict:
@@ -126,7 +148,8 @@ def loaded_row(part: Any, quantization: dict | None, unloaded: dict) -> dict:
 class FamilyModel:
     """The generic part of a loaded model of an MLX family (see the module's docstring).
 
-    `status` is the family's status of the loaded folder, with its `residency` as loaded;
+    `status` is the family's status of the loaded folder, with its `residency` as loaded, and
+    `facts` (base.Facts) the values of it the routes and the memory plan read;
     `read_manifest(model_dir)` the family module's `manifest`; `tables` the DiT's LoRA tables
     (lora.TableWeights); `weight_bytes` the loaded weights, counted from the arrays
     (weights.tree_bytes). `encoder` (with its `weight_bytes`) and `load_encoder`, a function
@@ -145,6 +168,7 @@ class FamilyModel:
         vae: Any,
         tables: TableWeights,
         status: dict,
+        facts: Facts,
         read_manifest: Callable[[Path], dict],
         weight_bytes: int,
         encoder: Any = None,
@@ -160,6 +184,7 @@ class FamilyModel:
         self._loaded_bytes = weight_bytes
         self._load_encoder = load_encoder
         self._status = status
+        self.facts = facts
         self._read_manifest = read_manifest
 
     # -- what the routes read -----------------------------------------------------------
@@ -498,12 +523,24 @@ class FolderFamily(Family):
         gguf = self.encoder_files(model_dir, files)
         return encoder_bytes(folder, gguf, dtype, self.encoder.include)
 
-    def latent_row(self, model_dir: Path) -> dict:
-        latent = self.vae.latent(read_config(Path(model_dir) / "vae"))
+    def model_facts(self, model_dir: Path, memory: MemoryRow) -> Facts:
+        """The facts of a folder (base.Facts) from its configs: the latents the VAE gives (or,
+        for a VAE that names none, the DiT's channels at the spec's stride), whose cells the
+        VAE routes' latents are too, and the plan's footprint of `memory`."""
+        model_dir = Path(model_dir)
+        vae_config = read_config(model_dir / "vae")
+        latent = self.vae.latent(vae_config)
         if latent is None:
-            channels = read_config(Path(model_dir) / "transformer")["in_channels"]
+            channels = read_config(model_dir / "transformer")["in_channels"]
             latent = {"channels": channels, "stride": self.spec.latent_stride}
-        return {**latent, "patch": self.spec.latent_patch}
+        return Facts(
+            latent_channels=latent["channels"],
+            latent_stride=latent["stride"],
+            vae_stride=latent["stride"],
+            vae_channels_out=self.vae.channels_out(vae_config),
+            edit_capable=self.spec.edit_capable,
+            resident_bytes=memory.resident_bytes,
+        )
 
     def sampling_row(self, model_dir: Path, variant: str) -> dict:
         """The variant's own settings (docs/contract.md §2.3): its row of the spec's sampling,
@@ -546,16 +583,21 @@ class FolderFamily(Family):
             ),
             "vae": None,
         }
-        latent = self.latent_row(model_dir)
+        memory = self.memory(model_dir, dtype, None, files)
+        facts = self.model_facts(model_dir, memory)
         return {
             "comfy": dict(self.spec.comfy),
-            "latent": latent,
+            "latent": {
+                "channels": facts.latent_channels,
+                "stride": facts.latent_stride,
+                "patch": self.spec.latent_patch,
+            },
             "vae": {
-                "channels_out": self.vae.channels_out(vae_config),
-                "stride": latent["stride"],  # the VAE routes' latents are the DiT's cells
+                "channels_out": facts.vae_channels_out,
+                "stride": facts.vae_stride,
                 **self.vae.status_row(vae_config),
             },
-            "edit_capable": self.spec.edit_capable,
+            "edit_capable": facts.edit_capable,
             "conditioning": dict(self.spec.conditioning),
             # the timestep's scale (docs/contract.md §5.2) is an extension of §2.3's row
             "sampling": {
@@ -579,14 +621,16 @@ class FolderFamily(Family):
                 ),
                 "vae": component_row(False, self.vae.estimate(model_dir / "vae", side), side, None),
             },
-            "memory": self.memory(model_dir, dtype, None, files),
+            "memory": memory.status(),
         }
 
-    def loaded_status(self, model_dir: Path, dit: Any, vae: Any, encoder: Any, files: dict):
-        """The status of a loaded model: `describe`'s, with each component's precision and
-        residency as held (bytes counted from the arrays) and its memory as loaded. A
-        component this process did not load (None: a rank > 0 of a sharded model holds its
-        DiT part alone) keeps its row as not held."""
+    def loaded_status(
+        self, model_dir: Path, dit: Any, vae: Any, encoder: Any, files: dict
+    ) -> tuple[Facts, dict]:
+        """The facts and status of a loaded model: `describe`'s, with each component's
+        precision and residency as held (bytes counted from the arrays) and its memory as
+        loaded. A component this process did not load (None: a rank > 0 of a sharded model
+        holds its DiT part alone) keeps its row as not held."""
         status = self.describe(model_dir, None, dit.dtype, **files)
         dit_gguf = self._dit(model_dir, files)
         encoder_gguf = self.encoder_files(model_dir, files)
@@ -611,32 +655,35 @@ class FolderFamily(Family):
             "vae": loaded_row(vae, None, unloaded["vae"]),
         }
         weight_bytes = sum(part.weight_bytes for part in (dit, vae, encoder) if part is not None)
-        status["memory"] = self.memory(model_dir, dit.dtype, weight_bytes, files)
-        return status
+        memory = self.memory(model_dir, dit.dtype, weight_bytes, files)
+        status["memory"] = memory.status()
+        return self.model_facts(model_dir, memory), status
 
     def model_arguments(self, model_dir: Path, parts: LoadedParts, files: dict | None) -> dict:
         """FamilyModel's arguments for a loaded model of `parts`: its variant, VAE, encoder (and
-        the function that loads it again), the DiT's LoRA tables, the status, the manifest
-        reader and the weight bytes (`files`: the model entry's weight files; none: the
-        folder's)."""
+        the function that loads it again), the DiT's LoRA tables, the status and its facts,
+        the manifest reader and the weight bytes (`files`: the model entry's weight files;
+        none: the folder's)."""
         files = {key: path for key, path in (files or {}).items() if path is not None}
         dit, vae, encoder = parts.dit, parts.vae, parts.encoder
         slots = (self.dit.table_slots or self.dit.linear_slots)(dit.config)
         networks = (dit, vae, encoder)
+        facts, status = self.loaded_status(model_dir, dit, vae, encoder, files)
         return {
             "variant": parts.variant,
             "vae": vae,
             "encoder": encoder,
             "load_encoder": parts.load_encoder,
             "tables": TableWeights(dit.weights, slots, dit.dtype, shard=dit.stages.tree_shard),
-            "status": self.loaded_status(model_dir, dit, vae, encoder, files),
+            "status": status,
+            "facts": facts,
             "read_manifest": lambda folder: self.manifest(folder, **files),
             "weight_bytes": sum(part.weight_bytes for part in networks if part is not None),
         }
 
     def memory(
         self, model_dir: Path, dtype: mx.Dtype, weight_bytes: int | None, files: dict
-    ) -> dict:
+    ) -> MemoryRow:
         """Status `memory` (memory_row): the file sizes, the reserve of the reference
         workload, and the weights: a loaded model's `weight_bytes`, else (None) estimated
         from the headers."""

@@ -85,14 +85,14 @@ class ModelEntry:
 
 @dataclass
 class ModelFacts:
-    """What the routes check before running work, read once when the model loads."""
+    """What the routes check before running work, read once when the model loads: its typed
+    facts (base.Facts) and its `capabilities` (base.Capabilities)."""
 
     latent_channels: int
     latent_stride: int
     vae_stride: int
     vae_channels_out: int
     edit_capable: bool
-    # The model's `capabilities` (base.Capabilities), copied here.
     max_refs: int
     conventions: tuple[str, ...]
     ref_cache: bool
@@ -100,19 +100,19 @@ class ModelFacts:
     flow_map: bool
 
     @classmethod
-    def of(cls, model: ImageModel, status: dict) -> ModelFacts:
-        latent, vae = status.get("latent", {}), status.get("vae", {})
+    def of(cls, model: ImageModel) -> ModelFacts:
+        facts, capabilities = model.facts, model.capabilities
         return cls(
-            latent_channels=int(latent.get("channels", 0)),
-            latent_stride=int(latent.get("stride", 1)),
-            vae_stride=int(vae.get("stride", 1)),
-            vae_channels_out=int(vae.get("channels_out", 3)),
-            edit_capable=bool(status.get("edit_capable", False)),
-            max_refs=model.capabilities.max_refs,
-            conventions=tuple(model.capabilities.conventions),
-            ref_cache=model.capabilities.ref_cache,
-            skip_blocks=model.capabilities.skip_blocks,
-            flow_map=model.capabilities.flow_map,
+            latent_channels=facts.latent_channels,
+            latent_stride=facts.latent_stride,
+            vae_stride=facts.vae_stride,
+            vae_channels_out=facts.vae_channels_out,
+            edit_capable=facts.edit_capable,
+            max_refs=capabilities.max_refs,
+            conventions=tuple(capabilities.conventions),
+            ref_cache=capabilities.ref_cache,
+            skip_blocks=capabilities.skip_blocks,
+            flow_map=capabilities.flow_map,
         )
 
 
@@ -521,7 +521,7 @@ class ModelRegistry:
                     f"family {entry.family} built a model that lacks the ImageModel seam's "
                     f"{', '.join(gaps)} (server/engine/base.py)"
                 )
-            loaded = LoadedModel(entry, model, 0, ModelFacts.of(model, model.status()))
+            loaded = LoadedModel(entry, model, 0, ModelFacts.of(model))
             if self.load_hooks is not None:
                 self._hook(entry.model_id, self.load_hooks.give, loaded)
         except Exception:

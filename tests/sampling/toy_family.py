@@ -13,7 +13,13 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gmlx_server.engine.base import Capabilities, EncodeResult, EngineInputError, StepResult
+from gmlx_server.engine.base import (
+    Capabilities,
+    EncodeResult,
+    EngineInputError,
+    Facts,
+    StepResult,
+)
 from gmlx_server.engine.spec import Family, FamilySpec
 
 FAMILY = "toy"
@@ -70,6 +76,7 @@ class ToyModel:
     family = FAMILY
     variant = "base"
     capabilities = Capabilities()
+    facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=3, edit_capable=True)
     weight_bytes = 0
     # an encoder that is never released
     encoder_bytes = 0
@@ -90,9 +97,17 @@ class ToyModel:
     def status(self) -> dict:
         return {
             "comfy": {"model_class": "Toy", "image_model": "toy"},
-            "latent": {"channels": CHANNELS, "stride": STRIDE, "patch": 1},
-            "vae": {"channels_out": 3, "stride": STRIDE, "space": "model"},
-            "edit_capable": True,
+            "latent": {
+                "channels": self.facts.latent_channels,
+                "stride": self.facts.latent_stride,
+                "patch": 1,
+            },
+            "vae": {
+                "channels_out": self.facts.vae_channels_out,
+                "stride": self.facts.vae_stride,
+                "space": "model",
+            },
+            "edit_capable": self.facts.edit_capable,
             "sampling": {
                 "steps": len(self.sigmas) - 1 if self.sigmas else 4,
                 "cfg": 1.0,

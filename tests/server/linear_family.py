@@ -17,6 +17,7 @@ from gmlx_server.engine.base import (
     Capabilities,
     EncodeResult,
     EngineInputError,
+    Facts,
     StepResult,
     StepRow,
 )
@@ -124,6 +125,7 @@ class LinearModel:
 
     family = FAMILY
     capabilities = Capabilities()
+    facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=4, edit_capable=True)
     weight_bytes = 64  # status memory.dit_bytes
     # an encoder that is never released
     encoder_bytes = 0
@@ -157,9 +159,17 @@ class LinearModel:
     def status(self) -> dict:
         return {
             "comfy": {"model_class": "TestLinear", "image_model": "test_linear"},
-            "latent": {"channels": CHANNELS, "stride": STRIDE, "patch": 1},
-            "vae": {"channels_out": 4, "stride": STRIDE, "space": "model"},  # one space
-            "edit_capable": True,
+            "latent": {
+                "channels": self.facts.latent_channels,
+                "stride": self.facts.latent_stride,
+                "patch": 1,
+            },
+            "vae": {
+                "channels_out": self.facts.vae_channels_out,
+                "stride": self.facts.vae_stride,
+                "space": "model",
+            },  # one space
+            "edit_capable": self.facts.edit_capable,
             "sampling": None,
             "compute_dtype": "f32",
             "memory": {"dit_bytes": 64, "encoder_bytes": 0, "vae_bytes": 0},
