@@ -82,7 +82,7 @@ class EncodeResult:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a model can do beyond its status, read once at load (registry.ModelFacts) and
+    """What a model can do beyond its status, read once at load (registry.LoadedModel) and
     checked by the step route before any work (docs/contract.md §2.11)."""
 
     max_refs: int = 10  # reference images a row may carry

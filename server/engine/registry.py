@@ -28,7 +28,7 @@ from typing import Any
 
 from gmlx_contract.errors import ContractError
 
-from .base import EngineInputError, ImageModel, seam_gaps
+from .base import Capabilities, EngineInputError, Facts, ImageModel, seam_gaps
 from .load_settings import LoadSettings
 from .spec import Family, FamilySpec, family_specs
 
@@ -84,39 +84,6 @@ class ModelEntry:
 
 
 @dataclass
-class ModelFacts:
-    """What the routes check before running work, read once when the model loads: its typed
-    facts (base.Facts) and its `capabilities` (base.Capabilities)."""
-
-    latent_channels: int
-    latent_stride: int
-    vae_stride: int
-    vae_channels_out: int
-    edit_capable: bool
-    max_refs: int
-    conventions: tuple[str, ...]
-    ref_cache: bool
-    skip_blocks: int
-    flow_map: bool
-
-    @classmethod
-    def of(cls, model: ImageModel) -> ModelFacts:
-        facts, capabilities = model.facts, model.capabilities
-        return cls(
-            latent_channels=facts.latent_channels,
-            latent_stride=facts.latent_stride,
-            vae_stride=facts.vae_stride,
-            vae_channels_out=facts.vae_channels_out,
-            edit_capable=facts.edit_capable,
-            max_refs=capabilities.max_refs,
-            conventions=tuple(capabilities.conventions),
-            ref_cache=capabilities.ref_cache,
-            skip_blocks=capabilities.skip_blocks,
-            flow_map=capabilities.flow_map,
-        )
-
-
-@dataclass
 class LoadedModel:
     """One loaded instance of a model. Patch tables live here, so a reload forgets them (the
     steps service keeps them, least recently used first: StepsService.table_for)."""
@@ -124,7 +91,9 @@ class LoadedModel:
     entry: ModelEntry
     model: ImageModel
     generation: int
-    facts: ModelFacts
+    # what the routes check before running work, read once when the model loads
+    facts: Facts
+    capabilities: Capabilities
     tables: dict[str, Any] = field(default_factory=dict)
     holds: int = 0
     # The entry's configured adapters (config `[models."id"] adapters`) and their patch table:
@@ -521,7 +490,7 @@ class ModelRegistry:
                     f"family {entry.family} built a model that lacks the ImageModel seam's "
                     f"{', '.join(gaps)} (server/engine/base.py)"
                 )
-            loaded = LoadedModel(entry, model, 0, ModelFacts.of(model))
+            loaded = LoadedModel(entry, model, 0, model.facts, model.capabilities)
             if self.load_hooks is not None:
                 self._hook(entry.model_id, self.load_hooks.give, loaded)
         except Exception:

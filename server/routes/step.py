@@ -106,7 +106,7 @@ def execute(
         plan = service.memory.dry_run
         return service.worker.call(plan, loaded, request.x.shape, rows, table, cache_run)
 
-    flow_map = facts.flow_map and request.sample_sigmas is not None
+    flow_map = loaded.capabilities.flow_map and request.sample_sigmas is not None
 
     def denoise(x: np.ndarray, timestep: np.ndarray, step_rows: list, plans) -> StepResult:
         return loaded.model.denoise_step(
@@ -202,10 +202,9 @@ def _parse_row(index: int, row: Any) -> RowRequest:
 
 
 def check_reference_count(loaded: LoadedModel, rows: list[RowRequest]) -> None:
-    facts = loaded.facts
-    if not facts.edit_capable:
+    if not loaded.facts.edit_capable:
         return  # refused at step 11, after the missing check
-    cap = min(facts.max_refs, wire.MAX_ROWS)
+    cap = min(loaded.capabilities.max_refs, wire.MAX_ROWS)
     for i, row in enumerate(rows):
         if len(row.refs) > cap:
             raise ContractError(
@@ -216,17 +215,17 @@ def check_reference_count(loaded: LoadedModel, rows: list[RowRequest]) -> None:
 
 
 def check_convention(loaded: LoadedModel, convention: Any) -> str:
-    if not isinstance(convention, str) or convention not in loaded.facts.conventions:
+    if not isinstance(convention, str) or convention not in loaded.capabilities.conventions:
         raise ContractError(
             400,
             f"convention {convention!r} is not known for {loaded.entry.family}; use one of "
-            f"{sorted(loaded.facts.conventions)}",
+            f"{sorted(loaded.capabilities.conventions)}",
         )
     return convention
 
 
 def check_cache_and_skip(loaded: LoadedModel, run: Run | None, fields: dict):
-    facts = loaded.facts
+    capabilities = loaded.capabilities
     ref_cache = flag(fields, "ref_cache", False)
     skip = fields.get("skip", [])
     if skip is None:
@@ -234,19 +233,19 @@ def check_cache_and_skip(loaded: LoadedModel, run: Run | None, fields: dict):
     if ref_cache:
         if run is None:
             raise ContractError(400, "ref_cache needs a run: name one in the step's run field")
-        if not facts.ref_cache:
+        if not capabilities.ref_cache:
             raise ContractError(
                 400, f"{loaded.entry.family} cannot cache reference K/V; send ref_cache false"
             )
     if not isinstance(skip, list) or not all(is_int(b) for b in skip):
         raise ContractError(400, "skip must be a list of block indices")
     if skip:
-        if facts.skip_blocks == 0:
+        if capabilities.skip_blocks == 0:
             raise ContractError(400, f"{loaded.entry.family} skips no blocks; send skip []")
-        bad = [b for b in skip if not 0 <= b < facts.skip_blocks]
+        bad = [b for b in skip if not 0 <= b < capabilities.skip_blocks]
         if bad:
             raise ContractError(
-                400, f"skip blocks {bad} are out of range 0..{facts.skip_blocks - 1}"
+                400, f"skip blocks {bad} are out of range 0..{capabilities.skip_blocks - 1}"
             )
         if ref_cache:
             raise ContractError(400, "skip cannot be combined with ref_cache")
@@ -283,7 +282,7 @@ def gather(service: StepsService, loaded: LoadedModel, request: StepRequest):
 
 
 def check_sigmas(loaded: LoadedModel, request: StepRequest) -> None:
-    if not loaded.facts.flow_map:
+    if not loaded.capabilities.flow_map:
         return
     sigmas = request.sample_sigmas
     if sigmas is None:

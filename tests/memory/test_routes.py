@@ -256,8 +256,9 @@ def test_a_step_plans_its_rows_once(qwen, monkeypatch):
 def test_vae_decode_plans_memory_before_checking_alpha(qwen, monkeypatch):
     """docs/contract.md §2.12: the memory plan is checked before `alpha` on a VAE without alpha."""
     assert step(qwen, latents(1, 2), [cond(qwen, 4, 40)]).status_code == 200  # loaded
-    facts = qwen.ctx.registry.loaded(qwen.model_id).facts
-    monkeypatch.setattr(facts, "vae_channels_out", 3)  # as if its VAE had no alpha channel
+    loaded = qwen.ctx.registry.loaded(qwen.model_id)
+    no_alpha = replace(loaded.facts, vae_channels_out=3)  # as if its VAE had no alpha channel
+    monkeypatch.setattr(loaded, "facts", no_alpha)
     large = np.zeros((1, 64, 64, 64), np.float32)
     r = qwen.post_container("vae/decode", {"latents": large}, {"alpha": True})
     assert r.status_code == 400 and "decode's memory plan" in r.json()["error"], r.text
