@@ -197,3 +197,15 @@ def listed_sets(models: Path) -> list[str]:
         key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
     }
     return sorted(components.comfy_sets(folders, family_specs()))
+
+
+def differing_keys(made: Path, folder: Path, component: str, nested: str | None = None) -> set:
+    """The keys of a component's config that a set's folder (`made`, set_folder) writes with
+    another value than the model's own `folder` (within `nested`, such as a text encoder's
+    text_config); keys the model's folder lacks, and those starting with _, aside."""
+    from gmlx_server.engine.spec import read_config
+
+    told, written = read_config(made / component), read_config(folder / component)
+    if nested is not None:
+        told, written = told[nested], written[nested]
+    return {k for k in told if k in written and told[k] != written[k] and not k.startswith("_")}

@@ -21,7 +21,7 @@ from gmlx_server.engine.spec import read_config
 from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import ldm_vae, listed_sets, set_files, set_folder
+from tests.engine.comfy_files import differing_keys, ldm_vae, listed_sets, set_files, set_folder
 from tests.families.moss_image.test_gguf_text_encoder import write_qwen35_gguf
 from tests.families.moss_image.tiny import build_tiny_folder
 
@@ -75,16 +75,8 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models = tiny
     made = set_folder(component_files(models), tmp_path)
     for component in ("transformer", "vae"):
-        told, written = read_config(made / component), read_config(folder / component)
-        differing = {
-            k for k in told if k in written and told[k] != written[k] and not k.startswith("_")
-        }
-        assert not differing, (component, differing)
-    told = read_config(made / "text_encoder")["text_config"]
-    written = read_config(folder / "text_encoder")["text_config"]
-    assert {k: v for k, v in told.items() if k in written} == {
-        k: written[k] for k in told if k in written
-    }
+        assert not differing_keys(made, folder, component), component
+    assert not differing_keys(made, folder, "text_encoder", "text_config")
     assert (
         read_config(made / "vae")["decoder_block_out_channels"] == VAE["decoder_block_out_channels"]
     )
