@@ -352,6 +352,10 @@ def waitress_options(config: ServerConfig) -> dict:
         # limit of its content type before reading it, so this only backs it up.
         "max_request_body_size": BUFFER_BYTES,
         "channel_timeout": 300,
+        # A channel keeps reading while its request runs, so that a client that closes its
+        # connection is noticed (`waitress.client_disconnected`: an OpenAI image job stops);
+        # one more request may be read ahead of the one running.
+        "channel_request_lookahead": 1,
         "ident": "gmlx",
         "clear_untrusted_proxy_headers": True,
     }

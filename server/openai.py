@@ -348,7 +348,8 @@ class ImageRoute:
 
     def answer(self, req: falcon.Request, resp: falcon.Response, job: Job) -> None:
         """Sample the job's images and answer them (JSON, or events with `stream`). Every
-        refusal the requests can meet is made before the first image is sampled."""
+        refusal the requests can meet is made before the first image is sampled; a client
+        that closes its connection stops the sampling at its next step."""
         try:
             loaded = self.service.acquire(job.model)
         except ContractError as exc:
@@ -365,8 +366,13 @@ class ImageRoute:
                 resp.set_header("Cache-Control", "no-cache")
                 resp.stream = EventStream(self, loaded, status, job, requests)
                 return
+            stop = stop_when_gone(req.env.get("waitress.client_disconnected"))
             with refusals():
-                files = [self.one_image(loaded, status, each, job) for each in requests]
+                files = [self.one_image(loaded, status, each, job, stop) for each in requests]
+        except ClientGone:  # nobody reads an answer now: the work left is dropped
+            self.service.release(loaded)
+            log.info("the client of an image job closed its connection: the job stopped")
+            raise OpenAIError(400, "the client closed its connection") from None
         except BaseException:
             self.service.release(loaded)
             raise
@@ -458,8 +464,21 @@ def partial_steps(steps: int, partial_images: int) -> list[int]:
     return sorted(step for step in chosen if 0 <= step < steps - 1)
 
 
-class StreamClosed(Exception):
-    """The client of a streamed answer went away: its sampling stops at the next step."""
+class ClientGone(Exception):
+    """The client of an answer went away: its sampling stops at the next step."""
+
+
+def stop_when_gone(gone) -> Any:
+    """`generate`'s `on_denoised` that ends a sampling whose client has closed its connection
+    (`gone`: Waitress' `waitress.client_disconnected`; None: no way to tell, never stops)."""
+    if gone is None:
+        return None
+
+    def check(step: int, denoised: np.ndarray) -> None:
+        if gone():
+            raise ClientGone
+
+    return check
 
 
 class EventStream:
@@ -492,8 +511,8 @@ class EventStream:
         try:
             for request in self.requests:
                 self._one(request)
-        except StreamClosed:
-            pass
+        except ClientGone:
+            log.info("the client of a streamed image job closed its connection: the job stopped")
         except Exception as exc:  # noqa: BLE001 - the client is told, in OpenAI's shape
             self.events.put(self._event("error", json.loads(self._refusal(exc).body())))
         finally:
@@ -517,7 +536,7 @@ class EventStream:
 
         def on_denoised(step: int, denoised: np.ndarray) -> None:
             if self.closed.is_set():
-                raise StreamClosed
+                raise ClientGone
             if step in wanted:
                 fitted = preview_for(self.loaded.model, transport.encode_image)
                 picture = fitted.picture(denoised, request.width, request.height)
