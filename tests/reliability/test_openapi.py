@@ -9,6 +9,7 @@ many more.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -99,8 +100,11 @@ def text_fields_retyped_only(case) -> bool:
 
 
 def exercise(server, operation, mode: GenerationMode, examples: int, headers=None) -> None:
+    """Up to `examples` generated requests (fewer where the description allows fewer
+    distinct ones); prints how many were sent and their answers by status class."""
     checks = CONFORMANCE + ([rejects_invalid_data] if mode is GenerationMode.NEGATIVE else [])
     strategy = operation.as_strategy(generation_mode=mode, headers=headers)
+    answers: Counter[str] = Counter()
 
     @settings(
         max_examples=examples,
@@ -111,6 +115,7 @@ def exercise(server, operation, mode: GenerationMode, examples: int, headers=Non
     @given(case=strategy)
     def check(case) -> None:
         response = case.call(base_url=server.base, session=server.session, timeout=30)
+        answers[f"{response.status_code // 100}xx"] += 1
         assert response.status_code < 500, (response.status_code, response.text[:300])
         case.validate_response(response, checks=checks)
 
@@ -118,6 +123,10 @@ def exercise(server, operation, mode: GenerationMode, examples: int, headers=Non
         check()
     except Unsatisfiable:
         pytest.skip("the operation has no parameter or body to make invalid")
+    finally:
+        tally = ", ".join(f"{status} {count}" for status, count in sorted(answers.items()))
+        sent = sum(answers.values())
+        print(f"FIGURE schemathesis {operation_id(operation)} {mode.value}: {sent} ({tally})")
     assert server.ctx.service.worker.alive
 
 
