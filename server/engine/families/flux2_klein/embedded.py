@@ -25,13 +25,11 @@ from ...embedded import (
     TINY_FLUX2_VAE_CONFIG,
     TINY_QWEN3_CONFIG,
     Inventory,
+    Recipe,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
-    ensure,
     qwen3_tensors,
-    stamp,
     table_inventory,
-    write_drawn,
     write_tiny_flux2_vae,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
@@ -87,20 +85,22 @@ MODEL_INDEX = {
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The embedded FLUX.2 klein's folder under `cache_dir` (default: `default_cache_dir()`),
     generated first if it is missing or was made by a different generator."""
-    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+    return RECIPE.ensure(cache_dir, write_embedded_model)
 
 
 def write_embedded_model(root: Path, seed: int = SEED) -> None:
     """Write every file of the tiny FLUX.2 klein folder into `root` (created if missing)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
+    RECIPE.write(
+        root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed
+    )
     write_tiny_flux2_vae(root, seed, CONSTANT_NOISE["vae"])
     tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
     write_tokenizer(root / "tokenizer", tokenizer)
     text = {**TEXT_CONFIG, "vocab_size": tokenizer.get_vocab_size()}
     text.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    _write(root / "text_encoder", "text_encoder", text, qwen3_tensors(text), seed)
+    RECIPE.write(root / "text_encoder", "text_encoder", text, qwen3_tensors(text), seed)
     (root / "scheduler").mkdir(exist_ok=True)
     scheduler = {**SCHEDULER, "_diffusers_version": DIFFUSERS_FORMAT}
     (root / "scheduler" / "scheduler_config.json").write_text(dumps(scheduler))
@@ -114,22 +114,19 @@ def transformer_tensors() -> Inventory:
     return table_inventory(shapes, GAIN)
 
 
-def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
-
-
-def _stamp() -> dict:
-    """Who made the folder: a fingerprint over everything that decides its contents."""
-    recipe = {
-        "generator": GENERATOR_VERSION,
-        "seed": SEED,
+# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
+RECIPE = Recipe(
+    MODEL_NAME,
+    GENERATOR_VERSION,
+    SEED,
+    CONSTANT_NOISE,
+    {
         "transformer": TRANSFORMER_CONFIG,
         "vae": TINY_FLUX2_VAE_CONFIG,
         "text": TEXT_CONFIG,
-        "noise": CONSTANT_NOISE,
         "scheduler": SCHEDULER,
         "model_index": MODEL_INDEX,
         "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
         "chat_template": CHAT_TEMPLATE,
-    }
-    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
+    },
+)

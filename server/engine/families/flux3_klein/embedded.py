@@ -27,12 +27,10 @@ from ...embedded import (
     TINY_QWEN3_CONFIG,
     TINY_QWEN3_VL_RECIPE,
     Inventory,
+    Recipe,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
-    ensure,
-    stamp,
     table_inventory,
-    write_drawn,
     write_tiny_flux2_vae,
     write_tiny_qwen3_vl,
 )
@@ -71,14 +69,16 @@ CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The embedded FLUX.3 klein's folder under `cache_dir` (default: `default_cache_dir()`),
     generated first if it is missing or was made by a different generator."""
-    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+    return RECIPE.ensure(cache_dir, write_embedded_model)
 
 
 def write_embedded_model(root: Path, seed: int = SEED) -> None:
     """Write every file of the tiny FLUX.3 klein folder into `root` (created if missing)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
+    RECIPE.write(
+        root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed
+    )
     write_tiny_flux2_vae(root, seed, CONSTANT_NOISE["vae"])
     write_tiny_qwen3_vl(root, seed, CONSTANT_NOISE["text_encoder"])
     (root / "scheduler").mkdir(exist_ok=True)
@@ -93,20 +93,17 @@ def transformer_tensors() -> Inventory:
     return table_inventory(shapes, GAIN)
 
 
-def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
-
-
-def _stamp() -> dict:
-    """Who made the folder: a fingerprint over everything that decides its contents."""
-    recipe = {
-        "generator": GENERATOR_VERSION,
-        "seed": SEED,
+# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
+RECIPE = Recipe(
+    MODEL_NAME,
+    GENERATOR_VERSION,
+    SEED,
+    CONSTANT_NOISE,
+    {
         "transformer": TRANSFORMER_CONFIG,
         "vae": TINY_FLUX2_VAE_CONFIG,
         **TINY_QWEN3_VL_RECIPE,
-        "noise": CONSTANT_NOISE,
         "scheduler": SCHEDULER_CONFIG,
         "model_index": MODEL_INDEX,
-    }
-    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
+    },
+)

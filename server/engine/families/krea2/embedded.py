@@ -24,13 +24,11 @@ from ...embedded import (
     TINY_QWEN3_CONFIG,
     TINY_QWEN3_VL_RECIPE,
     Inventory,
+    Recipe,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
-    ensure,
     qwen_image_vae_tensors,
-    stamp,
     table_inventory,
-    write_drawn,
     write_tiny_qwen3_vl,
 )
 from ...vaes.from_files import QWEN_IMAGE_LATENTS
@@ -88,15 +86,17 @@ CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The embedded Krea 2's folder under `cache_dir` (default: `default_cache_dir()`),
     generated first if it is missing or was made by a different generator."""
-    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+    return RECIPE.ensure(cache_dir, write_embedded_model)
 
 
 def write_embedded_model(root: Path, seed: int = SEED) -> None:
     """Write every file of the tiny Krea 2 folder into `root` (created if missing)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    _write(root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed)
-    _write(root / "vae", "vae", VAE_CONFIG, qwen_image_vae_tensors(VAE_CONFIG), seed)
+    RECIPE.write(
+        root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed
+    )
+    RECIPE.write(root / "vae", "vae", VAE_CONFIG, qwen_image_vae_tensors(VAE_CONFIG), seed)
     write_tiny_qwen3_vl(root, seed, CONSTANT_NOISE["text_encoder"])
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
@@ -111,20 +111,17 @@ def transformer_tensors() -> Inventory:
     return table_inventory(shapes, SHIFT)
 
 
-def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
-
-
-def _stamp() -> dict:
-    """Who made the folder: a fingerprint over everything that decides its contents."""
-    recipe = {
-        "generator": GENERATOR_VERSION,
-        "seed": SEED,
+# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
+RECIPE = Recipe(
+    MODEL_NAME,
+    GENERATOR_VERSION,
+    SEED,
+    CONSTANT_NOISE,
+    {
         "transformer": TRANSFORMER_CONFIG,
         "vae": VAE_CONFIG,
         **TINY_QWEN3_VL_RECIPE,
-        "noise": CONSTANT_NOISE,
         "scheduler": SCHEDULER_CONFIG,
         "model_index": MODEL_INDEX,
-    }
-    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
+    },
+)

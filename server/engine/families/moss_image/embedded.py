@@ -28,11 +28,10 @@ from ...embedded import (
     TINY_QWEN3_CONFIG,
     TOKENIZER_CORPUS,
     Inventory,
+    Recipe,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
-    ensure,
     flux2_vae_tensors,
-    stamp,
     train_tokenizer,
     write_drawn,
     write_tokenizer,
@@ -91,7 +90,7 @@ CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The embedded MOSS-Image's folder under `cache_dir` (default: `default_cache_dir()`),
     generated first if it is missing or was made by a different generator."""
-    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+    return RECIPE.ensure(cache_dir, write_embedded_model)
 
 
 def write_embedded_model(
@@ -106,7 +105,7 @@ def write_embedded_model(
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     inventory = transformer_tensors(transformer)
-    _write(root / "transformer", "transformer", transformer, inventory, seed)
+    RECIPE.write(root / "transformer", "transformer", transformer, inventory, seed)
     write_drawn(
         root / "vae",
         "vae",
@@ -202,20 +201,17 @@ def write_tiny_qwen35(root: Path, seed: int, noise: float, text: dict = TINY_QWE
     write_drawn(root / "text_encoder", "text_encoder", config, inventory, seed, noise)
 
 
-def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
-
-
-def _stamp() -> dict:
-    """Who made the folder: a fingerprint over everything that decides its contents."""
-    recipe = {
-        "generator": GENERATOR_VERSION,
-        "seed": SEED,
+# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
+RECIPE = Recipe(
+    MODEL_NAME,
+    GENERATOR_VERSION,
+    SEED,
+    CONSTANT_NOISE,
+    {
         "transformer": TRANSFORMER_CONFIG,
         "vae": VAE_CONFIG,
         "text": TINY_QWEN35_TEXT,
         "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
-        "noise": CONSTANT_NOISE,
         "model_index": MODEL_INDEX,
-    }
-    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
+    },
+)

@@ -37,12 +37,11 @@ from ...embedded import (
     SHIFT,
     STAMP_FILE,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     TRANSFORMERS_WEIGHTS,
+    Recipe,
     default_cache_dir,  # noqa: F401
     draw,
     dumps,
-    ensure,
     qwen3_vl_tensors,
-    stamp,
     write_component,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
@@ -237,7 +236,7 @@ CONSTANT_NOISE = 0.1
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The embedded model's folder under `cache_dir` (default: `default_cache_dir()`), generated
     first if it is missing or was made by a different generator."""
-    return ensure(cache_dir, MODEL_NAME, _stamp(), lambda folder: write_embedded_model(folder))
+    return RECIPE.ensure(cache_dir, write_embedded_model)
 
 
 def write_embedded_model(root: Path, seed: int = SEED) -> None:
@@ -277,11 +276,13 @@ def model_index(sample_sigmas: list[float] | None = SAMPLE_SIGMAS) -> dict:
     }
 
 
-def _stamp() -> dict:
-    """Who made the folder: a fingerprint over everything that decides its contents."""
-    recipe = {
-        "generator": GENERATOR_VERSION,
-        "seed": SEED,
+# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
+RECIPE = Recipe(
+    MODEL_NAME,
+    GENERATOR_VERSION,
+    SEED,
+    None,
+    {
         "transformer": TRANSFORMER_CONFIG,
         "vae": VAE_CONFIG,
         "text": TEXT_CONFIG,
@@ -292,8 +293,8 @@ def _stamp() -> dict:
         "tokens": [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
         "chat_template": CHAT_TEMPLATE,
         "sample_sigmas": SAMPLE_SIGMAS,
-    }
-    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
+    },
+)
 
 
 # ---- weights ------------------------------------------------------------------------------

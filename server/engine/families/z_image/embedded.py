@@ -25,14 +25,12 @@ from ...embedded import (
     SHIFT,
     TINY_QWEN3_CONFIG,
     Inventory,
+    Recipe,
     autoencoder_kl_tensors,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     dumps,
-    ensure,
     linear_tensors,
     qwen3_tensors,
-    stamp,
-    write_drawn,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
     BPE_VOCAB_SIZE,
@@ -117,7 +115,7 @@ def scheduler_config(variant: str) -> dict:
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """The embedded Z-Image's folder under `cache_dir` (default: `default_cache_dir()`),
     generated first if it is missing or was made by a different generator."""
-    return ensure(cache_dir, MODEL_NAME, _stamp(), write_embedded_model)
+    return RECIPE.ensure(cache_dir, write_embedded_model)
 
 
 def write_embedded_model(
@@ -137,12 +135,12 @@ def write_embedded_model(
 
 def write_transformer(folder: Path, seed: int = SEED, **overrides) -> None:
     config = {**TRANSFORMER_CONFIG, **overrides}
-    _write(Path(folder), "transformer", config, transformer_tensors(config), seed)
+    RECIPE.write(Path(folder), "transformer", config, transformer_tensors(config), seed)
 
 
 def write_vae(folder: Path, seed: int = SEED, **overrides) -> None:
     config = {**VAE_CONFIG, **overrides}
-    _write(Path(folder), "vae", config, autoencoder_kl_tensors(config), seed)
+    RECIPE.write(Path(folder), "vae", config, autoencoder_kl_tensors(config), seed)
 
 
 def write_text_encoder(root: Path, seed: int = SEED) -> None:
@@ -151,29 +149,26 @@ def write_text_encoder(root: Path, seed: int = SEED) -> None:
     tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
     write_tokenizer(root / "tokenizer", tokenizer)
     config = _text_config(tokenizer.get_vocab_size())
-    _write(root / "text_encoder", "text_encoder", config, qwen3_tensors(config), seed)
+    RECIPE.write(root / "text_encoder", "text_encoder", config, qwen3_tensors(config), seed)
 
 
-def _write(folder: Path, component: str, config: dict, inventory: Inventory, seed: int) -> None:
-    write_drawn(folder, component, config, inventory, seed, CONSTANT_NOISE[component])
-
-
-def _stamp() -> dict:
-    """Who made the folder: a fingerprint over everything that decides its contents."""
-    recipe = {
-        "generator": GENERATOR_VERSION,
-        "seed": SEED,
+# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
+RECIPE = Recipe(
+    MODEL_NAME,
+    GENERATOR_VERSION,
+    SEED,
+    CONSTANT_NOISE,
+    {
         "variant": VARIANT,
         "transformer": TRANSFORMER_CONFIG,
         "vae": VAE_CONFIG,
         "text": TEXT_CONFIG,
-        "noise": CONSTANT_NOISE,
         "scheduler": scheduler_config(VARIANT),
         "model_index": MODEL_INDEX,
         "tokens": [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
         "chat_template": CHAT_TEMPLATE,
-    }
-    return stamp(MODEL_NAME, GENERATOR_VERSION, recipe)
+    },
+)
 
 
 # ---- weights ------------------------------------------------------------------------------
