@@ -31,7 +31,7 @@ import time
 import numpy as np
 from gmlx_contract import wire
 from waitress.channel import HTTPChannel
-from waitress.parser import HTTPRequestParser
+from waitress.parser import HTTPRequestParser, ParsingError, TransferEncodingNotImplemented
 from waitress.receiver import FixedStreamReceiver
 from waitress.server import BaseWSGIServer, create_server
 from waitress.task import ErrorTask
@@ -47,6 +47,12 @@ HEAD_READ_BYTES = 8 * 1024
 IN_PLACE_MIN_BYTES = 64 * 1024  # container bodies from this length on are received in place
 
 ERROR_KINDS = {413: "request_too_large", 431: "request_too_large", 500: "server_error"}
+# A body framed by a transfer coding other than chunked: Waitress says 501 (it implements
+# chunked alone); the request is what is wrong, so it is a 400 naming the header.
+UNREAD_TRANSFER_CODING = (
+    "Transfer-Encoding names a coding this server does not read: send the body with "
+    "Content-Length, or Transfer-Encoding: chunked alone"
+)
 
 
 def log_request(method: str, path: str, status: int, started: float) -> None:
@@ -70,7 +76,10 @@ class GatedParser(HTTPRequestParser):
         self.started = time.perf_counter()  # the request's first bytes are in
 
     def parse_header(self, header_plus: bytes) -> None:
-        super().parse_header(header_plus)
+        try:
+            super().parse_header(header_plus)
+        except TransferEncodingNotImplemented:  # Waitress' 501: it is the request that is wrong
+            raise ParsingError(UNREAD_TRANSFER_CODING) from None
         content_type = self.headers.get("CONTENT_TYPE")
         self.body_limit = body_limit(content_type)
         if self.content_length > self.body_limit:

@@ -47,7 +47,8 @@ class Health(Resource):
 
 
 def ready_asked(value: str | None) -> bool:
-    """The `ready` query parameter: 1/true asks for readiness, 0/false or none does not."""
+    """The `ready` query parameter: 1 or true asks for readiness, 0, false or none does not
+    (true and false in any case, as docs/openapi.yaml says)."""
     if value is None or value.lower() in ("0", "false"):
         return False
     if value.lower() in ("1", "true"):

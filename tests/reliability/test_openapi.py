@@ -163,6 +163,24 @@ def test_the_openai_fields_are_described_as_served():
     assert (job["strength"]["minimum"], job["strength"]["maximum"]) == (0, 1)
 
 
+def test_the_readiness_parameter_is_described_as_read():
+    """/health's `ready`: the values the description allows are those the route takes."""
+    import re
+
+    from gmlx_contract.errors import ContractError
+    from gmlx_server.routes.models import ready_asked
+
+    (ready,) = yaml.safe_load(OPENAPI.read_text())["paths"]["/health"]["get"]["parameters"]
+    pattern = ready["schema"]["pattern"]
+    for value in ["1", "0", "true", "True", "TRUE", "false", "FaLsE", "yes", "", "2", "truee"]:
+        try:
+            ready_asked(value)
+            taken = True
+        except ContractError:
+            taken = False
+        assert bool(re.search(pattern, value)) == taken, value
+
+
 @pytest.mark.parametrize("operation", OPERATIONS, ids=operation_id)
 def test_valid_requests_conform(server, operation):
     exercise(server, operation, GenerationMode.POSITIVE, QUICK_EXAMPLES, VERSION)

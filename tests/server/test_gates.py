@@ -150,6 +150,15 @@ def test_body_over_the_container_limit_is_refused_before_it_is_sent(live):
     assert answer.startswith("HTTP/1.1 413"), answer
 
 
+@pytest.mark.parametrize("coding", ["0", "gzip", "gzip, chunked", "identity"])
+def test_a_transfer_coding_it_does_not_read_is_400_nested(live, coding):
+    """Waitress reads chunked alone and would answer 501; the request is what is wrong."""
+    r = live.call("GET", "models", headers={**VERSION, "Transfer-Encoding": coding})
+    assert r.status_code == 400
+    assert "Transfer-Encoding" in nested(r)["message"]
+    assert live.call("GET", "models", headers=VERSION).ok
+
+
 def test_a_crashing_model_gives_500_and_the_worker_goes_on(fresh):
     cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
     tensors = {"x": np.zeros((1, 4, 2, 2), np.float32), "timestep": np.zeros(1, np.float32)}
