@@ -70,33 +70,49 @@ def operation_id(operation) -> str:
 
 
 def rejects_invalid_data(ctx, response, case):
-    """schemathesis' negative_data_rejection, less two cases it gets wrong here: a JSON route
+    """schemathesis' negative_data_rejection, less the cases it gets wrong here: a JSON route
     reads an empty or blank body as {} (docs/contract.md §1.1), which is valid; and a multipart
-    body whose only mutations give a text field another type, which the form sends as text
-    the field takes (an array as "[]")."""
+    body whose mutations the form cannot carry (`form_reads_them_valid`)."""
     body = case.body
     if isinstance(body, (bytes, str)) and not body.strip():
         return None
-    if text_fields_retyped_only(case):
+    if form_reads_them_valid(case):
         return None
     return negative_data_rejection(ctx, response, case)
 
 
-def text_fields_retyped_only(case) -> bool:
-    """Whether a multipart case's every mutation changes the type of a string field."""
+def form_reads_them_valid(case) -> bool:
+    """Whether a multipart case's every mutation is lost in the form, as docs/openapi.yaml
+    says a form reads its parts: a text field given another type is sent as text the field
+    takes (an array as "[]"), and a field whose invalid value is sent as an empty part, or as
+    no part, is absent."""
     from schemathesis.core.mutations import OperatorKind
     from schemathesis.core.parameters import ParameterLocation
 
     if not str(case.media_type or "").startswith("multipart/form-data") or case.meta is None:
         return False
     mutations = getattr(case.meta.phase.data, "mutations", ())
-    return bool(mutations) and all(
-        m.operator == OperatorKind.CHANGE_TYPE
-        and m.parameter_location == ParameterLocation.BODY
-        and m.keywords == ("type",)
-        and m.original_value == "string"
-        for m in mutations
-    )
+
+    def lost(mutation) -> bool:
+        if mutation.parameter_location != ParameterLocation.BODY:
+            return False
+        retyped_text = (
+            mutation.operator == OperatorKind.CHANGE_TYPE
+            and mutation.keywords == ("type",)
+            and mutation.original_value == "string"
+        )
+        field = mutation.path[0] if mutation.path else None
+        sent_empty = isinstance(case.body, dict) and field in case.body
+        return retyped_text or (sent_empty and empty_in_a_form(case.body[field]))
+
+    return bool(mutations) and all(lost(mutation) for mutation in mutations)
+
+
+def empty_in_a_form(value) -> bool:
+    """Whether a form sends the value as an empty part or as none (a list: a part each)."""
+    if isinstance(value, (list, tuple)):
+        return all(empty_in_a_form(item) for item in value)
+    return value is None or value == ""
 
 
 def exercise(server, operation, mode: GenerationMode, examples: int, headers=None) -> None:
