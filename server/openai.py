@@ -407,7 +407,8 @@ class ImageRoute:
     def one_image(
         self, loaded: Any, status: dict, request: ImageRequest, job: Job, on_denoised=None
     ) -> bytes:
-        """One image's file in the job's format (`on_denoised`: the sampler's previews)."""
+        """One image's file in the job's format (`on_denoised`: the sampler's previews, or the
+        check that the client is still there)."""
         transport = self.transport(loaded)
         latents, timings = generate(transport, status, request, on_denoised=on_denoised)
         pixels = transport.decode(latents)
