@@ -90,7 +90,9 @@ class Recipe:
         `write(folder)` first if it is missing or was made by a different generator."""
         return ensure(cache_dir, self.name, self.stamp(), write)
 
-    def write(self, folder: Path, component: str, config: dict, inventory: Inventory, seed: int):
+    def write(
+        self, folder: Path, component: str, config: dict, inventory: Inventory, seed: int
+    ) -> None:
         """A component's folder, drawn with the recipe's noise for it (`write_drawn`)."""
         write_drawn(folder, component, config, inventory, seed, self.noise[component])
 
