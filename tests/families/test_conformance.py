@@ -12,7 +12,9 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 - a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
   a quantized load of the float folder;
 - a GGUF DiT steps as the same network on `gguf.quants.dequantize`'s weights;
-- a truncated GGUF DiT is refused (400, naming the file) before the resident model goes.
+- a truncated GGUF DiT is refused (400, naming the file) before the resident model goes;
+- the encoder and the VAE at the entry's `encoder_vae_dtype` bf16 stay within bf16's
+  tolerance of float32, in about half the bytes, and the DiT keeps its own dtype.
 """
 
 from __future__ import annotations
@@ -41,13 +43,23 @@ from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
 
 TOLERANCE = 1e-4
+# bf16 keeps 8 significant bits (unit roundoff 2**-9, about 2e-3) and every weight and
+# activation of the encoder and the VAE rounds to it, so their outputs move by a few units of
+# roundoff a layer (measured on the embedded Qwen-Image 2.1, bench/lean_dtypes.py: 1.5e-2 for
+# the conditioning, 0.8e-2 a decode, 1.2e-2 an encode). The bounds are about 3x those, far
+# below a wrong network's (near 1); the floor shows the bf16 path ran (float32 against itself
+# differs by about 1e-7).
+BF16_ENCODE_TOLERANCE = 0.05
+BF16_VAE_TOLERANCE = 0.03
+BF16_FLOOR = 1e-4
 HERE = Path(__file__).resolve().parent
 
 
 def cases() -> dict:
     """Every family's case, by family name: each test folder's `conformance.py` (FAMILY, the
     family's name; write_folder(folder), its tiny folder; FAMILY_OBJECT, the Family of a family
-    of the tests alone, which the product's specs do not list)."""
+    of the tests alone, which the product's specs do not list; BF16_ENCODE_TOLERANCE, where the
+    tiny encoder's bf16 is measured to need a wider bound than BF16_ENCODE_TOLERANCE)."""
     found = {}
     for folder in sorted(HERE.iterdir()):
         if (folder / "conformance.py").is_file():
@@ -89,7 +101,7 @@ def write_gguf_dit(transformer, path, dequantized) -> dict[str, int]:
 def served(request, tmp_path_factory):
     """(server, family name): the family's folder as `plain`, `gguf` (its DiT from a GGUF
     file), `dequantized` (the GGUF's weights as safetensors), `q4` (quantized at load) and
-    `stored` (`gmlx model quantize`'s 4-bit copy)."""
+    `stored` (`gmlx model quantize`'s 4-bit copy) and `lean` (its encoder and VAE in bf16)."""
     name = request.param
     case = CASES[name]
     families = {**family_specs()}
@@ -103,19 +115,20 @@ def served(request, tmp_path_factory):
     shutil.copytree(plain, dequantized, ignore=shutil.ignore_patterns("transformer"))
     types = write_gguf_dit(plain / "transformer", root / "dit.gguf", dequantized / "transformer")
     print(f"{name}: GGUF DiT of {types}")
-    (models / "gguf").symlink_to(plain)
-    (models / "q4").symlink_to(plain)
+    for alias in ("gguf", "q4", "lean"):
+        (models / alias).symlink_to(plain)
     family = ModelRegistry(extra_models=[plain], families=families).family(name)
     quantize_folder(plain, models / "stored", Quantization(4), family.quantized_files(plain))
     settings = {
         "gguf": LoadSettings(dit=root / "dit.gguf"),
         "q4": LoadSettings(quantization=Quantization(4)),
+        "lean": LoadSettings(encoder_vae_dtype="bf16"),
     }
     registry = ModelRegistry(
         [models],
         "plain",
         families=families,
-        max_resident=5,  # every model of the case stays loaded: no test reloads one
+        max_resident=6,  # every model of the case stays loaded: no test reloads one
         settings=lambda m: settings.get(m, LoadSettings()),
     )
     config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[models])
@@ -293,3 +306,38 @@ def test_a_truncated_gguf_dit_is_refused_before_the_resident_model_goes(served, 
         assert "plain" in registry.resident_ids()
     finally:
         registry.settings = keep
+
+
+def test_the_encoder_and_the_vae_in_bf16_stay_within_its_tolerance(served):
+    """`encoder_vae_dtype` bf16 (float32 is the CPU backend's rule, so the bf16 path is run
+    by the setting): the conditioning, a decode and an encode within bf16's tolerance of
+    float32, the encoder and the VAE in about half the bytes (a few float32 statistics may
+    stay), the DiT as it was."""
+    live, name = served
+    encode_tolerance = getattr(CASES[name], "BF16_ENCODE_TOLERANCE", BF16_ENCODE_TOLERANCE)
+    for model in ("plain", "lean"):
+        assert live.post_json("models/load", {"model": model}).status_code == 200
+    plain, lean = status(live, "plain")["residency"], status(live, "lean")["residency"]
+    assert {part: row["dtype"] for part, row in plain.items()} == dict.fromkeys(plain, "f32")
+    assert {part: row["dtype"] for part, row in lean.items()} == {
+        **dict.fromkeys(lean, "bf16"),
+        "dit": plain["dit"]["dtype"],
+    }
+    assert lean["dit"]["bytes"] == plain["dit"]["bytes"]
+    for part in ("encoder", "vae"):
+        assert plain[part]["bytes"] * 0.5 <= lean[part]["bytes"] <= plain[part]["bytes"] * 0.51
+    want, got = encoding(live, "plain", "a red fox"), encoding(live, "lean", "a red fox")
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert BF16_FLOOR < rel_l2(got, want) <= encode_tolerance
+    channels = status(live, "plain")["latent"]["channels"]
+    latents = np.random.default_rng(3).standard_normal((1, channels, 4, 6)).astype(np.float32)
+    decoded = [vae(live, "decode", model, latents=latents)["image"] for model in ("plain", "lean")]
+    assert BF16_FLOOR < rel_l2(decoded[1], decoded[0]) <= BF16_VAE_TOLERANCE
+    image = np.random.default_rng(4).random(decoded[0].shape).astype(np.float32)
+    encoded = [vae(live, "encode", model, image=image)["latents"] for model in ("plain", "lean")]
+    assert encoded[0].shape == latents.shape
+    assert BF16_FLOOR < rel_l2(encoded[1], encoded[0]) <= BF16_VAE_TOLERANCE
+
+
+def vae(live, route: str, model: str, **arrays) -> dict:
+    return tensors(live.post_container(f"vae/{route}", arrays, {"model": model}))
