@@ -368,7 +368,9 @@ class ImageRoute:
                 return
             stop = stop_when_gone(req.env.get("waitress.client_disconnected"))
             with refusals():
-                files = [self.one_image(loaded, status, each, job, stop) for each in requests]
+                files = [
+                    self.one_image(loaded, status, each, job, on_step=stop) for each in requests
+                ]
         except ClientGone:  # nobody reads an answer now: the work left is dropped
             self.service.release(loaded)
             log.info("the client of an image job closed its connection: the job stopped")
@@ -405,12 +407,20 @@ class ImageRoute:
         )
 
     def one_image(
-        self, loaded: Any, status: dict, request: ImageRequest, job: Job, on_denoised=None
+        self,
+        loaded: Any,
+        status: dict,
+        request: ImageRequest,
+        job: Job,
+        on_denoised=None,
+        on_step=None,
     ) -> bytes:
-        """One image's file in the job's format (`on_denoised`: the sampler's previews, or the
-        check that the client is still there)."""
+        """One image's file in the job's format (`generate`'s `on_denoised`: the previews;
+        `on_step`: the check that the client is still there)."""
         transport = self.transport(loaded)
-        latents, timings = generate(transport, status, request, on_denoised=on_denoised)
+        latents, timings = generate(
+            transport, status, request, on_denoised=on_denoised, on_step=on_step
+        )
         pixels = transport.decode(latents)
         log.info(
             "image %dx%d, %d steps, seed %d in %.2f s",
@@ -470,12 +480,12 @@ class ClientGone(Exception):
 
 
 def stop_when_gone(gone) -> Any:
-    """`generate`'s `on_denoised` that ends a sampling whose client has closed its connection
+    """`generate`'s `on_step` that ends a sampling whose client has closed its connection
     (`gone`: Waitress' `waitress.client_disconnected`; None: no way to tell, never stops)."""
     if gone is None:
         return None
 
-    def check(step: int, denoised: np.ndarray) -> None:
+    def check(step: int) -> None:
         if gone():
             raise ClientGone
 

@@ -360,6 +360,7 @@ def generate(
     *,
     progress: bool = False,
     on_denoised: Callable[[int, np.ndarray], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, ImageTimings]:
     """Encode, sample and leave the final latents (1, C, h, w) in model space; with timings.
 
@@ -368,7 +369,8 @@ def generate(
     for inpainting a family whose status says `conditioning.inpaint_reference` also takes the
     init image as its first reference, as its diffusers inpaint pipeline does. Decoding is the
     caller's (`transport.decode`), so a bench can time it and a test can compare latents;
-    `on_denoised` sees each step's estimate of the clean latents (previews).
+    `on_denoised` sees each step's estimate of the clean latents (previews), `on_step` each
+    step's index once it is done (e.g. to stop: what it raises ends the sampling).
     """
     timings = ImageTimings()
     started = time.perf_counter()
@@ -391,10 +393,12 @@ def generate(
     noise = initial_noise(request.seed, int(latent["channels"]), *shape)
     last = [time.perf_counter()]
 
-    def on_step(i: int, x: np.ndarray) -> None:
+    def timed(i: int, x: np.ndarray) -> None:
         now = time.perf_counter()
         timings.step_s.append(now - last[0])
         last[0] = now
+        if on_step is not None:
+            on_step(i)
 
     sampling = status.get("sampling") or {}
     guidance = Guidance(cond, uncond, cfg, tuple(sampling.get("neg_skip") or ()))
@@ -408,7 +412,7 @@ def generate(
             sampler=request.sampler,
             timestep_scale=float(sampling.get("timestep_scale") or 1.0),
             progress=progress,
-            on_step=on_step,
+            on_step=timed,
             start=start,
             on_denoised=on_denoised,
         )
