@@ -21,6 +21,7 @@ from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...precision import Quantization
 from ...weights import gguf_file, load_module, load_weights, read_config
+from ..prompt import PromptEncoder
 from .tokenizer import PromptTemplate, QwenPromptTokenizer
 
 
@@ -253,11 +254,12 @@ class Qwen3Part:
         return encoder.encoder.model
 
 
-class Qwen3Prompt:
+class Qwen3Prompt(PromptEncoder):
     """A family's prompt encoder over Qwen3 alone: the family's `TEMPLATE` tokenized by the
     folder's tokenizer/, through Qwen3TextEncoder (its first `LAYERS` decoder layers; None:
-    all). A subclass sets the two and says how it encodes (`encode`); one that needs more of
-    the folder builds itself in `of`."""
+    all; a GGUF file is llama.cpp's of Qwen3, text_encoder/config.json still describing it;
+    a quantized load quantizes Qwen3's choice, `quantized`). A subclass sets the two and says
+    how it encodes (`encode`); one that needs more of the folder builds itself in `of`."""
 
     TEMPLATE: PromptTemplate
     LAYERS: int | None = None
@@ -265,25 +267,10 @@ class Qwen3Prompt:
     def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, dtype: mx.Dtype):
         """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
         quantized, a GGUF file's token table too)."""
-        self.encoder = encoder
-        self.tokenizer = tokenizer
-        self.dtype = dtype
-        self.weight_bytes = encoder.weight_bytes
-        self.hidden_size = encoder.hidden_size
+        super().__init__(encoder, tokenizer, encoder.weight_bytes, encoder.hidden_size, dtype)
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype = mx.float32,
-        quantization: Quantization | None = None,
-        gguf: Path | None = None,
-    ):
-        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, a llama.cpp
-        GGUF file of Qwen3 (text_encoder/config.json still describes it); with a
-        `quantization`, Qwen3's choice of layers (`quantized`: its decoder layers' linears and
-        its token table) quantized as they load."""
-        model_dir = Path(model_dir)
+    def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):
         folder = model_dir / "text_encoder"
         encoder = Qwen3TextEncoder.load(folder, dtype, quantization, quantized, gguf, cls.LAYERS)
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", cls.TEMPLATE)

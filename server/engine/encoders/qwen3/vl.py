@@ -9,6 +9,7 @@ Weights load by transformers' names; `lm_head` and the final norm are unused.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -24,7 +25,9 @@ from ...module_files import ModuleFiles, llama_cpp_names
 from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin
 from ...precision import Quantization
+from ...spec import model_index
 from ...weights import gguf_file, load_module, load_weights, read_config
+from ..prompt import PromptEncoder
 from .text import TextConfig, TextModel
 from .vision import VisionConfig, VisionModel
 
@@ -177,6 +180,53 @@ def hidden_state_taps(indices: tuple[int, ...], num_layers: int, setting: str) -
                 f"(the encoder's {num_layers} decoder layers, before the final norm)"
             )
     return tuple(index - 1 for index in indices)
+
+
+class TappedTextPrompt(PromptEncoder):
+    """A family's prompt encoder over Qwen3-VL's language model alone (its vision tower never
+    loads; a GGUF "pair" may be the language model's file alone), whose conditioning is the
+    hidden states after the tapped layers stacked per token, each token's layers one after
+    another: (1, L, layers x hidden), the wire's (1, L, D). The taps are model_index.json's
+    `TAPS_SETTING` entries of `hidden_states` (default: the pipeline's `TAPS`). A subclass
+    sets the two, how it reads its tokenizer (`read_tokenizer`) and how it encodes."""
+
+    TAPS_SETTING: str
+    TAPS: tuple[int, ...]
+
+    def __init__(
+        self,
+        encoder: Qwen3VLEncoder,
+        tokenizer,
+        hidden_states: tuple[int, ...],
+        weight_bytes: int,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        config = encoder.language_model.config
+        self.taps = hidden_state_taps(hidden_states, config.num_layers, self.TAPS_SETTING)
+        self.text_dim = config.hidden_size
+        width = len(self.taps) * config.hidden_size
+        super().__init__(encoder, tokenizer, weight_bytes, width, dtype)
+
+    @classmethod
+    def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):
+        encoder, weight_bytes = Qwen3VLEncoder.load(
+            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf, text_only=True
+        )
+        hidden_states = model_index(model_dir).get(cls.TAPS_SETTING) or cls.TAPS
+        tokenizer = cls.read_tokenizer(model_dir / "tokenizer")
+        return cls(encoder, tokenizer, tuple(hidden_states), weight_bytes, dtype)
+
+    @staticmethod
+    @abstractmethod
+    def read_tokenizer(folder: Path):
+        """The folder's tokenizer, as the family tokenizes."""
+
+    def stacked(self, ids: np.ndarray, **options) -> np.ndarray:
+        """(1, L, layers x hidden) float32: the tapped states of the ids' tokens, each token's
+        layers in tap order (`options`: the encoder's positions and valid keys)."""
+        tapped = self.encoder.hidden_states(ids, [], [], self.taps, **options)
+        joined = mx.stack(tapped, axis=1).astype(mx.float32)  # (L, layers, D)
+        return np.asarray(joined).reshape(1, joined.shape[0], -1)
 
 
 # Checkpoint name prefixes -> module names, newest layout first.

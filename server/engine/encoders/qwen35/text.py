@@ -563,4 +563,4 @@ class Qwen35Part:
     @staticmethod
     def network(encoder) -> nn.Module:
         """A family's loaded prompt encoder's network (for its quantization status)."""
-        return encoder.model
+        return encoder.encoder

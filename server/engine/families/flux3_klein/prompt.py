@@ -15,13 +15,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 from ...encoders.qwen3.tokenizer import PromptTemplate, QwenPromptTokenizer, pad_token
-from ...encoders.qwen3.vl import Qwen3VLEncoder, hidden_state_taps, text_quantized
-from ...precision import Quantization
-from ...spec import model_index
+from ...encoders.qwen3.vl import TappedTextPrompt
 from .spec import CHAT_TEXT, MAX_SEQUENCE_LENGTH, OUT_LAYERS, PAD_MULTIPLE, SPEC
 
 TEMPLATE = PromptTemplate(
@@ -30,44 +27,19 @@ TEMPLATE = PromptTemplate(
 PAD_POSITION = 1  # where the pipeline puts every pad token
 
 
-class Flux3PromptEncoder:
-    def __init__(
-        self,
-        encoder: Qwen3VLEncoder,
-        tokenizer: QwenPromptTokenizer,
-        pad_id: int,
-        out_layers: tuple[int, ...],
-        weight_bytes: int,
-        dtype: mx.Dtype = mx.float32,
-    ):
-        self.encoder = encoder
-        self.tokenizer = tokenizer
-        self.pad_id = pad_id
-        config = encoder.language_model.config
-        self.taps = hidden_state_taps(out_layers, config.num_layers, "text_encoder_out_layers")
-        self.hidden_size = len(self.taps) * config.hidden_size  # the wire's D
-        self.weight_bytes = weight_bytes
-        self.dtype = dtype
+class Flux3PromptEncoder(TappedTextPrompt):
+    TAPS_SETTING = "text_encoder_out_layers"
+    TAPS = OUT_LAYERS
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype = mx.float32,
-        quantization: Quantization | None = None,
-        gguf: tuple[Path, Path] | None = None,
-    ) -> Flux3PromptEncoder:
-        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, llama.cpp's
-        pair of files; the tapped layers from model_index.json's `text_encoder_out_layers`
-        (default: the pipeline's)."""
-        model_dir = Path(model_dir)
-        encoder, weight_bytes = Qwen3VLEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf, text_only=True
-        )
-        tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", TEMPLATE)
-        pad_id = tokenizer.token_id(pad_token(model_dir / "tokenizer"))
-        layers = model_index(model_dir).get("text_encoder_out_layers") or OUT_LAYERS
-        return cls(encoder, tokenizer, pad_id, tuple(layers), weight_bytes, dtype)
+    def from_folder(cls, model_dir: Path, *how) -> Flux3PromptEncoder:
+        encoder = super().from_folder(model_dir, *how)
+        encoder.pad_id = encoder.tokenizer.token_id(pad_token(model_dir / "tokenizer"))
+        return encoder
+
+    @staticmethod
+    def read_tokenizer(folder: Path) -> QwenPromptTokenizer:
+        return QwenPromptTokenizer.load(folder, TEMPLATE)
 
     def token_ids(self, text: str) -> tuple[np.ndarray, int]:
         """The padded ids and how many of them are the prompt's."""
@@ -81,8 +53,4 @@ class Flux3PromptEncoder:
         ids, real = self.token_ids(text)
         positions = np.full(ids.shape[0], PAD_POSITION, np.int64)
         positions[:real] = np.arange(real)
-        tapped = self.encoder.hidden_states(
-            ids, [], [], self.taps, positions=np.stack([positions] * 3), valid_keys=real
-        )
-        stacked = mx.stack(tapped, axis=1).astype(mx.float32)  # (L, layers, D)
-        return np.asarray(stacked).reshape(1, stacked.shape[0], -1)
+        return self.stacked(ids, positions=np.stack([positions] * 3), valid_keys=real)

@@ -14,53 +14,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from ...encoders.qwen3.vl import Qwen3VLEncoder, hidden_state_taps, text_quantized
-from ...precision import Quantization
-from ...spec import model_index
+from ...encoders.qwen3.vl import TappedTextPrompt
 from .spec import MAX_SEQUENCE_LENGTH, PREFIX, PREFIX_ROWS, SELECT_LAYERS, SUFFIX, SUFFIX_TOKENS
 
 
-class Krea2PromptEncoder:
-    def __init__(
-        self,
-        encoder: Qwen3VLEncoder,
-        tokenizer: Tokenizer,
-        select_layers: tuple[int, ...],
-        weight_bytes: int,
-        dtype: mx.Dtype = mx.float32,
-    ):
-        self.encoder = encoder
-        self.tokenizer = tokenizer
-        config = encoder.language_model.config
-        self.taps = hidden_state_taps(
-            tuple(select_layers), config.num_layers, "text_encoder_select_layers"
-        )
-        self.text_dim = config.hidden_size
-        self.hidden_size = len(self.taps) * config.hidden_size  # the wire's D
-        self.weight_bytes = weight_bytes
-        self.dtype = dtype
+class Krea2PromptEncoder(TappedTextPrompt):
+    TAPS_SETTING = "text_encoder_select_layers"
+    TAPS = SELECT_LAYERS
 
-    @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype = mx.float32,
-        quantization: Quantization | None = None,
-        gguf: tuple[Path, Path] | None = None,
-    ) -> Krea2PromptEncoder:
-        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, llama.cpp's
-        pair of files; the tapped layers from model_index.json (the pipeline's defaults)."""
-        model_dir = Path(model_dir)
-        encoder, weight_bytes = Qwen3VLEncoder.load(
-            model_dir / "text_encoder", dtype, quantization, text_quantized, gguf, text_only=True
-        )
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer" / "tokenizer.json"))
-        select = model_index(model_dir).get("text_encoder_select_layers") or SELECT_LAYERS
-        return cls(encoder, tokenizer, tuple(select), weight_bytes, dtype)
+    @staticmethod
+    def read_tokenizer(folder: Path) -> Tokenizer:
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
 
     def token_ids(self, text: str) -> np.ndarray:
         """The pipeline's real tokens: prefix and prompt cut to its length, then the suffix."""
@@ -72,7 +39,4 @@ class Krea2PromptEncoder:
     def encode(self, text: str) -> np.ndarray:
         """(1, L, num_text_layers * hidden) float32: the tapped states of the tokens after the
         prefix rows, each token's layers in tap order."""
-        ids = self.token_ids(text)
-        tapped = self.encoder.hidden_states(ids, [], [], self.taps)
-        stacked = mx.stack(tapped, axis=1)[PREFIX_ROWS:].astype(mx.float32)  # (L, layers, D)
-        return np.asarray(stacked).reshape(1, stacked.shape[0], -1)
+        return self.stacked(self.token_ids(text))[:, PREFIX_ROWS:]

@@ -17,35 +17,21 @@ import mlx.core as mx
 import numpy as np
 from tokenizers import Tokenizer
 
-from ...encoders.qwen35.text import TextModel, load_text_model
-from ...precision import Quantization
+from ...encoders.prompt import PromptEncoder
+from ...encoders.qwen35.text import load_text_model
 from .spec import CHAT_TEXT, MAX_SEQUENCE_LENGTH
 
 
-class MOSSImagePromptEncoder:
-    def __init__(self, model: TextModel, tokenizer: Tokenizer, weight_bytes: int, dtype: mx.Dtype):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.hidden_size = model.config.hidden_size  # the wire's D
-        self.weight_bytes = weight_bytes
-        self.dtype = dtype
+class MOSSImagePromptEncoder(PromptEncoder):
+    """Qwen3.5's language model (`encoder`, a qwen35.text.TextModel); a GGUF file is llama.cpp's
+    `qwen35` one, and a quantized load quantizes the decoder layers' linears and the token
+    table of float weights."""
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype = mx.float32,
-        quantization: Quantization | None = None,
-        gguf: Path | None = None,
-    ) -> MOSSImagePromptEncoder:
-        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, llama.cpp's
-        `qwen35` file (with a `quantization`, the decoder layers' linears and the token table
-        of float weights quantized as they load)."""
-        model_dir = Path(model_dir)
-        folder = model_dir / "text_encoder"
-        model, weight_bytes = load_text_model(folder, dtype, quantization, gguf)
+    def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):
+        model, weight_bytes = load_text_model(model_dir / "text_encoder", dtype, quantization, gguf)
         tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer" / "tokenizer.json"))
-        return cls(model, tokenizer, weight_bytes, dtype)
+        return cls(model, tokenizer, weight_bytes, model.config.hidden_size, dtype)
 
     def token_ids(self, text: str) -> np.ndarray:
         """The pipeline's tokens: the templated prompt, cut at MAX_SEQUENCE_LENGTH."""
@@ -55,5 +41,6 @@ class MOSSImagePromptEncoder:
 
     def encode(self, text: str) -> np.ndarray:
         """(1, L, hidden) float32: the last hidden state of the templated prompt's tokens."""
-        (last,) = self.model.hidden_states(self.token_ids(text), [self.model.config.num_layers])
+        model = self.encoder
+        (last,) = model.hidden_states(self.token_ids(text), [model.config.num_layers])
         return np.asarray(last.astype(mx.float32))[None]

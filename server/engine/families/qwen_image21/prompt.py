@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...encoders.prompt import PromptEncoder
 from ...encoders.qwen3.processor import VisionPreprocessor
 from ...encoders.qwen3.tokenizer import (
     IMAGE_PAD,
@@ -23,7 +24,6 @@ from ...encoders.qwen3.tokenizer import (
     QwenPromptTokenizer,
 )
 from ...encoders.qwen3.vl import Qwen3VLEncoder
-from ...precision import Quantization
 from ...weights import read_config
 from .images import ReferenceImage, prepare_reference
 from .spec import SPEC
@@ -58,7 +58,10 @@ class PromptEncoding:
     token_ids: np.ndarray | None = None  # (L_all,) the ids after the dropped system prefix
 
 
-class QwenImage21PromptEncoder:
+class QwenImage21PromptEncoder(PromptEncoder):
+    """Qwen3-VL whole (a GGUF pair is llama.cpp's language model and its `mmproj`), under the
+    pipeline's template, with the vision preprocessor of processor/ for reference images."""
+
     def __init__(
         self,
         encoder: Qwen3VLEncoder,
@@ -67,24 +70,12 @@ class QwenImage21PromptEncoder:
         weight_bytes: int,
         dtype: mx.Dtype = mx.float32,
     ):
-        self.encoder = encoder
-        self.tokenizer = tokenizer
+        width = encoder.language_model.config.hidden_size
+        super().__init__(encoder, tokenizer, weight_bytes, width, dtype)
         self.preprocessor = preprocessor
-        self.weight_bytes = weight_bytes
-        self.hidden_size = encoder.language_model.config.hidden_size
-        self.dtype = dtype  # the dtype it computes in, the one it loaded at
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        dtype: mx.Dtype = mx.float32,
-        quantization: Quantization | None = None,
-        gguf: tuple[Path, Path] | None = None,
-    ) -> QwenImage21PromptEncoder:
-        """The encoder of a folder, its weights from text_encoder/ or from `gguf`, llama.cpp's
-        pair of files (the language model and its `mmproj`)."""
-        model_dir = Path(model_dir)
+    def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):
         encoder, weight_bytes = Qwen3VLEncoder.load(
             model_dir / "text_encoder", dtype, quantization, quantized, gguf
         )
