@@ -3,11 +3,12 @@ moved into place atomically, and weights drawn so that every input visibly moves
 
 An embedded model's module (a family's `embedded.py`, named by its spec's `embedded`)
 provides MODEL_NAME, `default_cache_dir()` and `ensure_embedded_model(cache_dir=None)` -> its
-folder, which it builds with its `Recipe` below: the folder is written by the module's `write`
-into a temporary folder renamed into place, with a stamp whose fingerprint covers the
-generator's version, seed, noise and configs (the recipe): a different generator regenerates,
-the same one reuses the folder. Made with numpy, safetensors and tokenizers only
-(no torch, diffusers or transformers).
+folder, its `RECIPE.ensure`. A `Recipe` is the folder as data: its parts (`Drawn` components
+and shared pairs such as `TinyQwen3VL`, each with what decides its files), its JSON documents
+and the rest; the folder is written (`write_folder`) into a temporary folder renamed into
+place, with a stamp whose fingerprint covers the generator's version, seed, noise and every
+part's recipe: a different generator regenerates, the same one reuses the folder. Made with
+numpy, safetensors and tokenizers only (no torch, diffusers or transformers).
 
 Weights: default initialisation makes the prompt move the output by about 0.1 %, so matrices
 get a full 1/sqrt(fan_in) spread (MATRIX), and parameters that start constant get a little
@@ -24,8 +25,9 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -33,6 +35,8 @@ from safetensors.numpy import save_file
 from .encoders.qwen3.tiny_tokenizer import (
     BPE_VOCAB_SIZE,
     CHAT_TEMPLATE,
+    PLAIN_ADDED_TOKENS,
+    SPECIAL_TOKENS,
     TOKENIZER_CORPUS,
     token_ids,
     train_tokenizer,
@@ -55,24 +59,70 @@ def default_cache_dir() -> Path:
     return Path(base) / "gmlx-steps" / "models"
 
 
+class Part(Protocol):
+    """One component of an embedded folder (or two that go together, a tokenizer and its text
+    encoder): what decides its files (`recipe`, entries of the stamp's fingerprint) and how
+    it writes them into the folder, drawn from the seed with the recipe's noise."""
+
+    recipe: dict
+
+    def write(self, root: Path, seed: int, noise: dict[str, float] | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A component drawn from its inventory: root/<component>/config.json and its weights
+    (`write_drawn`, the recipe's noise for the component); `undrawn`: tensors written as
+    they are."""
+
+    component: str
+    config: dict
+    inventory: Inventory
+    undrawn: dict | None = None
+
+    @property
+    def recipe(self) -> dict:
+        return {self.component: self.config}
+
+    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
+        folder = root / self.component
+        draws = (self.component, self.config, self.inventory, seed, noise[self.component])
+        write_drawn(folder, *draws, self.undrawn)
+
+
+# Where a recipe's documents are written, by their entry in its stamp.
+DOCUMENT_PATHS = {"scheduler": "scheduler/scheduler_config.json", "model_index": "model_index.json"}
+
+
 @dataclass(frozen=True)
 class Recipe:
     """An embedded model's name and what decides its folder's files: the generator's version
     (bumped when its code writes something different for the same recipe), the seed, each
-    component's constant noise (`draw`; None for a model that draws none) and the rest
-    (`parts`: configs, tokenizer corpus, templates), all fingerprinted in its stamp."""
+    component's constant noise (`draw`; None for a model that draws its own way), its parts
+    (`Part`s), its JSON documents (by DOCUMENT_PATHS' names) and anything else (`extra`),
+    all fingerprinted in its stamp."""
 
     name: str
     generator: int
     seed: int
     noise: dict[str, float] | None
-    parts: dict
+    parts: tuple[Part, ...]
+    documents: dict[str, dict] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
 
     def stamp(self) -> dict:
         """Who made the folder: its name, the generator's version and a fingerprint of the
         recipe."""
         noise = {} if self.noise is None else {"noise": self.noise}
-        recipe = {"generator": self.generator, "seed": self.seed, **noise, **self.parts}
+        entries = {k: v for part in self.parts for k, v in part.recipe.items()}
+        recipe = {
+            "generator": self.generator,
+            "seed": self.seed,
+            **noise,
+            **self.extra,
+            **entries,
+            **self.documents,
+        }
         fingerprint = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
         return {
             "name": self.name,
@@ -81,16 +131,23 @@ class Recipe:
             "fingerprint": fingerprint,
         }
 
-    def ensure(self, cache_dir: Path | None, write: Callable[[Path], None]) -> Path:
-        """The model's folder under `cache_dir` (default: `default_cache_dir()`), generated by
-        `write(folder)` first if it is missing or was made by a different generator."""
-        return ensure(cache_dir, self.name, self.stamp(), write)
+    def ensure(self, cache_dir: Path | None = None) -> Path:
+        """The model's folder under `cache_dir` (default: `default_cache_dir()`), generated
+        first if it is missing or was made by a different generator."""
+        return ensure(cache_dir, self.name, self.stamp(), self.write_folder)
 
-    def write(
-        self, folder: Path, component: str, config: dict, inventory: Inventory, seed: int
-    ) -> None:
-        """A component's folder, drawn with the recipe's noise for it (`write_drawn`)."""
-        write_drawn(folder, component, config, inventory, seed, self.noise[component])
+    def write_folder(self, root: Path, seed: int | None = None) -> None:
+        """Write every file of the folder into `root` (created if missing), its weights drawn
+        from `seed` (default: the recipe's)."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        seed = self.seed if seed is None else seed
+        for part in self.parts:
+            part.write(root, seed, self.noise)
+        for entry, document in self.documents.items():
+            path = root / DOCUMENT_PATHS[entry]
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(dumps(document))
 
 
 def ensure(cache_dir: Path | None, name: str, wanted: dict, write: Callable[[Path], None]) -> Path:
@@ -225,14 +282,6 @@ def flux2_vae_tensors(config: dict = TINY_FLUX2_VAE_CONFIG) -> Inventory:
     }
 
 
-def write_tiny_flux2_vae(root: Path, seed: int, noise: float) -> None:
-    """root/vae: the tiny AutoencoderKLFlux2 (FLUX.2 klein's and FLUX.3 klein's), drawn."""
-    inventory = flux2_vae_tensors()
-    write_drawn(
-        root / "vae", "vae", TINY_FLUX2_VAE_CONFIG, inventory, seed, noise, FLUX2_VAE_UNDRAWN
-    )
-
-
 def table_inventory(shapes: dict[str, tuple[int, ...]], vectors: str) -> Inventory:
     """A network's inventory from its own table of shapes: its matrices drawn as MATRIX, its
     vectors as `vectors` (GAIN: norm scales around one; SHIFT: biases, or scales around 0)."""
@@ -287,24 +336,45 @@ def tiny_qwen3_vl_config(tokenizer) -> dict:
     }
 
 
-# What decides a tiny Qwen3-VL text encoder's files, for a recipe's stamp.
-TINY_QWEN3_VL_RECIPE = {
-    "text": TINY_QWEN3_VL_TEXT,
-    "vision": TINY_QWEN3_VL_VISION,
-    "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
-    "chat_template": CHAT_TEMPLATE,
-}
-
-
-def write_tiny_qwen3_vl(root: Path, seed: int, noise: float) -> None:
+@dataclass(frozen=True)
+class TinyQwen3VL:
     """root/tokenizer and root/text_encoder of a family whose text encoder is the tiny
     Qwen3-VL (TINY_QWEN3_VL_*), which it runs on text alone: the tests' Qwen tokenizer and the
     Qwen3VLModel's drawn weights, their names without a prefix and no language-model head."""
-    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-    write_tokenizer(root / "tokenizer", tokenizer)
-    text = tiny_qwen3_vl_config(tokenizer)
-    inventory = qwen3_vl_tensors(text, "", False)
-    write_drawn(root / "text_encoder", "text_encoder", text, inventory, seed, noise)
+
+    recipe = {
+        "text": TINY_QWEN3_VL_TEXT,
+        "vision": TINY_QWEN3_VL_VISION,
+        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
+        tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+        write_tokenizer(root / "tokenizer", tokenizer)
+        text = tiny_qwen3_vl_config(tokenizer)
+        Drawn("text_encoder", text, qwen3_vl_tensors(text, "", False)).write(root, seed, noise)
+
+
+@dataclass(frozen=True)
+class TinyQwen3:
+    """root/tokenizer and root/text_encoder: the tests' Qwen tokenizer and a Qwen3ForCausalLM
+    of `config` (TINY_QWEN3_CONFIG at a family's depth), its vocabulary the tokenizer's, no
+    special token ids set."""
+
+    config: dict
+
+    @property
+    def recipe(self) -> dict:
+        tokens = [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS]
+        return {"text": self.config, "tokens": tokens, "chat_template": CHAT_TEMPLATE}
+
+    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
+        tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+        write_tokenizer(root / "tokenizer", tokenizer)
+        text = {**self.config, "vocab_size": tokenizer.get_vocab_size()}
+        text.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        Drawn("text_encoder", text, qwen3_tensors(text)).write(root, seed, noise)
 
 
 def write_drawn(
@@ -573,3 +643,7 @@ def mid_block_tensors(tensors: Inventory, prefix: str, dim: int) -> None:
     for name in ("to_q", "to_k", "to_v", "to_out.0"):
         linear_tensors(tensors, f"{prefix}.attentions.0.{name}", dim, dim)
     resnet_tensors(tensors, f"{prefix}.resnets.1", dim, dim)
+
+
+# The tiny FLUX.2 VAE (TINY_FLUX2_VAE_CONFIG) as a part of a folder.
+TINY_FLUX2_VAE = Drawn("vae", TINY_FLUX2_VAE_CONFIG, flux2_vae_tensors(), FLUX2_VAE_UNDRAWN)

@@ -50,7 +50,7 @@ def test_the_pipeline_loads_it_with_every_parameter(model_dir):
     pipe = Flux2KleinPipeline.from_pretrained(str(model_dir))
     vae = {**shared.flux2_vae_tensors(), "bn.num_batches_tracked": ((), None)}
     inventories = {
-        "transformer": embedded.transformer_tensors(),
+        "transformer": embedded.TRANSFORMER.inventory,
         "vae": vae,
         "text_encoder": shared.qwen3_tensors(pipe.text_encoder.config.to_dict()),
     }

@@ -59,7 +59,7 @@ SHAPES = {
 def build_tiny_folder(root: Path, shape: str = "embedded", seed: int = 0, **vae) -> Path:
     """The folder of a shape (`vae`: overrides of the tiny VAE's config)."""
     transformer, text = SHAPES[shape]
-    write_embedded_model(root, seed, transformer, text, {**VAE_CONFIG, **vae})
+    write_embedded_model(root, seed, transformer=transformer, text=text, vae={**VAE_CONFIG, **vae})
     return root
 
 

@@ -17,27 +17,16 @@ from the DiT's own tables (layout.py) and the shared parts' inventories (engine/
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ...embedded import (
     DIFFUSERS_FORMAT,
     GAIN,
-    TINY_FLUX2_VAE_CONFIG,
+    TINY_FLUX2_VAE,
     TINY_QWEN3_CONFIG,
-    Inventory,
+    Drawn,
     Recipe,
+    TinyQwen3,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    dumps,
-    qwen3_tensors,
     table_inventory,
-    write_tiny_flux2_vae,
-)
-from ...encoders.qwen3.tiny_tokenizer import (
-    BPE_VOCAB_SIZE,
-    CHAT_TEMPLATE,
-    TOKENIZER_CORPUS,
-    train_tokenizer,
-    write_tokenizer,
 )
 from .layout import DiTConfig, tensor_shapes
 from .spec import PIPELINE_CLASS, SCHEDULER, TAPPED_LAYERS
@@ -82,51 +71,16 @@ MODEL_INDEX = {
 }
 
 
-def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
-    """The embedded FLUX.2 klein's folder under `cache_dir` (default: `default_cache_dir()`),
-    generated first if it is missing or was made by a different generator."""
-    return RECIPE.ensure(cache_dir, write_embedded_model)
-
-
-def write_embedded_model(root: Path, seed: int = SEED) -> None:
-    """Write every file of the tiny FLUX.2 klein folder into `root` (created if missing)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    RECIPE.write(
-        root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed
-    )
-    write_tiny_flux2_vae(root, seed, CONSTANT_NOISE["vae"])
-    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-    write_tokenizer(root / "tokenizer", tokenizer)
-    text = {**TEXT_CONFIG, "vocab_size": tokenizer.get_vocab_size()}
-    text.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    RECIPE.write(root / "text_encoder", "text_encoder", text, qwen3_tensors(text), seed)
-    (root / "scheduler").mkdir(exist_ok=True)
-    scheduler = {**SCHEDULER, "_diffusers_version": DIFFUSERS_FORMAT}
-    (root / "scheduler" / "scheduler_config.json").write_text(dumps(scheduler))
-    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
-
-
-def transformer_tensors() -> Inventory:
-    """Flux2Transformer2DModel's parameters for the config, from the DiT's own tables: its
-    matrices and its norm scales (it has no biases)."""
-    shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
-    return table_inventory(shapes, GAIN)
-
-
+# Flux2Transformer2DModel's parameters from the DiT's own tables: its matrices and its norm
+# scales (it has no biases).
+SHAPES = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
+TRANSFORMER = Drawn("transformer", TRANSFORMER_CONFIG, table_inventory(SHAPES, GAIN))
 # What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
-RECIPE = Recipe(
-    MODEL_NAME,
-    GENERATOR_VERSION,
-    SEED,
-    CONSTANT_NOISE,
-    {
-        "transformer": TRANSFORMER_CONFIG,
-        "vae": TINY_FLUX2_VAE_CONFIG,
-        "text": TEXT_CONFIG,
-        "scheduler": SCHEDULER,
-        "model_index": MODEL_INDEX,
-        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
-        "chat_template": CHAT_TEMPLATE,
-    },
-)
+PARTS = (TRANSFORMER, TINY_FLUX2_VAE, TinyQwen3(TEXT_CONFIG))
+DOCUMENTS = {
+    "scheduler": {**SCHEDULER, "_diffusers_version": DIFFUSERS_FORMAT},
+    "model_index": MODEL_INDEX,
+}
+RECIPE = Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, PARTS, DOCUMENTS)
+ensure_embedded_model = RECIPE.ensure
+write_embedded_model = RECIPE.write_folder

@@ -18,21 +18,16 @@ table (layout.tensor_shapes) and the shared parts' inventories.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ...embedded import (
     DIFFUSERS_FORMAT,
     GAIN,
-    TINY_FLUX2_VAE_CONFIG,
+    TINY_FLUX2_VAE,
     TINY_QWEN3_CONFIG,
-    TINY_QWEN3_VL_RECIPE,
-    Inventory,
+    Drawn,
     Recipe,
+    TinyQwen3VL,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    dumps,
     table_inventory,
-    write_tiny_flux2_vae,
-    write_tiny_qwen3_vl,
 )
 from .layout import DiTConfig, tensor_shapes
 from .spec import SCHEDULER_CONFIG, model_index_of
@@ -66,44 +61,13 @@ MODEL_INDEX = model_index_of("distilled", OUT_LAYERS)
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
 
-def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
-    """The embedded FLUX.3 klein's folder under `cache_dir` (default: `default_cache_dir()`),
-    generated first if it is missing or was made by a different generator."""
-    return RECIPE.ensure(cache_dir, write_embedded_model)
-
-
-def write_embedded_model(root: Path, seed: int = SEED) -> None:
-    """Write every file of the tiny FLUX.3 klein folder into `root` (created if missing)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    RECIPE.write(
-        root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed
-    )
-    write_tiny_flux2_vae(root, seed, CONSTANT_NOISE["vae"])
-    write_tiny_qwen3_vl(root, seed, CONSTANT_NOISE["text_encoder"])
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
-    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
-
-
-def transformer_tensors() -> Inventory:
-    """Flux3Transformer2DModel's parameters for the config, from the DiT's own table: its
-    matrices and its norm scales (it has no biases)."""
-    shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
-    return table_inventory(shapes, GAIN)
-
-
+# Flux3Transformer2DModel's parameters from the DiT's own table: its matrices and its norm
+# scales (it has no biases).
+SHAPES = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
+TRANSFORMER = Drawn("transformer", TRANSFORMER_CONFIG, table_inventory(SHAPES, GAIN))
 # What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
-RECIPE = Recipe(
-    MODEL_NAME,
-    GENERATOR_VERSION,
-    SEED,
-    CONSTANT_NOISE,
-    {
-        "transformer": TRANSFORMER_CONFIG,
-        "vae": TINY_FLUX2_VAE_CONFIG,
-        **TINY_QWEN3_VL_RECIPE,
-        "scheduler": SCHEDULER_CONFIG,
-        "model_index": MODEL_INDEX,
-    },
-)
+PARTS = (TRANSFORMER, TINY_FLUX2_VAE, TinyQwen3VL())
+DOCUMENTS = {"scheduler": SCHEDULER_CONFIG, "model_index": MODEL_INDEX}
+RECIPE = Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, PARTS, DOCUMENTS)
+ensure_embedded_model = RECIPE.ensure
+write_embedded_model = RECIPE.write_folder

@@ -16,20 +16,16 @@ table (layout.tensor_shapes) and the shared parts' inventories (engine/embedded.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ...embedded import (
     DIFFUSERS_FORMAT,
     SHIFT,
     TINY_QWEN3_CONFIG,
-    TINY_QWEN3_VL_RECIPE,
-    Inventory,
+    Drawn,
     Recipe,
+    TinyQwen3VL,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    dumps,
     qwen_image_vae_tensors,
     table_inventory,
-    write_tiny_qwen3_vl,
 )
 from ...vaes.from_files import QWEN_IMAGE_LATENTS
 from .layout import DiTConfig, tensor_shapes
@@ -83,45 +79,14 @@ MODEL_INDEX = model_index_of("turbo", SELECT_LAYERS)
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
 
-def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
-    """The embedded Krea 2's folder under `cache_dir` (default: `default_cache_dir()`),
-    generated first if it is missing or was made by a different generator."""
-    return RECIPE.ensure(cache_dir, write_embedded_model)
-
-
-def write_embedded_model(root: Path, seed: int = SEED) -> None:
-    """Write every file of the tiny Krea 2 folder into `root` (created if missing)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    RECIPE.write(
-        root / "transformer", "transformer", TRANSFORMER_CONFIG, transformer_tensors(), seed
-    )
-    RECIPE.write(root / "vae", "vae", VAE_CONFIG, qwen_image_vae_tensors(VAE_CONFIG), seed)
-    write_tiny_qwen3_vl(root, seed, CONSTANT_NOISE["text_encoder"])
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
-    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
-
-
-def transformer_tensors() -> Inventory:
-    """Krea2Transformer2DModel's parameters for the config, from the DiT's own table: its
-    matrices, modulation tables and projector, and its biases and norm scales (zero-centred:
-    a norm scales by 1 + weight), drawn as shifts."""
-    shapes = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
-    return table_inventory(shapes, SHIFT)
-
-
+# Krea2Transformer2DModel's parameters from the DiT's own table: its matrices, modulation
+# tables and projector, and its biases and norm scales (zero-centred: a norm scales by
+# 1 + weight), drawn as shifts.
+SHAPES = tensor_shapes(DiTConfig.from_dict(TRANSFORMER_CONFIG))
+TRANSFORMER = Drawn("transformer", TRANSFORMER_CONFIG, table_inventory(SHAPES, SHIFT))
 # What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
-RECIPE = Recipe(
-    MODEL_NAME,
-    GENERATOR_VERSION,
-    SEED,
-    CONSTANT_NOISE,
-    {
-        "transformer": TRANSFORMER_CONFIG,
-        "vae": VAE_CONFIG,
-        **TINY_QWEN3_VL_RECIPE,
-        "scheduler": SCHEDULER_CONFIG,
-        "model_index": MODEL_INDEX,
-    },
-)
+PARTS = (TRANSFORMER, Drawn("vae", VAE_CONFIG, qwen_image_vae_tensors(VAE_CONFIG)), TinyQwen3VL())
+DOCUMENTS = {"scheduler": SCHEDULER_CONFIG, "model_index": MODEL_INDEX}
+RECIPE = Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, PARTS, DOCUMENTS)
+ensure_embedded_model = RECIPE.ensure
+write_embedded_model = RECIPE.write_folder

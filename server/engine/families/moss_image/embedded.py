@@ -15,6 +15,7 @@ Qwen3.5 of four layers (three Gated DeltaNet, one gated attention) at the tiny Q
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...embedded import (
@@ -27,13 +28,12 @@ from ...embedded import (
     TINY_FLUX2_VAE_CONFIG,
     TINY_QWEN3_CONFIG,
     TOKENIZER_CORPUS,
+    Drawn,
     Inventory,
     Recipe,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    dumps,
     flux2_vae_tensors,
     train_tokenizer,
-    write_drawn,
     write_tokenizer,
 )
 from .layout import DiTConfig, tensor_shapes
@@ -85,38 +85,6 @@ TRANSFORMER_CONFIG = {
 VAE_CONFIG = {**TINY_FLUX2_VAE_CONFIG, "decoder_block_out_channels": [8, 16, 16, 16]}
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
-
-
-def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
-    """The embedded MOSS-Image's folder under `cache_dir` (default: `default_cache_dir()`),
-    generated first if it is missing or was made by a different generator."""
-    return RECIPE.ensure(cache_dir, write_embedded_model)
-
-
-def write_embedded_model(
-    root: Path,
-    seed: int = SEED,
-    transformer: dict = TRANSFORMER_CONFIG,
-    text: dict = TINY_QWEN35_TEXT,
-    vae: dict = VAE_CONFIG,
-) -> None:
-    """Write every file of the tiny MOSS-Image folder into `root` (created if missing); the
-    tests draw other shapes with their own `transformer`, `text` and `vae` configs."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    inventory = transformer_tensors(transformer)
-    RECIPE.write(root / "transformer", "transformer", transformer, inventory, seed)
-    write_drawn(
-        root / "vae",
-        "vae",
-        vae,
-        flux2_vae_tensors(vae),
-        seed,
-        CONSTANT_NOISE["vae"],
-        FLUX2_VAE_UNDRAWN,
-    )
-    write_tiny_qwen35(root, seed, CONSTANT_NOISE["text_encoder"], text)
-    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
 
 
 def transformer_tensors(config: dict) -> Inventory:
@@ -191,27 +159,47 @@ def qwen35_tensors(text: dict, prefix: str = "model.language_model.") -> Invento
     return tensors
 
 
-def write_tiny_qwen35(root: Path, seed: int, noise: float, text: dict = TINY_QWEN35_TEXT) -> None:
-    """root/tokenizer and root/text_encoder: the tests' Qwen tokenizer and the tiny Qwen3.5's
-    drawn weights under the checkpoint's names (no vision tower, no language-model head)."""
-    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-    write_tokenizer(root / "tokenizer", tokenizer)
-    config = qwen35_text_config(tokenizer.get_vocab_size(), text)
-    inventory = qwen35_tensors(config["text_config"])
-    write_drawn(root / "text_encoder", "text_encoder", config, inventory, seed, noise)
+@dataclass(frozen=True)
+class TinyQwen35:
+    """root/tokenizer and root/text_encoder: the tests' Qwen tokenizer and a tiny Qwen3.5 of
+    `text` (its text_config), drawn under the checkpoint's names (no vision tower, no
+    language-model head)."""
+
+    text: dict
+
+    @property
+    def recipe(self) -> dict:
+        return {"text": self.text, "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS]}
+
+    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
+        tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+        write_tokenizer(root / "tokenizer", tokenizer)
+        config = qwen35_text_config(tokenizer.get_vocab_size(), self.text)
+        Drawn("text_encoder", config, qwen35_tensors(config["text_config"])).write(
+            root, seed, noise
+        )
 
 
-# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
-RECIPE = Recipe(
-    MODEL_NAME,
-    GENERATOR_VERSION,
-    SEED,
-    CONSTANT_NOISE,
-    {
-        "transformer": TRANSFORMER_CONFIG,
-        "vae": VAE_CONFIG,
-        "text": TINY_QWEN35_TEXT,
-        "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
-        "model_index": MODEL_INDEX,
-    },
-)
+def recipe(
+    transformer: dict = TRANSFORMER_CONFIG, text: dict = TINY_QWEN35_TEXT, vae: dict = VAE_CONFIG
+) -> Recipe:
+    """What decides a tiny MOSS-Image folder's files (engine/embedded.py: its stamp's
+    fingerprint): the embedded model's at the defaults; the tests draw other shapes with
+    their own `transformer`, `text` and `vae` configs."""
+    parts = (
+        Drawn("transformer", transformer, transformer_tensors(transformer)),
+        Drawn("vae", vae, flux2_vae_tensors(vae), FLUX2_VAE_UNDRAWN),
+        TinyQwen35(text),
+    )
+    documents = {"model_index": MODEL_INDEX}
+    return Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, parts, documents)
+
+
+RECIPE = recipe()
+ensure_embedded_model = RECIPE.ensure
+
+
+def write_embedded_model(root: Path, seed: int = SEED, **shapes) -> None:
+    """Write every file of a tiny MOSS-Image folder into `root` (created if missing), of the
+    `recipe` of `shapes`."""
+    recipe(**shapes).write_folder(root, seed)

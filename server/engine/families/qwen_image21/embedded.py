@@ -233,33 +233,39 @@ CHAT_TEMPLATE = (
 CONSTANT_NOISE = 0.1
 
 
-def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
-    """The embedded model's folder under `cache_dir` (default: `default_cache_dir()`), generated
-    first if it is missing or was made by a different generator."""
-    return RECIPE.ensure(cache_dir, write_embedded_model)
+class TinyQwenImage21:
+    """The whole checkpoint but its scheduler: one noise for every component's constant
+    parameters (CONSTANT_NOISE) and the VAE's latent statistics drawn with the weights."""
 
-
-def write_embedded_model(root: Path, seed: int = SEED) -> None:
-    """Write every file of the embedded checkpoint into the existing folder `root`."""
-    root = Path(root)
-    tokenizer = build_tokenizer()
-    ids = token_ids(tokenizer)
-    rng = np.random.default_rng(seed)
-    text_encoder_config = _text_encoder_config(tokenizer.get_vocab_size(), ids)
-    vae_config = _vae_config(rng)
-    components = {
-        "transformer": (TRANSFORMER_CONFIG, transformer_tensors(TRANSFORMER_CONFIG)),
-        "vae": (vae_config, vae_tensors(vae_config)),
-        "text_encoder": (text_encoder_config, qwen3_vl_tensors(text_encoder_config)),
+    recipe = {
+        "transformer": TRANSFORMER_CONFIG,
+        "vae": VAE_CONFIG,
+        "text": TEXT_CONFIG,
+        "vision": VISION_CONFIG,
+        "image_processor": IMAGE_PROCESSOR_CONFIG,
+        "video_processor": VIDEO_PROCESSOR_CONFIG,
+        "tokens": [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
+        "chat_template": CHAT_TEMPLATE,
+        "sample_sigmas": SAMPLE_SIGMAS,
     }
-    for index, (name, (config, inventory)) in enumerate(components.items()):
-        weights = draw(inventory, np.random.default_rng([seed, index]), CONSTANT_NOISE)
-        file_name = TRANSFORMERS_WEIGHTS if name == "text_encoder" else DIFFUSERS_WEIGHTS
-        write_component(root / name, config, weights, file_name)
-    write_processor(root / "processor", tokenizer)
-    (root / "scheduler").mkdir()
-    (root / "scheduler" / "scheduler_config.json").write_text(dumps(SCHEDULER_CONFIG))
-    (root / "model_index.json").write_text(dumps(model_index()))
+
+    def write(self, root: Path, seed: int, noise: None) -> None:
+        tokenizer = build_tokenizer()
+        ids = token_ids(tokenizer)
+        rng = np.random.default_rng(seed)
+        text_encoder_config = _text_encoder_config(tokenizer.get_vocab_size(), ids)
+        vae_config = _vae_config(rng)
+        components = {
+            "transformer": (TRANSFORMER_CONFIG, transformer_tensors(TRANSFORMER_CONFIG)),
+            "vae": (vae_config, vae_tensors(vae_config)),
+            "text_encoder": (text_encoder_config, qwen3_vl_tensors(text_encoder_config)),
+        }
+        for index, (name, (config, inventory)) in enumerate(components.items()):
+            weights = draw(inventory, np.random.default_rng([seed, index]), CONSTANT_NOISE)
+            file_name = TRANSFORMERS_WEIGHTS if name == "text_encoder" else DIFFUSERS_WEIGHTS
+            write_component(root / name, config, weights, file_name)
+        write_processor(root / "processor", tokenizer)
+        (root / "model_index.json").write_text(dumps(model_index()))
 
 
 def model_index(sample_sigmas: list[float] | None = SAMPLE_SIGMAS) -> dict:
@@ -278,23 +284,10 @@ def model_index(sample_sigmas: list[float] | None = SAMPLE_SIGMAS) -> dict:
 
 # What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
 RECIPE = Recipe(
-    MODEL_NAME,
-    GENERATOR_VERSION,
-    SEED,
-    None,
-    {
-        "transformer": TRANSFORMER_CONFIG,
-        "vae": VAE_CONFIG,
-        "text": TEXT_CONFIG,
-        "vision": VISION_CONFIG,
-        "scheduler": SCHEDULER_CONFIG,
-        "image_processor": IMAGE_PROCESSOR_CONFIG,
-        "video_processor": VIDEO_PROCESSOR_CONFIG,
-        "tokens": [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
-        "chat_template": CHAT_TEMPLATE,
-        "sample_sigmas": SAMPLE_SIGMAS,
-    },
+    MODEL_NAME, GENERATOR_VERSION, SEED, None, (TinyQwenImage21(),), {"scheduler": SCHEDULER_CONFIG}
 )
+ensure_embedded_model = RECIPE.ensure
+write_embedded_model = RECIPE.write_folder
 
 
 # ---- weights ------------------------------------------------------------------------------

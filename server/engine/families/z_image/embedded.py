@@ -24,22 +24,14 @@ from ...embedded import (
     MATRIX,
     SHIFT,
     TINY_QWEN3_CONFIG,
+    Drawn,
     Inventory,
     Recipe,
+    TinyQwen3,
     autoencoder_kl_tensors,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    dumps,
     linear_tensors,
-    qwen3_tensors,
-)
-from ...encoders.qwen3.tiny_tokenizer import (
-    BPE_VOCAB_SIZE,
-    CHAT_TEMPLATE,
-    PLAIN_ADDED_TOKENS,
-    SPECIAL_TOKENS,
-    TOKENIZER_CORPUS,
-    train_tokenizer,
-    write_tokenizer,
+    write_drawn,
 )
 from . import spec
 
@@ -97,7 +89,7 @@ VAE_CONFIG = {
     "use_post_quant_conv": False,
 }
 
-# vocab_size and the token ids come from the tokenizer (see _text_config).
+# vocab_size comes from the tokenizer (engine/embedded.py: TinyQwen3).
 TEXT_CONFIG = {**TINY_QWEN3_CONFIG, "num_hidden_layers": 3}
 
 # Noise given to parameters that start constant, per component (the DiT's pad tokens and
@@ -110,65 +102,6 @@ MODEL_INDEX = {**spec.MODEL_INDEX, "_diffusers_version": DIFFUSERS_FORMAT}
 def scheduler_config(variant: str) -> dict:
     """scheduler_config.json: the pipeline's flow-matching Euler at the variant's static shift."""
     return {**spec.scheduler_config(variant), "_diffusers_version": DIFFUSERS_FORMAT}
-
-
-def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
-    """The embedded Z-Image's folder under `cache_dir` (default: `default_cache_dir()`),
-    generated first if it is missing or was made by a different generator."""
-    return RECIPE.ensure(cache_dir, write_embedded_model)
-
-
-def write_embedded_model(
-    root: Path, seed: int = SEED, variant: str = VARIANT, transformer: dict | None = None
-) -> None:
-    """Write every file of a tiny Z-Image folder into `root` (created if missing): the
-    embedded model at the defaults; `transformer`: overrides of its DiT config."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    write_transformer(root / "transformer", seed, **(transformer or {}))
-    write_vae(root / "vae", seed)
-    write_text_encoder(root, seed)
-    (root / "scheduler").mkdir(exist_ok=True)
-    (root / "scheduler" / "scheduler_config.json").write_text(dumps(scheduler_config(variant)))
-    (root / "model_index.json").write_text(dumps(MODEL_INDEX))
-
-
-def write_transformer(folder: Path, seed: int = SEED, **overrides) -> None:
-    config = {**TRANSFORMER_CONFIG, **overrides}
-    RECIPE.write(Path(folder), "transformer", config, transformer_tensors(config), seed)
-
-
-def write_vae(folder: Path, seed: int = SEED, **overrides) -> None:
-    config = {**VAE_CONFIG, **overrides}
-    RECIPE.write(Path(folder), "vae", config, autoencoder_kl_tensors(config), seed)
-
-
-def write_text_encoder(root: Path, seed: int = SEED) -> None:
-    """Write root/text_encoder (Qwen3ForCausalLM) and root/tokenizer."""
-    root = Path(root)
-    tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-    write_tokenizer(root / "tokenizer", tokenizer)
-    config = _text_config(tokenizer.get_vocab_size())
-    RECIPE.write(root / "text_encoder", "text_encoder", config, qwen3_tensors(config), seed)
-
-
-# What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
-RECIPE = Recipe(
-    MODEL_NAME,
-    GENERATOR_VERSION,
-    SEED,
-    CONSTANT_NOISE,
-    {
-        "variant": VARIANT,
-        "transformer": TRANSFORMER_CONFIG,
-        "vae": VAE_CONFIG,
-        "text": TEXT_CONFIG,
-        "scheduler": scheduler_config(VARIANT),
-        "model_index": MODEL_INDEX,
-        "tokens": [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS],
-        "chat_template": CHAT_TEMPLATE,
-    },
-)
 
 
 # ---- weights ------------------------------------------------------------------------------
@@ -221,14 +154,47 @@ def transformer_tensors(config: dict) -> Inventory:
     return tensors
 
 
-# ---- text encoder config and tokenizer ----------------------------------------------------
+# ---- the folder ---------------------------------------------------------------------------
+
+TEXT = TinyQwen3(TEXT_CONFIG)
 
 
-def _text_config(vocab_size: int) -> dict:
-    return {
-        **TEXT_CONFIG,
-        "vocab_size": vocab_size,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-    }
+def recipe(variant: str = VARIANT, transformer: dict | None = None) -> Recipe:
+    """What decides a tiny Z-Image folder's files (engine/embedded.py: its stamp's
+    fingerprint): the embedded model's at the defaults; `transformer`: overrides of its DiT
+    config."""
+    config = {**TRANSFORMER_CONFIG, **(transformer or {})}
+    vae = Drawn("vae", VAE_CONFIG, autoencoder_kl_tensors(VAE_CONFIG))
+    parts = (Drawn("transformer", config, transformer_tensors(config)), vae, TEXT)
+    documents = {"scheduler": scheduler_config(variant), "model_index": MODEL_INDEX}
+    extra = {"variant": variant}
+    return Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, parts, documents, extra)
+
+
+RECIPE = recipe()
+ensure_embedded_model = RECIPE.ensure
+
+
+def write_embedded_model(
+    root: Path, seed: int = SEED, variant: str = VARIANT, transformer: dict | None = None
+) -> None:
+    """Write every file of a tiny Z-Image folder into `root` (created if missing): the
+    embedded model at the defaults; `transformer`: overrides of its DiT config."""
+    recipe(variant, transformer).write_folder(root, seed)
+
+
+def write_transformer(folder: Path, seed: int = SEED, **overrides) -> None:
+    config = {**TRANSFORMER_CONFIG, **overrides}
+    noise = CONSTANT_NOISE["transformer"]
+    write_drawn(Path(folder), "transformer", config, transformer_tensors(config), seed, noise)
+
+
+def write_vae(folder: Path, seed: int = SEED, **overrides) -> None:
+    config = {**VAE_CONFIG, **overrides}
+    noise = CONSTANT_NOISE["vae"]
+    write_drawn(Path(folder), "vae", config, autoencoder_kl_tensors(config), seed, noise)
+
+
+def write_text_encoder(root: Path, seed: int = SEED) -> None:
+    """Write root/text_encoder (Qwen3ForCausalLM) and root/tokenizer."""
+    TEXT.write(Path(root), seed, CONSTANT_NOISE)
