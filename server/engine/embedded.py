@@ -315,11 +315,16 @@ TINY_QWEN3_VL_VISION = {
 }
 
 
-def tiny_qwen3_vl_config(tokenizer) -> dict:
-    """The tiny Qwen3VLModel's config (TINY_QWEN3_VL_*), with the token ids of `tokenizer`."""
+def qwen3_vl_config(
+    tokenizer, text: dict, vision: dict, architecture: str, **special_ids: str
+) -> dict:
+    """A Qwen3-VL checkpoint's config (`architecture`'s) for a `text` and a `vision` config,
+    with the token ids of `tokenizer`: the vision tokens', the pad token's (<|endoftext|>) and
+    any other `special_ids` of the text config (name -> token)."""
     ids = token_ids(tokenizer)
+    special = {name: ids[token] for name, token in special_ids.items()}
     return {
-        "architectures": ["Qwen3VLModel"],
+        "architectures": [architecture],
         "model_type": "qwen3_vl",
         "dtype": "float32",
         "image_token_id": ids["<|image_pad|>"],
@@ -328,11 +333,12 @@ def tiny_qwen3_vl_config(tokenizer) -> dict:
         "vision_end_token_id": ids["<|vision_end|>"],
         "tie_word_embeddings": False,
         "text_config": {
-            **TINY_QWEN3_VL_TEXT,
+            **text,
             "vocab_size": tokenizer.get_vocab_size(),
+            **special,
             "pad_token_id": ids["<|endoftext|>"],
         },
-        "vision_config": dict(TINY_QWEN3_VL_VISION),
+        "vision_config": dict(vision),
     }
 
 
@@ -352,7 +358,7 @@ class TinyQwen3VL:
     def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
         tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
         write_tokenizer(root / "tokenizer", tokenizer)
-        text = tiny_qwen3_vl_config(tokenizer)
+        text = qwen3_vl_config(tokenizer, TINY_QWEN3_VL_TEXT, TINY_QWEN3_VL_VISION, "Qwen3VLModel")
         Drawn("text_encoder", text, qwen3_vl_tensors(text, "", False)).write(root, seed, noise)
 
 

@@ -343,8 +343,9 @@ class FamilyModel:
         return np.array(latents.astype(mx.float32))
 
     def close(self) -> None:
+        """Drop the networks (a family's model holds its DiT as `dit`) and the LoRA tables."""
         self.tables.clear()
-        self.vae = self.encoder = self._load_encoder = None
+        self.dit = self.vae = self.encoder = self._load_encoder = None
         mx.clear_cache()
 
 

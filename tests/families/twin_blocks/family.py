@@ -94,10 +94,6 @@ class TwinBlocksModel(FamilyModel):
         mx.eval(out)
         return StepResult(np.array(out), "none", (time.perf_counter() - started) * 1000.0)
 
-    def close(self) -> None:
-        self.dit = None
-        super().close()
-
 
 TWIN_BLOCKS = FolderFamily(
     SPEC,

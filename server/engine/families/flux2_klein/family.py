@@ -281,7 +281,6 @@ class Flux2KleinModel(FamilyModel):
 
     def close(self) -> None:
         self.ref_caches.clear()
-        self.dit = self.encoder = None
         super().close()
 
 

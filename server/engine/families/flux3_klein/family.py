@@ -183,10 +183,6 @@ class Flux3KleinModel(FamilyModel):
             mx.array(r) for r in checked_ref_latents(row, index, self.dit.config.cond_in_channels)
         ]
 
-    def close(self) -> None:
-        self.dit = None
-        super().close()
-
 
 FLUX3_KLEIN = FolderFamily(
     SPEC,

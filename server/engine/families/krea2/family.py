@@ -143,10 +143,6 @@ class Krea2Model(FamilyModel):
         cond = checked_text_cond(row, index, config.num_text_layers * config.text_dim, TITLE)
         return cond.reshape(cond.shape[0], config.num_text_layers, config.text_dim)
 
-    def close(self) -> None:
-        self.dit = None
-        super().close()
-
 
 KREA2 = FolderFamily(
     SPEC,

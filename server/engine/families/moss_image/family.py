@@ -118,10 +118,6 @@ class MOSSImageModel(FamilyModel):
         forward_ms = (time.perf_counter() - started) * 1000.0
         return StepResult(out=np.array(out), prefix_cache="none", forward_ms=forward_ms)
 
-    def close(self) -> None:
-        self.dit = None
-        super().close()
-
 
 class MOSSImageFamily(FolderFamily):
     """The folder family whose negative pass skips the pipeline's blocks where the DiT has

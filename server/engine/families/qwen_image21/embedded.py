@@ -41,6 +41,7 @@ from ...embedded import (
     default_cache_dir,  # noqa: F401
     draw,
     dumps,
+    qwen3_vl_config,
     qwen3_vl_tensors,
     write_component,
 )
@@ -116,7 +117,7 @@ TEXT_CONFIG = {
         "mrope_section": [6, 5, 5],
         "mrope_interleaved": True,
     },
-    # vocab_size and the token ids come from the tokenizer (see _text_encoder_config).
+    # vocab_size and the token ids come from the tokenizer (engine/embedded.py: qwen3_vl_config).
 }
 
 VISION_CONFIG = {
@@ -251,9 +252,15 @@ class TinyQwenImage21:
 
     def write(self, root: Path, seed: int, noise: None) -> None:
         tokenizer = build_tokenizer()
-        ids = token_ids(tokenizer)
         rng = np.random.default_rng(seed)
-        text_encoder_config = _text_encoder_config(tokenizer.get_vocab_size(), ids)
+        text_encoder_config = qwen3_vl_config(
+            tokenizer,
+            TEXT_CONFIG,
+            VISION_CONFIG,
+            "Qwen3VLForConditionalGeneration",
+            bos_token_id="<|endoftext|>",
+            eos_token_id="<|im_end|>",
+        )
         vae_config = _vae_config(rng)
         components = {
             "transformer": (TRANSFORMER_CONFIG, transformer_tensors(TRANSFORMER_CONFIG)),
@@ -410,28 +417,6 @@ def _mid_block(tensors: dict, prefix: str, dim: int) -> None:
     _conv(tensors, f"{prefix}.attentions.0.to_qkv", dim, 3 * dim, 1)
     _conv(tensors, f"{prefix}.attentions.0.proj", dim, dim, 1)
     _residual(tensors, f"{prefix}.resnets.1", dim, dim)
-
-
-def _text_encoder_config(vocab_size: int, ids: dict[str, int]) -> dict:
-    """Qwen3VLForConditionalGeneration's config, with the token ids of this tokenizer."""
-    return {
-        "architectures": ["Qwen3VLForConditionalGeneration"],
-        "model_type": "qwen3_vl",
-        "dtype": "float32",
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "tie_word_embeddings": False,
-        "text_config": {
-            **TEXT_CONFIG,
-            "vocab_size": vocab_size,
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
-        "vision_config": dict(VISION_CONFIG),
-    }
 
 
 # ---- tokenizer and processor files --------------------------------------------------------

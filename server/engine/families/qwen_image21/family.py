@@ -304,7 +304,6 @@ class QwenImage21Model(FamilyModel):
 
     def close(self) -> None:
         self.prefix_cache.clear()
-        self.dit = None
         super().close()
 
 

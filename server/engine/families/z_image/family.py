@@ -156,10 +156,6 @@ class ZImageModel(FamilyModel):
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
         return checked_text_cond(row, index, self.dit.config.cap_feat_dim, TITLE)
 
-    def close(self) -> None:
-        self.dit = None
-        super().close()
-
 
 Z_IMAGE = FolderFamily(
     SPEC,
