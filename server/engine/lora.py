@@ -93,6 +93,18 @@ class LinearSlot:
         return LinearSlot(self.key, self.path, 0, self.parts)
 
 
+def block_slots(
+    path: tuple[str, int], prefix: str, linears: dict[str, tuple[str, ...]]
+) -> dict[str, LinearSlot]:
+    """The slots of one block's linear layers by file name: each of `linears` (tree key -> its
+    file names under `prefix`, in row order) a part of the fused weight at `path`."""
+    return {
+        prefix + name: LinearSlot(key, path, part, len(parts))
+        for key, parts in linears.items()
+        for part, name in enumerate(parts)
+    }
+
+
 def copy_along(tree: dict, paths) -> dict:
     """A copy of `tree` in which the dicts and lists on each of `paths` are new (so nodes there
     may be written) and everything else, leaves included, is shared with `tree`."""

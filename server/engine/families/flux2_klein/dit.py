@@ -35,7 +35,7 @@ from gmlx_contract.lora_keys import layer_rows
 
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...lora import LinearSlot, project
+from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.embeddings import time_frequencies
@@ -67,9 +67,7 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
     slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
     for i in range(config.num_layers):
-        for key, parts in DOUBLE_LINEARS.items():
-            for part, name in enumerate(parts):
-                slots[DOUBLE.format(i) + name] = LinearSlot(key, ("double", i), part, len(parts))
+        slots |= block_slots(("double", i), DOUBLE.format(i), DOUBLE_LINEARS)
     for i in range(config.num_single_layers):
         for key, name in SINGLE_LINEARS.items():
             slots[SINGLE.format(i) + name] = LinearSlot(key, ("single", i))

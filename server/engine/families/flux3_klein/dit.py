@@ -32,7 +32,7 @@ from gmlx_contract.lora_keys import layer_rows
 
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...lora import LinearSlot, project
+from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.embeddings import time_frequencies
@@ -70,9 +70,7 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     slots = {name: LinearSlot(key) for key, name in top_linears(config).items()}
     for stack, prefix in STACKS.items():
         for i in range(stack_depth(stack, config)):
-            for key, parts in BLOCK_LINEARS.items():
-                for part, name in enumerate(parts):
-                    slots[prefix.format(i) + name] = LinearSlot(key, (stack, i), part, len(parts))
+            slots |= block_slots((stack, i), prefix.format(i), BLOCK_LINEARS)
     return slots
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...lora import BIAS, LinearSlot, dense, project
+from ...lora import BIAS, LinearSlot, block_slots, dense, project
 from ...nn.activations import gelu_tanh, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
@@ -61,9 +61,7 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     slots[PROJECTOR] = LinearSlot("projector")
     for stack, prefix in STACKS.items():
         for i in range(stack_depth(stack, config)):
-            for key, parts in BLOCK_LINEARS.items():
-                for part, name in enumerate(parts):
-                    slots[prefix.format(i) + name] = LinearSlot(key, (stack, i), part, len(parts))
+            slots |= block_slots((stack, i), prefix.format(i), BLOCK_LINEARS)
     return slots
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...lora import BIAS, LinearSlot, dense
+from ...lora import BIAS, LinearSlot, block_slots, dense
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
 from ...nn.rope import apply_rotary
@@ -63,9 +63,7 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
     for stack, prefix in STACKS.items():
         for i in range(stack_depth(stack, config)):
-            for key, parts in stack_linears(stack).items():
-                for part, name in enumerate(parts):
-                    slots[prefix.format(i) + name] = LinearSlot(key, (stack, i), part, len(parts))
+            slots |= block_slots((stack, i), prefix.format(i), stack_linears(stack))
     return slots
 
 

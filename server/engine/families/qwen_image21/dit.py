@@ -28,7 +28,7 @@ import numpy as np
 
 from ...dit_file import DiTFile, Naming, fused_weights
 from ...dit_network import DiTNetwork, DiTPart
-from ...lora import LinearSlot, project
+from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
@@ -180,10 +180,7 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
     slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
     for i in range(config.num_layers):
-        for key, parts in BLOCK_LINEARS.items():
-            for part, name in enumerate(parts):
-                slot = LinearSlot(key, ("blocks", i), part, len(parts))
-                slots[BLOCK_PREFIX.format(i) + name] = slot
+        slots |= block_slots(("blocks", i), BLOCK_PREFIX.format(i), BLOCK_LINEARS)
     return slots
 
 

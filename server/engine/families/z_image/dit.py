@@ -26,7 +26,7 @@ import numpy as np
 from ...config_keys import check_fixed
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
-from ...lora import BIAS, LinearSlot, dense, project
+from ...lora import BIAS, LinearSlot, block_slots, dense, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
@@ -167,9 +167,7 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     for stack, (prefix, modulated) in STACKS.items():
         for i in range(_stack_depth(stack, config)):
             p = prefix.format(i)
-            for key, parts in BLOCK_LINEARS.items():
-                for part, name in enumerate(parts):
-                    slots[p + name] = LinearSlot(key, (stack, i), part, len(parts))
+            slots |= block_slots((stack, i), p, BLOCK_LINEARS)
             if modulated:
                 slots[p + MODULATION] = LinearSlot("modulation", (stack, i))
     return slots
