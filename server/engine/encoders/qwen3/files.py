@@ -118,6 +118,28 @@ def vl_width(header: Header) -> int | None:
     return None if names is None else header.shapes[names["embed"]][1]
 
 
+def tapped_text_config(encoder: Header, width: int, layers: int, taps, reader: str) -> dict:
+    """Qwen3-VL's `text_config` for a file serving a DiT that reads `layers` of its hidden
+    states side by side, `width` wide in all, the pipeline tapping `taps` (entries of
+    `hidden_states`); `reader`, what of the DiT reads them, for the error. A ComponentError
+    when the file is of another width or has too few layers."""
+    from ...components import ComponentError
+
+    found = vl_width(encoder)
+    if found is None or found * layers != width:
+        raise ComponentError(
+            f"{encoder.path} is not a Qwen3-VL text encoder {width // layers} wide, as {reader}"
+            " takes" + ("" if found is None else f"; its language model is {found} wide")
+        )
+    text = vl_text_config(encoder)
+    if text["num_hidden_layers"] < max(taps):
+        raise ComponentError(
+            f"{encoder.path} has {text['num_hidden_layers']} layers; the pipeline taps the"
+            f" states after layer {max(taps)}"
+        )
+    return text
+
+
 def vl_layers(header: Header) -> int:
     return header.count(*(prefix + "layers." for prefix in VL_PREFIXES), "blk.")
 

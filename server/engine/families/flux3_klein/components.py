@@ -94,21 +94,10 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
     from ...components import ComponentError
 
     transformer = dit_config(dit)
-    width = qwen3_files.vl_width(encoder)
     taps = len(OUT_LAYERS)
-    if width is None or taps * width != transformer["joint_attention_dim"]:
-        raise ComponentError(
-            f"{encoder.path} is not a Qwen3-VL text encoder"
-            f" {transformer['joint_attention_dim'] // taps} wide, as the DiT {dit.path.name}"
-            f" takes ({TEXT_IN[0]} reads the pipelines' {taps} tapped layers)"
-            + ("" if width is None else f"; its language model is {width} wide")
-        )
-    text = qwen3_files.vl_text_config(encoder)
-    if text["num_hidden_layers"] < max(OUT_LAYERS):
-        raise ComponentError(
-            f"{encoder.path} has {text['num_hidden_layers']} layers; FLUX.3 klein taps the"
-            f" states after layer {max(OUT_LAYERS)}"
-        )
+    reader = f"the DiT {dit.path.name} ({TEXT_IN[0]}: the pipeline's {taps} tapped layers)"
+    jad = transformer["joint_attention_dim"]
+    text = qwen3_files.tapped_text_config(encoder, jad, taps, OUT_LAYERS, reader)
     if not vae_files.is_flux2_vae(vae):
         raise ComponentError(vae_files.flux2_vae_refusal(vae))
     return {

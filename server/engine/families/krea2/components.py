@@ -93,19 +93,9 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
             " say which others; serve it from a folder whose model_index.json names them"
             " (text_encoder_select_layers)"
         )
-    width = qwen3_files.vl_width(encoder)
-    if width != transformer["text_hidden_dim"]:
-        raise ComponentError(
-            f"{encoder.path} is not a Qwen3-VL text encoder {transformer['text_hidden_dim']}"
-            f" wide, as the DiT {dit.path.name} takes ({TXT_IN})"
-            + ("" if width is None else f"; its language model is {width} wide")
-        )
-    text = qwen3_files.vl_text_config(encoder)
-    if text["num_hidden_layers"] < max(SELECT_LAYERS):
-        raise ComponentError(
-            f"{encoder.path} has {text['num_hidden_layers']} layers; Krea 2 taps the states"
-            f" after layer {max(SELECT_LAYERS)}"
-        )
+    reader = f"the DiT {dit.path.name} ({TXT_IN})"
+    width = transformer["text_hidden_dim"]
+    text = qwen3_files.tapped_text_config(encoder, width, 1, SELECT_LAYERS, reader)
     channels = vae_files.qwen_image_latent_channels(vae)
     if channels != transformer["in_channels"] // 4:
         raise ComponentError(
