@@ -429,13 +429,13 @@ class FolderFamily(Family):
     the family's parts:
 
     - `network`: its DiT's class (a dit_network.DiTNetwork), whose `PART` is the DiTPart read;
-    - `prompt`: its prompt encoder's class (`load(model_dir, dtype, quantization, gguf=)`);
+    - `prompt`: its prompt encoder's class (an encoders.prompt.PromptEncoder);
     - `model`: its FamilyModel class (`model(model_dir, model_id, parts, files)`);
     - `fits(parts)`: its checks of the parts' widths against each other (None: none);
     - `encoder`: its text encoder (encoders.qwen3.text.Qwen3Part, encoders.qwen3.vl.Qwen3VLPart):
       `gguf(component_dir, files)` its GGUF files (None: safetensors), `include` the folder's
       tensors a load reads (None: all), `module_name(name)` and `quantized(path)` what a
-      quantized load quantizes, `network(encoder)` the loaded network;
+      quantized load quantizes;
     - `vae`: its VAE (a `...Part` of `vaes/`): `load(vae_dir, dtype)`, `latent(config)` (None: the DiT's channels at
       the spec's strides), `channels_out(config)`, `status_row(config)`, `estimate(vae_dir, dtype)` and
       `reserve_bytes(config, pixels)`;
@@ -638,7 +638,7 @@ class FolderFamily(Family):
         if encoder is None:
             encoder_status = status["quantization"]["encoder"]
         elif encoder_gguf is None:
-            encoder_status = quantization_status(self.encoder.network(encoder))
+            encoder_status = quantization_status(encoder.network)
         else:
             encoder_status = encoder_gguf.status()
         # a float single file (a safetensors one) reports what the load made of it, as a folder

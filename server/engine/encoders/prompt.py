@@ -22,6 +22,11 @@ class PromptEncoder(ABC):
         self.hidden_size = hidden_size  # the wire's D
         self.dtype = dtype  # the dtype it computes in, the one it loaded at
 
+    @property
+    def network(self):
+        """The loaded network whose layers a quantized load quantized (its status reads them)."""
+        return self.encoder
+
     @classmethod
     def load(
         cls,

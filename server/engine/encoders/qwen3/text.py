@@ -248,11 +248,6 @@ class Qwen3Part:
 
     quantized = staticmethod(quantized)
 
-    @staticmethod
-    def network(encoder) -> nn.Module:
-        """A family's loaded prompt encoder's network (for its quantization status)."""
-        return encoder.encoder.model
-
 
 class Qwen3Prompt(PromptEncoder):
     """A family's prompt encoder over Qwen3 alone: the family's `TEMPLATE` tokenized by the
@@ -268,6 +263,10 @@ class Qwen3Prompt(PromptEncoder):
         """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
         quantized, a GGUF file's token table too)."""
         super().__init__(encoder, tokenizer, encoder.weight_bytes, encoder.hidden_size, dtype)
+
+    @property
+    def network(self) -> nn.Module:
+        return self.encoder.model
 
     @classmethod
     def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):

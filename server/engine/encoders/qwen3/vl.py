@@ -311,10 +311,6 @@ class Qwen3VLPart:
     def module_name(name: str) -> str | None:
         return module_name(name)
 
-    @staticmethod
-    def network(encoder) -> nn.Module:
-        return encoder.encoder
-
 
 def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path | None) -> ModuleFiles:
     """Qwen3-VL in llama.cpp's pair of GGUF files: the language model in `model_file` under

@@ -559,8 +559,3 @@ class Qwen35Part:
     @staticmethod
     def module_name(name: str) -> str | None:
         return module_name(name)
-
-    @staticmethod
-    def network(encoder) -> nn.Module:
-        """A family's loaded prompt encoder's network (for its quantization status)."""
-        return encoder.encoder
