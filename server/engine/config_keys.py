@@ -1,12 +1,48 @@
-"""What a config key the network does not read must hold: every key of a family's DiT or VAE
-config class either changes what the network reads (and its config reader reads it), is fixed
+"""How a network's config is read, and what a config key the network does not read must hold.
+
+A DiT's config class is data: each of its fields a `setting` that names the diffusers key it is
+read from, the released model's default and how the value is taken (`read_settings`), so its
+reader is one call and the keys it reads one table.
+
+Every key of a family's DiT or VAE config class either changes what the network reads (and its
+config reader reads it), is fixed
 to the one value the network builds (`FIXED`, checked here: another value is refused, naming
 the key), or changes nothing the server computes (the reader's `NOT_READ`, with the reason).
 tests/engine/test_config_keys.py walks each diffusers config class's keys against the three."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import field, fields
 from typing import Any
+
+
+def setting(key: str, default: Any, convert: Callable[[Any], Any] | None = None) -> Any:
+    """A config dataclass field read from the config's `key` (`default` where the config has
+    no such key), passed through `convert` where given (float, tuple, bool, int)."""
+    return field(default=default, metadata={"key": key, "convert": convert})
+
+
+def read_settings(cls: type, config: dict, **given: Any) -> Any:
+    """An instance of the config dataclass `cls` from a config dict: each `setting` field from
+    its key; `given`, fields the reader worked out itself."""
+    values = dict(given)
+    for entry in fields(cls):
+        key = entry.metadata.get("key")
+        if entry.name in values or key is None:
+            continue
+        value = config.get(key, entry.default)
+        convert = entry.metadata["convert"]
+        values[entry.name] = value if convert is None else convert(value)
+    return cls(**values)
+
+
+def check_rope_axes(axes_dims: tuple[int, ...], head_dim: int) -> None:
+    """Refuse RoPE axes that do not add up to the attention head (ValueError naming both)."""
+    if sum(axes_dims) != head_dim:
+        raise ValueError(
+            f"axes_dims_rope {list(axes_dims)} must add up to attention_head_dim {head_dim}"
+        )
 
 
 def check_fixed(config: dict, fixed: dict[str, Any], title: str) -> None:

@@ -7,20 +7,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...config_keys import read_settings, setting
+
 
 @dataclass(frozen=True)
 class DiTConfig:
-    in_channels: int
-    num_layers: int
-    num_single_layers: int
-    num_heads: int
-    head_dim: int
-    joint_attention_dim: int
-    mlp_ratio: float
-    axes_dims: tuple[int, ...]
-    rope_theta: float
-    eps: float
-    time_dim: int = 256  # the sinusoidal time projection's channels
+    """Flux2Transformer2DModel's config (`setting`: its key and default)."""
+
+    in_channels: int = setting("in_channels", 128)
+    num_layers: int = setting("num_layers", 8)
+    num_single_layers: int = setting("num_single_layers", 48)
+    num_heads: int = setting("num_attention_heads", 48)
+    head_dim: int = setting("attention_head_dim", 128)
+    joint_attention_dim: int = setting("joint_attention_dim", 15360)
+    mlp_ratio: float = setting("mlp_ratio", 3.0, float)
+    axes_dims: tuple[int, ...] = setting("axes_dims_rope", (32, 32, 32, 32), tuple)
+    rope_theta: float = setting("rope_theta", 2000, float)
+    eps: float = setting("eps", 1e-6, float)
+    # the sinusoidal time projection's channels
+    time_dim: int = setting("timestep_guidance_channels", 256, int)
 
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
@@ -28,23 +33,13 @@ class DiTConfig:
             raise ValueError("FLUX.2's DiT takes patchified latents as they are (patch_size 1)")
         if config.get("guidance_embeds", False):
             raise ValueError("a guidance-embedding FLUX.2 DiT (guidance_embeds) is not klein")
+        made = read_settings(cls, config)
         out_channels = config.get("out_channels")
-        in_channels = config.get("in_channels", 128)
-        if out_channels not in (None, in_channels):
-            raise ValueError(f"out_channels {out_channels} must equal in_channels {in_channels}")
-        return cls(
-            in_channels=in_channels,
-            num_layers=config.get("num_layers", 8),
-            num_single_layers=config.get("num_single_layers", 48),
-            num_heads=config.get("num_attention_heads", 48),
-            head_dim=config.get("attention_head_dim", 128),
-            joint_attention_dim=config.get("joint_attention_dim", 15360),
-            mlp_ratio=float(config.get("mlp_ratio", 3.0)),
-            axes_dims=tuple(config.get("axes_dims_rope", (32, 32, 32, 32))),
-            rope_theta=float(config.get("rope_theta", 2000)),
-            eps=float(config.get("eps", 1e-6)),
-            time_dim=int(config.get("timestep_guidance_channels", 256)),
-        )
+        if out_channels not in (None, made.in_channels):
+            raise ValueError(
+                f"out_channels {out_channels} must equal in_channels {made.in_channels}"
+            )
+        return made
 
     @property
     def dim(self) -> int:

@@ -7,48 +7,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...config_keys import check_rope_axes, read_settings, setting
+
 TIME_FACTOR = 1000.0  # the DiT embeds 1000 t
 IMAGE_ROPE_SCALE = 0.5  # the pipeline's image positions: (row, column) x 0.5
 
 
 @dataclass(frozen=True)
 class DiTConfig:
-    in_channels: int  # the image tokens' channels (the VAE's latents patchified 2x2)
-    cond_in_channels: int  # the reference tokens'
-    num_layers: int  # per-mode blocks of each mode
-    num_single_layers: int
-    num_heads: int
-    head_dim: int
-    joint_attention_dim: int  # the stacked text-encoder layers' width
-    time_dim: int  # the sinusoidal time projection's channels
-    mlp_ratio: float
-    axes_dims: tuple[int, ...]
-    rope_theta: float
-    eps: float
-    flow_map: bool  # a step-distilled checkpoint: it also embeds the time each step jumps to
+    """Flux3Transformer2DModel's config (`setting`: its key and default)."""
+
+    in_channels: int = setting("in_channels", 128)  # the image tokens' (latents patchified 2x2)
+    cond_in_channels: int = setting("cond_in_channels", 128)  # the reference tokens'
+    num_layers: int = setting("num_layers", 5)  # per-mode blocks of each mode
+    num_single_layers: int = setting("num_single_layers", 28)
+    num_heads: int = setting("num_attention_heads", 24)
+    head_dim: int = setting("attention_head_dim", 128)
+    joint_attention_dim: int = setting("joint_attention_dim", 20480)  # the stacked text layers'
+    time_dim: int = setting("timestep_channels", 256)  # the sinusoidal time projection's
+    mlp_ratio: float = setting("mlp_ratio", 3.0, float)
+    axes_dims: tuple[int, ...] = setting("axes_dims_rope", (32, 32, 32, 32), tuple)
+    rope_theta: float = setting("rope_theta", 10000, float)
+    eps: float = setting("eps", 1e-6, float)
+    # a step-distilled checkpoint: it also embeds the time each step jumps to
+    flow_map: bool = setting("flow_map", False, bool)
 
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
-        made = cls(
-            in_channels=config.get("in_channels", 128),
-            cond_in_channels=config.get("cond_in_channels", 128),
-            num_layers=config.get("num_layers", 5),
-            num_single_layers=config.get("num_single_layers", 28),
-            num_heads=config.get("num_attention_heads", 24),
-            head_dim=config.get("attention_head_dim", 128),
-            joint_attention_dim=config.get("joint_attention_dim", 20480),
-            time_dim=config.get("timestep_channels", 256),
-            mlp_ratio=float(config.get("mlp_ratio", 3.0)),
-            axes_dims=tuple(config.get("axes_dims_rope", (32, 32, 32, 32))),
-            rope_theta=float(config.get("rope_theta", 10000)),
-            eps=float(config.get("eps", 1e-6)),
-            flow_map=bool(config.get("flow_map", False)),
-        )
-        if sum(made.axes_dims) != made.head_dim:
-            raise ValueError(
-                f"axes_dims_rope {list(made.axes_dims)} must add up to attention_head_dim "
-                f"{made.head_dim}"
-            )
+        made = read_settings(cls, config)
+        check_rope_axes(made.axes_dims, made.head_dim)
         return made
 
     @property

@@ -7,56 +7,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...config_keys import check_rope_axes, read_settings, setting
+
 PATCH = 2  # latents are cut into 2x2 patches (the pipeline's patch_size)
 TIME_SCALE = 1000.0  # the sinusoid embeds 1000 t
 
 
 @dataclass(frozen=True)
 class DiTConfig:
-    in_channels: int  # patch channels: latent channels x PATCH^2
-    num_layers: int
-    head_dim: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    time_embed_dim: int
-    text_dim: int
-    num_text_layers: int
-    text_heads: int
-    text_kv_heads: int
-    text_intermediate_size: int
-    layerwise_blocks: int
-    refiner_blocks: int
-    axes_dims: tuple[int, ...]
-    rope_theta: float
-    norm_eps: float
+    """Krea2Transformer2DModel's config (`setting`: its key and default)."""
+
+    in_channels: int = setting("in_channels", 64)  # patch channels: latent channels x PATCH^2
+    num_layers: int = setting("num_layers", 28)
+    head_dim: int = setting("attention_head_dim", 128)
+    num_heads: int = setting("num_attention_heads", 48)
+    num_kv_heads: int = setting("num_key_value_heads", 12)
+    intermediate_size: int = setting("intermediate_size", 16384)
+    time_embed_dim: int = setting("timestep_embed_dim", 256)
+    text_dim: int = setting("text_hidden_dim", 2560)
+    num_text_layers: int = setting("num_text_layers", 12)
+    text_heads: int = setting("text_num_attention_heads", 20)
+    text_kv_heads: int = setting("text_num_key_value_heads", 20)
+    text_intermediate_size: int = setting("text_intermediate_size", 6912)
+    layerwise_blocks: int = setting("num_layerwise_text_blocks", 2)
+    refiner_blocks: int = setting("num_refiner_text_blocks", 2)
+    axes_dims: tuple[int, ...] = setting("axes_dims_rope", (32, 48, 48), tuple)
+    rope_theta: float = setting("rope_theta", 1000.0, float)
+    norm_eps: float = setting("norm_eps", 1e-5, float)
 
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
-        made = cls(
-            in_channels=config.get("in_channels", 64),
-            num_layers=config.get("num_layers", 28),
-            head_dim=config.get("attention_head_dim", 128),
-            num_heads=config.get("num_attention_heads", 48),
-            num_kv_heads=config.get("num_key_value_heads", 12),
-            intermediate_size=config.get("intermediate_size", 16384),
-            time_embed_dim=config.get("timestep_embed_dim", 256),
-            text_dim=config.get("text_hidden_dim", 2560),
-            num_text_layers=config.get("num_text_layers", 12),
-            text_heads=config.get("text_num_attention_heads", 20),
-            text_kv_heads=config.get("text_num_key_value_heads", 20),
-            text_intermediate_size=config.get("text_intermediate_size", 6912),
-            layerwise_blocks=config.get("num_layerwise_text_blocks", 2),
-            refiner_blocks=config.get("num_refiner_text_blocks", 2),
-            axes_dims=tuple(config.get("axes_dims_rope", (32, 48, 48))),
-            rope_theta=float(config.get("rope_theta", 1000.0)),
-            norm_eps=float(config.get("norm_eps", 1e-5)),
-        )
-        if sum(made.axes_dims) != made.head_dim:
-            raise ValueError(
-                f"axes_dims_rope {list(made.axes_dims)} must add up to attention_head_dim "
-                f"{made.head_dim}"
-            )
+        made = read_settings(cls, config)
+        check_rope_axes(made.axes_dims, made.head_dim)
         if made.in_channels % (PATCH * PATCH):
             raise ValueError(f"in_channels {made.in_channels} is no multiple of {PATCH * PATCH}")
         return made

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...config_keys import read_settings, setting
+
 TEXT_BLOCKS = 2  # the text projection's own blocks (fixed in the upstream network)
 NORM_EPS = 1e-6
 TIME_MAX_PERIOD = 10000.0  # the sinusoid's frequencies: 10000^(-i / half)
@@ -18,27 +20,20 @@ TIME_MAX_PERIOD = 10000.0  # the sinusoid's frequencies: 10000^(-i / half)
 
 @dataclass(frozen=True)
 class DiTConfig:
-    dim: int
-    ffn_dim: int
-    num_heads: int
-    num_layers: int
-    text_dim: int
-    freq_dim: int
-    latent_channels: int
-    rope_base: float
+    """MOSSImageTransformer's config (`setting`: its key and default)."""
+
+    dim: int = setting("dim", 3072, int)
+    ffn_dim: int = setting("ffn_dim", 8192, int)
+    num_heads: int = setting("num_heads", 24, int)
+    num_layers: int = setting("num_layers", 42, int)
+    text_dim: int = setting("text_dim", 4096, int)
+    freq_dim: int = setting("freq_dim", 256, int)
+    latent_channels: int = setting("latent_channels", 128, int)
+    rope_base: float = setting("rope_base", 10000.0, float)
 
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
-        made = cls(
-            dim=int(config.get("dim", 3072)),
-            ffn_dim=int(config.get("ffn_dim", 8192)),
-            num_heads=int(config.get("num_heads", 24)),
-            num_layers=int(config.get("num_layers", 42)),
-            text_dim=int(config.get("text_dim", 4096)),
-            freq_dim=int(config.get("freq_dim", 256)),
-            latent_channels=int(config.get("latent_channels", 128)),
-            rope_base=float(config.get("rope_base", 10000.0)),
-        )
+        made = read_settings(cls, config)
         if made.dim % made.num_heads:
             raise ValueError(f"dim {made.dim} is no multiple of num_heads {made.num_heads}")
         if made.head_dim % 8:

@@ -26,6 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...config_keys import read_settings, setting
 from ...dit_file import DiTFile, Naming, fused_weights
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import LinearSlot, block_slots, project
@@ -43,33 +44,24 @@ TARGET_TABLES_KEPT = 16  # target RoPE tables kept, least recently used dropped 
 
 @dataclass(frozen=True)
 class DiTConfig:
-    in_channels: int
-    out_channels: int
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    context_in_dim: int
-    mlp_ratio: int
-    axes_dims_rope: tuple[int, int, int]
-    eps: float
-    patch_size: int = 1
-    causal_condition: bool = True
+    """QwenImage21Transformer2DModel's config (`setting`: its key and default)."""
+
+    in_channels: int = setting("in_channels", 64)
+    out_channels: int = 64  # the config's, else in_channels (`from_dict`)
+    num_layers: int = setting("num_layers", 32)
+    num_heads: int = setting("num_attention_heads", 32)
+    head_dim: int = setting("attention_head_dim", 128)
+    context_in_dim: int = setting("context_in_dim", 4096)
+    mlp_ratio: int = setting("mlp_ratio", 3)
+    axes_dims_rope: tuple[int, int, int] = setting("axes_dims_rope", (16, 56, 56), tuple)
+    eps: float = setting("eps", 1e-6)
+    patch_size: int = setting("patch_size", 1)
+    causal_condition: bool = setting("causal_condition", True)
 
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
-        return cls(
-            in_channels=config.get("in_channels", 64),
-            out_channels=config.get("out_channels") or config.get("in_channels", 64),
-            num_layers=config.get("num_layers", 32),
-            num_heads=config.get("num_attention_heads", 32),
-            head_dim=config.get("attention_head_dim", 128),
-            context_in_dim=config.get("context_in_dim", 4096),
-            mlp_ratio=config.get("mlp_ratio", 3),
-            axes_dims_rope=tuple(config.get("axes_dims_rope", (16, 56, 56))),
-            eps=config.get("eps", 1e-6),
-            patch_size=config.get("patch_size", 1),
-            causal_condition=config.get("causal_condition", True),
-        )
+        out_channels = config.get("out_channels") or config.get("in_channels", 64)
+        return read_settings(cls, config, out_channels=out_channels)
 
     @property
     def inner_dim(self) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ...config_keys import check_fixed
+from ...config_keys import check_fixed, read_settings, setting
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense, project
@@ -49,18 +49,20 @@ FIXED = {"qk_norm": True}
 
 @dataclass(frozen=True)
 class DiTConfig:
-    in_channels: int
-    dim: int
-    num_layers: int
-    num_refiner_layers: int
-    num_heads: int
-    norm_eps: float
-    cap_feat_dim: int
-    rope_theta: float
-    t_scale: float
-    axes_dims: tuple[int, ...]
-    axes_lens: tuple[int, ...]
-    patch_size: int
+    """ZImageTransformer2DModel's config (`setting`: its key and default)."""
+
+    in_channels: int = setting("in_channels", 16)
+    dim: int = setting("dim", 3840)
+    num_layers: int = setting("n_layers", 30)
+    num_refiner_layers: int = setting("n_refiner_layers", 2)
+    num_heads: int = setting("n_heads", 30)
+    norm_eps: float = setting("norm_eps", 1e-5)
+    cap_feat_dim: int = setting("cap_feat_dim", 2560)
+    rope_theta: float = setting("rope_theta", 256.0, float)
+    t_scale: float = setting("t_scale", 1000.0, float)
+    axes_dims: tuple[int, ...] = setting("axes_dims", (32, 48, 48), tuple)
+    axes_lens: tuple[int, ...] = setting("axes_lens", (1024, 512, 512), tuple)
+    patch_size: int = 2  # all_patch_size's one entry (`from_dict`)
 
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
@@ -73,22 +75,9 @@ class DiTConfig:
             )
         if config.get("siglip_feat_dim") is not None:
             raise ValueError("the Omni variant (siglip_feat_dim) is not supported")
-        heads = config.get("n_heads", 30)
-        check_fixed(config, {**FIXED, "n_kv_heads": heads}, "Z-Image's DiT")
-        return cls(
-            in_channels=config.get("in_channels", 16),
-            dim=config.get("dim", 3840),
-            num_layers=config.get("n_layers", 30),
-            num_refiner_layers=config.get("n_refiner_layers", 2),
-            num_heads=heads,
-            norm_eps=config.get("norm_eps", 1e-5),
-            cap_feat_dim=config.get("cap_feat_dim", 2560),
-            rope_theta=float(config.get("rope_theta", 256.0)),
-            t_scale=float(config.get("t_scale", 1000.0)),
-            axes_dims=tuple(config.get("axes_dims", (32, 48, 48))),
-            axes_lens=tuple(config.get("axes_lens", (1024, 512, 512))),
-            patch_size=patches[0],
-        )
+        made = read_settings(cls, config, patch_size=patches[0])
+        check_fixed(config, {**FIXED, "n_kv_heads": made.num_heads}, "Z-Image's DiT")
+        return made
 
     @property
     def head_dim(self) -> int:
