@@ -243,23 +243,11 @@ class FamilyModel:
     # -- the step -------------------------------------------------------------------------
 
     def denoise_step(
-        self,
-        x: np.ndarray,
-        timestep: np.ndarray,
-        rows: list[StepRow],
-        *,
-        convention: str = "comfy",
-        run: str | None = None,
-        table: object | None = None,
-        plans: Any = None,
-        ref_cache: bool = False,
-        skip: tuple[int, ...] = (),
-        sample_sigmas: np.ndarray | None = None,
+        self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], **how: Any
     ) -> StepResult:
-        """The seam's step (base.ImageModel.denoise_step), its keywords handed to the family's
-        `step` as one StepCall."""
-        call = StepCall(convention, run, table, plans, ref_cache, skip, sample_sigmas)
-        return self.step(x, timestep, rows, call)
+        """The seam's step (base.ImageModel.denoise_step), its keywords (StepCall's fields,
+        its defaults theirs) handed to the family's `step` as one StepCall."""
+        return self.step(x, timestep, rows, StepCall(**how))
 
     def step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
