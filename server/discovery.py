@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,13 +179,30 @@ def embedded_models() -> list[tuple[str, Path]]:
 
 
 def status_command(args: argparse.Namespace) -> int:
+    return _report(args, server_status, _print_status)
+
+
+def list_command(args: argparse.Namespace) -> int:
+    return _report(args, configured_models, _print_models)
+
+
+def _report(
+    args: argparse.Namespace, read: Callable[[ServerConfig], dict], show: Callable[[dict], None]
+) -> int:
+    """A command's document of the configured server, as JSON with --json, else in prose by
+    `show`; 2 when the config cannot be read (said on stderr)."""
     config = _config(args)
     if config is None:
         return 2
-    doc = server_status(config)
+    doc = read(config)
     if args.json:
         print(json.dumps(doc))
-        return 0
+    else:
+        show(doc)
+    return 0
+
+
+def _print_status(doc: dict) -> None:
     where = f"gmlx server {doc['url'] or '(port 0)'}"
     source = doc["config"] or "no config file (defaults)"
     if doc["running"] and not doc["error"]:
@@ -196,17 +214,9 @@ def status_command(args: argparse.Namespace) -> int:
     else:
         print(f"{where}: not running ({doc['error']}); start it with `gmlx serve`")
     print(f"config: {source}; this gmlx: {__version__}")
-    return 0
 
 
-def list_command(args: argparse.Namespace) -> int:
-    config = _config(args)
-    if config is None:
-        return 2
-    doc = configured_models(config)
-    if args.json:
-        print(json.dumps(doc))
-        return 0
+def _print_models(doc: dict) -> None:
     for model in doc["models"]:
         mark = " (default)" if model["default"] else ""
         where = model["folder"] or "no folder yet"
@@ -215,7 +225,6 @@ def list_command(args: argparse.Namespace) -> int:
         print(f"{model['model']}{mark}: {where}")
     dirs = ", ".join(doc["model_dirs"]) or "none"
     print(f"model_dirs: {dirs}; config: {doc['config'] or 'no config file (defaults)'}")
-    return 0
 
 
 def _config(args: argparse.Namespace) -> ServerConfig | None:
