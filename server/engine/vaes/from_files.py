@@ -46,6 +46,12 @@ def is_flux2_vae(header: Header) -> bool:
     return latent_channels(header) == FLUX2_LATENT_CHANNELS and has_batch_norm(header)
 
 
+def fits_flux2_vae(dit: Header, vae: Header) -> bool:
+    """A component rule's `fits_vae` for a family that decodes with FLUX.2's autoencoder,
+    whatever its DiT."""
+    return is_flux2_vae(vae)
+
+
 def flux2_vae_refusal(header: Header) -> str:
     """Why a file is not FLUX.2's autoencoder, naming the tensor."""
     channels = latent_channels(header)

@@ -80,8 +80,7 @@ def fits_encoder(dit: Header, encoder: Header) -> bool:
     )
 
 
-def fits_vae(dit: Header, vae: Header) -> bool:
-    return vae_files.is_flux2_vae(vae)
+fits_vae = vae_files.fits_flux2_vae
 
 
 def dit_config(dit: Header) -> dict:

@@ -67,8 +67,7 @@ def fits_encoder(dit: Header, encoder: Header) -> bool:
     return width is not None and len(OUT_LAYERS) * width == text_width(dit)
 
 
-def fits_vae(dit: Header, vae: Header) -> bool:
-    return vae_files.is_flux2_vae(vae)
+fits_vae = vae_files.fits_flux2_vae
 
 
 def dit_config(dit: Header) -> dict:

@@ -45,8 +45,7 @@ def fits_encoder(dit: Header, encoder: Header) -> bool:
     return qwen35_files.width(encoder) == dit.shape(TEXT_IN)[1]
 
 
-def fits_vae(dit: Header, vae: Header) -> bool:
-    return vae_files.is_flux2_vae(vae)
+fits_vae = vae_files.fits_flux2_vae
 
 
 def dit_config(dit: Header) -> dict:
