@@ -1,20 +1,31 @@
 """What every embedded model must be (engine/embedded.py), checked the same way for each: a
 folder named by its model id that its family identifies, generated the same way twice and
-reused while its stamp is current, small on disk. A family's own test_embedded keeps what is its
-own (its layout, its reference pipeline reading every parameter, its prompt moving the image)."""
+reused while its stamp is current, small on disk, read by its reference pipeline parameter for
+parameter, and made so that its prompt moves the image. A family's own test_embedded keeps what
+is its own (its layout, what its pipeline reads of its configs and template)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.embedded import STAMP_FILE
-from gmlx_server.engine.registry import embedded_modules
+from gmlx_server.engine.registry import ModelRegistry, embedded_modules
 from gmlx_server.engine.spec import family_specs
+from safetensors import safe_open
+
+from tests.families.test_conformance import rel_l2, step
+from tests.server.conftest import serve
 
 MODULES = {module.MODEL_NAME: module for module in embedded_modules()}
 MAX_BYTES = 12_000_000
+# How far another prompt moves the prompt row's step at the least, relative L2 (a DiT that
+# ignored its conditioning: 0). Measured 0.05 to 0.32, but 0.015 for Krea 2, whose pipeline
+# puts a long template after the prompt: most conditioning rows are the same for any prompt.
+PROMPT_MOVES = 0.01
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -56,3 +67,55 @@ def test_generation_is_deterministic_and_reused(made, tmp_path):
     assert weights.stat().st_mtime_ns == before  # the stamp matched: nothing was rewritten
     stamp = json.loads((again / STAMP_FILE).read_text())
     assert stamp["name"] == module.MODEL_NAME and "random weights" in stamp["note"]
+
+
+def written_shapes(component: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a component folder's safetensors files, by name: its shape."""
+    shapes = {}
+    for path in sorted(component.glob("*.safetensors")):
+        with safe_open(path, "numpy") as weights:
+            shapes.update(
+                {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+            )
+    return shapes
+
+
+def test_the_reference_pipeline_reads_every_written_parameter(made):
+    """diffusers' pipeline of the folder (model_index.json's class) reads it as it is, and each
+    network's parameters and buffers are exactly the tensors written, by name and shape:
+    nothing missing, nothing unread. (FLUX.3 klein's modular pipeline and MOSS-Image, which
+    diffusers does not ship, are checked against their references in their own tests.)"""
+    pytest.importorskip("torch")
+    import diffusers
+
+    module, folder = made
+    name = json.loads((folder / "model_index.json").read_text())["_class_name"]
+    pipeline = getattr(diffusers, name, None)
+    if pipeline is None or "Modular" in name:
+        pytest.skip(f"diffusers has no {name} that loads a folder by from_pretrained")
+    given = {}
+    if (folder / "processor").is_dir():  # Qwen3VLProcessor without its torchvision-gated half
+        from tests.encoders.qwen3.reference import load_processor
+
+        given["processor"] = load_processor(folder)
+    pipe = pipeline.from_pretrained(str(folder), **given)
+    for component in ("transformer", "vae", "text_encoder"):
+        state = getattr(pipe, component).state_dict()
+        loaded = {key: tuple(value.shape) for key, value in state.items()}
+        assert loaded == written_shapes(folder / component), component
+
+
+def test_the_prompt_moves_the_output(made):
+    """The weights are drawn so that the prompt visibly moves the DiT's output
+    (engine/embedded.py): served, another prompt moves the prompt row's step, the empty
+    prompt's row not."""
+    module, folder = made
+    config = replace(ServerConfig(host="127.0.0.1", port=0), image=ImageConfig())
+    live = serve(config, ModelRegistry(extra_models=[folder]))
+    try:
+        fox = step(live, module.MODEL_NAME, "a red fox in the snow")
+        book = step(live, module.MODEL_NAME, "an oil painting of a book")
+    finally:
+        live.close()
+    assert rel_l2(fox[0], book[0]) > PROMPT_MOVES
+    assert rel_l2(fox[1], book[1]) < 1e-6

@@ -6,14 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
-from gmlx_server.engine import embedded as shared
-from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.embedded import STAMP_FILE
 from gmlx_server.engine.families.z_image import embedded, family
-
-from tests.families.z_image.reference import rel_l2
 
 
 @pytest.fixture(scope="module")
@@ -46,41 +41,17 @@ def test_folder_is_named_and_laid_out_as_the_pipeline(model_dir):
     assert sum(len(data) for data in _files(model_dir).values()) < 6_000_000
 
 
-def test_the_pipeline_loads_it_with_every_parameter(model_dir):
-    """diffusers' ZImagePipeline reads the folder as it is, and every component's parameters are
-    the inventory's, by name and shape."""
+def test_the_pipeline_reads_its_vae_settings_and_chat_template(model_dir):
+    """diffusers' ZImagePipeline reads the folder with FLUX.1's VAE settings and the chat
+    template the pipeline renders (every parameter read: tests/families/test_embedded_models.py)."""
     from diffusers import ZImagePipeline
 
     pipe = ZImagePipeline.from_pretrained(str(model_dir))
-    inventories = {
-        "transformer": embedded.transformer_tensors(dict(pipe.transformer.config)),
-        "vae": shared.autoencoder_kl_tensors(dict(pipe.vae.config)),
-        "text_encoder": shared.qwen3_tensors(pipe.text_encoder.config.to_dict()),
-    }
-    for name, inventory in inventories.items():
-        state = getattr(pipe, name).state_dict()
-        assert {key: tuple(value.shape) for key, value in state.items()} == {
-            key: shape for key, (shape, _) in inventory.items()
-        }, name
     assert pipe.vae.config.scaling_factor == 0.3611 and pipe.vae.config.sample_size == 1024
     prompt = pipe.tokenizer.apply_chat_template(
         [{"role": "user", "content": "a fox"}], tokenize=False, add_generation_prompt=True
     )
     assert prompt == "<|im_start|>user\na fox<|im_end|>\n<|im_start|>assistant\n"
-
-
-def test_the_prompt_moves_the_output(model_dir):
-    model = family.Z_IMAGE.load(model_dir, embedded.MODEL_NAME)
-    try:
-        x = np.random.default_rng(0).standard_normal((1, 16, 16, 16)).astype(np.float32)
-        t = np.array([0.6], np.float32)
-        outs = [
-            model.denoise_step(x, t, [StepRow(model.encode(text, [], False).cond, "c")]).out
-            for text in ("a red fox in the snow", "an oil painting of a book")
-        ]
-    finally:
-        model.close()
-    assert rel_l2(outs[0], outs[1]) > 0.05
 
 
 def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monkeypatch):
