@@ -11,6 +11,8 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 - the spec says what the status and the capabilities publish;
 - a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
   a quantized load of the float folder;
+- a LoRA table on fused and unfused layers steps as the checkpoint with it merged, and on a
+  GGUF DiT as on its dequantized weights;
 - a GGUF DiT steps as the same network on `gguf.quants.dequantize`'s weights;
 - a truncated GGUF DiT is refused (400, naming the file) before the resident model goes;
 - the encoder and the VAE at the entry's `encoder_vae_dtype` bf16 stay within bf16's
@@ -59,7 +61,9 @@ def cases() -> dict:
     """Every family's case, by family name: each test folder's `conformance.py` (FAMILY, the
     family's name; write_folder(folder), its tiny folder; FAMILY_OBJECT, the Family of a family
     of the tests alone, which the product's specs do not list; BF16_ENCODE_TOLERANCE, where the
-    tiny encoder's bf16 is measured to need a wider bound than BF16_ENCODE_TOLERANCE)."""
+    tiny encoder's bf16 is measured to need a wider bound than BF16_ENCODE_TOLERANCE;
+    LORA_LAYERS, the layers its LoRA table patches (file name less `.weight` -> band or None;
+    default `patched_layers`))."""
     found = {}
     for folder in sorted(HERE.iterdir()):
         if (folder / "conformance.py").is_file():
@@ -97,6 +101,44 @@ def write_gguf_dit(transformer, path, dequantized) -> dict[str, int]:
     return counts
 
 
+def patched_layers(shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The layers a conformance table patches, by the DiT's file names (`shapes`: each
+    weight's shape): q, k and v of the first block (parts of one fused weight) whole, and the
+    first half of another layer's output rows."""
+    qkv = [
+        n
+        for n in shapes
+        if n.endswith((".to_q", ".to_k", ".to_v", ".proj.q", ".proj.k", ".proj.v"))
+    ][:3]
+    other = next(n for n in shapes if n.endswith((".to_out.0", ".to_out", ".proj.o")))
+    return {**dict.fromkeys(qkv), other: [0, 0, shapes[other][0] // 2]}
+
+
+def write_merged_dit(transformer, merged, deltas: dict[str, np.ndarray]) -> None:
+    """`transformer`'s folder again in `merged` with `deltas` (file name less `.weight` ->
+    whole-weight delta) added to its weights: what a checkpoint with the LoRA merged holds."""
+    weights = {}
+    for file in sorted(transformer.glob("*.safetensors")):
+        weights.update(load_file(file))
+    for layer, delta in deltas.items():
+        weights[layer + ".weight"] = weights[layer + ".weight"] + delta
+    merged.mkdir(parents=True)
+    shutil.copy(transformer / "config.json", merged / "config.json")
+    save_file(weights, str(merged / "diffusion_pytorch_model.safetensors"))
+
+
+def dit_shapes(transformer) -> dict[str, tuple[int, ...]]:
+    """The DiT file's matrices by name less `.weight`: their shapes."""
+    shapes = {}
+    for file in sorted(transformer.glob("*.safetensors")):
+        shapes |= {n: v.shape for n, v in load_file(file).items() if v.ndim == 2}
+    return {name[: -len(".weight")]: shape for name, shape in shapes.items()}
+
+
+# Each case's conformance LoRA: (table entries, adapters), kept while its server runs.
+_LORA: dict[str, tuple[list, dict]] = {}
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def served(request, tmp_path_factory):
     """(server, family name): the family's folder as `plain`, `gguf` (its DiT from a GGUF
@@ -115,6 +157,13 @@ def served(request, tmp_path_factory):
     shutil.copytree(plain, dequantized, ignore=shutil.ignore_patterns("transformer"))
     types = write_gguf_dit(plain / "transformer", root / "dit.gguf", dequantized / "transformer")
     print(f"{name}: GGUF DiT of {types}")
+    merged = models / "merged"
+    shutil.copytree(plain, merged, ignore=shutil.ignore_patterns("transformer"))
+    shapes = dit_shapes(plain / "transformer")
+    layers = getattr(case, "LORA_LAYERS", None) or patched_layers(shapes)
+    entries, adapters, deltas = lora_table(shapes, layers, 3, 0.8, alpha=2.0)
+    write_merged_dit(plain / "transformer", merged / "transformer", deltas)
+    _LORA[name] = (entries, adapters)
     for alias in ("gguf", "q4", "lean"):
         (models / alias).symlink_to(plain)
     family = ModelRegistry(extra_models=[plain], families=families).family(name)
@@ -128,7 +177,7 @@ def served(request, tmp_path_factory):
         [models],
         "plain",
         families=families,
-        max_resident=6,  # every model of the case stays loaded: no test reloads one
+        max_resident=7,  # every model of the case stays loaded: no test reloads one
         settings=lambda m: settings.get(m, LoadSettings()),
     )
     config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[models])
@@ -136,6 +185,7 @@ def served(request, tmp_path_factory):
     yield live, name
     live.close()
     _ENCODED.clear()  # a later case's server may take this one's id
+    _LORA.pop(name, None)
 
 
 def status(live, model):
@@ -267,20 +317,24 @@ def test_a_gguf_dit_steps_as_its_dequantized_weights(served):
     assert len(held["types"]) >= 8
 
 
+def test_a_lora_table_steps_as_the_checkpoint_with_it_merged(served):
+    """A table on fused and unfused layers, whole and in bands (the case's `LORA_LAYERS`, else
+    q, k and v of the first block and a band of another layer) steps as the folder whose DiT
+    weights hold the same LoRA merged."""
+    live, name = served
+    entries, adapters = _LORA[name]
+    r, table = put_table(live, "plain", entries, adapters)
+    assert r.status_code == 200, r.text
+    patched = step(live, "plain", table=table)
+    assert rel_l2(patched, step(live, "merged")) <= TOLERANCE
+    assert rel_l2(patched, step(live, "plain")) > 1e-3  # the table moved the step
+
+
 def test_a_lora_table_on_a_gguf_dit_steps_as_on_its_dequantized_weights(served):
-    """The pairs stay in float beside the file's blocks: a table on q, k and v of the first
-    block (parts of one fused weight of mixed types) and on a band of another layer."""
-    live, _ = served
-    manifest = live.call("GET", "models/gguf/manifest").json()["tensors"]
-    shapes = {t["name"][: -len(".weight")]: tuple(t["shape"]) for t in manifest}
-    qkv = [
-        n
-        for n in shapes
-        if n.endswith((".to_q", ".to_k", ".to_v", ".proj.q", ".proj.k", ".proj.v"))
-    ][:3]
-    other = next(n for n in shapes if n.endswith((".to_out.0", ".to_out", ".proj.o")))
-    patched = {**dict.fromkeys(qkv), other: [0, 0, shapes[other][0] // 2]}
-    entries, adapters, _ = lora_table(shapes, patched, 3, 0.8, alpha=2.0)
+    """The pairs stay in float beside the file's blocks (the same table: fused weights of
+    mixed types among its layers)."""
+    live, name = served
+    entries, adapters = _LORA[name]
     outs = {}
     for model in ("gguf", "dequantized"):
         r, table = put_table(live, model, entries, adapters)

@@ -3,17 +3,15 @@
 held), encode with references, steps
 equal to the diffusers transformer (joint references, and the KV model's), the run's reference
 K/V cache (a hit equals the miss, the memory plan counts it and refuses one that does not fit),
-the VAE routes in model space, and a LoRA table on fused and unfused layers equal to the
-reference with the LoRA merged into its weights."""
+and the VAE routes in model space (a LoRA table against the checkpoint with it merged, on this
+family's LORA_LAYERS: tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 from gmlx_contract import wire
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.families.flux2_klein.family import FLUX2_KLEIN, ref_state_bytes
@@ -22,7 +20,6 @@ from gmlx_server.engine.sampling import direct_row
 
 from tests.families.flux2_klein.reference import reference_dit, rel_l2
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
-from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
 
 KLEIN, KV = "klein-tiny", "klein-kv-tiny"
@@ -251,43 +248,3 @@ def test_the_vae_routes_carry_model_space(live):
     r = live.post_container("vae/decode", {"latents": z}, {"model": KLEIN})
     assert r.status_code == 200, r.text
     assert wire.read_container(r.content).tensors["image"].shape == (1, 32, 48, 3)
-
-
-# Layers a table patches: fused parts (the streams' q/k/v), unfused layers of both block kinds
-# with bands, a shared modulation and the embedders.
-PATCHED = {
-    "transformer_blocks.0.attn.to_k": None,
-    "transformer_blocks.1.attn.add_v_proj": [0, 8, 16],  # output rows 8..23 of v only
-    "transformer_blocks.0.ff_context.linear_in": None,
-    "single_transformer_blocks.0.attn.to_qkv_mlp_proj": [0, 64, 64],  # k's rows of the fused
-    "single_transformer_blocks.1.attn.to_out": [1, 64, 192],  # the MLP's input columns
-    "double_stream_modulation_img.linear": None,
-    "x_embedder": None,
-    "context_embedder": None,
-}
-STRENGTH, ALPHA, RANK = 0.7, 1.0, 2
-
-
-def lora_deltas(transformer) -> tuple[list[dict], dict, dict]:
-    """Patch-table entries, their adapter tensors, and the same LoRA as whole-weight deltas."""
-    weights = dict(transformer.named_parameters())
-    shapes = {layer: tuple(weights[layer + ".weight"].shape) for layer in PATCHED}
-    return lora_table(shapes, PATCHED, 9, STRENGTH, ALPHA, RANK)
-
-
-def test_a_table_on_fused_and_unfused_layers_equals_the_merged_weights(live):
-    transformer = live.transformers[KLEIN]
-    entries, adapters, deltas = lora_deltas(transformer)
-    r, table = put_table(live, KLEIN, entries, adapters)
-    assert r.status_code == 200, r.text
-    cond = encode(live, "a red fox")
-    refs = [latents(14, 128, 2, 2)]
-    x = latents(15, 1, 128, 3, 4)
-    patched = out_of(step(live, x, [0.6], [(cond, refs)], patch_table=table))
-    merged = copy.deepcopy(transformer)
-    with torch.no_grad():
-        for layer, delta in deltas.items():
-            merged.get_parameter(layer + ".weight").add_(torch.from_numpy(delta))
-    assert rel_l2(patched, reference_dit(merged, x, [0.6], cond, refs)) <= 1e-4
-    plain = out_of(step(live, x, [0.6], [(cond, refs)]))
-    assert rel_l2(patched, plain) > 0.01

@@ -1,7 +1,6 @@
 """The tiny-checkpoint recipe of the twin-blocks family: a complete folder of random weights
 (model_index.json, transformer/, text_encoder/ and tokenizer/: a tiny Qwen3, vae/: a tiny
-FLUX.1 AutoencoderKL), and the same folder with a LoRA merged into its files (the reference a
-patched step must equal). The Qwen3 and VAE folders are the embedded Z-Image's recipes of
+FLUX.1 AutoencoderKL). The Qwen3 and VAE folders are the embedded Z-Image's recipes of
 those components, a Qwen3 32 wide and a VAE of 16 latent channels at stride 8."""
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ def linear_shapes(config: dict = TRANSFORMER) -> dict[str, tuple[int, int]]:
     }
 
 
-def write_folder(root: Path, name: str = "twin-tiny", seed: int = 0, merged=None) -> Path:
-    """A model folder of random weights; `merged` (layer -> delta (out, in)) is added to the
-    DiT's linear weights as written."""
+def write_folder(root: Path, name: str = "twin-tiny", seed: int = 0) -> Path:
+    """A model folder of random weights."""
     rng = np.random.default_rng(seed)
     folder = Path(root) / name
     dit = {
@@ -48,8 +46,6 @@ def write_folder(root: Path, name: str = "twin-tiny", seed: int = 0, merged=None
     dit["norm_out.weight"] = (1.0 + 0.1 * rng.standard_normal(TRANSFORMER["hidden"])).astype(
         np.float32
     )
-    for layer, delta in (merged or {}).items():
-        dit[layer + ".weight"] = (dit[layer + ".weight"] + delta).astype(np.float32)
     (folder / "transformer").mkdir(parents=True, exist_ok=True)
     (folder / "transformer" / "config.json").write_text(json.dumps(TRANSFORMER))
     arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in dit.items()}

@@ -1,7 +1,7 @@
 """The twin-blocks family through the whole seam over HTTP: the family handed to the registry below is its only
 tie to the server. Status and manifest unloaded and loaded, encode, steps (memory-planned, no
-prefix cache), the VAE routes and LoRA tables on fused and unfused projections of both block
-kinds, which must equal the step of a checkpoint with the same LoRA merged into its files."""
+prefix cache), the VAE routes and a LoRA key outside the tree (a table against the checkpoint
+with it merged: tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
@@ -14,35 +14,18 @@ from gmlx_contract.hashing import tensor_hash
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 
-from tests.lora.over_http import lora_table, put_table
+from tests.lora.over_http import put_table
 from tests.server.conftest import serve
 
 from . import checkpoint, family
 
 REGISTRY_LINE = {family.FAMILY: family.TWIN_BLOCKS}  # the family as the registry takes it
-# Layers the table patches: a fused part of each double-block stream, unfused ones of a
-# single block, one with a band, and one outside the blocks.
-PATCHED = {
-    "double_blocks.0.img_attn.to_k": None,
-    "double_blocks.1.txt_attn.to_q": None,
-    "double_blocks.1.txt_attn.to_v": [0, 4, 8],  # output rows 4..11 of v only
-    "single_blocks.0.attn.to_v": None,
-    "single_blocks.1.attn.to_out": [1, 2, 6],  # input columns 2..7
-    "img_in": None,
-}
-STRENGTH, ALPHA, RANK = 0.8, 1.0, 2
-
-
-def lora() -> tuple[list[dict], dict, dict]:
-    """The table's entries, its adapter tensors, and the same LoRA as whole-weight deltas."""
-    return lora_table(checkpoint.linear_shapes(), PATCHED, 3, STRENGTH, ALPHA, RANK)
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     root = tmp_path_factory.mktemp("twin")
     checkpoint.write_folder(root, "twin-tiny")
-    checkpoint.write_folder(root, "twin-merged", merged=lora()[2])
     config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[root])
     config = replace(config, image=ImageConfig())
     server = serve(
@@ -112,19 +95,6 @@ def test_the_vae_routes_round_trip_through_the_family_vae(live):
     r = live.post_container("vae/decode", {"latents": latents}, {"model": "twin-tiny"})
     assert r.status_code == 200, r.text
     assert wire.read_container(r.content).tensors["image"].shape == (1, 16, 24, 3)
-
-
-def test_a_table_on_fused_and_unfused_layers_equals_the_merged_checkpoint(live):
-    entries, adapters, _ = lora()
-    r, table = put_table(live, "twin-tiny", entries, adapters)
-    assert r.status_code == 200, r.text
-    cond = live.put_tensor(np.random.default_rng(4).standard_normal((1, 5, 32)).astype(np.float32))
-    x = np.random.default_rng(5).standard_normal((1, 16, 4, 4)).astype(np.float32)
-    patched = out_of(step(live, "twin-tiny", x, 0.6, cond, table))
-    merged = out_of(step(live, "twin-merged", x, 0.6, cond))
-    plain = out_of(step(live, "twin-tiny", x, 0.6, cond))
-    np.testing.assert_allclose(patched, merged, rtol=1e-4, atol=1e-5)
-    assert not np.allclose(patched, plain, atol=1e-3)  # the table changed the output
 
 
 def test_a_key_outside_the_tree_is_refused_naming_a_layer_that_is(live):

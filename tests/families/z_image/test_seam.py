@@ -1,18 +1,17 @@
 """Z-Image through the whole seam over HTTP on a tiny folder, found by the product registry
 (its spec.py): status and manifest unloaded and loaded, encode, steps (equal to the
-diffusers transformer under the pipeline's time and sign), refusals, the VAE routes, and a LoRA
-table on fused and unfused layers equal to the reference with the LoRA merged into its weights."""
+diffusers transformer under the pipeline's time and sign), refusals and the VAE routes (a LoRA
+table against the checkpoint with it merged, on this family's LORA_LAYERS:
+tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
 import base64
-import copy
 import io
 from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 from gmlx_contract import wire
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
@@ -20,7 +19,6 @@ from PIL import Image
 
 from tests.families.z_image.reference import reference_dit, rel_l2
 from tests.families.z_image.tiny.folder import build_tiny_folder
-from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
 
 
@@ -171,43 +169,3 @@ def test_the_vae_routes_round_trip_through_the_vae(live):
     r = live.post_container("vae/decode", {"latents": latents}, {"model": "z-image-tiny"})
     assert r.status_code == 200, r.text
     assert wire.read_container(r.content).tensors["image"].shape == (1, 32, 48, 3)
-
-
-# Layers a table patches: fused parts (q/k/v, w1/w3) and unfused layers of each block stack,
-# a band, a modulation and layers outside the blocks.
-PATCHED = {
-    "noise_refiner.0.feed_forward.w3": None,
-    "context_refiner.0.attention.to_out.0": [1, 8, 16],  # input columns 8..23
-    "layers.0.attention.to_k": None,
-    "layers.1.attention.to_v": [0, 4, 8],  # output rows 4..11 of v only
-    "layers.1.adaLN_modulation.0": None,
-    "all_x_embedder.2-1": None,
-    "t_embedder.mlp.0": None,
-}
-STRENGTH, ALPHA, RANK = 0.7, 1.0, 2
-
-
-def lora_deltas(transformer) -> tuple[list[dict], dict, dict]:
-    """Patch-table entries, their adapter tensors, and the same LoRA as whole-weight deltas."""
-    weights = dict(transformer.named_parameters())
-    shapes = {layer: tuple(weights[layer + ".weight"].shape) for layer in PATCHED}
-    return lora_table(shapes, PATCHED, 9, STRENGTH, ALPHA, RANK)
-
-
-def test_a_table_on_fused_and_unfused_layers_equals_the_merged_weights(live):
-    entries, adapters, deltas = lora_deltas(live.transformer)
-    r, table = put_table(live, "z-image-tiny", entries, adapters)
-    assert r.status_code == 200, r.text
-    cond = encode(live, "a red fox")
-    x = np.random.default_rng(6).standard_normal((1, 16, 4, 6)).astype(np.float32)
-    fields = {"model": "z-image-tiny", "rows": [{"cond": live.put_tensor(cond)}]}
-    arrays = {"x": x, "timestep": np.array([0.6], np.float32)}
-    patched = out_of(live.post_container("step", arrays, {**fields, "patch_table": table}))
-    merged = copy.deepcopy(live.transformer)
-    with torch.no_grad():
-        for layer, delta in deltas.items():
-            merged.get_parameter(layer + ".weight").add_(torch.from_numpy(delta))
-    expected = -reference_dit(merged, x, [0.4], [cond[0]])
-    assert rel_l2(patched, expected) <= 1e-4
-    plain = out_of(live.post_container("step", arrays, fields))
-    assert rel_l2(patched, plain) > 0.01  # the table changed the output
