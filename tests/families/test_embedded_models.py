@@ -119,3 +119,21 @@ def test_the_prompt_moves_the_output(made):
         live.close()
     assert rel_l2(fox[0], book[0]) > PROMPT_MOVES
     assert rel_l2(fox[1], book[1]) < 1e-6
+
+
+def test_the_folder_holds_the_components_its_model_index_names(made):
+    """Each component model_index.json names ([library, class]) is a folder, the networks with
+    their config and weights, and the folder holds nothing else but the index and the stamp."""
+    _, folder = made
+    index = json.loads((folder / "model_index.json").read_text())
+    named = {
+        key
+        for key, value in index.items()
+        if isinstance(value, list) and len(value) == 2 and all(isinstance(v, str) for v in value)
+    }
+    assert {p.name for p in folder.iterdir()} == {*named, "model_index.json", STAMP_FILE}
+    for component in named & {"transformer", "vae", "text_encoder"}:
+        held = {p.name for p in (folder / component).iterdir()}
+        assert "config.json" in held and any(n.endswith(".safetensors") for n in held), component
+    for component in named - {"transformer", "vae", "text_encoder"}:
+        assert any((folder / component).iterdir()), component

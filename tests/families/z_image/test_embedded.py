@@ -1,44 +1,17 @@
-"""The embedded Z-Image: a real-format ZImagePipeline folder generated without torch, whose
-inventories are diffusers' and transformers' own parameters, and whose prompt visibly moves the
-output."""
+"""The embedded Z-Image beyond what every embedded model is (tests/families/test_embedded_models.py):
+what its pipeline reads of its configs and chat template, and how a server offers it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from gmlx_server.engine.embedded import STAMP_FILE
-from gmlx_server.engine.families.z_image import embedded, family
+from gmlx_server.engine.families.z_image import embedded
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return embedded.ensure_embedded_model(tmp_path_factory.mktemp("cache"))
-
-
-def _files(root: Path) -> dict[str, bytes]:
-    return {
-        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
-    }
-
-
-def test_folder_is_named_and_laid_out_as_the_pipeline(model_dir):
-    assert model_dir.name == embedded.MODEL_NAME == "z-image-random-tiny"
-    assert set(_files(model_dir)) == {
-        "model_index.json",
-        "scheduler/scheduler_config.json",
-        "transformer/config.json",
-        "transformer/diffusion_pytorch_model.safetensors",
-        "vae/config.json",
-        "vae/diffusion_pytorch_model.safetensors",
-        "text_encoder/config.json",
-        "text_encoder/model.safetensors",
-        "tokenizer/tokenizer.json",
-        "tokenizer/tokenizer_config.json",
-        STAMP_FILE,
-    }
-    assert family.Z_IMAGE.spec.identify(model_dir) == ("z_image", "turbo")
-    assert sum(len(data) for data in _files(model_dir).values()) < 6_000_000
 
 
 def test_the_pipeline_reads_its_vae_settings_and_chat_template(model_dir):
