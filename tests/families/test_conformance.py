@@ -10,7 +10,8 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 - the manifest read from the files is the loaded manifest;
 - the spec says what the status and the capabilities publish;
 - a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
-  a quantized load of the float folder;
+  a quantized load of the float folder, and a quantized load (4 and 8 bits) steps, encodes
+  and takes a LoRA table as the same networks on its weights dequantized;
 - a LoRA table on fused and unfused layers steps as the checkpoint with it merged, and on a
   GGUF DiT as on its dequantized weights;
 - a GGUF DiT steps as the same network on `gguf.quants.dequantize`'s weights;
@@ -22,10 +23,12 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 from __future__ import annotations
 
 import importlib
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
@@ -35,6 +38,7 @@ from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.gguf import READABLE
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
+from gmlx_server.engine.quantize import BIASES, SCALES
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.spec import family_specs
 from gmlx_server.engine.weights import quantize_folder
@@ -55,6 +59,8 @@ BF16_ENCODE_TOLERANCE = 0.05
 BF16_VAE_TOLERANCE = 0.03
 BF16_FLOOR = 1e-4
 HERE = Path(__file__).resolve().parent
+# The quantized loads every case is checked at: the default, and 8 bits in groups of 32.
+QUANTIZED = {"q4": Quantization(4), "q8": Quantization(8, 32)}
 
 
 def cases() -> dict:
@@ -101,6 +107,38 @@ def write_gguf_dit(transformer, path, dequantized) -> dict[str, int]:
     return counts
 
 
+def write_dequantized(stored: Path, out: Path) -> None:
+    """`stored` (a `gmlx model quantize` folder) again in `out`, every quantized matrix
+    dequantized to float32 (`mx.dequantize` of its packed weight, scales and biases at the
+    recorded bits and group size): the same networks on the weights a quantized load holds."""
+    shutil.copytree(stored, out)
+    for config_file in out.glob("*/config.json"):
+        component = config_file.parent
+        config = json.loads(config_file.read_text())
+        held = config.pop("quantization", None)
+        if held is None:
+            continue
+        for shard in sorted(component.glob("*.safetensors")):
+            tensors = load_file(shard)
+            for scales in [n for n in tensors if n.endswith(SCALES)]:
+                base = scales[: -len(SCALES)]
+                weight = mx.dequantize(
+                    *(
+                        mx.array(tensors.pop(base + suffix))
+                        for suffix in (".weight", SCALES, BIASES)
+                    ),
+                    group_size=held["group_size"],
+                    bits=held["bits"],
+                )
+                tensors[base + ".weight"] = np.array(weight.astype(mx.float32))
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+        for index in component.glob("*.safetensors.index.json"):
+            doc = json.loads(index.read_text())
+            kept = {n: f for n, f in doc["weight_map"].items() if not n.endswith((SCALES, BIASES))}
+            index.write_text(json.dumps({**doc, "weight_map": kept}))
+        config_file.write_text(json.dumps(config, indent=2))
+
+
 def patched_layers(shapes: dict[str, tuple[int, ...]]) -> dict:
     """The layers a conformance table patches, by the DiT's file names (`shapes`: each
     weight's shape): q, k and v of the first block (parts of one fused weight) whole, and the
@@ -142,8 +180,10 @@ _LORA: dict[str, tuple[list, dict]] = {}
 @pytest.fixture(scope="module", params=sorted(CASES))
 def served(request, tmp_path_factory):
     """(server, family name): the family's folder as `plain`, `gguf` (its DiT from a GGUF
-    file), `dequantized` (the GGUF's weights as safetensors), `q4` (quantized at load) and
-    `stored` (`gmlx model quantize`'s 4-bit copy) and `lean` (its encoder and VAE in bf16)."""
+    file), `dequantized` (the GGUF's weights as safetensors), `q4` and `q8` (quantized at
+    load, QUANTIZED), `stored` (`gmlx model quantize`'s 4-bit copy), `q4_dequantized` and
+    `q8_dequantized` (the quantized weights dequantized, as safetensors), `merged` (its DiT
+    with the case's LoRA merged) and `lean` (its encoder and VAE in bf16)."""
     name = request.param
     case = CASES[name]
     families = {**family_specs()}
@@ -164,20 +204,23 @@ def served(request, tmp_path_factory):
     entries, adapters, deltas = lora_table(shapes, layers, 3, 0.8, alpha=2.0)
     write_merged_dit(plain / "transformer", merged / "transformer", deltas)
     _LORA[name] = (entries, adapters)
-    for alias in ("gguf", "q4", "lean"):
+    for alias in ("gguf", *QUANTIZED, "lean"):
         (models / alias).symlink_to(plain)
     family = ModelRegistry(extra_models=[plain], families=families).family(name)
-    quantize_folder(plain, models / "stored", Quantization(4), family.quantized_files(plain))
+    quantize_folder(plain, models / "stored", QUANTIZED["q4"], family.quantized_files(plain))
+    write_dequantized(models / "stored", models / "q4_dequantized")
+    quantize_folder(plain, root / "stored_q8", QUANTIZED["q8"], family.quantized_files(plain))
+    write_dequantized(root / "stored_q8", models / "q8_dequantized")
     settings = {
         "gguf": LoadSettings(dit=root / "dit.gguf"),
-        "q4": LoadSettings(quantization=Quantization(4)),
+        **{name: LoadSettings(quantization=q) for name, q in QUANTIZED.items()},
         "lean": LoadSettings(encoder_vae_dtype="bf16"),
     }
     registry = ModelRegistry(
         [models],
         "plain",
         families=families,
-        max_resident=7,  # every model of the case stays loaded: no test reloads one
+        max_resident=10,  # every model of the case stays loaded: no test reloads one
         settings=lambda m: settings.get(m, LoadSettings()),
     )
     config = replace(ServerConfig(host="127.0.0.1", port=0), model_dirs=[models])
@@ -305,6 +348,30 @@ def test_a_stored_quantized_folder_steps_as_a_quantized_load(served):
     assert stored == status(live, "q4")["quantization"]
     assert stored["dit"] is not None and stored["encoder"] is not None
     assert rel_l2(step(live, "q4"), step(live, "plain")) > 1e-4  # quantizing moved the step
+
+
+@pytest.mark.parametrize("quantized", sorted(QUANTIZED))
+def test_a_quantized_load_steps_and_encodes_as_its_dequantized_weights(served, quantized):
+    """The quantized load's DiT and text encoder compute as the same networks in float32 on
+    the weights it holds, dequantized (a stored folder's, which are the load's), a LoRA table
+    on its quantized base as on the dequantized one."""
+    live, name = served
+    dequantized = quantized + "_dequantized"
+    got = step(live, quantized)
+    assert rel_l2(got, step(live, dequantized)) <= TOLERANCE
+    assert rel_l2(got, step(live, "plain")) > 10 * TOLERANCE  # the quantization is real
+    for text in ("a red fox", ""):
+        expected = encoding(live, dequantized, text)
+        assert rel_l2(encoding(live, quantized, text), expected) <= TOLERANCE, text
+    assert status(live, dequantized)["quantization"]["dit"] is None
+    entries, adapters = _LORA[name]
+    outs = {}
+    for model in (quantized, dequantized):
+        r, table = put_table(live, model, entries, adapters)
+        assert r.status_code == 200, r.text
+        outs[model] = step(live, model, table=table)
+    assert rel_l2(outs[quantized], outs[dequantized]) <= TOLERANCE
+    assert rel_l2(outs[quantized], got) > 1e-3  # the table moved the step
 
 
 def test_a_gguf_dit_steps_as_its_dequantized_weights(served):
