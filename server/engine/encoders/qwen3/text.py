@@ -21,21 +21,13 @@ from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...precision import Quantization
 from ...weights import gguf_file, load_module, load_weights, read_config
+from ..config import DecoderConfig, decoder_settings
 from ..prompt import PromptEncoder
 from .tokenizer import PromptTemplate, QwenPromptTokenizer
 
 
 @dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
+class TextConfig(DecoderConfig):
     mrope_section: tuple[int, int, int]
     attention_bias: bool
 
@@ -43,17 +35,8 @@ class TextConfig:
     def from_dict(cls, config: dict) -> TextConfig:
         # transformers 5 writes rope_parameters; older files carry rope_scaling + rope_theta.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        heads = config["num_attention_heads"]
         return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 500000.0))),
+            **decoder_settings(config, rope, 500000.0),
             mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
             attention_bias=config.get("attention_bias", False),
         )

@@ -37,6 +37,7 @@ from ...nn.dtypes import tree_bytes
 from ...nn.rope import apply_rotary, cos_sin, inverse_frequencies
 from ...precision import Quantization
 from ...weights import gguf_file, load_module, load_weights, read_config
+from ..config import DecoderConfig, decoder_settings
 
 CHUNK = 64  # the chunked delta rule's chunk length (transformers' default)
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -44,16 +45,7 @@ PREFIXES = ("model.language_model.", "language_model.", "model.")
 
 
 @dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
+class TextConfig(DecoderConfig):
     rotary_dim: int
     layer_types: tuple[str, ...]
     conv_kernel: int
@@ -65,24 +57,15 @@ class TextConfig:
     @classmethod
     def from_dict(cls, config: dict) -> TextConfig:
         rope = config.get("rope_parameters") or {}
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        layers = config["num_hidden_layers"]
+        shared = decoder_settings(config, rope, 10000.0)
+        layers = shared["num_layers"]
         interval = config.get("full_attention_interval", 4)
         types = config.get("layer_types") or [
             FULL if (i + 1) % interval == 0 else LINEAR for i in range(layers)
         ]
         return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 0.25)),
+            **shared,
+            rotary_dim=int(shared["head_dim"] * rope.get("partial_rotary_factor", 0.25)),
             layer_types=tuple(types[:layers]),
             conv_kernel=config.get("linear_conv_kernel_dim", 4),
             linear_key_heads=config.get("linear_num_key_heads", 16),
