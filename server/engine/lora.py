@@ -231,6 +231,12 @@ def pair_bytes(tree: Any) -> int:
     )
 
 
+def table_id(table: Any | None) -> str | None:
+    """A patch table's id, for the keys of states made under it (a `service.PatchTable`;
+    None: no table)."""
+    return None if table is None else table.table_id
+
+
 class TableWeights:
     """The weight trees of one model instance's patch tables, built on demand from the tables
     and kept least-recently-used within a byte budget (the newest always stays). They die with

@@ -31,6 +31,7 @@ import numpy as np
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
 from ...family import FamilyModel, FolderFamily, LoadedParts
+from ...lora import table_id
 from ...step_inputs import (
     checked_cond,
     checked_convention,
@@ -182,7 +183,7 @@ class Flux2KleinModel(FamilyModel):
             if mode == "joint" or not row.ref_latents:
                 keys.append(None)
             else:
-                keys.append((position, row.cond_key, tuple(row.ref_keys), _table_id(table)))
+                keys.append((position, row.cond_key, tuple(row.ref_keys), table_id(table)))
         return StepPlan(mode, tuple(keys))
 
     def step_peak_bytes(
@@ -282,11 +283,6 @@ class Flux2KleinModel(FamilyModel):
     def close(self) -> None:
         self.ref_caches.clear()
         super().close()
-
-
-def _table_id(table: object | None) -> str | None:
-    """The patch table's id for a reference state's key (a `service.PatchTable`; None: none)."""
-    return None if table is None else table.table_id
 
 
 FLUX2_KLEIN = FolderFamily(

@@ -18,6 +18,7 @@ from gmlx_contract.schedules import qwen_image21_rule
 from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
 from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
+from ...lora import table_id
 from ...nn import cpu_ops
 from ...quantize import float_weight_bytes
 from ...spec import model_index
@@ -215,7 +216,7 @@ class QwenImage21Model(FamilyModel):
         """Each row's plan (prefix layout, state key) for a step of x_shape: made once per step
         by the memory plan, then handed to step_peak_bytes, step_keys and denoise_step."""
         _, _, h, w = x_shape
-        return [plan_row(row, self.dit, (h, w), _table_id(table)) for row in rows]
+        return [plan_row(row, self.dit, (h, w), table_id(table)) for row in rows]
 
     def step_peak_bytes(
         self,
@@ -288,7 +289,7 @@ class QwenImage21Model(FamilyModel):
             rows,
             convention=call.convention,
             run=call.run,
-            table_id=_table_id(call.table),
+            table_id=table_id(call.table),
             weights=self.tables.weights_for(call.table),
             plans=call.plans,
         )
@@ -305,11 +306,6 @@ class QwenImage21Model(FamilyModel):
     def close(self) -> None:
         self.prefix_cache.clear()
         super().close()
-
-
-def _table_id(table: object | None) -> str | None:
-    """The patch table's id for the prefix-state key (a `service.PatchTable`; None: no table)."""
-    return None if table is None else table.table_id
 
 
 QWEN_IMAGE21 = QwenImage21(
