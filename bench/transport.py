@@ -251,7 +251,7 @@ def measure_route(
         shape = (1, latent["channels"], height // latent["stride"], width // latent["stride"])
         x = np.concatenate([np.random.default_rng(0).standard_normal(shape, np.float32)] * rows)
         timestep = np.full(rows, 0.5, dtype=np.float32)
-        via.begin()
+        via.begin(np.array([1.0, 0.5, 0.0], np.float32))  # the run's schedule, its step in it
         try:
             for _ in range(warmup + count):
                 via.step(x, timestep, step_rows)
