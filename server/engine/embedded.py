@@ -342,11 +342,28 @@ def qwen3_vl_config(
     }
 
 
-@dataclass(frozen=True)
-class TinyQwen3VL:
-    """root/tokenizer and root/text_encoder of a family whose text encoder is the tiny
-    Qwen3-VL (TINY_QWEN3_VL_*), which it runs on text alone: the tests' Qwen tokenizer and the
-    Qwen3VLModel's drawn weights, their names without a prefix and no language-model head."""
+class TinyTextEncoder:
+    """root/tokenizer, the tests' Qwen tokenizer, and root/text_encoder drawn from its stream:
+    a subclass says its config from the tokenizer (`config_of`) and its inventory from that
+    config (`tensors_of`)."""
+
+    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
+        tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
+        write_tokenizer(root / "tokenizer", tokenizer)
+        config = self.config_of(tokenizer)
+        Drawn("text_encoder", config, self.tensors_of(config)).write(root, seed, noise)
+
+    def config_of(self, tokenizer) -> dict:
+        raise NotImplementedError
+
+    def tensors_of(self, config: dict) -> Inventory:
+        raise NotImplementedError
+
+
+class TinyQwen3VL(TinyTextEncoder):
+    """The text encoder of a family whose text encoder is the tiny Qwen3-VL (TINY_QWEN3_VL_*),
+    which it runs on text alone: the Qwen3VLModel's weights, their names without a prefix and
+    no language-model head."""
 
     recipe = {
         "text": TINY_QWEN3_VL_TEXT,
@@ -355,18 +372,17 @@ class TinyQwen3VL:
         "chat_template": CHAT_TEMPLATE,
     }
 
-    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
-        tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-        write_tokenizer(root / "tokenizer", tokenizer)
-        text = qwen3_vl_config(tokenizer, TINY_QWEN3_VL_TEXT, TINY_QWEN3_VL_VISION, "Qwen3VLModel")
-        Drawn("text_encoder", text, qwen3_vl_tensors(text, "", False)).write(root, seed, noise)
+    def config_of(self, tokenizer) -> dict:
+        return qwen3_vl_config(tokenizer, TINY_QWEN3_VL_TEXT, TINY_QWEN3_VL_VISION, "Qwen3VLModel")
+
+    def tensors_of(self, config: dict) -> Inventory:
+        return qwen3_vl_tensors(config, "", False)
 
 
 @dataclass(frozen=True)
-class TinyQwen3:
-    """root/tokenizer and root/text_encoder: the tests' Qwen tokenizer and a Qwen3ForCausalLM
-    of `config` (TINY_QWEN3_CONFIG at a family's depth), its vocabulary the tokenizer's, no
-    special token ids set."""
+class TinyQwen3(TinyTextEncoder):
+    """A Qwen3ForCausalLM of `config` (TINY_QWEN3_CONFIG at a family's depth), its vocabulary
+    the tokenizer's, no special token ids set."""
 
     config: dict
 
@@ -375,12 +391,12 @@ class TinyQwen3:
         tokens = [SPECIAL_TOKENS, PLAIN_ADDED_TOKENS, BPE_VOCAB_SIZE, TOKENIZER_CORPUS]
         return {"text": self.config, "tokens": tokens, "chat_template": CHAT_TEMPLATE}
 
-    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
-        tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-        write_tokenizer(root / "tokenizer", tokenizer)
+    def config_of(self, tokenizer) -> dict:
         text = {**self.config, "vocab_size": tokenizer.get_vocab_size()}
-        text.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-        Drawn("text_encoder", text, qwen3_tensors(text)).write(root, seed, noise)
+        return {**text, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+    def tensors_of(self, config: dict) -> Inventory:
+        return qwen3_tensors(config)
 
 
 def write_drawn(

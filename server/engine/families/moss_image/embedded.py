@@ -31,10 +31,9 @@ from ...embedded import (
     Drawn,
     Inventory,
     Recipe,
+    TinyTextEncoder,
     default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     flux2_vae_tensors,
-    train_tokenizer,
-    write_tokenizer,
 )
 from .layout import DiTConfig, tensor_shapes
 from .spec import MODEL_INDEX, TRANSFORMER_CLASS
@@ -160,10 +159,9 @@ def qwen35_tensors(text: dict, prefix: str = "model.language_model.") -> Invento
 
 
 @dataclass(frozen=True)
-class TinyQwen35:
-    """root/tokenizer and root/text_encoder: the tests' Qwen tokenizer and a tiny Qwen3.5 of
-    `text` (its text_config), drawn under the checkpoint's names (no vision tower, no
-    language-model head)."""
+class TinyQwen35(TinyTextEncoder):
+    """A tiny Qwen3.5 of `text` (its text_config) under the checkpoint's names (no vision
+    tower, no language-model head)."""
 
     text: dict
 
@@ -171,13 +169,11 @@ class TinyQwen35:
     def recipe(self) -> dict:
         return {"text": self.text, "tokens": [BPE_VOCAB_SIZE, TOKENIZER_CORPUS]}
 
-    def write(self, root: Path, seed: int, noise: dict[str, float]) -> None:
-        tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
-        write_tokenizer(root / "tokenizer", tokenizer)
-        config = qwen35_text_config(tokenizer.get_vocab_size(), self.text)
-        Drawn("text_encoder", config, qwen35_tensors(config["text_config"])).write(
-            root, seed, noise
-        )
+    def config_of(self, tokenizer) -> dict:
+        return qwen35_text_config(tokenizer.get_vocab_size(), self.text)
+
+    def tensors_of(self, config: dict) -> Inventory:
+        return qwen35_tensors(config["text_config"])
 
 
 def recipe(

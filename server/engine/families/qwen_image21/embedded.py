@@ -31,19 +31,16 @@ from tokenizers import Tokenizer
 
 from ...embedded import (
     DIFFUSERS_FORMAT,
-    DIFFUSERS_WEIGHTS,
     GAIN,
     MATRIX,
     SHIFT,
     STAMP_FILE,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
-    TRANSFORMERS_WEIGHTS,
     Recipe,
     default_cache_dir,  # noqa: F401
-    draw,
     dumps,
     qwen3_vl_config,
     qwen3_vl_tensors,
-    write_component,
+    write_drawn,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
     PLAIN_ADDED_TOKENS,
@@ -267,10 +264,8 @@ class TinyQwenImage21:
             "vae": (vae_config, vae_tensors(vae_config)),
             "text_encoder": (text_encoder_config, qwen3_vl_tensors(text_encoder_config)),
         }
-        for index, (name, (config, inventory)) in enumerate(components.items()):
-            weights = draw(inventory, np.random.default_rng([seed, index]), CONSTANT_NOISE)
-            file_name = TRANSFORMERS_WEIGHTS if name == "text_encoder" else DIFFUSERS_WEIGHTS
-            write_component(root / name, config, weights, file_name)
+        for name, (config, inventory) in components.items():
+            write_drawn(root / name, name, config, inventory, seed, CONSTANT_NOISE)
         write_processor(root / "processor", tokenizer)
         (root / "model_index.json").write_text(dumps(model_index()))
 
