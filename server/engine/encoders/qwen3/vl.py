@@ -221,11 +221,12 @@ class TappedTextPrompt(PromptEncoder):
     def read_tokenizer(folder: Path):
         """The folder's tokenizer, as the family tokenizes."""
 
-    def stacked(self, ids: np.ndarray, **options) -> np.ndarray:
-        """(1, L, layers x hidden) float32: the tapped states of the ids' tokens, each token's
-        layers in tap order (`options`: the encoder's positions and valid keys)."""
+    def stacked(self, ids: np.ndarray, first_row: int = 0, **options) -> np.ndarray:
+        """(1, L, layers x hidden) float32: the tapped states of the ids' tokens from
+        `first_row` on, each token's layers in tap order (`options`: the encoder's positions
+        and valid keys)."""
         tapped = self.encoder.hidden_states(ids, [], [], self.taps, **options)
-        joined = mx.stack(tapped, axis=1).astype(mx.float32)  # (L, layers, D)
+        joined = mx.stack(tapped, axis=1)[first_row:].astype(mx.float32)  # (L, layers, D)
         return np.asarray(joined).reshape(1, joined.shape[0], -1)
 
 

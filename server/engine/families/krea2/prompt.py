@@ -39,4 +39,4 @@ class Krea2PromptEncoder(TappedTextPrompt):
     def encode(self, text: str) -> np.ndarray:
         """(1, L, num_text_layers * hidden) float32: the tapped states of the tokens after the
         prefix rows, each token's layers in tap order."""
-        return self.stacked(self.token_ids(text))[:, PREFIX_ROWS:]
+        return self.stacked(self.token_ids(text), first_row=PREFIX_ROWS)
