@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -342,7 +343,7 @@ def qwen3_vl_config(
     }
 
 
-class TinyTextEncoder:
+class TinyTextEncoder(ABC):
     """root/tokenizer, the tests' Qwen tokenizer, and root/text_encoder drawn from its stream:
     a subclass says its config from the tokenizer (`config_of`) and its inventory from that
     config (`tensors_of`)."""
@@ -353,11 +354,11 @@ class TinyTextEncoder:
         config = self.config_of(tokenizer)
         Drawn("text_encoder", config, self.tensors_of(config)).write(root, seed, noise)
 
-    def config_of(self, tokenizer) -> dict:
-        raise NotImplementedError
+    @abstractmethod
+    def config_of(self, tokenizer) -> dict: ...
 
-    def tensors_of(self, config: dict) -> Inventory:
-        raise NotImplementedError
+    @abstractmethod
+    def tensors_of(self, config: dict) -> Inventory: ...
 
 
 class TinyQwen3VL(TinyTextEncoder):
