@@ -35,6 +35,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gmlx_contract import wire
 from gmlx_server.config import ImageConfig, ServerConfig
+from gmlx_server.engine import file_headers
 from gmlx_server.engine.gguf import READABLE
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
@@ -169,7 +170,7 @@ def dit_shapes(transformer) -> dict[str, tuple[int, ...]]:
     """The DiT file's matrices by name less `.weight`: their shapes."""
     shapes = {}
     for file in sorted(transformer.glob("*.safetensors")):
-        shapes |= {n: v.shape for n, v in load_file(file).items() if v.ndim == 2}
+        shapes |= {n: s for n, s in file_headers.read(file).shapes.items() if len(s) == 2}
     return {name[: -len(".weight")]: shape for name, shape in shapes.items()}
 
 
