@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gmlx_server import cli
 from gmlx_server.engine.base import StepRow
-from gmlx_server.engine.embedded import draw
+from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS, draw
 from gmlx_server.engine.families.qwen_image21 import embedded, family
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.kquant_folder import preset_types
@@ -49,7 +49,7 @@ def wide_folder(root):
     weights = draw(
         embedded.transformer_tensors(CONFIG), np.random.default_rng(1), embedded.CONSTANT_NOISE
     )
-    save_file(weights, str(transformer / embedded.DIFFUSERS_WEIGHTS))
+    save_file(weights, str(transformer / DIFFUSERS_WEIGHTS))
     return folder
 
 
@@ -85,7 +85,7 @@ def test_a_kquant_folder_loads_and_steps_as_its_file(tmp_path, capsys):
         for t in gguf.GGUFReader(gguf_path).tensors
     }
     gguf_path.unlink()
-    save_file(weights, str(reference / "transformer" / embedded.DIFFUSERS_WEIGHTS))
+    save_file(weights, str(reference / "transformer" / DIFFUSERS_WEIGHTS))
     got = step(model, rows)
     assert rel_l2(got, step(family.QWEN_IMAGE21.load(reference, "reference"), rows)) <= 1e-4
     # its loss against the float folder, beside MLX's affine 4-bit at load (groups of 64)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gmlx_server.config import MODEL_SETTINGS, ConfigError, ModelSettings
+from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS
 from gmlx_server.engine.families.qwen_image21 import embedded
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
@@ -95,8 +96,8 @@ def gguf_folder(tmp_path: Path) -> tuple[Path, Path]:
     source = embedded.ensure_embedded_model(tmp_path / "cache")
     folder = tmp_path / "models" / "tiny-gguf"
     shutil.copytree(source, folder)
-    (folder / "transformer" / embedded.DIFFUSERS_WEIGHTS).unlink()
-    weights = load_file(str(source / "transformer" / embedded.DIFFUSERS_WEIGHTS))
+    (folder / "transformer" / DIFFUSERS_WEIGHTS).unlink()
+    weights = load_file(str(source / "transformer" / DIFFUSERS_WEIGHTS))
     types = {
         name: T.Q8_0
         for name, value in weights.items()

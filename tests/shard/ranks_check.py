@@ -80,7 +80,7 @@ def gguf_model(folder: Path) -> tuple[Path, Path]:
     block linears Q8_0, Q4_0 in the second half: their 192 and 576 input columns whole groups
     of 32), named by the model's settings."""
     from gguf import GGMLQuantizationType as T
-    from gmlx_server.engine.families.qwen_image21 import embedded
+    from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS
     from safetensors.numpy import load_file
 
     from tests.engine.gguf_files import write_dit
@@ -89,8 +89,8 @@ def gguf_model(folder: Path) -> tuple[Path, Path]:
     dit = folder.parent / (folder.name + "-dit-Q8_0.gguf")
     if not target.exists():
         shutil.copytree(folder, target)
-        (target / "transformer" / embedded.DIFFUSERS_WEIGHTS).unlink()
-        weights = load_file(str(folder / "transformer" / embedded.DIFFUSERS_WEIGHTS))
+        (target / "transformer" / DIFFUSERS_WEIGHTS).unlink()
+        weights = load_file(str(folder / "transformer" / DIFFUSERS_WEIGHTS))
         types = {
             name: T.Q4_0 if int(name.split(".")[1]) >= 3 else T.Q8_0
             for name, value in weights.items()

@@ -255,7 +255,7 @@ def test_a_pipeline_rank_reads_only_its_blocks_of_a_gguf_dit(tmp_path, monkeypat
     memory-mapped file, no tensor of rank 0's blocks, and holds what one process holds of
     them; a rank that holds a part of every block (tensor mode) reads every tensor."""
     from gguf import GGMLQuantizationType as T
-    from gmlx_server.engine.families.qwen_image21 import embedded
+    from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS
     from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
     from gmlx_server.engine.gguf import GGUFFile
     from gmlx_server.engine.nn.dtypes import tree_leaves
@@ -265,7 +265,7 @@ def test_a_pipeline_rank_reads_only_its_blocks_of_a_gguf_dit(tmp_path, monkeypat
     from tests.shard.folder import build_shard_folder
 
     folder = build_shard_folder(tmp_path / "model") / "transformer"
-    weights = load_file(str(folder / embedded.DIFFUSERS_WEIGHTS))
+    weights = load_file(str(folder / DIFFUSERS_WEIGHTS))
     types = {name: T.Q8_0 for name, value in weights.items() if value.ndim == 2}
     dit = tmp_path / "dit.gguf"
     write_dit(dit, weights, types, np.random.default_rng(0))

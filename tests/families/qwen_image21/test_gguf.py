@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gmlx_server.config import ModelSettings, ServerConfig
-from gmlx_server.engine.embedded import draw
+from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS, draw
 from gmlx_server.engine.families.qwen_image21 import embedded, family
 from gmlx_server.engine.families.qwen_image21.dit import (
     BLOCK_PREFIX,
@@ -91,7 +91,7 @@ def reference_folder(base, target, held: dict[str, np.ndarray], config=CONFIG):
     """The same model with the file's weights as gguf dequantizes them, in float32 safetensors."""
     model_folder(base, target, config)
     weights = {name: np.ascontiguousarray(value, np.float32) for name, value in held.items()}
-    save_file(weights, str(target / "transformer" / embedded.DIFFUSERS_WEIGHTS))
+    save_file(weights, str(target / "transformer" / DIFFUSERS_WEIGHTS))
     return target
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from gmlx_server.engine.embedded import draw, qwen3_vl_tensors
+from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS, draw, qwen3_vl_tensors
 from gmlx_server.engine.families.qwen_image21 import embedded
 
 TRANSFORMER = {
@@ -43,8 +43,8 @@ TEXT = {
 VISION = {"out_hidden_size": 256}
 VAE = {"base_dim": 16, "decoder_base_dim": 24, "num_res_blocks": 2}
 WEIGHTS = {
-    "transformer": embedded.DIFFUSERS_WEIGHTS,
-    "vae": embedded.DIFFUSERS_WEIGHTS,
+    "transformer": DIFFUSERS_WEIGHTS,
+    "vae": DIFFUSERS_WEIGHTS,
     "text_encoder": "model.safetensors",
 }
 
