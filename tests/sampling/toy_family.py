@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 from gmlx_server.engine.base import (
-    Capabilities,
     EncodeResult,
     EngineInputError,
     Facts,
     StepResult,
 )
 from gmlx_server.engine.spec import Family, FamilySpec
+
+from ..numpy_models import NumpyImageModel
 
 FAMILY = "toy"
 PIPELINE_CLASS = "ToyPipeline"
@@ -72,19 +73,10 @@ def _text_rows(text: str) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, length, WIDTH), dtype=np.float32)
 
 
-class ToyModel:
+class ToyModel(NumpyImageModel):
     family = FAMILY
-    variant = "base"
-    capabilities = Capabilities()
     facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=3, edit_capable=True)
-    weight_bytes = 0
-    # an encoder that is never released
-    encoder_bytes = 0
-    encoder_resident = True
-    encoder_releasable = False
-
-    def release_encoder(self) -> int:
-        return 0
+    comfy = {"model_class": "Toy", "image_model": "toy"}
 
     def __init__(self, model_id: str, sigmas: list[float] | None = None) -> None:
         self.model_id = model_id
@@ -94,40 +86,14 @@ class ToyModel:
         self.calls: list[tuple[int, str | None]] = []  # (rows, run) per step
         self.ended: list[str] = []
 
-    def status(self) -> dict:
+    def sampling(self) -> dict:
         return {
-            "comfy": {"model_class": "Toy", "image_model": "toy"},
-            "latent": {
-                "channels": self.facts.latent_channels,
-                "stride": self.facts.latent_stride,
-                "patch": 1,
-            },
-            "vae": {
-                "channels_out": self.facts.vae_channels_out,
-                "stride": self.facts.vae_stride,
-                "space": "model",
-            },
-            "edit_capable": self.facts.edit_capable,
-            "sampling": {
-                "steps": len(self.sigmas) - 1 if self.sigmas else 4,
-                "cfg": 1.0,
-                "shift": 1.0,
-                "sigmas": self.sigmas,
-                "schedule": None,
-                "neg_skip": [],
-            },
-            "compute_dtype": "f32",
-            "memory": {"dit_bytes": 0, "encoder_bytes": 0, "vae_bytes": 0},
-        }
-
-    def manifest(self) -> dict:
-        return {
-            "family": FAMILY,
-            "naming": "diffusers",
-            "arch": None,
-            "count": 0,
-            "tensors": [],
-            "inline": {},
+            "steps": len(self.sigmas) - 1 if self.sigmas else 4,
+            "cfg": 1.0,
+            "shift": 1.0,
+            "sigmas": self.sigmas,
+            "schedule": None,
+            "neg_skip": [],
         }
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
@@ -178,36 +144,6 @@ class ToyModel:
 
     def check_patch_table(self, table) -> None:
         raise EngineInputError("the toy model takes no patch tables")
-
-    # memory plan: x and the output in float32; nothing held
-    def held_bytes(self) -> int:
-        return 0
-
-    def plan_step(self, x_shape, rows, table=None):
-        return None
-
-    def step_peak_bytes(self, x_shape, rows, table=None, plans=None) -> int:
-        return 2 * 4 * int(np.prod(x_shape))
-
-    def step_keys(self, x_shape, rows, table=None, plans=None) -> set:
-        return set()
-
-    def vae_peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
-        return 4 * 3 * height * width
-
-    def vae_tileable(self, height: int, width: int, decode: bool) -> bool:
-        return False
-
-    def shed_states(self, need_bytes: int, keep: set) -> int:
-        return 0
-
-    def vae_space(self, latents: np.ndarray) -> np.ndarray:
-        """Status `vae.space` is "model": the VAE takes model-space latents."""
-        return np.asarray(latents, np.float32)
-
-    def model_space(self, latents: np.ndarray) -> np.ndarray:
-        """Status `vae.space` is "model": the VAE gives model-space latents."""
-        return np.asarray(latents, np.float32)
 
     def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         image = 1.0 / (1.0 + np.exp(-latents[:3].transpose(1, 2, 0)))

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 from gmlx_server.engine.base import (
-    Capabilities,
     EncodeResult,
     EngineInputError,
     Facts,
@@ -22,6 +21,8 @@ from gmlx_server.engine.base import (
     StepRow,
 )
 from gmlx_server.engine.spec import Family, FamilySpec
+
+from ..numpy_models import NumpyImageModel
 
 FAMILY = "test_linear"
 PIPELINE_CLASS = "GmlxTestLinearPipeline"
@@ -119,21 +120,16 @@ def table_strength(table) -> float:
 # ---------------------------------------------------------------- the model
 
 
-class LinearModel:
-    """The whole `ImageModel` seam, each member written out (none inherited), so a member the
-    seam gains and this family lacks fails the registry's load."""
+class LinearModel(NumpyImageModel):
+    """The whole `ImageModel` seam: its arithmetic here, the rest in tests/numpy_models.py
+    (none inherited from the product), so a member the seam gains and this family lacks fails
+    the registry's load."""
 
     family = FAMILY
-    capabilities = Capabilities()
     facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=4, edit_capable=True)
     weight_bytes = 64  # status memory.dit_bytes
-    # an encoder that is never released
-    encoder_bytes = 0
-    encoder_resident = True
-    encoder_releasable = False
-
-    def release_encoder(self) -> int:
-        return 0
+    comfy = {"model_class": "TestLinear", "image_model": "test_linear"}
+    tensors = ({"name": "proj.weight", "shape": [CHANNELS, CHANNELS], "dtype": "f32"},)
 
     def __init__(self, model_id: str, variant: str) -> None:
         self.model_id = model_id
@@ -156,36 +152,6 @@ class LinearModel:
         self._release.set()
 
     # ImageModel
-    def status(self) -> dict:
-        return {
-            "comfy": {"model_class": "TestLinear", "image_model": "test_linear"},
-            "latent": {
-                "channels": self.facts.latent_channels,
-                "stride": self.facts.latent_stride,
-                "patch": 1,
-            },
-            "vae": {
-                "channels_out": self.facts.vae_channels_out,
-                "stride": self.facts.vae_stride,
-                "space": "model",
-            },  # one space
-            "edit_capable": self.facts.edit_capable,
-            "sampling": None,
-            "compute_dtype": "f32",
-            "memory": {"dit_bytes": 64, "encoder_bytes": 0, "vae_bytes": 0},
-        }
-
-    def manifest(self) -> dict:
-        tensors = [{"name": "proj.weight", "shape": [CHANNELS, CHANNELS], "dtype": "f32"}]
-        return {
-            "family": FAMILY,
-            "naming": "diffusers",
-            "arch": None,
-            "count": 1,
-            "tensors": tensors,
-            "inline": {},
-        }
-
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         cond = text_cond(text)
         length = cond.shape[1]
@@ -233,36 +199,6 @@ class LinearModel:
 
     def end_run(self, run: str) -> None:
         self.ended_runs.append(run)
-
-    # memory plan: x and the output in float32, one image's pixels; nothing held to shed
-    def held_bytes(self) -> int:
-        return 0
-
-    def plan_step(self, x_shape, rows, table=None):
-        return None
-
-    def step_peak_bytes(self, x_shape, rows, table=None, plans=None) -> int:
-        return 2 * 4 * int(np.prod(x_shape))
-
-    def step_keys(self, x_shape, rows, table=None, plans=None) -> set:
-        return set()
-
-    def vae_peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
-        return 4 * 4 * height * width
-
-    def vae_tileable(self, height: int, width: int, decode: bool) -> bool:
-        return False
-
-    def shed_states(self, need_bytes: int, keep: set) -> int:
-        return 0
-
-    def vae_space(self, latents: np.ndarray) -> np.ndarray:
-        """The VAE routes' latents are the step's (no normalisation)."""
-        return np.asarray(latents, np.float32)
-
-    def model_space(self, latents: np.ndarray) -> np.ndarray:
-        """The step's latents are the VAE routes' (no normalisation)."""
-        return np.asarray(latents, np.float32)
 
     def vae_decode(self, latents: np.ndarray, alpha: bool, tiled: bool = False) -> np.ndarray:
         if latents.shape[0] != CHANNELS:

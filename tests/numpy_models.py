@@ -1,0 +1,90 @@
+"""What the tests' numpy image models share of the ImageModel seam (tests only; the product
+ships no fake model).
+
+Each member is written out here, none inherited from the product, so a member the seam gains
+and these models lack fails the registry's load. A model gives its family, its facts, its
+status' `comfy` and `sampling`, its manifest's tensors and its own arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gmlx_server.engine.base import Capabilities
+
+
+class NumpyImageModel:
+    capabilities = Capabilities()
+    weight_bytes = 0  # status memory.dit_bytes
+    # an encoder that is never released
+    encoder_bytes = 0
+    encoder_resident = True
+    encoder_releasable = False
+    comfy: dict = {}  # status `comfy`
+    tensors: tuple[dict, ...] = ()  # the manifest's tensors
+
+    def release_encoder(self) -> int:
+        return 0
+
+    def sampling(self) -> dict | None:
+        """Status `sampling`."""
+        return None
+
+    def status(self) -> dict:
+        return {
+            "comfy": self.comfy,
+            "latent": {
+                "channels": self.facts.latent_channels,
+                "stride": self.facts.latent_stride,
+                "patch": 1,
+            },
+            # one space: the VAE routes' latents are the step's (no normalisation)
+            "vae": {
+                "channels_out": self.facts.vae_channels_out,
+                "stride": self.facts.vae_stride,
+                "space": "model",
+            },
+            "edit_capable": self.facts.edit_capable,
+            "sampling": self.sampling(),
+            "compute_dtype": "f32",
+            "memory": {"dit_bytes": self.weight_bytes, "encoder_bytes": 0, "vae_bytes": 0},
+        }
+
+    def manifest(self) -> dict:
+        return {
+            "family": self.family,
+            "naming": "diffusers",
+            "arch": None,
+            "count": len(self.tensors),
+            "tensors": list(self.tensors),
+            "inline": {},
+        }
+
+    # memory plan: x and the output in float32, one image's pixels; nothing held to shed
+    def held_bytes(self) -> int:
+        return 0
+
+    def plan_step(self, x_shape, rows, table=None):
+        return None
+
+    def step_peak_bytes(self, x_shape, rows, table=None, plans=None) -> int:
+        return 2 * 4 * int(np.prod(x_shape))
+
+    def step_keys(self, x_shape, rows, table=None, plans=None) -> set:
+        return set()
+
+    def vae_peak_bytes(self, height: int, width: int, decode: bool, tiled: bool = False) -> int:
+        return 4 * self.facts.vae_channels_out * height * width
+
+    def vae_tileable(self, height: int, width: int, decode: bool) -> bool:
+        return False
+
+    def shed_states(self, need_bytes: int, keep: set) -> int:
+        return 0
+
+    def vae_space(self, latents: np.ndarray) -> np.ndarray:
+        """Status `vae.space` is "model": the VAE takes the step's latents."""
+        return np.asarray(latents, np.float32)
+
+    def model_space(self, latents: np.ndarray) -> np.ndarray:
+        """Status `vae.space` is "model": the VAE gives the step's latents."""
+        return np.asarray(latents, np.float32)
