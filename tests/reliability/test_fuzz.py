@@ -286,25 +286,31 @@ def test_long_run_of_adversarial_steps(target, request):
 # ---------------------------------------------------------------- the real model's edges
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
+def served_embedded(tmp_path_factory, family: str, text: str):
+    """The embedded model of `family` (its module under engine/families), served, with the
+    encoding of `text` as `server.cond`; after the module its worker must be alive."""
     from gmlx_server.config import ServerConfig
     from gmlx_server.engine.registry import ModelRegistry
 
     from ..server.conftest import serve
 
-    embedded = pytest.importorskip("gmlx_server.engine.families.qwen_image21.embedded")
-    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded"))
+    embedded = pytest.importorskip(f"gmlx_server.engine.families.{family}.embedded")
+    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp(f"embedded_{family}"))
     server = serve(
         ServerConfig(host="127.0.0.1", port=0),
         ModelRegistry([], folder.name, extra_models=[folder]),
     )
-    reply = server.post_json("encode", {"text": "\x00"})
+    reply = server.post_json("encode", {"text": text})
     assert reply.status_code == 200
     server.cond = wire.read_container(reply.content).fields["cond"]
     yield server
     assert server.ctx.service.worker.alive
     server.close()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    yield from served_embedded(tmp_path_factory, "qwen_image21", "\x00")
 
 
 EDGE_STEPS = [
@@ -342,23 +348,7 @@ def test_edge_vae_passes_on_the_embedded_model(qwen, path, name, shape):
 @pytest.fixture(scope="module")
 def flux3(tmp_path_factory):
     """The embedded FLUX.3 klein (a flow map: its steps read `sample_sigmas`), served."""
-    from gmlx_server.config import ServerConfig
-    from gmlx_server.engine.families.flux3_klein import embedded
-    from gmlx_server.engine.registry import ModelRegistry
-
-    from ..server.conftest import serve
-
-    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded_flux3"))
-    server = serve(
-        ServerConfig(host="127.0.0.1", port=0),
-        ModelRegistry([], folder.name, extra_models=[folder]),
-    )
-    reply = server.post_json("encode", {"text": "a fox"})
-    assert reply.status_code == 200
-    server.cond = wire.read_container(reply.content).fields["cond"]
-    yield server
-    assert server.ctx.service.worker.alive
-    server.close()
+    yield from served_embedded(tmp_path_factory, "flux3_klein", "a fox")
 
 
 @ROUTE_QUICK
@@ -381,23 +371,7 @@ def test_adversarial_sample_sigmas_on_a_flow_map(flux3, sigmas, t):
 @pytest.fixture(scope="module")
 def moss(tmp_path_factory):
     """The embedded MOSS-Image (its steps take `skip`: 24 blocks), served."""
-    from gmlx_server.config import ServerConfig
-    from gmlx_server.engine.families.moss_image import embedded
-    from gmlx_server.engine.registry import ModelRegistry
-
-    from ..server.conftest import serve
-
-    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded_moss"))
-    server = serve(
-        ServerConfig(host="127.0.0.1", port=0),
-        ModelRegistry([], folder.name, extra_models=[folder]),
-    )
-    reply = server.post_json("encode", {"text": "a sign"})
-    assert reply.status_code == 200
-    server.cond = wire.read_container(reply.content).fields["cond"]
-    yield server
-    assert server.ctx.service.worker.alive
-    server.close()
+    yield from served_embedded(tmp_path_factory, "moss_image", "a sign")
 
 
 SKIPS = (
