@@ -411,6 +411,15 @@ class LoadedParts:
     load_encoder: Callable[[], Any] | None = None
 
 
+def check_latent_channels(parts: LoadedParts, channels: int) -> None:
+    """A family's `fits` check that the VAE's patchified latents have the DiT's `channels`."""
+    if parts.vae.latent_channels != channels:
+        raise ValueError(
+            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
+            f" takes {channels}"
+        )
+
+
 class FolderFamily(Family):
     """A family served from a diffusers folder (transformer/, text_encoder/, vae/, ...): the
     status, manifest, checks and `gmlx model quantize`'s choice written once, from the spec and

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import FamilyModel, FolderFamily, LoadedParts
+from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
 from ...lora import table_id
 from ...step_inputs import (
     checked_cond,
@@ -86,11 +86,7 @@ def fits(parts: LoadedParts) -> None:
             f"the text encoder's three tapped layers are {parts.encoder.width} wide; the DiT's"
             f" joint_attention_dim is {config.joint_attention_dim}"
         )
-    if parts.vae.latent_channels != config.in_channels:
-        raise ValueError(
-            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
-            f" takes {config.in_channels}"
-        )
+    check_latent_channels(parts, config.in_channels)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
-from ...family import FamilyModel, FolderFamily, LoadedParts
+from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
 from ...step_inputs import (
     checked_cond,
     checked_convention,
@@ -82,11 +82,7 @@ def fits(parts: LoadedParts) -> None:
             f" {parts.encoder.hidden_size} wide; the DiT's joint_attention_dim is"
             f" {config.joint_attention_dim}"
         )
-    if parts.vae.latent_channels != config.in_channels:
-        raise ValueError(
-            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
-            f" takes {config.in_channels}"
-        )
+    check_latent_channels(parts, config.in_channels)
 
 
 def flow_map_targets(sigmas: np.ndarray, sample_sigmas: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen35.text import Qwen35Part
-from ...family import FamilyModel, FolderFamily, LoadedParts
+from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
 from ...step_inputs import (
     checked_cond,
     checked_convention,
@@ -72,11 +72,7 @@ def fits(parts: LoadedParts) -> None:
             f"the text encoder is {parts.encoder.hidden_size} wide; the DiT's text_dim is"
             f" {config.text_dim}"
         )
-    if parts.vae.latent_channels != config.latent_channels:
-        raise ValueError(
-            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
-            f" takes {config.latent_channels}"
-        )
+    check_latent_channels(parts, config.latent_channels)
 
 
 class MOSSImageModel(FamilyModel):
