@@ -37,6 +37,19 @@ def read_settings(cls: type, config: dict, **given: Any) -> Any:
     return cls(**values)
 
 
+class HeadWidths:
+    """What a config of `num_heads` heads of `head_dim` and an MLP of `mlp_ratio` derives: the
+    model's width and its MLP's (the FLUX DiTs' configs)."""
+
+    @property
+    def dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+
 def check_rope_axes(axes_dims: tuple[int, ...], head_dim: int) -> None:
     """Refuse RoPE axes that do not add up to the attention head (ValueError naming both)."""
     if sum(axes_dims) != head_dim:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config_keys import read_settings, setting
+from ...config_keys import HeadWidths, read_settings, setting
 
 
 @dataclass(frozen=True)
-class DiTConfig:
+class DiTConfig(HeadWidths):
     """Flux2Transformer2DModel's config (`setting`: its key and default)."""
 
     in_channels: int = setting("in_channels", 128)
@@ -40,14 +40,6 @@ class DiTConfig:
                 f"out_channels {out_channels} must equal in_channels {made.in_channels}"
             )
         return made
-
-    @property
-    def dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def mlp_dim(self) -> int:
-        return int(self.dim * self.mlp_ratio)
 
 
 # The diffusers names of the weights, in one place.
