@@ -13,7 +13,8 @@ data), so the listing and the refusals of a bad set come before anything loads.
 
 A rule (a family's `components.py`, the module its spec's `component_rule` names) provides:
 - `family(dit) -> str | None`: the family of a DiT's header, None when not its;
-- `variant(dit, name) -> str | None`: the variant the files say (`name`: the DiT file's stem);
+- optionally `variant(dit, name) -> str | None`: the variant the files say (`name`: the DiT
+  file's stem; default: the one of the spec's variants that the name holds, `named_variant`);
 - `configs(family, variant, dit, encoder, vae) -> {relative path: JSON}`: the folder's configs,
   a ComponentError (naming file and tensor) when the parts do not fit each other;
 - `fits_encoder(dit, encoder)`, `fits_vae(dit, vae)`: whether files fit, for the listing;
@@ -112,6 +113,14 @@ def header(path: Path) -> Header:
         raise ComponentError(str(exc)) from None
 
 
+def file_variant(rule, dit: Header, name: str, variants) -> str | None:
+    """The variant a DiT file says: its rule's `variant`, else the one of `variants` its
+    name holds."""
+    if hasattr(rule, "variant"):
+        return rule.variant(dit, name)
+    return named_variant(name, variants)
+
+
 def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
     """The set's family and variant, from the entry or the DiT's tensors; a ComponentError
     saying which setting to add when the files cannot tell."""
@@ -138,7 +147,7 @@ def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
         raise ComponentError(f"{files.dit} is not a {specs[family].title} DiT")
     rule = found[family]
     variants = tuple(specs[family].sampling)
-    variant = files.variant or rule.variant(dit, Path(files.dit).stem.lower())
+    variant = files.variant or file_variant(rule, dit, Path(files.dit).stem.lower(), variants)
     if variant is None:
         raise ComponentError(
             f"{files.dit} does not say which {specs[family].title} variant it is; name it in the"

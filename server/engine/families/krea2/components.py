@@ -17,7 +17,7 @@ from __future__ import annotations
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
-from .spec import FAMILY, SAMPLING, SCHEDULER_CONFIG, SELECT_LAYERS, model_index_of
+from .spec import FAMILY, SCHEDULER_CONFIG, SELECT_LAYERS, model_index_of
 
 # Where its tokenizer is published: Qwen3-VL's own.
 TOKENIZER_REPO = qwen3_files.VL_TOKENIZER_REPO
@@ -41,12 +41,6 @@ def family(dit: Header) -> str | None:
     ):
         return FAMILY
     return None
-
-
-def variant(dit: Header, name: str) -> str | None:
-    from ...components import named_variant
-
-    return named_variant(name, SAMPLING)
 
 
 def fits_encoder(dit: Header, encoder: Header) -> bool:

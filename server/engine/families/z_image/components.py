@@ -14,7 +14,7 @@ from __future__ import annotations
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
-from .spec import FAMILY, MODEL_INDEX, SAMPLING, scheduler_config
+from .spec import FAMILY, MODEL_INDEX, scheduler_config
 
 TOKENIZER_REPO = "Tongyi-MAI/Z-Image-Turbo"
 # The same tensors in ComfyUI's names and diffusers'.
@@ -54,12 +54,6 @@ def family(dit: Header) -> str | None:
     if dit.has(CAPTION, PAD_TOKEN) and dit.first_shape(K_NORM) and dit.first_shape(X_EMBEDDER):
         return FAMILY
     return None
-
-
-def variant(dit: Header, name: str) -> str | None:
-    from ...components import named_variant
-
-    return named_variant(name, SAMPLING)
 
 
 def fits_encoder(dit: Header, encoder: Header) -> bool:
