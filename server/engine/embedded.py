@@ -433,25 +433,28 @@ def dumps(document: dict) -> str:
 # transformers' Qwen3ForCausalLM and Qwen3-VL)
 
 
+def block_stack_tensors(
+    tensors: Inventory, stack: str, dims: list, resnets: int, resamplers: str
+) -> None:
+    """AutoencoderKL's down (or up) blocks: `resnets` resnets a block at its width, the first
+    from the block before's width, and a resampling conv after every block but the last."""
+    for i, out_dim in enumerate(dims):
+        prefix = f"{stack}.{i}"
+        for r in range(resnets):
+            in_dim = dims[max(i - 1, 0)] if r == 0 else out_dim
+            resnet_tensors(tensors, f"{prefix}.resnets.{r}", in_dim, out_dim)
+        if i != len(dims) - 1:
+            conv_tensors(tensors, f"{prefix}.{resamplers}.0.conv", out_dim, out_dim, 3)
+
+
 def autoencoder_kl_tensors(config: dict) -> Inventory:
     """Names, shapes and kinds of AutoencoderKL's parameters (its down and up encoder blocks,
     one attention in each mid block) for `config`."""
     tensors: Inventory = {}
     dims, blocks = list(config["block_out_channels"]), config["layers_per_block"]
     latent = config["latent_channels"]
-    last = len(dims) - 1
     conv_tensors(tensors, "encoder.conv_in", config["in_channels"], dims[0], 3)
-    for i, out_dim in enumerate(dims):
-        prefix = f"encoder.down_blocks.{i}"
-        for r in range(blocks):
-            resnet_tensors(
-                tensors,
-                f"{prefix}.resnets.{r}",
-                dims[max(i - 1, 0)] if r == 0 else out_dim,
-                out_dim,
-            )
-        if i != last:
-            conv_tensors(tensors, f"{prefix}.downsamplers.0.conv", out_dim, out_dim, 3)
+    block_stack_tensors(tensors, "encoder.down_blocks", dims, blocks, "downsamplers")
     mid_block_tensors(tensors, "encoder.mid_block", dims[-1])
     norm_tensors(tensors, "encoder.conv_norm_out", dims[-1])
     conv_tensors(tensors, "encoder.conv_out", dims[-1], 2 * latent, 3)
@@ -462,17 +465,7 @@ def autoencoder_kl_tensors(config: dict) -> Inventory:
     dims = list(config.get("decoder_block_out_channels") or dims)[::-1]
     conv_tensors(tensors, "decoder.conv_in", latent, dims[0], 3)
     mid_block_tensors(tensors, "decoder.mid_block", dims[0])
-    for i, out_dim in enumerate(dims):
-        prefix = f"decoder.up_blocks.{i}"
-        for r in range(blocks + 1):
-            resnet_tensors(
-                tensors,
-                f"{prefix}.resnets.{r}",
-                dims[max(i - 1, 0)] if r == 0 else out_dim,
-                out_dim,
-            )
-        if i != last:
-            conv_tensors(tensors, f"{prefix}.upsamplers.0.conv", out_dim, out_dim, 3)
+    block_stack_tensors(tensors, "decoder.up_blocks", dims, blocks + 1, "upsamplers")
     norm_tensors(tensors, "decoder.conv_norm_out", dims[-1])
     conv_tensors(tensors, "decoder.conv_out", dims[-1], config["out_channels"], 3)
     return tensors

@@ -62,6 +62,18 @@ def flux2_vae_refusal(header: Header) -> str:
     )
 
 
+def block_widths(header: Header, shapes: dict, resnet: str, blocks: int) -> list[int]:
+    """Each block's width: the output channels of the `resnet` weight (a name with `{}` for
+    the block's index) in each of the `blocks` blocks."""
+    widths = []
+    for i in range(blocks):
+        name = resnet.format(i)
+        if name not in shapes:
+            raise HeaderError(f"{header.path} has no tensor for {name}")
+        widths.append(shapes[name][0])
+    return widths
+
+
 def config(header: Header, facts: dict) -> dict:
     """vae/config.json for the file: `facts` (class name, norm groups, scaling, ...) over the
     sizes its shapes give."""
@@ -71,20 +83,10 @@ def config(header: Header, facts: dict) -> dict:
         if name not in shapes:
             raise HeaderError(f"{header.path} is not an AutoencoderKL VAE: it has no {name}")
     blocks = header.count("encoder.down.", "encoder.down_blocks.")
-    channels = []
-    for i in range(blocks):
-        resnet = f"encoder.down_blocks.{i}.resnets.0.conv1.weight"
-        if resnet not in shapes:
-            raise HeaderError(f"{header.path} has no tensor for {resnet}")
-        channels.append(shapes[resnet][0])
+    channels = block_widths(header, shapes, "encoder.down_blocks.{}.resnets.0.conv1.weight", blocks)
     resnets = header.count("encoder.down.0.block.", "encoder.down_blocks.0.resnets.")
     # A decoder of its own widths (MOSS-Image's narrower one): its up blocks, last first.
-    decoder = []
-    for i in range(blocks):
-        resnet = f"decoder.up_blocks.{i}.resnets.0.conv2.weight"
-        if resnet not in shapes:
-            raise HeaderError(f"{header.path} has no tensor for {resnet}")
-        decoder.append(shapes[resnet][0])
+    decoder = block_widths(header, shapes, "decoder.up_blocks.{}.resnets.0.conv2.weight", blocks)
     own_decoder = decoder[::-1] != channels
     return {
         **facts,
