@@ -86,27 +86,22 @@ SPEC_4B = FamilySpec(
     component_rule="gmlx_server.engine.families.flux2_klein.components",
     embedded="gmlx_server.engine.families.flux2_klein.embedded",
 )
-SPECS = (
+# The three families: name, title, and the checkpoints BFL publishes of each (repository
+# black-forest-labs/FLUX.2-klein-<checkpoint>, `gmlx pull` name flux2-klein-<checkpoint>).
+SIZES = (
+    (FAMILY_4B, "FLUX.2 klein", ("4B", "base-4B")),
+    (FAMILY_9B, "FLUX.2 klein 9B", ("9B", "base-9B")),
+    (FAMILY_9B_KV, "FLUX.2 klein 9B KV", ("9b-kv",)),
+)
+SPECS = tuple(
     replace(
         SPEC_4B,
-        published=(
-            Published("flux2-klein-4b", "black-forest-labs/FLUX.2-klein-4B"),
-            Published("flux2-klein-base-4b", "black-forest-labs/FLUX.2-klein-base-4B"),
+        name=name,
+        title=title,
+        published=tuple(
+            Published(f"flux2-klein-{c.lower()}", f"black-forest-labs/FLUX.2-klein-{c}")
+            for c in checkpoints
         ),
-    ),
-    replace(
-        SPEC_4B,
-        name=FAMILY_9B,
-        title="FLUX.2 klein 9B",
-        published=(
-            Published("flux2-klein-9b", "black-forest-labs/FLUX.2-klein-9B"),
-            Published("flux2-klein-base-9b", "black-forest-labs/FLUX.2-klein-base-9B"),
-        ),
-    ),
-    replace(
-        SPEC_4B,
-        name=FAMILY_9B_KV,
-        title="FLUX.2 klein 9B KV",
-        published=(Published("flux2-klein-9b-kv", "black-forest-labs/FLUX.2-klein-9b-kv"),),
-    ),
+    )
+    for name, title, checkpoints in SIZES
 )
