@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine import blas
 
+from tests.compare import rel_l2
+
 # Runs in a fresh interpreter, because the choice only works before mlx is imported.
 _CHILD = textwrap.dedent(
     """
@@ -48,10 +50,6 @@ def _run_child(tmp_path, setting: str) -> tuple[dict, dict]:
         return report, {name: arrays[name] for name in arrays.files}
 
 
-def _rel_l2(got: np.ndarray, want: np.ndarray) -> float:
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="only Linux swaps the BLAS")
 def test_optimised_blas_matches_reference_blas(tmp_path):
     fast_report, fast = _run_child(tmp_path, "auto")
@@ -67,7 +65,7 @@ def test_optimised_blas_matches_reference_blas(tmp_path):
     assert reference_report["provider"] is None
     for name in ("batched", "plain"):
         assert fast[name].shape == reference[name].shape
-        assert _rel_l2(fast[name], reference[name]) <= 1e-5
+        assert rel_l2(fast[name], reference[name]) <= 1e-5
 
 
 def test_off_switch_leaves_mlx_alone(monkeypatch):

@@ -21,6 +21,7 @@ from gmlx_server.engine.kquant_folder import preset_types
 from gmlx_server.engine.precision import Quantization
 from safetensors.numpy import save_file
 
+from tests.compare import rel_l2
 from tests.engine.gguf_files import reference as reference_weights
 
 # Wide enough that the block linears (input 256 and 768) take K-quants' 256-blocks.
@@ -56,10 +57,6 @@ def wide_folder(root):
 def step(model, rows) -> np.ndarray:
     x = np.random.default_rng(2).standard_normal((1, 64, 8, 8)).astype(np.float32)
     return model.denoise_step(x, np.array([0.7], np.float32), rows).out
-
-
-def rel_l2(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_a_kquant_folder_loads_and_steps_as_its_file(tmp_path, capsys):

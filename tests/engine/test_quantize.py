@@ -34,10 +34,7 @@ from gmlx_server.engine.weights import (
 )
 from safetensors.numpy import save_file
 
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+from tests.compare import rel_l2
 
 
 def dequantized(node: dict, name: str) -> mx.array:

@@ -45,6 +45,7 @@ from gmlx_server.engine.spec import family_specs
 from gmlx_server.engine.weights import quantize_folder
 from safetensors.numpy import load_file, save_file
 
+from tests.compare import rel_l2
 from tests.engine.gguf_files import encoded, reference, write_gguf
 from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import serve
@@ -269,10 +270,6 @@ def step(live, model, text="a red fox", table=None) -> np.ndarray:
         arrays["sample_sigmas"] = np.array([1.0, 0.8, 0.55, 0.3, 0.0], np.float32)
     fields = {"model": model, "rows": rows, **({"patch_table": table} if table else {})}
     return tensors(live.post_container("step", arrays, fields))["out"]
-
-
-def rel_l2(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_the_status_from_the_files_is_the_loaded_status(served):

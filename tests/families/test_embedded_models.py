@@ -17,7 +17,8 @@ from gmlx_server.engine.embedded import STAMP_FILE
 from gmlx_server.engine.registry import ModelRegistry, embedded_modules
 from gmlx_server.engine.spec import family_specs
 
-from tests.families.test_conformance import rel_l2, step
+from tests.compare import rel_l2
+from tests.families.test_conformance import step
 from tests.server.conftest import serve
 
 MODULES = {module.MODEL_NAME: module for module in embedded_modules()}

@@ -15,7 +15,8 @@ import pytest
 from gmlx_contract import wire
 from gmlx_server.lora_files import AdapterSpec, adapter_spec, adapter_table
 
-from tests.families.qwen_image21.dit.reference import reference_row, rel_l2
+from tests.compare import rel_l2
+from tests.families.qwen_image21.dit.reference import reference_row
 from tests.lora.forms import FORMS, Lora, random_lora, write_form
 from tests.lora.reference import engine_step, layer_shapes, peft_model, plain_model
 

@@ -7,7 +7,8 @@ import pytest
 from gmlx_contract.hashing import tensor_hash
 from gmlx_contract.lora_keys import linear_layers
 
-from tests.families.qwen_image21.dit.reference import reference_row, rel_l2
+from tests.compare import rel_l2
+from tests.families.qwen_image21.dit.reference import reference_row
 from tests.lora.forms import FORMS, client_table, random_lora, write_form
 from tests.lora.reference import (
     engine_step,

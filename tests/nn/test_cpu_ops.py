@@ -8,12 +8,9 @@ import numpy as np
 import pytest
 from gmlx_server.engine.nn import cpu_ops
 
+from tests.compare import rel_l2
+
 MODES = {"eager": lambda f: f, "compiled": mx.compile}
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.shard.ranks_check import rel_l2
+from tests.compare import rel_l2
 
 # family -> (conditioning width, latent channels, {LoRA'd weight: (out, in)}), for the folders
 # of tests.shard.folder.

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+from tests.compare import rel_l2
 
 
 def lora_doc(model_id: str, rng) -> tuple[dict, dict[str, np.ndarray]]:

@@ -36,6 +36,7 @@ from gmlx_contract.errors import StepError
 from gmlx_contract.hashing import tensor_hash
 from gmlx_server.distributed import BROKEN_END_S, HEARTBEAT_S, POLL_S, SILENT_S
 
+from tests.compare import rel_l2
 from tests.shard.folder import build_krea2_folder, build_shard_folder, build_z_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -393,10 +394,6 @@ def engine_out(folder: Path, x: np.ndarray, cond: np.ndarray) -> np.ndarray:
     model = family.QWEN_IMAGE21.load(folder, folder.name)
     row = StepRow(cond=cond[0], cond_key="wire:" + tensor_hash(cond))
     return model.denoise_step(x, np.array([0.6], np.float32), [row], convention="reference").out
-
-
-def rel_l2(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def inputs() -> tuple[np.ndarray, np.ndarray]:

@@ -103,8 +103,3 @@ def _prompt_ids(pipe: QwenImage21Pipeline, text: str, images: list) -> np.ndarra
     else:
         inputs = pipe.processor(text=[pipe.prompt_template_t2i.format(text)], return_tensors="np")
     return inputs["input_ids"][0][pipe._drop_idx :]
-
-
-def rel_l2(ours: np.ndarray, reference: np.ndarray) -> float:
-    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))

@@ -10,7 +10,7 @@ from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEnc
 from gmlx_server.engine.nn import attention as module
 from gmlx_server.engine.weights import component_bytes
 
-from tests.encoders.qwen3.reference import rel_l2
+from tests.compare import rel_l2
 from tests.encoders.qwen3.test_image_parity import picture
 
 

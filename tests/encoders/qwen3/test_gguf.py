@@ -20,6 +20,7 @@ from gmlx_server.engine.gguf import READABLE, GGUFError
 from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
+from tests.compare import rel_l2
 from tests.engine.gguf_files import encoded, reference, write_gguf
 
 TOLERANCE = 1e-4
@@ -117,11 +118,6 @@ def reference_folder(folder, target, held):
     weights = {name: np.ascontiguousarray(v, np.float32) for name, v in held.items()}
     save_file(weights, str(target / "model.safetensors"))
     return target
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def hidden(encoder: Qwen3TextEncoder) -> np.ndarray:

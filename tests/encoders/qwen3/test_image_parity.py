@@ -9,7 +9,8 @@ from gmlx_server.engine.encoders.qwen3.processor import VisionPreprocessor
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from tests.encoders.qwen3.reference import reference_encode, rel_l2
+from tests.compare import rel_l2
+from tests.encoders.qwen3.reference import reference_encode
 
 
 def picture(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:

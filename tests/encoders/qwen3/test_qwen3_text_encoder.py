@@ -7,7 +7,7 @@ import pytest
 import torch
 from gmlx_server.engine.encoders.qwen3.text import Qwen3TextEncoder
 
-from tests.encoders.qwen3.reference import rel_l2
+from tests.compare import rel_l2
 
 CONFIG = {
     "vocab_size": 96,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.encoders.qwen3.reference import reference_encode, rel_l2
+from tests.compare import rel_l2
+from tests.encoders.qwen3.reference import reference_encode
 
 LONG_PROMPT = " ".join(
     [

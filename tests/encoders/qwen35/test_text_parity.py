@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from gmlx_server.engine.encoders.qwen35.text import load_text_model
 
+from tests.compare import rel_l2
 from tests.families.tiny_weights import redraw
 
 TOLERANCE = 1e-4
@@ -68,11 +69,6 @@ def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"qwen35_{request.param}")
     model.save_pretrained(str(folder))
     return model, load_text_model(folder)[0]
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("length", [5, 64, 150])

@@ -7,11 +7,6 @@ import numpy as np
 import torch
 
 
-def rel_l2(actual: np.ndarray, expected: np.ndarray) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-
-
 def _ids(time: int, h: int, w: int) -> torch.Tensor:
     return torch.cartesian_prod(
         torch.tensor([time]), torch.arange(h), torch.arange(w), torch.arange(1)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.families.flux2_klein.dit import Flux2DiT
 
-from tests.families.flux2_klein.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.flux2_klein.reference import reference_dit
 from tests.families.flux2_klein.tiny.transformer import TINY_CONFIG, build_transformer
 
 TOLERANCE = 1e-4

@@ -26,8 +26,9 @@ from gmlx_server.engine.ggml_blocks import LAYOUT, BlockLayout
 from gmlx_server.engine.gguf import READABLE, GGUFError
 from gmlx_server.engine.precision import Quantization
 
+from tests.compare import rel_l2
 from tests.engine.gguf_files import encoded, reference, write_gguf
-from tests.families.flux2_klein.reference import reference_dit, rel_l2
+from tests.families.flux2_klein.reference import reference_dit
 from tests.families.flux2_klein.tiny.bfl import bfl_state_dict
 from tests.families.flux2_klein.tiny.transformer import build_transformer, tiny_config
 from tests.families.qwen_image21.test_quantized import dequantized_tree

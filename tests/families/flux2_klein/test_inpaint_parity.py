@@ -19,7 +19,7 @@ from gmlx_contract.schedules import rule_sigmas
 from gmlx_server.engine.sampling import ImageRequest, generate
 from PIL import Image
 
-from tests.families.flux2_klein.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.flux2_klein.test_pipeline_parity import pipeline
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 from tests.families.routes import decoded, served_folder, through_openai_edit, through_routes

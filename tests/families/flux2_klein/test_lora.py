@@ -13,7 +13,8 @@ from gmlx_contract.lora_keys import linear_layers
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.flux2_klein import family as klein
 
-from tests.families.flux2_klein.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.flux2_klein.reference import reference_dit
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 from tests.lora.forms import FORMS, client_table, random_lora, write_form
 from tests.lora.reference import layer_shapes, make_table

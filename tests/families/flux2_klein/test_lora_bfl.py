@@ -20,7 +20,8 @@ from gmlx_server.engine.families.flux2_klein import family as klein
 from gmlx_server.lora_files import adapter_table
 from safetensors.numpy import save_file
 
-from tests.families.flux2_klein.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.flux2_klein.reference import reference_dit
 from tests.families.flux2_klein.test_lora import engine_step, inputs
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 from tests.lora.forms import Lora, random_lora

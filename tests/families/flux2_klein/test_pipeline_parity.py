@@ -16,7 +16,8 @@ from gmlx_contract.schedules import rule_sigmas
 from gmlx_server.engine.sampling import ImageRequest, initial_noise
 from PIL import Image
 
-from tests.families.flux2_klein.reference import rel_l2, use_kv_processors
+from tests.compare import rel_l2
+from tests.families.flux2_klein.reference import use_kv_processors
 from tests.families.flux2_klein.tiny.folder import SCHEDULER_CONFIG, build_tiny_folder
 from tests.families.routes import served_folder, through_routes
 

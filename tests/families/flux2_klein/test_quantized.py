@@ -11,7 +11,7 @@ from gmlx_server.engine.families.flux2_klein.dit import Flux2DiT
 from gmlx_server.engine.precision import BITS, Quantization
 from gmlx_server.engine.quantize import SPEC
 
-from tests.families.flux2_klein.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.flux2_klein.tiny.transformer import build_transformer
 from tests.families.qwen_image21.test_quantized import dequantized_tree
 

@@ -32,8 +32,8 @@ from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.weights import read_config
 from safetensors.numpy import save_file
 
+from tests.compare import rel_l2
 from tests.encoders.qwen3.test_gguf import write_encoder_gguf
-from tests.families.flux2_klein.reference import rel_l2
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 from tests.families.flux2_klein.tiny.text_encoder import TINY_TEXT, build_text_encoder
 from tests.families.z_image.test_quantized import dequantized_qwen3

@@ -18,7 +18,8 @@ from gmlx_server.engine.families.flux2_klein.family import FLUX2_KLEIN, ref_stat
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import direct_row
 
-from tests.families.flux2_klein.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.flux2_klein.reference import reference_dit
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 from tests.server.conftest import serve
 

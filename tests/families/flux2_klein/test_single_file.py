@@ -35,7 +35,8 @@ from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.weights import gguf_file, read_config, write_quantized
 from safetensors.torch import save_file
 
-from tests.families.flux2_klein.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.flux2_klein.reference import reference_dit
 from tests.families.flux2_klein.test_gguf import types_for, write_file
 from tests.families.flux2_klein.tiny.bfl import bfl_state_dict
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder

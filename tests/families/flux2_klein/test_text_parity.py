@@ -10,7 +10,7 @@ import pytest
 import torch
 from gmlx_server.engine.families.flux2_klein.prompt import MAX_SEQUENCE_LENGTH, Flux2PromptEncoder
 
-from tests.families.flux2_klein.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.flux2_klein.tiny.text_encoder import build_text_encoder
 
 PROMPTS = ["a red fox in the snow", "", "Ein Fuchs im Schnee. " * 3]

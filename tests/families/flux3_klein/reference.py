@@ -40,11 +40,6 @@ def build_transformer(directory: Path, seed: int = 0, **overrides):
     return model.eval()
 
 
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def reference_dit(model, x: np.ndarray, t, text: np.ndarray, refs=(), targets=None) -> np.ndarray:
     """The reference's velocity (B, C, h, w) for latents x at times t, one text (B, L, D) and
     references (each (B, C, h_k, w_k)), laid out as the modular pipeline lays them."""

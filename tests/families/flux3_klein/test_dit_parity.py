@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.families.flux3_klein.dit import Flux3DiT
 
-from tests.families.flux3_klein.reference import build_transformer, reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.flux3_klein.reference import build_transformer, reference_dit
 
 TOLERANCE = 1e-4
 # Two shapes: the tiny flow map, and a base checkpoint of three 8-wide heads with two per-mode

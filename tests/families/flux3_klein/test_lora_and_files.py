@@ -22,8 +22,9 @@ from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.lora_files import AdapterSpec, adapter_table
 from safetensors.numpy import load_file, save_file
 
+from tests.compare import rel_l2
 from tests.families.flux3_klein.bfl import bfl_layer, bfl_state_dict
-from tests.families.flux3_klein.reference import reference_dit, rel_l2
+from tests.families.flux3_klein.reference import reference_dit
 from tests.families.flux3_klein.tiny import build_tiny_folder
 from tests.lora.forms import FORMS, random_lora, write_form
 from tests.lora.reference import layer_shapes, peft_model

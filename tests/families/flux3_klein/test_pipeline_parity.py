@@ -18,7 +18,8 @@ from gmlx_server.engine.families.flux3_klein.family import flow_map_targets
 from gmlx_server.engine.sampling import ImageRequest, initial_noise
 from PIL import Image
 
-from tests.families.flux3_klein.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.flux3_klein.reference import reference_dit
 from tests.families.flux3_klein.tiny import OUT_LAYERS, build_tiny_folder, reference_pipeline
 from tests.families.routes import served_folder, through_routes
 

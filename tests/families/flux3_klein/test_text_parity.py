@@ -12,7 +12,7 @@ from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep
 from gmlx_server.engine.families.flux3_klein.prompt import Flux3PromptEncoder
 from gmlx_server.engine.families.flux3_klein.spec import PAD_MULTIPLE
 
-from tests.families.flux3_klein.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.flux3_klein.tiny import OUT_LAYERS, build_tiny_folder, reference_pipeline
 
 PROMPTS = ["a red fox in the snow", "", "a capybara reading a book by candlelight " * 4]

@@ -43,11 +43,6 @@ def build_transformer(directory: Path, seed: int = 0, **overrides):
     return model.eval()
 
 
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def reference_dit(model, x: np.ndarray, t, conds: list[np.ndarray]) -> np.ndarray:
     """The reference's velocity (B, C, H, W) for latents x, time t = sigma per row and each
     row's text stack: the rows padded to the longest with the pipeline's mask, as it batches."""

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from gmlx_server.engine.families.krea2.dit import Krea2DiT
 
+from tests.compare import rel_l2
 from tests.compiled_dits import compiled_dits
-from tests.families.krea2.reference import build_transformer, reference_dit, rel_l2
+from tests.families.krea2.reference import build_transformer, reference_dit
 
 TOLERANCE = 1e-4
 

@@ -15,7 +15,8 @@ from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.lora_files import AdapterSpec, adapter_table
 
-from tests.families.krea2.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.krea2.reference import reference_dit
 from tests.families.krea2.tiny import build_tiny_folder
 from tests.lora.forms import FORMS, random_lora, write_form
 from tests.lora.reference import layer_shapes, peft_model

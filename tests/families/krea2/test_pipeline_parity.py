@@ -15,7 +15,7 @@ from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.krea2.embedded import write_embedded_model
 from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
-from tests.families.krea2.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.krea2.tiny import build_tiny_folder, reference_pipeline
 from tests.families.routes import served_folder, through_routes
 

@@ -9,7 +9,7 @@ import pytest
 from gmlx_server.engine.families.krea2.prompt import Krea2PromptEncoder
 from gmlx_server.engine.families.krea2.spec import SUFFIX
 
-from tests.families.krea2.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.krea2.tiny import build_tiny_folder, reference_pipeline
 
 PROMPTS = ["a red fox in the snow", "", "a capybara reading a book by candlelight " * 40]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.families.moss_image.dit import MOSSImageDiT
 
-from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, reference_dit
 
 TOLERANCE = 1e-4
 

@@ -18,8 +18,9 @@ from gguf import GGMLQuantizationType as T
 from gmlx_server.engine.families.moss_image.family import MOSS_IMAGE
 from safetensors.numpy import load_file, save_file
 
+from tests.compare import rel_l2
 from tests.engine.gguf_files import encoded, reference, write_gguf
-from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, rel_l2
+from tests.families.moss_image.tiny import SHAPES, build_tiny_folder
 
 PROMPT = "a neon sign that reads OPEN LATE"
 ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",

@@ -18,7 +18,8 @@ from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.weights import read_config
 from gmlx_server.lora_files import AdapterSpec, adapter_table
 
-from tests.families.moss_image.tiny import build_tiny_folder, reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.moss_image.tiny import build_tiny_folder, reference_dit
 from tests.lora.forms import FORMS, random_lora, write_form
 
 LAYERS = (

@@ -14,7 +14,8 @@ from gmlx_contract.client import StepClient
 from gmlx_contract.errors import StepError
 from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
-from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, reference_dit
 from tests.families.routes import served_folder, through_routes
 
 PROMPT, NEGATIVE = "a lighthouse at dusk", ""

@@ -17,7 +17,8 @@ from gmlx_server.engine.families.moss_image.prompt import MOSSImagePromptEncoder
 from gmlx_server.engine.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 from safetensors.numpy import load_file
 
-from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, rel_l2
+from tests.compare import rel_l2
+from tests.families.moss_image.tiny import SHAPES, build_tiny_folder
 
 TOLERANCE = 1e-4
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from gmlx_server.engine.families.moss_image.embedded import (
     TINY_QWEN35_TEXT,
     TRANSFORMER_CONFIG,
@@ -69,8 +68,3 @@ def reference_dit(folder: Path):
     from moss_image_mlx.dit import load_transformer
 
     return load_transformer(Path(folder) / "transformer", mx.float32)
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

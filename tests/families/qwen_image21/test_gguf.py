@@ -36,8 +36,9 @@ from gmlx_server.engine.gguf_affine import EXACT, NEAREST
 from gmlx_server.engine.registry import ModelRegistry
 from safetensors.numpy import save_file
 
+from tests.compare import rel_l2
 from tests.engine.gguf_files import write_dit, write_gguf
-from tests.families.qwen_image21.test_quantized import dequantized_tree, latents, rel_l2, rows_of
+from tests.families.qwen_image21.test_quantized import dequantized_tree, latents, rows_of
 from tests.server.conftest import serve
 
 TOLERANCE = 1e-4

@@ -21,13 +21,10 @@ from gmlx_server.engine.families.qwen_image21 import family
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.nn.dtypes import default_compute_dtype, encoder_vae_dtype
 
+from tests.compare import rel_l2
+
 VAE_TOLERANCE = 0.03
 BF16_FLOOR = 1e-4
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_the_rule_is_float32_on_the_cpu_unless_a_setting_names_a_dtype():

@@ -35,17 +35,13 @@ from gmlx_server.model_choice import ModelChoice
 from gmlx_server.step_server import StepServer, ViaStepsTransport
 from mlx.utils import tree_flatten
 
+from tests.compare import rel_l2
 from tests.lora.reference import make_table
 from tests.server.conftest import serve
 
 TOLERANCE = 1e-4
 QKV = "transformer_blocks.1.attn.to_k.weight"  # a part of a quantized fused weight
 IMG_IN = "img_in.weight"  # a layer the family keeps in float
-
-
-def rel_l2(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def dequantized_tree(tree):

@@ -6,11 +6,6 @@ import numpy as np
 import torch
 
 
-def rel_l2(actual: np.ndarray, expected: np.ndarray) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-
-
 def reference_dit(model, x: np.ndarray, t: np.ndarray, caps: list[np.ndarray]) -> np.ndarray:
     """The transformer's raw output (B, C, H, W) for latents x (B, C, H, W) at the pipeline's
     time t (B,) = 1 - sigma, row b under caption features caps[b] (L_b, D): a list of rows of

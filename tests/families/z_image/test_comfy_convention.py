@@ -15,7 +15,7 @@ import pytest
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.z_image import family
 
-from tests.families.z_image.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.z_image.tiny.folder import build_tiny_folder
 from tests.families.z_image.tiny.transformer import TINY_CONFIG
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from gmlx_server.engine.families.z_image.dit import ZImageDiT
 
+from tests.compare import rel_l2
 from tests.compiled_dits import compiled_dits
-from tests.families.z_image.reference import reference_dit, rel_l2
+from tests.families.z_image.reference import reference_dit
 from tests.families.z_image.tiny.transformer import TINY_CONFIG, build_transformer
 
 TOLERANCE = 1e-4

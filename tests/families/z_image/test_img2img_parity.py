@@ -19,8 +19,8 @@ import torch
 from gmlx_server.engine.sampling import ImageRequest, generate
 from PIL import Image
 
+from tests.compare import rel_l2
 from tests.families.routes import decoded, through_openai_edit, through_routes
-from tests.families.z_image.reference import rel_l2
 from tests.families.z_image.test_pipeline_parity import pipeline
 
 WIDTH, HEIGHT = 64, 48

@@ -12,8 +12,8 @@ import pytest
 import torch
 from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
+from tests.compare import rel_l2
 from tests.families.routes import through_routes
-from tests.families.z_image.reference import rel_l2
 
 WIDTH, HEIGHT = 64, 48
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"

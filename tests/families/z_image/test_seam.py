@@ -17,7 +17,8 @@ from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 from PIL import Image
 
-from tests.families.z_image.reference import reference_dit, rel_l2
+from tests.compare import rel_l2
+from tests.families.z_image.reference import reference_dit
 from tests.families.z_image.tiny.folder import build_tiny_folder
 from tests.server.conftest import serve
 

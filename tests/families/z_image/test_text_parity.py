@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from gmlx_server.engine.families.z_image.prompt import MAX_SEQUENCE_LENGTH, ZImagePromptEncoder
 
-from tests.families.z_image.reference import load_encode_pipeline, reference_encode, rel_l2
+from tests.compare import rel_l2
+from tests.families.z_image.reference import load_encode_pipeline, reference_encode
 from tests.families.z_image.tiny.text_encoder import build_text_encoder
 
 LONG_PROMPT = " ".join(

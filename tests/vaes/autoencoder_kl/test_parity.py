@@ -10,7 +10,7 @@ import torch
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL, latent_normalisation
 
-from tests.families.z_image.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.z_image.tiny.vae import build_vae
 
 CONFIGS = {

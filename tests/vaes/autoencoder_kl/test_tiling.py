@@ -18,7 +18,7 @@ import pytest
 import torch
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL
 
-from tests.families.z_image.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.z_image.tiny.vae import build_vae
 
 TILE = 32  # pixels: the VAE's sample_size

@@ -12,7 +12,7 @@ from diffusers import Flux2KleinPipeline
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 
-from tests.families.flux2_klein.reference import rel_l2
+from tests.compare import rel_l2
 from tests.families.flux2_klein.tiny.vae import build_vae
 
 

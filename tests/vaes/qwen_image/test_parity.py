@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.vaes.qwen_image import QwenImageVAE
 
+from tests.compare import rel_l2
 from tests.families.tiny_weights import redraw
-from tests.vaes.qwen_image21.conftest import rel_l2
 from tests.vaes.qwen_image21.reference import reference_decode, reference_encode
 
 TOLERANCE = 1e-4

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from tests.families.qwen_image21.tiny.vae import build_vae
@@ -38,8 +37,3 @@ def tiny_vae(request, tmp_path_factory, torch_threads):
 def rgba_vae(tmp_path_factory, torch_threads):
     directory = tmp_path_factory.mktemp("vae_rgba_only")
     return directory, build_vae(directory, seed=5)
-
-
-def rel_l2(actual, expected) -> float:
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))

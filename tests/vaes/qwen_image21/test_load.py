@@ -13,7 +13,7 @@ from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 from safetensors.numpy import load_file, save_file
 
-from tests.vaes.qwen_image21.conftest import rel_l2
+from tests.compare import rel_l2
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 

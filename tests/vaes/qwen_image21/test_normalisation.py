@@ -12,7 +12,7 @@ from diffusers.image_processor import VaeImageProcessor
 from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 from PIL import Image
 
-from tests.vaes.qwen_image21.conftest import rel_l2
+from tests.compare import rel_l2
 
 
 def test_statistics_come_from_the_config(rgba_vae):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 
-from tests.vaes.qwen_image21.conftest import rel_l2
+from tests.compare import rel_l2
 from tests.vaes.qwen_image21.reference import reference_decode, reference_encode
 
 # (height, width): odd multiples of the stride, a single latent cell, a non-square one.

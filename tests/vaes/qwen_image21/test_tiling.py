@@ -17,7 +17,7 @@ from diffusers import AutoencoderKLQwenImage21
 from gmlx_server.engine.vaes import qwen_image21 as vae_module
 from gmlx_server.engine.vaes.qwen_image21 import QwenImage21VAE
 
-from tests.vaes.qwen_image21.conftest import rel_l2
+from tests.compare import rel_l2
 from tests.vaes.qwen_image21.reference import reference_decode, reference_encode
 
 TILED_BOUND = 1e-6

@@ -58,9 +58,3 @@ def reference_row(
         )[0]
     target = out[0, -height * width :].numpy()
     return target.T.reshape(-1, height, width)
-
-
-def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from gmlx_server.engine.families.qwen_image21.dit import PrefixLayout, QwenImage21DiT
 
+from tests.compare import rel_l2
 from tests.compiled_dits import compiled_dits
 from tests.families.qwen_image21.dit.conftest import CONFIGS
-from tests.families.qwen_image21.dit.reference import pack, reference_row, rel_l2
+from tests.families.qwen_image21.dit.reference import pack, reference_row
 
 TOLERANCE = 1e-4
 

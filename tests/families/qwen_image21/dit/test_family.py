@@ -13,8 +13,9 @@ from gmlx_server.engine.families.qwen_image21 import family
 from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from safetensors import safe_open
 
+from tests.compare import rel_l2
 from tests.families.qwen_image21.dit.folder import SCHEDULER_CONFIG, TURBO_SIGMAS, build_folder
-from tests.families.qwen_image21.dit.reference import reference_row, rel_l2
+from tests.families.qwen_image21.dit.reference import reference_row
 
 TOLERANCE = 1e-4
 

@@ -8,7 +8,8 @@ from gmlx_server.engine.base import EngineInputError, StepRow
 from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from gmlx_server.engine.families.qwen_image21.step import PrefixCache, denoise_step
 
-from tests.families.qwen_image21.dit.reference import reference_row, rel_l2
+from tests.compare import rel_l2
+from tests.families.qwen_image21.dit.reference import reference_row
 
 TOLERANCE = 1e-4
 
