@@ -1,7 +1,7 @@
 """What every family answers on the wire, digested, and the same digest of another revision.
 
-For each family's tiny model (Qwen-Image 2.1's and Z-Image's embedded recipes, FLUX.2 klein's
-and its 9B KV's tiny folders from the tests' builders), loaded as its folder stores it, 4-bit
+For each family's tiny model (the embedded recipes of Qwen-Image 2.1, Z-Image, Krea 2, FLUX.3
+klein and MOSS-Image, FLUX.2 klein's and its 9B KV's tiny folders from the tests' builders), loaded as its folder stores it, 4-bit
 quantized and with its DiT from a GGUF file of mixed types, this asks a real server (Waitress
 on a loopback port) for: the status before and after the load, the manifest, encodings (with
 reference images where the family takes them), steps under both conventions with two rows,
@@ -35,7 +35,9 @@ if str(ROOT) not in sys.path:  # the tests' tiny builders, run as a script from 
 PACKAGES = {"gmlx_server": "server", "gmlx_contract": "shared", "gmlx_comfy": "comfy_nodes"}
 # model id -> (folder name, how it loads: "plain", "q4" or "gguf")
 VARIANTS = ("plain", "q4", "gguf")
-FOLDERS = ("qwen_image21", "z_image", "flux2_klein", "flux2_klein_9b_kv")
+# The families whose embedded recipe is the folder; FLUX.2 klein's come from the tests' builder.
+EMBEDDED = ("qwen_image21", "z_image", "krea2", "flux3_klein", "moss_image")
+FOLDERS = (*EMBEDDED, "flux2_klein", "flux2_klein_9b_kv")
 TEXTS = ("a red fox in the snow", "")
 LATENT = {"qwen_image21": (64, 4, 6), "z_image": (16, 4, 6)}  # klein: from the status
 
@@ -45,13 +47,13 @@ LATENT = {"qwen_image21": (64, 4, 6), "z_image": (16, 4, 6)}  # klein: from the 
 
 def build_folders(root: Path) -> None:
     """The tiny folders and each DiT's GGUF file (a mix of F32, F16, Q8_0, Q4_0 and Q5_1)."""
-    from gmlx_server.engine.families.qwen_image21.embedded import write_embedded_model as qwen
-    from gmlx_server.engine.families.z_image.embedded import write_embedded_model as z_image
+    import importlib
 
     from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 
-    qwen(root / "qwen_image21")
-    z_image(root / "z_image")
+    for name in EMBEDDED:
+        embedded = importlib.import_module(f"gmlx_server.engine.families.{name}.embedded")
+        embedded.RECIPE.write_folder(root / name)
     build_tiny_folder(root / "flux2_klein", "flux2_klein", seed=3)
     build_tiny_folder(root / "flux2_klein_9b_kv", "flux2_klein_9b_kv", seed=4)
     for name in FOLDERS:
@@ -115,6 +117,7 @@ def dump(root: Path) -> dict:
     live = serve(config, registry)
     try:
         out = {"models": live.call("GET", "models").json()}
+        out["capabilities"] = {"answer": live.call("GET", "capabilities").json()}
         for model_id in sorted(settings):
             out[model_id] = answers(live, model_id)
             live.post_json("models/unload", {"model": model_id})
@@ -158,17 +161,20 @@ def answers(live, model_id: str) -> dict:
     x = rng.standard_normal((2, channels, 4, 6)).astype(np.float32)
     timestep = np.array([0.8, 0.35], np.float32)
     rows = [{"cond": live.put_tensor(cond)} for cond in conds]
+    step = {"x": x, "timestep": timestep}
+    if status["sampling"].get("flow_map"):  # a flow-map DiT's step takes the run's schedule
+        step["sample_sigmas"] = np.linspace(1.0, 0.0, 5, dtype=np.float32)
     for convention in ("comfy", "reference"):
         fields = {"model": model_id, "rows": rows, "convention": convention}
-        r = live.post_container("step", {"x": x, "timestep": timestep}, fields)
+        r = live.post_container("step", step, fields)
         got[f"step {convention}"] = tensors(r)
     if status.get("edit_capable"):
-        got |= reference_answers(live, model_id, family, x, timestep, rows, rng, tensors)
-    got["step lora"] = lora_step(live, model_id, got["manifest"], x, timestep, rows, tensors)
+        got |= reference_answers(live, model_id, family, step, rows, rng, tensors)
+    got["step lora"] = lora_step(live, model_id, got["manifest"], step, rows, tensors)
     return got
 
 
-def reference_answers(live, model_id, family, x, timestep, rows, rng, tensors) -> dict:
+def reference_answers(live, model_id, family, step, rows, rng, tensors) -> dict:
     import base64
     import io
 
@@ -199,7 +205,7 @@ def reference_answers(live, model_id, family, x, timestep, rows, rng, tensors) -
             for repeat in ("miss", "hit"):
                 fields = {"model": model_id, "rows": with_refs, "convention": convention}
                 fields |= {"run": run, "ref_cache": ref_cache}
-                r = live.post_container("step", {"x": x, "timestep": timestep}, fields)
+                r = live.post_container("step", step, fields)
                 name = f"step refs {convention} ref_cache={ref_cache} {repeat}"
                 got[name] = tensors(r)
                 got[name + " header"] = r.headers.get("X-Gmlx-Prefix-Cache")
@@ -207,11 +213,12 @@ def reference_answers(live, model_id, family, x, timestep, rows, rng, tensors) -
     return got
 
 
-def lora_step(live, model_id, manifest, x, timestep, rows, tensors) -> dict:
+def lora_step(live, model_id, manifest, step, rows, tensors) -> dict:
     """A table on the first three linear weights of the manifest (one as a band of rows)."""
     from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
 
-    linears = [t for t in manifest["tensors"] if len(t["shape"]) == 2][:3]
+    matrices = [t for t in manifest["tensors"] if len(t["shape"]) == 2]
+    linears = [t for t in matrices if t["name"].endswith(".weight")][:3]
     rng = np.random.default_rng(11)
     entries = []
     for index, tensor in enumerate(linears):
@@ -237,7 +244,7 @@ def lora_step(live, model_id, manifest, x, timestep, rows, tensors) -> dict:
     if r.status_code != 200:
         return {"status": r.status_code, "body": r.text}
     fields = {"model": model_id, "rows": rows, "patch_table": table_id(doc)}
-    return tensors(live.post_container("step", {"x": x, "timestep": timestep}, fields))
+    return tensors(live.post_container("step", step, fields))
 
 
 # ------------------------------------------------------------------------------ before/after
