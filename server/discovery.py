@@ -172,10 +172,7 @@ def embedded_models() -> list[tuple[str, Path]]:
     installed), and then a server with no default_model has no default either."""
     from .engine.registry import embedded_modules
 
-    return [
-        (module.MODEL_NAME, module.default_cache_dir() / module.MODEL_NAME)
-        for module in embedded_modules()
-    ]
+    return [(module.RECIPE.name, module.RECIPE.folder()) for module in embedded_modules()]
 
 
 def status_command(args: argparse.Namespace) -> int:

@@ -70,7 +70,7 @@ def _embedded_models(default_model: str | None) -> tuple[list[Path], str | None]
     if not modules:
         log.warning("no default_model configured and no embedded default model available")
         return [], None
-    folders = [Path(module.ensure_embedded_model()) for module in modules]
+    folders = [Path(module.RECIPE.ensure()) for module in modules]
     return folders, folders[0].name
 
 

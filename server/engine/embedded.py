@@ -2,8 +2,8 @@
 moved into place atomically, and weights drawn so that every input visibly moves the output.
 
 An embedded model's module (a family's `embedded.py`, named by its spec's `embedded`)
-provides MODEL_NAME, `default_cache_dir()` and `ensure_embedded_model(cache_dir=None)` -> its
-folder, its `RECIPE.ensure`. A `Recipe` is the folder as data: its parts (`Drawn` components
+provides its `RECIPE`: `RECIPE.name`, and `RECIPE.ensure(cache_dir=None)` -> its folder under
+`default_cache_dir()`. A `Recipe` is the folder as data: its parts (`Drawn` components
 and shared pairs such as `TinyQwen3VL`, each with what decides its files), its JSON documents
 and the rest; the folder is written (`write_folder`) into a temporary folder renamed into
 place, with a stamp whose fingerprint covers the generator's version, seed, noise and every
@@ -50,6 +50,7 @@ DIFFUSERS_FORMAT = "0.42.1"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 TRANSFORMERS_WEIGHTS = "model.safetensors"
 MATRIX, GAIN, SHIFT = "matrix", "gain", "shift"
+SEED = 0  # what every embedded model's weights are drawn from
 
 Inventory = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, kind)
 
@@ -97,19 +98,19 @@ DOCUMENT_PATHS = {"scheduler": "scheduler/scheduler_config.json", "model_index":
 
 @dataclass(frozen=True)
 class Recipe:
-    """An embedded model's name and what decides its folder's files: the generator's version
-    (bumped when its code writes something different for the same recipe), the seed, each
-    component's constant noise (`draw`; None for a model that draws its own way), its parts
-    (`Part`s), its JSON documents (by DOCUMENT_PATHS' names) and anything else (`extra`),
-    all fingerprinted in its stamp."""
+    """An embedded model's name and what decides its folder's files: each component's
+    constant noise (`draw`; None for a model that draws its own way), its parts (`Part`s),
+    its JSON documents (by DOCUMENT_PATHS' names), anything else (`extra`), the generator's
+    version (a module passes the next one when its code writes something different for the
+    same recipe) and the seed, all fingerprinted in its stamp."""
 
     name: str
-    generator: int
-    seed: int
     noise: dict[str, float] | None
     parts: tuple[Part, ...]
     documents: dict[str, dict] = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    generator: int = 1
+    seed: int = SEED
 
     def stamp(self) -> dict:
         """Who made the folder: its name, the generator's version and a fingerprint of the
@@ -131,6 +132,10 @@ class Recipe:
             "generator": self.generator,
             "fingerprint": fingerprint,
         }
+
+    def folder(self, cache_dir: Path | None = None) -> Path:
+        """Where `ensure` keeps the folder: under `cache_dir` (default: `default_cache_dir()`)."""
+        return (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / self.name
 
     def ensure(self, cache_dir: Path | None = None) -> Path:
         """The model's folder under `cache_dir` (default: `default_cache_dir()`), generated

@@ -47,8 +47,8 @@ SET_LISTING_TTL_S = 10.0
 
 # The family whose embedded model is the embedded default: offered first, and the default
 # when no default model is configured. Each embedded model's module (a spec's `embedded`)
-# provides MODEL_NAME, default_cache_dir() and ensure_embedded_model() -> its folder, written
-# on first use (engine/embedded.py).
+# provides its RECIPE, whose `ensure()` gives its folder, written on first use
+# (engine/embedded.py).
 EMBEDDED_DEFAULT_FAMILY = "qwen_image21"
 
 

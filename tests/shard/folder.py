@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS, draw, write_component
+from gmlx_server.engine.embedded import DIFFUSERS_WEIGHTS, STAMP_FILE, draw, write_component
 from gmlx_server.engine.families.qwen_image21 import embedded
 
 TRANSFORMER_CONFIG = {
@@ -30,7 +30,7 @@ def build_shard_folder(root: Path, seed: int = 0) -> Path:
     inventory = embedded.transformer_tensors(TRANSFORMER_CONFIG)
     weights = draw(inventory, np.random.default_rng([seed, 7]), embedded.CONSTANT_NOISE)
     write_component(root / "transformer", TRANSFORMER_CONFIG, weights, DIFFUSERS_WEIGHTS)
-    (root / embedded.STAMP_FILE).unlink(missing_ok=True)
+    (root / STAMP_FILE).unlink(missing_ok=True)
     # the base variant: samplings of any step count
     (root / "model_index.json").write_text(json.dumps(embedded.model_index(None)))
     return root

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gmlx_server.engine.embedded import STAMP_FILE
 from gmlx_server.engine.families.qwen_image21 import embedded
 from tokenizers import Tokenizer
 
@@ -45,7 +46,7 @@ def test_folder_is_named_and_laid_out_as_diffusers(model_dir):
         "processor/chat_template.jinja",
         "processor/preprocessor_config.json",
         "processor/video_preprocessor_config.json",
-        embedded.STAMP_FILE,
+        STAMP_FILE,
     }
     assert set(_files(model_dir)) == expected
     index = json.loads((model_dir / "model_index.json").read_text())
@@ -83,11 +84,11 @@ def test_reused_when_current_and_regenerated_when_stale(tmp_path):
     assert embedded.ensure_embedded_model(tmp_path) == first
     assert marker.exists()
 
-    stamp = json.loads((first / embedded.STAMP_FILE).read_text())
-    (first / embedded.STAMP_FILE).write_text(json.dumps({**stamp, "fingerprint": "older"}))
+    stamp = json.loads((first / STAMP_FILE).read_text())
+    (first / STAMP_FILE).write_text(json.dumps({**stamp, "fingerprint": "older"}))
     assert embedded.ensure_embedded_model(tmp_path) == first
     assert not marker.exists()
-    assert json.loads((first / embedded.STAMP_FILE).read_text()) == stamp
+    assert json.loads((first / STAMP_FILE).read_text()) == stamp
     # Nothing temporary is left beside it.
     assert [p.name for p in tmp_path.iterdir()] == [embedded.MODEL_NAME]
 
@@ -97,7 +98,7 @@ def test_incomplete_folder_without_stamp_is_replaced(tmp_path):
     (partial / "transformer").mkdir(parents=True)
     (partial / "transformer" / "config.json").write_text("{}")
     embedded.ensure_embedded_model(tmp_path)
-    assert (partial / embedded.STAMP_FILE).is_file()
+    assert (partial / STAMP_FILE).is_file()
     assert json.loads((partial / "transformer" / "config.json").read_text())["num_layers"] > 0
 
 

@@ -25,16 +25,12 @@ from ...embedded import (
     Drawn,
     Recipe,
     TinyQwen3,
-    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     table_inventory,
 )
 from .layout import DiTConfig, tensor_shapes
 from .spec import PIPELINE_CLASS, SCHEDULER, TAPPED_LAYERS
 
 MODEL_NAME = "flux2-klein-random-tiny"
-# Bump when the code below writes something different for the same configs.
-GENERATOR_VERSION = 1
-SEED = 0
 TEXT_WIDTH = TINY_QWEN3_CONFIG["hidden_size"]
 
 TRANSFORMER_CONFIG = {
@@ -81,6 +77,6 @@ DOCUMENTS = {
     "scheduler": {**SCHEDULER, "_diffusers_version": DIFFUSERS_FORMAT},
     "model_index": MODEL_INDEX,
 }
-RECIPE = Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, PARTS, DOCUMENTS)
+RECIPE = Recipe(MODEL_NAME, CONSTANT_NOISE, PARTS, DOCUMENTS)
 ensure_embedded_model = RECIPE.ensure
 write_embedded_model = RECIPE.write_folder

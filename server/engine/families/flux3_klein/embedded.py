@@ -26,16 +26,12 @@ from ...embedded import (
     Drawn,
     Recipe,
     TinyQwen3VL,
-    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     table_inventory,
 )
 from .layout import DiTConfig, tensor_shapes
 from .spec import SCHEDULER_CONFIG, model_index_of
 
 MODEL_NAME = "flux3-klein-random-tiny"
-# Bump when the code below writes something different for the same configs.
-GENERATOR_VERSION = 1
-SEED = 0
 OUT_LAYERS = [1, 2, 3]  # hidden states after the first three of the encoder's four layers
 
 TRANSFORMER_CONFIG = {
@@ -68,6 +64,6 @@ TRANSFORMER = Drawn("transformer", TRANSFORMER_CONFIG, table_inventory(SHAPES, G
 # What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
 PARTS = (TRANSFORMER, TINY_FLUX2_VAE, TinyQwen3VL())
 DOCUMENTS = {"scheduler": SCHEDULER_CONFIG, "model_index": MODEL_INDEX}
-RECIPE = Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, PARTS, DOCUMENTS)
+RECIPE = Recipe(MODEL_NAME, CONSTANT_NOISE, PARTS, DOCUMENTS)
 ensure_embedded_model = RECIPE.ensure
 write_embedded_model = RECIPE.write_folder

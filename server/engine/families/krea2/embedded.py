@@ -23,7 +23,6 @@ from ...embedded import (
     Drawn,
     Recipe,
     TinyQwen3VL,
-    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     qwen_image_vae_tensors,
     table_inventory,
 )
@@ -32,9 +31,6 @@ from .layout import DiTConfig, tensor_shapes
 from .spec import SCHEDULER_CONFIG, model_index_of
 
 MODEL_NAME = "krea2-random-tiny"
-# Bump when the code below writes something different for the same configs.
-GENERATOR_VERSION = 1
-SEED = 0
 TEXT_WIDTH = TINY_QWEN3_CONFIG["hidden_size"]
 SELECT_LAYERS = [1, 2, 3]  # hidden states after the first three of the encoder's four layers
 
@@ -87,6 +83,6 @@ TRANSFORMER = Drawn("transformer", TRANSFORMER_CONFIG, table_inventory(SHAPES, S
 # What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
 PARTS = (TRANSFORMER, Drawn("vae", VAE_CONFIG, qwen_image_vae_tensors(VAE_CONFIG)), TinyQwen3VL())
 DOCUMENTS = {"scheduler": SCHEDULER_CONFIG, "model_index": MODEL_INDEX}
-RECIPE = Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, PARTS, DOCUMENTS)
+RECIPE = Recipe(MODEL_NAME, CONSTANT_NOISE, PARTS, DOCUMENTS)
 ensure_embedded_model = RECIPE.ensure
 write_embedded_model = RECIPE.write_folder

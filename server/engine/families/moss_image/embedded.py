@@ -24,6 +24,7 @@ from ...embedded import (
     FLUX2_VAE_UNDRAWN,
     GAIN,
     MATRIX,
+    SEED,
     SHIFT,
     TINY_FLUX2_VAE_CONFIG,
     TINY_QWEN3_CONFIG,
@@ -32,16 +33,12 @@ from ...embedded import (
     Inventory,
     Recipe,
     TinyTextEncoder,
-    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     flux2_vae_tensors,
 )
 from .layout import DiTConfig, tensor_shapes
 from .spec import MODEL_INDEX, TRANSFORMER_CLASS
 
 MODEL_NAME = "moss-image-random-tiny"
-# Bump when the code below writes something different for the same configs.
-GENERATOR_VERSION = 1
-SEED = 0
 
 # Qwen3.5's language model at the tiny Qwen3's width: three Gated DeltaNet layers and one
 # gated attention (the real model's one in four), a quarter of each head rotated.
@@ -188,7 +185,7 @@ def recipe(
         TinyQwen35(text),
     )
     documents = {"model_index": MODEL_INDEX}
-    return Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, parts, documents)
+    return Recipe(MODEL_NAME, CONSTANT_NOISE, parts, documents)
 
 
 RECIPE = recipe()

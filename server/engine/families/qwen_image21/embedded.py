@@ -34,9 +34,7 @@ from ...embedded import (
     GAIN,
     MATRIX,
     SHIFT,
-    STAMP_FILE,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     Recipe,
-    default_cache_dir,  # noqa: F401
     dumps,
     qwen3_vl_config,
     qwen3_vl_tensors,
@@ -50,9 +48,6 @@ from ...encoders.qwen3.tiny_tokenizer import (
 )
 
 MODEL_NAME = "qwen-image21-random-tiny"
-# Bump when the code below writes something different for the same configs.
-GENERATOR_VERSION = 1
-SEED = 0
 # A turbo-like variant: these fixed sigmas (Qwen-Image 2.1 turbo's, docs/contract.md §2.3) set 8 steps.
 SAMPLE_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568]
 
@@ -285,9 +280,7 @@ def model_index(sample_sigmas: list[float] | None = SAMPLE_SIGMAS) -> dict:
 
 
 # What decides the folder's files (engine/embedded.py: its stamp's fingerprint).
-RECIPE = Recipe(
-    MODEL_NAME, GENERATOR_VERSION, SEED, None, (TinyQwenImage21(),), {"scheduler": SCHEDULER_CONFIG}
-)
+RECIPE = Recipe(MODEL_NAME, None, (TinyQwenImage21(),), {"scheduler": SCHEDULER_CONFIG})
 ensure_embedded_model = RECIPE.ensure
 write_embedded_model = RECIPE.write_folder
 

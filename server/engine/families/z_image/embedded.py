@@ -22,6 +22,7 @@ from ...embedded import (
     DIFFUSERS_FORMAT,
     GAIN,
     MATRIX,
+    SEED,
     SHIFT,
     TINY_QWEN3_CONFIG,
     Drawn,
@@ -29,16 +30,12 @@ from ...embedded import (
     Recipe,
     TinyQwen3,
     autoencoder_kl_tensors,
-    default_cache_dir,  # noqa: F401  (what an embedded model's module provides: engine/embedded.py)
     linear_tensors,
     write_drawn,
 )
 from . import spec
 
 MODEL_NAME = "z-image-random-tiny"
-# Bump when the code below writes something different for the same configs.
-GENERATOR_VERSION = 1
-SEED = 0
 VARIANT = "turbo"
 
 TRANSFORMER_CONFIG = {
@@ -168,7 +165,7 @@ def recipe(variant: str = VARIANT, transformer: dict | None = None) -> Recipe:
     parts = (Drawn("transformer", config, transformer_tensors(config)), vae, TEXT)
     documents = {"scheduler": scheduler_config(variant), "model_index": MODEL_INDEX}
     extra = {"variant": variant}
-    return Recipe(MODEL_NAME, GENERATOR_VERSION, SEED, CONSTANT_NOISE, parts, documents, extra)
+    return Recipe(MODEL_NAME, CONSTANT_NOISE, parts, documents, extra)
 
 
 RECIPE = recipe()
