@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gmlx_server.engine.embedded import STAMP_FILE
+from gmlx_server.engine.embedded import STAMP_FILE, default_cache_dir
 from gmlx_server.engine.families.qwen_image21 import embedded
 from tokenizers import Tokenizer
 
@@ -104,10 +104,10 @@ def test_incomplete_folder_without_stamp_is_replaced(tmp_path):
 
 def test_default_cache_dir_respects_xdg(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert embedded.default_cache_dir() == tmp_path / "gmlx-steps" / "models"
+    assert default_cache_dir() == tmp_path / "gmlx-steps" / "models"
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert embedded.default_cache_dir() == tmp_path / "home" / ".cache" / "gmlx-steps" / "models"
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "gmlx-steps" / "models"
 
 
 def test_configs_agree_with_each_other_and_the_tokenizer(model_dir):
