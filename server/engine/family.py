@@ -42,6 +42,7 @@ from .nn.dtypes import default_compute_dtype, dtype_name
 from .precision import AUTO
 from .quantize import quantization_status
 from .spec import Family, FamilySpec
+from .step_inputs import checked_convention
 from .weights import (
     QUANTIZED,
     TensorInfo,
@@ -148,16 +149,14 @@ def loaded_row(part: Any, quantization: dict | None, unloaded: dict) -> dict:
 class FamilyModel:
     """The generic part of a loaded model of an MLX family (see the module's docstring).
 
-    `status` is the family's status of the loaded folder, with its `residency` as loaded, and
-    `facts` (base.Facts) the values of it the routes and the memory plan read;
-    `read_manifest(model_dir)` the family module's `manifest`; `tables` the DiT's LoRA tables
-    (lora.TableWeights); `weight_bytes` the loaded weights, counted from the arrays
-    (weights.tree_bytes). `encoder` (with its `weight_bytes`) and `load_encoder`, a function
-    that loads the same encoder again, make the encoder releasable."""
-
-    family: str = ""  # the family's name, set by the subclass
-    title: str = ""  # its name in prose, for messages
-    capabilities = Capabilities()
+    Its arguments are what FolderFamily.model_arguments gives: the family's name (`family`),
+    its name in prose for messages (`title`) and what it can do (`capabilities`, the spec's);
+    the networks (`dit`, `vae`, `encoder`); `status`, the family's status of the loaded folder
+    with its `residency` as loaded, and `facts` (base.Facts) the values of it the routes and
+    the memory plan read; `read_manifest(model_dir)` the family module's `manifest`; `tables`
+    the DiT's LoRA tables (lora.TableWeights); `weight_bytes` the loaded weights, counted from
+    the arrays (weights.tree_bytes). `encoder` (with its `weight_bytes`) and `load_encoder`, a
+    function that loads the same encoder again, make the encoder releasable."""
 
     def __init__(
         self,
@@ -165,6 +164,10 @@ class FamilyModel:
         model_id: str,
         variant: str,
         *,
+        family: str,
+        title: str,
+        capabilities: Capabilities,
+        dit: Any,
         vae: Any,
         tables: TableWeights,
         status: dict,
@@ -177,6 +180,8 @@ class FamilyModel:
         self.model_dir = Path(model_dir)
         self.model_id = model_id
         self.variant = variant
+        self.family, self.title, self.capabilities = family, title, capabilities
+        self.dit = dit
         self.vae = vae
         self.tables = tables
         self.encoder = encoder
@@ -245,9 +250,12 @@ class FamilyModel:
     def denoise_step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], **how: Any
     ) -> StepResult:
-        """The seam's step (base.ImageModel.denoise_step), its keywords (StepCall's fields,
-        its defaults theirs) handed to the family's `step` as one StepCall."""
-        return self.step(x, timestep, rows, StepCall(**how))
+        """The seam's step (base.ImageModel.denoise_step): its convention checked against the
+        family's, its keywords (StepCall's fields, its defaults theirs) handed to the family's
+        `step` as one StepCall."""
+        call = StepCall(**how)
+        checked_convention(call.convention, self.capabilities.conventions, self.family)
+        return self.step(x, timestep, rows, call)
 
     def step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
@@ -427,7 +435,7 @@ class FolderFamily(Family):
 
     - `network`: its DiT's class (a dit_network.DiTNetwork), whose `PART` is the DiTPart read;
     - `prompt`: its prompt encoder's class (an encoders.prompt.PromptEncoder);
-    - `model`: its FamilyModel class (`model(model_dir, model_id, parts, files)`);
+    - `model`: its FamilyModel class (`model(model_dir, model_id, **model_arguments)`);
     - `fits(parts)`: its checks of the parts' widths against each other (None: none);
     - `encoder`: its text encoder (encoders.qwen3.text.Qwen3Part, encoders.qwen3.vl.Qwen3VLPart):
       `gguf(component_dir, files)` its GGUF files (None: safetensors), `include` the folder's
@@ -478,7 +486,12 @@ class FolderFamily(Family):
         parts = self.load_parts(model_dir, quantization, encoder_vae_dtype, files, shard)
         if self.fits is not None and parts.encoder is not None:
             self.fits(parts)
-        return self.model(model_dir, model_id, parts, files)
+        return self.build(model_dir, model_id, parts, files)
+
+    def build(self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None):
+        """The family's model of loaded `parts` (`model`, its FamilyModel class, given
+        `model_arguments`)."""
+        return self.model(model_dir, model_id, **self.model_arguments(model_dir, parts, files))
 
     def load_parts(
         self,
@@ -658,10 +671,10 @@ class FolderFamily(Family):
         return self.model_facts(model_dir, memory), status
 
     def model_arguments(self, model_dir: Path, parts: LoadedParts, files: dict | None) -> dict:
-        """FamilyModel's arguments for a loaded model of `parts`: its variant, VAE, encoder (and
-        the function that loads it again), the DiT's LoRA tables, the status and its facts,
-        the manifest reader and the weight bytes (`files`: the model entry's weight files;
-        none: the folder's)."""
+        """FamilyModel's arguments for a loaded model of `parts`: its variant, family, title and
+        capabilities, its networks (the function that loads the encoder again with them), the
+        DiT's LoRA tables, the status and its facts, the manifest reader and the weight bytes
+        (`files`: the model entry's weight files; none: the folder's)."""
         files = {key: path for key, path in (files or {}).items() if path is not None}
         dit, vae, encoder = parts.dit, parts.vae, parts.encoder
         slots = (self.dit.table_slots or self.dit.linear_slots)(dit.config)
@@ -669,6 +682,10 @@ class FolderFamily(Family):
         facts, status = self.loaded_status(model_dir, dit, vae, encoder, files)
         return {
             "variant": parts.variant,
+            "family": parts.family,
+            "title": self.titles[parts.family],
+            "capabilities": self.spec.capabilities(),
+            "dit": dit,
             "vae": vae,
             "encoder": encoder,
             "load_encoder": parts.load_encoder,

@@ -126,9 +126,8 @@ def step(model, rows, seed=2):
 def dequantized_model(model: family.QwenImage21Model, folder) -> family.QwenImage21Model:
     dit = model.dit
     plain = QwenImage21DiT(dit.config, dequantized_tree(dit.weights), dit.dtype)
-    return family.QwenImage21Model(
-        folder, "plain", LoadedParts(family.FAMILY, model.variant, plain, model.vae, model.encoder)
-    )
+    parts = LoadedParts(model.family, model.variant, plain, model.vae, model.encoder)
+    return family.QWEN_IMAGE21.build(folder, "plain", parts)
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda kind: kind.name)

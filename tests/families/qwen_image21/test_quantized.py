@@ -88,8 +88,8 @@ def dequantized_model(quantized: family.QwenImage21Model, folder) -> family.Qwen
     dit = quantized.dit
     plain_dit = QwenImage21DiT(dit.config, dequantized_tree(dit.weights), dit.dtype)
     encoder = dequantized_encoder(quantized.encoder, folder)
-    parts = LoadedParts(family.FAMILY, quantized.variant, plain_dit, quantized.vae, encoder)
-    return family.QwenImage21Model(folder, "dequantized", parts)
+    parts = LoadedParts(quantized.family, quantized.variant, plain_dit, quantized.vae, encoder)
+    return family.QWEN_IMAGE21.build(folder, "dequantized", parts)
 
 
 @pytest.fixture(scope="module")

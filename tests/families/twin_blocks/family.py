@@ -25,7 +25,7 @@ from gmlx_server.engine.weights import read_config
 
 from .dit import Config, TwinBlocksDiT
 from .prompt import TwinPromptEncoder
-from .spec import FAMILY, SPEC
+from .spec import SPEC
 
 STEP_BUFFERS = 16  # activations of one token per row, in widths of the hidden size
 RESERVE_CAPTION = 64  # the reference workload's caption rows
@@ -54,15 +54,6 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
 
 
 class TwinBlocksModel(FamilyModel):
-    family = FAMILY
-    capabilities = SPEC.capabilities()
-
-    def __init__(self, model_dir, model_id, parts, files):
-        super().__init__(
-            model_dir, model_id, **TWIN_BLOCKS.model_arguments(model_dir, parts, files)
-        )
-        self.dit = parts.dit
-
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         if images:
             raise EngineInputError("the twin-blocks family takes no reference images")

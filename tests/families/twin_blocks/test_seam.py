@@ -19,7 +19,7 @@ from tests.server.conftest import serve
 
 from . import checkpoint, family
 
-REGISTRY_LINE = {family.FAMILY: family.TWIN_BLOCKS}  # the family as the registry takes it
+REGISTRY_LINE = {family.SPEC.name: family.TWIN_BLOCKS}  # the family as the registry takes it
 
 
 @pytest.fixture(scope="module")

@@ -117,9 +117,8 @@ def reference_folder(base, root, held):
 def dequantized_model(model, folder):
     dit = model.dit
     plain = ZImageDiT(dit.config, dequantized_tree(dit.weights), dit.dtype)
-    return family.ZImageModel(
-        folder, "plain", LoadedParts(family.FAMILY, model.variant, plain, model.vae, model.encoder)
-    )
+    parts = LoadedParts(model.family, model.variant, plain, model.vae, model.encoder)
+    return family.Z_IMAGE.build(folder, "plain", parts)
 
 
 @pytest.mark.parametrize("naming", ["diffusers", "comfy"])

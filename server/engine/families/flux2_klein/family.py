@@ -34,7 +34,6 @@ from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_chann
 from ...lora import table_id
 from ...step_inputs import (
     checked_cond,
-    checked_convention,
     checked_nonempty_latents,
     checked_ref_latents,
     cond_rows,
@@ -57,10 +56,6 @@ TITLES = {spec.name: spec.title for spec in SPECS}
 REF_MIN_SIDE = 64
 REF_MAX_ASPECT = 8
 REF_MAX_AREA = 1024 * 1024
-# Step conventions (docs/contract.md §5.2): both read the timestep as sigma and answer +dx/dsigma
-# (the DiT's own output at t = sigma); `comfy` embeds the float32 time, `reference` the time as
-# the compute dtype holds it (BFL's and diffusers' pipelines).
-CONVENTIONS = SPECS[0].conventions
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row (the
@@ -113,20 +108,10 @@ class StepPlan:
 
 
 class Flux2KleinModel(FamilyModel):
-    capabilities = SPECS[0].capabilities()  # the three families' alike
+    """The three families' model (their capabilities alike)."""
 
-    def __init__(
-        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
-    ):
-        """`parts`: the folder's networks (FolderFamily.load_parts; on a rank > 0 of a sharded
-        model the DiT part alone); `files`: the model entry's weight files they came from
-        (none: the folder's)."""
-        super().__init__(
-            model_dir, model_id, **FLUX2_KLEIN.model_arguments(model_dir, parts, files)
-        )
-        self.family = parts.family
-        self.title = TITLES[parts.family]
-        self.dit = parts.dit
+    def __init__(self, model_dir: Path, model_id: str, variant: str, **arguments):
+        super().__init__(model_dir, model_id, variant, **arguments)
         # run -> reference K/V by row key (docs/contract.md §3.4), dropped when the run ends
         self.ref_caches: dict[str, dict[tuple, RefState]] = {}
 
@@ -221,10 +206,10 @@ class Flux2KleinModel(FamilyModel):
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
     ) -> StepResult:
         """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions), one row per
-        batch entry: the DiT's output at t = sigma."""
+        batch entry: the DiT's output at t = sigma; `comfy` embeds the float32 time,
+        `reference` the time as the compute dtype holds it (BFL's and diffusers' pipelines)."""
         convention, run, table, ref_cache = call.convention, call.run, call.table, call.ref_cache
         x = checked_nonempty_latents(x, rows, self.dit.config.in_channels)
-        checked_convention(convention, CONVENTIONS, self.family)
         if ref_cache and run is None:
             raise EngineInputError("ref_cache needs a run")
         plan = self._plan(rows, table, convention, ref_cache)

@@ -24,7 +24,6 @@ from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
 from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
 from ...step_inputs import (
     checked_cond,
-    checked_convention,
     checked_nonempty_latents,
     checked_ref_latents,
     cond_rows,
@@ -38,9 +37,6 @@ from .layout import DiTConfig
 from .prompt import Flux3PromptEncoder
 from .spec import PAD_MULTIPLE, SPEC
 
-FAMILY = SPEC.name
-TITLE = SPEC.title
-CONVENTIONS = SPEC.conventions  # both: timestep = sigma, out = +dx/dsigma, the DiT's time rule
 # The pipeline's reference images: sides multiples of the stride from 64 to 4096; one of at
 # most 4 megapixels, or several of at most 1 megapixel each (it resizes larger ones).
 REF_MIN_SIDE = 64
@@ -94,17 +90,9 @@ def flow_map_targets(sigmas: np.ndarray, sample_sigmas: np.ndarray) -> np.ndarra
 
 
 class Flux3KleinModel(FamilyModel):
-    family = FAMILY
-    title = TITLE
-
-    def __init__(
-        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
-    ):
-        super().__init__(
-            model_dir, model_id, **FLUX3_KLEIN.model_arguments(model_dir, parts, files)
-        )
-        self.dit = parts.dit
-        self.capabilities = replace(SPEC.capabilities(), flow_map=self.dit.config.flow_map)
+    def __init__(self, model_dir: Path, model_id: str, variant: str, **arguments):
+        super().__init__(model_dir, model_id, variant, **arguments)
+        self.capabilities = replace(self.capabilities, flow_map=self.dit.config.flow_map)
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
@@ -127,8 +115,8 @@ class Flux3KleinModel(FamilyModel):
             or height * width > area
         ):
             raise EngineInputError(
-                f"image {index} is {width}x{height}: {TITLE} references must have sides that are"
-                f" multiples of {stride} from {REF_MIN_SIDE} to {REF_MAX_SIDE} and at most"
+                f"image {index} is {width}x{height}: {self.title} references must have sides"
+                f" that are multiples of {stride} from {REF_MIN_SIDE} to {REF_MAX_SIDE} and at most"
                 f" {area} pixels ({'one reference' if count == 1 else 'each of several'}: the"
                 " pipeline's sizes, which it would resize to), or be sent as latents from"
                 " vae/encode"
@@ -151,16 +139,16 @@ class Flux3KleinModel(FamilyModel):
     def step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
     ) -> StepResult:
-        """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions), one row per
-        batch entry; a flow map's jump to the target `call.sample_sigmas` names."""
+        """dx/dsigma for x (B, 128, h, w) at sigma = timestep (both conventions: timestep =
+        sigma, out = +dx/dsigma, the DiT's time rule), one row per batch entry; a flow map's
+        jump to the target `call.sample_sigmas` names."""
         config = self.dit.config
         x = checked_nonempty_latents(x, rows, config.in_channels)
-        checked_convention(call.convention, CONVENTIONS, FAMILY)
         sigma = row_sigmas(timestep, x.shape[0])
         targets = None
         if config.flow_map:
             if call.sample_sigmas is None:
-                raise EngineInputError(f"{TITLE} is a flow-map DiT: send sample_sigmas")
+                raise EngineInputError(f"{self.title} is a flow-map DiT: send sample_sigmas")
             targets = mx.array(flow_map_targets(sigma, call.sample_sigmas))
         texts = [
             mx.array(checked_cond(row, i, config.joint_attention_dim)) for i, row in enumerate(rows)

@@ -19,13 +19,7 @@ from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
 from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
 from ...nn.attention import QUERY_CHUNK
-from ...step_inputs import (
-    checked_convention,
-    checked_patch_latents,
-    checked_text_cond,
-    cond_rows,
-    row_sigmas,
-)
+from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
 from ...vaes.qwen_image import QwenImageVAEPart
 from ...weights import read_config
 from .dit import Krea2DiT
@@ -33,10 +27,7 @@ from .layout import PATCH, DiTConfig
 from .prompt import Krea2PromptEncoder
 from .spec import MAX_SEQUENCE_LENGTH, SPEC, SUFFIX_TOKENS
 
-FAMILY = SPEC.name
-TITLE = SPEC.title
 LATENT_STRIDE = SPEC.latent_stride
-CONVENTIONS = SPEC.conventions  # both: timestep = sigma, out = +dx/dsigma
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, in buffers of the DiT's shapes, per token of a row:
@@ -101,16 +92,6 @@ def fits(parts: LoadedParts) -> None:
 
 
 class Krea2Model(FamilyModel):
-    family = FAMILY
-    title = TITLE
-    capabilities = SPEC.capabilities()
-
-    def __init__(
-        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
-    ):
-        super().__init__(model_dir, model_id, **KREA2.model_arguments(model_dir, parts, files))
-        self.dit = parts.dit
-
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
     ) -> int:
@@ -123,11 +104,11 @@ class Krea2Model(FamilyModel):
     def step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
     ) -> StepResult:
-        """dx/dsigma for x (B, C, h, w) at sigma = timestep (both conventions), one row per
-        batch entry: the DiT's output as it is."""
+        """dx/dsigma for x (B, C, h, w) at sigma = timestep (both conventions: timestep = sigma,
+        out = +dx/dsigma), one row per batch entry: the DiT's output as it is."""
         config = self.dit.config
-        x = checked_patch_latents(x, rows, config.latent_channels, LATENT_STRIDE, PATCH, TITLE)
-        checked_convention(call.convention, CONVENTIONS, FAMILY)
+        channels = config.latent_channels
+        x = checked_patch_latents(x, rows, channels, LATENT_STRIDE, PATCH, self.title)
         sigma = row_sigmas(timestep, x.shape[0])
         conds = [mx.array(self._check_cond(row, index)) for index, row in enumerate(rows)]
         started = time.perf_counter()
@@ -140,7 +121,7 @@ class Krea2Model(FamilyModel):
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
         """A row's conditioning (1, L, layers x text width) as the DiT's (L, layers, width)."""
         config = self.dit.config
-        cond = checked_text_cond(row, index, config.num_text_layers * config.text_dim, TITLE)
+        cond = checked_text_cond(row, index, config.num_text_layers * config.text_dim, self.title)
         return cond.reshape(cond.shape[0], config.num_text_layers, config.text_dim)
 
 

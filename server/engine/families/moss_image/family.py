@@ -20,13 +20,7 @@ import numpy as np
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen35.text import Qwen35Part
 from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
-from ...step_inputs import (
-    checked_cond,
-    checked_convention,
-    checked_nonempty_latents,
-    cond_rows,
-    row_sigmas,
-)
+from ...step_inputs import checked_cond, checked_nonempty_latents, cond_rows, row_sigmas
 from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
 from ...weights import read_config
@@ -34,10 +28,6 @@ from .dit import MOSSImageDiT
 from .layout import DiTConfig
 from .prompt import MOSSImagePromptEncoder
 from .spec import SPEC
-
-FAMILY = SPEC.name
-TITLE = SPEC.title
-CONVENTIONS = SPEC.conventions  # both: timestep = 1000 sigma, out = +dx/dsigma
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
@@ -76,15 +66,9 @@ def fits(parts: LoadedParts) -> None:
 
 
 class MOSSImageModel(FamilyModel):
-    family = FAMILY
-    title = TITLE
-
-    def __init__(
-        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
-    ):
-        super().__init__(model_dir, model_id, **MOSS_IMAGE.model_arguments(model_dir, parts, files))
-        self.dit = parts.dit
-        self.capabilities = replace(SPEC.capabilities(), skip_blocks=self.dit.skip_blocks)
+    def __init__(self, model_dir: Path, model_id: str, variant: str, **arguments):
+        super().__init__(model_dir, model_id, variant, **arguments)
+        self.capabilities = replace(self.capabilities, skip_blocks=self.dit.skip_blocks)
 
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
@@ -103,7 +87,6 @@ class MOSSImageModel(FamilyModel):
         per batch entry, the main blocks `call.skip` names left out."""
         config = self.dit.config
         x = checked_nonempty_latents(x, rows, config.latent_channels)
-        checked_convention(call.convention, CONVENTIONS, FAMILY)
         times = row_sigmas(timestep, x.shape[0])  # the timesteps themselves: 1000 sigma
         texts = [mx.array(checked_cond(row, i, config.text_dim)) for i, row in enumerate(rows)]
         weights = self.tables.weights_for(call.table)

@@ -17,7 +17,7 @@ from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart
-from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
+from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily
 from ...lora import table_id
 from ...nn import cpu_ops
 from ...quantize import float_weight_bytes
@@ -30,8 +30,6 @@ from .prompt import quantized as encoder_quantized
 from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
-FAMILY = SPEC.name
-TITLE = SPEC.title
 LATENT_STRIDE = SPEC.latent_stride
 # Prefix states kept outside runs (docs/contract.md §3.3), least recently used shed first.
 PREFIX_BUDGET_BYTES = 2 << 30
@@ -183,27 +181,18 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
 
 
 class QwenImage21Model(FamilyModel):
-    family = FAMILY
-    capabilities = SPEC.capabilities()
-
     def __init__(
         self,
         model_dir: Path,
         model_id: str,
-        parts: LoadedParts,
-        files: dict | None = None,
+        variant: str,
         prefix_budget_bytes: int = PREFIX_BUDGET_BYTES,
+        **arguments,
     ):
-        """`parts`: the folder's networks (FolderFamily.load_parts; on a rank > 0 of a sharded
-        model the DiT part alone); `files`: the model entry's weight files they came from
-        (none: the folder's)."""
-        super().__init__(
-            model_dir, model_id, **QWEN_IMAGE21.model_arguments(model_dir, parts, files)
-        )
-        self.dit = parts.dit
+        super().__init__(model_dir, model_id, variant, **arguments)
         # what a step's quantized matmuls hold of their float weights (read here, on the thread
         # that loads: the quick plan runs on an HTTP thread and never asks MLX)
-        self.dit_float_weight_bytes = float_weight_bytes(parts.dit.weights, parts.dit.dtype.size)
+        self.dit_float_weight_bytes = float_weight_bytes(self.dit.weights, self.dit.dtype.size)
         self.prefix_cache = PrefixCache(prefix_budget_bytes)
 
     # -- memory plan (server/memory.py asks these) ---------------------------------------

@@ -21,26 +21,15 @@ from ...encoders.qwen3.text import Qwen3Part
 from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
-from ...step_inputs import (
-    checked_convention,
-    checked_patch_latents,
-    checked_text_cond,
-    cond_rows,
-    row_sigmas,
-)
+from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
 from ...weights import read_config
 from .dit import DiTConfig, ZImageDiT, padded
 from .prompt import MAX_SEQUENCE_LENGTH, ZImagePromptEncoder
 from .spec import SPEC
 
-FAMILY = SPEC.name
-TITLE = SPEC.title
 LATENT_STRIDE = SPEC.latent_stride
 LATENT_PATCH = SPEC.latent_patch
-# Step conventions (docs/contract.md §5.2): both read the timestep as sigma (scale 1, shift 0)
-# and answer +dx/dsigma; the DiT itself runs at t = 1 - sigma and its output is negated.
-CONVENTIONS = SPEC.conventions
 
 # ------------------------------------------------------ memory plan (docs/contract.md §3.5)
 # A step's peak beyond the weights, counted in buffers of the DiT's shapes, per token of a row:
@@ -105,19 +94,6 @@ def step_peak_bytes(
 
 
 class ZImageModel(FamilyModel):
-    family = FAMILY
-    title = TITLE
-    capabilities = SPEC.capabilities()
-
-    def __init__(
-        self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None
-    ):
-        """`parts`: the folder's networks (FolderFamily.load_parts; on a rank > 0 of a sharded
-        model the DiT part alone); `files`: the model entry's weight files they came from
-        (none: the folder's)."""
-        super().__init__(model_dir, model_id, **Z_IMAGE.model_arguments(model_dir, parts, files))
-        self.dit = parts.dit
-
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
     ) -> int:
@@ -135,10 +111,9 @@ class ZImageModel(FamilyModel):
     def step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
     ) -> StepResult:
-        """dx/dsigma for x (B, C, h, w) at sigma = timestep (both conventions), one row per
-        batch entry: the DiT's raw output at t = 1 - sigma, negated."""
+        """dx/dsigma for x (B, C, h, w) at sigma = timestep (both conventions: scale 1, shift
+        0), one row per batch entry: the DiT's raw output at t = 1 - sigma, negated."""
         x = self._check_latents(x, rows)
-        checked_convention(call.convention, CONVENTIONS, FAMILY)
         sigma = row_sigmas(timestep, x.shape[0])
         caps = [mx.array(self._check_cond(row, index)) for index, row in enumerate(rows)]
         started = time.perf_counter()
@@ -151,10 +126,10 @@ class ZImageModel(FamilyModel):
 
     def _check_latents(self, x: np.ndarray, rows: list[StepRow]) -> np.ndarray:
         channels = self.dit.config.in_channels
-        return checked_patch_latents(x, rows, channels, LATENT_STRIDE, LATENT_PATCH, TITLE)
+        return checked_patch_latents(x, rows, channels, LATENT_STRIDE, LATENT_PATCH, self.title)
 
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
-        return checked_text_cond(row, index, self.dit.config.cap_feat_dim, TITLE)
+        return checked_text_cond(row, index, self.dit.config.cap_feat_dim, self.title)
 
 
 Z_IMAGE = FolderFamily(
