@@ -470,6 +470,9 @@ class FolderFamily(Family):
         self.fits = fits
         self.titles = titles or {spec.name: spec.title}
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.titles
+
     def load(
         self,
         model_dir: Path,
@@ -609,7 +612,7 @@ class FolderFamily(Family):
                 **self.vae.status_row(vae_config),
             },
             "edit_capable": facts.edit_capable,
-            "conditioning": dict(self.spec.conditioning),
+            "conditioning": self.spec.conditioning.status(),
             # the timestep's scale (docs/contract.md §5.2) is an extension of §2.3's row
             "sampling": {
                 **self.sampling_row(model_dir, variant),

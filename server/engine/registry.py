@@ -46,7 +46,7 @@ LISTING_TTL_S = 2.0
 SET_LISTING_TTL_S = 10.0
 
 # The family whose embedded model is the embedded default: offered first, and the default
-# when no default model is configured. Each embedded model's module (a spec's `embedded`)
+# when no default model is configured. Each embedded model's module (a family folder's `embedded.py`)
 # provides its RECIPE, whose `ensure()` gives its folder, written on first use
 # (engine/embedded.py).
 EMBEDDED_DEFAULT_FAMILY = "qwen_image21"
@@ -57,7 +57,8 @@ def embedded_modules() -> list[Any]:
     the embedded default's first."""
     specs = sorted(family_specs().values(), key=lambda s: s.name != EMBEDDED_DEFAULT_FAMILY)
     modules = []
-    for name in dict.fromkeys(spec.embedded for spec in specs if spec.embedded):
+    names = [spec.module_name("embedded") for spec in specs]
+    for name in dict.fromkeys(name for name in names if name is not None):
         try:
             modules.append(importlib.import_module(name))
         except ImportError as exc:

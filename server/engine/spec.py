@@ -2,21 +2,24 @@
 
 Each family folder under `engine/families/` holds a `spec.py` that imports no MLX and
 exports `SPECS`, the families it answers (FLUX.2 klein's folder answers three). The registry
-finds the folders by itself (`family_specs`), identifies a model folder with each spec's
-`identify`, loads it through the spec's `implementation` (the MLX module whose `FAMILY`, an
-`engine.family.Family`, serves describe, manifest, check, quantized_files and load), and reads
-what a family takes (its file keywords, whether it quantizes or shards) from the spec, so the
-listing, identification and the checks of a model's settings run without MLX.
+finds the folders by itself (`family_specs`, which sets each spec's `package`), identifies a
+model folder with each spec's `identify`, and reads what a family takes (its file keywords,
+whether it quantizes or shards) from the spec, so the listing, identification and the checks
+of a model's settings run without MLX. The rest of a folder is found by its modules' names:
+`family.py` holds the `Family` that serves describe, manifest, check, quantized_files and load
+(it may import MLX), `embedded.py` the embedded model's `RECIPE` where the family has one, and
+`components.py` the rule that tells its model from component files where it has one.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .base import Capabilities
@@ -38,6 +41,28 @@ class Published:
 
 
 @dataclass(frozen=True)
+class Conditioning:
+    """Status `conditioning` (docs/contract.md §2.3, an extension): how the DiT places
+    reference latents (None: it takes none), the text an empty prompt is encoded as, and how
+    the server's own inpainting runs: the mask brought to the latent grid by `inpaint_mask`
+    (None: bilinearly, the member left out) and the init image also taken as the first
+    reference (`inpaint_reference`, the member left out when false)."""
+
+    ref_method: str | None = None
+    empty_prompt: str = ""
+    inpaint_mask: str | None = None
+    inpaint_reference: bool = False
+
+    def status(self) -> dict:
+        row = {"ref_method": self.ref_method, "empty_prompt": self.empty_prompt}
+        if self.inpaint_mask is not None:
+            row["inpaint_mask"] = self.inpaint_mask
+        if self.inpaint_reference:
+            row["inpaint_reference"] = True
+        return row
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One family's facts. The status (docs/contract.md §2.3) publishes `comfy`,
     `conditioning`, `edit_capable` and the strides; the capabilities route its `features`."""
@@ -46,14 +71,11 @@ class FamilySpec:
     title: str  # its name in prose, for messages
     # (model folder) -> (family, variant), or None when the folder is not of this family
     identify: Callable[[Path], tuple[str, str] | None]
-    # "module:attribute" of the `Family` that serves it (its module may import MLX)
-    implementation: str
     comfy: dict = field(default_factory=dict)  # status `comfy`: ComfyUI's model class
-    conditioning: dict = field(default_factory=dict)  # status `conditioning`
+    conditioning: Conditioning = Conditioning()
     latent_stride: int | None = None  # None: the family reads it from its VAE's config
     latent_patch: int = 1
-    edit_capable: bool = False
-    max_refs: int = 0
+    max_refs: int = 0  # reference images a row may carry (none: it takes none)
     features: tuple[str, ...] = ()  # docs/contract.md §5.4
     conventions: tuple[str, ...] = ("comfy", "reference")
     # sigma = timestep_scale x timestep under both conventions (docs/contract.md §5.2): the
@@ -68,12 +90,16 @@ class FamilySpec:
     quantizes: bool = True  # a model entry's `quantize` applies
     encoder_vae_dtype: bool = True  # a model entry's `encoder_vae_dtype` applies
     shards: bool = False  # its DiT has a shard plan (a rank group may serve it)
-    embedded: str | None = None  # the module of its embedded model (engine/embedded.py)
-    # The module that tells its model from component files (engine/components.py: `family`,
-    # `variant`, `configs`, `fits_encoder`, `fits_vae`, `TOKENIZER_REPO`); None: folders only.
-    component_rule: str | None = None
     # Where its models are published (`gmlx pull`'s catalog).
     published: tuple[Published, ...] = ()
+    # The package of its folder, where its modules are found by name (family_specs sets it;
+    # a spec made elsewhere has none, and names no modules).
+    package: str | None = None
+
+    @property
+    def edit_capable(self) -> bool:
+        """Whether its DiT takes reference latents (status `edit_capable`)."""
+        return self.max_refs > 0
 
     def capabilities(self) -> Capabilities:
         """What its loaded model can do beyond its status (base.Capabilities), from the spec."""
@@ -83,16 +109,29 @@ class FamilySpec:
             ref_cache="ref_cache" in self.features,
         )
 
+    def module_name(self, name: str) -> str | None:
+        """The full name of its folder's module `name` (None: the folder has none)."""
+        if self.package is None or importlib.util.find_spec(f"{self.package}.{name}") is None:
+            return None
+        return f"{self.package}.{name}"
+
     def load_component_rule(self):
-        """The family's component-file rule (None: it has none; an ImportError where its
-        module cannot be imported)."""
-        return None if self.component_rule is None else importlib.import_module(self.component_rule)
+        """The family's component-file rule, its folder's `components.py` (None: it has none;
+        an ImportError where its module cannot be imported)."""
+        name = self.module_name("components")
+        return None if name is None else importlib.import_module(name)
 
     def load_implementation(self) -> Family:
-        """The family's `Family` (an ImportError where its module cannot be imported, e.g.
-        without MLX)."""
-        module, _, attribute = self.implementation.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        """The `Family` its folder's `family.py` holds (an ImportError where the module cannot
+        be imported, e.g. without MLX, or holds no one Family that answers this family)."""
+        name = self.module_name("family")
+        if name is None:
+            raise ImportError(f"family {self.name} has no family.py")
+        module = importlib.import_module(name)
+        found = [v for v in vars(module).values() if isinstance(v, Family) and self.name in v]
+        if len(found) != 1:
+            raise ImportError(f"{name} holds {len(found)} Family objects that serve {self.name}")
+        return found[0]
 
 
 class Family:
@@ -106,6 +145,10 @@ class Family:
         self.spec = spec
         if load is not None:
             self.load = load
+
+    def __contains__(self, name: str) -> bool:
+        """Whether it serves the family `name`."""
+        return name == self.spec.name
 
     def load(self, model_dir: Path, model_id: str, **options):
         raise NotImplementedError(f"family {self.spec.name} does not say how it loads")
@@ -157,5 +200,5 @@ def family_specs() -> dict[str, FamilySpec]:
             log.debug("family folder %s has no spec: %s", folder.name, exc)
             continue
         for spec in module.SPECS:
-            found[spec.name] = spec
+            found[spec.name] = replace(spec, package=f"{FAMILIES_PACKAGE}.{folder.name}")
     return found

@@ -58,7 +58,6 @@ SPEC = FamilySpec(
     name=FAMILY,
     title="toy",
     identify=identify,
-    implementation=f"{__name__}:TOY",
     features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
     quantizes=False,
     encoder_vae_dtype=False,

@@ -60,7 +60,6 @@ SPEC = FamilySpec(
     name=FAMILY,
     title="test linear",
     identify=identify,
-    implementation=f"{__name__}:LINEAR",
     features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
     quantizes=False,
     encoder_vae_dtype=False,

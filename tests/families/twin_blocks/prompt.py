@@ -13,7 +13,7 @@ from .spec import SPEC
 TEMPLATE = PromptTemplate(
     system_message="",
     text="<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n",
-    empty_prompt=SPEC.conditioning["empty_prompt"],
+    empty_prompt=SPEC.conditioning.empty_prompt,
 )
 TAPPED_LAYERS = (-1,)
 

@@ -27,7 +27,7 @@ from .spec import SPEC_4B as SPEC
 TEMPLATE = PromptTemplate(
     system_message="",
     text="<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-    empty_prompt=SPEC.conditioning["empty_prompt"],
+    empty_prompt=SPEC.conditioning.empty_prompt,
 )
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default, padded to and cut at
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ...spec import FamilySpec, Published, model_index, read_config
+from ...spec import Conditioning, FamilySpec, Published, model_index, read_config
 
 FAMILY_4B = "flux2_klein"
 FAMILY_9B = "flux2_klein_9b"
@@ -62,19 +62,12 @@ SPEC_4B = FamilySpec(
     name=FAMILY_4B,
     title="FLUX.2 klein",
     identify=identify,
-    implementation="gmlx_server.engine.families.flux2_klein.family:FLUX2_KLEIN",
     comfy={"model_class": "Flux2", "image_model": "flux2"},
     # ComfyUI's Flux2 places references by index (time coordinates 10, 20, ...); an empty
     # prompt is encoded as it is. Inpainting as Flux2KleinInpaintPipeline: the init image is
     # also the first reference, the mask reaches the latent grid bilinearly.
-    conditioning={
-        "ref_method": "index",
-        "empty_prompt": "",
-        "inpaint_mask": "bilinear",
-        "inpaint_reference": True,
-    },
-    latent_patch=1,  # strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts)
-    edit_capable=True,
+    # Strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts).
+    conditioning=Conditioning(ref_method="index", inpaint_mask="bilinear", inpaint_reference=True),
     max_refs=MAX_REFS,
     features=("noise_mask", "ref_cache"),
     sampling={
@@ -83,8 +76,6 @@ SPEC_4B = FamilySpec(
     },
     schedule={"rule": "flux2"},  # gmlx_contract.schedules.flux2_sigmas
     files=("dit", "text_encoder"),
-    component_rule="gmlx_server.engine.families.flux2_klein.components",
-    embedded="gmlx_server.engine.families.flux2_klein.embedded",
 )
 # The three families: name, title, and the checkpoints BFL publishes of each (repository
 # black-forest-labs/FLUX.2-klein-<checkpoint>, `gmlx pull` name flux2-klein-<checkpoint>).

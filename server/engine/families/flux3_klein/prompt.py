@@ -22,7 +22,7 @@ from ...encoders.qwen3.vl import TappedTextPrompt
 from .spec import CHAT_TEXT, MAX_SEQUENCE_LENGTH, OUT_LAYERS, PAD_MULTIPLE, SPEC
 
 TEMPLATE = PromptTemplate(
-    system_message="", text=CHAT_TEXT, empty_prompt=SPEC.conditioning["empty_prompt"]
+    system_message="", text=CHAT_TEXT, empty_prompt=SPEC.conditioning.empty_prompt
 )
 PAD_POSITION = 1  # where the pipeline puts every pad token
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import FamilySpec, read_config
+from ...spec import Conditioning, FamilySpec, read_config
 
 FAMILY = "flux3_klein"
 TRANSFORMER_CLASS = "Flux3Transformer2DModel"
@@ -77,19 +77,15 @@ SPEC = FamilySpec(
     name=FAMILY,
     title="FLUX.3 klein",
     identify=identify,
-    implementation="gmlx_server.engine.families.flux3_klein.family:FLUX3_KLEIN",
     comfy={"model_class": "Flux3", "image_model": "flux3"},
     # References are told apart by their index (their own RoPE layer); an empty prompt is
     # encoded as it is (the template's tokens remain).
-    conditioning={"ref_method": "index", "empty_prompt": ""},
-    latent_patch=1,  # strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts)
-    edit_capable=True,
+    # Strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts).
+    conditioning=Conditioning(ref_method="index"),
     max_refs=MAX_REFS,
     features=("noise_mask", "flow_map"),
     sampling=SAMPLING,
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
-    embedded="gmlx_server.engine.families.flux3_klein.embedded",
-    component_rule="gmlx_server.engine.families.flux3_klein.components",
 )
 SPECS = (SPEC,)

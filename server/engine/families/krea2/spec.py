@@ -85,17 +85,14 @@ SPEC = FamilySpec(
     name=FAMILY,
     title="Krea 2",
     identify=identify,
-    implementation="gmlx_server.engine.families.krea2.family:KREA2",
     comfy={"model_class": "Krea2", "image_model": "krea2"},
-    # No references; an empty prompt is encoded as it is (the template's tokens remain).
-    conditioning={"ref_method": None, "empty_prompt": ""},
+    # No references (the default conditioning); an empty prompt is encoded as it is (the
+    # template's tokens remain).
     latent_stride=8,
     latent_patch=2,
     sampling=SAMPLING,
     schedule=krea2_rule(),
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
-    embedded="gmlx_server.engine.families.krea2.embedded",
-    component_rule="gmlx_server.engine.families.krea2.components",
 )
 SPECS = (SPEC,)

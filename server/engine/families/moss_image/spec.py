@@ -76,18 +76,15 @@ SPEC = FamilySpec(
     name=FAMILY,
     title="MOSS-Image",
     identify=identify,
-    implementation="gmlx_server.engine.families.moss_image.family:MOSS_IMAGE",
     comfy={"model_class": "MOSSImage", "image_model": "moss_image"},
-    # No references; an empty prompt is encoded as it is (the template's tokens remain).
-    conditioning={"ref_method": None, "empty_prompt": ""},
-    latent_patch=1,  # strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts)
+    # No references (the default conditioning); an empty prompt is encoded as it is (the
+    # template's tokens remain). Strides: the VAE's (its stride and 2x2 patchify,
+    # vae.latent_facts).
     features=("noise_mask", "skip_blocks"),
     timestep_scale=0.001,
     sampling=SAMPLING,
     schedule=moss_image_rule(SHIFT),
     files=("dit", "text_encoder"),
     shards=True,
-    embedded="gmlx_server.engine.families.moss_image.embedded",
-    component_rule="gmlx_server.engine.families.moss_image.components",
 )
 SPECS = (SPEC,)

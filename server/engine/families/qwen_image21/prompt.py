@@ -35,7 +35,7 @@ TEMPLATE = PromptTemplate(
     system_message=SYSTEM_MESSAGE,
     text=SYSTEM_MESSAGE + "<|im_start|>user\n{images}{prompt}<|im_end|>\n<|im_start|>assistant\n",
     image_placeholder="<image{index}>" + VISION_START + IMAGE_PAD + VISION_END,
-    empty_prompt=SPEC.conditioning["empty_prompt"],
+    empty_prompt=SPEC.conditioning.empty_prompt,
 )
 TAPPED_LAYERS = (-1,)  # the conditioning: the last decoder layer, before the final norm
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import FamilySpec, Published, model_index
+from ...spec import Conditioning, FamilySpec, Published, model_index
 
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
@@ -30,13 +30,10 @@ SPEC = FamilySpec(
     name=FAMILY,
     title="Qwen-Image 2.1",
     identify=identify,
-    implementation="gmlx_server.engine.families.qwen_image21.family:QWEN_IMAGE21",
     comfy={"model_class": "QwenImage21", "image_model": "qwen_image21"},
     # The DiT places references by index (ComfyUI's `ref_latents_method`).
-    conditioning={"ref_method": "index", "empty_prompt": EMPTY_PROMPT},
+    conditioning=Conditioning(ref_method="index", empty_prompt=EMPTY_PROMPT),
     latent_stride=16,
-    latent_patch=1,
-    edit_capable=True,
     max_refs=10,
     features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
     sampling={
@@ -45,7 +42,6 @@ SPEC = FamilySpec(
     },
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
-    embedded="gmlx_server.engine.families.qwen_image21.embedded",
     published=(Published("qwen-image-2.1", "Qwen/Qwen-Image-2.1"),),
 )
 SPECS = (SPEC,)

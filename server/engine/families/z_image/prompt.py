@@ -23,7 +23,7 @@ from .spec import SPEC
 TEMPLATE = PromptTemplate(
     system_message="",
     text="<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n",
-    empty_prompt=SPEC.conditioning["empty_prompt"],
+    empty_prompt=SPEC.conditioning.empty_prompt,
 )
 TAPPED_LAYERS = (-2,)  # hidden_states[-2]: the second-to-last decoder layer's output
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default truncation

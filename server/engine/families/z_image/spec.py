@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import FamilySpec, Published, model_index, read_config, read_json
+from ...spec import Conditioning, FamilySpec, Published, model_index, read_config, read_json
 
 FAMILY = "z_image"
 PIPELINE_CLASS = "ZImagePipeline"
@@ -62,11 +62,10 @@ SPEC = FamilySpec(
     name=FAMILY,
     title="Z-Image",
     identify=identify,
-    implementation="gmlx_server.engine.families.z_image.family:Z_IMAGE",
     comfy={"model_class": "ZImage", "image_model": "lumina2"},
     # No references; an empty prompt is encoded as it is (the chat template's tokens remain).
     # ZImageInpaintPipeline brings the mask to the latent grid by nearest neighbour.
-    conditioning={"ref_method": None, "empty_prompt": "", "inpaint_mask": "nearest"},
+    conditioning=Conditioning(inpaint_mask="nearest"),
     latent_stride=8,
     latent_patch=2,
     # The VAE tiles images past its sample_size as diffusers' tiling does, which is not the
@@ -75,8 +74,6 @@ SPEC = FamilySpec(
     sampling=SAMPLING,
     files=("dit", "text_encoder"),
     shards=True,
-    embedded="gmlx_server.engine.families.z_image.embedded",
-    component_rule="gmlx_server.engine.families.z_image.components",
     published=(Published("z-image-turbo", "Tongyi-MAI/Z-Image-Turbo"),),
 )
 SPECS = (SPEC,)
