@@ -19,6 +19,7 @@ import numpy as np
 from . import __version__
 from .engine.sampling import ImageRequest, ImageTimings, generate
 from .lora_files import AdapterSpec, sampling_table
+from .memory import host_bytes
 from .model_choice import ModelChoice
 from .step_server import StepServer, ViaStepsTransport
 
@@ -209,7 +210,7 @@ def model_record(loaded: Any, status: dict) -> dict:
 
 
 def machine() -> dict:
-    return {"chip": chip_name(), "ram_bytes": ram_bytes(), "os": platform.platform()}
+    return {"chip": chip_name(), "ram_bytes": host_bytes(), "os": platform.platform()}
 
 
 def chip_name() -> str:
@@ -220,13 +221,6 @@ def chip_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def summary_text(record: dict) -> str:

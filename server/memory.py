@@ -73,7 +73,7 @@ def machine_reader(max_age_s: float = LINUX_READ_MAX_AGE_S) -> Callable[[], int]
     gpu = _mlx_gpu_bytes()
     if gpu:
         return lambda: gpu
-    total = _macos_bytes() or _sysconf_bytes()
+    total = host_bytes()
     last = [-math.inf, 0]  # (when, bytes): one list, so a reading is swapped in whole
 
     def read() -> int:
@@ -138,6 +138,11 @@ def _meminfo_kib(meminfo: bytes, name: bytes) -> int:
     if start < 0:
         return 0
     return int(meminfo[start + len(name) : meminfo.index(b"\n", start)].split()[0])
+
+
+def host_bytes() -> int:
+    """The host's total memory (0 when it cannot be told)."""
+    return _macos_bytes() or _sysconf_bytes()
 
 
 def _macos_bytes() -> int:
