@@ -250,21 +250,27 @@ TINY_QWEN3_CONFIG = {
     "use_cache": True,
 }
 
-# A tiny AutoencoderKLFlux2 (FLUX.2 klein's and FLUX.3 klein's VAE): the real 32 latent channels
-# at stride 8, patchified 2x2 under its batch norm, a widest stage of 32 channels.
-TINY_FLUX2_VAE_CONFIG = {
-    "_class_name": "AutoencoderKLFlux2",
+# The body of a tiny AutoencoderKL (diffusers' class, FLUX.1's VAE, and the FLUX.2 VAE's
+# body): RGB in and out, four blocks to a widest stage of 32 channels (stride 8), one attention
+# in each mid block.
+TINY_AUTOENCODER_KL_BODY = {
     "_diffusers_version": DIFFUSERS_FORMAT,
     "act_fn": "silu",
     "in_channels": 3,
     "out_channels": 3,
-    "latent_channels": 32,
     "block_out_channels": [16, 32, 32, 32],  # four blocks: stride 8
     "down_block_types": ["DownEncoderBlock2D"] * 4,
     "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "layers_per_block": 1,
     "norm_num_groups": 8,
     "mid_block_add_attention": True,
+}
+# A tiny AutoencoderKLFlux2 (FLUX.2 klein's and FLUX.3 klein's VAE): the real 32 latent channels
+# at stride 8, patchified 2x2 under its batch norm, a widest stage of 32 channels.
+TINY_FLUX2_VAE_CONFIG = {
+    "_class_name": "AutoencoderKLFlux2",
+    **TINY_AUTOENCODER_KL_BODY,
+    "latent_channels": 32,
+    "layers_per_block": 1,
     "use_quant_conv": True,
     "use_post_quant_conv": True,
     "batch_norm_eps": 0.0001,

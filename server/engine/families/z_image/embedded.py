@@ -24,6 +24,7 @@ from ...embedded import (
     MATRIX,
     SEED,
     SHIFT,
+    TINY_AUTOENCODER_KL_BODY,
     TINY_QWEN3_CONFIG,
     Drawn,
     Inventory,
@@ -63,19 +64,13 @@ TIME_FREQUENCIES = 256
 TIME_MID_SIZE = 1024
 ADALN_EMBED_DIM = 256
 
+# FLUX.1's AutoencoderKL at the tiny body's sizes: its 16 latent channels, its latent
+# normalisation and its two resnets a block.
 VAE_CONFIG = {
     "_class_name": "AutoencoderKL",
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "act_fn": "silu",
-    "in_channels": 3,
-    "out_channels": 3,
+    **TINY_AUTOENCODER_KL_BODY,
     "latent_channels": 16,
-    "block_out_channels": [16, 32, 32, 32],  # four blocks: stride 8
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
     "layers_per_block": 2,
-    "norm_num_groups": 8,
-    "mid_block_add_attention": True,
     "force_upcast": True,
     "latents_mean": None,
     "latents_std": None,
