@@ -300,18 +300,27 @@ def table_inventory(shapes: dict[str, tuple[int, ...]], vectors: str) -> Invento
     return {name: (shape, MATRIX if len(shape) > 1 else vectors) for name, shape in shapes.items()}
 
 
+def interleaved_mrope(theta: float, sections: list[int]) -> dict:
+    """A Qwen3-VL text config's `rope_parameters`: multimodal RoPE of base `theta` whose
+    (T, H, W) `sections` (summing to half the head) are interleaved."""
+    return {
+        "rope_type": "default",
+        "rope_theta": theta,
+        "mrope_section": sections,
+        "mrope_interleaved": True,
+    }
+
+
 # Qwen3VLModel over the tiny Qwen3's text width: four layers, interleaved multimodal RoPE
 # sections of its 8-wide heads, and a one-block vision tower (loaded, never run by a family that reads text alone).
 TINY_QWEN3_VL_TEXT = {
     **{k: v for k, v in TINY_QWEN3_CONFIG.items() if k not in ("architectures", "model_type")},
     "num_hidden_layers": 4,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 1000000.0,
-        "mrope_section": [2, 1, 1],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": interleaved_mrope(1000000.0, [2, 1, 1]),
 }
+# The layers a DiT over the tiny Qwen3-VL taps: the hidden states after the first three of
+# its four (as the real pipelines tap layers spread over the encoder's depth).
+TINY_QWEN3_VL_TAPS = [1, 2, 3]
 TINY_QWEN3_VL_VISION = {
     "depth": 1,
     "hidden_size": 16,

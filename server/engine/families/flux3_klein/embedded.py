@@ -23,6 +23,7 @@ from ...embedded import (
     GAIN,
     TINY_FLUX2_VAE,
     TINY_QWEN3_CONFIG,
+    TINY_QWEN3_VL_TAPS,
     Drawn,
     Recipe,
     TinyQwen3VL,
@@ -32,7 +33,6 @@ from .layout import DiTConfig, tensor_shapes
 from .spec import SCHEDULER_CONFIG, model_index_of
 
 MODEL_NAME = "flux3-klein-random-tiny"
-OUT_LAYERS = [1, 2, 3]  # hidden states after the first three of the encoder's four layers
 
 TRANSFORMER_CONFIG = {
     "_class_name": "Flux3Transformer2DModel",
@@ -43,7 +43,7 @@ TRANSFORMER_CONFIG = {
     "num_single_layers": 2,
     "attention_head_dim": 16,
     "num_attention_heads": 2,
-    "joint_attention_dim": len(OUT_LAYERS) * TINY_QWEN3_CONFIG["hidden_size"],
+    "joint_attention_dim": len(TINY_QWEN3_VL_TAPS) * TINY_QWEN3_CONFIG["hidden_size"],
     "timestep_channels": 256,
     "mlp_ratio": 3.0,
     "axes_dims_rope": [4, 4, 4, 4],  # a quarter of the head each, as the real model's
@@ -52,7 +52,7 @@ TRANSFORMER_CONFIG = {
     "flow_map": True,
 }
 
-MODEL_INDEX = model_index_of("distilled", OUT_LAYERS)
+MODEL_INDEX = model_index_of("distilled", TINY_QWEN3_VL_TAPS)
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 

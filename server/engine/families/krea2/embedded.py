@@ -20,6 +20,7 @@ from ...embedded import (
     DIFFUSERS_FORMAT,
     SHIFT,
     TINY_QWEN3_CONFIG,
+    TINY_QWEN3_VL_TAPS,
     Drawn,
     Recipe,
     TinyQwen3VL,
@@ -32,7 +33,6 @@ from .spec import SCHEDULER_CONFIG, model_index_of
 
 MODEL_NAME = "krea2-random-tiny"
 TEXT_WIDTH = TINY_QWEN3_CONFIG["hidden_size"]
-SELECT_LAYERS = [1, 2, 3]  # hidden states after the first three of the encoder's four layers
 
 TRANSFORMER_CONFIG = {
     "_class_name": "Krea2Transformer2DModel",
@@ -45,7 +45,7 @@ TRANSFORMER_CONFIG = {
     "intermediate_size": 96,
     "timestep_embed_dim": 32,
     "text_hidden_dim": TEXT_WIDTH,
-    "num_text_layers": len(SELECT_LAYERS),
+    "num_text_layers": len(TINY_QWEN3_VL_TAPS),
     "text_num_attention_heads": 4,
     "text_num_key_value_heads": 2,
     "text_intermediate_size": 64,
@@ -70,7 +70,7 @@ VAE_CONFIG = {
     **QWEN_IMAGE_LATENTS,
 }
 
-MODEL_INDEX = model_index_of("turbo", SELECT_LAYERS)
+MODEL_INDEX = model_index_of("turbo", TINY_QWEN3_VL_TAPS)
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 

@@ -36,6 +36,7 @@ from ...embedded import (
     SHIFT,
     Recipe,
     dumps,
+    interleaved_mrope,
     qwen3_vl_config,
     qwen3_vl_tensors,
     write_drawn,
@@ -102,13 +103,7 @@ TEXT_CONFIG = {
     "attention_dropout": 0.0,
     "initializer_range": 0.02,
     "use_cache": True,
-    # Interleaved multimodal RoPE: the (T, H, W) sections sum to half the head dim.
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 5000000.0,
-        "mrope_section": [6, 5, 5],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": interleaved_mrope(5000000.0, [6, 5, 5]),
     # vocab_size and the token ids come from the tokenizer (engine/embedded.py: qwen3_vl_config).
 }
 
