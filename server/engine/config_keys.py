@@ -37,9 +37,11 @@ def read_settings(cls: type, config: dict, **given: Any) -> Any:
     return cls(**values)
 
 
-class HeadWidths:
-    """What a config of `num_heads` heads of `head_dim` and an MLP of `mlp_ratio` derives: the
-    model's width and its MLP's (the FLUX DiTs' configs)."""
+class FluxWidths:
+    """What a FLUX DiT's config (`num_heads` heads of `head_dim`, an MLP of `mlp_ratio`, the
+    tapped text layers' `joint_attention_dim`, patchified latents of `in_channels`) derives:
+    the model's width and its MLP's, a row's conditioning width (the wire's D) and a step's
+    latent channels."""
 
     @property
     def dim(self) -> int:
@@ -48,6 +50,14 @@ class HeadWidths:
     @property
     def mlp_dim(self) -> int:
         return int(self.dim * self.mlp_ratio)
+
+    @property
+    def cond_width(self) -> int:
+        return self.joint_attention_dim
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels
 
 
 def check_rope_axes(axes_dims: tuple[int, ...], head_dim: int) -> None:

@@ -229,13 +229,15 @@ def draw(inventory: Inventory, rng, constant_noise: float) -> dict[str, np.ndarr
 # Each component's weights draw from a stream of their own, [seed, index], so a component
 # written alone equals the same component of a whole folder of that seed.
 COMPONENT_INDEX = {"transformer": 0, "vae": 1, "text_encoder": 2}
+# The width of the tiny text encoders (Qwen3, Qwen3-VL's and Qwen3.5's language models).
+TINY_TEXT_WIDTH = 32
 # The tiny Qwen3 the embedded models prompt with (transformers' Qwen3ForCausalLM config; its
 # vocabulary and token ids come from the tiny tokenizer, its depth from the family).
 TINY_QWEN3_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
     "dtype": "float32",
-    "hidden_size": 32,
+    "hidden_size": TINY_TEXT_WIDTH,
     "intermediate_size": 64,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
@@ -330,7 +332,7 @@ TINY_QWEN3_VL_VISION = {
     "patch_size": 16,
     "temporal_patch_size": 2,
     "spatial_merge_size": 2,
-    "out_hidden_size": TINY_QWEN3_CONFIG["hidden_size"],
+    "out_hidden_size": TINY_TEXT_WIDTH,
     "num_position_embeddings": 16,
     "deepstack_visual_indexes": [0],
 }

@@ -419,15 +419,6 @@ class LoadedParts:
     load_encoder: Callable[[], Any] | None = None
 
 
-def check_latent_channels(parts: LoadedParts, channels: int) -> None:
-    """A family's `fits` check that the VAE's patchified latents have the DiT's `channels`."""
-    if parts.vae.latent_channels != channels:
-        raise ValueError(
-            f"the VAE's patchified latents have {parts.vae.latent_channels} channels; the DiT"
-            f" takes {channels}"
-        )
-
-
 class FolderFamily(Family):
     """A family served from a diffusers folder (transformer/, text_encoder/, vae/, ...): the
     status, manifest, checks and `gmlx model quantize`'s choice written once, from the spec and
@@ -436,7 +427,6 @@ class FolderFamily(Family):
     - `network`: its DiT's class (a dit_network.DiTNetwork), whose `PART` is the DiTPart read;
     - `prompt`: its prompt encoder's class (an encoders.prompt.PromptEncoder);
     - `model`: its FamilyModel class (`model(model_dir, model_id, **model_arguments)`);
-    - `fits(parts)`: its checks of the parts' widths against each other (None: none);
     - `encoder`: its text encoder (encoders.qwen3.text.Qwen3Part, encoders.qwen3.vl.Qwen3VLPart):
       `gguf(component_dir, files)` its GGUF files (None: safetensors), `include` the folder's
       tensors a load reads (None: all), `module_name(name)` and `quantized(path)` what a
@@ -460,14 +450,12 @@ class FolderFamily(Family):
         encoder: Any,
         vae: Any,
         step_reserve: Callable[[Path, mx.Dtype], int],
-        fits: Callable[[LoadedParts], None] | None = None,
         titles: dict[str, str] | None = None,
     ):
         super().__init__(spec)
         self.network, self.prompt, self.model = network, prompt, model
         self.dit, self.encoder, self.vae = network.PART, encoder, vae
         self.step_reserve = step_reserve
-        self.fits = fits
         self.titles = titles or {spec.name: spec.title}
 
     def __contains__(self, name: str) -> bool:
@@ -487,9 +475,27 @@ class FolderFamily(Family):
         a model entry's load settings (load_settings.LoadSettings.options): the registry hands
         over only those the spec takes."""
         parts = self.load_parts(model_dir, quantization, encoder_vae_dtype, files, shard)
-        if self.fits is not None and parts.encoder is not None:
-            self.fits(parts)
+        if parts.encoder is not None:
+            self.fits(parts, model_dir)
         return self.build(model_dir, model_id, parts, files)
+
+    def fits(self, parts: LoadedParts, model_dir: Path) -> None:
+        """Refuse parts that do not fit each other (a ValueError naming both widths): the text
+        encoder's conditioning must be as wide as the DiT reads (its config's `cond_width`),
+        and the latents the VAE gives (its part's `latent`, where it names them) must have the
+        channels the DiT takes (`latent_channels`)."""
+        config = parts.dit.config
+        if parts.encoder.hidden_size != config.cond_width:
+            raise ValueError(
+                f"the text encoder gives conditioning {parts.encoder.hidden_size} wide; the DiT"
+                f" reads conditioning {config.cond_width} wide"
+            )
+        latent = self.vae.latent(read_config(Path(model_dir) / "vae"))
+        if latent is not None and latent["channels"] != config.latent_channels:
+            raise ValueError(
+                f"the VAE's latents have {latent['channels']} channels; the DiT takes"
+                f" {config.latent_channels}"
+            )
 
     def build(self, model_dir: Path, model_id: str, parts: LoadedParts, files: dict | None = None):
         """The family's model of loaded `parts` (`model`, its FamilyModel class, given

@@ -9,6 +9,7 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
   row's file sizes agree and, loaded, its resident bytes are the arrays plus the reserve;
 - the manifest read from the files is the loaded manifest;
 - the spec says what the status and the capabilities publish;
+- parts of other widths than the DiT reads (text encoder, VAE) are refused, naming both;
 - a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
   a quantized load of the float folder, and a quantized load (4 and 8 bits) steps, encodes
   and takes a LoRA table as the same networks on its weights dequantized;
@@ -27,6 +28,7 @@ import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +38,7 @@ from gguf import GGMLQuantizationType as T
 from gmlx_contract import wire
 from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine import file_headers
+from gmlx_server.engine.family import LoadedParts
 from gmlx_server.engine.gguf import READABLE
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
@@ -333,6 +336,33 @@ def test_the_spec_is_what_the_status_and_the_capabilities_say(served):
     model = live.ctx.registry.loaded("plain").model
     assert tuple(model.capabilities.conventions) == spec.conventions
     assert model.capabilities.max_refs == spec.max_refs
+
+
+def test_parts_that_do_not_fit_are_refused_naming_both_widths(served, tmp_path):
+    """The family's `fits`: the folder's own parts fit; a text encoder of another width, or a
+    VAE whose latents have other channels than the DiT takes (where the VAE's part names its
+    latents), is refused with a ValueError naming both."""
+    live, name = served
+    live.post_json("models/load", {"model": "plain"})
+    model = live.ctx.registry.loaded("plain").model
+    family = live.ctx.registry.family(name)
+    parts = LoadedParts(name, model.variant, model.dit, model.vae, model.encoder)
+    family.fits(parts, model.model_dir)
+    width = model.encoder.hidden_size
+    wider = replace(parts, encoder=SimpleNamespace(hidden_size=width + 8))
+    with pytest.raises(ValueError, match=f"{width + 8} wide; the DiT reads conditioning {width}"):
+        family.fits(wider, model.model_dir)
+    config = json.loads((model.model_dir / "vae" / "config.json").read_text())
+    narrower = {k: v // 2 if k in ("latent_channels", "z_dim") else v for k, v in config.items()}
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps(narrower))
+    named = family.vae.latent(narrower)
+    if named is None:  # the VAE names no latents of its own: the DiT's are the status'
+        family.fits(parts, tmp_path)
+        return
+    channels = model.dit.config.latent_channels
+    with pytest.raises(ValueError, match=f"{named['channels']} channels; the DiT takes {channels}"):
+        family.fits(parts, tmp_path)
 
 
 def test_a_stored_quantized_folder_steps_as_a_quantized_load(served):

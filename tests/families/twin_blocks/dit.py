@@ -50,6 +50,11 @@ class Config:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def cond_width(self) -> int:
+        """A row's conditioning width (the wire's D): the text encoder's last hidden state."""
+        return self.text_width
+
 
 def linear_slots(config: Config) -> dict[str, LinearSlot]:
     """Every linear layer by its file name less `.weight`."""

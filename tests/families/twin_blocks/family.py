@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, StepResult
 from gmlx_server.engine.encoders.qwen3.text import Qwen3Part
-from gmlx_server.engine.family import FamilyModel, FolderFamily, LoadedParts
+from gmlx_server.engine.family import FamilyModel, FolderFamily
 from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_sigmas
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKLPart
 from gmlx_server.engine.weights import read_config
@@ -29,15 +29,6 @@ from .spec import SPEC
 
 STEP_BUFFERS = 16  # activations of one token per row, in widths of the hidden size
 RESERVE_CAPTION = 64  # the reference workload's caption rows
-
-
-def fits(parts: LoadedParts) -> None:
-    """The text encoder is as wide as the DiT's text input."""
-    if parts.encoder.hidden_size != parts.dit.config.text_width:
-        raise ValueError(
-            f"the text encoder is {parts.encoder.hidden_size} wide; the DiT reads"
-            f" {parts.dit.config.text_width}"
-        )
 
 
 def step_peak_bytes(config: Config, itemsize: int, rows: int, tokens: int) -> int:
@@ -94,5 +85,4 @@ TWIN_BLOCKS = FolderFamily(
     encoder=Qwen3Part(),
     vae=AutoencoderKLPart(),
     step_reserve=step_reserve,
-    fits=fits,
 )

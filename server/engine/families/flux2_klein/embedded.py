@@ -22,6 +22,7 @@ from ...embedded import (
     GAIN,
     TINY_FLUX2_VAE,
     TINY_QWEN3_CONFIG,
+    TINY_TEXT_WIDTH,
     Drawn,
     Recipe,
     TinyQwen3,
@@ -31,7 +32,6 @@ from .layout import DiTConfig, tensor_shapes
 from .spec import PIPELINE_CLASS, SCHEDULER, TAPPED_LAYERS
 
 MODEL_NAME = "flux2-klein-random-tiny"
-TEXT_WIDTH = TINY_QWEN3_CONFIG["hidden_size"]
 
 TRANSFORMER_CONFIG = {
     "_class_name": "Flux2Transformer2DModel",
@@ -42,7 +42,7 @@ TRANSFORMER_CONFIG = {
     "num_single_layers": 2,
     "attention_head_dim": 32,
     "num_attention_heads": 2,
-    "joint_attention_dim": len(TAPPED_LAYERS) * TEXT_WIDTH,
+    "joint_attention_dim": len(TAPPED_LAYERS) * TINY_TEXT_WIDTH,
     "timestep_guidance_channels": 256,
     "mlp_ratio": 3.0,
     "axes_dims_rope": [8, 8, 8, 8],  # a quarter of the head each, as the real model's

@@ -30,7 +30,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
+from ...family import FamilyModel, FolderFamily
 from ...lora import table_id
 from ...step_inputs import (
     checked_cond,
@@ -70,18 +70,6 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     """A guided step of the reference workload (family.RESERVE_*) beyond the weights, its
     captions of the encoder's padded length."""
     return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, MAX_SEQUENCE_LENGTH)
-
-
-def fits(parts: LoadedParts) -> None:
-    """The three tapped layers are as wide as the DiT's joint attention, and the VAE's
-    patchified latents have the DiT's channels."""
-    config = parts.dit.config
-    if parts.encoder.width != config.joint_attention_dim:
-        raise ValueError(
-            f"the text encoder's three tapped layers are {parts.encoder.width} wide; the DiT's"
-            f" joint_attention_dim is {config.joint_attention_dim}"
-        )
-    check_latent_channels(parts, config.in_channels)
 
 
 def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
@@ -275,6 +263,5 @@ FLUX2_KLEIN = FolderFamily(
     encoder=Qwen3Part(LOADED_LAYERS),
     vae=AutoencoderKLFlux2Part(),
     step_reserve=step_reserve,
-    fits=fits,
     titles=TITLES,
 )

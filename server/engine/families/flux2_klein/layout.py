@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config_keys import HeadWidths, read_settings, setting
+from ...config_keys import FluxWidths, read_settings, setting
 
 
 @dataclass(frozen=True)
-class DiTConfig(HeadWidths):
+class DiTConfig(FluxWidths):
     """Flux2Transformer2DModel's config (`setting`: its key and default)."""
 
     in_channels: int = setting("in_channels", 128)

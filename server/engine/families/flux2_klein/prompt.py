@@ -42,7 +42,7 @@ class Flux2PromptEncoder(Qwen3Prompt):
     def __init__(self, encoder, tokenizer, pad_id: int, dtype: mx.Dtype = mx.float32):
         super().__init__(encoder, tokenizer, dtype)
         self.pad_id = pad_id
-        self.width = len(TAPPED_LAYERS) * encoder.hidden_size
+        self.hidden_size = len(TAPPED_LAYERS) * encoder.hidden_size  # the tapped layers'
 
     @classmethod
     def of(cls, model_dir: Path, encoder, tokenizer, dtype: mx.Dtype) -> Flux2PromptEncoder:

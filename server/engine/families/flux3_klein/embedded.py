@@ -22,8 +22,8 @@ from ...embedded import (
     DIFFUSERS_FORMAT,
     GAIN,
     TINY_FLUX2_VAE,
-    TINY_QWEN3_CONFIG,
     TINY_QWEN3_VL_TAPS,
+    TINY_TEXT_WIDTH,
     Drawn,
     Recipe,
     TinyQwen3VL,
@@ -43,7 +43,7 @@ TRANSFORMER_CONFIG = {
     "num_single_layers": 2,
     "attention_head_dim": 16,
     "num_attention_heads": 2,
-    "joint_attention_dim": len(TINY_QWEN3_VL_TAPS) * TINY_QWEN3_CONFIG["hidden_size"],
+    "joint_attention_dim": len(TINY_QWEN3_VL_TAPS) * TINY_TEXT_WIDTH,
     "timestep_channels": 256,
     "mlp_ratio": 3.0,
     "axes_dims_rope": [4, 4, 4, 4],  # a quarter of the head each, as the real model's

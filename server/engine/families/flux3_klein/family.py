@@ -21,7 +21,7 @@ import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
-from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
+from ...family import FamilyModel, FolderFamily
 from ...step_inputs import (
     checked_cond,
     checked_nonempty_latents,
@@ -66,19 +66,6 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
 def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     """A guided step of the reference workload beyond the weights."""
     return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, RESERVE_TEXT)
-
-
-def fits(parts: LoadedParts) -> None:
-    """The tapped layers are as wide as the DiT's joint attention, and the VAE's patchified
-    latents have the DiT's channels."""
-    config = parts.dit.config
-    if parts.encoder.hidden_size != config.joint_attention_dim:
-        raise ValueError(
-            f"the text encoder's {len(parts.encoder.taps)} tapped layers are"
-            f" {parts.encoder.hidden_size} wide; the DiT's joint_attention_dim is"
-            f" {config.joint_attention_dim}"
-        )
-    check_latent_channels(parts, config.in_channels)
 
 
 def flow_map_targets(sigmas: np.ndarray, sample_sigmas: np.ndarray) -> np.ndarray:
@@ -176,5 +163,4 @@ FLUX3_KLEIN = FolderFamily(
     encoder=Qwen3VLPart(text_quantized, text_only=True),
     vae=AutoencoderKLFlux2Part(),
     step_reserve=step_reserve,
-    fits=fits,
 )

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config_keys import HeadWidths, check_rope_axes, read_settings, setting
+from ...config_keys import FluxWidths, check_rope_axes, read_settings, setting
 
 TIME_FACTOR = 1000.0  # the DiT embeds 1000 t
 IMAGE_ROPE_SCALE = 0.5  # the pipeline's image positions: (row, column) x 0.5
 
 
 @dataclass(frozen=True)
-class DiTConfig(HeadWidths):
+class DiTConfig(FluxWidths):
     """Flux3Transformer2DModel's config (`setting`: its key and default)."""
 
     in_channels: int = setting("in_channels", 128)  # the image tokens' (latents patchified 2x2)

@@ -19,8 +19,8 @@ from __future__ import annotations
 from ...embedded import (
     DIFFUSERS_FORMAT,
     SHIFT,
-    TINY_QWEN3_CONFIG,
     TINY_QWEN3_VL_TAPS,
+    TINY_TEXT_WIDTH,
     Drawn,
     Recipe,
     TinyQwen3VL,
@@ -32,7 +32,6 @@ from .layout import DiTConfig, tensor_shapes
 from .spec import SCHEDULER_CONFIG, model_index_of
 
 MODEL_NAME = "krea2-random-tiny"
-TEXT_WIDTH = TINY_QWEN3_CONFIG["hidden_size"]
 
 TRANSFORMER_CONFIG = {
     "_class_name": "Krea2Transformer2DModel",
@@ -44,7 +43,7 @@ TRANSFORMER_CONFIG = {
     "num_key_value_heads": 2,
     "intermediate_size": 96,
     "timestep_embed_dim": 32,
-    "text_hidden_dim": TEXT_WIDTH,
+    "text_hidden_dim": TINY_TEXT_WIDTH,
     "num_text_layers": len(TINY_QWEN3_VL_TAPS),
     "text_num_attention_heads": 4,
     "text_num_key_value_heads": 2,

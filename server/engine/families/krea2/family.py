@@ -17,7 +17,7 @@ import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
-from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
+from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily
 from ...nn.attention import QUERY_CHUNK
 from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
 from ...vaes.qwen_image import QwenImageVAEPart
@@ -79,18 +79,6 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     return step_peak_bytes(config, dtype.size, cells * cells, [RESERVE_TEXT] * RESERVE_ROWS)
 
 
-def fits(parts: LoadedParts) -> None:
-    """The text encoder gives the DiT's tapped layers at its text width."""
-    config = parts.dit.config
-    width = config.num_text_layers * config.text_dim
-    if parts.encoder.hidden_size != width:
-        raise ValueError(
-            f"the text encoder gives {len(parts.encoder.taps)} tapped layers of width"
-            f" {parts.encoder.text_dim}; the DiT reads {config.num_text_layers} of width"
-            f" {config.text_dim}"
-        )
-
-
 class Krea2Model(FamilyModel):
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
@@ -133,5 +121,4 @@ KREA2 = FolderFamily(
     encoder=Qwen3VLPart(text_quantized, text_only=True),
     vae=QwenImageVAEPart(),
     step_reserve=step_reserve,
-    fits=fits,
 )

@@ -52,6 +52,11 @@ class DiTConfig:
         return self.in_channels // (PATCH * PATCH)
 
     @property
+    def cond_width(self) -> int:
+        """A row's conditioning width (the wire's D): the tapped text layers side by side."""
+        return self.num_text_layers * self.text_dim
+
+    @property
     def text_head_dim(self) -> int:
         return self.text_dim // self.text_heads
 

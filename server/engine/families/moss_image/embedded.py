@@ -27,7 +27,7 @@ from ...embedded import (
     SEED,
     SHIFT,
     TINY_FLUX2_VAE_CONFIG,
-    TINY_QWEN3_CONFIG,
+    TINY_TEXT_WIDTH,
     TOKENIZER_CORPUS,
     Drawn,
     Inventory,
@@ -45,7 +45,7 @@ MODEL_NAME = "moss-image-random-tiny"
 TINY_QWEN35_TEXT = {
     "model_type": "qwen3_5_text",
     "dtype": "float32",
-    "hidden_size": TINY_QWEN3_CONFIG["hidden_size"],
+    "hidden_size": TINY_TEXT_WIDTH,
     "intermediate_size": 64,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen35.text import Qwen35Part
-from ...family import FamilyModel, FolderFamily, LoadedParts, check_latent_channels
+from ...family import FamilyModel, FolderFamily
 from ...step_inputs import checked_cond, checked_nonempty_latents, cond_rows, row_sigmas
 from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
@@ -51,18 +51,6 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocke
 def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     """A guided step of the reference workload beyond the weights."""
     return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, RESERVE_TEXT)
-
-
-def fits(parts: LoadedParts) -> None:
-    """The text encoder is as wide as the DiT's text input, and the VAE's patchified latents
-    have the DiT's channels."""
-    config = parts.dit.config
-    if parts.encoder.hidden_size != config.text_dim:
-        raise ValueError(
-            f"the text encoder is {parts.encoder.hidden_size} wide; the DiT's text_dim is"
-            f" {config.text_dim}"
-        )
-    check_latent_channels(parts, config.latent_channels)
 
 
 class MOSSImageModel(FamilyModel):
@@ -116,5 +104,4 @@ MOSS_IMAGE = MOSSImageFamily(
     encoder=Qwen35Part(),
     vae=AutoencoderKLFlux2Part(),
     step_reserve=step_reserve,
-    fits=fits,
 )

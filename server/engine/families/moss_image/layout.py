@@ -31,6 +31,11 @@ class DiTConfig:
     latent_channels: int = setting("latent_channels", 128, int)
     rope_base: float = setting("rope_base", 10000.0, float)
 
+    @property
+    def cond_width(self) -> int:
+        """A row's conditioning width (the wire's D): the text encoder's last hidden state."""
+        return self.text_dim
+
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
         made = read_settings(cls, config)

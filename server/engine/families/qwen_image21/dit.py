@@ -67,6 +67,11 @@ class DiTConfig:
     def inner_dim(self) -> int:
         return self.num_heads * self.head_dim
 
+    @property
+    def cond_width(self) -> int:
+        """A row's conditioning width (the wire's D): the text encoder's last hidden state."""
+        return self.context_in_dim
+
 
 # ---------------------------------------------------------------------------------------------
 # Layout of the prefix: host-side integers only

@@ -64,6 +64,11 @@ class DiTConfig:
     axes_lens: tuple[int, ...] = setting("axes_lens", (1024, 512, 512), tuple)
     patch_size: int = 2  # all_patch_size's one entry (`from_dict`)
 
+    @property
+    def cond_width(self) -> int:
+        """A row's conditioning width (the wire's D): the caption's."""
+        return self.cap_feat_dim
+
     @classmethod
     def from_dict(cls, config: dict) -> DiTConfig:
         patches = tuple(config.get("all_patch_size", (2,)))

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
 from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily, LoadedParts
+from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
 from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
@@ -59,16 +59,6 @@ def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
     blocked = cpu_ops.use_cpu_ops(dtype)
     compiled = compile_enabled(config.dim)
     return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
-
-
-def fits(parts: LoadedParts) -> None:
-    """The text encoder is as wide as the DiT's captions."""
-    width = parts.dit.config.cap_feat_dim
-    if parts.encoder.hidden_size != width:
-        raise ValueError(
-            f"the text encoder's width {parts.encoder.hidden_size} differs from the DiT's"
-            f" caption width {width}"
-        )
 
 
 def step_peak_bytes(
@@ -140,5 +130,4 @@ Z_IMAGE = FolderFamily(
     encoder=Qwen3Part(),
     vae=AutoencoderKLPart(),
     step_reserve=step_reserve,
-    fits=fits,
 )
