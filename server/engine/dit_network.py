@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .base import Capabilities
 from .nn import cpu_ops
 from .nn.dtypes import default_compute_dtype, tree_bytes
 from .nn.embeddings import time_frequencies
@@ -121,3 +122,9 @@ class DiTNetwork:
     @property
     def weight_bytes(self) -> int:
         return tree_bytes(self.weights)
+
+    def capabilities(self, declared: Capabilities) -> Capabilities:
+        """What a model on these weights can do: the spec's `declared` capabilities, where the
+        weights decide none of them (a DiT whose weights do says so: its blocks to skip, a
+        flow map's target time)."""
+        return declared

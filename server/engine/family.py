@@ -158,6 +158,21 @@ class FamilyModel:
     the arrays (weights.tree_bytes). `encoder` (with its `weight_bytes`) and `load_encoder`, a
     function that loads the same encoder again, make the encoder releasable."""
 
+    # What the family is made of (FolderFamily reads them): its DiT's class (a
+    # dit_network.DiTNetwork, whose PART is its files' facts), its prompt encoder's class (an
+    # encoders.prompt.PromptEncoder, whose PART is its text encoder's) and its VAE's part (a
+    # `...Part` of vaes/).
+    DIT: Any
+    PROMPT: Any
+    VAE: Any
+
+    @classmethod
+    def reserve_bytes(cls, config: Any, image_tokens: int, dtype: mx.Dtype) -> int:
+        """The activations beyond the weights of a guided step (RESERVE_ROWS rows) of the
+        reference workload, `image_tokens` the tokens of a RESERVE_PIXELS square, on a DiT of
+        `config`: the family's memory plan before it loads."""
+        raise NotImplementedError(f"{cls.__name__} must estimate its reference workload")
+
     def __init__(
         self,
         model_dir: Path,
@@ -422,40 +437,28 @@ class LoadedParts:
 class FolderFamily(Family):
     """A family served from a diffusers folder (transformer/, text_encoder/, vae/, ...): the
     status, manifest, checks and `gmlx model quantize`'s choice written once, from the spec and
-    the family's parts:
+    the family's model class (`model`, a FamilyModel built as `model(model_dir, model_id,
+    **model_arguments)`) and the parts it names:
 
-    - `network`: its DiT's class (a dit_network.DiTNetwork), whose `PART` is the DiTPart read;
-    - `prompt`: its prompt encoder's class (an encoders.prompt.PromptEncoder);
-    - `model`: its FamilyModel class (`model(model_dir, model_id, **model_arguments)`);
-    - `encoder`: its text encoder (encoders.qwen3.text.Qwen3Part, encoders.qwen3.vl.Qwen3VLPart):
-      `gguf(component_dir, files)` its GGUF files (None: safetensors), `include` the folder's
-      tensors a load reads (None: all), `module_name(name)` and `quantized(path)` what a
-      quantized load quantizes;
-    - `vae`: its VAE (a `...Part` of `vaes/`): `load(vae_dir, dtype)`, `latent(config)` (None: the DiT's channels at
-      the spec's strides), `channels_out(config)`, `status_row(config)`, `estimate(vae_dir, dtype)` and
-      `reserve_bytes(config, pixels)`;
-    - `step_reserve(model_dir, dtype)`: the activations of a guided step of the reference
-      workload (RESERVE_PIXELS square), the family's own memory plan.
+    - `DIT`: its DiT's class (a dit_network.DiTNetwork), whose `PART` is the DiTPart read;
+    - `PROMPT`: its prompt encoder's class (an encoders.prompt.PromptEncoder), whose `PART`
+      is its text encoder (encoders.qwen3.text.Qwen3Part, encoders.qwen3.vl.Qwen3VLPart,
+      encoders.qwen35.text.Qwen35Part): `gguf(component_dir, files)` its GGUF files (None:
+      safetensors), `include` the folder's tensors a load reads (None: all), `module_name(name)`
+      and `quantized(path)` what a quantized load quantizes;
+    - `VAE`: its VAE (a `...Part` of `vaes/`): `load(vae_dir, dtype)`, `latent(config)` (None:
+      the DiT's channels at the spec's strides), `channels_out(config)`, `status_row(config)`,
+      `estimate(vae_dir, dtype)` and `reserve_bytes(config, pixels)`;
+    - `reserve_bytes(config, image_tokens, dtype)`: the activations of a guided step of the
+      reference workload (RESERVE_PIXELS square), the family's own memory plan.
 
     `files` are a model entry's weight files (`dit`, `text_encoder`, `mmproj`: those the spec
-    lists)."""
+    lists); `titles` name the families it serves in prose (default: its spec's)."""
 
-    def __init__(
-        self,
-        spec: FamilySpec,
-        *,
-        network: Any,
-        prompt: Any,
-        model: Any,
-        encoder: Any,
-        vae: Any,
-        step_reserve: Callable[[Path, mx.Dtype], int],
-        titles: dict[str, str] | None = None,
-    ):
+    def __init__(self, spec: FamilySpec, model: Any, titles: dict[str, str] | None = None):
         super().__init__(spec)
-        self.network, self.prompt, self.model = network, prompt, model
-        self.dit, self.encoder, self.vae = network.PART, encoder, vae
-        self.step_reserve = step_reserve
+        self.model, self.network, self.prompt = model, model.DIT, model.PROMPT
+        self.dit, self.encoder, self.vae = model.DIT.PART, model.PROMPT.PART, model.VAE
         self.titles = titles or {spec.name: spec.title}
 
     def __contains__(self, name: str) -> bool:
@@ -549,10 +552,7 @@ class FolderFamily(Family):
         VAE routes' latents are too, and the plan's footprint of `memory`."""
         model_dir = Path(model_dir)
         vae_config = read_config(model_dir / "vae")
-        latent = self.vae.latent(vae_config)
-        if latent is None:
-            channels = read_config(model_dir / "transformer")["in_channels"]
-            latent = {"channels": channels, "stride": self.spec.latent_stride}
+        latent = self.latent(model_dir)
         return Facts(
             latent_channels=latent["channels"],
             latent_stride=latent["stride"],
@@ -561,6 +561,15 @@ class FolderFamily(Family):
             edit_capable=self.spec.edit_capable,
             resident_bytes=memory.resident_bytes,
         )
+
+    def latent(self, model_dir: Path) -> dict:
+        """The latents of a folder, {"channels", "stride"}: those the VAE gives, or for a VAE
+        that names none the DiT's channels at the spec's stride."""
+        latent = self.vae.latent(read_config(Path(model_dir) / "vae"))
+        if latent is None:
+            channels = read_config(Path(model_dir) / "transformer")["in_channels"]
+            latent = {"channels": channels, "stride": self.spec.latent_stride}
+        return latent
 
     def sampling_row(self, model_dir: Path, variant: str) -> dict:
         """The variant's own settings (docs/contract.md §2.3): its row of the spec's sampling,
@@ -572,10 +581,14 @@ class FolderFamily(Family):
         return {**row, "sigmas": None, "schedule": schedule, "neg_skip": neg_skip}
 
     def activation_reserve(self, model_dir: Path, dtype: mx.Dtype) -> int:
-        """The activations of the reference workload: the larger of a guided step and a VAE
-        pass at RESERVE_PIXELS square."""
-        vae = self.vae.reserve_bytes(read_config(Path(model_dir) / "vae"), RESERVE_PIXELS)
-        return max(self.step_reserve(model_dir, dtype), vae)
+        """The activations of the reference workload: the larger of a guided step over a
+        RESERVE_PIXELS square's image tokens (its latent cells over the spec's patch) and a
+        VAE pass of it."""
+        model_dir = Path(model_dir)
+        config = self.dit.config.from_dict(read_config(model_dir / "transformer"))
+        side = RESERVE_PIXELS // (self.latent(model_dir)["stride"] * self.spec.latent_patch)
+        vae = self.vae.reserve_bytes(read_config(model_dir / "vae"), RESERVE_PIXELS)
+        return max(self.model.reserve_bytes(config, side * side, dtype), vae)
 
     # -- from those: the family's answers ------------------------------------------------
 
@@ -693,7 +706,7 @@ class FolderFamily(Family):
             "variant": parts.variant,
             "family": parts.family,
             "title": self.titles[parts.family],
-            "capabilities": self.spec.capabilities(),
+            "capabilities": dit.capabilities(self.spec.capabilities()),
             "dit": dit,
             "vae": vae,
             "encoder": encoder,

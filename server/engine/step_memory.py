@@ -1,22 +1,19 @@
 """The memory plan of a step over joint token sequences (docs/contract.md §3.5), shared by the
 DiTs whose blocks run every token of a row in one sequence with full attention (FLUX.2 klein,
-FLUX.3 klein, MOSS-Image): a family says how many buffers of its shapes a token holds
-(`TokenBuffers`, from its tiny model's measured peaks) and `joint_step_peak_bytes` adds them
-up with the attention's scores; `joint_step_reserve` is the reference workload's. Pure: no
-allocation."""
+FLUX.3 klein, MOSS-Image): a family's model is a `JointTokenModel` that says how many buffers
+of its shapes a token holds (`TokenBuffers`, from its tiny model's measured peaks) and
+`joint_step_peak_bytes` adds them up with the attention's scores, for a step and for the
+reference workload (`reserve_bytes`). Pure: no allocation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
-from .family import RESERVE_PIXELS, RESERVE_ROWS
+from .family import RESERVE_ROWS, FamilyModel
 from .nn import cpu_ops
-from .vaes.autoencoder_kl_flux2 import latent_facts
-from .weights import read_config
 
 
 @dataclass(frozen=True)
@@ -59,14 +56,29 @@ def joint_step_peak_bytes(
     return total
 
 
-def joint_step_reserve(
-    model_dir: Path, dtype: mx.Dtype, config_type: type, peak: Callable, text_tokens: int
-) -> int:
-    """A guided step of the reference workload beyond the weights (family.RESERVE_*): rows of
-    a RESERVE_PIXELS square's latent tokens (FLUX.2's VAE) and `text_tokens` each, by the
-    family's `peak(config, itemsize, lengths, blocked)` for the folder's DiT config."""
-    model_dir = Path(model_dir)
-    config = config_type.from_dict(read_config(model_dir / "transformer"))
-    cells = RESERVE_PIXELS // latent_facts(read_config(model_dir / "vae"))["stride"]
-    row = cells * cells + text_tokens
-    return peak(config, dtype.size, [row] * RESERVE_ROWS, cpu_ops.use_cpu_ops(dtype))
+class JointTokenModel(FamilyModel):
+    """The model of a family whose DiT runs every token of a row in one sequence: its step's
+    peak is `joint_step_peak_bytes` of its `BUFFERS` at its DiT config's `dim`, `mlp_dim` and
+    `num_heads`; its reference workload's rows hold `RESERVE_TEXT` text tokens beside the
+    image's."""
+
+    BUFFERS: TokenBuffers
+    RESERVE_TEXT: int
+
+    @classmethod
+    def peak_bytes(cls, config: Any, itemsize: int, lengths: list[int], blocked: bool) -> int:
+        """Peak bytes of one step beyond the weights for rows of `lengths` joint tokens each
+        (text, image and the references that run with them)."""
+        return joint_step_peak_bytes(
+            cls.BUFFERS, config.dim, config.mlp_dim, config.num_heads, itemsize, lengths, blocked
+        )
+
+    def rows_peak_bytes(self, lengths: list[int]) -> int:
+        """`peak_bytes` on the loaded DiT (its `cpu_ops` was read at load: the quick plan runs
+        on an HTTP thread and never asks MLX)."""
+        return self.peak_bytes(self.dit.config, self.dit.dtype.size, lengths, self.dit.cpu_ops)
+
+    @classmethod
+    def reserve_bytes(cls, config: Any, image_tokens: int, dtype: mx.Dtype) -> int:
+        rows = [image_tokens + cls.RESERVE_TEXT] * RESERVE_ROWS
+        return cls.peak_bytes(config, dtype.size, rows, cpu_ops.use_cpu_ops(dtype))

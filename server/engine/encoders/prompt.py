@@ -1,7 +1,8 @@
 """What every family's prompt encoder is, whatever its network: the network and the tokenizer,
 the bytes its loaded weights hold, the width of the conditioning it gives (the wire's D) and the
-dtype it computes in. FolderFamily loads one through `load`, the one signature they share; a
-family's class says how it reads its folder (`from_folder`) and how it encodes a prompt."""
+dtype it computes in. FolderFamily loads one through `load`, the one signature they share, and
+reads its text encoder's files through the class's `PART`; a family's class says how it reads
+its folder (`from_folder`) and how it encodes a prompt."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from ..precision import Quantization
 
 
 class PromptEncoder(ABC):
+    # Its text encoder as FolderFamily reads the files (`gguf`, `source`, `include`,
+    # `module_name`, `quantized`: encoders/qwen3/text.py's Qwen3Part, encoders/qwen3/vl.py's
+    # Qwen3VLPart, encoders/qwen35/text.py's Qwen35Part).
+    PART: Any
+
     def __init__(self, encoder: Any, tokenizer: Any, weight_bytes: int, hidden_size: int, dtype):
         self.encoder = encoder
         self.tokenizer = tokenizer

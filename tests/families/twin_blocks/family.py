@@ -12,16 +12,13 @@ routes, planning defaults) is FamilyModel's.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, StepResult
-from gmlx_server.engine.encoders.qwen3.text import Qwen3Part
 from gmlx_server.engine.family import FamilyModel, FolderFamily
 from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_sigmas
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKLPart
-from gmlx_server.engine.weights import read_config
 
 from .dit import Config, TwinBlocksDiT
 from .prompt import TwinPromptEncoder
@@ -37,14 +34,16 @@ def step_peak_bytes(config: Config, itemsize: int, rows: int, tokens: int) -> in
     return rows * tokens * (width * itemsize + tokens * 4 * config.heads)
 
 
-def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step (2 rows) of a 1024x1024 image with RESERVE_CAPTION caption rows."""
-    config = Config.from_dict(read_config(Path(model_dir) / "transformer"))
-    cells = 1024 // SPEC.latent_stride
-    return step_peak_bytes(config, dtype.size, 2, cells * cells + RESERVE_CAPTION)
-
-
 class TwinBlocksModel(FamilyModel):
+    DIT = TwinBlocksDiT
+    PROMPT = TwinPromptEncoder
+    VAE = AutoencoderKLPart()
+
+    @classmethod
+    def reserve_bytes(cls, config: Config, image_tokens: int, dtype: mx.Dtype) -> int:
+        """A guided step (2 rows) with RESERVE_CAPTION caption rows."""
+        return step_peak_bytes(config, dtype.size, 2, image_tokens + RESERVE_CAPTION)
+
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         if images:
             raise EngineInputError("the twin-blocks family takes no reference images")
@@ -77,12 +76,4 @@ class TwinBlocksModel(FamilyModel):
         return StepResult(np.array(out), "none", (time.perf_counter() - started) * 1000.0)
 
 
-TWIN_BLOCKS = FolderFamily(
-    SPEC,
-    network=TwinBlocksDiT,
-    prompt=TwinPromptEncoder,
-    model=TwinBlocksModel,
-    encoder=Qwen3Part(),
-    vae=AutoencoderKLPart(),
-    step_reserve=step_reserve,
-)
+TWIN_BLOCKS = FolderFamily(SPEC, TwinBlocksModel)

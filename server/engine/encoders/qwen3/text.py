@@ -202,7 +202,7 @@ def component_gguf(
 
 @dataclass(frozen=True)
 class Qwen3Part:
-    """Qwen3 as a family's text encoder (family.FolderFamily's `encoder`): its GGUF file, the
+    """Qwen3 as a family's text encoder (a Qwen3Prompt's PART): its GGUF file, the
     file tensors a load reads, and what a quantized load quantizes. `layers`: the first
     `layers` decoder layers alone load (None: all)."""
 
@@ -234,13 +234,13 @@ class Qwen3Part:
 
 class Qwen3Prompt(PromptEncoder):
     """A family's prompt encoder over Qwen3 alone: the family's `TEMPLATE` tokenized by the
-    folder's tokenizer/, through Qwen3TextEncoder (its first `LAYERS` decoder layers; None:
-    all; a GGUF file is llama.cpp's of Qwen3, text_encoder/config.json still describing it;
-    a quantized load quantizes Qwen3's choice, `quantized`). A subclass sets the two and says
-    how it encodes (`encode`); one that needs more of the folder builds itself in `of`."""
+    folder's tokenizer/, through Qwen3TextEncoder (the first `PART.layers` decoder layers;
+    None: all; a GGUF file is llama.cpp's of Qwen3, text_encoder/config.json still describing
+    it; a quantized load quantizes Qwen3's choice, `quantized`). A subclass sets the two and
+    says how it encodes (`encode`); one that needs more of the folder builds itself in `of`."""
 
     TEMPLATE: PromptTemplate
-    LAYERS: int | None = None
+    PART = Qwen3Part()
 
     def __init__(self, encoder: Qwen3TextEncoder, tokenizer: QwenPromptTokenizer, dtype: mx.Dtype):
         """`dtype`: the dtype it computes in, the one it loaded at (its weights may be held
@@ -254,7 +254,8 @@ class Qwen3Prompt(PromptEncoder):
     @classmethod
     def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):
         folder = model_dir / "text_encoder"
-        encoder = Qwen3TextEncoder.load(folder, dtype, quantization, quantized, gguf, cls.LAYERS)
+        layers = cls.PART.layers
+        encoder = Qwen3TextEncoder.load(folder, dtype, quantization, quantized, gguf, layers)
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", cls.TEMPLATE)
         return cls.of(model_dir, encoder, tokenizer, dtype)
 

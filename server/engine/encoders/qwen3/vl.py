@@ -182,6 +182,45 @@ def hidden_state_taps(indices: tuple[int, ...], num_layers: int, setting: str) -
     return tuple(index - 1 for index in indices)
 
 
+def language_model_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor belongs to the language model (a text-only load's)."""
+    module = module_name(name)
+    return module is not None and module.startswith("language_model.")
+
+
+class Qwen3VLPart:
+    """Qwen3-VL as a family's text encoder (its prompt encoder's PART): its GGUF pair
+    (a model entry's `text_encoder` and `mmproj`), the tensors of its folder a load reads
+    (`text_only`: the language model's alone), and the layers a quantized load quantizes
+    (`quantized`, the family's choice, by module path)."""
+
+    def __init__(self, quantized: Callable[[str], bool], text_only: bool = False) -> None:
+        self.quantized = quantized
+        self.text_only = text_only
+        self.include = language_model_tensor if text_only else None
+
+    def source(self, component_dir: Path, files: dict) -> tuple[Path, Path | None] | None:
+        """The GGUF pair a load reads its weights from (None: the folder's safetensors); for a
+        family reading text alone, also the folder's one `.gguf` file (a component set's)."""
+        text = files.get("text_encoder")
+        if text is None and self.text_only:
+            text = gguf_file(component_dir)
+        return gguf_pair(text, files.get("mmproj"), self.text_only)
+
+    def gguf(self, component_dir: Path, files: dict) -> ModuleFiles | None:
+        pair = self.source(component_dir, files)
+        if pair is None:
+            return None
+        config = read_config(component_dir)
+        vision = None if self.text_only else VisionConfig.from_dict(config["vision_config"])
+        encoder = Qwen3VLEncoder(TextConfig.from_dict(config["text_config"]), vision)
+        return gguf_files(encoder, *pair)
+
+    @staticmethod
+    def module_name(name: str) -> str | None:
+        return module_name(name)
+
+
 class TappedTextPrompt(PromptEncoder):
     """A family's prompt encoder over Qwen3-VL's language model alone (its vision tower never
     loads; a GGUF "pair" may be the language model's file alone), whose conditioning is the
@@ -192,6 +231,7 @@ class TappedTextPrompt(PromptEncoder):
 
     TAPS_SETTING: str
     TAPS: tuple[int, ...]
+    PART = Qwen3VLPart(text_quantized, text_only=True)
 
     def __init__(
         self,
@@ -280,39 +320,6 @@ def gguf_pair(
     return Path(text_encoder), Path(mmproj)
 
 
-class Qwen3VLPart:
-    """Qwen3-VL as a family's text encoder (family.FolderFamily's `encoder`): its GGUF pair
-    (a model entry's `text_encoder` and `mmproj`), the tensors of its folder a load reads
-    (`text_only`: the language model's alone), and the layers a quantized load quantizes
-    (`quantized`, the family's choice, by module path)."""
-
-    def __init__(self, quantized: Callable[[str], bool], text_only: bool = False) -> None:
-        self.quantized = quantized
-        self.text_only = text_only
-        self.include = language_model_tensor if text_only else None
-
-    def source(self, component_dir: Path, files: dict) -> tuple[Path, Path | None] | None:
-        """The GGUF pair a load reads its weights from (None: the folder's safetensors); for a
-        family reading text alone, also the folder's one `.gguf` file (a component set's)."""
-        text = files.get("text_encoder")
-        if text is None and self.text_only:
-            text = gguf_file(component_dir)
-        return gguf_pair(text, files.get("mmproj"), self.text_only)
-
-    def gguf(self, component_dir: Path, files: dict) -> ModuleFiles | None:
-        pair = self.source(component_dir, files)
-        if pair is None:
-            return None
-        config = read_config(component_dir)
-        vision = None if self.text_only else VisionConfig.from_dict(config["vision_config"])
-        encoder = Qwen3VLEncoder(TextConfig.from_dict(config["text_config"]), vision)
-        return gguf_files(encoder, *pair)
-
-    @staticmethod
-    def module_name(name: str) -> str | None:
-        return module_name(name)
-
-
 def gguf_files(encoder: Qwen3VLEncoder, model_file: Path, mmproj: Path | None) -> ModuleFiles:
     """Qwen3-VL in llama.cpp's pair of GGUF files: the language model in `model_file` under
     Qwen3's names (the converter drops `language_model.`; no q/k permutation, no norm offset),
@@ -375,12 +382,6 @@ def gguf_weights(
     kernel = mx.stack(slices, axis=2)  # (out, in, temporal, p, p), as the Conv3d holds it
     weights[PATCH_EMBED] = kernel.reshape(kernel.shape[0], -1)
     return weights
-
-
-def language_model_tensor(name: str) -> bool:
-    """Whether a checkpoint tensor belongs to the language model (a text-only load's)."""
-    module = module_name(name)
-    return module is not None and module.startswith("language_model.")
 
 
 def module_name(name: str) -> str | None:

@@ -515,7 +515,7 @@ def module_name(name: str) -> str | None:
 
 
 class Qwen35Part:
-    """Qwen3.5 as a family's text encoder (family.FolderFamily's `encoder`): its weights from
+    """Qwen3.5 as a family's text encoder (its prompt encoder's PART): its weights from
     the folder's safetensors (the language model's alone: the vision tower and the LM head are
     never read) or from llama.cpp's `qwen35` GGUF file (a model entry's `text_encoder`, else the
     folder's one `.gguf`), and what a quantized load quantizes (`quantized`)."""

@@ -29,8 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
-from ...encoders.qwen3.text import Qwen3Part
-from ...family import FamilyModel, FolderFamily
+from ...family import FolderFamily
 from ...lora import table_id
 from ...step_inputs import (
     checked_cond,
@@ -40,7 +39,7 @@ from ...step_inputs import (
     ref_tokens,
     row_sigmas,
 )
-from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
+from ...step_memory import JointTokenModel, TokenBuffers
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
 from .dit import (
     DiTConfig,
@@ -48,7 +47,7 @@ from .dit import (
     RefState,
 )
 from .prompt import MAX_SEQUENCE_LENGTH, Flux2PromptEncoder
-from .spec import FAMILY_9B_KV, LOADED_LAYERS, SPECS
+from .spec import FAMILY_9B_KV, SPECS
 
 TITLES = {spec.name: spec.title for spec in SPECS}
 # Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at most
@@ -56,28 +55,6 @@ TITLES = {spec.name: spec.title for spec in SPECS}
 REF_MIN_SIDE = 64
 REF_MAX_ASPECT = 8
 REF_MAX_AREA = 1024 * 1024
-
-# ------------------------------------------------------ memory plan (docs/contract.md §3.5)
-# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row (the
-# tiny model's measured peaks: tests/families/flux2_klein/test_estimates.py):
-# hidden, normed, q, k, v, attention out, residual sums, projections; q and k in float32
-# around their RMS norm and RoPE; the fused gate/up, SiLU's temporaries and the product at the
-# MLP's width; cpu_ops.attention's block of scores, its exponentials and their temporaries
-BUFFERS = TokenBuffers(width=16, f32=4, mlp=8, score_block=10)
-
-
-def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload (family.RESERVE_*) beyond the weights, its
-    captions of the encoder's padded length."""
-    return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, MAX_SEQUENCE_LENGTH)
-
-
-def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
-    """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (text, image
-    and the references that run with them; rows of one layout run together)."""
-    return joint_step_peak_bytes(
-        BUFFERS, config.dim, config.mlp_dim, config.num_heads, itemsize, lengths, blocked
-    )
 
 
 def ref_state_bytes(config: DiTConfig, itemsize: int, tokens: int) -> int:
@@ -95,8 +72,20 @@ class StepPlan:
     keys: tuple[tuple | None, ...]
 
 
-class Flux2KleinModel(FamilyModel):
-    """The three families' model (their capabilities alike)."""
+class Flux2KleinModel(JointTokenModel):
+    """A loaded FLUX.2 klein of any of the three families (their capabilities alike): its
+    DiT, Qwen3's tapped layers and FLUX.2's VAE; references joint or as K/V."""
+
+    DIT = Flux2DiT
+    PROMPT = Flux2PromptEncoder
+    VAE = AutoencoderKLFlux2Part()
+    # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row (the
+    # tiny model's measured peaks: tests/families/flux2_klein/test_estimates.py): hidden,
+    # normed, q, k, v, attention out, residual sums, projections; q and k in float32 around
+    # their RMS norm and RoPE; the fused gate/up, SiLU's temporaries and the product at the
+    # MLP's width; cpu_ops.attention's block of scores, its exponentials and their temporaries.
+    BUFFERS = TokenBuffers(width=16, f32=4, mlp=8, score_block=10)
+    RESERVE_TEXT = MAX_SEQUENCE_LENGTH  # the reference workload's captions: the padded length
 
     def __init__(self, model_dir: Path, model_id: str, variant: str, **arguments):
         super().__init__(model_dir, model_id, variant, **arguments)
@@ -164,14 +153,14 @@ class Flux2KleinModel(FamilyModel):
         the memory plan counts them apart (`ref_cache_bytes`)."""
         batch, _, h, w = x_shape
         image = h * w
-        config, itemsize = self.dit.config, self.dit.dtype.size
         if rows is None:
-            return step_peak_bytes(config, itemsize, [image] * batch, self.dit.cpu_ops)
+            return self.rows_peak_bytes([image] * batch)
         lengths = [image + cond_rows(row, MAX_SEQUENCE_LENGTH) + ref_tokens(row) for row in rows]
         states = 0
         if self.family == FAMILY_9B_KV:
+            config, itemsize = self.dit.config, self.dit.dtype.size
             states = sum(ref_state_bytes(config, itemsize, ref_tokens(row)) for row in rows)
-        return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops) + states
+        return self.rows_peak_bytes(lengths) + states
 
     def ref_cache_bytes(self, rows: list[StepRow], table, run: str) -> int:
         """Bytes of the reference K/V a `ref_cache` step of the run would add (those the run
@@ -254,14 +243,4 @@ class Flux2KleinModel(FamilyModel):
         super().close()
 
 
-FLUX2_KLEIN = FolderFamily(
-    SPECS[0],
-    network=Flux2DiT,
-    prompt=Flux2PromptEncoder,
-    model=Flux2KleinModel,
-    # its first LOADED_LAYERS decoder layers load (a quantized folder keeps them all)
-    encoder=Qwen3Part(LOADED_LAYERS),
-    vae=AutoencoderKLFlux2Part(),
-    step_reserve=step_reserve,
-    titles=TITLES,
-)
+FLUX2_KLEIN = FolderFamily(SPECS[0], Flux2KleinModel, TITLES)

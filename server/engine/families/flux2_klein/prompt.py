@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...encoders.qwen3.text import Qwen3Prompt
+from ...encoders.qwen3.text import Qwen3Part, Qwen3Prompt
 from ...encoders.qwen3.tokenizer import PromptTemplate, pad_token
 from .spec import LOADED_LAYERS, TAPPED_LAYERS
 from .spec import SPEC_4B as SPEC
@@ -37,7 +37,8 @@ class Flux2PromptEncoder(Qwen3Prompt):
     Z-Image's, its quantized layers Qwen3's choice), padded with the tokenizer's pad token."""
 
     TEMPLATE = TEMPLATE
-    LAYERS = LOADED_LAYERS
+    # its first LOADED_LAYERS decoder layers load (a quantized folder keeps them all)
+    PART = Qwen3Part(LOADED_LAYERS)
 
     def __init__(self, encoder, tokenizer, pad_id: int, dtype: mx.Dtype = mx.float32):
         super().__init__(encoder, tokenizer, dtype)

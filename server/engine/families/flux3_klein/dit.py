@@ -25,11 +25,13 @@ from __future__ import annotations
 import functools
 import math
 import re
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
+from ...base import Capabilities
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import LinearSlot, block_slots, project
@@ -197,6 +199,10 @@ class Flux3DiT(DiTNetwork):
     def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages=None):
         super().__init__(config, weights, dtype, stages)
         self._time_freqs = time_frequencies(config.time_dim)
+
+    def capabilities(self, declared: Capabilities) -> Capabilities:
+        """A flow map where the checkpoint carries the target time's embedder."""
+        return replace(declared, flow_map=self.config.flow_map)
 
     # -- pieces ------------------------------------------------------------------------------
 

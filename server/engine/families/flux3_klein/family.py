@@ -13,15 +13,12 @@ plan and model here.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
-from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
-from ...family import FamilyModel, FolderFamily
+from ...family import FolderFamily
 from ...step_inputs import (
     checked_cond,
     checked_nonempty_latents,
@@ -30,10 +27,9 @@ from ...step_inputs import (
     ref_tokens,
     row_sigmas,
 )
-from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
+from ...step_memory import JointTokenModel, TokenBuffers
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
 from .dit import Flux3DiT
-from .layout import DiTConfig
 from .prompt import Flux3PromptEncoder
 from .spec import PAD_MULTIPLE, SPEC
 
@@ -44,29 +40,6 @@ REF_MAX_SIDE = 4096
 ONE_REF_MAX_AREA = 4 * 1024 * 1024
 REF_MAX_AREA = 1024 * 1024
 
-# ------------------------------------------------------ memory plan (docs/contract.md §3.5)
-# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
-# hidden, normed, modulated, q, k, v, attention out, residual sums; q and k in float32 around
-# their RMS norm and RoPE; the fused gate/up, SiLU's temporaries and the product at the MLP's
-# width; cpu_ops.attention's block of scores and its temporaries
-BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
-# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
-# guided step (2 rows) with prompts of the encoder's first padded length, or one VAE pass.
-RESERVE_TEXT = 4 * PAD_MULTIPLE
-
-
-def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
-    """Peak bytes of one step beyond the weights for rows of `lengths` joint tokens each (text,
-    image and references)."""
-    return joint_step_peak_bytes(
-        BUFFERS, config.dim, config.mlp_dim, config.num_heads, itemsize, lengths, blocked
-    )
-
-
-def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload beyond the weights."""
-    return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, RESERVE_TEXT)
-
 
 def flow_map_targets(sigmas: np.ndarray, sample_sigmas: np.ndarray) -> np.ndarray:
     """Each row's target time (docs/contract.md §5.2): the entry of the schedule after the one
@@ -76,10 +49,19 @@ def flow_map_targets(sigmas: np.ndarray, sample_sigmas: np.ndarray) -> np.ndarra
     return schedule[np.minimum(nearest + 1, schedule.size - 1)]
 
 
-class Flux3KleinModel(FamilyModel):
-    def __init__(self, model_dir: Path, model_id: str, variant: str, **arguments):
-        super().__init__(model_dir, model_id, variant, **arguments)
-        self.capabilities = replace(self.capabilities, flow_map=self.dit.config.flow_map)
+class Flux3KleinModel(JointTokenModel):
+    """A loaded FLUX.3 klein: its DiT, Qwen3-VL's tapped text layers and FLUX.2's VAE;
+    references as their own token mode; a flow map where the checkpoint is distilled."""
+
+    DIT = Flux3DiT
+    PROMPT = Flux3PromptEncoder
+    VAE = AutoencoderKLFlux2Part()
+    # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
+    # hidden, normed, modulated, q, k, v, attention out, residual sums; q and k in float32
+    # around their RMS norm and RoPE; the fused gate/up, SiLU's temporaries and the product at
+    # the MLP's width; cpu_ops.attention's block of scores and its temporaries.
+    BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
+    RESERVE_TEXT = 4 * PAD_MULTIPLE  # the reference workload's prompts: the first padded length
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
@@ -117,11 +99,9 @@ class Flux3KleinModel(FamilyModel):
         """Without rows (the quick plan) the image tokens alone; with them each row's text and
         references."""
         batch, _, h, w = x_shape
-        config, itemsize = self.dit.config, self.dit.dtype.size
         if rows is None:
-            return step_peak_bytes(config, itemsize, [h * w] * batch, self.dit.cpu_ops)
-        lengths = [h * w + cond_rows(row) + ref_tokens(row) for row in rows]
-        return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops)
+            return self.rows_peak_bytes([h * w] * batch)
+        return self.rows_peak_bytes([h * w + cond_rows(row) + ref_tokens(row) for row in rows])
 
     def step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
@@ -155,12 +135,4 @@ class Flux3KleinModel(FamilyModel):
         ]
 
 
-FLUX3_KLEIN = FolderFamily(
-    SPEC,
-    network=Flux3DiT,
-    prompt=Flux3PromptEncoder,
-    model=Flux3KleinModel,
-    encoder=Qwen3VLPart(text_quantized, text_only=True),
-    vae=AutoencoderKLFlux2Part(),
-    step_reserve=step_reserve,
-)
+FLUX3_KLEIN = FolderFamily(SPEC, Flux3KleinModel)

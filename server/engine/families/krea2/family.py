@@ -10,18 +10,15 @@ live in spec.py; its memory plan and model here.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
-from ...encoders.qwen3.vl import Qwen3VLPart, text_quantized
-from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily
+from ...family import RESERVE_ROWS, FamilyModel, FolderFamily
 from ...nn.attention import QUERY_CHUNK
 from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
 from ...vaes.qwen_image import QwenImageVAEPart
-from ...weights import read_config
 from .dit import Krea2DiT
 from .layout import PATCH, DiTConfig
 from .prompt import Krea2PromptEncoder
@@ -72,14 +69,18 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, image: int, texts: list[in
     return max(fusion, blocks)
 
 
-def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload (RESERVE_*) beyond the weights."""
-    config = DiTConfig.from_dict(read_config(Path(model_dir) / "transformer"))
-    cells = RESERVE_PIXELS // LATENT_STRIDE // PATCH
-    return step_peak_bytes(config, dtype.size, cells * cells, [RESERVE_TEXT] * RESERVE_ROWS)
-
-
 class Krea2Model(FamilyModel):
+    """A loaded Krea 2: its DiT, Qwen3-VL's tapped text layers and Qwen-Image's VAE; no
+    references, no prefix states."""
+
+    DIT = Krea2DiT
+    PROMPT = Krea2PromptEncoder
+    VAE = QwenImageVAEPart()
+
+    @classmethod
+    def reserve_bytes(cls, config: DiTConfig, image_tokens: int, dtype: mx.Dtype) -> int:
+        return step_peak_bytes(config, dtype.size, image_tokens, [RESERVE_TEXT] * RESERVE_ROWS)
+
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
     ) -> int:
@@ -113,12 +114,4 @@ class Krea2Model(FamilyModel):
         return cond.reshape(cond.shape[0], config.num_text_layers, config.text_dim)
 
 
-KREA2 = FolderFamily(
-    SPEC,
-    network=Krea2DiT,
-    prompt=Krea2PromptEncoder,
-    model=Krea2Model,
-    encoder=Qwen3VLPart(text_quantized, text_only=True),
-    vae=QwenImageVAEPart(),
-    step_reserve=step_reserve,
-)
+KREA2 = FolderFamily(SPEC, Krea2Model)

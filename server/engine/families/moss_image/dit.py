@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
+from ...base import Capabilities
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense
@@ -177,9 +179,9 @@ class MOSSImageDiT(DiTNetwork):
         super().__init__(config, weights, dtype, stages)
         self.compiled_pass = CompiledPass(self._pass, config.dim, enabled=stages is None)
 
-    @property
-    def skip_blocks(self) -> int:
-        return self.config.num_layers
+    def capabilities(self, declared: Capabilities) -> Capabilities:
+        """Every main block may be skipped."""
+        return replace(declared, skip_blocks=self.config.num_layers)
 
     # -- pieces ------------------------------------------------------------------------------
 

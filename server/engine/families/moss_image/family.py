@@ -11,17 +11,15 @@ Its facts as data live in spec.py; its memory plan and model here.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
-from ...encoders.qwen35.text import Qwen35Part
-from ...family import FamilyModel, FolderFamily
+from ...family import FolderFamily
 from ...step_inputs import checked_cond, checked_nonempty_latents, cond_rows, row_sigmas
-from ...step_memory import TokenBuffers, joint_step_peak_bytes, joint_step_reserve
+from ...step_memory import JointTokenModel, TokenBuffers
 from ...vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2Part
 from ...weights import read_config
 from .dit import MOSSImageDiT
@@ -29,44 +27,28 @@ from .layout import DiTConfig
 from .prompt import MOSSImagePromptEncoder
 from .spec import SPEC
 
-# ------------------------------------------------------ memory plan (docs/contract.md §3.5)
-# A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
-# hidden, normed, modulated, q, k, v, attention out, residual sums; q and k in float32 around
-# their RMS norm; the fused up/gate, SITU's temporaries and the product at the feed-forward's
-# width; cpu_ops.attention's block of scores and its temporaries
-BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
-# The reference workload behind status `activation_reserve_bytes` (family.RESERVE_PIXELS): a
-# guided step (2 rows) with prompts of this many tokens, or one VAE pass.
-RESERVE_TEXT = 512
 
+class MOSSImageModel(JointTokenModel):
+    """A loaded MOSS-Image: its DiT, Qwen3.5's prompt and FLUX.2's VAE with its own decoder;
+    its steps may skip main blocks; no references, no prefix states."""
 
-def step_peak_bytes(config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool) -> int:
-    """Peak bytes of one step beyond the weights for rows of `lengths` tokens each (image and
-    text)."""
-    return joint_step_peak_bytes(
-        BUFFERS, config.dim, config.ffn_dim, config.num_heads, itemsize, lengths, blocked
-    )
-
-
-def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload beyond the weights."""
-    return joint_step_reserve(model_dir, dtype, DiTConfig, step_peak_bytes, RESERVE_TEXT)
-
-
-class MOSSImageModel(FamilyModel):
-    def __init__(self, model_dir: Path, model_id: str, variant: str, **arguments):
-        super().__init__(model_dir, model_id, variant, **arguments)
-        self.capabilities = replace(self.capabilities, skip_blocks=self.dit.skip_blocks)
+    DIT = MOSSImageDiT
+    PROMPT = MOSSImagePromptEncoder
+    VAE = AutoencoderKLFlux2Part()
+    # A step's peak beyond the weights, in buffers of the DiT's shapes per token of a row:
+    # hidden, normed, modulated, q, k, v, attention out, residual sums; q and k in float32
+    # around their RMS norm; the fused up/gate, SITU's temporaries and the product at the
+    # feed-forward's width; cpu_ops.attention's block of scores and its temporaries.
+    BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
+    RESERVE_TEXT = 512  # the reference workload's prompts
 
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
     ) -> int:
         """Without rows (the quick plan) the image tokens alone; with them each row's text."""
         batch, _, h, w = x_shape
-        config, itemsize = self.dit.config, self.dit.dtype.size
         texts = [1] * batch if rows is None else [max(1, cond_rows(row)) for row in rows]
-        lengths = [h * w + text for text in texts]
-        return step_peak_bytes(config, itemsize, lengths, self.dit.cpu_ops)
+        return self.rows_peak_bytes([h * w + text for text in texts])
 
     def step(
         self, x: np.ndarray, timestep: np.ndarray, rows: list[StepRow], call: StepCall
@@ -96,12 +78,4 @@ class MOSSImageFamily(FolderFamily):
         return {**row, "neg_skip": [block for block in row["neg_skip"] if block < depth]}
 
 
-MOSS_IMAGE = MOSSImageFamily(
-    SPEC,
-    network=MOSSImageDiT,
-    prompt=MOSSImagePromptEncoder,
-    model=MOSSImageModel,
-    encoder=Qwen35Part(),
-    vae=AutoencoderKLFlux2Part(),
-    step_reserve=step_reserve,
-)
+MOSS_IMAGE = MOSSImageFamily(SPEC, MOSSImageModel)

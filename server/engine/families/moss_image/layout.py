@@ -52,6 +52,11 @@ class DiTConfig:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    @property
+    def mlp_dim(self) -> int:
+        """The feed-forward's width (the joint-token memory plan's name for it)."""
+        return self.ffn_dim
+
 
 # ---------------------------------------------------------------------------------------------
 # Weights: the file names mapped to the forward's tree, in one place

@@ -18,7 +18,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ...encoders.prompt import PromptEncoder
-from ...encoders.qwen35.text import load_text_model
+from ...encoders.qwen35.text import Qwen35Part, load_text_model
 from .spec import CHAT_TEXT, MAX_SEQUENCE_LENGTH
 
 
@@ -26,6 +26,8 @@ class MOSSImagePromptEncoder(PromptEncoder):
     """Qwen3.5's language model (`encoder`, a qwen35.text.TextModel); a GGUF file is llama.cpp's
     `qwen35` one, and a quantized load quantizes the decoder layers' linears and the token
     table of float weights."""
+
+    PART = Qwen35Part()
 
     @classmethod
     def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):

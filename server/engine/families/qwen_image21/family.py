@@ -16,17 +16,14 @@ import numpy as np
 from gmlx_contract.schedules import qwen_image21_rule
 
 from ...base import EncodeResult, StepCall, StepResult, StepRow
-from ...encoders.qwen3.vl import Qwen3VLPart
-from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily
+from ...family import RESERVE_ROWS, FamilyModel, FolderFamily
 from ...lora import table_id
 from ...nn import cpu_ops
 from ...quantize import float_weight_bytes
 from ...spec import model_index
 from ...vaes.qwen_image21 import QwenImage21VAEPart
-from ...weights import read_config
 from .dit import DiTConfig, QwenImage21DiT
 from .prompt import QwenImage21PromptEncoder
-from .prompt import quantized as encoder_quantized
 from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
@@ -170,17 +167,21 @@ class QwenImage21(FolderFamily):
         return sampling_row(model_dir)
 
 
-def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload (RESERVE_*) beyond the weights, its prefixes
-    built fresh."""
-    config = DiTConfig.from_dict(read_config(Path(model_dir) / "transformer"))
-    cells = RESERVE_PIXELS // LATENT_STRIDE
-    blocked = cpu_ops.use_cpu_ops(dtype)
-    prefixes = [(RESERVE_PREFIX, True)] * RESERVE_ROWS
-    return step_peak_bytes(config, dtype.size, cells * cells, prefixes, blocked)
-
-
 class QwenImage21Model(FamilyModel):
+    """A loaded Qwen-Image 2.1: its DiT, Qwen3-VL whole (references through its vision tower
+    and as VAE latents) and its own VAE; prefix states kept per conditioning."""
+
+    DIT = QwenImage21DiT
+    PROMPT = QwenImage21PromptEncoder
+    VAE = QwenImage21VAEPart()
+
+    @classmethod
+    def reserve_bytes(cls, config: DiTConfig, image_tokens: int, dtype: mx.Dtype) -> int:
+        """Its prefixes built fresh."""
+        prefixes = [(RESERVE_PREFIX, True)] * RESERVE_ROWS
+        blocked = cpu_ops.use_cpu_ops(dtype)
+        return step_peak_bytes(config, dtype.size, image_tokens, prefixes, blocked)
+
     def __init__(
         self,
         model_dir: Path,
@@ -297,12 +298,4 @@ class QwenImage21Model(FamilyModel):
         super().close()
 
 
-QWEN_IMAGE21 = QwenImage21(
-    SPEC,
-    network=QwenImage21DiT,
-    prompt=QwenImage21PromptEncoder,
-    model=QwenImage21Model,
-    encoder=Qwen3VLPart(encoder_quantized),
-    vae=QwenImage21VAEPart(),
-    step_reserve=step_reserve,
-)
+QWEN_IMAGE21 = QwenImage21(SPEC, QwenImage21Model)

@@ -23,7 +23,7 @@ from ...encoders.qwen3.tokenizer import (
     PromptTemplate,
     QwenPromptTokenizer,
 )
-from ...encoders.qwen3.vl import Qwen3VLEncoder
+from ...encoders.qwen3.vl import Qwen3VLEncoder, Qwen3VLPart
 from ...weights import read_config
 from .images import ReferenceImage, prepare_reference
 from .spec import SPEC
@@ -61,6 +61,8 @@ class PromptEncoding:
 class QwenImage21PromptEncoder(PromptEncoder):
     """Qwen3-VL whole (a GGUF pair is llama.cpp's language model and its `mmproj`), under the
     pipeline's template, with the vision preprocessor of processor/ for reference images."""
+
+    PART = Qwen3VLPart(quantized)
 
     def __init__(
         self,

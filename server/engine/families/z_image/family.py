@@ -11,19 +11,16 @@ status facts, sampling) live in spec.py; its memory plan and model here.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from ...base import StepCall, StepResult, StepRow
-from ...encoders.qwen3.text import Qwen3Part
-from ...family import RESERVE_PIXELS, RESERVE_ROWS, FamilyModel, FolderFamily
+from ...family import RESERVE_ROWS, FamilyModel, FolderFamily
 from ...nn import cpu_ops
 from ...nn.compiled import compile_enabled
 from ...step_inputs import checked_patch_latents, checked_text_cond, cond_rows, row_sigmas
 from ...vaes.autoencoder_kl import AutoencoderKLPart
-from ...weights import read_config
 from .dit import DiTConfig, ZImageDiT, padded
 from .prompt import MAX_SEQUENCE_LENGTH, ZImagePromptEncoder
 from .spec import SPEC
@@ -51,16 +48,6 @@ SCORE_BLOCK_BUFFERS = 8
 RESERVE_CAPTION = MAX_SEQUENCE_LENGTH
 
 
-def step_reserve(model_dir: Path, dtype: mx.Dtype) -> int:
-    """A guided step of the reference workload (RESERVE_*) beyond the weights."""
-    config = DiTConfig.from_dict(read_config(Path(model_dir) / "transformer"))
-    cells = RESERVE_PIXELS // LATENT_STRIDE // LATENT_PATCH
-    row = padded(cells * cells) + padded(RESERVE_CAPTION)
-    blocked = cpu_ops.use_cpu_ops(dtype)
-    compiled = compile_enabled(config.dim)
-    return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
-
-
 def step_peak_bytes(
     config: DiTConfig, itemsize: int, lengths: list[int], blocked: bool, compiled: bool
 ) -> int:
@@ -84,6 +71,19 @@ def step_peak_bytes(
 
 
 class ZImageModel(FamilyModel):
+    """A loaded Z-Image: its DiT, Qwen3's prompt and FLUX.1's VAE; no references, no prefix
+    states."""
+
+    DIT = ZImageDiT
+    PROMPT = ZImagePromptEncoder
+    VAE = AutoencoderKLPart()
+
+    @classmethod
+    def reserve_bytes(cls, config: DiTConfig, image_tokens: int, dtype: mx.Dtype) -> int:
+        row = padded(image_tokens) + padded(RESERVE_CAPTION)
+        blocked, compiled = cpu_ops.use_cpu_ops(dtype), compile_enabled(config.dim)
+        return step_peak_bytes(config, dtype.size, [row] * RESERVE_ROWS, blocked, compiled)
+
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
     ) -> int:
@@ -122,12 +122,4 @@ class ZImageModel(FamilyModel):
         return checked_text_cond(row, index, self.dit.config.cap_feat_dim, self.title)
 
 
-Z_IMAGE = FolderFamily(
-    SPEC,
-    network=ZImageDiT,
-    prompt=ZImagePromptEncoder,
-    model=ZImageModel,
-    encoder=Qwen3Part(),
-    vae=AutoencoderKLPart(),
-    step_reserve=step_reserve,
-)
+Z_IMAGE = FolderFamily(SPEC, ZImageModel)
