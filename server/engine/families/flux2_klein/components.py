@@ -18,13 +18,11 @@ from ...vaes import from_files as vae_files
 from .spec import (
     FAMILY_4B,
     FAMILY_9B,
-    FAMILY_9B_KV,
-    KV_PIPELINE_CLASS,
     LOADED_LAYERS,
     NINE_B_DOUBLE_BLOCKS,
-    PIPELINE_CLASS,
     SCHEDULER,
     TAPPED_LAYERS,
+    model_index_of,
 )
 
 TOKENIZER_REPO = "black-forest-labs/FLUX.2-klein-4B"
@@ -117,17 +115,8 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
         )
     if not vae_files.is_flux2_vae(vae):
         raise ComponentError(vae_files.flux2_vae_refusal(vae))
-    kv = family == FAMILY_9B_KV
     return {
-        "model_index.json": {
-            "_class_name": KV_PIPELINE_CLASS if kv else PIPELINE_CLASS,
-            "is_distilled": kv or variant == "distilled",
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-            "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-            "transformer": ["diffusers", "Flux2Transformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKLFlux2"],
-        },
+        "model_index.json": model_index_of(family, variant),
         "transformer/config.json": dit_config(dit),
         "text_encoder/config.json": qwen3_files.config(encoder),
         "vae/config.json": vae_files.config(vae, vae_files.FLUX2_VAE_FACTS),

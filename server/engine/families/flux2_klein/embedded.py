@@ -29,7 +29,7 @@ from ...embedded import (
     table_inventory,
 )
 from .layout import DiTConfig, tensor_shapes
-from .spec import PIPELINE_CLASS, SCHEDULER, TAPPED_LAYERS
+from .spec import FAMILY_4B, SCHEDULER, TAPPED_LAYERS, model_index_of
 
 MODEL_NAME = "flux2-klein-random-tiny"
 
@@ -55,16 +55,7 @@ TEXT_CONFIG = {**TINY_QWEN3_CONFIG, "num_hidden_layers": max(TAPPED_LAYERS) + 2}
 
 CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
-MODEL_INDEX = {
-    "_class_name": PIPELINE_CLASS,
-    "_diffusers_version": DIFFUSERS_FORMAT,
-    "is_distilled": True,
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-    "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-    "transformer": ["diffusers", "Flux2Transformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKLFlux2"],
-}
+MODEL_INDEX = {**model_index_of(FAMILY_4B, "distilled"), "_diffusers_version": DIFFUSERS_FORMAT}
 
 
 # Flux2Transformer2DModel's parameters from the DiT's own tables: its matrices and its norm

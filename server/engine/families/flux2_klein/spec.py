@@ -42,6 +42,21 @@ SCHEDULER = {
 }
 
 
+def model_index_of(family: str, variant: str) -> dict:
+    """model_index.json of a folder of `family` and `variant` (the KV pipeline's is always
+    distilled)."""
+    kv = family == FAMILY_9B_KV
+    return {
+        "_class_name": KV_PIPELINE_CLASS if kv else PIPELINE_CLASS,
+        "is_distilled": kv or variant == "distilled",
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }
+
+
 def identify(model_dir: Path) -> tuple[str, str] | None:
     """(family, variant) of a FLUX.2 klein folder whose text encoder is Qwen3, else None."""
     model_dir = Path(model_dir)
