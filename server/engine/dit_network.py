@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from .base import Capabilities
 from .nn import cpu_ops
+from .nn.compiled import CompiledPass
 from .nn.dtypes import default_compute_dtype, tree_bytes
 from .nn.embeddings import time_frequencies
 from .shard import Shard, Stages
@@ -93,7 +94,11 @@ class DiTNetwork:
     """What every family's DiT network holds: its config, weight tree and compute dtype, this
     process's part of its blocks (`stages`, engine/shard.py), the time embedding's
     frequencies, and whether attention takes the CPU backend's kernels. A subclass sets
-    `PART`, its DiTPart, and adds its forward."""
+    `PART`, its DiTPart, and adds its forward; one whose whole forward is one pure pass of
+    arrays writes it as `_pass`, which then runs as `compiled_pass` (nn/compiled.py: its
+    elementwise work, RoPE, norms, modulation and gates, fuses where compiling pays; sharded,
+    it runs eagerly, its collectives outside any compiled graph), at its config's width
+    `dim`."""
 
     PART: DiTPart
 
@@ -104,6 +109,8 @@ class DiTNetwork:
         self.stages = stages or Stages()
         self._time_freqs = time_frequencies()
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
+        if hasattr(self, "_pass"):
+            self.compiled_pass = CompiledPass(self._pass, config.dim, enabled=stages is None)
 
     @classmethod
     def load(

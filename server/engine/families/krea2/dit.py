@@ -32,7 +32,6 @@ from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense, project
 from ...nn.activations import gelu_tanh, silu
 from ...nn.attention import attention
-from ...nn.compiled import CompiledPass
 from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Split, Stages
@@ -150,7 +149,6 @@ class Krea2DiT(DiTNetwork):
     ):
         super().__init__(config, weights, dtype, stages)
         self._time_freqs = time_frequencies(config.time_embed_dim)
-        self.compiled_pass = CompiledPass(self._pass, config.hidden, enabled=stages is None)
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -269,7 +267,7 @@ class Krea2DiT(DiTNetwork):
         """The forward as a pure function of arrays (weights included), so `mx.compile` traces
         it once per shape. Every length comes from a shape."""
         batch, _, height, width = x.shape
-        hidden = self.config.hidden
+        hidden = self.config.dim
         temb = self.time_embedding(w, t)  # (B, 1, hidden)
         modulation = dense(w, "time_mod", gelu_tanh(temb)).reshape(batch, 1, 6, hidden)
 

@@ -63,7 +63,7 @@ def step_peak_bytes(config: DiTConfig, itemsize: int, image: int, texts: list[in
     ) + attention_bytes(config.text_heads, longest, longest)
     length = longest + image
     blocks = len(texts) * (
-        length * per_token_bytes(config.hidden, config.intermediate_size, itemsize)
+        length * per_token_bytes(config.dim, config.intermediate_size, itemsize)
         + attention_bytes(config.num_heads, length, length)
     )
     return max(fusion, blocks)

@@ -44,7 +44,7 @@ class DiTConfig:
         return made
 
     @property
-    def hidden(self) -> int:
+    def dim(self) -> int:
         return self.head_dim * self.num_heads
 
     @property
@@ -109,7 +109,7 @@ def stack_depth(stack: str, config: DiTConfig) -> int:
 
 def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
-    hidden = config.hidden
+    hidden = config.dim
     linears = {
         "img_in": (hidden, config.in_channels),
         "time_1": (hidden, config.time_embed_dim),

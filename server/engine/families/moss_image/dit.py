@@ -37,9 +37,8 @@ from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense
 from ...nn.attention import attention
-from ...nn.compiled import CompiledPass
 from ...nn.rope import apply_rotary
-from ...shard import ShardPlan, Split, Stages
+from ...shard import ShardPlan, Split
 from ...weights import block_weights, single_dit_file
 from .layout import (
     BLOCK_NORMS,
@@ -172,12 +171,6 @@ def rope_tables(height: int, width: int, text: int, head_dim: int, base: float) 
 
 class MOSSImageDiT(DiTNetwork):
     PART = PART
-
-    def __init__(
-        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
-    ):
-        super().__init__(config, weights, dtype, stages)
-        self.compiled_pass = CompiledPass(self._pass, config.dim, enabled=stages is None)
 
     def capabilities(self, declared: Capabilities) -> Capabilities:
         """Every main block may be skipped."""

@@ -29,10 +29,9 @@ from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
-from ...nn.compiled import CompiledPass
 from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
-from ...shard import ShardPlan, Split, Stages
+from ...shard import ShardPlan, Split
 from ...weights import block_weights, single_dit_file
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
@@ -319,15 +318,6 @@ PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGH
 
 class ZImageDiT(DiTNetwork):
     PART = PART
-
-    def __init__(
-        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
-    ):
-        super().__init__(config, weights, dtype, stages)
-        # The whole forward runs every step: compiled, its elementwise work (RoPE, norms,
-        # modulation, gates) fuses (nn/compiled.py says where it compiles). Sharded, it runs
-        # eagerly: its collectives stay outside any compiled graph.
-        self.compiled_pass = CompiledPass(self._pass, config.dim, enabled=stages is None)
 
     # -- pieces ------------------------------------------------------------------------------
 
