@@ -427,7 +427,7 @@ def measure_step(args) -> dict:
     the resident DiT, the VAE resident beside it."""
     import mlx.core as mx
     import numpy as np
-    from gmlx_server.engine.base import StepRow
+    from gmlx_server.engine.base import StepCall, StepRow
     from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
     from gmlx_server.engine.families.qwen_image21.family import step_peak_bytes
     from gmlx_server.engine.families.qwen_image21.step import denoise_step
@@ -469,7 +469,9 @@ def measure_step(args) -> dict:
         before = reset_peaks()
         started = time.perf_counter()
         with allocation_bound(planned if args.bound else 1 << 62):
-            denoise_step(view, cache, x, np.array([0.7, 0.7], np.float32), rows, run="bench")
+            denoise_step(
+                view, cache, x, np.array([0.7, 0.7], np.float32), rows, StepCall(run="bench")
+            )
         seconds = time.perf_counter() - started
         steps.append(
             {

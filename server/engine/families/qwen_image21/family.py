@@ -271,18 +271,8 @@ class QwenImage21Model(FamilyModel):
         """`call.plans`: this step's plan_step(x.shape, rows, table), when the memory plan made
         it. The family extracts no reference K/V, skips no blocks and needs no sample sigmas
         (`capabilities`), so the route never sets those."""
-        return denoise_step(
-            self.dit,
-            self.prefix_cache,
-            x,
-            timestep,
-            rows,
-            convention=call.convention,
-            run=call.run,
-            table_id=table_id(call.table),
-            weights=self.tables.weights_for(call.table),
-            plans=call.plans,
-        )
+        weights = self.tables.weights_for(call.table)
+        return denoise_step(self.dit, self.prefix_cache, x, timestep, rows, call, weights)
 
     def end_run(self, run: str) -> None:
         self.prefix_cache.end_run(run)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ...base import EngineInputError, StepResult, StepRow, kept_image_slots
+from ...base import EngineInputError, StepCall, StepResult, StepRow, kept_image_slots
+from ...lora import table_id
 from ...nn.dtypes import dtype_name
 from ...prefix_cache import PrefixCache
 from ...step_inputs import checked_latents
@@ -119,26 +120,25 @@ def denoise_step(
     x: np.ndarray,
     timestep: np.ndarray,
     rows: list[StepRow],
-    *,
-    convention: str = "comfy",
-    run: str | None = None,
-    table_id: str | None = None,
+    call: StepCall | None = None,
     weights: dict | None = None,
-    plans: list[RowPlan] | None = None,
 ) -> StepResult:
-    """Model output sign * dx/dsigma (float32, x's shape) for x (B, C, h, w), one row per entry.
-    `weights`: the tree of the patch table `table_id` (server/engine/lora.py), None for none.
-    `plans`: the rows' plan_row at x's size and `table_id`, when the caller already made them."""
+    """Model output sign * dx/dsigma (float32, x's shape) for x (B, C, h, w), one row per entry,
+    as `call` says (its convention, run, patch table and, when the caller already made them,
+    the rows' `plans`: plan_row at x's size and the table; None: StepCall's defaults).
+    `weights`: the tree of the patch table (server/engine/lora.py), None for none."""
+    call = call or StepCall()
     x = checked_latents(x, rows, dit.config.in_channels)
     batch, channels, h, w = x.shape
-    sigma = sigmas_for(timestep, batch, convention)
-    sign = CONVENTIONS[convention][2]
+    sigma = sigmas_for(timestep, batch, call.convention)
+    sign = CONVENTIONS[call.convention][2]
+    plans = call.plans
     if plans is None:
-        plans = [plan_row(row, dit, (h, w), table_id) for row in rows]
+        plans = [plan_row(row, dit, (h, w), table_id(call.table)) for row in rows]
     header = prefix_header(plans, cache)
 
     started = time.perf_counter()
-    states, fresh = _states_for(dit, cache, plans, run, weights)
+    states, fresh = _states_for(dit, cache, plans, call.run, weights)
     # New prefix states are evaluated before the target pass, not in its graph: there each
     # state's buffers, held for the run, were allocated among the pass's transient ones, whose
     # pages the C allocator then kept (the RSS grew 0.15 GB a block at full size).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gmlx_server.engine.base import EngineInputError, StepRow
+from gmlx_server.engine.base import EngineInputError, StepCall, StepRow
 from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from gmlx_server.engine.families.qwen_image21.step import PrefixCache, denoise_step
 
@@ -89,10 +89,10 @@ def test_prefix_cache_hit_equals_miss_bit_exact(tiny):
     cache = PrefixCache(1 << 30)
     x = latents(model, 3, seed=15)
     sigmas = np.array([0.8, 0.8, 0.8], np.float32)
-    miss = denoise_step(dit, cache, x, sigmas, rows, run="r")
-    hit = denoise_step(dit, cache, x, sigmas, rows, run="r")
+    miss = denoise_step(dit, cache, x, sigmas, rows, StepCall(run="r"))
+    hit = denoise_step(dit, cache, x, sigmas, rows, StepCall(run="r"))
     off_rows = [StepRow(**{**row.__dict__, "prefix_cache": False}) for row in rows]
-    off = denoise_step(dit, cache, x, sigmas, off_rows, run="r")
+    off = denoise_step(dit, cache, x, sigmas, off_rows, StepCall(run="r"))
     assert (miss.prefix_cache, hit.prefix_cache, off.prefix_cache) == ("miss", "hit", "off")
     assert np.array_equal(miss.out, hit.out)
     assert np.array_equal(miss.out, off.out)
@@ -123,13 +123,13 @@ def test_conventions_agree_and_unknown_is_refused(tiny):
     dit, model = tiny
     rows = make_rows(model, seed=18)[:2]
     x = latents(model, 2, seed=19)
-    comfy = denoise_step(dit, PrefixCache(0), x, np.array([0.6, 0.3]), rows, convention="comfy")
-    ref = denoise_step(dit, PrefixCache(0), x, np.array([0.6, 0.3]), rows, convention="reference")
+    comfy = denoise_step(dit, PrefixCache(0), x, np.array([0.6, 0.3]), rows, StepCall("comfy"))
+    ref = denoise_step(dit, PrefixCache(0), x, np.array([0.6, 0.3]), rows, StepCall("reference"))
     assert np.array_equal(comfy.out, ref.out)
     expected = expected_rows(model, rows, x, [0.6, 0.3])
     assert rel_l2(comfy.out, expected) <= TOLERANCE
     with pytest.raises(EngineInputError):
-        denoise_step(dit, PrefixCache(0), x, np.array([0.6, 0.3]), rows, convention="flux")
+        denoise_step(dit, PrefixCache(0), x, np.array([0.6, 0.3]), rows, StepCall("flux"))
 
 
 def test_single_timestep_applies_to_every_row(tiny):
