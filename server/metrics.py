@@ -44,21 +44,21 @@ class ServerMetrics:
             ("family", "prefix_cache"),
             registry=self.registry,
         )
-        self.forward = Histogram(
+        self.forward = self._by_family(
             "gmlx_step_forward_seconds",
             "A step's model evaluation alone (X-Gmlx-Forward-Ms)",
-            ("family",),
-            buckets=STEP_BUCKETS,
-            registry=self.registry,
+            STEP_BUCKETS,
         )
-        self.route = Histogram(
+        self.route = self._by_family(
             "gmlx_step_route_seconds",
             "A step's time in the server beside its forward: parsing, checks, planning, queueing",
-            ("family",),
-            buckets=ROUTE_BUCKETS,
-            registry=self.registry,
+            ROUTE_BUCKETS,
         )
         self.registry.register(LiveState(service, group))
+
+    def _by_family(self, name: str, documentation: str, buckets: tuple) -> Histogram:
+        """A histogram of seconds a step takes, by family."""
+        return Histogram(name, documentation, ("family",), buckets=buckets, registry=self.registry)
 
     def step(self, family: str, prefix_cache: str, forward_ms: float, server_ms: float) -> None:
         self.steps.labels(family, prefix_cache).inc()
