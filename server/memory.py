@@ -169,6 +169,35 @@ def _mib(n: int) -> str:
     return f"{max(0, n) / MiB:.0f} MiB"
 
 
+class StepDemand:
+    """What a step asks of memory (docs/contract.md §2.11 step 11): on `loaded`'s model, latents
+    of `x_shape`, its `rows` under the patch `table`, for a `ref_cache` step the reference K/V
+    it adds to its run (`ref_cache_run`, §3.4); counted once, on the worker (it asks the
+    model): the model's plan of its rows (`plan_step`) and the bytes the whole step needs
+    (`step_peak_bytes`, with the run's K/V)."""
+
+    def __init__(
+        self, loaded: LoadedModel, x_shape: tuple, rows: list, table: Any, ref_cache_run=None
+    ):
+        model = loaded.model
+        self.loaded, self.x_shape, self.rows, self.table = loaded, tuple(x_shape), rows, table
+        self.plans = model.plan_step(self.x_shape, rows, table)
+        self.cached = (
+            0 if ref_cache_run is None else model.ref_cache_bytes(rows, table, ref_cache_run)
+        )
+        self.need = model.step_peak_bytes(self.x_shape, rows, table, plans=self.plans) + self.cached
+
+    def one_row(self) -> int:
+        """The bytes of its largest row alone (how a step that does not fit runs), the run's
+        K/V counted whole."""
+        if len(self.rows) < 2:
+            return self.need
+        return (
+            _largest_row_bytes(self.loaded.model, self.x_shape, self.rows, self.table, self.plans)
+            + self.cached
+        )
+
+
 @dataclass
 class StepPlan:
     """How a step runs: the model's plan of its rows (`plan_step`), whether the rows run one
@@ -268,73 +297,47 @@ class MemoryPlanner:
             )
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
 
-    def check_step(
-        self,
-        loaded: LoadedModel,
-        x_shape: tuple,
-        rows: list,
-        table: Any,
-        ref_cache_run: str | None = None,
-    ) -> StepPlan:
+    def check_step(self, demand: StepDemand) -> StepPlan:
         """docs/contract.md §2.11 step 11, on the worker: the rows' prefixes, states not held counted as
         built; held states of other work are shed when that makes the plan fit, then the text
         encoder released (when the step, or its largest row, then fits), then the rows run one
-        at a time. A `ref_cache` step (`ref_cache_run`: its run) also counts the reference K/V
-        it would add to the run (the model's `ref_cache_bytes`, §3.4), the whole step's even
-        for one row. Returns how the step runs, with the model's plan of its rows (its
-        `plan_step`, made once here) for its forward."""
-        model = loaded.model
-        x_shape = tuple(x_shape)
-        plans = model.plan_step(x_shape, rows, table)
-        cached = 0 if ref_cache_run is None else model.ref_cache_bytes(rows, table, ref_cache_run)
-        need = model.step_peak_bytes(x_shape, rows, table, plans=plans) + cached
+        at a time. A `ref_cache` step also counts the reference K/V it would add to the run
+        (StepDemand), the whole step's even for one row. Returns how the step runs, with the
+        model's plan of its rows (made once, by the demand) for its forward."""
+        loaded, model, need = demand.loaded, demand.loaded.model, demand.need
+        rows, table = demand.rows, demand.table
         budget = self.budget()
         free = budget - self.held()
         if need > free:
-            keep = model.step_keys(x_shape, rows, table, plans=plans)
+            keep = model.step_keys(demand.x_shape, rows, table, plans=demand.plans)
             freed = model.shed_states(need - free, keep)
             log.info("memory plan shed %s of prefix states for a step", _mib(freed))
             free += freed
-        one_row = need
-        if need > free and len(rows) > 1:  # the largest row alone
-            one_row = _largest_row_bytes(model, x_shape, rows, table, plans) + cached
+        one_row = demand.one_row() if need > free else need
         if need > free and min(need, one_row) <= free + self._releasable(loaded):
             free += self._release_encoder(loaded, "a step")
         if need > free and one_row <= free:
             log.info("memory plan runs the step's %d rows one at a time", len(rows))
-            return StepPlan(plans, one_row, one_row_at_a_time=True)
+            return StepPlan(demand.plans, one_row, one_row_at_a_time=True)
         if need > free:
 
             def estimate(shape: tuple) -> int:  # the first rows, at another size
                 return model.step_peak_bytes(shape, rows[: shape[0]], table)
 
-            hint = self._step_hint(estimate, x_shape, free, loaded.facts.latent_stride)
+            hint = self._step_hint(estimate, demand.x_shape, free, loaded.facts.latent_stride)
             raise MemoryPlanError(self._refusal("step", need, free, budget, hint))
-        return StepPlan(plans, need)
+        return StepPlan(demand.plans, need)
 
-    def dry_run(
-        self,
-        loaded: LoadedModel,
-        x_shape: tuple,
-        rows: list,
-        table: Any,
-        ref_cache_run: str | None = None,
-    ) -> dict:
+    def dry_run(self, demand: StepDemand) -> dict:
         """A step's plan and its image's decode plan, as `check_step` and `check_vae` would make
         them, without shedding, releasing or running anything (a step's `dry_run`): held states
         count as sheddable and the text encoder as releasable, as the quick plan counts them."""
-        model = loaded.model
-        x_shape = tuple(x_shape)
+        loaded, model, x_shape = demand.loaded, demand.loaded.model, demand.x_shape
         budget = self.budget()
         held = self.held(states=False)
         releasable = self._releasable(loaded)
         free = budget - held + releasable
-        plans = model.plan_step(x_shape, rows, table)
-        cached = 0 if ref_cache_run is None else model.ref_cache_bytes(rows, table, ref_cache_run)
-        need = model.step_peak_bytes(x_shape, rows, table, plans=plans) + cached
-        one_row = need
-        if len(rows) > 1:
-            one_row = _largest_row_bytes(model, x_shape, rows, table, plans) + cached
+        need, one_row = demand.need, demand.one_row()
         runs = "together" if need <= free else "one_row_at_a_time" if one_row <= free else "refused"
         stride = loaded.facts.latent_stride
         height, width = x_shape[2] * stride, x_shape[3] * stride
@@ -369,7 +372,7 @@ class MemoryPlanner:
         """A step under its detailed plan (`check_step`), on the worker right before the work:
         `denoise(x, timestep, rows, plans)` within the plan's allocation bound, or once per row
         (each row planned again by `check_row`) when the rows run one at a time."""
-        plan = self.check_step(loaded, x.shape, rows, table, ref_cache_run=ref_cache_run)
+        plan = self.check_step(StepDemand(loaded, x.shape, rows, table, ref_cache_run))
         if not plan.one_row_at_a_time:
             with allocation_bound(plan.peak_bytes):
                 return denoise(x, timestep, rows, plan.plans)

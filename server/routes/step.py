@@ -18,6 +18,7 @@ from gmlx_contract.errors import ContractError
 
 from ..engine.base import StepResult, StepRow, kept_image_slots
 from ..engine.registry import LoadedModel
+from ..memory import StepDemand
 from ..service import CachedTensor, Run, StepsService, tensor_of
 from .common import (
     Resource,
@@ -103,8 +104,12 @@ def execute(
     rows = [build_row(loaded, row, tensors) for row in request.rows]  # 11
     if dry_run:
         cache_run = run.run_id if ref_cache else None
-        plan = service.memory.dry_run
-        return service.worker.call(plan, loaded, request.x.shape, rows, table, cache_run)
+
+        def plan() -> dict:
+            demand = StepDemand(loaded, request.x.shape, rows, table, cache_run)
+            return service.memory.dry_run(demand)
+
+        return service.worker.call(plan)
 
     flow_map = loaded.capabilities.flow_map and request.sample_sigmas is not None
 

@@ -52,6 +52,17 @@ def fits_flux2_vae(dit: Header, vae: Header) -> bool:
     return is_flux2_vae(vae)
 
 
+def flux2_vae_config(header: Header) -> dict:
+    """vae/config.json of FLUX.2's autoencoder, for a family that decodes with it (`config`
+    over FLUX2_VAE_FACTS); a components.ComponentError naming the tensor when the file is not
+    it."""
+    from ..components import ComponentError
+
+    if not is_flux2_vae(header):
+        raise ComponentError(flux2_vae_refusal(header))
+    return config(header, FLUX2_VAE_FACTS)
+
+
 def flux2_vae_refusal(header: Header) -> str:
     """Why a file is not FLUX.2's autoencoder, naming the tensor."""
     channels = latent_channels(header)

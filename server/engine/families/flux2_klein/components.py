@@ -113,12 +113,10 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
             f"{encoder.path} has {layers} decoder layers; FLUX.2 klein reads the first"
             f" {LOADED_LAYERS}"
         )
-    if not vae_files.is_flux2_vae(vae):
-        raise ComponentError(vae_files.flux2_vae_refusal(vae))
     return {
         "model_index.json": model_index_of(family, variant),
         "transformer/config.json": dit_config(dit),
         "text_encoder/config.json": qwen3_files.config(encoder),
-        "vae/config.json": vae_files.config(vae, vae_files.FLUX2_VAE_FACTS),
+        "vae/config.json": vae_files.flux2_vae_config(vae),
         "scheduler/scheduler_config.json": SCHEDULER,
     }

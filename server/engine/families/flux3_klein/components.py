@@ -90,19 +90,16 @@ def dit_config(dit: Header) -> dict:
 
 
 def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header) -> dict:
-    from ...components import ComponentError
 
     transformer = dit_config(dit)
     taps = len(OUT_LAYERS)
     reader = f"the DiT {dit.path.name} ({TEXT_IN[0]}: the pipeline's {taps} tapped layers)"
     jad = transformer["joint_attention_dim"]
     text = qwen3_files.tapped_text_config(encoder, jad, taps, OUT_LAYERS, reader)
-    if not vae_files.is_flux2_vae(vae):
-        raise ComponentError(vae_files.flux2_vae_refusal(vae))
     return {
         "model_index.json": model_index_of(variant, OUT_LAYERS),
         "transformer/config.json": transformer,
         "text_encoder/config.json": {"model_type": "qwen3_vl", "text_config": text},
-        "vae/config.json": vae_files.config(vae, vae_files.FLUX2_VAE_FACTS),
+        "vae/config.json": vae_files.flux2_vae_config(vae),
         "scheduler/scheduler_config.json": SCHEDULER_CONFIG,
     }

@@ -74,11 +74,9 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
             f" wide, as the DiT {dit.path.name} takes ({TEXT_IN})"
             + ("" if width is None else f"; its language model is {width} wide")
         )
-    if not vae_files.is_flux2_vae(vae):
-        raise ComponentError(vae_files.flux2_vae_refusal(vae))
     return {
         "model_index.json": MODEL_INDEX,
         "transformer/config.json": transformer,
         "text_encoder/config.json": qwen35_files.config(encoder),
-        "vae/config.json": vae_files.config(vae, vae_files.FLUX2_VAE_FACTS),
+        "vae/config.json": vae_files.flux2_vae_config(vae),
     }
