@@ -88,6 +88,15 @@ def write_gguf_text_encoder(
     }
     if tokenizer_json is None:
         return write_gguf(path, tensors, arch=arch)
+    return write_gguf(
+        path, tensors, arch=arch, metadata=lambda w: add_tokenizer(w, tokenizer_json, "qwen2")
+    )
+
+
+def add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: Path, pre: str) -> None:
+    """A Qwen tokenizer.json as llama.cpp's converter writes it into a GGUF file's metadata:
+    the BPE model with its pre-tokenizer `pre`, the tokens in id order (control and
+    user-defined types for the added ones) and the merges."""
     vocab, merges, added = tokenizer_parts(tokenizer_json)
     tokens = {i: t for t, i in vocab.items()}
     kinds = dict.fromkeys(tokens, int(gguf.TokenType.NORMAL))
@@ -97,19 +106,11 @@ def write_gguf_text_encoder(
             gguf.TokenType.CONTROL if token["special"] else gguf.TokenType.USER_DEFINED
         )
     order = sorted(tokens)
-    writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list([tokens[i] for i in order])
     writer.add_token_types([kinds[i] for i in order])
     writer.add_token_merges(merges)
-    for name, (_, data) in tensors.items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 # diffusers' AutoencoderKLQwenImage names -> Wan 2.1's (ComfyUI's qwen_image_vae.safetensors),
