@@ -65,6 +65,17 @@ class LiveServer:
         self.ctx.service.close()
 
 
+def answer_tensors(response: requests.Response) -> dict[str, np.ndarray]:
+    """The tensors of a route's container answer, which must be a 200."""
+    assert response.status_code == 200, response.text
+    return wire.read_container(response.content).tensors
+
+
+def out_of(response: requests.Response) -> np.ndarray:
+    """The output of a step's answer, which must be a 200."""
+    return answer_tensors(response)["out"]
+
+
 def model_root(tmp: Path) -> Path:
     root = tmp / "models"
     linear_family.make_model_folder(root, "alpha")

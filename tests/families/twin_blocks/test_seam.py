@@ -15,7 +15,7 @@ from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 
 from tests.lora.over_http import put_table
-from tests.server.conftest import serve
+from tests.server.conftest import out_of, serve
 
 from . import checkpoint, family
 
@@ -39,11 +39,6 @@ def step(live, model: str, x, sigma: float, cond_hash: str, table: str | None = 
     fields = {"model": model, "rows": [{"cond": cond_hash}], "patch_table": table}
     timestep = np.array([sigma], np.float32)
     return live.post_container("step", {"x": x, "timestep": timestep}, fields)
-
-
-def out_of(response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    return wire.read_container(response.content).tensors["out"]
 
 
 def test_status_and_manifest_read_unloaded_then_loaded(live):
