@@ -15,6 +15,12 @@ from gmlx_server.model_choice import ModelChoice
 from gmlx_server.step_server import StepServer, ViaStepsTransport
 
 
+def loaded_folder(folder: Path):
+    """The folder's model loaded by a registry of its own (what `--model FOLDER` loads): the
+    registry's LoadedModel, what a LoRA file's table is built for."""
+    return ModelRegistry(extra_models=[folder]).acquire(folder.name)
+
+
 @contextmanager
 def served_folder(folder) -> Iterator[StepServer]:
     """The folder's model, loaded, behind the step routes of a server of its own."""
