@@ -2,9 +2,7 @@
 tests of models served from component files (engine/components.py): the VAE in the ldm names
 of BFL's and ComfyUI's files (checked against diffusers' single-file conversion in
 tests/engine/test_components.py), Qwen's tokenizer as ComfyUI ships its copy (vocab.json,
-merges.txt, tokenizer_config.json), and a llama.cpp GGUF text encoder carrying its tokenizer;
-and what those tests check of a set: the configs its folder holds, the id ComfyUI's folders
-list it by, and that it serves what its diffusers folder serves."""
+merges.txt, tokenizer_config.json), and a llama.cpp GGUF text encoder carrying its tokenizer."""
 
 from __future__ import annotations
 
@@ -168,29 +166,6 @@ def _wan_residual(name: str) -> str:
     return name
 
 
-# -- component sets in a ComfyUI models/ folder -----------------------------------------------------
-
-# The folders a set's files sit in, by component.
-SET_FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
-
-
-def comfy_models(root: Path) -> Path:
-    """root/ComfyUI/models, holding the (empty) folders a set's files sit in."""
-    models = Path(root) / "ComfyUI" / "models"
-    for name in SET_FOLDERS.values():
-        (models / name).mkdir(parents=True)
-    return models
-
-
-def write_set_files(models: Path, names: dict[str, str], **states) -> None:
-    """Each state dict of `states` (component -> tensors) as that component's safetensors file
-    of the set `names` names (component -> file name) in a ComfyUI `models/` folder."""
-    from safetensors.numpy import save_file
-
-    for key, state in states.items():
-        save_file(state, str(models / SET_FOLDERS[key] / names[key]))
-
-
 def float32_weights(component: Path) -> dict[str, np.ndarray]:
     """A component folder's weights as float32 arrays, by name (what a test writes again as a
     single file)."""
@@ -198,86 +173,3 @@ def float32_weights(component: Path) -> dict[str, np.ndarray]:
     from gmlx_server.engine.weights import load_weights
 
     return {n: np.array(v) for n, v in load_weights(component, mx.float32).items()}
-
-
-def set_files(models: Path, names: dict[str, str], **changes):
-    """A ComponentFiles of the files `names` gives (component -> file name) in a ComfyUI
-    `models/` folder, `changes` (component -> path) in their place."""
-    from gmlx_server.engine.components import ComponentFiles
-
-    named = {key: models / SET_FOLDERS[key] / name for key, name in names.items()}
-    return ComponentFiles(**{**named, **changes})
-
-
-def set_folder(files, tmp_path: Path) -> Path:
-    """The folder the server makes of a set (engine/components.py), under tmp_path."""
-    from gmlx_server.engine import components
-    from gmlx_server.engine.spec import family_specs
-
-    return components.set_folder(files, family_specs(), tmp_path / "sets")
-
-
-def set_id(names: dict[str, str]) -> str:
-    """The id a ComfyUI folder lists a set by: its files' names less their endings, joined."""
-    return " + ".join(Path(names[key]).stem for key in SET_FOLDERS)
-
-
-def listed_sets(models: Path) -> list[str]:
-    """The set ids a ComfyUI `models/` folder lists (as the server lists ComfyUI's folders)."""
-    from gmlx_server.engine import components
-    from gmlx_server.engine.spec import family_specs
-
-    folders = {
-        key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
-    }
-    return sorted(components.comfy_sets(folders, family_specs()))
-
-
-def differing_keys(made: Path, folder: Path, component: str, nested: str | None = None) -> set:
-    """The keys of a component's config that a set's folder (`made`, set_folder) writes with
-    another value than the model's own `folder` (within `nested`, such as a text encoder's
-    text_config); keys the model's folder lacks, and those starting with _, aside."""
-    from gmlx_server.engine.spec import read_config
-
-    told, written = read_config(made / component), read_config(folder / component)
-    if nested is not None:
-        told, written = told[nested], written[nested]
-    return {k for k in told if k in written and told[k] != written[k] and not k.startswith("_")}
-
-
-def differing_configs(made: Path, folder: Path) -> dict[str, set]:
-    """differing_keys of the transformer's and the VAE's configs and of the text encoder's
-    text_config (a Qwen3-VL or Qwen3.5 encoder's), for the components with any."""
-    differing = {
-        "transformer": differing_keys(made, folder, "transformer"),
-        "vae": differing_keys(made, folder, "vae"),
-        "text_encoder": differing_keys(made, folder, "text_encoder", "text_config"),
-    }
-    return {component: keys for component, keys in differing.items() if keys}
-
-
-# -- what a set serves ------------------------------------------------------------------------------
-
-
-def served_outputs(model, prompt: str, latents: tuple, timestep: float, image=(48, 64), **step):
-    """What a loaded model serves, for a set's model to equal its folder's: the prompt's
-    conditioning, one step on it of latents of shape `latents` at `timestep` (`step`: the
-    call's other keywords), a decode of latents of that shape and an encode of an image
-    `image` (height, width) in size, all drawn from seed 0."""
-    from gmlx_server.engine.base import EncodeResult
-    from gmlx_server.engine.sampling import direct_row
-
-    encoded = model.encode(prompt, [], refs=False)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, *latents)).astype(np.float32)
-    row = direct_row(EncodeResult(cond=encoded.cond))
-    out = model.denoise_step(x, np.array([timestep], np.float32), [row], **step).out
-    decoded = model.vae_decode(rng.standard_normal(latents).astype(np.float32), alpha=False)
-    pixels = rng.random((*image, 3)).astype(np.float32)
-    return encoded.cond, out, decoded, model.vae_encode(pixels)
-
-
-def assert_same_outputs(got: tuple, want: tuple) -> None:
-    """Two models' outputs (served_outputs') equal, bit for bit."""
-    for ours, theirs in zip(got, want, strict=True):
-        np.testing.assert_array_equal(ours, theirs)

@@ -17,27 +17,17 @@ from gmlx_server.engine.families.flux3_klein import family
 from gmlx_server.engine.families.flux3_klein.spec import OUT_LAYERS
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import (
-    assert_same_outputs,
-    comfy_models,
-    differing_configs,
-    float32_weights,
-    ldm_vae,
-    listed_sets,
-    served_outputs,
-    set_files,
-    set_folder,
-    set_id,
-    write_set_files,
-)
+from tests.engine.comfy_files import float32_weights, ldm_vae
+from tests.engine.component_sets import ComfySet, assert_same_outputs, differing_configs, outputs_of
 from tests.families.flux2_klein.tiny.vae import build_vae
 from tests.families.flux3_klein.bfl import bfl_state_dict
 from tests.families.flux3_klein.tiny import build_tiny_folder
 
-DIT_FILE = "flux-3-klein-tiny.safetensors"
-ENCODER_FILE = "qwen_3_vl_tiny.safetensors"
-VAE_FILE = "flux2-vae-tiny.safetensors"
-FILES = {"dit": DIT_FILE, "text_encoder": ENCODER_FILE, "vae": VAE_FILE}
+SET = ComfySet(
+    dit="flux-3-klein-tiny.safetensors",
+    text_encoder="qwen_3_vl_tiny.safetensors",
+    vae="flux2-vae-tiny.safetensors",
+)
 PROMPT = "a red boat on a lake"
 # FLUX.2's VAE with the real group count, which its file cannot tell (vaes/from_files.py's facts)
 VAE = {"norm_num_groups": 32, "block_out_channels": (32, 32, 32, 32)}
@@ -55,10 +45,8 @@ def tiny(request, tmp_path_factory):
         out_layers=OUT_LAYERS,
     )
     build_vae(folder / "vae", seed=0, **VAE)
-    models = comfy_models(root)
-    write_set_files(
-        models,
-        FILES,
+    models = SET.write(
+        root,
         dit=bfl_state_dict(float32_weights(folder / "transformer")),
         text_encoder=float32_weights(folder / "text_encoder"),
         vae=ldm_vae(float32_weights(folder / "vae")),
@@ -71,7 +59,7 @@ def outputs(folder):
     """The folder's encode, a flow-map step along a schedule, a decode and an encode."""
     model = family.FLUX3_KLEIN.load(folder, folder.name)
     schedule = np.float32([1.0, 0.6, 0.0])
-    return served_outputs(model, PROMPT, (128, 3, 4), 0.6, sample_sigmas=schedule)
+    return outputs_of(model, PROMPT, (128, 3, 4), 0.6, sample_sigmas=schedule)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +69,7 @@ def expected(tiny):
 
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models, variant = tiny
-    made = set_folder(set_files(models, FILES), tmp_path)
+    made = SET.folder(models, tmp_path)
     assert not differing_configs(made, folder)
     index = json.loads((made / "model_index.json").read_text())
     assert index["text_encoder_out_layers"] == list(OUT_LAYERS)
@@ -90,7 +78,7 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
 
 def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path):
     _, models, _ = tiny
-    made = set_folder(set_files(models, FILES), tmp_path)
+    made = SET.folder(models, tmp_path)
     assert_same_outputs(outputs(made), expected)
 
 
@@ -99,7 +87,7 @@ def test_a_dit_in_diffusers_names_serves_the_same(tiny, expected, tmp_path):
     path = tmp_path / "flux3_diffusers.safetensors"
     weights = float32_weights(folder / "transformer")
     save_file({"model.diffusion_model." + n: v for n, v in weights.items()}, str(path))
-    made = set_folder(set_files(models, FILES, dit=path), tmp_path)
+    made = SET.folder(models, tmp_path, dit=path)
     assert_same_outputs(outputs(made), expected)
 
 
@@ -108,15 +96,15 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
     z_image_vae = tmp_path / "ae.safetensors"
     save_file({"decoder.conv_in.weight": np.zeros((8, 16, 3, 3), np.float32)}, str(z_image_vae))
     with pytest.raises(ComponentError, match="not FLUX.2's 32-channel autoencoder"):
-        set_folder(set_files(models, FILES, vae=z_image_vae), tmp_path)
+        SET.folder(models, tmp_path, vae=z_image_vae)
     narrow = tmp_path / "narrow.safetensors"
     encoder = float32_weights(folder / "text_encoder")
     encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
     save_file(encoder, str(narrow))
     with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
-        set_folder(set_files(models, FILES, text_encoder=narrow), tmp_path)
+        SET.folder(models, tmp_path, text_encoder=narrow)
 
 
 def test_the_comfyui_folder_lists_the_set(tiny):
     _, models, _ = tiny
-    assert set_id(FILES) in listed_sets(models)
+    assert SET.listed_in(models)

@@ -20,27 +20,16 @@ from gmlx_server.engine.families.krea2 import family
 from gmlx_server.engine.families.krea2.spec import SELECT_LAYERS
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import (
-    assert_same_outputs,
-    comfy_models,
-    differing_configs,
-    float32_weights,
-    listed_sets,
-    served_outputs,
-    set_files,
-    set_folder,
-    set_id,
-    wan_vae,
-    write_gguf_text_encoder,
-    write_set_files,
-)
+from tests.engine.comfy_files import float32_weights, wan_vae, write_gguf_text_encoder
+from tests.engine.component_sets import ComfySet, assert_same_outputs, differing_configs, outputs_of
 from tests.engine.gguf_files import write_dit
 from tests.families.krea2.tiny import build_tiny_folder
 
-DIT_FILE = "krea2_turbo_tiny.safetensors"
-ENCODER_FILE = "qwen_3_vl_tiny.safetensors"
-VAE_FILE = "qwen_image_vae_tiny.safetensors"
-FILES = {"dit": DIT_FILE, "text_encoder": ENCODER_FILE, "vae": VAE_FILE}
+SET = ComfySet(
+    dit="krea2_turbo_tiny.safetensors",
+    text_encoder="qwen_3_vl_tiny.safetensors",
+    vae="qwen_image_vae_tiny.safetensors",
+)
 PROMPT = "a red boat on a lake"
 
 
@@ -52,10 +41,8 @@ def tiny(tmp_path_factory):
     folder = build_tiny_folder(
         root / "krea2-tiny", text_layers=max(SELECT_LAYERS) + 1, select_layers=SELECT_LAYERS
     )
-    models = comfy_models(root)
-    write_set_files(
-        models,
-        FILES,
+    models = SET.write(
+        root,
         dit=float32_weights(folder / "transformer"),
         text_encoder=float32_weights(folder / "text_encoder"),
         vae=wan_vae(float32_weights(folder / "vae")),
@@ -65,7 +52,7 @@ def tiny(tmp_path_factory):
 
 
 def outputs(folder):
-    return served_outputs(family.KREA2.load(folder, folder.name), PROMPT, (16, 6, 8), 0.6)
+    return outputs_of(family.KREA2.load(folder, folder.name), PROMPT, (16, 6, 8), 0.6)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +62,7 @@ def expected(tiny):
 
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models = tiny
-    made = set_folder(set_files(models, FILES), tmp_path)
+    made = SET.folder(models, tmp_path)
     assert not differing_configs(made, folder)
     index = json.loads((made / "model_index.json").read_text())
     assert index["is_distilled"] is True  # "turbo" in the DiT file's name
@@ -84,7 +71,7 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
 
 def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path):
     _, models = tiny
-    made = set_folder(set_files(models, FILES), tmp_path)
+    made = SET.folder(models, tmp_path)
     assert_same_outputs(outputs(made), expected)
 
 
@@ -97,7 +84,7 @@ def test_a_gguf_dit_serves_what_the_folder_serves(tiny, expected, tmp_path):
     write_dit(
         path, weights, {}, np.random.default_rng(0), prefix="model.diffusion_model.", arch=None
     )
-    made = set_folder(set_files(models, FILES, dit=path), tmp_path)
+    made = SET.folder(models, tmp_path, dit=path)
     assert_same_outputs(outputs(made), expected)
 
 
@@ -117,7 +104,7 @@ def test_a_gguf_text_encoder_alone_serves_with_its_tokenizer(tiny, expected, tmp
     # Qwen3-VL's language model under llama.cpp's Qwen3 names is no Qwen3 (Z-Image's encoder)
     assert not qwen3_files.is_qwen3(components.header(path))
     assert qwen3_files.vl_width(components.header(path)) == 64
-    made = set_folder(set_files(models, FILES, text_encoder=path), tmp_path)
+    made = SET.folder(models, tmp_path, text_encoder=path)
     model = family.KREA2.load(made, made.name)
     got = model.encode(PROMPT, [], refs=False).cond
     np.testing.assert_allclose(got, expected[0], rtol=0, atol=1e-5)
@@ -128,19 +115,19 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
     z_image_vae = tmp_path / "ae.safetensors"
     save_file({"decoder.conv_in.weight": np.zeros((8, 4, 3, 3), np.float32)}, str(z_image_vae))
     with pytest.raises(ComponentError, match="not the 16-channel Qwen-Image VAE"):
-        set_folder(set_files(models, FILES, vae=z_image_vae), tmp_path)
+        SET.folder(models, tmp_path, vae=z_image_vae)
     narrow = tmp_path / "narrow.safetensors"
     encoder = float32_weights(folder / "text_encoder")
     encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
     save_file(encoder, str(narrow))
     with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
-        set_folder(set_files(models, FILES, text_encoder=narrow), tmp_path)
+        SET.folder(models, tmp_path, text_encoder=narrow)
     plain = tmp_path / "krea2_tiny.safetensors"
-    shutil.copy(models / "diffusion_models" / DIT_FILE, plain)
+    shutil.copy(SET.path(models, "dit"), plain)
     with pytest.raises(ComponentError, match="variant = one of 'turbo', 'raw'"):
-        set_folder(set_files(models, FILES, dit=plain), tmp_path)
+        SET.folder(models, tmp_path, dit=plain)
 
 
 def test_the_comfyui_folder_lists_the_set(tiny):
     _, models = tiny
-    assert set_id(FILES) in listed_sets(models)
+    assert SET.listed_in(models)

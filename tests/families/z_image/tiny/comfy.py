@@ -15,20 +15,15 @@ from gmlx_server.engine.families.z_image import embedded
 from gmlx_server.engine.families.z_image.dit import DiTConfig
 from gmlx_server.engine.spec import read_config
 
-from tests.engine.comfy_files import (
-    comfy_models,
-    float32_weights,
-    ldm_vae,
-    write_comfy_tokenizer,
-    write_set_files,
-)
+from tests.engine.comfy_files import float32_weights, ldm_vae, write_comfy_tokenizer
+from tests.engine.component_sets import ComfySet
 from tests.families.z_image.test_gguf import comfy_layout
 
 VAE = {"norm_num_groups": 32, "block_out_channels": [32, 32, 32, 32]}
 DIT_FILE = "z_image_turbo_tiny.safetensors"
 ENCODER_FILE = "qwen_3_tiny.safetensors"
 VAE_FILE = "ae_tiny.safetensors"
-FILES = {"dit": DIT_FILE, "text_encoder": ENCODER_FILE, "vae": VAE_FILE}
+SET = ComfySet(DIT_FILE, ENCODER_FILE, VAE_FILE)
 
 
 def write_comfy_models(root: Path) -> tuple[Path, Path]:
@@ -37,7 +32,6 @@ def write_comfy_models(root: Path) -> tuple[Path, Path]:
     folder = Path(root) / "z-image-tiny"
     embedded.write_embedded_model(folder)
     embedded.write_vae(folder / "vae", **VAE)
-    models = comfy_models(root)
     dit = float32_weights(folder / "transformer")
     config = DiTConfig.from_dict(read_config(folder / "transformer"))
     state = {
@@ -45,10 +39,8 @@ def write_comfy_models(root: Path) -> tuple[Path, Path]:
         for name, parts in comfy_layout(config).items()
     }
     state["model.diffusion_model.norm_final.weight"] = np.ones(config.dim, np.float32)
-    write_set_files(models, FILES, dit=state, vae=ldm_vae(float32_weights(folder / "vae")))
-    shutil.copy(
-        folder / "text_encoder" / "model.safetensors", models / "text_encoders" / ENCODER_FILE
-    )
+    models = SET.write(root, dit=state, vae=ldm_vae(float32_weights(folder / "vae")))
+    shutil.copy(folder / "text_encoder" / "model.safetensors", SET.path(models, "text_encoder"))
     write_comfy_tokenizer(
         folder / "tokenizer" / "tokenizer.json", models.parent / components.COMFY_QWEN_TOKENIZER
     )
