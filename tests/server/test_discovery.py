@@ -13,6 +13,8 @@ import pytest
 from gmlx_server import cli, discovery
 from gmlx_server.config import ServerConfig, load_config
 
+from tests.catalog import EMBEDDED_MODELS
+
 from . import linear_family
 from .conftest import config_file
 
@@ -137,14 +139,7 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
 def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(tmp_path):
     doc = discovery.configured_models(load_config(config_file(tmp_path, "[server]\n")))
     assert doc["default_model"] == "qwen-image21-random-tiny"
-    assert [m["model"] for m in doc["models"]] == [
-        "qwen-image21-random-tiny",
-        "flux2-klein-random-tiny",
-        "flux3-klein-random-tiny",
-        "krea2-random-tiny",
-        "moss-image-random-tiny",
-        "z-image-random-tiny",
-    ]
+    assert [m["model"] for m in doc["models"]] == EMBEDDED_MODELS
     assert [m["default"] for m in doc["models"]] == [True, False, False, False, False, False]
     assert [m["folder"] for m in doc["models"]] == [None] * 6  # not generated yet in this cache
 
@@ -190,11 +185,4 @@ def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
     result = gmlx_without(tmp_path, ("mlx", "falcon", "waitress"), "list", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     listed = [model["model"] for model in json.loads(result.stdout)["models"]]
-    assert listed == [
-        "qwen-image21-random-tiny",
-        "flux2-klein-random-tiny",
-        "flux3-klein-random-tiny",
-        "krea2-random-tiny",
-        "moss-image-random-tiny",
-        "z-image-random-tiny",
-    ]
+    assert listed == EMBEDDED_MODELS
