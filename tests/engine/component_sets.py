@@ -50,6 +50,22 @@ class ComfySet:
         `changes` as `files` takes them."""
         return made_folder(self.files(models, **changes), tmp_path)
 
+    def assert_refuses_a_narrow_qwen3_vl(self, folder: Path, models: Path, tmp_path: Path):
+        """The set with its Qwen3-VL text encoder 32 wide (the model folder's, its token table
+        narrowed) where the DiT reads 64 is refused, naming both widths."""
+        import pytest
+        from gmlx_server.engine.components import ComponentError
+        from safetensors.numpy import save_file
+
+        from tests.engine.comfy_files import float32_weights
+
+        narrow = tmp_path / "narrow.safetensors"
+        encoder = float32_weights(folder / "text_encoder")
+        encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
+        save_file(encoder, str(narrow))
+        with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
+            self.folder(models, tmp_path, text_encoder=narrow)
+
     def listed_in(self, models: Path) -> bool:
         """Whether the ComfyUI `models/` folder lists the set (named by its files' names less
         their endings), as the server lists ComfyUI's folders."""

@@ -97,12 +97,7 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
     save_file({"decoder.conv_in.weight": np.zeros((8, 16, 3, 3), np.float32)}, str(z_image_vae))
     with pytest.raises(ComponentError, match="not FLUX.2's 32-channel autoencoder"):
         SET.folder(models, tmp_path, vae=z_image_vae)
-    narrow = tmp_path / "narrow.safetensors"
-    encoder = float32_weights(folder / "text_encoder")
-    encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
-    save_file(encoder, str(narrow))
-    with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
-        SET.folder(models, tmp_path, text_encoder=narrow)
+    SET.assert_refuses_a_narrow_qwen3_vl(folder, models, tmp_path)
 
 
 def test_the_comfyui_folder_lists_the_set(tiny):
