@@ -10,6 +10,8 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
   memory row's file sizes agree and, loaded, its resident bytes are the arrays plus the
   reserve, and its activation reserve what it holds beyond the files;
 - the manifest read from the files is the loaded manifest;
+- the VAE routes round trip: an image to latents of the published channels at the VAE's
+  stride, and back to an image of its sides;
 - the spec says what the status and the capabilities publish;
 - a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
   a quantized load of the float folder, and a quantized load (4 and 8 bits) steps, encodes
@@ -321,6 +323,18 @@ def test_the_manifest_from_the_files_is_the_loaded_manifest(served):
         assert live.call("GET", f"models/{model}/manifest").json() == unloaded, model
         assert unloaded["count"] == len(unloaded["tensors"]) > 0
         live.post_json("models/unload", {"model": model})
+
+
+def test_the_vae_routes_round_trip_at_the_published_stride(served):
+    """An image encodes to latents of the status's channels at the VAE's stride, and those
+    decode to an image of its sides."""
+    live, _ = served
+    published = status(live, "plain")
+    stride, channels = published["vae"]["stride"], published["latent"]["channels"]
+    image = np.random.default_rng(2).random((1, 2 * stride, 3 * stride, 3)).astype(np.float32)
+    latents = vae(live, "encode", "plain", image=image)["latents"]
+    assert latents.shape == (1, channels, 2, 3)
+    assert vae(live, "decode", "plain", latents=latents)["image"].shape == image.shape
 
 
 def test_the_spec_is_what_the_status_and_the_capabilities_say(served):
