@@ -20,12 +20,15 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
   GGUF DiT as on its dequantized weights;
 - a GGUF DiT steps as the same network on `gguf.quants.dequantize`'s weights;
 - a truncated GGUF DiT is refused (400, naming the file) before the resident model goes;
+- a released text encoder frees its weights, and the next encode loads it again with the
+  same conditioning;
 - the encoder and the VAE at the entry's `encoder_vae_dtype` bf16 stay within bf16's
   tolerance of float32, in about half the bytes, and the DiT keeps its own dtype.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import shutil
@@ -323,6 +326,35 @@ def test_the_manifest_from_the_files_is_the_loaded_manifest(served):
         assert live.call("GET", f"models/{model}/manifest").json() == unloaded, model
         assert unloaded["count"] == len(unloaded["tensors"]) > 0
         live.post_json("models/unload", {"model": model})
+
+
+def test_a_released_encoder_frees_its_weights_and_loads_again_with_the_same_conditioning(served):
+    """The text encoder's residency (`[server.image] encoder_residency`, server/memory.py):
+    released, it frees its weights' memory, the status says so, and the next encode loads it
+    again with the same conditioning."""
+    live, _ = served
+    assert live.post_json("models/load", {"model": "plain"}).status_code == 200
+    model, worker = live.ctx.registry.loaded("plain").model, live.ctx.service.worker
+    fields = {"model": "plain", "text": "a red fox"}
+    first = answer_tensors(live.post_json("encode", fields))["cond"]
+    encoder_bytes, all_bytes = model.encoder_bytes, model.weight_bytes
+
+    def release() -> tuple[int, int]:
+        gc.collect()
+        before = mx.get_active_memory()
+        released = model.release_encoder()
+        gc.collect()
+        return released, before - mx.get_active_memory()
+
+    released, freed = worker.call(release)
+    assert released == encoder_bytes > 0
+    assert freed >= encoder_bytes
+    assert not model.encoder_resident and model.weight_bytes == all_bytes - encoder_bytes
+    assert status(live, "plain")["residency"]["encoder"]["resident"] is False
+    assert worker.call(model.release_encoder) == 0  # released already
+    again = answer_tensors(live.post_json("encode", fields))["cond"]
+    assert model.encoder_resident and model.weight_bytes == all_bytes
+    assert again.tobytes() == first.tobytes()
 
 
 def test_the_vae_routes_round_trip_at_the_published_stride(served):

@@ -64,6 +64,8 @@ def model_of(server):
 
 
 def test_a_released_encoder_frees_its_memory_and_loads_again_with_the_same_conditioning(folder):
+    """Loaded alone, its release frees the encoder's weights and nothing else (every family's
+    release, served: tests/families/test_conformance.py)."""
     model = family.QWEN_IMAGE21.load(folder, "released")
     first = model.encode(PROMPT, [], refs=False).cond
     encoder_bytes, all_bytes = model.encoder_bytes, model.weight_bytes
