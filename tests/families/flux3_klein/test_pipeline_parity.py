@@ -21,7 +21,7 @@ from PIL import Image
 from tests.compare import rel_l2
 from tests.families.flux3_klein.reference import reference_dit
 from tests.families.flux3_klein.tiny import OUT_LAYERS, build_tiny_folder, reference_pipeline
-from tests.families.routes import served_folder, through_routes, variant_folder
+from tests.families.routes import through_routes, variant_folder
 
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
 
@@ -32,12 +32,6 @@ def folder(request, tmp_path_factory):
     (distilled), its product recipe loaded into the references."""
     root = tmp_path_factory.mktemp("flux3_pipeline") / f"flux3-{request.param}-tiny"
     return variant_folder(root, request.param, build_tiny_folder, write_embedded_model)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with served_folder(folder) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

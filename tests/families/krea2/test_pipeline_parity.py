@@ -17,7 +17,7 @@ from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
 from tests.compare import rel_l2
 from tests.families.krea2.tiny import build_tiny_folder, reference_pipeline
-from tests.families.routes import served_folder, through_routes, variant_folder
+from tests.families.routes import through_routes, variant_folder
 
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
 PROMPTS = (PROMPT, "a lighthouse at dusk")
@@ -29,12 +29,6 @@ def folder(request, tmp_path_factory):
     its product recipe loaded into the references."""
     root = tmp_path_factory.mktemp("krea2_pipeline") / f"krea2-{request.param}-tiny"
     return variant_folder(root, request.param, build_tiny_folder, write_embedded_model)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with served_folder(folder) as server:
-        yield server
 
 
 def packed(latents: np.ndarray) -> np.ndarray:
