@@ -386,6 +386,17 @@ def _wait_done(comfy: dict, prompt_id: str, poll_s: float = 0.2) -> dict:
     raise TimeoutError(prompt_id)
 
 
+def _interrupt_reported_ms(comfy: dict, prompt_id: str) -> float:
+    """ComfyUI's running prompt interrupted (POST /interrupt): it ends other than a success,
+    and the milliseconds until its history reported execution_interrupted."""
+    interrupted_at = time.time()
+    urllib.request.urlopen(urllib.request.Request(comfy["url"] + "/interrupt", data=b""))
+    entry = _wait_done(comfy, prompt_id, poll_s=0.05)
+    assert entry["status"]["status_str"] != "success"
+    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
+    return stamps["execution_interrupted"] - interrupted_at * 1000.0
+
+
 def _run(comfy: dict, workflow: dict) -> dict:
     entry = _wait_done(comfy, _queue(comfy, workflow))
     assert entry["status"]["status_str"] == "success", (
@@ -1035,13 +1046,7 @@ def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
         time.sleep(0.05)
     step_ms = _steps_logged(gmlx_server["log"])[-1][1]
     time.sleep(step_ms / 2000.0)
-    interrupted_at = time.time()
-    urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
-    entry = _wait_done(comfyui, prompt_id, poll_s=0.05)
-
-    assert entry["status"]["status_str"] != "success"
-    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
-    latency_ms = stamps["execution_interrupted"] - interrupted_at * 1000.0
+    latency_ms = _interrupt_reported_ms(comfyui, prompt_id)
     print(f"interrupt reported {latency_ms:.0f} ms after /interrupt (steps of {step_ms} ms)")
     # The pack raises ComfyUI's interrupt while the step is still on the server.
     assert latency_ms < min(500.0, step_ms / 2), (latency_ms, step_ms)
@@ -1726,13 +1731,7 @@ def test_vae_decode_stops_at_an_interrupt(comfyui, gmlx_server):
         time.sleep(0.05)
     time.sleep(1.0)  # the loaders and the latent take milliseconds: a decode is in flight
     assert len(_decodes_logged(gmlx_server["log"])) == before
-    interrupted_at = time.time()
-    urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
-    entry = _wait_done(comfyui, prompt_id, poll_s=0.05)
-
-    assert entry["status"]["status_str"] != "success"
-    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
-    latency_ms = stamps["execution_interrupted"] - interrupted_at * 1000.0
+    latency_ms = _interrupt_reported_ms(comfyui, prompt_id)
     assert latency_ms < 500.0, latency_ms
 
     while len(_decodes_logged(gmlx_server["log"])) == before:  # the image in flight ends
