@@ -1,7 +1,8 @@
 """A component set in a ComfyUI `models/` folder, for the tests of models served from component
 files (engine/components.py): its files by component (`ComfySet`: written, named, made into the
-folder the server makes of it, listed), the configs that folder is told against the model's
-own, and what a set's model serves against what its diffusers folder serves."""
+folder the server makes of it, listed, refused with a narrower Qwen3-VL), the configs that
+folder is told against the model's own, and what a set's model serves against what its
+diffusers folder serves."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ComfySet:
     vae: str
 
     def path(self, models: Path, component: str) -> Path:
+        """Where the component's file of the set sits in `models`."""
         return models / SET_FOLDERS[component] / asdict(self)[component]
 
     def write(self, root: Path, **states) -> Path:
