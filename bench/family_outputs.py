@@ -215,35 +215,20 @@ def reference_answers(live, model_id, family, step, rows, rng, tensors) -> dict:
 
 def lora_step(live, model_id, manifest, step, rows, tensors) -> dict:
     """A table on the first three linear weights of the manifest (one as a band of rows)."""
-    from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
+    from tests.lora.over_http import lora_table, put_table
 
     matrices = [t for t in manifest["tensors"] if len(t["shape"]) == 2]
     linears = [t for t in matrices if t["name"].endswith(".weight")][:3]
-    rng = np.random.default_rng(11)
-    entries = []
-    for index, tensor in enumerate(linears):
-        rows_out, cols = tensor["shape"]
-        band = [0, 0, rows_out // 2] if index == 1 else None
-        up = rng.standard_normal((band[2] if band else rows_out, 2)).astype(np.float32)
-        down = rng.standard_normal((2, cols)).astype(np.float32)
-        for array in (up, down):
-            live.put_tensor(array, "adapters")
-        patch = {"up": tensor_hash(up), "down": tensor_hash(down), "alpha": 1.0}
-        patch |= {"strength": 0.7, "strength_model": 1.0}
-        entries.append(
-            {"key": f"diffusion_model.{tensor['name']}", "band": band, "patches": [patch]}
-        )
-    doc = {"model": model_id, "entries": entries}
-    r = live.call(
-        "PUT",
-        f"patch-tables/{table_id(doc)}",
-        data=canonical_json(doc),
-        headers={"Content-Type": "application/json"},
-        params={"model": model_id},
-    )
+    shapes = {t["name"].removesuffix(".weight"): tuple(t["shape"]) for t in linears}
+    bands = {
+        layer: [0, 0, shape[0] // 2] if index == 1 else None
+        for index, (layer, shape) in enumerate(shapes.items())
+    }
+    entries, adapters, _ = lora_table(shapes, bands, seed=11, strength=0.7)
+    r, table = put_table(live, model_id, entries, adapters)
     if r.status_code != 200:
         return {"status": r.status_code, "body": r.text}
-    fields = {"model": model_id, "rows": rows, "patch_table": table_id(doc)}
+    fields = {"model": model_id, "rows": rows, "patch_table": table}
     return tensors(live.post_container("step", step, fields))
 
 

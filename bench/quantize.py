@@ -103,42 +103,37 @@ def loss_per_bits(group_size: int, family_name: str) -> dict:
 def qwen_image21_measure():
     """quantization -> (conditioning, step, (DiT bytes, encoder bytes)) on the embedded
     default: a prompt with a reference image, a 64x96 latent at sigma 0.7."""
-    import numpy as np
     from gmlx_server.engine.families.qwen_image21 import family
     from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
-    from gmlx_server.engine.nn.dtypes import tree_bytes
 
     folder = ensure_embedded_model(Path(tempfile.mkdtemp()))
-    rng = np.random.default_rng(0)
-    image = rng.integers(0, 256, (256, 384, 3), dtype=np.uint8)
-    x = rng.standard_normal((1, 64, 4, 6)).astype(np.float32)
-
-    def measure(quantization):
-        model = family.FLUX2_KLEIN.load(folder, "bench", quantization)
-        encoding = model.encode("a lighthouse on a cliff at dusk", [image], refs=True)
-        out = model.denoise_step(x, SIGMA, [row_of(encoding)]).out
-        sizes = (tree_bytes(model.dit.weights), tree_bytes(model.encoder.encoder.parameters()))
-        return encoding.cond, out, sizes
-
-    return measure
+    return loss_measure(family.QWEN_IMAGE21, folder, (256, 384), (1, 64, 4, 6))
 
 
 def flux2_klein_measure():
     """The same on the tests' tiny FLUX.2 klein folder (width 64, 2 + 2 blocks, a 32-wide
     28-layer Qwen3): a prompt with a 64x96 reference image, a 4x6 latent at sigma 0.7."""
-    import numpy as np
     from gmlx_server.engine.families.flux2_klein import family
 
     from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 
     folder = Path(tempfile.mkdtemp()) / "klein-tiny"
     build_tiny_folder(folder)
+    return loss_measure(family.FLUX2_KLEIN, folder, (64, 96), (1, 128, 4, 6))
+
+
+def loss_measure(family, folder: Path, image_hw: tuple[int, int], latents: tuple):
+    """quantization -> (conditioning, step, (DiT bytes, encoder bytes)) of the folder's model
+    loaded at it (None: as its files store it): the prompt with a reference image of
+    `image_hw` pixels, one step of latents of shape `latents` at sigma 0.7."""
+    import numpy as np
+
     rng = np.random.default_rng(0)
-    image = rng.integers(0, 256, (64, 96, 3), dtype=np.uint8)
-    x = rng.standard_normal((1, 128, 4, 6)).astype(np.float32)
+    image = rng.integers(0, 256, (*image_hw, 3), dtype=np.uint8)
+    x = rng.standard_normal(latents).astype(np.float32)
 
     def measure(quantization):
-        model = family.FLUX2_KLEIN.load(folder, "bench", quantization)
+        model = family.load(folder, "bench", quantization)
         encoding = model.encode("a lighthouse on a cliff at dusk", [image], refs=True)
         out = model.denoise_step(x, SIGMA, [row_of(encoding)]).out
         return encoding.cond, out, (model.dit.weight_bytes, model.encoder.weight_bytes)

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,58 +59,58 @@ FULL = {  # the family's default DiT config (dit.DiTConfig.from_dict({}))
 }
 
 
-def sent_bytes(
-    config: dict,
-    mode: str,
-    ranks: int,
-    rows: int,
-    tokens: int,
-    prefix: int,
-    built: int,
-    act: int,
-    inputs: int,
-) -> dict[str, float]:
-    """Bytes one rank sends in a step: the activations (pipeline: its stage's output once per
-    step, and per prefix built, its stage's output when another stage follows; tensor: two
-    all_sums per block, a ring all_sum sending 2 (N - 1) / N of its bytes) and the step's
-    inputs (`inputs` bytes, broadcast as a ring all_sum)."""
-    if ranks == 1:
-        return {"activations": 0.0, "inputs": 0.0}
-    width = config["num_attention_heads"] * config["attention_head_dim"]
-    layers = config["num_layers"]
-    ring = 2 * (ranks - 1) / ranks
-    target = rows * tokens * width * act
-    prefix_rows = built * prefix * width * act
-    if mode == "pipeline":
-        # each rank sends its target stage once; all but the last send each prefix built
-        activations = target + prefix_rows * (ranks - 1) / ranks
-    else:
-        activations = ring * (2 * layers * target + 2 * (layers - 1) * prefix_rows)
-    return {"activations": activations, "inputs": ring * inputs}
+@dataclass(frozen=True)
+class Traffic:
+    """A step's traffic over a rank group: the DiT of `config` split in `mode` over `ranks`,
+    `rows` rows of `tokens` image tokens, a text prefix of `prefix` rows built for `built` of
+    them, activations of `act` bytes a value, and the step's `inputs` bytes."""
 
+    config: dict
+    mode: str
+    ranks: int
+    rows: int
+    tokens: int
+    prefix: int
+    built: int
+    act: int
+    inputs: int
 
-def critical_bytes(
-    config: dict,
-    mode: str,
-    ranks: int,
-    rows: int,
-    tokens: int,
-    prefix: int,
-    built: int,
-    act: int,
-    inputs: int,
-) -> float:
-    """The bytes on a step's critical path, one link's worth after another: the inputs' ring
-    all_sum, then pipeline: each of the N stage boundaries of the target pass (and N - 1 per
-    prefix built) in turn; tensor: every all_sum in turn. Latency per message is left out
-    (64 all_sums x 2 (N - 1) hops x tens of microseconds: milliseconds)."""
-    width = config["num_attention_heads"] * config["attention_head_dim"]
-    ring = 2 * (ranks - 1) / ranks
-    target = rows * tokens * width * act
-    prefix_rows = built * prefix * width * act
-    if mode == "pipeline":
-        return ring * inputs + ranks * target + (ranks - 1) * prefix_rows
-    return sum(sent_bytes(config, mode, ranks, rows, tokens, prefix, built, act, inputs).values())
+    @property
+    def ring(self) -> float:
+        """The share of its bytes a ring all_sum sends: 2 (N - 1) / N."""
+        return 2 * (self.ranks - 1) / self.ranks
+
+    def activations(self) -> tuple[float, float]:
+        """The bytes of one block's output for the target pass, and for the prefixes built."""
+        width = self.config["num_attention_heads"] * self.config["attention_head_dim"]
+        target = self.rows * self.tokens * width * self.act
+        return target, self.built * self.prefix * width * self.act
+
+    def sent(self) -> dict[str, float]:
+        """Bytes one rank sends in a step: the activations (pipeline: its stage's output once
+        per step, and per prefix built, its stage's output when another stage follows; tensor:
+        two all_sums per block, each a ring all_sum) and the step's inputs (broadcast as a ring
+        all_sum)."""
+        if self.ranks == 1:
+            return {"activations": 0.0, "inputs": 0.0}
+        layers = self.config["num_layers"]
+        target, prefix_rows = self.activations()
+        if self.mode == "pipeline":
+            # each rank sends its target stage once; all but the last send each prefix built
+            activations = target + prefix_rows * (self.ranks - 1) / self.ranks
+        else:
+            activations = self.ring * (2 * layers * target + 2 * (layers - 1) * prefix_rows)
+        return {"activations": activations, "inputs": self.ring * self.inputs}
+
+    def critical(self) -> float:
+        """The bytes on a step's critical path, one link's worth after another: the inputs'
+        ring all_sum, then pipeline: each of the N stage boundaries of the target pass (and
+        N - 1 per prefix built) in turn; tensor: every all_sum in turn. Latency per message is
+        left out (64 all_sums x 2 (N - 1) hops x tens of microseconds: milliseconds)."""
+        if self.mode == "pipeline":
+            target, prefix_rows = self.activations()
+            return self.ring * self.inputs + self.ranks * target + (self.ranks - 1) * prefix_rows
+        return sum(self.sent().values())
 
 
 def dit_bytes(config: dict, mode: str, ranks: int, itemsize: int) -> list[int]:
@@ -328,9 +329,8 @@ def main(argv=None) -> int:
                 config = tiny_config()
                 for kind, built in (("miss", 2), ("hit", 0)):
                     inputs = input_bytes(2, 64, tokens, args.text, 128, built)
-                    result[kind]["computed"] = sent_bytes(
-                        config, mode, ranks, 2, tokens, args.text, built, 4, inputs
-                    )
+                    traffic = Traffic(config, mode, ranks, 2, tokens, args.text, built, 4, inputs)
+                    result[kind]["computed"] = traffic.sent()
                 result["computed_dit_bytes"] = dit_bytes(config, mode, ranks, 4)
                 print(json.dumps(result), flush=True)
     return 0
@@ -393,9 +393,8 @@ def computed_tables() -> list[dict]:
                 continue  # refused: every rank needs whole heads and an equal MLP share
             for kind, built in (("hit", 0), ("miss", 2)):
                 inputs = input_bytes(rows, 64, tokens, prefix, FULL["context_in_dim"], built)
-                sent = sent_bytes(FULL, mode, ranks, rows, tokens, prefix, built, act, inputs)
-                total = sum(sent.values())
-                serial = critical_bytes(FULL, mode, ranks, rows, tokens, prefix, built, act, inputs)
+                traffic = Traffic(FULL, mode, ranks, rows, tokens, prefix, built, act, inputs)
+                total, serial = sum(traffic.sent().values()), traffic.critical()
                 table.append(
                     {
                         "ranks": ranks,

@@ -308,15 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gmlx comfyui install")
     parser.add_argument("--comfy", required=True, type=Path, help="the ComfyUI folder")
     parser.add_argument("--python", type=Path, default=None, help="ComfyUI's Python")
-    args = parser.parse_args(argv)
-    try:
-        result = install(args.comfy, python=args.python)
-    except GmlxError as err:
-        print(err, file=sys.stderr)
-        return 2
+    return _run(parser.parse_args(argv), _install)
+
+
+def _install(args: argparse.Namespace) -> None:
+    result = install(args.comfy, python=args.python)
     print(f"linked {result.link} -> {PACK_DIR}")
     print(f"installed into {result.python}; restart ComfyUI to load the gmlx nodes")
-    return 0
 
 
 def uninstall_main(argv: list[str] | None = None) -> int:
@@ -326,12 +324,11 @@ def uninstall_main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pip", action="store_true", help=f"also pip-uninstall {DISTRIBUTION} from its Python"
     )
-    args = parser.parse_args(argv)
-    try:
-        result = uninstall(args.comfy, pip=args.pip)
-    except GmlxError as err:
-        print(err, file=sys.stderr)
-        return 2
+    return _run(parser.parse_args(argv), _uninstall)
+
+
+def _uninstall(args: argparse.Namespace) -> None:
+    result = uninstall(args.comfy, pip=args.pip)
     link = Path(args.comfy).expanduser().resolve() / "custom_nodes" / LINK_NAME
     print(f"removed {link}" if result.removed_link else f"no link at {link} to remove")
     if result.pip_command is None:
@@ -342,6 +339,15 @@ def uninstall_main(argv: list[str] | None = None) -> int:
     else:
         print(f"uninstalled {DISTRIBUTION} from {result.python}")
     print("restart ComfyUI to drop the gmlx nodes")
+
+
+def _run(args: argparse.Namespace, command: Callable[[argparse.Namespace], None]) -> int:
+    """A command's exit status: 0, or 2 with the GmlxError it raised on stderr."""
+    try:
+        command(args)
+    except GmlxError as err:
+        print(err, file=sys.stderr)
+        return 2
     return 0
 
 

@@ -3,13 +3,30 @@ ships no fake model).
 
 Each member is written out here, none inherited from the product, so a member the seam gains
 and these models lack fails the registry's load. A model gives its family, its facts, its
-status' `comfy` and `sampling`, its manifest's tensors and its own arithmetic.
+status' `comfy` and `sampling`, its manifest's tensors and its own arithmetic (`step`: a
+step's inputs and its StepCall).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from gmlx_server.engine.base import Capabilities
+from gmlx_server.engine.base import Capabilities, StepCall, StepResult
+from gmlx_server.engine.spec import Family, FamilySpec
+
+
+def numpy_family(name: str, title: str, identify, load) -> Family:
+    """A family of these models as the registry takes it: its spec (the step and VAE routes'
+    features every one of them has; no quantization, no encoder and VAE dtype, no weight
+    files) and a Family that loads and says nothing from the files."""
+    spec = FamilySpec(
+        name=name,
+        title=title,
+        identify=identify,
+        features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
+        quantizes=False,
+        encoder_vae_dtype=False,
+    )
+    return Family(spec, load)
 
 
 class NumpyImageModel:
@@ -24,6 +41,11 @@ class NumpyImageModel:
 
     def release_encoder(self) -> int:
         return 0
+
+    def denoise_step(self, x, timestep, rows, **how) -> StepResult:
+        """The seam's step, its keywords (StepCall's fields, its defaults theirs) handed to the
+        model's own `step` as one StepCall."""
+        return self.step(x, timestep, rows, StepCall(**how))
 
     def sampling(self) -> dict | None:
         """Status `sampling`."""

@@ -19,13 +19,10 @@ import pytest
 from gmlx_server.engine.vaes import ldm_names
 from safetensors.numpy import load_file, save_file
 
-from tests.comfy.test_e2e_comfyui import MISSING_PACKAGES_STUB
+from tests.comfy.test_e2e_comfyui import MISSING_PACKAGES_STUB, NEEDS_COMFYUI
 from tests.families.z_image.tiny.comfy import DIT_FILE, write_comfy_models
 
-pytestmark = [
-    pytest.mark.comfyui,
-    pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"), reason="COMFYUI_DIR is not set"),
-]
+pytestmark = NEEDS_COMFYUI
 
 CONVERT = """
 import sys

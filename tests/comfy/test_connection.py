@@ -18,6 +18,8 @@ from gmlx_contract.client import StepClient
 from gmlx_contract.errors import NotGmlxServer
 from gmlx_contract.hashing import tensor_hash
 
+from tests.catalog import EMBEDDED_MODELS
+
 from ..contract.stepserver import FakeStepServer, json_answer
 
 
@@ -265,14 +267,7 @@ def test_model_list_is_the_configuration_then_the_server_then_what_it_listed_las
     settings = _settings(isolated, base_url=_free_url())
     # Server down, nothing remembered: what the configuration names (the embedded models, the
     # default first).
-    assert connection.ModelList().names(settings) == [
-        "qwen-image21-random-tiny",
-        "flux2-klein-random-tiny",
-        "flux3-klein-random-tiny",
-        "krea2-random-tiny",
-        "moss-image-random-tiny",
-        "z-image-random-tiny",
-    ]
+    assert connection.ModelList().names(settings) == EMBEDDED_MODELS
     server = _serving(["a", "b"], default="b")
     try:
         up = _settings(isolated, base_url=server.url)

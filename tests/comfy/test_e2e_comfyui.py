@@ -17,6 +17,7 @@ frontend's template browser and runs it from there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -48,10 +49,12 @@ from tests.comfy.workflow_files import (
     ui_workflow,
 )
 
-pytestmark = [
+# The marks of every test that runs a ComfyUI: the checkout COMFYUI_DIR names.
+NEEDS_COMFYUI = [
     pytest.mark.comfyui,
     pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"), reason="COMFYUI_DIR is not set"),
 ]
+pytestmark = NEEDS_COMFYUI
 
 SIZE = 64
 # The server's embedded tiny Z-Image (server/engine/families/z_image/embedded.py).
@@ -169,6 +172,33 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
+@contextlib.contextmanager
+def _started(command: list[str], ready: str, log_path: Path, **popen):
+    """`command` running, its output in `log_path`, once `ready` (a URL of it) answers; yields
+    the process, stopped after if it still runs (`popen`: Popen's other arguments)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **popen)
+        try:
+            _wait_http(ready, proc)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+
+
+def _gmlx_serve(config: Path, port: int, *flags: str) -> list[str]:
+    """`gmlx serve` of the configuration on the loopback port."""
+    command = [sys.executable, "-m", "gmlx_server", "serve", "--config", str(config)]
+    return [*command, "--port", str(port), *flags]
+
+
+def _comfyui(python: str, port: int, base: Path) -> list[str]:
+    """ComfyUI's main.py on the CPU on the loopback port, its base directory `base` (run from
+    its checkout)."""
+    command = [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)]
+    return [*command, "--disable-auto-launch", "--base-directory", str(base)]
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("e2e")
@@ -187,24 +217,12 @@ def gmlx_server(workdir):
     config = workdir / "config.toml"
     config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(models))}]\n", encoding="utf-8")
     port = _free_port()
-    log_path = workdir / "gmlx.log"
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gmlx_server", "serve", "--config", str(config)]
-        + ["--port", str(port)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_http(url + "/health", proc)
+    url, log_path = f"http://127.0.0.1:{port}", workdir / "gmlx.log"
+    with _started(_gmlx_serve(config, port), url + "/health", log_path):
         from gmlx_contract.client import StepClient
 
         model = StepClient(url).models()["default_model"]
         yield {"url": url, "config": config, "log": log_path, "model": model}
-    finally:
-        _stop(proc)
-        log.close()
 
 
 def write_gguf_model(scratch: Path, target: Path) -> None:
@@ -235,17 +253,9 @@ def quantized_server(workdir):
     config = workdir / "quantized.toml"
     config.write_text("[server]\nmodel_dirs = []\n", encoding="utf-8")
     port = _free_port()
-    log_path = workdir / "gmlx-quantized.log"
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gmlx_server", "serve", "--config", str(config)]
-        + ["--port", str(port), "--quantize", str(QUANTIZE_BITS)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_http(url + "/health", proc)
+    url, log_path = f"http://127.0.0.1:{port}", workdir / "gmlx-quantized.log"
+    command = _gmlx_serve(config, port, "--quantize", str(QUANTIZE_BITS))
+    with _started(command, url + "/health", log_path):
         from gmlx_contract.client import StepClient
 
         client = StepClient(url)
@@ -253,9 +263,6 @@ def quantized_server(workdir):
         client.load(model)
         assert client.status(model)["quantization"]["dit"]["bits"] == QUANTIZE_BITS
         yield {"url": url, "config": config, "log": log_path, "model": model}
-    finally:
-        _stop(proc)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -283,23 +290,10 @@ def comfyui(workdir, gmlx_server):
         "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
     }
     python = os.environ.get("COMFYUI_PYTHON", sys.executable)
-    log_path = workdir / "comfyui.log"
-    log = open(log_path, "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port)]
-        + ["--disable-auto-launch", "--base-directory", str(base)],
-        cwd=comfy_dir,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_http(url + "/object_info/GmlxModelLoader", proc)
+    url, log_path = f"http://127.0.0.1:{port}", workdir / "comfyui.log"
+    ready = url + "/object_info/GmlxModelLoader"
+    with _started(_comfyui(python, port, base), ready, log_path, cwd=comfy_dir, env=env):
         yield {"url": url, "base": base, "log": log_path}
-    finally:
-        _stop(proc)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -390,6 +384,17 @@ def _wait_done(comfy: dict, prompt_id: str, poll_s: float = 0.2) -> dict:
             return entry
         time.sleep(poll_s)
     raise TimeoutError(prompt_id)
+
+
+def _interrupt_reported_ms(comfy: dict, prompt_id: str) -> float:
+    """ComfyUI's running prompt interrupted (POST /interrupt): it ends other than a success,
+    and the milliseconds until its history reported execution_interrupted."""
+    interrupted_at = time.time()
+    urllib.request.urlopen(urllib.request.Request(comfy["url"] + "/interrupt", data=b""))
+    entry = _wait_done(comfy, prompt_id, poll_s=0.05)
+    assert entry["status"]["status_str"] != "success"
+    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
+    return stamps["execution_interrupted"] - interrupted_at * 1000.0
 
 
 def _run(comfy: dict, workflow: dict) -> dict:
@@ -1041,13 +1046,7 @@ def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
         time.sleep(0.05)
     step_ms = _steps_logged(gmlx_server["log"])[-1][1]
     time.sleep(step_ms / 2000.0)
-    interrupted_at = time.time()
-    urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
-    entry = _wait_done(comfyui, prompt_id, poll_s=0.05)
-
-    assert entry["status"]["status_str"] != "success"
-    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
-    latency_ms = stamps["execution_interrupted"] - interrupted_at * 1000.0
+    latency_ms = _interrupt_reported_ms(comfyui, prompt_id)
     print(f"interrupt reported {latency_ms:.0f} ms after /interrupt (steps of {step_ms} ms)")
     # The pack raises ComfyUI's interrupt while the step is still on the server.
     assert latency_ms < min(500.0, step_ms / 2), (latency_ms, step_ms)
@@ -1094,25 +1093,11 @@ def comfyui_alone(workdir, gmlx_server, comfyui):
         "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
     }
     port = _free_port()
-    log_path = base / "comfyui.log"
-    log = open(log_path, "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [os.environ.get("COMFYUI_PYTHON", sys.executable), "main.py", "--cpu"]
-        + ["--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch"]
-        + ["--base-directory", str(base)],
-        cwd=Path(os.environ["COMFYUI_DIR"]).resolve(),
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_http(url + "/object_info/GmlxModelLoader", proc)
+    url, log_path = f"http://127.0.0.1:{port}", base / "comfyui.log"
+    command = _comfyui(os.environ.get("COMFYUI_PYTHON", sys.executable), port, base)
+    ready, comfy_dir = url + "/object_info/GmlxModelLoader", os.environ["COMFYUI_DIR"]
+    with _started(command, ready, log_path, cwd=Path(comfy_dir).resolve(), env=env) as proc:
         yield {"url": url, "base": base, "log": log_path, "proc": proc, "gmlx_url": gmlx_url}
-    finally:
-        if proc.poll() is None:
-            _stop(proc)
-        log.close()
 
 
 def _answers(url: str) -> bool:
@@ -1746,13 +1731,7 @@ def test_vae_decode_stops_at_an_interrupt(comfyui, gmlx_server):
         time.sleep(0.05)
     time.sleep(1.0)  # the loaders and the latent take milliseconds: a decode is in flight
     assert len(_decodes_logged(gmlx_server["log"])) == before
-    interrupted_at = time.time()
-    urllib.request.urlopen(urllib.request.Request(comfyui["url"] + "/interrupt", data=b""))
-    entry = _wait_done(comfyui, prompt_id, poll_s=0.05)
-
-    assert entry["status"]["status_str"] != "success"
-    stamps = {m[0]: m[1].get("timestamp") for m in entry["status"]["messages"]}
-    latency_ms = stamps["execution_interrupted"] - interrupted_at * 1000.0
+    latency_ms = _interrupt_reported_ms(comfyui, prompt_id)
     assert latency_ms < 500.0, latency_ms
 
     while len(_decodes_logged(gmlx_server["log"])) == before:  # the image in flight ends

@@ -22,25 +22,24 @@ import pytest
 from tests.comfy.test_e2e_comfyui import (
     LATENT_RTOL,
     MISSING_PACKAGES_STUB,
+    NEEDS_COMFYUI,
     SIZE,
+    _comfyui,
     _free_port,
+    _gmlx_serve,
     _json,
     _latent,
     _on_model,
     _rel,
     _run,
     _save_latent,
-    _stop,
-    _wait_http,
+    _started,
     _workflow,
     direct_generate,
 )
 from tests.families.z_image.tiny.comfy import write_comfy_models
 
-pytestmark = [
-    pytest.mark.comfyui,
-    pytest.mark.skipif(not os.environ.get("COMFYUI_DIR"), reason="COMFYUI_DIR is not set"),
-]
+pytestmark = NEEDS_COMFYUI
 
 SET_ID = "z_image_turbo_tiny + qwen_3_tiny + ae_tiny"
 OWN = ("custom_nodes", "models", "user", "input", "output", "temp", "venv", ".venv", ".git")
@@ -83,22 +82,6 @@ def servers(fresh):
     config = work / "config.toml"
     config.write_text("[server]\nmodel_dirs = []\n")
     port = _free_port()
-    logs = [open(work / "gmlx.log", "w"), open(work / "comfyui.log", "w")]  # noqa: SIM115
-    gmlx = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gmlx_server",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-        ],
-        env=env,
-        stdout=logs[0],
-        stderr=subprocess.STDOUT,
-    )
     url = f"http://127.0.0.1:{port}"
     stub = work / "stub"
     stub.mkdir()
@@ -109,27 +92,22 @@ def servers(fresh):
         "GMLX_BASE_URL": url,
         "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
     }
-    comfyui = subprocess.Popen(
-        [fresh["python"], "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(comfy_port)]
-        + ["--disable-auto-launch", "--base-directory", str(fresh["comfy"])],
-        cwd=fresh["comfy"],
-        env=comfy_env,
-        stdout=logs[1],
-        stderr=subprocess.STDOUT,
-    )
     comfy_url = f"http://127.0.0.1:{comfy_port}"
-    try:
-        _wait_http(url + "/health", gmlx)
-        _wait_http(comfy_url + "/object_info/GmlxModelLoader", comfyui)
+    comfyui = _comfyui(fresh["python"], comfy_port, fresh["comfy"])
+    with (
+        _started(_gmlx_serve(config, port), url + "/health", work / "gmlx.log", env=env),
+        _started(
+            comfyui,
+            comfy_url + "/object_info/GmlxModelLoader",
+            work / "comfyui.log",
+            cwd=fresh["comfy"],
+            env=comfy_env,
+        ),
+    ):
         yield {
             "url": url,
             "comfy": {"url": comfy_url, "base": fresh["comfy"], "log": work / "comfyui.log"},
         }
-    finally:
-        _stop(comfyui)
-        _stop(gmlx)
-        for log in logs:
-            log.close()
 
 
 def test_the_installed_comfyuis_files_are_listed_and_the_example_runs_on_them(fresh, servers):

@@ -86,6 +86,15 @@ def write_gguf_text_encoder(
     }
     if tokenizer_json is None:
         return write_gguf(path, tensors, arch=arch)
+    return write_gguf(
+        path, tensors, arch=arch, metadata=lambda w: add_tokenizer(w, tokenizer_json, "qwen2")
+    )
+
+
+def add_tokenizer(writer: gguf.GGUFWriter, tokenizer_json: Path, pre: str) -> None:
+    """A Qwen tokenizer.json as llama.cpp's converter writes it into a GGUF file's metadata:
+    the BPE model with its pre-tokenizer `pre`, the tokens in id order (control and
+    user-defined types for the added ones) and the merges."""
     vocab, merges, added = tokenizer_parts(tokenizer_json)
     tokens = {i: t for t, i in vocab.items()}
     kinds = dict.fromkeys(tokens, int(gguf.TokenType.NORMAL))
@@ -95,19 +104,11 @@ def write_gguf_text_encoder(
             gguf.TokenType.CONTROL if token["special"] else gguf.TokenType.USER_DEFINED
         )
     order = sorted(tokens)
-    writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list([tokens[i] for i in order])
     writer.add_token_types([kinds[i] for i in order])
     writer.add_token_merges(merges)
-    for name, (_, data) in tensors.items():
-        writer.add_tensor(name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 # diffusers' AutoencoderKLQwenImage names -> Wan 2.1's (ComfyUI's qwen_image_vae.safetensors),
@@ -165,47 +166,10 @@ def _wan_residual(name: str) -> str:
     return name
 
 
-# -- component sets in a ComfyUI models/ folder -----------------------------------------------------
+def float32_weights(component: Path) -> dict[str, np.ndarray]:
+    """A component folder's weights as float32 arrays, by name (what a test writes again as a
+    single file)."""
+    import mlx.core as mx
+    from gmlx_server.engine.weights import load_weights
 
-# The folders a set's files sit in, by component.
-SET_FOLDERS = {"dit": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
-
-
-def set_files(models: Path, names: dict[str, str], **changes):
-    """A ComponentFiles of the files `names` gives (component -> file name) in a ComfyUI
-    `models/` folder, `changes` (component -> path) in their place."""
-    from gmlx_server.engine.components import ComponentFiles
-
-    named = {key: models / SET_FOLDERS[key] / name for key, name in names.items()}
-    return ComponentFiles(**{**named, **changes})
-
-
-def set_folder(files, tmp_path: Path) -> Path:
-    """The folder the server makes of a set (engine/components.py), under tmp_path."""
-    from gmlx_server.engine import components
-    from gmlx_server.engine.spec import family_specs
-
-    return components.set_folder(files, family_specs(), tmp_path / "sets")
-
-
-def listed_sets(models: Path) -> list[str]:
-    """The set ids a ComfyUI `models/` folder lists (as the server lists ComfyUI's folders)."""
-    from gmlx_server.engine import components
-    from gmlx_server.engine.spec import family_specs
-
-    folders = {
-        key: [models / name for name in names] for key, names in components.COMFY_FOLDERS.items()
-    }
-    return sorted(components.comfy_sets(folders, family_specs()))
-
-
-def differing_keys(made: Path, folder: Path, component: str, nested: str | None = None) -> set:
-    """The keys of a component's config that a set's folder (`made`, set_folder) writes with
-    another value than the model's own `folder` (within `nested`, such as a text encoder's
-    text_config); keys the model's folder lacks, and those starting with _, aside."""
-    from gmlx_server.engine.spec import read_config
-
-    told, written = read_config(made / component), read_config(folder / component)
-    if nested is not None:
-        told, written = told[nested], written[nested]
-    return {k for k in told if k in written and told[k] != written[k] and not k.startswith("_")}
+    return {n: np.array(v) for n, v in load_weights(component, mx.float32).items()}

@@ -4,6 +4,7 @@ as random valid block bytes (finite float16 scales, any levels)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -74,14 +75,18 @@ def write_gguf(
     tensors: dict[str, tuple[T, np.ndarray]],
     arch: str | None = "qwen_image",
     orig_shapes: dict[str, tuple[int, ...]] | None = None,
+    metadata: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """A GGUF file of `tensors` (name -> (type, data as `encoded` gives it)), with
-    `general.architecture` = arch and ComfyUI-GGUF's orig_shape entries."""
+    `general.architecture` = arch, ComfyUI-GGUF's orig_shape entries and what `metadata`
+    adds to the writer's keys."""
     writer = gguf.GGUFWriter(str(path), arch=arch or "")
     if arch is None:  # a file with no architecture: drop the key the writer adds
         writer.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)
     for name, shape in (orig_shapes or {}).items():
         writer.add_array(f"comfy.gguf.orig_shape.{name}", list(shape))
+    if metadata is not None:
+        metadata(writer)
     for name, (kind, data) in tensors.items():
         raw = None if kind in (T.F32, T.F16) else kind
         writer.add_tensor(name, data, raw_dtype=raw)

@@ -29,7 +29,9 @@ class WithoutPatchTables(linear_family.LinearModel):
 
 def test_a_model_lacking_a_member_fails_its_load_naming_it(tmp_path):
     linear_family.make_model_folder(tmp_path, "lacking")
-    family = Family(linear_family.SPEC, lambda path, model_id: WithoutPatchTables(model_id, ""))
+    family = Family(
+        linear_family.LINEAR.spec, lambda path, model_id: WithoutPatchTables(model_id, "")
+    )
     registry = ModelRegistry([tmp_path], families={linear_family.FAMILY: family})
     with pytest.raises(TypeError, match="check_patch_table"):
         registry.acquire("lacking")

@@ -3,8 +3,9 @@ through its step routes: what each family's pipeline parity compares with its re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 from gmlx_contract.client import StepClient
@@ -14,6 +15,12 @@ from gmlx_server.model_choice import ModelChoice
 from gmlx_server.step_server import StepServer, ViaStepsTransport
 
 
+def loaded_folder(folder: Path):
+    """The folder's model loaded by a registry of its own (what `--model FOLDER` loads): the
+    registry's LoadedModel, what a LoRA file's table is built for."""
+    return ModelRegistry(extra_models=[folder]).acquire(folder.name)
+
+
 @contextmanager
 def served_folder(folder) -> Iterator[StepServer]:
     """The folder's model, loaded, behind the step routes of a server of its own."""
@@ -21,6 +28,17 @@ def served_folder(folder) -> Iterator[StepServer]:
     with StepServer(ModelChoice(registry, folder.name, 0.0)) as server:
         server.load()
         yield server
+
+
+def variant_folder(
+    root: Path, variant: str, build_tiny_folder: Callable, write_embedded_model: Callable
+) -> Path:
+    """`root` written as the tests' tiny folder of `variant` (`build_tiny_folder`), or, for
+    "embedded", as the family's embedded model (its product recipe, `write_embedded_model`)."""
+    if variant == "embedded":
+        write_embedded_model(root)
+        return root
+    return build_tiny_folder(root, variant=variant)
 
 
 def through_routes(server: StepServer, request: ImageRequest) -> np.ndarray:

@@ -25,3 +25,15 @@ def redraw(
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
             else:
                 param.add_(torch.randn(param.shape, generator=generator) * constant_noise)
+
+
+def save_drawn(model_class, config: dict, directory, seed: int, linear_gain, constant_noise):
+    """`model_class(**config)` made under torch's seed `seed`, re-drawn (`redraw`, from a
+    generator of the same seed) and saved into `directory`; returns it in eval mode."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(**config)
+    redraw(model, torch.Generator().manual_seed(seed), linear_gain, constant_noise)
+    model.save_pretrained(str(directory))
+    return model.eval()

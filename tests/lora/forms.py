@@ -8,7 +8,9 @@ truth with peft; the server gets the table a client builds from the written form
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from gmlx_contract.hashing import tensor_hash
@@ -90,6 +92,28 @@ def write_form(lora: Lora, form: str) -> dict[str, np.ndarray]:
         if lora.alpha is not None:
             out[f"{stem}.alpha"] = np.array(lora.alpha, np.float32)
     return out
+
+
+def write_lora_file(folder: Path, lora: Lora, form: str) -> Path:
+    """The LoRA as a file of `form` in `folder`: FORMS' as `<form>.safetensors`, or "peft" as
+    PEFT's save_pretrained writes it (adapter_model.safetensors, the diffusers form's keys
+    under `base_model.model.`, and its adapter_config.json beside it, at scale 1); returns the
+    file's path."""
+    from gmlx_contract import wire
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if form == "peft":
+        state = {
+            key.replace("transformer.", "base_model.model.", 1): value
+            for key, value in write_form(lora, "diffusers").items()
+        }
+        config = {"r": lora.rank, "lora_alpha": lora.rank, "target_modules": sorted(lora.pairs)}
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        path = folder / "adapter_model.safetensors"
+    else:
+        state, path = write_form(lora, form), folder / f"{form}.safetensors"
+    path.write_bytes(wire.write_container(state))
+    return path
 
 
 # ---------------------------------------------------------------- the client's side

@@ -17,7 +17,7 @@ from gmlx_server.lora_files import AdapterSpec, adapter_spec, adapter_table
 
 from tests.compare import rel_l2
 from tests.families.qwen_image21.dit.reference import reference_row
-from tests.lora.forms import FORMS, Lora, random_lora, write_form
+from tests.lora.forms import FORMS, Lora, random_lora, write_form, write_lora_file
 from tests.lora.reference import engine_step, layer_shapes, peft_model, plain_model
 
 TOLERANCE = 1e-4
@@ -27,12 +27,6 @@ MOVES = 0.05  # a LoRA that did nothing fails the test
 @pytest.fixture(scope="module")
 def shapes(tiny_folder):
     return layer_shapes(plain_model(tiny_folder[1]))
-
-
-def lora_file(tmp_path, lora, form: str, name: str | None = None):
-    path = tmp_path / (name or f"{form}.safetensors")
-    path.write_bytes(wire.write_container(write_form(lora, form)))
-    return path
 
 
 def loaded(engine):
@@ -50,7 +44,7 @@ def inputs(engine, seed: int):
 @pytest.mark.parametrize("form", FORMS)
 def test_a_file_in_each_key_form_runs_as_peft_does(tmp_path, tiny_folder, engine, shapes, form):
     lora = random_lora(shapes, seed=11, alpha=None if form == "diffusers" else 8.0)
-    table = adapter_table(loaded(engine), [AdapterSpec(lora_file(tmp_path, lora, form), 0.7)])
+    table = adapter_table(loaded(engine), [AdapterSpec(write_lora_file(tmp_path, lora, form), 0.7)])
     cond, x = inputs(engine, 12)
     ours = engine_step(engine, cond, x, 0.6, table)
     theirs = reference_row(peft_model(tiny_folder[1], [(lora, 0.7)]), cond, x, 0.6, [], [])
@@ -62,8 +56,8 @@ def test_files_stack_at_their_strengths(tmp_path, tiny_folder, engine, shapes):
     first = random_lora(shapes, seed=13, alpha=4.0)
     second = random_lora(shapes, seed=14, alpha=16.0, rank=8, layers=sorted(shapes)[::2])
     specs = [
-        AdapterSpec(lora_file(tmp_path, first, "kohya"), 0.8),
-        AdapterSpec(lora_file(tmp_path, second, "comfy"), -0.35),
+        AdapterSpec(write_lora_file(tmp_path, first, "kohya"), 0.8),
+        AdapterSpec(write_lora_file(tmp_path, second, "comfy"), -0.35),
     ]
     table = adapter_table(loaded(engine), specs)
     cond, x = inputs(engine, 15)
@@ -110,7 +104,7 @@ def test_a_diffusers_file_scales_by_its_saved_config_as_diffusers_loads_it(
     ours = engine_step(engine, cond, x, 0.5, table)
     assert rel_l2(ours, reference_row(reference, cond, x, 0.5, [], [])) <= TOLERANCE
     at_scale_one = adapter_table(
-        loaded(engine), [AdapterSpec(lora_file(tmp_path, lora, "diffusers"), 0.6)]
+        loaded(engine), [AdapterSpec(write_lora_file(tmp_path, lora, "diffusers"), 0.6)]
     )
     assert rel_l2(ours, engine_step(engine, cond, x, 0.5, at_scale_one)) > MOVES
 
@@ -207,7 +201,7 @@ def gmlx_image(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 def test_sample_and_bench_take_adapters_in_process(tmp_path, tiny_folder, shapes):
     lora = random_lora(shapes, seed=17, alpha=8.0)
-    path = lora_file(tmp_path, lora, "comfy")
+    path = write_lora_file(tmp_path, lora, "comfy")
     common = ["--model", str(tiny_folder[1]), "--width", "64", "--height", "64", "--steps", "2"]
     prompt = ["--prompt", "a red fox"]
     plain = gmlx_image(tmp_path, "sample", *prompt, *common, "--out", str(tmp_path / "a.png"))
@@ -265,7 +259,7 @@ def test_a_models_configured_adapters_apply_in_process_via_steps_and_in_the_benc
     """`[models."id"] adapters` in the config: `gmlx image sample` runs under them in process
     and through the routes (there the server's own table for steps naming none), as it would
     with the same files given as --adapter; the bench records them."""
-    path = lora_file(tmp_path, random_lora(shapes, seed=19, alpha=8.0), "comfy")
+    path = write_lora_file(tmp_path, random_lora(shapes, seed=19, alpha=8.0), "comfy")
     root, folder = tiny_folder
     config = tmp_path / "config.toml"
     config.write_text(

@@ -26,6 +26,7 @@ from PIL import Image
 from tests.lora.conftest import MODEL_ID
 from tests.lora.forms import client_table, random_lora, write_form
 from tests.lora.reference import layer_shapes, plain_model
+from tests.server.conftest import out_of
 
 HEADERS = {"X-Gmlx-Steps-Contract": "1.0"}
 CONTAINER = {**HEADERS, "Content-Type": wire.CONTAINER_TYPE}
@@ -89,11 +90,6 @@ def inputs(seed: int):
     cond = rng.standard_normal((1, 7, 64)).astype(np.float32)
     x = rng.standard_normal((1, 16, 4, 4)).astype(np.float32)
     return cond, x
-
-
-def out_of(response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    return wire.read_container(response.content).tensors["out"]
 
 
 def test_a_step_with_a_table_equals_the_engine_direct(server, lora_doc):

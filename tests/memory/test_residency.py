@@ -64,6 +64,8 @@ def model_of(server):
 
 
 def test_a_released_encoder_frees_its_memory_and_loads_again_with_the_same_conditioning(folder):
+    """Loaded alone, its release frees the encoder's weights and nothing else (every family's
+    release, served: tests/families/test_conformance.py)."""
     model = family.QWEN_IMAGE21.load(folder, "released")
     first = model.encode(PROMPT, [], refs=False).cond
     encoder_bytes, all_bytes = model.encoder_bytes, model.weight_bytes
@@ -167,23 +169,33 @@ def fresh_state(server):
     return model
 
 
+def one_row_step(server, x: np.ndarray, length: int, seed: int):
+    """The encoder loaded and no prefix states held (fresh_state), a conditioning of `length`
+    rows put: (the model, the conditioning's digest, the need of a step of x on it, what the
+    plan holds)."""
+    model = fresh_state(server)
+    digest, row = put_cond(server, length, seed)
+    return model, digest, model.step_peak_bytes(x.shape, [row]), server.ctx.service.memory.held()
+
+
+def short_of_both(held: int, need: int) -> int:
+    """A budget a MiB short of what is held and the work's need together (in whole MiB, as a
+    budget is)."""
+    return (held + need) // MiB * MiB - MiB
+
+
 def test_auto_releases_the_encoder_exactly_when_the_step_would_not_fit_beside_it(servers):
     server = servers["auto"]
-    planner = server.ctx.service.memory
     x = np.random.default_rng(0).standard_normal((1, 64, 32, 32), dtype=np.float32)
-    model = fresh_state(server)
-    digest, row = put_cond(server, 64, 1)
-    need, held = model.step_peak_bytes(x.shape, [row]), planner.held()
+    model, digest, need, held = one_row_step(server, x, 64, 1)
     # room for both (the budget rounds up): the encoder stays
     r = with_budget(server, held + need, lambda: step(server, x, [digest]))
     assert r.status_code == 200, r.text
     assert model.encoder_resident
 
-    model = fresh_state(server)
-    digest, row = put_cond(server, 64, 2)
-    need, held = model.step_peak_bytes(x.shape, [row]), planner.held()
+    model, digest, need, held = one_row_step(server, x, 64, 2)
     # a MiB short of both, but room for the step once the encoder goes
-    budget = (held + need) // MiB * MiB - MiB
+    budget = short_of_both(held, need)
     assert held - model.encoder_bytes + need <= budget < held + need
     r = with_budget(server, budget, lambda: step(server, x, [digest]))
     assert r.status_code == 200, r.text
@@ -194,13 +206,9 @@ def test_auto_releases_the_encoder_exactly_when_the_step_would_not_fit_beside_it
 
 def test_keep_never_releases_and_refuses_instead(servers):
     server = servers["keep"]
-    planner = server.ctx.service.memory
     x = np.random.default_rng(0).standard_normal((1, 64, 32, 32), dtype=np.float32)
-    model = fresh_state(server)
-    digest, row = put_cond(server, 64, 3)
-    need, held = model.step_peak_bytes(x.shape, [row]), planner.held()
-    budget = (held + need) // MiB * MiB - MiB
-    r = with_budget(server, budget, lambda: step(server, x, [digest]))
+    model, digest, need, held = one_row_step(server, x, 64, 3)
+    r = with_budget(server, short_of_both(held, need), lambda: step(server, x, [digest]))
     assert r.status_code == 400 and "memory plan" in r.json()["error"]
     assert model.encoder_resident
 
@@ -235,7 +243,7 @@ def test_auto_releases_the_encoder_for_a_vae_pass_that_would_not_fit_beside_it(s
     model = fresh_state(server)
     z = np.random.default_rng(7).standard_normal((1, 64, 8, 8), dtype=np.float32)
     need, held = model.vae_peak_bytes(128, 128, True), planner.held()
-    budget = (held + need) // MiB * MiB - MiB
+    budget = short_of_both(held, need)
     assert held - model.encoder_bytes + need <= budget < held + need
     r = with_budget(server, budget, lambda: server.post_container("vae/decode", {"latents": z}))
     assert r.status_code == 200, r.text

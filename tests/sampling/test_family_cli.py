@@ -4,17 +4,12 @@ them: the step routes (--via-steps) give the in-process image bit for bit."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
-from PIL import Image
 
 from tests.families.flux3_klein import tiny as flux3_tiny
 from tests.families.krea2 import tiny as krea2_tiny
 from tests.families.z_image.tiny import folder as z_image_tiny
+from tests.sampling.image_cli import assert_routed_png_is_direct, routed_bench_record
 
 # Each family's tiny folder of its few-step variant, and that variant's steps.
 BUILDERS = {
@@ -37,35 +32,12 @@ def folder(request, tmp_path_factory):
     return root
 
 
-def image_command(tmp_path, folder, command: str, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    line = [sys.executable, "-m", "gmlx_server", "image", command, "--model", str(folder)]
-    line += ["--prompt", "a red fox", "--width", "64", "--height", "48", "--seed", "5"]
-    return subprocess.run(line + list(extra), capture_output=True, text=True, env=env)
-
-
 def test_sample_via_the_step_routes_writes_the_direct_png(tmp_path, folder):
-    direct = image_command(tmp_path, folder, "sample", "--out", str(tmp_path / "direct.png"))
-    assert direct.returncode == 0, direct.stderr[-2000:]
-    routed = image_command(
-        tmp_path, folder, "sample", "--out", str(tmp_path / "routed.png"), "--via-steps"
-    )
-    assert routed.returncode == 0, routed.stderr[-2000:]
     steps = BUILDERS[folder.name.removesuffix("-tiny")][2]
-    assert f"{steps} steps" in routed.stdout and "via the step routes" in routed.stdout
-    with Image.open(tmp_path / "direct.png") as image:
-        assert image.size == (64, 48) and image.mode == "RGB"
-    assert (tmp_path / "direct.png").read_bytes() == (tmp_path / "routed.png").read_bytes()
+    assert_routed_png_is_direct(tmp_path, folder, steps)
 
 
 def test_guided_bench_via_steps_is_equal_to_direct(tmp_path, folder):
-    out = tmp_path / "bench.json"
-    extra = ["--cfg", "2.5", "--negative", "blurry", "--steps", "3", "--runs", "1"]
-    bench = image_command(
-        tmp_path, folder, "bench", *extra, "--warmup", "0", "--via-steps", "--json-out", str(out)
-    )
-    assert bench.returncode == 0, bench.stderr[-2000:]
-    record = json.loads(out.read_text())
-    assert record["transport"]["mode"] == "steps"
-    assert record["transport"]["equal_to_direct"] is True
+    extra = ["--cfg", "2.5", "--negative", "blurry", "--steps", "3"]
+    record = routed_bench_record(tmp_path, folder, *extra)
     assert record["model"]["family"] == folder.name.removesuffix("-tiny")

@@ -17,11 +17,11 @@ from gmlx_server.engine.base import (
     EncodeResult,
     EngineInputError,
     Facts,
+    StepCall,
     StepResult,
 )
-from gmlx_server.engine.spec import Family, FamilySpec
 
-from ..numpy_models import NumpyImageModel
+from ..numpy_models import NumpyImageModel, numpy_family
 
 FAMILY = "toy"
 PIPELINE_CLASS = "ToyPipeline"
@@ -54,15 +54,7 @@ def load(model_dir: Path, model_id: str) -> ToyModel:
     return ToyModel(model_id, _index(model_dir).get("sigmas"))
 
 
-SPEC = FamilySpec(
-    name=FAMILY,
-    title="toy",
-    identify=identify,
-    features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
-    quantizes=False,
-    encoder_vae_dtype=False,
-)
-TOY = Family(SPEC, load)
+TOY = numpy_family(FAMILY, "toy", identify, load)
 
 
 def _text_rows(text: str) -> np.ndarray:
@@ -109,23 +101,10 @@ class ToyModel(NumpyImageModel):
             slots.append(min(i, cond.shape[1]))
         return EncodeResult(cond=cond, ref_latents=latents, image_slots=slots)
 
-    def denoise_step(
-        self,
-        x,
-        timestep,
-        rows,
-        *,
-        convention="comfy",
-        run=None,
-        table=None,
-        plans=None,
-        ref_cache=False,
-        skip=(),
-        sample_sigmas=None,
-    ):
+    def step(self, x, timestep, rows, call: StepCall) -> StepResult:
         if x.shape[0] != len(rows):
             raise EngineInputError("one row per batch entry")
-        self.calls.append((len(rows), run))
+        self.calls.append((len(rows), call.run))
         out = np.empty_like(x, dtype=np.float32)
         for i, row in enumerate(rows):
             t = np.float32(timestep[i])

@@ -65,6 +65,17 @@ class LiveServer:
         self.ctx.service.close()
 
 
+def answer_tensors(response: requests.Response) -> dict[str, np.ndarray]:
+    """The tensors of a route's container answer, which must be a 200."""
+    assert response.status_code == 200, response.text
+    return wire.read_container(response.content).tensors
+
+
+def out_of(response: requests.Response) -> np.ndarray:
+    """The output of a step's answer, which must be a 200."""
+    return answer_tensors(response)["out"]
+
+
 def model_root(tmp: Path) -> Path:
     root = tmp / "models"
     linear_family.make_model_folder(root, "alpha")
@@ -125,6 +136,36 @@ def server_factory(tmp_path):
     yield factory
     for server in started:
         server.close()
+
+
+def config_file(tmp_path: Path, text: str) -> Path:
+    """tmp_path/config.toml holding `text`."""
+    path = tmp_path / "config.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def linear_registry(folder: Path, settings) -> ModelRegistry:
+    """A registry of `folder`, a model of the test family, loading every model at `settings`
+    (a LoadSettings)."""
+    return ModelRegistry(
+        extra_models=[folder],
+        families={linear_family.FAMILY: linear_family.LINEAR},
+        settings=lambda model_id: settings,
+    )
+
+
+def refused_load(folder: Path, settings) -> str:
+    """Why a linear_registry at `settings` refuses to load `folder`: a 400, before anything is
+    resident."""
+    from gmlx_contract.errors import ContractError
+
+    registry = linear_registry(folder, settings)
+    with pytest.raises(ContractError) as refused:
+        registry.acquire(folder.name)
+    assert refused.value.status == 400
+    assert registry.resident_ids() == []
+    return refused.value.message
 
 
 def listed_models(config: Path) -> list[str]:

@@ -17,12 +17,12 @@ from gmlx_server.engine.base import (
     EncodeResult,
     EngineInputError,
     Facts,
+    StepCall,
     StepResult,
     StepRow,
 )
-from gmlx_server.engine.spec import Family, FamilySpec
 
-from ..numpy_models import NumpyImageModel
+from ..numpy_models import NumpyImageModel, numpy_family
 
 FAMILY = "test_linear"
 PIPELINE_CLASS = "GmlxTestLinearPipeline"
@@ -54,17 +54,7 @@ def load(model_dir: Path, model_id: str) -> LinearModel:
     return LinearModel(model_id, index.get("variant", "base"))
 
 
-# The family as the registry takes it: its spec (no quantization, no encoder and VAE dtype, no
-# weight files) and a Family that loads and says nothing from the files.
-SPEC = FamilySpec(
-    name=FAMILY,
-    title="test linear",
-    identify=identify,
-    features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
-    quantizes=False,
-    encoder_vae_dtype=False,
-)
-LINEAR = Family(SPEC, load)
+LINEAR = numpy_family(FAMILY, "test linear", identify, load)
 
 
 # ---------------------------------------------------------------- the arithmetic
@@ -158,20 +148,7 @@ class LinearModel(NumpyImageModel):
         latents = [image_latent(image) for image in images] if refs else []
         return EncodeResult(cond=cond, ref_latents=latents, image_slots=slots)
 
-    def denoise_step(
-        self,
-        x,
-        timestep,
-        rows: list[StepRow],
-        *,
-        convention="comfy",
-        run=None,
-        table=None,
-        plans=None,
-        ref_cache=False,
-        skip=(),
-        sample_sigmas=None,
-    ) -> StepResult:
+    def step(self, x, timestep, rows: list[StepRow], call: StepCall) -> StepResult:
         self.step_started.set()
         self._release.wait(30)
         self.step_calls += 1
@@ -184,7 +161,7 @@ class LinearModel(NumpyImageModel):
         else:
             header = "hit" if all(k in self.seen_keys for k in keys) else "miss"
             self.seen_keys.update(keys)
-        strength = table_strength(table)
+        strength = table_strength(call.table)
         out = np.stack(
             [
                 row_output(x[i], float(timestep[i]), r.cond, r.ref_latents, r.image_slots, strength)

@@ -8,13 +8,15 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from gmlx_server import cli, discovery
 from gmlx_server.config import ServerConfig, load_config
 
+from tests.catalog import EMBEDDED_MODELS
+
 from . import linear_family
+from .conftest import config_file
 
 
 @pytest.fixture(autouse=True)
@@ -29,12 +31,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _config_file(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "config.toml"
-    path.write_text(text, encoding="utf-8")
-    return path
 
 
 def _run(capsys, *argv: str) -> tuple[int, str]:
@@ -55,7 +51,7 @@ def test_server_url_is_where_a_client_on_this_machine_connects():
 
 def test_status_of_a_configured_server_that_is_not_running(tmp_path, capsys):
     port = _free_port()
-    config = _config_file(tmp_path, f"[server]\nport = {port}\n")
+    config = config_file(tmp_path, f"[server]\nport = {port}\n")
     code, out = _run(capsys, "status", "--json", "--config", str(config))
     assert code == 0
     assert json.loads(out) == {
@@ -73,7 +69,7 @@ def test_status_of_a_configured_server_that_is_not_running(tmp_path, capsys):
 
 def test_status_of_a_running_server(live, tmp_path, capsys):
     port = live.base.rsplit(":", 1)[1]
-    config = _config_file(tmp_path, f"[server]\nport = {port}\n")
+    config = config_file(tmp_path, f"[server]\nport = {port}\n")
     code, out = _run(capsys, "status", "--json", "--config", str(config))
     doc = json.loads(out)
     assert code == 0 and doc["running"] is True and doc["error"] is None
@@ -97,7 +93,7 @@ def test_status_names_what_each_resident_model_holds(tmp_path, capsys):
         loaded = server.ctx.registry.loaded(folder.name).model
         server.ctx.service.worker.call(loaded.release_encoder)
         port = server.base.rsplit(":", 1)[1]
-        config = _config_file(tmp_path, f"[server]\nport = {port}\n")
+        config = config_file(tmp_path, f"[server]\nport = {port}\n")
         code, out = _run(capsys, "status", "--json", "--config", str(config))
         (resident,) = json.loads(out)["resident"]
         assert resident["model"] == folder.name
@@ -122,7 +118,7 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
     linear_family.make_model_folder(root, "alpha")
     linear_family.make_model_folder(root, "beta")
     (root / "not-a-model").mkdir()
-    config = _config_file(
+    config = config_file(
         tmp_path,
         f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "beta"\n\n[models."gamma"]\n',
     )
@@ -141,16 +137,9 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
 
 
 def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(tmp_path):
-    doc = discovery.configured_models(load_config(_config_file(tmp_path, "[server]\n")))
+    doc = discovery.configured_models(load_config(config_file(tmp_path, "[server]\n")))
     assert doc["default_model"] == "qwen-image21-random-tiny"
-    assert [m["model"] for m in doc["models"]] == [
-        "qwen-image21-random-tiny",
-        "flux2-klein-random-tiny",
-        "flux3-klein-random-tiny",
-        "krea2-random-tiny",
-        "moss-image-random-tiny",
-        "z-image-random-tiny",
-    ]
+    assert [m["model"] for m in doc["models"]] == EMBEDDED_MODELS
     assert [m["default"] for m in doc["models"]] == [True, False, False, False, False, False]
     assert [m["folder"] for m in doc["models"]] == [None] * 6  # not generated yet in this cache
 
@@ -160,7 +149,7 @@ def test_the_listing_names_what_the_server_lists(live, tmp_path):
     registry's own folder scan)."""
     served = {m["model"] for m in live.call("GET", "models").json()["models"]}
     root = live.ctx.registry.model_dirs[0]
-    config = _config_file(tmp_path, f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "alpha"\n')
+    config = config_file(tmp_path, f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "alpha"\n')
     listed = {m["model"] for m in discovery.configured_models(load_config(config))["models"]}
     assert listed == served
 
@@ -196,11 +185,4 @@ def test_list_names_the_embedded_models_in_a_python_without_mlx(tmp_path):
     result = gmlx_without(tmp_path, ("mlx", "falcon", "waitress"), "list", "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     listed = [model["model"] for model in json.loads(result.stdout)["models"]]
-    assert listed == [
-        "qwen-image21-random-tiny",
-        "flux2-klein-random-tiny",
-        "flux3-klein-random-tiny",
-        "krea2-random-tiny",
-        "moss-image-random-tiny",
-        "z-image-random-tiny",
-    ]
+    assert listed == EMBEDDED_MODELS

@@ -5,18 +5,11 @@ registry handing the dtype to the family's load (refused for a family that canno
 from __future__ import annotations
 
 import pytest
-from gmlx_contract.errors import ContractError
 from gmlx_server.config import ConfigError, load_config
 from gmlx_server.engine.load_settings import LoadSettings
-from gmlx_server.engine.registry import ModelRegistry
 
 from tests.server import linear_family
-
-
-def config_file(tmp_path, text: str):
-    path = tmp_path / "config.toml"
-    path.write_text(text)
-    return path
+from tests.server.conftest import config_file, linear_registry, refused_load
 
 
 def test_the_dtype_and_the_residency_are_read_and_default_to_auto(tmp_path):
@@ -57,18 +50,6 @@ def test_bad_values_are_refused_naming_the_key(tmp_path, text, message):
 
 def test_a_family_without_the_setting_is_refused_and_auto_asks_nothing(tmp_path):
     folder = linear_family.make_model_folder(tmp_path, "lin")
-    families = {linear_family.FAMILY: linear_family.LINEAR}
-    forced = ModelRegistry(
-        extra_models=[folder],
-        families=families,
-        settings=lambda model_id: LoadSettings(encoder_vae_dtype="bf16"),
-    )
-    with pytest.raises(ContractError) as refused:
-        forced.acquire("lin")
-    assert refused.value.status == 400
-    assert "family test_linear has no encoder and VAE dtype to set" in refused.value.message
-    assert forced.resident_ids() == []
-    auto = ModelRegistry(
-        extra_models=[folder], families=families, settings=lambda model_id: LoadSettings()
-    )
-    assert auto.acquire("lin").model_id == "lin"
+    message = refused_load(folder, LoadSettings(encoder_vae_dtype="bf16"))
+    assert "family test_linear has no encoder and VAE dtype to set" in message
+    assert linear_registry(folder, LoadSettings()).acquire("lin").model_id == "lin"

@@ -9,22 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from gmlx_contract.errors import ContractError
 from gmlx_server import cli
 from gmlx_server.config import ConfigError, load_config, model_settings_over
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.precision import Quantization
-from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.image_cli import bench_parser, sample_parser
 from gmlx_server.parsers import model_flags, quantization_argument
 
 from tests.server import linear_family
-
-
-def config_file(tmp_path, text: str):
-    path = tmp_path / "config.toml"
-    path.write_text(text)
-    return path
+from tests.server.conftest import config_file, linear_registry, refused_load
 
 
 def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
@@ -97,22 +90,9 @@ def test_serve_refuses_a_group_size_without_bits(tmp_path):
 
 def test_a_family_that_does_not_quantize_is_refused_before_anything_loads(tmp_path):
     folder = linear_family.make_model_folder(tmp_path, "lin")
-    registry = ModelRegistry(
-        extra_models=[folder],
-        families={linear_family.FAMILY: linear_family.LINEAR},
-        settings=lambda model_id: LoadSettings(Quantization(4)),
-    )
-    with pytest.raises(ContractError) as refused:
-        registry.acquire("lin")
-    assert refused.value.status == 400
-    assert "family test_linear does not quantize its weights" in refused.value.message
-    assert registry.resident_ids() == []
-    plain = ModelRegistry(
-        extra_models=[folder],
-        families={linear_family.FAMILY: linear_family.LINEAR},
-        settings=lambda model_id: LoadSettings(),
-    )
-    assert plain.acquire("lin").model_id == "lin"
+    message = refused_load(folder, LoadSettings(Quantization(4)))
+    assert "family test_linear does not quantize its weights" in message
+    assert linear_registry(folder, LoadSettings()).acquire("lin").model_id == "lin"
 
 
 def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
@@ -135,13 +115,5 @@ def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
 
 def test_a_family_that_reads_no_gguf_refuses_a_dit_setting(tmp_path):
     folder = linear_family.make_model_folder(tmp_path, "lin")
-    registry = ModelRegistry(
-        extra_models=[folder],
-        families={linear_family.FAMILY: linear_family.LINEAR},
-        settings=lambda model_id: LoadSettings(dit=tmp_path / "dit.gguf"),
-    )
-    with pytest.raises(ContractError) as refused:
-        registry.acquire("lin")
-    assert refused.value.status == 400
-    assert "family test_linear reads no GGUF file for its dit" in refused.value.message
-    assert registry.resident_ids() == []
+    message = refused_load(folder, LoadSettings(dit=tmp_path / "dit.gguf"))
+    assert "family test_linear reads no GGUF file for its dit" in message

@@ -9,9 +9,9 @@
   to one process, and a rank that stops or dies turns into a 503 naming it within the bound: a
   stopped rank that resumes is taken back, a dead one leaves the group refusing model work;
 - `gmlx image sample --via-steps` over 2 ranks writes the one-process image;
-- Z-Image, whose pipeline runs over its three block stacks, steps as one process over 2 ranks
-  in both modes (and, heavy, over 3 in pipeline mode; tensor mode over 3 is refused naming the
-  weight that does not split).
+- Z-Image, whose pipeline runs over its three block stacks, Krea 2, FLUX.3 klein and MOSS-Image
+  step as one process over 2 ranks in both modes (Z-Image, heavy, over 3 in pipeline mode;
+  tensor mode over 3 is refused naming the weight that does not split).
 """
 
 from __future__ import annotations
@@ -235,58 +235,63 @@ def test_three_ranks_step_as_one_process(folder, mode):
     check_equal(rank_check(folder, 3, mode), folder.name, 3, mode)
 
 
-# Tensor mode runs the same check as Krea 2's (tests/shard/family_check.py), whose split of
-# grouped key/value heads is the harder case; Z-Image's runs with -m heavy.
-@pytest.mark.parametrize("mode", ["pipeline", pytest.param("tensor", marks=pytest.mark.heavy)])
-def test_z_image_over_two_ranks_steps_as_one_process(z_image_folder, mode):
-    results = rank_check(z_image_folder, 2, mode, "family_check")
-    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
-    assert max(results["weights"]["ranks"]) < results["weights"]["single"]
-
-
-@pytest.fixture(scope="module")
-def krea2_folder(tmp_path_factory) -> Path:
-    return build_krea2_folder(tmp_path_factory.mktemp("shard") / "tiny-krea2")
-
-
-# Tensor mode splits Krea 2's grouped key/value heads and leaves its text fusion whole; pipeline
-# mode's stages are Z-Image's check's, so it runs with -m heavy.
-@pytest.mark.parametrize("mode", [pytest.param("pipeline", marks=pytest.mark.heavy), "tensor"])
-def test_krea2_over_two_ranks_steps_as_one_process(krea2_folder, mode):
-    results = rank_check(krea2_folder, 2, mode, "family_check")
-    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
-    assert max(results["weights"]["ranks"]) < results["weights"]["single"]
-
-
-@pytest.fixture(scope="module")
-def flux3_folder(tmp_path_factory) -> Path:
+def build_flux3_folder(root: Path) -> Path:
     from tests.families.flux3_klein.tiny import build_tiny_folder
 
-    return build_tiny_folder(tmp_path_factory.mktemp("shard") / "tiny-flux3")
+    return build_tiny_folder(root)
 
 
-# Tensor mode splits FLUX.3 klein's joint blocks by heads and keeps its per-mode blocks whole;
-# its pipeline mode runs with -m heavy.
-@pytest.mark.parametrize("mode", [pytest.param("pipeline", marks=pytest.mark.heavy), "tensor"])
-def test_flux3_klein_over_two_ranks_steps_as_one_process(flux3_folder, mode):
-    results = rank_check(flux3_folder, 2, mode, "family_check")
-    assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
-    assert max(results["weights"]["ranks"]) < results["weights"]["single"]
+def build_moss_folder(root: Path) -> Path:
+    from tests.families.moss_image.tiny import build_tiny_folder
+
+    return build_tiny_folder(root)
+
+
+# The families family_check (tests/shard/family_check.py) runs, by their tiny folder's builder.
+FAMILY_FOLDERS = {
+    "krea2": build_krea2_folder,
+    "flux3_klein": build_flux3_folder,
+    "moss_image": build_moss_folder,
+}
 
 
 @pytest.fixture(scope="module")
-def moss_folder(tmp_path_factory) -> Path:
-    from tests.families.moss_image.tiny import build_tiny_folder
+def family_folder(request, tmp_path_factory, z_image_folder) -> Path:
+    """The tiny folder of the family the test names (Z-Image's the module's own)."""
+    if request.param == "z_image":
+        return z_image_folder
+    return FAMILY_FOLDERS[request.param](tmp_path_factory.mktemp("shard") / f"tiny-{request.param}")
 
-    return build_tiny_folder(tmp_path_factory.mktemp("shard") / "tiny-moss")
+
+def heavy(*values):
+    return pytest.param(*values, marks=pytest.mark.heavy)
 
 
-# MOSS-Image's main blocks split by heads (q, k and v one fused weight, as FLUX.3 klein's,
-# whose tensor mode runs in the quick tier) with its text projection whole: -m heavy.
-@pytest.mark.heavy
-@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
-def test_moss_image_over_two_ranks_steps_as_one_process(moss_folder, mode):
-    results = rank_check(moss_folder, 2, mode, "family_check")
+# Each family steps over two ranks as one process in both modes; which of them run with -m heavy:
+@pytest.mark.parametrize(
+    ("family_folder", "mode"),
+    [
+        # Z-Image's pipeline over its three block stacks; its tensor mode is Krea 2's check,
+        # whose split of grouped key/value heads is the harder case
+        ("z_image", "pipeline"),
+        heavy("z_image", "tensor"),
+        # Krea 2's tensor mode splits its grouped key/value heads and leaves its text fusion
+        # whole; its pipeline mode's stages are Z-Image's check's
+        heavy("krea2", "pipeline"),
+        ("krea2", "tensor"),
+        # FLUX.3 klein's tensor mode splits its joint blocks by heads and keeps its per-mode
+        # blocks whole
+        heavy("flux3_klein", "pipeline"),
+        ("flux3_klein", "tensor"),
+        # MOSS-Image's main blocks split by heads (q, k and v one fused weight, as FLUX.3
+        # klein's, whose tensor mode runs in the quick tier) with its text projection whole
+        heavy("moss_image", "pipeline"),
+        heavy("moss_image", "tensor"),
+    ],
+    indirect=["family_folder"],
+)
+def test_a_family_over_two_ranks_steps_as_one_process(family_folder, mode):
+    results = rank_check(family_folder, 2, mode, "family_check")
     assert results["step"]["rel_l2"] <= TOLERANCE and results["lora"]["rel_l2"] <= TOLERANCE
     assert max(results["weights"]["ranks"]) < results["weights"]["single"]
 

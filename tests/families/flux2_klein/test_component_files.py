@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -19,21 +18,21 @@ from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.families.flux2_klein import family
 from gmlx_server.engine.spec import model_index, read_config
-from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import ldm_vae, set_files, set_folder, write_comfy_tokenizer
+from tests.engine.comfy_files import float32_weights, ldm_vae, write_comfy_tokenizer
+from tests.engine.component_sets import ComfySet, assert_same_outputs, made_folder
 from tests.families.flux2_klein.test_gguf import write_file
 from tests.families.flux2_klein.tiny.bfl import bfl_state_dict
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 from tests.families.flux2_klein.tiny.vae import build_vae
 
 VAE = {"norm_num_groups": 32, "block_out_channels": (32, 32, 32, 32)}
-DIT_FILE = "flux-2-klein-tiny.safetensors"
-
-
-def arrays(folder):
-    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
+SET = ComfySet(
+    dit="flux-2-klein-tiny.safetensors",
+    text_encoder="qwen_3_tiny.safetensors",
+    vae="flux2-vae-tiny.safetensors",
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,31 +42,18 @@ def tiny(tmp_path_factory):
     build_tiny_folder(folder, "flux2_klein", num_single_layers=1)
     shutil.rmtree(folder / "vae")
     build_vae(folder / "vae", seed=0, **VAE)
-    comfy = root / "ComfyUI"
-    models = comfy / "models"
-    for name in ("diffusion_models", "text_encoders", "vae"):
-        (models / name).mkdir(parents=True)
-    bfl = bfl_state_dict(arrays(folder / "transformer"))
-    save_file(
-        {"model.diffusion_model." + n: np.ascontiguousarray(v) for n, v in bfl.items()},
-        str(models / "diffusion_models" / DIT_FILE),
+    bfl = bfl_state_dict(float32_weights(folder / "transformer"))
+    models = SET.write(
+        root,
+        dit={"model.diffusion_model." + n: np.ascontiguousarray(v) for n, v in bfl.items()},
+        vae=ldm_vae(float32_weights(folder / "vae")),
     )
     encoder = next((folder / "text_encoder").glob("*.safetensors"))
-    shutil.copy(encoder, models / "text_encoders" / "qwen_3_tiny.safetensors")
-    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / "flux2-vae-tiny.safetensors"))
+    shutil.copy(encoder, SET.path(models, "text_encoder"))
     write_comfy_tokenizer(
-        folder / "tokenizer" / "tokenizer.json", comfy / components.COMFY_QWEN_TOKENIZER
+        folder / "tokenizer" / "tokenizer.json", models.parent / components.COMFY_QWEN_TOKENIZER
     )
     return folder, models
-
-
-def component_files(models, **changes):
-    names = {
-        "dit": DIT_FILE,
-        "text_encoder": "qwen_3_tiny.safetensors",
-        "vae": "flux2-vae-tiny.safetensors",
-    }
-    return set_files(models, names, **changes)
 
 
 def outputs(model):
@@ -94,7 +80,7 @@ def expected(tiny):
 
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models = tiny
-    made = set_folder(component_files(models), tmp_path)
+    made = SET.folder(models, tmp_path)
     assert family.FLUX2_KLEIN.spec.identify(made) == ("flux2_klein", "distilled")
     for component in ("transformer", "vae"):
         told, written = read_config(made / component), read_config(folder / component)
@@ -109,37 +95,36 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
 @pytest.mark.parametrize("dit", ["safetensors", "gguf"])
 def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path, dit):
     folder, models = tiny
-    files = component_files(models)
+    files = SET.files(models)
     if dit == "gguf":  # BFL's names as a float GGUF file (ComfyUI-GGUF's flux architecture)
-        weights = arrays(folder / "transformer")
+        weights = float32_weights(folder / "transformer")
         path = tmp_path / "flux-2-klein-tiny-F32.gguf"
         write_file(path, weights, dict.fromkeys(weights, T.F32), seed=0)
-        files = component_files(models, dit=path)
-    made = set_folder(files, tmp_path)
-    for got, want in zip(outputs(family.FLUX2_KLEIN.load(made, "set")), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+        files = SET.files(models, dit=path)
+    made = made_folder(files, tmp_path)
+    assert_same_outputs(outputs(family.FLUX2_KLEIN.load(made, "set")), expected)
 
 
 def test_the_kv_family_and_the_base_variant_are_named(tiny, tmp_path):
     _, models = tiny
     base = tmp_path / "flux-2-klein-base-tiny.safetensors"
-    shutil.copy(models / "diffusion_models" / DIT_FILE, base)
-    made = set_folder(component_files(models, dit=base), tmp_path)
+    shutil.copy(SET.path(models, "dit"), base)
+    made = SET.folder(models, tmp_path, dit=base)
     assert family.FLUX2_KLEIN.spec.identify(made) == ("flux2_klein", "base")
-    made = set_folder(component_files(models, family="flux2_klein_9b_kv"), tmp_path)
+    made = SET.folder(models, tmp_path, family="flux2_klein_9b_kv")
     assert model_index(made)["_class_name"] == "Flux2KleinKVPipeline"
     with pytest.raises(ComponentError, match="not a Z-Image DiT"):
-        set_folder(component_files(models, family="z_image"), tmp_path)
+        SET.folder(models, tmp_path, family="z_image")
 
 
 def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
     folder, models = tiny
-    vae = ldm_vae(arrays(folder / "vae"))
+    vae = ldm_vae(float32_weights(folder / "vae"))
     del vae["bn.running_mean"]
     save_file(vae, str(tmp_path / "ae.safetensors"))
     with pytest.raises(ComponentError, match="has no bn.running_mean"):
-        set_folder(component_files(models, vae=tmp_path / "ae.safetensors"), tmp_path)
-    encoder = arrays(folder / "text_encoder")
+        SET.folder(models, tmp_path, vae=tmp_path / "ae.safetensors")
+    encoder = float32_weights(folder / "text_encoder")
     short = {
         n: v
         for n, v in encoder.items()
@@ -149,8 +134,8 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
     with pytest.raises(
         ComponentError, match="has 26 decoder layers; FLUX.2 klein reads the first 27"
     ):
-        set_folder(component_files(models, text_encoder=tmp_path / "short.safetensors"), tmp_path)
+        SET.folder(models, tmp_path, text_encoder=tmp_path / "short.safetensors")
     wide = {**encoder, "model.embed_tokens.weight": np.zeros((8, 64), np.float32)}
     save_file(wide, str(tmp_path / "wide.safetensors"))
     with pytest.raises(ComponentError, match=r"txt_in\.weight reads 3 layers of 32.*embed_tokens"):
-        set_folder(component_files(models, text_encoder=tmp_path / "wide.safetensors"), tmp_path)
+        SET.folder(models, tmp_path, text_encoder=tmp_path / "wide.safetensors")

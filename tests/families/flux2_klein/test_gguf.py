@@ -28,10 +28,10 @@ from gmlx_server.engine.precision import Quantization
 
 from tests.compare import rel_l2
 from tests.engine.gguf_files import encoded, reference, write_gguf
+from tests.engine.quantized import dequantized_tree
 from tests.families.flux2_klein.reference import reference_dit
 from tests.families.flux2_klein.tiny.bfl import bfl_state_dict
 from tests.families.flux2_klein.tiny.transformer import build_transformer, tiny_config
-from tests.families.qwen_image21.test_quantized import dequantized_tree
 
 TOLERANCE = 1e-4
 # Width 256 (2 heads of 128): the blocks' and modulations' inputs (256, 768, 1024) take a

@@ -12,8 +12,8 @@ from gmlx_server.engine.precision import BITS, Quantization
 from gmlx_server.engine.quantize import SPEC
 
 from tests.compare import rel_l2
+from tests.engine.quantized import dequantized_tree
 from tests.families.flux2_klein.tiny.transformer import build_transformer
-from tests.families.qwen_image21.test_quantized import dequantized_tree
 
 
 @pytest.fixture(scope="module")

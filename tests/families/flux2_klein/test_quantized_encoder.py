@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 
 import mlx.nn as nn
@@ -34,9 +32,9 @@ from safetensors.numpy import save_file
 
 from tests.compare import rel_l2
 from tests.encoders.qwen3.test_gguf import write_encoder_gguf
+from tests.engine.quantized import dequantized_qwen3, quantized_by_command
 from tests.families.flux2_klein.tiny.folder import build_tiny_folder
 from tests.families.flux2_klein.tiny.text_encoder import TINY_TEXT, build_text_encoder
-from tests.families.z_image.test_quantized import dequantized_qwen3
 from tests.server.conftest import serve
 
 TOLERANCE = 1e-4
@@ -137,11 +135,7 @@ def test_the_encode_route_on_a_quantized_model(folder, full):
 
 
 def test_a_stored_quantized_folder_equals_quantizing_at_load(folder, tmp_path):
-    written = tmp_path / "klein-q4"
-    command = [sys.executable, "-m", "gmlx_server", "model", "quantize", str(folder)]
-    command += [str(written), "--bits", "4", "--group-size", "32"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    written = quantized_by_command(folder, tmp_path / "klein-q4", 4, 32)
     for component in ("transformer", "text_encoder"):
         assert read_config(written / component)["quantization"] == spec(4)
     stored = family.FLUX2_KLEIN.load(written, "stored")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.families.tiny_weights import redraw
+from tests.families.tiny_weights import save_drawn
 
 # A tiny Flux3Transformer2DModel: four 16-wide heads (64 wide: its blocks quantize in groups of
 # 64), one per-mode block per mode, two joint blocks, the RoPE axes a quarter of the head each
@@ -30,14 +30,12 @@ TINY_TRANSFORMER = {
 
 def build_transformer(directory: Path, seed: int = 0, **overrides):
     """Write a tiny FLUX.3 transformer into `directory`; return it as the diffusers model."""
-    import torch
     from diffusers import Flux3Transformer2DModel
 
-    torch.manual_seed(seed)
-    model = Flux3Transformer2DModel(**{**TINY_TRANSFORMER, **overrides})
-    redraw(model, torch.Generator().manual_seed(seed), linear_gain=1.0, constant_noise=0.3)
-    model.save_pretrained(str(directory))
-    return model.eval()
+    config = {**TINY_TRANSFORMER, **overrides}
+    return save_drawn(
+        Flux3Transformer2DModel, config, directory, seed, linear_gain=1.0, constant_noise=0.3
+    )
 
 
 def reference_dit(model, x: np.ndarray, t, text: np.ndarray, refs=(), targets=None) -> np.ndarray:

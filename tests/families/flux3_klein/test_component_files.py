@@ -10,32 +10,27 @@ from __future__ import annotations
 import json
 import shutil
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from gmlx_server.engine.base import EncodeResult
 from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.families.flux3_klein import family
 from gmlx_server.engine.families.flux3_klein.spec import OUT_LAYERS
-from gmlx_server.engine.sampling import direct_row
-from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import differing_keys, ldm_vae, listed_sets, set_files, set_folder
+from tests.engine.comfy_files import float32_weights, ldm_vae
+from tests.engine.component_sets import ComfySet, assert_same_outputs, differing_configs, outputs_of
 from tests.families.flux2_klein.tiny.vae import build_vae
 from tests.families.flux3_klein.bfl import bfl_state_dict
 from tests.families.flux3_klein.tiny import build_tiny_folder
 
-DIT_FILE = "flux-3-klein-tiny.safetensors"
-ENCODER_FILE = "qwen_3_vl_tiny.safetensors"
-VAE_FILE = "flux2-vae-tiny.safetensors"
+SET = ComfySet(
+    dit="flux-3-klein-tiny.safetensors",
+    text_encoder="qwen_3_vl_tiny.safetensors",
+    vae="flux2-vae-tiny.safetensors",
+)
 PROMPT = "a red boat on a lake"
 # FLUX.2's VAE with the real group count, which its file cannot tell (vaes/from_files.py's facts)
 VAE = {"norm_num_groups": 32, "block_out_channels": (32, 32, 32, 32)}
-
-
-def arrays(folder) -> dict[str, np.ndarray]:
-    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
 
 
 @pytest.fixture(scope="module", params=["distilled", "base"])
@@ -50,33 +45,21 @@ def tiny(request, tmp_path_factory):
         out_layers=OUT_LAYERS,
     )
     build_vae(folder / "vae", seed=0, **VAE)
-    models = root / "ComfyUI" / "models"
-    for name in ("diffusion_models", "text_encoders", "vae"):
-        (models / name).mkdir(parents=True)
-    dit = bfl_state_dict(arrays(folder / "transformer"))
-    save_file(dit, str(models / "diffusion_models" / DIT_FILE))
-    save_file(arrays(folder / "text_encoder"), str(models / "text_encoders" / ENCODER_FILE))
-    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / VAE_FILE))
+    models = SET.write(
+        root,
+        dit=bfl_state_dict(float32_weights(folder / "transformer")),
+        text_encoder=float32_weights(folder / "text_encoder"),
+        vae=ldm_vae(float32_weights(folder / "vae")),
+    )
     shutil.copytree(folder / "tokenizer", models / "text_encoders" / "tokenizer")
     return folder, models, request.param
 
 
-def component_files(models, **changes):
-    names = {"dit": DIT_FILE, "text_encoder": ENCODER_FILE, "vae": VAE_FILE}
-    return set_files(models, names, **changes)
-
-
 def outputs(folder):
+    """The folder's encode, a flow-map step along a schedule, a decode and an encode."""
     model = family.FLUX3_KLEIN.load(folder, folder.name)
-    encoded = model.encode(PROMPT, [], refs=False)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 128, 3, 4)).astype(np.float32)
-    row = direct_row(EncodeResult(cond=encoded.cond))
     schedule = np.float32([1.0, 0.6, 0.0])
-    step = model.denoise_step(x, np.array([0.6], np.float32), [row], sample_sigmas=schedule)
-    decoded = model.vae_decode(rng.standard_normal((128, 3, 4)).astype(np.float32), alpha=False)
-    image = rng.random((48, 64, 3)).astype(np.float32)
-    return encoded.cond, step.out, decoded, model.vae_encode(image)
+    return outputs_of(model, PROMPT, (128, 3, 4), 0.6, sample_sigmas=schedule)
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +69,8 @@ def expected(tiny):
 
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models, variant = tiny
-    made = set_folder(component_files(models), tmp_path)
-    for component in ("transformer", "vae"):
-        assert not differing_keys(made, folder, component), component
-    assert not differing_keys(made, folder, "text_encoder", "text_config")
+    made = SET.folder(models, tmp_path)
+    assert not differing_configs(made, folder)
     index = json.loads((made / "model_index.json").read_text())
     assert index["text_encoder_out_layers"] == list(OUT_LAYERS)
     assert family.FLUX3_KLEIN.spec.identify(made) == ("flux3_klein", variant)  # by the flow map
@@ -97,21 +78,17 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
 
 def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path):
     _, models, _ = tiny
-    made = set_folder(component_files(models), tmp_path)
-    for got, want in zip(outputs(made), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+    made = SET.folder(models, tmp_path)
+    assert_same_outputs(outputs(made), expected)
 
 
 def test_a_dit_in_diffusers_names_serves_the_same(tiny, expected, tmp_path):
     folder, models, _ = tiny
     path = tmp_path / "flux3_diffusers.safetensors"
-    save_file(
-        {"model.diffusion_model." + n: v for n, v in arrays(folder / "transformer").items()},
-        str(path),
-    )
-    made = set_folder(component_files(models, dit=path), tmp_path)
-    for got, want in zip(outputs(made), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+    weights = float32_weights(folder / "transformer")
+    save_file({"model.diffusion_model." + n: v for n, v in weights.items()}, str(path))
+    made = SET.folder(models, tmp_path, dit=path)
+    assert_same_outputs(outputs(made), expected)
 
 
 def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
@@ -119,15 +96,10 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
     z_image_vae = tmp_path / "ae.safetensors"
     save_file({"decoder.conv_in.weight": np.zeros((8, 16, 3, 3), np.float32)}, str(z_image_vae))
     with pytest.raises(ComponentError, match="not FLUX.2's 32-channel autoencoder"):
-        set_folder(component_files(models, vae=z_image_vae), tmp_path)
-    narrow = tmp_path / "narrow.safetensors"
-    encoder = arrays(folder / "text_encoder")
-    encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
-    save_file(encoder, str(narrow))
-    with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
-        set_folder(component_files(models, text_encoder=narrow), tmp_path)
+        SET.folder(models, tmp_path, vae=z_image_vae)
+    SET.assert_refuses_a_narrow_qwen3_vl(folder, models, tmp_path)
 
 
 def test_the_comfyui_folder_lists_the_set(tiny):
     _, models, _ = tiny
-    assert f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-12]} + {VAE_FILE[:-12]}" in listed_sets(models)
+    assert SET.listed_in(models)

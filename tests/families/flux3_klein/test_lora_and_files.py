@@ -9,16 +9,13 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from gmlx_contract import wire
 from gmlx_server.engine.base import StepRow
-from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.lora_files import AdapterSpec, adapter_table
 from safetensors.numpy import load_file, save_file
 
@@ -26,7 +23,8 @@ from tests.compare import rel_l2
 from tests.families.flux3_klein.bfl import bfl_layer, bfl_state_dict
 from tests.families.flux3_klein.reference import reference_dit
 from tests.families.flux3_klein.tiny import build_tiny_folder
-from tests.lora.forms import FORMS, random_lora, write_form
+from tests.families.routes import loaded_folder
+from tests.lora.forms import FORMS, random_lora, write_form, write_lora_file
 from tests.lora.reference import layer_shapes, peft_model
 
 LAYERS = (
@@ -61,8 +59,7 @@ def folders(tmp_path_factory):
     shutil.copy(folder / "transformer" / "config.json", bfl / "transformer" / "config.json")
     weights = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
     save_file(bfl_state_dict(weights), str(bfl / "transformer" / "flux3-klein.safetensors"))
-    loaded = [ModelRegistry(extra_models=[f]).acquire(f.name) for f in (folder, bfl)]
-    return folder, *loaded
+    return folder, loaded_folder(folder), loaded_folder(bfl)
 
 
 def transformer(folder):
@@ -113,20 +110,14 @@ def test_a_lora_file_in_each_key_form_runs_as_peft_does(tmp_path, folders, form)
     shapes = layer_shapes(transformer(folder))
     alpha = None if form in ("diffusers", "peft") else 8.0
     lora = random_lora(shapes, seed=11, alpha=alpha, layers=LAYERS)
-    state = write_form(lora, {"peft": "diffusers", "bfl": "comfy"}.get(form, form))
-    path = tmp_path / f"{form}.safetensors"
-    if form == "peft":  # PEFT's save_pretrained: its keys, and its config beside them
-        state = {k.replace("transformer.", "base_model.model.", 1): v for k, v in state.items()}
-        path = tmp_path / "adapter_model.safetensors"
-        config = {"r": lora.rank, "lora_alpha": lora.rank, "target_modules": sorted(lora.pairs)}
-        (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     if form == "bfl":  # `diffusion_model.` over BFL's layer names
-        state = {_bfl_key(key): value for key, value in state.items()}
+        state = {_bfl_key(key): value for key, value in write_form(lora, "comfy").items()}
         _check_diffusers_reads(state, lora)
-    path.write_bytes(wire.write_container(state))
-    table = adapter_table(
-        SimpleNamespace(model_id=loaded.model_id, model=loaded.model), [AdapterSpec(path, 0.7)]
-    )
+        path = tmp_path / "bfl.safetensors"
+        path.write_bytes(wire.write_container(state))
+    else:
+        path = write_lora_file(tmp_path, lora, form)
+    table = adapter_table(loaded, [AdapterSpec(path, 0.7)])
     cond, x, ref = inputs(loaded.model, 12)
     reference = peft_model(folder, [(lora, 0.7)], transformer(folder))
     theirs = reference_dit(reference, x, [0.6], cond[None], [ref[None]], targets=[0.3])

@@ -21,7 +21,7 @@ from PIL import Image
 from tests.compare import rel_l2
 from tests.families.flux3_klein.reference import reference_dit
 from tests.families.flux3_klein.tiny import OUT_LAYERS, build_tiny_folder, reference_pipeline
-from tests.families.routes import served_folder, through_routes
+from tests.families.routes import through_routes, variant_folder
 
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
 
@@ -31,16 +31,7 @@ def folder(request, tmp_path_factory):
     """The tests' tiny folders of both variants, and the embedded flux3-klein-random-tiny
     (distilled), its product recipe loaded into the references."""
     root = tmp_path_factory.mktemp("flux3_pipeline") / f"flux3-{request.param}-tiny"
-    if request.param == "embedded":
-        write_embedded_model(root)
-        return root
-    return build_tiny_folder(root, variant=request.param)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with served_folder(folder) as server:
-        yield server
+    return variant_folder(root, request.param, build_tiny_folder, write_embedded_model)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import write_tokenizer
-
 from tests.families.flux2_klein.tiny.vae import build_vae
 from tests.families.flux3_klein.reference import build_transformer
-from tests.families.qwen_image21.tiny.text_encoder import _redraw, build_tokenizer, tiny_config
+from tests.families.qwen_image21.tiny.text_encoder import build_language_model
 
 TEXT_LAYERS = 4  # the tiny encoder's decoder layers; the taps below read three of them
 OUT_LAYERS = (1, 2, 3)
@@ -36,9 +34,6 @@ def build_tiny_folder(
 ):
     """Write a tiny FLUX.3 klein folder at `root` (`text_layers`: the encoder's depth, tapped
     after `out_layers`; `transformer`: overrides of the tiny DiT's config); returns it."""
-    import torch
-    from transformers import Qwen3VLModel
-
     root = Path(root)
     build_transformer(
         root / "transformer",
@@ -50,13 +45,7 @@ def build_tiny_folder(
         },
     )
     build_vae(root / "vae", seed + 1)
-    tokenizer = build_tokenizer()
-    write_tokenizer(root / "tokenizer", tokenizer)
-    config = tiny_config(tokenizer, text={"num_hidden_layers": text_layers})
-    torch.manual_seed(seed + 2)
-    encoder = Qwen3VLModel(config).eval()
-    _redraw(encoder, seed + 2)
-    encoder.save_pretrained(str(root / "text_encoder"))
+    build_language_model(root, seed + 2, text_layers)
     (root / "scheduler").mkdir(parents=True, exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
     index = {

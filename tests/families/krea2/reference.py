@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.families.tiny_weights import redraw
+from tests.families.tiny_weights import save_drawn
 
 # A tiny Krea2Transformer2DModel: grouped-query attention (4 query heads over 2 key/value heads),
 # three tapped text layers, text fusion with two key/value heads of its own.
@@ -33,14 +33,12 @@ TINY_TRANSFORMER = {
 
 def build_transformer(directory: Path, seed: int = 0, **overrides):
     """Write a tiny Krea 2 transformer into `directory`; return it as the diffusers model."""
-    import torch
     from diffusers import Krea2Transformer2DModel
 
-    torch.manual_seed(seed)
-    model = Krea2Transformer2DModel(**{**TINY_TRANSFORMER, **overrides})
-    redraw(model, torch.Generator().manual_seed(seed), linear_gain=1.0, constant_noise=0.3)
-    model.save_pretrained(str(directory))
-    return model.eval()
+    config = {**TINY_TRANSFORMER, **overrides}
+    return save_drawn(
+        Krea2Transformer2DModel, config, directory, seed, linear_gain=1.0, constant_noise=0.3
+    )
 
 
 def reference_dit(model, x: np.ndarray, t, conds: list[np.ndarray]) -> np.ndarray:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine import components
@@ -19,28 +18,19 @@ from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.encoders.qwen3 import files as qwen3_files
 from gmlx_server.engine.families.krea2 import family
 from gmlx_server.engine.families.krea2.spec import SELECT_LAYERS
-from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import (
-    differing_keys,
-    listed_sets,
-    set_files,
-    set_folder,
-    wan_vae,
-    write_gguf_text_encoder,
-)
+from tests.engine.comfy_files import float32_weights, wan_vae, write_gguf_text_encoder
+from tests.engine.component_sets import ComfySet, assert_same_outputs, differing_configs, outputs_of
 from tests.engine.gguf_files import write_dit
 from tests.families.krea2.tiny import build_tiny_folder
 
-DIT_FILE = "krea2_turbo_tiny.safetensors"
-ENCODER_FILE = "qwen_3_vl_tiny.safetensors"
-VAE_FILE = "qwen_image_vae_tiny.safetensors"
+SET = ComfySet(
+    dit="krea2_turbo_tiny.safetensors",
+    text_encoder="qwen_3_vl_tiny.safetensors",
+    vae="qwen_image_vae_tiny.safetensors",
+)
 PROMPT = "a red boat on a lake"
-
-
-def arrays(folder) -> dict[str, np.ndarray]:
-    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
 
 
 @pytest.fixture(scope="module")
@@ -51,38 +41,18 @@ def tiny(tmp_path_factory):
     folder = build_tiny_folder(
         root / "krea2-tiny", text_layers=max(SELECT_LAYERS) + 1, select_layers=SELECT_LAYERS
     )
-    models = root / "ComfyUI" / "models"
-    for name in ("diffusion_models", "text_encoders", "vae"):
-        (models / name).mkdir(parents=True)
-    save_file(arrays(folder / "transformer"), str(models / "diffusion_models" / DIT_FILE))
-    save_file(arrays(folder / "text_encoder"), str(models / "text_encoders" / ENCODER_FILE))
-    save_file(wan_vae(arrays(folder / "vae")), str(models / "vae" / VAE_FILE))
+    models = SET.write(
+        root,
+        dit=float32_weights(folder / "transformer"),
+        text_encoder=float32_weights(folder / "text_encoder"),
+        vae=wan_vae(float32_weights(folder / "vae")),
+    )
     shutil.copytree(folder / "tokenizer", models / "text_encoders" / "tokenizer")
     return folder, models
 
 
-def component_files(models, **changes):
-    names = {"dit": DIT_FILE, "text_encoder": ENCODER_FILE, "vae": VAE_FILE}
-    return set_files(models, names, **changes)
-
-
 def outputs(folder):
-    model = family.KREA2.load(folder, folder.name)
-    encoded = model.encode(PROMPT, [], refs=False)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 16, 6, 8)).astype(np.float32)
-    row = model_row(encoded.cond)
-    step = model.denoise_step(x, np.array([0.6], np.float32), [row])
-    decoded = model.vae_decode(rng.standard_normal((16, 6, 8)).astype(np.float32), alpha=False)
-    image = rng.random((48, 64, 3)).astype(np.float32)
-    return encoded.cond, step.out, decoded, model.vae_encode(image)
-
-
-def model_row(cond):
-    from gmlx_server.engine.base import EncodeResult
-    from gmlx_server.engine.sampling import direct_row
-
-    return direct_row(EncodeResult(cond=cond))
+    return outputs_of(family.KREA2.load(folder, folder.name), PROMPT, (16, 6, 8), 0.6)
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +62,8 @@ def expected(tiny):
 
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models = tiny
-    made = set_folder(component_files(models), tmp_path)
-    for component in ("transformer", "vae"):
-        assert not differing_keys(made, folder, component), component
-    assert not differing_keys(made, folder, "text_encoder", "text_config")
+    made = SET.folder(models, tmp_path)
+    assert not differing_configs(made, folder)
     index = json.loads((made / "model_index.json").read_text())
     assert index["is_distilled"] is True  # "turbo" in the DiT file's name
     assert index["text_encoder_select_layers"] == list(SELECT_LAYERS)
@@ -103,9 +71,8 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
 
 def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path):
     _, models = tiny
-    made = set_folder(component_files(models), tmp_path)
-    for got, want in zip(outputs(made), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+    made = SET.folder(models, tmp_path)
+    assert_same_outputs(outputs(made), expected)
 
 
 def test_a_gguf_dit_serves_what_the_folder_serves(tiny, expected, tmp_path):
@@ -113,20 +80,19 @@ def test_a_gguf_dit_serves_what_the_folder_serves(tiny, expected, tmp_path):
     knows it), under ComfyUI's prefix; float32 here, the quantized types are test_gguf's."""
     folder, models = tiny
     path = tmp_path / "krea2_turbo-tiny-F32.gguf"
-    weights = arrays(folder / "transformer")
+    weights = float32_weights(folder / "transformer")
     write_dit(
         path, weights, {}, np.random.default_rng(0), prefix="model.diffusion_model.", arch=None
     )
-    made = set_folder(component_files(models, dit=path), tmp_path)
-    for got, want in zip(outputs(made), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+    made = SET.folder(models, tmp_path, dit=path)
+    assert_same_outputs(outputs(made), expected)
 
 
 def test_a_gguf_text_encoder_alone_serves_with_its_tokenizer(tiny, expected, tmp_path):
     folder, models = tiny
     weights = {
         "model." + n.removeprefix("language_model."): v
-        for n, v in arrays(folder / "text_encoder").items()
+        for n, v in float32_weights(folder / "text_encoder").items()
         if n.startswith("language_model.")
     }
     path = write_gguf_text_encoder(
@@ -138,7 +104,7 @@ def test_a_gguf_text_encoder_alone_serves_with_its_tokenizer(tiny, expected, tmp
     # Qwen3-VL's language model under llama.cpp's Qwen3 names is no Qwen3 (Z-Image's encoder)
     assert not qwen3_files.is_qwen3(components.header(path))
     assert qwen3_files.vl_width(components.header(path)) == 64
-    made = set_folder(component_files(models, text_encoder=path), tmp_path)
+    made = SET.folder(models, tmp_path, text_encoder=path)
     model = family.KREA2.load(made, made.name)
     got = model.encode(PROMPT, [], refs=False).cond
     np.testing.assert_allclose(got, expected[0], rtol=0, atol=1e-5)
@@ -149,19 +115,14 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
     z_image_vae = tmp_path / "ae.safetensors"
     save_file({"decoder.conv_in.weight": np.zeros((8, 4, 3, 3), np.float32)}, str(z_image_vae))
     with pytest.raises(ComponentError, match="not the 16-channel Qwen-Image VAE"):
-        set_folder(component_files(models, vae=z_image_vae), tmp_path)
-    narrow = tmp_path / "narrow.safetensors"
-    encoder = arrays(folder / "text_encoder")
-    encoder["language_model.embed_tokens.weight"] = np.zeros((10, 32), np.float32)
-    save_file(encoder, str(narrow))
-    with pytest.raises(ComponentError, match="not a Qwen3-VL text encoder 64 wide.*32 wide"):
-        set_folder(component_files(models, text_encoder=narrow), tmp_path)
+        SET.folder(models, tmp_path, vae=z_image_vae)
+    SET.assert_refuses_a_narrow_qwen3_vl(folder, models, tmp_path)
     plain = tmp_path / "krea2_tiny.safetensors"
-    shutil.copy(models / "diffusion_models" / DIT_FILE, plain)
+    shutil.copy(SET.path(models, "dit"), plain)
     with pytest.raises(ComponentError, match="variant = one of 'turbo', 'raw'"):
-        set_folder(component_files(models, dit=plain), tmp_path)
+        SET.folder(models, tmp_path, dit=plain)
 
 
 def test_the_comfyui_folder_lists_the_set(tiny):
     _, models = tiny
-    assert f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-12]} + {VAE_FILE[:-12]}" in listed_sets(models)
+    assert SET.listed_in(models)

@@ -5,20 +5,16 @@ layers outside the blocks."""
 
 from __future__ import annotations
 
-import json
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
-from gmlx_contract import wire
 from gmlx_server.engine.base import StepRow
-from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.lora_files import AdapterSpec, adapter_table
 
 from tests.compare import rel_l2
 from tests.families.krea2.reference import reference_dit
 from tests.families.krea2.tiny import build_tiny_folder
-from tests.lora.forms import FORMS, random_lora, write_form
+from tests.families.routes import loaded_folder
+from tests.lora.forms import FORMS, random_lora, write_lora_file
 from tests.lora.reference import layer_shapes, peft_model
 
 LAYERS = (
@@ -41,8 +37,7 @@ LAYERS = (
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = build_tiny_folder(tmp_path_factory.mktemp("krea2_lora") / "krea2-tiny")
-    registry = ModelRegistry(extra_models=[folder])
-    return folder, registry.acquire(folder.name)
+    return folder, loaded_folder(folder)
 
 
 def transformer(folder):
@@ -58,17 +53,7 @@ def test_a_file_in_each_key_form_runs_as_peft_does(tmp_path, tiny, form):
     lora = random_lora(
         shapes, seed=11, alpha=None if form in ("diffusers", "peft") else 8.0, layers=LAYERS
     )
-    state = write_form(lora, "diffusers" if form == "peft" else form)
-    path = tmp_path / f"{form}.safetensors"
-    if form == "peft":  # PEFT's save_pretrained: its keys, and its config beside them
-        state = {k.replace("transformer.", "base_model.model.", 1): v for k, v in state.items()}
-        path = tmp_path / "adapter_model.safetensors"
-        config = {"r": lora.rank, "lora_alpha": lora.rank, "target_modules": sorted(lora.pairs)}
-        (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    path.write_bytes(wire.write_container(state))
-    table = adapter_table(
-        SimpleNamespace(model_id=loaded.model_id, model=loaded.model), [AdapterSpec(path, 0.7)]
-    )
+    table = adapter_table(loaded, [AdapterSpec(write_lora_file(tmp_path, lora, form), 0.7)])
     rng = np.random.default_rng(12)
     config = loaded.model.dit.config
     cond = rng.standard_normal((5, config.num_text_layers, config.text_dim)).astype(np.float32)

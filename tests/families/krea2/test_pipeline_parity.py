@@ -17,7 +17,7 @@ from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
 from tests.compare import rel_l2
 from tests.families.krea2.tiny import build_tiny_folder, reference_pipeline
-from tests.families.routes import served_folder, through_routes
+from tests.families.routes import through_routes, variant_folder
 
 PROMPT, NEGATIVE = "a red fox in the snow", "blurry"
 PROMPTS = (PROMPT, "a lighthouse at dusk")
@@ -28,16 +28,7 @@ def folder(request, tmp_path_factory):
     """The tests' tiny folders of both variants, and the embedded krea2-random-tiny (turbo),
     its product recipe loaded into the references."""
     root = tmp_path_factory.mktemp("krea2_pipeline") / f"krea2-{request.param}-tiny"
-    if request.param == "embedded":
-        write_embedded_model(root)
-        return root
-    return build_tiny_folder(root, variant=request.param)
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with served_folder(folder) as server:
-        yield server
+    return variant_folder(root, request.param, build_tiny_folder, write_embedded_model)
 
 
 def packed(latents: np.ndarray) -> np.ndarray:

@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import write_tokenizer
 from gmlx_server.engine.families.krea2.spec import SCHEDULER_CONFIG, model_index_of
 
 from tests.families.krea2.reference import build_transformer
-from tests.families.qwen_image21.tiny.text_encoder import _redraw, build_tokenizer, tiny_config
+from tests.families.qwen_image21.tiny.text_encoder import build_language_model
 from tests.families.tiny_weights import redraw
 
 TEXT_LAYERS = 4  # the tiny encoder's decoder layers; the taps below read three of them
@@ -33,7 +32,6 @@ def build_tiny_folder(
     config; its encoder of `text_layers` layers, tapped after `select_layers`); returns it."""
     import torch
     from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen3VLModel
 
     root = Path(root)
     build_transformer(
@@ -45,13 +43,7 @@ def build_tiny_folder(
     vae = AutoencoderKLQwenImage(**VAE)
     redraw(vae, torch.Generator().manual_seed(seed + 1), 1.0, 0.2, lambda n, p: p.ndim >= 2)
     vae.save_pretrained(str(root / "vae"))
-    tokenizer = build_tokenizer()
-    write_tokenizer(root / "tokenizer", tokenizer)
-    config = tiny_config(tokenizer, text={"num_hidden_layers": text_layers})
-    torch.manual_seed(seed + 2)
-    encoder = Qwen3VLModel(config).eval()
-    _redraw(encoder, seed + 2)
-    encoder.save_pretrained(str(root / "text_encoder"))
+    build_language_model(root, seed + 2, text_layers)
     (root / "scheduler").mkdir(parents=True, exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER_CONFIG))
     index = model_index_of(variant, select_layers)

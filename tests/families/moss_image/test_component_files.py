@@ -10,24 +10,23 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from gmlx_server.engine.base import EncodeResult
 from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.families.moss_image.family import MOSS_IMAGE
-from gmlx_server.engine.sampling import direct_row
 from gmlx_server.engine.spec import read_config
-from gmlx_server.engine.weights import load_weights
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import differing_keys, ldm_vae, listed_sets, set_files, set_folder
+from tests.engine.comfy_files import float32_weights, ldm_vae
+from tests.engine.component_sets import ComfySet, assert_same_outputs, differing_configs, outputs_of
 from tests.families.moss_image.test_gguf_text_encoder import write_qwen35_gguf
 from tests.families.moss_image.tiny import build_tiny_folder
 
-DIT_FILE = "moss_image_sft_tiny.safetensors"
-ENCODER_FILE = "Qwen3.5-tiny-Q8_0.gguf"
-VAE_FILE = "moss_image_vae_tiny.safetensors"
+SET = ComfySet(
+    dit="moss_image_sft_tiny.safetensors",
+    text_encoder="Qwen3.5-tiny-Q8_0.gguf",
+    vae="moss_image_vae_tiny.safetensors",
+)
 PROMPT = "a neon sign that reads OPEN LATE"
 # FLUX.2's VAE with the real group count (which its file cannot tell) and a narrower decoder
 VAE = {
@@ -37,46 +36,30 @@ VAE = {
 }
 
 
-def arrays(folder) -> dict[str, np.ndarray]:
-    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("moss_components")
     folder = build_tiny_folder(root / "moss-tiny", **VAE)
-    models = root / "ComfyUI" / "models"
-    for name in ("diffusion_models", "text_encoders", "vae"):
-        (models / name).mkdir(parents=True)
-    save_file(arrays(folder / "transformer"), str(models / "diffusion_models" / DIT_FILE))
-    write_qwen35_gguf(folder, models / "text_encoders" / ENCODER_FILE, metadata=True)
-    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / VAE_FILE))
+    models = SET.write(
+        root,
+        dit=float32_weights(folder / "transformer"),
+        vae=ldm_vae(float32_weights(folder / "vae")),
+    )
+    write_qwen35_gguf(folder, SET.path(models, "text_encoder"), metadata=True)
     return folder, models
 
 
-def component_files(models, **changes):
-    names = {"dit": DIT_FILE, "text_encoder": ENCODER_FILE, "vae": VAE_FILE}
-    return set_files(models, names, **changes)
-
-
 def outputs(folder, **files):
+    """The folder's encode, a step leaving out block 22 (the negative pass's), a decode and an
+    encode (`files`: the load's component files)."""
     model = MOSS_IMAGE.load(folder, folder.name, **files)
-    encoded = model.encode(PROMPT, [], refs=False)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 128, 3, 4)).astype(np.float32)
-    row = direct_row(EncodeResult(cond=encoded.cond))
-    step = model.denoise_step(x, np.array([600.0], np.float32), [row], skip=(22,))
-    decoded = model.vae_decode(rng.standard_normal((128, 3, 4)).astype(np.float32), alpha=False)
-    image = rng.random((48, 64, 3)).astype(np.float32)
-    return encoded.cond, step.out, decoded, model.vae_encode(image)
+    return outputs_of(model, PROMPT, (128, 3, 4), 600.0, skip=(22,))
 
 
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models = tiny
-    made = set_folder(component_files(models), tmp_path)
-    for component in ("transformer", "vae"):
-        assert not differing_keys(made, folder, component), component
-    assert not differing_keys(made, folder, "text_encoder", "text_config")
+    made = SET.folder(models, tmp_path)
+    assert not differing_configs(made, folder)
     assert (
         read_config(made / "vae")["decoder_block_out_channels"] == VAE["decoder_block_out_channels"]
     )
@@ -86,24 +69,23 @@ def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
 
 def test_a_set_serves_what_the_folder_serves_with_that_gguf(tiny, tmp_path):
     folder, models = tiny
-    made = set_folder(component_files(models), tmp_path)
-    expected = outputs(folder, text_encoder=models / "text_encoders" / ENCODER_FILE)
-    for got, want in zip(outputs(made), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+    made = SET.folder(models, tmp_path)
+    expected = outputs(folder, text_encoder=SET.path(models, "text_encoder"))
+    assert_same_outputs(outputs(made), expected)
 
 
 def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
     folder, models = tiny
     safetensors = tmp_path / "qwen_3.5_tiny.safetensors"
-    save_file(arrays(folder / "text_encoder"), str(safetensors))
+    save_file(float32_weights(folder / "text_encoder"), str(safetensors))
     with pytest.raises(ComponentError, match="not llama.cpp's Qwen3.5 text encoder 32 wide"):
-        set_folder(component_files(models, text_encoder=safetensors), tmp_path)
+        SET.folder(models, tmp_path, text_encoder=safetensors)
     z_image_vae = tmp_path / "ae.safetensors"
     save_file({"decoder.conv_in.weight": np.zeros((8, 16, 3, 3), np.float32)}, str(z_image_vae))
     with pytest.raises(ComponentError, match="not FLUX.2's 32-channel autoencoder"):
-        set_folder(component_files(models, vae=z_image_vae), tmp_path)
+        SET.folder(models, tmp_path, vae=z_image_vae)
 
 
 def test_the_comfyui_folder_lists_the_set(tiny):
     _, models = tiny
-    assert f"{DIT_FILE[:-12]} + {ENCODER_FILE[:-5]} + {VAE_FILE[:-12]}" in listed_sets(models)
+    assert SET.listed_in(models)

@@ -92,24 +92,16 @@ def write_qwen35_gguf(folder, path, metadata: bool = False) -> dict[str, np.ndar
             held[name] = unconverted(name, held[name], text)
         else:
             held[name] = value
-    if not metadata:
-        write_gguf(path, tensors, arch="qwen35")
-        return held
-    writer = gguf.GGUFWriter(str(path), arch="qwen35")
-    add_metadata(writer, text, folder / "tokenizer" / "tokenizer.json")
-    for name, (kind, data) in tensors.items():
-        writer.add_tensor(name, data, raw_dtype=None if kind == T.F32 else kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tokenizer_json = folder / "tokenizer" / "tokenizer.json"
+    keys = (lambda writer: add_metadata(writer, text, tokenizer_json)) if metadata else None
+    write_gguf(path, tensors, arch="qwen35", metadata=keys)
     return held
 
 
 def add_metadata(writer, text: dict, tokenizer_json) -> None:
     """What llama.cpp's converter writes of a Qwen3.5 checkpoint's config (its text model's
     base sizes, then the Qwen3-Next class's DeltaNet sizes and rotated dims) and tokenizer."""
-    from tests.engine.comfy_files import tokenizer_parts
+    from tests.engine.comfy_files import add_tokenizer
 
     head_dim = text["head_dim"]
     writer.add_block_count(text["num_hidden_layers"])
@@ -129,20 +121,7 @@ def add_metadata(writer, text: dict, tokenizer_json) -> None:
     writer.add_full_attention_interval(text["full_attention_interval"])
     rotated = int(head_dim * text["rope_parameters"]["partial_rotary_factor"])
     writer.add_rope_dimension_count(rotated)
-    vocab, merges, added = tokenizer_parts(tokenizer_json)
-    tokens = {i: t for t, i in vocab.items()}
-    kinds = dict.fromkeys(tokens, int(gguf.TokenType.NORMAL))
-    for token in added:
-        tokens[token["id"]] = token["content"]
-        kinds[token["id"]] = int(
-            gguf.TokenType.CONTROL if token["special"] else gguf.TokenType.USER_DEFINED
-        )
-    order = sorted(tokens)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen35")
-    writer.add_token_list([tokens[i] for i in order])
-    writer.add_token_types([kinds[i] for i in order])
-    writer.add_token_merges(merges)
+    add_tokenizer(writer, tokenizer_json, "qwen35")
 
 
 def unconverted(name: str, value: np.ndarray, text: dict) -> np.ndarray:

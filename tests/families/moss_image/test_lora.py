@@ -6,21 +6,18 @@ here), a main block's fused up/gate, and the modulations and head outside the bl
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import mlx.core as mx
 import numpy as np
 import pytest
-from gmlx_contract import wire
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.moss_image.layout import DiTConfig, tensor_shapes
-from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.weights import read_config
 from gmlx_server.lora_files import AdapterSpec, adapter_table
 
 from tests.compare import rel_l2
 from tests.families.moss_image.tiny import build_tiny_folder, reference_dit
-from tests.lora.forms import FORMS, random_lora, write_form
+from tests.families.routes import loaded_folder
+from tests.lora.forms import FORMS, random_lora, write_lora_file
 
 LAYERS = (
     "layers.0.proj.q",
@@ -43,8 +40,7 @@ LAYERS = (
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = build_tiny_folder(tmp_path_factory.mktemp("moss_lora") / "moss-tiny")
-    registry = ModelRegistry(extra_models=[folder])
-    return folder, registry.acquire(folder.name)
+    return folder, loaded_folder(folder)
 
 
 def layer_shapes(folder) -> dict[str, tuple[int, int]]:
@@ -60,11 +56,7 @@ def test_a_file_in_each_key_form_runs_as_the_ports_lora(tmp_path, tiny, form):
     lora = random_lora(
         layer_shapes(folder), seed=11, alpha=None if form == "diffusers" else 8.0, layers=LAYERS
     )
-    path = tmp_path / f"{form}.safetensors"
-    path.write_bytes(wire.write_container(write_form(lora, form)))
-    table = adapter_table(
-        SimpleNamespace(model_id=loaded.model_id, model=loaded.model), [AdapterSpec(path, 0.7)]
-    )
+    table = adapter_table(loaded, [AdapterSpec(write_lora_file(tmp_path, lora, form), 0.7)])
     rng = np.random.default_rng(12)
     config = loaded.model.dit.config
     cond = rng.standard_normal((1, 5, config.text_dim)).astype(np.float32)
@@ -75,8 +67,7 @@ def test_a_file_in_each_key_form_runs_as_the_ports_lora(tmp_path, tiny, form):
         return loaded.model.denoise_step(x, np.float32([600.0]), [row], table=table).out
 
     # the port reads the ComfyUI form (its published adapters'), whatever form ours was given
-    comfy = tmp_path / "port.safetensors"
-    comfy.write_bytes(wire.write_container(write_form(lora, "comfy")))
+    comfy = write_lora_file(tmp_path / "port", lora, "comfy")
     port = reference_dit(folder)
     apply_lora(port, str(comfy), 0.7, mx.float32)  # its scale: 0.7 alpha / rank, as ours
     theirs = np.array(port(mx.array(x), 600.0, mx.array(cond)))

@@ -16,7 +16,7 @@ from gmlx_server.engine.sampling import ImageRequest, initial_noise
 
 from tests.compare import rel_l2
 from tests.families.moss_image.tiny import SHAPES, build_tiny_folder, reference_dit
-from tests.families.routes import served_folder, through_routes
+from tests.families.routes import through_routes
 
 PROMPT, NEGATIVE = "a lighthouse at dusk", ""
 
@@ -26,12 +26,6 @@ def folder(request, tmp_path_factory):
     return build_tiny_folder(
         tmp_path_factory.mktemp("moss_pipeline") / request.param, request.param
     )
-
-
-@pytest.fixture(scope="module")
-def server(folder):
-    with served_folder(folder) as server:
-        yield server
 
 
 def port_latents(folder, server, request: ImageRequest, neg_skip: list[int]) -> np.ndarray:

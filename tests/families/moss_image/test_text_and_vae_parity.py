@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 from tests.compare import rel_l2
 from tests.families.moss_image.tiny import SHAPES, build_tiny_folder
+from tests.vaes.autoencoder_kl.reference import flux2_reference_decode
 
 TOLERANCE = 1e-4
 
@@ -59,7 +60,6 @@ def test_the_encoding_is_transformers_last_hidden_state(folder, prompt):
 @pytest.mark.parametrize("hw", [(2, 2), (3, 5)])
 def test_decode_matches_diffusers_and_the_port(folder, hw):
     from diffusers import AutoencoderKLFlux2 as Reference
-    from diffusers import Flux2KleinPipeline
     from moss_image_mlx.vae import load_vae_decoder
 
     reference = Reference.from_pretrained(str(folder / "vae")).eval()
@@ -67,14 +67,7 @@ def test_decode_matches_diffusers_and_the_port(folder, hw):
         reference.config.block_out_channels
     )
     latents = np.random.default_rng(2).standard_normal((1, 128, *hw)).astype(np.float32)
-    with torch.no_grad():
-        mean = reference.bn.running_mean.view(1, -1, 1, 1)
-        std = torch.sqrt(
-            reference.bn.running_var.view(1, -1, 1, 1) + reference.config.batch_norm_eps
-        )
-        raw = Flux2KleinPipeline._unpatchify_latents(torch.from_numpy(latents) * std + mean)
-        decoded = reference.decode(raw).sample
-        expected = (decoded / 2 + 0.5).clamp(0, 1).numpy().transpose(0, 2, 3, 1)
+    expected = flux2_reference_decode(reference, latents)
     ours = np.array(AutoencoderKLFlux2.load(folder / "vae").decode(mx.array(latents)))
     assert ours.shape == expected.shape == (1, hw[0] * 16, hw[1] * 16, 3)
     assert rel_l2(ours, expected) <= TOLERANCE

@@ -38,7 +38,8 @@ from safetensors.numpy import save_file
 
 from tests.compare import rel_l2
 from tests.engine.gguf_files import write_dit, write_gguf
-from tests.families.qwen_image21.test_quantized import dequantized_tree, latents, rows_of
+from tests.engine.quantized import dequantized_tree
+from tests.families.qwen_image21.test_quantized import latents, rows_of
 from tests.server.conftest import serve
 
 TOLERANCE = 1e-4

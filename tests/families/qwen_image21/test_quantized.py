@@ -24,18 +24,16 @@ from gmlx_server.engine.families.qwen_image21.dit import QwenImage21DiT
 from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
 from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 from gmlx_server.engine.family import LoadedParts
-from gmlx_server.engine.ggml_blocks import LAYOUT, BlockLayout, decode
 from gmlx_server.engine.load_settings import LoadSettings
 from gmlx_server.engine.nn.dtypes import tree_bytes
 from gmlx_server.engine.precision import BITS, Quantization
-from gmlx_server.engine.quantize import BIASES, SCALES, SPEC
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.sampling import ImageRequest, generate
 from gmlx_server.model_choice import ModelChoice
 from gmlx_server.step_server import StepServer, ViaStepsTransport
-from mlx.utils import tree_flatten
 
 from tests.compare import rel_l2
+from tests.engine.quantized import dequantized_parameters, dequantized_tree
 from tests.lora.reference import make_table
 from tests.server.conftest import serve
 
@@ -44,43 +42,10 @@ QKV = "transformer_blocks.1.attn.to_k.weight"  # a part of a quantized fused wei
 IMG_IN = "img_in.weight"  # a layer the family keeps in float
 
 
-def dequantized_tree(tree):
-    """A copy of a weight tree with every quantized weight (affine, or a GGUF file's blocks)
-    dequantized to float32."""
-    if isinstance(tree, list):
-        return [dequantized_tree(child) for child in tree]
-    out = {}
-    for key, value in tree.items():
-        if key.endswith((SCALES, BIASES, SPEC, LAYOUT)):
-            continue
-        if key + LAYOUT in tree:
-            out[key] = decode(value, BlockLayout.of(tree[key + LAYOUT]))
-        elif key + SPEC in tree:
-            bits, group_size = tree[key + SPEC]
-            scales, biases = tree[key + SCALES], tree[key + BIASES]
-            out[key] = mx.dequantize(value, scales, biases, group_size=group_size, bits=bits)
-        elif isinstance(value, (dict, list)):
-            out[key] = dequantized_tree(value)
-        else:
-            out[key] = value
-    return out
-
-
 def dequantized_encoder(prompt: QwenImage21PromptEncoder, folder) -> QwenImage21PromptEncoder:
     """The prompt encoder with a float32 Qwen3-VL holding the dequantized weights."""
     plain, _ = Qwen3VLEncoder.load(folder / "text_encoder")
-    weights = dict(tree_flatten(prompt.encoder.parameters()))
-    for path, layer in prompt.encoder.named_modules():
-        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            weights[path + ".weight"] = mx.dequantize(
-                layer.weight,
-                layer.scales,
-                layer.biases,
-                group_size=layer.group_size,
-                bits=layer.bits,
-            )
-            del weights[path + SCALES], weights[path + BIASES]
-    plain.load_weights(list(weights.items()), strict=True)
+    plain.load_weights(dequantized_parameters(prompt.encoder), strict=True)
     return QwenImage21PromptEncoder(plain, prompt.tokenizer, prompt.preprocessor, 0, prompt.dtype)
 
 

@@ -5,8 +5,6 @@ float weights, and computes what quantizing at load computes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -19,17 +17,13 @@ from gmlx_server.engine.precision import Quantization
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.weights import read_header, weight_files
 
+from tests.engine.quantized import quantize_command
 from tests.families.qwen_image21.test_quantized import (
     latents,
     lora_table,
     reference_image,
     rows_of,
 )
-
-
-def quantize_command(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "gmlx_server", "model", "quantize", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.registry import ModelRegistry
 from PIL import Image
 
+from tests.catalog import FAMILIES
 from tests.server.conftest import serve
 
 embedded = pytest.importorskip("gmlx_server.engine.families.qwen_image21.embedded")
@@ -40,16 +41,7 @@ def png_b64(array: np.ndarray) -> str:
 
 def test_discovery_routes(qwen):
     caps = qwen.call("GET", "capabilities", versioned=False).json()
-    assert caps["families"] == [
-        "flux2_klein",
-        "flux2_klein_9b",
-        "flux2_klein_9b_kv",
-        "flux3_klein",
-        "krea2",
-        "moss_image",
-        "qwen_image21",
-        "z_image",
-    ]
+    assert caps["families"] == FAMILIES
     models = qwen.call("GET", "models").json()
     assert models == {
         "models": [

@@ -21,3 +21,7 @@ LORA_LAYERS = {
     "single_blocks.1.attn.to_out": [1, 2, 6],  # input columns 2..7
     "img_in": None,
 }
+
+
+# Its Qwen3ForCausalLM file's lm_head is never read.
+HELD_BELOW_ESTIMATE = ("encoder",)

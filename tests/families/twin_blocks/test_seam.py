@@ -1,7 +1,7 @@
-"""The twin-blocks family through the whole seam over HTTP: the family handed to the registry below is its only
-tie to the server. Status and manifest unloaded and loaded, encode, steps (memory-planned, no
-prefix cache), the VAE routes and a LoRA key outside the tree (a table against the checkpoint
-with it merged: tests/families/test_conformance.py)."""
+"""The twin-blocks family through the whole seam over HTTP: the family handed to the registry
+below is its only tie to the server. Status and manifest unloaded and loaded, encode, steps
+(memory-planned, no prefix cache) and a LoRA key outside the tree (the VAE routes, and a table
+against the checkpoint with it merged: tests/families/test_conformance.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from gmlx_server.config import ImageConfig, ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 
 from tests.lora.over_http import put_table
-from tests.server.conftest import serve
+from tests.server.conftest import out_of, serve
 
 from . import checkpoint, family
 
@@ -39,11 +39,6 @@ def step(live, model: str, x, sigma: float, cond_hash: str, table: str | None = 
     fields = {"model": model, "rows": [{"cond": cond_hash}], "patch_table": table}
     timestep = np.array([sigma], np.float32)
     return live.post_container("step", {"x": x, "timestep": timestep}, fields)
-
-
-def out_of(response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    return wire.read_container(response.content).tensors["out"]
 
 
 def test_status_and_manifest_read_unloaded_then_loaded(live):
@@ -84,17 +79,6 @@ def test_references_are_refused_as_the_capabilities_say(live):
     fields = {"model": "twin-tiny", "rows": [{"cond": cond, "ref_latents": [ref]}]}
     r = live.post_container("step", {"x": x, "timestep": np.array([0.5], np.float32)}, fields)
     assert r.status_code == 400, r.text
-
-
-def test_the_vae_routes_round_trip_through_the_family_vae(live):
-    image = np.random.default_rng(2).random((1, 16, 24, 3)).astype(np.float32)
-    r = live.post_container("vae/encode", {"image": image}, {"model": "twin-tiny"})
-    assert r.status_code == 200, r.text
-    latents = wire.read_container(r.content).tensors["latents"]
-    assert latents.shape == (1, 16, 2, 3)
-    r = live.post_container("vae/decode", {"latents": latents}, {"model": "twin-tiny"})
-    assert r.status_code == 200, r.text
-    assert wire.read_container(r.content).tensors["image"].shape == (1, 16, 24, 3)
 
 
 def test_a_key_outside_the_tree_is_refused_naming_a_layer_that_is(live):

@@ -20,3 +20,7 @@ LORA_LAYERS = {
     "all_x_embedder.2-1": None,
     "t_embedder.mlp.0": None,
 }
+
+
+# Its Qwen3ForCausalLM file's lm_head is never read.
+HELD_BELOW_ESTIMATE = ("encoder",)

@@ -19,17 +19,11 @@ from gmlx_server.engine.families.z_image.dit import DiTConfig
 from gmlx_server.engine.spec import read_config
 from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import (
-    differing_keys,
-    ldm_vae,
-    set_files,
-    set_folder,
-    write_gguf_text_encoder,
-)
+from tests.engine.comfy_files import float32_weights, ldm_vae, write_gguf_text_encoder
+from tests.engine.component_sets import assert_same_outputs, differing_keys, made_folder, outputs_of
 from tests.engine.gguf_files import write_dit
 from tests.families.z_image.test_gguf import comfy_layout
-from tests.families.z_image.test_quantized import rows_of
-from tests.families.z_image.tiny.comfy import DIT_FILE, arrays, write_comfy_models
+from tests.families.z_image.tiny.comfy import SET, write_comfy_models
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +32,9 @@ def tiny(tmp_path_factory):
     return write_comfy_models(tmp_path_factory.mktemp("z_components"))
 
 
-def component_files(models, **changes):
-    names = {
-        "dit": DIT_FILE,
-        "text_encoder": "qwen_3_tiny.safetensors",
-        "vae": "ae_tiny.safetensors",
-    }
-    return set_files(models, names, **changes)
-
-
 def test_the_configs_told_from_the_files_are_the_folders(tiny, tmp_path):
     folder, models = tiny
-    made = set_folder(component_files(models), tmp_path)
+    made = SET.folder(models, tmp_path)
     # the RoPE tables' bounds and the tiny configs' extra keys are not read from files
     unread = {"axes_lens", "max_position_embeddings", "dtype", "architectures"}
     for component in ("transformer", "text_encoder", "vae"):
@@ -62,13 +47,7 @@ def loaded(folder):
 
 
 def outputs(model):
-    encoded = model.encode("a red boat on a lake", [], refs=False)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
-    step = model.denoise_step(x, np.array([0.6], np.float32), rows_of(encoded.cond))
-    decoded = model.vae_decode(rng.standard_normal((16, 8, 8)).astype(np.float32), alpha=False)
-    image = rng.random((64, 64, 3)).astype(np.float32)
-    return encoded.cond, step.out, decoded, model.vae_encode(image)
+    return outputs_of(model, "a red boat on a lake", (16, 8, 8), 0.6, image=(64, 64))
 
 
 @pytest.fixture(scope="module")
@@ -79,41 +58,39 @@ def expected(tiny):
 @pytest.mark.parametrize("tokenizer", ["comfyui", "beside"])
 def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path, tokenizer):
     folder, models = tiny
-    files = component_files(models)
+    files = SET.files(models)
     if tokenizer == "beside":  # a tokenizer/ folder beside the DiT file, over ComfyUI's copy
         local = tmp_path / "local"
         local.mkdir()
-        shutil.copy(files.dit, local / DIT_FILE)
+        shutil.copy(files.dit, local / SET.dit)
         shutil.copytree(folder / "tokenizer", local / "tokenizer")
-        files = component_files(models, dit=local / DIT_FILE)
-    made = set_folder(files, tmp_path)
-    for got, want in zip(outputs(loaded(made)), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+        files = SET.files(models, dit=local / SET.dit)
+    made = made_folder(files, tmp_path)
+    assert_same_outputs(outputs(loaded(made)), expected)
 
 
 def test_a_gguf_dit_in_comfyuis_names_serves_what_the_folder_serves(tiny, expected, tmp_path):
     """ComfyUI-GGUF's Z-Image file: NextDiT names, q/k/v fused, float32 here (the quantized
     types are tests/families/z_image/test_gguf.py's)."""
     folder, models = tiny
-    weights = arrays(folder / "transformer")
+    weights = float32_weights(folder / "transformer")
     config = DiTConfig.from_dict(read_config(folder / "transformer"))
     path = tmp_path / "z_image_turbo-tiny-F32.gguf"
     write_dit(
         path, weights, {}, np.random.default_rng(0), fused=comfy_layout(config), arch="lumina2"
     )
-    made = set_folder(component_files(models, dit=path), tmp_path)
-    for got, want in zip(outputs(loaded(made)), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+    made = SET.folder(models, tmp_path, dit=path)
+    assert_same_outputs(outputs(loaded(made)), expected)
 
 
 def test_a_gguf_text_encoder_brings_its_tokenizer(tiny, expected, tmp_path):
     folder, models = tiny
     path = write_gguf_text_encoder(
         tmp_path / "Qwen3-tiny-F32.gguf",
-        arrays(folder / "text_encoder"),
+        float32_weights(folder / "text_encoder"),
         folder / "tokenizer" / "tokenizer.json",
     )
-    made = set_folder(component_files(models, text_encoder=path, comfyui=None), tmp_path)
+    made = SET.folder(models, tmp_path, text_encoder=path, comfyui=None)
     got = loaded(made).encode("a red boat on a lake", [], refs=False).cond
     np.testing.assert_allclose(got, expected[0], rtol=0, atol=1e-5)
 
@@ -121,31 +98,31 @@ def test_a_gguf_text_encoder_brings_its_tokenizer(tiny, expected, tmp_path):
 def test_the_variant_comes_from_the_name_or_the_entry(tiny, tmp_path):
     _, models = tiny
     plain = tmp_path / "z_image_tiny.safetensors"
-    shutil.copy(models / "diffusion_models" / DIT_FILE, plain)
+    shutil.copy(SET.path(models, "dit"), plain)
     with pytest.raises(ComponentError, match="variant = one of 'turbo', 'base'"):
-        set_folder(component_files(models, dit=plain), tmp_path)
-    made = set_folder(component_files(models, dit=plain, variant="base"), tmp_path)
+        SET.folder(models, tmp_path, dit=plain)
+    made = SET.folder(models, tmp_path, dit=plain, variant="base")
     assert json.loads((made / "scheduler" / "scheduler_config.json").read_text())["shift"] == 6.0
 
 
 def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path):
     folder, models = tiny
-    encoder = arrays(folder / "text_encoder")
+    encoder = float32_weights(folder / "text_encoder")
     wide = {
         n: np.zeros(v.shape[:-1] + (64,), np.float32) if n.endswith("embed_tokens.weight") else v
         for n, v in encoder.items()
     }
     save_file(wide, str(tmp_path / "wide.safetensors"))
     with pytest.raises(ComponentError, match=r"cap_embedder\.1\.weight.*embed_tokens"):
-        set_folder(component_files(models, text_encoder=tmp_path / "wide.safetensors"), tmp_path)
-    vae = ldm_vae(arrays(folder / "vae"))
+        SET.folder(models, tmp_path, text_encoder=tmp_path / "wide.safetensors")
+    vae = ldm_vae(float32_weights(folder / "vae"))
     vae["decoder.conv_in.weight"] = np.zeros((32, 8, 3, 3), np.float32)
     save_file(vae, str(tmp_path / "vae8.safetensors"))
     with pytest.raises(ComponentError, match=r"decoder\.conv_in\.weight takes 8 channels"):
-        set_folder(component_files(models, vae=tmp_path / "vae8.safetensors"), tmp_path)
+        SET.folder(models, tmp_path, vae=tmp_path / "vae8.safetensors")
     cut = tmp_path / "z_image_turbo_cut.safetensors"
-    cut.write_bytes((models / "diffusion_models" / DIT_FILE).read_bytes()[:-100])
+    cut.write_bytes((SET.path(models, "dit")).read_bytes()[:-100])
     with pytest.raises(ComponentError, match="cut short"):
-        set_folder(component_files(models, dit=cut), tmp_path)
+        SET.folder(models, tmp_path, dit=cut)
     with pytest.raises(ComponentError, match="is not the DiT of a family"):
-        set_folder(component_files(models, dit=models / "vae" / "ae_tiny.safetensors"), tmp_path)
+        SET.folder(models, tmp_path, dit=SET.path(models, "vae"))

@@ -33,7 +33,7 @@ from safetensors.numpy import save_file
 
 from tests.compare import rel_l2
 from tests.engine.gguf_files import encoded, reference, write_dit, write_gguf
-from tests.families.qwen_image21.test_quantized import dequantized_tree
+from tests.engine.quantized import dequantized_tree
 from tests.families.z_image.test_quantized import rows_of, step
 from tests.families.z_image.tiny.folder import build_tiny_folder
 from tests.server.conftest import serve

@@ -6,20 +6,16 @@ quantizing at load computes."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 from gmlx_contract.hashing import tensor_hash
 from gmlx_server.engine.base import StepRow
-from gmlx_server.engine.encoders.qwen3.text import Qwen3TextEncoder
 from gmlx_server.engine.families.z_image import family
 from gmlx_server.engine.precision import Quantization
-from gmlx_server.engine.quantize import BIASES, SCALES
-from mlx.utils import tree_flatten
+
+from tests.engine.quantized import quantized_by_command
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +26,6 @@ def folder(turbo_folder):
 @pytest.fixture(scope="module")
 def full(folder):
     return family.Z_IMAGE.load(folder, "full")
-
-
-def dequantized_qwen3(encoder: Qwen3TextEncoder, component_dir) -> Qwen3TextEncoder:
-    """A float32 Qwen3 of the same layers holding `encoder`'s weights, the quantized ones
-    dequantized (`component_dir`: its float folder, for the config)."""
-    plain = Qwen3TextEncoder.load(component_dir, layers=len(encoder.model.layers))
-    weights = dict(tree_flatten(encoder.model.parameters()))
-    for path, layer in encoder.model.named_modules():
-        if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            weights[path + ".weight"] = mx.dequantize(
-                layer.weight,
-                layer.scales,
-                layer.biases,
-                group_size=layer.group_size,
-                bits=layer.bits,
-            )
-            del weights[path + SCALES], weights[path + BIASES]
-    plain.model.load_weights(list(weights.items()), strict=True)
-    return plain
 
 
 def rows_of(cond: np.ndarray) -> list[StepRow]:
@@ -80,11 +57,7 @@ def test_status_and_manifest_report_what_is_resident(folder, full):
 
 
 def test_a_stored_quantized_folder_equals_quantizing_at_load(folder, tmp_path):
-    written = tmp_path / "z-q4"
-    command = [sys.executable, "-m", "gmlx_server", "model", "quantize", str(folder)]
-    command += [str(written), "--bits", "4", "--group-size", "32"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+    written = quantized_by_command(folder, tmp_path / "z-q4", 4, 32)
     stored = family.Z_IMAGE.load(written, "stored")
     at_load = family.Z_IMAGE.load(folder, "at-load", Quantization(4, 32))
     assert stored.status()["quantization"] == at_load.status()["quantization"]

@@ -1,7 +1,8 @@
 """Z-Image through the whole seam over HTTP on a tiny folder, found by the product registry
-(its spec.py): status and manifest unloaded and loaded, encode, steps (equal to the
-diffusers transformer under the pipeline's time and sign), refusals and the VAE routes (a LoRA
-table against the checkpoint with it merged, on this family's LORA_LAYERS:
+(its spec.py): the family's facts in its status and manifest (read from the files against
+the loaded model's: tests/families/test_conformance.py), encode, steps (equal to the
+diffusers transformer under the pipeline's time and sign) and refusals (the VAE routes, and a
+LoRA table against the checkpoint with it merged, on this family's LORA_LAYERS:
 tests/families/test_conformance.py)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from PIL import Image
 from tests.compare import rel_l2
 from tests.families.z_image.reference import reference_dit
 from tests.families.z_image.tiny.folder import build_tiny_folder
-from tests.server.conftest import serve
+from tests.server.conftest import out_of, serve
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +50,7 @@ def step(live, x, sigmas, conds, convention="comfy"):
     return live.post_container("step", {"x": x, "timestep": timestep}, fields)
 
 
-def out_of(response) -> np.ndarray:
-    assert response.status_code == 200, response.text
-    return wire.read_container(response.content).tensors["out"]
-
-
-def test_status_reads_the_same_unloaded_and_loaded(live):
+def test_status_and_manifest_say_the_familys_facts(live):
     unloaded = live.call("GET", "models/z-image-tiny/status").json()
     assert unloaded["family"] == "z_image" and unloaded["variant"] == "turbo"
     assert unloaded["resident"] is False
@@ -75,42 +71,6 @@ def test_status_reads_the_same_unloaded_and_loaded(live):
     names = {t["name"]: t["shape"] for t in manifest["tensors"]}
     assert names["layers.0.attention.to_q.weight"] == [64, 64]  # unfused diffusers names
     assert names["all_x_embedder.2-1.weight"] == [64, 64]
-    assert live.post_json("models/load", {"model": "z-image-tiny"}).status_code == 200
-    loaded = live.call("GET", "models/z-image-tiny/status").json()
-    assert loaded["resident"] is True
-    skip = ("resident", "residency", "memory")
-    assert {k: v for k, v in loaded.items() if k not in skip} == {
-        k: v for k, v in unloaded.items() if k not in skip
-    }
-    # each component: held once loaded, at the dtype the status named; its bytes as the
-    # headers estimated them (the encoder's file also holds tensors it never loads)
-    for name, component in loaded["residency"].items():
-        estimate = unloaded["residency"][name]
-        assert component["resident"] and not estimate["resident"]
-        assert (component["dtype"], component["quantization"]) == (estimate["dtype"], None)
-        if name == "encoder":
-            assert 0 < component["bytes"] <= estimate["bytes"]
-        else:
-            assert component["bytes"] == estimate["bytes"], name
-    assert live.call("GET", "models/z-image-tiny/manifest").json() == manifest
-    check_memory_rows(live, unloaded["memory"], loaded["memory"])
-
-
-def check_memory_rows(live, unloaded: dict, loaded: dict) -> None:
-    """Status `memory` as Qwen-Image 2.1's: the file sizes, the reserve of the reference
-    workload beyond them, and, loaded, the weights' arrays plus that reserve."""
-    from gmlx_server.engine.families.z_image import family
-
-    model = live.model("z-image-tiny")
-    folder = model.model_dir
-    files = ("dit_bytes", "encoder_bytes", "vae_bytes")
-    assert {k: loaded[k] for k in files} == {k: unloaded[k] for k in files}
-    assert all(loaded[k] > 0 for k in files)
-    reserve = family.Z_IMAGE.activation_reserve(folder, model.dit.dtype)
-    assert reserve > 0 and unloaded["resident_bytes"] == 0
-    assert loaded["resident_bytes"] == model.weight_bytes + reserve
-    weights = loaded["resident_bytes"] - reserve
-    assert loaded["activation_reserve_bytes"] == weights + reserve - sum(loaded[k] for k in files)
 
 
 def test_base_variant_is_identified_by_its_shift(live):
@@ -159,14 +119,3 @@ def test_encode_refuses_images(live):
     image = base64.b64encode(png.getvalue()).decode()
     r = live.post_json("encode", {"model": "z-image-tiny", "text": "a", "images": [image]})
     assert r.status_code == 400 and "no reference images" in r.text
-
-
-def test_the_vae_routes_round_trip_through_the_vae(live):
-    image = np.random.default_rng(2).random((1, 32, 48, 3)).astype(np.float32)
-    r = live.post_container("vae/encode", {"image": image}, {"model": "z-image-tiny"})
-    assert r.status_code == 200, r.text
-    latents = wire.read_container(r.content).tensors["latents"]
-    assert latents.shape == (1, 16, 4, 6)
-    r = live.post_container("vae/decode", {"latents": latents}, {"model": "z-image-tiny"})
-    assert r.status_code == 200, r.text
-    assert wire.read_container(r.content).tensors["image"].shape == (1, 32, 48, 3)

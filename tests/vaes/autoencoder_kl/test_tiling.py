@@ -15,11 +15,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL
 
 from tests.compare import rel_l2
 from tests.families.z_image.tiny.vae import build_vae
+from tests.vaes.autoencoder_kl.reference import reference_decode, reference_encode
 
 TILE = 32  # pixels: the VAE's sample_size
 # Image sides (pixels): 2x2 tiles, 3x2 uneven ones, and a last tile shorter than the overlap.
@@ -34,51 +34,39 @@ def vaes(tmp_path_factory):
     return model, AutoencoderKL.load(folder)
 
 
-def diffusers_decode(model, latents: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        decoded = model.decode(torch.from_numpy(latents)).sample
-    return (decoded / 2 + 0.5).clamp(0, 1).numpy().transpose(0, 2, 3, 1)
+REFERENCE = {"decode": reference_decode, "encode": reference_encode}
 
 
-def diffusers_encode(model, image: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        pixels = torch.from_numpy(image.transpose(0, 3, 1, 2) * 2 - 1)
-        return model.encode(pixels).latent_dist.mode().numpy()
+def drawn(hw, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Latents of an image `hw` in size (from `seed`) and such an image (from `seed` + 1)."""
+    latents = np.random.default_rng(seed).standard_normal((1, 16, hw[0] // 8, hw[1] // 8))
+    image = np.random.default_rng(seed + 1).random((1, *hw, 3), dtype=np.float32)
+    return latents.astype(np.float32), image
 
 
-@pytest.mark.parametrize("hw", SIZES)
-def test_tiled_decode_matches_diffusers_tiling(vaes, hw):
-    model, vae = vaes
-    cells = (hw[0] // 8, hw[1] // 8)
-    latents = np.random.default_rng(7).standard_normal((1, 16, *cells)).astype(np.float32)
-    assert vae.geometry.tileable(*hw, decode=True)
-    ours = np.array(vae.decode(mx.array(latents), tiled=True))
-    expected = diffusers_decode(model, latents)
-    assert ours.shape == expected.shape == (1, *hw, 3)
-    assert rel_l2(ours, expected) <= 1e-4
+def untiled(model, direction: str, inputs: np.ndarray) -> np.ndarray:
+    """diffusers' untiled pass in `direction` (its tiling off for the call)."""
     model.disable_tiling()
     try:
-        untiled = diffusers_decode(model, latents)
+        return REFERENCE[direction](model, inputs)
     finally:
         model.enable_tiling()
-    assert rel_l2(ours, untiled) > 1e-3
 
 
+@pytest.mark.parametrize("direction", ["decode", "encode"])
 @pytest.mark.parametrize("hw", SIZES)
-def test_tiled_encode_matches_diffusers_tiling(vaes, hw):
+def test_a_tiled_pass_matches_diffusers_tiling(vaes, hw, direction):
+    """Each direction, asked to tile, is diffusers' tiled pass (latents and images of the same
+    sides: one is the other's output shape), and not its untiled one."""
     model, vae = vaes
-    image = np.random.default_rng(8).random((1, *hw, 3), dtype=np.float32)
-    assert vae.geometry.tileable(*hw, decode=False)
-    ours = np.array(vae.encode(mx.array(image), tiled=True))
-    expected = diffusers_encode(model, image)
-    assert ours.shape == expected.shape == (1, 16, hw[0] // 8, hw[1] // 8)
+    latents, image = drawn(hw, 7)
+    inputs, shape = (latents, image.shape) if direction == "decode" else (image, latents.shape)
+    assert vae.geometry.tileable(*hw, decode=direction == "decode")
+    ours = np.array(getattr(vae, direction)(mx.array(inputs), tiled=True))
+    expected = REFERENCE[direction](model, inputs)
+    assert ours.shape == expected.shape == shape
     assert rel_l2(ours, expected) <= 1e-4
-    model.disable_tiling()
-    try:
-        untiled = diffusers_encode(model, image)
-    finally:
-        model.enable_tiling()
-    assert rel_l2(ours, untiled) > 1e-3
+    assert rel_l2(ours, untiled(model, direction, inputs)) > 1e-3
 
 
 @pytest.mark.parametrize("hw", SIZES)
@@ -86,14 +74,8 @@ def test_a_pass_not_asked_to_tile_is_diffusers_untiled_pass(vaes, hw):
     """Larger than a tile, but not asked to tile (the memory plan asks only where the whole
     pass does not fit): both directions are diffusers' untiled passes."""
     model, vae = vaes
-    latents = np.random.default_rng(11).standard_normal((1, 16, hw[0] // 8, hw[1] // 8))
-    latents = latents.astype(np.float32)
-    image = np.random.default_rng(12).random((1, *hw, 3), dtype=np.float32)
-    model.disable_tiling()
-    try:
-        decoded, encoded = diffusers_decode(model, latents), diffusers_encode(model, image)
-    finally:
-        model.enable_tiling()
+    latents, image = drawn(hw, 11)
+    decoded, encoded = untiled(model, "decode", latents), untiled(model, "encode", image)
     assert rel_l2(np.array(vae.decode(mx.array(latents))), decoded) <= 1e-4
     assert rel_l2(np.array(vae.encode(mx.array(image))), encoded) <= 1e-4
 
@@ -107,9 +89,9 @@ def test_an_image_of_one_tile_is_not_tiled(vaes):
     latents = np.random.default_rng(9).standard_normal((1, 16, 4, 4)).astype(np.float32)
     image = np.random.default_rng(10).random((1, TILE, TILE, 3), dtype=np.float32)
     decoded = np.array(vae.decode(mx.array(latents), tiled=True))
-    assert rel_l2(decoded, diffusers_decode(model, latents)) <= 1e-4
+    assert rel_l2(decoded, reference_decode(model, latents)) <= 1e-4
     encoded = np.array(vae.encode(mx.array(image), tiled=True))
-    assert rel_l2(encoded, diffusers_encode(model, image)) <= 1e-4
+    assert rel_l2(encoded, reference_encode(model, image)) <= 1e-4
 
 
 def test_the_tile_side_is_the_configs_sample_size(tmp_path):

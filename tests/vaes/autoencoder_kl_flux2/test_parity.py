@@ -7,13 +7,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-import torch
-from diffusers import Flux2KleinPipeline
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 
 from tests.compare import rel_l2
 from tests.families.flux2_klein.tiny.vae import build_vae
+from tests.vaes.autoencoder_kl.reference import flux2_reference_decode, flux2_reference_encode
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +22,11 @@ def vaes(tmp_path_factory):
     return model, AutoencoderKLFlux2.load(folder)
 
 
-def statistics(model):
-    mean = model.bn.running_mean.view(1, -1, 1, 1)
-    std = torch.sqrt(model.bn.running_var.view(1, -1, 1, 1) + model.config.batch_norm_eps)
-    return mean, std
-
-
 @pytest.mark.parametrize("hw", [(32, 32), (48, 80)])
 def test_encode_matches_the_pipeline(vaes, hw):
     model, vae = vaes
     image = np.random.default_rng(1).random((1, *hw, 3), dtype=np.float32)
-    with torch.no_grad():
-        pixels = torch.from_numpy(image.transpose(0, 3, 1, 2) * 2 - 1)
-        raw = model.encode(pixels).latent_dist.mode()
-        mean, std = statistics(model)
-        expected = ((Flux2KleinPipeline._patchify_latents(raw) - mean) / std).numpy()
+    expected = flux2_reference_encode(model, image)
     ours = np.array(vae.encode(mx.array(image)))
     assert ours.shape == expected.shape == (1, 128, hw[0] // 16, hw[1] // 16)
     assert rel_l2(ours, expected) <= 1e-4
@@ -47,11 +36,7 @@ def test_encode_matches_the_pipeline(vaes, hw):
 def test_decode_matches_the_pipeline(vaes, hw):
     model, vae = vaes
     latents = np.random.default_rng(2).standard_normal((1, 128, *hw)).astype(np.float32)
-    with torch.no_grad():
-        mean, std = statistics(model)
-        raw = Flux2KleinPipeline._unpatchify_latents(torch.from_numpy(latents) * std + mean)
-        decoded = model.decode(raw).sample
-        expected = (decoded / 2 + 0.5).clamp(0, 1).numpy().transpose(0, 2, 3, 1)
+    expected = flux2_reference_decode(model, latents)
     ours = np.array(vae.decode(mx.array(latents)))
     assert ours.shape == expected.shape == (1, hw[0] * 16, hw[1] * 16, 3)
     assert rel_l2(ours, expected) <= 1e-4

@@ -4,8 +4,9 @@
 `Qwen3VLForConditionalGeneration` saved with `save_pretrained`) and `model_dir/processor` (the
 embedded model's tokenizer and processor files: a small byte-level BPE trained offline on this
 module's corpus, Qwen's added tokens in Qwen's order, the chat template and the processor
-configs for this module's vision tower). Nothing is downloaded. Torch and transformers are
-development dependencies: only tests import this module.
+configs for this module's vision tower); `build_language_model(root)` writes the bare
+`Qwen3VLModel` and its tokenizer other families' folders hold. Nothing is downloaded. Torch
+and transformers are development dependencies: only tests import this module.
 """
 
 from __future__ import annotations
@@ -98,6 +99,22 @@ def _redraw(model: torch.nn.Module, seed: int):
             param.copy_(1.0 + 0.1 * noise)
         else:
             param.copy_(0.1 * noise)
+
+
+def build_language_model(root: Path, seed: int, text_layers: int) -> None:
+    """Write root/tokenizer (the tests' tokenizer) and root/text_encoder: a Qwen3VLModel of the
+    tiny configs with `text_layers` decoder layers, drawn from `seed` as build_text_encoder
+    draws (the text encoder of FLUX.3 klein's and Krea 2's tiny folders)."""
+    from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import write_tokenizer
+    from transformers import Qwen3VLModel
+
+    tokenizer = build_tokenizer()
+    write_tokenizer(Path(root) / "tokenizer", tokenizer)
+    config = tiny_config(tokenizer, text={"num_hidden_layers": text_layers})
+    torch.manual_seed(seed)
+    encoder = Qwen3VLModel(config).eval()
+    _redraw(encoder, seed)
+    encoder.save_pretrained(str(Path(root) / "text_encoder"))
 
 
 def build_text_encoder(model_dir: Path, seed: int = 0, **overrides) -> Path:

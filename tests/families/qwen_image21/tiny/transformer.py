@@ -30,19 +30,13 @@ LINEAR_GAIN = 1.0
 CONSTANT_NOISE = 0.1
 
 
-def tiny_config(**overrides) -> dict:
-    config = dict(TINY_CONFIG)
-    config.update(overrides)
-    return config
-
-
 def build_transformer(directory: Path, seed: int = 0, **config_overrides):
     """Build, perturb and save a tiny transformer into `directory`; return the torch model."""
     import torch
     from diffusers import QwenImage21Transformer2DModel
 
     torch.manual_seed(seed)
-    model = QwenImage21Transformer2DModel(**tiny_config(**config_overrides))
+    model = QwenImage21Transformer2DModel(**{**TINY_CONFIG, **config_overrides})
     generator = torch.Generator().manual_seed(seed + 1)
     redraw(model, generator, LINEAR_GAIN, CONSTANT_NOISE)
     model.eval()

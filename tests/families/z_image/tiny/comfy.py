@@ -9,26 +9,21 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 from gmlx_server.engine import components
 from gmlx_server.engine.families.z_image import embedded
 from gmlx_server.engine.families.z_image.dit import DiTConfig
 from gmlx_server.engine.spec import read_config
-from gmlx_server.engine.weights import load_weights
-from safetensors.numpy import save_file
 
-from tests.engine.comfy_files import ldm_vae, write_comfy_tokenizer
+from tests.engine.comfy_files import float32_weights, ldm_vae, write_comfy_tokenizer
+from tests.engine.component_sets import ComfySet
 from tests.families.z_image.test_gguf import comfy_layout
 
 VAE = {"norm_num_groups": 32, "block_out_channels": [32, 32, 32, 32]}
 DIT_FILE = "z_image_turbo_tiny.safetensors"
 ENCODER_FILE = "qwen_3_tiny.safetensors"
 VAE_FILE = "ae_tiny.safetensors"
-
-
-def arrays(folder) -> dict[str, np.ndarray]:
-    return {n: np.array(v) for n, v in load_weights(folder, mx.float32).items()}
+SET = ComfySet(DIT_FILE, ENCODER_FILE, VAE_FILE)
 
 
 def write_comfy_models(root: Path) -> tuple[Path, Path]:
@@ -37,23 +32,16 @@ def write_comfy_models(root: Path) -> tuple[Path, Path]:
     folder = Path(root) / "z-image-tiny"
     embedded.write_embedded_model(folder)
     embedded.write_vae(folder / "vae", **VAE)
-    comfy = Path(root) / "ComfyUI"
-    models = comfy / "models"
-    for name in ("diffusion_models", "text_encoders", "vae"):
-        (models / name).mkdir(parents=True)
-    dit = arrays(folder / "transformer")
+    dit = float32_weights(folder / "transformer")
     config = DiTConfig.from_dict(read_config(folder / "transformer"))
     state = {
         "model.diffusion_model." + name: np.concatenate([dit[part] for part in parts])
         for name, parts in comfy_layout(config).items()
     }
     state["model.diffusion_model.norm_final.weight"] = np.ones(config.dim, np.float32)
-    save_file(state, str(models / "diffusion_models" / DIT_FILE))
-    shutil.copy(
-        folder / "text_encoder" / "model.safetensors", models / "text_encoders" / ENCODER_FILE
-    )
-    save_file(ldm_vae(arrays(folder / "vae")), str(models / "vae" / VAE_FILE))
+    models = SET.write(root, dit=state, vae=ldm_vae(float32_weights(folder / "vae")))
+    shutil.copy(folder / "text_encoder" / "model.safetensors", SET.path(models, "text_encoder"))
     write_comfy_tokenizer(
-        folder / "tokenizer" / "tokenizer.json", comfy / components.COMFY_QWEN_TOKENIZER
+        folder / "tokenizer" / "tokenizer.json", models.parent / components.COMFY_QWEN_TOKENIZER
     )
     return folder, models
