@@ -42,7 +42,7 @@ from .nn.dtypes import default_compute_dtype, dtype_name
 from .precision import AUTO
 from .quantize import quantization_status
 from .spec import Family, FamilySpec
-from .step_inputs import checked_convention
+from .step_inputs import checked_convention, checked_ref_latents
 from .weights import (
     QUANTIZED,
     TensorInfo,
@@ -250,11 +250,37 @@ class FamilyModel:
         return self._read_manifest(self.model_dir)
 
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
-        """The prompt's conditioning, for a family that takes no reference images (one that
-        does overrides this)."""
-        if images:
+        """The prompt's conditioning, and with `refs` each image's VAE latents in model space
+        (`reference_latents`: a family whose text encoder reads no images); a family that
+        takes no references refuses images (one whose encoder reads them overrides this)."""
+        if images and not self.capabilities.max_refs:
             raise EngineInputError(f"{self.title} takes no reference images")
-        return EncodeResult(cond=self.prompt_encoder().encode(text))
+        cond = self.prompt_encoder().encode(text)
+        if not refs:
+            return EncodeResult(cond=cond)
+        count = len(images)
+        latents = [self.reference_latents(i, image, count) for i, image in enumerate(images)]
+        return EncodeResult(cond=cond, ref_latents=latents)
+
+    def reference_latents(self, index: int, image: np.ndarray, count: int) -> np.ndarray:
+        """Image `index` of `count` (H, W, 3 or 4, uint8) as VAE latents in model space, (1, C,
+        h, w) float32, once the family's `check_reference` takes its size."""
+        self.check_reference(index, image.shape[0], image.shape[1], count)
+        pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
+        return np.array(self.vae.encode(pixels).astype(mx.float32))
+
+    def check_reference(self, index: int, height: int, width: int, count: int) -> None:
+        """Refuse a reference image of a size the family's pipeline would resize (an
+        EngineInputError naming the image and the sizes it takes)."""
+
+    @staticmethod
+    def reference_arrays(rows: list[StepRow], channels: int) -> list[list[mx.array]]:
+        """Each row's reference latents (step_inputs.checked_ref_latents, of `channels`) as
+        MLX arrays."""
+        return [
+            [mx.array(r) for r in checked_ref_latents(row, index, channels)]
+            for index, row in enumerate(rows)
+        ]
 
     def check_patch_table(self, table: Any) -> None:
         """Refuse a patch table whose keys or shapes do not fit this DiT (called at PUT time)."""

@@ -15,7 +15,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from gmlx_server.engine.base import EncodeResult, EngineInputError, StepCall, StepResult
+from gmlx_server.engine.base import EngineInputError, StepCall, StepResult
 from gmlx_server.engine.family import FamilyModel, FolderFamily
 from gmlx_server.engine.step_inputs import checked_cond, checked_latents, row_sigmas
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKLPart
@@ -43,11 +43,6 @@ class TwinBlocksModel(FamilyModel):
     def reserve_bytes(cls, config: Config, image_tokens: int, dtype: mx.Dtype) -> int:
         """A guided step (2 rows) with RESERVE_CAPTION caption rows."""
         return step_peak_bytes(config, dtype.size, 2, image_tokens + RESERVE_CAPTION)
-
-    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
-        if images:
-            raise EngineInputError("the twin-blocks family takes no reference images")
-        return EncodeResult(cond=self.prompt_encoder().encode(text))
 
     def step_peak_bytes(self, x_shape, rows, table=None, plans=None) -> int:
         """Every row's text (as long as its conditioning) and image tokens at the DiT's width."""

@@ -28,13 +28,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from ...base import EngineInputError, StepCall, StepResult, StepRow
 from ...family import FolderFamily
 from ...lora import table_id
 from ...step_inputs import (
     checked_cond,
     checked_nonempty_latents,
-    checked_ref_latents,
     cond_rows,
     ref_tokens,
     row_sigmas,
@@ -94,17 +93,7 @@ class Flux2KleinModel(JointTokenModel):
 
     # -- encode ------------------------------------------------------------------------------
 
-    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
-        """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
-        text encoder reads no images, so `refs` false returns the text alone)."""
-        cond = self.prompt_encoder().encode(text)
-        latents = (
-            [self._reference_latents(i, image) for i, image in enumerate(images)] if refs else []
-        )
-        return EncodeResult(cond=cond, ref_latents=latents)
-
-    def _reference_latents(self, index: int, image: np.ndarray) -> np.ndarray:
-        height, width = image.shape[:2]
+    def check_reference(self, index: int, height: int, width: int, count: int) -> None:
         stride = self.vae.stride
         if (
             height % stride
@@ -119,8 +108,6 @@ class Flux2KleinModel(JointTokenModel):
                 f" ratio of {REF_MAX_ASPECT} and at most {REF_MAX_AREA} pixels (the pipeline's"
                 " sizes, which it would resize to), or be sent as latents from vae/encode"
             )
-        pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
-        return np.array(self.vae.encode(pixels).astype(mx.float32))
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -194,7 +181,7 @@ class Flux2KleinModel(JointTokenModel):
             mx.array(checked_cond(row, i, self.dit.config.joint_attention_dim))
             for i, row in enumerate(rows)
         ]
-        refs = [self._check_refs(row, i) for i, row in enumerate(rows)]
+        refs = self.reference_arrays(rows, self.dit.config.in_channels)
         weights = self.tables.weights_for(table)
         started = time.perf_counter()
         header = "none"
@@ -234,9 +221,6 @@ class Flux2KleinModel(JointTokenModel):
             state = self.dit.reference_states(refs, weights)
             held[key] = state
         return state
-
-    def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
-        return [mx.array(r) for r in checked_ref_latents(row, index, self.dit.config.in_channels)]
 
     def close(self) -> None:
         self.ref_caches.clear()

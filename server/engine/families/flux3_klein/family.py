@@ -17,12 +17,11 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from ...base import EncodeResult, EngineInputError, StepCall, StepResult, StepRow
+from ...base import EngineInputError, StepCall, StepResult, StepRow
 from ...family import FolderFamily
 from ...step_inputs import (
     checked_cond,
     checked_nonempty_latents,
-    checked_ref_latents,
     cond_rows,
     ref_tokens,
     row_sigmas,
@@ -63,17 +62,7 @@ class Flux3KleinModel(JointTokenModel):
     BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
     RESERVE_TEXT = 4 * PAD_MULTIPLE  # the reference workload's prompts: the first padded length
 
-    def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
-        """The prompt's conditioning; with `refs`, each image's VAE latents in model space (the
-        text encoder reads no images, so `refs` false returns the text alone)."""
-        cond = self.prompt_encoder().encode(text)
-        if not refs:
-            return EncodeResult(cond=cond)
-        latents = [self._reference_latents(i, image, len(images)) for i, image in enumerate(images)]
-        return EncodeResult(cond=cond, ref_latents=latents)
-
-    def _reference_latents(self, index: int, image: np.ndarray, count: int) -> np.ndarray:
-        height, width = image.shape[:2]
+    def check_reference(self, index: int, height: int, width: int, count: int) -> None:
         stride = self.vae.stride
         area = ONE_REF_MAX_AREA if count == 1 else REF_MAX_AREA
         if (
@@ -90,8 +79,6 @@ class Flux3KleinModel(JointTokenModel):
                 " pipeline's sizes, which it would resize to), or be sent as latents from"
                 " vae/encode"
             )
-        pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
-        return np.array(self.vae.encode(pixels).astype(mx.float32))
 
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None
@@ -120,7 +107,7 @@ class Flux3KleinModel(JointTokenModel):
         texts = [
             mx.array(checked_cond(row, i, config.joint_attention_dim)) for i, row in enumerate(rows)
         ]
-        refs = [self._check_refs(row, i) for i, row in enumerate(rows)]
+        refs = self.reference_arrays(rows, config.cond_in_channels)
         weights = self.tables.weights_for(call.table)
         started = time.perf_counter()
         out = self.dit.forward(mx.array(x), mx.array(sigma), texts, refs, targets, weights)
@@ -128,11 +115,6 @@ class Flux3KleinModel(JointTokenModel):
         mx.eval(out)
         forward_ms = (time.perf_counter() - started) * 1000.0
         return StepResult(out=np.array(out), prefix_cache="none", forward_ms=forward_ms)
-
-    def _check_refs(self, row: StepRow, index: int) -> list[mx.array]:
-        return [
-            mx.array(r) for r in checked_ref_latents(row, index, self.dit.config.cond_in_channels)
-        ]
 
 
 FLUX3_KLEIN = FolderFamily(SPEC, Flux3KleinModel)
