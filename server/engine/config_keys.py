@@ -37,6 +37,14 @@ def read_settings(cls: type, config: dict, **given: Any) -> Any:
     return cls(**values)
 
 
+class HeadsOfDim:
+    """What a config of width `dim` in `num_heads` heads derives: a head's width."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
 class FluxWidths:
     """What a FLUX DiT's config (`num_heads` heads of `head_dim`, an MLP of `mlp_ratio`, the
     tapped text layers' `joint_attention_dim`, patchified latents of `in_channels`) derives:

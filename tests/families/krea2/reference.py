@@ -5,29 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from gmlx_server.engine.families.krea2.embedded import TRANSFORMER_CONFIG
 
 from tests.families.tiny_weights import save_drawn
 
-# A tiny Krea2Transformer2DModel: grouped-query attention (4 query heads over 2 key/value heads),
-# three tapped text layers, text fusion with two key/value heads of its own.
+# A tiny Krea2Transformer2DModel: the embedded model's (grouped-query attention, 4 query heads
+# over 2 key/value heads, three tapped text layers), its text fusion wider and two refiner
+# blocks deep.
 TINY_TRANSFORMER = {
-    "in_channels": 64,
-    "num_layers": 2,
-    "attention_head_dim": 16,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 96,
-    "timestep_embed_dim": 32,
+    **{k: v for k, v in TRANSFORMER_CONFIG.items() if not k.startswith("_")},
     "text_hidden_dim": 48,
-    "num_text_layers": 3,
-    "text_num_attention_heads": 4,
-    "text_num_key_value_heads": 2,
     "text_intermediate_size": 80,
-    "num_layerwise_text_blocks": 1,
     "num_refiner_text_blocks": 2,
-    "axes_dims_rope": [4, 6, 6],
-    "rope_theta": 1000.0,
-    "norm_eps": 1e-5,
 }
 
 

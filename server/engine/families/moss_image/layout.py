@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config_keys import read_settings, setting
+from ...config_keys import HeadsOfDim, read_settings, setting
 
 TEXT_BLOCKS = 2  # the text projection's own blocks (fixed in the upstream network)
 NORM_EPS = 1e-6
@@ -19,7 +19,7 @@ TIME_MAX_PERIOD = 10000.0  # the sinusoid's frequencies: 10000^(-i / half)
 
 
 @dataclass(frozen=True)
-class DiTConfig:
+class DiTConfig(HeadsOfDim):
     """MOSSImageTransformer's config (`setting`: its key and default)."""
 
     dim: int = setting("dim", 3072, int)
@@ -47,10 +47,6 @@ class DiTConfig:
         if made.freq_dim % 2:
             raise ValueError(f"freq_dim {made.freq_dim} must be even")
         return made
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
 
     @property
     def mlp_dim(self) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ...config_keys import check_fixed, read_settings, setting
+from ...config_keys import HeadsOfDim, check_fixed, read_settings, setting
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense, project
@@ -47,7 +47,7 @@ FIXED = {"qk_norm": True}
 
 
 @dataclass(frozen=True)
-class DiTConfig:
+class DiTConfig(HeadsOfDim):
     """ZImageTransformer2DModel's config (`setting`: its key and default)."""
 
     in_channels: int = setting("in_channels", 16)
@@ -82,10 +82,6 @@ class DiTConfig:
         made = read_settings(cls, config, patch_size=patches[0])
         check_fixed(config, {**FIXED, "n_kv_heads": made.num_heads}, "Z-Image's DiT")
         return made
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
 
     @property
     def hidden_dim(self) -> int:
