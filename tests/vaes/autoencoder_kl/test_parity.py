@@ -1,65 +1,121 @@
-"""The MLX AutoencoderKL against diffusers' (float32, tiny random weights): FLUX.1's layout and
-one with quant convolutions and another block layout."""
+"""The MLX AutoencoderKL and AutoencoderKLFlux2 against diffusers' (float32, tiny random weights):
+FLUX.1's layout, one with quant convolutions and another block layout, and FLUX.2's in the model
+space Flux2KleinPipeline reads and writes (encode as the pipeline encodes a reference: posterior
+mean, 2x2 patchify, batch-norm statistics; decode as it decodes its result)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.vaes.autoencoder_kl import AutoencoderKL, latent_normalisation
+from gmlx_server.engine.vaes.autoencoder_kl_flux2 import AutoencoderKLFlux2
 
 from tests.compare import rel_l2
-from tests.families.z_image.tiny.vae import build_vae
-from tests.vaes.autoencoder_kl.reference import reference_decode, reference_encode
+from tests.families.flux2_klein.tiny import vae as flux2_vae
+from tests.families.z_image.tiny import vae as flux1_vae
+from tests.vaes.autoencoder_kl import reference
 
-CONFIGS = {
-    "flux1": {},
-    "quant_convs": {
-        "block_out_channels": (16, 32),
-        "down_block_types": ("DownEncoderBlock2D",) * 2,
-        "up_block_types": ("UpDecoderBlock2D",) * 2,
-        "layers_per_block": 1,
-        "latent_channels": 4,
-        "use_quant_conv": True,
-        "use_post_quant_conv": True,
-        "shift_factor": None,
-    },
+
+@dataclass(frozen=True)
+class Case:
+    """A tiny VAE (its builder and config), the MLX class, the pipeline's encode and decode, and
+    the latent sizes its decode test takes."""
+
+    build: Any
+    config: dict
+    network: Any
+    encode: Any
+    decode: Any
+    latent_sides: tuple = ((4, 4), (6, 10))
+
+
+QUANT_CONVS = {
+    "block_out_channels": (16, 32),
+    "down_block_types": ("DownEncoderBlock2D",) * 2,
+    "up_block_types": ("UpDecoderBlock2D",) * 2,
+    "layers_per_block": 1,
+    "latent_channels": 4,
+    "use_quant_conv": True,
+    "use_post_quant_conv": True,
+    "shift_factor": None,
+}
+PLAIN = (AutoencoderKL, reference.reference_encode, reference.reference_decode)
+FLUX2 = (AutoencoderKLFlux2, reference.flux2_reference_encode, reference.flux2_reference_decode)
+CASES = {
+    "flux1": Case(flux1_vae.build_vae, {}, *PLAIN),
+    "quant_convs": Case(flux1_vae.build_vae, QUANT_CONVS, *PLAIN),
+    "flux2": Case(flux2_vae.build_vae, {}, *FLUX2, latent_sides=((2, 2), (3, 5))),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(CASES))
 def vaes(request, tmp_path_factory):
+    """(case, diffusers' model, the MLX VAE) of one tiny VAE."""
+    case = CASES[request.param]
     folder = tmp_path_factory.mktemp(f"autoencoder_kl_{request.param}")
-    model = build_vae(folder, seed=2, **CONFIGS[request.param])
-    return model, AutoencoderKL.load(folder)
+    model = case.build(folder, seed=3 if case.network is AutoencoderKLFlux2 else 2, **case.config)
+    return case, model, case.network.load(folder)
+
+
+@pytest.fixture
+def plain_vaes(vaes):
+    if vaes[0].network is not AutoencoderKL:
+        pytest.skip("FLUX.2's VAE takes no latent normalisation of AutoencoderKL's")
+    return vaes[1:]
 
 
 @pytest.mark.parametrize("hw", [(32, 32), (48, 80)])
-def test_encode_matches_the_posterior_mean(vaes, hw):
-    model, vae = vaes
+def test_encode_matches_the_pipeline(vaes, hw):
+    """AutoencoderKL's: the posterior mean."""
+    case, model, vae = vaes
     image = np.random.default_rng(1).random((1, *hw, 3), dtype=np.float32)
-    expected = reference_encode(model, image)
+    expected = case.encode(model, image)
     ours = np.array(vae.encode(mx.array(image)))
-    assert ours.shape == expected.shape
+    cells = (hw[0] // vae.stride, hw[1] // vae.stride)
+    assert ours.shape == expected.shape == (1, vae.latent_channels, *cells)
     assert rel_l2(ours, expected) <= 1e-4
 
 
-@pytest.mark.parametrize("hw", [(4, 4), (6, 10)])
-def test_decode_matches_the_pipeline(vaes, hw):
+@pytest.mark.parametrize("side", [0, 1])
+def test_decode_matches_the_pipeline(vaes, side):
     """What the pipeline does after sampling: decode, then x / 2 + 0.5 clamped to [0, 1]."""
-    model, vae = vaes
-    channels = model.config.latent_channels
-    latents = np.random.default_rng(2).standard_normal((1, channels, *hw)).astype(np.float32)
-    expected = reference_decode(model, latents)
+    case, model, vae = vaes
+    hw = case.latent_sides[side]
+    shape = (1, vae.latent_channels, *hw)
+    latents = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    expected = case.decode(model, latents)
     ours = np.array(vae.decode(mx.array(latents)))
-    assert ours.shape == expected.shape
+    assert ours.shape == expected.shape == (1, hw[0] * vae.stride, hw[1] * vae.stride, 3)
     assert rel_l2(ours, expected) <= 1e-4
 
 
-def test_model_space_is_the_pipelines(vaes):
+def test_sizes_off_the_stride_are_refused(vaes):
+    _, _, vae = vaes
+    with pytest.raises(EngineInputError, match=f"stride {vae.stride}"):
+        vae.encode(mx.zeros((1, vae.stride + 5, 2 * vae.stride, 3)))
+    with pytest.raises(EngineInputError, match=f"latents are \\(B, {vae.latent_channels}"):
+        vae.decode(mx.zeros((1, 3, 4, 4)))
+
+
+def test_the_flux2_statistics_matter(vaes):
+    """Decoding without the batch-norm statistics gives another image: the decode test reads
+    them."""
+    case, _, vae = vaes
+    if case.network is not AutoencoderKLFlux2:
+        pytest.skip("only FLUX.2's VAE normalises its latents with a batch norm")
+    latents = mx.array(np.random.default_rng(4).standard_normal((1, 128, 2, 2)), mx.float32)
+    plain = vae.body.decode(vae.unpatchify(latents))
+    assert rel_l2(np.array(vae.decode(latents)), np.array(plain)) > 0.01
+
+
+def test_model_space_is_the_pipelines(plain_vaes):
     """The DiT's latents are (z - shift) * scale; the pipeline decodes latents / scale + shift."""
-    model, vae = vaes
+    model, vae = plain_vaes
     z = mx.array(np.random.default_rng(3).standard_normal((1, 4, 2, 2)).astype(np.float32))
     scale, shift = model.config.scaling_factor, model.config.shift_factor or 0.0
     np.testing.assert_allclose(
@@ -70,17 +126,9 @@ def test_model_space_is_the_pipelines(vaes):
     )
 
 
-def test_bad_sizes_are_refused(vaes):
-    _, vae = vaes
-    with pytest.raises(EngineInputError, match="stride"):
-        vae.encode(mx.zeros((1, 13, 16, 3)))
-    with pytest.raises(EngineInputError, match="latents"):
-        vae.decode(mx.zeros((1, 3, 4, 4)))
-
-
-def test_published_normalisation_is_the_model_space(vaes):
+def test_published_normalisation_is_the_model_space(plain_vaes):
     """Status `vae.latents_mean` / `latents_std`: (z - mean) / std is the model space."""
-    model, vae = vaes
+    model, vae = plain_vaes
     mean, std = latent_normalisation(dict(model.config))
     z = np.random.default_rng(4).standard_normal((1, vae.latent_channels, 2, 2)).astype(np.float32)
     by_status = (z - np.array(mean)[None, :, None, None]) / np.array(std)[None, :, None, None]
