@@ -68,6 +68,22 @@ class FluxWidths:
         return self.in_channels
 
 
+def flux_width_settings(dit: Any, image_in, query_norm, mlp_in, rope_axes: int) -> dict:
+    """A FLUX DiT's width settings (Flux2Transformer2DModel's and Flux3Transformer2DModel's
+    config keys) told from its file's header `dit` (file_headers.Header; each tensor by its
+    names in the namings the file may use): a head is as wide as a block's query norm, the
+    model as its image input projection's rows, the MLP's fused gate and up twice the MLP's
+    width, and RoPE splits the head into `rope_axes` equal axes."""
+    dim = dit.first_shape(image_in)[0]
+    head_dim = dit.first_shape(query_norm)[0]
+    return {
+        "attention_head_dim": head_dim,
+        "num_attention_heads": dim // head_dim,
+        "mlp_ratio": dit.first_shape(mlp_in)[0] / 2 / dim,
+        "axes_dims_rope": [head_dim // rope_axes] * rope_axes,
+    }
+
+
 def check_rope_axes(axes_dims: tuple[int, ...], head_dim: int) -> None:
     """Refuse RoPE axes that do not add up to the attention head (ValueError naming both)."""
     if sum(axes_dims) != head_dim:

@@ -12,6 +12,7 @@ have the same shapes: BFL names the base files `...-base-...`, the distilled one
 
 from __future__ import annotations
 
+from ...config_keys import flux_width_settings
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
@@ -82,18 +83,13 @@ fits_vae = vae_files.fits_flux2_vae
 
 
 def dit_config(dit: Header) -> dict:
-    hidden, in_channels = dit.first_shape(IMAGE_IN)
-    head_dim = dit.first_shape(QUERY_NORM)[0]
     return {
         **DIT_FACTS,
-        "in_channels": in_channels,
+        "in_channels": dit.first_shape(IMAGE_IN)[1],
         "num_layers": dit.count(*DOUBLE_STEMS),
         "num_single_layers": dit.count(*SINGLE_STEMS),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": hidden // head_dim,
         "joint_attention_dim": joint_width(dit),
-        "mlp_ratio": dit.first_shape(MLP_IN)[0] / 2 / hidden,
-        "axes_dims_rope": [head_dim // ROPE_AXES] * ROPE_AXES,
+        **flux_width_settings(dit, IMAGE_IN, QUERY_NORM, MLP_IN, ROPE_AXES),
     }
 
 

@@ -12,6 +12,7 @@ layers of the encoder's width cannot say which it reads and is refused.
 
 from __future__ import annotations
 
+from ...config_keys import flux_width_settings
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
@@ -71,20 +72,15 @@ fits_vae = vae_files.fits_flux2_vae
 
 
 def dit_config(dit: Header) -> dict:
-    dim, in_channels = dit.first_shape(IMAGE_IN)
-    head_dim = dit.first_shape(QUERY_NORM)[0]
     return {
         **DIT_FACTS,
-        "in_channels": in_channels,
+        "in_channels": dit.first_shape(IMAGE_IN)[1],
         "cond_in_channels": dit.first_shape(COND_IN)[1],
         "num_layers": dit.count(*MODE_STEMS),
         "num_single_layers": dit.count(*SINGLE_STEMS),
-        "attention_head_dim": head_dim,
-        "num_attention_heads": dim // head_dim,
         "joint_attention_dim": text_width(dit),
         "timestep_channels": dit.first_shape(TIME_IN)[1],
-        "mlp_ratio": dit.first_shape(MLP_IN)[0] / 2 / dim,
-        "axes_dims_rope": [head_dim // ROPE_AXES] * ROPE_AXES,
+        **flux_width_settings(dit, IMAGE_IN, QUERY_NORM, MLP_IN, ROPE_AXES),
         "flow_map": dit.first_shape(TARGET_IN) is not None,
     }
 
