@@ -255,7 +255,7 @@ class Qwen3Prompt(PromptEncoder):
     def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):
         folder = model_dir / "text_encoder"
         layers = cls.PART.layers
-        encoder = Qwen3TextEncoder.load(folder, dtype, quantization, quantized, gguf, layers)
+        encoder = Qwen3TextEncoder.load(folder, dtype, quantization, gguf, layers)
         tokenizer = QwenPromptTokenizer.load(model_dir / "tokenizer", cls.TEMPLATE)
         return cls.of(model_dir, encoder, tokenizer, dtype)
 
@@ -278,14 +278,13 @@ class Qwen3TextEncoder:
         component_dir: Path,
         dtype: mx.Dtype = mx.float32,
         quantization: Quantization | None = None,
-        quantized: Callable[[str], bool] | None = None,
         gguf: Path | None = None,
         layers: int | None = None,
     ) -> Qwen3TextEncoder:
         """The encoder of a transformers folder (its config.json), its weights from the
         folder's safetensors or from `gguf`, a llama.cpp GGUF file of Qwen3 (`gguf_files`),
         kept quantized as the file holds them. With a `quantization`, the float linear layers
-        whose module path `quantized` picks (the family's choice) are quantized as they load
+        Qwen3's choice picks (`quantized`) are quantized as they load
         (quantize.quantize_module); a folder stored quantized loads as stored. With `layers`,
         only the first `layers` decoder layers load (`encoder_config`): a family that taps no
         later layer never reads the rest."""
