@@ -211,11 +211,10 @@ def run_sample(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace, group: Any) -> int:
-    def sample(choice: ModelChoice, request: ImageRequest) -> tuple[np.ndarray, int]:
-        run = sample_via_steps if args.via_steps else sample_direct
-        return run(choice, request, args.adapter, args.preview)
+    def run(choice: ModelChoice, request: ImageRequest) -> tuple[np.ndarray, int]:
+        return sample(choice, request, args.adapter, args.preview, args.via_steps)
 
-    done = chosen_run(args, group, "sample", sample)
+    done = chosen_run(args, group, "sample", run)
     if isinstance(done, int):
         return done
     choice, request, (pixels, steps) = done
@@ -250,13 +249,30 @@ def chosen_run(args: argparse.Namespace, group: Any, command: str, run) -> int |
         return 1
 
 
-def sample_direct(
+def sample(
     choice: ModelChoice,
     request: ImageRequest,
     adapters: Sequence[AdapterSpec] = (),
     preview: Path | None = None,
+    via_steps: bool = False,
 ) -> tuple[np.ndarray, int]:
-    """Load the model and sample in process, with a progress bar (and a preview file)."""
+    """Load the model and sample with a progress bar (and a preview file): in process, or
+    `via_steps`, through the model's step routes served on a loopback port (`steps_transport`).
+    Returns the image and its step count."""
+    if via_steps:
+        transports = steps_transport(choice, adapters)
+    else:
+        transports = direct_transport(choice, request, adapters)
+    with transports as (transport, direct, status):
+        previews = preview_writer(direct, request, preview)
+        latents, timings = generate(transport, status, request, progress=True, on_denoised=previews)
+        return direct.decode(latents), len(timings.step_s)
+
+
+@contextmanager
+def direct_transport(choice: ModelChoice, request: ImageRequest, adapters: Sequence[AdapterSpec]):
+    """(transport, its in-process half, the model's status) of a model loaded in process under
+    the memory plan, the `request`'s image checked against it first."""
     with loading_bar(choice.model_id) as bar:
         bar.update()
         loaded = choice.registry.acquire(choice.model_id)
@@ -265,9 +281,33 @@ def sample_direct(
     transport = PlannedTransport(loaded, memory, table=sampling_table(loaded, adapters))
     status = loaded.model.status()
     transport.check_image(status, request)
-    previews = preview_writer(transport, request, preview)
-    latents, timings = generate(transport, status, request, progress=True, on_denoised=previews)
-    return transport.decode(latents), len(timings.step_s)
+    yield transport, transport, status
+
+
+@contextmanager
+def steps_transport(choice: ModelChoice, adapters: Sequence[AdapterSpec]):
+    """(transport, its in-process half, the model's status) through the step routes, served on a
+    loopback port for the while, with the shared step client: the prompt is encoded in process
+    and uploaded by hash, each step is a request; LoRA files become adapters and a patch table,
+    defined as a client defines them."""
+    from gmlx_contract.client import StepClient
+
+    with StepServer(choice) as server:
+        with loading_bar(choice.model_id) as bar:
+            bar.update()
+            loaded = server.load()
+            bar.update()
+        direct = server.direct()
+        with StepClient(server.base_url) as client:
+            table = None
+            if adapters:
+                doc, matrices = adapter_doc(
+                    choice.model_id, loaded.model.manifest(), list(adapters), float32=True
+                )
+                arrays = {digest: tensor.array for digest, tensor in matrices.items()}
+                table = client.put_patch_table(doc, choice.model_id, arrays)
+            transport = ViaStepsTransport(client, direct, choice.model_id, table)
+            yield transport, direct, loaded.model.status()
 
 
 def preview_writer(transport: Any, request: ImageRequest, path: Path | None):
@@ -291,39 +331,6 @@ def note(text: str) -> None:
     from tqdm import tqdm
 
     tqdm.write(text, file=sys.stderr)
-
-
-def sample_via_steps(
-    choice: ModelChoice,
-    request: ImageRequest,
-    adapters: Sequence[AdapterSpec] = (),
-    preview: Path | None = None,
-) -> tuple[np.ndarray, int]:
-    """Serve the model's step routes on a loopback port and sample through them with the shared
-    step client: the prompt is encoded in process and uploaded by hash, each step is a request;
-    LoRA files become adapters and a patch table, defined as a client defines them."""
-    from gmlx_contract.client import StepClient
-
-    with StepServer(choice) as server:
-        with loading_bar(choice.model_id) as bar:
-            bar.update()
-            loaded = server.load()
-            bar.update()
-        direct = server.direct()
-        with StepClient(server.base_url) as client:
-            table = None
-            if adapters:
-                doc, matrices = adapter_doc(
-                    choice.model_id, loaded.model.manifest(), list(adapters), float32=True
-                )
-                arrays = {digest: tensor.array for digest, tensor in matrices.items()}
-                table = client.put_patch_table(doc, choice.model_id, arrays)
-            transport = ViaStepsTransport(client, direct, choice.model_id, table)
-            previews = preview_writer(direct, request, preview)
-            latents, timings = generate(
-                transport, loaded.model.status(), request, progress=True, on_denoised=previews
-            )
-        return direct.decode(latents), len(timings.step_s)
 
 
 def read_references(paths: Sequence[str]) -> tuple[np.ndarray, ...]:
