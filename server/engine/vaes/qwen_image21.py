@@ -228,6 +228,17 @@ class UpBlock(nn.Module):
         return x
 
 
+def residual_blocks(block: type, dims: list[int], num_res_blocks: int, temporal) -> list:
+    """The residual stack of an encoder (`DownBlock`) or a decoder (`UpBlock`): block i from
+    dims[i] to dims[i + 1], each but the last resampling, in time too where `temporal[i]`
+    says."""
+    last = len(dims) - 2
+    return [
+        block(dims[i], dims[i + 1], num_res_blocks, i != last and bool(temporal[i]), i != last)
+        for i in range(last + 1)
+    ]
+
+
 class PlainUpBlock(nn.Module):
     """`QwenImage21UpBlock` of the plain layout (is_residual false, Wan 2.1's, as
     `QwenImageUpBlock`): resnets, then an upsampler that halves the channels."""
@@ -344,18 +355,9 @@ class Encoder(nn.Module):
         self.num_res_blocks = config["num_res_blocks"]
         self.conv_in = nn.Conv2d(config["in_channels"], dims[0], 3, padding=1)
         if config.get("is_residual", True):
-            self._levels = [
-                [
-                    DownBlock(
-                        dims[i],
-                        dims[i + 1],
-                        self.num_res_blocks,
-                        temporal=bool(config["temperal_downsample"][i]) if i != last else False,
-                        down=i != last,
-                    )
-                ]
-                for i in range(len(mults))
-            ]
+            temporal = config["temperal_downsample"]
+            blocks = residual_blocks(DownBlock, dims, self.num_res_blocks, temporal)
+            self._levels = [[block] for block in blocks]
         else:
             self._levels = plain_down_blocks(dims, self.num_res_blocks)
         self.down_blocks = [module for level in self._levels for module in level]
@@ -393,16 +395,7 @@ class Decoder(nn.Module):
         self.conv_in = nn.Conv2d(config["z_dim"], dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
         if config.get("is_residual", True):
-            self.up_blocks = [
-                UpBlock(
-                    dims[i],
-                    dims[i + 1],
-                    self.num_res_blocks,
-                    temporal=bool(temporal[i]) if i != last else False,
-                    up=i != last,
-                )
-                for i in range(len(mults))
-            ]
+            self.up_blocks = residual_blocks(UpBlock, dims, self.num_res_blocks, temporal)
         else:
             ins = plain_up_in_dims(dims)
             self.up_blocks = [
