@@ -32,6 +32,22 @@ class ShardPlan:
     prefixes: dict[str, str] = field(default_factory=dict)
 
 
+def attention_mlp_plan(
+    stacks: dict[str, str], head_dim: int, mlp: tuple[str, str] = ("gate_up", "down")
+) -> ShardPlan:
+    """The split of blocks of attention and a gated MLP, `stacks` their checkpoint prefixes by
+    stack in pipeline order: the fused q/k/v (`qkv`: three segments of whole heads) and the
+    MLP's fused input (two segments) by output rows, the attention's output (`out`, in whole
+    heads) and the MLP's output by input columns (`mlp`: the two MLP weights' keys)."""
+    mlp_in, mlp_out = mlp
+    return ShardPlan(
+        stacks=tuple(stacks),
+        columns={"qkv": Split(3, head_dim), mlp_in: Split(2)},
+        rows={"out": Split(1, head_dim), mlp_out: Split(1)},
+        prefixes=dict(stacks),
+    )
+
+
 @dataclass(frozen=True)
 class Shard:
     """This process's place in the group: the mode, its rank and the group's size."""

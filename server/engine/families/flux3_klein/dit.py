@@ -39,7 +39,8 @@ from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
-from ...shard import ShardPlan, Split
+from ...shard import ShardPlan
+from ...shard_plan import attention_mlp_plan
 from ...weights import block_weights, single_dit_file
 from .layout import (
     BFL_BLOCK,
@@ -101,12 +102,7 @@ def shard_plan(config: DiTConfig) -> ShardPlan:
     (the per-mode blocks, a sixth of the depth, are whole on every rank); in every block q/k/v
     (three segments, whole heads) and the SwiGLU's input split by output rows, the attention
     output (whole heads) and the MLP's output by input columns."""
-    return ShardPlan(
-        stacks=("single",),
-        columns={"qkv": Split(3, config.head_dim), "ff_in": Split(2)},
-        rows={"out": Split(1, config.head_dim), "ff_out": Split(1)},
-        prefixes={"single": STACKS["single"]},
-    )
+    return attention_mlp_plan({"single": STACKS["single"]}, config.head_dim, ("ff_in", "ff_out"))
 
 
 def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:

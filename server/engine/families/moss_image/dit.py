@@ -38,7 +38,8 @@ from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense
 from ...nn.attention import attention
 from ...nn.rope import apply_rotary
-from ...shard import ShardPlan, Split
+from ...shard import ShardPlan
+from ...shard_plan import attention_mlp_plan
 from ...weights import block_weights, single_dit_file
 from .layout import (
     BLOCK_NORMS,
@@ -106,12 +107,7 @@ def shard_plan(config: DiTConfig) -> ShardPlan:
     text projection is whole on every rank); in every main block q, k and v (three segments,
     whole heads) and the feed-forward's up and gate halves (two segments) split by output rows,
     the attention output (whole heads) and the down projection by input columns."""
-    return ShardPlan(
-        stacks=("blocks",),
-        columns={"qkv": Split(3, config.head_dim), "up_gate": Split(2)},
-        rows={"out": Split(1, config.head_dim), "down": Split(1)},
-        prefixes={"blocks": STACKS["blocks"]},
-    )
+    return attention_mlp_plan({"blocks": STACKS["blocks"]}, config.head_dim, ("up_gate", "down"))
 
 
 def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:

@@ -35,7 +35,8 @@ from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
 from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
-from ...shard import ShardPlan, Split, Stages
+from ...shard import ShardPlan, Stages
+from ...shard_plan import attention_mlp_plan
 from ...weights import block_weights, gguf_file, read_config
 
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
@@ -186,12 +187,7 @@ def shard_plan(config: DiTConfig) -> ShardPlan:
     q/k/v (three segments, whole heads) and gate/up (two segments) split by output rows, the
     attention output and the MLP's down projection by input columns (the attention output's
     in whole heads, as q/k/v split them)."""
-    return ShardPlan(
-        stacks=("blocks",),
-        columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
-        rows={"out": Split(1, config.head_dim), "down": Split(1)},
-        prefixes={"blocks": BLOCK_PREFIX},
-    )
+    return attention_mlp_plan({"blocks": BLOCK_PREFIX}, config.head_dim)
 
 
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:

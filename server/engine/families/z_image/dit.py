@@ -31,7 +31,8 @@ from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
 from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
-from ...shard import ShardPlan, Split
+from ...shard import ShardPlan
+from ...shard_plan import attention_mlp_plan
 from ...weights import block_weights, single_dit_file
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
@@ -170,12 +171,8 @@ def shard_plan(config: DiTConfig) -> ShardPlan:
     """How the DiT splits over ranks (engine/shard.py): the three stacks, in order, are the
     pipeline; in every block q/k/v (three segments, whole heads) and w1/w3 (two segments) split
     by output rows, the attention output (whole heads) and w2 by input columns."""
-    return ShardPlan(
-        stacks=tuple(STACKS),
-        columns={"qkv": Split(3, config.head_dim), "gate_up": Split(2)},
-        rows={"out": Split(1, config.head_dim), "down": Split(1)},
-        prefixes={stack: prefix for stack, (prefix, _) in STACKS.items()},
-    )
+    prefixes = {stack: prefix for stack, (prefix, _) in STACKS.items()}
+    return attention_mlp_plan(prefixes, config.head_dim)
 
 
 def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
