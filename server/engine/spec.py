@@ -186,6 +186,19 @@ def model_index(model_dir: Path) -> dict:
     return json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
 
 
+def pipeline_components(transformer: str, vae: str, text_encoder: str, tokenizer: str) -> dict:
+    """model_index.json's component entries of a flow-matching pipeline folder: the DiT, the VAE
+    and the scheduler (FlowMatchEulerDiscreteScheduler) by their diffusers classes, the text
+    encoder and its tokenizer by their transformers classes."""
+    return {
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", text_encoder],
+        "tokenizer": ["transformers", tokenizer],
+        "transformer": ["diffusers", transformer],
+        "vae": ["diffusers", vae],
+    }
+
+
 def family_specs() -> dict[str, FamilySpec]:
     """Every family of the product's folders by name: each folder's `spec.SPECS`, folders in
     name order (a folder whose spec cannot be imported is left out, and logged)."""

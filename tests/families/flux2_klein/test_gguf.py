@@ -184,11 +184,11 @@ def transformer_folder(tmp_path, transformer):
     import json
     import shutil
 
-    from tests.families.flux2_klein.tiny.folder import model_index
+    from gmlx_server.engine.families.flux2_klein.spec import model_index_of
 
     root = tmp_path / "klein"
     shutil.copytree(transformer[0], root / "transformer")
-    (root / "model_index.json").write_text(json.dumps(model_index("Flux2KleinPipeline", True)))
+    (root / "model_index.json").write_text(json.dumps(model_index_of("flux2_klein", "distilled")))
     return root
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gmlx_server.engine.families.flux3_klein.spec import PIPELINE_CLASSES, model_index_of
+
 from tests.families.flux2_klein.tiny.vae import build_vae
 from tests.families.flux3_klein.reference import build_transformer
 from tests.families.qwen_image21.tiny.text_encoder import build_language_model
@@ -15,7 +17,6 @@ from tests.families.qwen_image21.tiny.text_encoder import build_language_model
 TEXT_LAYERS = 4  # the tiny encoder's decoder layers; the taps below read three of them
 OUT_LAYERS = (1, 2, 3)
 TEXT_WIDTH = 64
-PIPELINES = {"distilled": "Flux3DistilledModularPipeline", "base": "Flux3ModularPipeline"}
 SCHEDULER = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
     "num_train_timesteps": 1000,
@@ -48,16 +49,7 @@ def build_tiny_folder(
     build_language_model(root, seed + 2, text_layers)
     (root / "scheduler").mkdir(parents=True, exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
-    index = {
-        "_class_name": PIPELINES[variant],
-        "_diffusers_version": "0.42.1",
-        "text_encoder_out_layers": list(out_layers),
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3VLModel"],
-        "tokenizer": ["transformers", "Qwen3VLProcessor"],
-        "transformer": ["diffusers", "Flux3Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLFlux2"],
-    }
+    index = model_index_of(variant, out_layers)
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
 
@@ -90,7 +82,8 @@ def reference_pipeline(root: Path):
 
     root = Path(root)
     distilled = (
-        json.loads((root / "model_index.json").read_text())["_class_name"] == PIPELINES["distilled"]
+        json.loads((root / "model_index.json").read_text())["_class_name"]
+        == PIPELINE_CLASSES["distilled"]
     )
     blocks = Flux3DistilledAutoBlocks() if distilled else Flux3AutoBlocks()
     blocks.sub_blocks.pop(

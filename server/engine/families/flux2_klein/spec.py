@@ -12,7 +12,14 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ...spec import Conditioning, FamilySpec, Published, model_index, read_config
+from ...spec import (
+    Conditioning,
+    FamilySpec,
+    Published,
+    model_index,
+    pipeline_components,
+    read_config,
+)
 
 FAMILY_4B = "flux2_klein"
 FAMILY_9B = "flux2_klein_9b"
@@ -49,11 +56,12 @@ def model_index_of(family: str, variant: str) -> dict:
     return {
         "_class_name": KV_PIPELINE_CLASS if kv else PIPELINE_CLASS,
         "is_distilled": kv or variant == "distilled",
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Flux2Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLFlux2"],
+        **pipeline_components(
+            "Flux2Transformer2DModel",
+            "AutoencoderKLFlux2",
+            "Qwen3ForCausalLM",
+            "Qwen2TokenizerFast",
+        ),
     }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import Conditioning, FamilySpec, read_config
+from ...spec import Conditioning, FamilySpec, pipeline_components, read_config
 
 FAMILY = "flux3_klein"
 TRANSFORMER_CLASS = "Flux3Transformer2DModel"
@@ -54,11 +54,9 @@ def model_index_of(variant: str, out_layers) -> dict:
         "_class_name": PIPELINE_CLASSES[variant],
         "_diffusers_version": "0.42.1",
         "text_encoder_out_layers": list(out_layers),
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3VLModel"],
-        "tokenizer": ["transformers", "Qwen3VLProcessor"],
-        "transformer": ["diffusers", TRANSFORMER_CLASS],
-        "vae": ["diffusers", "AutoencoderKLFlux2"],
+        **pipeline_components(
+            TRANSFORMER_CLASS, "AutoencoderKLFlux2", "Qwen3VLModel", "Qwen3VLProcessor"
+        ),
     }
 
 

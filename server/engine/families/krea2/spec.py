@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gmlx_contract.schedules import krea2_rule
 
-from ...spec import FamilySpec, model_index
+from ...spec import FamilySpec, model_index, pipeline_components
 
 FAMILY = "krea2"
 PIPELINE_CLASS = "Krea2Pipeline"
@@ -65,11 +65,12 @@ def model_index_of(variant: str, select_layers) -> dict:
         "is_distilled": variant == "turbo",
         "patch_size": 2,
         "text_encoder_select_layers": list(select_layers),
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3VLModel"],
-        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Krea2Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
+        **pipeline_components(
+            "Krea2Transformer2DModel",
+            "AutoencoderKLQwenImage",
+            "Qwen3VLModel",
+            "Qwen2TokenizerFast",
+        ),
     }
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import Conditioning, FamilySpec, Published, model_index, read_config, read_json
+from ...spec import (
+    Conditioning,
+    FamilySpec,
+    Published,
+    model_index,
+    pipeline_components,
+    read_config,
+    read_json,
+)
 
 FAMILY = "z_image"
 PIPELINE_CLASS = "ZImagePipeline"
@@ -24,11 +32,9 @@ SAMPLING = {
 # config, as diffusers writes them for Z-Image.
 MODEL_INDEX = {
     "_class_name": PIPELINE_CLASS,
-    "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-    "tokenizer": ["transformers", "Qwen2Tokenizer"],
-    "transformer": ["diffusers", "ZImageTransformer2DModel"],
-    "vae": ["diffusers", "AutoencoderKL"],
+    **pipeline_components(
+        "ZImageTransformer2DModel", "AutoencoderKL", "Qwen3ForCausalLM", "Qwen2Tokenizer"
+    ),
 }
 
 

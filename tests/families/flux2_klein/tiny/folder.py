@@ -14,10 +14,9 @@ import json
 from pathlib import Path
 
 from gmlx_server.engine.families.flux2_klein.spec import (
-    KV_PIPELINE_CLASS,
     NINE_B_DOUBLE_BLOCKS,
-    PIPELINE_CLASS,
     SCHEDULER,
+    model_index_of,
 )
 
 from tests.families.flux2_klein.tiny.text_encoder import build_text_encoder
@@ -26,25 +25,12 @@ from tests.families.flux2_klein.tiny.vae import build_vae
 
 # The klein checkpoints' scheduler, as the server writes it for a model from component files.
 SCHEDULER_CONFIG = {**SCHEDULER, "_diffusers_version": "0.42.1"}
-# family -> (pipeline class, the DiT's double-stream blocks)
-LAYOUTS = {
-    "flux2_klein": (PIPELINE_CLASS, 2),
-    "flux2_klein_9b": (PIPELINE_CLASS, NINE_B_DOUBLE_BLOCKS),
-    "flux2_klein_9b_kv": (KV_PIPELINE_CLASS, NINE_B_DOUBLE_BLOCKS),
+# family -> the DiT's double-stream blocks
+DOUBLE_BLOCKS = {
+    "flux2_klein": 2,
+    "flux2_klein_9b": NINE_B_DOUBLE_BLOCKS,
+    "flux2_klein_9b_kv": NINE_B_DOUBLE_BLOCKS,
 }
-
-
-def model_index(pipeline_class: str, distilled: bool) -> dict:
-    return {
-        "_class_name": pipeline_class,
-        "_diffusers_version": "0.42.1",
-        "is_distilled": distilled,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Flux2Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLFlux2"],
-    }
 
 
 def build_tiny_folder(
@@ -55,14 +41,14 @@ def build_tiny_folder(
     three tapped layers of the 32-wide text encoder; 128 = the VAE's 32 channels patchified)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    pipeline_class, double_blocks = LAYOUTS[family]
     model = build_transformer(
-        root / "transformer", seed=seed, **{"num_layers": double_blocks, **transformer}
+        root / "transformer", seed=seed, **{"num_layers": DOUBLE_BLOCKS[family], **transformer}
     )
     build_vae(root / "vae", seed=seed)
     build_text_encoder(root, seed=seed)
+    index = model_index_of(family, "distilled" if distilled else "base")
     (root / "model_index.json").write_text(
-        json.dumps(model_index(pipeline_class, distilled), indent=2)
+        json.dumps({**index, "_diffusers_version": "0.42.1"}, indent=2)
     )
     (root / "scheduler").mkdir(exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(
