@@ -170,6 +170,17 @@ class Family:
         return None
 
 
+def flagged_variant(
+    document: dict, class_name: str, family: str, flag: str, variants: tuple[str, str]
+) -> tuple[str, str] | None:
+    """(family, variant) of a folder whose `document` (its model_index.json, or a component's
+    config) names `class_name`: the first of `variants` where the document sets `flag`, else
+    the second; None where it names another class."""
+    if document.get("_class_name") != class_name:
+        return None
+    return family, variants[0] if document.get(flag) else variants[1]
+
+
 def read_json(path: Path) -> dict:
     """A JSON file's object; {} when the file is absent."""
     path = Path(path)

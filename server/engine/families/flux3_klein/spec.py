@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import Conditioning, FamilySpec, pipeline_components, read_config
+from ...spec import Conditioning, FamilySpec, flagged_variant, pipeline_components, read_config
 
 FAMILY = "flux3_klein"
 TRANSFORMER_CLASS = "Flux3Transformer2DModel"
@@ -66,9 +66,7 @@ def identify(model_dir: Path) -> tuple[str, str] | None:
         config = read_config(Path(model_dir) / "transformer")
     except (FileNotFoundError, ValueError):
         return None
-    if config.get("_class_name") != TRANSFORMER_CLASS:
-        return None
-    return FAMILY, "distilled" if config.get("flow_map") else "base"
+    return flagged_variant(config, TRANSFORMER_CLASS, FAMILY, "flow_map", ("distilled", "base"))
 
 
 SPEC = FamilySpec(

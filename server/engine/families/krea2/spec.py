@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gmlx_contract.schedules import krea2_rule
 
-from ...spec import FamilySpec, model_index, pipeline_components
+from ...spec import FamilySpec, flagged_variant, model_index, pipeline_components
 
 FAMILY = "krea2"
 PIPELINE_CLASS = "Krea2Pipeline"
@@ -77,9 +77,7 @@ def model_index_of(variant: str, select_layers) -> dict:
 def identify(model_dir: Path) -> tuple[str, str] | None:
     """(family, variant) of a Krea2Pipeline folder, else None."""
     index = model_index(Path(model_dir))
-    if index.get("_class_name") != PIPELINE_CLASS:
-        return None
-    return FAMILY, "turbo" if index.get("is_distilled") else "raw"
+    return flagged_variant(index, PIPELINE_CLASS, FAMILY, "is_distilled", ("turbo", "raw"))
 
 
 SPEC = FamilySpec(

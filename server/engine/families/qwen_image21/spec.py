@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...spec import Conditioning, FamilySpec, Published, model_index
+from ...spec import Conditioning, FamilySpec, Published, flagged_variant, model_index
 
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
@@ -21,9 +21,7 @@ EMPTY_PROMPT = " "
 def identify(model_dir: Path) -> tuple[str, str] | None:
     """(family, variant) of a folder of this family, else None."""
     index = model_index(model_dir)
-    if index.get("_class_name") != PIPELINE_CLASS:
-        return None
-    return FAMILY, "turbo" if index.get("sample_sigmas") else "base"
+    return flagged_variant(index, PIPELINE_CLASS, FAMILY, "sample_sigmas", ("turbo", "base"))
 
 
 SPEC = FamilySpec(
