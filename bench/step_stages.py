@@ -75,7 +75,9 @@ def instrument() -> None:
     wrap(step, "parse_request", None, "route: parsed")
     wrap(memory.MemoryPlanner, "check_step_quick", None, "route: quick plan")
     wrap(worker.ImageWorker, "submit", "route: submit", None)
-    wrap(memory.MemoryPlanner, "check_step", "worker: plan", "worker: planned")
+    # the plan begins with the step's demand (its rows' plans and bytes, counted on the worker)
+    wrap(memory.StepDemand, "__init__", "worker: plan", None)
+    wrap(memory.MemoryPlanner, "check_step", None, "worker: planned")
     wrap(family.QwenImage21Model, "denoise_step", "worker: forward", "worker: forward done")
     wrap(step, "execute", None, "route: result back")
     wrap(step.Step, "on_post", None, "route: answer built")
@@ -87,7 +89,7 @@ def stub_forward(mode: str) -> None:
     from gmlx_server.engine.base import StepResult
     from gmlx_server.engine.families.qwen_image21 import family
 
-    def answer_x(dit, cache, x, timestep, rows, **kwargs):
+    def answer_x(dit, cache, x, timestep, rows, call=None, weights=None):
         started = time.perf_counter()
         if mode == "sleep":
             time.sleep(0.65)

@@ -2,7 +2,7 @@
 each one `.safetensors` or `.gguf` file, as ComfyUI's model folders hold them
 (`diffusion_models/`, `text_encoders/`, `vae/`) or a model entry names them.
 
-The family comes from the DiT's tensors (each spec's `component_rule`, as ComfyUI's model
+The family comes from the DiT's tensors (each family folder's `components.py`, as ComfyUI's model
 detection finds it), the variant from the entry, else from what the rule reads in the file
 names, else the entry must name it. The configs diffusers keeps in JSON come from the family's
 rule: sizes from the tensors' shapes, the rest from the family's own facts. They are written,
@@ -11,7 +11,7 @@ with links to the files and the tokenizer, into a small folder of the server's c
 the rest of the engine serves it as any other folder. Headers alone are read (no MLX, no tensor
 data), so the listing and the refusals of a bad set come before anything loads.
 
-A rule (a family's `components.py`, the module its spec's `component_rule` names) provides:
+A rule (a family folder's `components.py`, found by its name) provides:
 - `family(dit) -> str | None`: the family of a DiT's header, None when not its;
 - optionally `variant(dit, name) -> str | None`: the variant the files say (`name`: the DiT
   file's stem; default: the one of the spec's variants that the name holds, `named_variant`);

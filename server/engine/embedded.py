@@ -1,7 +1,7 @@
 """What the embedded random-weight models share: a folder generated on first use, stamped and
 moved into place atomically, and weights drawn so that every input visibly moves the output.
 
-An embedded model's module (a family's `embedded.py`, named by its spec's `embedded`)
+An embedded model's module (a family folder's `embedded.py`, found by its name)
 provides its `RECIPE`: `RECIPE.name`, and `RECIPE.ensure(cache_dir=None)` -> its folder under
 `default_cache_dir()`. A `Recipe` is the folder as data: its parts (`Drawn` components
 and shared pairs such as `TinyQwen3VL`, each with what decides its files), its JSON documents

@@ -1,9 +1,11 @@
 """What every MLX family's loaded model shares: `FamilyModel`, the generic half of the seam.
 
-A family's model class subclasses `FamilyModel` and adds what is its own: `encode`,
-`denoise_step`, `step_peak_bytes` and, for a family with prefix states, the planning methods
-that know them (`plan_step`, `step_keys`, `shed_states`, `held_bytes`, `end_run`). The rest comes
-from here: the status copy, the manifest (the family module's, read from the folder), the LoRA
+A family's model class subclasses `FamilyModel`, names what the family is made of (`DIT`,
+`PROMPT`, `VAE`, `reserve_bytes`) and adds what is its own: `step`, `step_peak_bytes`,
+`check_reference` where it takes references given as latents (`encode` where its text
+encoder reads images) and, for a family with prefix states, the planning methods that know
+them (`plan_step`, `step_keys`, `shed_states`, `held_bytes`, `end_run`). The rest comes from
+here: the encoding, the convention check, the status copy, the manifest (the family module's, read from the folder), the LoRA
 patch tables, the VAE routes' checks, the planning defaults of a family that holds no
 states beyond its patch tables, and the text encoder's residency: a model given a way to load
 its encoder again (`load_encoder`) may drop the encoder's weights between encodes
@@ -150,7 +152,8 @@ class FamilyModel:
     """The generic part of a loaded model of an MLX family (see the module's docstring).
 
     Its arguments are what FolderFamily.model_arguments gives: the family's name (`family`),
-    its name in prose for messages (`title`) and what it can do (`capabilities`, the spec's);
+    its name in prose for messages (`title`) and what it can do (`capabilities`: the spec's, as
+    the DiT's weights make them, `DiTNetwork.capabilities`);
     the networks (`dit`, `vae`, `encoder`); `status`, the family's status of the loaded folder
     with its `residency` as loaded, and `facts` (base.Facts) the values of it the routes and
     the memory plan read; `read_manifest(model_dir)` the family module's `manifest`; `tables`
@@ -487,7 +490,7 @@ class FolderFamily(Family):
         self.dit, self.encoder, self.vae = model.DIT.PART, model.PROMPT.PART, model.VAE
         self.titles = titles or {spec.name: spec.title}
 
-    def __contains__(self, name: str) -> bool:
+    def serves(self, name: str) -> bool:
         return name in self.titles
 
     def load(

@@ -3,8 +3,8 @@
 A model is a folder holding a diffusers `model_index.json`, found directly under one of the
 configured model dirs (or given as an extra folder, e.g. the embedded default); its id is the
 folder's name. The family is found by asking each family's spec (engine/spec.py: every family
-folder's `spec.SPECS`, found by themselves) to `identify` the folder, without MLX; the spec's
-`Family` (its `implementation`) describes, checks and loads it, and the `ImageModel` it builds
+folder's `spec.SPECS`, found by themselves) to `identify` the folder, without MLX; the `Family`
+its folder's `family.py` holds describes, checks and loads it, and the `ImageModel` it builds
 must carry the whole seam (base.seam_gaps: a model lacking a member fails its load, naming
 it).
 

@@ -2,7 +2,7 @@
 
 Each family folder under `engine/families/` holds a `spec.py` that imports no MLX and
 exports `SPECS`, the families it answers (FLUX.2 klein's folder answers three). The registry
-finds the folders by itself (`family_specs`, which sets each spec's `package`), identifies a
+finds the folders by itself (`family_specs`; a spec's `package` is its folder's), identifies a
 model folder with each spec's `identify`, and reads what a family takes (its file keywords,
 whether it quantizes or shards) from the spec, so the listing, identification and the checks
 of a model's settings run without MLX. The rest of a folder is found by its modules' names:
@@ -19,7 +19,7 @@ import json
 import logging
 import pkgutil
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .base import Capabilities
@@ -75,7 +75,7 @@ class FamilySpec:
     conditioning: Conditioning = Conditioning()
     latent_stride: int | None = None  # None: the family reads it from its VAE's config
     latent_patch: int = 1
-    max_refs: int = 0  # reference images a row may carry (none: it takes none)
+    max_refs: int = 0  # reference images a row may carry (0: it takes none)
     features: tuple[str, ...] = ()  # docs/contract.md §5.4
     conventions: tuple[str, ...] = ("comfy", "reference")
     # sigma = timestep_scale x timestep under both conventions (docs/contract.md §5.2): the
@@ -92,9 +92,12 @@ class FamilySpec:
     shards: bool = False  # its DiT has a shard plan (a rank group may serve it)
     # Where its models are published (`gmlx pull`'s catalog).
     published: tuple[Published, ...] = ()
-    # The package of its folder, where its modules are found by name (family_specs sets it;
-    # a spec made elsewhere has none, and names no modules).
-    package: str | None = None
+
+    @property
+    def package(self) -> str:
+        """Its folder's package, where its modules are found by name: that of the spec.py that
+        defines its `identify`."""
+        return self.identify.__module__.rpartition(".")[0]
 
     @property
     def edit_capable(self) -> bool:
@@ -111,7 +114,7 @@ class FamilySpec:
 
     def module_name(self, name: str) -> str | None:
         """The full name of its folder's module `name` (None: the folder has none)."""
-        if self.package is None or importlib.util.find_spec(f"{self.package}.{name}") is None:
+        if not self.package or importlib.util.find_spec(f"{self.package}.{name}") is None:
             return None
         return f"{self.package}.{name}"
 
@@ -123,15 +126,17 @@ class FamilySpec:
 
     def load_implementation(self) -> Family:
         """The `Family` its folder's `family.py` holds (an ImportError where the module cannot
-        be imported, e.g. without MLX, or holds no one Family that answers this family)."""
+        be imported, e.g. without MLX; a LookupError where it holds no one Family serving this
+        family: a mistake in the folder, not a family this process cannot serve)."""
         name = self.module_name("family")
         if name is None:
             raise ImportError(f"family {self.name} has no family.py")
         module = importlib.import_module(name)
-        found = [v for v in vars(module).values() if isinstance(v, Family) and self.name in v]
-        if len(found) != 1:
-            raise ImportError(f"{name} holds {len(found)} Family objects that serve {self.name}")
-        return found[0]
+        found = {id(v): v for v in vars(module).values() if isinstance(v, Family)}
+        serving = [v for v in found.values() if v.serves(self.name)]
+        if len(serving) != 1:
+            raise LookupError(f"{name} holds {len(serving)} Family objects serving {self.name}")
+        return serving[0]
 
 
 class Family:
@@ -146,7 +151,7 @@ class Family:
         if load is not None:
             self.load = load
 
-    def __contains__(self, name: str) -> bool:
+    def serves(self, name: str) -> bool:
         """Whether it serves the family `name`."""
         return name == self.spec.name
 
@@ -224,5 +229,5 @@ def family_specs() -> dict[str, FamilySpec]:
             log.debug("family folder %s has no spec: %s", folder.name, exc)
             continue
         for spec in module.SPECS:
-            found[spec.name] = replace(spec, package=f"{FAMILIES_PACKAGE}.{folder.name}")
+            found[spec.name] = spec
     return found

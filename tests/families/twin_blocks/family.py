@@ -62,7 +62,7 @@ class TwinBlocksModel(FamilyModel):
         started = time.perf_counter()
         outs = []
         for index, row in enumerate(rows):
-            cond = checked_cond(row, index, config.text_width)[None]
+            cond = checked_cond(row, index, config.cond_width)[None]
             tokens = mx.array(x[index].reshape(channels, h * w).T[None])
             out = self.dit.forward(weights, tokens, float(sigmas[index]), mx.array(cond))
             outs.append(out.astype(mx.float32)[0].T.reshape(channels, h, w))

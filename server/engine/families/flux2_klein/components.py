@@ -109,10 +109,11 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
             f"{encoder.path} has {layers} decoder layers; FLUX.2 klein reads the first"
             f" {LOADED_LAYERS}"
         )
+    vae_config = vae_files.flux2_vae_config(vae)  # refused before the configs are told
     return {
         "model_index.json": model_index_of(family, variant),
         "transformer/config.json": dit_config(dit),
         "text_encoder/config.json": qwen3_files.config(encoder),
-        "vae/config.json": vae_files.flux2_vae_config(vae),
+        "vae/config.json": vae_config,
         "scheduler/scheduler_config.json": SCHEDULER,
     }

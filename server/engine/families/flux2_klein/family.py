@@ -178,8 +178,7 @@ class Flux2KleinModel(JointTokenModel):
             raise EngineInputError("ref_cache needs a run")
         plan = self._plan(rows, table, convention, ref_cache)
         caps = [
-            mx.array(checked_cond(row, i, self.dit.config.joint_attention_dim))
-            for i, row in enumerate(rows)
+            mx.array(checked_cond(row, i, self.dit.config.cond_width)) for i, row in enumerate(rows)
         ]
         refs = self.reference_arrays(rows, self.dit.config.in_channels)
         weights = self.tables.weights_for(table)

@@ -89,7 +89,6 @@ SPEC_4B = FamilySpec(
     # ComfyUI's Flux2 places references by index (time coordinates 10, 20, ...); an empty
     # prompt is encoded as it is. Inpainting as Flux2KleinInpaintPipeline: the init image is
     # also the first reference, the mask reaches the latent grid bilinearly.
-    # Strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts).
     conditioning=Conditioning(ref_method="index", inpaint_mask="bilinear", inpaint_reference=True),
     max_refs=MAX_REFS,
     features=("noise_mask", "ref_cache"),

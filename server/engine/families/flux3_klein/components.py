@@ -92,10 +92,11 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
     reader = f"the DiT {dit.path.name} ({TEXT_IN[0]}: the pipeline's {taps} tapped layers)"
     jad = transformer["joint_attention_dim"]
     text = qwen3_files.tapped_text_config(encoder, jad, taps, OUT_LAYERS, reader)
+    vae_config = vae_files.flux2_vae_config(vae)  # refused before the configs are told
     return {
         "model_index.json": model_index_of(variant, OUT_LAYERS),
         "transformer/config.json": transformer,
         "text_encoder/config.json": {"model_type": "qwen3_vl", "text_config": text},
-        "vae/config.json": vae_files.flux2_vae_config(vae),
+        "vae/config.json": vae_config,
         "scheduler/scheduler_config.json": SCHEDULER_CONFIG,
     }

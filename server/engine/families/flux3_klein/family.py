@@ -104,9 +104,7 @@ class Flux3KleinModel(JointTokenModel):
             if call.sample_sigmas is None:
                 raise EngineInputError(f"{self.title} is a flow-map DiT: send sample_sigmas")
             targets = mx.array(flow_map_targets(sigma, call.sample_sigmas))
-        texts = [
-            mx.array(checked_cond(row, i, config.joint_attention_dim)) for i, row in enumerate(rows)
-        ]
+        texts = [mx.array(checked_cond(row, i, config.cond_width)) for i, row in enumerate(rows)]
         refs = self.reference_arrays(rows, config.cond_in_channels)
         weights = self.tables.weights_for(call.table)
         started = time.perf_counter()

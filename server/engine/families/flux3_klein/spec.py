@@ -76,7 +76,6 @@ SPEC = FamilySpec(
     comfy={"model_class": "Flux3", "image_model": "flux3"},
     # References are told apart by their index (their own RoPE layer); an empty prompt is
     # encoded as it is (the template's tokens remain).
-    # Strides: the VAE's (its stride and 2x2 patchify, vae.latent_facts).
     conditioning=Conditioning(ref_method="index"),
     max_refs=MAX_REFS,
     features=("noise_mask", "flow_map"),

@@ -110,7 +110,7 @@ class Krea2Model(FamilyModel):
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
         """A row's conditioning (1, L, layers x text width) as the DiT's (L, layers, width)."""
         config = self.dit.config
-        cond = checked_text_cond(row, index, config.num_text_layers * config.text_dim, self.title)
+        cond = checked_text_cond(row, index, config.cond_width, self.title)
         return cond.reshape(cond.shape[0], config.num_text_layers, config.text_dim)
 
 

@@ -74,9 +74,10 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
             f" wide, as the DiT {dit.path.name} takes ({TEXT_IN})"
             + ("" if width is None else f"; its language model is {width} wide")
         )
+    vae_config = vae_files.flux2_vae_config(vae)  # refused before the configs are told
     return {
         "model_index.json": MODEL_INDEX,
         "transformer/config.json": transformer,
         "text_encoder/config.json": qwen35_files.config(encoder),
-        "vae/config.json": vae_files.flux2_vae_config(vae),
+        "vae/config.json": vae_config,
     }

@@ -58,7 +58,7 @@ class MOSSImageModel(JointTokenModel):
         config = self.dit.config
         x = checked_nonempty_latents(x, rows, config.latent_channels)
         times = row_sigmas(timestep, x.shape[0])  # the timesteps themselves: 1000 sigma
-        texts = [mx.array(checked_cond(row, i, config.text_dim)) for i, row in enumerate(rows)]
+        texts = [mx.array(checked_cond(row, i, config.cond_width)) for i, row in enumerate(rows)]
         weights = self.tables.weights_for(call.table)
         started = time.perf_counter()
         out = self.dit.forward(mx.array(x), times, texts, weights, call.skip)

@@ -78,8 +78,7 @@ SPEC = FamilySpec(
     identify=identify,
     comfy={"model_class": "MOSSImage", "image_model": "moss_image"},
     # No references (the default conditioning); an empty prompt is encoded as it is (the
-    # template's tokens remain). Strides: the VAE's (its stride and 2x2 patchify,
-    # vae.latent_facts).
+    # template's tokens remain).
     features=("noise_mask", "skip_blocks"),
     timestep_scale=0.001,
     sampling=SAMPLING,

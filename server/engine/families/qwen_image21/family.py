@@ -27,7 +27,6 @@ from .prompt import QwenImage21PromptEncoder
 from .spec import SPEC
 from .step import PrefixCache, RowPlan, denoise_step, plan_row
 
-LATENT_STRIDE = SPEC.latent_stride
 # Prefix states kept outside runs (docs/contract.md §3.3), least recently used shed first.
 PREFIX_BUDGET_BYTES = 2 << 30
 # scheduler_config.json keys -> keys of the qwen_image21 schedule object (docs/contract.md §5.3).

@@ -119,7 +119,7 @@ class ZImageModel(FamilyModel):
         return checked_patch_latents(x, rows, channels, LATENT_STRIDE, LATENT_PATCH, self.title)
 
     def _check_cond(self, row: StepRow, index: int) -> np.ndarray:
-        return checked_text_cond(row, index, self.dit.config.cap_feat_dim, self.title)
+        return checked_text_cond(row, index, self.dit.config.cond_width, self.title)
 
 
 Z_IMAGE = FolderFamily(SPEC, ZImageModel)
