@@ -5,8 +5,8 @@ A family's model class subclasses `FamilyModel`, names what the family is made o
 `check_reference` where it takes references given as latents (`encode` where its text
 encoder reads images) and, for a family with prefix states, the planning methods that know
 them (`plan_step`, `step_keys`, `shed_states`, `held_bytes`, `end_run`). The rest comes from
-here: the encoding, the convention check, the status copy, the manifest (the family module's, read from the folder), the LoRA
-patch tables, the VAE routes' checks, the planning defaults of a family that holds no
+here: the encoding, the convention check, the status copy, the manifest (the family module's,
+read from the folder), the LoRA patch tables, the VAE routes' checks, the planning defaults of a family that holds no
 states beyond its patch tables, and the text encoder's residency: a model given a way to load
 its encoder again (`load_encoder`) may drop the encoder's weights between encodes
 (`release_encoder`) and loads them again on the next one (`prompt_encoder`); server/memory.py
@@ -581,7 +581,7 @@ class FolderFamily(Family):
         VAE routes' latents are too, and the plan's footprint of `memory`."""
         model_dir = Path(model_dir)
         vae_config = read_config(model_dir / "vae")
-        latent = self.latent(model_dir)
+        latent = self.latent(model_dir, vae_config)
         return Facts(
             latent_channels=latent["channels"],
             latent_stride=latent["stride"],
@@ -591,10 +591,10 @@ class FolderFamily(Family):
             resident_bytes=memory.resident_bytes,
         )
 
-    def latent(self, model_dir: Path) -> dict:
-        """The latents of a folder, {"channels", "stride"}: those the VAE gives, or for a VAE
-        that names none the DiT's channels at the spec's stride."""
-        latent = self.vae.latent(read_config(Path(model_dir) / "vae"))
+    def latent(self, model_dir: Path, vae_config: dict) -> dict:
+        """The latents of a folder, {"channels", "stride"}: those the VAE of `vae_config`
+        gives, or for a VAE that names none the DiT's channels at the spec's stride."""
+        latent = self.vae.latent(vae_config)
         if latent is None:
             channels = read_config(Path(model_dir) / "transformer")["in_channels"]
             latent = {"channels": channels, "stride": self.spec.latent_stride}
@@ -615,8 +615,11 @@ class FolderFamily(Family):
         VAE pass of it."""
         model_dir = Path(model_dir)
         config = self.dit.config.from_dict(read_config(model_dir / "transformer"))
-        side = RESERVE_PIXELS // (self.latent(model_dir)["stride"] * self.spec.latent_patch)
-        vae = self.vae.reserve_bytes(read_config(model_dir / "vae"), RESERVE_PIXELS)
+        vae_config = read_config(model_dir / "vae")
+        side = RESERVE_PIXELS // (
+            self.latent(model_dir, vae_config)["stride"] * self.spec.latent_patch
+        )
+        vae = self.vae.reserve_bytes(vae_config, RESERVE_PIXELS)
         return max(self.model.reserve_bytes(config, side * side, dtype), vae)
 
     # -- from those: the family's answers ------------------------------------------------

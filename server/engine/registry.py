@@ -46,8 +46,8 @@ LISTING_TTL_S = 2.0
 SET_LISTING_TTL_S = 10.0
 
 # The family whose embedded model is the embedded default: offered first, and the default
-# when no default model is configured. Each embedded model's module (a family folder's `embedded.py`)
-# provides its RECIPE, whose `ensure()` gives its folder, written on first use
+# when no default model is configured. Each embedded model's module (a family folder's
+# `embedded.py`) provides its RECIPE, whose `ensure()` gives its folder, written on first use
 # (engine/embedded.py).
 EMBEDDED_DEFAULT_FAMILY = "qwen_image21"
 

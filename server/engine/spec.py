@@ -126,11 +126,12 @@ class FamilySpec:
 
     def load_implementation(self) -> Family:
         """The `Family` its folder's `family.py` holds (an ImportError where the module cannot
-        be imported, e.g. without MLX; a LookupError where it holds no one Family serving this
-        family: a mistake in the folder, not a family this process cannot serve)."""
+        be imported, e.g. without MLX; a LookupError where the folder has no family.py or it
+        holds no one Family serving this family: a mistake in the folder, not a family this
+        process cannot serve)."""
         name = self.module_name("family")
         if name is None:
-            raise ImportError(f"family {self.name} has no family.py")
+            raise LookupError(f"family {self.name}'s folder {self.package} has no family.py")
         module = importlib.import_module(name)
         found = {id(v): v for v in vars(module).values() if isinstance(v, Family)}
         serving = [v for v in found.values() if v.serves(self.name)]
