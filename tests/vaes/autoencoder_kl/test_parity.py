@@ -23,14 +23,15 @@ from tests.vaes.autoencoder_kl import reference
 
 @dataclass(frozen=True)
 class Case:
-    """A tiny VAE (its builder and config), the MLX class, the pipeline's encode and decode, and
-    the latent sizes its decode test takes."""
+    """A tiny VAE (its builder, config and seed), the MLX class, the pipeline's encode and
+    decode, and the latent sizes its decode test takes."""
 
     build: Any
     config: dict
     network: Any
     encode: Any
     decode: Any
+    seed: int = 2
     latent_sides: tuple = ((4, 4), (6, 10))
 
 
@@ -49,24 +50,31 @@ FLUX2 = (AutoencoderKLFlux2, reference.flux2_reference_encode, reference.flux2_r
 CASES = {
     "flux1": Case(flux1_vae.build_vae, {}, *PLAIN),
     "quant_convs": Case(flux1_vae.build_vae, QUANT_CONVS, *PLAIN),
-    "flux2": Case(flux2_vae.build_vae, {}, *FLUX2, latent_sides=((2, 2), (3, 5))),
+    "flux2": Case(flux2_vae.build_vae, {}, *FLUX2, seed=3, latent_sides=((2, 2), (3, 5))),
 }
+PLAIN_CASES = [name for name, case in sorted(CASES.items()) if case.network is AutoencoderKL]
+_BUILT: dict[str, tuple] = {}
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+def built(name: str, tmp_path_factory) -> tuple:
+    """(case, diffusers' model, the MLX VAE) of the tiny VAE `name`, built once per session."""
+    if name not in _BUILT:
+        case = CASES[name]
+        folder = tmp_path_factory.mktemp(f"autoencoder_kl_{name}")
+        model = case.build(folder, seed=case.seed, **case.config)
+        _BUILT[name] = case, model, case.network.load(folder)
+    return _BUILT[name]
+
+
+@pytest.fixture(params=sorted(CASES))
 def vaes(request, tmp_path_factory):
-    """(case, diffusers' model, the MLX VAE) of one tiny VAE."""
-    case = CASES[request.param]
-    folder = tmp_path_factory.mktemp(f"autoencoder_kl_{request.param}")
-    model = case.build(folder, seed=3 if case.network is AutoencoderKLFlux2 else 2, **case.config)
-    return case, model, case.network.load(folder)
+    return built(request.param, tmp_path_factory)
 
 
-@pytest.fixture
-def plain_vaes(vaes):
-    if vaes[0].network is not AutoencoderKL:
-        pytest.skip("FLUX.2's VAE takes no latent normalisation of AutoencoderKL's")
-    return vaes[1:]
+@pytest.fixture(params=PLAIN_CASES)
+def plain_vaes(request, tmp_path_factory):
+    """(diffusers' model, the MLX VAE) of an AutoencoderKL (not FLUX.2's)."""
+    return built(request.param, tmp_path_factory)[1:]
 
 
 @pytest.mark.parametrize("hw", [(32, 32), (48, 80)])
@@ -102,12 +110,10 @@ def test_sizes_off_the_stride_are_refused(vaes):
         vae.decode(mx.zeros((1, 3, 4, 4)))
 
 
-def test_the_flux2_statistics_matter(vaes):
-    """Decoding without the batch-norm statistics gives another image: the decode test reads
-    them."""
-    case, _, vae = vaes
-    if case.network is not AutoencoderKLFlux2:
-        pytest.skip("only FLUX.2's VAE normalises its latents with a batch norm")
+def test_the_flux2_statistics_matter(tmp_path_factory):
+    """Decoding FLUX.2's latents without its batch-norm statistics gives another image: the
+    decode test reads them."""
+    _, _, vae = built("flux2", tmp_path_factory)
     latents = mx.array(np.random.default_rng(4).standard_normal((1, 128, 2, 2)), mx.float32)
     plain = vae.body.decode(vae.unpatchify(latents))
     assert rel_l2(np.array(vae.decode(latents)), np.array(plain)) > 0.01
