@@ -16,6 +16,7 @@ from ...config_keys import flux_width_settings
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
+from . import layout
 from .spec import (
     FAMILY_4B,
     FAMILY_9B,
@@ -26,22 +27,36 @@ from .spec import (
     model_index_of,
 )
 
-TOKENIZER_REPO = "black-forest-labs/FLUX.2-klein-4B"
-# The same tensors in BFL's names and diffusers'.
-MODULATION = (
-    "double_stream_modulation_img.lin.weight",
-    "double_stream_modulation_img.linear.weight",
+
+def top(key: str) -> tuple[str, str]:
+    """A weight outside the blocks by BFL's name and diffusers' (layout.py's tables)."""
+    return layout.BFL_TOP[key] + ".weight", layout.TOP_LINEARS[key] + ".weight"
+
+
+def first_double(bfl: str, diffusers: str, bfl_ending: str = ".weight") -> tuple[str, str]:
+    """A weight of the first double block by BFL's name and diffusers' (a norm scale is
+    `.scale` in BFL's files)."""
+    first = layout.BFL_DOUBLE_BLOCK.format(0) + bfl + bfl_ending
+    return first, layout.DOUBLE.format(0) + diffusers + ".weight"
+
+
+def stems(*blocks: str) -> tuple[str, ...]:
+    """The name stems of a block stack's tensors (`double_blocks.` of `double_blocks.{}.`)."""
+    return tuple(block.partition("{}")[0] for block in blocks)
+
+
+MODULATION = top("mod_img")
+IMAGE_IN = top("x_in")
+TEXT_IN = top("ctx_in")
+QUERY_NORM = first_double(
+    layout.BFL_DOUBLE_NORMS["norm_q"], layout.DOUBLE_NORMS["norm_q"], ".scale"
 )
-IMAGE_IN = ("img_in.weight", "x_embedder.weight")
-TEXT_IN = ("txt_in.weight", "context_embedder.weight")
-QUERY_NORM = (
-    "double_blocks.0.img_attn.norm.query_norm.scale",
-    "transformer_blocks.0.attn.norm_q.weight",
-)
-MLP_IN = ("double_blocks.0.img_mlp.0.weight", "transformer_blocks.0.ff.linear_in.weight")
-DOUBLE_STEMS = ("double_blocks.", "transformer_blocks.")
-SINGLE_STEMS = ("single_blocks.", "single_transformer_blocks.")
+MLP_IN = first_double(layout.BFL_DOUBLE["img_ff_in"], layout.DOUBLE_LINEARS["img_ff_in"][0])
+DOUBLE_STEMS = stems(layout.BFL_DOUBLE_BLOCK, layout.DOUBLE)
+SINGLE_STEMS = stems(layout.BFL_SINGLE_BLOCK, layout.SINGLE)
+# A guidance embedder (FLUX.2 dev's, which klein has not), by BFL's name and diffusers'.
 GUIDANCE = ("guidance_in.in_layer.weight", "time_guidance_embed.guidance_embedder.linear_1.weight")
+TOKENIZER_REPO = "black-forest-labs/FLUX.2-klein-4B"
 # klein's fixed constants (diffusers' Flux2Transformer2DModel config of the klein checkpoints).
 DIT_FACTS = {
     "_class_name": "Flux2Transformer2DModel",

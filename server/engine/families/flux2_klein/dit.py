@@ -42,6 +42,14 @@ from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...weights import block_weights, single_dit_file
 from .layout import (
+    BFL_DOUBLE,
+    BFL_DOUBLE_BLOCK,
+    BFL_DOUBLE_NORMS,
+    BFL_SINGLE,
+    BFL_SINGLE_BLOCK,
+    BFL_SINGLE_NORMS,
+    BFL_SWAPPED_HALVES,
+    BFL_TOP,
     DOUBLE,
     DOUBLE_LINEARS,
     DOUBLE_NORMS,
@@ -72,47 +80,6 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
         for key, name in SINGLE_LINEARS.items():
             slots[SINGLE.format(i) + name] = LinearSlot(key, ("single", i))
     return slots
-
-
-# BFL's names of the same linear layers (those of its own checkpoints and ComfyUI's Flux2 model),
-# each stream's q/k/v fused as one layer: a patch table may name them, a band picking a part.
-# Not norm_out.linear's BFL name (final_layer.adaLN_modulation.1): its halves are swapped.
-BFL_TOP = {
-    "x_in": "img_in",
-    "ctx_in": "txt_in",
-    "time_1": "time_in.in_layer",
-    "time_2": "time_in.out_layer",
-    "mod_img": "double_stream_modulation_img.lin",
-    "mod_txt": "double_stream_modulation_txt.lin",
-    "mod_single": "single_stream_modulation.lin",
-    "final": "final_layer.linear",
-}
-BFL_DOUBLE = {
-    "img_qkv": "img_attn.qkv",
-    "txt_qkv": "txt_attn.qkv",
-    "img_out": "img_attn.proj",
-    "txt_out": "txt_attn.proj",
-    "img_ff_in": "img_mlp.0",
-    "img_ff_out": "img_mlp.2",
-    "txt_ff_in": "txt_mlp.0",
-    "txt_ff_out": "txt_mlp.2",
-}
-BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
-# BFL's final modulation is norm_out.linear with its two halves swapped: (shift, scale) where
-# diffusers has (scale, shift). LoRA files name it (ComfyUI's Flux2 patches it as its weight).
-BFL_SWAPPED_HALVES = {"final_mod": "final_layer.adaLN_modulation.1"}
-BFL_DOUBLE_BLOCK = "double_blocks.{}."
-BFL_SINGLE_BLOCK = "single_blocks.{}."
-
-
-# BFL's names of the norm scales (`.scale` in its files).
-BFL_DOUBLE_NORMS = {
-    "norm_q": "img_attn.norm.query_norm",
-    "norm_k": "img_attn.norm.key_norm",
-    "norm_added_q": "txt_attn.norm.query_norm",
-    "norm_added_k": "txt_attn.norm.key_norm",
-}
-BFL_SINGLE_NORMS = {"norm_q": "norm.query_norm", "norm_k": "norm.key_norm"}
 
 
 def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:

@@ -1,7 +1,8 @@
 """FLUX.2 klein's DiT as data, without MLX: its config (diffusers' `Flux2Transformer2DModel`
-keys), the diffusers names of its weights by the forward's tree keys, and every tensor's shape
-(`tensor_shapes`). The network (dit.py), the weight checks of single files and the embedded
-model's recipe (embedded.py, which the listing imports without MLX) read these one tables."""
+keys), the diffusers names of its weights by the forward's tree keys, BFL's names of them
+(`BFL_*`), and every tensor's shape (`tensor_shapes`). The network (dit.py), the weight checks of
+single files, the component files (components.py) and the embedded model's recipe (embedded.py,
+which the listing imports without MLX) read these one tables."""
 
 from __future__ import annotations
 
@@ -80,6 +81,45 @@ SINGLE_LINEARS = {"qkv_mlp": "attn.to_qkv_mlp_proj", "out": "attn.to_out"}
 SINGLE_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k"}
 # Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
 F32_WEIGHTS = tuple(name + ".weight" for name in {*DOUBLE_NORMS.values(), *SINGLE_NORMS.values()})
+
+
+# BFL's names of the same linear layers (those of its own checkpoints and ComfyUI's Flux2 model),
+# each stream's q/k/v fused as one layer: a patch table may name them, a band picking a part.
+# Not norm_out.linear's BFL name (final_layer.adaLN_modulation.1): its halves are swapped.
+BFL_TOP = {
+    "x_in": "img_in",
+    "ctx_in": "txt_in",
+    "time_1": "time_in.in_layer",
+    "time_2": "time_in.out_layer",
+    "mod_img": "double_stream_modulation_img.lin",
+    "mod_txt": "double_stream_modulation_txt.lin",
+    "mod_single": "single_stream_modulation.lin",
+    "final": "final_layer.linear",
+}
+BFL_DOUBLE = {
+    "img_qkv": "img_attn.qkv",
+    "txt_qkv": "txt_attn.qkv",
+    "img_out": "img_attn.proj",
+    "txt_out": "txt_attn.proj",
+    "img_ff_in": "img_mlp.0",
+    "img_ff_out": "img_mlp.2",
+    "txt_ff_in": "txt_mlp.0",
+    "txt_ff_out": "txt_mlp.2",
+}
+BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
+# BFL's final modulation is norm_out.linear with its two halves swapped: (shift, scale) where
+# diffusers has (scale, shift). LoRA files name it (ComfyUI's Flux2 patches it as its weight).
+BFL_SWAPPED_HALVES = {"final_mod": "final_layer.adaLN_modulation.1"}
+BFL_DOUBLE_BLOCK = "double_blocks.{}."
+BFL_SINGLE_BLOCK = "single_blocks.{}."
+# BFL's names of the norm scales (`.scale` in its files).
+BFL_DOUBLE_NORMS = {
+    "norm_q": "img_attn.norm.query_norm",
+    "norm_k": "img_attn.norm.key_norm",
+    "norm_added_q": "txt_attn.norm.query_norm",
+    "norm_added_k": "txt_attn.norm.key_norm",
+}
+BFL_SINGLE_NORMS = {"norm_q": "norm.query_norm", "norm_k": "norm.key_norm"}
 
 
 def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
