@@ -17,17 +17,23 @@ from __future__ import annotations
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
+from . import layout
 from .spec import FAMILY, SCHEDULER_CONFIG, SELECT_LAYERS, model_index_of
 
 # Where its tokenizer is published: Qwen3-VL's own.
 TOKENIZER_REPO = qwen3_files.VL_TOKENIZER_REPO
 TOKENIZER_INCLUDE = qwen3_files.VL_TOKENIZER_INCLUDE
-PROJECTOR = "text_fusion.projector.weight"
-IMG_IN = "img_in.weight"
-TXT_IN = "txt_in.linear_1.weight"
-TIME_IN = "time_embed.linear_1.weight"
-BLOCK = "transformer_blocks.0."
-TEXT_BLOCK = "text_fusion.layerwise_blocks.0."
+# The tensors it is told and its config read from, by diffusers name (layout.py's tables).
+PROJECTOR = layout.PROJECTOR + ".weight"
+IMG_IN = layout.TOP_LINEARS["img_in"] + ".weight"
+TXT_IN = layout.TOP_LINEARS["txt_in_1"] + ".weight"
+TIME_IN = layout.TOP_LINEARS["time_1"] + ".weight"
+BLOCK = layout.STACKS["blocks"].format(0)  # a main block's, and a text block's below
+TEXT_BLOCK = layout.STACKS["layerwise"].format(0)
+QUERY_NORM = layout.BLOCK_NORMS["norm_q"] + ".weight"
+GATE = layout.BLOCK_LINEARS["q_gate"][1] + ".weight"
+KEY = layout.BLOCK_LINEARS["kv"][0] + ".weight"
+FF_GATE = layout.BLOCK_LINEARS["gate_up"][0] + ".weight"
 # RoPE axes split the head as 1/4, 3/8, 3/8 (Krea2Transformer2DModel's 32:48:48 of 128); the
 # RoPE base and the norm epsilon are its config's defaults.
 AXES_SHARES = (1 / 4, 3 / 8, 3 / 8)
@@ -35,10 +41,13 @@ DIT_FACTS = {"_class_name": "Krea2Transformer2DModel", "rope_theta": 1000.0, "no
 VAE_FACTS = {"_class_name": "AutoencoderKLQwenImage", **vae_files.QWEN_IMAGE_LATENTS}
 
 
+def stem(stack: str) -> str:
+    """A block stack's name stem (`transformer_blocks.` of `transformer_blocks.{}.`)."""
+    return layout.STACKS[stack].partition("{}")[0]
+
+
 def family(dit: Header) -> str | None:
-    if dit.has(
-        PROJECTOR, IMG_IN, TXT_IN, BLOCK + "scale_shift_table", BLOCK + "attn.to_gate.weight"
-    ):
+    if dit.has(PROJECTOR, IMG_IN, TXT_IN, BLOCK + layout.MODULATION_TABLE, BLOCK + GATE):
         return FAMILY
     return None
 
@@ -53,25 +62,25 @@ def fits_vae(dit: Header, vae: Header) -> bool:
 
 def dit_config(dit: Header) -> dict:
     hidden, in_channels = dit.shape(IMG_IN)
-    head_dim = dit.shape(BLOCK + "attn.norm_q.weight")[0]
+    head_dim = dit.shape(BLOCK + QUERY_NORM)[0]
     text_dim = dit.shape(TXT_IN)[1]
-    text_head_dim = dit.shape(TEXT_BLOCK + "attn.norm_q.weight")[0]
+    text_head_dim = dit.shape(TEXT_BLOCK + QUERY_NORM)[0]
     return {
         **DIT_FACTS,
         "in_channels": in_channels,
-        "num_layers": dit.count("transformer_blocks."),
+        "num_layers": dit.count(stem("blocks")),
         "attention_head_dim": head_dim,
         "num_attention_heads": hidden // head_dim,
-        "num_key_value_heads": dit.shape(BLOCK + "attn.to_k.weight")[0] // head_dim,
-        "intermediate_size": dit.shape(BLOCK + "ff.gate.weight")[0],
+        "num_key_value_heads": dit.shape(BLOCK + KEY)[0] // head_dim,
+        "intermediate_size": dit.shape(BLOCK + FF_GATE)[0],
         "timestep_embed_dim": dit.shape(TIME_IN)[1],
         "text_hidden_dim": text_dim,
         "num_text_layers": dit.shape(PROJECTOR)[1],
         "text_num_attention_heads": text_dim // text_head_dim,
-        "text_num_key_value_heads": dit.shape(TEXT_BLOCK + "attn.to_k.weight")[0] // text_head_dim,
-        "text_intermediate_size": dit.shape(TEXT_BLOCK + "ff.gate.weight")[0],
-        "num_layerwise_text_blocks": dit.count("text_fusion.layerwise_blocks."),
-        "num_refiner_text_blocks": dit.count("text_fusion.refiner_blocks."),
+        "text_num_key_value_heads": dit.shape(TEXT_BLOCK + KEY)[0] // text_head_dim,
+        "text_intermediate_size": dit.shape(TEXT_BLOCK + FF_GATE)[0],
+        "num_layerwise_text_blocks": dit.count(stem("layerwise")),
+        "num_refiner_text_blocks": dit.count(stem("refiner")),
         "axes_dims_rope": [round(head_dim * share) for share in AXES_SHARES],
     }
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ...encoders.qwen35 import files as qwen35_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
-from .layout import TOP_LINEARS
+from .layout import BLOCK_LINEARS, BLOCK_NORMS, STACKS, TEXT_BLOCK_LINEARS, TOP_LINEARS
 from .spec import FAMILY, MODEL_INDEX, TRANSFORMER_CLASS
 
 # Where its tokenizer is published: upstream's checkpoint (its tokenizer/ folder).
@@ -24,9 +24,10 @@ IMAGE_IN = TOP_LINEARS["video_in"] + ".weight"
 TEXT_IN = TOP_LINEARS["text_in"] + ".weight"
 TIME_IN = TOP_LINEARS["time_1"] + ".weight"
 MODULATION = TOP_LINEARS["modulation"] + ".weight"
-TEXT_QKV = "text_embedder.blocks.0.qkv.weight"
-FFN_DOWN = "layers.0.proj.ffn_down.weight"
-QUERY_NORM = "layers.0.q_norm.weight"
+BLOCKS = STACKS["blocks"].partition("{}")[0]  # `layers.`
+TEXT_QKV = STACKS["text_blocks"].format(0) + TEXT_BLOCK_LINEARS["qkv"][0] + ".weight"
+FFN_DOWN = STACKS["blocks"].format(0) + BLOCK_LINEARS["down"][0] + ".weight"
+QUERY_NORM = STACKS["blocks"].format(0) + BLOCK_NORMS["norm_q"] + ".weight"
 # What the files cannot say: MOSSImageTransformer's RoPE base.
 DIT_FACTS = {"_class_name": TRANSFORMER_CLASS, "rope_base": 10000.0}
 
@@ -56,7 +57,7 @@ def dit_config(dit: Header) -> dict:
         "dim": dim,
         "ffn_dim": dit.shape(FFN_DOWN)[1],
         "num_heads": dim // head_dim,
-        "num_layers": dit.count("layers."),
+        "num_layers": dit.count(BLOCKS),
         "text_dim": dit.shape(TEXT_IN)[1],
         "freq_dim": dit.shape(TIME_IN)[1],
         "latent_channels": latent_channels,
