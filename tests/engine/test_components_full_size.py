@@ -16,7 +16,7 @@ import pytest
 import torch
 from gmlx_server.engine import components
 from gmlx_server.engine.components import ComponentFiles, comfy_sets, identify
-from gmlx_server.engine.families.z_image.dit import DiTConfig as ZConfig
+from gmlx_server.engine.families.z_image.layout import DiTConfig as ZConfig
 from gmlx_server.engine.spec import family_specs
 
 from tests.engine.comfy_files import ldm_name

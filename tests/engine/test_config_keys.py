@@ -16,7 +16,7 @@ from gmlx_server.engine.families.flux2_klein import layout as flux2
 from gmlx_server.engine.families.flux3_klein import layout as flux3
 from gmlx_server.engine.families.krea2 import layout as krea2
 from gmlx_server.engine.families.qwen_image21 import dit as qwen_image21_dit
-from gmlx_server.engine.families.z_image import dit as z_image
+from gmlx_server.engine.families.z_image import layout as z_image
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.vaes import autoencoder_kl, autoencoder_kl_flux2, qwen_image, qwen_image21
 

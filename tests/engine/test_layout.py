@@ -53,8 +53,11 @@ def test_shared_parts_import_no_family(part):
         assert not bad, f"{path.relative_to(ENGINE)} imports {bad}"
 
 
+# A family folder's modules of data: its spec and, where it has them, its DiT's layout, its
+# component-file rules and its embedded model's recipe.
+DATA_MODULES = ("spec", "layout", "components", "embedded")
 # The seam below the HTTP side that must import no MLX: what the registry, the listing and the
-# checks of a model's settings run on before (or without) MLX.
+# checks of a model's settings and files run on before (or without) MLX.
 MLX_FREE = (
     "gmlx_server.engine.base",
     "gmlx_server.engine.spec",
@@ -62,7 +65,12 @@ MLX_FREE = (
     "gmlx_server.engine.load_settings",
     "gmlx_server.engine.precision",
     "gmlx_server.engine.step_inputs",
-    *(f"gmlx_server.engine.families.{family}.spec" for family in FAMILIES),
+    *(
+        f"gmlx_server.engine.families.{family}.{module}"
+        for family in FAMILIES
+        for module in DATA_MODULES
+        if (ENGINE / "families" / family / f"{module}.py").is_file()
+    ),
 )
 NO_MLX = """
 import importlib, json, sys
@@ -99,9 +107,10 @@ print("ok")
 """
 
 
-def test_the_seam_and_the_family_specs_import_no_mlx(tmp_path):
+def test_the_seam_and_the_family_data_modules_import_no_mlx(tmp_path):
     """The registry finds the family folders, identifies models and lists them with MLX
-    unimportable; a spec that imported MLX would fail here."""
+    unimportable; a spec, layout, component-file rule or embedded recipe that imported MLX
+    would fail here."""
     import subprocess
     import sys
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gmlx_server.engine.components import ComponentError
 from gmlx_server.engine.families.z_image import family
-from gmlx_server.engine.families.z_image.dit import DiTConfig
+from gmlx_server.engine.families.z_image.layout import DiTConfig
 from gmlx_server.engine.spec import read_config
 from safetensors.numpy import save_file
 

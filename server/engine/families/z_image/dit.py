@@ -18,83 +18,38 @@ the output to get dx/dsigma (see step.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from ...config_keys import HeadsOfDim, check_fixed, read_settings, setting
 from ...dit_file import Naming
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
-from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan
 from ...shard_plan import attention_mlp_plan
 from ...weights import block_weights, single_dit_file
+from .layout import (
+    BLOCK_LINEARS,
+    BLOCK_NORMS,
+    CAP_NORM,
+    F32_WEIGHTS,
+    MODULATION,
+    PAD_TOKENS,
+    STACKS,
+    TOP_LINEARS,
+    DiTConfig,
+    patch_key,
+    stack_depth,
+    tensor_shapes,
+    top_name,
+)
 
 SEQ_MULTIPLE = 32  # image and caption tokens are each padded to a multiple of this
-ADALN_DIM = 256  # the time embedding's width (at most the model's)
-TIME_MID_DIM = 1024  # the time embedder's hidden width
 QK_NORM_EPS = 1e-5
 FINAL_NORM_EPS = 1e-6
-
-
-# Config keys fixed to what the network builds (engine/config_keys.py): QK RMS norms, and as
-# many key/value heads as query heads (n_kv_heads, checked against n_heads).
-FIXED = {"qk_norm": True}
-
-
-@dataclass(frozen=True)
-class DiTConfig(HeadsOfDim):
-    """ZImageTransformer2DModel's config (`setting`: its key and default)."""
-
-    in_channels: int = setting("in_channels", 16)
-    dim: int = setting("dim", 3840)
-    num_layers: int = setting("n_layers", 30)
-    num_refiner_layers: int = setting("n_refiner_layers", 2)
-    num_heads: int = setting("n_heads", 30)
-    norm_eps: float = setting("norm_eps", 1e-5)
-    cap_feat_dim: int = setting("cap_feat_dim", 2560)
-    rope_theta: float = setting("rope_theta", 256.0, float)
-    t_scale: float = setting("t_scale", 1000.0, float)
-    axes_dims: tuple[int, ...] = setting("axes_dims", (32, 48, 48), tuple)
-    axes_lens: tuple[int, ...] = setting("axes_lens", (1024, 512, 512), tuple)
-    patch_size: int = 2  # all_patch_size's one entry (`from_dict`)
-
-    @property
-    def cond_width(self) -> int:
-        """A row's conditioning width (the wire's D): the caption's."""
-        return self.cap_feat_dim
-
-    @classmethod
-    def from_dict(cls, config: dict) -> DiTConfig:
-        patches = tuple(config.get("all_patch_size", (2,)))
-        frame_patches = tuple(config.get("all_f_patch_size", (1,)))
-        if patches != (2,) or frame_patches != (1,):
-            raise ValueError(
-                f"Z-Image's DiT patches latents 2x2 (all_patch_size (2,), all_f_patch_size (1,)),"
-                f" got {patches} and {frame_patches}"
-            )
-        if config.get("siglip_feat_dim") is not None:
-            raise ValueError("the Omni variant (siglip_feat_dim) is not supported")
-        made = read_settings(cls, config, patch_size=patches[0])
-        check_fixed(config, {**FIXED, "n_kv_heads": made.num_heads}, "Z-Image's DiT")
-        return made
-
-    @property
-    def hidden_dim(self) -> int:
-        return int(self.dim / 3 * 8)
-
-    @property
-    def adaln_dim(self) -> int:
-        return min(self.dim, ADALN_DIM)
-
-    @property
-    def patch_channels(self) -> int:
-        return self.patch_size * self.patch_size * self.in_channels
 
 
 def padded(length: int) -> int:
@@ -105,66 +60,17 @@ def padded(length: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Weights: the diffusers names mapped to the forward's tree, in one place
 
-# The three block stacks: tree key -> (diffusers prefix, whether its blocks are modulated).
-STACKS = {
-    "noise_refiner": ("noise_refiner.{}.", True),
-    "context_refiner": ("context_refiner.{}.", False),
-    "layers": ("layers.{}.", True),
-}
-# Linear layers of a block by diffusers name, grouped into the fused weights the forward uses.
-BLOCK_LINEARS = {
-    "qkv": ("attention.to_q", "attention.to_k", "attention.to_v"),
-    "out": ("attention.to_out.0",),
-    "gate_up": ("feed_forward.w1", "feed_forward.w3"),
-    "down": ("feed_forward.w2",),
-}
-MODULATION = "adaLN_modulation.0"  # a modulated block's linear (with bias)
-BLOCK_NORMS = {
-    "norm_q": "attention.norm_q",
-    "norm_k": "attention.norm_k",
-    "attention_norm1": "attention_norm1",
-    "attention_norm2": "attention_norm2",
-    "ffn_norm1": "ffn_norm1",
-    "ffn_norm2": "ffn_norm2",
-}
-# Linear layers outside the blocks (all with biases): tree key -> diffusers name ("{patch}" is
-# the patch key, "2-1").
-TOP_LINEARS = {
-    "time_1": "t_embedder.mlp.0",
-    "time_2": "t_embedder.mlp.2",
-    "cap_in": "cap_embedder.1",
-    "x_in": "all_x_embedder.{patch}",
-    "final_modulation": "all_final_layer.{patch}.adaLN_modulation.1",
-    "final": "all_final_layer.{patch}.linear",
-}
-CAP_NORM = "cap_embedder.0.weight"
-PAD_TOKENS = {"x_pad": "x_pad_token", "cap_pad": "cap_pad_token"}
-# Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
-F32_WEIGHTS = tuple(name + ".weight" for name in BLOCK_NORMS.values()) + (CAP_NORM,)
-
-
-def _patch_key(config: DiTConfig) -> str:
-    return f"{config.patch_size}-1"
-
-
-def _top_name(name: str, config: DiTConfig) -> str:
-    return name.format(patch=_patch_key(config))
-
 
 def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
-    slots = {_top_name(name, config): LinearSlot(key) for key, name in TOP_LINEARS.items()}
+    slots = {top_name(name, config): LinearSlot(key) for key, name in TOP_LINEARS.items()}
     for stack, (prefix, modulated) in STACKS.items():
-        for i in range(_stack_depth(stack, config)):
+        for i in range(stack_depth(stack, config)):
             p = prefix.format(i)
             slots |= block_slots((stack, i), p, BLOCK_LINEARS)
             if modulated:
                 slots[p + MODULATION] = LinearSlot("modulation", (stack, i))
     return slots
-
-
-def _stack_depth(stack: str, config: DiTConfig) -> int:
-    return config.num_layers if stack == "layers" else config.num_refiner_layers
 
 
 def shard_plan(config: DiTConfig) -> ShardPlan:
@@ -181,7 +87,7 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     key + BIAS. `linear_slots` names the same places for LoRA."""
     weights = {}
     for key, name in TOP_LINEARS.items():
-        name = _top_name(name, config)
+        name = top_name(name, config)
         weights[key] = files[name + ".weight"]
         weights[key + BIAS] = files[name + ".bias"]
     weights["cap_norm"] = files[CAP_NORM]
@@ -189,7 +95,7 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
         weights[key] = files[name].reshape(-1)
     for stack, (prefix, modulated) in STACKS.items():
         weights[stack] = [
-            _block(files, prefix.format(i), modulated) for i in range(_stack_depth(stack, config))
+            _block(files, prefix.format(i), modulated) for i in range(stack_depth(stack, config))
         ]
     return weights
 
@@ -219,7 +125,7 @@ def comfy_naming(config: DiTConfig) -> Naming:
     files ComfyUI-GGUF converts use): q, k and v fused into one `qkv`, `out`, `q_norm` and
     `k_norm`, `x_embedder` and `final_layer` without the patch key, and an unused
     `norm_final` (diffusers' single-file conversion of Z-Image maps the same)."""
-    patch = _patch_key(config)
+    patch = patch_key(config)
     return Naming(
         renames=(
             (r"^x_embedder\.", f"all_x_embedder.{patch}."),
@@ -236,46 +142,6 @@ def comfy_naming(config: DiTConfig) -> Naming:
         ),
         ignored=("norm_final.weight",),
     )
-
-
-def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
-    dim, adaln, hidden = config.dim, config.adaln_dim, config.hidden_dim
-    linears = {
-        "time_1": (TIME_MID_DIM, TIME_PROJ_DIM),
-        "time_2": (adaln, TIME_MID_DIM),
-        "cap_in": (dim, config.cap_feat_dim),
-        "x_in": (dim, config.patch_channels),
-        "final_modulation": (dim, adaln),
-        "final": (config.patch_channels, dim),
-    }
-    shapes: dict[str, tuple[int, ...]] = {}
-    for key, shape in linears.items():
-        name = _top_name(TOP_LINEARS[key], config)
-        shapes[name + ".weight"], shapes[name + ".bias"] = shape, shape[:1]
-    shapes[CAP_NORM] = (config.cap_feat_dim,)
-    for name in PAD_TOKENS.values():
-        shapes[name] = (1, dim)
-    block = {
-        **dict.fromkeys(("to_q", "to_k", "to_v", "to_out.0"), (dim, dim)),
-        "w1": (hidden, dim),
-        "w3": (hidden, dim),
-        "w2": (dim, hidden),
-    }
-    for stack, (prefix, modulated) in STACKS.items():
-        for i in range(_stack_depth(stack, config)):
-            p = prefix.format(i)
-            for name, shape in block.items():
-                family = "feed_forward." if name.startswith("w") else "attention."
-                shapes[p + family + name + ".weight"] = shape
-            for key, name in BLOCK_NORMS.items():
-                shapes[p + name + ".weight"] = (
-                    (config.head_dim,) if key in ("norm_q", "norm_k") else (dim,)
-                )
-            if modulated:
-                shapes[p + MODULATION + ".weight"] = (4 * dim, adaln)
-                shapes[p + MODULATION + ".bias"] = (4 * dim,)
-    return shapes
 
 
 # The DiT's single file (GGUF or safetensors) in diffusers' or ComfyUI's naming as the family
@@ -303,7 +169,7 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 
 # The DiT's weights as data (dit_network.DiTPart): what FolderFamily and the load read.
 def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
-    return shard_plan(config), {stack: _stack_depth(stack, config) for stack in STACKS}
+    return shard_plan(config), {stack: stack_depth(stack, config) for stack in STACKS}
 
 
 PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)

@@ -21,7 +21,6 @@ from pathlib import Path
 from ...embedded import (
     DIFFUSERS_FORMAT,
     GAIN,
-    MATRIX,
     SEED,
     SHIFT,
     TINY_AUTOENCODER_KL_BODY,
@@ -31,10 +30,11 @@ from ...embedded import (
     Recipe,
     TinyQwen3,
     autoencoder_kl_tensors,
-    linear_tensors,
+    table_inventory,
     write_drawn,
 )
 from . import spec
+from .layout import PAD_TOKENS, DiTConfig, tensor_shapes
 
 MODEL_NAME = "z-image-random-tiny"
 VARIANT = "turbo"
@@ -58,12 +58,6 @@ TRANSFORMER_CONFIG = {
     "axes_dims": [8, 12, 12],  # sums to the head dim (64 / 2)
     "axes_lens": [256, 64, 64],
 }
-# diffusers' constants: the time embedder's sinusoid width and hidden width, and the widest
-# modulation input.
-TIME_FREQUENCIES = 256
-TIME_MID_SIZE = 1024
-ADALN_EMBED_DIM = 256
-
 # FLUX.1's AutoencoderKL at the tiny body's sizes: its 16 latent channels, its latent
 # normalisation and its two resnets a block.
 VAE_CONFIG = {
@@ -100,50 +94,13 @@ def scheduler_config(variant: str) -> dict:
 
 
 def transformer_tensors(config: dict) -> Inventory:
-    """Names, shapes and kinds of ZImageTransformer2DModel's parameters for `config`."""
-    dim, heads = config["dim"], config["n_heads"]
-    head, hidden = dim // heads, int(dim / 3 * 8)
-    kv = config.get("n_kv_heads", heads) * head
-    adaln = min(dim, ADALN_EMBED_DIM)
-    patch = config["all_patch_size"][0]
-    key = f"{patch}-{config['all_f_patch_size'][0]}"
-    patch_values = patch * patch * config["all_f_patch_size"][0] * config["in_channels"]
-    tensors: Inventory = {
-        "x_pad_token": ((1, dim), SHIFT),
-        "cap_pad_token": ((1, dim), SHIFT),
-        "cap_embedder.0.weight": ((config["cap_feat_dim"],), GAIN),
-    }
-    linear_tensors(tensors, f"all_x_embedder.{key}", patch_values, dim)
-    linear_tensors(tensors, f"all_final_layer.{key}.linear", dim, patch_values)
-    linear_tensors(tensors, f"all_final_layer.{key}.adaLN_modulation.1", adaln, dim)
-    linear_tensors(tensors, "t_embedder.mlp.0", TIME_FREQUENCIES, TIME_MID_SIZE)
-    linear_tensors(tensors, "t_embedder.mlp.2", TIME_MID_SIZE, adaln)
-    linear_tensors(tensors, "cap_embedder.1", config["cap_feat_dim"], dim)
-    stacks = {
-        "noise_refiner": (config["n_refiner_layers"], True),
-        "context_refiner": (config["n_refiner_layers"], False),
-        "layers": (config["n_layers"], True),
-    }
-    for stack, (depth, modulated) in stacks.items():
-        for index in range(depth):
-            prefix = f"{stack}.{index}."
-            for name, shape in {
-                "attention.to_q": (heads * head, dim),
-                "attention.to_k": (kv, dim),
-                "attention.to_v": (kv, dim),
-                "attention.to_out.0": (dim, heads * head),
-                "feed_forward.w1": (hidden, dim),
-                "feed_forward.w2": (dim, hidden),
-                "feed_forward.w3": (hidden, dim),
-            }.items():
-                tensors[prefix + name + ".weight"] = (shape, MATRIX)
-            for name in ("attention.norm_q", "attention.norm_k"):
-                tensors[prefix + name + ".weight"] = ((head,), GAIN)
-            for name in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
-                tensors[prefix + name + ".weight"] = ((dim,), GAIN)
-            if modulated:
-                linear_tensors(tensors, prefix + "adaLN_modulation.0", adaln, 4 * dim)
-    return tensors
+    """Names, shapes and kinds of ZImageTransformer2DModel's parameters for `config`: the DiT's
+    own table (layout.tensor_shapes), its biases and pad tokens drawn as SHIFT."""
+    inventory = table_inventory(tensor_shapes(DiTConfig.from_dict(config)), GAIN)
+    for name, (shape, _) in inventory.items():
+        if name.endswith(".bias") or name in PAD_TOKENS.values():
+            inventory[name] = (shape, SHIFT)
+    return inventory
 
 
 # ---- the folder ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from gmlx_server.engine import components
 from gmlx_server.engine.families.z_image import embedded
-from gmlx_server.engine.families.z_image.dit import DiTConfig
+from gmlx_server.engine.families.z_image.layout import DiTConfig
 from gmlx_server.engine.spec import read_config
 
 from tests.engine.comfy_files import float32_weights, ldm_vae, write_comfy_tokenizer
