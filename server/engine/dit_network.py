@@ -93,7 +93,7 @@ class DiTPart:
 class DiTNetwork:
     """What every family's DiT network holds: its config, weight tree and compute dtype, this
     process's part of its blocks (`stages`, engine/shard.py), the time embedding's
-    frequencies, and whether attention takes the CPU backend's kernels. A subclass sets
+    frequencies (at its config's `time_dim`), and whether attention takes the CPU backend's kernels. A subclass sets
     `PART`, its DiTPart, and adds its forward; one whose whole forward is one pure pass of
     arrays writes it as `_pass`, which then runs as `compiled_pass` (nn/compiled.py: its
     elementwise work, RoPE, norms, modulation and gates, fuses where compiling pays; sharded,
@@ -107,7 +107,10 @@ class DiTNetwork:
         self.weights = weights
         self.dtype = dtype
         self.stages = stages or Stages()
-        self._time_freqs = time_frequencies()
+        # The time embedding's sinusoid frequencies at the width its config names (`time_dim`;
+        # a DiT that embeds the time another way names none).
+        time_dim = getattr(config, "time_dim", None)
+        self._time_freqs = None if time_dim is None else time_frequencies(time_dim)
         self.cpu_ops = cpu_ops.use_cpu_ops(dtype)
         if hasattr(self, "_pass"):
             self.compiled_pass = CompiledPass(self._pass, config.dim, enabled=stages is None)

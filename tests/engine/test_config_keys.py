@@ -15,7 +15,7 @@ from gmlx_server.engine.config_keys import check_fixed
 from gmlx_server.engine.families.flux2_klein import layout as flux2
 from gmlx_server.engine.families.flux3_klein import layout as flux3
 from gmlx_server.engine.families.krea2 import layout as krea2
-from gmlx_server.engine.families.qwen_image21 import dit as qwen_image21_dit
+from gmlx_server.engine.families.qwen_image21 import layout as qwen_image21_layout
 from gmlx_server.engine.families.z_image import layout as z_image
 from gmlx_server.engine.registry import ModelRegistry
 from gmlx_server.engine.vaes import autoencoder_kl, autoencoder_kl_flux2, qwen_image, qwen_image21
@@ -49,7 +49,7 @@ CASES = {
     "Flux2Transformer2DModel": (flux2.DiTConfig.from_dict, {}, {}),
     "Flux3Transformer2DModel": (flux3.DiTConfig.from_dict, {}, {}),
     "Krea2Transformer2DModel": (krea2.DiTConfig.from_dict, {}, {}),
-    "QwenImage21Transformer2DModel": (qwen_image21_dit.DiTConfig.from_dict, {}, {}),
+    "QwenImage21Transformer2DModel": (qwen_image21_layout.DiTConfig.from_dict, {}, {}),
     "AutoencoderKL": (
         autoencoder_kl.AutoencoderKL,
         autoencoder_kl.FIXED,

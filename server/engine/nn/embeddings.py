@@ -7,12 +7,11 @@ import math
 import mlx.core as mx
 import numpy as np
 
-# diffusers' `Timesteps` defaults, which every family's time projection uses.
-TIME_PROJ_DIM = 256
+# diffusers' `Timesteps` default period, which every family's time projection uses.
 TIME_MAX_PERIOD = 10000.0
 
 
-def time_frequencies(dim: int = TIME_PROJ_DIM, max_period: float = TIME_MAX_PERIOD) -> mx.array:
+def time_frequencies(dim: int, max_period: float = TIME_MAX_PERIOD) -> mx.array:
     """The sinusoidal timestep embedding's frequencies exp(-log(max_period) * i / half), i <
     half = dim / 2: the exponents in float32 as diffusers' `get_timestep_embedding` computes
     them, their exponential correctly rounded to float32 (taken in float64), which torch's

@@ -38,7 +38,6 @@ from ...dit_network import DiTNetwork, DiTPart
 from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
-from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...weights import block_weights, single_dit_file
 from .layout import (
@@ -274,10 +273,6 @@ PART = DiTPart(
 
 class Flux2DiT(DiTNetwork):
     PART = PART
-
-    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages=None):
-        super().__init__(config, weights, dtype, stages)
-        self._time_freqs = time_frequencies(config.time_dim)
 
     # -- pieces ------------------------------------------------------------------------------
 

@@ -37,7 +37,6 @@ from ...dit_network import DiTNetwork, DiTPart
 from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
-from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan
 from ...shard_plan import attention_mlp_plan
@@ -191,10 +190,6 @@ def rope_of(kind: str, shape: tuple, axes_dims: tuple[int, ...], theta: float) -
 
 class Flux3DiT(DiTNetwork):
     PART = PART
-
-    def __init__(self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages=None):
-        super().__init__(config, weights, dtype, stages)
-        self._time_freqs = time_frequencies(config.time_dim)
 
     def capabilities(self, declared: Capabilities) -> Capabilities:
         """A flow map where the checkpoint carries the target time's embedder."""

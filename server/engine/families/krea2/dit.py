@@ -32,9 +32,8 @@ from ...dit_network import DiTNetwork, DiTPart
 from ...lora import BIAS, LinearSlot, block_slots, dense, project
 from ...nn.activations import gelu_tanh, silu
 from ...nn.attention import attention
-from ...nn.embeddings import time_frequencies
 from ...nn.rope import apply_rope, rope_tables
-from ...shard import ShardPlan, Split, Stages
+from ...shard import ShardPlan, Split
 from ...weights import block_weights, single_dit_file
 from .layout import (
     BLOCK_LINEARS,
@@ -143,12 +142,6 @@ def image_rope(h: int, w: int, axes_dims: tuple[int, ...], theta: float) -> tupl
 
 class Krea2DiT(DiTNetwork):
     PART = PART
-
-    def __init__(
-        self, config: DiTConfig, weights: dict, dtype: mx.Dtype, stages: Stages | None = None
-    ):
-        super().__init__(config, weights, dtype, stages)
-        self._time_freqs = time_frequencies(config.time_embed_dim)
 
     # -- pieces ------------------------------------------------------------------------------
 

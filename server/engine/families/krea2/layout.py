@@ -23,7 +23,7 @@ class DiTConfig:
     num_heads: int = setting("num_attention_heads", 48)
     num_kv_heads: int = setting("num_key_value_heads", 12)
     intermediate_size: int = setting("intermediate_size", 16384)
-    time_embed_dim: int = setting("timestep_embed_dim", 256)
+    time_dim: int = setting("timestep_embed_dim", 256)
     text_dim: int = setting("text_hidden_dim", 2560)
     num_text_layers: int = setting("num_text_layers", 12)
     text_heads: int = setting("text_num_attention_heads", 20)
@@ -112,7 +112,7 @@ def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     hidden = config.dim
     linears = {
         "img_in": (hidden, config.in_channels),
-        "time_1": (hidden, config.time_embed_dim),
+        "time_1": (hidden, config.time_dim),
         "time_2": (hidden, hidden),
         "time_mod": (6 * hidden, hidden),
         "txt_in_1": (hidden, config.text_dim),

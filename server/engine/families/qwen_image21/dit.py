@@ -26,52 +26,29 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...config_keys import read_settings, setting
 from ...dit_file import DiTFile, Naming, fused_weights
 from ...dit_network import DiTNetwork, DiTPart
 from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import gelu_tanh, layer_norm, silu
 from ...nn.attention import attention
 from ...nn.compiled import CompiledPass
-from ...nn.embeddings import TIME_PROJ_DIM
 from ...nn.rope import apply_rope, rope_tables
 from ...shard import ShardPlan, Stages
 from ...shard_plan import attention_mlp_plan
 from ...weights import block_weights, gguf_file, read_config
+from .layout import (
+    BLOCK_LINEARS,
+    BLOCK_NORMS,
+    BLOCK_PREFIX,
+    F32_WEIGHTS,
+    TEXT_NORM,
+    TOP_LINEARS,
+    DiTConfig,
+    tensor_shapes,
+)
 
 TIME_FACTOR = 1000.0  # the time projection embeds 1000 * sigma
 TARGET_TABLES_KEPT = 16  # target RoPE tables kept, least recently used dropped first
-
-
-@dataclass(frozen=True)
-class DiTConfig:
-    """QwenImage21Transformer2DModel's config (`setting`: its key and default)."""
-
-    in_channels: int = setting("in_channels", 64)
-    out_channels: int = 64  # the config's, else in_channels (`from_dict`)
-    num_layers: int = setting("num_layers", 32)
-    num_heads: int = setting("num_attention_heads", 32)
-    head_dim: int = setting("attention_head_dim", 128)
-    context_in_dim: int = setting("context_in_dim", 4096)
-    mlp_ratio: int = setting("mlp_ratio", 3)
-    axes_dims_rope: tuple[int, int, int] = setting("axes_dims_rope", (16, 56, 56), tuple)
-    eps: float = setting("eps", 1e-6)
-    patch_size: int = setting("patch_size", 1)
-    causal_condition: bool = setting("causal_condition", True)
-
-    @classmethod
-    def from_dict(cls, config: dict) -> DiTConfig:
-        out_channels = config.get("out_channels") or config.get("in_channels", 64)
-        return read_settings(cls, config, out_channels=out_channels)
-
-    @property
-    def inner_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def cond_width(self) -> int:
-        """A row's conditioning width (the wire's D): the text encoder's last hidden state."""
-        return self.context_in_dim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,35 +120,7 @@ def image_positions(frame: int, h: int, w: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Small numerical pieces
-
-
-# ---------------------------------------------------------------------------------------------
 # Weights: the diffusers names mapped to fused arrays, in one place
-
-BLOCK_PREFIX = "transformer_blocks.{}."
-# Linear layers of a block by diffusers name, grouped into the fused weights the forward uses:
-# the parts (all the same shape) are stacked along the output rows in this order.
-BLOCK_LINEARS = {
-    "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "out": ("attn.to_out.0",),
-    "gate_up": ("img_mlp.gate_layer", "img_mlp.proj"),
-    "down": ("img_mlp.out",),
-}
-# Linear layers outside the blocks: tree key -> diffusers name.
-# Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
-BLOCK_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k"}  # the blocks' q/k RMS norms
-F32_WEIGHTS = ("attn.norm_q.weight", "attn.norm_k.weight", "txt_in.text_norm.weight")
-TOP_LINEARS = {
-    "time_1": "time_text_embed.timestep_embedder.linear_1",
-    "time_2": "time_text_embed.timestep_embedder.linear_2",
-    "text_in": "txt_in.in_layer",
-    "text_out": "txt_in.out_layer",
-    "img_in": "img_in",
-    "modulation": "modulation.1",
-    "norm_out": "norm_out.linear",
-    "proj_out": "proj_out",
-}
 
 
 def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
@@ -198,7 +147,7 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     for i in range(config.num_layers):
         blocks.append(block_weights(files, BLOCK_PREFIX.format(i), BLOCK_LINEARS, BLOCK_NORMS))
     weights = {key: files[name + ".weight"] for key, name in TOP_LINEARS.items()}
-    weights["text_norm"] = files["txt_in.text_norm.weight"] + 1.0
+    weights["text_norm"] = files[TEXT_NORM] + 1.0
     weights["blocks"] = blocks
     return weights
 
@@ -209,36 +158,6 @@ COMFY_NAMING = Naming(
     fused=((".img_mlp.gate_up.weight", (".img_mlp.gate_layer.weight", ".img_mlp.proj.weight")),)
 )
 TITLE = "Qwen-Image 2.1"
-
-
-def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
-    width, hidden = config.inner_dim, config.inner_dim * config.mlp_ratio
-    patches = config.patch_size * config.patch_size
-    top = {
-        "time_1": (width, TIME_PROJ_DIM),
-        "time_2": (width, width),
-        "text_in": (width, config.context_in_dim),
-        "text_out": (width, width),
-        "img_in": (width, config.in_channels * patches),
-        "modulation": (4 * width, width),
-        "norm_out": (width, width),
-        "proj_out": (config.out_channels * patches, width),
-    }
-    shapes = {TOP_LINEARS[key] + ".weight": shape for key, shape in top.items()}
-    shapes["txt_in.text_norm.weight"] = (config.context_in_dim,)
-    block = {
-        **dict.fromkeys(("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"), (width, width)),
-        "img_mlp.gate_layer": (hidden, width),
-        "img_mlp.proj": (hidden, width),
-        "img_mlp.out": (width, hidden),
-        "attn.norm_q": (config.head_dim,),
-        "attn.norm_k": (config.head_dim,),
-    }
-    for i in range(config.num_layers):
-        for name, shape in block.items():
-            shapes[BLOCK_PREFIX.format(i) + name + ".weight"] = shape
-    return shapes
 
 
 def dit_file(transformer_dir: Path, dit: Path | None = None) -> DiTFile | None:

@@ -39,6 +39,7 @@ from ...embedded import (
     interleaved_mrope,
     qwen3_vl_config,
     qwen3_vl_tensors,
+    table_inventory,
     write_drawn,
 )
 from ...encoders.qwen3.tiny_tokenizer import (
@@ -47,6 +48,7 @@ from ...encoders.qwen3.tiny_tokenizer import (
     token_ids,
     train_tokenizer,
 )
+from .layout import TEXT_NORM, DiTConfig, tensor_shapes
 
 MODEL_NAME = "qwen-image21-random-tiny"
 # A turbo-like variant: these fixed sigmas (Qwen-Image 2.1 turbo's, docs/contract.md §2.3) set 8 steps.
@@ -284,35 +286,11 @@ write_embedded_model = RECIPE.write_folder
 
 
 def transformer_tensors(config: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Names, shapes and kinds of QwenImage21Transformer2DModel's parameters for `config`."""
-    width = config["num_attention_heads"] * config["attention_head_dim"]
-    head = config["attention_head_dim"]
-    patch = config["patch_size"]
-    hidden = width * config["mlp_ratio"]
-    out = patch * patch * (config["out_channels"] or config["in_channels"])
-    tensors = {
-        "img_in.weight": ((width, config["in_channels"] * patch * patch), MATRIX),
-        "modulation.1.weight": ((4 * width, width), MATRIX),
-        "norm_out.linear.weight": ((width, width), MATRIX),
-        "proj_out.weight": ((out, width), MATRIX),
-        # The timestep's sinusoidal features are 256 wide whatever the model's width.
-        "time_text_embed.timestep_embedder.linear_1.weight": ((width, 256), MATRIX),
-        "time_text_embed.timestep_embedder.linear_2.weight": ((width, width), MATRIX),
-        "txt_in.text_norm.weight": ((config["context_in_dim"],), SHIFT),  # zero-centred norm
-        "txt_in.in_layer.weight": ((width, config["context_in_dim"]), MATRIX),
-        "txt_in.out_layer.weight": ((width, width), MATRIX),
-    }
-    for block in range(config["num_layers"]):
-        prefix = f"transformer_blocks.{block}."
-        for projection in ("to_q", "to_k", "to_v"):
-            tensors[f"{prefix}attn.{projection}.weight"] = ((width, width), MATRIX)
-        tensors[f"{prefix}attn.to_out.0.weight"] = ((width, width), MATRIX)
-        tensors[f"{prefix}attn.norm_q.weight"] = ((head,), GAIN)
-        tensors[f"{prefix}attn.norm_k.weight"] = ((head,), GAIN)
-        tensors[f"{prefix}img_mlp.proj.weight"] = ((hidden, width), MATRIX)
-        tensors[f"{prefix}img_mlp.gate_layer.weight"] = ((hidden, width), MATRIX)
-        tensors[f"{prefix}img_mlp.out.weight"] = ((width, hidden), MATRIX)
-    return tensors
+    """Names, shapes and kinds of QwenImage21Transformer2DModel's parameters for `config`: the
+    DiT's own table (layout.tensor_shapes), its zero-centred text norm drawn as SHIFT."""
+    inventory = table_inventory(tensor_shapes(DiTConfig.from_dict(config)), GAIN)
+    inventory[TEXT_NORM] = (inventory[TEXT_NORM][0], SHIFT)
+    return inventory
 
 
 def _vae_config(rng) -> dict:

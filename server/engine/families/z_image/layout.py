@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from ...config_keys import HeadsOfDim, check_fixed, read_settings, setting
 
 ADALN_DIM = 256  # the time embedding's width (at most the model's)
-TIME_PROJ_DIM = 256  # the time embedder's sinusoid width (nn/embeddings' default, which it runs)
 TIME_MID_DIM = 1024  # the time embedder's hidden width
 
 # Config keys fixed to what the network builds (engine/config_keys.py): QK RMS norms, and as
@@ -35,6 +34,7 @@ class DiTConfig(HeadsOfDim):
     axes_dims: tuple[int, ...] = setting("axes_dims", (32, 48, 48), tuple)
     axes_lens: tuple[int, ...] = setting("axes_lens", (1024, 512, 512), tuple)
     patch_size: int = 2  # all_patch_size's one entry (`from_dict`)
+    time_dim: int = 256  # the time embedder's sinusoid width (fixed: no config key)
 
     @property
     def cond_width(self) -> int:
@@ -128,7 +128,7 @@ def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the DiT reads, by diffusers name, with the shape `config` gives it."""
     dim, adaln, hidden = config.dim, config.adaln_dim, config.hidden_dim
     linears = {
-        "time_1": (TIME_MID_DIM, TIME_PROJ_DIM),
+        "time_1": (TIME_MID_DIM, config.time_dim),
         "time_2": (adaln, TIME_MID_DIM),
         "cap_in": (dim, config.cap_feat_dim),
         "x_in": (dim, config.patch_channels),
