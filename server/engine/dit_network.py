@@ -93,12 +93,12 @@ class DiTPart:
 class DiTNetwork:
     """What every family's DiT network holds: its config, weight tree and compute dtype, this
     process's part of its blocks (`stages`, engine/shard.py), the time embedding's
-    frequencies (at its config's `time_dim`), and whether attention takes the CPU backend's kernels. A subclass sets
-    `PART`, its DiTPart, and adds its forward; one whose whole forward is one pure pass of
-    arrays writes it as `_pass`, which then runs as `compiled_pass` (nn/compiled.py: its
-    elementwise work, RoPE, norms, modulation and gates, fuses where compiling pays; sharded,
-    it runs eagerly, its collectives outside any compiled graph), at its config's width
-    `dim`."""
+    frequencies (at its config's `time_dim`), and whether attention takes the CPU backend's
+    kernels. A subclass sets `PART`, its DiTPart, and adds its forward; one whose whole forward
+    is one pure pass of arrays writes it as `_pass`, which then runs as `compiled_pass`
+    (nn/compiled.py: its elementwise work, RoPE, norms, modulation and gates, fuses where
+    compiling pays; sharded, it runs eagerly, its collectives outside any compiled graph), at
+    its config's width `dim`."""
 
     PART: DiTPart
 
