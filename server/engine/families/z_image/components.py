@@ -14,16 +14,33 @@ from __future__ import annotations
 from ...encoders.qwen3 import files as qwen3_files
 from ...file_headers import Header
 from ...vaes import from_files as vae_files
+from . import layout
 from .spec import FAMILY, MODEL_INDEX, scheduler_config
 
 TOKENIZER_REPO = "Tongyi-MAI/Z-Image-Turbo"
-# The same tensors in ComfyUI's names and diffusers'.
-X_EMBEDDER = ("x_embedder.weight", "all_x_embedder.2-1.weight")
-CAPTION = "cap_embedder.1.weight"
-Q_NORM = ("layers.0.attention.q_norm.weight", "layers.0.attention.norm_q.weight")
-K_NORM = ("noise_refiner.0.attention.k_norm.weight", "noise_refiner.0.attention.norm_k.weight")
-PAD_TOKEN = "cap_pad_token"
 PATCH = 2
+# Z-Image's one patch size (layout.DiTConfig's), which diffusers' names carry as a patch key.
+PATCHED = layout.DiTConfig(patch_size=PATCH)
+
+
+def top(key: str) -> tuple[str, str]:
+    """A weight outside the blocks by ComfyUI's name and diffusers' (layout.py's tables)."""
+    diffusers = layout.top_name(layout.TOP_LINEARS[key], PATCHED)
+    return layout.COMFY_TOP[key] + ".weight", diffusers + ".weight"
+
+
+def first_block(stack: str, key: str) -> tuple[str, str]:
+    """A weight of a stack's first block by ComfyUI's name and diffusers'."""
+    first = layout.STACKS[stack][0].format(0)
+    (diffusers,) = layout.block_parts(key)
+    return first + layout.COMFY_BLOCK[key] + ".weight", first + diffusers + ".weight"
+
+
+X_EMBEDDER = top("x_in")
+CAPTION = layout.TOP_LINEARS["cap_in"] + ".weight"  # the same name in both
+Q_NORM = first_block("layers", "norm_q")
+K_NORM = first_block("noise_refiner", "norm_k")
+PAD_TOKEN = layout.PAD_TOKENS["cap_pad"]
 # Z-Image's RoPE axes split the head as 32:48:48 of 128, and its fixed constants (diffusers'
 # ZImageTransformer2DModel config, ComfyUI's Z-Image detection).
 AXES_SHARES = (1 / 4, 3 / 8, 3 / 8)
@@ -50,6 +67,11 @@ VAE_FACTS = {
 }
 
 
+def stem(stack: str) -> str:
+    """The name stem of a block stack's tensors (`layers.` of `layers.{}.`)."""
+    return layout.STACKS[stack][0].partition("{}")[0]
+
+
 def family(dit: Header) -> str | None:
     if dit.has(CAPTION, PAD_TOKEN) and dit.first_shape(K_NORM) and dit.first_shape(X_EMBEDDER):
         return FAMILY
@@ -71,8 +93,8 @@ def dit_config(dit: Header) -> dict:
         **DIT_FACTS,
         "in_channels": patch_channels // (PATCH * PATCH),
         "dim": dim,
-        "n_layers": dit.count("layers."),
-        "n_refiner_layers": dit.count("noise_refiner."),
+        "n_layers": dit.count(stem("layers")),
+        "n_refiner_layers": dit.count(stem("noise_refiner")),
         "n_heads": dim // head_dim,
         "n_kv_heads": dim // head_dim,
         "cap_feat_dim": dit.shape(CAPTION)[1],

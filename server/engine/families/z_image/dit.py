@@ -18,6 +18,7 @@ the output to get dx/dsigma (see step.py).
 from __future__ import annotations
 
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -35,13 +36,16 @@ from .layout import (
     BLOCK_LINEARS,
     BLOCK_NORMS,
     CAP_NORM,
+    COMFY_BLOCK,
+    COMFY_TOP,
+    COMFY_UNREAD,
     F32_WEIGHTS,
     MODULATION,
     PAD_TOKENS,
     STACKS,
     TOP_LINEARS,
     DiTConfig,
-    patch_key,
+    block_parts,
     stack_depth,
     tensor_shapes,
     top_name,
@@ -121,27 +125,21 @@ TITLE = "Z-Image"
 
 
 def comfy_naming(config: DiTConfig) -> Naming:
-    """ComfyUI's naming of the same tensors (its Lumina2 `NextDiT`, which the Z-Image GGUF
-    files ComfyUI-GGUF converts use): q, k and v fused into one `qkv`, `out`, `q_norm` and
-    `k_norm`, `x_embedder` and `final_layer` without the patch key, and an unused
-    `norm_final` (diffusers' single-file conversion of Z-Image maps the same)."""
-    patch = patch_key(config)
-    return Naming(
-        renames=(
-            (r"^x_embedder\.", f"all_x_embedder.{patch}."),
-            (r"^final_layer\.", f"all_final_layer.{patch}."),
-            (r"\.attention\.out\.", ".attention.to_out.0."),
-            (r"\.attention\.q_norm\.", ".attention.norm_q."),
-            (r"\.attention\.k_norm\.", ".attention.norm_k."),
-        ),
-        fused=(
-            (
-                ".attention.qkv.weight",
-                (".attention.to_q.weight", ".attention.to_k.weight", ".attention.to_v.weight"),
-            ),
-        ),
-        ignored=("norm_final.weight",),
-    )
+    """ComfyUI's naming of the same tensors (layout.py's COMFY_ tables): its names of the layers
+    outside the blocks renamed from the start of a name, a block's within it, and its fused
+    `qkv` split into diffusers' q, k and v."""
+    renames = [
+        (rf"^{re.escape(comfy)}\.", top_name(TOP_LINEARS[key], config) + ".")
+        for key, comfy in COMFY_TOP.items()
+    ]
+    fused = []
+    for key, comfy in COMFY_BLOCK.items():
+        parts = block_parts(key)
+        if len(parts) > 1:
+            fused.append((f".{comfy}.weight", tuple(f".{part}.weight" for part in parts)))
+        else:
+            renames.append((rf"\.{re.escape(comfy)}\.", f".{parts[0]}."))
+    return Naming(renames=tuple(renames), fused=tuple(fused), ignored=COMFY_UNREAD)
 
 
 # The DiT's single file (GGUF or safetensors) in diffusers' or ComfyUI's naming as the family

@@ -105,6 +105,22 @@ TOP_LINEARS = {
     "final_modulation": "all_final_layer.{patch}.adaLN_modulation.1",
     "final": "all_final_layer.{patch}.linear",
 }
+# ComfyUI's names where they differ from diffusers' (its Lumina2 `NextDiT`, which the Z-Image
+# GGUF files ComfyUI-GGUF converts use; diffusers' single-file conversion maps the same), by
+# tree key: the patch-keyed layers without their patch key, and in a block q, k and v as one
+# `qkv`, the attention's output and its q/k norms. Its `norm_final` the forward does not read.
+COMFY_TOP = {
+    "x_in": "x_embedder",
+    "final_modulation": "final_layer.adaLN_modulation.1",
+    "final": "final_layer.linear",
+}
+COMFY_BLOCK = {
+    "qkv": "attention.qkv",
+    "out": "attention.out",
+    "norm_q": "attention.q_norm",
+    "norm_k": "attention.k_norm",
+}
+COMFY_UNREAD = ("norm_final.weight",)
 CAP_NORM = "cap_embedder.0.weight"
 PAD_TOKENS = {"x_pad": "x_pad_token", "cap_pad": "cap_pad_token"}
 # Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
@@ -118,6 +134,11 @@ def patch_key(config: DiTConfig) -> str:
 def top_name(name: str, config: DiTConfig) -> str:
     """A TOP_LINEARS name with the config's patch key in it."""
     return name.format(patch=patch_key(config))
+
+
+def block_parts(key: str) -> tuple[str, ...]:
+    """The diffusers names of a block's layer or norm by tree key (a fused layer's several)."""
+    return BLOCK_LINEARS[key] if key in BLOCK_LINEARS else (BLOCK_NORMS[key],)
 
 
 def stack_depth(stack: str, config: DiTConfig) -> int:
