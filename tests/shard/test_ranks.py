@@ -378,12 +378,22 @@ def served(folder, tmp_path, request):
 
 
 def ended(pid: int) -> bool:
-    """Whether process `pid` has ended (gone, or a zombie not yet reaped)."""
+    """Whether process `pid` has ended: gone, or a zombie not yet reaped whose every thread has
+    exited. Its main thread reads as a zombie while its other threads are still exiting, and
+    until the last one has, the process's files (its sockets) stay open."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return True
-    return state == "Z"
+    return all(thread_state(thread) in ("Z", "X", None) for thread in threads)
+
+
+def thread_state(thread: Path) -> str | None:
+    """A /proc task's state letter (None: it is gone)."""
+    try:
+        return (thread / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def one_step(client: StepClient, model: str, x: np.ndarray, cond: np.ndarray, run=None):
