@@ -95,6 +95,15 @@ BLOCK_NORMS = {
     "ffn_norm2": "ffn_norm2",
 }
 HEAD_NORMS = ("norm_q", "norm_k")  # the norms over a head (the others span the model's width)
+# ComfyUI's names where they differ from diffusers' (its Lumina2 `NextDiT`, which the Z-Image
+# GGUF files ComfyUI-GGUF converts use; diffusers' single-file conversion maps the same): a
+# block's q, k and v as one `qkv`, the attention's output and its q/k norms, by tree key.
+COMFY_BLOCK = {
+    "qkv": "attention.qkv",
+    "out": "attention.out",
+    "norm_q": "attention.q_norm",
+    "norm_k": "attention.k_norm",
+}
 # Linear layers outside the blocks (all with biases): tree key -> diffusers name ("{patch}" is
 # the patch key, "2-1").
 TOP_LINEARS = {
@@ -105,20 +114,12 @@ TOP_LINEARS = {
     "final_modulation": "all_final_layer.{patch}.adaLN_modulation.1",
     "final": "all_final_layer.{patch}.linear",
 }
-# ComfyUI's names where they differ from diffusers' (its Lumina2 `NextDiT`, which the Z-Image
-# GGUF files ComfyUI-GGUF converts use; diffusers' single-file conversion maps the same), by
-# tree key: the patch-keyed layers without their patch key, and in a block q, k and v as one
-# `qkv`, the attention's output and its q/k norms. Its `norm_final` the forward does not read.
+# ComfyUI's names of the patch-keyed layers: without the patch key. Its `norm_final` the
+# forward does not read.
 COMFY_TOP = {
     "x_in": "x_embedder",
     "final_modulation": "final_layer.adaLN_modulation.1",
     "final": "final_layer.linear",
-}
-COMFY_BLOCK = {
-    "qkv": "attention.qkv",
-    "out": "attention.out",
-    "norm_q": "attention.q_norm",
-    "norm_k": "attention.k_norm",
 }
 COMFY_UNREAD = ("norm_final.weight",)
 CAP_NORM = "cap_embedder.0.weight"
