@@ -289,6 +289,15 @@ def differences(before, after, path="") -> list[str]:
     return []
 
 
+def check_out(revision: str, where: Path) -> None:
+    """A fresh git worktree of `revision` at `where`: one an earlier run left there (`--keep`),
+    or whose folder was deleted, is replaced, so the tree compared is the revision asked for."""
+    git = ["git", "-C", str(ROOT), "worktree"]
+    subprocess.run([*git, "remove", "--force", str(where)], check=False, capture_output=True)
+    subprocess.run([*git, "prune"], check=True)
+    subprocess.run([*git, "add", "--detach", str(where), revision], check=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--against", help="the revision to compare the working tree with")
@@ -312,10 +321,7 @@ def main() -> int:
         root.mkdir()
         build_folders(root)
     old = work / "before-tree"
-    if not old.is_dir():
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", str(old), args.against], cwd=ROOT, check=True
-        )
+    check_out(args.against, old)
     run_dump(old, root, work / "before.json")
     run_dump(ROOT, root, work / "after.json")
     before = json.loads((work / "before.json").read_text())
