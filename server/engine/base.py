@@ -81,11 +81,63 @@ class EncodeResult:
 
 
 @dataclass(frozen=True)
+class ReferenceSizes:
+    """The reference images a family's pipeline takes as they are (it would resize one of
+    another size, which the server does not): sides that are multiples of the VAE's stride,
+    at least `min_side`, at most `max_side` and within an aspect ratio of `max_aspect` where
+    they are set, and at most `max_area` pixels (`lone_max_area` where set, for a reference
+    that is the only one of its request)."""
+
+    min_side: int
+    max_area: int
+    max_side: int | None = None
+    max_aspect: int | None = None
+    lone_max_area: int | None = None
+
+    def area(self, count: int) -> int:
+        """The most pixels of each of `count` references."""
+        return self.lone_max_area if self.lone_max_area and count == 1 else self.max_area
+
+    def fits(self, height: int, width: int, count: int, stride: int) -> bool:
+        short, long = sorted((height, width))
+        return not (
+            height % stride
+            or width % stride
+            or short < self.min_side
+            or (self.max_side is not None and long > self.max_side)
+            or (self.max_aspect is not None and long > self.max_aspect * short)
+            or height * width > self.area(count)
+        )
+
+    def check(self, index: int, height: int, width: int, count: int, stride: int, title: str):
+        """Refuse image `index` of `count` where it does not fit (an EngineInputError naming
+        the sizes the pipeline takes)."""
+        if self.fits(height, width, count, stride):
+            return
+        if self.max_side is None:
+            sides = f"multiples of {stride}, at least {self.min_side}"
+        else:
+            sides = f"multiples of {stride} from {self.min_side} to {self.max_side}"
+        if self.max_aspect is not None:
+            sides += f", within an aspect ratio of {self.max_aspect}"
+        which = ""
+        if self.lone_max_area:
+            which = "one reference: " if count == 1 else "each of several: "
+        raise EngineInputError(
+            f"image {index} is {width}x{height}: {title} references must have sides that are"
+            f" {sides} and at most {self.area(count)} pixels ({which}the pipeline's sizes,"
+            " which it would resize to), or be sent as latents from vae/encode"
+        )
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a model can do beyond its status, read once at load (registry.LoadedModel) and
     checked by the step route before any work (docs/contract.md §2.11)."""
 
     max_refs: int = 10  # reference images a row may carry
+    # the reference images' sizes its pipeline takes as they are (None: any); encode checks
+    reference_sizes: ReferenceSizes | None = None
     conventions: tuple[str, ...] = ("comfy", "reference")  # step conventions (§5.2)
     ref_cache: bool = False  # the DiT can extract reference K/V (§3.4); `ref_cache_bytes` plans it
     skip_blocks: int = 0  # how many DiT blocks `skip` may name (0: the DiT skips none)

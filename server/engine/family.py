@@ -2,15 +2,16 @@
 
 A family's model class subclasses `FamilyModel`, names what the family is made of (`DIT`,
 `PROMPT`, `VAE`, `reserve_bytes`) and adds what is its own: `step`, `step_peak_bytes`,
-`check_reference` where it takes references given as latents (`encode` where its text
-encoder reads images) and, for a family with prefix states, the planning methods that know
-them (`plan_step`, `step_keys`, `shed_states`, `held_bytes`, `end_run`). The rest comes from
-here: the encoding, the convention check, the status copy, the manifest (the family module's,
-read from the folder), the LoRA patch tables, the VAE routes' checks, the planning defaults of a family that holds no
-states beyond its patch tables, and the text encoder's residency: a model given a way to load
-its encoder again (`load_encoder`) may drop the encoder's weights between encodes
-(`release_encoder`) and loads them again on the next one (`prompt_encoder`); server/memory.py
-decides when (`[server.image] encoder_residency`).
+`encode` where its text encoder reads images and, for a family with prefix states, the
+planning methods that know them (`plan_step`, `step_keys`, `shed_states`, `held_bytes`,
+`end_run`). The rest comes from here: the encoding, the reference images' sizes (the spec's
+`reference_sizes`), the convention check, the status copy,
+the manifest (the family module's, read from the folder), the LoRA patch tables, the VAE
+routes' checks, the planning defaults of a family that holds no states beyond its patch
+tables, and the text encoder's residency: a model given a way to load its encoder again
+(`load_encoder`) may drop the encoder's weights between encodes (`release_encoder`) and loads
+them again on the next one (`prompt_encoder`); server/memory.py decides when
+(`[server.image] encoder_residency`).
 
 A family's VAE provides `encode` and `decode` over batched MLX arrays (1, C, h, w) <-> (1, H, W,
 C), `out_channels`, `peak_bytes(height, width, decode)` and `from_model_space` (the DiT's latent
@@ -273,8 +274,11 @@ class FamilyModel:
         return np.array(self.vae.encode(pixels).astype(mx.float32))
 
     def check_reference(self, index: int, height: int, width: int, count: int) -> None:
-        """Refuse a reference image of a size the family's pipeline would resize (an
-        EngineInputError naming the image and the sizes it takes)."""
+        """Refuse a reference image of a size the family's pipeline would resize (the spec's
+        `reference_sizes`; an EngineInputError naming the image and the sizes it takes)."""
+        sizes = self.capabilities.reference_sizes
+        if sizes is not None:
+            sizes.check(index, height, width, count, self.vae.stride, self.title)
 
     @staticmethod
     def reference_arrays(rows: list[StepRow], channels: int) -> list[list[mx.array]]:

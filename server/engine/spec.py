@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import Capabilities
+from .base import Capabilities, ReferenceSizes
 
 log = logging.getLogger("gmlx.server")
 
@@ -76,6 +76,8 @@ class FamilySpec:
     latent_stride: int | None = None  # None: the family reads it from its VAE's config
     latent_patch: int = 1
     max_refs: int = 0  # reference images a row may carry (0: it takes none)
+    # the reference images' sizes its pipeline takes as they are (None: any size)
+    reference_sizes: ReferenceSizes | None = None
     features: tuple[str, ...] = ()  # docs/contract.md §5.4
     conventions: tuple[str, ...] = ("comfy", "reference")
     # sigma = timestep_scale x timestep under both conventions (docs/contract.md §5.2): the
@@ -108,6 +110,7 @@ class FamilySpec:
         """What its loaded model can do beyond its status (base.Capabilities), from the spec."""
         return Capabilities(
             max_refs=self.max_refs,
+            reference_sizes=self.reference_sizes,
             conventions=self.conventions,
             ref_cache="ref_cache" in self.features,
         )

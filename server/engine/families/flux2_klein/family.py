@@ -49,11 +49,6 @@ from .prompt import MAX_SEQUENCE_LENGTH, Flux2PromptEncoder
 from .spec import FAMILY_9B_KV, SPECS
 
 TITLES = {spec.name: spec.title for spec in SPECS}
-# Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at most
-# 1024x1024 (it resizes larger ones), sides multiples of 16 (it crops others).
-REF_MIN_SIDE = 64
-REF_MAX_ASPECT = 8
-REF_MAX_AREA = 1024 * 1024
 
 
 def ref_state_bytes(config: DiTConfig, itemsize: int, tokens: int) -> int:
@@ -92,22 +87,6 @@ class Flux2KleinModel(JointTokenModel):
         self.ref_caches: dict[str, dict[tuple, RefState]] = {}
 
     # -- encode ------------------------------------------------------------------------------
-
-    def check_reference(self, index: int, height: int, width: int, count: int) -> None:
-        stride = self.vae.stride
-        if (
-            height % stride
-            or width % stride
-            or min(height, width) < REF_MIN_SIDE
-            or max(height, width) > REF_MAX_ASPECT * min(height, width)
-            or height * width > REF_MAX_AREA
-        ):
-            raise EngineInputError(
-                f"image {index} is {width}x{height}: {self.title} references must have sides"
-                f" that are multiples of {stride}, at least {REF_MIN_SIDE}, within an aspect"
-                f" ratio of {REF_MAX_ASPECT} and at most {REF_MAX_AREA} pixels (the pipeline's"
-                " sizes, which it would resize to), or be sent as latents from vae/encode"
-            )
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ...base import ReferenceSizes
 from ...spec import (
     Conditioning,
     FamilySpec,
@@ -91,6 +92,9 @@ SPEC_4B = FamilySpec(
     # also the first reference, the mask reaches the latent grid bilinearly.
     conditioning=Conditioning(ref_method="index", inpaint_mask="bilinear", inpaint_reference=True),
     max_refs=MAX_REFS,
+    # Flux2KleinPipeline's reference images: sides of at least 64, aspect at most 8, area at
+    # most 1024x1024 (it resizes larger ones), sides multiples of 16 (it crops others).
+    reference_sizes=ReferenceSizes(min_side=64, max_aspect=8, max_area=1024 * 1024),
     features=("noise_mask", "ref_cache"),
     sampling={
         "distilled": {"steps": 4, "cfg": 1.0, "shift": 1.0},

@@ -32,13 +32,6 @@ from .dit import Flux3DiT
 from .prompt import Flux3PromptEncoder
 from .spec import PAD_MULTIPLE, SPEC
 
-# The pipeline's reference images: sides multiples of the stride from 64 to 4096; one of at
-# most 4 megapixels, or several of at most 1 megapixel each (it resizes larger ones).
-REF_MIN_SIDE = 64
-REF_MAX_SIDE = 4096
-ONE_REF_MAX_AREA = 4 * 1024 * 1024
-REF_MAX_AREA = 1024 * 1024
-
 
 def flow_map_targets(sigmas: np.ndarray, sample_sigmas: np.ndarray) -> np.ndarray:
     """Each row's target time (docs/contract.md §5.2): the entry of the schedule after the one
@@ -61,24 +54,6 @@ class Flux3KleinModel(JointTokenModel):
     # the MLP's width; cpu_ops.attention's block of scores and its temporaries.
     BUFFERS = TokenBuffers(width=14, f32=4, mlp=8, score_block=10)
     RESERVE_TEXT = 4 * PAD_MULTIPLE  # the reference workload's prompts: the first padded length
-
-    def check_reference(self, index: int, height: int, width: int, count: int) -> None:
-        stride = self.vae.stride
-        area = ONE_REF_MAX_AREA if count == 1 else REF_MAX_AREA
-        if (
-            height % stride
-            or width % stride
-            or min(height, width) < REF_MIN_SIDE
-            or max(height, width) > REF_MAX_SIDE
-            or height * width > area
-        ):
-            raise EngineInputError(
-                f"image {index} is {width}x{height}: {self.title} references must have sides"
-                f" that are multiples of {stride} from {REF_MIN_SIDE} to {REF_MAX_SIDE} and at most"
-                f" {area} pixels ({'one reference' if count == 1 else 'each of several'}: the"
-                " pipeline's sizes, which it would resize to), or be sent as latents from"
-                " vae/encode"
-            )
 
     def step_peak_bytes(
         self, x_shape: tuple, rows: list[StepRow] | None, table=None, plans=None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...base import ReferenceSizes
 from ...spec import Conditioning, FamilySpec, flagged_variant, pipeline_components, read_config
 
 FAMILY = "flux3_klein"
@@ -78,6 +79,11 @@ SPEC = FamilySpec(
     # encoded as it is (the template's tokens remain).
     conditioning=Conditioning(ref_method="index"),
     max_refs=MAX_REFS,
+    # The pipeline's reference images: sides multiples of the stride from 64 to 4096; one of
+    # at most 4 megapixels, or several of at most 1 megapixel each (it resizes larger ones).
+    reference_sizes=ReferenceSizes(
+        min_side=64, max_side=4096, max_area=1024 * 1024, lone_max_area=4 * 1024 * 1024
+    ),
     features=("noise_mask", "flow_map"),
     sampling=SAMPLING,
     files=("dit", "text_encoder", "mmproj"),
