@@ -5,13 +5,12 @@ A family's model class subclasses `FamilyModel`, names what the family is made o
 `encode` where its text encoder reads images and, for a family with prefix states, the
 planning methods that know them (`plan_step`, `step_keys`, `shed_states`, `held_bytes`,
 `end_run`). The rest comes from here: the encoding, the reference images' sizes (the spec's
-`reference_sizes`), the convention check, the status copy,
-the manifest (the family module's, read from the folder), the LoRA patch tables, the VAE
-routes' checks, the planning defaults of a family that holds no states beyond its patch
-tables, and the text encoder's residency: a model given a way to load its encoder again
-(`load_encoder`) may drop the encoder's weights between encodes (`release_encoder`) and loads
-them again on the next one (`prompt_encoder`); server/memory.py decides when
-(`[server.image] encoder_residency`).
+`reference_sizes`), the convention check, the status copy, the manifest (the family module's,
+read from the folder), the LoRA patch tables, the VAE routes' checks, the planning defaults of
+a family that holds no states beyond its patch tables, and the text encoder's residency: a
+model given a way to load its encoder again (`load_encoder`) may drop the encoder's weights
+between encodes (`release_encoder`) and loads them again on the next one (`prompt_encoder`);
+server/memory.py decides when (`[server.image] encoder_residency`).
 
 A family's VAE provides `encode` and `decode` over batched MLX arrays (1, C, h, w) <-> (1, H, W,
 C), `out_channels`, `peak_bytes(height, width, decode)` and `from_model_space` (the DiT's latent

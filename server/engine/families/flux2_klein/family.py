@@ -86,8 +86,6 @@ class Flux2KleinModel(JointTokenModel):
         # run -> reference K/V by row key (docs/contract.md §3.4), dropped when the run ends
         self.ref_caches: dict[str, dict[tuple, RefState]] = {}
 
-    # -- encode ------------------------------------------------------------------------------
-
     # -- the step ----------------------------------------------------------------------------
 
     def _ref_mode(self, convention: str, ref_cache: bool) -> str:
