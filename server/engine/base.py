@@ -96,9 +96,12 @@ class ReferenceSizes:
 
     def area(self, count: int) -> int:
         """The most pixels of each of `count` references."""
-        return self.lone_max_area if self.lone_max_area and count == 1 else self.max_area
+        return (
+            self.lone_max_area if self.lone_max_area is not None and count == 1 else self.max_area
+        )
 
     def fits(self, height: int, width: int, count: int, stride: int) -> bool:
+        """Whether an image of `height` x `width`, one of `count`, is taken as it is."""
         short, long = sorted((height, width))
         return not (
             height % stride
@@ -109,7 +112,9 @@ class ReferenceSizes:
             or height * width > self.area(count)
         )
 
-    def check(self, index: int, height: int, width: int, count: int, stride: int, title: str):
+    def check(
+        self, index: int, height: int, width: int, count: int, stride: int, title: str
+    ) -> None:
         """Refuse image `index` of `count` where it does not fit (an EngineInputError naming
         the sizes the pipeline takes)."""
         if self.fits(height, width, count, stride):
@@ -121,7 +126,7 @@ class ReferenceSizes:
         if self.max_aspect is not None:
             sides += f", within an aspect ratio of {self.max_aspect}"
         which = ""
-        if self.lone_max_area:
+        if self.lone_max_area is not None:
             which = "one reference: " if count == 1 else "each of several: "
         raise EngineInputError(
             f"image {index} is {width}x{height}: {title} references must have sides that are"

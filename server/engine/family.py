@@ -267,7 +267,7 @@ class FamilyModel:
 
     def reference_latents(self, index: int, image: np.ndarray, count: int) -> np.ndarray:
         """Image `index` of `count` (H, W, 3 or 4, uint8) as VAE latents in model space, (1, C,
-        h, w) float32, once the family's `check_reference` takes its size."""
+        h, w) float32, once `check_reference` takes its size (the spec's `reference_sizes`)."""
         self.check_reference(index, image.shape[0], image.shape[1], count)
         pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
         return np.array(self.vae.encode(pixels).astype(mx.float32))

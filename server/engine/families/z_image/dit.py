@@ -127,7 +127,7 @@ TITLE = "Z-Image"
 def comfy_naming(config: DiTConfig) -> Naming:
     """ComfyUI's naming of the same tensors (layout.py's COMFY_ tables): its names of the layers
     outside the blocks renamed from the start of a name, a block's within it, and its fused
-    `qkv` split into diffusers' q, k and v."""
+    `qkv` split into diffusers' q, k and v; its unread `norm_final` (COMFY_UNREAD) ignored."""
     renames = [
         (rf"^{re.escape(comfy)}\.", top_name(TOP_LINEARS[key], config) + ".")
         for key, comfy in COMFY_TOP.items()

@@ -97,7 +97,8 @@ BLOCK_NORMS = {
 HEAD_NORMS = ("norm_q", "norm_k")  # the norms over a head (the others span the model's width)
 # ComfyUI's names where they differ from diffusers' (its Lumina2 `NextDiT`, which the Z-Image
 # GGUF files ComfyUI-GGUF converts use; diffusers' single-file conversion maps the same): a
-# block's q, k and v as one `qkv`, the attention's output and its q/k norms, by tree key.
+# block's q, k and v as one `qkv`, the attention's output and its q/k norms, by tree key. A key
+# of several diffusers parts is one fused tensor in ComfyUI's files (as `qkv`).
 COMFY_BLOCK = {
     "qkv": "attention.qkv",
     "out": "attention.out",
@@ -114,7 +115,8 @@ TOP_LINEARS = {
     "final_modulation": "all_final_layer.{patch}.adaLN_modulation.1",
     "final": "all_final_layer.{patch}.linear",
 }
-# ComfyUI's names of the patch-keyed layers: without the patch key. Its `norm_final` the
+# ComfyUI's names of the patch-keyed layers: without the patch key (these layers alone: a
+# file's other `final_layer.` names are not renamed). Its `norm_final` the
 # forward does not read.
 COMFY_TOP = {
     "x_in": "x_embedder",
