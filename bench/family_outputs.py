@@ -1,12 +1,12 @@
 """What every family answers on the wire, digested, and the same digest of another revision.
 
-For each family's tiny model (the embedded recipes of Qwen-Image 2.1, Z-Image, Krea 2, FLUX.3
-klein and MOSS-Image, FLUX.2 klein's and its 9B KV's tiny folders from the tests' builders), loaded as its folder stores it, 4-bit
-quantized and with its DiT from a GGUF file of mixed types, this asks a real server (Waitress
-on a loopback port) for: the status before and after the load, the manifest, encodings (with
-reference images where the family takes them), steps under both conventions with two rows,
-with reference latents and under a LoRA patch table, and the VAE routes both ways. Each answer
-is kept whole (JSON) or as the sha256 of its tensors' bytes.
+For each family's tiny model (the embedded recipes of Qwen-Image 2.1, Z-Image, Krea 2, FLUX.3 klein
+and MOSS-Image, FLUX.2 klein's and its 9B KV's tiny folders from the tests' builders), loaded as
+its folder stores it, 4-bit quantized and with its DiT from a GGUF file of mixed types, this asks a
+real server (Waitress on a loopback port) for: the status before and after the load, the manifest,
+encodings (with reference images where the family takes them), steps under both conventions with
+two rows, with reference latents and under a LoRA patch table, and the VAE routes both ways. Each
+answer is kept whole (JSON) or as the sha256 of its tensors' bytes.
 
     python bench/family_outputs.py --against HEAD~3 [--keep DIR]
 
@@ -306,6 +306,8 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="keep the folders and digests here")
     parser.add_argument("--packages", type=Path, help="import the packages from here")
     args = parser.parse_args()
+    if not (args.against or args.dump):
+        parser.error("give --against REV (compare with a revision) or --dump OUT")
     if args.packages:
         use_packages(args.packages)
     if args.dump:
