@@ -255,20 +255,20 @@ class FamilyModel:
     def encode(self, text: str, images: list[np.ndarray], refs: bool) -> EncodeResult:
         """The prompt's conditioning, and with `refs` each image's VAE latents in model space
         (`reference_latents`: a family whose text encoder reads no images); a family that
-        takes no references refuses images (one whose encoder reads them overrides this)."""
+        takes no references refuses images (one whose encoder reads them overrides this).
+        With `refs`, every image's size is checked before any encoder runs."""
         if images and not self.capabilities.max_refs:
             raise EngineInputError(f"{self.title} takes no reference images")
-        cond = self.prompt_encoder().encode(text)
         if not refs:
-            return EncodeResult(cond=cond)
-        count = len(images)
-        latents = [self.reference_latents(i, image, count) for i, image in enumerate(images)]
-        return EncodeResult(cond=cond, ref_latents=latents)
+            return EncodeResult(cond=self.prompt_encoder().encode(text))
+        for index, image in enumerate(images):
+            self.check_reference(index, image.shape[0], image.shape[1], len(images))
+        cond = self.prompt_encoder().encode(text)
+        return EncodeResult(cond=cond, ref_latents=[self.reference_latents(im) for im in images])
 
-    def reference_latents(self, index: int, image: np.ndarray, count: int) -> np.ndarray:
-        """Image `index` of `count` (H, W, 3 or 4, uint8) as VAE latents in model space, (1, C,
-        h, w) float32, once `check_reference` takes its size (the spec's `reference_sizes`)."""
-        self.check_reference(index, image.shape[0], image.shape[1], count)
+    def reference_latents(self, image: np.ndarray) -> np.ndarray:
+        """An image (H, W, 3 or 4, uint8) of a size `check_reference` takes as VAE latents in
+        model space, (1, C, h, w) float32."""
         pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
         return np.array(self.vae.encode(pixels).astype(mx.float32))
 

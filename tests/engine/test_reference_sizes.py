@@ -1,12 +1,14 @@
 """The reference image sizes a family's pipeline takes as they are (base.ReferenceSizes), as
 FLUX.2 klein's and FLUX.3 klein's specs declare them: each bound taken at its edge and refused
-past it, with the message naming the sizes (the encode route answers it as a 400), and the
-loaded model's check reading them from its capabilities."""
+past it, with the message naming the sizes (the encode route answers it as a 400), the
+loaded model's check reading them from its capabilities, and encode refusing an image before
+any encoder runs."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from gmlx_server.engine.base import EngineInputError
 from gmlx_server.engine.families.flux2_klein.spec import SPECS as FLUX2_SPECS
@@ -95,3 +97,16 @@ def test_a_loaded_model_checks_the_sizes_its_capabilities_carry():
     FamilyModel.check_reference(flux3, 1, 2048, 2048, 1)
     # Qwen-Image 2.1 takes references of any size (its spec declares no bounds)
     FamilyModel.check_reference(model(QWEN_IMAGE21_SPEC), 0, 48, 72, 1)
+
+
+def test_encode_refuses_a_reference_before_any_encoder_runs():
+    from gmlx_server.engine.family import FamilyModel
+
+    model = object.__new__(FamilyModel)
+    spec = FLUX2_SPECS[0]
+    model.capabilities, model.title = spec.capabilities(), spec.title
+    model.vae = SimpleNamespace(stride=STRIDE)  # no encode: a VAE encode would fail the test
+    model.prompt_encoder = lambda: pytest.fail("the prompt was encoded")
+    images = [np.zeros((64, 64, 3), np.uint8), np.zeros((48, 64, 3), np.uint8)]
+    with pytest.raises(EngineInputError, match="image 1 is 64x48: FLUX.2 klein"):
+        model.encode("a cat", images, refs=True)
