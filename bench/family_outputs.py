@@ -293,8 +293,9 @@ def check_out(revision: str, where: Path) -> None:
     """A fresh git worktree of `revision` at `where`: one an earlier run left there (`--keep`),
     or whose folder was deleted, is replaced, so the tree compared is the revision asked for."""
     git = ["git", "-C", str(ROOT), "worktree"]
-    subprocess.run([*git, "remove", "--force", str(where)], check=False, capture_output=True)
-    subprocess.run([*git, "prune"], check=True)
+    listed = subprocess.run([*git, "list", "--porcelain"], check=True, capture_output=True)
+    if f"worktree {where.resolve()}" in listed.stdout.decode().splitlines():
+        subprocess.run([*git, "remove", "--force", str(where)], check=True)
     subprocess.run([*git, "add", "--detach", str(where), revision], check=True)
 
 
