@@ -259,12 +259,13 @@ class FamilyModel:
         With `refs`, every image's size is checked before any encoder runs."""
         if images and not self.capabilities.max_refs:
             raise EngineInputError(f"{self.title} takes no reference images")
-        if not refs:
-            return EncodeResult(cond=self.prompt_encoder().encode(text))
-        for index, image in enumerate(images):
-            self.check_reference(index, image.shape[0], image.shape[1], len(images))
+        if refs:
+            for index, image in enumerate(images):
+                self.check_reference(index, image.shape[0], image.shape[1], len(images))
         cond = self.prompt_encoder().encode(text)
-        return EncodeResult(cond=cond, ref_latents=[self.reference_latents(im) for im in images])
+        if not refs:
+            return EncodeResult(cond=cond)
+        return EncodeResult(cond=cond, ref_latents=[self.reference_latents(i) for i in images])
 
     def reference_latents(self, image: np.ndarray) -> np.ndarray:
         """An image (H, W, 3 or 4, uint8) of a size `check_reference` takes as VAE latents in
