@@ -1,14 +1,15 @@
 """What a family declares about itself, as data: `FamilySpec`, and where the specs are found.
 
-Each family folder under `engine/families/` holds a `spec.py` that imports no MLX and
-exports `SPECS`, the families it answers (FLUX.2 klein's folder answers three). The registry
-finds the folders by itself (`family_specs`; a spec's `package` is its folder's), identifies a
-model folder with each spec's `identify`, and reads what a family takes (its file keywords,
-whether it quantizes or shards) from the spec, so the listing, identification and the checks
-of a model's settings run without MLX. The rest of a folder is found by its modules' names:
-`family.py` holds the `Family` that serves describe, manifest, check, quantized_files and load
-(it may import MLX), `embedded.py` the embedded model's `RECIPE` where the family has one, and
-`components.py` the rule that tells its model from component files where it has one.
+Each family folder under `engine/families/` holds a `spec.py` that imports no MLX and exports
+`SPECS`, the families it answers (FLUX.2 klein's folder answers three). The registry finds the
+folders by itself (`family_specs`; a spec names its folder as its `package`), identifies a
+model folder with each spec's `identify` (a function, or `ByClass` data), and reads what a
+family takes (its file keywords, whether it quantizes or shards) from the spec, so the listing,
+identification and the checks of a model's settings run without MLX. The rest of a folder is
+found by its modules' names: `family.py` holds the `Family` that serves describe, manifest,
+check, quantized_files and load (it may import MLX), `embedded.py` the embedded model's
+`RECIPE` where the family has one, and `components.py` the rule that tells its model from
+component files where it has one.
 """
 
 from __future__ import annotations
@@ -94,12 +95,9 @@ class FamilySpec:
     shards: bool = False  # its DiT has a shard plan (a rank group may serve it)
     # Where its models are published (`gmlx pull`'s catalog).
     published: tuple[Published, ...] = ()
-
-    @property
-    def package(self) -> str:
-        """Its folder's package, where its modules are found by name: that of the spec.py that
-        defines its `identify`."""
-        return self.identify.__module__.rpartition(".")[0]
+    # Its folder's package, where its modules are found by name (its spec.py's `__package__`;
+    # "": a family given whole, whose modules are not looked up).
+    package: str = ""
 
     @property
     def edit_capable(self) -> bool:
@@ -134,7 +132,8 @@ class FamilySpec:
         process cannot serve)."""
         name = self.module_name("family")
         if name is None:
-            raise LookupError(f"family {self.name}'s folder {self.package} has no family.py")
+            folder = self.package or "(its spec names none)"
+            raise LookupError(f"family {self.name}'s folder {folder} has no family.py")
         module = importlib.import_module(name)
         found = {id(v): v for v in vars(module).values() if isinstance(v, Family)}
         serving = [v for v in found.values() if v.serves(self.name)]
@@ -179,15 +178,27 @@ class Family:
         return None
 
 
-def flagged_variant(
-    document: dict, class_name: str, family: str, flag: str, variants: tuple[str, str]
-) -> tuple[str, str] | None:
-    """(family, variant) of a folder whose `document` (its model_index.json, or a component's
-    config) names `class_name`: the first of `variants` where the document sets `flag`, else
-    the second; None where it names another class."""
-    if document.get("_class_name") != class_name:
-        return None
-    return family, variants[0] if document.get(flag) else variants[1]
+@dataclass(frozen=True)
+class ByClass:
+    """A spec's `identify` as data: a folder is of `family` when its `document` (model_index.json,
+    or a component's config such as transformer/config.json) names `class_name`; its variant is
+    the first of `variants` where the document sets `flag`, else the second. A folder without
+    the document, or whose document is not a JSON object, is not of the family."""
+
+    family: str
+    class_name: str
+    flag: str
+    variants: tuple[str, str]
+    document: str = "model_index.json"
+
+    def __call__(self, model_dir: Path) -> tuple[str, str] | None:
+        try:
+            found = json.loads((Path(model_dir) / self.document).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(found, dict) or found.get("_class_name") != self.class_name:
+            return None
+        return self.family, self.variants[0] if found.get(self.flag) else self.variants[1]
 
 
 def read_json(path: Path) -> dict:
@@ -221,7 +232,8 @@ def pipeline_components(transformer: str, vae: str, text_encoder: str, tokenizer
 
 def family_specs() -> dict[str, FamilySpec]:
     """Every family of the product's folders by name: each folder's `spec.SPECS`, folders in
-    name order (a folder whose spec cannot be imported is left out, and logged)."""
+    name order (a folder whose spec cannot be imported is left out, and logged; a LookupError
+    where a spec names another folder than its own as its `package`)."""
     package = importlib.import_module(FAMILIES_PACKAGE)
     found: dict[str, FamilySpec] = {}
     for folder in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
@@ -233,5 +245,10 @@ def family_specs() -> dict[str, FamilySpec]:
             log.debug("family folder %s has no spec: %s", folder.name, exc)
             continue
         for spec in module.SPECS:
+            if spec.package != module.__package__:
+                raise LookupError(
+                    f"family {spec.name} of {module.__package__} names {spec.package!r} as "
+                    "its folder (its spec's `package` must be its spec.py's __package__)"
+                )
             found[spec.name] = spec
     return found

@@ -153,6 +153,56 @@ def test_the_product_family_table_names_its_families():
     assert all(spec.name == name for name, spec in specs.items())
 
 
+def test_a_spec_that_names_another_folder_is_refused(monkeypatch):
+    from dataclasses import replace
+
+    from gmlx_server.engine.families.krea2 import spec as krea2
+    from gmlx_server.engine.spec import family_specs
+
+    moved = replace(krea2.SPEC, package="gmlx_server.engine.families.z_image")
+    monkeypatch.setattr(krea2, "SPECS", (moved,))
+    with pytest.raises(LookupError, match="family krea2 of .*krea2 names .*z_image"):
+        family_specs()
+
+
+def test_a_spec_without_a_folder_says_so_when_its_family_is_looked_up():
+    from gmlx_server.engine.spec import FamilySpec
+
+    spec = FamilySpec(name="loose", title="loose", identify=lambda _: None)
+    assert spec.module_name("family") is None and spec.load_component_rule() is None
+    with pytest.raises(LookupError, match="family loose's folder .its spec names none."):
+        spec.load_implementation()
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        ('{"_class_name": "Pipe", "fast": true}', ("fam", "quick")),
+        ('{"_class_name": "Pipe", "fast": []}', ("fam", "slow")),
+        ('{"_class_name": "Pipe"}', ("fam", "slow")),
+        ('{"_class_name": "OtherPipe", "fast": true}', None),
+        ('["Pipe"]', None),
+        ("{not json", None),
+        (None, None),
+    ],
+)
+def test_by_class_tells_the_family_by_class_and_the_variant_by_flag(tmp_path, written, expected):
+    from gmlx_server.engine.spec import ByClass
+
+    if written is not None:
+        (tmp_path / "model_index.json").write_text(written)
+    by_index = ByClass("fam", "Pipe", flag="fast", variants=("quick", "slow"))
+    assert by_index(tmp_path) == expected
+    by_config = ByClass(
+        "fam", "Pipe", "fast", ("quick", "slow"), document="transformer/config.json"
+    )
+    assert by_config(tmp_path) is None  # no transformer/ config
+    if written is not None:
+        (tmp_path / "transformer").mkdir()
+        (tmp_path / "transformer" / "config.json").write_text(written)
+        assert by_config(tmp_path) == expected
+
+
 def test_registry_resolve_reuses_a_recent_listing(tmp_path, monkeypatch):
     reg = registry(tmp_path)
     listed = []

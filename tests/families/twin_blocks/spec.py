@@ -27,5 +27,6 @@ SPEC = FamilySpec(
     sampling={"base": {"steps": 4, "cfg": 1.0, "shift": 1.0}},
     schedule={"rule": "flux2"},
     files=("dit", "text_encoder"),
+    package=__package__,
 )
 SPECS = (SPEC,)

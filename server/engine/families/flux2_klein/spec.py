@@ -102,6 +102,7 @@ SPEC_4B = FamilySpec(
     },
     schedule={"rule": "flux2"},  # gmlx_contract.schedules.flux2_sigmas
     files=("dit", "text_encoder"),
+    package=__package__,
 )
 # The three families: name, title, and the checkpoints BFL publishes of each (repository
 # black-forest-labs/FLUX.2-klein-<checkpoint>, `gmlx pull` name flux2-klein-<checkpoint>).

@@ -15,10 +15,8 @@ checkpoint, each jumping to the next sigma; 50 steps at guidance 3.5
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from ...base import ReferenceSizes
-from ...spec import Conditioning, FamilySpec, flagged_variant, pipeline_components, read_config
+from ...spec import ByClass, Conditioning, FamilySpec, pipeline_components
 
 FAMILY = "flux3_klein"
 TRANSFORMER_CLASS = "Flux3Transformer2DModel"
@@ -61,19 +59,16 @@ def model_index_of(variant: str, out_layers) -> dict:
     }
 
 
-def identify(model_dir: Path) -> tuple[str, str] | None:
-    """(family, variant) of a folder whose transformer/ is a FLUX.3 DiT, else None."""
-    try:
-        config = read_config(Path(model_dir) / "transformer")
-    except (FileNotFoundError, ValueError):
-        return None
-    return flagged_variant(config, TRANSFORMER_CLASS, FAMILY, "flow_map", ("distilled", "base"))
-
-
 SPEC = FamilySpec(
     name=FAMILY,
     title="FLUX.3 klein",
-    identify=identify,
+    identify=ByClass(
+        FAMILY,
+        TRANSFORMER_CLASS,
+        flag="flow_map",
+        variants=("distilled", "base"),
+        document="transformer/config.json",
+    ),
     comfy={"model_class": "Flux3", "image_model": "flux3"},
     # References are told apart by their index (their own RoPE layer); an empty prompt is
     # encoded as it is (the template's tokens remain).
@@ -88,5 +83,6 @@ SPEC = FamilySpec(
     sampling=SAMPLING,
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
+    package=__package__,
 )
 SPECS = (SPEC,)

@@ -15,11 +15,10 @@ g = 4.5 is ComfyUI's cfg 5.5.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 from gmlx_contract.schedules import krea2_rule
 
-from ...spec import FamilySpec, flagged_variant, model_index, pipeline_components
+from ...spec import ByClass, FamilySpec, pipeline_components
 
 FAMILY = "krea2"
 PIPELINE_CLASS = "Krea2Pipeline"
@@ -74,16 +73,10 @@ def model_index_of(variant: str, select_layers) -> dict:
     }
 
 
-def identify(model_dir: Path) -> tuple[str, str] | None:
-    """(family, variant) of a Krea2Pipeline folder, else None."""
-    index = model_index(Path(model_dir))
-    return flagged_variant(index, PIPELINE_CLASS, FAMILY, "is_distilled", ("turbo", "raw"))
-
-
 SPEC = FamilySpec(
     name=FAMILY,
     title="Krea 2",
-    identify=identify,
+    identify=ByClass(FAMILY, PIPELINE_CLASS, flag="is_distilled", variants=("turbo", "raw")),
     comfy={"model_class": "Krea2", "image_model": "krea2"},
     # No references (the default conditioning); an empty prompt is encoded as it is (the
     # template's tokens remain).
@@ -93,5 +86,6 @@ SPEC = FamilySpec(
     schedule=krea2_rule(),
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
+    package=__package__,
 )
 SPECS = (SPEC,)

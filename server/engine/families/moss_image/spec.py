@@ -85,5 +85,6 @@ SPEC = FamilySpec(
     schedule=moss_image_rule(SHIFT),
     files=("dit", "text_encoder"),
     shards=True,
+    package=__package__,
 )
 SPECS = (SPEC,)

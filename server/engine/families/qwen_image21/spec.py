@@ -7,9 +7,7 @@ the variant is `turbo` when model_index.json carries `sample_sigmas` (a fixed sc
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from ...spec import Conditioning, FamilySpec, Published, flagged_variant, model_index
+from ...spec import ByClass, Conditioning, FamilySpec, Published
 
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
@@ -18,16 +16,10 @@ PIPELINE_CLASS = "QwenImage21Pipeline"
 EMPTY_PROMPT = " "
 
 
-def identify(model_dir: Path) -> tuple[str, str] | None:
-    """(family, variant) of a folder of this family, else None."""
-    index = model_index(model_dir)
-    return flagged_variant(index, PIPELINE_CLASS, FAMILY, "sample_sigmas", ("turbo", "base"))
-
-
 SPEC = FamilySpec(
     name=FAMILY,
     title="Qwen-Image 2.1",
-    identify=identify,
+    identify=ByClass(FAMILY, PIPELINE_CLASS, flag="sample_sigmas", variants=("turbo", "base")),
     comfy={"model_class": "QwenImage21", "image_model": "qwen_image21"},
     # The DiT places references by index (ComfyUI's `ref_latents_method`).
     conditioning=Conditioning(ref_method="index", empty_prompt=EMPTY_PROMPT),
@@ -41,5 +33,6 @@ SPEC = FamilySpec(
     files=("dit", "text_encoder", "mmproj"),
     shards=True,
     published=(Published("qwen-image-2.1", "Qwen/Qwen-Image-2.1"),),
+    package=__package__,
 )
 SPECS = (SPEC,)

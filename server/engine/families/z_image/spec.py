@@ -81,5 +81,6 @@ SPEC = FamilySpec(
     files=("dit", "text_encoder"),
     shards=True,
     published=(Published("z-image-turbo", "Tongyi-MAI/Z-Image-Turbo"),),
+    package=__package__,
 )
 SPECS = (SPEC,)
