@@ -229,6 +229,9 @@ def draw(inventory: Inventory, rng, constant_noise: float) -> dict[str, np.ndarr
 # Each component's weights draw from a stream of their own, [seed, index], so a component
 # written alone equals the same component of a whole folder of that seed.
 COMPONENT_INDEX = {"transformer": 0, "vae": 1, "text_encoder": 2}
+# The noise a recipe gives the parameters that start constant (`draw`), per component: the
+# DiTs' pad tokens and norms need more to matter.
+CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 # The width of the tiny text encoders (Qwen3, Qwen3-VL's and Qwen3.5's language models).
 TINY_TEXT_WIDTH = 32
 # The tiny Qwen3 the embedded models prompt with (transformers' Qwen3ForCausalLM config; its

@@ -18,6 +18,7 @@ from the DiT's own tables (layout.py) and the shared parts' inventories (engine/
 from __future__ import annotations
 
 from ...embedded import (
+    CONSTANT_NOISE,
     DIFFUSERS_FORMAT,
     GAIN,
     TINY_FLUX2_VAE,
@@ -52,8 +53,6 @@ TRANSFORMER_CONFIG = {
 }
 
 TEXT_CONFIG = {**TINY_QWEN3_CONFIG, "num_hidden_layers": max(TAPPED_LAYERS) + 2}  # one unread
-
-CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
 MODEL_INDEX = {**model_index_of(FAMILY_4B, "distilled"), "_diffusers_version": DIFFUSERS_FORMAT}
 

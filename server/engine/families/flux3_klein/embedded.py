@@ -19,6 +19,7 @@ table (layout.tensor_shapes) and the shared parts' inventories.
 from __future__ import annotations
 
 from ...embedded import (
+    CONSTANT_NOISE,
     DIFFUSERS_FORMAT,
     GAIN,
     TINY_FLUX2_VAE,
@@ -53,8 +54,6 @@ TRANSFORMER_CONFIG = {
 }
 
 MODEL_INDEX = model_index_of("distilled", TINY_QWEN3_VL_TAPS)
-
-CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
 
 # Flux3Transformer2DModel's parameters from the DiT's own table: its matrices and its norm

@@ -17,6 +17,7 @@ table (layout.tensor_shapes) and the shared parts' inventories (engine/embedded.
 from __future__ import annotations
 
 from ...embedded import (
+    CONSTANT_NOISE,
     DIFFUSERS_FORMAT,
     SHIFT,
     TINY_QWEN3_VL_TAPS,
@@ -70,8 +71,6 @@ VAE_CONFIG = {
 }
 
 MODEL_INDEX = model_index_of("turbo", TINY_QWEN3_VL_TAPS)
-
-CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
 
 # Krea2Transformer2DModel's parameters from the DiT's own table: its matrices, modulation

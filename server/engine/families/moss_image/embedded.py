@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ...embedded import (
     BPE_VOCAB_SIZE,
+    CONSTANT_NOISE,
     DIFFUSERS_FORMAT,
     FLUX2_VAE_UNDRAWN,
     GAIN,
@@ -79,8 +80,6 @@ TRANSFORMER_CONFIG = {
 }
 # FLUX.2's VAE with a decoder narrower than its encoder, as MOSS-Image's.
 VAE_CONFIG = {**TINY_FLUX2_VAE_CONFIG, "decoder_block_out_channels": [8, 16, 16, 16]}
-
-CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
 
 def transformer_tensors(config: dict) -> Inventory:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...embedded import (
+    CONSTANT_NOISE,
     DIFFUSERS_FORMAT,
     GAIN,
     SEED,
@@ -77,10 +78,6 @@ VAE_CONFIG = {
 
 # vocab_size comes from the tokenizer (engine/embedded.py: TinyQwen3).
 TEXT_CONFIG = {**TINY_QWEN3_CONFIG, "num_hidden_layers": 3}
-
-# Noise given to parameters that start constant, per component (the DiT's pad tokens and
-# norms need more to matter).
-CONSTANT_NOISE = {"transformer": 0.3, "vae": 0.1, "text_encoder": 0.1}
 
 MODEL_INDEX = {**spec.MODEL_INDEX, "_diffusers_version": DIFFUSERS_FORMAT}
 
