@@ -193,7 +193,7 @@ class ByClass:
 
     def __call__(self, model_dir: Path) -> tuple[str, str] | None:
         try:
-            found = json.loads((Path(model_dir) / self.document).read_text(encoding="utf-8"))
+            found = read_json(Path(model_dir) / self.document)
         except (OSError, ValueError):
             return None
         if not isinstance(found, dict) or found.get("_class_name") != self.class_name:
