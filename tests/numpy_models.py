@@ -103,6 +103,15 @@ class NumpyImageModel:
     def shed_states(self, need_bytes: int, keep: set) -> int:
         return 0
 
+    def ref_cache_bytes(self, rows, table, run: str) -> int:
+        return 0
+
+    def state_keys(self) -> list:
+        return []
+
+    def keep_states(self, keys) -> None:
+        """Nothing is held."""
+
     def vae_space(self, latents: np.ndarray) -> np.ndarray:
         """Status `vae.space` is "model": the VAE takes the step's latents."""
         return np.asarray(latents, np.float32)

@@ -211,6 +211,10 @@ class MemoryPlanning(Protocol):
     def shed_states(self, need_bytes: int, keep: set) -> int:
         """Shed held states (never those in `keep`) until need_bytes are freed; the bytes freed."""
 
+    def ref_cache_bytes(self, rows: list[StepRow], table: object | None, run: str) -> int:
+        """The reference K/V a `ref_cache` step adds to `run` (asked only of a model whose
+        capabilities have `ref_cache`)."""
+
 
 class ImageModel(MemoryPlanning, Protocol):
     """A loaded image model of one family (DiT, text encoder and VAE). The registry refuses a
@@ -257,6 +261,13 @@ class ImageModel(MemoryPlanning, Protocol):
 
     def end_run(self, run: str) -> None:
         """Shed the prefix states that the run kept."""
+
+    def state_keys(self) -> list:
+        """The keys of the prefix states held now (server/distributed.py: what rank 0 holds,
+        sent with each step)."""
+
+    def keep_states(self, keys) -> None:
+        """Drop every held state but those of `keys` (another rank mirroring rank 0's)."""
 
     def vae_space(self, latents: np.ndarray) -> np.ndarray:
         """Latents (C, h, w) in the DiT's model space -> the VAE routes' space (the identity
