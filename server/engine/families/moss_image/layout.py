@@ -85,8 +85,6 @@ TOP_LINEARS = {
 }
 UNBIASED = ("final",)
 FINAL_NORM = "final_norm_video.weight"
-# A derived constant some files carry (the RoPE frequencies), recomputed here.
-DERIVED = ("rope.bands",)
 # The RMS norms' scales stay float32 (they are applied in float32).
 F32_WEIGHTS = tuple(f"{name}.weight" for name in BLOCK_NORMS.values()) + (FINAL_NORM,)
 
