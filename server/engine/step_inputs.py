@@ -2,7 +2,7 @@
 each row's conditioning against the DiT's caption width, its reference latents against the
 DiT's channels, and the per-row timestep.
 
-A family calls them from its `denoise_step` with its own facts (channels, width); each failure
+A family calls them from its `step` with its own facts (channels, width); each failure
 is an EngineInputError (answered 400) naming what was wrong.
 """
 
