@@ -232,17 +232,21 @@ def pipeline_components(transformer: str, vae: str, text_encoder: str, tokenizer
 
 def family_specs() -> dict[str, FamilySpec]:
     """Every family of the product's folders by name: each folder's `spec.SPECS`, folders in
-    name order (a folder whose spec cannot be imported is left out, and logged; a LookupError
-    where a spec names another folder than its own as its `package`)."""
+    name order (a folder without a spec.py is left out, and logged; a spec.py that fails to
+    import raises, as a family must not vanish quietly; a LookupError where a spec names
+    another folder than its own as its `package`)."""
     package = importlib.import_module(FAMILIES_PACKAGE)
     found: dict[str, FamilySpec] = {}
     for folder in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         if not folder.ispkg:
             continue
+        name = f"{FAMILIES_PACKAGE}.{folder.name}.spec"
         try:
-            module = importlib.import_module(f"{FAMILIES_PACKAGE}.{folder.name}.spec")
-        except ImportError as exc:
-            log.debug("family folder %s has no spec: %s", folder.name, exc)
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            log.debug("family folder %s has no spec.py", folder.name)
             continue
         for spec in module.SPECS:
             if spec.package != module.__package__:

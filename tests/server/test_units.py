@@ -165,6 +165,27 @@ def test_a_spec_that_names_another_folder_is_refused(monkeypatch):
         family_specs()
 
 
+def test_a_folder_without_a_spec_is_passed_over_and_a_broken_spec_raises(tmp_path, monkeypatch):
+    import sys
+
+    from gmlx_server.engine import families
+    from gmlx_server.engine.spec import family_specs
+
+    (tmp_path / "aaa_nospec").mkdir()
+    (tmp_path / "aaa_nospec" / "__init__.py").write_text("")
+    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
+    assert list(family_specs()) == FAMILIES
+    (tmp_path / "aaa_broken").mkdir()
+    (tmp_path / "aaa_broken" / "__init__.py").write_text("")
+    (tmp_path / "aaa_broken" / "spec.py").write_text("import gmlx_no_such_module\n")
+    try:
+        with pytest.raises(ModuleNotFoundError, match="gmlx_no_such_module"):
+            family_specs()
+    finally:
+        for name in [n for n in sys.modules if n.startswith(families.__name__ + ".aaa_")]:
+            del sys.modules[name]
+
+
 def test_a_spec_without_a_folder_says_so_when_its_family_is_looked_up():
     from gmlx_server.engine.spec import FamilySpec
 
