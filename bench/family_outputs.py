@@ -33,13 +33,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the tests' tiny builders, run as a script from anywhere
     sys.path.append(str(ROOT))
 PACKAGES = {"gmlx_server": "server", "gmlx_contract": "shared", "gmlx_comfy": "comfy_nodes"}
-# model id -> (folder name, how it loads: "plain", "q4" or "gguf")
+# How each folder is loaded: as it is, quantized to 4 bits at load, its DiT from its GGUF file.
 VARIANTS = ("plain", "q4", "gguf")
 # The families whose embedded recipe is the folder; FLUX.2 klein's come from the tests' builder.
 EMBEDDED = ("qwen_image21", "z_image", "krea2", "flux3_klein", "moss_image")
 FOLDERS = (*EMBEDDED, "flux2_klein", "flux2_klein_9b_kv")
 TEXTS = ("a red fox in the snow", "")
-LATENT = {"qwen_image21": (64, 4, 6), "z_image": (16, 4, 6)}  # klein: from the status
 
 
 # ------------------------------------------------------------------------------ the folders

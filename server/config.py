@@ -111,7 +111,8 @@ class ConfigError(ValueError):
 
 
 # Every `GMLX_` environment variable the project reads, and what reads it: the server's
-# configuration reads the first five (`_apply_env`); one not listed here is a typo.
+# configuration reads the first five and checks GMLX_GGUF_WEIGHTS (`_apply_env`); one not listed
+# here is a typo.
 ENVIRONMENT = {
     "GMLX_HOST": "[server] host",
     "GMLX_PORT": "[server] port",

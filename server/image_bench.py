@@ -89,9 +89,7 @@ def run_bench(
                 client.close()
     load_s = {"prepare": round(choice.prepare_s, 6), "weights": round(weights_s, 6)}
     load_s["total"] = round(choice.prepare_s + weights_s, 6)
-    return bench_record(
-        choice, loaded, status, request, timed, load_s, via_steps, equal, label, adapters
-    )
+    return bench_record(loaded, status, request, timed, load_s, via_steps, equal, label, adapters)
 
 
 def one_image(transport: Any, status: dict, request: ImageRequest) -> BenchRun:
@@ -112,7 +110,6 @@ def one_image(transport: Any, status: dict, request: ImageRequest) -> BenchRun:
 
 
 def bench_record(
-    choice: ModelChoice,
     loaded: Any,
     status: dict,
     request: ImageRequest,

@@ -2,10 +2,11 @@
 
 sample   encode the prompt (and references), sample with the in-process sampler, decode, write a
          PNG. With no model named or configured it uses the embedded default model.
-bench    time whole images and print the record of docs/contract.md §6 (image_bench.py). With
-         --via-steps it serves the step routes on an ephemeral 127.0.0.1 port of its own
-         process and drives them with the shared StepClient, one request per step
-         (step_server.py); the last timed run's latents are compared with a direct run's.
+bench    time whole images and print the record of docs/contract.md §6 (image_bench.py).
+
+With --via-steps either serves the step routes on an ephemeral 127.0.0.1 port of its own process
+and drives them with the shared StepClient, one request per step (step_server.py), as a remote
+client does; the bench compares its last timed run's latents with a direct run's.
 
 Both commands call the same `denoise_step` through `gmlx_server.engine.sampling`, so a sample
 and a bench at the same seed reach the same latents bit for bit.

@@ -506,7 +506,7 @@ class StepsService:
 
     # ------------------------------------------------------------ caches
 
-    def store_tensor(self, tensor: CachedTensor, digest: str | None = None) -> str:
+    def store_tensor(self, tensor: CachedTensor) -> str:
         """Keep a tensor the server made itself (encode); 413 over the upload limit."""
         if tensor.nbytes > self.tensors.limit:
             raise ContractError(
@@ -514,7 +514,7 @@ class StepsService:
                 f"tensor of {tensor.nbytes} bytes is over the tensor cache limit of "
                 f"{self.tensors.limit} bytes (server.image.tensor_cache_mb)",
             )
-        digest = digest or hash_of(tensor)
+        digest = hash_of(tensor)
         self.tensors.put(digest, tensor)
         return digest
 

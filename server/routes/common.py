@@ -148,7 +148,7 @@ def is_container_request(req: falcon.Request) -> bool:
     return wire.is_container_type(req.get_header("Content-Type"))
 
 
-def container_body(req: falcon.Request, limit: int = wire.MAX_CONTAINER_BYTES) -> wire.Container:
+def container_body(req: falcon.Request) -> wire.Container:
     """A tensor route's body: 415 for another content type, 413 over the limit, 400 malformed."""
     if not is_container_request(req):
         raise ContractError(
@@ -157,7 +157,7 @@ def container_body(req: falcon.Request, limit: int = wire.MAX_CONTAINER_BYTES) -
             f"{req.get_header('Content-Type') or 'none'}",
         )
     body = body_bytes(req)
-    wire.check_body_size(len(body), limit)
+    wire.check_body_size(len(body), wire.MAX_CONTAINER_BYTES)
     return wire.read_container(body)
 
 
@@ -170,9 +170,9 @@ def _kind(doc: Any) -> str:
 # ---------------------------------------------------------------- small checks
 
 
-def check_digest(digest: str, what: str = "digest") -> str:
+def check_digest(digest: str) -> str:
     if not is_digest(digest):
-        raise ContractError(400, f"{what} {digest!r} must be 64 lowercase hexadecimal characters")
+        raise ContractError(400, f"digest {digest!r} must be 64 lowercase hexadecimal characters")
     return digest
 
 
