@@ -433,12 +433,12 @@ class StepsService:
         the instance its run holds: no worker round trip, no resolving (the run's own hold keeps
         that instance loaded). A step naming another model resolves it as before: the step does
         not check its model against its run's (docs/step-routes.md)."""
-        if run is not None and (not model_field or model_field == run.model_id):
+        if run is not None and model_field in (None, run.model_id):
             with self._lock:  # end_run marks the run ended under this lock, then releases
                 if not run.ended:
                     self.registry.hold(run.loaded)
                     return run.loaded
-        return self.acquire(model_field or (run.model_id if run else None))
+        return self.acquire(run.model_id if model_field is None and run else model_field)
 
     def fit_cache_bounds(self) -> None:
         """Refit the upload caches' bounds to the loaded models' memory plans when the set of

@@ -200,5 +200,8 @@ def check_pixels(width: int, height: int, what: str) -> None:
 
 
 def model_field(fields: dict) -> Any:
-    """The `model` member of a request ('' and absent both mean the default)."""
-    return fields.get("model") or None
+    """The `model` member of a request: None where it names none (absent, null or ''), which
+    means the default; any other value as sent, so that a non-string (false, 0, []) is refused
+    where it is resolved, not taken for the default."""
+    model = fields.get("model")
+    return None if model == "" else model

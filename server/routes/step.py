@@ -26,6 +26,7 @@ from .common import (
     container_body,
     flag,
     is_int,
+    model_field,
     send_container,
     send_json,
 )
@@ -59,7 +60,7 @@ class Step(Resource):
         dry_run = flag(fields, "dry_run", False)
         try:
             request = parse_request(container)  # 3
-            loaded = self.service.acquire_for_step(fields.get("model"), run)  # 4
+            loaded = self.service.acquire_for_step(model_field(fields), run)  # 4
             try:
                 result = execute(self.service, loaded, run, request, dry_run)
             finally:

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 import requests
 from gmlx_contract import wire
 
@@ -68,6 +69,20 @@ def test_begin_refusals(fresh):
     assert fresh.post_json("runs/begin", {"model": "broken"}).status_code == 400
     assert fresh.post_json("runs/begin", {"model": 3}).status_code == 400
     assert fresh.ctx.service.run_count() == 0
+
+
+@pytest.mark.parametrize("model", [False, 0, [], {}])
+def test_a_model_that_names_nothing_but_is_no_string_is_400_not_the_default(fresh, model):
+    cond = fresh.put_tensor(np.ones((1, 2, 8), np.float32))
+    assert fresh.post_json("runs/begin", {"model": model}).status_code == 400
+    # models/load answers any failure to resolve the id 404 (docs/contract.md §2)
+    assert fresh.post_json("models/load", {"model": model}).status_code == 404
+    run = begin(fresh)
+    for on_run in (None, run):
+        fields = {**step_fields(fresh, cond, on_run), "model": model}
+        answer = fresh.post_container("step", {"x": X, "timestep": T}, fields)
+        assert answer.status_code == 400 and "model must be a string" in answer.text
+    assert fresh.ctx.service.run_count() == 1
 
 
 def test_no_default_model_is_400(server_factory):
