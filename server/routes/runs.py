@@ -15,7 +15,7 @@ class BeginRun(Resource):
 
 class EndRun(Resource):
     def on_post(self, req: falcon.Request, resp: falcon.Response, run: str) -> None:
-        # The body is ignored (docs/contract.md §2.10), even when it is not JSON.
+        # The body is ignored (docs/contract.md §2.10); the front gate refused one not JSON.
         send_json(resp, {"run": run, "ended": self.service.end_run(run)})
 
 
