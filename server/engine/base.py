@@ -145,8 +145,22 @@ class Capabilities:
     reference_sizes: ReferenceSizes | None = None
     conventions: tuple[str, ...] = ("comfy", "reference")  # step conventions (§5.2)
     ref_cache: bool = False  # the DiT can extract reference K/V (§3.4); `ref_cache_bytes` plans it
+    # the conventions under which the DiT steps a row in parts, its state kept in the run
+    # (§3.3): `ref_cache` is refused under them (§3.4)
+    in_parts: tuple[str, ...] = ()
     skip_blocks: int = 0  # how many DiT blocks `skip` may name (0: the DiT skips none)
     flow_map: bool = False  # the step needs `sample_sigmas`
+
+    def ref_cache_refusal(self, convention: str, who: str) -> str | None:
+        """Why `who` refuses a `ref_cache` step under `convention` (§3.4), or None."""
+        if not self.ref_cache:
+            return f"{who} cannot cache reference K/V; send ref_cache false"
+        if convention in self.in_parts:
+            return (
+                f"{who} steps in parts under the {convention} convention, its references' K/V"
+                " kept as each row's state; send ref_cache false"
+            )
+        return None
 
 
 @dataclass(frozen=True)

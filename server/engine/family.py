@@ -486,16 +486,17 @@ class FolderFamily(Family):
       reference workload (RESERVE_PIXELS square), the family's own memory plan.
 
     `files` are a model entry's weight files (`dit`, `text_encoder`, `mmproj`: those the spec
-    lists); `titles` name the families it serves in prose (default: its spec's)."""
+    lists); `specs` are the families it serves where a folder holds several (default: its
+    spec), each its own title and capabilities, `spec`'s the rest."""
 
-    def __init__(self, spec: FamilySpec, model: Any, titles: dict[str, str] | None = None):
+    def __init__(self, spec: FamilySpec, model: Any, specs: tuple[FamilySpec, ...] = ()):
         super().__init__(spec)
         self.model, self.network, self.prompt = model, model.DIT, model.PROMPT
         self.dit, self.encoder, self.vae = model.DIT.PART, model.PROMPT.PART, model.VAE
-        self.titles = titles or {spec.name: spec.title}
+        self.specs = {served.name: served for served in specs or (spec,)}
 
     def serves(self, name: str) -> bool:
-        return name in self.titles
+        return name in self.specs
 
     def load(
         self,
@@ -741,8 +742,8 @@ class FolderFamily(Family):
         return {
             "variant": parts.variant,
             "family": parts.family,
-            "title": self.titles[parts.family],
-            "capabilities": dit.capabilities(self.spec.capabilities()),
+            "title": self.specs[parts.family].title,
+            "capabilities": dit.capabilities(self.specs[parts.family].capabilities()),
             "dit": dit,
             "vae": vae,
             "encoder": encoder,
@@ -804,7 +805,7 @@ class FolderFamily(Family):
         family, _ = self.identified(model_dir)
         transformer = Path(model_dir) / "transformer"
         tensors = dit_manifest(
-            family, transformer, self.titles[family], self._dit(model_dir, files)
+            family, transformer, self.specs[family].title, self._dit(model_dir, files)
         )
         return {**tensors, **self.dit.manifest_extras(tensors)}
 

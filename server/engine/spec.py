@@ -81,6 +81,8 @@ class FamilySpec:
     reference_sizes: ReferenceSizes | None = None
     features: tuple[str, ...] = ()  # docs/contract.md §5.4
     conventions: tuple[str, ...] = ("comfy", "reference")
+    # The conventions under which its DiT steps a row in parts (docs/contract.md §3.3).
+    in_parts: tuple[str, ...] = ()
     # sigma = timestep_scale x timestep under both conventions (docs/contract.md §5.2): the
     # step's timestep is 1000 sigma where it is 0.001 (MOSS-Image)
     timestep_scale: float = 1.0
@@ -111,6 +113,7 @@ class FamilySpec:
             reference_sizes=self.reference_sizes,
             conventions=self.conventions,
             ref_cache="ref_cache" in self.features,
+            in_parts=self.in_parts,
         )
 
     def module_name(self, name: str) -> str | None:

@@ -99,7 +99,7 @@ def execute(
         service.memory.check_step_quick(loaded, request.x.shape)
     check_reference_count(loaded, request.rows)  # 6
     convention = check_convention(loaded, fields.get("convention", "comfy"))  # 7
-    ref_cache, skip = check_cache_and_skip(loaded, run, fields)  # 8
+    ref_cache, skip = check_cache_and_skip(loaded, run, fields, convention)  # 8
     tensors, table = gather(service, loaded, request)  # 9
     check_sigmas(loaded, request)  # 10
     rows = [build_row(loaded, row, tensors) for row in request.rows]  # 11
@@ -230,7 +230,7 @@ def check_convention(loaded: LoadedModel, convention: Any) -> str:
     return convention
 
 
-def check_cache_and_skip(loaded: LoadedModel, run: Run | None, fields: dict):
+def check_cache_and_skip(loaded: LoadedModel, run: Run | None, fields: dict, convention: str):
     capabilities = loaded.capabilities
     ref_cache = flag(fields, "ref_cache", False)
     skip = fields.get("skip", [])
@@ -239,10 +239,9 @@ def check_cache_and_skip(loaded: LoadedModel, run: Run | None, fields: dict):
     if ref_cache:
         if run is None:
             raise ContractError(400, "ref_cache needs a run: name one in the step's run field")
-        if not capabilities.ref_cache:
-            raise ContractError(
-                400, f"{loaded.entry.family} cannot cache reference K/V; send ref_cache false"
-            )
+        refusal = capabilities.ref_cache_refusal(convention, loaded.entry.family)
+        if refusal:
+            raise ContractError(400, refusal)
     if not isinstance(skip, list) or not all(is_int(b) for b in skip):
         raise ContractError(400, "skip must be a list of block indices")
     if skip:

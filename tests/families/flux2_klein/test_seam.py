@@ -115,7 +115,12 @@ def test_the_kv_model_runs_its_references_its_own_way(live):
     run = live.post_json("runs/begin", {"model": KV}).json()["run"]
     fields = {"model": KV, "convention": "reference", "run": run}
     r = step(live, x, [0.6], [(cond, refs)], **fields, ref_cache=True)
-    assert r.status_code == 400 and "ref_cache" in r.text
+    assert r.status_code == 400 and "steps in parts under the reference convention" in r.text
+    # refused at the route's step 8, before step 9's 409 for a tensor the server lacks
+    unknown = {"cond": "0" * 64, "ref_latents": []}
+    arrays = {"x": x, "timestep": np.array([0.6], np.float32)}
+    r = live.post_container("step", arrays, {**fields, "ref_cache": True, "rows": [unknown]})
+    assert r.status_code == 400 and "steps in parts" in r.text
     # its step in parts: the run keeps the references' K/V as the row's state
     first = step(live, x, [0.6], [(cond, refs)], **fields)
     second = step(live, x, [0.3], [(cond, refs)], **fields)

@@ -48,8 +48,6 @@ from .dit import (
 from .prompt import MAX_SEQUENCE_LENGTH, Flux2PromptEncoder
 from .spec import FAMILY_9B_KV, SPECS
 
-TITLES = {spec.name: spec.title for spec in SPECS}
-
 
 def ref_state_bytes(config: DiTConfig, itemsize: int, tokens: int) -> int:
     """Bytes of one row's reference K/V: K and V of every block."""
@@ -89,14 +87,13 @@ class Flux2KleinModel(JointTokenModel):
     # -- the step ----------------------------------------------------------------------------
 
     def _ref_mode(self, convention: str, ref_cache: bool) -> str:
-        if ref_cache:
-            if self.family == FAMILY_9B_KV and convention == "reference":
-                raise EngineInputError(
-                    f"{self.title} runs its references in parts under the reference convention;"
-                    " ref_cache is for the comfy convention (send ref_cache false)"
-                )
-            return "kv"
-        return "kv" if self.family == FAMILY_9B_KV and convention == "reference" else "joint"
+        """How a step runs its references: "kv" (first, at time 0, their K/V reused: cached in
+        the run, or the KV model's step in parts) or "joint" (in the one sequence)."""
+        in_parts = convention in self.capabilities.in_parts
+        refusal = self.capabilities.ref_cache_refusal(convention, self.title) if ref_cache else None
+        if refusal:  # the step route refuses it first (its step 8)
+            raise EngineInputError(refusal)
+        return "kv" if ref_cache or in_parts else "joint"
 
     def _plan(self, rows: list[StepRow], table, convention: str, ref_cache: bool) -> StepPlan:
         mode = self._ref_mode(convention, ref_cache)
@@ -203,4 +200,4 @@ class Flux2KleinModel(JointTokenModel):
         super().close()
 
 
-FLUX2_KLEIN = FolderFamily(SPECS[0], Flux2KleinModel, TITLES)
+FLUX2_KLEIN = FolderFamily(SPECS[0], Flux2KleinModel, SPECS)

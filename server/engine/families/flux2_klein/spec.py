@@ -104,12 +104,14 @@ SPEC_4B = FamilySpec(
     files=("dit", "text_encoder"),
     package=__package__,
 )
-# The three families: name, title, and the checkpoints BFL publishes of each (repository
-# black-forest-labs/FLUX.2-klein-<checkpoint>, `gmlx pull` name flux2-klein-<checkpoint>).
+# The three families: name, title, the checkpoints BFL publishes of each (repository
+# black-forest-labs/FLUX.2-klein-<checkpoint>, `gmlx pull` name flux2-klein-<checkpoint>), and
+# the conventions under which its DiT steps in parts: the KV model's under `reference`, where
+# it runs its references first and keeps their K/V as the row's state.
 SIZES = (
-    (FAMILY_4B, "FLUX.2 klein", ("4B", "base-4B")),
-    (FAMILY_9B, "FLUX.2 klein 9B", ("9B", "base-9B")),
-    (FAMILY_9B_KV, "FLUX.2 klein 9B KV", ("9b-kv",)),
+    (FAMILY_4B, "FLUX.2 klein", ("4B", "base-4B"), ()),
+    (FAMILY_9B, "FLUX.2 klein 9B", ("9B", "base-9B"), ()),
+    (FAMILY_9B_KV, "FLUX.2 klein 9B KV", ("9b-kv",), ("reference",)),
 )
 SPECS = tuple(
     replace(
@@ -120,6 +122,7 @@ SPECS = tuple(
             Published(f"flux2-klein-{c.lower()}", f"black-forest-labs/FLUX.2-klein-{c}")
             for c in checkpoints
         ),
+        in_parts=in_parts,
     )
-    for name, title, checkpoints in SIZES
+    for name, title, checkpoints, in_parts in SIZES
 )

@@ -26,6 +26,7 @@ SPEC = FamilySpec(
     latent_stride=16,
     max_refs=10,
     features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
+    in_parts=("comfy", "reference"),  # its time rule is the reference one under both
     sampling={
         "base": {"steps": 40, "cfg": 1.0, "shift": 1.0},
         "turbo": {"cfg": 1.0, "shift": 1.0},  # its steps: its fixed sigmas'
