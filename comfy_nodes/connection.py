@@ -119,8 +119,10 @@ class Connection:
             listed = ", ".join(names) if names else "no models"
             raise GmlxError(
                 f"gmlx: the server at {self.url} has no image model {model_id!r} (it lists "
-                f"{listed}); pick one it lists, or put the model's folder (holding its "
-                "model_index.json) into one of the server's model_dirs (`gmlx list` shows them)"
+                f"{listed}); pick one it lists, fetch a published one on the server's machine "
+                f"(`gmlx pull {model_id}`; `gmlx pull --list` names them), or put the model's "
+                "folder (holding its model_index.json) into one of the server's model_dirs "
+                "(`gmlx list` shows them)"
             )
 
 

@@ -90,20 +90,25 @@ class GmlxLatentFormat(comfy.latent_formats.LatentFormat):
         if normalisation is None:
             self.mean = self.std = None
         else:
-            self.mean = torch.tensor(normalisation[0], dtype=torch.float32).view(1, -1, 1, 1)
-            self.std = torch.tensor(normalisation[1], dtype=torch.float32).view(1, -1, 1, 1)
+            self.mean = torch.tensor(normalisation[0], dtype=torch.float32)
+            self.std = torch.tensor(normalisation[1], dtype=torch.float32)
 
     def process_in(self, latent: torch.Tensor) -> torch.Tensor:
         if self.mean is None:
             return latent
-        mean = self.mean.to(latent.device, latent.dtype)
-        return (latent - mean) / self.std.to(latent.device, latent.dtype)
+        return (latent - per_channel(self.mean, latent)) / per_channel(self.std, latent)
 
     def process_out(self, latent: torch.Tensor) -> torch.Tensor:
         if self.mean is None:
             return latent
-        mean = self.mean.to(latent.device, latent.dtype)
-        return latent * self.std.to(latent.device, latent.dtype) + mean
+        return latent * per_channel(self.std, latent) + per_channel(self.mean, latent)
+
+
+def per_channel(values: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+    """(C,) values shaped to broadcast over `latent`'s channel axis, an image's (B, C, h, w) or
+    a single-frame video's (B, C, 1, h, w)."""
+    shape = (1, -1) + (1,) * (latent.ndim - 2)
+    return values.to(latent.device, latent.dtype).view(shape)
 
 
 class GmlxCrossAttn(comfy.conds.CONDRegular):
@@ -234,6 +239,11 @@ class RemoteDiT(torch.nn.Module):
         transformer_options: dict | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
+        if x.ndim == 5 and x.shape[2] == 1:  # a single-frame video latent; the step's x is 4-D
+            out = self.forward(
+                x[:, :, 0], timesteps, context, control, transformer_options, **kwargs
+            )
+            return out[:, :, None]
         options = transformer_options or {}
         check = self._check(kwargs, options, control)
         check_latent_sides(tuple(x.shape), self.status, self.model_id)

@@ -218,6 +218,13 @@ def prefix_cache_enabled(transformer_options: dict[str, Any]) -> bool:
     return not (isinstance(cache, dict) and cache.get("device") == "off")
 
 
+def qwen_image21_cache_dtype(transformer_options: dict[str, Any]) -> Any:
+    """The dtype ComfyUI's Qwen-Image 2.1 cache option asks its prefix states kept in
+    ("default", "int8", "int4"), None where the option says none."""
+    cache = transformer_options.get("qwen_image21_cache")
+    return cache.get("dtype") if isinstance(cache, dict) else None
+
+
 @dataclass
 class CallCheck:
     """What a DiT call asks that the server cannot honour, and the option keys nobody knows."""
@@ -312,6 +319,13 @@ def check_call(
     if transformer_options.get("rope_options"):
         refusals.append("transformer_options rope_options")
         words += ["Rope", "RoPE"]
+    cache_dtype = qwen_image21_cache_dtype(transformer_options)
+    if cache_dtype not in (None, "default"):
+        refusals.append(
+            f"Qwen-Image 2.1's cache dtype {cache_dtype!r} (the server keeps its prefix states"
+            " at the model's own dtype: choose default)"
+        )
+        words += ["Cache"]
     wrappers = transformer_options.get("wrappers") or {}
     if isinstance(wrappers, dict) and any(wrappers.get(DIFFUSION_MODEL_WRAPPER, {}).values()):
         refusals.append("a diffusion-model wrapper")

@@ -312,7 +312,7 @@ def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):
         server.stop()
     text = str(caught.value)
     assert text.startswith(f"gmlx: the server at {server.url} has no image model 'z' (it lists a)")
-    assert "model_dirs" in text and "pull" not in text
+    assert "model_dirs" in text and "`gmlx pull z`" in text
 
 
 def test_the_configured_server_is_started_as_configured(isolated, monkeypatch):

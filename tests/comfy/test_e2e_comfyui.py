@@ -667,6 +667,24 @@ def test_stock_ksampler_on_a_pack_built_model_equals_the_in_process_sampler(
     assert _rel(want, direct_sample(engine, "", seed, sigmas)) > 100 * LATENT_RTOL
 
 
+def test_a_single_frame_video_latent_steps_as_the_image_latent(comfyui, gmlx_server):
+    """Krea 2 sampled from a stock single-frame video latent (EmptyHunyuanLatentVideo, length 1:
+    (1, 16, 1, h, w)): each step sends x squeezed to 4-D and gives the frame back, so the
+    sampling is the image latent's, the same noise in the same order."""
+    wf = _save_latent(_workflow("gmlx_lora"), "11")
+    for loader in ("1", "2", "3"):
+        wf[loader]["inputs"]["model_name"] = KREA2_MODEL
+    wf["11"]["inputs"].update(seed=3, steps=2)
+    image = _latent(comfyui, _run(comfyui, wf))
+    wf["6"] = {
+        "class_type": "EmptyHunyuanLatentVideo",
+        "inputs": {"width": SIZE, "height": SIZE, "length": 1, "batch_size": 1},
+    }
+    video = _latent(comfyui, _run(comfyui, wf))
+    assert video.shape == (1, 16, 1, SIZE // 8, SIZE // 8)
+    np.testing.assert_allclose(video[:, :, 0], image, rtol=0, atol=1e-5)
+
+
 def test_a_stock_latent_of_sides_z_image_does_not_take_is_refused_in_pixels(comfyui, gmlx_server):
     """A stock EmptyLatentImage of 200×152 (multiples of 8, not of Z-Image's 16): the pack
     refuses it before the step, in pixels, naming the node to use."""

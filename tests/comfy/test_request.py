@@ -89,6 +89,27 @@ def test_prefix_cache_option():
     assert prefix_cache_enabled({"qwen_image21_cache": {"device": "auto"}})
 
 
+@pytest.mark.parametrize(
+    ("cache", "refused"),
+    [
+        (None, False),
+        ({"device": "auto", "dtype": "default"}, False),
+        ({"device": "off"}, False),
+        ({"device": "auto", "dtype": "int8"}, True),
+        ({"device": "cpu", "dtype": "int4"}, True),
+    ],
+)
+def test_a_qwen_image21_cache_dtype_other_than_default_is_refused(cache, refused):
+    options = {} if cache is None else {"qwen_image21_cache": cache}
+    refusals = check_call({}, options).refusals
+    assert bool(refusals) is refused
+    if refused:
+        assert refusals == [
+            f"Qwen-Image 2.1's cache dtype {cache['dtype']!r} (the server keeps its prefix"
+            " states at the model's own dtype: choose default)"
+        ]
+
+
 def test_plain_call_passes():
     check = check_call(
         {"num_tokens": [3], "image_slots": None, "ref_latents": None},
