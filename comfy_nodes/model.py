@@ -162,6 +162,10 @@ class GmlxRowValues(comfy.conds.CONDRegular):
 # ---------------------------------------------------------------- the DiT stand-in
 
 
+class RunGone(GmlxError):
+    """A step's run is unknown to the server (404): it restarted, or the run went idle."""
+
+
 class RemoteDiT(torch.nn.Module):
     """Stands where ComfyUI expects the DiT: its forward is one `POST step`.
 
@@ -267,7 +271,7 @@ class RemoteDiT(torch.nn.Module):
         # ComfyUI's Flux KV Cache: the run keeps the references' K/V (docs/contract.md §3.4)
         ref_cache = check.ref_cache and run is not None and bool(kwargs.get("ref_latents"))
 
-        def work():
+        def work(run: str | None):
             return self.conn.client.step(
                 x_np,
                 t_np,
@@ -282,7 +286,11 @@ class RemoteDiT(torch.nn.Module):
                 uploads=rows.tensors,
             )
 
-        answer = self._call(work, run)
+        try:
+            answer = self._call(lambda: work(run), run)
+        except RunGone:
+            run = self._begin_again(patcher, run)
+            answer = self._call(lambda: work(run), run)
         self._keep_timing(answer)
         out = torch.from_numpy(np.array(answer.out, dtype=np.float32))
         return out.to(device=x.device, dtype=x.dtype)
@@ -334,7 +342,24 @@ class RemoteDiT(torch.nn.Module):
         except StepError as err:
             if err.code == "interrupted" and COMFY_INTERRUPT.requested():
                 COMFY_INTERRUPT.throw()
+            if err.status == 404 and run is not None:
+                raise RunGone(str(err)) from err
             raise GmlxError(str(err)) from err
+
+    def _begin_again(self, patcher: Any, lost: str) -> str:
+        """A run in place of `lost`, which the server no longer knows (it restarted, or the
+        run sat idle past its `idle_s`): the sampling goes on, its step sent again in the new
+        run (the server's 409 `missing` then brings back what a restart lost)."""
+        with self.conn.lock:
+            try:
+                run = self.conn.client.begin_run(self.model_id)
+            except StepError as err:
+                raise GmlxError(f"{err} (beginning a run again: run {lost} was lost)") from err
+        log.warning(
+            "gmlx: the server no longer knows run %s; the sampling goes on in run %s", lost, run
+        )
+        patcher.gmlx_run = run
+        return run
 
     def _keep_timing(self, answer: Any) -> None:
         self.timings.append(

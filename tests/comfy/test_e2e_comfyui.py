@@ -1376,6 +1376,82 @@ def test_lora_in_every_key_form_applies_as_the_server_loader_does(
     assert _rel(want, direct_sample(engine, PACK_PROMPT, seed, sigmas)) > 1000 * LATENT_RTOL
 
 
+# ---------------------------------------------------------------- a run lost mid-sampling
+
+
+class _RunLosingProxy:
+    """An HTTP proxy to the gmlx server that ends the sampling's run on the server just before
+    forwarding its second step, as a server restart (or the idle sweep) loses it; it counts
+    the runs begun through it."""
+
+    def __init__(self, target: str) -> None:
+        import http.server
+        import threading
+
+        import requests
+        from gmlx_contract.client import StepClient
+
+        self.target, self.begun, self.steps = target, [], 0
+        session, proxy = requests.Session(), self
+
+        class Forward(http.server.BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                if self.command == "POST" and self.path.endswith("/step"):
+                    proxy.steps += 1
+                    if proxy.steps == 2:
+                        StepClient(target).end_run(proxy.begun[-1])
+                skip = {"host", "content-length", "connection"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                answer = session.request(
+                    self.command, target + self.path, headers=headers, data=body, timeout=600
+                )
+                if self.path.endswith("/runs/begin") and answer.ok:
+                    proxy.begun.append(answer.json()["run"])
+                self.send_response(answer.status_code)
+                for key, value in answer.headers.items():
+                    if key.lower() not in ("content-length", "connection", "transfer-encoding"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(answer.content)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(answer.content)
+
+            do_GET = do_POST = do_PUT = do_HEAD = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_run_the_server_lost_mid_sampling_is_begun_again_and_the_image_is_the_same(
+    comfyui, gmlx_server
+):
+    """The server forgets the sampling's run between two steps (a restart, or the idle sweep):
+    the pack's next step is answered 404, so it begins a new run and sends the step again, and
+    the sampling ends as it would have, latent for latent."""
+    wf = _save_latent(_workflow("gmlx_text_to_image"), "11")
+    wf["8"]["inputs"]["noise_seed"] = 11
+    want = _latent(comfyui, _run(comfyui, wf))
+    proxy = _RunLosingProxy(gmlx_server["url"])
+    try:
+        with _LogSlice(comfyui["log"]) as log:
+            got = _latent(comfyui, _run(comfyui, _on_server(wf, proxy.url)))
+    finally:
+        proxy.close()
+    assert proxy.steps >= 3 and len(proxy.begun) == 2, (proxy.steps, proxy.begun)
+    assert f"the server no longer knows run {proxy.begun[0]}" in log.text, log.text
+    np.testing.assert_array_equal(got, want)
+
+
 # ---------------------------------------------------------------- a quantized model
 
 
