@@ -99,7 +99,17 @@ class Connection:
 
     def ensure_adapters(self, adapters: Mapping[str, np.ndarray]) -> None:
         """Put each adapter matrix (by hash) on the server unless this connection already did:
-        the client HEADs and PUTs if absent (docs/contract.md §7.7)."""
+        the client HEADs and PUTs if absent (docs/contract.md §7.7). A set larger than the
+        server's adapter cache is refused first: its table could never be defined, the cache
+        dropping the first matrices to hold the last."""
+        total = sum(int(array.nbytes) for array in adapters.values())
+        limit = (self.capabilities.get("limits") or {}).get("max_adapter_bytes")
+        if isinstance(limit, int) and total > limit:
+            raise GmlxError(
+                f"gmlx: the LoRA patches' matrices take {total / 2**20:.1f} MiB, more than the"
+                f" server's adapter cache holds ({limit / 2**20:.1f} MiB); raise"
+                " server.image.adapter_cache_mb in the server's config, or load fewer LoRAs"
+            )
         with self.lock:
             for digest, array in adapters.items():
                 if digest in self.adapters_held:

@@ -65,6 +65,18 @@ def test_an_adapter_named_by_the_wrong_hash_is_refused_and_not_held():
     assert conn.adapters_held == {digest}
 
 
+def test_adapters_larger_than_the_servers_adapter_cache_are_refused_before_any_upload():
+    matrices = _matrices(3, 3)  # 3 x 128 bytes
+    conn = _connection()
+    conn.capabilities = {"limits": {"max_adapter_bytes": 383}}
+    with pytest.raises(GmlxError, match="raise server.image.adapter_cache_mb"):
+        conn.ensure_adapters(matrices)
+    assert conn.client.ensured == [] and conn.adapters_held == set()
+    conn.capabilities = {"limits": {"max_adapter_bytes": 384}}
+    conn.ensure_adapters(matrices)
+    assert conn.adapters_held == set(matrices)
+
+
 # ---------------------------------------------------------------- connecting and starting
 
 
