@@ -220,6 +220,7 @@ def serve(args: argparse.Namespace) -> int:
         ", ".join(str(d) for d in [*extra, *config.model_dirs]) or "none",
         default or "none",
     )
+    _warn_if_unservable(registry, default)
     try:
         with CompileWatch(log.info):
             server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
@@ -230,6 +231,19 @@ def serve(args: argparse.Namespace) -> int:
         if group is not None:
             distributed.stop_group(group)
     return 1 if group is not None and group.broken else 0
+
+
+def _warn_if_unservable(registry, default: str | None) -> None:
+    """Say at start, not at the first request, when the configured default model cannot be
+    served (no such folder yet, or not of a family the server loads), and why."""
+    from gmlx_contract.errors import ContractError
+
+    if default is None:
+        return
+    try:
+        registry.resolve(default)
+    except ContractError as exc:
+        log.warning("the default model cannot be served: %s", exc.message)
 
 
 def _launch_group(args: argparse.Namespace) -> int:

@@ -344,9 +344,15 @@ class ModelRegistry:
         """Why `model_id` names no model: where folders were looked for, and what is there."""
         searched = ", ".join(str(d) for d in self.model_dirs) or "none configured"
         known = ", ".join(sorted(self.folders())) or "none"
+        published = any(p.name == model_id for s in self.families.values() for p in s.published)
         return (
             f"unknown image model {model_id!r}: no folder of that name holding {MODEL_INDEX} in"
             f" the model_dirs ({searched}); the models here: {known}"
+            + (
+                f"; it is a published model: fetch it with `gmlx pull {model_id}`"
+                if published
+                else ""
+            )
         )
 
     def _find(self, model_id: str, folders: dict[str, Path], max_age: float) -> ModelEntry | None:

@@ -371,6 +371,7 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
     assert "serving on http://127.0.0.1:" in err
+    assert "the default model cannot be served: unknown image model 'none-yet'" in err
     assert "GET /internal/image-steps/v1/models 200" in err
     assert "stopping" in err
 

@@ -104,6 +104,15 @@ def test_an_unknown_model_is_answered_with_the_folders_searched_and_the_models_t
     assert "the models here: alpha, beta, broken" in message
 
 
+def test_an_unknown_model_that_is_published_names_its_gmlx_pull(tmp_path):
+    reg = ModelRegistry([tmp_path], default_model=None)
+    for name, hint in (("qwen-image-2.1", True), ("qwen-image-2", False)):
+        with pytest.raises(ContractError) as info:
+            reg.resolve(name)
+        assert info.value.status == 404
+        assert ("fetch it with `gmlx pull " + name + "`" in info.value.message) is hint
+
+
 def test_registry_extra_folder_and_first_wins(tmp_path):
     extra = linear_family.make_model_folder(tmp_path / "embedded", "alpha", variant="embedded")
     reg = ModelRegistry(
