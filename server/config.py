@@ -386,6 +386,15 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     config.source = path
+    try:
+        _apply_doc(config, doc, path)
+    except ConfigError as exc:  # every refusal names the file
+        if str(exc).startswith(str(path)):
+            raise
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _apply_doc(config: ServerConfig, doc: dict, path: Path) -> None:
     _refuse_unknown(doc, FILE_TABLES, str(path), "table")
     server = _table(doc, "server", path)
     _refuse_unknown(server, SERVER_KEYS, f"{path}: [server]", "setting")
@@ -566,13 +575,15 @@ def _table(doc: dict, name: str, path: Path) -> dict:
     return value
 
 
+# What a config value of each kind `_typed` reads must be, in words.
+KIND_WORDS = {str: "a string", int: "an integer", bool: "true or false", (int, float): "a number"}
+
+
 def _typed(table: dict, key: str, kind):
     value = table[key]
     # bool is an int in Python; a flag written as `port = true` is still a mistake.
-    if isinstance(value, bool) and kind is not bool:
-        raise ConfigError(f"config key {key!r} has the wrong type")
-    if not isinstance(value, kind):
-        raise ConfigError(f"config key {key!r} has the wrong type ({type(value).__name__})")
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise ConfigError(f"config key {key!r} must be {KIND_WORDS[kind]}, not {value!r}")
     return value
 
 

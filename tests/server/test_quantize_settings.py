@@ -40,8 +40,8 @@ def test_entries_name_their_precision_and_the_flag_overrides_them(tmp_path):
     [
         ("quantize = 2", "quantize must be one of 3, 4, 5, 6, 8 bits, not 2"),
         ("quantize = 16", "quantize must be one of 3, 4, 5, 6, 8 bits, not 16"),
-        ('quantize = "4"', "config key 'quantize' has the wrong type"),
-        ("quantize = true", "config key 'quantize' has the wrong type"),
+        ('quantize = "4"', "config key 'quantize' must be an integer, not '4'"),
+        ("quantize = true", "config key 'quantize' must be an integer, not True"),
         ("quantize = 4\ngroup_size = 48", "group_size must be one of 32, 64, 128, not 48"),
         ("group_size = 32", "group_size needs quantize"),
         (
@@ -106,7 +106,7 @@ def test_an_entrys_dit_names_an_existing_gguf_file_beside_the_config(tmp_path):
         ('dit = "gguf/missing.gguf"', "dit: no file at"),
         ('dit = "config.toml"', "dit must name a .gguf or .safetensors file"),
         ('text_encoder = "config.toml"', "text_encoder must name a .gguf or .safetensors file"),
-        ("dit = 4", "config key 'dit' has the wrong type"),
+        ("dit = 4", "config key 'dit' must be a string, not 4"),
     ):
         path = config_file(tmp_path, f'[models."m1"]\n{entry}\n')
         with pytest.raises(ConfigError, match=message):
