@@ -5,6 +5,8 @@ description too."""
 from __future__ import annotations
 
 import argparse
+import difflib
+import sys
 from pathlib import Path
 
 from .engine.precision import (
@@ -38,12 +40,42 @@ class Subcommands(argparse._SubParsersAction):
 
 class CommandParser(argparse.ArgumentParser):
     """The parser of `gmlx` and of each of its subcommands (argparse makes a subcommand's parser
-    of its parent's class)."""
+    of its parent's class). A mistyped option is named with the nearest one the command takes,
+    by the command's own parser: among its leftovers, or in the error it stops at (a required
+    option that the mistyped one was meant to be)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", Subcommands)
+        self._given: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        parsed, extras = super().parse_known_args(args, namespace)
+        if self._misspelt(extras):
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    def error(self, message: str):
+        hints = [
+            f"{given} is no option here: did you mean {near}?"
+            for given, near in self._misspelt(self._given)
+        ]
+        super().error("; ".join([message, *hints]))
+
+    def _misspelt(self, tokens: list[str]) -> list[tuple[str, str]]:
+        """(token, the nearest option) for each of `tokens` that is an option this parser does
+        not take but is near one it does."""
+        known = [name for name in self._option_string_actions if name.startswith("--")]
+        found = []
+        for token in tokens:
+            given = token.split("=", 1)[0]
+            if given.startswith("--") and given not in self._option_string_actions:
+                near = difflib.get_close_matches(given, known, n=1, cutoff=0.75)
+                if near:
+                    found.append((given, near[0]))
+        return found
 
 
 # The argparse form of a model entry's keys whose value is not a file (config.MODEL_SETTINGS).

@@ -304,6 +304,30 @@ def test_parser_lists_serve_and_delegated_commands(capsys):
     assert "serve" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["image", "sample", "--prompt", "x", "--out", "o.png", "--widht", "512"], "--width"),
+        (["image", "sample", "--promt", "x", "--out", "o.png"], "--prompt"),
+        (["serve", "--prot", "9"], "--port"),
+    ],
+)
+def test_a_mistyped_option_is_named_with_the_nearest_one(capsys, argv, hint):
+    with pytest.raises(SystemExit) as stopped:
+        cli.build_parser().parse_args(argv)
+    assert stopped.value.code == 2
+    mistyped = next(a for a in argv if a.startswith("--") and a not in ("--prompt", "--out"))
+    err = capsys.readouterr().err
+    assert f"{mistyped} is no option here: did you mean {hint}?" in err, err
+
+
+def test_an_unknown_option_near_none_is_refused_as_argparse_does(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--zzzz"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzz" in err and "did you mean" not in err
+
+
 def test_commands_are_easy_to_add(monkeypatch):
     seen = []
 

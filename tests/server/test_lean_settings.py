@@ -34,7 +34,10 @@ def test_the_dtype_and_the_residency_are_read_and_default_to_auto(tmp_path):
             '[models.\'a\']: encoder_vae_dtype must be one of "auto", "f32", "bf16", "f16",'
             " not 'f64'",
         ),
-        ('[models."a"]\nencoder_vae_dtype = 32\n', "config key 'encoder_vae_dtype' must be a string, not 32"),
+        (
+            '[models."a"]\nencoder_vae_dtype = 32\n',
+            "config key 'encoder_vae_dtype' must be a string, not 32",
+        ),
         (
             '[server.image]\nencoder_residency = "never"\n',
             'server.image: encoder_residency must be one of "keep", "release", "auto", not'
