@@ -30,6 +30,8 @@ def register(subparsers) -> None:
         "status", help="whether the configured gmlx server answers, and where"
     )
     _common_arguments(status)
+    status.add_argument("--host", default=None, help="ask there, as `gmlx serve --host` serves")
+    status.add_argument("--port", type=int, default=None, help="ask there, as `gmlx serve --port`")
     status.set_defaults(func=status_command)
     listing = subparsers.add_parser(
         "list", help="the models the configuration names (model_dirs, [models], the default)"
@@ -226,7 +228,9 @@ def _print_models(doc: dict) -> None:
 
 def _config(args: argparse.Namespace) -> ServerConfig | None:
     try:
-        return load_config(args.config)
+        return load_config(
+            args.config, host=getattr(args, "host", None), port=getattr(args, "port", None)
+        )
     except ConfigError as error:
         print(f"gmlx {args.command}: {error}", file=sys.stderr)
         return None

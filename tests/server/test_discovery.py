@@ -77,6 +77,14 @@ def test_status_of_a_running_server(live, tmp_path, capsys):
     assert doc["resident"] == []  # nothing loaded yet
 
 
+def test_status_asks_where_its_host_and_port_say(live, tmp_path, capsys):
+    port = live.base.rsplit(":", 1)[1]
+    elsewhere = config_file(tmp_path, f"[server]\nport = {_free_port()}\n")
+    code, out = _run(capsys, "status", "--json", "--config", str(elsewhere), "--port", port)
+    doc = json.loads(out)
+    assert code == 0 and doc["running"] is True and doc["url"] == live.base
+
+
 def test_status_names_what_each_resident_model_holds(tmp_path, capsys):
     from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
     from gmlx_server.engine.registry import ModelRegistry
