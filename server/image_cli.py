@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import ConfigError
 from .engine.sampling import SAMPLERS, ImageRequest, SettingError, generate, to_uint8
 from .image_bench import run_bench, summary_text
 from .imagefiles import mask_of, read_image_file
@@ -230,7 +231,8 @@ def _sample(args: argparse.Namespace, group: Any) -> int:
 def chosen_run(args: argparse.Namespace, group: Any, command: str, run) -> int | tuple:
     """`run(choice, request)` on the model and request the command's arguments name, over the
     rank group `group`: (the choice, the request, what `run` gave), or the exit code of a
-    refusal, printed on one line (2: the arguments; 1: the model or the run)."""
+    refusal, printed on one line (2: the arguments or the configuration, as `gmlx serve`'s;
+    1: the model or the run)."""
     try:
         request = image_request(args, read_references(args.ref))
         flags = model_flags(args)
@@ -243,6 +245,9 @@ def chosen_run(args: argparse.Namespace, group: Any, command: str, run) -> int |
         choice.join(group)
         with CompileWatch(note):
             return choice, request, run(choice, request)
+    except ConfigError as exc:
+        print(f"gmlx image {command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise

@@ -328,6 +328,15 @@ def test_an_unknown_option_near_none_is_refused_as_argparse_does(capsys):
     assert "unrecognized arguments: --zzzz" in err and "did you mean" not in err
 
 
+@pytest.mark.parametrize("command", [["image", "sample", "--out", "x.png"], ["list"]])
+def test_a_config_the_commands_cannot_read_exits_2_naming_it(tmp_path, capsys, command):
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\nport = "8080"\n')
+    argv = [*command, "--config", str(config)] + (["--prompt", "x"] if "image" in command else [])
+    assert cli.main(argv) == 2
+    assert f"{config}: config key 'port' must be an integer" in capsys.readouterr().err
+
+
 def test_commands_are_easy_to_add(monkeypatch):
     seen = []
 
