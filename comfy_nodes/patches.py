@@ -217,23 +217,29 @@ def _torch_to_numpy(tensor: Any) -> np.ndarray:
 
 
 class AdapterHashes:
-    """Hashes of adapter matrices, memoised per tensor object and its in-place version."""
+    """Hashes of adapter matrices, memoised per tensor object and its in-place version. The
+    memo holds no tensor (the wire array of a float tensor is a view that would keep it alive):
+    an entry goes with its tensor, so LoRAs ComfyUI lets go of are freed."""
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple[Any, int, str, np.ndarray]] = {}
+        self._memo: dict[int, tuple[Any, int, str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._memo)
 
     def hash(self, tensor: Any) -> tuple[str, np.ndarray]:
         version = version_of(tensor)
+        array = to_wire_array(tensor)  # a view of a float tensor: no copy
         held = self._memo.get(id(tensor))
         if held is not None and held[0]() is tensor and held[1] == version:
-            return held[2], held[3]
-        array = to_wire_array(tensor)
+            return held[2], array
         digest = tensor_hash(array)
+        key = id(tensor)
         try:
-            ref = weakref.ref(tensor)
+            ref = weakref.ref(tensor, lambda _, key=key: self._memo.pop(key, None))
         except TypeError:  # numpy arrays take weak references; plain objects may not
             return digest, array
-        self._memo[id(tensor)] = (ref, version, digest, array)
+        self._memo[key] = (ref, version, digest)
         return digest, array
 
 

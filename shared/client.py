@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -100,6 +101,12 @@ class StepAnswer:
     retried: bool = False  # whether a 409 `missing` was answered by uploading and retrying
 
 
+# The patch tables a client keeps to define again where the server lost one (a step's 409):
+# the latest defined or stepped on. Each holds its adapter matrices, so the bound keeps a
+# client from holding every LoRA it ever sent.
+TABLES_KEPT = 8
+
+
 @dataclass
 class _Table:
     """What it takes to define a patch table again after the server lost it (docs/contract.md §7.6)."""
@@ -129,7 +136,7 @@ class StepClient:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         # Hashes of tensors the server is believed to hold (uploads and encode answers).
         self.known: set[str] = set()
-        self._tables: dict[str, _Table] = {}
+        self._tables: OrderedDict[str, _Table] = OrderedDict()
         self.warnings: list[str] = []
         self._base_path = urllib3.util.parse_url(self.base_url).path or ""
         self._link: StepConnections | None = None
@@ -466,6 +473,7 @@ class StepClient:
         """
         digest = table_id(doc)
         self._tables[digest] = _Table(doc, model, dict(adapters or {}))
+        self._keep_table(digest)
         path = f"patch-tables/{digest}"
         body = canonical_json(doc)
         params = {"model": model} if model else None
@@ -481,6 +489,12 @@ class StepClient:
                 f"gmlx: PUT {path} at {self.base_url} answered {answer!r} instead of its id"
             )
         return digest
+
+    def _keep_table(self, digest: str) -> None:
+        """`digest` is the latest table used; the oldest beyond TABLES_KEPT are let go."""
+        self._tables.move_to_end(digest)
+        while len(self._tables) > TABLES_KEPT:
+            self._tables.popitem(last=False)
 
     def _upload_missing_adapters(
         self, refusal: StepError, adapters: Mapping[str, np.ndarray]
@@ -527,6 +541,8 @@ class StepClient:
         (and re-defining a lost patch table) and retrying once."""
         uploads = uploads or {}
         self._upload_unknown(rows, uploads)
+        if patch_table in self._tables:
+            self._keep_table(patch_table)
         fields: dict[str, Any] = {"rows": rows, "convention": convention}
         optional = {"model": model, "run": run, "patch_table": patch_table, "skip": skip}
         fields.update({k: v for k, v in optional.items() if v is not None})

@@ -381,6 +381,31 @@ def test_step_with_lost_table_redefines_it_and_forgets_known(server, client):
     assert digest in server.tables
 
 
+def test_the_tables_kept_to_define_again_are_the_latest_used(server, client):
+    """A client keeps the last TABLES_KEPT tables defined or stepped on (each holds its
+    matrices); the one a run steps on stays while newer ones come and go, and a step naming a
+    table let go cannot define it again."""
+    from gmlx_contract.client import TABLES_KEPT
+
+    def defined(seed: int) -> str:
+        up, down = np.full((8, 2), seed, np.float32), np.ones((2, 8), np.float32)
+        return client.put_patch_table(
+            lora_table(up, down), "m", {tensor_hash(up): up, tensor_hash(down): down}
+        )
+
+    cond = cond_tensor(9)
+    uploads, x = {tensor_hash(cond): cond}, np.ones((1, 4, 2, 2), np.float32)
+    active, first = defined(1), defined(2)
+    for seed in range(3, TABLES_KEPT + 2):
+        defined(seed)
+        client.step(x, [1.0], step_rows(cond), patch_table=active, uploads=uploads)
+    server.tables.clear()
+    assert client.step(x, [1.0], step_rows(cond), patch_table=active, uploads=uploads).retried
+    server.tables.clear()
+    with pytest.raises(StepError, match="this call has no upload for " + first):
+        client.step(x, [1.0], step_rows(cond), patch_table=first, uploads=uploads)
+
+
 # ---------------------------------------------------------------- encode and VAE
 
 
