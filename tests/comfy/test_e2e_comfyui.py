@@ -1391,6 +1391,8 @@ class _RunLosingProxy:
         import requests
         from gmlx_contract.client import StepClient
 
+        from tests.contract.stepserver import send_answer
+
         self.target, self.begun, self.steps = target, [], 0
         session, proxy = requests.Session(), self
 
@@ -1409,14 +1411,9 @@ class _RunLosingProxy:
                 )
                 if self.path.endswith("/runs/begin") and answer.ok:
                     proxy.begun.append(answer.json()["run"])
-                self.send_response(answer.status_code)
-                for key, value in answer.headers.items():
-                    if key.lower() not in ("content-length", "connection", "transfer-encoding"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", str(len(answer.content)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(answer.content)
+                hop = ("content-length", "connection", "transfer-encoding")
+                kept = {k: v for k, v in answer.headers.items() if k.lower() not in hop}
+                send_answer(self, answer.status_code, kept, answer.content)
 
             do_GET = do_POST = do_PUT = do_HEAD = _forward
 

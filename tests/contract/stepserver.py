@@ -193,6 +193,17 @@ def container_answer(tensors, fields=None, headers=None) -> Answer:
     return Answer(200, write_container(tensors, fields), CONTAINER_TYPE, headers or {})
 
 
+def send_answer(handler: BaseHTTPRequestHandler, status: int, headers: dict, body: bytes) -> None:
+    """Write one HTTP answer: its status, its headers and length, and its body (not to HEAD)."""
+    handler.send_response(status)
+    for name, value in headers.items():
+        handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
+
+
 def _handler_for(server: FakeStepServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as the contract asks
@@ -212,14 +223,8 @@ def _handler_for(server: FakeStepServer) -> type[BaseHTTPRequestHandler]:
                 port=self.client_address[1],
             )
             answer = server.answer(seen)
-            self.send_response(answer.status)
-            self.send_header("Content-Type", answer.content_type)
-            self.send_header("Content-Length", str(len(answer.body)))
-            for name, value in answer.headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(answer.body)
+            headers = {"Content-Type": answer.content_type, **answer.headers}
+            send_answer(self, answer.status, headers, answer.body)
 
         do_GET = do_POST = do_PUT = do_HEAD = _serve
 
