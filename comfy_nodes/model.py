@@ -342,7 +342,7 @@ class RemoteDiT(torch.nn.Module):
         except StepError as err:
             if err.code == "interrupted" and COMFY_INTERRUPT.requested():
                 COMFY_INTERRUPT.throw()
-            if err.status == 404 and run is not None:
+            if err.status == 404 and run is not None and repr(run) in str(err):  # the run's 404
                 raise RunGone(str(err)) from err
             raise GmlxError(str(err)) from err
 
