@@ -1449,6 +1449,52 @@ def test_a_run_the_server_lost_mid_sampling_is_begun_again_and_the_image_is_the_
     np.testing.assert_array_equal(got, want)
 
 
+# ---------------------------------------------------------------- a rewritten prompt
+
+
+def test_a_rewritten_prompt_steps_as_its_rewrite_and_a_negative_as_typed(
+    comfyui, tmp_path_factory, monkeypatch
+):
+    """With prompt upsampling on, the server rewrites every prompt the CLIP encodes and also
+    answers the prompt as typed (`cond_typed`); the pack steps the positive on the rewrite and
+    the negative on the prompt as typed (docs/contract.md §7.4), as the FLUX.3 pipelines never
+    rewrite a negative. Served in this process, its steps' rows recorded."""
+    from gmlx_server.config import ServerConfig
+    from gmlx_server.engine import upsampling
+    from gmlx_server.routes import step as step_route
+
+    from tests.server.conftest import serve
+    from tests.server.test_prompt_upsampling import (
+        NEW_TOKENS,
+        encode,
+        upsampling_registry,
+        write_upsampler,
+    )
+
+    folder, _, _ = write_upsampler(tmp_path_factory.mktemp("upsampler"))
+    registry = upsampling_registry(tmp_path_factory.mktemp("embedded"), folder, rewrites=True)
+    model = registry.default_model
+    monkeypatch.setattr(upsampling, "MAX_NEW_TOKENS", NEW_TOKENS)
+    stepped, build_row = [], step_route.build_row
+    monkeypatch.setattr(
+        step_route, "build_row", lambda *args: stepped.append(args[1].cond) or build_row(*args)
+    )
+    server = serve(ServerConfig(host="127.0.0.1", port=0), registry)
+    try:
+        wf = _on_server(_workflow("gmlx_flux3_klein_text_to_image"), server.base)
+        for loader in ("1", "2", "3"):
+            wf[loader]["inputs"].update(model_name=model, start_server=False)
+        wf["5"]["inputs"]["text"] = "a blurry picture"
+        wf["11"]["inputs"].update(cfg=2.0, steps=2)
+        _run(comfyui, wf)
+        positive = encode(server, model, text=wf["4"]["inputs"]["text"]).fields
+        negative = encode(server, model, text="a blurry picture").fields
+    finally:
+        server.close()
+    assert positive["cond"] != positive["cond_typed"] and negative["cond"] != negative["cond_typed"]
+    assert set(stepped) == {positive["cond"], negative["cond_typed"]}, stepped
+
+
 # ---------------------------------------------------------------- a quantized model
 
 

@@ -25,15 +25,18 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def upsampler(tmp_path_factory):
-    """A tiny Qwen3.5 chat checkpoint with the pipeline's system prompts, and transformers' model
-    and tokenizer of it."""
+    return write_upsampler(tmp_path_factory.mktemp("upsampler"))
+
+
+def write_upsampler(folder):
+    """A tiny Qwen3.5 chat checkpoint with the pipeline's system prompts, written into `folder`,
+    and transformers' model and tokenizer of it."""
     import torch
     from diffusers.modular_pipelines.flux3.prompt_upsampler import SYSTEM_PROMPTS
     from gmlx_server.engine.embedded import BPE_VOCAB_SIZE, TOKENIZER_CORPUS
     from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import train_tokenizer, write_tokenizer
     from transformers import PreTrainedTokenizerFast, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    folder = tmp_path_factory.mktemp("upsampler")
     tokenizer = train_tokenizer(TOKENIZER_CORPUS, BPE_VOCAB_SIZE)
     write_tokenizer(folder, tokenizer)
     config = Qwen3_5TextConfig(
@@ -54,28 +57,37 @@ def upsampler(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(upsampler, tmp_path_factory):
-    from gmlx_server.config import ModelSettings, ServerConfig
+    from gmlx_server.config import ServerConfig
     from gmlx_server.engine import upsampling
-    from gmlx_server.engine.families.flux3_klein import embedded
-    from gmlx_server.engine.registry import ModelRegistry
 
     from tests.server.conftest import serve
 
-    folder = embedded.ensure_embedded_model(tmp_path_factory.mktemp("embedded"))
+    registry = upsampling_registry(tmp_path_factory.mktemp("embedded"), upsampler[0])
+    keep, upsampling.MAX_NEW_TOKENS = upsampling.MAX_NEW_TOKENS, NEW_TOKENS
+    server = serve(ServerConfig(host="127.0.0.1", port=0), registry)
+    yield server, registry.default_model
+    server.close()
+    upsampling.MAX_NEW_TOKENS = keep
+
+
+def upsampling_registry(root, upsampler_folder, rewrites: bool = False):
+    """The embedded FLUX.3 klein (written under `root`) as two models: its own id, whose entry
+    names the upsampler (and with `rewrites` rewrites every prompt), and `upsampling`, whose
+    entry rewrites every prompt."""
+    from gmlx_server.config import ModelSettings
+    from gmlx_server.engine.families.flux3_klein import embedded
+    from gmlx_server.engine.registry import ModelRegistry
+
+    folder = embedded.ensure_embedded_model(root)
     entries = {
-        folder.name: ModelSettings(prompt_upsampler=upsampler[0]),
-        "upsampling": ModelSettings(prompt_upsampler=upsampler[0], prompt_upsampling=True),
+        folder.name: ModelSettings(prompt_upsampler=upsampler_folder, prompt_upsampling=rewrites),
+        "upsampling": ModelSettings(prompt_upsampler=upsampler_folder, prompt_upsampling=True),
     }
     link = folder.parent / "upsampling"
     link.symlink_to(folder)
-    registry = ModelRegistry(
+    return ModelRegistry(
         [], folder.name, extra_models=[folder, link], settings=lambda m: entries[m]
     )
-    keep, upsampling.MAX_NEW_TOKENS = upsampling.MAX_NEW_TOKENS, NEW_TOKENS
-    server = serve(ServerConfig(host="127.0.0.1", port=0), registry)
-    yield server, folder.name
-    server.close()
-    upsampling.MAX_NEW_TOKENS = keep
 
 
 def reference_rewrite(upsampler, request: str) -> str:
