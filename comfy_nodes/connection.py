@@ -103,11 +103,14 @@ class Connection:
         server's adapter cache is refused first: its table could never be defined, the cache
         dropping the first matrices to hold the last."""
         total = sum(int(array.nbytes) for array in adapters.values())
-        limit = (self.capabilities.get("limits") or {}).get("max_adapter_bytes")
-        if isinstance(limit, int) and total > limit:
+        room = adapter_cache_bytes(self.capabilities)
+        if room is not None and total > room:
+            with self.lock:  # the bound follows the models loaded: ask again before refusing
+                room = adapter_cache_bytes(self.client.capabilities())
+        if room is not None and total > room:
             raise GmlxError(
                 f"gmlx: the LoRA patches' matrices take {total / 2**20:.1f} MiB, more than the"
-                f" server's adapter cache holds ({limit / 2**20:.1f} MiB); raise"
+                f" server's adapter cache holds ({room / 2**20:.1f} MiB); raise"
                 " server.image.adapter_cache_mb in the server's config, or load fewer LoRAs"
             )
         with self.lock:
@@ -129,13 +132,22 @@ class Connection:
             listed = ", ".join(names) if names else "no models"
             raise GmlxError(
                 f"gmlx: the server at {self.url} has no image model {model_id!r} (it lists "
-                f"{listed}); pick one it lists, fetch a published one on the server's machine "
-                f"(`gmlx pull {model_id}`; `gmlx pull --list` names them), or put the model's "
-                "folder (holding its model_index.json) into one of the server's model_dirs "
-                "(`gmlx list` shows them)"
+                f"{listed}); pick one it lists, fetch a published model on the server's machine "
+                "(`gmlx pull NAME`; `gmlx pull --list` names them), or put the model's folder "
+                "(holding its model_index.json) into one of the server's model_dirs (`gmlx list` "
+                "shows them)"
             )
 
 
+def adapter_cache_bytes(capabilities: dict) -> int | None:
+    """The adapter cache's bound where the capabilities tell it: `max_adapter_bytes` is
+    min(1 GiB, the bound) (docs/contract.md §2.1), so below 1 GiB it is the bound; else None."""
+    limit = (capabilities.get("limits") or {}).get("max_adapter_bytes")
+    return limit if isinstance(limit, int) and limit < ONE_GIB else None
+
+
+# The cap on one uploaded matrix that `max_adapter_bytes` never exceeds.
+ONE_GIB = 2**30
 _connections: dict[tuple[str, str | None], Connection] = {}
 _connections_lock = threading.Lock()
 

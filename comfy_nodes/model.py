@@ -208,13 +208,15 @@ class RemoteDiT(torch.nn.Module):
 
     def sync_table(self, patcher: Any) -> str | None:
         """The patch table id of `patcher`'s live patches, defined on the server once per
-        patch uuid (a strength change is one small PUT; matrices go up once)."""
+        patch uuid (a strength change is one small PUT; matrices go up once), and anew where
+        the client no longer keeps the table to define it again (`StepClient.keeps_table`)."""
         uuid = getattr(patcher, "patches_uuid", None)
         if self.tables_generation != self.conn.generation:  # the server restarted
             self.tables.clear()
             self.tables_generation = self.conn.generation
-        if uuid in self.tables:
-            return self.tables[uuid]
+        known = self.tables.get(uuid)
+        if uuid in self.tables and (known is None or self.conn.client.keeps_table(known)):
+            return known
         table = build_table(
             self.model_id,
             patcher.patches,

@@ -229,7 +229,8 @@ class AdapterHashes:
 
     def hash(self, tensor: Any) -> tuple[str, np.ndarray]:
         version = version_of(tensor)
-        array = to_wire_array(tensor)  # a view of a float tensor: no copy
+        # a view of a contiguous CPU f32/f16/bf16 tensor, else a copy: made per table built
+        array = to_wire_array(tensor)
         held = self._memo.get(id(tensor))
         if held is not None and held[0]() is tensor and held[1] == version:
             return held[2], array

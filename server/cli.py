@@ -43,9 +43,9 @@ DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
 SERVE_HELP = "serve the image step routes and the OpenAI image routes over HTTP"
 SERVE_DESCRIPTION = (
     f"{SERVE_HELP[0].upper()}{SERVE_HELP[1:]} (/internal/image-steps/v1/..., "
-    "/v1/images/generations, /v1/images/edits, /v1/images/variations), with the models found in the configured "
-    "model_dirs (or the embedded default model). Settings come from the config file, then the "
-    "GMLX_* environment variables, then these flags; see docs/server.md."
+    "/v1/images/generations, /v1/images/edits, /v1/images/variations), with the models found "
+    "in the configured model_dirs (or the embedded default model). Settings come from the "
+    "config file, then the GMLX_* environment variables, then these flags; see docs/server.md."
 )
 
 

@@ -40,15 +40,21 @@ class Subcommands(argparse._SubParsersAction):
 
 class CommandParser(argparse.ArgumentParser):
     """The parser of `gmlx` and of each of its subcommands (argparse makes a subcommand's parser
-    of its parent's class). A mistyped option is named with the nearest one the command takes,
-    by the command's own parser: among its leftovers, or in the error it stops at (a required
-    option that the mistyped one was meant to be)."""
+    of its parent's class). A command's parser names a mistyped option with the nearest one it
+    takes: among its leftovers (which then stop it, as `parse_args` would), or in the error it
+    stops at (a required option that the mistyped one was meant to be). A parser of
+    subcommands leaves that to them."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", Subcommands)
         self._given: list[str] = []
+        self._commands = False
+
+    def add_subparsers(self, **kwargs):
+        self._commands = True
+        return super().add_subparsers(**kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)
@@ -65,16 +71,19 @@ class CommandParser(argparse.ArgumentParser):
         super().error("; ".join([message, *hints]))
 
     def _misspelt(self, tokens: list[str]) -> list[tuple[str, str]]:
-        """(token, the nearest option) for each of `tokens` that is an option this parser does
-        not take but is near one it does."""
+        """(token, the nearest option) for each of `tokens` that is an option this command does
+        not take, not even abbreviated, but is near one it does."""
+        if self._commands:
+            return []
         known = [name for name in self._option_string_actions if name.startswith("--")]
         found = []
         for token in tokens:
             given = token.split("=", 1)[0]
-            if given.startswith("--") and given not in self._option_string_actions:
-                near = difflib.get_close_matches(given, known, n=1, cutoff=0.75)
-                if near:
-                    found.append((given, near[0]))
+            if not given.startswith("--") or any(name.startswith(given) for name in known):
+                continue
+            near = difflib.get_close_matches(given, known, n=1, cutoff=0.75)
+            if near:
+                found.append((given, near[0]))
         return found
 
 

@@ -438,7 +438,9 @@ class StepsService:
                 if not run.ended:
                     self.registry.hold(run.loaded)
                     return run.loaded
-        return self.acquire(run.model_id if model_field is None and run else model_field)
+        return self.acquire(
+            run.model_id if model_field is None and run is not None else model_field
+        )
 
     def fit_cache_bounds(self) -> None:
         """Refit the upload caches' bounds to the loaded models' memory plans when the set of

@@ -490,6 +490,11 @@ class StepClient:
             )
         return digest
 
+    def keeps_table(self, digest: str) -> bool:
+        """Whether the client can still define the table `digest` again where the server lost
+        it (it is among the TABLES_KEPT latest used); a caller defines it anew otherwise."""
+        return digest in self._tables
+
     def _keep_table(self, digest: str) -> None:
         """`digest` is the latest table used; the oldest beyond TABLES_KEPT are let go."""
         self._tables.move_to_end(digest)

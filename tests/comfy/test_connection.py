@@ -24,10 +24,15 @@ from ..contract.stepserver import FakeStepServer, json_answer
 
 
 class RecordingClient:
-    """Stands for StepClient's ensure_adapter (HEAD, PUT if absent): records what went up."""
+    """Stands for StepClient's ensure_adapter (HEAD, PUT if absent): records what went up; its
+    capabilities are those of the server now."""
 
     def __init__(self) -> None:
         self.ensured: list[str] = []
+        self.now: dict = {}
+
+    def capabilities(self) -> dict:
+        return self.now
 
     def ensure_adapter(self, array: np.ndarray, dtype: str | None = None) -> str:
         digest = tensor_hash(array, dtype)
@@ -65,16 +70,27 @@ def test_an_adapter_named_by_the_wrong_hash_is_refused_and_not_held():
     assert conn.adapters_held == {digest}
 
 
+def _limit(n: int) -> dict:
+    return {"limits": {"max_adapter_bytes": n}}
+
+
 def test_adapters_larger_than_the_servers_adapter_cache_are_refused_before_any_upload():
     matrices = _matrices(3, 3)  # 3 x 128 bytes
     conn = _connection()
-    conn.capabilities = {"limits": {"max_adapter_bytes": 383}}
+    conn.capabilities = conn.client.now = _limit(383)
     with pytest.raises(GmlxError, match="raise server.image.adapter_cache_mb"):
         conn.ensure_adapters(matrices)
     assert conn.client.ensured == [] and conn.adapters_held == set()
-    conn.capabilities = {"limits": {"max_adapter_bytes": 384}}
+    conn.client.now = _limit(384)  # the bound grew since the handshake: asked again, it fits
     conn.ensure_adapters(matrices)
     assert conn.adapters_held == set(matrices)
+
+
+def test_a_limit_of_1_gib_says_nothing_of_the_adapter_cache():
+    """`max_adapter_bytes` is min(1 GiB, the cache's bound): at 1 GiB the bound is unknown."""
+    assert connection.adapter_cache_bytes(_limit(2**30)) is None
+    assert connection.adapter_cache_bytes(_limit(2**30 - 1)) == 2**30 - 1
+    assert connection.adapter_cache_bytes({}) is None
 
 
 # ---------------------------------------------------------------- connecting and starting
@@ -324,7 +340,7 @@ def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):
         server.stop()
     text = str(caught.value)
     assert text.startswith(f"gmlx: the server at {server.url} has no image model 'z' (it lists a)")
-    assert "model_dirs" in text and "`gmlx pull z`" in text
+    assert "model_dirs" in text and "`gmlx pull --list`" in text
 
 
 def test_the_configured_server_is_started_as_configured(isolated, monkeypatch):

@@ -401,6 +401,7 @@ def test_the_tables_kept_to_define_again_are_the_latest_used(server, client):
         client.step(x, [1.0], step_rows(cond), patch_table=active, uploads=uploads)
     server.tables.clear()
     assert client.step(x, [1.0], step_rows(cond), patch_table=active, uploads=uploads).retried
+    assert client.keeps_table(active) and not client.keeps_table(first)
     server.tables.clear()
     with pytest.raises(StepError, match="this call has no upload for " + first):
         client.step(x, [1.0], step_rows(cond), patch_table=first, uploads=uploads)

@@ -312,11 +312,21 @@ def test_a_mistyped_option_is_named_with_the_nearest_one(capsys, argv, hint):
     assert f"{mistyped} is no option here: did you mean {hint}?" in err, err
 
 
-def test_an_unknown_option_near_none_is_refused_as_argparse_does(capsys):
+@pytest.mark.parametrize(
+    ("argv", "refusal"),
+    [
+        (["serve", "--zzzz"], "unrecognized arguments: --zzzz"),
+        # an abbreviation argparse takes is no typo; the error is another's
+        (["image", "sample", "--prompt", "x", "--out", "o", "--wid", "5", "--steps", "x"], "'x'"),
+        # near the top level's --version, which this command does not take
+        (["image", "sample", "--prompt", "x", "--out", "o", "--verison"], "--verison"),
+    ],
+)
+def test_an_option_near_none_the_command_takes_is_refused_as_argparse_does(capsys, argv, refusal):
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["serve", "--zzzz"])
+        cli.build_parser().parse_args(argv)
     err = capsys.readouterr().err
-    assert "unrecognized arguments: --zzzz" in err and "did you mean" not in err
+    assert refusal in err and "did you mean" not in err, err
 
 
 @pytest.mark.parametrize("command", [["image", "sample", "--out", "x.png"], ["list"]])
