@@ -388,18 +388,16 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     config.source = path
     try:
         _apply_doc(config, doc, path)
-    except ConfigError as exc:  # every refusal names the file
-        if str(exc).startswith(str(path)):
-            raise
+    except ConfigError as exc:  # every refusal of the file names it, here alone
         raise ConfigError(f"{path}: {exc}") from None
 
 
 def _apply_doc(config: ServerConfig, doc: dict, path: Path) -> None:
-    _refuse_unknown(doc, FILE_TABLES, str(path), "table")
-    server = _table(doc, "server", path)
-    _refuse_unknown(server, SERVER_KEYS, f"{path}: [server]", "setting")
-    image = _table(server, "image", path)
-    _refuse_unknown(image, IMAGE_KEYS, f"{path}: [server.image]", "setting")
+    _refuse_unknown(doc, FILE_TABLES, "", "table")
+    server = _table(doc, "server")
+    _refuse_unknown(server, SERVER_KEYS, "[server]", "setting")
+    image = _table(server, "image")
+    _refuse_unknown(image, IMAGE_KEYS, "[server.image]", "setting")
     if "host" in server:
         config.host = _typed(server, "host", str)
     if "port" in server:
@@ -435,7 +433,7 @@ def _apply_doc(config: ServerConfig, doc: dict, path: Path) -> None:
         config.image.encoder_residency = _choice(
             image, "encoder_residency", ENCODER_RESIDENCIES, "server.image"
         )
-    for model_id, table in _table(doc, "models", path).items():
+    for model_id, table in _table(doc, "models").items():
         config.models[model_id] = _model_settings(model_id, table, path.parent)
 
 
@@ -448,12 +446,14 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
 
 
 def _refuse_unknown(table: dict, known: tuple[str, ...], where: str, kind: str) -> None:
-    """A ConfigError for the first key of `table` not in `known`, naming the nearest known."""
+    """A ConfigError for the first key of `table` not in `known`, naming the nearest known,
+    after `where` (the table; "": the file's top)."""
     unknown = sorted(set(table) - set(known))
     if unknown:
         listed = ", ".join(known)
+        place = f"{where}: " if where else ""
         raise ConfigError(
-            f"{where}: unknown {kind} {unknown[0]!r}{_nearest(unknown[0], known)} (known: {listed})"
+            f"{place}unknown {kind} {unknown[0]!r}{_nearest(unknown[0], known)} (known: {listed})"
         )
 
 
@@ -568,10 +568,10 @@ def _choice(table: dict, key: str, choices: tuple[str, ...], where: str) -> str:
     return value
 
 
-def _table(doc: dict, name: str, path: Path) -> dict:
+def _table(doc: dict, name: str) -> dict:
     value = doc.get(name, {})
     if not isinstance(value, dict):
-        raise ConfigError(f"{path}: [{name}] must be a table")
+        raise ConfigError(f"[{name}] must be a table")
     return value
 
 
