@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import numpy as np
 from gmlx_contract.client import StepClient
 from gmlx_contract.errors import NotGmlxServer, StepError
+from gmlx_contract.wire import GiB
 
 from .errors import GmlxError
 from .settings import (
@@ -143,11 +144,9 @@ def adapter_cache_bytes(capabilities: dict) -> int | None:
     """The adapter cache's bound where the capabilities tell it: `max_adapter_bytes` is
     min(1 GiB, the bound) (docs/contract.md §2.1), so below 1 GiB it is the bound; else None."""
     limit = (capabilities.get("limits") or {}).get("max_adapter_bytes")
-    return limit if isinstance(limit, int) and limit < ONE_GIB else None
+    return limit if isinstance(limit, int) and limit < GiB else None
 
 
-# The cap on one uploaded matrix that `max_adapter_bytes` never exceeds.
-ONE_GIB = 2**30
 _connections: dict[tuple[str, str | None], Connection] = {}
 _connections_lock = threading.Lock()
 

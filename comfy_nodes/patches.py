@@ -231,11 +231,11 @@ class AdapterHashes:
         version = version_of(tensor)
         # a view of a contiguous CPU f32/f16/bf16 tensor, else a copy: made per table built
         array = to_wire_array(tensor)
-        held = self._memo.get(id(tensor))
+        key = id(tensor)
+        held = self._memo.get(key)
         if held is not None and held[0]() is tensor and held[1] == version:
             return held[2], array
         digest = tensor_hash(array)
-        key = id(tensor)
         try:
             ref = weakref.ref(tensor, lambda _, key=key: self._memo.pop(key, None))
         except TypeError:  # numpy arrays take weak references; plain objects may not

@@ -212,17 +212,16 @@ def step_timestep(timestep: np.ndarray, batch_size: int) -> np.ndarray:
     return t
 
 
+def qwen_image21_cache(transformer_options: dict[str, Any]) -> dict:
+    """ComfyUI's Qwen-Image 2.1 cache option ({"device": auto|gpu|cpu|off, "dtype":
+    default|int8|int4}); {} where none is set."""
+    cache = transformer_options.get("qwen_image21_cache")
+    return cache if isinstance(cache, dict) else {}
+
+
 def prefix_cache_enabled(transformer_options: dict[str, Any]) -> bool:
     """False when ComfyUI's Qwen-Image 2.1 cache option turns the device cache off."""
-    cache = transformer_options.get("qwen_image21_cache")
-    return not (isinstance(cache, dict) and cache.get("device") == "off")
-
-
-def qwen_image21_cache_dtype(transformer_options: dict[str, Any]) -> Any:
-    """The dtype ComfyUI's Qwen-Image 2.1 cache option asks its prefix states kept in
-    ("default", "int8", "int4"), None where the option says none."""
-    cache = transformer_options.get("qwen_image21_cache")
-    return cache.get("dtype") if isinstance(cache, dict) else None
+    return qwen_image21_cache(transformer_options).get("device") != "off"
 
 
 @dataclass
@@ -319,7 +318,7 @@ def check_call(
     if transformer_options.get("rope_options"):
         refusals.append("transformer_options rope_options")
         words += ["Rope", "RoPE"]
-    cache_dtype = qwen_image21_cache_dtype(transformer_options)
+    cache_dtype = qwen_image21_cache(transformer_options).get("dtype")
     if cache_dtype not in (None, "default"):
         refusals.append(
             f"Qwen-Image 2.1's cache dtype {cache_dtype!r} (the server keeps its prefix states"
