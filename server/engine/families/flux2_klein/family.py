@@ -88,12 +88,10 @@ class Flux2KleinModel(JointTokenModel):
 
     def _ref_mode(self, convention: str, ref_cache: bool) -> str:
         """How a step runs its references: "kv" (first, at time 0, their K/V reused: cached in
-        the run, or the KV model's step in parts) or "joint" (in the one sequence)."""
-        in_parts = convention in self.capabilities.in_parts
-        refusal = self.capabilities.ref_cache_refusal(convention, self.title) if ref_cache else None
-        if refusal:  # the step route refuses it first (its step 8)
-            raise EngineInputError(refusal)
-        return "kv" if ref_cache or in_parts else "joint"
+        the run, or the KV model's step in parts) or "joint" (in the one sequence). A
+        `ref_cache` under a convention its capabilities refuse it never comes: the step route
+        refuses it (`Capabilities.ref_cache_refusal`)."""
+        return "kv" if ref_cache or convention in self.capabilities.in_parts else "joint"
 
     def _plan(self, rows: list[StepRow], table, convention: str, ref_cache: bool) -> StepPlan:
         mode = self._ref_mode(convention, ref_cache)
