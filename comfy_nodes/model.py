@@ -611,6 +611,9 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
             self.model.current_weight_patches_uuid = self.patches_uuid
             for callback in self.get_all_callbacks(comfy.patcher_extension.CallbacksMP.ON_LOAD):
                 callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
+        # ComfyUI loads a model whose patches changed before the sampling's pre_run: where the
+        # server has gone since, this is the first call to find it.
+        self.remote.conn.ensure_reachable()
         self.remote.sync_table(self)
 
     def partially_unload(self, device_to, memory_to_free=0):

@@ -1089,13 +1089,13 @@ def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
 
 
 @pytest.fixture
-def comfyui_alone(workdir, gmlx_server, comfyui):
-    """A second ComfyUI, pointed at a port where nothing listens, with the `gmlx` command to
-    start a server there (`gmlx_server` has generated the embedded default model; `comfyui`
-    has written the stand-in modules to workdir/stub)."""
+def comfyui_alone(workdir, gmlx_server, comfyui, tmp_path):
+    """A second ComfyUI of its own for each test, pointed at a port where nothing listens, with
+    the `gmlx` command to start a server there (`gmlx_server` has generated the embedded
+    default model; `comfyui` has written the stand-in modules to workdir/stub)."""
     from gmlx_comfy.install import link_pack
 
-    base = workdir / "alone"
+    base = tmp_path / "alone"
     for sub in ("custom_nodes", "input", "output"):
         (base / sub).mkdir(parents=True)
     link_pack(base / "custom_nodes")
@@ -1124,6 +1124,47 @@ def _answers(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def _stop_started_server(gmlx_url: str) -> None:
+    """Stop the `gmlx serve` the pack started for `gmlx_url`, as a crash or a user would (its
+    parent, ComfyUI, reaps it later: the test waits for the port to fall silent)."""
+    import psutil
+
+    port = gmlx_url.rsplit(":", 1)[1]
+    for proc in psutil.process_iter(["cmdline"]):
+        line = proc.info["cmdline"] or []
+        if "serve" in line and line[line.index("serve") :][-2:] == ["--port", port]:
+            proc.terminate()
+    deadline = time.monotonic() + 30
+    while _answers(gmlx_url):
+        assert time.monotonic() < deadline, f"the server at {gmlx_url} still answers"
+        time.sleep(0.2)
+
+
+def test_a_lora_added_after_the_started_server_stopped_starts_it_again(
+    comfyui_alone, gmlx_server, engine
+):
+    """The server the pack started stops between two prompts, and the second adds a LoRA:
+    ComfyUI's cached loaders and encodings reach no server, so the model's load (its patch
+    table) is the first to find it gone. It starts the server again and samples as the
+    server's own loader does."""
+    comfy, gmlx_url = comfyui_alone, comfyui_alone["gmlx_url"]
+    seed, steps = 7, 2
+    path = _lora_files(engine, comfy["base"] / "models" / "loras")["diffusers"]
+    wf = _pack_prompt(gmlx_server["model"], seed, steps)
+    try:
+        _run(comfy, wf)
+        _stop_started_server(gmlx_url)
+        with _LogSlice(comfy["log"]) as log:
+            entry = _run(comfy, _with_lora(wf, "diffusers/lora.safetensors"))
+    finally:
+        _stop_started_server(gmlx_url)
+    assert "no longer answers; connecting again" in log.text
+    want = direct_sample(
+        engine, PACK_PROMPT, seed, comfy_simple_sigmas(steps), _server_table(engine, path)
+    )
+    assert _rel(_latent(comfy, entry), want) <= LATENT_RTOL
 
 
 def test_with_the_server_down_the_loader_lists_the_configured_models_and_starts_it(
