@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -36,6 +37,8 @@ from typing import Any
 from . import file_headers
 from .embedded import default_cache_dir, ensure
 from .file_headers import Header, HeaderError
+
+log = logging.getLogger("gmlx.server")
 
 # Bump when set_folder writes something else for the same files.
 SET_GENERATOR = 1
@@ -131,7 +134,7 @@ def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
     found = rules(specs)
     family = files.family
     if family is None:
-        family = next((f for rule in found.values() if (f := rule.family(dit))), None)
+        family = next((f for rule in found.values() if (f := passes(rule.family, dit))), None)
         if family is None:
             arch = f" (GGUF architecture {dit.architecture})" if dit.architecture else ""
             raise ComponentError(
@@ -143,7 +146,7 @@ def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
             f"family {family!r} is not served from component files here"
             f" (these are: {', '.join(sorted(found)) or 'none'})"
         )
-    elif found[family].family(dit) is None:
+    elif passes(found[family].family, dit) is None:
         raise ComponentError(f"{files.dit} is not a {specs[family].title} DiT")
     rule = found[family]
     variants = tuple(specs[family].sampling)
@@ -162,9 +165,21 @@ def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
 
 
 def configs(found: IdentifiedSet) -> dict[str, dict]:
-    """The set's configs by relative path (model_index.json, transformer/config.json, ...)."""
+    """The set's configs by relative path (model_index.json, transformer/config.json, ...); a
+    ComponentError naming the files where a tensor the rule reads has another rank."""
     h = found.headers
-    return found.rule.configs(found.family, found.variant, h["dit"], h["text_encoder"], h["vae"])
+    try:
+        return found.rule.configs(
+            found.family, found.variant, h["dit"], h["text_encoder"], h["vae"]
+        )
+    except (IndexError, TypeError) as exc:
+        raise ComponentError(f"{unfit_files(found.files.paths().values())}: {exc!r}") from None
+
+
+def unfit_files(paths) -> str:
+    """What files whose tensors break a family rule are: a tensor of another rank than the
+    family reads, in one of them."""
+    return f"a tensor of {' or '.join(str(p) for p in paths)} is not of the rank its family has"
 
 
 def tokenizer_source(found: IdentifiedSet) -> tuple[str, Path]:
@@ -302,11 +317,13 @@ def comfy_files(folders: dict[str, list[Path]]) -> dict[str, list[Path]]:
 
 # path -> ((size, time), the header or the HeaderError reading it gave)
 _HEADERS: dict[Path, tuple[tuple[int, int], Header | HeaderError]] = {}
+# the files (with their stamps) whose tensors broke a rule's test, said once in the log
+_UNFIT: set[tuple] = set()
 
 
 def read_kept(path: Path) -> Header:
     """file_headers.read, kept while the file's size and time stay (a listing reads each file
-    once); a HeaderError likewise."""
+    once); a HeaderError likewise, said once in the log (a listing leaves the file out)."""
     stat = path.stat()
     stamp = (stat.st_size, stat.st_mtime_ns)
     kept = _HEADERS.get(path)
@@ -314,6 +331,7 @@ def read_kept(path: Path) -> Header:
         try:
             read: Header | HeaderError = file_headers.read(path)
         except HeaderError as exc:
+            log.warning("a model file that cannot be served: %s", exc)
             read = exc
         kept = _HEADERS[path] = (stamp, read)
     if isinstance(kept[1], HeaderError):
@@ -344,18 +362,31 @@ def comfy_sets(
     for dit_path, dit in headers["dit"]:
         if dit is None:
             continue
-        family = next((f for rule in found.values() if (f := rule.family(dit))), None)
+        family = next((f for rule in found.values() if (f := passes(rule.family, dit))), None)
         if family is None:
             continue
         rule = found[family]
         for encoder_path, encoder in headers["text_encoder"]:
-            if encoder is None or not rule.fits_encoder(dit, encoder):
+            if encoder is None or not passes(rule.fits_encoder, dit, encoder):
                 continue
             for vae_path, vae in headers["vae"]:
-                if vae is None or not rule.fits_vae(dit, vae):
+                if vae is None or not passes(rule.fits_vae, dit, vae):
                     continue
                 model_id = f"{dit_path.stem} + {encoder_path.stem} + {vae_path.stem}"
                 sets.setdefault(
                     model_id, ComponentFiles(dit_path, encoder_path, vae_path, comfyui=comfyui)
                 )
     return sets
+
+
+def passes(test, *headers: Header) -> Any:
+    """A rule's test of files' headers; files whose tensors break it (a tensor of another rank
+    than the family's) fail it, said once in the log."""
+    try:
+        return test(*headers)
+    except (IndexError, TypeError) as exc:
+        stamps = tuple((h.path, h.size) for h in headers)
+        if stamps not in _UNFIT:
+            _UNFIT.add(stamps)
+            log.warning("%s: %r", unfit_files(h.path for h in headers), exc)
+        return None

@@ -103,7 +103,9 @@ def read(path: Path) -> Header:
     path = Path(path)
     try:
         header = _read_gguf(path) if path.suffix.lower() == ".gguf" else _read_safetensors(path)
-    except (OSError, struct.error, UnicodeDecodeError, json.JSONDecodeError, KeyError) as exc:
+    except HeaderError:
+        raise
+    except (OSError, struct.error, ValueError, OverflowError) as exc:  # JSON's and GGUF's enums
         raise HeaderError(f"{path}: not a readable weight file ({exc})") from None
     prefix = common_prefix(list(header.shapes))
     if prefix:
@@ -123,12 +125,18 @@ def safetensors_doc(path: Path) -> tuple[dict, int]:
 
 def _read_safetensors(path: Path) -> Header:
     size = path.stat().st_size
+    if size < 8:
+        raise HeaderError(f"{path} is not a safetensors file (only {size} bytes)")
     with open(path, "rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
     if length > size - 8:
         raise HeaderError(f"{path}: its header runs past the end of the file (cut short?)")
     doc, _ = safetensors_doc(path)
+    if not isinstance(doc, dict):
+        raise HeaderError(f"{path}: its header is not a JSON object of tensors")
     metadata = doc.pop("__metadata__", None) or {}
+    for name, entry in doc.items():
+        _check_entry(path, name, entry)
     end = max((entry["data_offsets"][1] for entry in doc.values()), default=0)
     if 8 + length + end > size:
         raise HeaderError(
@@ -137,6 +145,30 @@ def _read_safetensors(path: Path) -> Header:
     shapes = {name: tuple(entry["shape"]) for name, entry in doc.items()}
     types = {name: entry["dtype"] for name, entry in doc.items()}
     return Header(path, shapes, types, metadata, size=size)
+
+
+def _check_entry(path: Path, name: str, entry: object) -> None:
+    """Refuse a safetensors header entry that is not {"dtype": str, "shape": [int >= 0, ...],
+    "data_offsets": [begin, end]} with 0 <= begin <= end (HeaderError naming the tensor)."""
+
+    def whole(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    fine = (
+        isinstance(entry, dict)
+        and isinstance(entry.get("dtype"), str)
+        and isinstance(entry.get("shape"), list)
+        and all(whole(side) for side in entry["shape"])
+        and isinstance(entry.get("data_offsets"), list)
+        and len(entry["data_offsets"]) == 2
+        and all(whole(offset) for offset in entry["data_offsets"])
+        and entry["data_offsets"][0] <= entry["data_offsets"][1]
+    )
+    if not fine:
+        raise HeaderError(
+            f"{path}: its header's entry for {name!r} is not a tensor's dtype, shape and"
+            f" data_offsets: {json.dumps(entry)[:200]}"
+        )
 
 
 class _Cursor:
@@ -203,7 +235,7 @@ def _parse_gguf(cursor: _Cursor, path: Path, size: int, arrays: tuple[str, ...])
     for _ in range(tensors):
         name = cursor.string()
         dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
-        kind, offset = GGMLQuantizationType(cursor.take("<I")), cursor.take("<Q")
+        kind, offset = _tensor_type(cursor.take("<I"), name, path), cursor.take("<Q")
         restored = metadata.get(ORIG_SHAPE + name)
         shapes[name] = tuple(int(v) for v in restored) if restored else tuple(reversed(dims))
         types[name] = kind.name
@@ -217,6 +249,16 @@ def _parse_gguf(cursor: _Cursor, path: Path, size: int, arrays: tuple[str, ...])
         )
     metadata["gguf.version"] = version
     return Header(path, shapes, types, metadata, size=size)
+
+
+def _tensor_type(kind: int, name: str, path: Path) -> GGMLQuantizationType:
+    try:
+        return GGMLQuantizationType(kind)
+    except ValueError:
+        raise HeaderError(
+            f"{path}: tensor {name} is stored in GGML type {kind}, which the installed gguf"
+            " package does not know (a newer llama.cpp quantization?)"
+        ) from None
 
 
 def _short_array(cursor: _Cursor) -> bool:

@@ -16,7 +16,7 @@ from gmlx_server.engine.encoders.qwen3.tiny_tokenizer import train_tokenizer
 from gmlx_server.engine.encoders.qwen3.vocab_files import bpe_tokenizer, gguf_tokenizer
 from gmlx_server.engine.file_headers import HeaderError
 from gmlx_server.engine.vaes import ldm_names
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from tests.engine.comfy_files import ldm_vae, write_comfy_tokenizer, write_gguf_text_encoder
@@ -126,3 +126,90 @@ def test_qwens_tokenizer_from_gguf_metadata_encodes_as_tokenizer_json(tokenizer_
         )
     with pytest.raises(ValueError, match="not Qwen's byte-level BPE"):
         gguf_tokenizer({**metadata, "tokenizer.ggml.model": "llama"})
+
+
+def _raw_safetensors(path, doc) -> None:
+    """A safetensors file whose header is `doc` (JSON, whatever its structure), no data."""
+    import json
+    import struct
+
+    text = json.dumps(doc).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+
+
+def _unknown_gguf_type(path, name: str, kind: int = 99) -> None:
+    """The GGUF file at `path` with tensor `name`'s GGML type id rewritten as `kind`."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    at = data.index(name.encode()) + len(name)
+    (dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * dims, kind)
+    path.write_bytes(bytes(data))
+
+
+GOOD_ENTRY = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [1, 2, 3],
+        {"a.weight": "F32"},
+        {"a.weight": {**GOOD_ENTRY, "shape": 4}},
+        {"a.weight": {**GOOD_ENTRY, "shape": [-1]}},
+        {"a.weight": {**GOOD_ENTRY, "data_offsets": "0,4"}},
+        {"a.weight": {**GOOD_ENTRY, "data_offsets": [4, 0]}},
+        {"a.weight": {"shape": [1], "data_offsets": [0, 4]}},
+    ],
+)
+def test_a_safetensors_header_of_another_structure_is_refused_naming_the_file(tmp_path, doc):
+    path = tmp_path / "odd.safetensors"
+    _raw_safetensors(path, doc)
+    with pytest.raises(HeaderError) as caught:
+        file_headers.read(path)
+    assert str(path) in str(caught.value)
+    if isinstance(doc, dict):
+        assert "'a.weight'" in str(caught.value)
+
+
+def test_a_gguf_tensor_of_a_type_gguf_does_not_know_is_refused_naming_it(tmp_path):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((4, 32)).astype(np.float32)
+    path = write_gguf(tmp_path / "new.gguf", {"blk.0.w.weight": (T.F32, weight)}, arch="qwen3")
+    _unknown_gguf_type(path, "blk.0.w.weight")
+    with pytest.raises(HeaderError, match=r"tensor blk\.0\.w\.weight is stored in GGML type 99"):
+        file_headers.read(path)
+
+
+def test_bad_files_in_comfyuis_folders_are_left_out_and_said_once(tmp_path, caplog):
+    """Files the listing cannot read, or whose tensors break a family's tests (a tensor of
+    another rank), leave the healthy set listed and are named once in the log."""
+    from gmlx_server.engine import components
+    from gmlx_server.engine.families.z_image.components import CAPTION
+    from gmlx_server.engine.spec import family_specs
+
+    from tests.engine.comfy_files import float32_weights
+    from tests.families.z_image.tiny.comfy import DIT_FILE, write_comfy_models
+
+    _, models = write_comfy_models(tmp_path)
+    dits, encoders = models / "diffusion_models", models / "text_encoders"
+    _raw_safetensors(dits / "list.safetensors", [1, 2, 3])
+    write_gguf(dits / "new.gguf", {"w.weight": (T.F32, np.zeros((2, 32), np.float32))})
+    _unknown_gguf_type(dits / "new.gguf", "w.weight")
+    flat = load_file(str(dits / DIT_FILE))
+    flat["model.diffusion_model." + CAPTION] = flat["model.diffusion_model." + CAPTION].ravel()
+    save_file(flat, str(dits / "flat_caption.safetensors"))
+    encoder = float32_weights(encoders)
+    encoder = {n: v.ravel() if "embed_tokens" in n else v for n, v in encoder.items()}
+    save_file(encoder, str(encoders / "flat_embed.safetensors"))
+    folders = {k: [models / n for n in names] for k, names in components.COMFY_FOLDERS.items()}
+    with caplog.at_level("WARNING", logger="gmlx.server"):
+        assert list(components.comfy_sets(folders, family_specs())) == [
+            "z_image_turbo_tiny + qwen_3_tiny + ae_tiny"
+        ]
+        said = [r.getMessage() for r in caplog.records]
+        components.comfy_sets(folders, family_specs())
+    for bad in ("list.safetensors", "new.gguf", "flat_caption.safetensors", "flat_embed"):
+        assert [m for m in said if bad in m], (bad, said)
+    assert len(caplog.records) == len(said)  # the second listing says nothing again
