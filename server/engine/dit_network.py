@@ -21,7 +21,7 @@ from .nn.compiled import CompiledPass
 from .nn.dtypes import default_compute_dtype, tree_bytes
 from .nn.embeddings import time_frequencies
 from .shard import Shard, Stages
-from .weights import load_dit_tree, read_config
+from .weights import load_dit_tree, read_config, tensor_infos
 
 
 def _no_extras(manifest: dict) -> dict:
@@ -30,8 +30,8 @@ def _no_extras(manifest: dict) -> dict:
 
 @dataclass(frozen=True)
 class DiTPart:
-    """A family's DiT as its folder holds it (the fields in order, the first six given
-    positionally by the families):
+    """A family's DiT as its folder holds it (the fields in order, those up to `tensor_shapes`
+    given positionally by the families):
 
     - `file(transformer_dir, dit)`: its single file (GGUF or safetensors, the family's
       dit.dit_file; None: diffusers' own folder);
@@ -41,6 +41,8 @@ class DiTPart:
     - `sanitize(files, config)`: file names -> its weight tree;
     - `f32_weights`: the name endings of the tensors kept in float32 (norm scales);
     - `shard_layout(config)`: (shard_plan.ShardPlan, block stack depths), None: never sharded;
+    - `tensor_shapes(config)`: every tensor the DiT reads, by diffusers name, in the shape the
+      config gives it (None: a folder's shapes are not checked before it loads);
     - `manifest_extras(manifest)`: what its manifest adds (FLUX.2 klein's `lora_aliases`);
     - `table_slots(config)`: the layers a LoRA patch table may name (None: `linear_slots`;
       FLUX.2 klein's BFL names too)."""
@@ -52,6 +54,7 @@ class DiTPart:
     sanitize: Callable[[dict, Any], dict] | None = None
     f32_weights: tuple[str, ...] = ()
     shard_layout: Callable[[Any], tuple[Any, dict[str, int]]] | None = None
+    tensor_shapes: Callable[[Any], dict] | None = None
     manifest_extras: Callable[[dict], dict] = _no_extras
     table_slots: Callable[[Any], dict] | None = None
 
@@ -88,6 +91,29 @@ class DiTPart:
             depths,
         )
         return config, weights, stages
+
+    def check_folder(self, transformer_dir: Path) -> None:
+        """Refuse, before anything loads, a transformer/ folder whose config cannot be read,
+        whose safetensors are not whole (file_headers.HeaderError naming the file), or that
+        lacks a tensor its config gives or holds it in another shape (a ValueError naming the
+        folder and the tensor), as DiTFile.open refuses a single file."""
+        config = self.config.from_dict(read_config(transformer_dir))
+        stored = {info.name: info.shape for info in tensor_infos(transformer_dir)}
+        if self.tensor_shapes is None:
+            return
+        shapes = self.tensor_shapes(config)
+        missing = [name for name in shapes if name not in stored]
+        if missing:
+            raise ValueError(
+                f"{transformer_dir} does not hold the DiT its config.json gives: it has no"
+                f" tensor {missing[0]} ({len(missing)} of the {len(shapes)} it reads are missing)"
+            )
+        for name, expected in shapes.items():
+            if stored[name] != tuple(expected):
+                raise ValueError(
+                    f"{transformer_dir}: tensor {name} has shape {list(stored[name])} where"
+                    f" its config.json gives {list(expected)}"
+                )
 
 
 class DiTNetwork:

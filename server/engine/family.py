@@ -51,8 +51,10 @@ from .weights import (
     component_bytes,
     estimated_bytes,
     read_config,
+    read_header,
     stored_quantization,
     tensor_infos,
+    weight_files,
 )
 
 # Stored dtypes a manifest names (docs/contract.md §2.4), by their safetensors names; a weight
@@ -812,11 +814,20 @@ class FolderFamily(Family):
     def check(self, model_dir: Path, **files) -> None:
         """Refuse, before anything loads, a DiT or text encoder file that is cut short, is not
         this family's or holds a tensor of a shape the config does not give (gguf.GGUFError,
-        naming the file and the tensor). The registry asks before it lets the resident model
-        go."""
-        for found in (self._dit(model_dir, files), self.encoder_files(model_dir, files)):
+        naming the file and the tensor); likewise a DiT folder (DiTPart.check_folder), and a
+        text encoder or VAE folder whose safetensors are not whole. The registry asks before
+        it lets the resident model go."""
+        model_dir = Path(model_dir)
+        dit, encoder = self._dit(model_dir, files), self.encoder_files(model_dir, files)
+        for found in (dit, encoder):
             if found is not None:
                 found.open()
+        if dit is None:
+            self.dit.check_folder(model_dir / "transformer")
+        folders = [model_dir / "vae"] + ([model_dir / "text_encoder"] if encoder is None else [])
+        for folder in folders:
+            for path in weight_files(folder):
+                read_header(path)
 
     def quantized_files(self, model_dir: Path) -> dict:
         """What `gmlx model quantize` quantizes, by component folder and file tensor name:

@@ -115,26 +115,29 @@ def read(path: Path) -> Header:
     return header
 
 
-def safetensors_doc(path: Path) -> tuple[dict, int]:
-    """A safetensors file's JSON header (its `__metadata__` included) and that header's length
-    in bytes, without its data."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        return json.loads(handle.read(length)), length
-
-
-def _read_safetensors(path: Path) -> Header:
-    size = path.stat().st_size
-    if size < 8:
-        raise HeaderError(f"{path} is not a safetensors file (only {size} bytes)")
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-    if length > size - 8:
-        raise HeaderError(f"{path}: its header runs past the end of the file (cut short?)")
-    doc, _ = safetensors_doc(path)
+def safetensors_entries(path: Path) -> tuple[dict, dict]:
+    """A safetensors file's tensor entries by name ({"dtype", "shape", "data_offsets"}) and its
+    `__metadata__`, each entry checked and the file checked to hold their data whole; a
+    HeaderError naming the file otherwise."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size < 8:
+            raise HeaderError(f"{path} is not a safetensors file (only {size} bytes)")
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                raise HeaderError(f"{path}: its header runs past the end of the file (cut short?)")
+            doc = json.loads(handle.read(length))
+    except HeaderError:
+        raise
+    except (OSError, ValueError) as exc:  # JSON's errors are ValueErrors
+        raise HeaderError(f"{path}: not a readable weight file ({exc})") from None
     if not isinstance(doc, dict):
         raise HeaderError(f"{path}: its header is not a JSON object of tensors")
     metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise HeaderError(f"{path}: its header's __metadata__ is not a JSON object")
     for name, entry in doc.items():
         _check_entry(path, name, entry)
     end = max((entry["data_offsets"][1] for entry in doc.values()), default=0)
@@ -142,9 +145,14 @@ def _read_safetensors(path: Path) -> Header:
         raise HeaderError(
             f"{path} is cut short: its tensors end at byte {8 + length + end}, the file has {size}"
         )
+    return doc, metadata
+
+
+def _read_safetensors(path: Path) -> Header:
+    doc, metadata = safetensors_entries(path)
     shapes = {name: tuple(entry["shape"]) for name, entry in doc.items()}
     types = {name: entry["dtype"] for name, entry in doc.items()}
-    return Header(path, shapes, types, metadata, size=size)
+    return Header(path, shapes, types, metadata, size=path.stat().st_size)
 
 
 def _check_entry(path: Path, name: str, entry: object) -> None:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .dit_file import DiTFile, Naming, fused_weights
-from .file_headers import common_prefix, safetensors_doc
+from .file_headers import common_prefix, safetensors_entries
 from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
 from .nn.dtypes import eval_leaf_by_leaf
@@ -54,7 +54,12 @@ def weight_files(component_dir: Path) -> list[Path]:
     component_dir = Path(component_dir)
     indexes = sorted(component_dir.glob("*" + _INDEX_SUFFIX))
     if indexes:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        index = json.loads(indexes[0].read_text())
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ValueError(f"{indexes[0]} has no weight_map of tensor names to file names")
         return [component_dir / name for name in sorted(set(weight_map.values()))]
     files = sorted(component_dir.glob("*.safetensors"))
     if not files:
@@ -376,10 +381,10 @@ def estimated_bytes(
 
 
 def read_header(path: Path) -> dict:
-    """The safetensors header of one file (names to dtype, shape, offsets), without its data."""
-    header, _ = safetensors_doc(path)
-    header.pop("__metadata__", None)
-    return header
+    """The safetensors header of one file (names to dtype, shape, offsets), without its data;
+    a file_headers.HeaderError (a ValueError) naming a file that does not hold them whole."""
+    entries, _ = safetensors_entries(path)
+    return entries
 
 
 def component_bytes(component_dir: Path) -> int:

@@ -20,7 +20,9 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 - a LoRA table on fused and unfused layers steps as the checkpoint with it merged, and on a
   GGUF DiT as on its dequantized weights;
 - a GGUF DiT steps as the same network on `gguf.quants.dequantize`'s weights;
-- a truncated GGUF DiT is refused (400, naming the file) before the resident model goes;
+- a truncated GGUF DiT is refused (400, naming the file) before the resident model goes, as
+  are folders damaged in place (a DiT tensor of another shape than its config gives, a VAE
+  file cut short, a text encoder file whose header holds no tensors);
 - a released text encoder frees its weights, and the next encode loads it again with the
   same conditioning;
 - the encoder and the VAE at the entry's `encoder_vae_dtype` bf16 stay within bf16's
@@ -510,6 +512,59 @@ def test_a_truncated_gguf_dit_is_refused_before_the_resident_model_goes(served, 
         assert "plain" in registry.resident_ids()
     finally:
         registry.settings = keep
+
+
+def _damaged_copies(registry, name: str) -> dict:
+    """Copies of the family's folder beside `plain`, each damaged one way, by model id: the
+    refusal's words each must name."""
+    plain = registry.resolve("plain").path
+    made = {}
+
+    def copy(model_id: str) -> Path:
+        target = plain.parent / model_id
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(plain, target)
+        return target
+
+    folder = copy("narrow-dit")
+    family = registry.family(name)
+    config = family.dit.config.from_dict(
+        json.loads((folder / "transformer" / "config.json").read_text())
+    )
+    tensor = next(n for n, s in family.dit.tensor_shapes(config).items() if len(s) == 2)
+    for path in sorted((folder / "transformer").glob("*.safetensors")):
+        state = load_file(str(path))
+        if tensor in state:
+            state[tensor] = state[tensor][: state[tensor].shape[0] // 2]
+            save_file(state, str(path))
+    made["narrow-dit"] = ("transformer", f"tensor {tensor} has shape")
+    folder = copy("cut-vae")
+    (path,) = sorted((folder / "vae").glob("*.safetensors"))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    made["cut-vae"] = (str(path), "cut short")
+    folder = copy("list-header-encoder")
+    path = sorted((folder / "text_encoder").glob("*.safetensors"))[0]
+    text = b"[1, 2, 3]"
+    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    made["list-header-encoder"] = (str(path), "not a JSON object of tensors")
+    return made
+
+
+def test_a_damaged_folder_is_refused_before_the_resident_model_goes(served):
+    """A DiT tensor of another shape than the config gives, a VAE file cut short, a text
+    encoder file whose header is no object of tensors: each load is refused 400, naming the
+    file or the tensor, and the resident model stays."""
+    live, name = served
+    registry = live.ctx.registry
+    assert live.post_json("models/load", {"model": "plain"}).status_code == 200
+    for model_id, words in _damaged_copies(registry, name).items():
+        for route in ("models/load", "encode"):
+            body = {"model": model_id, **({"text": "a boat"} if route == "encode" else {})}
+            r = live.post_json(route, body)
+            assert r.status_code == 400 and all(w in r.text for w in words), (model_id, r.text)
+        status = live.call("GET", f"models/{model_id}/status")
+        assert status.status_code in (200, 400), (model_id, status.text)
+        assert "plain" in registry.resident_ids(), model_id
 
 
 def test_the_encoder_and_the_vae_in_bf16_stay_within_its_tolerance(served):

@@ -126,7 +126,9 @@ def sanitize(files: dict[str, mx.array], config: Config) -> dict:
     return tree
 
 
-PART = DiTPart(dit_file, Config, linear_slots, quantized, sanitize, F32_WEIGHTS)
+PART = DiTPart(
+    dit_file, Config, linear_slots, quantized, sanitize, F32_WEIGHTS, tensor_shapes=tensor_shapes
+)
 
 
 class TwinBlocksDiT(DiTNetwork):

@@ -266,6 +266,7 @@ PART = DiTPart(
     quantized,
     sanitize,
     F32_WEIGHTS,
+    tensor_shapes=tensor_shapes,
     manifest_extras=manifest_extras,
     table_slots=table_slots,
 )

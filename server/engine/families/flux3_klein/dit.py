@@ -151,6 +151,7 @@ PART = DiTPart(
     sanitize,
     F32_WEIGHTS,
     shard_layout,
+    tensor_shapes=tensor_shapes,
     manifest_extras=manifest_extras,
 )
 

@@ -126,7 +126,9 @@ NAMING = Naming()
 dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, NAMING, TITLE)
 
 
-PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
+PART = DiTPart(
+    dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout, tensor_shapes
+)
 
 
 def image_positions(h: int, w: int) -> np.ndarray:

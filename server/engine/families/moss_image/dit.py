@@ -122,7 +122,9 @@ NAMING = Naming()
 dit_file = single_dit_file(DiTConfig, linear_slots, tensor_shapes, NAMING, TITLE)
 
 
-PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
+PART = DiTPart(
+    dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout, tensor_shapes
+)
 
 
 def situ(hidden: mx.array, gate: mx.array) -> mx.array:

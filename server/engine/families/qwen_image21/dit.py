@@ -200,7 +200,9 @@ def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
     return shard_plan(config), {"blocks": config.num_layers}
 
 
-PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
+PART = DiTPart(
+    dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout, tensor_shapes
+)
 
 
 class QwenImage21DiT(DiTNetwork):

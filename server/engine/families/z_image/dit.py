@@ -170,7 +170,9 @@ def shard_layout(config: DiTConfig) -> tuple[ShardPlan, dict[str, int]]:
     return shard_plan(config), {stack: stack_depth(stack, config) for stack in STACKS}
 
 
-PART = DiTPart(dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout)
+PART = DiTPart(
+    dit_file, DiTConfig, linear_slots, quantized, sanitize, F32_WEIGHTS, shard_layout, tensor_shapes
+)
 
 
 class ZImageDiT(DiTNetwork):
