@@ -32,9 +32,48 @@ def read_settings(cls: type, config: dict, **given: Any) -> Any:
         if entry.name in values or key is None:
             continue
         value = config.get(key, entry.default)
-        convert = entry.metadata["convert"]
-        values[entry.name] = value if convert is None else convert(value)
+        values[entry.name] = _taken(key, value, entry.default, entry.metadata["convert"])
     return cls(**values)
+
+
+def _taken(key: str, value: Any, default: Any, convert: Callable[[Any], Any] | None) -> Any:
+    """A config value as its setting takes it; a ValueError naming the key where it is not of
+    the default's kind (a number, never negative, and whole where the default is, unless the
+    setting takes it as a float; a list; a string; a boolean)."""
+    wanted = _kind(default, convert)
+    if wanted is not None and not _is_kind(value, wanted):
+        raise ValueError(f"config key {key!r} is {value!r}, not {wanted}")
+    return value if convert is None else convert(value)
+
+
+WHOLE, NUMBER, LIST, TEXT, BOOLEAN = (
+    "a whole number of at least 0",
+    "a number of at least 0",
+    "a list",
+    "a string",
+    "a boolean",
+)
+
+
+def _kind(default: Any, convert: Callable[[Any], Any] | None) -> str | None:
+    if isinstance(default, bool):
+        return BOOLEAN
+    if isinstance(default, int):
+        return NUMBER if convert is float else WHOLE
+    if isinstance(default, float):
+        return NUMBER
+    if isinstance(default, (list, tuple)):
+        return LIST
+    return TEXT if isinstance(default, str) else None
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind in (WHOLE, NUMBER):
+        types = int if kind == WHOLE else (int, float)
+        return isinstance(value, types) and not isinstance(value, bool) and value >= 0
+    if kind == LIST:
+        return isinstance(value, (list, tuple))
+    return isinstance(value, str if kind == TEXT else bool)
 
 
 class HeadsOfDim:

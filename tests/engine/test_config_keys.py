@@ -142,3 +142,36 @@ def test_a_folder_whose_fixed_key_differs_is_refused_at_load_naming_it(tmp_path)
     with pytest.raises(ContractError) as refused:
         registry.acquire(changed.name)
     assert refused.value.status == 400 and "'act_fn'" in refused.value.message
+
+
+DIT_CONFIGS = {
+    "ZImageTransformer2DModel": z_image.DiTConfig,
+    "Flux2Transformer2DModel": flux2.DiTConfig,
+    "Flux3Transformer2DModel": flux3.DiTConfig,
+    "Krea2Transformer2DModel": krea2.DiTConfig,
+    "QwenImage21Transformer2DModel": qwen_image21_layout.DiTConfig,
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIT_CONFIGS))
+def test_a_dit_config_value_of_another_type_is_refused_naming_its_key(name):
+    """Each whole-number setting given as a string or a negative number, and each other
+    setting given as an object, is refused naming its key (not a TypeError deep in the load)."""
+    from dataclasses import fields
+
+    config_class = DIT_CONFIGS[name]
+    config = {**defaults(name), **CHECKPOINT_VALUES.get(name, {})}
+    config_class.from_dict(config)
+    tried = 0
+    for entry in fields(config_class):
+        key = entry.metadata.get("key")
+        if key is None:
+            continue
+        wrong = [{"a": 1}]
+        if isinstance(entry.default, (int, float)) and not isinstance(entry.default, bool):
+            wrong += [str(entry.default), -1]
+        for value in wrong:
+            with pytest.raises(ValueError, match=repr(key)):
+                config_class.from_dict({**config, key: value})
+            tried += 1
+    assert tried > 5
