@@ -56,9 +56,15 @@ UNREAD_TRANSFER_CODING = (
 
 
 def log_request(method: str, path: str, status: int, started: float) -> None:
-    """The one log line of each answered request: `POST /path 413 0.4 ms`."""
+    """The one log line of each answered request: `POST /path 413 0.4 ms`; control characters
+    of the (decoded) path written escaped, so that no path writes a line of its own."""
     ms = (time.perf_counter() - started) * 1000.0
-    log.info("%s %s %s %.1f ms", method, path, status, ms)
+    log.info("%s %s %s %.1f ms", method, escaped(path), status, ms)
+
+
+def escaped(text: str) -> str:
+    """`text` with its control characters (newlines, NUL, ...) written as Python escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def body_limit(content_type: str | None) -> int:

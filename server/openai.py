@@ -65,6 +65,7 @@ from .engine.sampling import (
 from .image_store import StoreFull
 from .imagefiles import decode_image_file, mask_of
 from .memory import PlannedTransport
+from .routes.common import lone_surrogate
 
 log = logging.getLogger("gmlx.server")
 
@@ -240,6 +241,8 @@ def _text(fields: dict, name: str, required: bool = False) -> str | None:
         return None
     if not isinstance(value, str) or (required and not value.strip()):
         raise OpenAIError(400, f"{name} must be a non-empty string", name)
+    if (at := lone_surrogate(value)) is not None:
+        raise OpenAIError(400, f"{name} holds a lone surrogate at {at}, not a character", name)
     return value
 
 

@@ -278,9 +278,15 @@ def _band_of(band: Any, where: str) -> tuple[int, int, int] | None:
 
 
 def _number(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what} must be a finite number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{what} must be a finite number")
+    return number
 
 
 def _build_patch(where: str, patch: Any, adapters: dict[str, CachedTensor]) -> LoraPatch:
@@ -301,6 +307,8 @@ def _build_patch(where: str, patch: Any, adapters: dict[str, CachedTensor]) -> L
         raise ValueError(f"{where}: up {up.shape} and down {down.shape} disagree on the rank")
     alpha = patch.get("alpha")
     scale = 1.0 if alpha is None else _number(alpha, f"{where}.alpha") / rank
+    if not math.isfinite(scale * strength):
+        raise ValueError(f"{where}: alpha / rank x strength ({scale} x {strength}) is not finite")
     return LoraPatch(up=up, down=down, scale=scale, strength=strength)
 
 

@@ -205,3 +205,13 @@ def model_field(fields: dict) -> Any:
     where it is resolved, not taken for the default."""
     model = fields.get("model")
     return None if model == "" else model
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where a string holds a lone UTF-16 surrogate (JSON's "\\ud800"), which is no character
+    and which no tokenizer reads; None where it holds none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None

@@ -19,6 +19,7 @@ from .common import (
     flag,
     is_container_request,
     json_body,
+    lone_surrogate,
     model_field,
     send_container,
 )
@@ -38,6 +39,8 @@ class Encode(Resource):
         text = fields.get("text")
         if not isinstance(text, str):
             raise ContractError(400, "encode needs text: the prompt, a string")
+        if (at := lone_surrogate(text)) is not None:
+            raise ContractError(400, f"text holds a lone surrogate at {at}, not a character")
         refs = flag(fields, "refs", True)
         asked = upsampling_asked(fields.get("prompt_upsampling"))
         if images is None:

@@ -77,16 +77,19 @@ class RegisterAdapters(Resource):
     def _allowed_path(self, text) -> Path:
         if not isinstance(text, str) or not text:
             raise ContractError(400, "path must be a non-empty string")
+        # One answer whether or not a file is there: outside the model folders, the route must
+        # not tell a client which paths exist.
+        refusal = ContractError(
+            404, f"no adapter file at {text!r} inside the server's model folders"
+        )
         try:
             path = Path(text).expanduser().resolve(strict=True)
         except (OSError, RuntimeError):
-            raise ContractError(404, f"no adapter file at {text!r}") from None
+            raise refusal from None
         roots = [*self.registry.model_dirs, *self.registry.extra_models]
         inside = any(path.is_relative_to(root.expanduser().resolve()) for root in roots)
         if not inside or not path.is_file():
-            raise ContractError(
-                404, f"no adapter file at {text!r} inside the server's model folders"
-            )
+            raise refusal
         return path
 
     def _store(self, container: wire.Container, name: str) -> str:

@@ -60,6 +60,9 @@ def one_entry(key: str, up, down, band=None, **patch) -> tuple[dict, dict]:
         (TO_Q, (32, 32), None, {"mid": "0" * 64}, "unknown members"),
         (TO_Q, (32, 32), None, {"strength": "1"}, "finite number"),
         (TO_Q, (32, 32), None, {"alpha": float("nan")}, "finite number"),
+        (TO_Q, (32, 32), None, {"alpha": 10**400}, "finite number"),
+        (TO_Q, (32, 32), None, {"strength": -(10**400)}, "finite number"),
+        (TO_Q, (32, 32), None, {"alpha": 1e308, "strength": 1e10}, "not finite"),
     ],
 )  # fmt: skip
 def test_refusals(engine, key, shapes, band, patch, message):

@@ -219,3 +219,22 @@ def test_container_type_with_parameters_is_accepted(live):
     headers = {"Content-Type": CONTAINER["Content-Type"] + "; charset=binary"}
     r = live.call("PUT", f"tensors/{digest}", data=digest_body, headers=headers)
     assert r.status_code == 200 and r.json() == {"hash": digest}
+
+
+def test_a_path_with_control_characters_writes_one_log_line(caplog):
+    """The request log escapes the decoded path: `%0A` cannot forge a line of its own."""
+    import logging
+    import time
+
+    from gmlx_server.http_gate import log_request
+
+    with caplog.at_level(logging.INFO, logger="gmlx.server"):
+        log_request(
+            "POST",
+            "/runs/abc\n2026-12-05 INFO gmlx.server: FORGED\x00/end",
+            200,
+            time.perf_counter(),
+        )
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "\x00" not in line
+    assert line.startswith("POST /runs/abc\\n2026-12-05 INFO gmlx.server: FORGED\\x00/end 200 ")

@@ -183,6 +183,11 @@ def test_register_refuses_paths_outside_the_model_folders(live, tmp_path):
     assert live.post_json("adapters/register", {"path": str(root / "alpha")}).status_code == 404
     assert live.post_json("adapters/register", {"path": 5}).status_code == 400
     assert live.post_json("adapters/register", {}).status_code == 400
+    # outside them, a file that is there and one that is not get the same words: the route
+    # tells no client which paths exist
+    there = live.post_json("adapters/register", {"path": str(outside)}).json()["error"]
+    missing = live.post_json("adapters/register", {"path": str(outside) + "-none"}).json()
+    assert missing["error"] == there.replace(str(outside), str(outside) + "-none")
 
 
 def test_register_refuses_a_file_that_is_not_a_container(live):

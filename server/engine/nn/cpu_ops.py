@@ -106,7 +106,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
 def _block_shape(heads: int, rows_total: int, keys: int) -> tuple[int, int]:
     """(query rows, heads) per block: whole heads while a head's rows fit the budget, else at
     least _MIN_BLOCK_ROWS rows of one head."""
-    rows_in_budget = SCORE_BLOCK_BYTES // (4 * keys)
+    rows_in_budget = SCORE_BLOCK_BYTES // (4 * max(1, keys))
+    rows_total = max(1, rows_total)  # an estimate of no rows (a latent too small to patchify)
     if rows_in_budget >= rows_total:
         return rows_total, max(1, min(heads, rows_in_budget // rows_total))
     return max(_MIN_BLOCK_ROWS, rows_in_budget), 1

@@ -132,6 +132,29 @@ def test_engine_refusals_are_400(qwen):
     assert qwen.post_json("encode", {"text": "x", "images": [tiny]}).status_code == 400
 
 
+def test_hostile_prompts_and_references_are_400_and_the_server_goes_on(qwen):
+    """A prompt past the tokens the DiT's RoPE table holds is refused before the text encoder
+    runs (its attention grows with the square of the length: a long enough prompt exhausted
+    the machine's memory); a lone surrogate is no text; a reference latent of no area is no
+    reference. Each names what is wrong, and a normal encode follows."""
+    from gmlx_server.engine.families.qwen_image21.prompt import MAX_PROMPT_TOKENS
+
+    r = qwen.post_json("encode", {"text": "a " * (MAX_PROMPT_TOKENS + 8)})
+    assert r.status_code == 400 and f"reads at most {MAX_PROMPT_TOKENS}" in r.json()["error"]
+    r = qwen.post_json("encode", {"text": "a\udfff b"})
+    assert r.status_code == 400 and "lone surrogate at 1" in r.json()["error"], r.text
+    encoded = qwen.post_json("encode", {"text": "a red cube"})
+    assert encoded.status_code == 200
+    cond = wire.read_container(encoded.content).fields["cond"]
+    empty = qwen.put_tensor(np.zeros((1, 64, 0, 0), np.float32))
+    x = np.zeros((1, 64, 4, 4), np.float32)
+    rows = [{"cond": cond, "ref_latents": [empty]}]
+    r = qwen.post_container(
+        "step", {"x": x, "timestep": np.full(1, 0.5, np.float32)}, {"rows": rows}
+    )
+    assert r.status_code == 400 and "h and w at least 1" in r.json()["error"], r.text
+
+
 def test_status_of_a_misconfigured_folder_is_400_naming_the_missing_piece(qwen, tmp_path):
     import json
     import shutil

@@ -102,6 +102,9 @@ def test_bad_steps_are_refused(live):
         "latents 5x6 (48x40 pixels): Z-Image takes images whose sides are multiples of 16"
         in (odd.json()["error"])
     )
+    for sides in ((1, 1), (1, 2), (2, 1)):  # no token at all: the quick plan estimates none
+        tiny = step(live, np.zeros((1, 16, *sides), np.float32), [0.5], [cond])
+        assert tiny.status_code == 400 and "multiples of 16" in tiny.json()["error"], tiny.text
     r = step(live, np.zeros((1, 16, 4, 4), np.float32), [0.5], [cond[:, :, :8]])
     assert r.status_code == 400 and "conditioning" in r.text
     ref = live.put_tensor(np.ones((1, 16, 4, 4), np.float32))

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...base import EngineInputError
 from ...encoders.prompt import PromptEncoder
 from ...encoders.qwen3.processor import VisionPreprocessor
 from ...encoders.qwen3.tokenizer import (
@@ -58,6 +59,12 @@ class PromptEncoding:
     token_ids: np.ndarray | None = None  # (L_all,) the ids after the dropped system prefix
 
 
+# The most tokens a prompt may hold: the reference DiT's RoPE table holds 8192 frame positions
+# (diffusers' QwenImage21 rotary embedding), and the pipeline cuts no prompt, so a longer one is
+# refused before the text encoder, whose attention grows with the square of its length, runs.
+MAX_PROMPT_TOKENS = 8192
+
+
 class QwenImage21PromptEncoder(PromptEncoder):
     """Qwen3-VL whole (a GGUF pair is llama.cpp's language model and its `mmproj`), under the
     pipeline's template, with the vision preprocessor of processor/ for reference images."""
@@ -97,6 +104,11 @@ class QwenImage21PromptEncoder(PromptEncoder):
 
     def encode_prepared(self, text: str, references: list[ReferenceImage]) -> PromptEncoding:
         prompt = self.tokenizer.encode(text, [ref.slot_count for ref in references])
+        if prompt.ids.shape[0] > MAX_PROMPT_TOKENS:
+            raise EngineInputError(
+                f"the prompt is {prompt.ids.shape[0]} tokens (with its template and image"
+                f" slots); {SPEC.title} reads at most {MAX_PROMPT_TOKENS}"
+            )
         (hidden,) = self.encoder.hidden_states(
             prompt.ids, prompt.image_spans, references, TAPPED_LAYERS
         )

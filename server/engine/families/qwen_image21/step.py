@@ -94,9 +94,10 @@ def _pack_reference(latent, channels: int, index: int) -> tuple[np.ndarray, tupl
     latent = np.asarray(latent, dtype=np.float32)
     if latent.ndim == 4 and latent.shape[0] == 1:
         latent = latent[0]
-    if latent.ndim != 3 or latent.shape[0] != channels:
+    if latent.ndim != 3 or latent.shape[0] != channels or 0 in latent.shape:
         raise EngineInputError(
             f"reference latent {index} must be ({channels}, h, w) or (1, {channels}, h, w),"
+            " h and w at least 1,"
             f" got {tuple(np.shape(latent))}"
         )
     _, h, w = latent.shape
