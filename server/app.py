@@ -172,9 +172,13 @@ class FrontGate:
         if body and not container and not multipart and body.strip():
             try:
                 req.context.json = wire.load_json(body)
-            except ValueError:
+            except ValueError as error:
                 # tensor containers are the step routes' alone: an OpenAI client is not told
-                hint = "" if _in_openai(req) else f" (tensor bodies need {wire.CONTAINER_TYPE})"
+                hint = (
+                    ""
+                    if _in_openai(req)
+                    else f": {error} (tensor bodies need {wire.CONTAINER_TYPE})"
+                )
                 raise GateError(
                     400, "invalid_request_error", "the request body is not JSON" + hint
                 ) from None

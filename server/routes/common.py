@@ -140,8 +140,8 @@ def raw_json_body(req: falcon.Request) -> Any:
         return {}
     try:
         return wire.load_json(body)
-    except ValueError:
-        raise ContractError(400, "the request body is not JSON") from None
+    except ValueError as error:
+        raise ContractError(400, f"the request body is not JSON: {error}") from None
 
 
 def is_container_request(req: falcon.Request) -> bool:

@@ -238,3 +238,11 @@ def test_a_path_with_control_characters_writes_one_log_line(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert "\n" not in line and "\x00" not in line
     assert line.startswith("POST /runs/abc\\n2026-12-05 INFO gmlx.server: FORGED\\x00/end 200 ")
+
+
+def test_a_json_body_nested_too_deep_is_told_so(live):
+    body = "[" * 70 + "]" * 70
+    r = live.call("POST", "models/load", data=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "nests deeper than 64 levels" in r.text, r.text
+    r = live.call("POST", "models/load", data="{", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not JSON: Expecting property name" in r.text, r.text
