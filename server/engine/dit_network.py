@@ -8,6 +8,7 @@ its single files and its shard plan): FolderFamily reads the status, manifest, c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ from .nn.dtypes import default_compute_dtype, tree_bytes
 from .nn.embeddings import time_frequencies
 from .shard import Shard, Stages
 from .weights import load_dit_tree, read_config, tensor_infos
+
+log = logging.getLogger("gmlx.server")
+# (transformer folder, its unread tensors) already said in the log: a load checks twice
+_UNREAD_SAID: set[tuple[Path, tuple[str, ...]]] = set()
 
 
 def _no_extras(manifest: dict) -> dict:
@@ -96,7 +101,8 @@ class DiTPart:
         """Refuse, before anything loads, a transformer/ folder whose config cannot be read,
         whose safetensors are not whole (file_headers.HeaderError naming the file), or that
         lacks a tensor its config gives or holds it in another shape (a ValueError naming the
-        folder and the tensor), as DiTFile.open refuses a single file."""
+        folder and the tensor), as DiTFile.open refuses a single file; tensors the config does
+        not read are said in the log."""
         config = self.config.from_dict(read_config(transformer_dir))
         stored = {info.name: info.shape for info in tensor_infos(transformer_dir)}
         if self.tensor_shapes is None:
@@ -114,6 +120,17 @@ class DiTPart:
                     f"{transformer_dir}: tensor {name} has shape {list(stored[name])} where"
                     f" its config.json gives {list(expected)}"
                 )
+        unread = sorted(set(stored) - set(shapes))
+        said = (Path(transformer_dir), tuple(unread))
+        if unread and said not in _UNREAD_SAID:  # said once, not refused: a release may
+            _UNREAD_SAID.add(said)  # carry a tensor no forward reads
+            log.warning(
+                "%s holds %d tensors its config.json does not read (%s, ...): a config that"
+                " names fewer blocks than the weights hold runs a smaller network",
+                transformer_dir,
+                len(unread),
+                unread[0],
+            )
 
 
 class DiTNetwork:

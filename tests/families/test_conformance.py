@@ -22,7 +22,8 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 - a GGUF DiT steps as the same network on `gguf.quants.dequantize`'s weights;
 - a truncated GGUF DiT is refused (400, naming the file) before the resident model goes, as
   are folders damaged in place (a DiT tensor of another shape than its config gives, a VAE
-  file cut short, a text encoder file whose header holds no tensors);
+  file cut short, a text encoder file whose header holds no tensors), while a DiT tensor the
+  config does not read loads and is named in the log;
 - a released text encoder frees its weights, and the next encode loads it again with the
   same conditioning;
 - the encoder and the VAE at the entry's `encoder_vae_dtype` bf16 stay within bf16's
@@ -565,6 +566,25 @@ def test_a_damaged_folder_is_refused_before_the_resident_model_goes(served):
         status = live.call("GET", f"models/{model_id}/status")
         assert status.status_code in (200, 400), (model_id, status.text)
         assert "plain" in registry.resident_ids(), model_id
+
+
+def test_a_dit_tensor_its_config_does_not_read_is_said_in_the_log(served, caplog):
+    """A tensor no forward reads (a config naming fewer blocks than its weights hold, or a
+    release's stray tensor) loads, and the log names it."""
+    live, _ = served
+    registry = live.ctx.registry
+    plain = registry.resolve("plain").path
+    folder = plain.parent / "unread-tensor"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(plain, folder)
+    path = sorted((folder / "transformer").glob("*.safetensors"))[0]
+    state = load_file(str(path))
+    save_file({**state, "unread.weight": np.zeros((2, 2), np.float32)}, str(path))
+    with caplog.at_level("WARNING", logger="gmlx.server"):
+        assert live.post_json("models/load", {"model": "unread-tensor"}).status_code == 200
+    said = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert len(said) == 1 and "1 tensors" in said[0] and "unread.weight" in said[0], said
+    live.post_json("models/unload", {"model": "unread-tensor"})
 
 
 def test_the_encoder_and_the_vae_in_bf16_stay_within_its_tolerance(served):
