@@ -568,6 +568,25 @@ def test_a_damaged_folder_is_refused_before_the_resident_model_goes(served):
         assert "plain" in registry.resident_ids(), model_id
 
 
+def test_a_tokenizer_missing_or_unreadable_is_refused_naming_it(served):
+    live, _ = served
+    plain = live.ctx.registry.resolve("plain").path
+    for model_id, damage, status in (
+        ("no-tokenizer", Path.unlink, 404),
+        ("bad-tokenizer", "{", 400),
+    ):
+        folder = plain.parent / model_id
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(plain, folder)
+        (path,) = [p for p in folder.rglob("tokenizer.json") if "text_encoder" not in p.parts]
+        if callable(damage):
+            damage(path)
+        else:
+            path.write_text(damage)
+        r = live.post_json("models/load", {"model": model_id})
+        assert r.status_code == status and str(path) in r.text, (model_id, r.text)
+
+
 def test_a_dit_tensor_its_config_does_not_read_is_said_in_the_log(served, caplog):
     """A tensor no forward reads (a config naming fewer blocks than its weights hold, or a
     release's stray tensor) loads, and the log names it."""

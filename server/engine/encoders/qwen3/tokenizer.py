@@ -67,6 +67,18 @@ class TokenizedPrompt:
     image_spans: list[tuple[int, int]]  # per image, [start, end) of its pad tokens in ids
 
 
+def read_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer.json file; a FileNotFoundError naming it where it is missing, a ValueError
+    naming it where `tokenizers` cannot read it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (the model's tokenizer)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - `tokenizers` raises a bare Exception
+        raise ValueError(f"{path} is not a tokenizer.json `tokenizers` reads: {exc}") from None
+
+
 class QwenPromptTokenizer:
     """The processor folder's tokenizer.json under a family's `PromptTemplate`."""
 
@@ -78,7 +90,7 @@ class QwenPromptTokenizer:
 
     @classmethod
     def load(cls, processor_dir: Path, template: PromptTemplate) -> QwenPromptTokenizer:
-        return cls(Tokenizer.from_file(str(Path(processor_dir) / "tokenizer.json")), template)
+        return cls(read_tokenizer(Path(processor_dir) / "tokenizer.json"), template)
 
     def token_id(self, token: str) -> int:
         """The id of `token` (a ValueError where tokenizer.json has none)."""

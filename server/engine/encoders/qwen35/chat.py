@@ -30,6 +30,7 @@ from ...nn.dtypes import tree_bytes
 from ...nn.rope import cos_sin, inverse_frequencies
 from ...precision import Quantization
 from ...weights import load_module, load_weights, read_config
+from ..qwen3.tokenizer import read_tokenizer
 from .text import TextConfig, TextModel, module_name
 
 HEAD = "lm_head.weight"
@@ -107,7 +108,7 @@ class ChatModel:
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ChatModelError(f"{folder} has no tokenizer.json")
-        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer = read_tokenizer(tokenizer_file)
         return cls(
             network,
             tokenizer,

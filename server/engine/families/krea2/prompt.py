@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from ...encoders.qwen3.tokenizer import read_tokenizer
 from ...encoders.qwen3.vl import TappedTextPrompt
 from .spec import MAX_SEQUENCE_LENGTH, PREFIX, PREFIX_ROWS, SELECT_LAYERS, SUFFIX, SUFFIX_TOKENS
 
@@ -27,7 +28,7 @@ class Krea2PromptEncoder(TappedTextPrompt):
 
     @staticmethod
     def read_tokenizer(folder: Path) -> Tokenizer:
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return read_tokenizer(folder / "tokenizer.json")
 
     def token_ids(self, text: str) -> np.ndarray:
         """The pipeline's real tokens: prefix and prompt cut to its length, then the suffix."""

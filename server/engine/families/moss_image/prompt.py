@@ -15,9 +15,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from tokenizers import Tokenizer
 
 from ...encoders.prompt import PromptEncoder
+from ...encoders.qwen3.tokenizer import read_tokenizer
 from ...encoders.qwen35.text import Qwen35Part, load_text_model
 from .spec import CHAT_TEXT, MAX_SEQUENCE_LENGTH
 
@@ -32,7 +32,7 @@ class MOSSImagePromptEncoder(PromptEncoder):
     @classmethod
     def from_folder(cls, model_dir: Path, dtype: mx.Dtype, quantization, gguf):
         model, weight_bytes = load_text_model(model_dir / "text_encoder", dtype, quantization, gguf)
-        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer" / "tokenizer.json"))
+        tokenizer = read_tokenizer(model_dir / "tokenizer" / "tokenizer.json")
         return cls(model, tokenizer, weight_bytes, model.config.hidden_size, dtype)
 
     def token_ids(self, text: str) -> np.ndarray:
