@@ -317,7 +317,7 @@ def comfy_files(folders: dict[str, list[Path]]) -> dict[str, list[Path]]:
 
 # path -> ((size, time), the header or the HeaderError reading it gave)
 _HEADERS: dict[Path, tuple[tuple[int, int], Header | HeaderError]] = {}
-# the files (with their stamps) whose tensors broke a rule's test, said once in the log
+# the files (paths and sizes) whose tensors broke a rule's test, said once in the log
 _UNFIT: set[tuple] = set()
 
 

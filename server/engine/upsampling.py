@@ -24,8 +24,9 @@ MAX_NEW_TOKENS = 3584  # the pipelines' default
 SYSTEM_PROMPTS = "system_prompts.json"
 TEXT_TO_IMAGE = "t2i"  # its key there
 # A token's cached keys and values, per attention layer, in float32 at the most (a bound for
-# the memory plan): the prompt and MAX_NEW_TOKENS new ones.
-PROMPT_TOKENS_PLANNED = 1024
+# the memory plan): the conversation (the upsampler's system prompt, often a thousand words,
+# and the request) and MAX_NEW_TOKENS new ones. A longer conversation is refused.
+PROMPT_TOKENS_PLANNED = 4096
 
 
 def system_prompt(folder: Path) -> str | None:
@@ -51,8 +52,16 @@ def text_part(text: str) -> dict:
 
 
 def upsampled(chat: ChatModel, request: str, system: str | None, max_new_tokens: int) -> str:
-    """The rewritten prompt: one greedy generation of at most `max_new_tokens` tokens."""
+    """The rewritten prompt: one greedy generation of at most `max_new_tokens` tokens, from a
+    conversation of at most PROMPT_TOKENS_PLANNED (what the memory plan counts: a longer one
+    is refused before the chat model runs)."""
     ids = chat.prompt_ids(messages(request, system), enable_thinking=False)
+    if len(ids) > PROMPT_TOKENS_PLANNED:
+        raise ChatModelError(
+            f"the prompt to rewrite is {len(ids)} tokens with the upsampler's template; it"
+            f" rewrites at most {PROMPT_TOKENS_PLANNED}: shorten it, or send"
+            " prompt_upsampling false"
+        )
     answer = chat.decode(chat.greedy(ids, max_new_tokens).ids).strip()
     if not answer:
         raise ChatModelError("the prompt upsampler answered an empty prompt")

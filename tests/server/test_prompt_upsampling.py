@@ -129,6 +129,17 @@ def test_an_asked_rewrite_is_the_pipelines_and_both_prompts_are_encoded(served, 
     assert server.call("HEAD", f"tensors/{answer.fields['cond_typed']}").status_code == 200
 
 
+def test_a_prompt_longer_than_the_plan_counts_is_refused_before_the_chat_model_runs(served):
+    from gmlx_server.engine.upsampling import PROMPT_TOKENS_PLANNED
+
+    server, model = served
+    long = " ".join(["fox"] * (PROMPT_TOKENS_PLANNED + 10))
+    reply = server.post_json("encode", {"model": model, "text": long, "prompt_upsampling": True})
+    assert reply.status_code == 400, reply.text
+    assert f"rewrites at most {PROMPT_TOKENS_PLANNED}" in reply.json()["error"]
+    assert encode(server, model, text=long, prompt_upsampling=False).tensors["cond"].size
+
+
 def test_the_entry_decides_what_the_request_leaves_open(served):
     server, _ = served
     on = encode(server, "upsampling", text=REQUEST)
