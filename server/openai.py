@@ -601,11 +601,10 @@ class Generations(ImageRoute):
 
 class Edits(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        fields, images, mask = image_fields(req)
+        most = f"at most {MAX_REFERENCES} images"
+        fields, images, mask = image_fields(req, MAX_REFERENCES, most)
         if not images:
             raise OpenAIError(400, "an edit needs at least one image", "image")
-        if len(images) > MAX_REFERENCES:
-            raise OpenAIError(400, f"at most {MAX_REFERENCES} images", "image")
         job = parse_job(fields, edit_size(images[0]))
         job = replace(job, events="image_edit")
         if mask is not None:
@@ -624,7 +623,7 @@ class Edits(ImageRoute):
 
 class Variations(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        fields, images, mask = image_fields(req)
+        fields, images, mask = image_fields(req, 1, "a variation takes exactly one image")
         if len(images) != 1:
             raise OpenAIError(400, "a variation takes exactly one image", "image")
         if mask is not None:
@@ -698,16 +697,18 @@ def json_fields(req: falcon.Request) -> dict:
     return doc
 
 
-def json_images(fields: dict) -> list[np.ndarray]:
+def json_images(fields: dict, most: int, refusal: str) -> list[np.ndarray]:
     """References of a JSON edit: `images` or else `image`, one or a list, each a base64 string,
     a base64 data URI, or an object with `image_url` (data URI) or `b64_json`. Remote URLs are
-    refused."""
+    refused; so are more than `most` (`refusal`), before any is decoded."""
     field = "images" if "images" in fields else "image"
     values = fields.get(field)
     if values is None:
         return []
     if not isinstance(values, list):
         values = [values]
+    if len(values) > most:
+        raise OpenAIError(400, refusal, field)
     return [_decode(field, i, _base64_of(field, i, value)) for i, value in enumerate(values)]
 
 
@@ -745,37 +746,42 @@ def _decode_file(field: str, index: int, data: bytes) -> np.ndarray:
         raise OpenAIError(400, f"{field}[{index}]: {exc}", field) from None
 
 
-def image_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray], np.ndarray | None]:
+def image_fields(
+    req: falcon.Request, most: int, refusal: str
+) -> tuple[dict, list[np.ndarray], np.ndarray | None]:
     """The fields, images and mask (uint8 (H, W), 255 where to paint; None: none) of an edit
-    or a variation, multipart or JSON."""
+    or a variation, multipart or JSON; more than `most` images are refused (`refusal`) before
+    any is decoded (a small file may hold a large image)."""
     if (req.content_type or "").split(";", 1)[0].strip() == "multipart/form-data":
-        fields, images, mask_file = multipart_fields(req)
+        fields, files, mask_file = multipart_fields(req)
+        if len(files) > most:
+            raise OpenAIError(400, refusal, "image")
+        images = [_decode_file("image", i, data) for i, data in enumerate(files)]
         mask = None if mask_file is None else _decode_file("mask", 0, mask_file)
     else:
         fields = json_fields(req)
-        images = json_images(fields)
+        images = json_images(fields, most, refusal)
         mask = fields.get("mask")
         if mask is not None:
             mask = _decode("mask", 0, _base64_of("mask", 0, mask))
     return fields, images, None if mask is None else mask_of(mask)
 
 
-def multipart_fields(req: falcon.Request) -> tuple[dict, list[np.ndarray], bytes | None]:
-    """Fields, images (`image`, `image[]`, `images` or `images[]` parts) and the mask file of a
-    multipart body."""
+def multipart_fields(req: falcon.Request) -> tuple[dict, list[bytes], bytes | None]:
+    """Fields, image files (`image`, `image[]`, `images` or `images[]` parts, not decoded) and
+    the mask file of a multipart body."""
     body = getattr(req.context, "body", None)
     if body is None:
         body = req.bounded_stream.read()
     handler = req.options.media_handlers["multipart/form-data"]
     fields: dict[str, Any] = {}
-    images: list[np.ndarray] = []
+    images: list[bytes] = []
     mask = None
     try:
         for part in handler.deserialize(io.BytesIO(body), req.content_type, len(body)):
             name = part.name or ""
             if name in IMAGE_PARTS:
-                data = part.stream.read()
-                images.append(_decode_file("image", len(images), data))
+                images.append(part.stream.read())
             elif name == "mask":
                 mask = part.stream.read()
             else:

@@ -162,6 +162,20 @@ def test_edit_multipart_and_json_agree(server):
     assert not np.array_equal(a, png_pixels(plain.json()["data"][0]["b64_json"]))
 
 
+def test_too_many_images_are_refused_before_any_is_decoded(server):
+    """A small file may hold a large image: eleven parts (of junk, which a decode would refuse
+    first) are counted before any is decoded, in both forms, as is a variation's second."""
+    junk = [("image[]", (f"{i}.png", b"not an image")) for i in range(11)]
+    multipart = post(server, "/v1/images/edits", data={"prompt": "x"}, files=junk)
+    assert multipart.status_code == 400, multipart.text
+    assert multipart.json()["error"]["message"] == "at most 10 images"
+    as_json = post(server, "/v1/images/edits", json={"prompt": "x", "images": ["AAAA"] * 11})
+    assert as_json.status_code == 400 and as_json.json()["error"]["message"] == "at most 10 images"
+    two = post(server, "/v1/images/variations", files=junk[:2])
+    assert two.status_code == 400
+    assert two.json()["error"]["message"] == "a variation takes exactly one image"
+
+
 def test_edit_auto_size_and_refusals(server):
     image = png_file(40, 72, 4)  # auto size: 32x64 (down to multiples of 16)
     resp = post(
