@@ -207,6 +207,10 @@ def rank_group(args: argparse.Namespace):
 
 
 def run_sample(args: argparse.Namespace) -> int:
+    refused = output_refusal(args.out, "--out")
+    if refused:
+        print(f"gmlx image sample: {refused}", file=sys.stderr)
+        return EXIT_USAGE
     prepare_process()
     with rank_group(args) as group:
         return _sample(args, group)
@@ -220,7 +224,11 @@ def _sample(args: argparse.Namespace, group: Any) -> int:
     if isinstance(done, int):
         return done
     choice, request, (pixels, steps) = done
-    write_png(pixels, args.out)
+    try:
+        write_png(pixels, args.out)
+    except OSError as exc:
+        print(f"gmlx image sample: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(
         f"wrote {args.out} ({request.width}x{request.height}, {steps} steps, "
         f"seed {request.seed}, model {choice.model_id}{', via the step routes' if args.via_steps else ''})"
@@ -386,6 +394,19 @@ def _message(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
+def output_refusal(path: Path | None, flag: str) -> str | None:
+    """Why `path` cannot take a command's output, told before any work (None: it may): a
+    folder, or a place under a file or where this user may not write."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return f"{flag} {str(path)!r} is a folder; name a file"
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        return f"{flag} {path}: {existing} is not a folder this user may write in"
+    return None
+
+
 def write_png(pixels: np.ndarray, path: Path) -> None:
     from PIL import Image
 
@@ -408,6 +429,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.warmup < 0:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
+    refused = output_refusal(args.json_out, "--json-out")
+    if refused:
+        print(f"gmlx image bench: {refused}", file=sys.stderr)
+        return EXIT_USAGE
     prepare_process()
     with rank_group(args) as group:
         return _bench(args, group)
@@ -425,8 +450,12 @@ def _bench(args: argparse.Namespace, group: Any) -> int:
     record = done[2]
     text = json.dumps(record, indent=2)
     if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
+        try:
+            args.json_out.parent.mkdir(parents=True, exist_ok=True)
+            args.json_out.write_text(text + "\n")
+        except OSError as exc:
+            print(f"gmlx image bench: cannot write {args.json_out}: {exc}", file=sys.stderr)
+            return 1
     if args.json:
         print(text)
     else:

@@ -474,3 +474,21 @@ def test_every_command_has_a_description_and_shows_its_defaults(monkeypatch):
     sample = " ".join(parsers[("gmlx", "image", "sample")].format_help().split())
     assert "--seed SEED noise seed (default: 0)" in sample
     assert "--width WIDTH image width in pixels (default: 1024)" in sample
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    """A folder, or a path under a file, is refused at once (2), naming the flag; the model is
+    never loaded (the configuration names none that exists)."""
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\ndefault_model = "never-loaded"\n')
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    cases = [
+        (["image", "sample", "--prompt", "x", "--out", str(tmp_path)], "is a folder; name a file"),
+        (["image", "sample", "--prompt", "x", "--out", str(a_file / "x.png")], "is not a folder"),
+        (["image", "bench", "--json-out", str(tmp_path)], "--json-out"),
+    ]
+    for argv, words in cases:
+        assert cli.main([*argv, "--config", str(config)]) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and "never-loaded" not in err, err
