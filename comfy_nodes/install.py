@@ -120,7 +120,13 @@ def install(
     if editable and Path(target).is_dir():
         command.append("-e")
     command.append(target)
-    done = run(command, check=False)
+    try:
+        done = run(command, check=False)
+    except OSError as error:  # not a program: a folder, a missing file, no permission
+        raise GmlxError(
+            f"gmlx: cannot run {interpreter} ({error.strerror or error}); name ComfyUI's Python"
+            " with --python"
+        ) from None
     if done.returncode != 0:
         raise GmlxError(f"gmlx: pip failed in ComfyUI's Python ({' '.join(command)})")
     replaced = link_pack(custom_nodes, pack_dir)
@@ -315,6 +321,12 @@ def _install(args: argparse.Namespace) -> None:
     result = install(args.comfy, python=args.python)
     print(f"linked {result.link} -> {PACK_DIR}")
     print(f"installed into {result.python}; restart ComfyUI to load the gmlx nodes")
+    if args.python is None and _same_file(result.python, Path(sys.executable)):
+        print(
+            f"note: {args.comfy} holds no Python of its own (venv/, .venv/ or a portable build's"
+            " python_embeded/), so gmlx's own Python was used; if ComfyUI runs in another,"
+            " install again with --python naming it"
+        )
 
 
 def uninstall_main(argv: list[str] | None = None) -> int:

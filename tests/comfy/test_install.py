@@ -77,6 +77,17 @@ def test_refuses_a_folder_that_is_not_comfyui_and_a_failed_pip(tmp_path):
     assert not (root / "custom_nodes" / "gmlx_steps").exists()
 
 
+def test_a_python_that_does_not_run_is_one_line_and_nothing_is_linked(tmp_path):
+    root = _comfy(tmp_path)
+    env = {"GMLX_COMFY_SETTINGS": str(tmp_path / "s.json")}
+    for python in (tmp_path / "missing" / "python", tmp_path):  # no file; a folder
+        with pytest.raises(GmlxError) as refused:
+            install.install(root, python=python, environ=env)  # subprocess.run itself
+        assert str(refused.value).startswith(f"gmlx: cannot run {python} (")
+        assert str(refused.value).endswith("name ComfyUI's Python with --python")
+    assert not (root / "custom_nodes" / "gmlx_steps").exists()
+
+
 def test_pip_target_without_a_source_tree(tmp_path):
     assert install.pip_target(tmp_path / "pack", "0.1.0") == "gmlx-steps==0.1.0"
 
@@ -208,3 +219,21 @@ def test_install_records_the_gmlx_that_serves_unless_one_is_set(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps(doc))
     install.install(root, python=Path(sys.executable), run=Recorder(), environ=env)
     assert json.loads((tmp_path / "s.json").read_text())["gmlx_command"] == ["/opt/mine/gmlx"]
+
+
+def test_an_install_into_gmlxs_own_python_says_so(tmp_path, monkeypatch, capsys):
+    """With no --python and no Python in the ComfyUI folder, the fallback (the Python running
+    gmlx) is said, with how to name another."""
+    root = _comfy(tmp_path)
+    made = install.InstallResult(
+        link=root / "custom_nodes" / "gmlx_steps",
+        python=Path(sys.executable),
+        pip_command=[],
+        replaced_link=False,
+    )
+    monkeypatch.setattr(install, "install", lambda comfy_dir, python=None: made)
+    assert install.main(["--comfy", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {root} holds no Python of its own" in out and "--python" in out
+    assert install.main(["--comfy", str(root), "--python", sys.executable]) == 0
+    assert "note:" not in capsys.readouterr().out
