@@ -28,6 +28,9 @@ from pathlib import Path
 from .engine.precision import DEFAULT_GROUP_SIZE, Quantization
 
 RETRIES = 3  # a file whose download fails is tried again this often, resuming where it stopped
+# How long the Hub may take to answer the file listing (huggingface_hub waits for ever): a
+# network that takes the connection and never answers (a login page, a dropping firewall).
+HUB_TIMEOUT_S = 30.0
 WEIGHTS_SUFFIX = ".safetensors"
 STAGING = ".pull-float"  # the float shards of a quantized pull, one at a time
 BF16_BYTES = 2
@@ -130,7 +133,7 @@ def repo_files(repo: str, revision: str | None) -> tuple[str, list[RepoFile]]:
 
     api = HfApi()
     try:
-        info = api.model_info(repo, revision=revision, files_metadata=True)
+        info = api.model_info(repo, revision=revision, files_metadata=True, timeout=HUB_TIMEOUT_S)
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise PullError(
             f"the Hub has no {repo}{'@' + revision if revision else ''}: {exc}"

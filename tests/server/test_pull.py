@@ -226,3 +226,23 @@ def test_no_model_dirs_and_no_hub_are_said_plainly(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "cannot reach the Hub at http://127.0.0.1:9" in done.stderr
     assert "HF_ENDPOINT" in done.stderr
+
+
+def test_a_hub_that_takes_the_connection_and_never_answers_is_said_plainly(monkeypatch):
+    """A login page or a dropping firewall: the listing gives up after HUB_TIMEOUT_S."""
+    import socket
+    import time
+
+    import huggingface_hub.constants
+    from gmlx_server import pull
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = "http://127.0.0.1:%d" % silent.getsockname()[1]
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
+        monkeypatch.setattr(pull, "HUB_TIMEOUT_S", 1.0)
+        started = time.monotonic()
+        with pytest.raises(pull.PullError, match=f"cannot reach the Hub at {url}"):
+            pull.repo_files(REPO, None)
+        assert time.monotonic() - started < 20
