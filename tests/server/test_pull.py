@@ -239,7 +239,7 @@ def test_a_hub_that_takes_the_connection_and_never_answers_is_said_plainly(monke
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        url = "http://127.0.0.1:%d" % silent.getsockname()[1]
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
         monkeypatch.setattr(pull, "HUB_TIMEOUT_S", 1.0)
         started = time.monotonic()
