@@ -54,7 +54,10 @@ from gmlx_contract.errors import ContractError
 from .engine.base import EngineInputError
 from .engine.previews import preview_for
 from .engine.sampling import (
+    MAX_GUIDANCE,
     MAX_MASK_BLUR,
+    MAX_SEED,
+    MAX_STEPS,
     SAMPLERS,
     ImageRequest,
     SettingError,
@@ -83,9 +86,6 @@ DEFAULT_IMAGE_STRENGTH = 0.75
 MAX_REFERENCES = 10
 DEFAULT_SIZE = (1024, 1024)
 SIZE_MULTIPLE = 16
-MAX_STEPS = 1000
-MAX_SEED = 2**63 - 1
-MAX_GUIDANCE = 100
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 RESPONSE_FORMATS = ("b64_json", "url")
 SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # whole value; docs/openapi.yaml says so too

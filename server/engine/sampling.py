@@ -56,6 +56,10 @@ class Guidance:
 
 
 MAX_MASK_BLUR = 256.0  # pixels
+# The bounds of a request's numbers, for every way one comes (the routes, the command line).
+MAX_STEPS = 1000
+MAX_SEED = 2**63 - 1
+MAX_GUIDANCE = 100
 # The longest schedule a strength below 1 may shorten (int(steps / strength) steps).
 MAX_SCHEDULE = 10_000
 
@@ -456,6 +460,7 @@ def check_request(status: dict, request: ImageRequest) -> tuple[np.ndarray, floa
     cannot take: a size off the model's stride or over the step routes' pixel limits, a step
     count or sampler its schedule does not allow."""
     stride = int(status["latent"]["stride"]) * int(status["latent"].get("patch", 1))
+    check_numbers(request)
     check_pixel_limits(request.width, request.height)
     check_image_size(request.width, request.height, stride)
     check_image_start(request)
@@ -474,6 +479,19 @@ def check_request(status: dict, request: ImageRequest) -> tuple[np.ndarray, floa
         )
     check_sampler(request.sampler, sigmas)
     return sigmas, guidance_scale(request, status.get("sampling"))
+
+
+def check_numbers(request: ImageRequest) -> None:
+    """The request's seed, step count and guidance scale within their bounds (a NaN is in
+    none), each refused naming its setting."""
+    if not 0 <= request.seed <= MAX_SEED:
+        raise SettingError("seed", f"{{name}} must be an integer from 0 to {MAX_SEED}")
+    if request.steps is not None and not 1 <= request.steps <= MAX_STEPS:
+        raise SettingError(
+            "steps", f"{{name}} must be from 1 to {MAX_STEPS}, or left out (the model's own)"
+        )
+    if request.cfg is not None and not 0 <= request.cfg <= MAX_GUIDANCE:
+        raise SettingError("cfg", f"{{name}} must be a number from 0 to {MAX_GUIDANCE}")
 
 
 def check_image_start(request: ImageRequest) -> None:

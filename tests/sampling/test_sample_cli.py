@@ -97,6 +97,12 @@ def test_a_model_that_is_not_there_is_explained(tmp_path):
         (["--width", "16", "--height", "4112"], "--height 4112 is over the limit of 4096"),
         (["--width", "4096", "--height", "4096"], "over the limit of 4194304 pixels"),
         (["--steps", "3"], "leave --steps out or set it to 8"),
+        # the routes' bounds: a NaN guidance painted a black image, --steps 0 meant the default
+        (["--cfg", "nan"], "--cfg must be a number from 0 to 100"),
+        (["--cfg", "-5"], "--cfg must be a number from 0 to 100"),
+        (["--steps", "0"], "--steps must be from 1 to 1000, or left out"),
+        (["--seed", "-1"], "--seed must be an integer from 0 to 9223372036854775807"),
+        (["--seed", str(2**64)], "--seed must be an integer from 0 to"),
     ],
 )
 @pytest.mark.parametrize("command", ["sample", "bench"])
