@@ -60,6 +60,7 @@ def choose_model(
     config = load_config(config_path)
     if model and (Path(model).expanduser() / MODEL_INDEX).is_file():
         folder = Path(model).expanduser().resolve()
+        refuse_set_facts(flags, f"the folder {folder}")
         settings = model_settings_over(None, flags, Path.cwd(), flag_name).load_settings()
         registry = ModelRegistry(
             extra_models=[folder],
@@ -81,9 +82,29 @@ def choose_model(
     model_id = registry.default_model
     if not model_id:
         raise ValueError("no model named, none configured and no embedded default available")
+    if any(key in flags for key in SET_FACTS) and model_id not in config.component_sets():
+        refuse_set_facts(flags, f"{model_id!r}, a model folder,")
     entry = config.models.get(model_id)
     config.models[model_id] = model_settings_over(entry, flags, Path.cwd(), flag_name)
     return ModelChoice(registry, model_id, time.perf_counter() - started, config.image)
+
+
+# What a model of component files may be told that its files cannot tell (config.py's entries).
+SET_FACTS = ("family", "variant", "tokenizer")
+
+
+def refuse_set_facts(flags: dict, model: str) -> None:
+    """Refuse (a ConfigError, the arguments' fault, naming the flag) a family, variant or
+    tokenizer flag for a model that is no set of component files: a folder says its own, and
+    the flag would be lost."""
+    from .config import ConfigError
+
+    given = [key for key in SET_FACTS if key in flags]
+    if given:
+        raise ConfigError(
+            f"{flag_name(given[0])} is told to a model of component files (--dit,"
+            f" --text-encoder and --vae, or a set of ComfyUI's folders); {model} says its own"
+        )
 
 
 def unknown_model(model: str, known: list[str]) -> str:

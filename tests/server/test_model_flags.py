@@ -90,6 +90,20 @@ def test_the_flags_go_over_the_chosen_models_entry(tmp_path, monkeypatch):
     assert isinstance(ModelSettings(), LoadSettings)
 
 
+def test_what_only_component_files_are_told_is_refused_for_a_folder(tmp_path, monkeypatch):
+    """--family, --variant and --tokenizer tell a set of component files what its files
+    cannot; a folder says its own, so each is refused naming the flag, not dropped."""
+    monkeypatch.chdir(tmp_path)
+    folder = embedded.ensure_embedded_model(tmp_path / "models")
+    config = tmp_path / "config.toml"
+    config.write_text(f'[server]\nmodel_dirs = ["{folder.parent}"]\n')
+    for flags, flag in (({"family": "nope"}, "--family"), ({"variant": "base"}, "--variant")):
+        for model in (str(folder), folder.name):
+            with pytest.raises(ConfigError) as refused:
+                choose_model(model, config, flags)
+            assert str(refused.value).startswith(f"{flag} is told to a model of component files")
+
+
 def gguf_folder(tmp_path: Path) -> tuple[Path, Path]:
     """The embedded model without its DiT's weights, and a GGUF file of them (the blocks'
     linears Q8_0) elsewhere."""
