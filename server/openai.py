@@ -367,7 +367,8 @@ class ImageRoute:
                 resp.status = 200
                 resp.content_type = "text/event-stream"
                 resp.set_header("Cache-Control", "no-cache")
-                resp.stream = EventStream(self, loaded, status, job, requests)
+                gone = req.env.get("waitress.client_disconnected")
+                resp.stream = EventStream(self, loaded, status, job, requests, gone)
                 return
             stop = stop_when_gone(req.env.get("waitress.client_disconnected"))
             with refusals():
@@ -499,12 +500,16 @@ class EventStream:
     """The body of a streamed answer: for each image its previews, then the image, as
     Server-Sent Events in OpenAI's shape. A thread of its own samples the images and queues
     the events as they are made; the body hands them on. When the client goes away (Waitress
-    closes the body) the sampling stops at its next step. The model is released when the
-    sampling has ended, however it ended."""
+    closes the body, or, before any event is written, says the connection is gone: `gone`,
+    `waitress.client_disconnected`) the sampling stops at its next step. The model is released
+    when the sampling has ended, however it ended."""
 
-    def __init__(self, route: ImageRoute, loaded: Any, status: dict, job: Job, requests) -> None:
+    def __init__(
+        self, route: ImageRoute, loaded: Any, status: dict, job: Job, requests, gone=None
+    ) -> None:
         self.route, self.loaded, self.status, self.job = route, loaded, status, job
         self.requests = requests
+        self.gone = gone
         self.events: queue.Queue = queue.Queue()
         self.closed = threading.Event()
         self.sampler = threading.Thread(target=self._produce, name="gmlx-openai-stream")
@@ -549,7 +554,7 @@ class EventStream:
         transport = route.transport(self.loaded)
 
         def on_denoised(step: int, denoised: np.ndarray) -> None:
-            if self.closed.is_set():
+            if self.closed.is_set() or (self.gone is not None and self.gone()):
                 raise ClientGone
             if step in wanted:
                 fitted = preview_for(self.loaded.model, transport.encode_image)
