@@ -207,13 +207,19 @@ def rank_group(args: argparse.Namespace):
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    refused = output_refusal(args.out, "--out")
+    return run_image_command(args, "sample", (args.out, "--out"), _sample)
+
+
+def run_image_command(args: argparse.Namespace, command: str, output: tuple, work) -> int:
+    """`work(args, group)` in a prepared process, over the rank group the arguments name, once
+    the command's `output` (its path and flag) is known to be writable (else exit 2)."""
+    refused = output_refusal(*output)
     if refused:
-        print(f"gmlx image sample: {refused}", file=sys.stderr)
+        print(f"gmlx image {command}: {refused}", file=sys.stderr)
         return EXIT_USAGE
     prepare_process()
     with rank_group(args) as group:
-        return _sample(args, group)
+        return work(args, group)
 
 
 def _sample(args: argparse.Namespace, group: Any) -> int:
@@ -429,13 +435,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.warmup < 0:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
-    refused = output_refusal(args.json_out, "--json-out")
-    if refused:
-        print(f"gmlx image bench: {refused}", file=sys.stderr)
-        return EXIT_USAGE
-    prepare_process()
-    with rank_group(args) as group:
-        return _bench(args, group)
+    return run_image_command(args, "bench", (args.json_out, "--json-out"), _bench)
 
 
 def _bench(args: argparse.Namespace, group: Any) -> int:
