@@ -182,12 +182,16 @@ def parse_adapter(text: str, base: Path | None = None) -> AdapterSpec:
             pass
     if not math.isfinite(strength):
         raise ValueError(f"the strength of {text!r} must be a finite number")
-    path = Path(name).expanduser()
-    if base is not None and not path.is_absolute():
-        path = base / path
+    path = _under(Path(name).expanduser(), base)
     if not path.is_file():
+        if sep and head and name == text and _under(Path(head).expanduser(), base).is_file():
+            raise ValueError(f"the strength {tail!r} of {text!r} is not a number")
         raise ValueError(f"no LoRA file at {str(path)!r}")
     return AdapterSpec(path, strength)
+
+
+def _under(path: Path, base: Path | None) -> Path:
+    return base / path if base is not None and not path.is_absolute() else path
 
 
 @dataclass

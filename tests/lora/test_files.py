@@ -191,6 +191,8 @@ def test_adapter_spec_reads_an_optional_strength(tmp_path):
     assert adapter_spec(str(path)) == AdapterSpec(path, 1.0)  # the colon is the file's own
     with pytest.raises(argparse.ArgumentTypeError, match="no LoRA file"):
         adapter_spec(str(tmp_path / "absent.safetensors:0.5"))
+    with pytest.raises(argparse.ArgumentTypeError, match=r"the strength 'abc' of .* not a number"):
+        adapter_spec(f"{path}:abc")  # the file is there; its strength is what is wrong
 
 
 def gmlx_image(tmp_path, *args: str) -> subprocess.CompletedProcess:
