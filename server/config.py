@@ -372,7 +372,8 @@ def load_config(
     if config_path.is_file():
         _apply_file(config, config_path)
     elif path:
-        raise ConfigError(f"config file {config_path} does not exist")
+        what = "is a folder, not a file" if config_path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {config_path} {what}")
     _apply_env(config, env)
     if host is not None:
         config.host = host

@@ -119,6 +119,8 @@ def test_status_names_what_each_resident_model_holds(tmp_path, capsys):
 def test_a_broken_configuration_exits_2_and_says_why(tmp_path, capsys):
     code = cli.main(["list", "--json", "--config", str(tmp_path / "absent.toml")])
     assert code == 2 and "does not exist" in capsys.readouterr().err
+    code = cli.main(["list", "--json", "--config", str(tmp_path)])
+    assert code == 2 and f"config file {tmp_path} is a folder" in capsys.readouterr().err
 
 
 def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path, capsys):
