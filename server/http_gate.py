@@ -64,6 +64,8 @@ def log_request(method: str, path: str, status: int, started: float) -> None:
 
 def escaped(text: str) -> str:
     """`text` with its control characters (newlines, NUL, ...) written as Python escapes."""
+    if text.isprintable():  # every path but a hostile one: nothing to build per request
+        return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 

@@ -363,14 +363,13 @@ class ImageRoute:
                 request = for_model(job, status, loaded.model_id)
                 requests = [replace(request, seed=request.seed + i) for i in range(job.count)]
                 self.transport(loaded).check_image(status, request)  # the seeds change nothing
+            stop = stop_when_gone(req.env.get("waitress.client_disconnected"))
             if job.stream:
                 resp.status = 200
                 resp.content_type = "text/event-stream"
                 resp.set_header("Cache-Control", "no-cache")
-                gone = req.env.get("waitress.client_disconnected")
-                resp.stream = EventStream(self, loaded, status, job, requests, gone)
+                resp.stream = EventStream(self, loaded, status, job, requests, stop)
                 return
-            stop = stop_when_gone(req.env.get("waitress.client_disconnected"))
             with refusals():
                 files = [
                     self.one_image(loaded, status, each, job, on_step=stop) for each in requests
@@ -500,16 +499,16 @@ class EventStream:
     """The body of a streamed answer: for each image its previews, then the image, as
     Server-Sent Events in OpenAI's shape. A thread of its own samples the images and queues
     the events as they are made; the body hands them on. When the client goes away (Waitress
-    closes the body, or, before any event is written, says the connection is gone: `gone`,
-    `waitress.client_disconnected`) the sampling stops at its next step. The model is released
-    when the sampling has ended, however it ended."""
+    closes the body, or, before any event is written, `stop` finds it gone: the check
+    `stop_when_gone` makes, as for an answer not streamed) the sampling stops at its next step. The model is released when
+    the sampling has ended, however it ended."""
 
     def __init__(
-        self, route: ImageRoute, loaded: Any, status: dict, job: Job, requests, gone=None
+        self, route: ImageRoute, loaded: Any, status: dict, job: Job, requests, stop=None
     ) -> None:
         self.route, self.loaded, self.status, self.job = route, loaded, status, job
         self.requests = requests
-        self.gone = gone
+        self.stop = stop
         self.events: queue.Queue = queue.Queue()
         self.closed = threading.Event()
         self.sampler = threading.Thread(target=self._produce, name="gmlx-openai-stream")
@@ -554,7 +553,7 @@ class EventStream:
         transport = route.transport(self.loaded)
 
         def on_denoised(step: int, denoised: np.ndarray) -> None:
-            if self.closed.is_set() or (self.gone is not None and self.gone()):
+            if self.closed.is_set():
                 raise ClientGone
             if step in wanted:
                 fitted = preview_for(self.loaded.model, transport.encode_image)
@@ -563,7 +562,7 @@ class EventStream:
                 index = wanted.index(step)
                 self.events.put(self._image_event("partial_image", data, request, index))
 
-        image = route.one_image(self.loaded, self.status, request, job, on_denoised)
+        image = route.one_image(self.loaded, self.status, request, job, on_denoised, self.stop)
         self.events.put(self._image_event("completed", image, request))
 
     def _image_event(self, kind: str, data: bytes, request: ImageRequest, index=None) -> bytes:
@@ -629,7 +628,7 @@ class Edits(ImageRoute):
 class Variations(ImageRoute):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
         fields, images, mask = image_fields(req, 1, "a variation takes exactly one image")
-        if len(images) != 1:
+        if not images:
             raise OpenAIError(400, "a variation takes exactly one image", "image")
         if mask is not None:
             raise OpenAIError(400, "a variation takes no mask; use an edit", "mask")
