@@ -230,10 +230,7 @@ def _sample(args: argparse.Namespace, group: Any) -> int:
     if isinstance(done, int):
         return done
     choice, request, (pixels, steps) = done
-    try:
-        write_png(pixels, args.out)
-    except OSError as exc:
-        print(f"gmlx image sample: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+    if not written("sample", args.out, lambda: write_png(pixels, args.out)):
         return 1
     print(
         f"wrote {args.out} ({request.width}x{request.height}, {steps} steps, "
@@ -413,6 +410,22 @@ def output_refusal(path: Path | None, flag: str) -> str | None:
     return None
 
 
+def written(command: str, path: Path, write) -> bool:
+    """Whether `write()` wrote the command's output to `path`; where it could not, said on one
+    line (the work is done, the answer lost: no traceback)."""
+    try:
+        write()
+    except OSError as exc:
+        print(f"gmlx image {command}: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
 def write_png(pixels: np.ndarray, path: Path) -> None:
     from PIL import Image
 
@@ -449,13 +462,10 @@ def _bench(args: argparse.Namespace, group: Any) -> int:
         return done
     record = done[2]
     text = json.dumps(record, indent=2)
-    if args.json_out:
-        try:
-            args.json_out.parent.mkdir(parents=True, exist_ok=True)
-            args.json_out.write_text(text + "\n")
-        except OSError as exc:
-            print(f"gmlx image bench: cannot write {args.json_out}: {exc}", file=sys.stderr)
-            return 1
+    if args.json_out and not written(
+        "bench", args.json_out, lambda: write_text(args.json_out, text)
+    ):
+        return 1
     if args.json:
         print(text)
     else:

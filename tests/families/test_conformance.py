@@ -515,19 +515,20 @@ def test_a_truncated_gguf_dit_is_refused_before_the_resident_model_goes(served, 
         registry.settings = keep
 
 
+def copy_of_plain(registry, model_id: str) -> Path:
+    """A fresh copy of the family's folder beside `plain`, served as `model_id`."""
+    plain = registry.resolve("plain").path
+    target = plain.parent / model_id
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(plain, target)
+    return target
+
+
 def _damaged_copies(registry, name: str) -> dict:
     """Copies of the family's folder beside `plain`, each damaged one way, by model id: the
     refusal's words each must name."""
-    plain = registry.resolve("plain").path
     made = {}
-
-    def copy(model_id: str) -> Path:
-        target = plain.parent / model_id
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(plain, target)
-        return target
-
-    folder = copy("narrow-dit")
+    folder = copy_of_plain(registry, "narrow-dit")
     family = registry.family(name)
     config = family.dit.config.from_dict(
         json.loads((folder / "transformer" / "config.json").read_text())
@@ -539,11 +540,11 @@ def _damaged_copies(registry, name: str) -> dict:
             state[tensor] = state[tensor][: state[tensor].shape[0] // 2]
             save_file(state, str(path))
     made["narrow-dit"] = ("transformer", f"tensor {tensor} has shape")
-    folder = copy("cut-vae")
+    folder = copy_of_plain(registry, "cut-vae")
     (path,) = sorted((folder / "vae").glob("*.safetensors"))
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     made["cut-vae"] = (str(path), "cut short")
-    folder = copy("list-header-encoder")
+    folder = copy_of_plain(registry, "list-header-encoder")
     path = sorted((folder / "text_encoder").glob("*.safetensors"))[0]
     text = b"[1, 2, 3]"
     path.write_bytes(len(text).to_bytes(8, "little") + text)
@@ -570,14 +571,11 @@ def test_a_damaged_folder_is_refused_before_the_resident_model_goes(served):
 
 def test_a_tokenizer_missing_or_unreadable_is_refused_naming_it(served):
     live, _ = served
-    plain = live.ctx.registry.resolve("plain").path
     for model_id, damage, status in (
         ("no-tokenizer", Path.unlink, 404),
         ("bad-tokenizer", "{", 400),
     ):
-        folder = plain.parent / model_id
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(plain, folder)
+        folder = copy_of_plain(live.ctx.registry, model_id)
         (path,) = [p for p in folder.rglob("tokenizer.json") if "text_encoder" not in p.parts]
         if callable(damage):
             damage(path)
@@ -591,11 +589,7 @@ def test_a_dit_tensor_its_config_does_not_read_is_said_in_the_log(served, caplog
     """A tensor no forward reads (a config naming fewer blocks than its weights hold, or a
     release's stray tensor) loads, and the log names it."""
     live, _ = served
-    registry = live.ctx.registry
-    plain = registry.resolve("plain").path
-    folder = plain.parent / "unread-tensor"
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(plain, folder)
+    folder = copy_of_plain(live.ctx.registry, "unread-tensor")
     path = sorted((folder / "transformer").glob("*.safetensors"))[0]
     state = load_file(str(path))
     save_file({**state, "unread.weight": np.zeros((2, 2), np.float32)}, str(path))
