@@ -14,13 +14,9 @@ from gmlx_contract.wire import (
     write_container,
 )
 
+from tests.contract.frames import frame
+
 WORKED_HEADER = b'{"t":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]}}'
-
-
-def frame(header, data=b""):
-    """A body from a header (object, or raw bytes) and a data section, without padding."""
-    text = header if isinstance(header, bytes) else json.dumps(header).encode()
-    return len(text).to_bytes(8, "little") + text + data
 
 
 def entry(dtype="F32", shape=(2,), offsets=(0, 8)):

@@ -19,6 +19,7 @@ from gmlx_server.engine.vaes import ldm_names
 from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
+from tests.contract.frames import frame
 from tests.engine.comfy_files import ldm_vae, write_comfy_tokenizer, write_gguf_text_encoder
 from tests.engine.gguf_files import encoded, write_gguf
 
@@ -128,15 +129,6 @@ def test_qwens_tokenizer_from_gguf_metadata_encodes_as_tokenizer_json(tokenizer_
         gguf_tokenizer({**metadata, "tokenizer.ggml.model": "llama"})
 
 
-def _raw_safetensors(path, doc) -> None:
-    """A safetensors file whose header is `doc` (JSON, whatever its structure), no data."""
-    import json
-    import struct
-
-    text = json.dumps(doc).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text)
-
-
 def _unknown_gguf_type(path, name: str, kind: int = 99) -> None:
     """The GGUF file at `path` with tensor `name`'s GGML type id rewritten as `kind`."""
     import struct
@@ -165,7 +157,7 @@ GOOD_ENTRY = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
 )
 def test_a_safetensors_header_of_another_structure_is_refused_naming_the_file(tmp_path, doc):
     path = tmp_path / "odd.safetensors"
-    _raw_safetensors(path, doc)
+    path.write_bytes(frame(doc))
     with pytest.raises(HeaderError) as caught:
         file_headers.read(path)
     assert str(path) in str(caught.value)
@@ -194,7 +186,7 @@ def test_bad_files_in_comfyuis_folders_are_left_out_and_said_once(tmp_path, capl
 
     _, models = write_comfy_models(tmp_path)
     dits, encoders = models / "diffusion_models", models / "text_encoders"
-    _raw_safetensors(dits / "list.safetensors", [1, 2, 3])
+    (dits / "list.safetensors").write_bytes(frame([1, 2, 3]))
     write_gguf(dits / "new.gguf", {"w.weight": (T.F32, np.zeros((2, 32), np.float32))})
     _unknown_gguf_type(dits / "new.gguf", "w.weight")
     flat = load_file(str(dits / DIT_FILE))

@@ -58,6 +58,7 @@ from gmlx_server.engine.weights import quantize_folder
 from safetensors.numpy import load_file, save_file
 
 from tests.compare import rel_l2
+from tests.contract.frames import frame
 from tests.engine.gguf_files import encoded, reference, write_gguf
 from tests.lora.over_http import lora_table, put_table
 from tests.server.conftest import answer_tensors, out_of, serve
@@ -546,8 +547,7 @@ def _damaged_copies(registry, name: str) -> dict:
     made["cut-vae"] = (str(path), "cut short")
     folder = copy_of_plain(registry, "list-header-encoder")
     path = sorted((folder / "text_encoder").glob("*.safetensors"))[0]
-    text = b"[1, 2, 3]"
-    path.write_bytes(len(text).to_bytes(8, "little") + text)
+    path.write_bytes(frame([1, 2, 3]))
     made["list-header-encoder"] = (str(path), "not a JSON object of tensors")
     return made
 

@@ -3,7 +3,6 @@ patch tables (docs/contract.md §1.3, 2.7-2.9)."""
 
 from __future__ import annotations
 
-import json
 import struct
 
 import numpy as np
@@ -11,14 +10,11 @@ import pytest
 from gmlx_contract import wire
 from gmlx_contract.hashing import canonical_json, table_id, tensor_hash
 
+from tests.contract.frames import frame
+
 from .conftest import CONTAINER
 
 RNG = np.random.default_rng(7)
-
-
-def header_body(header: dict, data: bytes = b"") -> bytes:
-    text = json.dumps(header).encode()
-    return struct.pack("<Q", len(text)) + text + data
 
 
 @pytest.mark.parametrize("kind", ["tensors", "adapters"])
@@ -84,29 +80,23 @@ MALFORMED = {
     "header past the end": struct.pack("<Q", 100) + b"{}",
     "header over 16 MiB": struct.pack("<Q", (16 << 20) + 1) + b"{}",
     "header not json": struct.pack("<Q", 4) + b"{{{{",
-    "header a list": header_body([]),
-    "metadata not strings": header_body({"__metadata__": {"gmlx": 1}}),
-    "fields not json": header_body({"__metadata__": {"gmlx": "{"}}),
-    "fields a list": header_body({"__metadata__": {"gmlx": "[]"}}),
-    "extra key": header_body(
+    "header a list": frame([]),
+    "metadata not strings": frame({"__metadata__": {"gmlx": 1}}),
+    "fields not json": frame({"__metadata__": {"gmlx": "{"}}),
+    "fields a list": frame({"__metadata__": {"gmlx": "[]"}}),
+    "extra key": frame(
         {"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}}, b"\0" * 4
     ),
-    "bad dtype": header_body(
-        {"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8
-    ),
-    "bool shape": header_body(
+    "bad dtype": frame({"t": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8),
+    "bool shape": frame(
         {"t": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4
     ),
-    "negative shape": header_body(
+    "negative shape": frame(
         {"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4
     ),
-    "outside data": header_body(
-        {"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4
-    ),
-    "wrong span": header_body(
-        {"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8
-    ),
-    "overlap": header_body(
+    "outside data": frame({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4),
+    "wrong span": frame({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 8),
+    "overlap": frame(
         {
             "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
