@@ -239,7 +239,7 @@ def _parse_gguf(cursor: _Cursor, path: Path, size: int, arrays: tuple[str, ...])
         value = cursor.value(kind, keep)
         if keep:
             metadata[key] = value
-    shapes, types, end = {}, {}, 0
+    shapes, types, placed = {}, {}, []
     for _ in range(tensors):
         name = cursor.string()
         dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
@@ -247,9 +247,9 @@ def _parse_gguf(cursor: _Cursor, path: Path, size: int, arrays: tuple[str, ...])
         restored = metadata.get(ORIG_SHAPE + name)
         shapes[name] = tuple(int(v) for v in restored) if restored else tuple(reversed(dims))
         types[name] = kind.name
-        block, block_bytes = GGML_QUANT_SIZES[kind]
-        end = max(end, offset + math.prod(dims) // block * block_bytes)
-    alignment = int(metadata.get("general.alignment", 32))
+        placed.append((name, dims, kind, offset))
+    alignment = gguf_alignment(path, metadata.get("general.alignment", 32))
+    end = gguf_data_end(path, placed, alignment)
     start = -(-cursor.at // alignment) * alignment
     if start + end > size:
         raise HeaderError(
@@ -257,6 +257,40 @@ def _parse_gguf(cursor: _Cursor, path: Path, size: int, arrays: tuple[str, ...])
         )
     metadata["gguf.version"] = version
     return Header(path, shapes, types, metadata, size=size)
+
+
+def gguf_alignment(path: Path, value: object) -> int:
+    """The file's `general.alignment`, a power of two as GGUF requires."""
+    if not isinstance(value, int) or value <= 0 or value & (value - 1):
+        raise HeaderError(f"{path}: its general.alignment {value!r} is not a power of two")
+    return value
+
+
+def gguf_data_end(path: Path, placed: list[tuple[str, list[int], int, int]], alignment: int) -> int:
+    """Where the last tensor's data ends in the data section, each of `placed` (name, ggml
+    dims, GGML type, offset, in the header's order) checked as llama.cpp checks a file it
+    loads: rows of whole blocks of its type, and its data where the data before it ends,
+    padded to `alignment`. A header whose type or shape of a tensor does not fit the data
+    (a relabelled type, an edited shape) is refused, naming the tensors."""
+    end, before = 0, "the data section's start"
+    for name, dims, kind, offset in placed:
+        kind = GGMLQuantizationType(kind)
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        if dims and dims[0] % block:
+            raise HeaderError(
+                f"{path}: tensor {name} is {kind.name} in rows of {dims[0]} values, not whole"
+                f" blocks of {block}"
+            )
+        expected = -(-end // alignment) * alignment
+        if offset != expected:
+            raise HeaderError(
+                f"{path}: tensor {name}'s data is at byte {offset} of the data section, not"
+                f" at {expected} where {before} ends: the header's types or shapes do not"
+                " fit its data"
+            )
+        end = offset + math.prod(dims) // block * block_bytes
+        before = f"tensor {name} ({kind.name}, {' x '.join(map(str, dims))})"
+    return end
 
 
 def _tensor_type(kind: int, name: str, path: Path) -> GGMLQuantizationType:

@@ -35,7 +35,7 @@ import numpy as np
 import safetensors
 from gguf import GGMLQuantizationType as T
 
-from .file_headers import ORIG_SHAPE, common_prefix
+from .file_headers import ORIG_SHAPE, HeaderError, common_prefix, gguf_data_end
 from .ggml_blocks import BlockLayout, Blocks
 from .gguf_affine import GROUP_SIZE, Quantized, affine
 from .load_settings import GGUF_WEIGHTS, GGUF_WEIGHTS_SETTING, gguf_weights
@@ -101,6 +101,8 @@ class GGUFFile:
         self.path = Path(path)
         try:
             reader = _Reader(self.path)
+        except HeaderError as exc:
+            raise GGUFError(str(exc)) from None
         except (ValueError, OSError, IndexError, KeyError) as exc:
             raise GGUFError(f"{self.path} is not a readable GGUF file: {exc}") from None
         field = reader.get_field(ARCHITECTURE)
@@ -196,11 +198,22 @@ def _shape(reader: gguf.GGUFReader, tensor: gguf.ReaderTensor) -> tuple[int, ...
 
 
 class _Reader(gguf.GGUFReader):
-    """gguf's reader, which first checks that every tensor's data lies inside the file, so a
-    file cut short is refused naming the first tensor it cuts (the reader itself fails on a
-    reshape that names nothing)."""
+    """gguf's reader, which first checks that the header's types and shapes fit the data as
+    llama.cpp checks them (file_headers.gguf_data_end) and that every tensor's data lies
+    inside the file, so a file cut short is refused naming the first tensor it cuts (the
+    reader itself fails on a reshape that names nothing)."""
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
+        placed = [
+            (
+                bytes(f.parts[1]).decode(),
+                f.parts[3].tolist(),
+                int(f.parts[4][0]),
+                int(f.parts[5][0]),
+            )
+            for f in fields
+        ]
+        gguf_data_end(Path(self.data.filename), placed, int(self.alignment))
         for field in fields:
             _, name, _, dims, raw_type, offset = field.parts
             block_size, type_size = gguf.GGML_QUANT_SIZES[T(int(raw_type[0]))]

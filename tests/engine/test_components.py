@@ -6,6 +6,8 @@ headers only."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -129,17 +131,6 @@ def test_qwens_tokenizer_from_gguf_metadata_encodes_as_tokenizer_json(tokenizer_
         gguf_tokenizer({**metadata, "tokenizer.ggml.model": "llama"})
 
 
-def _unknown_gguf_type(path, name: str, kind: int = 99) -> None:
-    """The GGUF file at `path` with tensor `name`'s GGML type id rewritten as `kind`."""
-    import struct
-
-    data = bytearray(path.read_bytes())
-    at = data.index(name.encode()) + len(name)
-    (dims,) = struct.unpack_from("<I", data, at)
-    struct.pack_into("<I", data, at + 4 + 8 * dims, kind)
-    path.write_bytes(bytes(data))
-
-
 GOOD_ENTRY = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
 
 
@@ -169,9 +160,81 @@ def test_a_gguf_tensor_of_a_type_gguf_does_not_know_is_refused_naming_it(tmp_pat
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((4, 32)).astype(np.float32)
     path = write_gguf(tmp_path / "new.gguf", {"blk.0.w.weight": (T.F32, weight)}, arch="qwen3")
-    _unknown_gguf_type(path, "blk.0.w.weight")
+    path.write_bytes(_relabel(path.read_bytes(), "blk.0.w.weight", 99))
     with pytest.raises(HeaderError, match=r"tensor blk\.0\.w\.weight is stored in GGML type 99"):
         file_headers.read(path)
+
+
+def _tensor_info_at(data: bytes, name: str) -> int:
+    """Where tensor `name`'s dims count stands in a GGUF file's bytes."""
+    return data.index(name.encode()) + len(name)
+
+
+def _relabel(data: bytes, name: str, kind: T) -> bytes:
+    """A GGUF file's bytes with tensor `name`'s type id rewritten (its data left as it was)."""
+    edited = bytearray(data)
+    at = _tensor_info_at(data, name)
+    (dims,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", edited, at + 4 + 8 * dims, kind)
+    return bytes(edited)
+
+
+def _reshape(data: bytes, name: str, row: int) -> bytes:
+    """A GGUF file's bytes with tensor `name`'s row length (ggml's first dim) rewritten."""
+    edited = bytearray(data)
+    struct.pack_into("<Q", edited, _tensor_info_at(data, name) + 4, row)
+    return bytes(edited)
+
+
+def _realigned(data: bytes, value: int) -> bytes:
+    """A GGUF file's bytes with its general.alignment (a uint32 entry) rewritten."""
+    edited = bytearray(data)
+    key = b"general.alignment"
+    struct.pack_into("<I", edited, data.index(key) + len(key) + 4, value)
+    return bytes(edited)
+
+
+@pytest.mark.parametrize(
+    "edit, refusal",
+    [
+        (
+            lambda d: _relabel(d, "a.weight", T.F16),
+            r"tensor b\.weight's data is at byte 1024 of the data section, not at 512",
+        ),
+        (
+            lambda d: _relabel(d, "a.weight", T.Q8_0),
+            r"not at 288 where tensor a\.weight \(Q8_0, 64 x 4\) ends",
+        ),
+        (lambda d: _relabel(d, "b.weight", T.F32), r"tensor c\.weight's data"),
+        (lambda d: _reshape(d, "b.weight", 128), r"where tensor b\.weight \(F16, 128 x 8\)"),
+        (lambda d: _relabel(d, "a.weight", T.Q4_K), r"a\.weight is Q4_K in rows of 64 values"),
+        (lambda d: _realigned(d, 24), r"alignment.* power of two"),
+    ],
+)
+def test_a_gguf_header_whose_types_or_shapes_do_not_fit_its_data_is_refused(
+    tmp_path, edit, refusal
+):
+    """A relabelled type or an edited shape moves where each tensor's data would end; both
+    readers refuse the file naming the tensors, as llama.cpp does, rather than read garbage."""
+    from gmlx_server.engine.gguf import GGUFError, GGUFFile
+
+    rng = np.random.default_rng(3)
+    tensors = {
+        "a.weight": (T.F32, rng.standard_normal((4, 64)).astype(np.float32)),
+        "b.weight": (T.F16, rng.standard_normal((8, 64)).astype(np.float16)),
+        "c.weight": (T.F32, rng.standard_normal((2, 64)).astype(np.float32)),
+    }
+    aligned = lambda writer: writer.add_uint32("general.alignment", 32)  # noqa: E731
+    path = write_gguf(tmp_path / "m.gguf", tensors, arch="qwen3", metadata=aligned)
+    assert file_headers.read(path).shapes["b.weight"] == (8, 64)
+    GGUFFile(path)
+    lying = tmp_path / "lying.gguf"
+    lying.write_bytes(edit(path.read_bytes()))
+    with pytest.raises(HeaderError, match=refusal) as caught:
+        file_headers.read(lying)
+    assert str(lying) in str(caught.value)
+    with pytest.raises(GGUFError, match=refusal):
+        GGUFFile(lying)
 
 
 def test_bad_files_in_comfyuis_folders_are_left_out_and_said_once(tmp_path, caplog):
@@ -188,7 +251,7 @@ def test_bad_files_in_comfyuis_folders_are_left_out_and_said_once(tmp_path, capl
     dits, encoders = models / "diffusion_models", models / "text_encoders"
     (dits / "list.safetensors").write_bytes(frame([1, 2, 3]))
     write_gguf(dits / "new.gguf", {"w.weight": (T.F32, np.zeros((2, 32), np.float32))})
-    _unknown_gguf_type(dits / "new.gguf", "w.weight")
+    (dits / "new.gguf").write_bytes(_relabel((dits / "new.gguf").read_bytes(), "w.weight", 99))
     flat = load_file(str(dits / DIT_FILE))
     flat["model.diffusion_model." + CAPTION] = flat["model.diffusion_model." + CAPTION].ravel()
     save_file(flat, str(dits / "flat_caption.safetensors"))
