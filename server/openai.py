@@ -110,6 +110,7 @@ SETTING_FIELDS = {
     "strength": ("strength", "strength"),
     "mask": ("mask", "mask"),
     "mask_blur": ("mask_blur", "mask_blur"),
+    "ref": ("image", "image"),
 }
 
 

@@ -7,6 +7,7 @@ Every method of a loaded model is called on the single image worker thread.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -83,16 +84,24 @@ class EncodeResult:
 @dataclass(frozen=True)
 class ReferenceSizes:
     """The reference images a family's pipeline takes as they are (it would resize one of
-    another size, which the server does not): sides that are multiples of the VAE's stride,
-    at least `min_side`, at most `max_side` and within an aspect ratio of `max_aspect` where
-    they are set, and at most `max_area` pixels (`lone_max_area` where set, for a reference
-    that is the only one of its request)."""
+    another size, which the encode route does not): sides that are multiples of the VAE's
+    stride, at least `min_side`, at most `max_side` and within an aspect ratio of `max_aspect`
+    where they are set, and at most `max_area` pixels (`lone_max_area` where set, for a
+    reference that is the only one of its request). How the pipeline brings an image of
+    another size to these (engine/reference_images.py, for the server's own sampler): "crop"
+    (downscaled to the area, center-cropped to the stride), or for a lone reference
+    `lone_fit` "pad" (downscaled to the area, padded by reflection to the stride)."""
 
     min_side: int
     max_area: int
     max_side: int | None = None
     max_aspect: int | None = None
     lone_max_area: int | None = None
+    lone_fit: str = "crop"
+
+    def status(self) -> dict:
+        """Status `conditioning.reference_sizes` (docs/contract.md §2.3, an extension)."""
+        return dataclasses.asdict(self)
 
     def area(self, count: int) -> int:
         """The most pixels of each of `count` references."""

@@ -670,7 +670,7 @@ class FolderFamily(Family):
                 **self.vae.status_row(vae_config),
             },
             "edit_capable": facts.edit_capable,
-            "conditioning": self.spec.conditioning.status(),
+            "conditioning": self.spec.conditioning_status(),
             # the timestep's scale (docs/contract.md §5.2) is an extension of §2.3's row
             "sampling": {
                 **self.sampling_row(model_dir, variant),

@@ -308,7 +308,9 @@ class ImageRequest:
     steps: int | None = None
     cfg: float | None = None
     negative: str | None = None
-    images: tuple[np.ndarray, ...] = ()  # reference images, uint8 (H, W, 3 or 4)
+    # reference images, uint8 (H, W, 3 or 4), of any size: each brought to the sizes the model
+    # takes as its pipeline brings it there (engine/reference_images.py)
+    images: tuple[np.ndarray, ...] = ()
     sampler: str = "euler"
     # Image to image (engine/img2img.py): the init image, uint8 (H, W, 3 or 4), resized to the
     # request's size; `strength` in (0, 1], how much of it is drawn again (the schedule's
@@ -376,6 +378,8 @@ def generate(
     `on_denoised` sees each step's estimate of the clean latents (previews), `on_step` each
     step's index once it is done (e.g. to stop: what it raises ends the sampling).
     """
+    from .reference_images import fitted_references
+
     timings = ImageTimings()
     started = time.perf_counter()
     latent = status["latent"]
@@ -385,12 +389,11 @@ def generate(
     begin = time.perf_counter()
     start = image_start(transport, status, request, shape)
     first_refs = inpaint_references(status, start)
-    cond = transport.row(
-        with_first_refs(transport.encode(request.prompt, request.images), first_refs)
-    )
+    images = fitted_references(status, request.images)
+    cond = transport.row(with_first_refs(transport.encode(request.prompt, images), first_refs))
     uncond = None
     if cfg != 1.0:
-        negative = transport.encode(request.negative or "", request.images)
+        negative = transport.encode(request.negative or "", images)
         uncond = transport.row(with_first_refs(negative, first_refs))
     timings.encode_s = time.perf_counter() - begin
 
@@ -458,12 +461,15 @@ def check_request(status: dict, request: ImageRequest) -> tuple[np.ndarray, floa
     """The request's sigmas and guidance scale on a model of this status (loaded or not: a
     family describes its status from the files), or a SettingError or ValueError saying what it
     cannot take: a size off the model's stride or over the step routes' pixel limits, a step
-    count or sampler its schedule does not allow."""
+    count or sampler its schedule does not allow, a reference image its pipeline refuses."""
+    from .reference_images import check_references
+
     stride = int(status["latent"]["stride"]) * int(status["latent"].get("patch", 1))
     check_numbers(request)
     check_pixel_limits(request.width, request.height)
     check_image_size(request.width, request.height, stride)
     check_image_start(request)
+    check_references(status, request.images)
     sigmas = resolve_sigmas(
         status.get("sampling"),
         request.steps,

@@ -101,6 +101,14 @@ class FamilySpec:
     # "": a family given whole, whose modules are not looked up).
     package: str = ""
 
+    def conditioning_status(self) -> dict:
+        """Status `conditioning`: the Conditioning's members, and the sizes of reference
+        images its pipeline takes as they are (`reference_sizes`, where it has bounds)."""
+        row = self.conditioning.status()
+        if self.reference_sizes is not None:
+            row["reference_sizes"] = self.reference_sizes.status()
+        return row
+
     @property
     def edit_capable(self) -> bool:
         """Whether its DiT takes reference latents (status `edit_capable`)."""

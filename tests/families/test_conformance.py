@@ -382,7 +382,7 @@ def test_the_spec_is_what_the_status_and_the_capabilities_say(served):
     published = status(live, "plain")
     assert published["family"] == spec.name
     assert published["comfy"] == spec.comfy
-    assert published["conditioning"] == spec.conditioning.status()
+    assert published["conditioning"] == spec.conditioning_status()
     assert published["edit_capable"] is spec.edit_capable
     assert published["latent"]["patch"] == spec.latent_patch
     assert {k: published["sampling"][k] for k in spec.sampling[published["variant"]]} == (

@@ -139,6 +139,31 @@ def test_an_edit_without_a_mask_references_or_starts_from_its_image(server, clie
     )
 
 
+def test_a_reference_of_any_size_is_taken_as_the_pipeline_sizes_it(server, client):
+    """A picture that is no multiple of the stride is center-cropped to one, as
+    Flux2KleinPipeline does (engine/reference_images.py), streamed or not; one the pipeline
+    refuses is refused before the stream begins."""
+    photo = np.pad(init_picture(), ((3, 3), (2, 2), (0, 0)), mode="edge")  # 100x70
+    image = ("photo.png", png(photo), "image/png")
+    events = list(
+        client.images.edit(
+            model=KLEIN,
+            image=image,
+            prompt="a boat",
+            size="96x64",
+            stream=True,
+            extra_body={"seed": 4, "steps": 2},
+        )
+    )
+    cropped = request_of("a boat", seed=4, steps=2, images=(init_picture(),))
+    got = pixels_of(base64.b64decode(events[-1].b64_json))
+    np.testing.assert_array_equal(got, in_process(server, KLEIN, cropped))
+    tiny = ("tiny.png", png(init_picture()[:40, :40]), "image/png")
+    with pytest.raises(openai.BadRequestError) as refused:
+        list(client.images.edit(model=KLEIN, image=tiny, prompt="x", stream=True))
+    assert "reference image 0 is 40x40" in refused.value.message
+
+
 @pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the client's variations
 # A model that takes references (klein) also gets the image as one: with -m heavy, as the
 # unmasked edits that reference it.

@@ -74,6 +74,14 @@ def test_status_and_manifest_say_the_familys_facts(live):
         "empty_prompt": "",
         "inpaint_mask": "bilinear",
         "inpaint_reference": True,
+        "reference_sizes": {
+            "min_side": 64,
+            "max_area": 1024 * 1024,
+            "max_side": None,
+            "max_aspect": 8,
+            "lone_max_area": None,
+            "lone_fit": "crop",
+        },
     }
     assert unloaded["sampling"]["schedule"] == {"rule": "flux2"}
     manifest = live.call("GET", f"models/{KLEIN}/manifest").json()

@@ -75,9 +75,14 @@ SPEC = FamilySpec(
     conditioning=Conditioning(ref_method="index"),
     max_refs=MAX_REFS,
     # The pipeline's reference images: sides multiples of the stride from 64 to 4096; one of
-    # at most 4 megapixels, or several of at most 1 megapixel each (it resizes larger ones).
+    # at most 4 megapixels, kept whole (downscaled and padded), or several of at most 1
+    # megapixel each (downscaled and cropped).
     reference_sizes=ReferenceSizes(
-        min_side=64, max_side=4096, max_area=1024 * 1024, lone_max_area=4 * 1024 * 1024
+        min_side=64,
+        max_side=4096,
+        max_area=1024 * 1024,
+        lone_max_area=4 * 1024 * 1024,
+        lone_fit="pad",
     ),
     features=("noise_mask", "flow_map"),
     sampling=SAMPLING,

@@ -1,0 +1,154 @@
+"""Reference images of any size brought to the sizes a family's pipeline takes, as the pipeline
+brings them, for the server's own sampler (the OpenAI edit routes, `gmlx image sample --ref`).
+
+The encode route takes references only at those sizes and refuses others (a client such as
+the ComfyUI pack sizes its images itself). A sampling that starts from a user's picture does
+what the family's diffusers pipeline does with it, by the bounds in status
+`conditioning.reference_sizes` (base.ReferenceSizes):
+- "crop" (`Flux2KleinPipeline`; FLUX.3 klein's modular blocks for several references): an
+  image under `min_side` a side or beyond `max_aspect` is refused, as FLUX.2's pipeline
+  refuses it; one over the area is downscaled to it (Lanczos, its sides truncated), then
+  center-cropped to multiples of the stride.
+- "pad" (FLUX.3 klein's lone reference, kept whole): downscaled until its canvas, its sides
+  rounded up to the stride within `min_side`..`max_side`, fits `lone_max_area` (the scale
+  backed off by 0.5% while it does not), then padded to the canvas by reflection, centered.
+
+An image that the bounds take as it is stays as it is. Numpy and Pillow only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import ReferenceSizes
+from .sampling import SettingError
+
+BACK_OFF = 0.995  # the pad fit's scale step while the canvas is over the area
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Where an image goes: resized to `resized` (height, width), then cropped or padded
+    (`pad`) to `final`, centered."""
+
+    resized: tuple[int, int]
+    final: tuple[int, int]
+    pad: bool
+
+
+def reference_sizes(status: dict) -> ReferenceSizes | None:
+    """The bounds a model's status publishes (None: it takes references of any size)."""
+    row = (status.get("conditioning") or {}).get("reference_sizes")
+    return None if row is None else ReferenceSizes(**row)
+
+
+def check_references(status: dict, images: Sequence[np.ndarray]) -> None:
+    """Refuse, before any work, a reference that its fit leaves outside the bounds (a
+    SettingError of `ref`, naming the image and the bounds)."""
+    sizes = reference_sizes(status)
+    if sizes is not None:
+        for index, image in enumerate(images):
+            plan(sizes, index, *np.shape(image)[:2], len(images), _stride(status))
+
+
+def fitted_references(status: dict, images: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """The reference images (uint8 (H, W, 3 or 4)) at the sizes the model takes, each as its
+    pipeline brings it there."""
+    sizes = reference_sizes(status)
+    if sizes is None:
+        return tuple(images)
+    count, stride = len(images), _stride(status)
+    return tuple(
+        fitted(image, plan(sizes, index, *image.shape[:2], count, stride), stride)
+        for index, image in enumerate(images)
+    )
+
+
+def plan(
+    sizes: ReferenceSizes, index: int, height: int, width: int, count: int, stride: int
+) -> Fit:
+    """Where image `index` of `count`, `height` x `width`, goes; a SettingError where the
+    pipeline refuses it or its fit is still outside the bounds."""
+    if sizes.fits(height, width, count, stride):
+        return Fit((height, width), (height, width), False)
+    if count == 1 and sizes.lone_fit == "pad":
+        fit = _pad_plan(sizes, height, width, stride)
+    else:
+        _check_taken(sizes, index, height, width)
+        fit = _crop_plan(sizes.area(count), height, width, stride)
+    if not sizes.fits(*fit.final, count, stride):
+        _refuse(sizes, index, height, width)
+    return fit
+
+
+def fitted(image: np.ndarray, fit: Fit, stride: int) -> np.ndarray:
+    """The image resized and cropped or padded as `fit` says."""
+    from PIL import Image
+
+    if fit.final == image.shape[:2]:
+        return image
+    picture = Image.fromarray(np.ascontiguousarray(image, dtype=np.uint8))
+    if fit.resized != image.shape[:2]:
+        picture = picture.resize(fit.resized[::-1], Image.Resampling.LANCZOS)
+    (height, width), (final_height, final_width) = fit.resized, fit.final
+    if not fit.pad:
+        left, top = (width - final_width) // 2, (height - final_height) // 2
+        return np.asarray(picture.crop((left, top, left + final_width, top + final_height)))
+    left, top = (final_width - width) // 2, (final_height - height) // 2
+    # reflection leaves out the edge pixel; an image of one token or less is mirrored instead
+    mode = "reflect" if min(height, width) > stride else "symmetric"
+    padding = ((top, final_height - height - top), (left, final_width - width - left), (0, 0))
+    return np.pad(np.asarray(picture.convert("RGB")), padding, mode=mode)
+
+
+def _crop_plan(area: int, height: int, width: int, stride: int) -> Fit:
+    if height * width > area:
+        scale = math.sqrt(area / (height * width))
+        height, width = int(height * scale), int(width * scale)
+    return Fit((height, width), (height - height % stride, width - width % stride), False)
+
+
+def _pad_plan(sizes: ReferenceSizes, height: int, width: int, stride: int) -> Fit:
+    area = sizes.area(1)
+    scale = min(1.0, math.sqrt(area / (height * width)), sizes.max_side / max(height, width))
+    while True:
+        resized = tuple(max(1, round(side * scale)) for side in (height, width))
+        canvas = _canvas(sizes, *resized, stride)
+        if canvas[0] * canvas[1] <= area:
+            return Fit(resized, canvas, True)
+        scale *= BACK_OFF
+
+
+def _canvas(sizes: ReferenceSizes, height: int, width: int, stride: int) -> tuple[int, int]:
+    """An image's sides rounded up to the stride, within min_side..max_side."""
+    return tuple(
+        min(sizes.max_side, max(sizes.min_side, -(-side // stride) * stride))
+        for side in (height, width)
+    )
+
+
+def _check_taken(sizes: ReferenceSizes, index: int, height: int, width: int) -> None:
+    """The pipeline's own refusal: a side under min_side, or an aspect beyond max_aspect."""
+    short, long = sorted((height, width))
+    if short < sizes.min_side or (sizes.max_aspect is not None and long > sizes.max_aspect * short):
+        _refuse(sizes, index, height, width)
+
+
+def _refuse(sizes: ReferenceSizes, index: int, height: int, width: int) -> None:
+    sides = f"at least {sizes.min_side}"
+    if sizes.max_side is not None:
+        sides += f" and at most {sizes.max_side}"
+    aspect = "" if sizes.max_aspect is None else f", within an aspect ratio of {sizes.max_aspect}"
+    raise SettingError(
+        "ref",
+        f"reference image {index} is {width}x{height}: the model takes references of {sides}"
+        f" pixels a side{aspect}",
+    )
+
+
+def _stride(status: dict) -> int:
+    return int(status["vae"]["stride"])
