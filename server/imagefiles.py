@@ -14,6 +14,7 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 # Checked from the file's header, before the pixels are decoded: a small file may claim a huge
 # size, and its decoded pixels would be held in memory.
 MAX_DECODED_PIXELS = 64 * 1024 * 1024
+WIDE_GRAY_MODES = ("I;16", "I;16B", "I;16L", "I")  # how Pillow opens a 16-bit grayscale PNG
 
 
 def decode_image_file(data: bytes) -> np.ndarray:
@@ -33,18 +34,39 @@ def decode_image_file(data: bytes) -> np.ndarray:
                 raise EngineInputError(
                     f"an image of {width}x{height} has more than {MAX_DECODED_PIXELS} pixels"
                 )
-            upright = ImageOps.exif_transpose(image)
+            upright = _eight_bit(ImageOps.exif_transpose(image))
             mode = "RGBA" if _has_alpha(upright) else "RGB"
             return np.array(upright.convert(mode), dtype=np.uint8)
     except EngineInputError:
         raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise EngineInputError(f"an image could not be decoded: {exc}") from None
+        raise EngineInputError(f"an image could not be decoded: {_reason(exc)}") from None
+
+
+def _reason(exc: Exception) -> str:
+    """Why Pillow could not decode a file, in words for the client (Pillow names the buffer it
+    read from, which says nothing to them)."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "it is not a PNG, JPEG, WebP or GIF file"
+    return str(exc)
 
 
 def read_image_file(path: str | Path) -> np.ndarray:
     """`decode_image_file` of a file on disk (OSError when it cannot be read)."""
     return decode_image_file(Path(path).read_bytes())
+
+
+def _eight_bit(image):
+    """A 16-bit grayscale image (a PNG's: Pillow's "I;16" modes, or "I") scaled to 8 bits, 65535
+    to 255; Pillow's own conversion to RGB clips it, every value over 255 white."""
+    from PIL import Image
+
+    if image.mode not in WIDE_GRAY_MODES:
+        return image
+    gray = np.asarray(image, dtype=np.float64) / 257.0
+    return Image.fromarray(np.clip(np.rint(gray), 0, 255).astype(np.uint8), "L")
 
 
 def _has_alpha(image) -> bool:

@@ -46,8 +46,24 @@ def test_decode_applies_exif_orientation():
     [b"", b"not an image", b"\x89PNG\r\n\x1a\n" + b"\x00" * 20],
 )
 def test_decode_refuses_garbage(data):
-    with pytest.raises(EngineInputError):
+    with pytest.raises(EngineInputError) as refused:
         decode_image_file(data)
+    assert "object at 0x" not in str(refused.value)  # no repr of Pillow's buffer
+    if data == b"not an image":
+        assert str(refused.value).endswith("it is not a PNG, JPEG, WebP or GIF file")
+
+
+def test_a_16_bit_grayscale_png_is_scaled_to_8_bits():
+    """Pillow opens it as "I;16", whose own conversion to RGB clips every value over 255."""
+    from gmlx_server.imagefiles import mask_of
+
+    levels = np.array([0, 257, 200, 32896, 65535], np.uint16)
+    image = Image.fromarray(np.tile(levels, (3, 1)))
+    assert image.mode == "I;16"
+    decoded = decode_image_file(_file(image, "PNG"))
+    assert decoded.shape == (3, 5, 3)
+    np.testing.assert_array_equal(decoded[0, :, 0], [0, 1, 1, 128, 255])
+    np.testing.assert_array_equal(mask_of(decoded)[0], [0, 1, 1, 128, 255])
 
 
 def test_decode_refuses_other_formats():
