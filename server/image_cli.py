@@ -28,7 +28,7 @@ import numpy as np
 from .config import ConfigError
 from .engine.sampling import SAMPLERS, ImageRequest, SettingError, generate, to_uint8
 from .image_bench import run_bench, summary_text
-from .imagefiles import mask_of, read_image_file
+from .imagefiles import encode_picture, file_format, mask_of, read_image_file
 from .kernel_compiles import CompileWatch
 from .lora_files import AdapterSpec, adapter_doc, adapter_spec, sampling_table
 from .memory import MemoryPlanner, PlannedTransport
@@ -76,13 +76,15 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--prompt", required=True, help="what to draw")
     add_image_arguments(parser)
     add_adapter_argument(parser)
-    parser.add_argument("--out", type=Path, required=True, help="PNG file to write")
+    parser.add_argument(
+        "--out", type=Path, required=True, help="the image to write: a .png, .jpg or .webp file"
+    )
     parser.add_argument(
         "--preview",
         type=Path,
         default=None,
         metavar="FILE",
-        help="write a preview PNG of the image forming here after every step",
+        help="write a preview of the image forming here after every step (.png, .jpg, .webp)",
     )
     add_group_arguments(parser)
     parser.add_argument(
@@ -207,16 +209,19 @@ def rank_group(args: argparse.Namespace):
 
 
 def run_sample(args: argparse.Namespace) -> int:
-    return run_image_command(args, "sample", (args.out, "--out"), _sample)
+    pictures = ((args.out, "--out", True), (args.preview, "--preview", True))
+    return run_image_command(args, "sample", pictures, _sample)
 
 
-def run_image_command(args: argparse.Namespace, command: str, output: tuple, work) -> int:
+def run_image_command(args: argparse.Namespace, command: str, outputs: tuple, work) -> int:
     """`work(args, group)` in a prepared process, over the rank group the arguments name, once
-    the command's `output` (its path and flag) is known to be writable (else exit 2)."""
-    refused = output_refusal(*output)
-    if refused:
-        print(f"gmlx image {command}: {refused}", file=sys.stderr)
-        return EXIT_USAGE
+    the command's `outputs` (each its path, flag and whether it is a picture) are known to be
+    writable (else exit 2)."""
+    for path, flag, picture in outputs:
+        refused = output_refusal(path, flag, picture)
+        if refused:
+            print(f"gmlx image {command}: {refused}", file=sys.stderr)
+            return EXIT_USAGE
     prepare_process()
     with rank_group(args) as group:
         return work(args, group)
@@ -230,7 +235,7 @@ def _sample(args: argparse.Namespace, group: Any) -> int:
     if isinstance(done, int):
         return done
     choice, request, (pixels, steps) = done
-    if not written("sample", args.out, lambda: write_png(pixels, args.out)):
+    if not written("sample", args.out, lambda: write_picture(pixels, args.out)):
         return 1
     print(
         f"wrote {args.out} ({request.width}x{request.height}, {steps} steps, "
@@ -337,7 +342,8 @@ def preview_writer(transport: Any, request: ImageRequest, path: Path | None):
     def write(step: int, denoised: np.ndarray) -> None:
         fitted = preview_for(transport.model, transport.encode_image)
         partial = path.with_name(f".{path.name}.partial")
-        write_png(fitted.picture(denoised, request.width, request.height), partial)
+        picture = fitted.picture(denoised, request.width, request.height)
+        write_picture(picture, partial, file_format(path))
         os.replace(partial, path)
 
     return write
@@ -397,13 +403,16 @@ def _message(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
-def output_refusal(path: Path | None, flag: str) -> str | None:
+def output_refusal(path: Path | None, flag: str, picture: bool = False) -> str | None:
     """Why `path` cannot take a command's output, told before any work (None: it may): a
-    folder, or a place under a file or where this user may not write."""
+    folder, a place under a file or where this user may not write, or for a `picture` a name
+    whose suffix is no format's it is written in (imagefiles.FILE_SUFFIXES)."""
     if path is None:
         return None
     if path.is_dir():
         return f"{flag} {str(path)!r} is a folder; name a file"
+    if picture and file_format(path) is None:
+        return f"{flag} {path}: name a .png, .jpg or .webp file (the suffix says the format)"
     existing = next(p for p in path.absolute().parents if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         return f"{flag} {path}: {existing} is not a folder this user may write in"
@@ -426,12 +435,11 @@ def write_text(path: Path, text: str) -> None:
     path.write_text(text + "\n")
 
 
-def write_png(pixels: np.ndarray, path: Path) -> None:
-    from PIL import Image
-
+def write_picture(pixels: np.ndarray, path: Path, output_format: str | None = None) -> None:
+    """Pixels written to `path` in `output_format`, else the format its suffix says."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(to_uint8(pixels)).save(path, format="PNG")
+    path.write_bytes(encode_picture(to_uint8(pixels), output_format or file_format(path)))
 
 
 # ---------------------------------------------------------------- gmlx image bench
@@ -448,7 +456,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.warmup < 0:
         print("gmlx image bench: --runs must be at least 1, --warmup at least 0", file=sys.stderr)
         return EXIT_USAGE
-    return run_image_command(args, "bench", (args.json_out, "--json-out"), _bench)
+    return run_image_command(args, "bench", ((args.json_out, "--json-out", False),), _bench)
 
 
 def _bench(args: argparse.Namespace, group: Any) -> int:

@@ -17,6 +17,26 @@ MAX_DECODED_PIXELS = 64 * 1024 * 1024
 WIDE_GRAY_MODES = ("I;16", "I;16B", "I;16L", "I")  # how Pillow opens a 16-bit grayscale PNG
 
 
+# The formats images are answered in (the OpenAI routes' `output_format`) and written in (the
+# image commands' files, by their suffix: a name without one is a PNG).
+OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+FILE_SUFFIXES = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp", "": "png"}
+
+
+def encode_picture(picture: np.ndarray, output_format: str) -> bytes:
+    """A picture (uint8 (H, W, 3)) as a file of `output_format` (a key of OUTPUT_FORMATS)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(picture).save(buffer, format=OUTPUT_FORMATS[output_format])
+    return buffer.getvalue()
+
+
+def file_format(path: Path) -> str | None:
+    """The format a picture written to `path` takes from its suffix (None: no format's)."""
+    return FILE_SUFFIXES.get(Path(path).suffix.lower())
+
+
 def decode_image_file(data: bytes) -> np.ndarray:
     """A PNG, JPEG, WebP or GIF file (first frame) -> uint8 (H, W, 3), or (H, W, 4) when it has
     alpha, EXIF orientation applied. EngineInputError (answered 400) when it is none of these,

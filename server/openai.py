@@ -66,7 +66,7 @@ from .engine.sampling import (
     to_uint8,
 )
 from .image_store import StoreFull
-from .imagefiles import decode_image_file, mask_of
+from .imagefiles import OUTPUT_FORMATS, decode_image_file, encode_picture, mask_of
 from .memory import PlannedTransport
 from .routes.common import lone_surrogate
 
@@ -86,7 +86,6 @@ DEFAULT_IMAGE_STRENGTH = 0.75
 MAX_REFERENCES = 10
 DEFAULT_SIZE = (1024, 1024)
 SIZE_MULTIPLE = 16
-OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 RESPONSE_FORMATS = ("b64_json", "url")
 SIZE_RE = re.compile(r"([0-9]{1,6})[xX]([0-9]{1,6})")  # whole value; docs/openapi.yaml says so too
 # Form fields (multipart bodies) that are numbers or booleans in a JSON body.
@@ -459,14 +458,6 @@ def refusals():
 
 def encode_image(pixels: np.ndarray, output_format: str) -> bytes:
     return encode_picture(to_uint8(pixels), output_format)
-
-
-def encode_picture(picture: np.ndarray, output_format: str) -> bytes:
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(picture).save(buffer, format=OUTPUT_FORMATS[output_format])
-    return buffer.getvalue()
 
 
 # ---------------------------------------------------------------- streaming

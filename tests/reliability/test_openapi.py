@@ -161,7 +161,7 @@ def test_the_description_lists_every_route():
 
 def test_the_openai_fields_are_described_as_served():
     """The OpenAI routes' bounds and choices in the description are the code's."""
-    from gmlx_server import openai
+    from gmlx_server import imagefiles, openai
     from gmlx_server.engine.sampling import MAX_MASK_BLUR, SAMPLERS
 
     schemas = yaml.safe_load(OPENAPI.read_text())["components"]["schemas"]
@@ -172,7 +172,7 @@ def test_the_openai_fields_are_described_as_served():
     assert job["seed"]["maximum"] == openai.MAX_SEED
     assert job["cfg"]["maximum"] == job["guidance"]["maximum"] == openai.MAX_GUIDANCE
     assert job["sampler"]["enum"] == [*SAMPLERS, None]
-    assert job["output_format"]["enum"] == [*openai.OUTPUT_FORMATS, None]
+    assert job["output_format"]["enum"] == [*imagefiles.OUTPUT_FORMATS, None]
     assert job["response_format"]["enum"] == [*openai.RESPONSE_FORMATS, None]
     assert job["partial_images"]["maximum"] == openai.MAX_PARTIAL_IMAGES
     assert job["mask_blur"]["maximum"] == MAX_MASK_BLUR

@@ -175,3 +175,26 @@ def test_image_to_image_settings_are_refused_by_their_flags(tmp_path, flags, mes
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_pictures_are_written_in_the_format_their_suffix_names(tmp_path, capsys):
+    """--out photo.jpg is a JPEG file, not PNG bytes under that name; a suffix no format has is
+    refused before any work; a preview's partial file keeps its target's format."""
+    import numpy as np
+    from gmlx_server import image_cli
+
+    pixels = np.linspace(0, 1, 16 * 24 * 3, dtype=np.float32).reshape(16, 24, 3)
+    for name, kind in (("a.jpg", "JPEG"), ("b.JPEG", "JPEG"), ("c.webp", "WEBP"), ("d", "PNG")):
+        image_cli.write_picture(pixels, tmp_path / name)
+        with Image.open(tmp_path / name) as written:
+            assert (written.format, written.size) == (kind, (24, 16)), name
+    image_cli.write_picture(pixels, tmp_path / ".e.webp.partial", "webp")
+    with Image.open(tmp_path / ".e.webp.partial") as written:
+        assert written.format == "WEBP"
+    for flag in ("--out", "--preview"):
+        argv = ["--prompt", "x", "--out", str(tmp_path / "ok.png"), flag, str(tmp_path / "x.bmp")]
+        assert image_cli.sample_main(argv) == 2
+        assert (
+            f"{flag} {tmp_path / 'x.bmp'}: name a .png, .jpg or .webp file"
+            in capsys.readouterr().err
+        )
