@@ -47,8 +47,11 @@ def reference_sizes(status: dict) -> ReferenceSizes | None:
 
 
 def check_references(status: dict, images: Sequence[np.ndarray]) -> None:
-    """Refuse, before any work, a reference that its fit leaves outside the bounds (a
-    SettingError of `ref`, naming the image and the bounds)."""
+    """Refuse, before any work, references on a model that takes none (status `edit_capable`
+    false), or one that its fit leaves outside the bounds (a SettingError of `ref`, naming the
+    image and the bounds)."""
+    if images and not status.get("edit_capable", True):
+        raise SettingError("ref", "the model takes no reference images")
     sizes = reference_sizes(status)
     if sizes is not None:
         for index, image in enumerate(images):

@@ -117,3 +117,10 @@ def test_a_model_without_bounds_takes_references_as_they_are():
     status = {"vae": {"stride": 8}, "conditioning": {"ref_method": "index"}}
     check_references(status, [image])
     assert fitted_references(status, [image])[0] is image
+
+
+def test_references_on_a_model_that_takes_none_are_refused_before_any_work():
+    status = {"vae": {"stride": 8}, "edit_capable": False, "conditioning": {"ref_method": None}}
+    check_references(status, [])
+    with pytest.raises(SettingError, match="the model takes no reference images"):
+        check_references(status, [picture(64, 64)])

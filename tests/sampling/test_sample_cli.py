@@ -198,3 +198,28 @@ def test_pictures_are_written_in_the_format_their_suffix_names(tmp_path, capsys)
             f"{flag} {tmp_path / 'x.bmp'}: name a .png, .jpg or .webp file"
             in capsys.readouterr().err
         )
+
+
+@pytest.mark.parametrize(
+    ("model", "size", "message"),
+    [
+        ("z-image-random-tiny", (64, 64), "the model takes no reference images"),
+        ("flux2-klein-random-tiny", (40, 100), "reference image 0 is 100x40: the model takes"),
+    ],
+)
+def test_references_are_refused_before_the_model_loads(
+    monkeypatch, capsys, tmp_path, model, size, message
+):
+    import numpy as np
+    from gmlx_server import image_cli
+    from gmlx_server.engine.registry import ModelRegistry
+
+    def no_load(self, model_id):
+        raise AssertionError(f"{model_id} was loaded before its references were checked")
+
+    monkeypatch.setattr(ModelRegistry, "acquire", no_load)
+    Image.fromarray(np.zeros((*size, 3), np.uint8)).save(tmp_path / "ref.png")
+    argv = ["--model", model, "--prompt", "x", "--ref", str(tmp_path / "ref.png")]
+    assert image_cli.sample_main([*argv, "--out", str(tmp_path / "out.png")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "was loaded" not in err
