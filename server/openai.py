@@ -604,7 +604,6 @@ class Edits(ImageRoute):
         job = parse_job(fields, edit_size(images[0]))
         job = replace(job, events="image_edit")
         if mask is not None:
-            check_mask(mask, images[0])
             first, *others = images
             request = replace(job.request, init_image=first, images=tuple(others), mask=mask)
             self.answer(req, resp, replace(job, request=request, use="start"))
@@ -647,17 +646,6 @@ class ImageFile:
             raise OpenAIError(404, f"no image {name[:80]!r} is kept here (it may have expired)")
         resp.data, resp.content_type = found
         resp.set_header("Cache-Control", "private, max-age=60")
-
-
-def check_mask(mask: np.ndarray, image: np.ndarray) -> None:
-    """OpenAI's rule: the mask has the image's size."""
-    if mask.shape[:2] != image.shape[:2]:
-        raise OpenAIError(
-            400,
-            f"the mask is {mask.shape[1]}x{mask.shape[0]} but the image is"
-            f" {image.shape[1]}x{image.shape[0]}: they must be the same size",
-            "mask",
-        )
 
 
 def edit_size(image: np.ndarray) -> tuple[int, int]:

@@ -502,7 +502,9 @@ def check_numbers(request: ImageRequest) -> None:
 
 def check_image_start(request: ImageRequest) -> None:
     """An image to image's settings: a strength in (0, 1] (below 1 only with an init image), a
-    mask only with an init image, 2-D, and a blur radius from 0 to MAX_MASK_BLUR pixels."""
+    mask only with an init image, 2-D and of its size (OpenAI's rule for edits: a mask made for
+    another picture is refused, not stretched), and a blur radius from 0 to MAX_MASK_BLUR
+    pixels."""
     strength = request.strength
     if not (isinstance(strength, (int, float)) and 0.0 < strength <= 1.0):
         raise SettingError("strength", "{name} must be a number above 0 and at most 1")
@@ -514,6 +516,13 @@ def check_image_start(request: ImageRequest) -> None:
         return
     if request.mask is not None and np.ndim(request.mask) != 2:
         raise SettingError("mask", "a {name} must be one grayscale channel")
+    mask_shape, image_shape = np.shape(request.mask)[:2], np.shape(request.init_image)[:2]
+    if request.mask is not None and mask_shape != image_shape:
+        raise SettingError(
+            "mask",
+            f"the {{name}} is {mask_shape[1]}x{mask_shape[0]} but the init image is"
+            f" {image_shape[1]}x{image_shape[0]}: they must be the same size",
+        )
     if not 0.0 <= request.mask_blur <= MAX_MASK_BLUR:
         raise SettingError("mask_blur", f"{{name}} must be from 0 to {MAX_MASK_BLUR:g} pixels")
 

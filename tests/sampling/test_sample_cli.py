@@ -165,11 +165,16 @@ def test_inpainting_with_a_preview_is_the_same_in_process_and_via_the_step_route
         (["--mask", "MASK"], "a --mask needs an init image to paint into"),
         (["--init-image", "INIT", "--mask-blur", "-1"], "--mask-blur must be from 0 to 256"),
         (["--init-image", "nowhere.png"], "--init-image nowhere.png: cannot be read"),
+        # a mask made for another picture is refused, as the OpenAI edits refuse it
+        (["--init-image", "INIT", "--mask", "SMALL"], "the --mask is 64x48 but the init image"),
     ],
 )
 def test_image_to_image_settings_are_refused_by_their_flags(tmp_path, flags, message):
     init, mask = write_init_and_mask(tmp_path)
-    flags = [init if f == "INIT" else mask if f == "MASK" else f for f in flags]
+    with Image.open(mask) as whole:
+        whole.resize((64, 48)).save(tmp_path / "small.png")
+    named = {"INIT": init, "MASK": mask, "SMALL": str(tmp_path / "small.png")}
+    flags = [named.get(f, f) for f in flags]
     result = sample(tmp_path, "x.png", *flags)
     assert result.returncode in (1, 2)
     assert message in result.stderr, result.stderr[-2000:]

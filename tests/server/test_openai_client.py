@@ -231,6 +231,14 @@ def test_refusals_reach_the_client_as_its_errors(client):
             prompt="x",
         )
     assert "takes no reference images" in refused.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.edit(
+            model=Z_IMAGE,
+            image=("init.png", png(init_picture()), "image/png"),
+            mask=("mask.png", png(alpha_mask()[:32]), "image/png"),
+            prompt="x",
+        )
+    assert "the mask is 96x32 but the init image is 96x64" in refused.value.message
     with pytest.raises(openai.NotFoundError):
         client.images.generate(model="no-such-model", prompt="x")
 
