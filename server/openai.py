@@ -37,6 +37,7 @@ import binascii
 import io
 import json
 import logging
+import math
 import queue
 import re
 import secrets
@@ -649,16 +650,16 @@ class ImageFile:
 
 
 def edit_size(image: np.ndarray) -> tuple[int, int]:
-    """The 'auto' size of an edit: the first reference's, down to multiples of 16 and within
-    the pixel limits (else the default size)."""
+    """The 'auto' size of an edit: the first image's, scaled down (its aspect kept) to within
+    the pixel limits where it is over them, then down to multiples of 16 (the default size
+    where a side would be under 16)."""
     height, width = image.shape[:2]
+    scale = min(
+        1.0, math.sqrt(wire.MAX_PIXELS / (width * height)), wire.MAX_SIDE / max(width, height)
+    )
+    width, height = int(width * scale), int(height * scale)
     width, height = width - width % SIZE_MULTIPLE, height - height % SIZE_MULTIPLE
-    if (
-        width < SIZE_MULTIPLE
-        or height < SIZE_MULTIPLE
-        or width * height > wire.MAX_PIXELS
-        or max(width, height) > wire.MAX_SIDE
-    ):
+    if width < SIZE_MULTIPLE or height < SIZE_MULTIPLE:
         return DEFAULT_SIZE
     return width, height
 

@@ -195,7 +195,7 @@ def test_edit_auto_size_and_refusals(server):
         files={"image": ("a.png", image), "mask": ("m.png", png_file(40, 64, 4))},
     )
     assert masked.status_code == 400 and masked.json()["error"]["param"] == "mask"
-    assert "the mask is 40x64 but the image is 40x72" in masked.json()["error"]["message"]
+    assert "the mask is 40x64 but the init image is 40x72" in masked.json()["error"]["message"]
     for strength in ("0", "1e-9", "1.5", "nan"):  # 1e-9 would evaluate 10^9 steps to keep 1
         weak = post(
             server,
@@ -234,3 +234,18 @@ def test_a_body_that_is_not_json_is_refused_in_openais_shape(server):
         "param": None,
         "code": None,
     }
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "size"),
+    [
+        (72, 40, (32, 64)),  # down to multiples of 16
+        (3000, 4000, (2352, 1760)),  # a photo over 2048x2048 pixels, its aspect kept
+        (600, 9000, (4096, 272)),  # a side over 4096
+        (8, 4000, (1024, 1024)),  # a side under 16 once within the limits: the default
+    ],
+)
+def test_an_edits_auto_size_is_its_images_within_the_limits(height, width, size):
+    from gmlx_server.openai import edit_size
+
+    assert edit_size(np.zeros((height, width, 3), np.uint8)) == size
