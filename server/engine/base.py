@@ -86,18 +86,24 @@ class ReferenceSizes:
     """The reference images a family's pipeline takes as they are (it would resize one of
     another size, which the encode route does not): sides that are multiples of the VAE's
     stride, at least `min_side`, at most `max_side` and within an aspect ratio of `max_aspect`
-    where they are set, and at most `max_area` pixels (`lone_max_area` where set, for a
-    reference that is the only one of its request). How the pipeline brings an image of
-    another size to these (engine/reference_images.py, for the server's own sampler): "crop"
-    (downscaled to the area, center-cropped to the stride), or for a lone reference
-    `lone_fit` "pad" (downscaled to the area, padded by reflection to the stride)."""
+    where they are set, and at least `min_area` and at most `max_area` pixels (`lone_max_area`
+    where set, for a reference that is the only one of its request). With `side_multiple`,
+    any sides are taken: the family's encoder resizes an image at its own area to sides in
+    multiples of it (Qwen-Image 2.1, docs/contract.md §2.6).
+
+    How the pipeline brings an image of another size to these (engine/reference_images.py,
+    for the server's own sampler): "crop" (downscaled to the area, center-cropped to the
+    stride); for a lone reference `lone_fit` "pad" (downscaled to the area, padded by
+    reflection to the stride); with `side_multiple`, resized to `max_area` at its aspect."""
 
     min_side: int
     max_area: int
+    min_area: int = 0
     max_side: int | None = None
     max_aspect: int | None = None
     lone_max_area: int | None = None
     lone_fit: str = "crop"
+    side_multiple: int | None = None
 
     def status(self) -> dict:
         """Status `conditioning.reference_sizes` (docs/contract.md §2.3, an extension)."""
@@ -113,12 +119,11 @@ class ReferenceSizes:
         """Whether an image of `height` x `width`, one of `count`, is taken as it is."""
         short, long = sorted((height, width))
         return not (
-            height % stride
-            or width % stride
+            (self.side_multiple is None and (height % stride or width % stride))
             or short < self.min_side
             or (self.max_side is not None and long > self.max_side)
             or (self.max_aspect is not None and long > self.max_aspect * short)
-            or height * width > self.area(count)
+            or not self.min_area <= height * width <= self.area(count)
         )
 
     def check(
@@ -128,6 +133,12 @@ class ReferenceSizes:
         the sizes the pipeline takes)."""
         if self.fits(height, width, count, stride):
             return
+        if self.side_multiple is not None:
+            raise EngineInputError(
+                f"image {index} is {width}x{height}: {title} references must have from"
+                f" {self.min_area} to {self.max_area} pixels (each is resized at its own area"
+                f" to sides in multiples of {self.side_multiple})"
+            )
         if self.max_side is None:
             sides = f"multiples of {stride}, at least {self.min_side}"
         else:

@@ -12,6 +12,9 @@ what the family's diffusers pipeline does with it, by the bounds in status
 - "pad" (FLUX.3 klein's lone reference, kept whole): downscaled until its canvas, its sides
   rounded up to the stride within `min_side`..`max_side`, fits `lone_max_area` (the scale
   backed off by 0.5% while it does not), then padded to the canvas by reflection, centered.
+- with `side_multiple` (Qwen-Image 2.1, whose encoder takes any sides at an area from
+  `min_area` to `max_area`): a picture outside that is resized to `QwenImage21Pipeline`'s
+  size for it, `max_area` pixels at its aspect with sides in multiples of `side_multiple`.
 
 An image that the bounds take as it is stays as it is. Numpy and Pillow only.
 """
@@ -78,7 +81,9 @@ def plan(
     pipeline refuses it or its fit is still outside the bounds."""
     if sizes.fits(height, width, count, stride):
         return Fit((height, width), (height, width), False)
-    if count == 1 and sizes.lone_fit == "pad":
+    if sizes.side_multiple is not None:
+        fit = _area_plan(sizes.area(count), height, width, sizes.side_multiple)
+    elif count == 1 and sizes.lone_fit == "pad":
         fit = _pad_plan(sizes, height, width, stride)
     else:
         _check_taken(sizes, index, height, width)
@@ -115,6 +120,19 @@ def _crop_plan(area: int, height: int, width: int, stride: int) -> Fit:
     return Fit((height, width), (height - height % stride, width - width % stride), False)
 
 
+def _area_plan(area: int, height: int, width: int, multiple: int) -> Fit:
+    """The pipeline's size of a picture (`QwenImage21Pipeline`'s `calculate_dimensions`):
+    `area` pixels at its aspect, sides rounded to `multiple`; floored where the rounding
+    lands over the area, which the encoder would refuse."""
+    ratio = width / height
+    exact_width = math.sqrt(area * ratio)
+    exact_height = exact_width / ratio
+    sides = (round(exact_height / multiple) * multiple, round(exact_width / multiple) * multiple)
+    if sides[0] * sides[1] > area:
+        sides = (int(exact_height // multiple) * multiple, int(exact_width // multiple) * multiple)
+    return Fit(sides, sides, False)
+
+
 def _pad_plan(sizes: ReferenceSizes, height: int, width: int, stride: int) -> Fit:
     area = sizes.area(1)
     scale = min(1.0, math.sqrt(area / (height * width)), sizes.max_side / max(height, width))
@@ -142,15 +160,18 @@ def _check_taken(sizes: ReferenceSizes, index: int, height: int, width: int) -> 
 
 
 def _refuse(sizes: ReferenceSizes, index: int, height: int, width: int) -> None:
+    said = f"reference image {index} is {width}x{height}: the model takes references"
+    if sizes.side_multiple is not None:
+        raise SettingError(
+            "ref",
+            f"{said} of {sizes.min_area} to {sizes.max_area} pixels with sides of at least"
+            f" {sizes.side_multiple}, which this one's aspect does not allow",
+        )
     sides = f"at least {sizes.min_side}"
     if sizes.max_side is not None:
         sides += f" and at most {sizes.max_side}"
     aspect = "" if sizes.max_aspect is None else f", within an aspect ratio of {sizes.max_aspect}"
-    raise SettingError(
-        "ref",
-        f"reference image {index} is {width}x{height}: the model takes references of {sides}"
-        f" pixels a side{aspect}",
-    )
+    raise SettingError("ref", f"{said} of {sides} pixels a side{aspect}")
 
 
 def _stride(status: dict) -> int:

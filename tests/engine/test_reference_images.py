@@ -10,10 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from diffusers.image_processor import VaeImageProcessor
 from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
 from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 from gmlx_server.engine.families.flux2_klein.spec import SPECS as FLUX2_SPECS
 from gmlx_server.engine.families.flux3_klein.spec import SPEC as FLUX3_SPEC
+from gmlx_server.engine.families.qwen_image21.spec import SPEC as QWEN_IMAGE21_SPEC
 from gmlx_server.engine.reference_images import check_references, fitted_references
 from gmlx_server.engine.sampling import SettingError
 from PIL import Image
@@ -24,6 +27,7 @@ FLUX2_STATUS = {
     "conditioning": FLUX2_SPECS[0].conditioning_status(),
 }
 FLUX3_STATUS = {"vae": {"stride": STRIDE}, "conditioning": FLUX3_SPEC.conditioning_status()}
+QWEN_STATUS = {"vae": {"stride": 8}, "conditioning": QWEN_IMAGE21_SPEC.conditioning_status()}
 
 
 def picture(height: int, width: int, channels: int = 3, seed: int = 0) -> np.ndarray:
@@ -124,3 +128,35 @@ def test_references_on_a_model_that_takes_none_are_refused_before_any_work():
     check_references(status, [])
     with pytest.raises(SettingError, match="the model takes no reference images"):
         check_references(status, [picture(64, 64)])
+
+
+@pytest.mark.parametrize(
+    ("height", "width", "channels", "size"),
+    [
+        (1000, 3000, 3, (576, 1760)),  # over 1024x1024 pixels: the pipeline's size
+        (40, 40, 3, (1024, 1024)),  # under 256x256 pixels: brought up to the pipeline's
+        # the pipeline's 768x1376 and 896x1184 hold more than 1024x1024 pixels, which the
+        # encoder refuses: the sides floored to 32s
+        (1080, 1920, 3, (768, 1344)),
+        (3000, 4000, 4, (864, 1152)),
+        (600, 700, 3, (600, 700)),  # within the area: as it is (the encoder resizes it)
+    ],
+)
+def test_qwen_image21_references_are_its_pipelines_size(height, width, channels, size):
+    """Outside the encoder's area, QwenImage21Pipeline's size for the picture (1024x1024
+    pixels at its aspect, sides in 32s: `calculate_dimensions`), resized as its image
+    processor resizes (Lanczos)."""
+    image = picture(height, width, channels)
+    (got,) = fitted_references(QWEN_STATUS, [image])
+    if (height, width) == size:
+        assert got is image
+        return
+    pipeline_width, pipeline_height, _ = calculate_dimensions(1024 * 1024, width / height)
+    rounded = pipeline_width * pipeline_height <= 1024 * 1024
+    assert rounded == (size == (pipeline_height, pipeline_width))
+    assert got.shape == (*size, channels)
+    mode = "RGBA" if channels == 4 else "RGB"
+    expected = VaeImageProcessor().resize(
+        Image.fromarray(image, mode), height=size[0], width=size[1]
+    )
+    np.testing.assert_array_equal(got, np.asarray(expected))

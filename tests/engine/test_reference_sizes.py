@@ -95,8 +95,11 @@ def test_a_loaded_model_checks_the_sizes_its_capabilities_carry():
     with pytest.raises(EngineInputError, match="image 1 is 64x48: FLUX.3 klein references"):
         FamilyModel.check_reference(flux3, 1, 48, 64, 2)
     FamilyModel.check_reference(flux3, 1, 2048, 2048, 1)
-    # Qwen-Image 2.1 takes references of any size (its spec declares no bounds)
-    FamilyModel.check_reference(model(QWEN_IMAGE21_SPEC), 0, 48, 72, 1)
+    # Qwen-Image 2.1 takes references of any sides within its area (its encoder resizes them)
+    qwen = model(QWEN_IMAGE21_SPEC)
+    FamilyModel.check_reference(qwen, 0, 260, 300, 1)
+    with pytest.raises(EngineInputError, match="must have from 65536 to 1048576 pixels"):
+        FamilyModel.check_reference(qwen, 0, 48, 72, 1)
 
 
 def test_encode_refuses_a_reference_before_any_encoder_runs():

@@ -17,10 +17,11 @@ from PIL import Image
 
 from ...base import EngineInputError
 from ...encoders.qwen3.processor import MAX_ASPECT, VisionPreprocessor
+from .spec import REFERENCE_SIZES
 
-MIN_REFERENCE_AREA = 256 * 256
-MAX_REFERENCE_AREA = 1024 * 1024
-SIDE_MULTIPLE = 32
+MIN_REFERENCE_AREA = REFERENCE_SIZES.min_area
+MAX_REFERENCE_AREA = REFERENCE_SIZES.max_area
+SIDE_MULTIPLE = REFERENCE_SIZES.side_multiple
 
 
 def reference_size(width: int, height: int) -> tuple[int, int]:

@@ -7,6 +7,7 @@ the variant is `turbo` when model_index.json carries `sample_sigmas` (a fixed sc
 
 from __future__ import annotations
 
+from ...base import ReferenceSizes
 from ...spec import ByClass, Conditioning, FamilySpec, Published
 
 FAMILY = "qwen_image21"
@@ -14,6 +15,13 @@ PIPELINE_CLASS = "QwenImage21Pipeline"
 # What an empty prompt is encoded as: the Qwen tokenizer's own rule (Qwen has no BOS token, so
 # an empty prompt would leave the encoder nothing to read; encoders/qwen3/tokenizer.py).
 EMPTY_PROMPT = " "
+# Its reference images (docs/contract.md §2.6): any sides, from 256x256 to 1024x1024 pixels of
+# area, each resized at its own area to sides in 32s by the encoder (images.py); the server's
+# own sampler brings a picture outside that to the pipeline's size, 1024x1024 pixels at its
+# aspect (engine/reference_images.py).
+REFERENCE_SIZES = ReferenceSizes(
+    min_side=1, min_area=256 * 256, max_area=1024 * 1024, side_multiple=32
+)
 
 
 SPEC = FamilySpec(
@@ -25,6 +33,7 @@ SPEC = FamilySpec(
     conditioning=Conditioning(ref_method="index", empty_prompt=EMPTY_PROMPT),
     latent_stride=16,
     max_refs=10,
+    reference_sizes=REFERENCE_SIZES,
     features=("prefix_cache", "noise_mask", "rgba_vae", "tiled_vae"),
     in_parts=("comfy", "reference"),  # its time rule is the reference one under both
     sampling={
