@@ -79,6 +79,7 @@ EDITS_PATH = PREFIX + "images/edits"
 VARIATIONS_PATH = PREFIX + "images/variations"
 FILES_PREFIX = PREFIX + "images/files/"
 FILES_PATH = FILES_PREFIX + "{name}"
+MODELS_PATH = PREFIX + "models"
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's bound on n
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on partial_images
 # The strength of a variation, and of an edit without mask or strength on a model that takes
@@ -159,6 +160,7 @@ def add_routes(app: falcon.App, ctx: Any) -> None:
     app.add_route(EDITS_PATH, Edits(ctx))
     app.add_route(VARIATIONS_PATH, Variations(ctx))
     app.add_route(FILES_PATH, ImageFile(ctx))
+    app.add_route(MODELS_PATH, Models(ctx))
 
 
 # ---------------------------------------------------------------- request fields
@@ -631,6 +633,35 @@ class Variations(ImageRoute):
             job = replace(job, request=replace(job.request, strength=DEFAULT_IMAGE_STRENGTH))
         request = replace(job.request, init_image=images[0])
         self.answer(req, resp, replace(job, request=request, use="variation"))
+
+
+class Models:
+    """GET /v1/models: the image models an OpenAI client may name, in OpenAI's list shape (its
+    `created` the folder's modification time, 0 for one not yet on disk; `family` an
+    extension). A folder of no family the server serves is left out, as the routes refuse it."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+
+    def on_get(self, req: falcon.Request, resp: falcon.Response) -> None:
+        entries = self.ctx.registry.entries()
+        data = [_model_object(e) for e in entries if e.family is not None]
+        resp.content_type = "application/json"
+        resp.data = json.dumps({"object": "list", "data": data}).encode("utf-8")
+
+
+def _model_object(entry: Any) -> dict:
+    try:
+        created = int(entry.path.stat().st_mtime)
+    except OSError:
+        created = 0
+    return {
+        "id": entry.model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "gmlx",
+        "family": entry.family,
+    }
 
 
 class ImageFile:

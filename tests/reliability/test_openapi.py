@@ -149,12 +149,19 @@ def exercise(server, operation, mode: GenerationMode, examples: int, headers=Non
 def test_the_description_lists_every_route():
     """Every route of the app is described, and nothing else."""
     from gmlx_server.app import HEALTH_PATH, METRICS_PATH, step_routes
-    from gmlx_server.openai import EDITS_PATH, FILES_PATH, GENERATIONS_PATH, VARIATIONS_PATH
+    from gmlx_server.openai import (
+        EDITS_PATH,
+        FILES_PATH,
+        GENERATIONS_PATH,
+        MODELS_PATH,
+        VARIATIONS_PATH,
+    )
     from gmlx_server.routes.common import PREFIX
 
     doc = yaml.safe_load(OPENAPI.read_text())
     described = set(doc["paths"])
-    served = {HEALTH_PATH, METRICS_PATH, GENERATIONS_PATH, EDITS_PATH, VARIATIONS_PATH, FILES_PATH}
+    served = {HEALTH_PATH, METRICS_PATH, GENERATIONS_PATH, EDITS_PATH, VARIATIONS_PATH}
+    served |= {FILES_PATH, MODELS_PATH}
     served |= {PREFIX + "/" + path for path, _ in step_routes(None)}
     assert described == served
 

@@ -243,6 +243,15 @@ def test_refusals_reach_the_client_as_its_errors(client):
         client.images.generate(model="no-such-model", prompt="x")
 
 
+def test_the_models_list_names_the_models_a_client_may_ask_for(server, client):
+    """`client.models.list()` parses the list; each id it names generates."""
+    models = {model.id: model for model in client.models.list()}
+    assert {Z_IMAGE, KLEIN} <= set(models)
+    assert models[KLEIN].owned_by == "gmlx" and models[KLEIN].created > 0
+    registry = server.service.registry
+    assert set(models) == {e.model_id for e in registry.entries() if e.family is not None}
+
+
 def test_an_expired_or_made_up_image_url_is_not_found(server):
     for name in ("0" * 32 + ".png", "../../etc/passwd", "x.png"):
         answer = requests.get(server.base_url + "/v1/images/files/" + name, timeout=30)
