@@ -251,7 +251,8 @@ MODEL_SETTINGS = {
     "vae": "the VAE's safetensors file: with dit and text_encoder, the model is served from these"
     " component files, with no model folder",
     "family": "with vae: the family, where the files cannot tell it (flux2_klein_9b_kv)",
-    "variant": "with vae: the variant, where the files cannot tell it (turbo or base)",
+    "variant": "with vae: the variant, where the files cannot tell it (the family's own name:"
+    " turbo or base, distilled or base, turbo or raw, sft or base)",
     "tokenizer": "with vae: a folder holding the text encoder's tokenizer.json",
     "prompt_upsampler": "a chat model folder (Qwen3.5 in transformers' layout, with its chat"
     " template) that rewrites a text-only encode's prompt where asked (FLUX.3 klein's upsampler)",

@@ -34,7 +34,9 @@ def register(subparsers) -> None:
     status.add_argument("--port", type=int, default=None, help="ask there, as `gmlx serve --port`")
     status.set_defaults(func=status_command)
     listing = subparsers.add_parser(
-        "list", help="the models the configuration names (model_dirs, [models], the default)"
+        "list",
+        aliases=["models"],
+        help="the models the configuration names (model_dirs, [models], the default)",
     )
     listing.add_argument(
         "--image",
