@@ -221,6 +221,7 @@ def serve(args: argparse.Namespace) -> int:
         default or "none",
     )
     _warn_if_unservable(registry, default)
+    _warn_of_missing_folders(registry)
     try:
         with CompileWatch(log.info):
             server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
@@ -244,6 +245,14 @@ def _warn_if_unservable(registry, default: str | None) -> None:
         registry.resolve(default)
     except ContractError as exc:
         log.warning("the default model cannot be served: %s", exc.message)
+
+
+def _warn_of_missing_folders(registry) -> None:
+    """Say at start which `model_dirs` are no folder (a mistyped path, a disk not mounted):
+    they give no models until they are one."""
+    for folder in registry.model_dirs:
+        if not folder.is_dir():
+            log.warning("model_dirs names %s, which is no folder: no models come from it", folder)
 
 
 def _launch_group(args: argparse.Namespace) -> int:

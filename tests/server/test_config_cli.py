@@ -412,7 +412,10 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     models = tmp_path / "models"
     models.mkdir()
     config = tmp_path / "config.toml"
-    config.write_text(f'[server]\nmodel_dirs = ["{models}"]\ndefault_model = "none-yet"\n')
+    unmounted = tmp_path / "unmounted"
+    config.write_text(
+        f'[server]\nmodel_dirs = ["{models}", "{unmounted}"]\ndefault_model = "none-yet"\n'
+    )
     env = {**os.environ, "GMLX_BLAS": "off"}
     with serving(["--config", str(config)], env) as (process, url):
         base = url + "/internal/image-steps/v1"
@@ -423,6 +426,8 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     assert process.returncode == 0, err
     assert "serving on http://127.0.0.1:" in err
     assert "the default model cannot be served: unknown image model 'none-yet'" in err
+    assert f"model_dirs names {unmounted}, which is no folder" in err
+    assert f"model_dirs names {models}," not in err
     assert "GET /internal/image-steps/v1/models 200" in err
     assert "stopping" in err
 
