@@ -81,7 +81,7 @@ class EncodeResult:
     image_slots: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReferenceSizes:
     """The reference images a family's pipeline takes as they are (it would resize one of
     another size, which the encode route does not): sides that are multiples of the VAE's
@@ -97,10 +97,10 @@ class ReferenceSizes:
     reflection to the stride); with `side_multiple`, resized to `max_area` at its aspect."""
 
     min_side: int
-    max_area: int
-    min_area: int = 0
     max_side: int | None = None
     max_aspect: int | None = None
+    min_area: int = 0
+    max_area: int
     lone_max_area: int | None = None
     lone_fit: str = "crop"
     side_multiple: int | None = None

@@ -76,10 +76,10 @@ def test_status_and_manifest_say_the_familys_facts(live):
         "inpaint_reference": True,
         "reference_sizes": {
             "min_side": 64,
-            "max_area": 1024 * 1024,
-            "min_area": 0,
             "max_side": None,
             "max_aspect": 8,
+            "min_area": 0,
+            "max_area": 1024 * 1024,
             "lone_max_area": None,
             "lone_fit": "crop",
             "side_multiple": None,
