@@ -33,7 +33,7 @@ from .engine.registry import ModelRegistry
 from .http_gate import ReceivedBody, body_limit, gated_server, log_request
 from .metrics import Metrics, MetricsMiddleware, ServerMetrics
 from .routes import encode, models, runs, step, uploads, vae
-from .routes.common import PREFIX, Resource, ServerContext
+from .routes.common import PREFIX, Resource, ServerContext, Traffic
 from .service import StepsService
 from .worker import ImageWorker
 
@@ -86,12 +86,21 @@ class FrontGate:
     """Access, size and JSON checks, before routing; also the request log line (of every request
     that reaches the app: Waitress' own refusals are logged where they are made, in http_gate)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, traffic: Traffic) -> None:
         self.config = config
+        self.traffic = traffic
         self.key = config.api_key.encode("utf-8") if config.api_key else None
 
     def process_request(self, req: falcon.Request, resp: falcon.Response) -> None:
         req.context.started = time.perf_counter()
+        self.traffic.enter()
+        req.context.counted = True
+        if self.traffic.stopping.is_set() and req.path != HEALTH_PATH:
+            raise GateError(
+                503,
+                "server_error",
+                "the server is stopping: send the request again once it is back, or to another",
+            )
         peer = req.env.get("REMOTE_ADDR")
         req.context.peer = peer
         if self.config.loopback_bind:
@@ -192,6 +201,8 @@ class FrontGate:
     def process_response(self, req, resp, resource, req_succeeded: bool) -> None:
         started = getattr(req.context, "started", None) or time.perf_counter()
         log_request(req.method, req.path, resp.status_code, started)
+        if getattr(req.context, "counted", False):
+            self.traffic.leave()
 
 
 def whole_body(req: falcon.Request) -> bytes | memoryview | None:
@@ -279,7 +290,8 @@ def handle_unexpected(req, resp, exc: Exception, params) -> None:
 def create_app(ctx: ServerContext) -> falcon.App:
     if ctx.metrics is None:  # one app's metrics, counted over its context
         ctx.metrics = ServerMetrics(ctx.service, ctx.group)
-    app = falcon.App(middleware=[FrontGate(ctx.config), MetricsMiddleware(ctx.metrics)])
+    gate = FrontGate(ctx.config, ctx.traffic)
+    app = falcon.App(middleware=[gate, MetricsMiddleware(ctx.metrics)])
     app.req_options.strip_url_path_trailing_slash = False
     app.add_error_handler(Exception, handle_unexpected)
     app.add_error_handler(ValueError, handle_value_error)

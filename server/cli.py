@@ -19,6 +19,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +34,10 @@ from .parsers import (
 from .process import config_registry, prepare_process
 
 log = logging.getLogger("gmlx.server")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How long a stop waits for the requests in flight (an image of many steps, a stream) to be
+# answered before it lets the models go regardless.
+STOP_GRACE_S = 60.0
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
@@ -211,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx.service.close()
         print(f"gmlx serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
-    _stop_on_signals(group)
+    _stop_on_signals(group, server, ctx.traffic)
     log.info(
         "gmlx %s serving on http://%s:%s (models: %s; default: %s)",
         __version__,
@@ -224,8 +230,10 @@ def serve(args: argparse.Namespace) -> int:
     _warn_of_missing_folders(registry)
     try:
         with CompileWatch(log.info):
-            server.run()  # returns after SIGINT/SIGTERM (waitress stops its threads)
+            server.run()  # returns once a stop interrupts it (waitress stops its threads)
     finally:
+        for signum in STOP_SIGNALS:  # a signal now would only cut the cleanup short
+            signal.signal(signum, signal.SIG_IGN)
         log.info("stopping: ending runs and letting the models go")
         ctx.service.close()
         server.close()
@@ -282,15 +290,66 @@ def setup_logging() -> None:
     )
 
 
-def _stop_on_signals(group=None) -> None:
-    """SIGINT and SIGTERM stop the server; so does, on rank 0 of a rank group, the group's end
-    (a broken group, its launcher gone: distributed.Group.on_end)."""
+def _stop_on_signals(group=None, server=None, traffic=None) -> None:
+    """SIGINT and SIGTERM stop the server, the requests in flight answered first: new ones are
+    refused 503 (`/health?ready=1` says the server is stopping) while those finish, for at most
+    STOP_GRACE_S; a second signal stops it at once. On rank 0 of a rank group, the group's end
+    (a broken group, its launcher gone: distributed.Group.on_end) stops it at once too."""
     import _thread
 
-    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
-        raise KeyboardInterrupt
+    at_once = threading.Event()  # the interrupt to come stops the loop without a word
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    def interrupt() -> None:
+        at_once.set()
+        _thread.interrupt_main()
+        if server is not None:
+            server.pull_trigger()  # wake the loop from its poll, where the interrupt is taken
+
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        name = signal.Signals(signum).name
+        if at_once.is_set():
+            raise KeyboardInterrupt
+        if traffic is None or traffic.stopping.is_set():
+            log.info("stopping at once on %s", name)
+            raise KeyboardInterrupt
+        traffic.stopping.set()
+        log.info(
+            "stopping on %s: new requests are refused while the %d in flight finish (at most"
+            " %g s; %s again stops at once)",
+            name,
+            traffic.count,
+            STOP_GRACE_S,
+            name,
+        )
+        threading.Thread(
+            target=_stop_when_answered,
+            args=(server, traffic, interrupt),
+            name="gmlx-stop",
+            daemon=True,
+        ).start()
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
     if group is not None:
-        group.on_end = _thread.interrupt_main
+        group.on_end = interrupt
+
+
+def _stop_when_answered(server, traffic, interrupt: Callable[[], None]) -> None:
+    """Interrupt the server's loop once no request is in flight and Waitress has sent every
+    answer (its threads idle, no output waiting), or STOP_GRACE_S after the stop began."""
+
+    deadline = time.monotonic() + STOP_GRACE_S
+    while not _answered(server, traffic) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _answered(server, traffic):
+        log.warning(
+            "stopping with %d requests still in flight after %g s", traffic.count, STOP_GRACE_S
+        )
+    interrupt()
+
+
+def _answered(server, traffic) -> bool:
+    dispatcher = server.task_dispatcher
+    sending = any(getattr(c, "total_outbufs_len", 0) for c in list(server._map.values()))
+    idle = dispatcher.active_count == 0 and not dispatcher.queue
+    return traffic.count == 0 and idle and not sending

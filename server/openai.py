@@ -506,6 +506,10 @@ class EventStream:
         self.stop = stop
         self.events: queue.Queue = queue.Queue()
         self.closed = threading.Event()
+        # counted as a request in flight until Waitress closes it, its last event sent
+        self.traffic = route.ctx.traffic
+        self.traffic.enter()
+        self._counted = threading.Lock()
         self.sampler = threading.Thread(target=self._produce, name="gmlx-openai-stream")
         self.sampler.daemon = True
         self.sampler.start()
@@ -518,7 +522,10 @@ class EventStream:
             yield event
 
     def close(self) -> None:
+        """Waitress' close, once the answer is sent or its client is gone."""
         self.closed.set()
+        if self._counted.acquire(blocking=False):
+            self.traffic.leave()
 
     def _produce(self) -> None:
         try:

@@ -6,8 +6,9 @@ import bisect
 import io
 import itertools
 import json
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import falcon
@@ -23,6 +24,30 @@ PREFIX = "/internal/image-steps/v1"
 JSON_TYPE = "application/json"
 
 
+class Traffic:
+    """The requests the app is answering now (a streamed answer until its last event is
+    taken), and whether the server is stopping: a stop refuses new requests and waits for
+    these (cli.serve)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+        self.stopping = threading.Event()
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
+
+
 @dataclass
 class ServerContext:
     """What the resources need: the configuration, the registry and the steps service."""
@@ -32,6 +57,7 @@ class ServerContext:
     service: StepsService
     group: Any = None  # the rank group (server/distributed.py), None for one process
     metrics: Any = None  # its metrics.ServerMetrics (GET /metrics), made by create_app
+    traffic: Traffic = field(default_factory=Traffic)
 
 
 class Resource:

@@ -38,6 +38,8 @@ class Health(Resource):
             send_json(resp, {"status": "ok", "gmlx_version": __version__})
             return
         reason = readiness(self.service, self.ctx.group)
+        if self.ctx.traffic.stopping.is_set():
+            reason = "the server is stopping"
         if reason is None:
             send_json(resp, {"status": "ok", "ready": True, "gmlx_version": __version__})
             return

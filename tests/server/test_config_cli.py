@@ -432,6 +432,43 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     assert "stopping" in err
 
 
+def test_a_stop_answers_the_requests_in_flight_first(tmp_path):
+    """SIGTERM while an image is being sampled: the image is answered, a request that comes
+    after is refused 503 and readiness says the server is stopping, then the process exits 0
+    having let the model go."""
+    import threading
+
+    env = {**os.environ, "GMLX_BLAS": "off"}
+    job = {"model": "z-image-random-tiny", "prompt": "a cat", "size": "128x128", "steps": 200}
+    answers: dict = {}
+
+    def generate(url: str) -> None:
+        answers["image"] = requests.post(url + "/v1/images/generations", json=job, timeout=120)
+
+    with serving([], env) as (process, url):
+        sampling = threading.Thread(target=generate, args=(url,))
+        sampling.start()
+        deadline = time.monotonic() + 60
+        while "image" not in answers and time.monotonic() < deadline:  # the model loaded
+            metrics = requests.get(url + "/metrics", timeout=5).text
+            if re.search(r"^gmlx_models_resident 1", metrics, re.M):
+                break
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = requests.post(url + "/v1/images/generations", json=job, timeout=30)
+        ready = requests.get(url + "/health?ready=1", timeout=30)
+        sampling.join(120)
+        _, err = process.communicate(timeout=60)
+    assert "image" in answers and answers["image"].status_code == 200, err[-3000:]
+    assert len(answers["image"].json()["data"]) == 1
+    assert late.status_code == 503 and "the server is stopping" in late.text
+    assert ready.status_code == 503 and ready.json()["reason"] == "the server is stopping"
+    assert process.returncode == 0, err[-3000:]
+    assert "stopping on SIGTERM: new requests are refused while the 1 in flight finish" in err
+    assert "unloaded model z-image-random-tiny" in err and "Traceback" not in err
+
+
 def test_serve_exits_zero_after_model_work_on_the_worker(tmp_path):
     """MLX aborts at process exit after large arrays were evaluated on the image worker thread,
     unless the process ends without C++ teardown (cli.entry)."""
