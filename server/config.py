@@ -623,6 +623,12 @@ def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
 def _validate(config: ServerConfig) -> None:
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"port {config.port} is outside 0..65535")
+    if config.api_key is not None and config.api_key != config.api_key.strip():
+        # HTTP header values lose their outer white space: no client could ever send this key
+        raise ConfigError(
+            "server.api_key (or GMLX_API_KEY) begins or ends with white space (a secret file's"
+            " newline?), which no client's header can carry: remove it"
+        )
     if config.threads < 2:
         # One thread could not answer an interrupt while a step is in flight.
         raise ConfigError("server.threads must be at least 2")

@@ -259,6 +259,16 @@ def test_a_named_file_must_exist(tmp_path):
         load_config(None, env={"GMLX_PORT": "eighty"})
 
 
+@pytest.mark.parametrize("key", ["k2\n", " padded ", " "])
+def test_a_key_no_header_can_carry_is_refused_at_start(tmp_path, key):
+    with pytest.raises(ConfigError, match="begins or ends with white space"):
+        load_config(None, env={"GMLX_API_KEY": key})
+    config = tmp_path / "config.toml"
+    config.write_text(f"[server]\napi_key = {key!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match="begins or ends with white space"):
+        load_config(config, env={})
+
+
 def test_non_loopback_bind_needs_a_key():
     ServerConfig(host="127.0.0.1").check_startable()
     ServerConfig(host="0.0.0.0", api_key="k").check_startable()
