@@ -199,7 +199,11 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a ConfigError, or --group-size without --quantize
         print(f"gmlx serve: {exc}", file=sys.stderr)
         return 2
-    prepare_process()  # before anything imports mlx
+    try:
+        prepare_process()  # before anything imports mlx
+    except RuntimeError as exc:  # GMLX_BLAS naming a library that cannot be loaded
+        print(f"gmlx serve: {exc}", file=sys.stderr)
+        return 2
 
     from . import distributed
     from .app import build_context, create_app, make_server
@@ -284,8 +288,13 @@ def _launch_group(args: argparse.Namespace) -> int:
 
 
 def setup_logging() -> None:
+    """The log at GMLX_LOG_LEVEL (INFO where it names no level: the configuration then
+    refuses it, naming the levels)."""
+    from .config import LOG_LEVELS
+
+    level = os.environ.get("GMLX_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
-        level=os.environ.get("GMLX_LOG_LEVEL", "INFO").upper(),
+        level=level if level in LOG_LEVELS else "INFO",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 

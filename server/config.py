@@ -110,6 +110,7 @@ class ConfigError(ValueError):
     """A configuration the server cannot start with; the text says what to change."""
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # GMLX_LOG_LEVEL's
 # Every `GMLX_` environment variable the project reads, and what reads it: the server's
 # configuration reads the first five and checks GMLX_GGUF_WEIGHTS (`_apply_env`); one not listed
 # here is a typo.
@@ -593,6 +594,13 @@ def _typed(table: dict, key: str, kind):
     return value
 
 
+def _check_choice(env: Mapping[str, str], name: str, choices: tuple, upper: bool = False) -> None:
+    """An environment variable, where set, is one of `choices` (in any case with `upper`)."""
+    value = env.get(name)
+    if value is not None and (value.upper() if upper else value) not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+
+
 def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
     for name in sorted(env):
         if name.startswith("GMLX_") and name not in ENVIRONMENT:
@@ -604,6 +612,8 @@ def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
         gguf_weights(env.get(GGUF_WEIGHTS_SETTING))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check_choice(env, "GMLX_LOG_LEVEL", LOG_LEVELS, upper=True)
+    _check_choice(env, "GMLX_DIT_COMPILE", ("0", "1"))
     if env.get("GMLX_HOST"):
         config.host = env["GMLX_HOST"]
     if env.get("GMLX_PORT"):

@@ -222,7 +222,11 @@ def run_image_command(args: argparse.Namespace, command: str, outputs: tuple, wo
         if refused:
             print(f"gmlx image {command}: {refused}", file=sys.stderr)
             return EXIT_USAGE
-    prepare_process()
+    try:
+        prepare_process()
+    except RuntimeError as exc:  # GMLX_BLAS naming a library that cannot be loaded
+        print(f"gmlx image {command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     with rank_group(args) as group:
         return work(args, group)
 

@@ -269,6 +269,30 @@ def test_a_key_no_header_can_carry_is_refused_at_start(tmp_path, key):
         load_config(config, env={})
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("GMLX_LOG_LEVEL", "LOUD", "GMLX_LOG_LEVEL must be one of DEBUG, INFO, WARNING"),
+        ("GMLX_DIT_COMPILE", "maybe", "GMLX_DIT_COMPILE must be one of 0, 1, not 'maybe'"),
+        ("GMLX_BLAS", "/nowhere/libblas.so", "GMLX_BLAS=/nowhere/libblas.so: cannot load it"),
+    ],
+)
+def test_a_bad_environment_value_stops_serve_on_one_line(tmp_path, name, value, message):
+    env = {**os.environ, name: value}
+    (tmp_path / "config.toml").write_text("[server]\n")
+    command = [
+        sys.executable,
+        "-m",
+        "gmlx_server",
+        "serve",
+        "--config",
+        str(tmp_path / "config.toml"),
+    ]
+    result = subprocess.run(command + ["--port", "0"], capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
 def test_non_loopback_bind_needs_a_key():
     ServerConfig(host="127.0.0.1").check_startable()
     ServerConfig(host="0.0.0.0", api_key="k").check_startable()
