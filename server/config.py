@@ -337,12 +337,25 @@ class ServerConfig:
         return is_loopback_host(self.host)
 
     def check_startable(self) -> None:
-        """Refuse settings that would expose the server without protection."""
+        """Refuse settings that would expose the server without protection, or that would
+        fail its first request of a kind (an image store it cannot make)."""
         if not self.loopback_bind and not self.api_key:
             raise ConfigError(
                 f"refusing to listen on {self.host!r} without server.api_key: a non-loopback "
                 "bind needs an API key (set [server] api_key or GMLX_API_KEY), or bind 127.0.0.1"
             )
+        if self.image.image_url_dir:
+            _check_writable_folder(Path(self.image.image_url_dir), "server.image.image_url_dir")
+
+
+def _check_writable_folder(folder: Path, key: str) -> None:
+    """A folder this user may write in, or one it may make: the nearest existing one of it
+    and its parents is a folder it may write in."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key} {folder}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key} {folder}: this user may not write in {existing}")
 
 
 @functools.lru_cache(maxsize=1024)  # every request's Host header, behind a loopback bind

@@ -293,6 +293,18 @@ def test_a_bad_environment_value_stops_serve_on_one_line(tmp_path, name, value, 
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_an_image_store_folder_that_cannot_be_made_is_refused_at_start(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    config = tmp_path / "config.toml"
+    for folder, words in ((afile, "is a file, not a folder"), (afile / "sub", "is a file")):
+        config.write_text(f'[server.image]\nimage_url_dir = "{folder}"\n')
+        with pytest.raises(ConfigError, match=f"server.image.image_url_dir {folder}: .*{words}"):
+            load_config(config, env={}).check_startable()
+    config.write_text(f'[server.image]\nimage_url_dir = "{tmp_path / "new" / "urls"}"\n')
+    load_config(config, env={}).check_startable()  # made at its first use
+
+
 def test_non_loopback_bind_needs_a_key():
     ServerConfig(host="127.0.0.1").check_startable()
     ServerConfig(host="0.0.0.0", api_key="k").check_startable()
