@@ -82,6 +82,10 @@ FILES_PATH = FILES_PREFIX + "{name}"
 MODELS_PATH = PREFIX + "models"
 MAX_IMAGES_PER_REQUEST = 10  # OpenAI's bound on n
 MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on partial_images
+# Waitress threads an OpenAI image job may not take (ImageJobs), and how long a job refused for
+# want of one is told to wait.
+KEPT_THREADS = 2
+JOB_RETRY_AFTER_S = 2
 # The strength of a variation, and of an edit without mask or strength on a model that takes
 # no references: enough of the image is drawn again to vary it, and its layout stays.
 DEFAULT_IMAGE_STRENGTH = 0.75
@@ -125,11 +129,14 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str | None = None,
+        retry_after_s: int | None = None,
     ):
-        """`kind`: the error's type, where the refusal has its own (the front gate's)."""
+        """`kind`: the error's type, where the refusal has its own (the front gate's);
+        `retry_after_s`: the Retry-After header's seconds (a refusal for now only)."""
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.given_kind = kind
+        self.retry_after_s = retry_after_s
 
     @property
     def kind(self) -> str:
@@ -139,6 +146,7 @@ class OpenAIError(Exception):
             401: "authentication_error",
             404: "not_found_error",
             413: "invalid_request_error",
+            429: "rate_limit_error",
             503: "server_error",
         }.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
 
@@ -151,14 +159,17 @@ def handle_openai_error(req, resp, exc: OpenAIError, params) -> None:
     resp.status = exc.status
     resp.content_type = "application/json"
     resp.data = exc.body()
+    if exc.retry_after_s is not None:
+        resp.set_header("Retry-After", str(exc.retry_after_s))
 
 
 def add_routes(app: falcon.App, ctx: Any) -> None:
     """Add the OpenAI image routes to the server's app (called by `app.create_app`)."""
     app.add_error_handler(OpenAIError, handle_openai_error)
-    app.add_route(GENERATIONS_PATH, Generations(ctx))
-    app.add_route(EDITS_PATH, Edits(ctx))
-    app.add_route(VARIATIONS_PATH, Variations(ctx))
+    jobs = ImageJobs(max(1, ctx.config.threads - KEPT_THREADS))
+    app.add_route(GENERATIONS_PATH, Generations(ctx, jobs))
+    app.add_route(EDITS_PATH, Edits(ctx, jobs))
+    app.add_route(VARIATIONS_PATH, Variations(ctx, jobs))
     app.add_route(FILES_PATH, ImageFile(ctx))
     app.add_route(MODELS_PATH, Models(ctx))
 
@@ -344,18 +355,54 @@ def model_field(fields: dict) -> str | None:
 # ---------------------------------------------------------------- the work
 
 
+class ImageJobs:
+    """The OpenAI image jobs sampling at once. Each holds one of Waitress' threads for as long as
+    it samples, so at most `limit` run (the server's threads less KEPT_THREADS, kept for the
+    step routes and health checks); one more is refused 429 with a Retry-After, which the
+    `openai` client waits out and sends again."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def take(self) -> None:
+        if not self._slots.acquire(blocking=False):
+            raise OpenAIError(
+                429,
+                f"the server is sampling {self.limit} images at once, its most: send this again"
+                " shortly",
+                code="rate_limit_exceeded",
+                retry_after_s=JOB_RETRY_AFTER_S,
+            )
+
+    def give(self) -> None:
+        self._slots.release()
+
+
 class ImageRoute:
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, jobs: ImageJobs) -> None:
         self.ctx = ctx
+        self.jobs = jobs
 
     @property
     def service(self):
         return self.ctx.service
 
     def answer(self, req: falcon.Request, resp: falcon.Response, job: Job) -> None:
-        """Sample the job's images and answer them (JSON, or events with `stream`). Every
+        """Sample the job's images and answer them (JSON, or events with `stream`), as one of
+        the jobs sampling at once (`ImageJobs`: refused 429 when they are all taken). Every
         refusal the requests can meet is made before the first image is sampled; a client
         that closes its connection stops the sampling at its next step."""
+        self.jobs.take()
+        streamed = False
+        try:
+            streamed = self._answer(req, resp, job)
+        finally:
+            if not streamed:  # a stream gives its job back once its sampling ends
+                self.jobs.give()
+
+    def _answer(self, req: falcon.Request, resp: falcon.Response, job: Job) -> bool:
+        """`answer`'s work; True where a stream took the job over."""
         try:
             loaded = self.service.acquire(job.model)
         except ContractError as exc:
@@ -372,7 +419,7 @@ class ImageRoute:
                 resp.content_type = "text/event-stream"
                 resp.set_header("Cache-Control", "no-cache")
                 resp.stream = EventStream(self, loaded, status, job, requests, stop)
-                return
+                return True
             with refusals():
                 files = [
                     self.one_image(loaded, status, each, job, on_step=stop) for each in requests
@@ -396,6 +443,7 @@ class ImageRoute:
                 "size": f"{request.width}x{request.height}",
             }
         ).encode("utf-8")
+        return False
 
     def answer_item(self, req: falcon.Request, data: bytes, job: Job) -> dict:
         """One image of the answer: base64, or a URL of the image store's."""
@@ -537,6 +585,7 @@ class EventStream:
             self.events.put(self._event("error", json.loads(self._refusal(exc).body())))
         finally:
             self.route.service.release(self.loaded)
+            self.route.jobs.give()
             self.events.put(None)
 
     @staticmethod

@@ -249,3 +249,52 @@ def test_an_edits_auto_size_is_its_images_within_the_limits(height, width, size)
     from gmlx_server.openai import edit_size
 
     assert edit_size(np.zeros((height, width, 3), np.uint8)) == size
+
+
+def test_image_jobs_at_once_leave_threads_for_the_step_routes(tmp_path, monkeypatch):
+    """With 3 threads one image samples at a time: a second is refused 429 with a Retry-After
+    (the openai client's cue to wait and send again) while health checks are still answered,
+    and is taken once the first is done."""
+    import threading
+    import types
+
+    from gmlx_server import openai
+    from gmlx_server.config import ServerConfig
+
+    from tests.server.conftest import serve
+
+    folder = toy_family.make_folder(tmp_path / "models")
+    registry = ModelRegistry(
+        extra_models=[folder], default_model=folder.name, families={"toy": toy_family.TOY}
+    )
+    entered, release = threading.Event(), threading.Event()
+    one_image = openai.ImageRoute.one_image
+
+    def held(self, *args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return one_image(self, *args, **kwargs)
+
+    monkeypatch.setattr(openai.ImageRoute, "one_image", held)
+    live = serve(ServerConfig(host="127.0.0.1", threads=3), registry)
+    server = types.SimpleNamespace(base_url=live.base)
+    try:
+        job = {"prompt": "x", "size": "64x64", "steps": 2}
+        first: dict = {}
+        sampling = threading.Thread(
+            target=lambda: first.update(answer=post(server, "/v1/images/generations", json=job))
+        )
+        sampling.start()
+        assert entered.wait(30)
+        refused = post(server, "/v1/images/generations", json=job)
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "2"
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+        assert requests.get(server.base_url + "/health?ready=1", timeout=5).status_code == 200
+        release.set()
+        sampling.join(30)
+        assert first["answer"].status_code == 200
+        assert post(server, "/v1/images/generations", json=job).status_code == 200
+    finally:
+        release.set()
+        live.close()
