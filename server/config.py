@@ -111,6 +111,7 @@ class ConfigError(ValueError):
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # GMLX_LOG_LEVEL's
+MAX_THREADS = 1024  # server.threads
 # Every `GMLX_` environment variable the project reads, and what reads it: the server's
 # configuration reads the first five and checks GMLX_GGUF_WEIGHTS (`_apply_env`); one not listed
 # here is a typo.
@@ -652,9 +653,10 @@ def _validate(config: ServerConfig) -> None:
             "server.api_key (or GMLX_API_KEY) begins or ends with white space (a secret file's"
             " newline?), which no client's header can carry: remove it"
         )
-    if config.threads < 2:
-        # One thread could not answer an interrupt while a step is in flight.
-        raise ConfigError("server.threads must be at least 2")
+    if not 2 <= config.threads <= MAX_THREADS:
+        # One thread could not answer an interrupt while a step is in flight; Waitress starts
+        # every thread at start (a hundred thousand took minutes before the first answer).
+        raise ConfigError(f"server.threads must be from 2 to {MAX_THREADS}, not {config.threads}")
     image = config.image
     for name in ("tensor_cache_mb", "adapter_cache_mb"):
         if getattr(image, name) <= 0:
@@ -662,7 +664,6 @@ def _validate(config: ServerConfig) -> None:
     for name in ("memory_headroom_mb", "memory_budget_mb"):
         if getattr(image, name) < 0:
             raise ConfigError(f"server.image.{name} must not be negative")
-    if image.run_idle_s <= 0 or image.run_sweep_s <= 0:
-        raise ConfigError("server.image.run_idle_s and run_sweep_s must be positive")
-    if not image.image_url_ttl_s > 0 or image.image_url_store_mb <= 0:
-        raise ConfigError("server.image.image_url_ttl_s and image_url_store_mb must be positive")
+    for name in ("run_idle_s", "run_sweep_s", "image_url_ttl_s", "image_url_store_mb"):
+        if not getattr(image, name) > 0:  # NaN too
+            raise ConfigError(f"server.image.{name} must be positive, not {getattr(image, name)}")
