@@ -47,6 +47,9 @@ class Health(Resource):
         body = {"status": "not_ready", "ready": False, "reason": reason}
         send_json(resp, {**body, "gmlx_version": __version__}, 503)
 
+    # a load balancer's check may ask with HEAD: the same status, no body (Waitress sends none)
+    on_head = on_get
+
 
 def ready_asked(value: str | None) -> bool:
     """The `ready` query parameter: 1 or true asks for readiness, 0, false or none does not

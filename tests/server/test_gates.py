@@ -30,6 +30,9 @@ def flat(r: requests.Response) -> str:
 def test_health_and_capabilities_need_no_header(live):
     r = live.session.get(live.base + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    for query in ("", "?ready=1"):  # a load balancer's check by HEAD: the status, no body
+        head = live.session.head(live.base + "/health" + query, timeout=10)
+        assert head.status_code == 200 and head.content == b"", query
     r = live.call("GET", "capabilities", versioned=False)
     assert r.status_code == 200
     doc = r.json()
