@@ -232,6 +232,11 @@ def serve(args: argparse.Namespace) -> int:
     )
     _warn_if_unservable(registry, default)
     _warn_of_missing_folders(registry)
+    if not config.loopback_bind and config.image.steps_api and not config.image.steps_remote:
+        log.info(
+            "the step routes answer loopback peers only (server.image.steps_remote is false);"
+            " the OpenAI routes answer every peer that sends the API key"
+        )
     try:
         with CompileWatch(log.info):
             server.run()  # returns once a stop interrupts it (waitress stops its threads)
