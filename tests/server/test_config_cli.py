@@ -484,6 +484,16 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     assert "stopping" in err
 
 
+def test_a_wide_bind_says_the_step_routes_stay_on_loopback(tmp_path):
+    env = {**os.environ, "GMLX_BLAS": "off", "GMLX_API_KEY": "k"}
+    (tmp_path / "config.toml").write_text("[server]\n")
+    args = ["--config", str(tmp_path / "config.toml"), "--host", "0.0.0.0"]
+    with serving(args, env) as (process, _):
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert "the step routes answer loopback peers only" in err, err[-2000:]
+
+
 def test_a_stop_answers_the_requests_in_flight_first(tmp_path):
     """SIGTERM while an image is being sampled: the image is answered, a request that comes
     after is refused 503 and readiness says the server is stopping, then the process exits 0
