@@ -3,7 +3,7 @@ readiness (`GET /health?ready=1`). docs/server.md, "Metrics and readiness", name
 
 Events are counted where they happen: HTTP answers by route template and status
 (`MetricsMiddleware`), steps with their forward and route time and prefix-cache answer
-(`ServerMetrics.step`). The rest is read from the live objects when scraped (`LiveState`): the
+(`ServerMetrics.step`), the OpenAI routes' images with their time (`ServerMetrics.image`). The rest is read from the live objects when scraped (`LiveState`): the
 image worker's queue, the upload caches, the models held and loading, the memory plan's budget
 and what is held, the rank group's state. Each server has its own collector registry, so two
 servers in one process (the tests', the bench's) count apart.
@@ -21,6 +21,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 # Seconds: a tiny model's step is a few milliseconds, a large one's tens of seconds.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROUTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Seconds: a tiny model's image is a fraction of one, a large one's minutes.
+IMAGE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 RANK_STATES = ("ok", "stuck", "broken")
 UNMATCHED = "unmatched"  # the route label of a request no route took (404s, front refusals)
 RETRY_AFTER_S = 5  # what a not-ready answer tells the client to wait
@@ -54,6 +56,18 @@ class ServerMetrics:
             "A step's time in the server beside its forward: parsing, checks, planning, queueing",
             ROUTE_BUCKETS,
         )
+        self.images = Counter(
+            "gmlx_images",
+            "Images the OpenAI routes sampled, by family and how each ended (done; stopped:"
+            " its client went away)",
+            ("family", "outcome"),
+            registry=self.registry,
+        )
+        self.image_time = self._by_family(
+            "gmlx_image_seconds",
+            "An OpenAI route's image from its prompt's encoding to its picture",
+            IMAGE_BUCKETS,
+        )
         self.registry.register(LiveState(service, group))
 
     def _by_family(self, name: str, documentation: str, buckets: tuple) -> Histogram:
@@ -64,6 +78,12 @@ class ServerMetrics:
         self.steps.labels(family, prefix_cache).inc()
         self.forward.labels(family).observe(forward_ms / 1000.0)
         self.route.labels(family).observe(max(0.0, server_ms - forward_ms) / 1000.0)
+
+    def image(self, family: str, seconds: float | None) -> None:
+        """An image done in `seconds`, or (None) stopped as its client went away."""
+        self.images.labels(family, "stopped" if seconds is None else "done").inc()
+        if seconds is not None:
+            self.image_time.labels(family).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

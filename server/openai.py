@@ -470,19 +470,27 @@ class ImageRoute:
         on_step=None,
     ) -> bytes:
         """One image's file in the job's format (`generate`'s `on_denoised`: the previews;
-        `on_step`: the check that the client is still there)."""
+        `on_step`: the check that the client is still there), counted in the metrics."""
+        started = time.perf_counter()
         transport = self.transport(loaded)
-        latents, timings = generate(
-            transport, status, request, on_denoised=on_denoised, on_step=on_step
-        )
+        try:
+            latents, timings = generate(
+                transport, status, request, on_denoised=on_denoised, on_step=on_step
+            )
+        except ClientGone:
+            self.ctx.metrics.image(loaded.entry.family, None)
+            raise
         pixels = transport.decode(latents)
+        seconds = time.perf_counter() - started
+        self.ctx.metrics.image(loaded.entry.family, seconds)
         log.info(
-            "image %dx%d, %d steps, seed %d in %.2f s",
+            "image %dx%d, %d steps, seed %d, model %s in %.2f s",
             request.width,
             request.height,
             len(timings.step_s),
             request.seed,
-            timings.image_s,
+            loaded.model_id,
+            seconds,
         )
         return encode_image(pixels, job.output_format)
 

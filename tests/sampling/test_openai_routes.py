@@ -298,3 +298,25 @@ def test_image_jobs_at_once_leave_threads_for_the_step_routes(tmp_path, monkeypa
     finally:
         release.set()
         live.close()
+
+
+def test_images_are_counted_with_their_time_and_how_they_ended(server):
+    """/metrics counts the OpenAI routes' images by family and outcome, with their seconds."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples() -> dict:
+        text = requests.get(server.base_url + "/metrics", timeout=30).text
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    done = ("gmlx_images_total", (("family", "toy"), ("outcome", "done")))
+    timed = ("gmlx_image_seconds_count", (("family", "toy"),))
+    before = samples()
+    job = {"prompt": "x", "size": "64x64", "steps": 2, "n": 2}
+    assert post(server, "/v1/images/generations", json=job).status_code == 200
+    after = samples()
+    assert after[done] - before.get(done, 0) == 2
+    assert after[timed] - before.get(timed, 0) == 2

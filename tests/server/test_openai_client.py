@@ -317,3 +317,14 @@ def test_a_job_whose_client_goes_away_stops_and_lets_the_model_go(server, stream
         time.sleep(0.05)
     assert registry.holds(Z_IMAGE) == 0
     assert time.monotonic() - gone < 10
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.base_url + "/metrics", timeout=30).text
+    stopped = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "gmlx_images_total"
+        and sample.labels == {"family": "z_image", "outcome": "stopped"}
+    ]
+    assert stopped and stopped[0] >= 1  # counted as stopped, not done
