@@ -34,17 +34,15 @@ class ServerMetrics:
 
     def __init__(self, service: Any, group: Any = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.responses = Counter(
+        self.responses = self._counter(
             "gmlx_http_responses",
             "HTTP answers by route template, method and status code",
             ("route", "method", "status"),
-            registry=self.registry,
         )
-        self.steps = Counter(
+        self.steps = self._counter(
             "gmlx_steps",
             "Denoise steps answered, by family and prefix-cache answer",
             ("family", "prefix_cache"),
-            registry=self.registry,
         )
         self.forward = self._by_family(
             "gmlx_step_forward_seconds",
@@ -56,12 +54,11 @@ class ServerMetrics:
             "A step's time in the server beside its forward: parsing, checks, planning, queueing",
             ROUTE_BUCKETS,
         )
-        self.images = Counter(
+        self.images = self._counter(
             "gmlx_images",
             "Images the OpenAI routes sampled, by family and how each ended (done; stopped:"
             " its client went away)",
             ("family", "outcome"),
-            registry=self.registry,
         )
         self.image_time = self._by_family(
             "gmlx_image_seconds",
@@ -70,8 +67,11 @@ class ServerMetrics:
         )
         self.registry.register(LiveState(service, group))
 
+    def _counter(self, name: str, documentation: str, labels: tuple) -> Counter:
+        return Counter(name, documentation, labels, registry=self.registry)
+
     def _by_family(self, name: str, documentation: str, buckets: tuple) -> Histogram:
-        """A histogram of seconds a step takes, by family."""
+        """A histogram of seconds, by family."""
         return Histogram(name, documentation, ("family",), buckets=buckets, registry=self.registry)
 
     def step(self, family: str, prefix_cache: str, forward_ms: float, server_ms: float) -> None:
