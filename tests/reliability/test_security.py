@@ -75,9 +75,9 @@ def probe_routes(ns: str, base: str, key: str, routes) -> dict:
 
 
 def test_the_description_has_every_route():
-    # the 19 operations of docs/contract.md §2, /health, /metrics, the four OpenAI image routes
-    # and their list of models
-    assert len(ROUTES) == 26 and len(STEP_ROUTES) == 19
+    # the 19 operations of docs/contract.md §2, /health (GET and HEAD), /metrics, the four
+    # OpenAI image routes and their list of models
+    assert len(ROUTES) == 27 and len(STEP_ROUTES) == 19
 
 
 def test_a_default_server_cannot_be_reached_from_another_address(namespace, server_factory):  # noqa: F811
