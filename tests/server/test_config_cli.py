@@ -501,7 +501,7 @@ def test_a_stop_answers_the_requests_in_flight_first(tmp_path):
     import threading
 
     env = {**os.environ, "GMLX_BLAS": "off"}
-    job = {"model": "z-image-random-tiny", "prompt": "a cat", "size": "128x128", "steps": 200}
+    job = {"model": "z-image-random-tiny", "prompt": "a cat", "size": "128x128", "steps": 100}
     answers: dict = {}
 
     def generate(url: str) -> None:
