@@ -56,6 +56,7 @@ def test_steps_answers_caches_and_models_are_counted(fresh):
     assert after[("gmlx_memory_budget_bytes", ())] > 0
     assert after[("gmlx_worker_queue_depth", ())] == 0
     assert ("gmlx_rank_group_size", ()) not in after  # one process: no group
+    assert not [name for name, _ in after if name.endswith("_created")]
 
 
 def test_an_unknown_path_is_counted_as_unmatched(fresh):
