@@ -85,6 +85,7 @@ MAX_PARTIAL_IMAGES = 3  # OpenAI's bound on partial_images
 # Waitress threads an OpenAI image job may not take (ImageJobs), and how long a job refused for
 # want of one is told to wait.
 KEPT_THREADS = 2
+CLIENT_GONE = 499  # the status logged for a job whose client closed its connection
 JOB_RETRY_AFTER_S = 2
 # The strength of a variation, and of an edit without mask or strength on a model that takes
 # no references: enough of the image is drawn again to vary it, and its layout stays.
@@ -427,7 +428,9 @@ class ImageRoute:
         except ClientGone:  # nobody reads an answer now: the work left is dropped
             self.service.release(loaded)
             log.info("the client of an image job closed its connection: the job stopped")
-            raise OpenAIError(400, "the client closed its connection") from None
+            # nobody reads it: nginx's 499 ("client closed request") in the log and the
+            # metrics, so a client that leaves is not counted as a refusal
+            raise OpenAIError(CLIENT_GONE, "the client closed its connection") from None
         except BaseException:
             self.service.release(loaded)
             raise

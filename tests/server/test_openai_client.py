@@ -328,3 +328,11 @@ def test_a_job_whose_client_goes_away_stops_and_lets_the_model_go(server, stream
         and sample.labels == {"family": "z_image", "outcome": "stopped"}
     ]
     assert stopped and stopped[0] >= 1  # counted as stopped, not done
+    if not stream:  # logged as nginx's 499, not a refusal (a stream's 200 went out first)
+        gone = [
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "gmlx_http_responses_total" and sample.labels["status"] == "499"
+        ]
+        assert gone and gone[0] >= 1
