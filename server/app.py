@@ -12,10 +12,8 @@ Order of checks on a request (docs/contract.md §1.2, 1.9, 4):
 
 from __future__ import annotations
 
-import functools
 import hmac
 import io
-import ipaddress
 import json
 import logging
 import threading
@@ -30,7 +28,7 @@ from gmlx_contract.errors import ContractError
 from . import openai
 from .config import ServerConfig, is_loopback_host
 from .engine.registry import ModelRegistry
-from .http_gate import ReceivedBody, body_limit, gated_server, log_request
+from .http_gate import ReceivedBody, body_limit, gated_server, log_request, peer_is_loopback
 from .metrics import Metrics, MetricsMiddleware, ServerMetrics
 from .routes import encode, models, runs, step, uploads, vae
 from .routes.common import PREFIX, Resource, ServerContext, Traffic
@@ -57,19 +55,6 @@ def nested_body(kind: str, message: str) -> bytes:
 
 def flat_body(body: dict) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode("utf-8")
-
-
-@functools.lru_cache(maxsize=1024)  # asked two or three times per request, of a few peers
-def peer_is_loopback(peer: str | None) -> bool:
-    """Loopback IPv4, IPv6 or IPv4-mapped loopback; an unknown peer is not."""
-    if not peer:
-        return False
-    try:
-        address = ipaddress.ip_address(peer.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 def host_header_name(host: str | None) -> str:
@@ -200,7 +185,9 @@ class FrontGate:
 
     def process_response(self, req, resp, resource, req_succeeded: bool) -> None:
         started = getattr(req.context, "started", None) or time.perf_counter()
-        log_request(req.method, req.path, resp.status_code, started)
+        log_request(
+            req.method, req.path, resp.status_code, started, getattr(req.context, "peer", None)
+        )
         if getattr(req.context, "counted", False):
             self.traffic.leave()
 

@@ -22,7 +22,9 @@ the step's transport for 2 MiB.
 
 from __future__ import annotations
 
+import functools
 import io
+import ipaddress
 import json
 import logging
 import socket
@@ -55,11 +57,31 @@ UNREAD_TRANSFER_CODING = (
 )
 
 
-def log_request(method: str, path: str, status: int, started: float) -> None:
-    """The one log line of each answered request: `POST /path 413 0.4 ms`; control characters
-    of the (decoded) path written escaped, so that no path writes a line of its own."""
+@functools.lru_cache(maxsize=1024)  # asked two or three times per request, of a few peers
+def peer_is_loopback(peer: str | None) -> bool:
+    """Loopback IPv4, IPv6 or IPv4-mapped loopback; an unknown peer is not."""
+    if not peer:
+        return False
+    try:
+        address = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def log_request(
+    method: str, path: str, status: int, started: float, peer: str | None = None
+) -> None:
+    """The one log line of each answered request: `POST /path 413 0.4 ms`, and `from PEER`
+    where the peer is another machine (a server bound beyond loopback: whose the 401s are);
+    control characters of the (decoded) path written escaped, so that no path writes a line of
+    its own."""
     ms = (time.perf_counter() - started) * 1000.0
-    log.info("%s %s %s %.1f ms", method, escaped(path), status, ms)
+    if peer is None or peer_is_loopback(peer):
+        log.info("%s %s %s %.1f ms", method, escaped(path), status, ms)
+    else:
+        log.info("%s %s %s %.1f ms from %s", method, escaped(path), status, ms, escaped(peer))
 
 
 def escaped(text: str) -> str:
@@ -225,7 +247,14 @@ class JsonErrorTask(ErrorTask):
             getattr(request, "path", None) or "-",
             error.code,
             started,
+            _peer_of(self.channel),
         )
+
+
+def _peer_of(channel) -> str | None:
+    """The address of a channel's client (None where the socket names none)."""
+    addr = getattr(channel, "addr", None)
+    return addr[0] if isinstance(addr, tuple) and addr else None
 
 
 class GatedChannel(HTTPChannel):

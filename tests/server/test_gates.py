@@ -249,3 +249,19 @@ def test_a_json_body_nested_too_deep_is_told_so(live):
     assert r.status_code == 400 and "nests deeper than 64 levels" in r.text, r.text
     r = live.call("POST", "models/load", data="{", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not JSON: Expecting property name" in r.text, r.text
+
+
+def test_the_log_names_a_peer_from_another_machine(caplog):
+    """A request from another machine (a server bound beyond loopback) is logged with its
+    address, so that its 401s can be traced; a local one is not."""
+    import logging
+    import time
+
+    from gmlx_server.http_gate import log_request
+
+    with caplog.at_level(logging.INFO, logger="gmlx.server"):
+        for peer in ("192.0.2.7", "127.0.0.1", "::1", None):
+            log_request("GET", "/metrics", 401, time.perf_counter(), peer)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].endswith(" ms from 192.0.2.7")
+    assert not any("from" in line for line in lines[1:]), lines
