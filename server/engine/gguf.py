@@ -24,6 +24,7 @@ naming the tensor.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -214,14 +215,12 @@ class _Reader(gguf.GGUFReader):
             for f in fields
         ]
         gguf_data_end(Path(self.data.filename), placed, int(self.alignment))
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            block_size, type_size = gguf.GGML_QUANT_SIZES[T(int(raw_type[0]))]
-            size = int(np.prod(dims, dtype=np.int64)) * type_size // block_size
-            end = start_offs + int(offset[0]) + size
+        for name, dims, kind, offset in placed:
+            block_size, type_size = gguf.GGML_QUANT_SIZES[T(kind)]
+            end = start_offs + offset + math.prod(dims) * type_size // block_size
             if end > len(self.data):
                 raise ValueError(
-                    f"it is cut short: tensor {bytes(name).decode()} ends at byte {end},"
+                    f"it is cut short: tensor {name} ends at byte {end},"
                     f" the file holds {len(self.data)}"
                 )
         super()._build_tensors(start_offs, fields)

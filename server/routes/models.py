@@ -37,9 +37,10 @@ class Health(Resource):
         if not ready_asked(req.get_param("ready")):
             send_json(resp, {"status": "ok", "gmlx_version": __version__})
             return
-        reason = readiness(self.service, self.ctx.group)
         if self.ctx.traffic.stopping.is_set():
             reason = "the server is stopping"
+        else:
+            reason = readiness(self.service, self.ctx.group)
         if reason is None:
             send_json(resp, {"status": "ok", "ready": True, "gmlx_version": __version__})
             return
