@@ -495,7 +495,7 @@ class ImageRoute:
             loaded.model_id,
             seconds,
         )
-        return encode_image(pixels, job.output_format)
+        return encode_picture(to_uint8(pixels), job.output_format)
 
 
 def openai_refusal(exc: ContractError | ValueError) -> OpenAIError:
@@ -516,10 +516,6 @@ def refusals():
         yield
     except (ContractError, ValueError) as exc:
         raise openai_refusal(exc) from None
-
-
-def encode_image(pixels: np.ndarray, output_format: str) -> bytes:
-    return encode_picture(to_uint8(pixels), output_format)
 
 
 # ---------------------------------------------------------------- streaming
