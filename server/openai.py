@@ -26,7 +26,9 @@ default the model's own), `negative_prompt` (str), `sampler` ("euler" or "uni_pc
 `strength` (number above 0, at most 1), `mask_blur` (pixels, 0-256). A JSON field that is null
 is absent; a form field's text is read as the JSON value it stands for (`form_value`). Sizes
 are "WxH" with sides multiples of 16, or "auto" (1024x1024 for a generation, the first image's
-size for an edit or variation); over 2048x2048 pixels or a side over 4096 is refused 413, as on
+size for an edit or variation; a lone reference that the model pads to its canvas, FLUX.3
+klein's, is sampled at the canvas and answered at its own size, as the model's pipeline does
+it); over 2048x2048 pixels or a side over 4096 is refused 413, as on
 the step routes. docs/openapi.yaml describes the routes field by field.
 """
 
@@ -54,6 +56,7 @@ from gmlx_contract.errors import ContractError
 
 from .engine.base import EngineInputError
 from .engine.previews import preview_for
+from .engine.reference_images import lone_canvas
 from .engine.sampling import (
     MAX_GUIDANCE,
     MAX_MASK_BLUR,
@@ -275,7 +278,9 @@ class Job:
     """What a request asks for: `count` images like `request` (seeds counting up from its seed)
     in `output_format`, of `model` (None: the default model), answered as `response_format`
     or streamed (`stream`, with `partial_images` previews each, as events named `events`);
-    `use` says how the images sent are used once the model is known (`for_model`)."""
+    `use` says how the images sent are used once the model is known (`for_model`);
+    `auto_size`, that the request left the size to the server; `crop`, the box (left, top,
+    right, bottom) of each sampled picture that is answered (None: all of it)."""
 
     request: ImageRequest
     count: int
@@ -286,6 +291,23 @@ class Job:
     partial_images: int = 0
     events: str = "image_generation"
     use: str = "prompt"  # "prompt", "start", "references" or "variation"
+    auto_size: bool = False
+    crop: tuple[int, int, int, int] | None = None
+
+    def answered(self, picture: np.ndarray) -> np.ndarray:
+        """The part of a sampled picture (H, W, ...) that is answered."""
+        if self.crop is None:
+            return picture
+        left, top, right, bottom = self.crop
+        return picture[top:bottom, left:right]
+
+    @property
+    def size(self) -> str:
+        """The answered pictures' size, "WxH"."""
+        if self.crop is None:
+            return f"{self.request.width}x{self.request.height}"
+        left, top, right, bottom = self.crop
+        return f"{right - left}x{bottom - top}"
 
 
 def parse_job(fields: dict, default_size: tuple[int, int], prompt_required: bool = True) -> Job:
@@ -319,14 +341,25 @@ def parse_job(fields: dict, default_size: tuple[int, int], prompt_required: bool
         mask_blur=_float(fields, "mask_blur", MAX_MASK_BLUR) or 0.0,
     )
     count = _int(fields, "n", 1, 1, MAX_IMAGES_PER_REQUEST)
-    job = Job(request, count, output_format, model, response_format, stream, partial_images)
+    auto_size = fields.get("size") in (None, "auto")
+    job = Job(
+        request,
+        count,
+        output_format,
+        model,
+        response_format,
+        stream,
+        partial_images,
+        auto_size=auto_size,
+    )
     check_size_limit(width, height)
     return job
 
 
-def for_model(job: Job, status: dict, model_id: str) -> ImageRequest:
-    """The job's request on a model of this status: an edit's images as references where the
-    model takes them, else as the image it starts from (module docstring)."""
+def for_model(job: Job, status: dict, model_id: str) -> Job:
+    """The job on a model of this status: an edit's images as references where the model
+    takes them, else as the image it starts from (module docstring); a lone reference that
+    the model keeps whole, at size "auto", sampled at its canvas (`at_reference_canvas`)."""
     takes_references = bool(status.get("edit_capable"))
     request = job.request
     if job.use == "references" and not takes_references:
@@ -342,7 +375,21 @@ def for_model(job: Job, status: dict, model_id: str) -> ImageRequest:
             f"model {model_id} takes no reference images: send one image to start from",
             "image",
         )
-    return request
+    job = replace(job, request=request)
+    if job.auto_size and job.use == "references":
+        return at_reference_canvas(job, status)
+    return job
+
+
+def at_reference_canvas(job: Job, status: dict) -> Job:
+    """An edit of one reference at size "auto" on a family that pads a lone reference to its
+    canvas (FLUX.3 klein) as its pipeline does it: sampled at the canvas, each picture cropped
+    back to the reference (reference_images.lone_canvas)."""
+    canvas = lone_canvas(status, job.request.images)
+    if canvas is None:
+        return job
+    (height, width), box = canvas
+    return replace(job, request=replace(job.request, width=width, height=height), crop=box)
 
 
 def model_field(fields: dict) -> str | None:
@@ -411,7 +458,8 @@ class ImageRoute:
         try:
             with refusals():
                 status = self.service.worker.call(loaded.model.status)
-                request = for_model(job, status, loaded.model_id)
+                job = for_model(job, status, loaded.model_id)
+                request = job.request
                 requests = [replace(request, seed=request.seed + i) for i in range(job.count)]
                 self.transport(loaded).check_image(status, request)  # the seeds change nothing
             stop = stop_when_gone(req.env.get("waitress.client_disconnected"))
@@ -443,7 +491,7 @@ class ImageRoute:
                 "created": int(time.time()),
                 "data": data,
                 "output_format": job.output_format,
-                "size": f"{request.width}x{request.height}",
+                "size": job.size,
             }
         ).encode("utf-8")
         return False
@@ -495,7 +543,7 @@ class ImageRoute:
             loaded.model_id,
             seconds,
         )
-        return encode_picture(to_uint8(pixels), job.output_format)
+        return encode_picture(job.answered(to_uint8(pixels)), job.output_format)
 
 
 def openai_refusal(exc: ContractError | ValueError) -> OpenAIError:
@@ -616,19 +664,19 @@ class EventStream:
             if step in wanted:
                 fitted = preview_for(self.loaded.model, transport.encode_image)
                 picture = fitted.picture(denoised, request.width, request.height)
-                data = encode_picture(picture, job.output_format)
+                data = encode_picture(job.answered(picture), job.output_format)
                 index = wanted.index(step)
-                self.events.put(self._image_event("partial_image", data, request, index))
+                self.events.put(self._image_event("partial_image", data, index))
 
         image = route.one_image(self.loaded, self.status, request, job, on_denoised, self.stop)
-        self.events.put(self._image_event("completed", image, request))
+        self.events.put(self._image_event("completed", image))
 
-    def _image_event(self, kind: str, data: bytes, request: ImageRequest, index=None) -> bytes:
+    def _image_event(self, kind: str, data: bytes, index=None) -> bytes:
         body = {
             "type": f"{self.job.events}.{kind}",
             "b64_json": base64.b64encode(data).decode("ascii"),
             "created_at": int(time.time()),
-            "size": f"{request.width}x{request.height}",
+            "size": self.job.size,
             "quality": "auto",
             "background": "opaque",
             "output_format": self.job.output_format,

@@ -12,6 +12,8 @@ what the family's diffusers pipeline does with it, by the bounds in status
 - "pad" (FLUX.3 klein's lone reference, kept whole): downscaled until its canvas, its sides
   rounded up to the stride within `min_side`..`max_side`, fits `lone_max_area` (the scale
   backed off by 0.5% while it does not), then padded to the canvas by reflection, centered.
+  With no size given the pipeline generates at the canvas and crops its output back to the
+  picture (`lone_canvas`: the OpenAI edit's size "auto").
 - with `side_multiple` (Qwen-Image 2.1, whose encoder takes any sides at an area from
   `min_area` to `max_area`): a picture outside that is resized to `QwenImage21Pipeline`'s
   size for it, `max_area` pixels at its aspect with sides in multiples of `side_multiple`.
@@ -41,6 +43,13 @@ class Fit:
     resized: tuple[int, int]
     final: tuple[int, int]
     pad: bool
+
+    def box(self) -> tuple[int, int, int, int]:
+        """(left, top, right, bottom), centered: where the resized picture sits in its canvas
+        (`pad`), or the part of it that a crop keeps."""
+        inner, outer = (self.resized, self.final) if self.pad else (self.final, self.resized)
+        top, left = ((o - i) // 2 for o, i in zip(outer, inner, strict=True))
+        return left, top, left + inner[1], top + inner[0]
 
 
 def reference_sizes(status: dict) -> ReferenceSizes | None:
@@ -74,6 +83,21 @@ def fitted_references(status: dict, images: Sequence[np.ndarray]) -> tuple[np.nd
     )
 
 
+def lone_canvas(
+    status: dict, images: Sequence[np.ndarray]
+) -> tuple[tuple[int, int], tuple[int, int, int, int]] | None:
+    """For a lone reference that the family keeps whole (`lone_fit` "pad": FLUX.3 klein's
+    modular blocks), the canvas (height, width) it is padded to, which the pipeline generates
+    at when no size is given, and the box (left, top, right, bottom) the picture holds in it,
+    which the pipeline then crops its output back to (`reference_crop`). None for several
+    references or another fit."""
+    sizes = reference_sizes(status)
+    if sizes is None or sizes.lone_fit != "pad" or len(images) != 1:
+        return None
+    fit = plan(sizes, 0, *np.shape(images[0])[:2], 1, _stride(status))
+    return fit.final, fit.box()  # a picture taken as it is fills its canvas
+
+
 def plan(
     sizes: ReferenceSizes, index: int, height: int, width: int, count: int, stride: int
 ) -> Fit:
@@ -102,14 +126,13 @@ def fitted(image: np.ndarray, fit: Fit, stride: int) -> np.ndarray:
     picture = Image.fromarray(np.ascontiguousarray(image, dtype=np.uint8))
     if fit.resized != image.shape[:2]:
         picture = picture.resize(fit.resized[::-1], Image.Resampling.LANCZOS)
-    (height, width), (final_height, final_width) = fit.resized, fit.final
+    left, top, right, bottom = fit.box()
     if not fit.pad:
-        left, top = (width - final_width) // 2, (height - final_height) // 2
-        return np.asarray(picture.crop((left, top, left + final_width, top + final_height)))
-    left, top = (final_width - width) // 2, (final_height - height) // 2
+        return np.asarray(picture.crop((left, top, right, bottom)))
+    (height, width), (final_height, final_width) = fit.resized, fit.final
     # reflection leaves out the edge pixel; an image of one token or less is mirrored instead
     mode = "reflect" if min(height, width) > stride else "symmetric"
-    padding = ((top, final_height - height - top), (left, final_width - width - left), (0, 0))
+    padding = ((top, final_height - bottom), (left, final_width - right), (0, 0))
     return np.pad(np.asarray(picture.convert("RGB")), padding, mode=mode)
 
 

@@ -17,7 +17,11 @@ from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimen
 from gmlx_server.engine.families.flux2_klein.spec import SPECS as FLUX2_SPECS
 from gmlx_server.engine.families.flux3_klein.spec import SPEC as FLUX3_SPEC
 from gmlx_server.engine.families.qwen_image21.spec import SPEC as QWEN_IMAGE21_SPEC
-from gmlx_server.engine.reference_images import check_references, fitted_references
+from gmlx_server.engine.reference_images import (
+    check_references,
+    fitted_references,
+    lone_canvas,
+)
 from gmlx_server.engine.sampling import SettingError
 from PIL import Image
 
@@ -105,6 +109,26 @@ def test_flux3_klein_references_are_its_pipelines(height, width, count):
     expected = flux3_pipeline(image, count)
     assert as_pipeline_input(got).shape == expected.shape
     torch.testing.assert_close(as_pipeline_input(got), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("height", "width"), [(70, 100), (40, 30), (3000, 2000), (5000, 600), (64, 80)]
+)
+def test_a_lone_flux3_klein_reference_gives_its_pipelines_canvas_and_crop_back(height, width):
+    """The size the modular blocks generate at when none is given (the padded reference's
+    canvas) and the box they crop their output back to (`reference_crop`)."""
+    image = picture(height, width)
+    canvas, box = lone_canvas(FLUX3_STATUS, [image])
+    padded, kwargs = Flux3ImageProcessor().preprocess(Image.fromarray(image), resize_mode="fill")
+    assert canvas == tuple(padded.shape[-2:])
+    assert box == tuple(kwargs["reference_crop"])
+
+
+def test_only_a_lone_reference_that_is_padded_has_a_canvas():
+    image = picture(70, 100)
+    assert lone_canvas(FLUX3_STATUS, [image, image]) is None
+    assert lone_canvas(FLUX2_STATUS, [image]) is None
+    assert lone_canvas({"vae": {"stride": STRIDE}}, [image]) is None
 
 
 @pytest.mark.parametrize(("height", "width"), [(40, 100), (64, 600)])

@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 
 Z_IMAGE = "z-image-random-tiny"  # takes no references: edits start from the image
 KLEIN = "flux2-klein-random-tiny"  # takes references
+FLUX3 = "flux3-klein-random-tiny"  # pads a lone reference to its canvas
 SIZE = (96, 64)
 
 
@@ -162,6 +163,27 @@ def test_a_reference_of_any_size_is_taken_as_the_pipeline_sizes_it(server, clien
     with pytest.raises(openai.BadRequestError) as refused:
         list(client.images.edit(model=KLEIN, image=tiny, prompt="x", stream=True))
     assert "reference image 0 is 40x40" in refused.value.message
+
+
+def test_a_lone_padded_reference_at_auto_size_is_answered_at_its_own_size(server, client):
+    """FLUX.3 klein pads a lone 100x70 reference to its 112x80 canvas; at size "auto" the
+    canvas is sampled and every picture, previews too, cropped back to the reference."""
+    photo = np.pad(init_picture(), ((3, 3), (2, 2), (0, 0)), mode="edge")  # 100x70
+    events = list(
+        client.images.edit(
+            model=FLUX3,
+            image=("photo.png", png(photo), "image/png"),
+            prompt="a boat",
+            stream=True,
+            partial_images=1,
+            extra_body={"seed": 4, "steps": 2},
+        )
+    )
+    assert [event.size for event in events] == ["100x70", "100x70"]
+    pictures = [pixels_of(base64.b64decode(event.b64_json)) for event in events]
+    assert [picture.shape for picture in pictures] == [(70, 100, 3)] * 2
+    canvas = replace(request_of("a boat", seed=4, steps=2, images=(photo,)), width=112, height=80)
+    np.testing.assert_array_equal(pictures[-1], in_process(server, FLUX3, canvas)[5:75, 6:106])
 
 
 @pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # the client's variations

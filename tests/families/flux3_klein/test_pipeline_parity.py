@@ -15,7 +15,7 @@ from gmlx_contract.errors import StepError
 from gmlx_server.engine.base import StepRow
 from gmlx_server.engine.families.flux3_klein.embedded import write_embedded_model
 from gmlx_server.engine.families.flux3_klein.family import flow_map_targets
-from gmlx_server.engine.sampling import ImageRequest, initial_noise
+from gmlx_server.engine.sampling import ImageRequest, initial_noise, to_uint8
 from PIL import Image
 
 from tests.compare import rel_l2
@@ -93,6 +93,50 @@ def test_an_edit_through_the_routes_equals_the_pipeline(server, pipe, sizes):
     assert rel_l2(ours, expected) <= 1e-4
     plain = through_routes(server, ImageRequest(PROMPT, 64, 48, seed=5, steps=2, cfg=cfg))
     assert rel_l2(ours, plain) > 1e-3  # the references moved the image
+
+
+def test_an_openai_edit_of_one_reference_at_auto_size_is_the_pipelines_picture(server, pipe):
+    """A lone reference off the grid (70x100) is padded to its 80x112 canvas; with no size
+    given the pipeline samples at the canvas and crops its picture back to the reference's
+    size, and so does an edit at size "auto"."""
+    (reference,) = pictures([(100, 70)])
+    cfg = guided(server)
+    fields = {"prompt": PROMPT, "seed": 5, "steps": 2, "size": "auto", "negative_prompt": NEGATIVE}
+    answer = openai_edit(server, fields, reference)
+    arguments = {
+        "prompt": PROMPT,
+        "image": [Image.fromarray(reference)],
+        "num_inference_steps": 2,
+        "latents": torch.from_numpy(initial_noise(5, 128, 80 // 16, 112 // 16)),
+        "text_encoder_out_layers": OUT_LAYERS,
+        "output_type": "np",
+    }
+    if not server.loaded.model.capabilities.flow_map:
+        assert pipe.guider.guidance_scale == cfg
+        arguments["negative_prompt"] = NEGATIVE
+    with torch.no_grad():
+        expected = to_uint8(pipe(**arguments, output="images")[0])
+    assert answer.shape == expected.shape == (70, 100, 3)
+    assert np.abs(answer.astype(int) - expected.astype(int)).max() <= 1
+
+
+def openai_edit(server, fields: dict, image: np.ndarray) -> np.ndarray:
+    """The answer's picture of an OpenAI edit of `image` (JSON, a data URL)."""
+    import base64
+    import io
+
+    import requests
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    body = {**fields, "images": [{"image_url": url}]}
+    answer = requests.post(server.base_url + "/v1/images/edits", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["size"] == f"{image.shape[1]}x{image.shape[0]}"
+    data = base64.b64decode(answer.json()["data"][0]["b64_json"])
+    with Image.open(io.BytesIO(data)) as picture:
+        return np.asarray(picture.convert("RGB"))
 
 
 @pytest.mark.parametrize("convention", ["comfy", "reference"])
