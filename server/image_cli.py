@@ -271,7 +271,7 @@ def chosen_run(args: argparse.Namespace, group: Any, command: str, run) -> int |
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
-        print(f"gmlx image {command}: {_message(exc)}", file=sys.stderr)
+        print(f"gmlx image {command}: {_message(exc, args.ref)}", file=sys.stderr)
         return 1
 
 
@@ -398,9 +398,13 @@ def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> I
     )
 
 
-def _message(exc: Exception) -> str:
+def _message(exc: Exception, references: Sequence[str]) -> str:
+    """One line for a failure; a refused reference image named by its `--ref` file."""
     if isinstance(exc, SettingError):  # named by its flag: --steps, --width, --mask-blur
-        return exc.naming(flag_name(exc.setting))
+        said = exc.naming(flag_name(exc.setting))
+        if exc.setting == "ref" and exc.index is not None:
+            return f"--ref {references[exc.index]}: {said}"
+        return said
     body = getattr(exc, "body", None)
     if isinstance(body, dict) and isinstance(body.get("error"), str):
         return body["error"]

@@ -185,16 +185,19 @@ def _check_taken(sizes: ReferenceSizes, index: int, height: int, width: int) -> 
 def _refuse(sizes: ReferenceSizes, index: int, height: int, width: int) -> None:
     said = f"reference image {index} is {width}x{height}: the model takes references"
     if sizes.side_multiple is not None:
-        raise SettingError(
-            "ref",
-            f"{said} of {sizes.min_area} to {sizes.max_area} pixels with sides of at least"
-            f" {sizes.side_multiple}, which this one's aspect does not allow",
+        taken = (
+            f"of {sizes.min_area} to {sizes.max_area} pixels with sides of at least"
+            f" {sizes.side_multiple}, which this one's aspect does not allow"
         )
-    sides = f"at least {sizes.min_side}"
-    if sizes.max_side is not None:
-        sides += f" and at most {sizes.max_side}"
-    aspect = "" if sizes.max_aspect is None else f", within an aspect ratio of {sizes.max_aspect}"
-    raise SettingError("ref", f"{said} of {sides} pixels a side{aspect}")
+    else:
+        sides = f"at least {sizes.min_side}"
+        if sizes.max_side is not None:
+            sides += f" and at most {sizes.max_side}"
+        aspect = (
+            "" if sizes.max_aspect is None else f", within an aspect ratio of {sizes.max_aspect}"
+        )
+        taken = f"of {sides} pixels a side{aspect}"
+    raise SettingError("ref", f"{said} {taken}", index=index)
 
 
 def _stride(status: dict) -> int:

@@ -67,11 +67,12 @@ MAX_SCHEDULE = 10_000
 class SettingError(ValueError):
     """An `ImageRequest` setting the model cannot take. `setting` is the field it is about;
     `text` says what is wrong with `{name}` in place of the setting's name, so that each caller
-    names it as its user sent it (`naming`: the command line's flag, an HTTP route's field)."""
+    names it as its user sent it (`naming`: the command line's flag, an HTTP route's field);
+    `index`, for a setting that is a list (the reference images), the item it is about."""
 
-    def __init__(self, setting: str, text: str) -> None:
+    def __init__(self, setting: str, text: str, index: int | None = None) -> None:
         super().__init__(text.format(name=setting))
-        self.setting, self.text = setting, text
+        self.setting, self.text, self.index = setting, text, index
 
     def naming(self, name: str) -> str:
         return self.text.format(name=name)

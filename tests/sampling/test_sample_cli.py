@@ -209,7 +209,7 @@ def test_pictures_are_written_in_the_format_their_suffix_names(tmp_path, capsys)
     ("model", "size", "message"),
     [
         ("z-image-random-tiny", (64, 64), "the model takes no reference images"),
-        ("flux2-klein-random-tiny", (40, 100), "reference image 0 is 100x40: the model takes"),
+        ("flux2-klein-random-tiny", (40, 100), "ref.png: reference image 1 is 100x40: the model"),
     ],
 )
 def test_references_are_refused_before_the_model_loads(
@@ -223,8 +223,10 @@ def test_references_are_refused_before_the_model_loads(
         raise AssertionError(f"{model_id} was loaded before its references were checked")
 
     monkeypatch.setattr(ModelRegistry, "acquire", no_load)
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / "fine.png")
     Image.fromarray(np.zeros((*size, 3), np.uint8)).save(tmp_path / "ref.png")
-    argv = ["--model", model, "--prompt", "x", "--ref", str(tmp_path / "ref.png")]
-    assert image_cli.sample_main([*argv, "--out", str(tmp_path / "out.png")]) == 1
+    argv = ["--model", model, "--prompt", "x", "--ref", str(tmp_path / "fine.png")]
+    argv += ["--ref", str(tmp_path / "ref.png"), "--out", str(tmp_path / "out.png")]
+    assert image_cli.sample_main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and "was loaded" not in err
