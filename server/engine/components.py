@@ -107,7 +107,7 @@ def rules(specs: dict) -> dict[str, Any]:
 
 def header(path: Path) -> Header:
     """A file's header (kept while its size and time stay); a ComponentError naming the file
-    when it cannot be read."""
+    when it cannot be read (`read_kept`)."""
     try:
         return read_kept(Path(path))
     except FileNotFoundError:
@@ -323,13 +323,18 @@ _UNFIT: set[tuple] = set()
 
 def read_kept(path: Path) -> Header:
     """file_headers.read, kept while the file's size and time stay (a listing reads each file
-    once); a HeaderError likewise, said once in the log (a listing leaves the file out)."""
+    once); a HeaderError likewise, said once in the log (a listing leaves the file out), also
+    for a safetensors tensor stored in a dtype the server does not read (a float8 file:
+    file_headers.READ_DTYPES)."""
     stat = path.stat()
     stamp = (stat.st_size, stat.st_mtime_ns)
     kept = _HEADERS.get(path)
     if kept is None or kept[0] != stamp:
         try:
             read: Header | HeaderError = file_headers.read(path)
+            if path.suffix.lower() != ".gguf":  # a GGUF's types are ggml's
+                stored = {read.prefix + name: dtype for name, dtype in read.types.items()}
+                file_headers.check_read_dtypes(path, stored)
         except HeaderError as exc:
             log.warning("a model file that cannot be served: %s", exc)
             read = exc

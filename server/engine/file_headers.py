@@ -41,8 +41,35 @@ _SCALARS = {
 TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
 
 
+# The stored dtypes of the safetensors tensors the server reads: floats, cast to the compute
+# dtype, and the packed words (U32) of a folder `gmlx model quantize` wrote. Float8 (ComfyUI's
+# fp8 files) and integers are refused: MLX reads float8 as raw bytes, and a cast would turn
+# either into other numbers; float64 MLX does not load at all.
+READ_DTYPES = ("F32", "F16", "BF16", "U32")
+# PyTorch's BatchNorm step counter (an int64, the FLUX.2 VAE's `bn.num_batches_tracked`), which
+# no forward reads: left in the file, never loaded.
+UNREAD_COUNTER = ".num_batches_tracked"
+
+
 class HeaderError(ValueError):
     """A file whose header cannot be read (cut short, or not a weight file); says which."""
+
+
+def check_read_dtypes(path: Path, types: dict[str, str]) -> None:
+    """Refuse the first of a safetensors file's tensors (`types`: name -> dtype) stored in a
+    dtype the server does not read (READ_DTYPES): a HeaderError naming the file and the
+    tensor."""
+    for name, dtype in types.items():
+        if dtype not in READ_DTYPES and not name.endswith(UNREAD_COUNTER):
+            other = (
+                "; for a float8 file, take the model's BF16 or F16 file, or a GGUF"
+                if dtype.startswith("F8")
+                else ""
+            )
+            raise HeaderError(
+                f"{path}: tensor {name} is stored as {dtype}; the server reads F32, F16 and"
+                f" BF16 weights{other}"
+            )
 
 
 @dataclass

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .dit_file import DiTFile, Naming, fused_weights
-from .file_headers import common_prefix, safetensors_entries
+from .file_headers import UNREAD_COUNTER, check_read_dtypes, common_prefix, safetensors_entries
 from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
 from .nn.dtypes import eval_leaf_by_leaf
@@ -79,8 +79,9 @@ def load_weights(
     (uint32) are never cast."""
     weights: dict[str, mx.array] = {}
     for path in weight_files(component_dir):
+        read_header(path)  # its dtypes checked
         for name, value in mx.load(str(path)).items():
-            if include is not None and not include(name):
+            if (include is not None and not include(name)) or name.endswith(UNREAD_COUNTER):
                 continue
             target = mx.float32 if keep_f32 is not None and keep_f32(name) else dtype
             if target is None or value.dtype == mx.uint32:
@@ -382,8 +383,10 @@ def estimated_bytes(
 
 def read_header(path: Path) -> dict:
     """The safetensors header of one file (names to dtype, shape, offsets), without its data;
-    a file_headers.HeaderError (a ValueError) naming a file that does not hold them whole."""
+    a file_headers.HeaderError (a ValueError) naming a file that does not hold them whole, or
+    the first tensor stored in a dtype the server does not read (file_headers.READ_DTYPES)."""
     entries, _ = safetensors_entries(path)
+    check_read_dtypes(path, {name: entry["dtype"] for name, entry in entries.items()})
     return entries
 
 

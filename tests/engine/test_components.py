@@ -19,6 +19,7 @@ from gmlx_server.engine.encoders.qwen3.vocab_files import bpe_tokenizer, gguf_to
 from gmlx_server.engine.file_headers import HeaderError
 from gmlx_server.engine.vaes import ldm_names
 from safetensors.numpy import load_file, save_file
+from safetensors.torch import save_file as save_torch
 from tokenizers import Tokenizer
 
 from tests.contract.frames import frame
@@ -258,6 +259,9 @@ def test_bad_files_in_comfyuis_folders_are_left_out_and_said_once(tmp_path, capl
     encoder = float32_weights(encoders)
     encoder = {n: v.ravel() if "embed_tokens" in n else v for n, v in encoder.items()}
     save_file(encoder, str(encoders / "flat_embed.safetensors"))
+    fp8 = {n: torch.from_numpy(v) for n, v in float32_weights(encoders).items()}
+    fp8 = {n: v.to(torch.float8_e4m3fn) if "embed_tokens" in n else v for n, v in fp8.items()}
+    save_torch(fp8, str(encoders / "qwen_3_fp8.safetensors"))
     folders = {k: [models / n for n in names] for k, names in components.COMFY_FOLDERS.items()}
     with caplog.at_level("WARNING", logger="gmlx.server"):
         assert list(components.comfy_sets(folders, family_specs())) == [
@@ -267,4 +271,5 @@ def test_bad_files_in_comfyuis_folders_are_left_out_and_said_once(tmp_path, capl
         components.comfy_sets(folders, family_specs())
     for bad in ("list.safetensors", "new.gguf", "flat_caption.safetensors", "flat_embed"):
         assert [m for m in said if bad in m], (bad, said)
+    assert [m for m in said if "qwen_3_fp8.safetensors: tensor" in m and "F8_E4M3" in m], said
     assert len(caplog.records) == len(said)  # the second listing says nothing again

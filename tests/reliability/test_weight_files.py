@@ -2,12 +2,16 @@
 conformance suite writes it) and as BFL's single safetensors file, cut short at random points,
 bytes flipped anywhere and in the header, named by a model entry's `dit`. Every load either
 succeeds (a flipped weight is still a weight) or is refused 400 naming the file, never another
-error, and a model loaded beside stays loaded and steps."""
+error, and a model loaded beside stays loaded and steps. A VAE or text encoder holding float8,
+float64 or integer tensors (a ComfyUI fp8 file, a header relabelled) is refused naming the
+tensor before the resident model goes."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -95,3 +99,59 @@ def test_hostile_dit_files_are_refused_400_or_load(files, name):
 @pytest.mark.parametrize("name", ["dit.gguf", "bfl.safetensors"])
 def test_hostile_dit_files_long_run(files, name):
     check_hostile_loads(files, name, HEAVY)
+
+
+def relabelled(path, name: str, dtype: str) -> None:
+    """`path` with tensor `name`'s header dtype changed to `dtype` (same item size: the file
+    stays whole)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    header[name]["dtype"] = dtype
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(text) == length
+    path.write_bytes(data[:8] + text + data[8 + length :])
+
+
+def as_float8(path, name: str) -> None:
+    """`path` with tensor `name` stored as float8 (E4M3), as ComfyUI's fp8 files hold weights."""
+    import torch
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    tensors = load_torch(str(path))
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_torch(tensors, str(path))
+
+
+def as_float64(path, name: str) -> None:
+    """`path` with tensor `name` stored as float64, which MLX cannot load."""
+    tensors = load_file(str(path))
+    tensors[name] = tensors[name].astype(np.float64)
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize(
+    ("component", "change", "said"),
+    [
+        ("vae", as_float8, "is stored as F8_E4M3; the server reads F32, F16 and BF16 weights; for"),
+        ("text_encoder", lambda path, name: relabelled(path, name, "I32"), "is stored as I32"),
+        ("text_encoder", as_float64, "is stored as F64"),
+    ],
+)
+def test_tensors_in_dtypes_the_server_does_not_read_are_refused_before_loading(
+    files, tmp_path, component, change, said
+):
+    models = tmp_path / "models"
+    shutil.copytree(files / "models" / "plain", models / "plain")
+    shutil.copytree(files / "models" / "plain", models / "odd")
+    (path,) = (models / "odd" / component).glob("*.safetensors")
+    name = next(n for n in load_file(str(path)) if n.endswith("weight"))
+    change(path, name)
+    registry = ModelRegistry([models], "plain", max_resident=1)
+    registry.release(registry.acquire("plain"))
+    with pytest.raises(ContractError) as refused:
+        registry.acquire("odd")
+    assert refused.value.status == 400
+    assert f"{path}: tensor {name} {said}" in refused.value.message
+    assert registry.resident_ids() == ["plain"]
