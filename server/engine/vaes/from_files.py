@@ -37,6 +37,13 @@ def latent_channels(header: Header) -> int | None:
     return conv_in[1] if conv_in is not None and len(conv_in) == 4 else None
 
 
+def channels_said(channels: int | None, tensor: str = "decoder.conv_in.weight") -> str:
+    """The latent channels a decoder takes (`latent_channels`) as a refusal says them."""
+    if channels is None:
+        return f"it has no {tensor}"
+    return f"{tensor} takes {channels} channels"
+
+
 def has_batch_norm(header: Header) -> bool:
     return BATCH_NORM_MEAN in header.shapes
 
@@ -69,7 +76,7 @@ def flux2_vae_refusal(header: Header) -> str:
     missing = "" if has_batch_norm(header) else f"; it has no {BATCH_NORM_MEAN}"
     return (
         f"{header.path} is not FLUX.2's {FLUX2_LATENT_CHANNELS}-channel autoencoder with its"
-        f" batch norm (decoder.conv_in.weight takes {channels} channels{missing})"
+        f" batch norm ({channels_said(channels)}{missing})"
     )
 
 

@@ -126,3 +126,9 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
         SET.folder(models, tmp_path, dit=cut)
     with pytest.raises(ComponentError, match="is not the DiT of a family"):
         SET.folder(models, tmp_path, dit=SET.path(models, "vae"))
+    # the text encoder and the VAE swapped: each has no tensor the other's test reads
+    swapped = {"text_encoder": SET.path(models, "vae"), "vae": SET.path(models, "text_encoder")}
+    with pytest.raises(ComponentError, match=r"; it has no embedding \(model\.embed_tokens"):
+        SET.folder(models, tmp_path, **swapped)
+    with pytest.raises(ComponentError, match=r"\(it has no decoder\.conv_in\.weight\)"):
+        SET.folder(models, tmp_path, vae=SET.path(models, "text_encoder"))

@@ -44,6 +44,14 @@ def shape(header: Header, key: str) -> tuple[int, ...] | None:
     return header.first_shape(NAMES[key])
 
 
+def embedding_said(header: Header) -> str:
+    """The file's token embedding as a refusal says it: its shape, or that it has none."""
+    embed = shape(header, "embed")
+    if embed is None:
+        return f"it has no embedding ({NAMES['embed'][0]})"
+    return f"its embedding ({NAMES['embed'][0]}) is {list(embed)}"
+
+
 def is_qwen3(header: Header) -> bool:
     """Whether the file holds a Qwen3 decoder (its q/k norms tell it from Qwen2.5; a GGUF file
     of Qwen3-VL's language model, under the same names, is not one)."""

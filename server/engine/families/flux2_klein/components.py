@@ -116,8 +116,8 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
         raise ComponentError(
             f"{encoder.path} is not a Qwen3 text encoder {joint_width(dit) // len(TAPPED_LAYERS)}"
             f" wide, as the DiT {dit.path.name} takes ({TEXT_IN[0]} reads {len(TAPPED_LAYERS)}"
-            f" layers of {joint_width(dit) // len(TAPPED_LAYERS)}); its embedding"
-            f" ({qwen3_files.NAMES['embed'][0]}) is {qwen3_files.shape(encoder, 'embed')}"
+            f" layers of {joint_width(dit) // len(TAPPED_LAYERS)});"
+            f" {qwen3_files.embedding_said(encoder)}"
         )
     if layers < LOADED_LAYERS:
         raise ComponentError(

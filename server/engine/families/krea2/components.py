@@ -32,6 +32,8 @@ BLOCK = layout.STACKS["blocks"].format(0)  # a main block's, and a text block's 
 TEXT_BLOCK = layout.STACKS["layerwise"].format(0)
 QUERY_NORM = layout.BLOCK_NORMS["norm_q"] + ".weight"
 GATE = layout.BLOCK_LINEARS["q_gate"][1] + ".weight"
+# The tensor that gives a Qwen-Image VAE's latent channels, in both its namings.
+VAE_CONV_IN = "decoder.conv_in.weight (Wan's decoder.conv1.weight)"
 KEY = layout.BLOCK_LINEARS["kv"][0] + ".weight"
 FF_GATE = layout.BLOCK_LINEARS["gate_up"][0] + ".weight"
 # RoPE axes split the head as 1/4, 3/8, 3/8 (Krea2Transformer2DModel's 32:48:48 of 128); the
@@ -103,8 +105,7 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
     if channels != transformer["in_channels"] // 4:
         raise ComponentError(
             f"{vae.path} is not the {transformer['in_channels'] // 4}-channel Qwen-Image VAE"
-            " that Krea 2 decodes with (decoder.conv_in.weight, Wan's decoder.conv1.weight,"
-            f" takes {channels} channels)"
+            f" that Krea 2 decodes with ({vae_files.channels_said(channels, VAE_CONV_IN)})"
         )
     return {
         "model_index.json": model_index_of(variant, SELECT_LAYERS),

@@ -109,14 +109,13 @@ def configs(family: str, variant: str, dit: Header, encoder: Header, vae: Header
     if qwen3_files.width(encoder) != transformer["cap_feat_dim"]:
         raise ComponentError(
             f"{encoder.path} is not a Qwen3 text encoder {transformer['cap_feat_dim']} wide, as"
-            f" the DiT {dit.path.name} takes ({CAPTION}); its embedding"
-            f" ({qwen3_files.NAMES['embed'][0]}) is {qwen3_files.shape(encoder, 'embed')}"
+            f" the DiT {dit.path.name} takes ({CAPTION}); {qwen3_files.embedding_said(encoder)}"
         )
     channels = vae_files.latent_channels(vae)
     if channels != transformer["in_channels"] or vae_files.has_batch_norm(vae):
         raise ComponentError(
             f"{vae.path} is not FLUX.1's {transformer['in_channels']}-channel autoencoder that"
-            f" Z-Image decodes with (decoder.conv_in.weight takes {channels} channels"
+            f" Z-Image decodes with ({vae_files.channels_said(channels)}"
             + (", and it has FLUX.2's batch norm)" if vae_files.has_batch_norm(vae) else ")")
         )
     return {
