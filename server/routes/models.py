@@ -144,9 +144,9 @@ def from_files(entry: ModelEntry, read: Callable[[], dict]) -> dict:
             f"the key {missing!r}",
         ) from None
     except FileNotFoundError as exc:
-        missing = exc.filename or exc
+        missing = f"{exc.filename} is missing" if exc.filename else str(exc)
         raise ContractError(
-            400, f"model {entry.model_id!r} at {entry.path} is misconfigured: {missing} is missing"
+            400, f"model {entry.model_id!r} at {entry.path} is misconfigured: {missing}"
         ) from None
 
 

@@ -167,11 +167,19 @@ def test_status_of_a_misconfigured_folder_is_400_naming_the_missing_piece(qwen, 
     config_path.write_text(json.dumps(config))
     no_config = shutil.copytree(qwen.folder, root / "no-vae-config")
     (no_config / "vae" / "config.json").unlink()
+    no_weights = shutil.copytree(qwen.folder, root / "no-dit-weights")
+    for path in (no_weights / "transformer").glob("*.safetensors"):
+        path.unlink()
     server = serve(ServerConfig(host="127.0.0.1", port=0), ModelRegistry([root], None))
     try:
         r = server.call("GET", "models/no-mean/status")
         assert r.status_code == 400 and "latents_mean" in r.json()["error"], r.text
         r = server.call("GET", "models/no-vae-config/status")
-        assert r.status_code == 400 and "config.json" in r.json()["error"], r.text
+        assert r.status_code == 400 and "config.json is missing" in r.json()["error"], r.text
+        r = server.call("GET", "models/no-dit-weights/status")
+        said = r.json()["error"]
+        assert r.status_code == 400 and said.endswith(
+            f"misconfigured: no safetensors weights in {no_weights / 'transformer'}"
+        ), said
     finally:
         server.close()
