@@ -246,7 +246,11 @@ class ModelRegistry:
             except (ComponentError, OSError) as exc:
                 errors[model_id] = exc
         with self._lock:
+            said = {(model_id, str(exc)) for model_id, exc in self._set_errors.items()}
             self._set_errors = errors
+        for model_id, exc in errors.items():
+            if (model_id, str(exc)) not in said:  # said once, until the reason changes
+                log.warning("model %r from component files cannot be served: %s", model_id, exc)
         return folders
 
     def _set_folder(self, files: Any, make: Callable) -> Path:

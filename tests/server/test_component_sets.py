@@ -205,3 +205,29 @@ def test_a_listing_reuses_the_sets_and_their_folders_until_their_files_change(co
     dit.write_bytes(dit.read_bytes())  # the same bytes, a new file time
     now[0] += registry_module.SET_LISTING_TTL_S
     assert registry.folders()["mine"] != folder  # its fingerprint covers the file's time
+
+
+def test_a_set_that_cannot_be_served_is_said_in_the_log_once(comfy, tmp_path, caplog):
+    """A DiT file of a family whose name says no variant makes a set the listing leaves out:
+    the log says which and why, once while the reason stays."""
+    from gmlx_server.engine import registry as registry_module
+    from gmlx_server.engine.components import ComponentFiles
+    from gmlx_server.engine.registry import ModelRegistry
+
+    _, models = comfy
+    dit = tmp_path / "z_image_q8.safetensors"
+    shutil.copy(models / "diffusion_models" / DIT_FILE, dit)
+    files = ComponentFiles(dit, models / "text_encoders" / ENCODER_FILE, models / "vae" / VAE_FILE)
+    now = [0.0]
+    registry = ModelRegistry(component_sets=lambda: {"q8": files}, sets_dir=tmp_path / "sets")
+    registry._clock = lambda: now[0]
+    with caplog.at_level("WARNING", logger="gmlx.server"):
+        assert "q8" not in registry.folders()
+        now[0] += registry_module.SET_LISTING_TTL_S
+        assert "q8" not in registry.folders()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "model 'q8' from component files cannot be served: "
+        f"{dit} does not say which Z-Image variant it is; name it in the model entry:"
+        " variant = one of 'turbo', 'base'"
+    ]
