@@ -207,11 +207,15 @@ def tokenizer_source(found: IdentifiedSet) -> tuple[str, Path]:
     path, pattern = (
         (published, published) if published else (f"tokenizer/{TOKENIZER_FILE}", "tokenizer/*")
     )
+    # `gmlx pull --to` writes the repository's paths under its folder
+    beside = Path(files.text_encoder).parent
+    to = beside if path.startswith("tokenizer/") else beside / "tokenizer"
     raise ComponentError(
         f"no tokenizer for {files.text_encoder}: it is not a GGUF file carrying its tokens, and"
-        f" no tokenizer/{TOKENIZER_FILE} is beside it; fetch {repo}'s {path}"
-        f" (`gmlx pull {repo} --include '{pattern}'`) into a tokenizer/ folder beside"
-        f" {Path(files.text_encoder).name}, or name a folder holding it (tokenizer = ...)"
+        f" no tokenizer/{TOKENIZER_FILE} is beside it; fetch {repo}'s {path} into a tokenizer/"
+        f" folder beside {Path(files.text_encoder).name}"
+        f" (`gmlx pull {repo} --include '{pattern}' --to '{to}'`), or name a folder holding it"
+        " (tokenizer = ...)"
     )
 
 

@@ -246,3 +246,32 @@ def test_a_hub_that_takes_the_connection_and_never_answers_is_said_plainly(monke
         with pytest.raises(pull.PullError, match=f"cannot reach the Hub at {url}"):
             pull.repo_files(REPO, None)
         assert time.monotonic() - started < 20
+
+
+def test_the_pull_a_set_without_tokenizer_is_told_fetches_it_where_the_set_finds_it(hub, tmp_path):
+    """A text encoder file with no tokenizer beside it (and no ComfyUI checkout): the refusal's
+    `gmlx pull` command, run as it is written, puts the tokenizer where the set reads it."""
+    import re
+    import shlex
+    import shutil
+
+    from gmlx_server.engine.components import ComponentError, ComponentFiles, set_folder
+    from gmlx_server.engine.spec import family_specs
+
+    from tests.families.z_image.tiny.comfy import SET, write_comfy_models
+
+    _, models = write_comfy_models(tmp_path / "comfy")
+    loose = tmp_path / "loose"
+    for part in ("dit", "text_encoder", "vae"):
+        (loose / part).mkdir(parents=True)
+        shutil.copy(SET.path(models, part), loose / part)
+    files = ComponentFiles(
+        *(next((loose / part).iterdir()) for part in ("dit", "text_encoder", "vae"))
+    )
+    with pytest.raises(ComponentError) as refused:
+        set_folder(files, family_specs(), tmp_path / "sets")
+    command = re.search(r"`gmlx pull (.*?)`", str(refused.value)).group(1)
+    done = run_pull(hub, tmp_path, *shlex.split(command))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (loose / "text_encoder" / "tokenizer" / "tokenizer.json").is_file()
+    assert (set_folder(files, family_specs(), tmp_path / "sets") / "tokenizer").is_dir()
