@@ -164,10 +164,15 @@ def entry() -> None:
     without C++ static destructors. MLX arrays evaluated on a thread other than the main one (the
     image worker) make the process abort at exit ("terminate called without an active exception",
     status 134; reproduced with a plain 4096x4096 matmul in a joined thread, mlx 0.32.4 CPU).
-    Every command has written and closed what it must by the time it returns."""
-    code = main()
+    Every command has written and closed what it must by the time it returns. A reader of
+    the output that leaves early (`gmlx list | head -1`) ends the command quietly."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nobody reads the rest
+        code = 1
     logging.shutdown()
-    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 

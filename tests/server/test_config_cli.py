@@ -596,3 +596,21 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
         assert cli.main([*argv, "--config", str(config)]) == 2, argv
         err = capsys.readouterr().err
         assert words in err and "never-loaded" not in err, err
+
+
+def test_a_reader_that_leaves_early_ends_a_listing_quietly(tmp_path):
+    """`gmlx list | head -1`: the pipe's reader is gone before the listing is written; the
+    command ends without a traceback."""
+    config = tmp_path / "config.toml"
+    config.write_text("[server]\n")
+    reader, writer = os.pipe()
+    os.close(reader)
+    with os.fdopen(writer, "wb") as stdout:
+        done = subprocess.run(
+            [sys.executable, "-m", "gmlx_server", "list", "--config", str(config)],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
