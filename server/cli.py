@@ -232,7 +232,7 @@ def serve(args: argparse.Namespace) -> int:
         __version__,
         config.host,
         server.effective_port,
-        ", ".join(str(d) for d in [*extra, *config.model_dirs]) or "none",
+        ", ".join(model_sources(config, extra)) or "none",
         default or "none",
     )
     _warn_if_unservable(registry, default)
@@ -307,6 +307,16 @@ def setup_logging() -> None:
         level=level if level in LOG_LEVELS else "INFO",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+def model_sources(config, extra) -> list[str]:
+    """Where the served models come from, as the start's log line says it: the model folders,
+    ComfyUI's model folders and the configured entries."""
+    sources = [str(folder) for folder in [*extra, *config.model_dirs]]
+    sources += [f"ComfyUI's {folder}" for folder in config.comfyui_model_dirs]
+    if config.models:
+        sources.append(f"{len(config.models)} model entries")
+    return sources
 
 
 def _stop_on_signals(group=None, server=None, traffic=None) -> None:

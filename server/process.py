@@ -54,7 +54,10 @@ def config_registry(config, model: str | None = None):
     )
     unknown = sorted(set(config.models) - set(registry.folders()))
     if unknown:  # a folder may still appear later: the model dirs are listed on each lookup
-        log.warning("configured model entries with no model folder (yet): %s", ", ".join(unknown))
+        log.warning(
+            "configured model entries with no model folder or servable files (yet): %s",
+            ", ".join(unknown),
+        )
     return registry, extra
 
 

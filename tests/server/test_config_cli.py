@@ -164,7 +164,14 @@ def test_entries_naming_no_model_folder_are_warned_about(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         registry, _ = cli.config_registry(config)
     assert registry.default_model == "here" and registry.load_hooks is not None
-    assert "no model folder (yet): elsewhere" in caplog.text and "here," not in caplog.text
+    assert "no model folder or servable files (yet): elsewhere" in caplog.text
+    assert "here," not in caplog.text
+    config.comfyui_model_dirs = [tmp_path / "comfy"]
+    assert cli.model_sources(config, []) == [
+        str(tmp_path / "models"),
+        f"ComfyUI's {tmp_path / 'comfy'}",
+        "2 model entries",
+    ]
 
 
 @pytest.mark.parametrize(
