@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
 import threading
 import time
@@ -105,6 +106,16 @@ class LoadedModel:
     @property
     def model_id(self) -> str:
         return self.entry.model_id
+
+
+def unreadable_index(folder: Path) -> str:
+    """Why a folder's model_index.json says no family, where it cannot say one ("": it is a
+    JSON object)."""
+    try:
+        index = json.loads((folder / MODEL_INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSON's and UTF-8's errors are ValueErrors
+        return f": its {MODEL_INDEX} cannot be read ({exc})"
+    return "" if isinstance(index, dict) else f": its {MODEL_INDEX} is not a JSON object"
 
 
 def load_refusal(entry: ModelEntry, exc: Exception) -> ContractError:
@@ -334,7 +345,7 @@ class ModelRegistry:
             raise ContractError(
                 400,
                 f"model {model_id!r} at {entry.path} is not of a family this server can load "
-                f"({', '.join(self.available_families()) or 'none'})",
+                f"({', '.join(self.available_families()) or 'none'}){unreadable_index(entry.path)}",
             )
         return entry
 

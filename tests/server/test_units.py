@@ -143,6 +143,20 @@ def test_registry_load_hold_unload(tmp_path):
     assert again.generation > first.generation and again.tables == {}
 
 
+def test_a_folder_of_no_family_says_when_its_model_index_cannot_be_read(tmp_path):
+    reg = registry(tmp_path)
+    with pytest.raises(ContractError) as info:
+        reg.resolve("stranger")
+    assert info.value.message.endswith(")")  # a JSON object of another class: nothing to add
+    cut = reg.model_dirs[0] / "cut"
+    cut.mkdir()
+    (cut / "model_index.json").write_text('{"_class_name": "ZImagePipeline",')
+    with pytest.raises(ContractError) as info:
+        reg.resolve("cut")
+    assert info.value.status == 400
+    assert ": its model_index.json cannot be read (Expecting property name" in info.value.message
+
+
 def test_registry_vanished_and_broken_models(tmp_path):
     reg = registry(tmp_path)
     with pytest.raises(ContractError) as info:
