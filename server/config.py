@@ -6,7 +6,7 @@ File (default ~/.config/gmlx-steps/config.toml):
     host = "127.0.0.1"
     port = 8080
     api_key = "..."                 # required for a non-loopback bind
-    model_dirs = ["~/models"]
+    model_dirs = ["~/models"]       # folders of model folders (relative: to this file's)
     default_model = "qwen-image-2.1"
     threads = 8
 
@@ -430,7 +430,8 @@ def _apply_doc(config: ServerConfig, doc: dict, path: Path) -> None:
             dirs = server[key]
             if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
                 raise ConfigError(f"server.{key} must be a list of folder paths")
-            setattr(config, key, [Path(d).expanduser() for d in dirs])
+            # relative: to the file's folder, as every path the file names
+            setattr(config, key, [path.parent / Path(d).expanduser() for d in dirs])
     if "default_model" in server:
         config.default_model = _typed(server, "default_model", str) or None
     if "threads" in server:

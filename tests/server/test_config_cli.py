@@ -146,6 +146,19 @@ def test_relative_adapter_paths_are_under_the_config_files_folder(tmp_path, monk
     )
 
 
+def test_relative_model_folders_are_under_the_config_files_folder(tmp_path, monkeypatch):
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "c.toml").write_text(
+        '[server]\nmodel_dirs = ["../models", "/abs"]\ncomfyui_model_dirs = ["comfy"]\n'
+    )
+    monkeypatch.chdir("/")
+    config = load_config(tmp_path / "etc" / "c.toml", env={})
+    assert config.model_dirs == [tmp_path / "etc" / ".." / "models", Path("/abs")]
+    assert config.comfyui_model_dirs == [tmp_path / "etc" / "comfy"]
+    from_env = load_config(tmp_path / "etc" / "c.toml", env={"GMLX_MODEL_DIRS": "here"})
+    assert from_env.model_dirs == [Path("here")]  # the environment's: the working folder's
+
+
 def test_an_entrys_prompt_upsampler_is_a_folder_under_the_config_files(tmp_path):
     (tmp_path / "pup").mkdir()
     (tmp_path / "pup" / "config.json").write_text("{}")
