@@ -236,7 +236,7 @@ def serve(args: argparse.Namespace) -> int:
         default or "none",
     )
     _warn_if_unservable(registry, default)
-    _warn_of_missing_folders(registry)
+    _warn_of_model_folders(registry)
     if not config.loopback_bind and config.image.steps_api and not config.image.steps_remote:
         log.info(
             "the step routes answer loopback peers only (server.image.steps_remote is false);"
@@ -269,12 +269,17 @@ def _warn_if_unservable(registry, default: str | None) -> None:
         log.warning("the default model cannot be served: %s", exc.message)
 
 
-def _warn_of_missing_folders(registry) -> None:
+def _warn_of_model_folders(registry) -> None:
     """Say at start which `model_dirs` are no folder (a mistyped path, a disk not mounted):
-    they give no models until they are one."""
+    they give no models until they are one; and which model folders another of the same name
+    hides."""
     for folder in registry.model_dirs:
         if not folder.is_dir():
             log.warning("model_dirs names %s, which is no folder: no models come from it", folder)
+    for hidden, served in registry.shadowed():
+        log.warning(
+            "model %r is served from %s; %s, of the same name, is not", served.name, served, hidden
+        )
 
 
 def _launch_group(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,22 +215,37 @@ class ModelRegistry:
         """Model id -> folder, first found wins (extra folders first, then the model dirs),
         listed now (and kept for `resolve`)."""
         found: dict[str, Path] = {}
-        for path in self.extra_models:
-            if (path / MODEL_INDEX).is_file():
-                found.setdefault(path.name, path)
-        for root in self.model_dirs:
-            try:
-                children = sorted(root.iterdir())
-            except OSError:
-                continue
-            for child in children:
-                if (child / MODEL_INDEX).is_file():
-                    found.setdefault(child.name, child)
+        for path in self._model_folders():
+            found.setdefault(path.name, path)
         for model_id, folder in self._set_folders().items():
             found.setdefault(model_id, folder)
         with self._lock:
             self._listing = (self._clock(), found)
         return found
+
+    def shadowed(self) -> list[tuple[Path, Path]]:
+        """(hidden, served): each model folder that another of the same name, found before it,
+        hides (`folders`: the first found wins)."""
+        served: dict[str, Path] = {}
+        hidden = []
+        for path in self._model_folders():
+            first = served.setdefault(path.name, path)
+            if first != path:
+                hidden.append((path, first))
+        return hidden
+
+    def _model_folders(self) -> Iterator[Path]:
+        """The model folders, in the order they are found: the extra folders, then each model
+        dir's, by name."""
+        for path in self.extra_models:
+            if (path / MODEL_INDEX).is_file():
+                yield path
+        for root in self.model_dirs:
+            try:
+                children = sorted(root.iterdir())
+            except OSError:
+                continue
+            yield from (child for child in children if (child / MODEL_INDEX).is_file())
 
     def _set_folders(self) -> dict[str, Path]:
         """Each model from component files by id, its folder (engine/components.py); a set that

@@ -146,6 +146,22 @@ def test_relative_adapter_paths_are_under_the_config_files_folder(tmp_path, monk
     )
 
 
+def test_a_model_folder_hidden_by_another_of_its_name_is_said_at_start(tmp_path, caplog):
+    from gmlx_server.engine.registry import ModelRegistry
+
+    for root in ("first", "second"):
+        (tmp_path / root / "m").mkdir(parents=True)
+        (tmp_path / root / "m" / "model_index.json").write_text("{}")
+    registry = ModelRegistry([tmp_path / "first", tmp_path / "second"])
+    assert registry.folders()["m"] == tmp_path / "first" / "m"
+    with caplog.at_level("WARNING", logger="gmlx.server"):
+        cli._warn_of_model_folders(registry)
+    assert caplog.messages == [
+        f"model 'm' is served from {tmp_path / 'first' / 'm'}; {tmp_path / 'second' / 'm'},"
+        " of the same name, is not"
+    ]
+
+
 def test_relative_model_folders_are_under_the_config_files_folder(tmp_path, monkeypatch):
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "c.toml").write_text(
