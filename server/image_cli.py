@@ -271,7 +271,7 @@ def chosen_run(args: argparse.Namespace, group: Any, command: str, run) -> int |
     except Exception as exc:  # noqa: BLE001 - one line for the user, not a traceback
         if os.environ.get("GMLX_DEBUG"):
             raise
-        print(f"gmlx image {command}: {_message(exc, args.ref)}", file=sys.stderr)
+        print(f"gmlx image {command}: {_message(exc, args.ref)}{files_note(args)}", file=sys.stderr)
         return 1
 
 
@@ -396,6 +396,17 @@ def image_request(args: argparse.Namespace, images: tuple[np.ndarray, ...]) -> I
         mask=None if mask is None else mask_of(mask),
         mask_blur=args.mask_blur,
     )
+
+
+def files_note(args: argparse.Namespace) -> str:
+    """What `--dit` or `--text-encoder` did, for a failed run given one without `--vae` and
+    `--model`: they stood for the default model's own files."""
+    if args.model is None and args.vae is None and (args.dit or args.text_encoder):
+        return (
+            " (--dit and --text-encoder without --vae replace the default model's own files; a"
+            " model from component files takes --dit, --text-encoder and --vae)"
+        )
+    return ""
 
 
 def _message(exc: Exception, references: Sequence[str]) -> str:

@@ -230,3 +230,20 @@ def test_references_are_refused_before_the_model_loads(
     assert image_cli.sample_main(argv) == 1
     err = capsys.readouterr().err
     assert message in err and "was loaded" not in err
+
+
+def test_a_dit_file_alone_that_the_default_model_refuses_says_what_the_flag_did(
+    tmp_path, capsys
+):
+    import numpy as np
+    from gmlx_server import image_cli
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((2, 2), np.float32)}, str(tmp_path / "dit.safetensors"))
+    argv = ["--prompt", "x", "--dit", str(tmp_path / "dit.safetensors")]
+    assert image_cli.sample_main([*argv, "--out", str(tmp_path / "out.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().endswith(
+        "(--dit and --text-encoder without --vae replace the default model's own files; a model"
+        " from component files takes --dit, --text-encoder and --vae)"
+    ), err
