@@ -25,7 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engine.precision import DEFAULT_GROUP_SIZE, Quantization
+from .engine.precision import Quantization
+from .parsers import FLAG_FORMS, quantization_argument
 
 RETRIES = 3  # a file whose download fails is tried again this often, resuming where it stopped
 # How long the Hub may take to answer the file listing (huggingface_hub waits for ever): a
@@ -295,8 +296,8 @@ def register(subparsers) -> None:
     parser.add_argument("repo", nargs="?", help="owner/name, or a published model name (--list)")
     parser.add_argument("--include", action="append", default=[], metavar="PATTERN")
     parser.add_argument("--revision", default=None, help="a branch, tag or commit")
-    parser.add_argument("--quantize", type=int, default=None, metavar="BITS")
-    parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument("--quantize", default=None, **FLAG_FORMS["quantize"])
+    parser.add_argument("--group-size", default=None, **FLAG_FORMS["group_size"])
     parser.add_argument("--gguf", default=None, metavar="TYPE", help="GGUF files of this type")
     parser.add_argument("--to", type=Path, default=None, help="the folder to pull into")
     parser.add_argument("--list", action="store_true", help="the published model names")
@@ -317,17 +318,17 @@ def pull_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
+    try:  # the arguments and the configuration: exit 2, as the other commands'
         if args.quantize is not None and args.gguf:
-            raise PullError(
+            raise ValueError(
                 "--quantize and --gguf exclude each other: GGUF files are quantized already"
             )
-        quantization = None
-        if args.quantize is not None:
-            quantization = Quantization(args.quantize, args.group_size or DEFAULT_GROUP_SIZE)
-        elif args.group_size is not None:
-            raise PullError("--group-size needs --quantize")
+        quantization = quantization_argument(args)
         config = load_config(args.config)
+    except (ConfigError, ValueError) as exc:
+        print(f"gmlx pull: {exc}", file=sys.stderr)
+        return 2
+    try:
         repo, include, name = resolve(args.repo)
         target = target_folder(config.model_dirs, args.to, name, quantization)
         commit, files = repo_files(repo, args.revision)
@@ -340,7 +341,7 @@ def pull_command(args: argparse.Namespace) -> int:
             " in float32 on the CPU backend: twice a bf16 file's bytes)"
         )
         pull(plan)
-    except (PullError, ConfigError, ValueError) as exc:
+    except (PullError, ValueError) as exc:
         print(f"gmlx pull: {exc}", file=sys.stderr)
         return 1
     print(f"pulled {repo} into {target}: serve it as model {plan.model_id!r}")

@@ -228,6 +228,28 @@ def test_no_model_dirs_and_no_hub_are_said_plainly(tmp_path):
     assert "HF_ENDPOINT" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--quantize", "7"], "invalid choice: 7"),
+        (["--quantize", "4", "--gguf", "Q8_0"], "--quantize and --gguf exclude each other"),
+        (["--group-size", "64"], "--group-size needs --quantize"),
+    ],
+)
+def test_arguments_that_cannot_go_together_exit_2_before_any_download(
+    tmp_path, capsys, flags, said
+):
+    from gmlx_server import cli
+
+    config = tmp_path / "c.toml"
+    config.write_text("")
+    try:
+        code = cli.main(["pull", REPO, *flags, "--config", str(config), "--to", str(tmp_path)])
+    except SystemExit as exited:  # argparse's refusal
+        code = exited.code
+    assert code == 2 and said in capsys.readouterr().err
+
+
 def test_a_hub_that_takes_the_connection_and_never_answers_is_said_plainly(monkeypatch):
     """A login page or a dropping firewall: the listing gives up after HUB_TIMEOUT_S."""
     import socket
