@@ -232,9 +232,7 @@ def test_references_are_refused_before_the_model_loads(
     assert message in err and "was loaded" not in err
 
 
-def test_a_dit_file_alone_that_the_default_model_refuses_says_what_the_flag_did(
-    tmp_path, capsys
-):
+def test_a_dit_file_alone_that_the_default_model_refuses_says_what_the_flag_did(tmp_path, capsys):
     import numpy as np
     from gmlx_server import image_cli
     from safetensors.numpy import save_file
