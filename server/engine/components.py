@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,11 @@ from .file_headers import Header, HeaderError
 log = logging.getLogger("gmlx.server")
 
 # Bump when set_folder writes something else for the same files.
-SET_GENERATOR = 1
+SET_GENERATOR = 2
 SETS_FOLDER = "sets"
+# Under the sets' folder: each tokenizer built from a GGUF file's tokens or ComfyUI's copy of
+# Qwen's, once for every set that reads it (a real one is megabytes).
+TOKENIZERS_FOLDER = "tokenizers"
 # ComfyUI's model folders by component, its legacy names too (folder_paths.py).
 COMFY_FOLDERS = {
     "dit": ("diffusion_models", "unet"),
@@ -254,6 +256,7 @@ def set_folder(files: ComponentFiles, specs: dict, cache_dir: Path | None = None
     wanted = {"name": "component set", "generator": SET_GENERATOR, "fingerprint": digest}
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / SETS_FOLDER
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(files.dit).stem)[:48]
+    tokenizer_dir = tokenizer_folder(root, *tokenizer)
 
     def write(folder: Path) -> None:
         for relative, doc in written.items():
@@ -263,7 +266,7 @@ def set_folder(files: ComponentFiles, specs: dict, cache_dir: Path | None = None
         link(folder / "transformer", files.dit, None)
         link(folder / "text_encoder", files.text_encoder, "model.safetensors")
         link(folder / "vae", files.vae, "diffusion_pytorch_model.safetensors")
-        write_tokenizer(folder / "tokenizer", *tokenizer)
+        os.symlink(tokenizer_dir, folder / "tokenizer")
 
     return ensure(root, f"{stem}-{digest[:12]}", wanted, write)
 
@@ -279,16 +282,31 @@ def link(folder: Path, path: Path, safetensors_name: str | None) -> None:
     os.symlink(path, folder / name)
 
 
+def tokenizer_folder(root: Path, kind: str, source: Path) -> Path:
+    """The folder holding the set's tokenizer.json, from the source `tokenizer_source` found:
+    a tokenizer folder as it is; one built from a GGUF file's tokens or ComfyUI's copy of
+    Qwen's, under root/TOKENIZERS_FOLDER, built once for every set that reads the same source
+    in the same state."""
+    source = Path(source).resolve()
+    if kind == "folder":
+        return source
+    files = sorted(p for p in source.iterdir() if p.is_file()) if source.is_dir() else [source]
+    parts = [SET_GENERATOR, kind, str(source)]
+    parts += [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+    wanted = {"name": "tokenizer", "generator": SET_GENERATOR, "fingerprint": digest}
+    name = f"{re.sub(r'[^A-Za-z0-9._-]+', '-', source.stem)[:48]}-{digest[:12]}"
+    return ensure(
+        root / TOKENIZERS_FOLDER, name, wanted, lambda f: write_tokenizer(f, kind, source)
+    )
+
+
 def write_tokenizer(folder: Path, kind: str, source: Path) -> None:
-    """folder/tokenizer.json from the source `tokenizer_source` found."""
+    """folder/tokenizer.json built from a GGUF file's tokens (`kind` "gguf") or from ComfyUI's
+    copy of Qwen's vocab and merges ("bpe")."""
     from .encoders.qwen3.vocab_files import bpe_tokenizer, gguf_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
-    if kind == "folder":
-        for item in Path(source).iterdir():
-            if item.is_file():
-                shutil.copyfile(item, folder / item.name)
-        return
     try:
         if kind == "gguf":
             built = gguf_tokenizer(file_headers.gguf_tokenizer(source), str(source))

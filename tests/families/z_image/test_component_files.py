@@ -69,6 +69,20 @@ def test_a_set_serves_what_the_folder_serves(tiny, expected, tmp_path, tokenizer
     assert_same_outputs(outputs(loaded(made)), expected)
 
 
+def test_sets_reading_one_tokenizer_source_share_the_tokenizer_built_from_it(tiny, tmp_path):
+    """Two DiT files with ComfyUI's copy of Qwen's tokenizer: one tokenizer.json is built, and
+    each set's tokenizer/ is it."""
+    _, models = tiny
+    other = tmp_path / "z_image_turbo_copy.safetensors"
+    shutil.copy(SET.path(models, "dit"), other)
+    first = SET.folder(models, tmp_path)
+    second = SET.folder(models, tmp_path, dit=other)
+    assert first != second
+    assert (first / "tokenizer").resolve() == (second / "tokenizer").resolve()
+    built = list((tmp_path / "sets").rglob("tokenizer.json"))
+    assert len([p for p in built if not p.parent.is_symlink()]) == 1, built
+
+
 def test_a_gguf_dit_in_comfyuis_names_serves_what_the_folder_serves(tiny, expected, tmp_path):
     """ComfyUI-GGUF's Z-Image file: NextDiT names, q/k/v fused, float32 here (the quantized
     types are tests/families/z_image/test_gguf.py's)."""
