@@ -168,7 +168,8 @@ def identify(files: ComponentFiles, specs: dict) -> IdentifiedSet:
 
 def configs(found: IdentifiedSet) -> dict[str, dict]:
     """The set's configs by relative path (model_index.json, transformer/config.json, ...); a
-    ComponentError naming the files where a tensor the rule reads has another rank."""
+    ComponentError naming the files where a tensor the rule reads is missing or has another
+    rank."""
     h = found.headers
     try:
         return found.rule.configs(
@@ -176,6 +177,8 @@ def configs(found: IdentifiedSet) -> dict[str, dict]:
         )
     except (IndexError, TypeError) as exc:
         raise ComponentError(f"{unfit_files(found.files.paths().values())}: {exc!r}") from None
+    except HeaderError as exc:  # a file without a tensor the rule reads: the error names it
+        raise ComponentError(str(exc)) from None
 
 
 def unfit_files(paths) -> str:

@@ -106,6 +106,12 @@ def config(header: Header, facts: dict) -> dict:
     # A decoder of its own widths (MOSS-Image's narrower one): its up blocks, last first.
     decoder = block_widths(header, shapes, "decoder.up_blocks.{}.resnets.0.conv2.weight", blocks)
     own_decoder = decoder[::-1] != channels
+    groups = facts["norm_num_groups"]
+    if any(width % groups for width in channels + decoder):
+        raise HeaderError(
+            f"{header.path}: its blocks are {channels} wide, not multiples of the"
+            f" {groups} norm groups of the VAE its family decodes with"
+        )
     return {
         **facts,
         "in_channels": shapes["encoder.conv_in.weight"][1],

@@ -140,6 +140,17 @@ def test_sets_that_do_not_fit_are_refused_naming_file_and_tensor(tiny, tmp_path)
         SET.folder(models, tmp_path, dit=cut)
     with pytest.raises(ComponentError, match="is not the DiT of a family"):
         SET.folder(models, tmp_path, dit=SET.path(models, "vae"))
+    # the embedded tiny model's VAE: 16 channels, blocks of 8 groups where FLUX.1's has 32
+    from gmlx_server.engine.families.z_image.embedded import ensure_embedded_model
+
+    narrow = ensure_embedded_model() / "vae" / "diffusion_pytorch_model.safetensors"
+    with pytest.raises(ComponentError, match=r"not multiples of the 32 norm groups"):
+        SET.folder(models, tmp_path, vae=narrow)
+    whole = ldm_vae(float32_weights(folder / "vae"))
+    decoder_only = {n: v for n, v in whole.items() if not n.startswith("encoder.")}
+    save_file(decoder_only, str(tmp_path / "decoder_only.safetensors"))
+    with pytest.raises(ComponentError, match=r"it has no encoder\.conv_in\.weight"):
+        SET.folder(models, tmp_path, vae=tmp_path / "decoder_only.safetensors")
     # the text encoder and the VAE swapped: each has no tensor the other's test reads
     swapped = {"text_encoder": SET.path(models, "vae"), "vae": SET.path(models, "text_encoder")}
     with pytest.raises(ComponentError, match=r"; it has no embedding \(model\.embed_tokens"):
