@@ -56,9 +56,9 @@ class Step(Resource):
         started = req.context.gate_passed
         container = container_body(req)  # 1
         fields = container.fields
-        run = self.service.run_for_step(fields.get("run"))  # 2
-        dry_run = flag(fields, "dry_run", False)
+        run = self.service.run_for_step(fields.get("run"))  # 2: the run is held from here
         try:
+            dry_run = flag(fields, "dry_run", False)
             request = parse_request(container)  # 3
             loaded = self.service.acquire_for_step(model_field(fields), run)  # 4
             try:

@@ -183,6 +183,22 @@ def test_idle_runs_end_and_let_the_model_go(server_factory):
     assert server.post_json("models/unload", {"model": "alpha"}).json()["unloaded"] is True
 
 
+@pytest.mark.parametrize("refused", [{"dry_run": "yes"}, {"convention": 5}])
+def test_a_refused_step_leaves_its_run_to_idle_out(server_factory, refused):
+    """A step refused 400 on any field, `dry_run` included, counts no step in flight on its
+    run: the run idles out and lets its model go."""
+    server = server_factory(run_idle_s=0.3, run_sweep_s=0.1)
+    cond = server.put_tensor(np.ones((1, 2, 8), np.float32))
+    run = begin(server)
+    fields = {**step_fields(server, cond, run), **refused}
+    assert server.post_container("step", {"x": X, "timestep": T}, fields).status_code == 400
+    deadline = time.monotonic() + 5
+    while server.ctx.service.run_count() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.ctx.service.run_count() == 0
+    assert server.post_json("models/unload", {"model": "alpha"}).json()["unloaded"] is True
+
+
 def test_begin_sweeps_first(server_factory):
     server = server_factory(run_idle_s=0.2, run_sweep_s=3600)
     for _ in range(32):
