@@ -569,7 +569,14 @@ class ModelRegistry:
         with self._lock:
             others = [m for m in self._loaded.values() if m.model_id != model_id]
             stale = self._loaded.get(model_id)
-        if stale is not None:  # the folder moved: the old instance goes
+        if stale is not None:  # the folder moved: the old instance goes, once nothing holds it
+            if stale.holds:
+                raise ContractError(
+                    503,
+                    f"cannot load {model_id!r} from its new folder now: its instance from"
+                    f" {stale.entry.path} is held by {stale.holds} run(s) or step(s); retry"
+                    " after they end",
+                )
             self._drop(stale)
         excess = len(others) + 1 - self.max_resident
         for loaded in sorted(others, key=lambda m: m.holds)[: max(0, excess)]:

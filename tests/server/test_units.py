@@ -157,6 +157,27 @@ def test_a_folder_of_no_family_says_when_its_model_index_cannot_be_read(tmp_path
     assert ": its model_index.json cannot be read (Expecting property name" in info.value.message
 
 
+def test_a_held_model_whose_id_moves_to_another_folder_stays_until_let_go(tmp_path):
+    """A folder of the same id appears in an earlier model dir (a pull, a ComfyUI file touched):
+    the instance a run holds is not dropped under it; the new folder loads once it is let go."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    linear_family.make_model_folder(second, "alpha")
+    now = [0.0]
+    reg = ModelRegistry([first, second], "alpha", families={"test_linear": linear_family.LINEAR})
+    reg._clock = lambda: now[0]
+    held = reg.acquire("alpha")
+    linear_family.make_model_folder(first, "alpha")
+    now[0] += 3600.0
+    with pytest.raises(ContractError) as info:
+        reg.acquire("alpha")
+    assert info.value.status == 503 and "held by 1 run(s) or step(s)" in info.value.message
+    assert reg.loaded("alpha") is held and not held.model.closed
+    reg.release(held)
+    moved = reg.acquire("alpha")
+    assert moved is not held and moved.entry.path == first / "alpha"
+
+
 def test_registry_vanished_and_broken_models(tmp_path):
     reg = registry(tmp_path)
     with pytest.raises(ContractError) as info:
