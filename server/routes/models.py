@@ -204,7 +204,11 @@ class LoadModel(Resource):
 
 class UnloadModel(Resource):
     def on_post(self, req: falcon.Request, resp: falcon.Response) -> None:
-        entry = resolve_or_404(self.registry, model_field(json_body(req)))
-        unloaded = self.service.worker.call(self.registry.unload, entry.model_id)
+        model = model_field(json_body(req))
+        if isinstance(model, str) and self.registry.loaded(model) is not None:
+            model_id = model  # resident, even where its folder has gone since: it can go too
+        else:
+            model_id = resolve_or_404(self.registry, model).model_id
+        unloaded = self.service.worker.call(self.registry.unload, model_id)
         self.service.fit_cache_bounds()  # room returned: the caches' bounds go back up
-        send_json(resp, {"model": entry.model_id, "unloaded": bool(unloaded)})
+        send_json(resp, {"model": model_id, "unloaded": bool(unloaded)})

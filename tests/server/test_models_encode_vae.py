@@ -52,6 +52,20 @@ def test_status_manifest_load_unload_answer_404_for_any_resolution_failure(fresh
     assert fresh.post_json("models/unload", {"model": model}).status_code == 404
 
 
+def test_a_resident_model_whose_folder_has_gone_can_still_be_unloaded(fresh):
+    import shutil
+
+    assert fresh.post_json("models/load", {"model": "beta"}).status_code == 200
+    folder = fresh.ctx.registry.folders()["beta"]
+    shutil.move(folder, folder.parent.parent / "beta-moved")
+    fresh.ctx.registry.folders()  # listed again: beta resolves no more
+    assert fresh.call("GET", "models/beta/status").status_code == 404
+    r = fresh.post_json("models/unload", {"model": "beta"})
+    assert r.status_code == 200 and r.json() == {"model": "beta", "unloaded": True}
+    assert "beta" not in fresh.ctx.registry.resident_ids()
+    assert fresh.post_json("models/unload", {"model": "beta"}).status_code == 404
+
+
 def test_load_of_a_mismatched_entry_is_400_and_empty_model_is_the_default(fresh):
     assert fresh.post_json("models/load", {"model": "broken"}).status_code == 400
     assert fresh.post_json("models/load", {"model": ""}).json()["model"] == "alpha"
