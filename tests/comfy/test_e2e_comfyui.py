@@ -141,15 +141,24 @@ def _free_port() -> int:
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = START_TIMEOUT_S) -> None:
+    """Until `url` answers. ComfyUI answers `{}` for a node it does not have: a ready URL of
+    /object_info/NODE that answers so means the pack did not import, said at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                body = answer.read()
         except OSError:
             time.sleep(0.5)
+            continue
+        if "/object_info/" in url and json.loads(body) == {}:
+            raise RuntimeError(
+                f"ComfyUI has no node {url.rsplit('/', 1)[1]}: the pack did not import (its log"
+                " says why; COMFYUI_PYTHON must have gmlx-steps installed, docs/comfyui.md)"
+            )
+        return
     raise TimeoutError(url)
 
 
