@@ -36,6 +36,9 @@ def test_sample_with_references_via_the_step_routes_writes_the_direct_png(tmp_pa
     assert (tmp_path / "plain.png").read_bytes() != direct.read_bytes()
 
 
+# A guided bench through the routes is every family's (tests/sampling/test_family_cli.py);
+# klein's base variant repeats it with -m heavy.
+@pytest.mark.heavy
 def test_guided_base_bench_via_steps_is_equal_to_direct(tmp_path, folders):
     root, _ = folders
     record = routed_bench_record(tmp_path, root / "klein-base-tiny", "--steps", "3")

@@ -97,7 +97,10 @@ def test_status_and_manifest_say_the_familys_facts(live):
     assert "ref_cache" in caps["features"]
 
 
-@pytest.mark.parametrize("convention", ["comfy", "reference"])
+# Both conventions read the timestep as sigma here; the reference one runs with -m heavy.
+@pytest.mark.parametrize(
+    "convention", ["comfy", pytest.param("reference", marks=pytest.mark.heavy)]
+)
 def test_step_is_the_transformers_velocity(live, convention):
     """Timestep = sigma, out = transformer(x, sigma): a row with two references of their own
     sizes after the image tokens, and a row of another prompt without any, in one step."""
