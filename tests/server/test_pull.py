@@ -263,7 +263,7 @@ def test_a_hub_that_takes_the_connection_and_never_answers_is_said_plainly(monke
         silent.listen()
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", url)
-        monkeypatch.setattr(pull, "HUB_TIMEOUT_S", 1.0)
+        monkeypatch.setattr(pull, "HUB_TIMEOUT_S", 0.25)
         started = time.monotonic()
         with pytest.raises(pull.PullError, match=f"cannot reach the Hub at {url}"):
             pull.repo_files(REPO, None)

@@ -8,7 +8,7 @@
 - `gmlx serve` over 2 ranks reports the group in capabilities and status, answers steps equal
   to one process, and a rank that stops or dies turns into a 503 naming it within the bound: a
   stopped rank that resumes is taken back, a dead one leaves the group refusing model work;
-- `gmlx image sample --via-steps` over 2 ranks writes the one-process image;
+- `gmlx image sample --via-steps` over 2 ranks writes the one-process image (heavy);
 - Z-Image, whose pipeline runs over its three block stacks, Krea 2, FLUX.3 klein and MOSS-Image
   step as one process over 2 ranks in both modes (Z-Image, heavy, over 3 in pipeline mode;
   tensor mode over 3 is refused naming the weight that does not split).
@@ -219,7 +219,7 @@ def check_equal(results: dict, model: str, ranks: int, mode: str) -> None:
 
 
 # Qwen-Image's two-rank steps repeat what the cheaper groups show: pipeline mode is Z-Image's
-# two-rank pipeline check, the served group and the via-steps sampling (the stages, the
+# two-rank pipeline check and the served group's steps through the routes (the stages, the
 # hand-over, the files each rank reads); tensor mode is Krea 2's and FLUX.3 klein's two-rank
 # checks (tests/shard/family_check.py), whose split of grouped key/value heads is the harder
 # case. Both run with -m heavy.
@@ -572,6 +572,9 @@ def test_a_stopped_rank_is_named_then_taken_back(served, folder):
         time.sleep(0.1)
 
 
+# The served group's steps through the routes equal one process's in the quick tier; a whole
+# sampling by the command launched as ranks runs with -m heavy.
+@pytest.mark.heavy
 def test_sample_via_steps_over_two_ranks_writes_the_one_process_image(folder, tmp_path):
     arguments = ["image", "sample", "--model", str(folder), "--prompt", "a red fox"]
     arguments += ["--width", "64", "--height", "64", "--steps", "3", "--seed", "4"]

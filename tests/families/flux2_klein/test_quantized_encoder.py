@@ -109,6 +109,10 @@ def test_the_layers_after_the_last_tapped_one_never_load(folder, full):
         Flux2PromptEncoder.load(narrow)
 
 
+# The encode route on every family's quantized load against its dequantized weights, and the
+# status from the files against the loaded one, are the conformance suite's; `--quantize` on
+# klein's route, with its residency bytes, runs with -m heavy.
+@pytest.mark.heavy
 def test_the_encode_route_on_a_quantized_model(folder, full):
     config = ServerConfig(host="127.0.0.1", port=0)
     config = replace(config, quantization=Quantization(4, 32))
