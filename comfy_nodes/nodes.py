@@ -47,9 +47,17 @@ def _loader_inputs() -> dict:
     }
 
 
-def _image_side(default: int, minimum: int) -> tuple:
+def _image_side(default: int, minimum: int, tooltip: str | None = None) -> tuple:
     """An image width or height input, in pixels: a multiple of 16 up to 16384."""
-    return ("INT", {"default": default, "min": minimum, "max": 16384, "step": 16})
+    spec = {"default": default, "min": minimum, "max": 16384, "step": 16}
+    return ("INT", spec if tooltip is None else {**spec, "tooltip": tooltip})
+
+
+# What the gmlx Sigmas node's width and height are for.
+SCHEDULE_SIDE_TOOLTIP = (
+    "the image's {side} in pixels, read only by a model whose schedule depends on the image"
+    " size (the node says so when it does); 0: not given"
+)
 
 
 def _connect(model_name: str, server_url: str, start_server: bool) -> tuple[Connection, dict]:
@@ -150,8 +158,8 @@ class GmlxSigmas:
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}),
             },
             "optional": {
-                "width": _image_side(default=0, minimum=0),
-                "height": _image_side(default=0, minimum=0),
+                "width": _image_side(0, 0, SCHEDULE_SIDE_TOOLTIP.format(side="width")),
+                "height": _image_side(0, 0, SCHEDULE_SIDE_TOOLTIP.format(side="height")),
             },
         }
 

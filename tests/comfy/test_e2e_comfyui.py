@@ -481,6 +481,16 @@ def test_the_example_files_widgets_are_this_comfyuis(comfyui):
                 assert shown == [n for n, spec in specs.items() if _is_widget(spec)], node["type"]
 
 
+def test_the_sigmas_nodes_zero_values_are_told_in_comfyuis_tooltips(comfyui):
+    """What 0 means in the gmlx Sigmas node's steps, width and height reaches the user as
+    ComfyUI shows the node's inputs."""
+    inputs = _json(comfyui["url"] + "/object_info/GmlxSigmas")["GmlxSigmas"]["input"]
+    assert "0: the variant's own step count" in inputs["required"]["steps"][1]["tooltip"]
+    for side in ("width", "height"):
+        tooltip = inputs["optional"][side][1]["tooltip"]
+        assert f"the image's {side} in pixels" in tooltip and "0: not given" in tooltip
+
+
 # ---------------------------------------------------------------- direct engine calls
 
 
