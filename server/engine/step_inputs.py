@@ -63,9 +63,15 @@ def checked_cond(row: StepRow, index: int, width: int) -> np.ndarray:
     if cond.ndim == 3 and cond.shape[0] == 1:
         cond = cond[0]
     if cond.ndim != 2 or cond.shape[1] != width or cond.shape[0] < 1:
+        other = (
+            f"; one {cond.shape[1]} wide is another model's text encoder's: encode the prompt"
+            " with this model's (in ComfyUI, a gmlx CLIP loader of the same model)"
+            if cond.ndim == 2 and cond.shape[0] >= 1
+            else ""
+        )
         raise EngineInputError(
             f"rows[{index}]: conditioning must be (1, L, {width}) or (L, {width}) with L >= 1,"
-            f" got {tuple(np.shape(row.cond))}"
+            f" got {tuple(np.shape(row.cond))}{other}"
         )
     return cond
 

@@ -569,6 +569,26 @@ def test_a_damaged_folder_is_refused_before_the_resident_model_goes(served):
         assert "plain" in registry.resident_ids(), model_id
 
 
+def test_a_conditioning_of_another_width_is_refused_saying_where_it_came_from(served):
+    """A prompt encoded by another model's text encoder (one column wider): the step is
+    refused 400 naming the row, both widths and the fix."""
+    live, _ = served
+    cond = encoding(live, "plain", "a red fox")
+    wider = np.concatenate([cond, cond[..., :1]], axis=-1)
+    published = status(live, "plain")
+    x = np.zeros((1, published["latent"]["channels"], 4, 6), np.float32)
+    arrays = {"x": x, "timestep": np.array([0.5], np.float32)}
+    if published["sampling"].get("flow_map"):
+        arrays["sample_sigmas"] = np.array([1.0, 0.5, 0.0], np.float32)
+    fields = {"model": "plain", "rows": [{"cond": live.put_tensor(wider)}]}
+    r = live.post_container("step", arrays, fields)
+    width = cond.shape[-1]
+    assert r.status_code == 400, r.text
+    said = r.json()["error"]
+    assert f"rows[0]: conditioning must be (1, L, {width})" in said, said
+    assert f"one {width + 1} wide is another model's text encoder's" in said, said
+
+
 def test_a_tokenizer_missing_or_unreadable_is_refused_naming_it(served):
     live, _ = served
     for model_id, damage, status in (

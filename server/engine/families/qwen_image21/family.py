@@ -205,7 +205,7 @@ class QwenImage21Model(FamilyModel):
         """Each row's plan (prefix layout, state key) for a step of x_shape: made once per step
         by the memory plan, then handed to step_peak_bytes, step_keys and denoise_step."""
         _, _, h, w = x_shape
-        return [plan_row(row, self.dit, (h, w), table_id(table)) for row in rows]
+        return [plan_row(row, i, self.dit, (h, w), table_id(table)) for i, row in enumerate(rows)]
 
     def step_peak_bytes(
         self,

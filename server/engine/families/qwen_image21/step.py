@@ -18,7 +18,7 @@ from ...base import EngineInputError, StepCall, StepResult, StepRow, kept_image_
 from ...lora import table_id
 from ...nn.dtypes import dtype_name
 from ...prefix_cache import PrefixCache
-from ...step_inputs import checked_latents
+from ...step_inputs import checked_cond, checked_latents
 from .dit import PrefixLayout, QwenImage21DiT
 
 # Step conventions of this family (docs/contract.md §5.2): both read the timestep as sigma
@@ -55,17 +55,14 @@ def sigmas_for(timestep: np.ndarray, batch: int, convention: str) -> np.ndarray:
 
 
 def plan_row(
-    row: StepRow, dit: QwenImage21DiT, latent_hw: tuple[int, int], table_id: str | None
+    row: StepRow,
+    index: int,
+    dit: QwenImage21DiT,
+    latent_hw: tuple[int, int],
+    table_id: str | None,
 ) -> RowPlan:
     config = dit.config
-    cond = np.asarray(row.cond, dtype=np.float32)
-    if cond.ndim == 3 and cond.shape[0] == 1:
-        cond = cond[0]
-    if cond.ndim != 2 or cond.shape[1] != config.context_in_dim or cond.shape[0] < 1:
-        raise EngineInputError(
-            f"conditioning must be (1, L, {config.context_in_dim}) or (L, {config.context_in_dim})"
-            f" with L >= 1, got {tuple(np.shape(row.cond))}"
-        )
+    cond = checked_cond(row, index, config.context_in_dim)
     refs, shapes = [], []
     for index, latent in enumerate(row.ref_latents):
         packed, shape = _pack_reference(latent, config.in_channels, index)
@@ -135,7 +132,7 @@ def denoise_step(
     sign = CONVENTIONS[call.convention][2]
     plans = call.plans
     if plans is None:
-        plans = [plan_row(row, dit, (h, w), table_id(call.table)) for row in rows]
+        plans = [plan_row(row, i, dit, (h, w), table_id(call.table)) for i, row in enumerate(rows)]
     header = prefix_header(plans, cache)
 
     started = time.perf_counter()
