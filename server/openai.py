@@ -543,7 +543,7 @@ class ImageRoute:
             loaded.model_id,
             seconds,
         )
-        return encode_picture(job.answered(to_uint8(pixels)), job.output_format)
+        return encode_picture(to_uint8(job.answered(pixels)), job.output_format)
 
 
 def openai_refusal(exc: ContractError | ValueError) -> OpenAIError:

@@ -56,13 +56,13 @@ def sigmas_for(timestep: np.ndarray, batch: int, convention: str) -> np.ndarray:
 
 def plan_row(
     row: StepRow,
-    index: int,
+    row_index: int,
     dit: QwenImage21DiT,
     latent_hw: tuple[int, int],
     table_id: str | None,
 ) -> RowPlan:
     config = dit.config
-    cond = checked_cond(row, index, config.context_in_dim)
+    cond = checked_cond(row, row_index, config.context_in_dim)
     refs, shapes = [], []
     for index, latent in enumerate(row.ref_latents):
         packed, shape = _pack_reference(latent, config.in_channels, index)
