@@ -350,13 +350,23 @@ class ServerConfig:
 
 
 def _check_writable_folder(folder: Path, key: str) -> None:
-    """A folder this user may write in, or one it may make: the nearest existing one of it
-    and its parents is a folder it may write in."""
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    """A folder this user may write in, or one it may make."""
+    existing = nearest_existing(folder)
     if not existing.is_dir():
         raise ConfigError(f"{key} {folder}: {existing} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not may_write_in(existing):
         raise ConfigError(f"{key} {folder}: this user may not write in {existing}")
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the nearest of its parents that exists: where making `path` would write."""
+    path = path.absolute()
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def may_write_in(folder: Path) -> bool:
+    """Whether this user may make files in `folder`."""
+    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
 
 
 @functools.lru_cache(maxsize=1024)  # every request's Host header, behind a loopback bind

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError
+from .config import ConfigError, may_write_in, nearest_existing
 from .engine.sampling import SAMPLERS, ImageRequest, SettingError, generate, to_uint8
 from .image_bench import run_bench, summary_text
 from .imagefiles import encode_picture, file_format, mask_of, read_image_file
@@ -432,8 +432,8 @@ def output_refusal(path: Path | None, flag: str, picture: bool = False) -> str |
         return f"{flag} {str(path)!r} is a folder; name a file"
     if picture and file_format(path) is None:
         return f"{flag} {path}: name a .png, .jpg or .webp file (the suffix says the format)"
-    existing = next(p for p in path.absolute().parents if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
+    existing = nearest_existing(path.absolute().parent)
+    if not may_write_in(existing):
         return f"{flag} {path}: {existing} is not a folder this user may write in"
     return None
 
