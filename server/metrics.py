@@ -3,9 +3,10 @@ readiness (`GET /health?ready=1`). docs/server.md, "Metrics and readiness", name
 
 Events are counted where they happen: HTTP answers by route template and status
 (`MetricsMiddleware`), steps with their forward and route time and prefix-cache answer
-(`ServerMetrics.step`), the OpenAI routes' images with their time (`ServerMetrics.image`). The rest is read from the live objects when scraped (`LiveState`): the
-image worker's queue, the upload caches, the models held and loading, the memory plan's budget
-and what is held, the rank group's state. Each server has its own collector registry, so two
+(`ServerMetrics.step`), the OpenAI routes' images with their time (`ServerMetrics.image`).
+The rest is read from the live objects when scraped (`LiveState`): the image worker's queue,
+the upload caches, the models held and loading, the memory plan's budget and what is held,
+the rank group's state. Each server has its own collector registry, so two
 servers in one process (the tests', the bench's) count apart.
 """
 

@@ -598,8 +598,8 @@ class EventStream:
     Server-Sent Events in OpenAI's shape. A thread of its own samples the images and queues
     the events as they are made; the body hands them on. When the client goes away (Waitress
     closes the body, or, before any event is written, `stop` finds it gone: the check
-    `stop_when_gone` makes, as for an answer not streamed) the sampling stops at its next step. The model is released when
-    the sampling has ended, however it ended."""
+    `stop_when_gone` makes, as for an answer not streamed) the sampling stops at its next
+    step. The model is released when the sampling has ended, however it ended."""
 
     def __init__(
         self, route: ImageRoute, loaded: Any, status: dict, job: Job, requests, stop=None
