@@ -103,12 +103,25 @@ class GmlxVAE:
     def _decode(self, samples: torch.Tensor, alpha: bool) -> torch.Tensor:
         if samples.ndim == 5 and samples.shape[2] == 1:  # a single-frame video latent
             samples = samples[:, :, 0]
+        self._check_channels(samples)
         latents = samples.detach().to("cpu", torch.float32).contiguous().numpy()
         return self._each(
             "decode",
             latents,
             lambda one: self.conn.client.vae_decode(one, model=self.model_id, alpha=alpha),
         )
+
+    def _check_channels(self, samples: torch.Tensor) -> None:
+        """Refuse, before any request, a latent of another model's channel count: what the
+        user has to change is the VAE (or the latent), not the latent's shape."""
+        channels = samples.shape[1] if samples.ndim == 4 else None
+        if channels != self.latent_channels:
+            raise GmlxError(
+                f"gmlx: this latent ({tuple(samples.shape)}) is not {self.model_id!r}'s: its"
+                f" VAE takes latents of {self.latent_channels} channels. The latent was made by"
+                " another model; decode it with the VAE of the model that sampled it (the gmlx"
+                " VAE Loader set to that model)"
+            )
 
     def encode(self, pixels: torch.Tensor, **_: Any) -> torch.Tensor:
         """Images (B, H, W, C) in [0, 1] -> latents (B, C, h, w) float32."""

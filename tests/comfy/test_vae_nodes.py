@@ -94,6 +94,14 @@ def test_the_decode_node_refuses_another_vae():
         GmlxVAEDecode().decode({"samples": torch.zeros(1, 64, 2, 2)}, object())
 
 
+@pytest.mark.parametrize("shape", [(1, 16, 2, 2), (1, 64, 2, 2, 2), (64, 2, 2)])
+def test_a_latent_of_another_model_is_refused_before_any_request(shape):
+    client = Client()
+    with pytest.raises(GmlxError, match="'tiny'.* 64 channels.*another model"):
+        _vae(client).decode(torch.zeros(shape))
+    assert client.calls == []
+
+
 @pytest.mark.parametrize("tiled", [False, True])
 def test_an_interrupt_during_a_batch_stops_it_at_once(tiled):
     """Interrupted in the second image of four: raised within a poll, the rest never sent."""
