@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from . import file_headers
-from .embedded import default_cache_dir, ensure
+from .cache_home import cache_home
+from .embedded import ensure
 from .file_headers import Header, HeaderError
 
 log = logging.getLogger("gmlx.server")
@@ -257,7 +258,7 @@ def set_folder(files: ComponentFiles, specs: dict, cache_dir: Path | None = None
     tokenizer = tokenizer_source(found)
     digest = fingerprint(found, tokenizer)
     wanted = {"name": "component set", "generator": SET_GENERATOR, "fingerprint": digest}
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir().parent / SETS_FOLDER
+    root = Path(cache_dir) if cache_dir is not None else cache_home() / SETS_FOLDER
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(files.dit).stem)[:48]
     tokenizer_dir = tokenizer_folder(root, *tokenizer)
 

@@ -33,6 +33,7 @@ from typing import Protocol
 import numpy as np
 from safetensors.numpy import save_file
 
+from .cache_home import cache_home
 from .encoders.qwen3.tiny_tokenizer import (
     BPE_VOCAB_SIZE,
     CHAT_TEMPLATE,
@@ -56,9 +57,8 @@ Inventory = dict[str, tuple[tuple[int, ...], str]]  # tensor name -> (shape, kin
 
 
 def default_cache_dir() -> Path:
-    """~/.cache/gmlx-steps/models, or under $XDG_CACHE_HOME when that is set."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "gmlx-steps" / "models"
+    """The embedded models' folder in the user's cache (cache_home: ~/.cache/gmlx-steps)."""
+    return cache_home() / "models"
 
 
 class Part(Protocol):
