@@ -210,8 +210,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"gmlx serve: {exc}", file=sys.stderr)
         return 2
 
-    from . import distributed
+    from . import distributed, server_records
     from .app import build_context, create_app, make_server
+    from .discovery import client_url
     from .kernel_compiles import CompileWatch
 
     group = distributed.join(args.shard, args.rank_timeout)  # a rank > 0 follows, then ends
@@ -242,8 +243,9 @@ def serve(args: argparse.Namespace) -> int:
             "the step routes answer loopback peers only (server.image.steps_remote is false);"
             " the OpenAI routes answer every peer that sends the API key"
         )
-    try:
-        with CompileWatch(log.info):
+    url = client_url(config.host, server.effective_port)
+    try:  # recorded for `gmlx status` (and the ComfyUI pack) while it serves
+        with server_records.serving(url, config.source), CompileWatch(log.info):
             server.run()  # returns once a stop interrupts it (waitress stops its threads)
     finally:
         for signum in STOP_SIGNALS:  # a signal now would only cut the cleanup short

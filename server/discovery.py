@@ -18,6 +18,7 @@ from typing import Any
 
 from . import __version__
 from .config import ConfigError, ServerConfig, load_config
+from .server_records import running_servers
 
 # How long `gmlx status` waits for each resident model's status.
 RESIDENCY_TIMEOUT_S = 5.0
@@ -55,49 +56,74 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
 def server_url(config: ServerConfig) -> str | None:
     """The URL a client on this machine reaches the configured server at (None for port 0,
     which the server picks when it starts)."""
-    if config.port == 0:
-        return None
-    host = WILDCARD_HOSTS.get(config.host, config.host)
+    return None if config.port == 0 else client_url(config.host, config.port)
+
+
+def client_url(host: str, port: int) -> str:
+    """The URL a client on this machine reaches a server listening on host:port at."""
+    host = WILDCARD_HOSTS.get(host, host)
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{config.port}"
+    return f"http://{host}:{port}"
 
 
-def server_status(config: ServerConfig) -> dict[str, Any]:
+def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str, Any]:
     """The configured server's URL, whether a compatible gmlx server answers there and, when
     one does, its resident models with what each holds (status `residency`: the DiT, the text
-    encoder and the VAE, resident or released, their bytes, dtype and quantization)."""
-    from gmlx_contract.client import StepClient
-    from gmlx_contract.errors import NotGmlxServer, StepError
+    encoder and the VAE, resident or released, their bytes, dtype and quantization).
 
+    Where none answers there and `look_elsewhere`, the same of the latest started `gmlx serve`
+    of this user that answers where its record says (server_records: one started on another
+    port or with another config file); `record` then holds its pid, config file and start."""
     url = server_url(config)
     doc: dict[str, Any] = {
         "url": url,
+        "configured_url": url,
         "config": str(config.source) if config.source else None,
         "running": False,
         "gmlx_version": None,
         "contract": None,
         "error": None,
         "resident": [],
+        "record": None,
     }
     if url is None:
         doc["error"] = "the configured port is 0: the server picks its port when it starts"
+    else:
+        doc.update(_answer(url, config.api_key))
+    if doc["running"] or not look_elsewhere:
         return doc
-    with StepClient(url, config.api_key) as client:
+    for record in running_servers():
+        if record["url"] == url:
+            continue
+        answer = _answer(record["url"], config.api_key)
+        if answer["running"]:
+            found = {key: record.get(key) for key in ("pid", "config", "started")}
+            return {**doc, **answer, "url": record["url"], "record": found}
+    return doc
+
+
+def _answer(url: str, api_key: str | None) -> dict[str, Any]:
+    """What the server at `url` answers: whether it runs and, when it answers the handshake,
+    its version, contract and resident models; `error` when none answers or it refuses."""
+    from gmlx_contract.client import StepClient
+    from gmlx_contract.errors import NotGmlxServer, StepError
+
+    with StepClient(url, api_key) as client:
         try:
             caps = client.handshake()
         except NotGmlxServer as error:
-            doc["error"] = error.reason
-            return doc
+            return {"running": False, "error": error.reason}
         except StepError as error:  # it answers, but refuses or speaks another contract
-            doc["running"], doc["error"] = True, str(error)
-            return doc
+            return {"running": True, "error": str(error)}
     contract = caps.get("contract") or {}
-    doc["resident"] = _residents(url, config.api_key)
-    doc["running"] = True
-    doc["gmlx_version"] = caps.get("gmlx_version")
-    doc["contract"] = f"{contract.get('major')}.{contract.get('minor')}"
-    return doc
+    return {
+        "running": True,
+        "error": None,
+        "gmlx_version": caps.get("gmlx_version"),
+        "contract": f"{contract.get('major')}.{contract.get('minor')}",
+        "resident": _residents(url, api_key),
+    }
 
 
 def _residents(url: str, api_key: str | None) -> list[dict[str, Any]]:
@@ -180,7 +206,12 @@ def embedded_models() -> list[tuple[str, Path]]:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    return _report(args, server_status, _print_status)
+    asked_where = args.host is not None or args.port is not None  # then there alone
+
+    def status(config: ServerConfig) -> dict[str, Any]:
+        return server_status(config, look_elsewhere=not asked_where)
+
+    return _report(args, status, _print_status)
 
 
 def list_command(args: argparse.Namespace) -> int:
@@ -214,6 +245,13 @@ def _print_status(doc: dict) -> None:
         print(f"{where}: answers, but {doc['error']}")
     else:
         print(f"{where}: not running ({doc['error']}); start it with `gmlx serve`")
+    record = doc["record"]
+    if record is not None:
+        print(
+            f"  (the configured server {doc['configured_url'] or '(port 0)'} does not answer;"
+            f" this one is `gmlx serve` pid {record['pid']}, config"
+            f" {record['config'] or 'none'})"
+        )
     print(f"config: {source}; this gmlx: {__version__}")
 
 

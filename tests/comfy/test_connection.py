@@ -17,6 +17,7 @@ from gmlx_comfy.settings import DEFAULT_BASE_URL, Settings
 from gmlx_contract.client import StepClient
 from gmlx_contract.errors import NotGmlxServer
 from gmlx_contract.hashing import tensor_hash
+from gmlx_server import server_records
 
 from tests.catalog import EMBEDDED_MODELS
 
@@ -327,6 +328,21 @@ def test_model_list_asks_the_server_where_its_configuration_puts_it(isolated, tm
         assert models.names(_settings(isolated)) == ["a", "new"]
     finally:
         server.stop()
+
+
+def test_a_server_started_by_hand_elsewhere_is_used_not_doubled(isolated, tmp_path):
+    """The configured port is silent, but a `gmlx serve` of this user runs on another port
+    (its record says where): the loader connects to it and starts no server."""
+    server = _serving(["a"], default="a")
+    config = tmp_path / "home" / ".config" / "gmlx-steps" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(f"[server]\nport = {_free_url().rsplit(':', 1)[1]}\n")
+    try:
+        with server_records.serving(server.url, None):
+            conn = connection.connect("", start_server=True, settings=_settings(isolated))
+    finally:
+        server.stop()
+    assert conn.url == server.url and connection._started == {}
 
 
 def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from gmlx_server import cli, process
+from gmlx_server import cli, process, server_records
 from gmlx_server.config import (
     ENVIRONMENT,
     AdapterSpec,
@@ -504,14 +505,18 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     config.write_text(
         f'[server]\nmodel_dirs = ["{models}", "{unmounted}"]\ndefault_model = "none-yet"\n'
     )
-    env = {**os.environ, "GMLX_BLAS": "off"}
+    env = {**os.environ, "GMLX_BLAS": "off", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    records = tmp_path / "cache" / "gmlx-steps" / server_records.FOLDER
     with serving(["--config", str(config)], env) as (process, url):
         base = url + "/internal/image-steps/v1"
         r = requests.get(base + "/models", headers={"X-Gmlx-Steps-Contract": "1.0"}, timeout=5)
         assert r.json() == {"models": [], "default_model": "none-yet"}
+        record = json.loads((records / f"{process.pid}.json").read_text())
+        assert record["url"] == url and record["config"] == str(config)
         process.send_signal(signum)
         _, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
+    assert list(records.iterdir()) == []  # its record goes with it
     assert "serving on http://127.0.0.1:" in err
     assert "the default model cannot be served: unknown image model 'none-yet'" in err
     assert f"model_dirs names {unmounted}, which is no folder" in err

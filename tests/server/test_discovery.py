@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from gmlx_server import cli, discovery
+from gmlx_server import cli, discovery, server_records
 from gmlx_server.config import ServerConfig, load_config
 
 from tests.catalog import EMBEDDED_MODELS
@@ -56,12 +56,14 @@ def test_status_of_a_configured_server_that_is_not_running(tmp_path, capsys):
     assert code == 0
     assert json.loads(out) == {
         "url": f"http://127.0.0.1:{port}",
+        "configured_url": f"http://127.0.0.1:{port}",
         "config": str(config),
         "running": False,
         "gmlx_version": None,
         "contract": None,
         "error": "connection refused",
         "resident": [],
+        "record": None,
     }
     code, out = _run(capsys, "status", "--config", str(config))
     assert code == 0 and "not running (connection refused)" in out and "gmlx serve" in out
@@ -83,6 +85,52 @@ def test_status_asks_where_its_host_and_port_say(live, tmp_path, capsys):
     code, out = _run(capsys, "status", "--json", "--config", str(elsewhere), "--port", port)
     doc = json.loads(out)
     assert code == 0 and doc["running"] is True and doc["url"] == live.base
+
+
+def test_status_finds_a_server_started_elsewhere_by_its_record(live, tmp_path, capsys):
+    """The configured server does not answer, but a `gmlx serve` of this user started on
+    another port does: status (and the pack through it) reports that one, naming both; asked
+    for a host or port, it answers for that place alone."""
+    configured = f"http://127.0.0.1:{_free_port()}"
+    config = config_file(tmp_path, f"[server]\nport = {configured.rsplit(':', 1)[1]}\n")
+    here = tmp_path / "served.toml"
+    with server_records.serving(live.base, here) as record:
+        assert record is not None and record.parent == server_records.records_folder()
+        code, out = _run(capsys, "status", "--json", "--config", str(config))
+        doc = json.loads(out)
+        assert code == 0 and doc["running"] is True and doc["contract"] == "1.0"
+        assert doc["url"] == live.base and doc["configured_url"] == configured
+        assert doc["record"]["pid"] == os.getpid() and doc["record"]["config"] == str(here)
+        code, out = _run(capsys, "status", "--config", str(config))
+        assert f"gmlx server {live.base}: running" in out
+        assert f"the configured server {configured} does not answer" in out
+        port = configured.rsplit(":", 1)[1]
+        code, out = _run(capsys, "status", "--json", "--config", str(config), "--port", port)
+        assert json.loads(out)["running"] is False and json.loads(out)["url"] == configured
+    assert not record.exists()
+    code, out = _run(capsys, "status", "--json", "--config", str(config))
+    assert json.loads(out)["running"] is False and json.loads(out)["record"] is None
+
+
+def test_records_of_gone_processes_are_removed_and_unreadable_ones_passed_over(live):
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    folder = server_records.records_folder()
+    folder.mkdir(parents=True)
+    stale = folder / f"{gone.stdout.strip()}.json"
+    record = {"url": live.base, "pid": int(gone.stdout), "config": None, "started": 1.0}
+    stale.write_text(json.dumps(record))
+    (folder / "0.json").write_text(json.dumps({**record, "pid": 0}))
+    (folder / "cut.json").write_text('{"url": ')
+    (folder / "other.json").write_text(json.dumps({**record, "pid": "1"}))
+    assert server_records.running_servers() == []
+    assert not stale.exists() and (folder / "cut.json").exists()
+    doc = discovery.server_status(ServerConfig(port=_free_port()))
+    assert doc["running"] is False and doc["record"] is None
 
 
 def test_status_names_what_each_resident_model_holds(tmp_path, capsys):

@@ -1,0 +1,96 @@
+"""Where this user's running `gmlx serve` processes listen. Each writes a record while it
+serves (`serving`), so that `gmlx status`, and the ComfyUI pack through it, finds a server that
+was started on another port or with another config file than the one it reads, and does not
+start a second server beside it.
+
+A record is a JSON file named by the process id in the user's cache folder (`records_folder`):
+{"url", "pid", "config", "started"}. The server removes its own when it stops; one that a
+killed server left behind is removed by the next reader, which finds no such process. Imports
+nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .engine.cache_home import cache_home
+
+FOLDER = "servers"
+
+
+def records_folder() -> Path:
+    return cache_home() / FOLDER
+
+
+@contextlib.contextmanager
+def serving(url: str, config: Path | None) -> Iterator[Path | None]:
+    """Keep a record of this process serving at `url` (with the config file it read) while the
+    block runs. A record that cannot be written is only missed by `gmlx status`: the yielded
+    path is then None and serving goes on."""
+    path = records_folder() / f"{os.getpid()}.json"
+    record = {
+        "url": url,
+        "pid": os.getpid(),
+        "config": str(config) if config else None,
+        "started": time.time(),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(record))
+        partial.replace(path)
+    except OSError:
+        path = None
+    try:
+        yield path
+    finally:
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+def running_servers() -> list[dict[str, Any]]:
+    """The records of the servers that still run, the latest started first; the records of
+    processes that have gone are removed."""
+    records = []
+    for path in sorted(records_folder().glob("*.json")):
+        record = _read(path)
+        if record is None:
+            continue
+        if not _runs(record["pid"]):
+            path.unlink(missing_ok=True)
+            continue
+        records.append(record)
+    return sorted(records, key=lambda record: -record["started"])
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    """A record as written by `serving`, else None (unreadable, or not one)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    fields = {"url": str, "pid": int, "started": (int, float)}
+    if not isinstance(record, dict) or not all(
+        isinstance(record.get(key), kind) for key, kind in fields.items()
+    ):
+        return None
+    return record
+
+
+def _runs(pid: int) -> bool:
+    """Whether a process of this id runs (one of another user's counts: it exists)."""
+    if pid <= 0:  # 0 and below name process groups, not a process
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
