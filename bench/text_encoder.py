@@ -73,10 +73,10 @@ def main() -> None:
     import torch
     from gmlx_server.engine.families.qwen_image21.prompt import QwenImage21PromptEncoder
 
+    from tests.compare import rel_l2
     from tests.encoders.qwen3.reference import (
         load_pipeline,
         reference_encode,
-        rel_l2,
         resize_like_pipeline,
     )
     from tests.families.qwen_image21.tiny.text_encoder import build_text_encoder
