@@ -1,4 +1,5 @@
-"""nn.attention: the CPU backend's query chunks outside float32 (MLX's unfused SDPA there)."""
+"""nn.attention: the CPU backend's query chunks outside float32 (MLX's unfused SDPA there), and
+the encoders' attention through cpu_ops in float32."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import numpy as np
 import pytest
 from gmlx_server.engine.nn import attention as module
 from gmlx_server.memory import allocation_bound
+
+from tests.compare import rel_l2
 
 
 def qkv(rows: int, keys: int, dtype):
@@ -53,3 +56,29 @@ def test_query_chunks_hold_one_chunk_of_scores_at_a_time(monkeypatch):
 
     assert live(4096) >= scores  # one chunk: MLX's SDPA materialises the scores
     assert live(256) < scores // 2  # eight chained chunks: about one chunk's at a time
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU backend's path")
+@pytest.mark.parametrize("causal, valid_keys", [(False, None), (True, None), (True, 37)])
+def test_the_encoders_attention_in_float32_is_cpu_ops(monkeypatch, causal, valid_keys):
+    """chunked_attention (the text encoders', the vision tower's, the VAE's) takes cpu_ops'
+    blocked attention in float32, within float32's rounding of MLX's SDPA under the same mask;
+    bfloat16 keeps MLX's SDPA."""
+    q, k, v = qkv(90, 90, mx.float32)
+    k, v = k[:, :2], v[:, :2]  # grouped queries, as the Qwen3 encoders have them
+    mask = None
+    if causal:
+        rows, keys = mx.arange(90)[:, None], mx.arange(90)[None, :]
+        mask = (keys <= rows) & (keys < (valid_keys or 90))
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    calls = []
+    monkeypatch.setattr(
+        module.cpu_ops, "attention", lambda *a: calls.append(a) or cpu_attention(*a)
+    )
+    got = module.chunked_attention(q, k, v, 0.125, causal, valid_keys)
+    assert len(calls) == 1 and rel_l2(got, expected) < 1e-6
+    module.chunked_attention(q.astype(mx.bfloat16), k, v, 0.125, causal, valid_keys)
+    assert len(calls) == 1
+
+
+cpu_attention = module.cpu_ops.attention

@@ -43,9 +43,15 @@ def test_sigmoid_matches_float64_without_overflow(mode):
     np.testing.assert_array_equal(extremes, [1.0, 0.0, 1.0, 0.0])
 
 
-def reference_attention(q, k, v, scale):
+def reference_attention(q, k, v, scale, causal=False, valid_keys=None):
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    repeat = q.shape[1] // k.shape[1]  # grouped queries: head h reads key head h // repeat
+    k, v = (np.repeat(a, repeat, axis=1) for a in (k, v))
     scores = q @ k.swapaxes(-1, -2) * scale
+    if causal:
+        rows, keys = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None, :]
+        seen = (keys <= rows) & (keys < (valid_keys or k.shape[2]))
+        scores = np.where(seen, scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     return (weights / weights.sum(-1, keepdims=True)) @ v
 
@@ -74,6 +80,37 @@ def test_attention_matches_float64(monkeypatch, case, mode):
     got = attention(mx.array(q), mx.array(k), mx.array(v))
     assert got.shape == (batch, heads, rows, dim)
     assert rel_l2(got, reference_attention(q, k, v, scale)) < 2e-6
+
+
+# (heads, key heads, rows, valid keys, score block bytes): a causal prompt in one block, in
+# row blocks of one head (the last short), its padding masked, and grouped queries.
+CAUSAL_CASES = {
+    "one_block": (2, 2, 40, None, None),
+    "row_blocks": (2, 2, 70, None, 32 * 70 * 4),
+    "padded": (2, 2, 70, 23, 32 * 70 * 4),
+    "grouped": (4, 2, 40, 17, None),
+    "one_key": (2, 1, 9, 1, None),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CAUSAL_CASES)
+def test_causal_attention_matches_float64(monkeypatch, case, mode):
+    """Query i sees keys 0..i, and none from valid_keys on (a right-padded prompt, its padding
+    rows too), as transformers masks them; grouped queries as MLX's SDPA takes them."""
+    heads, key_heads, rows, valid_keys, block = CAUSAL_CASES[case]
+    if block is not None:
+        monkeypatch.setattr(cpu_ops, "SCORE_BLOCK_BYTES", block)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, heads, rows, 8)).astype(np.float32) * 3
+    k, v = (rng.standard_normal((1, key_heads, rows, 8)).astype(np.float32) for _ in "kv")
+    attention = MODES[mode](
+        lambda q, k, v: cpu_ops.attention(q, k, v, 0.35, causal=True, valid_keys=valid_keys)
+    )
+    got = attention(mx.array(q), mx.array(k), mx.array(v))
+    expected = reference_attention(q, k, v, 0.35, causal=True, valid_keys=valid_keys)
+    assert got.shape == expected.shape
+    assert rel_l2(got, expected) < 2e-6
 
 
 def test_block_shape():

@@ -49,8 +49,12 @@ def chunked_attention(
     """Scaled dot-product attention over (B, H, L, D), query rows in chunks. A causal chunk of
     rows [start, end) sees keys [0, end): MLX aligns its causal mask to the last key. With
     `valid_keys` (causal only) the keys from that index on are masked for every query (a
-    right-padded batch's padding, as transformers masks it); it must be at least 1."""
+    right-padded batch's padding, as transformers masks it); it must be at least 1. In float32
+    on the CPU backend, cpu_ops' blocked attention (MLX's SDPA there is a scalar-exp softmax
+    over each chunk's whole score matrix)."""
     length = q.shape[2]
+    if cpu_ops.use_cpu_ops(q.dtype) and (not causal or k.shape[2] == length):
+        return cpu_ops.attention(q, k, v, scale, causal, valid_keys)
     outputs = []
     for start in range(0, length, QUERY_CHUNK):
         end = min(start + QUERY_CHUNK, length)

@@ -39,6 +39,10 @@ _ROUND_MAGIC = 12582912.0
 # Bytes of scores one attention block may hold: small enough to stay in a core's L2 with the
 # exponentials beside it, large enough that each block's matmuls keep the BLAS busy.
 SCORE_BLOCK_BYTES = 2 << 20
+# A masked score's bias in log2 units: finite (exp2_nonpositive has no infinity path), within
+# its rounding trick's range, and far enough below any row's max (a row always sees its first
+# key) that exp2 gives 0.
+MASKED_LOG2 = -float(2**20)
 _MIN_BLOCK_ROWS = 32
 
 
@@ -71,16 +75,29 @@ def use_cpu_ops(dtype: mx.Dtype) -> bool:
     return dtype == mx.float32 and mx.default_device() == mx.cpu
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """softmax(q k^T * scale) v without a mask, for float32 q (B, H, N, D), k and v (B, H, M, D).
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    causal: bool = False,
+    valid_keys: int | None = None,
+) -> mx.array:
+    """softmax(q k^T * scale) v for float32 q (B, H, N, D), k and v (B, Hk, M, D) (Hk dividing H:
+    grouped queries as MLX's SDPA takes them); `causal`
+    (N == M): query i sees keys 0..i, and with `valid_keys` (at least 1) only those below it
+    (a right-padded prompt's padding, masked for every query as transformers masks it).
 
     Scores are computed in blocks of (heads, query rows) of about SCORE_BLOCK_BYTES each, in
     log2 units (scale * log2 e folded into q), so each block's max, exp2 and matmuls run on
-    data in cache. A dependency chains the blocks: MLX would otherwise schedule up to 20 of
-    them side by side (its breadth-first evaluation), and blocks too large for its allocator's
-    cache cost a page fault per 4 KiB on every call."""
+    data in cache. A causal block reads the keys up to its last row alone, and masks by adding
+    a bias made by arithmetic (`_causal_bias`). A dependency chains the blocks: MLX would
+    otherwise schedule up to 20 of them side by side (its breadth-first evaluation), and blocks
+    too large for its allocator's cache cost a page fault per 4 KiB on every call."""
     heads, rows_total, head_dim = q.shape[1], q.shape[2], q.shape[3]
     keys = k.shape[2]
+    if k.shape[1] != heads:  # grouped queries: query head h reads key head h // (H / Hk)
+        k, v = (mx.repeat(t, heads // k.shape[1], axis=1) for t in (k, v))
     q = q * (scale * LOG2_E)
     keys_t = k.swapaxes(-1, -2)
     # A ones column: P @ [V, 1] yields the numerator and the softmax denominator together.
@@ -91,16 +108,32 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
         heads_here = slice(h0, h0 + group)
         row_outputs = []
         for r0 in range(0, rows_total, rows):
-            block_q = q[:, heads_here, r0 : r0 + rows]
+            r1 = min(r0 + rows, rows_total)
+            seen = r1 if causal else keys  # a causal block sees no key past its last row
+            block_q = q[:, heads_here, r0:r1]
             if previous is not None:
                 block_q = mx.depends(block_q, previous)
-            scores = block_q @ keys_t[:, heads_here]
+            scores = block_q @ keys_t[:, heads_here, :, :seen]
+            if causal:
+                scores = scores + _causal_bias(r0, r1, valid_keys)
             weights = exp2_nonpositive(scores - scores.max(axis=-1, keepdims=True))
-            weighted = weights @ values[:, heads_here]
+            weighted = weights @ values[:, heads_here, :seen]
             previous = weighted[..., :head_dim] / weighted[..., head_dim:]
             row_outputs.append(previous)
         head_outputs.append(_concatenate(row_outputs, axis=2))
     return _concatenate(head_outputs, axis=1)
+
+
+def _causal_bias(r0: int, r1: int, valid_keys: int | None) -> mx.array:
+    """(r1 - r0, r1) scores' bias of query rows r0..r1-1 over keys 0..r1-1: 0 where the row sees
+    the key, else MASKED_LOG2. Made by arithmetic (the distance past the last key seen, clipped
+    to -1..0 and scaled), not a comparison and a select: MLX's boolean kernels do not vectorise
+    on the CPU."""
+    last_seen = mx.arange(r0, r1)[:, None]
+    if valid_keys is not None:
+        last_seen = mx.minimum(last_seen, valid_keys - 1)
+    masked = mx.clip(last_seen - mx.arange(r1)[None, :], -1, 0)  # -1 past the last key seen
+    return masked.astype(mx.float32) * -MASKED_LOG2
 
 
 def _block_shape(heads: int, rows_total: int, keys: int) -> tuple[int, int]:
