@@ -4,7 +4,6 @@ functions, so that importing this module needs only torch."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 
@@ -120,16 +119,57 @@ class GmlxServerStatus(_ServerModelNode):
 
 
 def status_text(conn: Connection, status: dict) -> str:
+    """The Server Status node's text, a line each: the server, the model and its weights, the
+    variant's sampling settings, whether it takes reference images, the server's features."""
     caps = conn.capabilities
+    contract = caps.get("contract") or {}
     lines = [
         f"server {conn.url}: gmlx {caps.get('gmlx_version', '?')}, contract "
-        f"{(caps.get('contract') or {}).get('major')}.{(caps.get('contract') or {}).get('minor')}",
+        f"{contract.get('major')}.{contract.get('minor')}",
         f"model {status.get('model')}: {status.get('family')} {status.get('variant')}, "
-        f"{'resident' if status.get('resident') else 'not loaded'}",
-        "sampling " + json.dumps(status.get("sampling")),
-        "features " + ", ".join(caps.get("features") or []),
+        + residency_text(status),
+        "sampling: " + sampling_text(status.get("sampling")),
+        "reference images: " + ("taken" if status.get("edit_capable") else "not taken"),
+        "features: " + (", ".join(caps.get("features") or []) or "none"),
     ]
     return "\n".join(lines)
+
+
+def residency_text(status: dict) -> str:
+    """`resident, holding 3.10 GB (weights: DiT 2.40 GB, text encoder ...)` or `not loaded
+    (weights: ...)`, from the status `memory` (docs/contract.md §2.3)."""
+    memory = status.get("memory") or {}
+    parts = (("DiT", "dit_bytes"), ("text encoder", "encoder_bytes"), ("VAE", "vae_bytes"))
+    weights = ", ".join(
+        f"{name} {size_text(memory[key])}" for name, key in parts if memory.get(key)
+    )
+    state = "resident" if status.get("resident") else "not loaded"
+    if status.get("resident") and memory.get("resident_bytes"):
+        state += f", holding {size_text(memory['resident_bytes'])}"
+    return f"{state} (weights: {weights})" if weights else state
+
+
+def size_text(count: int) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
+
+
+def sampling_text(sampling) -> str:
+    """The variant's settings as the gmlx Sigmas node uses them (docs/contract.md §7.3)."""
+    if not isinstance(sampling, dict):
+        return "none of its own (ComfyUI's simple schedule)"
+    words = [f"{sampling.get('steps')} steps", f"cfg {sampling.get('cfg')}"]
+    if sampling.get("shift") is not None:
+        words.append(f"shift {sampling['shift']}")
+    if sampling.get("sigmas"):
+        words.append(
+            f"fixed sigmas of {len(sampling['sigmas']) - 1} steps (gmlx Sigmas gives them)"
+        )
+    elif sampling.get("schedule"):
+        words.append("a schedule by image size (gmlx Sigmas, given the width and height)")
+    if sampling.get("neg_skip"):
+        skipped = ", ".join(str(block) for block in sampling["neg_skip"])
+        words.append(f"the negative pass skips blocks {skipped}")
+    return ", ".join(words)
 
 
 def remote_status(model) -> dict:
