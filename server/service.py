@@ -363,6 +363,10 @@ def interrupted_error(run_id: str) -> ContractError:
 # ---------------------------------------------------------------- the service
 
 
+# How long a stop waits for the image worker to let the models go (behind the job it runs).
+CLOSE_WAIT_S = 30.0
+
+
 class StepsService:
     def __init__(
         self,
@@ -396,17 +400,28 @@ class StepsService:
         self._sweeper.start()
 
     def close(self) -> None:
-        """End every run, let the models go and stop the worker (shutdown)."""
+        """End every run, let the models go and stop the worker (shutdown), waiting at most
+        CLOSE_WAIT_S for the job the worker runs. A second close does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         with self._lock:
             run_ids = list(self._runs)
         for run_id in run_ids:
             self.end_run(run_id, reason="shutdown")
+        busy = False
         try:
-            self.worker.call(self.registry.unload_all)
+            self.worker.submit(self.registry.unload_all).result(timeout=CLOSE_WAIT_S)
+        except TimeoutError:  # a job that runs on (a long load, a large pass): do not hang
+            busy = True
+            log.warning(
+                "the image worker is still busy %g s into the stop; stopping without letting"
+                " the models go first (the process's end frees them)",
+                CLOSE_WAIT_S,
+            )
         except Exception:  # noqa: BLE001 - shutting down regardless
             log.exception("unloading models at shutdown failed")
-        self.worker.stop()
+        self.worker.stop(timeout=0 if busy else CLOSE_WAIT_S)
         if self._sweeper.is_alive():
             self._sweeper.join(timeout=self.sweep_s + 1)
         with self._lock:
