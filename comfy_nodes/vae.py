@@ -58,6 +58,7 @@ class GmlxVAE:
         self.model_id = model_id
         self.interrupt = interrupt
         self.latent_channels = int(latent.get("channels", 16))
+        self.channels_stated = "channels" in latent  # what a decode's latents are checked by
         self.stride = int(vae.get("stride", 8))
         # the pixels a side must be a multiple of: a latent cell, times the DiT's patch (2 for
         # Z-Image at stride 8: 16 pixels)
@@ -112,10 +113,15 @@ class GmlxVAE:
         )
 
     def _check_channels(self, samples: torch.Tensor) -> None:
-        """Refuse, before any request, a latent of another model's channel count: what the
-        user has to change is the VAE (or the latent), not the latent's shape."""
-        channels = samples.shape[1] if samples.ndim == 4 else None
-        if channels != self.latent_channels:
+        """Refuse, before any request, what the VAE cannot decode: another shape than (B, C, h,
+        w), or a latent of another model's channel count (what the user has to change is then
+        the VAE, or the latent, not the latent's shape)."""
+        if samples.ndim != 4:
+            raise GmlxError(
+                f"gmlx: the VAE of {self.model_id!r} decodes latents of (batch, channels,"
+                f" height, width), or one frame of a video latent; got {tuple(samples.shape)}"
+            )
+        if self.channels_stated and samples.shape[1] != self.latent_channels:
             raise GmlxError(
                 f"gmlx: this latent ({tuple(samples.shape)}) is not {self.model_id!r}'s: its"
                 f" VAE takes latents of {self.latent_channels} channels. The latent was made by"

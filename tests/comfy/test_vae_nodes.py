@@ -94,12 +94,26 @@ def test_the_decode_node_refuses_another_vae():
         GmlxVAEDecode().decode({"samples": torch.zeros(1, 64, 2, 2)}, object())
 
 
-@pytest.mark.parametrize("shape", [(1, 16, 2, 2), (1, 64, 2, 2, 2), (64, 2, 2)])
-def test_a_latent_of_another_model_is_refused_before_any_request(shape):
+@pytest.mark.parametrize(
+    "shape, said",
+    [
+        ((1, 16, 2, 2), "'tiny'.* 64 channels.*another model"),
+        ((1, 64, 2, 2, 2), r"\(batch, channels, height, width\).*\(1, 64, 2, 2, 2\)"),
+        ((64, 2, 2), r"\(batch, channels, height, width\).*\(64, 2, 2\)"),
+    ],
+)
+def test_a_latent_the_vae_cannot_decode_is_refused_before_any_request(shape, said):
     client = Client()
-    with pytest.raises(GmlxError, match="'tiny'.* 64 channels.*another model"):
+    with pytest.raises(GmlxError, match=said):
         _vae(client).decode(torch.zeros(shape))
     assert client.calls == []
+
+
+def test_a_status_without_the_latent_channels_checks_none():
+    client = Client()
+    status = {**STATUS, "latent": {"stride": 16}}
+    assert _vae(client, status).decode(torch.zeros(1, 16, 2, 2)).shape == (1, 32, 32, 3)
+    assert _vae(client).decode(torch.zeros(1, 64, 1, 2, 2)).shape == (1, 32, 32, 3)  # one frame
 
 
 @pytest.mark.parametrize("tiled", [False, True])
