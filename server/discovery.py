@@ -73,8 +73,9 @@ def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str
     encoder and the VAE, resident or released, their bytes, dtype and quantization).
 
     Where none answers there and `look_elsewhere`, the same of the latest started `gmlx serve`
-    of this user that answers where its record says (server_records: one started on another
-    port or with another config file); `record` then holds its pid, config file and start."""
+    of this user that answers the handshake where its record says, and does not refuse it
+    (server_records: one started on another port or with another config file); `record` then
+    holds its pid, config file and start."""
     url = server_url(config)
     doc: dict[str, Any] = {
         "url": url,
@@ -97,7 +98,7 @@ def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str
         if record["url"] == url:
             continue
         answer = _answer(record["url"], config.api_key)
-        if answer["running"]:
+        if answer["running"] and answer["error"] is None:  # not one that refuses this client
             found = {key: record.get(key) for key in ("pid", "config", "started")}
             return {**doc, **answer, "url": record["url"], "record": found}
     return doc

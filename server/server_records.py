@@ -63,7 +63,8 @@ def running_servers() -> list[dict[str, Any]]:
         if record is None:
             continue
         if not _runs(record["pid"]):
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another's record, or a folder not writable
+                path.unlink()
             continue
         records.append(record)
     return sorted(records, key=lambda record: -record["started"])
@@ -77,7 +78,8 @@ def _read(path: Path) -> dict[str, Any] | None:
         return None
     fields = {"url": str, "pid": int, "started": (int, float)}
     if not isinstance(record, dict) or not all(
-        isinstance(record.get(key), kind) for key, kind in fields.items()
+        isinstance(record.get(key), kind) and not isinstance(record.get(key), bool)
+        for key, kind in fields.items()
     ):
         return None
     return record

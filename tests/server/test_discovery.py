@@ -112,6 +112,17 @@ def test_status_finds_a_server_started_elsewhere_by_its_record(live, tmp_path, c
     assert json.loads(out)["running"] is False and json.loads(out)["record"] is None
 
 
+def test_a_recorded_server_that_refuses_this_client_is_passed_over(server_factory, tmp_path):
+    """A recorded server that asks for another API key is not reported as found: the
+    configured server is the one to start, not one that would refuse every request."""
+    guarded = server_factory(config=ServerConfig(host="127.0.0.1", port=0, api_key="another"))
+    config = config_file(tmp_path, f"[server]\nport = {_free_port()}\n")
+    with server_records.serving(guarded.base, None):
+        doc = discovery.server_status(load_config(config))
+    assert doc["running"] is False and doc["record"] is None
+    assert doc["url"] == doc["configured_url"]
+
+
 def test_records_of_gone_processes_are_removed_and_unreadable_ones_passed_over(live):
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -127,6 +138,7 @@ def test_records_of_gone_processes_are_removed_and_unreadable_ones_passed_over(l
     (folder / "0.json").write_text(json.dumps({**record, "pid": 0}))
     (folder / "cut.json").write_text('{"url": ')
     (folder / "other.json").write_text(json.dumps({**record, "pid": "1"}))
+    (folder / "true.json").write_text(json.dumps({**record, "pid": True}))
     assert server_records.running_servers() == []
     assert not stale.exists() and (folder / "cut.json").exists()
     doc = discovery.server_status(ServerConfig(port=_free_port()))
