@@ -27,10 +27,12 @@ from gmlx_contract.wire import GiB
 from .errors import GmlxError
 from .settings import (
     DEFAULT_BASE_URL,
+    Discovered,
     Settings,
     candidate_urls,
     load_settings,
     model_names_from_answer,
+    normalise_url,
 )
 
 log = logging.getLogger("gmlx_comfy")
@@ -166,8 +168,8 @@ def connect(widget_url: str = "", start_server: bool = True, settings: Settings 
 
 def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connection:
     explicit = settings.explicit_url(widget_url)
-    discovered = "" if explicit else _discovered_url(settings)
-    urls = candidate_urls(explicit, discovered)
+    found = Discovered() if explicit else _discovered(settings)
+    urls = candidate_urls(explicit, found)
     failures: list[NotGmlxServer] = []
     for url in urls:
         conn = _try(url, settings.api_key, failures)
@@ -180,29 +182,29 @@ def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connect
         raise GmlxError(
             f"gmlx: {unanswered}; start one with `gmlx serve`, or switch on start_server"
         )
-    # The configured server (the discovered URL) starts as configured; any other URL is
-    # served by `gmlx serve --host --port` of that URL.
-    url = explicit or discovered or DEFAULT_BASE_URL
-    flags = [] if url == discovered else serve_flags(url, unanswered)
+    # The configured server starts as configured (also where a server found elsewhere no
+    # longer answers); any other URL is served by `gmlx serve --host --port` of that URL.
+    url = explicit or normalise_url(found.configured) or DEFAULT_BASE_URL
+    flags = [] if url == normalise_url(found.configured) else serve_flags(url, unanswered)
     server = StartedServer.get_or_start(url, flags, settings, unanswered)
     return server.wait(lambda: _try(url, settings.api_key, []), settings.api_key)
 
 
-def _discovered_url(settings: Settings) -> str:
-    """`settings.discover_url()` (a `gmlx status --json` subprocess), reused for
-    DISCOVERY_TTL_S so that the loaders of one prompt run it once."""
+def _discovered(settings: Settings) -> Discovered:
+    """`settings.discover()` (a `gmlx status --json` subprocess), reused for DISCOVERY_TTL_S
+    so that the loaders of one prompt run it once."""
     key = tuple(settings.gmlx_command() or ())
     with _discovery_lock:
         cached = _discovery.get(key)
         if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_S:
             return cached[1]
-    url = settings.discover_url()
+    found = settings.discover()
     with _discovery_lock:
-        _discovery[key] = (time.monotonic(), url)
-    return url
+        _discovery[key] = (time.monotonic(), found)
+    return found
 
 
-_discovery: dict[tuple[str, ...], tuple[float, str]] = {}
+_discovery: dict[tuple[str, ...], tuple[float, Discovered]] = {}
 _discovery_lock = threading.Lock()
 
 
@@ -409,8 +411,8 @@ class ModelList:
         URL alone, else where the server's configuration puts it (`gmlx status --json`, reused
         for DISCOVERY_TTL_S), then the default URL."""
         explicit = settings.explicit_url()
-        discovered = "" if explicit else _discovered_url(settings)
-        for url in candidate_urls(explicit, discovered):
+        found = Discovered() if explicit else _discovered(settings)
+        for url in candidate_urls(explicit, found):
             with StepClient(url, settings.api_key, timeout=MODEL_PROBE_TIMEOUT_S) as client:
                 if not client.health():
                     continue

@@ -142,9 +142,9 @@ class Settings:
         except ValueError:
             return None
 
-    def discover_url(self) -> str:
-        """The configured server's URL as `gmlx status --json` reports it, or ""."""
-        return discovered_url(self.run_gmlx_json(["status", "--json"]))
+    def discover(self) -> Discovered:
+        """Where `gmlx status --json` says a server is, and where the configured one is."""
+        return discovered(self.run_gmlx_json(["status", "--json"]))
 
     def configured_models(self) -> list[str]:
         """The models the server's configuration names (`gmlx list --image --json`)."""
@@ -171,14 +171,35 @@ def server_installed_here() -> bool:
     return all(importlib.util.find_spec(name) is not None for name in SERVER_MODULES)
 
 
-def candidate_urls(explicit: str, discovered: str) -> list[str]:
+@dataclass(frozen=True)
+class Discovered:
+    """What `gmlx status --json` said: the URL a server answers at (`url`: the configured
+    server's, or that of a `gmlx serve` of this user started elsewhere), and the configured
+    server's URL (`configured`; the same as `url` from a gmlx that does not say it). "" where
+    it names none."""
+
+    url: str = ""
+    configured: str = ""
+
+
+def discovered(status_doc: Any) -> Discovered:
+    url = discovered_url(status_doc)
+    if isinstance(status_doc, dict) and "configured_url" in status_doc:
+        return Discovered(url, _text(status_doc["configured_url"]))
+    return Discovered(url, url)
+
+
+def candidate_urls(explicit: str, found: Discovered = Discovered()) -> list[str]:
     """The URLs to try in order (docs/contract.md §7.1, §7.2): an explicit URL alone (see
-    `Settings.explicit_url`); else the discovered one (`gmlx status --json`), then the default."""
+    `Settings.explicit_url`); else the discovered one (`gmlx status --json`), the configured
+    one where that differs, then the default."""
     if explicit:
         return [explicit]
-    urls = [normalise_url(discovered)] if discovered else []
-    if DEFAULT_BASE_URL not in urls:
-        urls.append(DEFAULT_BASE_URL)
+    urls: list[str] = []
+    for url in (found.url, found.configured, DEFAULT_BASE_URL):
+        url = normalise_url(url)
+        if url and url not in urls:
+            urls.append(url)
     return urls
 
 

@@ -13,7 +13,7 @@ import pytest
 from gmlx_comfy import connection
 from gmlx_comfy.connection import Connection
 from gmlx_comfy.errors import GmlxError
-from gmlx_comfy.settings import DEFAULT_BASE_URL, Settings
+from gmlx_comfy.settings import DEFAULT_BASE_URL, Discovered, Settings
 from gmlx_contract.client import StepClient
 from gmlx_contract.errors import NotGmlxServer
 from gmlx_contract.hashing import tensor_hash
@@ -151,7 +151,8 @@ def test_default_url_tries_the_configured_server_then_the_default(isolated, monk
 
     monkeypatch.setattr(connection, "_try", refused)
     configured = _free_url()
-    monkeypatch.setattr(Settings, "discover_url", lambda self: discoveries.append(1) or configured)
+    found = Discovered(configured, configured)
+    monkeypatch.setattr(Settings, "discover", lambda self: discoveries.append(1) or found)
     for _ in range(2):  # two loaders of one prompt: `gmlx status` runs once
         with pytest.raises(GmlxError) as caught:
             connection.connect("", start_server=False, settings=_settings(isolated))
@@ -365,10 +366,26 @@ def test_the_configured_server_is_started_as_configured(isolated, monkeypatch):
     script = isolated / "argv.py"
     script.write_text("import sys\nprint('argv', sys.argv[1:])\nsys.exit(1)\n")
     configured = _free_url()
-    monkeypatch.setattr(Settings, "discover_url", lambda self: configured)
+    monkeypatch.setattr(Settings, "discover", lambda self: Discovered(configured, configured))
     settings = _settings(isolated, command=[sys.executable, str(script)])
     with pytest.raises(GmlxError) as caught:
         connection.connect("", start_server=True, settings=settings)
     text = str(caught.value)
     assert f"`{sys.executable} {script} serve` exited with status 1" in text
+    assert f"before answering at {configured};" in text and text.endswith("argv ['serve']")
+
+
+def test_a_server_found_elsewhere_that_stopped_answering_starts_the_configured_one(
+    isolated, monkeypatch
+):
+    """`gmlx status` found a server started elsewhere, which has stopped since: the loader
+    starts the configured server as configured, and waits where it will answer."""
+    script = isolated / "argv.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:])\nsys.exit(1)\n")
+    configured, gone = _free_url(), _free_url()
+    monkeypatch.setattr(Settings, "discover", lambda self: Discovered(gone, configured))
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    with pytest.raises(GmlxError) as caught:
+        connection.connect("", start_server=True, settings=settings)
+    text = str(caught.value)
     assert f"before answering at {configured};" in text and text.endswith("argv ['serve']")

@@ -13,7 +13,7 @@ def test_defaults_without_anything(tmp_path):
     got = s.load_settings(_env(tmp_path))
     # No default model of its own: the loaders put the server's default first.
     assert got.base_url == "" and got.api_key is None and got.default_model == ""
-    assert s.candidate_urls(got.explicit_url(""), "") == ["http://127.0.0.1:8080"]
+    assert s.candidate_urls(got.explicit_url("")) == ["http://127.0.0.1:8080"]
 
 
 def test_priority_env_over_file(tmp_path):
@@ -46,15 +46,23 @@ def test_priority_env_over_file(tmp_path):
 def test_widget_url_wins_and_is_the_only_candidate(tmp_path):
     got = s.load_settings(_env(tmp_path, GMLX_BASE_URL="http://env:2"))
     assert got.explicit_url("host:9/") == "http://host:9"
-    assert s.candidate_urls(got.explicit_url("host:9/"), "http://x:1") == ["http://host:9"]
-    assert s.candidate_urls(got.explicit_url(""), "http://x:1") == ["http://env:2"]
+    found = s.Discovered("http://x:1", "http://x:1")
+    assert s.candidate_urls(got.explicit_url("host:9/"), found) == ["http://host:9"]
+    assert s.candidate_urls(got.explicit_url(""), found) == ["http://env:2"]
 
 
 def test_default_url_tries_discovered_first(tmp_path):
     got = s.load_settings(_env(tmp_path))
     assert got.explicit_url("http://127.0.0.1:8080/") == ""  # the default is not explicit
-    urls = s.candidate_urls("", "http://127.0.0.1:9000")
+    urls = s.candidate_urls("", s.Discovered("http://127.0.0.1:9000", "http://127.0.0.1:9000"))
     assert urls == ["http://127.0.0.1:9000", "http://127.0.0.1:8080"]
+    # a server found elsewhere, then the configured one, then the default
+    found = s.Discovered("http://127.0.0.1:9000", "127.0.0.1:7000/")
+    assert s.candidate_urls("", found) == [
+        "http://127.0.0.1:9000",
+        "http://127.0.0.1:7000",
+        "http://127.0.0.1:8080",
+    ]
 
 
 def test_settings_file_location(tmp_path, monkeypatch):
@@ -81,6 +89,15 @@ def test_discovered_url_shapes():
     assert s.discovered_url({"url": "http://a:1"}) == "http://a:1"
     assert s.discovered_url({"server": {"base_url": "http://b:2"}}) == "http://b:2"
     assert s.discovered_url(None) == "" and s.discovered_url({"running": False}) == ""
+
+
+def test_discovered_names_the_configured_server_apart_from_one_found_elsewhere():
+    elsewhere = {"url": "http://a:9", "configured_url": "http://a:8"}
+    assert s.discovered(elsewhere) == s.Discovered("http://a:9", "http://a:8")
+    assert s.discovered({"url": "http://a:1"}) == s.Discovered("http://a:1", "http://a:1")
+    port_0 = {"url": "http://a:9", "configured_url": None}  # configured to pick its port
+    assert s.discovered(port_0) == s.Discovered("http://a:9", "")
+    assert s.discovered(None) == s.Discovered()
 
 
 def test_model_names_default_first():
