@@ -63,7 +63,7 @@ def test_query_chunks_hold_one_chunk_of_scores_at_a_time(monkeypatch):
 def test_the_encoders_attention_in_float32_is_cpu_ops(monkeypatch, causal, valid_keys):
     """chunked_attention (the text encoders', the vision tower's, the VAE's) takes cpu_ops'
     blocked attention in float32, within float32's rounding of MLX's SDPA under the same mask;
-    bfloat16 keeps MLX's SDPA."""
+    bfloat16, and a few query rows (a decode step), keep MLX's SDPA."""
     q, k, v = qkv(90, 90, mx.float32)
     k, v = k[:, :2], v[:, :2]  # grouped queries, as the Qwen3 encoders have them
     mask = None
@@ -78,6 +78,7 @@ def test_the_encoders_attention_in_float32_is_cpu_ops(monkeypatch, causal, valid
     got = module.chunked_attention(q, k, v, 0.125, causal, valid_keys)
     assert len(calls) == 1 and rel_l2(got, expected) < 1e-6
     module.chunked_attention(q.astype(mx.bfloat16), k, v, 0.125, causal, valid_keys)
+    module.chunked_attention(q[:, :, :1], k, v, 0.125, False)  # a decode step's one row
     assert len(calls) == 1
 
 
