@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ from . import __version__
 from .config import ConfigError, ServerConfig, load_config
 from .server_records import running_servers
 
-# How long `gmlx status` waits for each resident model's status.
-RESIDENCY_TIMEOUT_S = 5.0
+# How long `gmlx status` waits for the resident models' status, all of them together: a
+# loaded model's status waits for the image worker, which a long step may hold, and the ComfyUI
+# pack gives `gmlx status --json` 5 s before it looks for a server without it.
+RESIDENCY_WAIT_S = 2.0
 # Addresses a server listens on that a client cannot connect to: the loopback one of that kind.
 WILDCARD_HOSTS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
@@ -129,22 +132,26 @@ def _answer(url: str, api_key: str | None) -> dict[str, Any]:
 
 def _residents(url: str, api_key: str | None) -> list[dict[str, Any]]:
     """Each resident model's id and status `residency` (null where the server has none, or
-    does not answer within RESIDENCY_TIMEOUT_S: a loaded model's status waits for the image
-    worker, which a long step may hold)."""
+    where it did not answer within RESIDENCY_WAIT_S of the first ask: a loaded model's status
+    waits for the image worker, which a long step may hold)."""
     from gmlx_contract.client import StepClient
     from gmlx_contract.errors import StepError
 
-    with StepClient(url, api_key, timeout=RESIDENCY_TIMEOUT_S) as client:
+    deadline = time.monotonic() + RESIDENCY_WAIT_S
+    with StepClient(url, api_key, timeout=RESIDENCY_WAIT_S) as client:
         try:
             listed = [e["model"] for e in client.models().get("models", []) if e.get("resident")]
         except StepError:
             return []
         residents = []
         for model in listed:
-            try:
-                residency = client.status(model).get("residency")
-            except StepError:
-                residency = None
+            residency, left = None, deadline - time.monotonic()
+            if left > 0:
+                client.timeout = left
+                try:
+                    residency = client.status(model).get("residency")
+                except StepError:
+                    pass
             residents.append({"model": model, "residency": residency})
     return residents
 

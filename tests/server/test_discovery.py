@@ -145,6 +145,28 @@ def test_records_of_gone_processes_are_removed_and_unreadable_ones_passed_over(l
     assert doc["running"] is False and doc["record"] is None
 
 
+def test_status_answers_in_time_while_a_long_job_holds_the_worker(fresh, tmp_path, monkeypatch):
+    """A resident model's status waits for the image worker: while a long step holds it,
+    `gmlx status` still answers within its wait (RESIDENCY_WAIT_S in all), the residency
+    unknown, so the ComfyUI pack that asks it still finds the server."""
+    import threading
+    import time
+
+    monkeypatch.setattr(discovery, "RESIDENCY_WAIT_S", 0.5)
+    assert fresh.post_json("models/load", {"model": "alpha"}).status_code == 200
+    release = threading.Event()
+    fresh.ctx.service.worker.submit(release.wait, 30)
+    config = config_file(tmp_path, f"[server]\nport = {fresh.base.rsplit(':', 1)[1]}\n")
+    began = time.monotonic()
+    try:
+        doc = discovery.server_status(load_config(config))
+    finally:
+        release.set()
+    assert time.monotonic() - began < 2.5
+    assert doc["running"] is True
+    assert doc["resident"] == [{"model": "alpha", "residency": None}]
+
+
 def test_status_names_what_each_resident_model_holds(tmp_path, capsys):
     from gmlx_server.engine.families.qwen_image21.embedded import ensure_embedded_model
     from gmlx_server.engine.registry import ModelRegistry
