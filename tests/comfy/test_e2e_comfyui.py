@@ -1107,34 +1107,74 @@ def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
 # ---------------------------------------------------------------- no server yet: list and start
 
 
-@pytest.fixture
-def comfyui_alone(workdir, gmlx_server, comfyui, tmp_path):
-    """A second ComfyUI of its own for each test, pointed at a port where nothing listens, with
-    the `gmlx` command to start a server there (`gmlx_server` has generated the embedded
-    default model; `comfyui` has written the stand-in modules to workdir/stub)."""
+@contextlib.contextmanager
+def _comfyui_of_its_own(workdir: Path, base: Path, **environment: str):
+    """A ComfyUI of its own in `base`, the pack linked, with the `gmlx` command to start a
+    server and no GMLX_ variable but `environment`'s (`workdir`: the stand-in modules)."""
     from gmlx_comfy.install import link_pack
 
-    base = tmp_path / "alone"
     for sub in ("custom_nodes", "input", "output"):
         (base / sub).mkdir(parents=True)
     link_pack(base / "custom_nodes")
     stub = workdir / "stub"
-    gmlx_url = f"http://127.0.0.1:{_free_port()}"
-    settings = base / "comfyui.json"
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("GMLX_")},
         "GMLX_SITE": os.environ.get("GMLX_SITE", ""),
-        "GMLX_BASE_URL": gmlx_url,
-        "GMLX_COMFY_SETTINGS": str(settings),
+        "GMLX_COMFY_SETTINGS": str(base / "comfyui.json"),
         "GMLX_COMMAND": shlex.join([sys.executable, "-m", "gmlx_server"]),
         "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
+        **environment,
     }
     port = _free_port()
     url, log_path = f"http://127.0.0.1:{port}", base / "comfyui.log"
     command = _comfyui(os.environ.get("COMFYUI_PYTHON", sys.executable), port, base)
     ready, comfy_dir = url + "/object_info/GmlxModelLoader", os.environ["COMFYUI_DIR"]
     with _started(command, ready, log_path, cwd=Path(comfy_dir).resolve(), env=env) as proc:
-        yield {"url": url, "base": base, "log": log_path, "proc": proc, "gmlx_url": gmlx_url}
+        yield {"url": url, "base": base, "log": log_path, "proc": proc}
+
+
+@pytest.fixture
+def comfyui_alone(workdir, gmlx_server, comfyui, tmp_path):
+    """A second ComfyUI of its own for each test, pointed at a port where nothing listens, with
+    the `gmlx` command to start a server there (`gmlx_server` has generated the embedded
+    default model; `comfyui` has written the stand-in modules to workdir/stub)."""
+    gmlx_url = f"http://127.0.0.1:{_free_port()}"
+    with _comfyui_of_its_own(workdir, tmp_path / "alone", GMLX_BASE_URL=gmlx_url) as comfy:
+        yield {**comfy, "gmlx_url": gmlx_url}
+
+
+def test_a_server_started_by_hand_elsewhere_is_the_one_the_pack_uses(
+    workdir, gmlx_server, comfyui, tmp_path
+):
+    """No URL set anywhere, the configured port silent, and a `gmlx serve` started by hand on
+    another port with a config of its own: the pack finds it through `gmlx status` (the
+    server's record) and starts no second server."""
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    configured = home / ".config" / "gmlx-steps" / "config.toml"
+    configured.parent.mkdir(parents=True)
+    configured.write_text(f"[server]\nport = {_free_port()}\n", encoding="utf-8")
+    by_hand = tmp_path / "by-hand.toml"
+    models = json.dumps(str(gmlx_server["config"].parent / "models"))
+    by_hand.write_text(f"[server]\nmodel_dirs = [{models}]\n", encoding="utf-8")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve_env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    with _started(
+        _gmlx_serve(by_hand, port), url + "/health", tmp_path / "hand.log", env=serve_env
+    ):
+        paths = {"HOME": str(home), "XDG_CACHE_HOME": str(cache)}
+        with _comfyui_of_its_own(workdir, tmp_path / "comfy", **paths) as comfy:
+            workflow = {
+                "1": {
+                    "class_type": "GmlxServerStatus",
+                    "inputs": {"model_name": FLUX2_MODEL, "server_url": "", "start_server": True},
+                }
+            }
+            entry = _run(comfy, workflow)
+    (text,) = entry["outputs"]["1"]["text"]
+    assert text.startswith(f"server {url}: gmlx ")
+    assert f"model {FLUX2_MODEL}: flux2_klein" in text
+    assert not (comfy["base"] / "server.log").exists()  # nothing started
 
 
 def _answers(url: str) -> bool:
