@@ -50,7 +50,7 @@ SERVE_HELP = "serve the image step routes and the OpenAI image routes over HTTP"
 SERVE_DESCRIPTION = (
     f"{SERVE_HELP[0].upper()}{SERVE_HELP[1:]} (/internal/image-steps/v1/..., "
     "/v1/images/generations, /v1/images/edits, /v1/images/variations), with the models found "
-    "in the configured model_dirs (or the embedded default model). Settings come from the "
+    "in the configured model_dirs (or the embedded models). Settings come from the "
     "config file, then the GMLX_* environment variables, then these flags; see docs/server.md."
 )
 
@@ -349,11 +349,12 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> None:
             log.info("stopping at once on %s", name)
             raise KeyboardInterrupt
         traffic.stopping.set()
+        in_flight = traffic.count
         log.info(
-            "stopping on %s: new requests are refused while the %d in flight finish (at most"
-            " %g s; %s again stops at once)",
+            "stopping on %s: new requests are refused while %s finish (at most %g s; %s again"
+            " stops at once)",
             name,
-            traffic.count,
+            f"the {in_flight} in flight" if in_flight else "the last answers",
             STOP_GRACE_S,
             name,
         )

@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     listing = subparsers.add_parser(
         "list",
         aliases=["models"],
-        help="the models the configuration names (model_dirs, [models], the default)",
+        help="the models the configuration names (model_dirs, [models], the default; the"
+        " embedded models where no default is set)",
     )
     listing.add_argument(
         "--image",
@@ -270,7 +271,11 @@ def _print_models(doc: dict) -> None:
         if "files" in model:
             where = ", ".join(f"{k} {v}" for k, v in model["files"].items())
         print(f"{model['model']}{mark}: {where}")
-    dirs = ", ".join(doc["model_dirs"]) or "none"
+    dirs = ", ".join(
+        folder + ("" if Path(folder).is_dir() else " (no such folder: no models come from it)")
+        for folder in doc["model_dirs"]
+    )
+    dirs = dirs or "none"
     print(f"model_dirs: {dirs}; config: {doc['config'] or 'no config file (defaults)'}")
 
 

@@ -37,7 +37,7 @@ def serving(url: str, config: Path | None) -> Iterator[Path | None]:
     record = {
         "url": url,
         "pid": os.getpid(),
-        "config": str(config) if config else None,
+        "config": str(Path(config).resolve()) if config else None,  # found from any folder
         "started": time.time(),
     }
     try:
@@ -56,13 +56,11 @@ def serving(url: str, config: Path | None) -> Iterator[Path | None]:
 
 def running_servers() -> list[dict[str, Any]]:
     """The records of the servers that still run, the latest started first; the records of
-    processes that have gone are removed."""
+    processes that have gone, and files of the folder that are no record, are removed."""
     records = []
     for path in sorted(records_folder().glob("*.json")):
-        record = _read(path)
-        if record is None:
-            continue
-        if not _runs(record["pid"]):
+        record = _read(path)  # None: not a record (one is written whole, then renamed)
+        if record is None or not _runs(record["pid"]):
             with contextlib.suppress(OSError):  # another's record, or a folder not writable
                 path.unlink()
             continue

@@ -522,7 +522,7 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     assert f"model_dirs names {unmounted}, which is no folder" in err
     assert f"model_dirs names {models}," not in err
     assert "GET /internal/image-steps/v1/models 200" in err
-    assert "stopping" in err
+    assert "new requests are refused while the last answers finish" in err  # none in flight
 
 
 def test_a_wide_bind_says_the_step_routes_stay_on_loopback(tmp_path):

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gmlx_server import cli, discovery, server_records
@@ -87,20 +88,22 @@ def test_status_asks_where_its_host_and_port_say(live, tmp_path, capsys):
     assert code == 0 and doc["running"] is True and doc["url"] == live.base
 
 
-def test_status_finds_a_server_started_elsewhere_by_its_record(live, tmp_path, capsys):
+def test_status_finds_a_server_started_elsewhere_by_its_record(live, tmp_path, capsys, monkeypatch):
     """The configured server does not answer, but a `gmlx serve` of this user started on
     another port does: status (and the pack through it) reports that one, naming both; asked
     for a host or port, it answers for that place alone."""
     configured = f"http://127.0.0.1:{_free_port()}"
     config = config_file(tmp_path, f"[server]\nport = {configured.rsplit(':', 1)[1]}\n")
     here = tmp_path / "served.toml"
-    with server_records.serving(live.base, here) as record:
+    monkeypatch.chdir(tmp_path)  # a config named relative to the folder `gmlx serve` ran in
+    with server_records.serving(live.base, Path("served.toml")) as record:
         assert record is not None and record.parent == server_records.records_folder()
         code, out = _run(capsys, "status", "--json", "--config", str(config))
         doc = json.loads(out)
         assert code == 0 and doc["running"] is True and doc["contract"] == "1.0"
         assert doc["url"] == live.base and doc["configured_url"] == configured
         assert doc["record"]["pid"] == os.getpid() and doc["record"]["config"] == str(here)
+        assert json.loads(record.read_text())["config"] == str(here)  # absolute as written
         code, out = _run(capsys, "status", "--config", str(config))
         assert f"gmlx server {live.base}: running" in out
         assert f"the configured server {configured} does not answer" in out
@@ -140,7 +143,7 @@ def test_records_of_gone_processes_are_removed_and_unreadable_ones_passed_over(l
     (folder / "other.json").write_text(json.dumps({**record, "pid": "1"}))
     (folder / "true.json").write_text(json.dumps({**record, "pid": True}))
     assert server_records.running_servers() == []
-    assert not stale.exists() and (folder / "cut.json").exists()
+    assert list(folder.iterdir()) == []  # neither stale records nor files that are none
     doc = discovery.server_status(ServerConfig(port=_free_port()))
     assert doc["running"] is False and doc["record"] is None
 
@@ -212,7 +215,8 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
     (root / "not-a-model").mkdir()
     config = config_file(
         tmp_path,
-        f'[server]\nmodel_dirs = ["{root}"]\ndefault_model = "beta"\n\n[models."gamma"]\n',
+        f'[server]\nmodel_dirs = ["{root}", "unmounted"]\ndefault_model = "beta"\n\n'
+        '[models."gamma"]\n',
     )
     code, out = _run(capsys, "list", "--image", "--json", "--config", str(config))
     doc = json.loads(out)
@@ -226,6 +230,8 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
     code, out = _run(capsys, "list", "--config", str(config))
     assert out.splitlines()[0] == f"beta (default): {root / 'beta'}"
     assert "gamma: no folder yet" in out
+    unmounted = tmp_path / "unmounted"
+    assert f"{root}, {unmounted} (no such folder: no models come from it)" in out
 
 
 def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(tmp_path):
