@@ -41,7 +41,7 @@ def serving(url: str, config: Path | None) -> Iterator[Path | None]:
         "started": time.time(),
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(record))
         partial.replace(path)
@@ -59,6 +59,8 @@ def running_servers() -> list[dict[str, Any]]:
     processes that have gone, and files of the folder that are no record, are removed."""
     records = []
     for path in sorted(records_folder().glob("*.json")):
+        if not _own(path):  # another user's file: its URL would get this user's API key
+            continue
         record = _read(path)  # None: not a record (one is written whole, then renamed)
         if record is None or not _runs(record["pid"]):
             with contextlib.suppress(OSError):  # another's record, or a folder not writable
@@ -81,6 +83,13 @@ def _read(path: Path) -> dict[str, Any] | None:
     ):
         return None
     return record
+
+
+def _own(path: Path) -> bool:
+    try:
+        return path.stat().st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def _runs(pid: int) -> bool:

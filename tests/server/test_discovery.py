@@ -144,6 +144,15 @@ def test_records_of_gone_processes_are_removed_and_unreadable_ones_passed_over(l
     (folder / "true.json").write_text(json.dumps({**record, "pid": True}))
     assert server_records.running_servers() == []
     assert list(folder.iterdir()) == []  # neither stale records nor files that are none
+
+
+def test_a_record_another_user_owns_is_not_followed(live, monkeypatch):
+    """A record this user does not own (a shared cache folder) could send this user's API
+    key to any URL: it is passed over, and left to its owner."""
+    with server_records.serving(live.base, None) as record:
+        assert [r["url"] for r in server_records.running_servers()] == [live.base]
+        monkeypatch.setattr(server_records.os, "getuid", lambda: record.stat().st_uid + 1)
+        assert server_records.running_servers() == [] and record.exists()
     doc = discovery.server_status(ServerConfig(port=_free_port()))
     assert doc["running"] is False and doc["record"] is None
 
