@@ -24,8 +24,12 @@ from .engine.cache_home import cache_home
 FOLDER = "servers"
 
 
-def records_folder() -> Path:
-    return cache_home() / FOLDER
+def records_folder() -> Path | None:
+    """None where this user has no home folder to find it in (a service user without one)."""
+    try:
+        return cache_home() / FOLDER
+    except RuntimeError:  # Path.home() with no HOME and no password entry
+        return None
 
 
 @contextlib.contextmanager
@@ -33,32 +37,35 @@ def serving(url: str, config: Path | None) -> Iterator[Path | None]:
     """Keep a record of this process serving at `url` (with the config file it read) while the
     block runs. A record that cannot be written is only missed by `gmlx status`: the yielded
     path is then None and serving goes on."""
-    path = records_folder() / f"{os.getpid()}.json"
+    folder = records_folder()
     record = {
         "url": url,
         "pid": os.getpid(),
         "config": str(Path(config).resolve()) if config else None,  # found from any folder
         "started": time.time(),
     }
+    path = None if folder is None else folder / f"{os.getpid()}.json"
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(record))
-        partial.replace(path)
+        if path is not None:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            partial = path.with_suffix(".partial")
+            partial.write_text(json.dumps(record))
+            partial.replace(path)
     except OSError:
         path = None
     try:
         yield path
     finally:
         if path is not None:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def running_servers() -> list[dict[str, Any]]:
     """The records of the servers that still run, the latest started first; the records of
     processes that have gone, and files of the folder that are no record, are removed."""
-    records = []
-    for path in sorted(records_folder().glob("*.json")):
+    records, folder = [], records_folder()
+    for path in sorted(folder.glob("*.json")) if folder is not None else []:
         if not _own(path):  # another user's file: its URL would get this user's API key
             continue
         record = _read(path)  # None: not a record (one is written whole, then renamed)

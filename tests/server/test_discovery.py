@@ -146,6 +146,19 @@ def test_records_of_gone_processes_are_removed_and_unreadable_ones_passed_over(l
     assert list(folder.iterdir()) == []  # neither stale records nor files that are none
 
 
+def test_without_a_home_folder_a_server_serves_unrecorded(live, monkeypatch):
+    """A service user with neither HOME nor XDG_CACHE_HOME nor a password entry: no record is
+    written or read, and serving goes on."""
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setattr(server_records.Path, "home", staticmethod(no_home))
+    with server_records.serving(live.base, None) as record:
+        assert record is None and server_records.running_servers() == []
+
+
 def test_a_record_another_user_owns_is_not_followed(live, monkeypatch):
     """A record this user does not own (a shared cache folder) could send this user's API
     key to any URL: it is passed over, and left to its owner."""
