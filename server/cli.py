@@ -38,6 +38,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # How long a stop waits for the requests in flight (an image of many steps, a stream) to be
 # answered before it lets the models go regardless.
 STOP_GRACE_S = 60.0
+# How long a stop at once (a second signal, a broken rank group) waits for the image worker to
+# let the models go: enough for an idle worker, not for a job that runs on (a rank group's
+# collective may wait for ever on a rank that is gone).
+AT_ONCE_WAIT_S = 1.0
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
@@ -214,6 +218,7 @@ def serve(args: argparse.Namespace) -> int:
     from .app import build_context, create_app, make_server
     from .discovery import client_url
     from .kernel_compiles import CompileWatch
+    from .service import CLOSE_WAIT_S
 
     group = distributed.join(args.shard, args.rank_timeout)  # a rank > 0 follows, then ends
     registry, extra = config_registry(config)
@@ -227,7 +232,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx.service.close()
         print(f"gmlx serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
-    _stop_on_signals(group, server, ctx.traffic)
+    cut_short = _stop_on_signals(group, server, ctx.traffic)
     log.info(
         "gmlx %s serving on http://%s:%s (models: %s; default: %s)",
         __version__,
@@ -251,7 +256,7 @@ def serve(args: argparse.Namespace) -> int:
         for signum in STOP_SIGNALS:  # a signal now would only cut the cleanup short
             signal.signal(signum, signal.SIG_IGN)
         log.info("stopping: ending runs and letting the models go")
-        ctx.service.close()
+        ctx.service.close(AT_ONCE_WAIT_S if cut_short.is_set() else CLOSE_WAIT_S)
         server.close()
         if group is not None:
             distributed.stop_group(group)
@@ -326,14 +331,16 @@ def model_sources(config, extra) -> list[str]:
     return sources
 
 
-def _stop_on_signals(group=None, server=None, traffic=None) -> None:
+def _stop_on_signals(group=None, server=None, traffic=None) -> threading.Event:
     """SIGINT and SIGTERM stop the server, the requests in flight answered first: new ones are
     refused 503 (`/health?ready=1` says the server is stopping) while those finish, for at most
     STOP_GRACE_S; a second signal stops it at once. On rank 0 of a rank group, the group's end
-    (a broken group, its launcher gone: distributed.Group.on_end) stops it at once too."""
+    (a broken group, its launcher gone: distributed.Group.on_end) stops it at once too. The
+    event returned is set when the stop is one at once: the cleanup then waits for no job."""
     import _thread
 
     at_once = threading.Event()  # the interrupt to come stops the loop without a word
+    cut_short = threading.Event()
 
     def interrupt() -> None:
         at_once.set()
@@ -347,6 +354,7 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> None:
             raise KeyboardInterrupt
         if traffic is None or traffic.stopping.is_set():
             log.info("stopping at once on %s", name)
+            cut_short.set()
             raise KeyboardInterrupt
         traffic.stopping.set()
         in_flight = traffic.count
@@ -365,10 +373,15 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> None:
             daemon=True,
         ).start()
 
+    def group_ended() -> None:
+        cut_short.set()
+        interrupt()
+
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop)
     if group is not None:
-        group.on_end = interrupt
+        group.on_end = group_ended
+    return cut_short
 
 
 def _stop_when_answered(server, traffic, interrupt: Callable[[], None]) -> None:

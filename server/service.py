@@ -399,9 +399,9 @@ class StepsService:
         self.worker.start()
         self._sweeper.start()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
         """End every run, let the models go and stop the worker (shutdown), waiting at most
-        CLOSE_WAIT_S for the job the worker runs. A second close does nothing."""
+        `wait_s` for the job the worker runs. A second close does nothing."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -411,17 +411,17 @@ class StepsService:
             self.end_run(run_id, reason="shutdown")
         busy = False
         try:
-            self.worker.submit(self.registry.unload_all).result(timeout=CLOSE_WAIT_S)
+            self.worker.submit(self.registry.unload_all).result(timeout=wait_s)
         except TimeoutError:  # a job that runs on (a long load, a large pass): do not hang
             busy = True
             log.warning(
                 "the image worker is still busy %g s into the stop; stopping without letting"
                 " the models go first (the process's end frees them)",
-                CLOSE_WAIT_S,
+                wait_s,
             )
         except Exception:  # noqa: BLE001 - shutting down regardless
             log.exception("unloading models at shutdown failed")
-        self.worker.stop(timeout=0 if busy else CLOSE_WAIT_S)
+        self.worker.stop(timeout=0 if busy else wait_s)
         if self._sweeper.is_alive():
             self._sweeper.join(timeout=self.sweep_s + 1)
         with self._lock:
