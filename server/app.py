@@ -33,11 +33,13 @@ from .metrics import Metrics, MetricsMiddleware, ServerMetrics
 from .routes import encode, models, runs, step, uploads, vae
 from .routes.common import PREFIX, Resource, ServerContext, Traffic
 from .service import StepsService
-from .worker import ImageWorker
+from .worker import ImageWorker, WorkerStopped
 
 log = logging.getLogger("gmlx.server")
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
+# What every request gets while the server stops (503), and one a stop at once cut short.
+STOPPING = "the server is stopping: send the request again once it is back, or to another"
 
 
 class GateError(Exception):
@@ -81,11 +83,7 @@ class FrontGate:
         self.traffic.enter()
         req.context.counted = True
         if self.traffic.stopping.is_set() and req.path != HEALTH_PATH:
-            raise GateError(
-                503,
-                "server_error",
-                "the server is stopping: send the request again once it is back, or to another",
-            )
+            raise GateError(503, "server_error", STOPPING)
         peer = req.env.get("REMOTE_ADDR")
         req.context.peer = peer
         if self.config.loopback_bind:
@@ -259,6 +257,13 @@ def handle_value_error(req, resp, exc: ValueError, params) -> None:
     resp.data = flat_body({"error": str(exc) or type(exc).__name__})
 
 
+def handle_worker_stopped(req, resp, exc: WorkerStopped, params) -> None:
+    """A request a stop at once cut short, its model let go under it: 503, as the gate answers
+    every request during a stop, not a 500 with a traceback."""
+    log.info("%s %s cut short by the stop", req.method, req.path)
+    handle_gate_error(req, resp, GateError(503, "server_error", STOPPING), params)
+
+
 def handle_unexpected(req, resp, exc: Exception, params) -> None:
     log.exception("%s %s failed", req.method, req.path, exc_info=exc)
     resp.status = 500
@@ -285,6 +290,7 @@ def create_app(ctx: ServerContext) -> falcon.App:
     app.add_error_handler(falcon.HTTPError, handle_http_error)
     app.add_error_handler(ContractError, handle_contract_error)
     app.add_error_handler(GateError, handle_gate_error)
+    app.add_error_handler(WorkerStopped, handle_worker_stopped)
     app.add_route(HEALTH_PATH, models.Health(ctx))
     app.add_route(METRICS_PATH, Metrics(ctx.metrics))
     if ctx.config.image.steps_api:

@@ -320,3 +320,16 @@ def test_a_stop_does_not_hang_on_a_job_the_worker_still_runs(fresh, caplog):
         assert fresh.ctx.registry.resident_ids() == ["alpha"]  # left to the process's end
     finally:
         release.set()
+
+
+def test_a_request_a_stop_cut_short_is_503_like_the_stops_others(fresh, caplog):
+    """The worker stopped under a request (a stop at once lets the models go while a request
+    still runs): the request is answered 503 with the stop's reason, not a 500 and a
+    traceback."""
+    caplog.set_level("INFO", logger="gmlx.server")
+    assert fresh.post_json("models/load", {"model": "alpha"}).status_code == 200
+    fresh.ctx.service.worker.stop()
+    r = fresh.post_json("encode", {"text": "a cat"})
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["message"].startswith("the server is stopping")
+    assert "Traceback" not in caplog.text and "cut short by the stop" in caplog.text
