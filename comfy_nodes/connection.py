@@ -169,12 +169,17 @@ def connect(widget_url: str = "", start_server: bool = True, settings: Settings 
 def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connection:
     explicit = settings.explicit_url(widget_url)
     found = Discovered() if explicit else _discovered(settings)
-    urls = candidate_urls(explicit, found)
     failures: list[NotGmlxServer] = []
-    for url in urls:
-        conn = _try(url, settings.api_key, failures)
-        if conn is not None:
-            return conn
+    conn = _first_answering(candidate_urls(explicit, found), settings.api_key, failures)
+    if conn is None and start_server and not explicit:
+        # A server started since the discovery the loaders share: ask once more before
+        # starting one (a start costs a model's memory; the question, a fraction of a second).
+        fresh = _discovered(settings, fresh=True)
+        if fresh != found:
+            found, failures = fresh, []
+            conn = _first_answering(candidate_urls("", found), settings.api_key, failures)
+    if conn is not None:
+        return conn
     unanswered = "no gmlx server answers at " + " or at ".join(
         f"{f.url} ({f.reason})" for f in failures
     )
@@ -190,13 +195,21 @@ def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connect
     return server.wait(lambda: _try(url, settings.api_key, []), settings.api_key)
 
 
-def _discovered(settings: Settings) -> Discovered:
+def _first_answering(urls: list[str], api_key: str | None, failures: list) -> Connection | None:
+    for url in urls:
+        conn = _try(url, api_key, failures)
+        if conn is not None:
+            return conn
+    return None
+
+
+def _discovered(settings: Settings, fresh: bool = False) -> Discovered:
     """`settings.discover()` (a `gmlx status --json` subprocess), reused for DISCOVERY_TTL_S
-    so that the loaders of one prompt run it once."""
+    so that the loaders of one prompt run it once (`fresh`: asked again regardless)."""
     key = tuple(settings.gmlx_command() or ())
     with _discovery_lock:
         cached = _discovery.get(key)
-        if cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_S:
+        if not fresh and cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_S:
             return cached[1]
     found = settings.discover()
     with _discovery_lock:

@@ -346,6 +346,25 @@ def test_a_server_started_by_hand_elsewhere_is_used_not_doubled(isolated, tmp_pa
     assert conn.url == server.url and connection._started == {}
 
 
+def test_a_server_started_since_the_shared_discovery_is_found_before_starting_one(
+    isolated, monkeypatch
+):
+    """The loaders' discovery (kept 30 s) found nothing; a server started by hand since: the
+    loader asks `gmlx status` once more before starting one, and uses it."""
+    server = _serving(["a"], default="a")
+    configured = _free_url()
+    answers = iter([Discovered(configured, configured), Discovered(server.url, configured)])
+    monkeypatch.setattr(Settings, "discover", lambda self: next(answers))
+    try:
+        settings = _settings(isolated)
+        with pytest.raises(GmlxError):  # the kept discovery: nothing answers
+            connection.connect("", start_server=False, settings=settings)
+        conn = connection.connect("", start_server=True, settings=settings)
+    finally:
+        server.stop()
+    assert conn.url == server.url and connection._started == {}
+
+
 def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):
     server = _serving(["a"], default="a")
     try:
