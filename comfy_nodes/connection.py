@@ -41,6 +41,8 @@ MODEL_LIST_TTL_S = 10.0
 MODEL_PROBE_TIMEOUT_S = 1.0
 # How long the configured server's URL (`gmlx status --json`) is reused.
 DISCOVERY_TTL_S = 30.0
+# A discovery this recent is not asked again before a start.
+FRESH_S = 1.0
 START_WAIT_S = 180.0
 # How often the wait for a freshly started server polls /health.
 START_POLL_S = 1.0
@@ -91,9 +93,22 @@ class Connection:
                 " serve`), or switch on the loader's start_server"
             )
         log.warning("gmlx: the server at %s no longer answers; connecting again", self.url)
-        self.revive()
+        found = self.revive()
+        if found is not self:  # another address: the configured server, or one started since
+            self._move_to(found)
         self.adapters_held.clear()
         self.generation += 1
+
+    def _move_to(self, other: Connection) -> None:
+        """Speak to `other`'s server from now on (the loaders' CLIP, VAE and MODEL hold this
+        object): its address, client, capabilities and the lock over that client; this object
+        no longer stands for its old address."""
+        with _connections_lock:
+            for key in [key for key, conn in _connections.items() if conn is self]:
+                del _connections[key]
+        log.info("gmlx: now connected to the server at %s", other.url)
+        self.url, self.client, self.lock = other.url, other.client, other.lock
+        self.capabilities = other.capabilities
 
     def control_client(self, timeout: float) -> StepClient:
         """A separate client (own session) for calls made while a step is in flight:
@@ -175,7 +190,7 @@ def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connect
         # A server started since the discovery the loaders share: ask once more before
         # starting one (a start costs a model's memory; the question, a fraction of a second).
         fresh = _discovered(settings, fresh=True)
-        if fresh != found:
+        if fresh is not None and fresh != found:
             found, failures = fresh, []
             conn = _first_answering(candidate_urls("", found), settings.api_key, failures)
     if conn is not None:
@@ -203,15 +218,19 @@ def _first_answering(urls: list[str], api_key: str | None, failures: list) -> Co
     return None
 
 
-def _discovered(settings: Settings, fresh: bool = False) -> Discovered:
+def _discovered(settings: Settings, fresh: bool = False) -> Discovered | None:
     """`settings.discover()` (a `gmlx status --json` subprocess), reused for DISCOVERY_TTL_S
-    so that the loaders of one prompt run it once (`fresh`: asked again regardless)."""
+    so that the loaders of one prompt run it once. `fresh`: asked again, unless it was asked
+    within FRESH_S; None where that answer failed (what was kept is then kept)."""
     key = tuple(settings.gmlx_command() or ())
     with _discovery_lock:
         cached = _discovery.get(key)
-        if not fresh and cached is not None and time.monotonic() - cached[0] < DISCOVERY_TTL_S:
-            return cached[1]
+    age = time.monotonic() - cached[0] if cached is not None else None
+    if age is not None and age < (FRESH_S if fresh else DISCOVERY_TTL_S):
+        return cached[1]
     found = settings.discover()
+    if found is None:  # no gmlx, or its answer failed or came too late
+        return None if fresh else Discovered()
     with _discovery_lock:
         _discovery[key] = (time.monotonic(), found)
     return found

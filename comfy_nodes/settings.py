@@ -142,9 +142,11 @@ class Settings:
         except ValueError:
             return None
 
-    def discover(self) -> Discovered:
-        """Where `gmlx status --json` says a server is, and where the configured one is."""
-        return discovered(self.run_gmlx_json(["status", "--json"]))
+    def discover(self) -> Discovered | None:
+        """Where `gmlx status --json` says a server is, and where the configured one is; None
+        where no `gmlx` answers it (none found, it failed, or it took too long)."""
+        answer = self.run_gmlx_json(["status", "--json"])
+        return None if answer is None else discovered(answer)
 
     def configured_models(self) -> list[str]:
         """The models the server's configuration names (`gmlx list --image --json`)."""

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -412,7 +413,7 @@ class StepsService:
         busy = False
         try:
             self.worker.submit(self.registry.unload_all).result(timeout=wait_s)
-        except TimeoutError:  # a job that runs on (a long load, a large pass): do not hang
+        except (TimeoutError, futures.TimeoutError):  # a job that runs on: do not hang
             busy = True
             log.warning(
                 "the image worker is still busy %g s into the stop; stopping without letting"

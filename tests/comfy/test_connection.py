@@ -355,6 +355,7 @@ def test_a_server_started_since_the_shared_discovery_is_found_before_starting_on
     configured = _free_url()
     answers = iter([Discovered(configured, configured), Discovered(server.url, configured)])
     monkeypatch.setattr(Settings, "discover", lambda self: next(answers))
+    monkeypatch.setattr(connection, "FRESH_S", 0.0)  # the two loaders' calls are a while apart
     try:
         settings = _settings(isolated)
         with pytest.raises(GmlxError):  # the kept discovery: nothing answers
@@ -363,6 +364,45 @@ def test_a_server_started_since_the_shared_discovery_is_found_before_starting_on
     finally:
         server.stop()
     assert conn.url == server.url and connection._started == {}
+
+
+def test_a_failed_second_discovery_keeps_what_was_found(isolated, monkeypatch):
+    """The `gmlx status` asked before a start fails (it took too long): what the loaders'
+    discovery found stands, and the configured server starts as configured."""
+    script = isolated / "argv.py"
+    script.write_text("import sys\nprint('argv', sys.argv[1:])\nsys.exit(1)\n")
+    configured = _free_url()
+    answers = iter([Discovered(configured, configured), None])
+    monkeypatch.setattr(Settings, "discover", lambda self: next(answers))
+    monkeypatch.setattr(connection, "FRESH_S", 0.0)
+    settings = _settings(isolated, command=[sys.executable, str(script)])
+    with pytest.raises(GmlxError):
+        connection.connect("", start_server=False, settings=settings)
+    with pytest.raises(GmlxError) as caught:
+        connection.connect("", start_server=True, settings=settings)
+    text = str(caught.value)
+    assert f"before answering at {configured};" in text and text.endswith("argv ['serve']")
+
+
+def test_a_connection_whose_server_stopped_moves_to_the_one_that_answers(isolated, monkeypatch):
+    """The loaders' CLIP, VAE and MODEL hold one connection: where its server (one found
+    elsewhere) has stopped and the configured one answers, the connection speaks to that one
+    from then on, not to the address that is gone."""
+    elsewhere, configured = _serving(["a"], default="a"), _serving(["a"], default="a")
+    found = Discovered(elsewhere.url, configured.url)
+    monkeypatch.setattr(Settings, "discover", lambda self: found)
+    try:
+        conn = connection.connect("", start_server=True, settings=_settings(isolated))
+        assert conn.url == elsewhere.url
+        elsewhere.stop()
+        conn.client.close()  # its kept-alive socket, which a stopped process would have closed
+        conn.ensure_reachable()
+        assert conn.url == configured.url and conn.generation == 1
+        assert conn.client.health() and conn.client.models()["default_model"] == "a"
+        conn.ensure_reachable()  # answering: nothing more to do
+        assert conn.generation == 1
+    finally:
+        configured.stop()
 
 
 def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):
