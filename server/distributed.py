@@ -278,6 +278,11 @@ class Group:
         if reason is not None:
             raise ContractError(503, f"the rank group cannot take model work: {reason}")
 
+    def in_call(self) -> bool:
+        """Whether a group call is under way."""
+        with self._lock:
+            return self._pending is not None
+
     @contextmanager
     def call(self, what: str):
         """Run a group call (the broadcast and this rank's part): watched while under way; a
@@ -567,7 +572,15 @@ def report(group: Group, models) -> list[dict]:
 
 
 def stop_group(group: Group) -> None:
-    """Tell the other ranks to end (rank 0 shutting down)."""
+    """Tell the other ranks to end (rank 0 shutting down). Not while the image worker is still
+    in a group call (a stop at once that did not wait for it): a broadcast from here would
+    mix into that call's; the other ranks then end as rank 0's connections close."""
+    if group.in_call():
+        log.warning(
+            "the rank group is still in a group call: the stop is not sent; the other ranks"
+            " end as this rank's connections close"
+        )
+        return
     try:
         with group.call("stop"):
             broadcast(("stop", {}))

@@ -293,3 +293,32 @@ def test_a_pipeline_rank_reads_only_its_blocks_of_a_gguf_dit(tmp_path, monkeypat
     read.clear()
     QwenImage21DiT.load(folder, dit=dit, shard=Shard("tensor", 1, 2))
     assert set(read) == everything
+
+
+def test_no_stop_is_broadcast_into_a_group_call_under_way(monkeypatch, caplog):
+    """A stop at once that did not wait for the image worker: while its group call is under
+    way, rank 0 sends no stop (its broadcast would mix into that call's); after, it does."""
+    import threading
+
+    from gmlx_server import distributed
+
+    monkeypatch.delenv("GMLX_HEARTBEAT", raising=False)
+    sent = []
+    monkeypatch.setattr(distributed, "broadcast", lambda message: sent.append(message))
+    group = distributed.Group("pipeline", 2)
+    inside, leave = threading.Event(), threading.Event()
+
+    def step() -> None:
+        with group.call("step"):
+            inside.set()
+            leave.wait(10)
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    assert inside.wait(10)
+    distributed.stop_group(group)
+    assert sent == [] and "still in a group call" in caplog.text
+    leave.set()
+    worker.join(10)
+    distributed.stop_group(group)
+    assert sent == [("stop", {})]
