@@ -259,7 +259,6 @@ def set_folder(files: ComponentFiles, specs: dict, cache_dir: Path | None = None
     digest = fingerprint(found, tokenizer)
     wanted = {"name": "component set", "generator": SET_GENERATOR, "fingerprint": digest}
     root = Path(cache_dir) if cache_dir is not None else cache_home() / SETS_FOLDER
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(files.dit).stem)[:48]
     tokenizer_dir = tokenizer_folder(root, *tokenizer)
 
     def write(folder: Path) -> None:
@@ -272,7 +271,13 @@ def set_folder(files: ComponentFiles, specs: dict, cache_dir: Path | None = None
         link(folder / "vae", files.vae, "diffusion_pytorch_model.safetensors")
         os.symlink(tokenizer_dir, folder / "tokenizer")
 
-    return ensure(root, f"{stem}-{digest[:12]}", wanted, write)
+    return ensure(root, cache_folder_name(files.dit, digest), wanted, write)
+
+
+def cache_folder_name(path: Path, digest: str) -> str:
+    """A cache folder's name: the file's stem in safe characters, then the digest's start."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(path).stem)[:48]
+    return f"{stem}-{digest[:12]}"
 
 
 def link(folder: Path, path: Path, safetensors_name: str | None) -> None:
@@ -299,7 +304,7 @@ def tokenizer_folder(root: Path, kind: str, source: Path) -> Path:
     parts += [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
     digest = hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     wanted = {"name": "tokenizer", "generator": SET_GENERATOR, "fingerprint": digest}
-    name = f"{re.sub(r'[^A-Za-z0-9._-]+', '-', source.stem)[:48]}-{digest[:12]}"
+    name = cache_folder_name(source, digest)
     return ensure(
         root / TOKENIZERS_FOLDER, name, wanted, lambda f: write_tokenizer(f, kind, source)
     )
