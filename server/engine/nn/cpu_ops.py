@@ -103,19 +103,21 @@ def attention(
     # A ones column: P @ [V, 1] yields the numerator and the softmax denominator together.
     values = mx.concatenate([v, mx.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)
     rows, group = _block_shape(heads, rows_total, keys)
+    row_blocks = [(r0, min(r0 + rows, rows_total)) for r0 in range(0, rows_total, rows)]
+    # a row block's mask, the same for every group of heads
+    biases = [_causal_bias(r0, r1, valid_keys) if causal else None for r0, r1 in row_blocks]
     head_outputs, previous = [], None
     for h0 in range(0, heads, group):
         heads_here = slice(h0, h0 + group)
         row_outputs = []
-        for r0 in range(0, rows_total, rows):
-            r1 = min(r0 + rows, rows_total)
+        for (r0, r1), bias in zip(row_blocks, biases, strict=True):
             seen = r1 if causal else keys  # a causal block sees no key past its last row
             block_q = q[:, heads_here, r0:r1]
             if previous is not None:
                 block_q = mx.depends(block_q, previous)
             scores = block_q @ keys_t[:, heads_here, :, :seen]
-            if causal:
-                scores = scores + _causal_bias(r0, r1, valid_keys)
+            if bias is not None:
+                scores = scores + bias
             weights = exp2_nonpositive(scores - scores.max(axis=-1, keepdims=True))
             weighted = weights @ values[:, heads_here, :seen]
             previous = weighted[..., :head_dim] / weighted[..., head_dim:]
