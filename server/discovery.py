@@ -10,6 +10,7 @@ Both exit 0 when the configuration reads (what they found is in the answer), 2 w
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -216,10 +217,7 @@ def embedded_models() -> list[tuple[str, Path]]:
 
 def status_command(args: argparse.Namespace) -> int:
     asked_where = args.host is not None or args.port is not None  # then there alone
-
-    def status(config: ServerConfig) -> dict[str, Any]:
-        return server_status(config, look_elsewhere=not asked_where)
-
+    status = functools.partial(server_status, look_elsewhere=not asked_where)
     return _report(args, status, _print_status)
 
 

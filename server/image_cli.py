@@ -432,7 +432,7 @@ def output_refusal(path: Path | None, flag: str, picture: bool = False) -> str |
         return f"{flag} {str(path)!r} is a folder; name a file"
     if picture and file_format(path) is None:
         return f"{flag} {path}: name a .png, .jpg or .webp file (the suffix says the format)"
-    existing = nearest_existing(path.absolute().parent)
+    existing = nearest_existing(path.parent)
     if not may_write_in(existing):
         return f"{flag} {path}: {existing} is not a folder this user may write in"
     return None
