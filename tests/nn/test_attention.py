@@ -58,7 +58,10 @@ def test_query_chunks_hold_one_chunk_of_scores_at_a_time(monkeypatch):
     assert live(256) < scores // 2  # eight chained chunks: about one chunk's at a time
 
 
-@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU backend's path")
+@pytest.mark.skipif(
+    mx.default_device() != mx.cpu,
+    reason="cpu_ops' blocked attention runs on MLX's CPU backend alone (GPUs have fused kernels)",
+)
 @pytest.mark.parametrize("causal, valid_keys", [(False, None), (True, None), (True, 37)])
 def test_the_encoders_attention_in_float32_is_cpu_ops(monkeypatch, causal, valid_keys):
     """chunked_attention (the text encoders', the vision tower's, the VAE's) takes cpu_ops'
