@@ -112,6 +112,7 @@ class ConfigError(ValueError):
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # GMLX_LOG_LEVEL's
 MAX_THREADS = 1024  # server.threads
+MAX_PORT = 65535  # server.port, GMLX_PORT and --port (0: the server picks one)
 # Every `GMLX_` environment variable the project reads, and what reads it: the server's
 # configuration reads the first five and checks GMLX_GGUF_WEIGHTS (`_apply_env`); one not listed
 # here is a typo.
@@ -419,6 +420,7 @@ def _apply_file(config: ServerConfig, path: Path) -> None:
     config.source = path
     try:
         _apply_doc(config, doc, path)
+        _validate(config)  # the file's values over valid defaults: a refusal is the file's
     except ConfigError as exc:  # every refusal of the file names it, here alone
         raise ConfigError(f"{path}: {exc}") from None
 
@@ -646,6 +648,8 @@ def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
             config.port = int(env["GMLX_PORT"])
         except ValueError as exc:
             raise ConfigError(f"GMLX_PORT must be an integer, not {env['GMLX_PORT']!r}") from exc
+        if not 0 <= config.port <= MAX_PORT:
+            raise ConfigError(f"GMLX_PORT must be from 0 to {MAX_PORT}, not {config.port}")
     if env.get("GMLX_API_KEY"):
         config.api_key = env["GMLX_API_KEY"]
     if env.get("GMLX_MODEL_DIRS"):
@@ -656,8 +660,8 @@ def _apply_env(config: ServerConfig, env: Mapping[str, str]) -> None:
 
 
 def _validate(config: ServerConfig) -> None:
-    if not 0 <= config.port <= 65535:
-        raise ConfigError(f"port {config.port} is outside 0..65535")
+    if not 0 <= config.port <= MAX_PORT:
+        raise ConfigError(f"port {config.port} is outside 0..{MAX_PORT}")
     if config.api_key is not None and config.api_key != config.api_key.strip():
         # HTTP header values lose their outer white space: no client could ever send this key
         raise ConfigError(

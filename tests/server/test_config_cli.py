@@ -114,9 +114,16 @@ def test_bad_files_are_refused(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ConfigError) as refused:
         load_config(path, env={})
+    assert str(path) in str(refused.value), refused.value  # the file is named, ranges too
     key = text.split("\n")[-1].split(" =")[0]
     if "\n" in text and key.isidentifier():  # a setting's value: named alone
         assert key in str(refused.value) and " and " not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("value", ["70000", "-1"])
+def test_a_port_out_of_range_in_the_environment_is_named_as_the_variable(value):
+    with pytest.raises(ConfigError, match=f"GMLX_PORT must be from 0 to 65535, not {value}"):
+        load_config(None, env={"GMLX_PORT": value})
 
 
 def test_model_entries_name_their_adapters(tmp_path):
