@@ -273,7 +273,8 @@ class FamilyModel:
         """An image (H, W, 3 or 4, uint8) of a size `check_reference` takes as VAE latents in
         model space, (1, C, h, w) float32."""
         pixels = mx.array(np.asarray(image[..., :3], np.float32) / 255.0)[None]
-        return np.array(self.vae.encode(pixels).astype(mx.float32))
+        latents = self.vae.to_model_space(self.vae.encode(pixels))
+        return np.array(latents.astype(mx.float32))
 
     def check_reference(self, index: int, height: int, width: int, count: int) -> None:
         """Refuse a reference image of a size the family's pipeline would resize (the spec's
