@@ -12,7 +12,10 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 - the manifest read from the files is the loaded manifest;
 - the VAE routes round trip: an image to latents of the published channels at the VAE's
   stride, and back to an image of its sides;
+- an image's reference latents are its VAE route latents in the step's model space, as the
+  status's `vae` members take them there;
 - the spec says what the status and the capabilities publish;
+- an empty prompt encodes as the status's `empty_prompt`;
 - parts of other widths than the DiT reads (text encoder, VAE) are refused, naming both;
 - a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
   a quantized load of the float folder, and a quantized load (4 and 8 bits) steps, encodes
@@ -74,6 +77,8 @@ BF16_ENCODE_TOLERANCE = 0.05
 BF16_VAE_TOLERANCE = 0.03
 BF16_FLOOR = 1e-4
 HERE = Path(__file__).resolve().parent
+# The status's `vae` members that take the VAE's own latents z to the step's model space.
+LATENT_STATS = ("latents_mean", "latents_std")
 # The quantized loads every case is checked at: the default, and 8 bits in groups of 32.
 QUANTIZED = {"q4": Quantization(4), "q8": Quantization(8, 32)}
 
@@ -374,6 +379,32 @@ def test_the_vae_routes_round_trip_at_the_published_stride(served):
     latents = vae(live, "encode", "plain", image=image)["latents"]
     assert latents.shape == (1, channels, 2, 3)
     assert vae(live, "decode", "plain", latents=latents)["image"].shape == image.shape
+
+
+def test_reference_latents_are_the_vae_routes_latents_in_the_steps_model_space(served):
+    """An image's reference latents (what a step's `ref_latents` take) are its vae/encode
+    latents brought into the step's model space as a client brings them with the status: as
+    they are where `vae.space` is "model", else (z - latents_mean) / latents_std."""
+    live, _ = served
+    published = status(live, "plain")["vae"]
+    stride = published["stride"]
+    image = np.random.default_rng(4).integers(0, 256, (2 * stride, 3 * stride, 3), np.uint8)
+    latents = vae(live, "encode", "plain", image=image[None].astype(np.float32) / 255)["latents"]
+    if published.get("space") != "model":
+        mean, std = (np.float32(published[k])[None, :, None, None] for k in LATENT_STATS)
+        latents = (latents - mean) / std
+    model, worker = live.ctx.registry.loaded("plain").model, live.ctx.service.worker
+    references = worker.call(model.reference_latents, image)
+    assert references.shape == latents.shape
+    assert rel_l2(references, latents) < TOLERANCE
+
+
+def test_an_empty_prompt_encodes_as_the_published_empty_prompt(served):
+    """The status's `conditioning.empty_prompt` is what the encoder reads for an empty prompt
+    (the pack sends it as it is)."""
+    live, _ = served
+    published = status(live, "plain")["conditioning"]["empty_prompt"]
+    assert encoding(live, "plain", published).tobytes() == encoding(live, "plain", "").tobytes()
 
 
 def test_the_spec_is_what_the_status_and_the_capabilities_say(served):

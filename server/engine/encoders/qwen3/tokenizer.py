@@ -10,7 +10,7 @@ pipeline drops are the tokens of its system message as the chat template renders
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +22,6 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
-# Qwen has no BOS token, so an empty prompt would leave the encoder nothing to read: it is
-# encoded as this text instead (a family's status says so to its clients).
-EMPTY_PROMPT = " "
 DEFAULT_PAD_TOKEN = "<|endoftext|>"  # Qwen's, where tokenizer_config.json names none
 
 
@@ -45,13 +42,14 @@ class PromptTemplate:
     """A family's template: `text` with `{images}` and `{prompt}` fields; `system_message` (its
     start, as the chat template renders it) is the rows the encoding drops; image i (from 1)
     becomes `image_placeholder` with `{index}` set, joined by `image_separator`; an empty prompt
-    becomes `empty_prompt` (EMPTY_PROMPT unless the family's template keeps it empty)."""
+    becomes `empty_prompt`, the spec's (`Conditioning.empty_prompt`, which the status publishes):
+    a template names it, there is no default to drift from."""
 
     system_message: str
     text: str
     image_placeholder: str = ""
     image_separator: str = " "
-    empty_prompt: str = EMPTY_PROMPT  # what an empty prompt is encoded as
+    empty_prompt: str = field(kw_only=True)  # what an empty prompt is encoded as
 
     def render(self, prompt: str, image_count: int) -> str:
         """The templated prompt, one `<|image_pad|>` per image (before expansion)."""

@@ -12,8 +12,8 @@ from ...spec import ByClass, Conditioning, FamilySpec, Published
 
 FAMILY = "qwen_image21"
 PIPELINE_CLASS = "QwenImage21Pipeline"
-# What an empty prompt is encoded as: the Qwen tokenizer's own rule (Qwen has no BOS token, so
-# an empty prompt would leave the encoder nothing to read; encoders/qwen3/tokenizer.py).
+# What an empty prompt is encoded as: Qwen has no BOS token, so an empty prompt would leave the
+# encoder nothing to read (its pipeline's rule).
 EMPTY_PROMPT = " "
 # Its reference images (docs/contract.md §2.6): any sides, from 256x256 to 1024x1024 pixels of
 # area, each resized at its own area to sides in 32s by the encoder (images.py); the server's
