@@ -9,6 +9,8 @@ import sys
 import pytest
 from PIL import Image
 
+from tests.catalog import EMBEDDED_MODELS
+
 
 def sample(tmp_path, name: str, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -76,9 +78,9 @@ def test_a_model_that_is_not_there_is_explained(tmp_path):
         str(models): "holds model folders (toy-a), not a model",
         str(plain / "checkpoint.safetensors"): "is a file, not a model folder",
         # with no default_model configured, the embedded models are known too
-        "no-such-id": "no model of that id (model ids known here: flux2-klein-random-tiny,"
-        " flux3-klein-random-tiny, krea2-random-tiny, moss-image-random-tiny, qwen-image21-random-tiny,"
-        " toy-a, z-image-random-tiny)",
+        "no-such-id": "no model of that id (model ids known here: "
+        + ", ".join(sorted([*EMBEDDED_MODELS, "toy-a"]))
+        + ")",
     }
     (models / "toy-a" / "transformer").mkdir()
     cases[str(models / "toy-a" / "transformer")] = "part of the model folder"

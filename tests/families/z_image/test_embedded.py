@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from gmlx_server.engine.families.z_image import embedded
 
+from tests.catalog import EMBEDDED_MODELS
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
@@ -35,14 +37,7 @@ def test_a_server_without_a_default_offers_it_beside_the_default(tmp_path, monke
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     registry, extra = config_registry(ServerConfig())
-    assert [folder.name for folder in extra] == [
-        "qwen-image21-random-tiny",
-        "flux2-klein-random-tiny",
-        "flux3-klein-random-tiny",
-        "krea2-random-tiny",
-        "moss-image-random-tiny",
-        embedded.MODEL_NAME,
-    ]
+    assert [folder.name for folder in extra] == EMBEDDED_MODELS
     assert registry.default_id() == "qwen-image21-random-tiny"
     entries = {entry.model_id: entry for entry in registry.entries()}
     assert (entries[embedded.MODEL_NAME].family, entries[embedded.MODEL_NAME].variant) == (
