@@ -187,14 +187,17 @@ class Capabilities:
 class Facts:
     """What the routes and the memory planner read of a loaded model, typed, and what its
     status publishes of them (docs/contract.md §2.3: `latent.channels`, `latent.stride`,
-    `vae.stride`, `vae.channels_out`, `edit_capable`, `memory.resident_bytes`; a family writes
-    those members from these values, engine/family.py)."""
+    `latent.patch`, `vae.stride`, `vae.channels_out`, `edit_capable`, `memory.resident_bytes`;
+    a family writes those members from these values, engine/family.py). The step's route checks
+    x and the rows against them (its step 11) before any plan, a dry run's too."""
 
-    latent_channels: int  # the step's x channels (model space)
+    latent_channels: int  # the step's x channels (model space), and each reference's
     latent_stride: int  # pixels per latent cell
     vae_stride: int  # pixels per cell of the VAE routes' latents
     vae_channels_out: int  # the image channels a decode gives (3, or 4 with alpha)
     edit_capable: bool  # a row may carry reference images
+    cond_width: int  # a row's conditioning width, D (what the text encoder gives the DiT)
+    latent_patch: int = 1  # the DiT's patch: x's sides are multiples of it
     resident_bytes: int = 0  # the memory plan's footprint of the model loaded (0: its weights)
 
 

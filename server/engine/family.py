@@ -586,16 +586,20 @@ class FolderFamily(Family):
     def model_facts(self, model_dir: Path, memory: MemoryRow) -> Facts:
         """The facts of a folder (base.Facts) from its configs: the latents the VAE gives (or,
         for a VAE that names none, the DiT's channels at the spec's stride), whose cells the
-        VAE routes' latents are too, and the plan's footprint of `memory`."""
+        VAE routes' latents are too, the conditioning width the DiT's config reads, the spec's
+        patch, and the plan's footprint of `memory`."""
         model_dir = Path(model_dir)
         vae_config = read_config(model_dir / "vae")
         latent = self.latent(model_dir, vae_config)
+        dit_config = self.dit.config.from_dict(read_config(model_dir / "transformer"))
         return Facts(
             latent_channels=latent["channels"],
             latent_stride=latent["stride"],
             vae_stride=latent["stride"],
             vae_channels_out=self.vae.channels_out(vae_config),
             edit_capable=self.spec.edit_capable,
+            cond_width=dit_config.cond_width,
+            latent_patch=self.spec.latent_patch,
             resident_bytes=memory.resident_bytes,
         )
 
@@ -663,7 +667,7 @@ class FolderFamily(Family):
             "latent": {
                 "channels": facts.latent_channels,
                 "stride": facts.latent_stride,
-                "patch": self.spec.latent_patch,
+                "patch": facts.latent_patch,
             },
             "vae": {
                 "channels_out": facts.vae_channels_out,

@@ -18,6 +18,12 @@ from gmlx_contract.errors import ContractError
 
 from ..engine.base import StepResult, StepRow, kept_image_slots
 from ..engine.registry import LoadedModel
+from ..engine.step_inputs import (
+    checked_cond,
+    checked_latents,
+    checked_patch_latents,
+    checked_ref_latents,
+)
 from ..memory import StepDemand
 from ..service import CachedTensor, Run, StepsService, tensor_of
 from .common import (
@@ -102,7 +108,8 @@ def execute(
     ref_cache, skip = check_cache_and_skip(loaded, run, fields, convention)  # 8
     tensors, table = gather(service, loaded, request)  # 9
     check_sigmas(loaded, request)  # 10
-    rows = [build_row(loaded, row, tensors) for row in request.rows]  # 11
+    check_latents(loaded, request)  # 11
+    rows = [build_row(loaded, i, row, tensors) for i, row in enumerate(request.rows)]
     if dry_run:
         cache_run = run.run_id if ref_cache else None
 
@@ -299,7 +306,27 @@ def check_sigmas(loaded: LoadedModel, request: StepRequest) -> None:
 # ---------------------------------------------------------------- step 11: rows
 
 
-def build_row(loaded: LoadedModel, row: RowRequest, tensors: dict[str, CachedTensor]) -> StepRow:
+def check_latents(loaded: LoadedModel, request: StepRequest) -> None:
+    """x's channels, and its sides in whole patches, as the model's step takes them."""
+    facts = loaded.facts
+    if facts.latent_patch > 1:
+        checked_patch_latents(
+            request.x,
+            request.rows,
+            facts.latent_channels,
+            facts.latent_stride,
+            facts.latent_patch,
+            loaded.model_id,
+        )
+    else:
+        checked_latents(request.x, request.rows, facts.latent_channels)
+
+
+def build_row(
+    loaded: LoadedModel, index: int, row: RowRequest, tensors: dict[str, CachedTensor]
+) -> StepRow:
+    """The row's StepRow, its conditioning as wide and its references of the channels the
+    model takes (base.Facts)."""
     raw = row.raw
     cond = tensors[row.cond].float32()
     if cond.ndim == 3 and cond.shape[0] == 1:
@@ -316,7 +343,7 @@ def build_row(loaded: LoadedModel, row: RowRequest, tensors: dict[str, CachedTen
     slots = _slots(raw.get("image_slots", []), len(refs), count)
     prefix_cache = flag(raw, "prefix_cache", True)
     key = f"wire:{row.cond}" if count == length else f"wire:{row.cond}:{count}"
-    return StepRow(
+    built = StepRow(
         cond=np.ascontiguousarray(cond[:count]),
         cond_key=key,
         ref_latents=refs,
@@ -324,6 +351,9 @@ def build_row(loaded: LoadedModel, row: RowRequest, tensors: dict[str, CachedTen
         image_slots=slots,
         prefix_cache=prefix_cache,
     )
+    checked_cond(built, index, loaded.facts.cond_width)
+    checked_ref_latents(built, index, loaded.facts.latent_channels)
+    return built
 
 
 def _token_count(num_tokens: Any, mask: str | None, tensors: dict, length: int) -> int:

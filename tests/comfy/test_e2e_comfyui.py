@@ -1577,7 +1577,7 @@ def test_a_rewritten_prompt_steps_as_its_rewrite_and_a_negative_as_typed(
     monkeypatch.setattr(upsampling, "MAX_NEW_TOKENS", NEW_TOKENS)
     stepped, build_row = [], step_route.build_row
     monkeypatch.setattr(
-        step_route, "build_row", lambda *args: stepped.append(args[1].cond) or build_row(*args)
+        step_route, "build_row", lambda *args: stepped.append(args[2].cond) or build_row(*args)
     )
     server = serve(ServerConfig(host="127.0.0.1", port=0), registry)
     try:

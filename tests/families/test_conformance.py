@@ -17,6 +17,8 @@ under a DiT from a GGUF file and `gmlx model quantize`'s 4-bit copy. For each:
 - the spec says what the status and the capabilities publish;
 - an empty prompt encodes as the status's `empty_prompt`;
 - parts of other widths than the DiT reads (text encoder, VAE) are refused, naming both;
+- a step's dry run refuses the rows the step refuses (x's channels and sides, the
+  conditioning's width, a reference's channels), in the same words;
 - a stored quantized folder (the family's `quantized_files`) steps and encodes bit for bit as
   a quantized load of the float folder, and a quantized load (4 and 8 bits) steps, encodes
   and takes a LoRA table as the same networks on its weights dequantized;
@@ -618,6 +620,37 @@ def test_a_conditioning_of_another_width_is_refused_saying_where_it_came_from(se
     said = r.json()["error"]
     assert f"rows[0]: conditioning must be (1, L, {width})" in said, said
     assert f"one {width + 1} wide is another model's text encoder's" in said, said
+
+
+def test_a_dry_run_refuses_the_rows_the_step_refuses(served):
+    """x of other channels (or of sides no multiple of the patch), a conditioning of another
+    width, a reference of other channels: the step's `dry_run` answers the same 400 as the step
+    (docs/contract.md §2.11: it runs the same checks)."""
+    live, _ = served
+    published = status(live, "plain")
+    channels, patch = published["latent"]["channels"], published["latent"]["patch"]
+    cond = encoding(live, "plain", "a red fox")
+    x = np.zeros((1, channels, 2 * patch, 2 * patch), np.float32)
+    cases = {
+        "x channels": (np.zeros((1, channels + 1, 2 * patch, 2 * patch), np.float32), cond, []),
+        "cond width": (x, cond[..., :-1], []),
+    }
+    if patch > 1:
+        cases["x sides"] = (np.zeros((1, channels, patch + 1, 2 * patch), np.float32), cond, [])
+    if published["edit_capable"]:
+        cases["reference"] = (x, cond, [np.zeros((1, channels + 1, 2, 2), np.float32)])
+    for case, (latents, conditioning, refs) in cases.items():
+        arrays = {"x": latents, "timestep": np.array([0.5], np.float32)}
+        if published["sampling"].get("flow_map"):
+            arrays["sample_sigmas"] = np.array([1.0, 0.5, 0.0], np.float32)
+        row = {"cond": live.put_tensor(conditioning)}
+        if refs:
+            row["ref_latents"] = [live.put_tensor(ref) for ref in refs]
+        fields = {"model": "plain", "rows": [row]}
+        dry = live.post_container("step", arrays, {**fields, "dry_run": True})
+        real = live.post_container("step", arrays, fields)
+        assert (dry.status_code, real.status_code) == (400, 400), (case, dry.text, real.text)
+        assert dry.json() == real.json(), case
 
 
 def test_a_tokenizer_missing_or_unreadable_is_refused_naming_it(served):

@@ -23,6 +23,7 @@ from gmlx_server.config import ServerConfig
 from gmlx_server.engine.registry import ModelRegistry
 
 from ..server.conftest import serve, start_server
+from ..server.linear_family import WIDTH
 
 CLIENTS = 8
 
@@ -164,7 +165,7 @@ def steady_state(server, steps: int, fresh_tensor_every: int = 4):
         started = time.perf_counter()
         for i in range(steps):
             if i % fresh_tensor_every == 0:
-                cond = rng.standard_normal((1, 64, 1024)).astype(np.float32)  # 256 KiB
+                cond = rng.standard_normal((1, 32768 // WIDTH, WIDTH)).astype(np.float32)  # 256 KiB
                 digest = digest_of(cond)
             answer = client.step(x, t, [{"cond": digest}] * 2, run=run, uploads={digest: cond})
             assert answer.out.shape == x.shape

@@ -66,7 +66,7 @@ def _text_rows(text: str) -> np.ndarray:
 
 class ToyModel(NumpyImageModel):
     family = FAMILY
-    facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=3, edit_capable=True)
+    facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=3, edit_capable=True, cond_width=WIDTH)
     comfy = {"model_class": "Toy", "image_model": "toy"}
 
     def __init__(self, model_id: str, sigmas: list[float] | None = None) -> None:

@@ -115,7 +115,7 @@ class LinearModel(NumpyImageModel):
     the registry's load."""
 
     family = FAMILY
-    facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=4, edit_capable=True)
+    facts = Facts(CHANNELS, STRIDE, STRIDE, vae_channels_out=4, edit_capable=True, cond_width=WIDTH)
     weight_bytes = 64  # status memory.dit_bytes
     comfy = {"model_class": "TestLinear", "image_model": "test_linear"}
     tensors = ({"name": "proj.weight", "shape": [CHANNELS, CHANNELS], "dtype": "f32"},)

@@ -152,7 +152,7 @@ def test_hostile_prompts_and_references_are_400_and_the_server_goes_on(qwen):
     r = qwen.post_container(
         "step", {"x": x, "timestep": np.full(1, 0.5, np.float32)}, {"rows": rows}
     )
-    assert r.status_code == 400 and "h and w at least 1" in r.json()["error"], r.text
+    assert r.status_code == 400 and "got (64, 0, 0)" in r.json()["error"], r.text
 
 
 def test_status_of_a_misconfigured_folder_is_400_naming_the_missing_piece(qwen, tmp_path):

@@ -99,8 +99,8 @@ def test_bad_steps_are_refused(live):
     odd = step(live, np.zeros((1, 16, 5, 6), np.float32), [0.5], [cond])
     assert odd.status_code == 400
     assert (
-        "latents 5x6 (48x40 pixels): Z-Image takes images whose sides are multiples of 16"
-        in (odd.json()["error"])
+        "latents 5x6 (48x40 pixels): z-image-tiny takes images whose sides are multiples"
+        " of 16" in (odd.json()["error"])
     )
     for sides in ((1, 1), (1, 2), (2, 1)):  # no token at all: the quick plan estimates none
         tiny = step(live, np.zeros((1, 16, *sides), np.float32), [0.5], [cond])
