@@ -341,6 +341,11 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> threading.Event:
 
     at_once = threading.Event()  # the interrupt to come stops the loop without a word
     cut_short = threading.Event()
+    # A signal that lands while the first one's handling runs (in the main thread, between two
+    # of its bytecodes) waits for it to end: raised there, its interrupt would tear a lock
+    # that handling holds (a thread's start, the log's).
+    handling = threading.Event()
+    landed: list[int] = []  # the signals that waited
 
     def interrupt() -> None:
         at_once.set()
@@ -349,7 +354,20 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> threading.Event:
             server.pull_trigger()  # wake the loop from its poll, where the interrupt is taken
 
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
-        name = signal.Signals(signum).name
+        if handling.is_set():
+            landed.append(signum)
+            return
+        handling.set()
+        try:
+            begin_stop(signal.Signals(signum).name)
+        finally:
+            handling.clear()
+        if landed:
+            stop(landed.pop(), frame)
+
+    def begin_stop(name: str) -> None:
+        """The stop a signal asks for: at once when one began already, else the graceful one
+        (raising KeyboardInterrupt is what ends the server's loop)."""
         if at_once.is_set():
             raise KeyboardInterrupt
         if traffic is None or traffic.stopping.is_set():

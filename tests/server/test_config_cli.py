@@ -662,3 +662,31 @@ def test_a_reader_that_leaves_early_ends_a_listing_quietly(tmp_path):
             timeout=120,
         )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_second_signal_during_the_first_ones_handling_stops_at_once_after_it(monkeypatch):
+    """A second stop signal that lands while the first one's handler still runs (`timeout`
+    sends SIGTERM to the server and to its process group): the first handling ends whole (its
+    stop thread made and started), then the stop is one at once, with no exception raised
+    inside that handling."""
+    import threading
+
+    from gmlx_server.routes.common import Traffic
+
+    started: list = []
+
+    class SecondSignalDuringStart(threading.Thread):
+        def start(self) -> None:  # never run: the test's own process would be interrupted
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+            started.append(self)
+
+    handlers = {signum: signal.getsignal(signum) for signum in cli.STOP_SIGNALS}
+    monkeypatch.setattr(cli.threading, "Thread", SecondSignalDuringStart)
+    try:
+        cut_short = cli._stop_on_signals(None, server=None, traffic=Traffic())
+        with pytest.raises(KeyboardInterrupt):
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert len(started) == 1 and cut_short.is_set()
