@@ -42,6 +42,7 @@ STOP_GRACE_S = 60.0
 # let the models go: enough for an idle worker, not for a job that runs on (a rank group's
 # collective may wait for ever on a rank that is gone).
 AT_ONCE_WAIT_S = 1.0
+INTERRUPTED_STATUS = 130  # a command's exit status after Ctrl-C, as a shell gives (128 + SIGINT)
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
     (("comfyui", "install"), "gmlx_comfy.install:main", "link the node pack into ComfyUI"),
@@ -169,13 +170,17 @@ def entry() -> None:
     image worker) make the process abort at exit ("terminate called without an active exception",
     status 134; reproduced with a plain 4096x4096 matmul in a joined thread, mlx 0.32.4 CPU).
     Every command has written and closed what it must by the time it returns. A reader of
-    the output that leaves early (`gmlx list | head -1`) ends the command quietly."""
+    the output that leaves early (`gmlx list | head -1`) ends the command quietly, and Ctrl-C
+    in a command that does not take it itself (`gmlx image sample`) in one line, status 130."""
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nobody reads the rest
         code = 1
+    except KeyboardInterrupt:
+        print("gmlx: interrupted", file=sys.stderr)
+        code = INTERRUPTED_STATUS
     logging.shutdown()
     sys.stderr.flush()
     os._exit(code)

@@ -690,3 +690,20 @@ def test_a_second_signal_during_the_first_ones_handling_stops_at_once_after_it(m
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
     assert len(started) == 1 and cut_short.is_set()
+
+
+def test_a_command_stopped_by_ctrl_c_says_so_in_one_line():
+    """Ctrl-C in a command that does not catch it itself (`gmlx image sample` mid-sampling):
+    one line, status 130 as a shell gives, no traceback."""
+    interrupted = (
+        "import gmlx_server.cli as cli\n"
+        "def main():\n"
+        "    raise KeyboardInterrupt\n"
+        "cli.main = main\n"
+        "cli.entry()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", interrupted], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "gmlx: interrupted\n"
