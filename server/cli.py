@@ -237,7 +237,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx.service.close()
         print(f"gmlx serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
-    cut_short = _stop_on_signals(group, server, ctx.traffic)
+    cut_short = _stop_on_signals(group, server, ctx.traffic, ctx.service.worker)
     log.info(
         "gmlx %s serving on http://%s:%s (models: %s; default: %s)",
         __version__,
@@ -256,7 +256,7 @@ def serve(args: argparse.Namespace) -> int:
     url = client_url(config.host, server.effective_port)
     try:  # recorded for `gmlx status` (and the ComfyUI pack) while it serves
         with server_records.serving(url, config.source), CompileWatch(log.info):
-            server.run()  # returns once a stop interrupts it (waitress stops its threads)
+            _run_until_stopped(server)
     finally:
         for signum in STOP_SIGNALS:  # a signal now would only cut the cleanup short
             signal.signal(signum, signal.SIG_IGN)
@@ -266,6 +266,16 @@ def serve(args: argparse.Namespace) -> int:
         if group is not None:
             distributed.stop_group(group)
     return 1 if group is not None and group.broken else 0
+
+
+def _run_until_stopped(server) -> None:
+    """The server's loop, until a stop interrupts it (waitress then stops its threads). A
+    stop's interrupt that lands as the loop ends on another (the graceful stop's, just after a
+    stop at once) ends it the same."""
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
 
 
 def _warn_if_unservable(registry, default: str | None) -> None:
@@ -336,12 +346,14 @@ def model_sources(config, extra) -> list[str]:
     return sources
 
 
-def _stop_on_signals(group=None, server=None, traffic=None) -> threading.Event:
+def _stop_on_signals(group=None, server=None, traffic=None, worker=None) -> threading.Event:
     """SIGINT and SIGTERM stop the server, the requests in flight answered first: new ones are
     refused 503 (`/health?ready=1` says the server is stopping) while those finish, for at most
     STOP_GRACE_S; a second signal stops it at once. On rank 0 of a rank group, the group's end
-    (a broken group, its launcher gone: distributed.Group.on_end) stops it at once too. The
-    event returned is set when the stop is one at once: the cleanup then waits for no job."""
+    (a broken group, its launcher gone: distributed.Group.on_end) stops it at once too. A stop
+    at once abandons the image worker's jobs (`worker`: the requests waiting on them end now,
+    not when the job does). The event returned is set when the stop is one at once: the
+    cleanup then waits for no job."""
     import _thread
 
     at_once = threading.Event()  # the interrupt to come stops the loop without a word
@@ -357,6 +369,10 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> threading.Event:
         _thread.interrupt_main()
         if server is not None:
             server.pull_trigger()  # wake the loop from its poll, where the interrupt is taken
+
+    def answered() -> None:  # the graceful stop's end, unless a stop at once ended the loop
+        if not cut_short.is_set():
+            interrupt()
 
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
         if handling.is_set():
@@ -377,7 +393,7 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> threading.Event:
             raise KeyboardInterrupt
         if traffic is None or traffic.stopping.is_set():
             log.info("stopping at once on %s", name)
-            cut_short.set()
+            stop_at_once()
             raise KeyboardInterrupt
         traffic.stopping.set()
         in_flight = traffic.count
@@ -391,13 +407,18 @@ def _stop_on_signals(group=None, server=None, traffic=None) -> threading.Event:
         )
         threading.Thread(
             target=_stop_when_answered,
-            args=(server, traffic, interrupt),
+            args=(server, traffic, answered),
             name="gmlx-stop",
             daemon=True,
         ).start()
 
-    def group_ended() -> None:
+    def stop_at_once() -> None:
         cut_short.set()
+        if worker is not None:
+            worker.abandon()
+
+    def group_ended() -> None:
+        stop_at_once()
         interrupt()
 
     for signum in STOP_SIGNALS:

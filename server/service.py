@@ -31,7 +31,7 @@ from gmlx_contract.hashing import hash_parts, table_id
 from .config import ImageConfig
 from .engine.registry import LoadedModel, ModelRegistry
 from .memory import MemoryPlanner
-from .worker import ImageWorker
+from .worker import ImageWorker, WorkerStopped
 
 log = logging.getLogger("gmlx.server")
 
@@ -413,6 +413,8 @@ class StepsService:
         busy = False
         try:
             self.worker.submit(self.registry.unload_all).result(timeout=wait_s)
+        except WorkerStopped:  # stopped at once (abandoned): the process's end frees the models
+            busy = True
         except (TimeoutError, futures.TimeoutError):  # a job that runs on: do not hang
             busy = True
             log.warning(

@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 log = logging.getLogger("gmlx.server")
@@ -28,8 +28,10 @@ class ImageWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._stopping = threading.Event()
+        self._abandoned = threading.Event()
         self._lock = threading.Lock()
         self._started = False
+        self._running: Future | None = None  # the job's future while it runs
 
     def start(self) -> None:
         with self._lock:
@@ -66,14 +68,34 @@ class ImageWorker:
         return self.submit(fn, *args, **kwargs).result()
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        """Finish the jobs already queued, then end the thread."""
+        """Finish the jobs already queued, then end the thread (waiting at most `timeout`; a
+        worker already stopping is only waited for)."""
         with self._lock:
-            if self._stopping.is_set():
-                return
-            self._stopping.set()
-            self._jobs.put(_STOP)
+            if not self._stopping.is_set():
+                self._stopping.set()
+                self._jobs.put(_STOP)
         if self._started and not self.on_worker_thread():
             self._thread.join(timeout)
+
+    def abandon(self) -> None:
+        """Stop at once (a second stop signal): no new job is taken, and the callers of the job
+        that runs and of every job queued get WorkerStopped now. The running job cannot be cut
+        short: its end is dropped, and the thread ends after it."""
+        stopped = WorkerStopped("the image worker stopped at once")
+        with self._lock:
+            self._stopping.set()
+            self._abandoned.set()
+            running = self._running
+        if running is not None:
+            _settle(running, exception=stopped)
+        while True:  # the queued jobs (those the thread takes meanwhile, it fails itself)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not _STOP:
+                _settle(job[0], exception=stopped)
+        self._jobs.put(_STOP)
 
     def _loop(self) -> None:
         while True:
@@ -81,13 +103,32 @@ class ImageWorker:
             if job is _STOP:
                 return
             future, fn, args, kwargs = job
+            if self._abandoned.is_set():
+                _settle(future, exception=WorkerStopped("the image worker stopped at once"))
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
+            with self._lock:
+                self._running = future
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - the job's failure belongs to its caller
-                future.set_exception(exc)
+                _settle(future, exception=exc)
                 if not isinstance(exc, Exception):
                     log.error("image job raised %s; the worker goes on", type(exc).__name__)
             else:
-                future.set_result(result)
+                _settle(future, result=result)
+            finally:
+                with self._lock:
+                    self._running = None
+
+
+def _settle(future: Future, result: Any = None, exception: BaseException | None = None) -> None:
+    """Give a job's caller its result or exception, unless a stop at once answered it first."""
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass  # answered already (abandon)

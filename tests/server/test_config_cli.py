@@ -579,6 +579,46 @@ def test_a_stop_answers_the_requests_in_flight_first(tmp_path):
     assert "unloaded model z-image-random-tiny" in err and "Traceback" not in err
 
 
+def test_a_second_signal_stops_at_once_with_an_image_in_flight(tmp_path):
+    """SIGTERM, then SIGTERM again while an image of many steps is being sampled: the process
+    ends within about AT_ONCE_WAIT_S, not when the image's step (or Waitress' own wait for
+    its threads) ends, exit 0, no traceback; the image's request is cut short."""
+    import threading
+
+    env = {**os.environ, "GMLX_BLAS": "off", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    job = {"model": "z-image-random-tiny", "prompt": "a cat", "size": "512x512", "steps": 1000}
+    answers: dict = {}
+
+    def generate(url: str) -> None:
+        try:
+            answers["image"] = requests.post(url + "/v1/images/generations", json=job, timeout=120)
+        except requests.ConnectionError as error:
+            answers["image"] = error
+
+    with serving([], env) as (process, url):
+        sampling = threading.Thread(target=generate, args=(url,))
+        sampling.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the model loaded
+            metrics = requests.get(url + "/metrics", timeout=5).text
+            if re.search(r"^gmlx_models_resident 1", metrics, re.M):
+                break
+            time.sleep(0.05)
+        time.sleep(1.0)  # sampling: a step at 512x512 takes about 0.4 s here
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        second = time.monotonic()
+        _, err = process.communicate(timeout=60)
+        ended_in = time.monotonic() - second
+        sampling.join(60)
+    assert process.returncode == 0, err[-3000:]
+    assert "stopping at once on SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    assert ended_in < cli.AT_ONCE_WAIT_S + 2.0, (ended_in, err[-3000:])
+    image = answers["image"]
+    assert isinstance(image, requests.ConnectionError) or image.status_code == 503, image
+
+
 def test_serve_exits_zero_after_model_work_on_the_worker(tmp_path):
     """MLX aborts at process exit after large arrays were evaluated on the image worker thread,
     unless the process ends without C++ teardown (cli.entry)."""

@@ -72,6 +72,33 @@ def test_worker_runs_jobs_in_order_and_survives_their_failures():
         worker.submit(lambda: 1)
 
 
+def test_a_worker_stopped_at_once_answers_its_running_and_queued_jobs_at_once():
+    """`abandon` (a stop at once): the callers of the job that runs and of those queued get
+    WorkerStopped now, not when the job ends; the job's own end is dropped quietly and the
+    thread ends; no new job is taken."""
+    worker = ImageWorker()
+    worker.start()
+    release, running = threading.Event(), threading.Event()
+
+    def long_job():
+        running.set()
+        release.wait(30)
+        return "late"
+
+    first = worker.submit(long_job)
+    queued = worker.submit(lambda: "never")
+    assert running.wait(10)
+    worker.abandon()
+    for future in (first, queued):
+        with pytest.raises(WorkerStopped):
+            future.result(timeout=1)
+    with pytest.raises(WorkerStopped):
+        worker.submit(lambda: 1)
+    release.set()
+    worker.stop(timeout=10)  # the thread ends once the job it ran returns
+    assert not worker.alive
+
+
 def _raise_keyboard_interrupt():
     raise KeyboardInterrupt
 
