@@ -81,6 +81,7 @@ import functools
 import ipaddress
 import math
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,7 +341,18 @@ class ServerConfig:
 
     def check_startable(self) -> None:
         """Refuse settings that would expose the server without protection, or that would
-        fail its first request of a kind (an image store it cannot make)."""
+        fail its first request of a kind (an image store it cannot make), and a host that
+        names no address to listen on."""
+        try:  # as Waitress resolves it (an IPv6 address may stand in brackets)
+            socket.getaddrinfo(
+                self.host.strip("[]"), self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+        except (OSError, UnicodeError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError(
+                f"cannot listen on host {self.host!r}: it names no address here ({reason});"
+                " set server.host, GMLX_HOST or --host to an address or name of this machine"
+            ) from None
         if not self.loopback_bind and not self.api_key:
             raise ConfigError(
                 f"refusing to listen on {self.host!r} without server.api_key: a non-loopback "

@@ -747,3 +747,15 @@ def test_a_command_stopped_by_ctrl_c_says_so_in_one_line():
     )
     assert done.returncode == 130, done.stderr
     assert done.stderr == "gmlx: interrupted\n"
+
+
+@pytest.mark.parametrize("host", ["not-a-host.invalid", "256.1.1.1", ""])
+@pytest.mark.parametrize("api_key", [None, "k"])
+def test_a_host_that_names_no_address_is_refused_in_one_line(monkeypatch, capsys, host, api_key):
+    monkeypatch.delenv("GMLX_API_KEY", raising=False)
+    if api_key:
+        monkeypatch.setenv("GMLX_API_KEY", api_key)
+    assert cli.main(["serve", "--host", host, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gmlx serve: cannot listen on host {host!r}: ") and "api_key" not in err
+    assert err.count("\n") == 1, err
