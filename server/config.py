@@ -441,7 +441,7 @@ def _apply_doc(config: ServerConfig, doc: dict, path: Path) -> None:
     _refuse_unknown(doc, FILE_TABLES, "", "table")
     server = _table(doc, "server")
     _refuse_unknown(server, SERVER_KEYS, "[server]", "setting")
-    image = _table(server, "image")
+    image = _table(server, "image", "server.image")
     _refuse_unknown(image, IMAGE_KEYS, "[server.image]", "setting")
     if "host" in server:
         config.host = _typed(server, "host", str)
@@ -491,16 +491,24 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
     return model_settings(table, folder, where)
 
 
+# The tables of the server's settings, for a setting written in another table.
+SETTING_TABLES = {
+    **{key: "[server.image]" for key in IMAGE_KEYS},
+    **{key: "[server]" for key in SERVER_KEYS},
+}
+
+
 def _refuse_unknown(table: dict, known: tuple[str, ...], where: str, kind: str) -> None:
-    """A ConfigError for the first key of `table` not in `known`, naming the nearest known,
-    after `where` (the table; "": the file's top)."""
+    """A ConfigError for the first key of `table` not in `known`, after `where` (the table;
+    "": the file's top), naming the table it is a setting of, else the nearest known."""
     unknown = sorted(set(table) - set(known))
     if unknown:
         listed = ", ".join(known)
         place = f"{where}: " if where else ""
-        raise ConfigError(
-            f"{place}unknown {kind} {unknown[0]!r}{_nearest(unknown[0], known)} (known: {listed})"
-        )
+        name = unknown[0]
+        home = SETTING_TABLES.get(name)
+        hint = f": it is a setting of {home}" if home else _nearest(name, known)
+        raise ConfigError(f"{place}unknown {kind} {name!r}{hint} (known: {listed})")
 
 
 def _nearest(word: str, known) -> str:
@@ -614,10 +622,11 @@ def _choice(table: dict, key: str, choices: tuple[str, ...], where: str) -> str:
     return value
 
 
-def _table(doc: dict, name: str) -> dict:
+def _table(doc: dict, name: str, full_name: str | None = None) -> dict:
+    """`doc`'s table `name` ({} where absent), whose name in the file is `full_name`."""
     value = doc.get(name, {})
     if not isinstance(value, dict):
-        raise ConfigError(f"[{name}] must be a table")
+        raise ConfigError(f"[{full_name or name}] must be a table")
     return value
 
 

@@ -264,6 +264,21 @@ def refusal(tmp_path: Path, text: str) -> str:
             "[models.'m']: unknown setting 'quantise': did you mean 'quantize'?",
         ),
         ("[server]\ncolour = 1", "[server]: unknown setting 'colour' (known: host, port,"),
+        # a setting of another table: where it belongs
+        ("port = 8099", "unknown table 'port': it is a setting of [server]"),
+        (
+            "tensor_cache_mb = 8",
+            "unknown table 'tensor_cache_mb': it is a setting of [server.image]",
+        ),
+        (
+            "[server]\nmemory_headroom_mb = 100",
+            "[server]: unknown setting 'memory_headroom_mb': it is a setting of [server.image]",
+        ),
+        (
+            "[server.image]\nport = 1",
+            "[server.image]: unknown setting 'port': it is a setting of [server]",
+        ),
+        ("[server]\nimage = 5", "[server.image] must be a table"),
     ],
 )
 def test_unknown_keys_and_tables_are_refused_naming_the_nearest(tmp_path, text, message):
