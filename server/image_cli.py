@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError, may_write_in, nearest_existing
-from .engine.sampling import SAMPLERS, ImageRequest, SettingError, generate, to_uint8
+from .engine.sampling import (
+    SAMPLERS,
+    ImageRequest,
+    SettingError,
+    check_image_start,
+    generate,
+    to_uint8,
+)
 from .image_bench import run_bench, summary_text
 from .imagefiles import encode_picture, file_format, mask_of, read_image_file
 from .kernel_compiles import CompileWatch
@@ -255,9 +262,10 @@ def chosen_run(args: argparse.Namespace, group: Any, command: str, run) -> int |
     1: the model or the run)."""
     try:
         request = image_request(args, read_references(args.ref))
+        check_image_start(request)  # the image to image flags, whatever the model
         flags = model_flags(args)
     except ValueError as exc:
-        print(f"gmlx image {command}: {exc}", file=sys.stderr)
+        print(f"gmlx image {command}: {_message(exc, args.ref)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         choice = choose_model(args.model, args.config, flags)
