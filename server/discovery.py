@@ -174,8 +174,8 @@ def _residency_line(resident: dict[str, Any]) -> str:
 def configured_models(config: ServerConfig) -> dict[str, Any]:
     """The models `gmlx serve` with this configuration would list: each model folder under
     model_dirs, the models from component files (with their `files`), the embedded models when
-    no default_model is set, and the ids that `[models."id"]` and default_model name (with no
-    folder when none is found yet)."""
+    no default_model is set (`embedded`; their folder is made on first use), and the ids that
+    `[models."id"]` and default_model name (with no folder when none is found)."""
     from .engine.registry import ModelRegistry
 
     sets = config.component_sets()
@@ -184,15 +184,21 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
         model_id: str(path) for model_id, path in registry.folders().items()
     }
     default = config.default_model
+    embedded = embedded_models() if default is None else []
     if default is None:
-        embedded = embedded_models()
         default = embedded[0][0] if embedded else None
         for model_id, folder in embedded:
             folders.setdefault(model_id, str(folder) if folder.is_dir() else None)
+    embedded_ids = {model_id for model_id, _ in embedded}
     for model_id in [*config.models, *([default] if default else [])]:
         folders.setdefault(model_id, None)
     models = [
-        {"model": model_id, "folder": folder, "default": model_id == default}
+        {
+            "model": model_id,
+            "folder": folder,
+            "default": model_id == default,
+            "embedded": model_id in embedded_ids,
+        }
         for model_id, folder in sorted(folders.items(), key=lambda item: item[0] != default)
     ]
     for model in models:  # a model from component files: its files (its folder is the cache's)
@@ -265,7 +271,12 @@ def _print_status(doc: dict) -> None:
 def _print_models(doc: dict) -> None:
     for model in doc["models"]:
         mark = " (default)" if model["default"] else ""
-        where = model["folder"] or "no folder yet"
+        where = model["folder"] or (
+            "made on first use"
+            if model.get("embedded")
+            else "no model folder of that id (a mistyped id? `gmlx pull` or a [models] entry"
+            " naming its files gives one)"
+        )
         if "files" in model:
             where = ", ".join(f"{k} {v}" for k, v in model["files"].items())
         print(f"{model['model']}{mark}: {where}")

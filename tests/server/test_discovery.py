@@ -251,7 +251,9 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
     assert doc["models"][0]["folder"] == str(root / "beta") and doc["models"][2]["folder"] is None
     code, out = _run(capsys, "list", "--config", str(config))
     assert out.splitlines()[0] == f"beta (default): {root / 'beta'}"
-    assert "gamma: no folder yet" in out
+    assert (
+        "gamma: no model folder of that id (a mistyped id? `gmlx pull` or a [models] entry" in out
+    )
     unmounted = tmp_path / "unmounted"
     assert f"{root}, {unmounted} (no such folder: no models come from it)" in out
 
@@ -262,6 +264,14 @@ def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(
     assert [m["model"] for m in doc["models"]] == EMBEDDED_MODELS
     assert [m["default"] for m in doc["models"]] == [True, False, False, False, False, False]
     assert [m["folder"] for m in doc["models"]] == [None] * 6  # not generated yet in this cache
+    assert all(m["embedded"] for m in doc["models"])
+
+
+def test_an_embedded_model_not_made_yet_is_said_to_be_made_on_first_use(tmp_path, capsys):
+    config = config_file(tmp_path, "[server]\n")
+    code, out = _run(capsys, "list", "--config", str(config))
+    assert code == 0
+    assert out.splitlines()[0] == "qwen-image21-random-tiny (default): made on first use"
 
 
 def test_the_listing_names_what_the_server_lists(live, tmp_path):
