@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import socket
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,9 @@ from .server_records import running_servers
 # loaded model's status waits for the image worker, which a long step may hold, and the ComfyUI
 # pack gives `gmlx status --json` 5 s before it looks for a server without it.
 RESIDENCY_WAIT_S = 2.0
+# How long `gmlx status` waits for a connection where no server answered, to tell a port
+# something else holds (or a stuck server) from a free one.
+LISTEN_PROBE_S = 0.5
 # Addresses a server listens on that a client cannot connect to: the loopback one of that kind.
 WILDCARD_HOSTS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
@@ -80,7 +85,8 @@ def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str
     Where none answers there and `look_elsewhere`, the same of the latest started `gmlx serve`
     of this user that answers the handshake where its record says, and does not refuse it
     (server_records: one started on another port or with another config file); `record` then
-    holds its pid, config file and start."""
+    holds its pid, config file and start. `listening`: whether something takes connections at
+    `url`, though it may answer no handshake (a stuck process, another program)."""
     url = server_url(config)
     doc: dict[str, Any] = {
         "url": url,
@@ -92,6 +98,7 @@ def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str
         "error": None,
         "resident": [],
         "record": None,
+        "listening": False,
     }
     if url is None:
         doc["error"] = "the configured port is 0: the server picks its port when it starts"
@@ -105,8 +112,18 @@ def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str
         answer = _answer(record["url"], config.api_key)
         if answer["running"] and answer["error"] is None:  # not one that refuses this client
             found = {key: record.get(key) for key in ("pid", "config", "started")}
-            return {**doc, **answer, "url": record["url"], "record": found}
-    return doc
+            return {**doc, **answer, "url": record["url"], "record": found, "listening": True}
+    return {**doc, "listening": doc["running"] or (url is not None and _listening(url))}
+
+
+def _listening(url: str) -> bool:
+    """Whether a connection to `url`'s host and port is taken (LISTEN_PROBE_S at most)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=LISTEN_PROBE_S):
+            return True
+    except OSError:
+        return False
 
 
 def _answer(url: str, api_key: str | None) -> dict[str, Any]:
@@ -256,6 +273,11 @@ def _print_status(doc: dict) -> None:
             print(_residency_line(resident))
     elif doc["running"]:
         print(f"{where}: answers, but {doc['error']}")
+    elif doc["listening"]:
+        print(
+            f"{where}: something listens there but answers as no gmlx server ({doc['error']});"
+            " `gmlx serve` there would find the port taken"
+        )
     else:
         print(f"{where}: not running ({doc['error']}); start it with `gmlx serve`")
     record = doc["record"]

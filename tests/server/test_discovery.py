@@ -65,9 +65,26 @@ def test_status_of_a_configured_server_that_is_not_running(tmp_path, capsys):
         "error": "connection refused",
         "resident": [],
         "record": None,
+        "listening": False,
     }
     code, out = _run(capsys, "status", "--config", str(config))
     assert code == 0 and "not running (connection refused)" in out and "gmlx serve" in out
+
+
+def test_status_of_a_port_another_program_holds_says_a_server_would_find_it_taken(tmp_path, capsys):
+    """Something listens on the configured port but answers no handshake (a stopped or stuck
+    process, another program): not running, and not to be started there."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()  # connections wait in the backlog, never answered
+        port = held.getsockname()[1]
+        config = config_file(tmp_path, f"[server]\nport = {port}\n")
+        code, out = _run(capsys, "status", "--json", "--config", str(config))
+        doc = json.loads(out)
+        assert code == 0 and doc["running"] is False and doc["listening"] is True
+        code, out = _run(capsys, "status", "--config", str(config))
+    assert f"gmlx server http://127.0.0.1:{port}: something listens there but" in out
+    assert "`gmlx serve` there would find the port taken" in out
 
 
 def test_status_of_a_running_server(live, tmp_path, capsys):
