@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
@@ -38,10 +39,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # How long a stop waits for the requests in flight (an image of many steps, a stream) to be
 # answered before it lets the models go regardless.
 STOP_GRACE_S = 60.0
-# How long a stop at once (a second signal, a broken rank group) waits for the image worker to
-# let the models go: enough for an idle worker, not for a job that runs on (a rank group's
-# collective may wait for ever on a rank that is gone).
-AT_ONCE_WAIT_S = 1.0
 INTERRUPTED_STATUS = 130  # a command's exit status after Ctrl-C, as a shell gives (128 + SIGINT)
 
 DELEGATED: list[tuple[tuple[str, ...], str, str]] = [
@@ -237,7 +234,7 @@ def serve(args: argparse.Namespace) -> int:
         ctx.service.close()
         print(f"gmlx serve: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr)
         return 1
-    cut_short = _stop_on_signals(group, server, ctx.traffic, ctx.service.worker)
+    stopping = _stop_on_signals(group, server, ctx.traffic, ctx.service.worker)
     log.info(
         "gmlx %s serving on http://%s:%s (models: %s; default: %s)",
         __version__,
@@ -256,26 +253,28 @@ def serve(args: argparse.Namespace) -> int:
     url = client_url(config.host, server.effective_port)
     try:  # recorded for `gmlx status` (and the ComfyUI pack) while it serves
         with server_records.serving(url, config.source), CompileWatch(log.info):
-            _run_until_stopped(server)
+            _run_until_stopped(server, stopping.loop_ended)
     finally:
         for signum in STOP_SIGNALS:  # a signal now would only cut the cleanup short
             signal.signal(signum, signal.SIG_IGN)
         log.info("stopping: ending runs and letting the models go")
-        ctx.service.close(AT_ONCE_WAIT_S if cut_short.is_set() else CLOSE_WAIT_S)
+        ctx.service.close(0 if stopping.cut_short.is_set() else CLOSE_WAIT_S)
         server.close()
         if group is not None:
             distributed.stop_group(group)
     return 1 if group is not None and group.broken else 0
 
 
-def _run_until_stopped(server) -> None:
+def _run_until_stopped(server, loop_ended: threading.Event) -> None:
     """The server's loop, until a stop interrupts it (waitress then stops its threads). A
     stop's interrupt that lands as the loop ends on another (the graceful stop's, just after a
-    stop at once) ends it the same."""
+    stop at once) ends it the same; once `loop_ended` is set, a stop raises nothing."""
     try:
         server.run()
     except KeyboardInterrupt:
         pass
+    finally:
+        loop_ended.set()
 
 
 def _warn_if_unservable(registry, default: str | None) -> None:
@@ -346,22 +345,33 @@ def model_sources(config, extra) -> list[str]:
     return sources
 
 
-def _stop_on_signals(group=None, server=None, traffic=None, worker=None) -> threading.Event:
+@dataclass(frozen=True)
+class Stopping:
+    """What the stop signals decide, for the server's loop and its cleanup: `cut_short`, set
+    when the stop is one at once (the cleanup then waits for no job); `loop_ended`, set by the
+    loop's end (a signal after that raises nothing into the cleanup)."""
+
+    cut_short: threading.Event
+    loop_ended: threading.Event
+
+
+def _stop_on_signals(group=None, server=None, traffic=None, worker=None) -> Stopping:
     """SIGINT and SIGTERM stop the server, the requests in flight answered first: new ones are
     refused 503 (`/health?ready=1` says the server is stopping) while those finish, for at most
     STOP_GRACE_S; a second signal stops it at once. On rank 0 of a rank group, the group's end
     (a broken group, its launcher gone: distributed.Group.on_end) stops it at once too. A stop
     at once abandons the image worker's jobs (`worker`: the requests waiting on them end now,
-    not when the job does). The event returned is set when the stop is one at once: the
-    cleanup then waits for no job."""
+    not when the job does)."""
     import _thread
 
     at_once = threading.Event()  # the interrupt to come stops the loop without a word
-    cut_short = threading.Event()
+    stopping = Stopping(threading.Event(), threading.Event())
+    cut_short = stopping.cut_short
     # A signal that lands while the first one's handling runs (in the main thread, between two
     # of its bytecodes) waits for it to end: raised there, its interrupt would tear a lock
-    # that handling holds (a thread's start, the log's).
-    handling = threading.Event()
+    # that handling holds (a thread's start, the log's). Plain lists, not Events: a handler
+    # runs on the main thread alone, and one that took an Event's lock could land inside it.
+    handling: list[bool] = []
     landed: list[int] = []  # the signals that waited
 
     def interrupt() -> None:
@@ -375,10 +385,12 @@ def _stop_on_signals(group=None, server=None, traffic=None, worker=None) -> thre
             interrupt()
 
     def stop(signum, frame):  # noqa: ARG001 - signal handler signature
-        if handling.is_set():
+        if stopping.loop_ended.is_set():
+            return  # the cleanup runs: nothing to interrupt
+        if handling:
             landed.append(signum)
             return
-        handling.set()
+        handling.append(True)
         try:
             begin_stop(signal.Signals(signum).name)
         finally:
@@ -425,7 +437,7 @@ def _stop_on_signals(group=None, server=None, traffic=None, worker=None) -> thre
         signal.signal(signum, stop)
     if group is not None:
         group.on_end = group_ended
-    return cut_short
+    return stopping
 
 
 def _stop_when_answered(server, traffic, interrupt: Callable[[], None]) -> None:

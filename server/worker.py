@@ -103,13 +103,15 @@ class ImageWorker:
             if job is _STOP:
                 return
             future, fn, args, kwargs = job
-            if self._abandoned.is_set():
+            with self._lock:  # taken whole, or left to `abandon` whole
+                abandoned = self._abandoned.is_set()
+                if not abandoned:
+                    if not future.set_running_or_notify_cancel():
+                        continue
+                    self._running = future
+            if abandoned:
                 _settle(future, exception=WorkerStopped("the image worker stopped at once"))
                 continue
-            if not future.set_running_or_notify_cancel():
-                continue
-            with self._lock:
-                self._running = future
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - the job's failure belongs to its caller

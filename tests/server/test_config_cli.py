@@ -279,6 +279,10 @@ def refusal(tmp_path: Path, text: str) -> str:
             "[server.image]: unknown setting 'port': it is a setting of [server]",
         ),
         ("[server]\nimage = 5", "[server.image] must be a table"),
+        (
+            "[image]\nsteps_api = true",
+            "unknown table 'image': it is a setting of [server], as the table [server.image]",
+        ),
     ],
 )
 def test_unknown_keys_and_tables_are_refused_naming_the_nearest(tmp_path, text, message):
@@ -373,6 +377,8 @@ def test_an_image_store_folder_that_cannot_be_made_is_refused_at_start(tmp_path)
 def test_non_loopback_bind_needs_a_key():
     ServerConfig(host="127.0.0.1").check_startable()
     ServerConfig(host="0.0.0.0", api_key="k").check_startable()
+    ServerConfig(host="*", api_key="k").check_startable()  # Waitress: every address
+    ServerConfig(host="[::1]").check_startable()
     with pytest.raises(ConfigError, match="api_key"):
         ServerConfig(host="0.0.0.0").check_startable()
     assert cli.main(["serve", "--host", "0.0.0.0", "--config", "/dev/null"]) == 2
@@ -596,8 +602,9 @@ def test_a_stop_answers_the_requests_in_flight_first(tmp_path):
 
 def test_a_second_signal_stops_at_once_with_an_image_in_flight(tmp_path):
     """SIGTERM, then SIGTERM again while an image of many steps is being sampled: the process
-    ends within about AT_ONCE_WAIT_S, not when the image's step (or Waitress' own wait for
-    its threads) ends, exit 0, no traceback; the image's request is cut short."""
+    ends at once, not when the image's step ends or Waitress has waited 5 s for the thread that
+    waits on it (the worker abandons its jobs, so that thread ends now), exit 0, no traceback;
+    the image's request is cut short."""
     import threading
 
     env = {**os.environ, "GMLX_BLAS": "off", "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -629,7 +636,7 @@ def test_a_second_signal_stops_at_once_with_an_image_in_flight(tmp_path):
         sampling.join(60)
     assert process.returncode == 0, err[-3000:]
     assert "stopping at once on SIGTERM" in err and "Traceback" not in err, err[-3000:]
-    assert ended_in < cli.AT_ONCE_WAIT_S + 2.0, (ended_in, err[-3000:])
+    assert ended_in < 3.0, (ended_in, err[-3000:])
     image = answers["image"]
     assert isinstance(image, requests.ConnectionError) or image.status_code == 503, image
 
@@ -738,13 +745,13 @@ def test_a_second_signal_during_the_first_ones_handling_stops_at_once_after_it(m
     handlers = {signum: signal.getsignal(signum) for signum in cli.STOP_SIGNALS}
     monkeypatch.setattr(cli.threading, "Thread", SecondSignalDuringStart)
     try:
-        cut_short = cli._stop_on_signals(None, server=None, traffic=Traffic())
+        stopping = cli._stop_on_signals(None, server=None, traffic=Traffic())
         with pytest.raises(KeyboardInterrupt):
             signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
-    assert len(started) == 1 and cut_short.is_set()
+    assert len(started) == 1 and stopping.cut_short.is_set()
 
 
 def test_a_command_stopped_by_ctrl_c_says_so_in_one_line():

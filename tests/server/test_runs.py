@@ -306,7 +306,7 @@ def test_a_step_counts_on_its_run_under_the_service_lock(fresh, monkeypatch):
 
 def test_a_stop_does_not_hang_on_a_job_the_worker_still_runs(fresh, caplog):
     """The worker busy with a job that does not end (a long load or pass): the stop gives up
-    waiting after its wait (CLOSE_WAIT_S; a second signal's AT_ONCE_WAIT_S), says so, and
+    waiting after its wait (CLOSE_WAIT_S), says so, and
     returns; the models go with the process."""
     assert fresh.post_json("models/load", {"model": "alpha"}).status_code == 200
     release, started = threading.Event(), threading.Event()
