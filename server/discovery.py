@@ -104,6 +104,7 @@ def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str
         doc["error"] = "the configured port is 0: the server picks its port when it starts"
     else:
         doc.update(_answer(url, config.api_key))
+        doc["listening"] = doc["running"] or _listening(url)
     if doc["running"] or not look_elsewhere:
         return doc
     for record in running_servers():
@@ -113,7 +114,7 @@ def server_status(config: ServerConfig, look_elsewhere: bool = True) -> dict[str
         if answer["running"] and answer["error"] is None:  # not one that refuses this client
             found = {key: record.get(key) for key in ("pid", "config", "started")}
             return {**doc, **answer, "url": record["url"], "record": found, "listening": True}
-    return {**doc, "listening": doc["running"] or (url is not None and _listening(url))}
+    return doc
 
 
 def _listening(url: str) -> bool:
