@@ -343,9 +343,13 @@ class ServerConfig:
         """Refuse settings that would expose the server without protection, or that would
         fail its first request of a kind (an image store it cannot make), and a host that
         names no address to listen on."""
-        try:  # as Waitress resolves it (an IPv6 address may stand in brackets)
+        host = self.host.strip("[]")  # as Waitress reads it: brackets, `*` for every address
+        try:
             socket.getaddrinfo(
-                self.host.strip("[]"), self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                None if host == "*" else host,
+                self.port,
+                type=socket.SOCK_STREAM,
+                flags=socket.AI_PASSIVE,
             )
         except (OSError, UnicodeError) as exc:
             reason = getattr(exc, "strerror", None) or str(exc)
@@ -495,6 +499,7 @@ def _model_settings(model_id: str, table: Any, folder: Path) -> ModelSettings:
 SETTING_TABLES = {
     **{key: "[server.image]" for key in IMAGE_KEYS},
     **{key: "[server]" for key in SERVER_KEYS},
+    "image": "[server], as the table [server.image]",
 }
 
 
