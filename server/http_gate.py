@@ -100,6 +100,7 @@ class GatedParser(HTTPRequestParser):
     """Waitress' request parser with the contract's body limits."""
 
     body_limit = wire.MAX_CONTAINER_BYTES
+    refusal: RequestEntityTooLarge | None = None  # `_refuse`'s, which Waitress' must not replace
 
     def __init__(self, adj) -> None:
         super().__init__(adj)
@@ -131,6 +132,8 @@ class GatedParser(HTTPRequestParser):
 
     def received(self, data: bytes) -> int:
         consumed = super().received(data)
+        if self.refusal is not None:  # past Waitress' bound too: it names its own, not the route's
+            self.error = self.refusal
         body = self.body_rcv
         if self.chunked and not self.completed and body is not None:
             if len(body) > self.body_limit:
@@ -138,7 +141,9 @@ class GatedParser(HTTPRequestParser):
         return consumed
 
     def _refuse(self, what: str) -> None:
-        self.error = RequestEntityTooLarge(f"{what} is over the limit of {self.body_limit} bytes")
+        self.error = self.refusal = RequestEntityTooLarge(
+            f"{what} is over the limit of {self.body_limit} bytes"
+        )
         self.completed = True
         self.expect_continue = False  # never invite a body that will not be read
         self.body_rcv = None

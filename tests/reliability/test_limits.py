@@ -55,7 +55,8 @@ def read_answer(sock: socket.socket) -> bytes:
     return answer
 
 
-def nested_413(answer: bytes) -> None:
+def nested_413(answer: bytes) -> str:
+    """The message of a 413 in the contract's nested error form."""
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"Content-Type: application/json" in head
@@ -63,6 +64,7 @@ def nested_413(answer: bytes) -> None:
 
     error = json.loads(body)["error"]
     assert error["type"] == "request_too_large" and "over the limit" in error["message"]
+    return error["message"]
 
 
 @pytest.mark.parametrize(
@@ -78,6 +80,16 @@ def test_an_oversized_body_is_refused_from_its_head(live, path, content_type, li
     started = time.perf_counter()
     nested_413(head_only(live, path, content_type, limit + 1))
     assert time.perf_counter() - started < 5  # answered without waiting for a body
+
+
+def test_a_length_past_every_limit_is_refused_naming_its_routes_limit(live):
+    """A Content-Length past Waitress' own bound too (its buffer): the route's limit is named,
+    as for any other oversized body, not Waitress' bound."""
+    said = nested_413(head_only(live, "interrupt", "application/json", 99_999_999_999))
+    assert (
+        said
+        == f"request body of 99999999999 bytes is over the limit of {wire.MAX_JSON_BYTES} bytes"
+    )
 
 
 def logged(caplog, prefix: str) -> list[str]:
