@@ -184,8 +184,14 @@ def parse_request(container: wire.Container) -> StepRequest:
     if "sample_sigmas" in tensors:
         sigmas = tensor_of(container, "sample_sigmas").float32().reshape(-1)
     times = np.broadcast_to(timestep.float32().reshape(-1), (len(rows),))
+    latents = x.float32()
+    # This server: values no step can take (NaN latents: a sampler that diverged upstream)
+    if not np.isfinite(times).all():
+        raise ContractError(400, f"timestep must be finite; got {times.tolist()}")
+    if not np.isfinite(latents).all():
+        raise ContractError(400, "x holds NaN or infinite values: latents must be finite")
     return StepRequest(
-        x=np.ascontiguousarray(x.float32()),
+        x=np.ascontiguousarray(latents),
         timestep=np.ascontiguousarray(times, dtype=np.float32),
         rows=parsed,
         fields=fields,

@@ -133,6 +133,14 @@ def test_order_run_before_shapes(live):
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a", "attention_mask": 3}]}, 400),
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a"}], "run": 7}, 400),
         ({"x": np.zeros((1, 4, 0, 8), np.float32), "timestep": T}, {"rows": [{"cond": "a"}]}, 400),
+        # this server: values no step can take
+        ({"x": X, "timestep": np.float32([np.nan])}, {"rows": [{"cond": "a"}]}, 400),
+        ({"x": X, "timestep": np.float32([np.inf])}, {"rows": [{"cond": "a"}]}, 400),
+        (
+            {"x": np.full((1, 4, 2, 2), np.nan, np.float32), "timestep": T},
+            {"rows": [{"cond": "a"}]},
+            400,
+        ),
         # 4: the model
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a"}], "model": "ghost"}, 404),
         ({"x": X, "timestep": T}, {"rows": [{"cond": "a"}], "model": "stranger"}, 400),
