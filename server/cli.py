@@ -257,8 +257,12 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         for signum in STOP_SIGNALS:  # a signal now would only cut the cleanup short
             signal.signal(signum, signal.SIG_IGN)
-        log.info("stopping: ending runs and letting the models go")
-        ctx.service.close(0 if stopping.cut_short.is_set() else CLOSE_WAIT_S)
+        if stopping.cut_short.is_set():
+            log.info("stopping at once: ending runs; the models go with the process")
+            ctx.service.close(0)
+        else:
+            log.info("stopping: ending runs and letting the models go")
+            ctx.service.close(CLOSE_WAIT_S)
         server.close()
         if group is not None:
             distributed.stop_group(group)

@@ -636,6 +636,7 @@ def test_a_second_signal_stops_at_once_with_an_image_in_flight(tmp_path):
         sampling.join(60)
     assert process.returncode == 0, err[-3000:]
     assert "stopping at once on SIGTERM" in err and "Traceback" not in err, err[-3000:]
+    assert "stopping at once: ending runs; the models go with the process" in err
     assert ended_in < 3.0, (ended_in, err[-3000:])
     image = answers["image"]
     assert isinstance(image, requests.ConnectionError) or image.status_code == 503, image
