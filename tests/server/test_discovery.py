@@ -72,18 +72,31 @@ def test_status_of_a_configured_server_that_is_not_running(tmp_path, capsys):
 
 
 def test_status_of_a_port_another_program_holds_says_a_server_would_find_it_taken(tmp_path, capsys):
-    """Something listens on the configured port but answers no handshake (a stopped or stuck
-    process, another program): not running, and not to be started there."""
+    """Something listens on the asked port but answers no handshake (another program that
+    closes each connection; a stopped server's backlog takes them too): not running, and not
+    to be started there."""
+    import threading
+
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
-        held.listen()  # connections wait in the backlog, never answered
+        held.listen()
         port = held.getsockname()[1]
+
+        def close_each() -> None:
+            while True:
+                try:
+                    held.accept()[0].close()
+                except OSError:  # the test closed the socket
+                    return
+
+        threading.Thread(target=close_each, daemon=True).start()
         config = config_file(tmp_path, f"[server]\nport = {_free_port()}\n")
+        code, out = _run(capsys, "status", "--config", str(config), "--port", str(port))
+        prose = out
         code, out = _run(capsys, "status", "--json", "--config", str(config), "--port", str(port))
         doc = json.loads(out)
     assert code == 0 and doc["running"] is False and doc["listening"] is True
-    discovery._print_status(doc)  # the prose of the same answer (each ask waits 2 s for one)
-    out = capsys.readouterr().out
+    out = prose
     assert f"gmlx server http://127.0.0.1:{port}: something listens there but" in out
     assert "`gmlx serve` there would find the port taken" in out
 
