@@ -49,7 +49,11 @@ def register(subparsers) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    prepare_process()  # before mlx is imported
+    try:
+        prepare_process()  # before mlx is imported
+    except RuntimeError as exc:  # GMLX_BLAS naming a library that cannot be loaded
+        print(f"gmlx model quantize: {exc}", file=sys.stderr)
+        return 2
     from .engine.registry import ModelRegistry
     from .engine.weights import quantize_folder
     from .model_choice import choose_model

@@ -362,6 +362,27 @@ def test_a_bad_environment_value_stops_serve_on_one_line(tmp_path, name, value, 
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "words",
+    [
+        ["image", "sample", "--prompt", "a", "--out", "OUT/a.png"],
+        ["model", "quantize", "--bits", "4", "m", "OUT/q"],
+    ],
+)
+def test_a_blas_that_cannot_load_stops_the_other_mlx_commands_on_one_line(tmp_path, words):
+    env = {**os.environ, "GMLX_BLAS": "/nowhere/libblas.so"}
+    command = [
+        sys.executable,
+        "-m",
+        "gmlx_server",
+        *(w.replace("OUT", str(tmp_path)) for w in words),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "GMLX_BLAS=/nowhere/libblas.so: cannot load it" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_an_image_store_folder_that_cannot_be_made_is_refused_at_start(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
