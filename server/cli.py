@@ -32,7 +32,7 @@ from .parsers import (
     add_quantize_arguments,
     quantization_argument,
 )
-from .process import config_registry, prepare_process
+from .process import config_registry, prepared_for
 
 log = logging.getLogger("gmlx.server")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -210,10 +210,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a ConfigError, or --group-size without --quantize
         print(f"gmlx serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        prepare_process()  # before anything imports mlx
-    except RuntimeError as exc:  # GMLX_BLAS naming a library that cannot be loaded
-        print(f"gmlx serve: {exc}", file=sys.stderr)
+    if not prepared_for("serve"):  # before anything imports mlx
         return 2
 
     from . import distributed, server_records

@@ -47,7 +47,7 @@ from .parsers import (
     flag_name,
     model_flags,
 )
-from .process import prepare_process
+from .process import prepared_for
 from .step_server import StepServer, ViaStepsTransport
 
 EXIT_USAGE = 2
@@ -229,10 +229,7 @@ def run_image_command(args: argparse.Namespace, command: str, outputs: tuple, wo
         if refused:
             print(f"gmlx image {command}: {refused}", file=sys.stderr)
             return EXIT_USAGE
-    try:
-        prepare_process()
-    except RuntimeError as exc:  # GMLX_BLAS naming a library that cannot be loaded
-        print(f"gmlx image {command}: {exc}", file=sys.stderr)
+    if not prepared_for(f"image {command}"):
         return EXIT_USAGE
     with rank_group(args) as group:
         return work(args, group)

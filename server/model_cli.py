@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .engine.load_settings import KQUANT_PRESETS
 from .engine.precision import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, Quantization
-from .process import prepare_process
+from .process import prepared_for
 
 QUANTIZE_HELP = "write a copy of a model folder with quantized weights, to load directly"
 
@@ -49,10 +49,7 @@ def register(subparsers) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    try:
-        prepare_process()  # before mlx is imported
-    except RuntimeError as exc:  # GMLX_BLAS naming a library that cannot be loaded
-        print(f"gmlx model quantize: {exc}", file=sys.stderr)
+    if not prepared_for("model quantize"):  # before mlx is imported
         return 2
     from .engine.registry import ModelRegistry
     from .engine.weights import quantize_folder

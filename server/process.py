@@ -22,6 +22,18 @@ def prepare_process() -> None:
     fast_blas()
 
 
+def prepared_for(command: str) -> bool:
+    """`prepare_process` for the command `gmlx <command>`: False where it cannot be prepared
+    (GMLX_BLAS naming a library that cannot be loaded), said on one line; the command then
+    exits 2."""
+    try:
+        prepare_process()
+    except RuntimeError as exc:
+        print(f"gmlx {command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def fast_blas() -> None:
     """Give MLX an optimised BLAS (engine/blas.py) where the server extra is installed; before
     anything imports mlx."""
