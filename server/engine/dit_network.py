@@ -9,7 +9,7 @@ its single files and its shard plan): FolderFamily reads the status, manifest, c
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,6 +131,45 @@ class DiTPart:
                 len(unread),
                 unread[0],
             )
+
+
+def by_layout(layouts: Sequence[Hashable], run: Callable[[list[int]], mx.array]) -> mx.array:
+    """A batch's answer (B, ...) in row order, its rows run in groups: `layouts[b]` says what
+    row b must share with the rows it runs beside (its text length, its references' shapes),
+    `run(rows)` answers the rows of one layout as one batch (len(rows), ...). One layout runs
+    once, as the batch it is."""
+    groups: dict[Hashable, list[int]] = {}
+    for row, layout in enumerate(layouts):
+        groups.setdefault(layout, []).append(row)
+    if len(groups) == 1:
+        return run(list(range(len(layouts))))
+    answers: dict[int, mx.array] = {}
+    for rows in groups.values():
+        answers.update(zip(rows, run(rows), strict=True))
+    return mx.stack([answers[row] for row in range(len(layouts))])
+
+
+def rows_of(array: mx.array, rows: list[int]) -> mx.array:
+    """`array`'s rows `rows` (B', ...): the array itself where they are all of its rows."""
+    return array if rows == list(range(array.shape[0])) else array[mx.array(rows)]
+
+
+def raster_tokens(x: mx.array) -> mx.array:
+    """Latents (B, C, h, w) as tokens (B, h*w, C), a cell a token in raster order."""
+    batch, channels, height, width = x.shape
+    return x.reshape(batch, channels, height * width).transpose(0, 2, 1)
+
+
+def raster_grid(tokens: mx.array, height: int, width: int) -> mx.array:
+    """Tokens (B, h*w, C) in raster order back as latents (B, C, h, w)."""
+    batch, _, channels = tokens.shape
+    return tokens.transpose(0, 2, 1).reshape(batch, channels, height, width)
+
+
+def stacked_references(rows: list[list[mx.array]]) -> list[mx.array]:
+    """The references of rows of one layout (each row's a list of (C, h_k, w_k)) as one
+    (B, C, h_k, w_k) batch per reference."""
+    return [mx.stack([row[k] for row in rows]) for k in range(len(rows[0]))]
 
 
 class DiTNetwork:

@@ -34,7 +34,15 @@ import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
 from ...dit_file import Naming
-from ...dit_network import DiTNetwork, DiTPart
+from ...dit_network import (
+    DiTNetwork,
+    DiTPart,
+    by_layout,
+    raster_grid,
+    raster_tokens,
+    rows_of,
+    stacked_references,
+)
 from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
@@ -399,18 +407,12 @@ class Flux2DiT(DiTNetwork):
 
     # -- the forward -------------------------------------------------------------------------
 
-    @staticmethod
-    def tokens(x: mx.array) -> mx.array:
-        """(B, C, h, w) -> (B, h*w, C), raster order."""
-        batch, channels, height, width = x.shape
-        return x.reshape(batch, channels, height * width).transpose(0, 2, 1)
-
     def reference_states(self, refs: list[mx.array], w: dict | None = None) -> RefState:
         """The KV model's references (each (C, h, w), model space) run alone at time 0: their K
         and V in every block. Depends on the references and the weights only."""
         w = self.weights if w is None else w
         shapes = [(int(r.shape[1]), int(r.shape[2])) for r in refs]
-        tokens = mx.concatenate([self.tokens(r[None].astype(self.dtype)) for r in refs], axis=1)
+        tokens = mx.concatenate([raster_tokens(r[None].astype(self.dtype)) for r in refs], axis=1)
         rope = self.rope(reference_positions(shapes))
         mods = self.modulations(w, self.time_embedding(w, mx.zeros((1,), mx.float32), True))
         x = project(w, "x_in", tokens)
@@ -442,40 +444,44 @@ class Flux2DiT(DiTNetwork):
             raise ValueError(f"ref_mode must be one of {REF_MODES}, got {ref_mode!r}")
         w = self.weights if weights is None else weights
         batch = x.shape[0]
-        refs = refs or [[] for _ in range(batch)]
-        ref_states = ref_states or [None] * batch
-        groups: dict[tuple, list[int]] = {}
-        for b in range(batch):
-            shapes = tuple(tuple(r.shape) for r in refs[b]) if ref_mode == "joint" else ()
-            kv_tokens = None if ref_states[b] is None else ref_states[b].tokens
-            groups.setdefault((caps[b].shape[0], shapes, kv_tokens), []).append(b)
-        out: list[mx.array | None] = [None] * batch
-        for rows in groups.values():
-            index = mx.array(rows)
-            joint_refs, states = [], None
-            if ref_mode == "joint":
-                count = len(refs[rows[0]])
-                joint_refs = [mx.stack([refs[b][k] for b in rows]) for k in range(count)]
-            elif ref_states[rows[0]] is not None:
-                states = [ref_states[b] for b in rows]
-            caption = mx.stack([caps[b] for b in rows])
-            answer = self._forward_group(
-                x[index], t[index], caption, joint_refs, states, w, fp32_time
+        kv = ref_mode == "kv"
+        joint = refs if refs and not kv else [[] for _ in range(batch)]
+        states = ref_states if ref_states and kv else [None] * batch
+        layouts = [
+            (
+                cap.shape[0],
+                tuple(tuple(r.shape) for r in row),
+                None if state is None else state.tokens,
             )
-            for position, b in enumerate(rows):
-                out[b] = answer[position]
-        return mx.stack(out)
+            for cap, row, state in zip(caps, joint, states, strict=True)
+        ]
+
+        def run(rows: list[int]) -> mx.array:
+            held = [states[b] for b in rows]
+            return self._forward_group(
+                rows_of(x, rows),
+                rows_of(t, rows),
+                mx.stack([caps[b] for b in rows]),
+                stacked_references([joint[b] for b in rows]),
+                None if held[0] is None else held,
+                w,
+                fp32_time,
+            )
+
+        return by_layout(layouts, run)
 
     def _forward_group(self, x, t, caps, refs, states, w, fp32_time) -> mx.array:
         """Rows of one layout: x (B, C, h, w), caps (B, L, D), refs a list of (B, C, h_k, w_k)
         joint references, states the rows' RefStates (or None)."""
-        batch, channels, height, width = x.shape
+        height, width = x.shape[2:]
         n_txt = caps.shape[1]
         n_img = height * width
-        img = self.tokens(x.astype(self.dtype))
+        img = raster_tokens(x.astype(self.dtype))
         positions = [caption_positions(n_txt), image_positions(0, height, width)]
         if refs:
-            img = mx.concatenate([img] + [self.tokens(r.astype(self.dtype)) for r in refs], axis=1)
+            img = mx.concatenate(
+                [img] + [raster_tokens(r.astype(self.dtype)) for r in refs], axis=1
+            )
             positions.append(reference_positions([(r.shape[2], r.shape[3]) for r in refs]))
         rope = self.rope(np.concatenate(positions))
         temb = self.time_embedding(w, t, fp32_time)
@@ -494,7 +500,7 @@ class Flux2DiT(DiTNetwork):
         scale, shift = mx.split(project(w, "final_mod", silu(temb))[:, None, :], 2, axis=-1)
         hidden = layer_norm(hidden, self.config.eps) * (1 + scale) + shift
         out = project(w, "final", hidden)
-        return out.transpose(0, 2, 1).reshape(batch, channels, height, width)
+        return raster_grid(out, height, width)
 
     @staticmethod
     def _extra(states: list[RefState] | None, depth: int):

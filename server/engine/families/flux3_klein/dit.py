@@ -33,7 +33,15 @@ from gmlx_contract.lora_keys import layer_rows
 
 from ...base import Capabilities
 from ...dit_file import Naming
-from ...dit_network import DiTNetwork, DiTPart
+from ...dit_network import (
+    DiTNetwork,
+    DiTPart,
+    by_layout,
+    raster_grid,
+    raster_tokens,
+    rows_of,
+    stacked_references,
+)
 from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
@@ -253,12 +261,6 @@ class Flux3DiT(DiTNetwork):
 
     # -- the forward -------------------------------------------------------------------------
 
-    @staticmethod
-    def tokens(x: mx.array) -> mx.array:
-        """(B, C, h, w) -> (B, h*w, C), raster order."""
-        batch, channels, height, width = x.shape
-        return x.reshape(batch, channels, height * width).transpose(0, 2, 1)
-
     def forward(
         self,
         x: mx.array,
@@ -275,32 +277,27 @@ class Flux3DiT(DiTNetwork):
         if (targets is not None) != self.config.flow_map:
             raise ValueError("target times are for, and only for, a flow-map DiT")
         w = self.weights if weights is None else weights
-        batch = x.shape[0]
-        refs = refs or [[] for _ in range(batch)]
-        groups: dict[tuple, list[int]] = {}
-        for b in range(batch):
-            layout = (texts[b].shape[0], tuple(tuple(r.shape) for r in refs[b]))
-            groups.setdefault(layout, []).append(b)
-        if len(groups) == 1:
-            return self._forward_group(x, t, targets, mx.stack(texts), _stacked(refs), w)
-        out: list[mx.array | None] = [None] * batch
-        for rows in groups.values():
-            index = mx.array(rows)
-            answer = self._forward_group(
-                x[index],
-                t[index],
-                None if targets is None else targets[index],
+        refs = refs or [[] for _ in range(x.shape[0])]
+        layouts = [
+            (text.shape[0], tuple(tuple(r.shape) for r in row))
+            for text, row in zip(texts, refs, strict=True)
+        ]
+
+        def run(rows: list[int]) -> mx.array:
+            return self._forward_group(
+                rows_of(x, rows),
+                rows_of(t, rows),
+                None if targets is None else rows_of(targets, rows),
                 mx.stack([texts[b] for b in rows]),
-                _stacked([refs[b] for b in rows]),
+                stacked_references([refs[b] for b in rows]),
                 w,
             )
-            for position, b in enumerate(rows):
-                out[b] = answer[position]
-        return mx.stack(out)
+
+        return by_layout(layouts, run)
 
     def _forward_group(self, x, t, targets, text, refs, w) -> mx.array:
         """Rows of one layout: x (B, C, h, w), text (B, L, D), refs a list of (B, C, h_k, w_k)."""
-        batch, channels, height, width = x.shape
+        batch, _, height, width = x.shape
         image_temb = self.time_embedding(w, "time", t)
         zero_temb = self.time_embedding(w, "time", mx.zeros((batch,), mx.float32))
         if targets is not None:
@@ -314,7 +311,7 @@ class Flux3DiT(DiTNetwork):
         }
         n_txt, n_img = text.shape[1], height * width
         txt = project(w, "ctx_in", text.astype(self.dtype))
-        img = project(w, "x_in", self.tokens(x.astype(self.dtype)))
+        img = project(w, "x_in", raster_tokens(x.astype(self.dtype)))
         text_rope, image_rope = self.rope("text", (n_txt,)), self.rope("image", (height, width))
         for block in w["txt_blocks"]:
             txt = self.block(block, txt, [(n_txt, early["txt"])], text_rope)
@@ -328,7 +325,7 @@ class Flux3DiT(DiTNetwork):
         ropes = [text_rope, image_rope]
         if refs:
             shapes = tuple((int(r.shape[2]), int(r.shape[3])) for r in refs)
-            cond = mx.concatenate([self.tokens(r.astype(self.dtype)) for r in refs], axis=1)
+            cond = mx.concatenate([raster_tokens(r.astype(self.dtype)) for r in refs], axis=1)
             cond = project(w, "cond_in", cond)
             cond_rope = self.rope("refs", shapes)
             for block in w["cond_blocks"]:
@@ -345,9 +342,4 @@ class Flux3DiT(DiTNetwork):
         image = tokens[:, n_txt : n_txt + n_img]
         scale, shift = mx.split(project(w, "final_mod", image_act), 2, axis=-1)
         out = project(w, "final", layer_norm(image, self.config.eps) * (1 + scale) + shift)
-        return out.transpose(0, 2, 1).reshape(batch, channels, height, width)
-
-
-def _stacked(refs: list[list[mx.array]]) -> list[mx.array]:
-    """Rows' references of one layout as one (B, C, h_k, w_k) batch per reference."""
-    return [mx.stack([row[k] for row in refs]) for k in range(len(refs[0]))]
+        return raster_grid(out, height, width)

@@ -34,7 +34,7 @@ import numpy as np
 
 from ...base import Capabilities
 from ...dit_file import Naming
-from ...dit_network import DiTNetwork, DiTPart
+from ...dit_network import DiTNetwork, DiTPart, by_layout, raster_grid, raster_tokens, rows_of
 from ...lora import BIAS, LinearSlot, block_slots, dense
 from ...nn.attention import attention
 from ...nn.rope import apply_rotary
@@ -230,27 +230,22 @@ class MOSSImageDiT(DiTNetwork):
         tree, size, text length and skip set."""
         w = self.weights if weights is None else weights
         embedded = mx.array(time_sinusoid(timesteps, self.config.freq_dim))
-        groups: dict[int, list[int]] = {}
-        for row, cond in enumerate(conds):
-            groups.setdefault(int(cond.shape[0]), []).append(row)
         skip = tuple(sorted(set(skip)))
-        out: list[mx.array | None] = [None] * len(conds)
-        for length, rows in groups.items():
-            index = mx.array(rows)
+
+        def run(rows: list[int]) -> mx.array:
             text = mx.stack([conds[row] for row in rows]).astype(self.dtype)
-            latents = x[index].astype(self.dtype)
-            signature = (id(w), latents.shape, length, skip)
-            answer = self.compiled_pass(signature, w, latents, embedded[index], text, skip)
-            for place, row in enumerate(rows):
-                out[row] = answer[place]
-        return mx.stack(out)
+            latents = rows_of(x, rows).astype(self.dtype)
+            signature = (id(w), latents.shape, text.shape[1], skip)
+            return self.compiled_pass(signature, w, latents, rows_of(embedded, rows), text, skip)
+
+        return by_layout([int(cond.shape[0]) for cond in conds], run)
 
     def _pass(
         self, w: dict, x: mx.array, embedded: mx.array, text: mx.array, skip: tuple[int, ...]
     ) -> mx.array:
         """The forward of rows sharing one text length, as a pure function of arrays (weights
         included), so `mx.compile` traces it once per shape. Every length comes from a shape."""
-        batch, channels, height, width = x.shape
+        batch, _, height, width = x.shape
         dim, cells = self.config.dim, height * width
         config = self.config
         cos, sin = rope_tables(height, width, text.shape[1], config.head_dim, config.rope_base)
@@ -265,7 +260,7 @@ class MOSSImageDiT(DiTNetwork):
         text_rope = (cos[cells:], sin[cells:])
         for block in w["text_blocks"]:
             words = self.text_block(block, words, text_rope)
-        image = dense(w, "video_in", x.reshape(batch, channels, cells).transpose(0, 2, 1))
+        image = dense(w, "video_in", raster_tokens(x))
         tokens = mx.concatenate([image, words], axis=1)
 
         def run_block(index: int, block: dict, tokens: mx.array) -> mx.array:
@@ -276,4 +271,4 @@ class MOSSImageDiT(DiTNetwork):
         tokens = self.stages.run("blocks", w["blocks"], tokens, run_block)
         normed = self.rms_norm(tokens[:, :cells], w["final_norm"]) * (1 + head[:, 1]) + head[:, 0]
         out = dense(w, "final", normed)
-        return out.transpose(0, 2, 1).reshape(batch, channels, height, width)
+        return raster_grid(out, height, width)
