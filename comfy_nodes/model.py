@@ -54,11 +54,12 @@ from .request import (
     as_f32,
     build_rows,
     check_call,
-    check_latent_sides,
+    latent_patch,
     prefix_cache_enabled,
     refusal_text,
     step_timestep,
     suspects,
+    wrapped_to_patch,
 )
 from .tensor_hashes import TensorHashes, mark_row_sources
 
@@ -252,7 +253,6 @@ class RemoteDiT(torch.nn.Module):
             return out[:, :, None]
         options = transformer_options or {}
         check = self._check(kwargs, options, control)
-        check_latent_sides(tuple(x.shape), self.status, self.model_id)
         patcher = getattr(self.owner, "current_patcher", None)
         table_id = self.sync_table(patcher) if patcher is not None else None
         run = getattr(patcher, "gmlx_run", None)
@@ -268,7 +268,9 @@ class RemoteDiT(torch.nn.Module):
             prefix_cache=prefix_cache_enabled(options),
             hashes=self.row_hashes,
         )
-        x_np, t_np = as_f32(x), step_timestep(as_f32(timesteps), batch)
+        height, width = x.shape[-2:]
+        x_np = wrapped_to_patch(as_f32(x), latent_patch(self.status))
+        t_np = step_timestep(as_f32(timesteps), batch)
         sample_sigmas = self._sample_sigmas(options)
         # ComfyUI's Flux KV Cache: the run keeps the references' K/V (docs/contract.md §3.4)
         ref_cache = check.ref_cache and run is not None and bool(kwargs.get("ref_latents"))
@@ -294,7 +296,7 @@ class RemoteDiT(torch.nn.Module):
             run = self._begin_again(patcher, run)
             answer = self._call(lambda: work(run), run)
         self._keep_timing(answer)
-        out = torch.from_numpy(np.array(answer.out, dtype=np.float32))
+        out = torch.from_numpy(np.array(answer.out[:, :, :height, :width], dtype=np.float32))
         return out.to(device=x.device, dtype=x.dtype)
 
     def _sample_sigmas(self, options: dict) -> np.ndarray | None:

@@ -184,22 +184,21 @@ def _row(
 EMPTY_LATENT_NODE = "gmlx Empty Latent"
 
 
-def check_latent_sides(shape: tuple[int, ...], status: Mapping[str, Any], model_id: str) -> None:
-    """Refuse, in pixels and naming the node to use, latents whose sides the model's DiT does
-    not take (its status `latent`: one cell per `stride` pixels, sides in whole `patch`es),
-    e.g. a stock 1000×600 empty latent for a model of 16-pixel sides."""
-    latent = status.get("latent") or {}
-    stride, patch = int(latent.get("stride") or 1), int(latent.get("patch") or 1)
-    height, width = int(shape[-2]), int(shape[-1])
-    if height % patch == 0 and width % patch == 0:
-        return
-    side = stride * patch
-    raise GmlxError(
-        f"gmlx: the latent is {width * stride}×{height * stride} pixels; {model_id!r} takes"
-        f" sides that are multiples of {side} pixels (such as"
-        f" {width * stride // side * side}×{height * stride // side * side}): make the latent with"
-        f" {EMPTY_LATENT_NODE}, which rounds a size down to them, or pick such a size"
-    )
+def latent_patch(status: Mapping[str, Any]) -> int:
+    """The side, in latent cells, of the model's DiT patch (status `latent.patch`)."""
+    return int((status.get("latent") or {}).get("patch") or 1)
+
+
+def wrapped_to_patch(x: np.ndarray, patch: int) -> np.ndarray:
+    """Latents (B, C, h, w) with sides made whole patches: the bottom rows and right columns
+    wrap round from the top and left, as ComfyUI's own DiTs pad theirs (common_dit's
+    pad_to_patch_size, circular), so a latent of any size the VAE makes samples as it does on
+    ComfyUI's own Z-Image; the step's answer is cut back to (h, w)."""
+    height, width = x.shape[-2:]
+    extra = (-height % patch, -width % patch)
+    if extra == (0, 0):
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (0, extra[0]), (0, extra[1])), mode="wrap")
 
 
 def step_timestep(timestep: np.ndarray, batch_size: int) -> np.ndarray:

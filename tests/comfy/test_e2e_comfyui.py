@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.comfy.workflow_files import (
     CONTROL_AFTER_GENERATE,
@@ -518,9 +519,18 @@ def comfy_simple_sigmas(steps: int, shift: float = 1.0) -> np.ndarray:
 
 
 def direct_sample(
-    model, prompt: str, seed: int, sigmas: np.ndarray, table=None, sampler: str = "euler"
+    model,
+    prompt: str,
+    seed: int,
+    sigmas: np.ndarray,
+    table=None,
+    sampler: str = "euler",
+    cells: tuple[int, int] | None = None,
 ) -> np.ndarray:
-    """The in-process sampler (cfg 1) along `sigmas`, under a patch table."""
+    """The in-process sampler (cfg 1) along `sigmas`, under a patch table, on latents of SIZE²
+    pixels or of `cells` (h, w); where those are not whole patches of the DiT, each step pads
+    x as ComfyUI's own DiTs do (torch's circular pad, bottom and right) and cuts its answer
+    back."""
     from gmlx_server.engine import sampling
 
     transport = sampling.DirectTransport(model, table=table)
@@ -528,10 +538,18 @@ def direct_sample(
     row = transport.row(transport.encode(prompt, []))
     latent = model.status()["latent"]
     side = SIZE // int(latent["stride"])
-    noise = sampling.initial_noise(seed, int(latent["channels"]), side, side)
+    height, width = cells or (side, side)
+    noise = sampling.initial_noise(seed, int(latent["channels"]), height, width)
+    patch = int(latent["patch"])
+
+    def step(x, timestep, rows, skip=()):
+        pad = (0, -width % patch, 0, -height % patch)
+        padded = torch.nn.functional.pad(torch.from_numpy(x), pad, mode="circular").numpy()
+        return transport.step(padded, timestep, rows, skip)[:, :, :height, :width]
+
     try:
         latents = sampling.sample(
-            transport.step, noise, sigmas, sampling.Guidance(row, None, 1.0), sampler=sampler
+            step, noise, sigmas, sampling.Guidance(row, None, 1.0), sampler=sampler
         )
     finally:
         transport.end()
@@ -704,10 +722,15 @@ def test_a_single_frame_video_latent_steps_as_the_image_latent(comfyui, gmlx_ser
     np.testing.assert_allclose(video[:, :, 0], image, rtol=0, atol=1e-5)
 
 
-def test_a_stock_latent_of_sides_z_image_does_not_take_is_refused_in_pixels(comfyui, gmlx_server):
-    """A stock EmptyLatentImage of 200×152 (multiples of 8, not of Z-Image's 16): the pack
-    refuses it before the step, in pixels, naming the node to use."""
-    wf = _workflow("gmlx_lora")
+def test_a_stock_latent_of_sides_off_z_images_patch_samples_as_comfyuis_own_dits_would(
+    comfyui, gmlx_server
+):
+    """A stock EmptyLatentImage of 200×152 pixels (25×19 cells, not whole 2×2 patches of
+    Z-Image's DiT), as a photo of such a size encodes to: each step pads x as ComfyUI's own
+    DiTs pad theirs and cuts the answer back, equal to the engine's sampler doing the same."""
+    seed, steps = 5, 3
+    engine = _served_engine(gmlx_server["config"], Z_IMAGE_MODEL)
+    wf = _save_latent(_workflow("gmlx_lora"), "11")
     for loader in ("1", "2", "3"):
         wf[loader]["inputs"]["model_name"] = Z_IMAGE_MODEL
     assert wf["6"]["class_type"] == "GmlxEmptyLatent"
@@ -715,9 +738,12 @@ def test_a_stock_latent_of_sides_z_image_does_not_take_is_refused_in_pixels(comf
         "class_type": "EmptyLatentImage",
         "inputs": {"width": 200, "height": 152, "batch_size": 1},
     }
-    message = _failure(comfyui, wf)
-    assert "the latent is 200×152 pixels" in message and "multiples of 16 pixels" in message
-    assert "gmlx Empty Latent" in message
+    wf["11"]["inputs"].update(seed=seed, steps=steps)
+    got = _latent(comfyui, _run(comfyui, wf))
+    sigmas = comfy_simple_sigmas(steps, engine.status()["sampling"]["shift"])
+    want = direct_sample(engine, wf["4"]["inputs"]["text"], seed, sigmas, cells=(19, 25))
+    assert got.shape == want.shape == (1, 16, 19, 25)
+    assert _rel(got, want) <= LATENT_RTOL
 
 
 def flux2_sample(

@@ -219,18 +219,19 @@ def test_skip_layer_guidance_becomes_skip_where_the_server_has_it():
     assert check_call({}, {}, skip_blocks=True).skip == []
 
 
-def test_latent_sides_the_dit_does_not_take_are_refused_in_pixels():
-    """A stock empty latent of 1000×600 (multiples of 8) for Z-Image (8-pixel cells in 2×2
-    patches): refused before the step, in pixels, naming the node that makes such latents."""
-    from gmlx_comfy.request import check_latent_sides
+def test_latent_sides_off_the_patch_wrap_round_as_comfyuis_own_dits_pad():
+    """A stock latent of 1000×600 (75×125 cells) for Z-Image (2×2 patches): padded to whole
+    patches as ComfyUI's pad_to_patch_size pads (torch's circular pad, bottom and right), so
+    it samples as on ComfyUI's own Z-Image; whole patches go as they are."""
+    import torch
+    from gmlx_comfy.request import latent_patch, wrapped_to_patch
 
-    status = {"latent": {"stride": 8, "patch": 2}}
-    check_latent_sides((1, 16, 74, 124), status, "z")  # 992×592
-    with pytest.raises(GmlxError) as caught:
-        check_latent_sides((1, 16, 75, 125), status, "z")
-    assert str(caught.value) == (
-        "gmlx: the latent is 1000×600 pixels; 'z' takes sides that are multiples of 16 pixels"
-        " (such as 992×592): make the latent with gmlx Empty Latent, which rounds a size down to"
-        " them, or pick such a size"
-    )
-    check_latent_sides((1, 128, 3, 5), {"latent": {"stride": 16, "patch": 1}}, "klein")
+    patch = latent_patch({"latent": {"stride": 8, "patch": 2}})
+    x = np.random.default_rng(0).standard_normal((2, 16, 75, 125)).astype(np.float32)
+    padded = wrapped_to_patch(x, patch)
+    comfy = torch.nn.functional.pad(torch.from_numpy(x), (0, 1, 0, 1), mode="circular")
+    assert padded.shape == (2, 16, 76, 126)
+    np.testing.assert_array_equal(padded, comfy.numpy())
+    whole = x[:, :, :74, :124]
+    assert wrapped_to_patch(whole, patch) is whole
+    assert latent_patch({"latent": {"stride": 16}}) == latent_patch({}) == 1
