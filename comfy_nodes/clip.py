@@ -21,6 +21,7 @@ from gmlx_contract.errors import StepError
 from .connection import Connection
 from .errors import GmlxError
 from .families import empty_prompt
+from .interrupts import COMFY_INTERRUPT, InterruptFlag, call_or_interrupt
 
 log = logging.getLogger("gmlx_comfy")
 
@@ -56,9 +57,16 @@ def prompt_text(text: str, family: str | None, published: str | None = None) -> 
 class GmlxCLIP:
     """A CLIP whose encoder runs on the server."""
 
-    def __init__(self, conn: Connection, model_id: str, status: dict) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        model_id: str,
+        status: dict,
+        interrupt: InterruptFlag = COMFY_INTERRUPT,
+    ) -> None:
         self.conn = conn
         self.model_id = model_id
+        self.interrupt = interrupt  # an encode (a first one loads the encoder) is cancellable
         self.family = status.get("family")
         self.empty_prompt = (status.get("conditioning") or {}).get("empty_prompt")
         self.layer_idx = None
@@ -145,11 +153,14 @@ class GmlxCLIP:
     def _encode(self, item: GmlxTokens) -> tuple[dict, dict]:
         text = prompt_text(item.text, self.family, self.empty_prompt)
         self.conn.ensure_reachable()
-        with self.conn.lock:
-            try:
-                # With images the reference latents come from the gmlx VAE node instead.
-                return self.conn.client.encode(
-                    text, model=self.model_id, images=item.images or None, refs=False
-                )
-            except StepError as err:
-                raise GmlxError(f"{err} (encoding a prompt for {self.model_id!r})") from err
+
+        def work() -> tuple[dict, dict]:
+            # With images the reference latents come from the gmlx VAE node instead.
+            return self.conn.client.encode(
+                text, model=self.model_id, images=item.images or None, refs=False
+            )
+
+        try:
+            return call_or_interrupt(work, self.interrupt, lock=self.conn.lock)
+        except StepError as err:
+            raise GmlxError(f"{err} (encoding a prompt for {self.model_id!r})") from err

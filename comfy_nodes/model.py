@@ -650,11 +650,15 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         super().pre_run()
         self.remote.conn.ensure_reachable()
         self.remote.sync_table(self)
-        with self.remote.conn.lock:
-            try:
-                self.gmlx_run = self.remote.conn.client.begin_run(self.remote.model_id)
-            except StepError as err:
-                raise GmlxError(str(err)) from err
+        conn = self.remote.conn
+
+        def begin() -> str:  # loads the DiT where it is not resident: cancellable
+            return conn.client.begin_run(self.remote.model_id)
+
+        try:
+            self.gmlx_run = call_or_interrupt(begin, COMFY_INTERRUPT, lock=conn.lock)
+        except StepError as err:
+            raise GmlxError(str(err)) from err
 
     def cleanup(self):
         run, self.gmlx_run = self.gmlx_run, None

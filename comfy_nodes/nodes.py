@@ -278,6 +278,12 @@ class GmlxTextEncodeEdit:
     CATEGORY = CATEGORY
 
     def encode(self, clip, prompt, vae=None, **images):
+        if vae is None and any(image is not None for image in images.values()):
+            raise GmlxError(
+                "gmlx Text Encode (edit): the images need the vae input, the gmlx VAE Loader of"
+                " the same model: the model sees the pictures as the reference latents the VAE"
+                " makes, and the text encoder's reading of them alone is not an edit"
+            )
         import comfy.utils
 
         resized = []

@@ -74,3 +74,13 @@ def test_latent_normalisation_choices():
         latent_normalisation({"family": "krea2", "latent": {"channels": 16}, "vae": {}})
     with pytest.raises(ValueError, match="3 latent channels"):
         latent_normalisation({**status, "latent": {"channels": 3}})
+
+
+def test_the_edit_node_refuses_images_without_the_vae():
+    """Images with no VAE would reach the text encoder alone, which the contract refuses: the
+    node says so before any request."""
+    from gmlx_comfy.errors import GmlxError
+    from gmlx_comfy.nodes import GmlxTextEncodeEdit
+
+    with pytest.raises(GmlxError, match="the images need the vae input"):
+        GmlxTextEncodeEdit().encode(None, "make it blue", vae=None, image2=torch.zeros(1, 8, 8, 3))

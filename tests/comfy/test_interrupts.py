@@ -53,3 +53,36 @@ def test_cancel_is_seen_within_a_poll_and_calls_on_cancel():
     assert lock.locked()
     release.set()
     assert lock.acquire(timeout=2.0)
+
+
+class Flag:
+    """ComfyUI's interrupt flag as the pack reads it."""
+
+    def __init__(self):
+        self.raised = False
+
+    def requested(self):
+        return self.raised
+
+    def throw(self):
+        self.raised = False
+        raise Cancelled()
+
+
+def test_an_encode_the_user_cancels_ends_at_once():
+    """A prompt's encode (the first one loads the text encoder on the server) is abandoned
+    within a poll of the cancel, as a step is."""
+    from types import SimpleNamespace
+
+    from gmlx_comfy.clip import GmlxCLIP
+
+    release, flag = threading.Event(), Flag()
+    client = SimpleNamespace(encode=lambda *args, **kwargs: release.wait(10.0))
+    conn = SimpleNamespace(client=client, lock=threading.RLock(), ensure_reachable=lambda: None)
+    clip = GmlxCLIP(conn, "tiny", {"family": "z_image"}, interrupt=flag)
+    threading.Timer(0.1, lambda: setattr(flag, "raised", True)).start()
+    start = time.monotonic()
+    with pytest.raises(Cancelled):
+        clip.encode("a lighthouse")
+    assert time.monotonic() - start < 1.0
+    release.set()
