@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import shlex
+import socket
 import subprocess
 import threading
 import time
@@ -272,7 +273,29 @@ def serve_flags(url: str, unanswered: str) -> list[str]:
             f"gmlx: {unanswered}, and start_server starts a server only at a plain "
             "http://host:port address; start the server for that address yourself"
         )
+    if not listenable_here(parts.hostname):
+        raise GmlxError(
+            f"gmlx: {unanswered}; {parts.hostname} is not an address of this machine, so"
+            " start_server cannot start a server there: start `gmlx serve` on that machine"
+        )
     return ["--host", parts.hostname, "--port", str(parts.port or 80)]
+
+
+def listenable_here(host: str) -> bool:
+    """Whether this machine can listen at `host`: one of its own addresses (a loopback one,
+    the wildcard, or an interface's), found by binding a probe socket there."""
+    try:
+        addresses = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except OSError:  # no such name
+        return False
+    for family, kind, proto, _, address in addresses:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(address[:2] if family == socket.AF_INET else address)
+            return True
+        except OSError:
+            continue
+    return False
 
 
 @dataclass

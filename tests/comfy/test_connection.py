@@ -448,3 +448,14 @@ def test_a_server_found_elsewhere_that_stopped_answering_starts_the_configured_o
         connection.connect("", start_server=True, settings=settings)
     text = str(caught.value)
     assert f"before answering at {configured};" in text and text.endswith("argv ['serve']")
+
+
+def test_start_server_starts_nothing_for_an_address_of_another_machine():
+    """A URL whose host is not this machine's (192.0.2.1: a documentation address no machine
+    holds) gets no local `gmlx serve` that could only fail to bind: the error says to start
+    the server on that machine. Loopback names and the wildcard are this machine's."""
+    with pytest.raises(GmlxError, match="192.0.2.1 is not an address of this machine"):
+        connection.serve_flags("http://192.0.2.1:9/", "no gmlx server answers at …")
+    assert connection.serve_flags("http://localhost:9/", "")[:2] == ["--host", "localhost"]
+    assert all(map(connection.listenable_here, ("127.0.0.1", "0.0.0.0")))
+    assert not connection.listenable_here("no-such-host.invalid")
