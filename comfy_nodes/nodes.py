@@ -112,6 +112,13 @@ class GmlxServerStatus(_ServerModelNode):
     FUNCTION = "status"
     OUTPUT_NODE = True
 
+    @classmethod
+    def IS_CHANGED(cls, **inputs):
+        """Run at every prompt, never replayed from ComfyUI's cache: what the server holds
+        (the model resident or not, its memory) changes while the inputs stay the same. NaN
+        equals nothing, not even the last prompt's answer."""
+        return float("nan")
+
     def status(self, model_name, server_url, start_server):
         conn, status = _connect(model_name, server_url, start_server)
         text = status_text(conn, status)
@@ -342,6 +349,11 @@ class GmlxEmptyLatent:
     CATEGORY = CATEGORY
 
     def empty(self, vae, width, height, batch_size):
+        if not isinstance(vae, GmlxVAE):
+            raise GmlxError(
+                "gmlx Empty Latent needs a VAE from the gmlx VAE Loader: it makes latents of the"
+                " server model's channels and size"
+            )
         stride = vae.spacial_compression_encode()
         w, h, note = latent_size(width, height, vae.size_multiple)
         shape = (batch_size, vae.latent_channels, h // stride, w // stride)

@@ -183,3 +183,16 @@ def test_empty_latent_node_floors_to_the_patch_of_a_patched_dit():
         "200×152 rounded down to 192×144 (the model's sides are multiples of 16)"
         in (out["ui"]["text"][0])
     )
+
+
+def test_empty_latent_node_refuses_a_stock_vae_naming_the_loader():
+    with pytest.raises(GmlxError, match="gmlx Empty Latent needs a VAE from the gmlx VAE Loader"):
+        GmlxEmptyLatent().empty(object(), 256, 256, 1)
+
+
+def test_the_status_node_runs_at_every_prompt():
+    """ComfyUI replays a node whose IS_CHANGED answers as before; NaN never equals itself."""
+    from gmlx_comfy.nodes import GmlxServerStatus
+
+    answer = GmlxServerStatus.IS_CHANGED(model_name="tiny", server_url="", start_server=True)
+    assert answer != answer
