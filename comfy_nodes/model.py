@@ -42,6 +42,7 @@ from .interrupts import COMFY_INTERRUPT, call_or_interrupt
 from .patches import (
     AdapterHashes,
     Aliases,
+    PatcherTables,
     build_table,
     half_matching_text,
     lora_key_map,
@@ -188,7 +189,7 @@ class RemoteDiT(torch.nn.Module):
         self.aliases = Aliases(manifest)
         self.hashes = AdapterHashes()
         self.row_hashes = TensorHashes(as_f32)
-        self.tables: dict[Any, str | None] = {}
+        self.tables = PatcherTables()
         self.tables_generation = conn.generation  # the server's, when these were defined
         self.timings: list[dict[str, Any]] = []
         self.warned: set[str] = set()
@@ -212,11 +213,12 @@ class RemoteDiT(torch.nn.Module):
         patch uuid (a strength change is one small PUT; matrices go up once), and anew where
         the client no longer keeps the table to define it again (`StepClient.keeps_table`)."""
         uuid = getattr(patcher, "patches_uuid", None)
+        self.tables.let_go(self.conn.client.forget_table)
         if self.tables_generation != self.conn.generation:  # the server restarted
             self.tables.clear()
             self.tables_generation = self.conn.generation
-        known = self.tables.get(uuid)
-        if uuid in self.tables and (known is None or self.conn.client.keeps_table(known)):
+        known = self.tables.ids.get(uuid)
+        if uuid in self.tables.ids and (known is None or self.conn.client.keeps_table(known)):
             return known
         table = build_table(
             self.model_id,
@@ -232,7 +234,7 @@ class RemoteDiT(torch.nn.Module):
                 table_id = self.conn.client.put_patch_table(
                     table.doc, self.model_id, table.adapters
                 )
-        self.tables[uuid] = table_id
+        self.tables.defined(patcher, uuid, table_id)
         return table_id
 
     # -------------------------------------------------------- forward

@@ -175,6 +175,34 @@ class PatchTable:
     adapters: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+class PatcherTables:
+    """The patch table each patcher's patches were defined as (its id; None: no patch live),
+    by their `patches_uuid`. A patcher ComfyUI lets go of (its LoRA dropped from the prompt)
+    lets its table go at the next sync, unless a live patcher names the same table, so the
+    client no longer holds that table's matrices to define it again (docs/contract.md §7.6:
+    LoRAs ComfyUI lets go of are freed)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[Any, str | None] = {}
+        # uuids whose patcher has gone, appended by its finalizer on whichever thread collects it
+        self._gone: list[Any] = []
+
+    def defined(self, patcher: Any, uuid: Any, table_id: str | None) -> None:
+        self.ids[uuid] = table_id
+        if table_id is not None:
+            weakref.finalize(patcher, self._gone.append, uuid)
+
+    def clear(self) -> None:
+        self.ids.clear()
+
+    def let_go(self, forget: Any) -> None:
+        """`forget(table_id)` for each table no live patcher names any more."""
+        while self._gone:
+            table_id = self.ids.pop(self._gone.pop(), None)
+            if table_id is not None and table_id not in self.ids.values():
+                forget(table_id)
+
+
 def _is_lora_value(value: Any) -> tuple[str, Any]:
     """(kind, weights) of a patch value: kind "lora" or another tag, "merge", "unknown"."""
     if isinstance(value, list):

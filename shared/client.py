@@ -495,6 +495,11 @@ class StepClient:
         it (it is among the TABLES_KEPT latest used); a caller defines it anew otherwise."""
         return digest in self._tables
 
+    def forget_table(self, digest: str) -> None:
+        """Keep the table `digest` no longer (its adapter matrices let go): its user dropped
+        what it was made of, and defines it anew should it come back."""
+        self._tables.pop(digest, None)
+
     def _keep_table(self, digest: str) -> None:
         """`digest` is the latest table used; the oldest beyond TABLES_KEPT are let go."""
         self._tables.move_to_end(digest)

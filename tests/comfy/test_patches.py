@@ -253,3 +253,30 @@ def test_adapter_hashes_are_memoised_per_tensor_and_go_with_it(monkeypatch, dtyp
     del up, array
     gc.collect()
     assert len(hashes) == 0  # the memo kept neither the tensor nor a view of it
+
+
+class Patcher:
+    """A ModelPatcher as PatcherTables sees it: an object ComfyUI holds, then lets go of."""
+
+
+def test_a_table_goes_with_the_last_patcher_that_names_it():
+    """The tables of patchers ComfyUI let go of are forgotten at the next sync, but not one a
+    live patcher still names (another uuid defined as the same table)."""
+    import gc
+
+    from gmlx_comfy.patches import PatcherTables
+
+    tables, forgotten = PatcherTables(), []
+    first, second, third = Patcher(), Patcher(), Patcher()
+    tables.defined(first, "uuid-1", "table-a")
+    tables.defined(second, "uuid-2", "table-a")
+    tables.defined(third, "uuid-3", "table-b")
+    tables.defined(Patcher(), "uuid-4", None)  # no live patch: nothing held
+    del first, third
+    gc.collect()
+    tables.let_go(forgotten.append)
+    assert forgotten == ["table-b"] and tables.ids == {"uuid-2": "table-a", "uuid-4": None}
+    del second
+    gc.collect()
+    tables.let_go(forgotten.append)
+    assert forgotten == ["table-b", "table-a"]

@@ -407,6 +407,26 @@ def test_the_tables_kept_to_define_again_are_the_latest_used(server, client):
         client.step(x, [1.0], step_rows(cond), patch_table=first, uploads=uploads)
 
 
+def test_a_table_forgotten_lets_its_matrices_go(server, client):
+    """`forget_table`: the client no longer holds the table's matrices (nothing else does
+    here, so they are freed) and no longer defines it again."""
+    import gc
+    import weakref
+
+    up, down = np.full((8, 2), 5, np.float32), np.ones((2, 8), np.float32)
+    digest = client.put_patch_table(
+        lora_table(up, down), "m", {tensor_hash(up): up, tensor_hash(down): down}
+    )
+    held = weakref.ref(up)
+    del up
+    gc.collect()
+    assert held() is not None and client.keeps_table(digest)
+    client.forget_table(digest)
+    gc.collect()
+    assert held() is None and not client.keeps_table(digest)
+    client.forget_table(digest)  # once more: nothing to let go
+
+
 # ---------------------------------------------------------------- encode and VAE
 
 

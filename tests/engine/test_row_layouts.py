@@ -3,7 +3,6 @@ answers in row order; one layout runs once, on the arrays as they are."""
 
 import mlx.core as mx
 import numpy as np
-
 from gmlx_server.engine.dit_network import by_layout, rows_of, stacked_references
 
 
