@@ -19,6 +19,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import mlx.core as mx
@@ -26,7 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from .load_settings import KQUANT_PRESETS
-from .weights import weight_files
+from .weights import weight_files, written_whole
 
 # preset -> (the type of the matrices, the type of the "more bits" ones)
 PRESETS = dict(
@@ -89,24 +90,31 @@ def write_kquant_folder(
     kq = kquant_module()
     if preset not in PRESETS:
         raise ValueError(f"--kquant must be one of {', '.join(PRESETS)}, not {preset!r}")
-    source, destination = Path(source), Path(destination)
-    if destination.exists():
-        raise FileExistsError(f"{destination} exists; name a new folder")
-    destination.mkdir(parents=True)
-    for item in sorted(source.iterdir()):
-        if item.name == "transformer":
-            continue
-        copy = shutil.copytree if item.is_dir() else shutil.copy2
-        copy(item, destination / item.name)
-    target = destination / "transformer"
-    target.mkdir()
-    shutil.copy2(source / "transformer" / "config.json", target / "config.json")
+    source = Path(source)
+    with written_whole(destination) as folder:
+        for item in sorted(source.iterdir()):
+            if item.name != "transformer":
+                copy = shutil.copytree if item.is_dir() else shutil.copy2
+                copy(item, folder / item.name)
+        target = folder / "transformer"
+        target.mkdir()
+        shutil.copy2(source / "transformer" / "config.json", target / "config.json")
+        gguf_file = target / f"diffusion_pytorch_model-{preset}.gguf"
+        return write_kquant_gguf(source / "transformer", gguf_file, preset, include, kq)
+
+
+def write_kquant_gguf(
+    component: Path, path: Path, preset: str, include: Callable[[str], bool], kq: Any
+) -> dict[str, int]:
+    """The GGUF file `path` of a component folder's weights, the matrices `include` picks
+    encoded by mlx-kquant at `preset`'s type for their block, the rest as they are stored;
+    how many tensors of each type it holds."""
     tensors = {}
-    for path in weight_files(source / "transformer"):
-        tensors.update(mx.load(str(path)))
+    for weights in weight_files(component):
+        tensors.update(mx.load(str(weights)))
     blocks = 1 + max((int(m[1]) for n in tensors if (m := re.search(r"\.(\d+)\.", n))), default=0)
     kind_of = preset_types(preset, blocks)
-    writer = gguf.GGUFWriter(str(target / f"diffusion_pytorch_model-{preset}.gguf"), arch="")
+    writer = gguf.GGUFWriter(str(path), arch="")
     writer.kv_data[0].pop(gguf.Keys.General.ARCHITECTURE, None)
     counts: dict[str, int] = {}
     for name in sorted(tensors):

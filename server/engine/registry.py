@@ -130,6 +130,12 @@ def load_refusal(entry: ModelEntry, exc: Exception) -> ContractError:
     return ContractError(503, f"model {entry.model_id!r} failed to load: {exc}")
 
 
+def _model_folder(child: Path) -> bool:
+    """Whether a model dir's child is a model folder: one holding model_index.json, not hidden
+    (a folder being written, `weights.written_whole`'s, is hidden until it is whole)."""
+    return not child.name.startswith(".") and (child / MODEL_INDEX).is_file()
+
+
 class ModelRegistry:
     def __init__(
         self,
@@ -245,7 +251,7 @@ class ModelRegistry:
                 children = sorted(root.iterdir())
             except OSError:
                 continue
-            yield from (child for child in children if (child / MODEL_INDEX).is_file())
+            yield from (child for child in children if _model_folder(child))
 
     def _set_folders(self) -> dict[str, Path]:
         """Each model from component files by id, its folder (engine/components.py); a set that

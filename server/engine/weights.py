@@ -15,9 +15,12 @@ folder that is not loaded. `tensor_infos` gives logical shapes, whatever the sto
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -400,6 +403,24 @@ def component_bytes(component_dir: Path) -> int:
     return total
 
 
+@contextlib.contextmanager
+def written_whole(destination: Path) -> Iterator[Path]:
+    """The folder to write the new model folder `destination` in: a hidden one beside it (a
+    registry lists no hidden folder), renamed to `destination` once the block has written it
+    whole, and removed with what it holds where the block fails or is interrupted, so that no
+    half-written model is left to be listed and served."""
+    destination = Path(destination)
+    if destination.exists():
+        raise FileExistsError(f"{destination} exists; name a new folder")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    try:
+        yield building
+        os.rename(building, destination)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+
+
 def quantize_folder(
     source: Path,
     destination: Path,
@@ -409,20 +430,18 @@ def quantize_folder(
     """Write `destination` (which must not exist), a copy of the model folder `source` in which
     each component named in `components` holds the weights its predicate picks (by file name)
     quantized (`write_quantized`). Loading the copy reads the quantized weights directly."""
-    source, destination = Path(source), Path(destination)
-    if destination.exists():
-        raise FileExistsError(f"{destination} exists; name a new folder")
+    source = Path(source)
     for name in components:
         if stored_quantization(source / name) is not None:
             raise ValueError(f"{source / name} is stored quantized already")
-    destination.mkdir(parents=True)
-    for item in sorted(source.iterdir()):
-        if item.name in components:
-            write_quantized(item, destination / item.name, quantization, components[item.name])
-        elif item.is_dir():
-            shutil.copytree(item, destination / item.name)
-        else:
-            shutil.copy2(item, destination / item.name)
+    with written_whole(destination) as folder:
+        for item in sorted(source.iterdir()):
+            if item.name in components:
+                write_quantized(item, folder / item.name, quantization, components[item.name])
+            elif item.is_dir():
+                shutil.copytree(item, folder / item.name)
+            else:
+                shutil.copy2(item, folder / item.name)
 
 
 def write_quantized(
@@ -458,9 +477,11 @@ def quantize_shard(
             tensors[name], tensors[base + SCALES], tensors[base + BIASES] = packed
         else:
             tensors[name] = value
-    mx.save_safetensors(
-        str(Path(destination) / Path(path).name), tensors, metadata={"format": "mlx"}
-    )
+    written = Path(destination) / Path(path).name
+    try:
+        mx.save_safetensors(str(written), tensors, metadata={"format": "mlx"})
+    except RuntimeError as exc:  # MLX's own: a full disk, a write refused
+        raise OSError(f"cannot write {written.name}: {exc}") from exc
     return dict.fromkeys(tensors, Path(path).name)
 
 

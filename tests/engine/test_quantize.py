@@ -283,3 +283,41 @@ def test_a_component_too_narrow_to_quantize_stays_float_and_says_so(tmp_path):
     loaded = registry.acquire("stored").model.status()["quantization"]
     assert unloaded["dit"] is None and loaded["dit"] is None
     assert unloaded["encoder"] == loaded["encoder"] is not None
+
+
+def test_a_quantize_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """A write that fails midway (a full disk, an interrupt) takes the half-written copy with
+    it: nothing at the destination, nothing hidden beside it; and a registry lists no hidden
+    folder, the one a copy is written in until it is whole."""
+    from gmlx_server.engine import weights
+    from gmlx_server.engine.registry import ModelRegistry
+
+    source = tmp_path / "models" / "m"
+    (source / "transformer").mkdir(parents=True)
+    (source / "model_index.json").write_text("{}")
+
+    def full_disk(item, destination, quantization, include):
+        destination.mkdir()
+        (destination / "part.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights, "write_quantized", full_disk)
+    written = tmp_path / "models" / "m-q4"
+    with pytest.raises(OSError, match="No space left"):
+        weights.quantize_folder(source, written, Quantization(4, 32), {"transformer": bool})
+    assert sorted(p.name for p in written.parent.iterdir()) == ["m"]
+
+    building = tmp_path / "models" / ".m-q4-abc"
+    building.mkdir()
+    (building / "model_index.json").write_text("{}")
+    assert list(ModelRegistry([tmp_path / "models"]).folders()) == ["m"]
+
+
+def test_quantize_refuses_a_destination_it_cannot_make_before_any_work(tmp_path, capsys):
+    from gmlx_server import cli
+
+    afile = tmp_path / "a.png"
+    afile.write_text("")
+    assert cli.main(["model", "quantize", "--bits", "4", "any-model", str(afile / "q4")]) == 2
+    said = capsys.readouterr().err
+    assert f"gmlx model quantize: {afile / 'q4'}: {afile} is not a folder" in said
