@@ -253,13 +253,13 @@ def uninstall(
 
 
 def _pip_uninstall_command(mine: Install, others: list[Install]) -> list[str]:
-    sharing = [str(i.comfy_dir) for i in others if _same_file(i.python, mine.python)]
+    sharing = [str(i.comfy_dir) for i in others if _same_environment(i.python, mine.python)]
     if sharing:
         raise GmlxError(
             f"gmlx: {mine.python} also serves the install in {', '.join(sharing)}; "
             "uninstall without --pip, or uninstall that one first"
         )
-    if _same_file(mine.python, Path(sys.executable)):
+    if _same_environment(mine.python, Path(sys.executable)):
         raise GmlxError(
             f"gmlx: {mine.python} is the Python running this command: pip uninstall would "
             "remove this gmlx; uninstall without --pip"
@@ -267,11 +267,22 @@ def _pip_uninstall_command(mine: Install, others: list[Install]) -> list[str]:
     return [str(mine.python), "-m", "pip", "uninstall", "--yes", DISTRIBUTION]
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def _same_environment(a: Path, b: Path) -> bool:
+    """Whether two Pythons install into one environment (pip in one uninstalls from both)."""
     try:
-        return a.resolve() == b.resolve()
+        return _environment(a) == _environment(b)
     except OSError:
         return False
+
+
+def _environment(python: Path) -> Path:
+    """Where `python` installs: a virtual environment's folder (the one holding its
+    pyvenv.cfg; its python is a link to the base interpreter, which any other environment made
+    from that base links too), else the interpreter itself."""
+    folder = python.absolute().parent.resolve().parent
+    if (folder / "pyvenv.cfg").is_file():
+        return folder
+    return python.resolve()
 
 
 def pack_import_check(
@@ -321,7 +332,7 @@ def _install(args: argparse.Namespace) -> None:
     result = install(args.comfy, python=args.python)
     print(f"linked {result.link} -> {PACK_DIR}")
     print(f"installed into {result.python}; restart ComfyUI to load the gmlx nodes")
-    if args.python is None and _same_file(result.python, Path(sys.executable)):
+    if args.python is None and _same_environment(result.python, Path(sys.executable)):
         print(
             f"note: {args.comfy} holds no Python of its own (venv/, .venv/ or a portable build's"
             " python_embeded/), so gmlx's own Python was used; if ComfyUI runs in another,"

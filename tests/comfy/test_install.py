@@ -237,3 +237,20 @@ def test_an_install_into_gmlxs_own_python_says_so(tmp_path, monkeypatch, capsys)
     assert f"note: {root} holds no Python of its own" in out and "--python" in out
     assert install.main(["--comfy", str(root), "--python", sys.executable]) == 0
     assert "note:" not in capsys.readouterr().out
+
+
+def test_two_virtual_environments_of_one_base_python_are_two(tmp_path, monkeypatch):
+    """ComfyUI's venv and gmlx's, both made from one python3 (their pythons link to it), are
+    two environments: ComfyUI's is not taken for gmlx's own, so its install needs no note and
+    its uninstall --pip goes ahead."""
+    for name in ("comfy-venv", "gmlx-venv"):
+        venv.create(tmp_path / name, with_pip=False, symlinks=True)
+    comfy_python = tmp_path / "comfy-venv" / "bin" / "python"
+    gmlx_python = tmp_path / "gmlx-venv" / "bin" / "python"
+    assert comfy_python.resolve() == gmlx_python.resolve()  # the one base interpreter
+    monkeypatch.setattr(sys, "executable", str(gmlx_python))
+    assert not install._same_environment(comfy_python, Path(sys.executable))
+    assert install._same_environment(gmlx_python, tmp_path / "gmlx-venv" / "bin" / "python3")
+    assert install._pip_uninstall_command(
+        install.Install(tmp_path, tmp_path / "link", comfy_python), []
+    ) == [str(comfy_python), "-m", "pip", "uninstall", "--yes", "gmlx-steps"]
