@@ -193,7 +193,8 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
     """The models `gmlx serve` with this configuration would list: each model folder under
     model_dirs, the models from component files (with their `files`), the embedded models when
     no default_model is set (`embedded`; their folder is made on first use), and the ids that
-    `[models."id"]` and default_model name (with no folder when none is found)."""
+    `[models."id"]` and default_model name (with no folder when none is found); a folder no
+    family reads says why (`unservable`)."""
     from .engine.registry import ModelRegistry
 
     sets = config.component_sets()
@@ -219,9 +220,16 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
         }
         for model_id, folder in sorted(folders.items(), key=lambda item: item[0] != default)
     ]
+    unservable = {
+        entry.model_id: "no family this server has reads it" + registry.why_unidentified(entry)
+        for entry in registry.entries()
+        if entry.family is None
+    }
     for model in models:  # a model from component files: its files (its folder is the cache's)
         if model["model"] in sets:
             model["files"] = {k: str(v) for k, v in sets[model["model"]].paths().items()}
+        if model["model"] in unservable:
+            model["unservable"] = unservable[model["model"]]
     return {
         "models": models,
         "default_model": default,
@@ -302,7 +310,8 @@ def _print_models(doc: dict) -> None:
         )
         if "files" in model:
             where = ", ".join(f"{k} {v}" for k, v in model["files"].items())
-        print(f"{model['model']}{mark}: {where}")
+        unservable = f" (not servable: {model['unservable']})" if "unservable" in model else ""
+        print(f"{model['model']}{mark}: {where}{unservable}")
     dirs = ", ".join(
         folder + ("" if Path(folder).is_dir() else " (no such folder: no models come from it)")
         for folder in doc["model_dirs"]

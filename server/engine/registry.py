@@ -190,6 +190,7 @@ class ModelRegistry:
         self.load_seconds = 0.0
         # path -> (model_index.json mtime, family, variant, when that mtime was read)
         self._identified: dict[Path, tuple[float, str | None, str | None, float]] = {}
+        self._unidentified: dict[Path, str] = {}  # why a family could not read a folder
         self._listing: tuple[float, dict[str, Path]] | None = None  # (when, folders())
         self._clock = time.monotonic
 
@@ -323,17 +324,20 @@ class ModelRegistry:
             stamp = (path / MODEL_INDEX).stat().st_mtime
         except OSError:
             return ModelEntry(model_id, path, None, None)
-        if cached and cached[0] == stamp:
+        if cached and cached[1] is not None and cached[0] == stamp:  # a failure looks again
             self._identified[path] = (stamp, cached[1], cached[2], now)
             return ModelEntry(model_id, path, cached[1], cached[2])
         family, variant = None, None
-        for spec in self.families.values():
+        self._unidentified.pop(path, None)
+        for name, spec in self.families.items():
             try:
                 found = spec.identify(path)
-            except Exception:  # noqa: BLE001 - "not this family" may be said by raising
+            except Exception as exc:  # noqa: BLE001 - "not this family" may be said by raising
                 found = None
+                self._unidentified.setdefault(path, f"read as {name}: {exc}")
             if found:
                 family, variant = found
+                self._unidentified.pop(path, None)  # another family's error is not this one's
                 break
         self._identified[path] = (stamp, family, variant, now)
         return ModelEntry(model_id, path, family, variant)
@@ -366,9 +370,16 @@ class ModelRegistry:
             raise ContractError(
                 400,
                 f"model {model_id!r} at {entry.path} is not of a family this server can load "
-                f"({', '.join(self.available_families()) or 'none'}){unreadable_index(entry.path)}",
+                f"({', '.join(self.available_families()) or 'none'}){self.why_unidentified(entry)}",
             )
         return entry
+
+    def why_unidentified(self, entry: ModelEntry) -> str:
+        """Why no family reads the folder, where that is known: its model_index.json unread,
+        or a family whose pipeline it names failed to read one of its files."""
+        index = unreadable_index(entry.path)
+        reason = self._unidentified.get(entry.path)
+        return index or (f": {reason}" if reason else "")
 
     def resolve_refusal(self, model_id: str) -> str | None:
         """Why the model from component files `model_id` cannot be served (as the last listing

@@ -213,14 +213,24 @@ class ByClass:
 
 
 def read_json(path: Path) -> dict:
-    """A JSON file's object; {} when the file is absent."""
+    """A JSON file's object; {} when the file is absent (a ValueError naming it when it is
+    not JSON)."""
     path = Path(path)
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return parsed_json(path) if path.is_file() else {}
 
 
 def read_config(component_dir: Path) -> dict:
-    """A component folder's config.json (FileNotFoundError when it has none)."""
-    return json.loads((Path(component_dir) / "config.json").read_text(encoding="utf-8"))
+    """A component folder's config.json (FileNotFoundError when it has none, a ValueError
+    naming it when it is not JSON)."""
+    return parsed_json(Path(component_dir) / "config.json")
+
+
+def parsed_json(path: Path):
+    """A JSON file's value; a file that is not JSON is a ValueError that names it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:  # JSON's and UTF-8's errors
+        raise ValueError(f"{path} is not JSON ({exc})") from exc
 
 
 def model_index(model_dir: Path) -> dict:

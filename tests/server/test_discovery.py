@@ -281,12 +281,31 @@ def test_list_names_the_model_folders_and_configured_ids_default_first(tmp_path,
     ]
     assert doc["models"][0]["folder"] == str(root / "beta") and doc["models"][2]["folder"] is None
     code, out = _run(capsys, "list", "--config", str(config))
-    assert out.splitlines()[0] == f"beta (default): {root / 'beta'}"
+    # the test family's folders: no family of the server reads them
+    assert out.splitlines()[0] == (
+        f"beta (default): {root / 'beta'} (not servable: no family this server has reads it)"
+    )
     assert (
         "gamma: no model folder of that id (a mistyped id? `gmlx pull` or a [models] entry" in out
     )
     unmounted = tmp_path / "unmounted"
     assert f"{root}, {unmounted} (no such folder: no models come from it)" in out
+
+
+def test_list_says_why_no_family_reads_a_folder(tmp_path, capsys):
+    """A Z-Image folder whose text encoder's config.json is broken is listed with the file
+    and the family that could not read it: the model is not silently unsupported."""
+    folder = tmp_path / "models" / "half-edited"
+    (folder / "text_encoder").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    (folder / "text_encoder" / "config.json").write_text("{x")
+    config = config_file(tmp_path, f'[server]\nmodel_dirs = ["{folder.parent}"]\n')
+    code, out = _run(capsys, "list", "--json", "--config", str(config))
+    (listed,) = [m for m in json.loads(out)["models"] if m["model"] == "half-edited"]
+    config_json = folder / "text_encoder" / "config.json"
+    assert listed["unservable"].startswith(
+        f"no family this server has reads it: read as z_image: {config_json} is not JSON ("
+    )
 
 
 def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(tmp_path):

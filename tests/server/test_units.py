@@ -140,6 +140,26 @@ def test_an_unknown_model_that_is_published_names_its_gmlx_pull(tmp_path):
         assert ("fetch it with `gmlx pull " + name + "`" in info.value.message) is hint
 
 
+def test_a_file_a_family_cannot_read_is_named_and_looked_at_again_once_mended(tmp_path):
+    """A Z-Image folder whose text encoder's config.json is not JSON: the refusal names the
+    file and the family that read it; mended, the folder is served without a restart."""
+    import json
+
+    folder = tmp_path / "half-edited"
+    (folder / "text_encoder").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    config = folder / "text_encoder" / "config.json"
+    config.write_text("{x")
+    reg = ModelRegistry([tmp_path], None)
+    with pytest.raises(ContractError) as info:
+        reg.resolve("half-edited")
+    assert info.value.status == 400
+    assert "not of a family this server can load" in info.value.message
+    assert f": read as z_image: {config} is not JSON (" in info.value.message
+    config.write_text(json.dumps({"model_type": "qwen3"}))
+    assert reg.resolve("half-edited").family == "z_image"
+
+
 def test_registry_extra_folder_and_first_wins(tmp_path):
     extra = linear_family.make_model_folder(tmp_path / "embedded", "alpha", variant="embedded")
     reg = ModelRegistry(
