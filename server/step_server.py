@@ -6,6 +6,7 @@ request per step, as a remote client does (`gmlx image sample --via-steps`, `gml
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,8 +27,11 @@ class StepServer:
         from .config import ServerConfig
 
         self.choice = choice
+        # the step routes are what this server is for, whatever the configuration says of
+        # `gmlx serve`'s (server.image.steps_api)
+        image = dataclasses.replace(choice.image, steps_api=True)
         self.config = ServerConfig(
-            host="127.0.0.1", port=0, default_model=choice.model_id, image=choice.image
+            host="127.0.0.1", port=0, default_model=choice.model_id, image=image
         )
         self.ctx = build_context(self.config, choice.registry, choice.group)
         self.http = ServerThread(make_server(create_app(self.ctx), self.config))

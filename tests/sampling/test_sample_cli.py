@@ -20,9 +20,13 @@ def sample(tmp_path, name: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_sample_writes_the_same_png_in_process_and_via_the_step_routes(tmp_path):
+    """The routed run's configuration switches the step routes off for `gmlx serve`; the
+    command's own loopback server serves them all the same."""
     direct = sample(tmp_path, "direct.png")
     assert direct.returncode == 0, direct.stderr[-2000:]
-    routed = sample(tmp_path, "routed.png", "--via-steps")
+    config = tmp_path / "no-steps.toml"
+    config.write_text("[server.image]\nsteps_api = false\n")
+    routed = sample(tmp_path, "routed.png", "--via-steps", "--config", str(config))
     assert routed.returncode == 0, routed.stderr[-2000:]
     assert "via the step routes" in routed.stdout
     with Image.open(tmp_path / "direct.png") as image:
