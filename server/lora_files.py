@@ -52,6 +52,7 @@ from gmlx_contract.lora_keys import (
 )
 
 from .config import AdapterSpec, ModelSettings, parse_adapter
+from .engine.file_headers import HeaderError, safetensors_entries
 from .engine.registry import LoadedModel
 from .service import CachedTensor, PatchTable, build_table, hash_of, tensor_of
 
@@ -68,11 +69,17 @@ LORA_CONFIG_KEYS = {"r", "lora_alpha", "alpha_pattern", "rank_pattern", "use_rsl
 
 
 def adapter_spec(text: str) -> AdapterSpec:
-    """`FILE` or `FILE:STRENGTH` as an argparse type (`config.parse_adapter`)."""
+    """`FILE` or `FILE:STRENGTH` as an argparse type (`config.parse_adapter`), the file's
+    safetensors header read: a file that is none is refused with the other arguments, before
+    any model is chosen or loaded."""
     try:
-        return parse_adapter(text)
+        spec = parse_adapter(text)
+        safetensors_entries(spec.path)
+    except HeaderError as exc:
+        raise argparse.ArgumentTypeError(f"not a safetensors LoRA file: {exc}") from None
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 class DefaultAdapters:

@@ -186,13 +186,21 @@ def test_refusals_name_the_file_and_key(tmp_path, engine, shapes, edit, message)
 
 def test_adapter_spec_reads_an_optional_strength(tmp_path):
     path = tmp_path / "style:v2.safetensors"
-    path.write_bytes(b"")
+    path.write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")  # a safetensors file, empty
     assert adapter_spec(f"{path}:0.5") == AdapterSpec(path, 0.5)
     assert adapter_spec(str(path)) == AdapterSpec(path, 1.0)  # the colon is the file's own
     with pytest.raises(argparse.ArgumentTypeError, match="no LoRA file"):
         adapter_spec(str(tmp_path / "absent.safetensors:0.5"))
     with pytest.raises(argparse.ArgumentTypeError, match=r"the strength 'abc' of .* not a number"):
         adapter_spec(f"{path}:abc")  # the file is there; its strength is what is wrong
+
+
+def test_a_file_that_is_no_safetensors_is_refused_as_an_argument(tmp_path):
+    """With the other arguments (argparse's exit 2), before any model is chosen or loaded."""
+    picture = tmp_path / "a.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    with pytest.raises(argparse.ArgumentTypeError, match="not a safetensors LoRA file: .*a.png"):
+        adapter_spec(f"{picture}:0.5")
 
 
 def gmlx_image(tmp_path, *args: str) -> subprocess.CompletedProcess:
