@@ -363,11 +363,12 @@ class ServerConfig:
                 "bind needs an API key (set [server] api_key or GMLX_API_KEY), or bind 127.0.0.1"
             )
         if self.image.image_url_dir:
-            _check_writable_folder(Path(self.image.image_url_dir), "server.image.image_url_dir")
+            check_writable_folder(Path(self.image.image_url_dir), "server.image.image_url_dir")
 
 
-def _check_writable_folder(folder: Path, key: str) -> None:
-    """A folder this user may write in, or one it may make."""
+def check_writable_folder(folder: Path, key: str) -> None:
+    """A folder this user may write in, or one it may make (a ConfigError naming `key`, the
+    setting or flag that named it, otherwise)."""
     existing = nearest_existing(folder)
     if not existing.is_dir():
         raise ConfigError(f"{key} {folder}: {existing} is a file, not a folder")

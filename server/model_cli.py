@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import may_write_in, nearest_existing
+from .config import ConfigError, check_writable_folder
 from .engine.load_settings import KQUANT_PRESETS
 from .engine.precision import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, Quantization
 from .process import prepared_for
@@ -50,9 +50,12 @@ def register(subparsers) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    refused = destination_refusal(args.destination)
-    if refused:
-        print(f"gmlx model quantize: {refused}", file=sys.stderr)
+    try:  # the new folder: before any work
+        if args.destination.exists():
+            raise ConfigError(f"{args.destination} exists; name a new folder")
+        check_writable_folder(args.destination, "destination")
+    except ConfigError as exc:
+        print(f"gmlx model quantize: {exc}", file=sys.stderr)
         return 2
     if not prepared_for("model quantize"):  # before mlx is imported
         return 2
@@ -87,17 +90,6 @@ def run_quantize(args: argparse.Namespace) -> int:
         return 1
     print(f"wrote {args.destination} ({args.bits}-bit, groups of {args.group_size})")
     return 0
-
-
-def destination_refusal(destination: Path) -> str | None:
-    """Why the new model folder `destination` cannot be written, told before any work (None:
-    it can): it exists, or the nearest folder it would be made in is not this user's to write."""
-    if destination.exists():
-        return f"{destination} exists; name a new folder"
-    existing = nearest_existing(destination.parent)
-    if not may_write_in(existing):
-        return f"{destination}: {existing} is not a folder this user may write in"
-    return None
 
 
 def write_kquant(source: Path, destination: Path, preset: str, include) -> int:

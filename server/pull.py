@@ -306,7 +306,7 @@ def register(subparsers) -> None:
 
 
 def pull_command(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config
+    from .config import ConfigError, check_writable_folder, load_config
 
     if args.list:
         for name, (spec, entry) in sorted(published().items()):
@@ -325,6 +325,8 @@ def pull_command(args: argparse.Namespace) -> int:
             )
         quantization = quantization_argument(args)
         config = load_config(args.config)
+        if args.to is not None:
+            check_writable_folder(Path(args.to).expanduser(), "--to")
     except (ConfigError, ValueError) as exc:
         print(f"gmlx pull: {exc}", file=sys.stderr)
         return 2

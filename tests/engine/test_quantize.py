@@ -320,4 +320,4 @@ def test_quantize_refuses_a_destination_it_cannot_make_before_any_work(tmp_path,
     afile.write_text("")
     assert cli.main(["model", "quantize", "--bits", "4", "any-model", str(afile / "q4")]) == 2
     said = capsys.readouterr().err
-    assert f"gmlx model quantize: {afile / 'q4'}: {afile} is not a folder" in said
+    assert f"gmlx model quantize: destination {afile / 'q4'}: {afile} is a file, not a" in said

@@ -234,6 +234,7 @@ def test_no_model_dirs_and_no_hub_are_said_plainly(tmp_path):
         (["--quantize", "7"], "invalid choice: 7"),
         (["--quantize", "4", "--gguf", "Q8_0"], "--quantize and --gguf exclude each other"),
         (["--group-size", "64"], "--group-size needs --quantize"),
+        (["--to", "FILE/model"], "--to FILE/model: FILE is a file, not a folder"),
     ],
 )
 def test_arguments_that_cannot_go_together_exit_2_before_any_download(
@@ -243,8 +244,10 @@ def test_arguments_that_cannot_go_together_exit_2_before_any_download(
 
     config = tmp_path / "c.toml"
     config.write_text("")
+    flags = [flag.replace("FILE", str(config)) for flag in ["--to", str(tmp_path), *flags]]
+    said = said.replace("FILE", str(config))
     try:
-        code = cli.main(["pull", REPO, *flags, "--config", str(config), "--to", str(tmp_path)])
+        code = cli.main(["pull", REPO, *flags, "--config", str(config)])
     except SystemExit as exited:  # argparse's refusal
         code = exited.code
     assert code == 2 and said in capsys.readouterr().err
