@@ -6,8 +6,11 @@ Each image is a file named by a random 128-bit token (`<32 hex>.<png|jpeg|webp>`
 A name is served only when it is of that form and in this store's own index, so no path a
 client sends reaches the file system. An image expires `image_url_ttl_s` after it was made
 (a sweeper removes it then, whether or not anyone asks), and the oldest images go first when
-the store would hold more than `image_url_store_mb`. At start the folder's files of that form
-are removed: a restarted server serves none it did not make.
+the store would hold more than `image_url_store_mb`. In `image_url_dir` each server keeps its
+images in a folder of its own, `server-<pid>`, so servers sharing one configuration keep each
+other's images: at start a server empties its own and removes those of processes that no longer
+run (and loose image files an earlier layout left), so a restarted server serves none it did
+not make; at stop it removes its own.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from .server_records import process_runs
+
 log = logging.getLogger("gmlx.server")
 
 CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 NAME_RE = re.compile(r"[0-9a-f]{32}\.(png|jpeg|webp)")
+SERVER_FOLDER_RE = re.compile(r"server-(\d+)")  # one server's images in image_url_dir
 MAX_SWEEP_S = 30.0
 
 
@@ -43,9 +49,13 @@ class Entry:
 
 class ImageStore:
     def __init__(self, folder: Path | None, ttl_s: float, max_bytes: int) -> None:
-        self.owned = folder is None
-        self.folder = Path(tempfile.mkdtemp(prefix="gmlx-images-")) if folder is None else folder
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix="gmlx-images-"))
+        else:
+            folder.mkdir(parents=True, exist_ok=True)
+            _remove_gone_servers(folder)
+            self.folder = folder / f"server-{os.getpid()}"
+            self.folder.mkdir(exist_ok=True)
         self.ttl_s, self.max_bytes = ttl_s, max_bytes
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest first
         self._bytes = 0
@@ -99,8 +109,7 @@ class ImageStore:
             self._bytes = 0
         for name in names:
             self._unlink(name)
-        if self.owned:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     # -- upkeep -----------------------------------------------------------------------
 
@@ -129,9 +138,24 @@ class ImageStore:
             log.warning("image store: could not remove %s: %s", name, exc)
 
     def _remove_strays(self) -> None:
-        for path in self.folder.iterdir():
-            stray = NAME_RE.fullmatch(path.name) or (
-                path.name.startswith(".") and path.name.endswith(".partial")
-            )
-            if stray and path.is_file():
-                path.unlink(missing_ok=True)
+        """An earlier process's images in this store's folder (one of the same pid)."""
+        _remove_images(self.folder)
+
+
+def _remove_images(folder: Path) -> None:
+    for path in folder.iterdir():
+        stray = NAME_RE.fullmatch(path.name) or (
+            path.name.startswith(".") and path.name.endswith(".partial")
+        )
+        if stray and path.is_file():
+            path.unlink(missing_ok=True)
+
+
+def _remove_gone_servers(root: Path) -> None:
+    """The image folders in `root` of servers whose process no longer runs, and the loose image
+    files an earlier layout kept there; another running server's folder is left alone."""
+    _remove_images(root)
+    for path in root.iterdir():
+        held = SERVER_FOLDER_RE.fullmatch(path.name)
+        if held and path.is_dir() and not process_runs(int(held[1])):
+            shutil.rmtree(path, ignore_errors=True)

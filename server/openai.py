@@ -502,8 +502,12 @@ class ImageRoute:
             return {"b64_json": base64.b64encode(data).decode("ascii")}
         try:
             name = self.service.image_store().put(data, job.output_format)
-        except StoreFull as exc:
-            raise OpenAIError(503, str(exc)) from None
+        except StoreFull as exc:  # a 4xx: OpenAI's clients send a 5xx again, to the same end
+            raise OpenAIError(
+                400,
+                f"{exc}: ask for response_format b64_json, or for a smaller image",
+                param="response_format",
+            ) from None
         return {"url": req.prefix + FILES_PREFIX + name}
 
     def transport(self, loaded: Any) -> PlannedTransport:

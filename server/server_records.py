@@ -69,7 +69,7 @@ def running_servers() -> list[dict[str, Any]]:
         if not _own(path):  # another user's file: its URL would get this user's API key
             continue
         record = _read(path)  # None: not a record (one is written whole, then renamed)
-        if record is None or not _runs(record["pid"]):
+        if record is None or not process_runs(record["pid"]):
             with contextlib.suppress(OSError):  # another's record, or a folder not writable
                 path.unlink()
             continue
@@ -99,7 +99,7 @@ def _own(path: Path) -> bool:
         return False
 
 
-def _runs(pid: int) -> bool:
+def process_runs(pid: int) -> bool:
     """Whether a process of this id runs (one of another user's counts: it exists)."""
     if pid <= 0:  # 0 and below name process groups, not a process
         return False

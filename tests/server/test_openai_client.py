@@ -100,6 +100,19 @@ def test_generation_as_base64_and_as_a_url(server, client):
     np.testing.assert_array_equal(pixels_of(fetched.content), image)
 
 
+def test_an_image_larger_than_the_url_store_is_a_refusal_clients_do_not_send_again(
+    server, client, monkeypatch
+):
+    """400, naming the setting and b64_json: OpenAI's clients send a 5xx again, and each try
+    would sample the same image to the same end."""
+    monkeypatch.setattr(server.service.image_store(), "max_bytes", 16)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.generate(model=Z_IMAGE, prompt="x", size="96x64", response_format="url")
+    error = refused.value.body
+    assert error["param"] == "response_format" and "image_url_store_mb" in error["message"]
+    assert "ask for response_format b64_json" in error["message"]
+
+
 def test_an_edit_with_a_mask_inpaints_the_first_image(server, client):
     answer = client.images.edit(
         model=Z_IMAGE,
