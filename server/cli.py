@@ -242,6 +242,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     _warn_if_unservable(registry, default)
     _warn_of_model_folders(registry)
+    _warn_of_no_memory(ctx.service.memory)
     if not config.loopback_bind and config.image.steps_api and not config.image.steps_remote:
         log.info(
             "the step routes answer loopback peers only (server.image.steps_remote is false);"
@@ -302,6 +303,22 @@ def _warn_of_model_folders(registry) -> None:
         log.warning(
             "model %r is served from %s; %s, of the same name, is not", served.name, served, hidden
         )
+
+
+def _warn_of_no_memory(memory) -> None:
+    """Say at start when the image worker has no memory to plan work in (a headroom as large
+    as what this process could use): the server answers, and refuses every image and step."""
+    from .memory import MiB
+
+    if memory.budget() > 0:
+        return
+    log.warning(
+        "the image worker has no memory to work in: server.image.memory_headroom_mb (%d MiB)"
+        " leaves nothing of the %d MiB this process could use, so every image and step will be"
+        " refused; lower it, or set server.image.memory_budget_mb",
+        memory.headroom // MiB,
+        memory.machine() // MiB,
+    )
 
 
 def _launch_group(args: argparse.Namespace) -> int:

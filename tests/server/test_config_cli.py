@@ -553,6 +553,7 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     unmounted = tmp_path / "unmounted"
     config.write_text(
         f'[server]\nmodel_dirs = ["{models}", "{unmounted}"]\ndefault_model = "none-yet"\n'
+        "[server.image]\nmemory_headroom_mb = 999999999\n"
     )
     env = {**os.environ, "GMLX_BLAS": "off", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     records = tmp_path / "cache" / "gmlx-steps" / server_records.FOLDER
@@ -570,6 +571,8 @@ def test_serve_starts_and_stops_cleanly(tmp_path, signum):
     assert "the default model cannot be served: unknown image model 'none-yet'" in err
     assert f"model_dirs names {unmounted}, which is no folder" in err
     assert f"model_dirs names {models}," not in err
+    # a headroom larger than the machine: said at start, not only by every refusal
+    assert "the image worker has no memory to work in: server.image.memory_headroom_mb" in err
     assert "GET /internal/image-steps/v1/models 200" in err
     assert "new requests are refused while the last answers finish" in err  # none in flight
 
