@@ -52,7 +52,6 @@ from gmlx_contract.lora_keys import (
 )
 
 from .config import AdapterSpec, ModelSettings, parse_adapter
-from .engine.file_headers import HeaderError, safetensors_entries
 from .engine.registry import LoadedModel
 from .service import CachedTensor, PatchTable, build_table, hash_of, tensor_of
 
@@ -72,6 +71,8 @@ def adapter_spec(text: str) -> AdapterSpec:
     """`FILE` or `FILE:STRENGTH` as an argparse type (`config.parse_adapter`), the file's
     safetensors header read: a file that is none is refused with the other arguments, before
     any model is chosen or loaded."""
+    from .engine.file_headers import HeaderError, safetensors_entries  # the server's extras
+
     try:
         spec = parse_adapter(text)
         safetensors_entries(spec.path)
