@@ -186,14 +186,14 @@ def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connect
     explicit = settings.explicit_url(widget_url)
     found = Discovered() if explicit else _discovered(settings)
     failures: list[NotGmlxServer] = []
-    conn = _first_answering(candidate_urls(explicit, found), settings.api_key, failures)
+    conn = _first_answering(candidate_urls(explicit, found), settings, failures)
     if conn is None and start_server and not explicit:
         # A server started since the discovery the loaders share: ask once more before
         # starting one (a start costs a model's memory; the question, a fraction of a second).
         fresh = _discovered(settings, fresh=True)
         if fresh is not None and fresh != found:
             found, failures = fresh, []
-            conn = _first_answering(candidate_urls("", found), settings.api_key, failures)
+            conn = _first_answering(candidate_urls("", found), settings, failures)
     if conn is not None:
         return conn
     unanswered = "no gmlx server answers at " + " or at ".join(
@@ -208,12 +208,12 @@ def _connect(settings: Settings, widget_url: str, start_server: bool) -> Connect
     url = explicit or normalise_url(found.configured) or DEFAULT_BASE_URL
     flags = [] if url == normalise_url(found.configured) else serve_flags(url, unanswered)
     server = StartedServer.get_or_start(url, flags, settings, unanswered)
-    return server.wait(lambda: _try(url, settings.api_key, []), settings.api_key)
+    return server.wait(lambda: _try(url, settings, []), settings.api_key)
 
 
-def _first_answering(urls: list[str], api_key: str | None, failures: list) -> Connection | None:
+def _first_answering(urls: list[str], settings: Settings, failures: list) -> Connection | None:
     for url in urls:
-        conn = _try(url, api_key, failures)
+        conn = _try(url, settings, failures)
         if conn is not None:
             return conn
     return None
@@ -241,11 +241,15 @@ _discovery: dict[tuple[str, ...], tuple[float, Discovered]] = {}
 _discovery_lock = threading.Lock()
 
 
-def _try(url: str, api_key: str | None, failures: list[NotGmlxServer]) -> Connection | None:
+def _try(url: str, settings: Settings, failures: list[NotGmlxServer]) -> Connection | None:
+    api_key = settings.api_key
     key = (url, api_key)
     with _connections_lock:
         conn = _connections.get(key)
-    client = conn.client if conn is not None else StepClient(url, api_key)
+    if conn is not None:
+        client = conn.client
+    else:
+        client = StepClient(url, api_key, settings.timeout_s, settings.timeout_hint)
     try:
         if conn is not None:
             with conn.lock:

@@ -25,7 +25,7 @@ import comfy.supported_models
 import comfy.supported_models_base
 import numpy as np
 import torch
-from gmlx_contract.errors import StepError
+from gmlx_contract.errors import NoAnswer, StepError
 from gmlx_contract.lora_keys import layer_aliases
 
 from . import stock
@@ -348,6 +348,8 @@ class RemoteDiT(torch.nn.Module):
         except StepError as err:
             if err.code == "interrupted" and COMFY_INTERRUPT.requested():
                 COMFY_INTERRUPT.throw()
+            if isinstance(err, NoAnswer) and err.timed_out:
+                on_cancel()  # the step given up on: the server stops working on it for nobody
             if err.status == 404 and run is not None and repr(run) in str(err):  # the run's 404
                 raise RunGone(str(err)) from err
             raise GmlxError(str(err)) from err

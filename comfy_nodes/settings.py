@@ -25,6 +25,10 @@ BASE_URL_ENV = "GMLX_BASE_URL"
 API_KEY_ENV = "GMLX_API_KEY"
 DEFAULT_MODEL_ENV = "GMLX_DEFAULT_IMAGE_MODEL"
 COMMAND_ENV = "GMLX_COMMAND"
+# How long a request to the server may wait for its answer (a step, an encode, a model's load).
+TIMEOUT_ENV = "GMLX_REQUEST_TIMEOUT_S"
+TIMEOUT_KEY = "request_timeout_s"
+DEFAULT_TIMEOUT_S = 600.0
 # The settings file's record of the last model list a server gave (see `remember_models`).
 MODELS_SEEN_KEY = "models_seen"
 # What `gmlx serve` imports beyond the pack's needs (the distribution's `server` extra).
@@ -92,6 +96,15 @@ class Settings:
     default_model: str  # "" when nothing names one: the server's default comes first
     path: Path
     command: tuple[str, ...] = ()  # the configured `gmlx` command; () to look for one
+    timeout_s: float = DEFAULT_TIMEOUT_S  # how long a request waits for its answer
+
+    @property
+    def timeout_hint(self) -> str:
+        """How the user gives the server's answers longer, for a request that ran out of time."""
+        return (
+            f"to wait longer than {self.timeout_s:g} s, set {TIMEOUT_KEY} in {self.path} or"
+            f" {TIMEOUT_ENV}"
+        )
 
     @property
     def server_log(self) -> Path:
@@ -242,7 +255,20 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
         default_model=default_model,
         path=path,
         command=tuple(command),
+        timeout_s=_seconds(env.get(TIMEOUT_ENV))
+        or _seconds(doc.get(TIMEOUT_KEY))
+        or DEFAULT_TIMEOUT_S,
     )
+
+
+def _seconds(value: Any) -> float | None:
+    """A positive, finite number of seconds (a number or its text), else None: a mistyped
+    setting falls back on the default rather than stop ComfyUI from loading the pack."""
+    try:
+        seconds = float(value) if not isinstance(value, bool) and value is not None else None
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds is not None and 0 < seconds < float("inf") else None
 
 
 def model_names_from_answer(doc: Any) -> list[str]:

@@ -35,6 +35,7 @@ from .errors import (
     WireError,
     no_answer_reason,
     parse_json_or_none,
+    timed_out,
 )
 from .hashing import canonical_json, table_id, tensor_hash
 from .step_http import StepConnections
@@ -119,10 +120,19 @@ class _Table:
 class StepClient:
     """Client of one gmlx step server at `base_url` (the server root; may carry a path)."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        timeout_hint: str = "",
+    ):
+        """`timeout`: how long a request may wait for its answer; `timeout_hint`: how the
+        client's user gives it longer, said when a request runs out of time."""
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
+        self.timeout_hint = timeout_hint
         self.session = requests.Session()
         # Re-send a request only when it never went out (connection errors), never after.
         retry = Retry(total=1, connect=1, read=0, redirect=0, status=0, other=0)
@@ -196,6 +206,15 @@ class StepClient:
 
     def _no_answer(self, method: str, path: str, error: BaseException, timeout: float) -> NoAnswer:
         reason = no_answer_reason(error, timeout)
+        if timed_out(error):
+            hint = f"; {self.timeout_hint}" if self.timeout_hint else ""
+            return NoAnswer(
+                f"gmlx: {method} {path} got no answer from the gmlx server at {self.base_url}"
+                f" within {timeout:g} s: it may still be working on it (a large image, a model"
+                f" loading from a slow disk){hint}",
+                reason,
+                timed_out=True,
+            )
         return NoAnswer(
             f"gmlx: {method} {path} got no answer from the gmlx server at {self.base_url} "
             f"({reason}); check that it runs there (`gmlx serve` starts one)",

@@ -80,9 +80,10 @@ class NoAnswer(StepError):
     """A request that got no HTTP answer: nothing listens, the connection broke, or it timed
     out. `reason` says which in a few words (`no_answer_reason`)."""
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: str, timed_out: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
+        self.timed_out = timed_out  # the server may still be working on the request
 
 
 class NotGmlxServer(StepError):
@@ -129,7 +130,7 @@ def no_answer_reason(error: BaseException, timeout: float) -> str:
     the socket raised: "connection refused", "no answer within 2 s", "the host name 'x' does
     not resolve", or else the innermost error's text (not the whole chain of wrappers)."""
     chain = list(_causes(error))
-    if any(isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ for e in chain):
+    if timed_out(error):
         return f"no answer within {timeout:g} s"
     for cause in chain:
         if isinstance(cause, socket.gaierror):
@@ -139,6 +140,12 @@ def no_answer_reason(error: BaseException, timeout: float) -> str:
             return cause.strerror[:1].lower() + cause.strerror[1:]
     innermost = chain[-1]
     return str(innermost) or type(innermost).__name__
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether a request that got no answer ran out of time (rather than found nothing there,
+    or lost its connection)."""
+    return any(isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ for e in _causes(error))
 
 
 def _causes(error: BaseException | None) -> Iterator[BaseException]:

@@ -152,3 +152,15 @@ def test_remembered_models_and_the_server_log_live_beside_the_settings(tmp_path)
     assert (tmp_path / "comfyui.json").stat().st_mtime_ns == before
     assert got.remembered_models() == ["b", "a"]
     assert [p.name for p in tmp_path.iterdir()] == ["comfyui.json"]  # no temporary left
+
+
+def test_the_request_timeout_comes_from_the_environment_then_the_file(tmp_path):
+    """A mistyped value falls back on the default rather than stop ComfyUI loading the pack."""
+    (tmp_path / "comfyui.json").write_text(json.dumps({"request_timeout_s": 1800}))
+    assert s.load_settings(_env(tmp_path)).timeout_s == 1800.0
+    assert s.load_settings(_env(tmp_path, GMLX_REQUEST_TIMEOUT_S="90")).timeout_s == 90.0
+    for wrong in ("soon", "-5", "0", "inf", "nan"):
+        (tmp_path / "comfyui.json").write_text(json.dumps({"request_timeout_s": wrong}))
+        assert s.load_settings(_env(tmp_path)).timeout_s == s.DEFAULT_TIMEOUT_S, wrong
+    hint = s.load_settings(_env(tmp_path)).timeout_hint
+    assert "request_timeout_s in" in hint and "GMLX_REQUEST_TIMEOUT_S" in hint

@@ -544,3 +544,25 @@ def test_step_error_texts_name_the_server(server, client):
             f"gmlx: POST step got no answer from the gmlx server at {url} (connection refused); "
             "check that it runs there (`gmlx serve` starts one)"
         )
+
+
+def test_a_request_that_runs_out_of_time_says_the_server_may_still_be_working():
+    """Not "check that it runs there": it answered nothing in time, and the hint says how to
+    give it longer."""
+    import socket
+
+    from gmlx_contract.errors import NoAnswer
+
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    client = StepClient(url, timeout=0.3, timeout_hint="set request_timeout_s")
+    try:
+        with pytest.raises(NoAnswer) as refused:
+            client.step(np.zeros((1, 4, 2, 2), np.float32), [1.0], step_rows(cond_tensor(1)))
+    finally:
+        client.close()
+        listener.close()
+    assert refused.value.timed_out
+    message = str(refused.value)
+    assert "POST step got no answer" in message and "within 0.3 s: it may still be" in message
+    assert message.endswith("; set request_timeout_s") and "check that it runs" not in message
