@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gmlx_contract.client import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT_S
+
 DEFAULT_BASE_URL = "http://127.0.0.1:8080"
 SETTINGS_ENV = "GMLX_COMFY_SETTINGS"
 BASE_URL_ENV = "GMLX_BASE_URL"
@@ -28,7 +30,6 @@ COMMAND_ENV = "GMLX_COMMAND"
 # How long a request to the server may wait for its answer (a step, an encode, a model's load).
 TIMEOUT_ENV = "GMLX_REQUEST_TIMEOUT_S"
 TIMEOUT_KEY = "request_timeout_s"
-DEFAULT_TIMEOUT_S = 600.0
 # The settings file's record of the last model list a server gave (see `remember_models`).
 MODELS_SEEN_KEY = "models_seen"
 # What `gmlx serve` imports beyond the pack's needs (the distribution's `server` extra).
