@@ -60,6 +60,7 @@ from .request import (
     refusal_text,
     step_timestep,
     suspects,
+    typed_where_it_belongs,
     wrapped_to_patch,
 )
 from .tensor_hashes import TensorHashes, mark_row_sources
@@ -568,18 +569,6 @@ class GmlxModel(comfy.model_base.BaseModel):
     def memory_required(self, input_shape: Any, cond_shapes: dict | None = None) -> float:
         # The forward runs on the server: ComfyUI may batch every row into one call.
         return 1.0
-
-
-def typed_where_it_belongs(conds: dict[str, Any]) -> Any:
-    """The conditioning a call steps on: where the server rewrote the prompt (prompt
-    upsampling), the prompt as typed for a negative or an edit (docs/contract.md §7.4), as
-    the FLUX.3 pipelines never rewrite those; else the encoded one."""
-    typed = conds.get("gmlx_cond_typed")
-    if typed is not None and (
-        conds.get("prompt_type") == "negative" or conds.get("reference_latents")
-    ):
-        return typed
-    return conds.get("cross_attn")
 
 
 def model_type_for(model_class: str) -> type[GmlxModel]:

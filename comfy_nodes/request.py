@@ -93,6 +93,19 @@ def as_f32(tensor: Any) -> np.ndarray:
     return np.ascontiguousarray(tensor, dtype=np.float32)
 
 
+def typed_where_it_belongs(conds: Mapping[str, Any]) -> Any:
+    """The conditioning a call steps on: where the server rewrote the prompt (prompt
+    upsampling), the prompt as typed for a negative or an edit (docs/contract.md §7.4), as
+    the FLUX.3 pipelines never rewrite those; else the encoded one. A conditioning ComfyUI
+    zeroed (ConditioningZeroOut, which keeps the other keys) stays zero."""
+    typed, encoded = conds.get("gmlx_cond_typed"), conds.get("cross_attn")
+    zeroed = encoded is not None and not np.any(as_f32(encoded))
+    if typed is not None and not zeroed:
+        if conds.get("prompt_type") == "negative" or conds.get("reference_latents"):
+            return typed
+    return encoded
+
+
 def row_of(batch: Any, i: int, length: int | None = None) -> Any:
     """Row i of a batched tensor, or row 0 when its batch is 1 (broadcast); its first `length`
     entries along dim 1 when given. When the pack concatenated `batch`, the row is read from

@@ -235,3 +235,18 @@ def test_latent_sides_off_the_patch_wrap_round_as_comfyuis_own_dits_pad():
     whole = x[:, :, :74, :124]
     assert wrapped_to_patch(whole, patch) is whole
     assert latent_patch({"latent": {"stride": 16}}) == latent_patch({}) == 1
+
+
+def test_a_negative_steps_on_the_typed_prompt_unless_comfyui_zeroed_it():
+    """Where the server rewrote the prompt, a negative or an edit steps on the prompt as typed;
+    a conditioning ConditioningZeroOut made (zeros, its other keys kept) stays zero."""
+    from gmlx_comfy.request import typed_where_it_belongs
+
+    encoded, typed = np.ones((1, 4, 8), np.float32), np.full((1, 3, 8), 2.0, np.float32)
+    conds = {"cross_attn": encoded, "gmlx_cond_typed": typed}
+    assert typed_where_it_belongs(conds) is encoded  # a positive text-to-image row
+    assert typed_where_it_belongs({**conds, "prompt_type": "negative"}) is typed
+    assert typed_where_it_belongs({**conds, "reference_latents": [encoded]}) is typed
+    zeroed = {**conds, "cross_attn": np.zeros_like(encoded), "prompt_type": "negative"}
+    assert typed_where_it_belongs(zeroed) is zeroed["cross_attn"]
+    assert typed_where_it_belongs({"cross_attn": encoded, "prompt_type": "negative"}) is encoded
