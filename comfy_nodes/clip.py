@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from gmlx_contract.errors import StepError
 
-from .connection import Connection
+from .connection import Connection, RemotePart
 from .errors import GmlxError
 from .families import empty_prompt
-from .interrupts import COMFY_INTERRUPT, InterruptFlag, call_or_interrupt
+from .interrupts import COMFY_INTERRUPT, InterruptFlag
 
 log = logging.getLogger("gmlx_comfy")
 
@@ -54,7 +54,7 @@ def prompt_text(text: str, family: str | None, published: str | None = None) -> 
     return text if text != "" else empty_prompt(family, published)
 
 
-class GmlxCLIP:
+class GmlxCLIP(RemotePart):
     """A CLIP whose encoder runs on the server."""
 
     def __init__(
@@ -64,9 +64,7 @@ class GmlxCLIP:
         status: dict,
         interrupt: InterruptFlag = COMFY_INTERRUPT,
     ) -> None:
-        self.conn = conn
-        self.model_id = model_id
-        self.interrupt = interrupt  # an encode (a first one loads the encoder) is cancellable
+        super().__init__(conn, model_id, interrupt)
         self.family = status.get("family")
         self.empty_prompt = (status.get("conditioning") or {}).get("empty_prompt")
         self.layer_idx = None
@@ -161,6 +159,6 @@ class GmlxCLIP:
             )
 
         try:
-            return call_or_interrupt(work, self.interrupt, lock=self.conn.lock)
+            return self.call(work)
         except StepError as err:
             raise GmlxError(f"{err} (encoding a prompt for {self.model_id!r})") from err

@@ -14,10 +14,10 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -26,6 +26,7 @@ from gmlx_contract.errors import NotGmlxServer, StepError
 from gmlx_contract.wire import GiB
 
 from .errors import GmlxError
+from .interrupts import COMFY_INTERRUPT, InterruptFlag, call_or_interrupt
 from .settings import (
     DEFAULT_BASE_URL,
     Discovered,
@@ -36,6 +37,7 @@ from .settings import (
     normalise_url,
 )
 
+T = TypeVar("T")
 log = logging.getLogger("gmlx_comfy")
 
 MODEL_LIST_TTL_S = 10.0
@@ -163,6 +165,23 @@ def adapter_cache_bytes(capabilities: dict) -> int | None:
     min(1 GiB, the bound) (docs/contract.md §2.1), so below 1 GiB it is the bound; else None."""
     limit = (capabilities.get("limits") or {}).get("max_adapter_bytes")
     return limit if isinstance(limit, int) and limit < GiB else None
+
+
+class RemotePart:
+    """A part of a server's model that ComfyUI holds (the remote CLIP, the remote VAE): its
+    calls take the connection's client one at a time, and are given up on at ComfyUI's
+    interrupt (`call`)."""
+
+    def __init__(
+        self, conn: Connection, model_id: str, interrupt: InterruptFlag = COMFY_INTERRUPT
+    ) -> None:
+        self.conn = conn
+        self.model_id = model_id
+        self.interrupt = interrupt
+
+    def call(self, work: Callable[[], T]) -> T:
+        """`work()` with the connection's client to itself, abandoned at an interrupt."""
+        return call_or_interrupt(work, self.interrupt, lock=self.conn.lock)
 
 
 _connections: dict[tuple[str, str | None], Connection] = {}

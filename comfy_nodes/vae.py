@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from gmlx_contract.errors import StepError
 
-from .connection import Connection
+from .connection import Connection, RemotePart
 from .errors import GmlxError
-from .interrupts import COMFY_INTERRUPT, InterruptFlag, call_or_interrupt
+from .interrupts import COMFY_INTERRUPT, InterruptFlag
 
 
 def crop_to_stride(pixels: torch.Tensor, stride: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ def match_channels(pixels: torch.Tensor, channels: int) -> torch.Tensor:
     return pixels[..., :channels]
 
 
-class GmlxVAE:
+class GmlxVAE(RemotePart):
     """A VAE whose passes run on the server; latents are in the VAE routes' space."""
 
     def __init__(
@@ -52,11 +52,9 @@ class GmlxVAE:
         status: dict,
         interrupt: InterruptFlag = COMFY_INTERRUPT,
     ) -> None:
+        super().__init__(conn, model_id, interrupt)
         vae = status.get("vae") or {}
         latent = status.get("latent") or {}
-        self.conn = conn
-        self.model_id = model_id
-        self.interrupt = interrupt
         self.latent_channels = int(latent.get("channels", 16))
         self.channels_stated = "channels" in latent  # what a decode's latents are checked by
         self.stride = int(vae.get("stride", 8))
@@ -150,9 +148,7 @@ class GmlxVAE:
         parts = []
         for i in range(batch.shape[0]):
             try:
-                part = call_or_interrupt(
-                    lambda i=i: call(batch[i : i + 1]), self.interrupt, lock=self.conn.lock
-                )
+                part = self.call(lambda i=i: call(batch[i : i + 1]))
             except StepError as err:
                 raise GmlxError(f"{err} (VAE {what} of {self.model_id!r})") from err
             parts.append(np.asarray(part, dtype=np.float32))

@@ -154,18 +154,6 @@ def rows_of(array: mx.array, rows: list[int]) -> mx.array:
     return array if rows == list(range(array.shape[0])) else array[mx.array(rows)]
 
 
-def raster_tokens(x: mx.array) -> mx.array:
-    """Latents (B, C, h, w) as tokens (B, h*w, C), a cell a token in raster order."""
-    batch, channels, height, width = x.shape
-    return x.reshape(batch, channels, height * width).transpose(0, 2, 1)
-
-
-def raster_grid(tokens: mx.array, height: int, width: int) -> mx.array:
-    """Tokens (B, h*w, C) in raster order back as latents (B, C, h, w)."""
-    batch, _, channels = tokens.shape
-    return tokens.transpose(0, 2, 1).reshape(batch, channels, height, width)
-
-
 def stacked_references(rows: list[list[mx.array]]) -> list[mx.array]:
     """The references of rows of one layout (each row's a list of (C, h_k, w_k)) as one
     (B, C, h_k, w_k) batch per reference."""
@@ -214,6 +202,18 @@ class DiTNetwork:
     @property
     def weight_bytes(self) -> int:
         return tree_bytes(self.weights)
+
+    @staticmethod
+    def tokens(x: mx.array) -> mx.array:
+        """Latents (B, C, h, w) as tokens (B, h*w, C), a cell a token in raster order."""
+        batch, channels, height, width = x.shape
+        return x.reshape(batch, channels, height * width).transpose(0, 2, 1)
+
+    @staticmethod
+    def grid(tokens: mx.array, height: int, width: int) -> mx.array:
+        """Tokens (B, h*w, C) in raster order back as latents (B, C, h, w)."""
+        batch, _, channels = tokens.shape
+        return tokens.transpose(0, 2, 1).reshape(batch, channels, height, width)
 
     def capabilities(self, declared: Capabilities) -> Capabilities:
         """What a model on these weights can do: the spec's `declared` capabilities, where the

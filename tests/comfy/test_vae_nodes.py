@@ -16,25 +16,9 @@ from gmlx_comfy.errors import GmlxError
 from gmlx_comfy.nodes import GmlxEmptyLatent, GmlxVAEDecode, latent_size
 from gmlx_comfy.vae import GmlxVAE
 
+from tests.comfy.interrupt_flag import Flag, Interrupted
+
 STATUS = {"vae": {"stride": 16, "channels_out": 4}, "latent": {"channels": 64, "stride": 16}}
-
-
-class Interrupted(Exception):
-    pass
-
-
-class Flag:
-    """ComfyUI's interrupt flag as the pack reads it."""
-
-    def __init__(self):
-        self.raised = False
-
-    def requested(self):
-        return self.raised
-
-    def throw(self):
-        self.raised = False
-        raise Interrupted()
 
 
 class Client:

@@ -34,15 +34,7 @@ import numpy as np
 from gmlx_contract.lora_keys import layer_rows
 
 from ...dit_file import Naming
-from ...dit_network import (
-    DiTNetwork,
-    DiTPart,
-    by_layout,
-    raster_grid,
-    raster_tokens,
-    rows_of,
-    stacked_references,
-)
+from ...dit_network import DiTNetwork, DiTPart, by_layout, rows_of, stacked_references
 from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
@@ -412,7 +404,7 @@ class Flux2DiT(DiTNetwork):
         and V in every block. Depends on the references and the weights only."""
         w = self.weights if w is None else w
         shapes = [(int(r.shape[1]), int(r.shape[2])) for r in refs]
-        tokens = mx.concatenate([raster_tokens(r[None].astype(self.dtype)) for r in refs], axis=1)
+        tokens = mx.concatenate([self.tokens(r[None].astype(self.dtype)) for r in refs], axis=1)
         rope = self.rope(reference_positions(shapes))
         mods = self.modulations(w, self.time_embedding(w, mx.zeros((1,), mx.float32), True))
         x = project(w, "x_in", tokens)
@@ -476,12 +468,10 @@ class Flux2DiT(DiTNetwork):
         height, width = x.shape[2:]
         n_txt = caps.shape[1]
         n_img = height * width
-        img = raster_tokens(x.astype(self.dtype))
+        img = self.tokens(x.astype(self.dtype))
         positions = [caption_positions(n_txt), image_positions(0, height, width)]
         if refs:
-            img = mx.concatenate(
-                [img] + [raster_tokens(r.astype(self.dtype)) for r in refs], axis=1
-            )
+            img = mx.concatenate([img] + [self.tokens(r.astype(self.dtype)) for r in refs], axis=1)
             positions.append(reference_positions([(r.shape[2], r.shape[3]) for r in refs]))
         rope = self.rope(np.concatenate(positions))
         temb = self.time_embedding(w, t, fp32_time)
@@ -500,7 +490,7 @@ class Flux2DiT(DiTNetwork):
         scale, shift = mx.split(project(w, "final_mod", silu(temb))[:, None, :], 2, axis=-1)
         hidden = layer_norm(hidden, self.config.eps) * (1 + scale) + shift
         out = project(w, "final", hidden)
-        return raster_grid(out, height, width)
+        return self.grid(out, height, width)
 
     @staticmethod
     def _extra(states: list[RefState] | None, depth: int):

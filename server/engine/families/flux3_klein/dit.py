@@ -33,15 +33,7 @@ from gmlx_contract.lora_keys import layer_rows
 
 from ...base import Capabilities
 from ...dit_file import Naming
-from ...dit_network import (
-    DiTNetwork,
-    DiTPart,
-    by_layout,
-    raster_grid,
-    raster_tokens,
-    rows_of,
-    stacked_references,
-)
+from ...dit_network import DiTNetwork, DiTPart, by_layout, rows_of, stacked_references
 from ...lora import LinearSlot, block_slots, project
 from ...nn.activations import layer_norm, silu
 from ...nn.attention import attention
@@ -311,7 +303,7 @@ class Flux3DiT(DiTNetwork):
         }
         n_txt, n_img = text.shape[1], height * width
         txt = project(w, "ctx_in", text.astype(self.dtype))
-        img = project(w, "x_in", raster_tokens(x.astype(self.dtype)))
+        img = project(w, "x_in", self.tokens(x.astype(self.dtype)))
         text_rope, image_rope = self.rope("text", (n_txt,)), self.rope("image", (height, width))
         for block in w["txt_blocks"]:
             txt = self.block(block, txt, [(n_txt, early["txt"])], text_rope)
@@ -325,7 +317,7 @@ class Flux3DiT(DiTNetwork):
         ropes = [text_rope, image_rope]
         if refs:
             shapes = tuple((int(r.shape[2]), int(r.shape[3])) for r in refs)
-            cond = mx.concatenate([raster_tokens(r.astype(self.dtype)) for r in refs], axis=1)
+            cond = mx.concatenate([self.tokens(r.astype(self.dtype)) for r in refs], axis=1)
             cond = project(w, "cond_in", cond)
             cond_rope = self.rope("refs", shapes)
             for block in w["cond_blocks"]:
@@ -342,4 +334,4 @@ class Flux3DiT(DiTNetwork):
         image = tokens[:, n_txt : n_txt + n_img]
         scale, shift = mx.split(project(w, "final_mod", image_act), 2, axis=-1)
         out = project(w, "final", layer_norm(image, self.config.eps) * (1 + scale) + shift)
-        return raster_grid(out, height, width)
+        return self.grid(out, height, width)

@@ -34,7 +34,7 @@ import numpy as np
 
 from ...base import Capabilities
 from ...dit_file import Naming
-from ...dit_network import DiTNetwork, DiTPart, by_layout, raster_grid, raster_tokens, rows_of
+from ...dit_network import DiTNetwork, DiTPart, by_layout, rows_of
 from ...lora import BIAS, LinearSlot, block_slots, dense
 from ...nn.attention import attention
 from ...nn.rope import apply_rotary
@@ -260,7 +260,7 @@ class MOSSImageDiT(DiTNetwork):
         text_rope = (cos[cells:], sin[cells:])
         for block in w["text_blocks"]:
             words = self.text_block(block, words, text_rope)
-        image = dense(w, "video_in", raster_tokens(x))
+        image = dense(w, "video_in", self.tokens(x))
         tokens = mx.concatenate([image, words], axis=1)
 
         def run_block(index: int, block: dict, tokens: mx.array) -> mx.array:
@@ -271,4 +271,4 @@ class MOSSImageDiT(DiTNetwork):
         tokens = self.stages.run("blocks", w["blocks"], tokens, run_block)
         normed = self.rms_norm(tokens[:, :cells], w["final_norm"]) * (1 + head[:, 1]) + head[:, 0]
         out = dense(w, "final", normed)
-        return raster_grid(out, height, width)
+        return self.grid(out, height, width)
