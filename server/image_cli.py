@@ -243,7 +243,9 @@ def _sample(args: argparse.Namespace, group: Any) -> int:
     if isinstance(done, int):
         return done
     choice, request, (pixels, steps) = done
-    if not written("sample", args.out, lambda: write_picture(pixels, args.out)):
+    refused = write_refusal(args.out, lambda: write_picture(pixels, args.out))
+    if refused:
+        print(f"gmlx image sample: {refused}", file=sys.stderr)
         return 1
     print(
         f"wrote {args.out} ({request.width}x{request.height}, {steps} steps, "
@@ -443,15 +445,14 @@ def output_refusal(path: Path | None, flag: str, picture: bool = False) -> str |
     return None
 
 
-def written(command: str, path: Path, write) -> bool:
-    """Whether `write()` wrote the command's output to `path`; where it could not, said on one
-    line (the work is done, the answer lost: no traceback)."""
+def write_refusal(path: Path, write) -> str | None:
+    """Why `write()` could not write the command's output to `path` (None: it wrote it): the
+    work is done, the answer lost, said in one line rather than a traceback."""
     try:
         write()
     except OSError as exc:
-        print(f"gmlx image {command}: cannot write {path}: {exc.strerror or exc}", file=sys.stderr)
-        return False
-    return True
+        return f"cannot write {path}: {exc.strerror or exc}"
+    return None
 
 
 def write_text(path: Path, text: str) -> None:
@@ -494,9 +495,11 @@ def _bench(args: argparse.Namespace, group: Any) -> int:
         return done
     record = done[2]
     text = json.dumps(record, indent=2)
-    if args.json_out and not written(
-        "bench", args.json_out, lambda: write_text(args.json_out, text)
-    ):
+    refused = args.json_out and write_refusal(
+        args.json_out, lambda: write_text(args.json_out, text)
+    )
+    if refused:
+        print(f"gmlx image bench: {refused}", file=sys.stderr)
         return 1
     if args.json:
         print(text)

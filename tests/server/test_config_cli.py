@@ -733,6 +733,18 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
         assert words in err and "never-loaded" not in err, err
 
 
+def test_an_output_that_fails_to_write_after_the_work_is_one_line(tmp_path):
+    """A full disk after sampling: the reason in one line, for the command to print (exit 1)."""
+    from gmlx_server.image_cli import write_refusal
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    out = tmp_path / "a.png"
+    assert write_refusal(out, full_disk) == f"cannot write {out}: No space left on device"
+    assert write_refusal(out, lambda: out.write_bytes(b"png")) is None and out.is_file()
+
+
 def test_a_reader_that_leaves_early_ends_a_listing_quietly(tmp_path):
     """`gmlx list | head -1`: the pipe's reader is gone before the listing is written; the
     command ends without a traceback."""
