@@ -194,7 +194,8 @@ class ByClass:
     """A spec's `identify` as data: a folder is of `family` when its `document` (model_index.json,
     or a component's config such as transformer/config.json) names `class_name`; its variant is
     the first of `variants` where the document sets `flag`, else the second. A folder without
-    the document, or whose document is not a JSON object, is not of the family."""
+    the document, or whose document is not a JSON object, is not of the family; a document
+    that is not JSON at all is a ValueError naming it (the registry says it for the folder)."""
 
     family: str
     class_name: str
@@ -205,7 +206,7 @@ class ByClass:
     def __call__(self, model_dir: Path) -> tuple[str, str] | None:
         try:
             found = read_json(Path(model_dir) / self.document)
-        except (OSError, ValueError):
+        except OSError:
             return None
         if not isinstance(found, dict) or found.get("_class_name") != self.class_name:
             return None

@@ -294,7 +294,7 @@ def test_a_spec_without_a_folder_says_so_when_its_family_is_looked_up():
         ('{"_class_name": "Pipe"}', ("fam", "slow")),
         ('{"_class_name": "OtherPipe", "fast": true}', None),
         ('["Pipe"]', None),
-        ("{not json", None),
+        ("{not json", ValueError),  # named in the refusal of a folder no family reads
         (None, None),
     ],
 )
@@ -304,6 +304,10 @@ def test_by_class_tells_the_family_by_class_and_the_variant_by_flag(tmp_path, wr
     if written is not None:
         (tmp_path / "model_index.json").write_text(written)
     by_index = ByClass("fam", "Pipe", flag="fast", variants=("quick", "slow"))
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="model_index.json is not JSON"):
+            by_index(tmp_path)
+        return
     assert by_index(tmp_path) == expected
     by_config = ByClass(
         "fam", "Pipe", "fast", ("quick", "slow"), document="transformer/config.json"
@@ -342,3 +346,18 @@ def test_registry_models_listing_is_always_fresh(tmp_path):
     reg.resolve("alpha")
     linear_family.make_model_folder(reg.model_dirs[0], "gamma")
     assert "gamma" in {entry.model_id for entry in reg.entries()}
+
+
+def test_a_component_config_that_is_no_json_is_named_for_a_folder_no_family_reads(tmp_path):
+    """FLUX.3 klein tells its folders by transformer/config.json: one that is not JSON is
+    named in the refusal, not passed over in silence."""
+    import json
+
+    folder = tmp_path / "cut-short"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "SomePipeline"}))
+    config = folder / "transformer" / "config.json"
+    config.write_text('{"_class_name": "Flux3')
+    with pytest.raises(ContractError) as info:
+        ModelRegistry([tmp_path], None).resolve("cut-short")
+    assert f"read as flux3_klein: {config} is not JSON (" in info.value.message
