@@ -272,6 +272,7 @@ def _try(url: str, settings: Settings, failures: list[NotGmlxServer]) -> Connect
     try:
         if conn is not None:
             with conn.lock:
+                client.set_timeout(settings.timeout_s, settings.timeout_hint)  # as set now
                 caps = client.handshake()
         else:
             caps = client.handshake()

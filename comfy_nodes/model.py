@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -643,13 +644,16 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         super().pre_run()
         self.remote.conn.ensure_reachable()
         self.remote.sync_table(self)
-        conn = self.remote.conn
+        conn, abandoned = self.remote.conn, threading.Event()
 
         def begin() -> str:  # loads the DiT where it is not resident: cancellable
-            return conn.client.begin_run(self.remote.model_id)
+            run = conn.client.begin_run(self.remote.model_id)
+            if abandoned.is_set():  # cancelled while it loaded: no sampling will end it
+                _end_run(conn, run)
+            return run
 
         try:
-            self.gmlx_run = call_or_interrupt(begin, COMFY_INTERRUPT, lock=conn.lock)
+            self.gmlx_run = call_or_interrupt(begin, COMFY_INTERRUPT, abandoned.set, lock=conn.lock)
         except StepError as err:
             raise GmlxError(str(err)) from err
 
@@ -657,11 +661,17 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         run, self.gmlx_run = self.gmlx_run, None
         try:
             if run is not None:
-                self.remote.conn.control_client(30.0).end_run(run)
-        except (StepError, OSError) as err:
-            log.warning("gmlx: could not end run %s: %s", run, err)
+                _end_run(self.remote.conn, run)
         finally:
             super().cleanup()
+
+
+def _end_run(conn: Any, run: str) -> None:
+    """End a run on the server (its model then free to go), on a client of its own."""
+    try:
+        conn.control_client(30.0).end_run(run)
+    except (StepError, OSError) as err:
+        log.warning("gmlx: could not end run %s: %s", run, err)
 
 
 def fused_qkv(name: str) -> bool:

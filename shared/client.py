@@ -35,7 +35,7 @@ from .errors import (
     WireError,
     no_answer_reason,
     parse_json_or_none,
-    timed_out,
+    waited_for_answer,
 )
 from .hashing import canonical_json, table_id, tensor_hash
 from .step_http import StepConnections
@@ -157,6 +157,16 @@ class StepClient:
         if self._link is not None:
             self._link.close()
 
+    def set_timeout(self, timeout: float, hint: str = "") -> None:
+        """Wait `timeout` for answers from now on (its user changed the setting; `hint`: how to
+        change it again): the step connections open anew with it."""
+        self.timeout_hint = hint
+        if timeout != self.timeout:
+            self.timeout = timeout
+            if self._link is not None:
+                self._link.timeout = timeout
+                self._link.close()
+
     def __enter__(self) -> StepClient:
         return self
 
@@ -206,8 +216,9 @@ class StepClient:
 
     def _no_answer(self, method: str, path: str, error: BaseException, timeout: float) -> NoAnswer:
         reason = no_answer_reason(error, timeout)
-        if timed_out(error):
-            hint = f"; {self.timeout_hint}" if self.timeout_hint else ""
+        if waited_for_answer(error):
+            own = self.timeout_hint and timeout == self.timeout  # not a call of its own bound
+            hint = f"; {self.timeout_hint}" if own else ""
             return NoAnswer(
                 f"gmlx: {method} {path} got no answer from the gmlx server at {self.base_url}"
                 f" within {timeout:g} s: it may still be working on it (a large image, a model"

@@ -148,6 +148,16 @@ def timed_out(error: BaseException) -> bool:
     return any(isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ for e in _causes(error))
 
 
+def waited_for_answer(error: BaseException) -> bool:
+    """Whether a request ran out of time waiting for its answer, once connected (the server
+    may still be working on it); a connection that could not be made (in time or at all:
+    urllib3's connection errors are its ConnectTimeoutErrors) is not there."""
+    from urllib3.exceptions import ConnectTimeoutError
+
+    connecting = any(isinstance(e, ConnectTimeoutError) for e in _causes(error))
+    return timed_out(error) and not connecting
+
+
 def _causes(error: BaseException | None) -> Iterator[BaseException]:
     """The error, then what it wraps: urllib3's `reason`, a wrapped first argument (requests'
     ConnectionError), else the exception it was raised from."""

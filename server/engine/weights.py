@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -413,7 +413,9 @@ def written_whole(destination: Path) -> Iterator[Path]:
     if destination.exists():
         raise FileExistsError(f"{destination} exists; name a new folder")
     destination.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
+    # made as any folder is (the umask's mode: others may read it), not mkdtemp's 0700
+    building = destination.parent / f".{destination.name}-{secrets.token_hex(6)}"
+    building.mkdir()
     try:
         yield building
         os.rename(building, destination)

@@ -122,13 +122,14 @@ def isolated(tmp_path, monkeypatch):
 GMLX = [sys.executable, "-m", "gmlx_server"]
 
 
-def _settings(tmp_path, *, command=GMLX, base_url="") -> Settings:
+def _settings(tmp_path, *, command=GMLX, base_url="", timeout_s=600.0) -> Settings:
     return Settings(
         base_url=base_url,
         api_key=None,
         default_model="",
         path=tmp_path / "comfyui.json",
         command=tuple(command),
+        timeout_s=timeout_s,
     )
 
 
@@ -459,3 +460,17 @@ def test_start_server_starts_nothing_for_an_address_of_another_machine():
     assert connection.serve_flags("http://localhost:9/", "")[:2] == ["--host", "localhost"]
     assert all(map(connection.listenable_here, ("127.0.0.1", "0.0.0.0")))
     assert not connection.listenable_here("no-such-host.invalid")
+
+
+def test_a_timeout_set_since_the_connection_was_made_applies_at_the_next_connect(isolated):
+    """ComfyUI keeps its connections; a loader run after the user raised request_timeout_s
+    (as a timed-out request's error tells) waits the new time, on its step link too."""
+    server = FakeStepServer().start()
+    try:
+        conn = connection.connect(server.url, False, _settings(isolated))
+        assert conn.client.timeout == 600.0
+        again = connection.connect(server.url, False, _settings(isolated, timeout_s=1800.0))
+        assert again is conn and conn.client.timeout == 1800.0
+        assert "to wait longer than 1800 s, set request_timeout_s" in conn.client.timeout_hint
+    finally:
+        server.stop()

@@ -95,3 +95,20 @@ def test_no_answer_reason_is_the_innermost_cause_in_a_few_words():
     assert no_answer_reason(ConnectionError("the server closed the connection"), 1) == (
         "the server closed the connection"
     )
+
+
+def test_a_connection_not_made_in_time_is_no_server_working():
+    """A read timeout: the server may still be working on it; a connect timeout (a host that
+    drops packets): nothing is there to work."""
+    import requests
+    import urllib3
+    from gmlx_contract.errors import waited_for_answer
+
+    pool = urllib3.HTTPConnectionPool("h", 1)
+    read = urllib3.exceptions.ReadTimeoutError(pool, "/step", "read timed out")
+    assert waited_for_answer(requests.ReadTimeout(read))
+    assert waited_for_answer(TimeoutError("timed out"))  # the step link's socket
+    assert not waited_for_answer(_wrapped(TimeoutError("timed out")))  # connecting
+    connect = urllib3.exceptions.ConnectTimeoutError(pool, "connect timed out")
+    assert not waited_for_answer(requests.ConnectTimeout(connect))
+    assert not waited_for_answer(ConnectionRefusedError(111, "refused"))

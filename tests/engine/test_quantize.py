@@ -6,6 +6,7 @@ whole, and a sharded component written quantized loads as stored."""
 from __future__ import annotations
 
 import json
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -232,6 +233,9 @@ def test_a_sharded_component_is_written_quantized_and_loads_as_stored(tmp_path):
         tmp_path / "model", written, Quantization(8, 32), {"transformer": lambda n: n == "b.weight"}
     )
     assert (written / "model_index.json").read_text() == "{}"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert written.stat().st_mode & 0o777 == 0o777 & ~umask  # as any folder: others may read
     component = written / "transformer"
     assert stored_quantization(component) == Quantization(8, 32)
     new_map = json.loads((component / index.name).read_text())["weight_map"]
