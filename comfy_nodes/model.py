@@ -215,12 +215,14 @@ class RemoteDiT(torch.nn.Module):
         patch uuid (a strength change is one small PUT; matrices go up once), and anew where
         the client no longer keeps the table to define it again (`StepClient.keeps_table`)."""
         uuid = getattr(patcher, "patches_uuid", None)
-        self.tables.let_go(self.conn.client.forget_table)
+        with self.conn.lock:  # an abandoned call may still answer a 409 from the client's tables
+            self.tables.let_go(self.conn.client.forget_table)
         if self.tables_generation != self.conn.generation:  # the server restarted
             self.tables.clear()
             self.tables_generation = self.conn.generation
         known = self.tables.ids.get(uuid)
         if uuid in self.tables.ids and (known is None or self.conn.client.keeps_table(known)):
+            self.tables.watch(patcher, uuid)
             return known
         table = build_table(
             self.model_id,

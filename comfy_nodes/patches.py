@@ -177,19 +177,28 @@ class PatchTable:
 
 class PatcherTables:
     """The patch table each patcher's patches were defined as (its id; None: no patch live),
-    by their `patches_uuid`. A patcher ComfyUI lets go of (its LoRA dropped from the prompt)
-    lets its table go at the next sync, unless a live patcher names the same table, so the
-    client no longer holds that table's matrices to define it again (docs/contract.md §7.6:
-    LoRAs ComfyUI lets go of are freed)."""
+    by their `patches_uuid`, and the patchers that sampled with each uuid (ComfyUI's clones
+    share their original's). Once ComfyUI has let go of every patcher of a uuid (its LoRA
+    dropped from the prompt), its table goes at the next sync, unless another uuid's patchers
+    name the same table, so the client no longer holds that table's matrices to define it
+    again (docs/contract.md §7.6: LoRAs ComfyUI lets go of are freed)."""
 
     def __init__(self) -> None:
         self.ids: dict[Any, str | None] = {}
-        # uuids whose patcher has gone, appended by its finalizer on whichever thread collects it
+        self._patchers: dict[Any, weakref.WeakSet] = {}
+        # uuids one of whose patchers has gone, appended by finalizers on whichever thread
+        # collects it
         self._gone: list[Any] = []
 
     def defined(self, patcher: Any, uuid: Any, table_id: str | None) -> None:
         self.ids[uuid] = table_id
-        if table_id is not None:
+        self.watch(patcher, uuid)
+
+    def watch(self, patcher: Any, uuid: Any) -> None:
+        """`patcher` samples with the patches of `uuid` (each call: a clone may be new)."""
+        patchers = self._patchers.setdefault(uuid, weakref.WeakSet())
+        if patcher not in patchers:
+            patchers.add(patcher)
             weakref.finalize(patcher, self._gone.append, uuid)
 
     def clear(self) -> None:
@@ -198,7 +207,11 @@ class PatcherTables:
     def let_go(self, forget: Any) -> None:
         """`forget(table_id)` for each table no live patcher names any more."""
         while self._gone:
-            table_id = self.ids.pop(self._gone.pop(), None)
+            uuid = self._gone.pop()
+            if self._patchers.get(uuid):  # a clone of the same patches still samples
+                continue
+            self._patchers.pop(uuid, None)
+            table_id = self.ids.pop(uuid, None)
             if table_id is not None and table_id not in self.ids.values():
                 forget(table_id)
 

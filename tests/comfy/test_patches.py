@@ -271,12 +271,33 @@ def test_a_table_goes_with_the_last_patcher_that_names_it():
     tables.defined(first, "uuid-1", "table-a")
     tables.defined(second, "uuid-2", "table-a")
     tables.defined(third, "uuid-3", "table-b")
-    tables.defined(Patcher(), "uuid-4", None)  # no live patch: nothing held
+    tables.defined(Patcher(), "uuid-4", None)  # no live patch: nothing to forget
     del first, third
     gc.collect()
     tables.let_go(forgotten.append)
-    assert forgotten == ["table-b"] and tables.ids == {"uuid-2": "table-a", "uuid-4": None}
+    assert forgotten == ["table-b"] and tables.ids == {"uuid-2": "table-a"}
     del second
     gc.collect()
     tables.let_go(forgotten.append)
     assert forgotten == ["table-b", "table-a"]
+
+
+def test_a_table_stays_while_a_clone_of_its_patcher_samples():
+    """ComfyUI's clones share their original's patches uuid: the clone that samples keeps the
+    table when the patcher that defined it goes."""
+    import gc
+
+    from gmlx_comfy.patches import PatcherTables
+
+    tables, forgotten = PatcherTables(), []
+    first, clone = Patcher(), Patcher()
+    tables.defined(first, "uuid-1", "table-a")
+    tables.watch(clone, "uuid-1")  # the clone's sync found the uuid's table
+    del first
+    gc.collect()
+    tables.let_go(forgotten.append)
+    assert forgotten == [] and tables.ids == {"uuid-1": "table-a"}
+    del clone
+    gc.collect()
+    tables.let_go(forgotten.append)
+    assert forgotten == ["table-a"] and tables.ids == {}
