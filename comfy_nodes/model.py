@@ -302,7 +302,7 @@ class RemoteDiT(torch.nn.Module):
             run = self._begin_again(patcher, run)
             answer = self._call(lambda: work(run), run)
         self._keep_timing(answer)
-        out = torch.from_numpy(np.array(answer.out[:, :, :height, :width], dtype=np.float32))
+        out = torch.from_numpy(np.array(answer.out[..., :height, :width], dtype=np.float32))
         return out.to(device=x.device, dtype=x.dtype)
 
     def _sample_sigmas(self, options: dict) -> np.ndarray | None:

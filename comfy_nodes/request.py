@@ -203,7 +203,7 @@ def latent_patch(status: Mapping[str, Any]) -> int:
 
 
 def wrapped_to_patch(x: np.ndarray, patch: int) -> np.ndarray:
-    """Latents (B, C, h, w) with sides made whole patches: the bottom rows and right columns
+    """Latents (B, C, [frames,] h, w) with sides made whole patches: the bottom rows and right columns
     wrap round from the top and left, as ComfyUI's own DiTs pad theirs (common_dit's
     pad_to_patch_size, circular), so a latent of any size the VAE makes samples as it does on
     ComfyUI's own Z-Image; the step's answer is cut back to (h, w)."""
@@ -211,7 +211,8 @@ def wrapped_to_patch(x: np.ndarray, patch: int) -> np.ndarray:
     extra = (-height % patch, -width % patch)
     if extra == (0, 0):
         return x
-    return np.pad(x, ((0, 0), (0, 0), (0, extra[0]), (0, extra[1])), mode="wrap")
+    leading = [(0, 0)] * (x.ndim - 2)  # batch, channels (and a video's frames)
+    return np.pad(x, [*leading, (0, extra[0]), (0, extra[1])], mode="wrap")
 
 
 def step_timestep(timestep: np.ndarray, batch_size: int) -> np.ndarray:

@@ -234,6 +234,8 @@ def test_latent_sides_off_the_patch_wrap_round_as_comfyuis_own_dits_pad():
     np.testing.assert_array_equal(padded, comfy.numpy())
     whole = x[:, :, :74, :124]
     assert wrapped_to_patch(whole, patch) is whole
+    frames = np.stack([x, x + 1], axis=2)  # a video latent's frames: its last two sides pad
+    assert wrapped_to_patch(frames, patch).shape == (2, 16, 2, 76, 126)
     assert latent_patch({"latent": {"stride": 16}}) == latent_patch({}) == 1
 
 
