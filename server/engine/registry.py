@@ -324,7 +324,9 @@ class ModelRegistry:
             stamp = (path / MODEL_INDEX).stat().st_mtime
         except OSError:
             return ModelEntry(model_id, path, None, None)
-        if cached and cached[1] is not None and cached[0] == stamp:  # a failure looks again
+        # the same model_index.json: the same answer, unless a family failed to read another of
+        # the folder's files (it may be mended since)
+        if cached and cached[0] == stamp and path not in self._unidentified:
             self._identified[path] = (stamp, cached[1], cached[2], now)
             return ModelEntry(model_id, path, cached[1], cached[2])
         family, variant = None, None
