@@ -7,10 +7,10 @@ A name is served only when it is of that form and in this store's own index, so 
 client sends reaches the file system. An image expires `image_url_ttl_s` after it was made
 (a sweeper removes it then, whether or not anyone asks), and the oldest images go first when
 the store would hold more than `image_url_store_mb`. In `image_url_dir` each server keeps its
-images in a folder of its own, `server-<pid>`, so servers sharing one configuration keep each
-other's images: at start a server empties its own and removes those of processes that no longer
-run (and loose image files an earlier layout left), so a restarted server serves none it did
-not make; at stop it removes its own.
+images in a folder of its own, `server-<host>-<pid>`, so servers sharing one configuration keep
+each other's images: at start a server empties its own and removes those of this host's
+processes that no longer run (and loose image files an earlier layout left), so a restarted
+server serves none it did not make; at stop it removes its own.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -33,7 +34,8 @@ log = logging.getLogger("gmlx.server")
 
 CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 NAME_RE = re.compile(r"[0-9a-f]{32}\.(png|jpeg|webp)")
-SERVER_FOLDER_RE = re.compile(r"server-(\d+)")  # one server's images in image_url_dir
+# one server's images in image_url_dir: its host's name and its process id
+SERVER_FOLDER_RE = re.compile(r"server-(.+)-(\d+)")
 MAX_SWEEP_S = 30.0
 
 
@@ -54,7 +56,7 @@ class ImageStore:
         else:
             folder.mkdir(parents=True, exist_ok=True)
             _remove_gone_servers(folder)
-            self.folder = folder / f"server-{os.getpid()}"
+            self.folder = folder / f"server-{this_host()}-{os.getpid()}"
             self.folder.mkdir(exist_ok=True)
         self.ttl_s, self.max_bytes = ttl_s, max_bytes
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest first
@@ -74,6 +76,7 @@ class ImageStore:
             )
         name = f"{secrets.token_hex(16)}.{image_format}"
         partial = self.folder / f".{name}.partial"
+        self.folder.mkdir(parents=True, exist_ok=True)  # removed by hand meanwhile: made again
         partial.write_bytes(data)
         os.replace(partial, self.folder / name)
         with self._lock:
@@ -157,5 +160,11 @@ def _remove_gone_servers(root: Path) -> None:
     _remove_images(root)
     for path in root.iterdir():
         held = SERVER_FOLDER_RE.fullmatch(path.name)
-        if held and path.is_dir() and not process_runs(int(held[1])):
+        mine = held and held[1] == this_host()  # another host's processes are not seen here
+        if mine and path.is_dir() and not process_runs(int(held[2])):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def this_host() -> str:
+    """This machine's name as a folder name may hold it."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"

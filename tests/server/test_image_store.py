@@ -62,15 +62,21 @@ def test_servers_sharing_a_folder_keep_each_others_images(tmp_path):
         capture_output=True,
         text=True,
     )
-    running, ended = tmp_path / f"server-{os.getppid()}", tmp_path / f"server-{gone.stdout.strip()}"
-    for folder in (running, ended):
+    from gmlx_server.image_store import this_host
+
+    host = this_host()
+    running = tmp_path / f"server-{host}-{os.getppid()}"
+    ended = tmp_path / f"server-{host}-{gone.stdout.strip()}"
+    elsewhere = tmp_path / f"server-another.host-{gone.stdout.strip()}"  # its pids are not ours
+    for folder in (running, ended, elsewhere):
         folder.mkdir()
         (folder / ("1" * 32 + ".png")).write_bytes(b"another server's image")
     store = ImageStore(tmp_path, ttl_s=60, max_bytes=1 << 20)
     try:
-        assert store.folder == tmp_path / f"server-{os.getpid()}"
+        assert store.folder == tmp_path / f"server-{host}-{os.getpid()}"
         assert (store.folder / store.put(b"mine", "png")).is_file()
         assert (running / ("1" * 32 + ".png")).is_file() and not ended.exists()
+        assert elsewhere.is_dir()
     finally:
         store.close()
     assert not store.folder.exists() and running.is_dir()
