@@ -114,9 +114,10 @@ class Connection:
         self.capabilities = other.capabilities
 
     def control_client(self, timeout: float) -> StepClient:
-        """A separate client (own session) for calls made while a step is in flight:
-        interrupts and run ends must not wait for the step's connection."""
-        return StepClient(self.url, self.api_key, timeout=timeout)
+        """A separate client (own session) for the calls of runs: interrupts and run ends must
+        not wait for a step's connection, nor other calls for a run's begin (which may load a
+        model for minutes, and go on after its prompt was cancelled)."""
+        return StepClient(self.url, self.api_key, timeout, self.client.timeout_hint)
 
     def ensure_adapters(self, adapters: Mapping[str, np.ndarray]) -> None:
         """Put each adapter matrix (by hash) on the server unless this connection already did:

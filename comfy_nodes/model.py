@@ -215,8 +215,11 @@ class RemoteDiT(torch.nn.Module):
         patch uuid (a strength change is one small PUT; matrices go up once), and anew where
         the client no longer keeps the table to define it again (`StepClient.keeps_table`)."""
         uuid = getattr(patcher, "patches_uuid", None)
-        with self.conn.lock:  # an abandoned call may still answer a 409 from the client's tables
-            self.tables.let_go(self.conn.client.forget_table)
+        if self.conn.lock.acquire(blocking=False):  # else at a later sync: an abandoned call
+            try:  # may still answer a 409 from the client's tables
+                self.tables.let_go(self.conn.client.forget_table)
+            finally:
+                self.conn.lock.release()
         if self.tables_generation != self.conn.generation:  # the server restarted
             self.tables.clear()
             self.tables_generation = self.conn.generation
@@ -648,14 +651,15 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         self.remote.sync_table(self)
         conn, abandoned = self.remote.conn, threading.Event()
 
-        def begin() -> str:  # loads the DiT where it is not resident: cancellable
-            run = conn.client.begin_run(self.remote.model_id)
+        def begin() -> str:  # loads the DiT where it is not resident: cancellable, and on a
+            # client of its own, so an abandoned load holds up no other call
+            run = conn.control_client(conn.client.timeout).begin_run(self.remote.model_id)
             if abandoned.is_set():  # cancelled while it loaded: no sampling will end it
                 _end_run(conn, run)
             return run
 
         try:
-            self.gmlx_run = call_or_interrupt(begin, COMFY_INTERRUPT, abandoned.set, lock=conn.lock)
+            self.gmlx_run = call_or_interrupt(begin, COMFY_INTERRUPT, abandoned.set)
         except StepError as err:
             raise GmlxError(str(err)) from err
 
