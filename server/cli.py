@@ -312,6 +312,12 @@ def _warn_of_no_memory(memory) -> None:
 
     if memory.budget() > 0:
         return
+    if memory.machine() == 0:
+        log.warning(
+            "the image worker has no memory to work in: this process's memory cannot be read"
+            " here, so every image and step will be refused; set server.image.memory_budget_mb"
+        )
+        return
     log.warning(
         "the image worker has no memory to work in: server.image.memory_headroom_mb (%d MiB)"
         " leaves nothing of the %d MiB this process could use, so every image and step will be"
