@@ -134,6 +134,7 @@ ENVIRONMENT = {
     "GMLX_COMFY_SETTINGS": "the ComfyUI pack's settings file",
     "GMLX_DEFAULT_IMAGE_MODEL": "the ComfyUI pack's default model",
     "GMLX_COMMAND": "the command the ComfyUI pack starts the server with",
+    "GMLX_REQUEST_TIMEOUT_S": "how long the ComfyUI pack waits for the server's answers",
     "GMLX_SITE": "the ComfyUI end-to-end tests: the project's site-packages (docs/comfyui.md)",
     "GMLX_FUZZ_EXAMPLES": "the heavy tier's long fuzz runs: inputs per test (docs/reliability.md)",
 }
