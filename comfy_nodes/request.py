@@ -203,8 +203,8 @@ def latent_patch(status: Mapping[str, Any]) -> int:
 
 
 def wrapped_to_patch(x: np.ndarray, patch: int) -> np.ndarray:
-    """Latents (B, C, [frames,] h, w) with sides made whole patches: the bottom rows and right columns
-    wrap round from the top and left, as ComfyUI's own DiTs pad theirs (common_dit's
+    """Latents (B, C, [frames,] h, w) with sides made whole patches: the bottom rows and right
+    columns wrap round from the top and left, as ComfyUI's own DiTs pad theirs (common_dit's
     pad_to_patch_size, circular), so a latent of any size the VAE makes samples as it does on
     ComfyUI's own Z-Image; the step's answer is cut back to (h, w)."""
     height, width = x.shape[-2:]
