@@ -79,6 +79,19 @@ class _ServerModelNode:
     def INPUT_TYPES(cls):
         return _loader_inputs()
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, model_name, server_url):
+        """In place of ComfyUI's check against `model_name`'s list, which is the list of the
+        server the pack found: a loader that names another server (`server_url`) picks from
+        that server's models, which the loader checks when it runs (`require_model`, naming
+        what that server lists)."""
+        if str(server_url or "").strip() or model_name in MODEL_LIST.names():
+            return True
+        return (
+            f"{model_name!r} is not among the models of the gmlx server the pack found; name"
+            " the server that has it in server_url"
+        )
+
     FUNCTION = "load"
     CATEGORY = CATEGORY
 

@@ -78,6 +78,7 @@ UNIPC_LATENT_RTOL = 1e-4
 PIXEL_TOLERANCE = 1
 # The quantized server's `--quantize`.
 QUANTIZE_BITS = 4
+ELSEWHERE_MODEL = "z-image-elsewhere"  # on the quantized server alone
 LORA_STRENGTH = 0.8
 LORA_RANK, LORA_ALPHA = 2, 1.0
 # The interrupt test's image: big enough that one step of the tiny model takes a while.
@@ -260,8 +261,13 @@ def write_gguf_model(scratch: Path, target: Path) -> None:
 def quantized_server(workdir):
     """A second `gmlx serve`, at `--quantize 4`, serving the embedded models; the tests use its
     default, its DiT's and text encoder's linear layers quantized to 4 bits as they load."""
+    from gmlx_server.engine.families.z_image.embedded import ensure_embedded_model
+
+    elsewhere = workdir / "models-elsewhere"  # a model this server has and the first has not
+    elsewhere.mkdir()
+    (elsewhere / ELSEWHERE_MODEL).symlink_to(ensure_embedded_model(), target_is_directory=True)
     config = workdir / "quantized.toml"
-    config.write_text("[server]\nmodel_dirs = []\n", encoding="utf-8")
+    config.write_text(f"[server]\nmodel_dirs = [{json.dumps(str(elsewhere))}]\n", encoding="utf-8")
     port = _free_port()
     url, log_path = f"http://127.0.0.1:{port}", workdir / "gmlx-quantized.log"
     command = _gmlx_serve(config, port, "--quantize", str(QUANTIZE_BITS))
@@ -1657,6 +1663,17 @@ def test_the_quantized_text_to_image_equals_gmlx_image_sample_quantize_4(
     )
     (image,) = _output_files(comfyui, entry, "images")
     assert np.abs(_rgb(image) - _rgb(out)).max() <= PIXEL_TOLERANCE
+
+
+def test_a_loader_naming_another_server_picks_from_that_servers_models(comfyui, quantized_server):
+    """The loaders' list is the list of the server the pack found; a loader whose server_url
+    names another server may name a model that server alone has (ComfyUI's list check gives
+    way to the loader's own), and one naming none is still refused before the prompt runs."""
+    wf = _on_server(_pack_prompt(ELSEWHERE_MODEL, seed=3, steps=2), quantized_server["url"])
+    latent = _latent(comfyui, _run(comfyui, wf))
+    assert latent.shape == (1, 16, SIZE // 8, SIZE // 8) and np.isfinite(latent).all()
+    with pytest.raises(AssertionError, match="400 .*name the server that has it"):
+        _queue(comfyui, _pack_prompt(ELSEWHERE_MODEL, seed=3, steps=2))
 
 
 def test_stock_ksampler_on_the_quantized_model_equals_the_in_process_sampler(
