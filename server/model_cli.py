@@ -60,7 +60,7 @@ def run_quantize(args: argparse.Namespace) -> int:
     if not prepared_for("model quantize"):  # before mlx is imported
         return 2
     from .engine.registry import ModelRegistry
-    from .engine.weights import quantize_folder
+    from .engine.weights import quantize_folder, quantized_already
     from .model_choice import choose_model
 
     try:
@@ -80,6 +80,10 @@ def run_quantize(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    refused = quantized_already(source, choice_of)
+    if refused:
+        print(f"gmlx model quantize: {refused}", file=sys.stderr)
+        return 2
     if args.kquant:
         return write_kquant(source, args.destination, args.kquant, choice_of["transformer"])
     quantization = Quantization(args.bits, args.group_size)

@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,6 +415,7 @@ def written_whole(destination: Path) -> Iterator[Path]:
     if destination.exists():
         raise FileExistsError(f"{destination} exists; name a new folder")
     destination.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(destination)
     # made as any folder is (the umask's mode: others may read it), not mkdtemp's 0700
     building = destination.parent / f".{destination.name}-{secrets.token_hex(6)}"
     building.mkdir()
@@ -421,6 +424,29 @@ def written_whole(destination: Path) -> Iterator[Path]:
         os.rename(building, destination)
     finally:
         shutil.rmtree(building, ignore_errors=True)
+
+
+def quantized_already(source: Path, components: Iterable[str]) -> str | None:
+    """Why `source`'s components cannot be quantized, one being stored quantized already (None:
+    they can); its float original is what to quantize."""
+    stored = [name for name in components if stored_quantization(Path(source) / name)]
+    if not stored:
+        return None
+    return f"{Path(source) / stored[0]} is stored quantized already; quantize the float original"
+
+
+def _remove_abandoned_builds(destination: Path, older_than_s: float = 3600.0) -> None:
+    """The hidden folders that builds of `destination` killed outright (no cleanup ran) left
+    beside it, as the embedded models' builder removes its own: those untouched for an hour (a
+    build in progress adds a component at its top every few minutes at most)."""
+    own = re.compile(rf"\.{re.escape(destination.name)}-[0-9a-f]{{12}}")
+    cutoff = time.time() - older_than_s
+    for folder in destination.parent.iterdir():
+        try:
+            if own.fullmatch(folder.name) and folder.is_dir() and folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def quantize_folder(
@@ -433,9 +459,9 @@ def quantize_folder(
     each component named in `components` holds the weights its predicate picks (by file name)
     quantized (`write_quantized`). Loading the copy reads the quantized weights directly."""
     source = Path(source)
-    for name in components:
-        if stored_quantization(source / name) is not None:
-            raise ValueError(f"{source / name} is stored quantized already")
+    refused = quantized_already(source, components)
+    if refused:
+        raise ValueError(refused)
     with written_whole(destination) as folder:
         for item in sorted(source.iterdir()):
             if item.name in components:

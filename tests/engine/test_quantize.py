@@ -316,6 +316,17 @@ def test_a_quantize_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
     (building / "model_index.json").write_text("{}")
     assert list(ModelRegistry([tmp_path / "models"]).folders()) == ["m"]
 
+    # one a build killed outright left (no cleanup ran) goes at the next build of that name,
+    # an hour on; a recent one may be a build in progress
+    killed = tmp_path / "models" / f".m-q4-{'a' * 12}"
+    recent = tmp_path / "models" / f".m-q4-{'b' * 12}"
+    for folder in (killed, recent):
+        folder.mkdir()
+    os.utime(killed, (0, 0))
+    with pytest.raises(OSError, match="No space left"):
+        weights.quantize_folder(source, written, Quantization(4, 32), {"transformer": bool})
+    assert not killed.exists() and recent.is_dir()
+
 
 def test_quantize_refuses_a_destination_it_cannot_make_before_any_work(tmp_path, capsys):
     from gmlx_server import cli

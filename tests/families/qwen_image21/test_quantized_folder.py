@@ -146,7 +146,7 @@ def test_bad_commands_are_refused(folders, tmp_path):
     unknown = quantize_command("no-such-model", str(tmp_path / "out"), "--bits", "4")
     assert unknown.returncode == 2 and "no model folder 'no-such-model'" in unknown.stderr
     twice = quantize_command(str(written), str(tmp_path / "twice"), "--bits", "8")
-    assert twice.returncode == 1 and "is stored quantized already" in twice.stderr
+    assert twice.returncode == 2 and "is stored quantized already; quantize the" in twice.stderr
     assert not (tmp_path / "twice").exists()
     bits = quantize_command(str(source), str(tmp_path / "out"), "--bits", "7")
     assert bits.returncode == 2 and "invalid choice: 7" in bits.stderr
