@@ -55,6 +55,7 @@ from .request import (
     CallCheck,
     as_f32,
     build_rows,
+    changed_facts,
     check_call,
     latent_patch,
     prefix_cache_enabled,
@@ -307,6 +308,26 @@ class RemoteDiT(torch.nn.Module):
         self._keep_timing(answer)
         out = torch.from_numpy(np.array(answer.out[..., :height, :width], dtype=np.float32))
         return out.to(device=x.device, dtype=x.dtype)
+
+    def check_unchanged(self) -> None:
+        """Refuse a sampling where the server's model of this id is no longer the one this
+        MODEL was built from (the server restarted on other files, or the folder changed):
+        ComfyUI keeps a loader's output from prompt to prompt, and the latent format or the
+        sampling this MODEL holds would no longer be the model's."""
+        try:
+            now = call_or_interrupt(
+                lambda: self.conn.client.status(self.model_id), COMFY_INTERRUPT, lock=self.conn.lock
+            )
+        except StepError as err:
+            raise GmlxError(str(err)) from err
+        changed = changed_facts(self.status, now)
+        if changed:
+            raise GmlxError(
+                f"gmlx: the server's {self.model_id!r} is no longer the model this MODEL was"
+                f" loaded from (its {', '.join(changed)} changed: other files, or the server"
+                " restarted on other ones); run the gmlx loaders again (change one of their"
+                " inputs, or free ComfyUI's node cache)"
+            )
 
     def _sample_sigmas(self, options: dict) -> np.ndarray | None:
         """A flow-map DiT's step sends the sampler's whole schedule (ComfyUI's
@@ -648,6 +669,7 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
     def pre_run(self):
         super().pre_run()
         self.remote.conn.ensure_reachable()
+        self.remote.check_unchanged()
         self.remote.sync_table(self)
         conn, abandoned = self.remote.conn, threading.Event()
 

@@ -197,6 +197,16 @@ def _row(
 EMPTY_LATENT_NODE = "gmlx Empty Latent"
 
 
+# The status members a MODEL is built from: what it is, its latent format, its sampling and
+# conditioning. A model id the server has come to serve other weights under answers others.
+MODEL_FACTS = ("family", "variant", "comfy", "latent", "vae", "sampling", "conditioning")
+
+
+def changed_facts(built_from: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The members of MODEL_FACTS in which the status `now` differs from `built_from`."""
+    return [key for key in MODEL_FACTS if built_from.get(key) != now.get(key)]
+
+
 def latent_patch(status: Mapping[str, Any]) -> int:
     """The side, in latent cells, of the model's DiT patch (status `latent.patch`)."""
     return int((status.get("latent") or {}).get("patch") or 1)

@@ -1101,6 +1101,31 @@ def _unload(gmlx_server: dict) -> dict:
     return StepClient(gmlx_server["url"]).unload(gmlx_server["model"])
 
 
+def test_a_model_whose_files_changed_since_its_loader_ran_is_refused_at_sampling(
+    comfyui, gmlx_server, workdir
+):
+    """ComfyUI keeps the loaders' outputs from prompt to prompt: where the server's model of
+    that id has come to be another (here its folder now holds the base variant, shift 6), the
+    next sampling is refused, naming what changed, rather than run with the old shift."""
+    from gmlx_contract.client import StepClient
+    from gmlx_server.engine.families.z_image.embedded import ensure_embedded_model
+
+    folder = workdir / "models" / "z-image-changing"
+    shutil.copytree(ensure_embedded_model(), folder)
+    wf = _on_server(_pack_prompt(folder.name, seed=1, steps=2), gmlx_server["url"])
+    _run(comfyui, wf)
+    scheduler = folder / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "shift": 6.0}))
+    later = time.time() + 5
+    os.utime(folder / "model_index.json", (later, later))  # the registry looks at it again
+    StepClient(gmlx_server["url"]).unload(folder.name)
+    time.sleep(2.5)  # past the registry's listing time to live
+    wf["11"]["inputs"]["seed"] = 2  # the sampler runs again, the loaders' outputs are kept
+    message = _failure(comfyui, wf)
+    assert f"the server's '{folder.name}' is no longer the model this MODEL was loaded" in message
+    assert "its variant, sampling changed" in message
+
+
 def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):
     from gmlx_contract.errors import StepError
 

@@ -252,3 +252,21 @@ def test_a_negative_steps_on_the_typed_prompt_unless_comfyui_zeroed_it():
     zeroed = {**conds, "cross_attn": np.zeros_like(encoded), "prompt_type": "negative"}
     assert typed_where_it_belongs(zeroed) is zeroed["cross_attn"]
     assert typed_where_it_belongs({"cross_attn": encoded, "prompt_type": "negative"}) is encoded
+
+
+def test_a_status_of_other_weights_differs_in_the_facts_a_model_is_built_from():
+    """What a MODEL holds (latent format, sampling, conditioning, class) against the status
+    now; residency and memory change with every load and say nothing of that."""
+    from gmlx_comfy.request import changed_facts
+
+    built = {
+        "family": "z_image",
+        "variant": "turbo",
+        "sampling": {"shift": 3.0},
+        "residency": {"dit": {"resident": False}},
+        "memory": {"resident_bytes": 0},
+    }
+    loaded = {**built, "residency": {"dit": {"resident": True}}, "memory": {"resident_bytes": 9}}
+    assert changed_facts(built, loaded) == []
+    other = {**built, "variant": "base", "sampling": {"shift": 6.0}}
+    assert changed_facts(built, other) == ["variant", "sampling"]
