@@ -117,7 +117,8 @@ class Connection:
         """A separate client (own session) for the calls of runs: interrupts and run ends must
         not wait for a step's connection, nor other calls for a run's begin (which may load a
         model for minutes, and go on after its prompt was cancelled)."""
-        return StepClient(self.url, self.api_key, timeout, self.client.timeout_hint)
+        own = timeout == self.client.timeout  # a run's begin: the setting is its bound
+        return StepClient(self.url, self.api_key, timeout, self.client.timeout_hint if own else "")
 
     def ensure_adapters(self, adapters: Mapping[str, np.ndarray]) -> None:
         """Put each adapter matrix (by hash) on the server unless this connection already did:

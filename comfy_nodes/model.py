@@ -636,6 +636,7 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         # ComfyUI loads a model whose patches changed before the sampling's pre_run: where the
         # server has gone since, this is the first call to find it.
         self.remote.conn.ensure_reachable()
+        self.remote.check_unchanged()  # before its patches are put to another model
         self.remote.sync_table(self)
 
     def partially_unload(self, device_to, memory_to_free=0):
@@ -671,17 +672,28 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         self.remote.conn.ensure_reachable()
         self.remote.check_unchanged()
         self.remote.sync_table(self)
-        conn, abandoned = self.remote.conn, threading.Event()
+        conn = self.remote.conn
+        guard, abandoned, begun = threading.Lock(), [False], []
 
         def begin() -> str:  # loads the DiT where it is not resident: cancellable, and on a
             # client of its own, so an abandoned load holds up no other call
             run = conn.control_client(conn.client.timeout).begin_run(self.remote.model_id)
-            if abandoned.is_set():  # cancelled while it loaded: no sampling will end it
+            with guard:
+                ended = abandoned[0]
+                begun.extend([] if ended else [run])
+            if ended:  # cancelled while it loaded: no sampling will end it
                 _end_run(conn, run)
             return run
 
+        def cancel() -> None:  # a begin that has returned, but not yet to this thread
+            with guard:
+                abandoned[0] = True
+                runs = begun[:]
+            for run in runs:
+                _end_run(conn, run)
+
         try:
-            self.gmlx_run = call_or_interrupt(begin, COMFY_INTERRUPT, abandoned.set)
+            self.gmlx_run = call_or_interrupt(begin, COMFY_INTERRUPT, cancel)
         except StepError as err:
             raise GmlxError(str(err)) from err
 

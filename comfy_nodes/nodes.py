@@ -80,12 +80,14 @@ class _ServerModelNode:
         return _loader_inputs()
 
     @classmethod
-    def VALIDATE_INPUTS(cls, model_name, server_url):
+    def VALIDATE_INPUTS(cls, model_name=None, server_url=None):
         """In place of ComfyUI's check against `model_name`'s list, which is the list of the
         server the pack found: a loader that names another server (`server_url`) picks from
         that server's models, which the loader checks when it runs (`require_model`, naming
-        what that server lists)."""
-        if str(server_url or "").strip() or model_name in MODEL_LIST.names():
+        what that server lists). An input fed by a link is None here: the loader checks it."""
+        if model_name is None or server_url is None or str(server_url).strip():
+            return True
+        if model_name in MODEL_LIST.names():
             return True
         return (
             f"{model_name!r} is not among the models of the gmlx server the pack found; name"

@@ -197,14 +197,37 @@ def _row(
 EMPTY_LATENT_NODE = "gmlx Empty Latent"
 
 
-# The status members a MODEL is built from: what it is, its latent format, its sampling and
-# conditioning. A model id the server has come to serve other weights under answers others.
-MODEL_FACTS = ("family", "variant", "comfy", "latent", "vae", "sampling", "conditioning")
+# The status members a MODEL is built from and reads (a member path each): what it is, its
+# latent format and its sampling. A model id the server has come to serve other weights under
+# answers others; members a newer server adds beside them change nothing.
+MODEL_FACTS = (
+    "family",
+    "variant",
+    "comfy.model_class",
+    "latent.channels",
+    "latent.stride",
+    "latent.patch",
+    "vae.latents_mean",
+    "vae.latents_std",
+    "vae.space",
+    "sampling.shift",
+    "sampling.sigmas",
+    "sampling.schedule",
+    "sampling.timestep_scale",
+    "conditioning.ref_method",
+)
 
 
 def changed_facts(built_from: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """The members of MODEL_FACTS in which the status `now` differs from `built_from`."""
-    return [key for key in MODEL_FACTS if built_from.get(key) != now.get(key)]
+    """The MODEL_FACTS in which the status `now` differs from `built_from`."""
+    return [path for path in MODEL_FACTS if _member(built_from, path) != _member(now, path)]
+
+
+def _member(status: Mapping[str, Any], path: str) -> Any:
+    value: Any = status
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
 
 
 def latent_patch(status: Mapping[str, Any]) -> int:

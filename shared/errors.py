@@ -148,13 +148,18 @@ def timed_out(error: BaseException) -> bool:
     return any(isinstance(e, TimeoutError) or "Timeout" in type(e).__name__ for e in _causes(error))
 
 
+class ConnectTimedOut(TimeoutError):
+    """A connection that could not be made in time: nothing there answers (not a server
+    still working on a request it received)."""
+
+
 def waited_for_answer(error: BaseException) -> bool:
     """Whether a request ran out of time waiting for its answer, once connected (the server
     may still be working on it); a connection that could not be made (in time or at all:
     urllib3's connection errors are its ConnectTimeoutErrors) is not there."""
     from urllib3.exceptions import ConnectTimeoutError
 
-    connecting = any(isinstance(e, ConnectTimeoutError) for e in _causes(error))
+    connecting = any(isinstance(e, (ConnectTimeoutError, ConnectTimedOut)) for e in _causes(error))
     return timed_out(error) and not connecting
 
 

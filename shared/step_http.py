@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from requests.structures import CaseInsensitiveDict
 
+from .errors import ConnectTimedOut
+
 MAX_HEAD_BYTES = 64 * 1024  # an answer head (status line and headers) longer than this is refused
 READ_BYTES = 64 * 1024
 
@@ -99,7 +101,10 @@ class StepConnections:
             self._idle.append(sock)
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(self.address, timeout=self.timeout)
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+        except TimeoutError as exc:
+            raise ConnectTimedOut(f"connecting took over {self.timeout:g} s") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 

@@ -324,11 +324,15 @@ class ModelRegistry:
             stamp = (path / MODEL_INDEX).stat().st_mtime
         except OSError:
             return ModelEntry(model_id, path, None, None)
-        # the same model_index.json: the same answer, unless a family failed to read another of
-        # the folder's files (it may be mended since)
-        if cached and cached[0] == stamp and path not in self._unidentified:
+        # the same model_index.json: the same family. A folder of none is looked at again once
+        # a listing's time has passed (a family may read another of its files, copied in or
+        # mended since), at once where a family failed to read one.
+        if cached and cached[0] == stamp and cached[1] is not None:
             self._identified[path] = (stamp, cached[1], cached[2], now)
             return ModelEntry(model_id, path, cached[1], cached[2])
+        unread = path in self._unidentified
+        if cached and cached[0] == stamp and not unread and now - cached[3] < LISTING_TTL_S:
+            return ModelEntry(model_id, path, None, None)
         family, variant = None, None
         self._unidentified.pop(path, None)
         for name, spec in self.families.items():

@@ -1123,7 +1123,7 @@ def test_a_model_whose_files_changed_since_its_loader_ran_is_refused_at_sampling
     wf["11"]["inputs"]["seed"] = 2  # the sampler runs again, the loaders' outputs are kept
     message = _failure(comfyui, wf)
     assert f"the server's '{folder.name}' is no longer the model this MODEL was loaded" in message
-    assert "its variant, sampling changed" in message
+    assert "its variant, sampling.shift changed" in message
 
 
 def test_interrupt_stops_the_prompt_and_frees_the_server(comfyui, gmlx_server):

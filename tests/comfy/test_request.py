@@ -269,4 +269,6 @@ def test_a_status_of_other_weights_differs_in_the_facts_a_model_is_built_from():
     loaded = {**built, "residency": {"dit": {"resident": True}}, "memory": {"resident_bytes": 9}}
     assert changed_facts(built, loaded) == []
     other = {**built, "variant": "base", "sampling": {"shift": 6.0}}
-    assert changed_facts(built, other) == ["variant", "sampling"]
+    assert changed_facts(built, other) == ["variant", "sampling.shift"]
+    newer = {**built, "sampling": {"shift": 3.0, "a_member_added": 1}, "latent": {}}
+    assert changed_facts(built, newer) == []  # what a newer server adds changes nothing

@@ -111,4 +111,7 @@ def test_a_connection_not_made_in_time_is_no_server_working():
     assert not waited_for_answer(_wrapped(TimeoutError("timed out")))  # connecting
     connect = urllib3.exceptions.ConnectTimeoutError(pool, "connect timed out")
     assert not waited_for_answer(requests.ConnectTimeout(connect))
+    from gmlx_contract.errors import ConnectTimedOut
+
+    assert not waited_for_answer(ConnectTimedOut("connecting took over 600 s"))  # the step link
     assert not waited_for_answer(ConnectionRefusedError(111, "refused"))

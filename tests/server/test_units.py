@@ -361,3 +361,27 @@ def test_a_component_config_that_is_no_json_is_named_for_a_folder_no_family_read
     with pytest.raises(ContractError) as info:
         ModelRegistry([tmp_path], None).resolve("cut-short")
     assert f"read as flux3_klein: {config} is not JSON (" in info.value.message
+
+
+def test_a_folder_of_no_family_yet_is_looked_at_again_once_its_files_arrive(tmp_path):
+    """A FLUX.3 klein folder whose transformer/ config is still being copied is of no family;
+    once it is there (its model_index.json untouched) the folder serves, after at most a
+    listing's time, without a restart."""
+    import json
+
+    from gmlx_server.engine import registry as registry_module
+
+    folder = tmp_path / "arriving"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux3KleinPipeline"}))
+    now = [100.0]
+    reg = ModelRegistry([tmp_path], None)
+    reg._clock = lambda: now[0]
+    assert [e.family for e in reg.entries()] == [None]
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "config.json").write_text(
+        json.dumps({"_class_name": "Flux3Transformer2DModel"})
+    )
+    assert [e.family for e in reg.entries()] == [None]  # within a listing's time: as it was
+    now[0] += registry_module.LISTING_TTL_S
+    assert reg.resolve("arriving").family == "flux3_klein"
