@@ -20,7 +20,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -28,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .server_records import process_runs
+from .engine.processes import process_runs, this_host
 
 log = logging.getLogger("gmlx.server")
 
@@ -163,8 +162,3 @@ def _remove_gone_servers(root: Path) -> None:
         mine = held and held[1] == this_host()  # another host's processes are not seen here
         if mine and path.is_dir() and not process_runs(int(held[2])):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def this_host() -> str:
-    """This machine's name as a folder name may hold it."""
-    return re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"

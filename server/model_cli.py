@@ -80,7 +80,11 @@ def run_quantize(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    refused = quantized_already(source, choice_of)
+    try:  # --kquant re-encodes the DiT alone; the other components are copied as they are
+        refused = quantized_already(source, ["transformer"] if args.kquant else choice_of)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # a config that cannot be read
+        print(f"gmlx model quantize: {source}: {exc}", file=sys.stderr)
+        return 1
     if refused:
         print(f"gmlx model quantize: {refused}", file=sys.stderr)
         return 2

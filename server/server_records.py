@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine.cache_home import cache_home
+from .engine.processes import process_runs
 
 FOLDER = "servers"
 
@@ -97,16 +98,3 @@ def _own(path: Path) -> bool:
         return path.stat().st_uid == os.getuid()
     except OSError:
         return False
-
-
-def process_runs(pid: int) -> bool:
-    """Whether a process of this id runs (one of another user's counts: it exists)."""
-    if pid <= 0:  # 0 and below name process groups, not a process
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        return True
-    return True

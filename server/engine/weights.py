@@ -21,7 +21,6 @@ import os
 import re
 import secrets
 import shutil
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
+from .processes import process_runs, this_host
 from .quantize import (
     BIASES,
     PACKED_BITS,
@@ -416,8 +416,11 @@ def written_whole(destination: Path) -> Iterator[Path]:
         raise FileExistsError(f"{destination} exists; name a new folder")
     destination.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(destination)
+    # named by its host and process, so that what a build killed outright left is told apart;
     # made as any folder is (the umask's mode: others may read it), not mkdtemp's 0700
-    building = destination.parent / f".{destination.name}-{secrets.token_hex(6)}"
+    building = destination.parent / (
+        f".{destination.name}-{this_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    )
     building.mkdir()
     try:
         yield building
@@ -435,18 +438,16 @@ def quantized_already(source: Path, components: Iterable[str]) -> str | None:
     return f"{Path(source) / stored[0]} is stored quantized already; quantize the float original"
 
 
-def _remove_abandoned_builds(destination: Path, older_than_s: float = 3600.0) -> None:
-    """The hidden folders that builds of `destination` killed outright (no cleanup ran) left
-    beside it, as the embedded models' builder removes its own: those untouched for an hour (a
-    build in progress adds a component at its top every few minutes at most)."""
-    own = re.compile(rf"\.{re.escape(destination.name)}-[0-9a-f]{{12}}")
-    cutoff = time.time() - older_than_s
+def _remove_abandoned_builds(destination: Path) -> None:
+    """The hidden folders that builds of `destination` on this host killed outright (no
+    cleanup ran) left beside it: those whose process no longer runs."""
+    own = re.compile(
+        rf"\.{re.escape(destination.name)}-{re.escape(this_host())}-(\d+)-[0-9a-f]{{8}}"
+    )
     for folder in destination.parent.iterdir():
-        try:
-            if own.fullmatch(folder.name) and folder.is_dir() and folder.stat().st_mtime < cutoff:
-                shutil.rmtree(folder, ignore_errors=True)
-        except OSError:
-            continue
+        held = own.fullmatch(folder.name)
+        if held and folder.is_dir() and not process_runs(int(held[1])):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def quantize_folder(

@@ -316,16 +316,26 @@ def test_a_quantize_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
     (building / "model_index.json").write_text("{}")
     assert list(ModelRegistry([tmp_path / "models"]).folders()) == ["m"]
 
-    # one a build killed outright left (no cleanup ran) goes at the next build of that name,
-    # an hour on; a recent one may be a build in progress
-    killed = tmp_path / "models" / f".m-q4-{'a' * 12}"
-    recent = tmp_path / "models" / f".m-q4-{'b' * 12}"
-    for folder in (killed, recent):
+    # a build killed outright (no cleanup ran) left one: it goes at the next build of that
+    # destination on this host; a build whose process runs keeps its own
+    import subprocess
+    import sys
+
+    from gmlx_server.engine.processes import this_host
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    killed = tmp_path / "models" / f".m-q4-{this_host()}-{gone}-{'a' * 8}"
+    running = tmp_path / "models" / f".m-q4-{this_host()}-{os.getppid()}-{'b' * 8}"
+    for folder in (killed, running):
         folder.mkdir()
-    os.utime(killed, (0, 0))
     with pytest.raises(OSError, match="No space left"):
         weights.quantize_folder(source, written, Quantization(4, 32), {"transformer": bool})
-    assert not killed.exists() and recent.is_dir()
+    assert not killed.exists() and running.is_dir()
 
 
 def test_quantize_refuses_a_destination_it_cannot_make_before_any_work(tmp_path, capsys):

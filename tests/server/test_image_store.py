@@ -62,7 +62,7 @@ def test_servers_sharing_a_folder_keep_each_others_images(tmp_path):
         capture_output=True,
         text=True,
     )
-    from gmlx_server.image_store import this_host
+    from gmlx_server.engine.processes import this_host
 
     host = this_host()
     running = tmp_path / f"server-{host}-{os.getppid()}"
