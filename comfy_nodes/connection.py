@@ -145,12 +145,14 @@ class Connection:
                     raise GmlxError(f"gmlx: the adapter named {digest} hashes to {held}")
                 self.adapters_held.add(digest)
 
-    def require_model(self, model_id: str) -> None:
+    def require_model(self, model_id: str, remember: bool = True) -> None:
         """Refuse a model the server does not list, saying what it lists and how a model is
-        added; the list is remembered for the loaders (`Settings.remember_models`)."""
+        added; with `remember`, the list is remembered for the loaders' list while the server
+        is down (`Settings.remember_models`): the found server's, not one a loader names."""
         with self.lock:
             names = model_names_from_answer(self.client.models())
-        load_settings().remember_models(self.url, names)
+        if remember:
+            load_settings().remember_models(self.url, names)
         if model_id not in names:
             listed = ", ".join(names) if names else "no models"
             raise GmlxError(

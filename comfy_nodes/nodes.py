@@ -63,7 +63,7 @@ SCHEDULE_SIDE_TOOLTIP = (
 def _connect(model_name: str, server_url: str, start_server: bool) -> tuple[Connection, dict]:
     """Handshake (each time a loader runs, never per step), check the model, read status."""
     conn = connect(server_url, start_server)
-    conn.require_model(model_name)
+    conn.require_model(model_name, remember=not str(server_url or "").strip())
     # cancellable: the connection's client may be held by a call a cancelled prompt left
     status = call_or_interrupt(
         lambda: conn.client.status(model_name), COMFY_INTERRUPT, lock=conn.lock

@@ -13,7 +13,7 @@ import pytest
 from gmlx_comfy import connection
 from gmlx_comfy.connection import Connection
 from gmlx_comfy.errors import GmlxError
-from gmlx_comfy.settings import DEFAULT_BASE_URL, Discovered, Settings
+from gmlx_comfy.settings import DEFAULT_BASE_URL, Discovered, Settings, read_settings
 from gmlx_contract.client import StepClient
 from gmlx_contract.errors import NotGmlxServer
 from gmlx_contract.hashing import tensor_hash
@@ -410,7 +410,10 @@ def test_require_model_names_what_the_server_lists_and_how_to_add_one(isolated):
     server = _serving(["a"], default="a")
     try:
         conn = connection.connect(server.url, start_server=False, settings=_settings(isolated))
+        conn.require_model("a", remember=False)  # a loader's server_url names it
+        assert "models_seen" not in read_settings(_settings(isolated).path)
         conn.require_model("a")
+        assert read_settings(_settings(isolated).path)["models_seen"]["models"] == ["a"]
         with pytest.raises(GmlxError) as caught:
             conn.require_model("z")
     finally:
