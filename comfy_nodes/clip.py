@@ -21,7 +21,6 @@ from gmlx_contract.errors import StepError
 from .connection import Connection, RemotePart
 from .errors import GmlxError
 from .families import empty_prompt
-from .interrupts import COMFY_INTERRUPT, InterruptFlag
 
 log = logging.getLogger("gmlx_comfy")
 
@@ -57,14 +56,8 @@ def prompt_text(text: str, family: str | None, published: str | None = None) -> 
 class GmlxCLIP(RemotePart):
     """A CLIP whose encoder runs on the server."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        model_id: str,
-        status: dict,
-        interrupt: InterruptFlag = COMFY_INTERRUPT,
-    ) -> None:
-        super().__init__(conn, model_id, interrupt)
+    def __init__(self, conn: Connection, model_id: str, status: dict) -> None:
+        super().__init__(conn, model_id)
         self.family = status.get("family")
         self.empty_prompt = (status.get("conditioning") or {}).get("empty_prompt")
         self.layer_idx = None

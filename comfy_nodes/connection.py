@@ -113,6 +113,11 @@ class Connection:
         self.url, self.client, self.lock = other.url, other.client, other.lock
         self.capabilities = other.capabilities
 
+    def call(self, work: Callable[[], T], on_cancel: Callable[[], None] = lambda: None) -> T:
+        """`work()` with this connection's client to itself (one call at a time), given up on
+        at ComfyUI's interrupt (`on_cancel` then runs; interrupts.call_or_interrupt)."""
+        return call_or_interrupt(work, COMFY_INTERRUPT, on_cancel, lock=self.lock)
+
     def control_client(self, timeout: float) -> StepClient:
         """A separate client (own session) for the calls of runs: interrupts and run ends must
         not wait for a step's connection, nor other calls for a run's begin (which may load a
@@ -173,15 +178,14 @@ def adapter_cache_bytes(capabilities: dict) -> int | None:
 
 class RemotePart:
     """A part of a server's model that ComfyUI holds (the remote CLIP, the remote VAE): its
-    calls take the connection's client one at a time, and are given up on at ComfyUI's
-    interrupt (`call`)."""
+    calls take the connection's client one at a time, and are given up on at the interrupt
+    (`call`)."""
 
-    def __init__(
-        self, conn: Connection, model_id: str, interrupt: InterruptFlag = COMFY_INTERRUPT
-    ) -> None:
+    interrupt: InterruptFlag = COMFY_INTERRUPT  # ComfyUI's; a test sets its own
+
+    def __init__(self, conn: Connection, model_id: str) -> None:
         self.conn = conn
         self.model_id = model_id
-        self.interrupt = interrupt
 
     def call(self, work: Callable[[], T]) -> T:
         """`work()` with the connection's client to itself, abandoned at an interrupt."""

@@ -315,9 +315,7 @@ class RemoteDiT(torch.nn.Module):
         ComfyUI keeps a loader's output from prompt to prompt, and the latent format or the
         sampling this MODEL holds would no longer be the model's."""
         try:
-            now = call_or_interrupt(
-                lambda: self.conn.client.status(self.model_id), COMFY_INTERRUPT, lock=self.conn.lock
-            )
+            now = self.conn.call(lambda: self.conn.client.status(self.model_id))
         except StepError as err:
             raise GmlxError(str(err)) from err
         changed = changed_facts(self.status, now)
@@ -372,7 +370,7 @@ class RemoteDiT(torch.nn.Module):
                 log.warning("gmlx: could not interrupt run %s: %s", run, err)
 
         try:
-            return call_or_interrupt(work, COMFY_INTERRUPT, on_cancel, lock=self.conn.lock)
+            return self.conn.call(work, on_cancel=on_cancel)
         except StepError as err:
             if err.code == "interrupted" and COMFY_INTERRUPT.requested():
                 COMFY_INTERRUPT.throw()

@@ -14,7 +14,6 @@ from gmlx_contract import schedules
 from .clip import GmlxCLIP
 from .connection import MODEL_LIST, Connection, connect
 from .errors import GmlxError
-from .interrupts import COMFY_INTERRUPT, call_or_interrupt
 from .schedule import ScheduleError, cfg_of, default_steps, server_sigmas
 from .settings import load_settings
 from .vae import GmlxVAE
@@ -65,9 +64,7 @@ def _connect(model_name: str, server_url: str, start_server: bool) -> tuple[Conn
     conn = connect(server_url, start_server)
     conn.require_model(model_name, remember=not str(server_url or "").strip())
     # cancellable: the connection's client may be held by a call a cancelled prompt left
-    status = call_or_interrupt(
-        lambda: conn.client.status(model_name), COMFY_INTERRUPT, lock=conn.lock
-    )
+    status = conn.call(lambda: conn.client.status(model_name))
     return conn, status
 
 

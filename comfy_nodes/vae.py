@@ -18,7 +18,6 @@ from gmlx_contract.errors import StepError
 
 from .connection import Connection, RemotePart
 from .errors import GmlxError
-from .interrupts import COMFY_INTERRUPT, InterruptFlag
 
 
 def crop_to_stride(pixels: torch.Tensor, stride: int) -> torch.Tensor:
@@ -45,14 +44,8 @@ def match_channels(pixels: torch.Tensor, channels: int) -> torch.Tensor:
 class GmlxVAE(RemotePart):
     """A VAE whose passes run on the server; latents are in the VAE routes' space."""
 
-    def __init__(
-        self,
-        conn: Connection,
-        model_id: str,
-        status: dict,
-        interrupt: InterruptFlag = COMFY_INTERRUPT,
-    ) -> None:
-        super().__init__(conn, model_id, interrupt)
+    def __init__(self, conn: Connection, model_id: str, status: dict) -> None:
+        super().__init__(conn, model_id)
         vae = status.get("vae") or {}
         latent = status.get("latent") or {}
         self.latent_channels = int(latent.get("channels", 16))

@@ -67,7 +67,8 @@ def test_an_encode_the_user_cancels_ends_at_once():
     release, flag = threading.Event(), Flag()
     client = SimpleNamespace(encode=lambda *args, **kwargs: release.wait(10.0))
     conn = SimpleNamespace(client=client, lock=threading.RLock(), ensure_reachable=lambda: None)
-    clip = GmlxCLIP(conn, "tiny", {"family": "z_image"}, interrupt=flag)
+    clip = GmlxCLIP(conn, "tiny", {"family": "z_image"})
+    clip.interrupt = flag
     threading.Timer(0.1, lambda: setattr(flag, "raised", True)).start()
     start = time.monotonic()
     with pytest.raises(Interrupted):

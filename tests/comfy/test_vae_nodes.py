@@ -45,7 +45,9 @@ class Client:
 
 def _vae(client, status=STATUS, flag=None):
     conn = SimpleNamespace(client=client, lock=threading.RLock(), ensure_reachable=lambda: None)
-    return GmlxVAE(conn, "tiny", status, interrupt=flag or Flag())
+    vae = GmlxVAE(conn, "tiny", status)
+    vae.interrupt = flag or Flag()
+    return vae
 
 
 def test_decode_gives_rgb_one_request_per_image():
