@@ -186,6 +186,7 @@ class RemoteDiT(torch.nn.Module):
         self.model_id = model_id
         self.status = status
         self.family = status.get("family")
+        self.patch = latent_patch(status)  # x's sides are padded to whole patches of it
         self.dtype = torch.float32
         self.placeholders = _placeholders(manifest)
         self.lora_keys = lora_key_map(manifest)
@@ -216,11 +217,6 @@ class RemoteDiT(torch.nn.Module):
         patch uuid (a strength change is one small PUT; matrices go up once), and anew where
         the client no longer keeps the table to define it again (`StepClient.keeps_table`)."""
         uuid = getattr(patcher, "patches_uuid", None)
-        if self.conn.lock.acquire(blocking=False):  # else at a later sync: an abandoned call
-            try:  # may still answer a 409 from the client's tables
-                self.tables.let_go(self.conn.client.forget_table)
-            finally:
-                self.conn.lock.release()
         if self.tables_generation != self.conn.generation:  # the server restarted
             self.tables.clear()
             self.tables_generation = self.conn.generation
@@ -279,7 +275,7 @@ class RemoteDiT(torch.nn.Module):
             hashes=self.row_hashes,
         )
         height, width = x.shape[-2:]
-        x_np = wrapped_to_patch(as_f32(x), latent_patch(self.status))
+        x_np = wrapped_to_patch(as_f32(x), self.patch)
         t_np = step_timestep(as_f32(timesteps), batch)
         sample_sigmas = self._sample_sigmas(options)
         # ComfyUI's Flux KV Cache: the run keeps the references' K/V (docs/contract.md §3.4)
@@ -308,6 +304,16 @@ class RemoteDiT(torch.nn.Module):
         self._keep_timing(answer)
         out = torch.from_numpy(np.array(answer.out[..., :height, :width], dtype=np.float32))
         return out.to(device=x.device, dtype=x.dtype)
+
+    def let_go_of_dropped_tables(self) -> None:
+        """Have the client forget the tables of patchers ComfyUI let go of (PatcherTables), once
+        per sampling, where the connection is free (else at a later one: an abandoned call may
+        still answer a 409 from the client's tables)."""
+        if self.conn.lock.acquire(blocking=False):
+            try:
+                self.tables.let_go(self.conn.client.forget_table)
+            finally:
+                self.conn.lock.release()
 
     def check_unchanged(self) -> None:
         """Refuse a sampling where the server's model of this id is no longer the one this
@@ -669,13 +675,15 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
         super().pre_run()
         self.remote.conn.ensure_reachable()
         self.remote.check_unchanged()
+        self.remote.let_go_of_dropped_tables()
         self.remote.sync_table(self)
         conn = self.remote.conn
         guard, abandoned, begun = threading.Lock(), [False], []
 
         def begin() -> str:  # loads the DiT where it is not resident: cancellable, and on a
             # client of its own, so an abandoned load holds up no other call
-            run = conn.control_client(conn.client.timeout).begin_run(self.remote.model_id)
+            with conn.control_client(conn.client.timeout) as client:
+                run = client.begin_run(self.remote.model_id)
             with guard:
                 ended = abandoned[0]
                 begun.extend([] if ended else [run])
@@ -707,7 +715,8 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
 def _end_run(conn: Any, run: str) -> None:
     """End a run on the server (its model then free to go), on a client of its own."""
     try:
-        conn.control_client(30.0).end_run(run)
+        with conn.control_client(30.0) as client:
+            client.end_run(run)
     except (StepError, OSError) as err:
         log.warning("gmlx: could not end run %s: %s", run, err)
 

@@ -179,9 +179,9 @@ class PatcherTables:
     """The patch table each patcher's patches were defined as (its id; None: no patch live),
     by their `patches_uuid`, and the patchers that sampled with each uuid (ComfyUI's clones
     share their original's). Once ComfyUI has let go of every patcher of a uuid (its LoRA
-    dropped from the prompt), its table goes at the next sync, unless another uuid's patchers
-    name the same table, so the client no longer holds that table's matrices to define it
-    again (docs/contract.md §7.6: LoRAs ComfyUI lets go of are freed)."""
+    dropped from the prompt), its table goes at the next sampling's start (`let_go`), unless
+    another uuid's patchers name the same table, so the client no longer holds that table's
+    matrices to define it again (docs/contract.md §7.6: LoRAs ComfyUI lets go of are freed)."""
 
     def __init__(self) -> None:
         self.ids: dict[Any, str | None] = {}
