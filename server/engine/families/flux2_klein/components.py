@@ -33,11 +33,16 @@ def top(key: str) -> tuple[str, str]:
     return layout.BFL_TOP[key] + ".weight", layout.TOP_LINEARS[key] + ".weight"
 
 
-def first_double(bfl: str, diffusers: str, bfl_ending: str = ".weight") -> tuple[str, str]:
-    """A weight of the first double block by BFL's name and diffusers' (a norm scale is
-    `.scale` in BFL's files)."""
-    first = layout.BFL_DOUBLE_BLOCK.format(0) + bfl + bfl_ending
-    return first, layout.DOUBLE.format(0) + diffusers + ".weight"
+def first_double(key: str) -> tuple[str, str]:
+    """A weight of the first double block by BFL's name and diffusers' (layout.py's tables: a
+    linear layer made of one diffusers layer, or a norm scale, `.scale` in BFL's files)."""
+    if key in layout.DOUBLE_NORM_LAYERS:
+        name, bfl = layout.DOUBLE_NORM_LAYERS[key]
+        bfl += ".scale"
+    else:
+        (name,), bfl = layout.DOUBLE_LAYERS[key]
+        bfl += ".weight"
+    return layout.BFL_DOUBLE_BLOCK.format(0) + bfl, layout.DOUBLE.format(0) + name + ".weight"
 
 
 def stems(*blocks: str) -> tuple[str, ...]:
@@ -48,10 +53,8 @@ def stems(*blocks: str) -> tuple[str, ...]:
 MODULATION = top("mod_img")
 IMAGE_IN = top("x_in")
 TEXT_IN = top("ctx_in")
-QUERY_NORM = first_double(
-    layout.BFL_DOUBLE_NORMS["norm_q"], layout.DOUBLE_NORMS["norm_q"], ".scale"
-)
-MLP_IN = first_double(layout.BFL_DOUBLE["img_ff_in"], layout.DOUBLE_LINEARS["img_ff_in"][0])
+QUERY_NORM = first_double("norm_q")
+MLP_IN = first_double("img_ff_in")
 DOUBLE_STEMS = stems(layout.BFL_DOUBLE_BLOCK, layout.DOUBLE)
 SINGLE_STEMS = stems(layout.BFL_SINGLE_BLOCK, layout.SINGLE)
 # A guidance embedder (FLUX.2 dev's, which klein has not), by BFL's name and diffusers'.

@@ -41,21 +41,10 @@ from ...nn.attention import attention
 from ...nn.rope import apply_rope, rope_tables
 from ...weights import block_weights, single_dit_file
 from .layout import (
-    BFL_DOUBLE,
-    BFL_DOUBLE_BLOCK,
-    BFL_DOUBLE_NORMS,
-    BFL_SINGLE,
-    BFL_SINGLE_BLOCK,
-    BFL_SINGLE_NORMS,
     BFL_SWAPPED_HALVES,
     BFL_TOP,
-    DOUBLE,
-    DOUBLE_LINEARS,
-    DOUBLE_NORMS,
     F32_WEIGHTS,
-    SINGLE,
-    SINGLE_LINEARS,
-    SINGLE_NORMS,
+    STACKS,
     TOP_LINEARS,
     DiTConfig,
     tensor_shapes,
@@ -73,51 +62,40 @@ REF_MODES = ("joint", "kv")
 def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     """Every linear layer of the DiT by its diffusers name (the manifest's names less `.weight`)."""
     slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
-    for i in range(config.num_layers):
-        slots |= block_slots(("double", i), DOUBLE.format(i), DOUBLE_LINEARS)
-    for i in range(config.num_single_layers):
-        for key, name in SINGLE_LINEARS.items():
-            slots[SINGLE.format(i) + name] = LinearSlot(key, ("single", i))
+    for stack in STACKS:
+        for i in range(stack.depth(config)):
+            slots |= block_slots((stack.key, i), stack.prefix.format(i), stack.linears)
     return slots
 
 
 def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     """The linear layers by BFL's names (a fused q/k/v is one whole layer here)."""
     slots = {name: LinearSlot(key) for key, name in BFL_TOP.items()}
-    for i in range(config.num_layers):
-        for key, name in BFL_DOUBLE.items():
-            slots[BFL_DOUBLE_BLOCK.format(i) + name] = LinearSlot(key, ("double", i))
-    for i in range(config.num_single_layers):
-        for key, name in BFL_SINGLE.items():
-            slots[BFL_SINGLE_BLOCK.format(i) + name] = LinearSlot(key, ("single", i))
+    for stack in STACKS:
+        for i in range(stack.depth(config)):
+            for key, (_, bfl) in stack.layers.items():
+                slots[stack.bfl_prefix.format(i) + bfl] = LinearSlot(key, (stack.key, i))
     return slots
 
 
 def bfl_naming() -> Naming:
     """BFL's naming of the DiT's tensors (its own checkpoints, ComfyUI's `Flux2`, the GGUF files
     converted from them) onto the diffusers names, as diffusers' single-file conversion
-    (`convert_flux2_transformer_checkpoint_to_diffusers`) maps them: the BFL_* tables beside
-    their diffusers names, each stream's fused `qkv` split into q, k and v, the norm scales'
-    `.scale` as `.weight`, and the final modulation's halves swapped."""
+    (`convert_flux2_transformer_checkpoint_to_diffusers`) maps them: layout.py's tables' BFL
+    names beside their diffusers names, each stream's fused `qkv` split into q, k and v, the
+    norm scales' `.scale` as `.weight`, and the final modulation's halves swapped."""
     renames = [(_top(bfl), TOP_LINEARS[key] + ".") for key, bfl in BFL_TOP.items()]
     renames += [(_top(bfl), TOP_LINEARS[key] + ".") for key, bfl in BFL_SWAPPED_HALVES.items()]
     fused = []
-    for key, bfl in BFL_DOUBLE.items():
-        parts = DOUBLE_LINEARS[key]
-        renames.append(
-            _in_block("double_blocks", DOUBLE, bfl, parts[0] if len(parts) == 1 else bfl)
-        )
-        if len(parts) > 1:
-            fused.append((f".{bfl}.weight", tuple(f".{part}.weight" for part in parts)))
-    for key, bfl in BFL_SINGLE.items():
-        renames.append(_in_block("single_blocks", SINGLE, bfl, SINGLE_LINEARS[key]))
-    for blocks, prefix, bfl_norms, norms in (
-        ("double_blocks", DOUBLE, BFL_DOUBLE_NORMS, DOUBLE_NORMS),
-        ("single_blocks", SINGLE, BFL_SINGLE_NORMS, SINGLE_NORMS),
-    ):
-        for key, bfl in bfl_norms.items():
-            pattern = rf"^{blocks}\.(\d+)\.{re.escape(bfl)}\.(scale|weight)$"
-            renames.append((pattern, prefix.format(r"\g<1>") + norms[key] + ".weight"))
+    for stack in STACKS:
+        for parts, bfl in stack.layers.values():
+            target = parts[0] if len(parts) == 1 else bfl
+            renames.append(_in_block(stack.bfl_prefix, stack.prefix, bfl, target))
+            if len(parts) > 1:
+                fused.append((f".{bfl}.weight", tuple(f".{part}.weight" for part in parts)))
+    for stack in STACKS:
+        for name, bfl in stack.norms.values():
+            renames.append(_norm_in_block(stack.bfl_prefix, stack.prefix, bfl, name))
     swapped = tuple(bfl + ".weight" for bfl in BFL_SWAPPED_HALVES.values())
     return Naming(renames=tuple(renames), fused=tuple(fused), swapped=swapped)
 
@@ -126,10 +104,23 @@ def _top(bfl: str) -> str:
     return rf"^{re.escape(bfl)}\."
 
 
-def _in_block(blocks: str, prefix: str, bfl: str, target: str) -> tuple[str, str]:
-    """A rename of a block's tensor `bfl` (under BFL's `blocks.N.`) to `target` under the
-    diffusers `prefix`."""
-    return rf"^{blocks}\.(\d+)\.{re.escape(bfl)}\.", prefix.format(r"\g<1>") + target + "."
+def _in_block(bfl_prefix: str, prefix: str, bfl: str, target: str) -> tuple[str, str]:
+    """A rename of a block's tensor `bfl` (under BFL's `bfl_prefix`, `double_blocks.{}.`) to
+    `target` under the diffusers `prefix`."""
+    return rf"^{_block_pattern(bfl_prefix)}{re.escape(bfl)}\.", prefix.format(
+        r"\g<1>"
+    ) + target + "."
+
+
+def _norm_in_block(bfl_prefix: str, prefix: str, bfl: str, name: str) -> tuple[str, str]:
+    """A rename of a block's norm scale (`.scale` or `.weight` in BFL's naming)."""
+    pattern = rf"^{_block_pattern(bfl_prefix)}{re.escape(bfl)}\.(scale|weight)$"
+    return pattern, prefix.format(r"\g<1>") + name + ".weight"
+
+
+def _block_pattern(bfl_prefix: str) -> str:
+    """`double_blocks.{}.` as a pattern whose group 1 is the block's number."""
+    return re.escape(bfl_prefix).replace(re.escape("{}"), r"(\d+)")
 
 
 BFL_NAMING = bfl_naming()
@@ -156,15 +147,12 @@ def lora_aliases(rows: dict[str, int]) -> dict[str, list[list]]:
     for key, bfl in BFL_SWAPPED_HALVES.items():
         layer, half = TOP_LINEARS[key], rows[TOP_LINEARS[key]] // 2
         aliases[bfl] = [[layer, half, half], [layer, 0, half]]
-    for i in range(_blocks(rows, DOUBLE, DOUBLE_LINEARS["img_out"][0])):
-        for key, bfl in BFL_DOUBLE.items():
-            parts = (DOUBLE.format(i) + name for name in DOUBLE_LINEARS[key])
-            aliases[BFL_DOUBLE_BLOCK.format(i) + bfl] = whole(*parts)
-    for i in range(_blocks(rows, SINGLE, SINGLE_LINEARS["out"])):
-        for key, bfl in BFL_SINGLE.items():
-            aliases[BFL_SINGLE_BLOCK.format(i) + bfl] = whole(
-                SINGLE.format(i) + SINGLE_LINEARS[key]
-            )
+    for stack in STACKS:
+        first_layer = next(iter(stack.linears.values()))[0]
+        for i in range(_blocks(rows, stack.prefix, first_layer)):
+            for parts, bfl in stack.layers.values():
+                layers = (stack.prefix.format(i) + part for part in parts)
+                aliases[stack.bfl_prefix.format(i) + bfl] = whole(*layers)
     return aliases
 
 
@@ -180,15 +168,11 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     concatenated along the rows so they run as one matmul. `linear_slots` names the same places
     for LoRA."""
     weights = {key: files[name + ".weight"] for key, name in TOP_LINEARS.items()}
-    weights["double"] = [
-        block_weights(files, DOUBLE.format(i), DOUBLE_LINEARS, DOUBLE_NORMS)
-        for i in range(config.num_layers)
-    ]
-    single_linears = {key: (name,) for key, name in SINGLE_LINEARS.items()}
-    weights["single"] = [
-        block_weights(files, SINGLE.format(i), single_linears, SINGLE_NORMS)
-        for i in range(config.num_single_layers)
-    ]
+    for stack in STACKS:
+        weights[stack.key] = [
+            block_weights(files, stack.prefix.format(i), stack.linears, stack.norm_names)
+            for i in range(stack.depth(config))
+        ]
     return weights
 
 

@@ -1,6 +1,6 @@
 """FLUX.2 klein's DiT as data, without MLX: its config (diffusers' `Flux2Transformer2DModel`
-keys), the diffusers names of its weights by the forward's tree keys, BFL's names of them
-(`BFL_*`), and every tensor's shape (`tensor_shapes`). The network (dit.py), the weight checks of
+keys), the diffusers names of its weights by the forward's tree keys with BFL's names of them,
+its block stacks (`STACKS`), and every tensor's shape (`tensor_shapes`). The network (dit.py), the weight checks of
 single files, the component files (components.py) and the embedded model's recipe (embedded.py,
 which the listing imports without MLX) read these one tables."""
 
@@ -59,32 +59,80 @@ TOP_LINEARS = {
 }
 DOUBLE = "transformer_blocks.{}."
 SINGLE = "single_transformer_blocks.{}."
-# Linear layers of a double block by diffusers name, grouped into the fused weights the forward
-# uses (the projections of q, k and v of each stream as one matrix).
-DOUBLE_LINEARS = {
-    "img_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "txt_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
-    "img_out": ("attn.to_out.0",),
-    "txt_out": ("attn.to_add_out",),
-    "img_ff_in": ("ff.linear_in",),
-    "img_ff_out": ("ff.linear_out",),
-    "txt_ff_in": ("ff_context.linear_in",),
-    "txt_ff_out": ("ff_context.linear_out",),
+BFL_DOUBLE_BLOCK = "double_blocks.{}."
+BFL_SINGLE_BLOCK = "single_blocks.{}."
+# A block's linear layers: tree key -> (their diffusers names, in row order, BFL's name). The
+# forward fuses each stream's q, k and v as one matrix, as BFL's files do (`qkv`); diffusers
+# holds them as three layers. BFL's names are those of its own checkpoints and ComfyUI's Flux2
+# model: a patch table may name them, a band picking a part.
+DOUBLE_LAYERS = {
+    "img_qkv": (("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn.qkv"),
+    "txt_qkv": (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "txt_attn.qkv"),
+    "img_out": (("attn.to_out.0",), "img_attn.proj"),
+    "txt_out": (("attn.to_add_out",), "txt_attn.proj"),
+    "img_ff_in": (("ff.linear_in",), "img_mlp.0"),
+    "img_ff_out": (("ff.linear_out",), "img_mlp.2"),
+    "txt_ff_in": (("ff_context.linear_in",), "txt_mlp.0"),
+    "txt_ff_out": (("ff_context.linear_out",), "txt_mlp.2"),
 }
-DOUBLE_NORMS = {
-    "norm_q": "attn.norm_q",
-    "norm_k": "attn.norm_k",
-    "norm_added_q": "attn.norm_added_q",
-    "norm_added_k": "attn.norm_added_k",
+SINGLE_LAYERS = {
+    "qkv_mlp": (("attn.to_qkv_mlp_proj",), "linear1"),
+    "out": (("attn.to_out",), "linear2"),
 }
-SINGLE_LINEARS = {"qkv_mlp": "attn.to_qkv_mlp_proj", "out": "attn.to_out"}
-SINGLE_NORMS = {"norm_q": "attn.norm_q", "norm_k": "attn.norm_k"}
+# A block's norm scales: tree key -> (diffusers' name, BFL's, which BFL's files end in `.scale`).
+DOUBLE_NORM_LAYERS = {
+    "norm_q": ("attn.norm_q", "img_attn.norm.query_norm"),
+    "norm_k": ("attn.norm_k", "img_attn.norm.key_norm"),
+    "norm_added_q": ("attn.norm_added_q", "txt_attn.norm.query_norm"),
+    "norm_added_k": ("attn.norm_added_k", "txt_attn.norm.key_norm"),
+}
+SINGLE_NORM_LAYERS = {
+    "norm_q": ("attn.norm_q", "norm.query_norm"),
+    "norm_k": ("attn.norm_k", "norm.key_norm"),
+}
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    """One stack of blocks: its key in the forward's weight tree, block N's name prefix in
+    diffusers' naming and in BFL's, its linear layers and norm scales (tables as above), and the
+    config field that counts its blocks."""
+
+    key: str
+    prefix: str
+    bfl_prefix: str
+    layers: dict[str, tuple[tuple[str, ...], str]]
+    norms: dict[str, tuple[str, str]]
+    depth_field: str
+
+    def depth(self, config: DiTConfig) -> int:
+        return getattr(config, self.depth_field)
+
+    @property
+    def linears(self) -> dict[str, tuple[str, ...]]:
+        """Tree key -> the diffusers names of the layers its weight is made of, in row order."""
+        return {key: names for key, (names, _) in self.layers.items()}
+
+    @property
+    def norm_names(self) -> dict[str, str]:
+        """Tree key -> the diffusers name of the norm scale."""
+        return {key: name for key, (name, _) in self.norms.items()}
+
+
+DOUBLE_STACK = BlockStack(
+    "double", DOUBLE, BFL_DOUBLE_BLOCK, DOUBLE_LAYERS, DOUBLE_NORM_LAYERS, "num_layers"
+)
+SINGLE_STACK = BlockStack(
+    "single", SINGLE, BFL_SINGLE_BLOCK, SINGLE_LAYERS, SINGLE_NORM_LAYERS, "num_single_layers"
+)
+STACKS = (DOUBLE_STACK, SINGLE_STACK)
 # Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
-F32_WEIGHTS = tuple(name + ".weight" for name in {*DOUBLE_NORMS.values(), *SINGLE_NORMS.values()})
+F32_WEIGHTS = tuple(
+    dict.fromkeys(name + ".weight" for stack in STACKS for name in stack.norm_names.values())
+)
 
 
-# BFL's names of the same linear layers (those of its own checkpoints and ComfyUI's Flux2 model),
-# each stream's q/k/v fused as one layer: a patch table may name them, a band picking a part.
+# BFL's names of the linear layers outside the blocks.
 # Not norm_out.linear's BFL name (final_layer.adaLN_modulation.1): its halves are swapped.
 BFL_TOP = {
     "x_in": "img_in",
@@ -96,30 +144,9 @@ BFL_TOP = {
     "mod_single": "single_stream_modulation.lin",
     "final": "final_layer.linear",
 }
-BFL_DOUBLE = {
-    "img_qkv": "img_attn.qkv",
-    "txt_qkv": "txt_attn.qkv",
-    "img_out": "img_attn.proj",
-    "txt_out": "txt_attn.proj",
-    "img_ff_in": "img_mlp.0",
-    "img_ff_out": "img_mlp.2",
-    "txt_ff_in": "txt_mlp.0",
-    "txt_ff_out": "txt_mlp.2",
-}
-BFL_SINGLE = {"qkv_mlp": "linear1", "out": "linear2"}
 # BFL's final modulation is norm_out.linear with its two halves swapped: (shift, scale) where
 # diffusers has (scale, shift). LoRA files name it (ComfyUI's Flux2 patches it as its weight).
 BFL_SWAPPED_HALVES = {"final_mod": "final_layer.adaLN_modulation.1"}
-BFL_DOUBLE_BLOCK = "double_blocks.{}."
-BFL_SINGLE_BLOCK = "single_blocks.{}."
-# BFL's names of the norm scales (`.scale` in its files).
-BFL_DOUBLE_NORMS = {
-    "norm_q": "img_attn.norm.query_norm",
-    "norm_k": "img_attn.norm.key_norm",
-    "norm_added_q": "txt_attn.norm.query_norm",
-    "norm_added_k": "txt_attn.norm.key_norm",
-}
-BFL_SINGLE_NORMS = {"norm_q": "norm.query_norm", "norm_k": "norm.key_norm"}
 
 
 def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
@@ -142,16 +169,13 @@ def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
         **dict.fromkeys(("img_ff_in", "txt_ff_in"), (2 * mlp, dim)),
         **dict.fromkeys(("img_ff_out", "txt_ff_out"), (dim, mlp)),
     }
-    for i in range(config.num_layers):
-        for key, parts in DOUBLE_LINEARS.items():
-            for name in parts:
-                shapes[DOUBLE.format(i) + name + ".weight"] = double[key]
-        for name in DOUBLE_NORMS.values():
-            shapes[DOUBLE.format(i) + name + ".weight"] = head
     single = {"qkv_mlp": (3 * dim + 2 * mlp, dim), "out": (dim, dim + mlp)}
-    for i in range(config.num_single_layers):
-        for key, name in SINGLE_LINEARS.items():
-            shapes[SINGLE.format(i) + name + ".weight"] = single[key]
-        for name in SINGLE_NORMS.values():
-            shapes[SINGLE.format(i) + name + ".weight"] = head
+    for stack, linear_shapes in ((DOUBLE_STACK, double), (SINGLE_STACK, single)):
+        for i in range(stack.depth(config)):
+            prefix = stack.prefix.format(i)
+            for key, parts in stack.linears.items():
+                for name in parts:
+                    shapes[prefix + name + ".weight"] = linear_shapes[key]
+            for name in stack.norm_names.values():
+                shapes[prefix + name + ".weight"] = head
     return shapes
