@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .engine.precision import Quantization
 from .parsers import FLAG_FORMS, quantization_argument
+from .process import prepared_for
 
 RETRIES = 3  # a file whose download fails is tried again this often, resuming where it stopped
 # How long the Hub may take to answer the file listing (huggingface_hub waits for ever): a
@@ -329,6 +330,8 @@ def pull_command(args: argparse.Namespace) -> int:
             check_writable_folder(Path(args.to).expanduser(), "--to")
     except (ConfigError, ValueError) as exc:
         print(f"gmlx pull: {exc}", file=sys.stderr)
+        return 2
+    if quantization is not None and not prepared_for("pull"):  # before mlx quantizes a shard
         return 2
     try:
         repo, include, name = resolve(args.repo)

@@ -367,6 +367,7 @@ def test_a_bad_environment_value_stops_serve_on_one_line(tmp_path, name, value, 
     [
         ["image", "sample", "--prompt", "a", "--out", "OUT/a.png"],
         ["model", "quantize", "--bits", "4", "m", "OUT/q"],
+        ["pull", "--quantize", "4", "owner/name", "--to", "OUT/p"],
     ],
 )
 def test_a_blas_that_cannot_load_stops_the_other_mlx_commands_on_one_line(tmp_path, words):
