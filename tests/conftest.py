@@ -9,11 +9,17 @@
 - The modules that take longest run first (`SLOW_FIRST`): a worker that runs out of tests
   takes some of the other's (`--dist worksteal`, pyproject.toml), but not a test under way, so
   a long test left to the end would keep the run waiting on it alone.
+- Python writes its bytecode caches (gitignored `__pycache__`) even where the environment says
+  not to (`PYTHONDONTWRITEBYTECODE`): the run starts many processes (the workers, and the
+  servers, ranks and commands the tests start) that import the same modules, and each compiled
+  them all again (on two cores the suite took 4:19 from a clean checkout against 4:28, and
+  4:10 once the caches are there). Set before the workers start, and inherited.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -31,6 +37,8 @@ SLOW_FIRST = (
 
 
 def pytest_configure(config):
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         for name in THREAD_VARIABLES:
             os.environ.setdefault(name, "1")
