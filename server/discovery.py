@@ -192,7 +192,8 @@ def _residency_line(resident: dict[str, Any]) -> str:
 def configured_models(config: ServerConfig) -> dict[str, Any]:
     """The models `gmlx serve` with this configuration would list: each model folder under
     model_dirs, the models from component files (with their `files`), the embedded models when
-    no default_model is set (`embedded`; their folder is made on first use), and the ids that
+    no default_model is set, else the one it names (`embedded`; their folder is made on first
+    use), and the ids that
     `[models."id"]` and default_model name (with no folder when none is found); a folder no
     family reads says why (`unservable`)."""
     from .engine.registry import ModelRegistry
@@ -203,11 +204,11 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
         model_id: str(path) for model_id, path in registry.folders().items()
     }
     default = config.default_model
-    embedded = embedded_models() if default is None else []
+    embedded = embedded_models(default, config.model_dirs)
     if default is None:
         default = embedded[0][0] if embedded else None
-        for model_id, folder in embedded:
-            folders.setdefault(model_id, str(folder) if folder.is_dir() else None)
+    for model_id, folder in embedded:
+        folders.setdefault(model_id, str(folder) if folder.is_dir() else None)
     embedded_ids = {model_id for model_id, _ in embedded}
     for model_id in [*config.models, *([default] if default else [])]:
         folders.setdefault(model_id, None)
@@ -238,13 +239,15 @@ def configured_models(config: ServerConfig) -> dict[str, Any]:
     }
 
 
-def embedded_models() -> list[tuple[str, Path]]:
-    """The embedded models' ids and the folders `gmlx serve` generates them in on first use,
-    the embedded default first; none where they cannot be made (the server's extras are not
-    installed), and then a server with no default_model has no default either."""
-    from .engine.registry import embedded_modules
+def embedded_models(default_model: str | None, model_dirs: list[Path]) -> list[tuple[str, Path]]:
+    """The ids of the embedded models a configuration serves (every one without a
+    default_model, else the one it names) and the folders `gmlx serve` generates them in on
+    first use, the embedded default first; none where they cannot be made (the server's extras
+    are not installed), and then a server with no default_model has no default either."""
+    from .engine.registry import embedded_modules_served
 
-    return [(module.RECIPE.name, module.RECIPE.folder()) for module in embedded_modules()]
+    modules = embedded_modules_served(default_model, model_dirs)
+    return [(module.RECIPE.name, module.RECIPE.folder()) for module in modules]
 
 
 def status_command(args: argparse.Namespace) -> int:

@@ -47,13 +47,14 @@ def fast_blas() -> None:
 def config_registry(config, model: str | None = None):
     """The model registry of a configuration, its default model `model` or else the configured
     one or else the embedded default; with no default_model configured the embedded models'
-    folders join as extra folders, so `model` may name one. Models load with their entries'
+    folders join as extra folders, so `model` may name one (with one configured, the embedded
+    model it names, if it names one). Models load with their entries'
     configured adapters and load settings (config.ServerConfig.load_settings_for: `--quantize`
     over the entry's `quantize`). Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
     from .lora_files import DefaultAdapters
 
-    extra, embedded_default = _embedded_models(config.default_model)
+    extra, embedded_default = _embedded_models(config)
     default = model or config.default_model or embedded_default
     hooks = DefaultAdapters(config.models) if config.models else None
     registry = ModelRegistry(
@@ -73,19 +74,20 @@ def config_registry(config, model: str | None = None):
     return registry, extra
 
 
-def _embedded_models(default_model: str | None) -> tuple[list[Path], str | None]:
-    """With no default_model configured, the embedded models are offered and the first, the
-    embedded default, is the default: their folders (generated on first use) join the registry
-    as extra model folders. Returns (extra folders, default id)."""
-    if default_model:
-        return [], default_model
-    from .engine.registry import embedded_modules  # imports numpy: after tune_malloc
+def _embedded_models(config) -> tuple[list[Path], str | None]:
+    """The embedded models the configuration serves (engine/registry.py's
+    `embedded_modules_served`), their folders generated on first use to join the registry as
+    extra model folders, and the default model: the configured one, else the embedded
+    default. Returns (extra folders, default id)."""
+    from .engine.registry import embedded_modules_served  # imports numpy: after tune_malloc
 
-    modules = embedded_modules()
-    if not modules:
+    modules = embedded_modules_served(config.default_model, config.model_dirs)
+    folders = [Path(module.RECIPE.ensure()) for module in modules]
+    if config.default_model:
+        return folders, config.default_model
+    if not folders:
         log.warning("no default_model configured and no embedded default model available")
         return [], None
-    folders = [Path(module.RECIPE.ensure()) for module in modules]
     return folders, folders[0].name
 
 

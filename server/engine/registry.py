@@ -17,12 +17,13 @@ room for another, which is answered 503 (load deferred for capacity).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,18 @@ def embedded_modules() -> list[Any]:
         except ImportError as exc:
             log.debug("no embedded model %s: %s", name, exc)
     return modules
+
+
+def embedded_modules_served(default_model: str | None, model_dirs: Sequence[Path] = ()) -> list:
+    """The embedded models a configuration serves: every one where it names no default_model
+    (the embedded default first, and the default), else the one its default_model names, unless
+    a folder of that name in model_dirs is that model."""
+    modules = embedded_modules()
+    if not default_model:
+        return modules
+    if any((Path(folder) / default_model).is_dir() for folder in model_dirs):
+        return []
+    return [module for module in modules if module.RECIPE.name == default_model]
 
 
 def implementation(spec: FamilySpec) -> Family | None:
@@ -396,16 +409,18 @@ class ModelRegistry:
     def _unknown(self, model_id: str) -> str:
         """Why `model_id` names no model: where folders were looked for, and what is there."""
         searched = ", ".join(str(d) for d in self.model_dirs) or "none configured"
-        known = ", ".join(sorted(self.folders())) or "none"
-        published = any(p.name == model_id for s in self.families.values() for p in s.published)
+        folders = sorted(self.folders())
+        published = [p.name for spec in self.families.values() for p in spec.published]
+        embedded = [module.RECIPE.name for module in embedded_modules()]
+        if model_id in published:
+            hint = f"; it is a published model: fetch it with `gmlx pull {model_id}`"
+        else:
+            names = {name.lower(): name for name in [*published, *embedded, *folders]}
+            near = difflib.get_close_matches(model_id.lower(), names, n=1)
+            hint = f"; did you mean {names[near[0]]!r}?" if near else ""
         return (
             f"unknown image model {model_id!r}: no folder of that name holding {MODEL_INDEX} in"
-            f" the model_dirs ({searched}); the models here: {known}"
-            + (
-                f"; it is a published model: fetch it with `gmlx pull {model_id}`"
-                if published
-                else ""
-            )
+            f" the model_dirs ({searched}); the models here: {', '.join(folders) or 'none'}" + hint
         )
 
     def _find(self, model_id: str, folders: dict[str, Path], max_age: float) -> ModelEntry | None:

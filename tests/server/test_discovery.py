@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gmlx_server import cli, discovery, server_records
+from gmlx_server import cli, discovery, process, server_records
 from gmlx_server.config import ServerConfig, load_config
 
 from tests.catalog import EMBEDDED_MODELS
@@ -315,6 +315,32 @@ def test_with_no_default_model_the_embedded_models_are_listed_the_default_first(
     assert [m["default"] for m in doc["models"]] == [True, False, False, False, False, False]
     assert [m["folder"] for m in doc["models"]] == [None] * 6  # not generated yet in this cache
     assert all(m["embedded"] for m in doc["models"])
+
+
+def test_a_default_model_naming_an_embedded_model_serves_that_one(tmp_path):
+    """default_model set to an embedded model's id (as `gmlx list` names it): that model is
+    listed and served, made on first use, the other embedded models not; a folder of that name
+    in model_dirs is the model instead."""
+    text = '[server]\ndefault_model = "z-image-random-tiny"\n'
+    config = load_config(config_file(tmp_path, text))
+    doc = discovery.configured_models(config)
+    assert [(m["model"], m["default"], m["embedded"]) for m in doc["models"]] == [
+        ("z-image-random-tiny", True, True)
+    ]
+    registry, _ = process.config_registry(config)
+    entry = registry.resolve("")
+    assert (entry.model_id, entry.family) == ("z-image-random-tiny", "z_image")
+    assert set(registry.folders()) == {"z-image-random-tiny"}
+
+    own = tmp_path / "models" / "z-image-random-tiny"
+    own.mkdir(parents=True)
+    (own / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    text += f'model_dirs = ["{own.parent}"]\n'
+    config = load_config(config_file(tmp_path, text))
+    registry, extra = process.config_registry(config)
+    assert extra == [] and registry.folders() == {"z-image-random-tiny": own}
+    (listed,) = discovery.configured_models(config)["models"]
+    assert (listed["folder"], listed["embedded"]) == (str(own), False)
 
 
 def test_an_embedded_model_not_made_yet_is_said_to_be_made_on_first_use(tmp_path, capsys):

@@ -140,6 +140,23 @@ def test_an_unknown_model_that_is_published_names_its_gmlx_pull(tmp_path):
         assert ("fetch it with `gmlx pull " + name + "`" in info.value.message) is hint
 
 
+def test_an_unknown_model_near_a_known_name_names_it(tmp_path):
+    """A mistyped id: the nearest of the folders', the embedded models' and the published
+    models' names is offered."""
+    ours = registry(tmp_path)
+    for reg, mistyped, meant in (
+        (ours, "alpah", "alpha"),
+        (ours, "qwen-image-tiny", "qwen-image21-random-tiny"),
+        (ModelRegistry([tmp_path], default_model=None), "FLUX2-klein-4B", "flux2-klein-4b"),
+    ):
+        with pytest.raises(ContractError) as info:
+            reg.resolve(mistyped)
+        assert info.value.message.endswith(f"; did you mean {meant!r}?"), info.value.message
+    with pytest.raises(ContractError) as info:
+        ours.resolve("something-else-entirely")
+    assert "did you mean" not in info.value.message
+
+
 def test_a_file_a_family_cannot_read_is_named_and_looked_at_again_once_mended(tmp_path):
     """A Z-Image folder whose text encoder's config.json is not JSON: the refusal names the
     file and the family that read it; mended, the folder is served without a restart."""
