@@ -370,22 +370,21 @@ class ServerConfig:
 def check_writable_folder(folder: Path, key: str) -> None:
     """A folder this user may write in, or one it may make (a ConfigError naming `key`, the
     setting or flag that named it, otherwise)."""
-    existing = nearest_existing(folder)
+    refused = unwritable_folder(folder)
+    if refused:
+        raise ConfigError(f"{key} {folder}: {refused}")
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why this user can neither write in `folder` nor make it (None: it can): the nearest of
+    it and its parents that exists is a file, or a folder it may not write in."""
+    path = folder.absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise ConfigError(f"{key} {folder}: {existing} is a file, not a folder")
-    if not may_write_in(existing):
-        raise ConfigError(f"{key} {folder}: this user may not write in {existing}")
-
-
-def nearest_existing(path: Path) -> Path:
-    """`path`, or the nearest of its parents that exists: where making `path` would write."""
-    path = path.absolute()
-    return next(p for p in (path, *path.parents) if p.exists())
-
-
-def may_write_in(folder: Path) -> bool:
-    """Whether this user may make files in `folder`."""
-    return folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"this user may not write in {existing}"
+    return None
 
 
 @functools.lru_cache(maxsize=1024)  # every request's Host header, behind a loopback bind

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, may_write_in, nearest_existing
+from .config import ConfigError, unwritable_folder
 from .engine.sampling import (
     SAMPLERS,
     ImageRequest,
@@ -44,6 +44,7 @@ from .parsers import (
     CommandParser,
     add_group_arguments,
     add_model_arguments,
+    file_to_write,
     flag_name,
     model_flags,
 )
@@ -84,11 +85,14 @@ def add_sample_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     add_image_arguments(parser)
     add_adapter_argument(parser)
     parser.add_argument(
-        "--out", type=Path, required=True, help="the image to write: a .png, .jpg or .webp file"
+        "--out",
+        type=file_to_write,
+        required=True,
+        help="the image to write: a .png, .jpg or .webp file",
     )
     parser.add_argument(
         "--preview",
-        type=Path,
+        type=file_to_write,
         default=None,
         metavar="FILE",
         help="write a preview of the image forming here after every step (.png, .jpg, .webp)",
@@ -118,7 +122,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="serve the step routes on a loopback port and sample through them",
     )
     parser.add_argument("--json", action="store_true", help="print the JSON record")
-    parser.add_argument("--json-out", type=Path, default=None, help="write the JSON record here")
+    parser.add_argument(
+        "--json-out", type=file_to_write, default=None, help="write the JSON record here"
+    )
     parser.set_defaults(func=run_bench_command)
     return parser
 
@@ -439,10 +445,8 @@ def output_refusal(path: Path | None, flag: str, picture: bool = False) -> str |
         return f"{flag} {str(path)!r} is a folder; name a file"
     if picture and file_format(path) is None:
         return f"{flag} {path}: name a .png, .jpg or .webp file (the suffix says the format)"
-    existing = nearest_existing(path.parent)
-    if not may_write_in(existing):
-        return f"{flag} {path}: {existing} is not a folder this user may write in"
-    return None
+    refused = unwritable_folder(path.parent)
+    return f"{flag} {path}: {refused}" if refused else None
 
 
 def write_refusal(path: Path, write) -> str | None:

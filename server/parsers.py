@@ -87,6 +87,14 @@ class CommandParser(argparse.ArgumentParser):
         return found
 
 
+def file_to_write(text: str) -> Path:
+    """The argparse type of an option naming a file a command writes: an empty one is refused
+    (Path would read it as the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a file")
+    return Path(text)
+
+
 # The argparse form of a model entry's keys whose value is not a file (config.MODEL_SETTINGS).
 FLAG_FORMS = {
     "quantize": {"type": int, "choices": BITS, "metavar": "BITS"},

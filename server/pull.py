@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engine.precision import Quantization
+from .engine.precision import BITS, DEFAULT_GROUP_SIZE, Quantization
 from .parsers import FLAG_FORMS, quantization_argument
 from .process import prepared_for
 
@@ -295,10 +295,28 @@ def register(subparsers) -> None:
         "pull", help="download a model from the Hugging Face Hub into the model_dirs folder"
     )
     parser.add_argument("repo", nargs="?", help="owner/name, or a published model name (--list)")
-    parser.add_argument("--include", action="append", default=[], metavar="PATTERN")
+    parser.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="pull only the files whose path in the repository matches this glob (repeatable;"
+        " a published model's own patterns otherwise, else every file)",
+    )
     parser.add_argument("--revision", default=None, help="a branch, tag or commit")
-    parser.add_argument("--quantize", default=None, **FLAG_FORMS["quantize"])
-    parser.add_argument("--group-size", default=None, **FLAG_FORMS["group_size"])
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        help=f"write the folder quantized to BITS bits per weight ({', '.join(map(str, BITS))}),"
+        " shard by shard, as `gmlx model quantize` writes it",
+        **FLAG_FORMS["quantize"],
+    )
+    parser.add_argument(
+        "--group-size",
+        default=None,
+        help=f"with --quantize: weights per quantization group (default {DEFAULT_GROUP_SIZE})",
+        **FLAG_FORMS["group_size"],
+    )
     parser.add_argument("--gguf", default=None, metavar="TYPE", help="GGUF files of this type")
     parser.add_argument("--to", type=Path, default=None, help="the folder to pull into")
     parser.add_argument("--list", action="store_true", help="the published model names")

@@ -692,8 +692,9 @@ def every_parser(parser: argparse.ArgumentParser, words=("gmlx",)):
 
 
 def test_every_command_has_a_description_and_shows_its_defaults(monkeypatch):
-    """`--help` of each command says what it does and each option's default (options whose
-    default is None, False or empty word their default in the help text instead)."""
+    """`--help` of each command says what it does, what each option does, and each option's
+    default (options whose default is None, False or empty word their default in the help
+    text instead)."""
     monkeypatch.setenv("COLUMNS", "200")
     parsers = dict(every_parser(cli.build_parser()))
     assert {("gmlx", "serve"), ("gmlx", "image", "sample"), ("gmlx", "image", "bench")} <= set(
@@ -706,6 +707,7 @@ def test_every_command_has_a_description_and_shows_its_defaults(monkeypatch):
             default = action.default
             if not action.option_strings or action.help == argparse.SUPPRESS:
                 continue
+            assert action.help, f"{' '.join(words)} {action.option_strings[-1]} has no help text"
             if default is None or default is False or default == [] or default == argparse.SUPPRESS:
                 continue
             assert f"(default: {default})" in text, (words, action.option_strings)
@@ -725,13 +727,22 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
     a_file.write_text("")
     cases = [
         (["image", "sample", "--prompt", "x", "--out", str(tmp_path)], "is a folder; name a file"),
-        (["image", "sample", "--prompt", "x", "--out", str(a_file / "x.png")], "is not a folder"),
+        (
+            ["image", "sample", "--prompt", "x", "--out", str(a_file / "x.png")],
+            f"{a_file} is a file, not a folder",
+        ),
         (["image", "bench", "--json-out", str(tmp_path)], "--json-out"),
     ]
     for argv, words in cases:
         assert cli.main([*argv, "--config", str(config)]) == 2, argv
         err = capsys.readouterr().err
         assert words in err and "never-loaded" not in err, err
+    for flag in ("--out", "--preview"):  # Path("") would be the current folder
+        argv = ["image", "sample", "--prompt", "x", "--out", "a.png", flag, " "]
+        with pytest.raises(SystemExit) as stopped:
+            cli.main([*argv, "--config", str(config)])
+        assert stopped.value.code == 2
+        assert f"argument {flag}: an empty path; name a file" in capsys.readouterr().err
 
 
 def test_an_output_that_fails_to_write_after_the_work_is_one_line(tmp_path):
