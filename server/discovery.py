@@ -47,7 +47,7 @@ def register(subparsers) -> None:
         "list",
         aliases=["models"],
         help="the models the configuration names (model_dirs, [models], the default; the"
-        " embedded models where no default is set)",
+        " embedded models where no default is set, else the one it names)",
     )
     listing.add_argument(
         "--image",

@@ -6,6 +6,7 @@ settings and the command's flags over them."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +79,7 @@ def choose_model(
         refused = registry.resolve_refusal(model)
         if refused is not None:
             raise ValueError(refused)
-        raise ValueError(unknown_model(model, sorted(registry.folders())))
+        raise ValueError(unknown_model(model, sorted(registry.folders()), registry.unknown_hint))
     model_id = registry.default_model
     if not model_id:
         raise ValueError("no model named, none configured and no embedded default available")
@@ -107,9 +108,9 @@ def refuse_set_facts(flags: dict, model: str) -> None:
         )
 
 
-def unknown_model(model: str, known: list[str]) -> str:
+def unknown_model(model: str, known: list[str], hint: Callable[[str], str]) -> str:
     """Why `--model` names nothing this command can load: which folder lacks what, or which ids
-    there are."""
+    there are and what may be meant (`hint`: the registry's `unknown_hint`)."""
     from .engine.registry import MODEL_INDEX
 
     folder = Path(model).expanduser()
@@ -133,7 +134,10 @@ def unknown_model(model: str, known: list[str]) -> str:
     ids = ", ".join(known) or "none"
     if folder.exists():
         return f"{folder} is a file, not a model folder (model ids known here: {ids})"
-    return f"no model folder {model!r} and no model of that id (model ids known here: {ids})"
+    return (
+        f"no model folder {model!r} and no model of that id (model ids known here: {ids})"
+        + hint(model)
+    )
 
 
 @contextmanager

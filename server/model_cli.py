@@ -15,6 +15,7 @@ from pathlib import Path
 from .config import ConfigError, check_writable_folder
 from .engine.load_settings import KQUANT_PRESETS
 from .engine.precision import BITS, DEFAULT_GROUP_SIZE, GROUP_SIZES, Quantization
+from .parsers import folder_to_write
 from .process import prepared_for
 
 QUANTIZE_HELP = "write a copy of a model folder with quantized weights, to load directly"
@@ -28,7 +29,9 @@ def register(subparsers) -> None:
     parser.add_argument(
         "source", help="a model folder (holding model_index.json) or a model id of the config"
     )
-    parser.add_argument("destination", type=Path, help="the folder to write (must not exist)")
+    parser.add_argument(
+        "destination", type=folder_to_write, help="the folder to write (must not exist)"
+    )
     precision = parser.add_mutually_exclusive_group(required=True)
     precision.add_argument("--bits", type=int, choices=BITS, help="bits per weight (MLX affine)")
     precision.add_argument(

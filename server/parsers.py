@@ -95,6 +95,14 @@ def file_to_write(text: str) -> Path:
     return Path(text)
 
 
+def folder_to_write(text: str) -> Path:
+    """The argparse type of an option naming a folder a command writes into: an empty one is
+    refused (Path would read it as the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a folder")
+    return Path(text)
+
+
 # The argparse form of a model entry's keys whose value is not a file (config.MODEL_SETTINGS).
 FLAG_FORMS = {
     "quantize": {"type": int, "choices": BITS, "metavar": "BITS"},

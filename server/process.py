@@ -1,7 +1,9 @@
-"""Setting up a gmlx process: what `gmlx serve` (cli.py) and `gmlx image` (image_cli.py) both do
-before they touch a model: keep megabyte buffers in glibc's allocator and put an optimised BLAS
-under MLX (`prepare_process`, before mlx is imported), and build the model registry of a
-configuration (`config_registry`, with the embedded default model when none is configured).
+"""Setting up a gmlx process: what the commands that run MLX (`gmlx serve`, `gmlx image`,
+`gmlx model quantize`, a quantizing `gmlx pull`) do before they touch a model: keep megabyte
+buffers in glibc's allocator and put an optimised BLAS under MLX (`prepare_process`, before mlx
+is imported); and the model registry of a configuration that `serve` and `image` build
+(`config_registry`, with the embedded models when no default_model is configured, else the
+one it names).
 """
 
 from __future__ import annotations
@@ -48,13 +50,13 @@ def config_registry(config, model: str | None = None):
     """The model registry of a configuration, its default model `model` or else the configured
     one or else the embedded default; with no default_model configured the embedded models'
     folders join as extra folders, so `model` may name one (with one configured, the embedded
-    model it names, if it names one). Models load with their entries'
+    model it names or `model` names, if either names one). Models load with their entries'
     configured adapters and load settings (config.ServerConfig.load_settings_for: `--quantize`
     over the entry's `quantize`). Returns (registry, extra folders)."""
     from .engine.registry import ModelRegistry
     from .lora_files import DefaultAdapters
 
-    extra, embedded_default = _embedded_models(config)
+    extra, embedded_default = _embedded_models(config, model)
     default = model or config.default_model or embedded_default
     hooks = DefaultAdapters(config.models) if config.models else None
     registry = ModelRegistry(
@@ -74,14 +76,17 @@ def config_registry(config, model: str | None = None):
     return registry, extra
 
 
-def _embedded_models(config) -> tuple[list[Path], str | None]:
+def _embedded_models(config, model: str | None = None) -> tuple[list[Path], str | None]:
     """The embedded models the configuration serves (engine/registry.py's
-    `embedded_modules_served`), their folders generated on first use to join the registry as
-    extra model folders, and the default model: the configured one, else the embedded
-    default. Returns (extra folders, default id)."""
+    `embedded_modules_served`), and the one `model` names, their folders generated on first use
+    to join the registry as extra model folders; and the default model: the configured one,
+    else the embedded default. Returns (extra folders, default id)."""
     from .engine.registry import embedded_modules_served  # imports numpy: after tune_malloc
 
     modules = embedded_modules_served(config.default_model, config.model_dirs)
+    if model and config.default_model:
+        named = embedded_modules_served(model, config.model_dirs)
+        modules += [module for module in named if module not in modules]
     folders = [Path(module.RECIPE.ensure()) for module in modules]
     if config.default_model:
         return folders, config.default_model

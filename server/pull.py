@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .engine.precision import BITS, DEFAULT_GROUP_SIZE, Quantization
-from .parsers import FLAG_FORMS, quantization_argument
+from .parsers import FLAG_FORMS, folder_to_write, quantization_argument
 from .process import prepared_for
 
 RETRIES = 3  # a file whose download fails is tried again this often, resuming where it stopped
@@ -318,7 +318,7 @@ def register(subparsers) -> None:
         **FLAG_FORMS["group_size"],
     )
     parser.add_argument("--gguf", default=None, metavar="TYPE", help="GGUF files of this type")
-    parser.add_argument("--to", type=Path, default=None, help="the folder to pull into")
+    parser.add_argument("--to", type=folder_to_write, default=None, help="the folder to pull into")
     parser.add_argument("--list", action="store_true", help="the published model names")
     parser.add_argument("--config", type=Path, default=None, help="TOML config file")
     parser.set_defaults(func=pull_command)

@@ -75,7 +75,7 @@ def embedded_modules_served(default_model: str | None, model_dirs: Sequence[Path
     modules = embedded_modules()
     if not default_model:
         return modules
-    if any((Path(folder) / default_model).is_dir() for folder in model_dirs):
+    if any((Path(folder) / default_model / MODEL_INDEX).is_file() for folder in model_dirs):
         return []
     return [module for module in modules if module.RECIPE.name == default_model]
 
@@ -409,19 +409,29 @@ class ModelRegistry:
     def _unknown(self, model_id: str) -> str:
         """Why `model_id` names no model: where folders were looked for, and what is there."""
         searched = ", ".join(str(d) for d in self.model_dirs) or "none configured"
-        folders = sorted(self.folders())
+        folders = ", ".join(sorted(self.folders())) or "none"
+        return (
+            f"unknown image model {model_id!r}: no folder of that name holding {MODEL_INDEX} in"
+            f" the model_dirs ({searched}); the models here: {folders}{self.unknown_hint(model_id)}"
+        )
+
+    def unknown_hint(self, model_id: str) -> str:
+        """What may be meant by an id that names no model here ("; ..."; "" when nothing): the
+        published model's `gmlx pull`, where the embedded model is served, or the nearest name
+        of a folder, an embedded model or a published one."""
         published = [p.name for spec in self.families.values() for p in spec.published]
         embedded = [module.RECIPE.name for module in embedded_modules()]
         if model_id in published:
-            hint = f"; it is a published model: fetch it with `gmlx pull {model_id}`"
-        else:
-            names = {name.lower(): name for name in [*published, *embedded, *folders]}
-            near = difflib.get_close_matches(model_id.lower(), names, n=1)
-            hint = f"; did you mean {names[near[0]]!r}?" if near else ""
-        return (
-            f"unknown image model {model_id!r}: no folder of that name holding {MODEL_INDEX} in"
-            f" the model_dirs ({searched}); the models here: {', '.join(folders) or 'none'}" + hint
-        )
+            return f"; it is a published model: fetch it with `gmlx pull {model_id}`"
+        if model_id in embedded:
+            return (
+                "; it is an embedded model, served where no default_model is configured or"
+                " default_model names it"
+            )
+        known = [*published, *embedded, *self.folders()]
+        names = {name.lower(): name for name in known if name != model_id}
+        near = difflib.get_close_matches(model_id.lower(), names, n=1)
+        return f"; did you mean {names[near[0]]!r}?" if near else ""
 
     def _find(self, model_id: str, folders: dict[str, Path], max_age: float) -> ModelEntry | None:
         path = folders.get(model_id)

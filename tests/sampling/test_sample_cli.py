@@ -88,11 +88,16 @@ def test_a_model_that_is_not_there_is_explained(tmp_path):
     }
     (models / "toy-a" / "transformer").mkdir()
     cases[str(models / "toy-a" / "transformer")] = "part of the model folder"
+    cases["toy-b"] = "(model ids known here: " + ", ".join(sorted([*EMBEDDED_MODELS, "toy-a"]))
+    cases["toy-b"] += "); did you mean 'toy-a'?"
     for model, words in cases.items():
         with pytest.raises(ValueError) as refused:
             choose_model(model, config)
         assert words in str(refused.value), (model, str(refused.value))
     assert choose_model("toy-a", config).model_id == "toy-a"
+    # with a default_model configured, --model may still name an embedded model
+    config.write_text(f'[server]\nmodel_dirs = ["{models}"]\ndefault_model = "toy-a"\n')
+    assert choose_model("z-image-random-tiny", config).model_id == "z-image-random-tiny"
 
 
 @pytest.mark.parametrize(

@@ -737,12 +737,21 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, c
         assert cli.main([*argv, "--config", str(config)]) == 2, argv
         err = capsys.readouterr().err
         assert words in err and "never-loaded" not in err, err
-    for flag in ("--out", "--preview"):  # Path("") would be the current folder
-        argv = ["image", "sample", "--prompt", "x", "--out", "a.png", flag, " "]
+    empty = [  # Path("") would be the current folder
+        (["image", "sample", "--prompt", "x", "--out", " "], "--out: an empty path; name a file"),
+        (
+            ["image", "sample", "--prompt", "x", "--out", "a.png", "--preview", ""],
+            "--preview: an empty path; name a file",
+        ),
+        (["image", "bench", "--json-out", ""], "--json-out: an empty path; name a file"),
+        (["pull", "--to", "", "owner/name"], "--to: an empty path; name a folder"),
+        (["model", "quantize", "m", ""], "destination: an empty path; name a folder"),
+    ]
+    for argv, words in empty:
         with pytest.raises(SystemExit) as stopped:
             cli.main([*argv, "--config", str(config)])
         assert stopped.value.code == 2
-        assert f"argument {flag}: an empty path; name a file" in capsys.readouterr().err
+        assert f"argument {words}" in capsys.readouterr().err
 
 
 def test_an_output_that_fails_to_write_after_the_work_is_one_line(tmp_path):

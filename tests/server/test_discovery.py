@@ -332,11 +332,12 @@ def test_a_default_model_naming_an_embedded_model_serves_that_one(tmp_path):
     assert (entry.model_id, entry.family) == ("z-image-random-tiny", "z_image")
     assert set(registry.folders()) == {"z-image-random-tiny"}
 
-    own = tmp_path / "models" / "z-image-random-tiny"
+    own = tmp_path / "models" / "z-image-random-tiny"  # a folder of that name, no model yet
     own.mkdir(parents=True)
-    (own / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
     text += f'model_dirs = ["{own.parent}"]\n'
     config = load_config(config_file(tmp_path, text))
+    assert process.config_registry(config)[0].resolve("").family == "z_image"
+    (own / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
     registry, extra = process.config_registry(config)
     assert extra == [] and registry.folders() == {"z-image-random-tiny": own}
     (listed,) = discovery.configured_models(config)["models"]

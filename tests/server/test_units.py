@@ -155,6 +155,12 @@ def test_an_unknown_model_near_a_known_name_names_it(tmp_path):
     with pytest.raises(ContractError) as info:
         ours.resolve("something-else-entirely")
     assert "did you mean" not in info.value.message
+    with pytest.raises(ContractError) as info:  # one not served with this default_model
+        ours.resolve("z-image-random-tiny")
+    assert info.value.message.endswith(
+        "; it is an embedded model, served where no default_model is configured or"
+        " default_model names it"
+    )
 
 
 def test_a_file_a_family_cannot_read_is_named_and_looked_at_again_once_mended(tmp_path):

@@ -36,11 +36,11 @@ def top(key: str) -> tuple[str, str]:
 def first_double(key: str) -> tuple[str, str]:
     """A weight of the first double block by BFL's name and diffusers' (layout.py's tables: a
     linear layer made of one diffusers layer, or a norm scale, `.scale` in BFL's files)."""
-    if key in layout.DOUBLE_NORM_LAYERS:
-        name, bfl = layout.DOUBLE_NORM_LAYERS[key]
+    if key in layout.DOUBLE_NORMS:
+        name, bfl = layout.DOUBLE_NORMS[key]
         bfl += ".scale"
     else:
-        (name,), bfl = layout.DOUBLE_LAYERS[key]
+        (name,), bfl = layout.DOUBLE_LINEARS[key]
         bfl += ".weight"
     return layout.BFL_DOUBLE_BLOCK.format(0) + bfl, layout.DOUBLE.format(0) + name + ".weight"
 

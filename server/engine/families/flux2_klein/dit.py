@@ -64,7 +64,7 @@ def linear_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     slots = {name: LinearSlot(key) for key, name in TOP_LINEARS.items()}
     for stack in STACKS:
         for i in range(stack.depth(config)):
-            slots |= block_slots((stack.key, i), stack.prefix.format(i), stack.linears)
+            slots |= block_slots((stack.key, i), stack.prefix.format(i), stack.diffusers_linears)
     return slots
 
 
@@ -73,7 +73,7 @@ def bfl_slots(config: DiTConfig) -> dict[str, LinearSlot]:
     slots = {name: LinearSlot(key) for key, name in BFL_TOP.items()}
     for stack in STACKS:
         for i in range(stack.depth(config)):
-            for key, (_, bfl) in stack.layers.items():
+            for key, (_, bfl) in stack.linears.items():
                 slots[stack.bfl_prefix.format(i) + bfl] = LinearSlot(key, (stack.key, i))
     return slots
 
@@ -88,7 +88,7 @@ def bfl_naming() -> Naming:
     renames += [(_top(bfl), TOP_LINEARS[key] + ".") for key, bfl in BFL_SWAPPED_HALVES.items()]
     fused = []
     for stack in STACKS:
-        for parts, bfl in stack.layers.values():
+        for parts, bfl in stack.linears.values():
             target = parts[0] if len(parts) == 1 else bfl
             renames.append(_in_block(stack.bfl_prefix, stack.prefix, bfl, target))
             if len(parts) > 1:
@@ -148,9 +148,9 @@ def lora_aliases(rows: dict[str, int]) -> dict[str, list[list]]:
         layer, half = TOP_LINEARS[key], rows[TOP_LINEARS[key]] // 2
         aliases[bfl] = [[layer, half, half], [layer, 0, half]]
     for stack in STACKS:
-        first_layer = next(iter(stack.linears.values()))[0]
-        for i in range(_blocks(rows, stack.prefix, first_layer)):
-            for parts, bfl in stack.layers.values():
+        counted = next(iter(stack.diffusers_linears.values()))[0]  # every block has it
+        for i in range(_blocks(rows, stack.prefix, counted)):
+            for parts, bfl in stack.linears.values():
                 layers = (stack.prefix.format(i) + part for part in parts)
                 aliases[stack.bfl_prefix.format(i) + bfl] = whole(*layers)
     return aliases
@@ -170,7 +170,9 @@ def sanitize(files: dict[str, mx.array], config: DiTConfig) -> dict:
     weights = {key: files[name + ".weight"] for key, name in TOP_LINEARS.items()}
     for stack in STACKS:
         weights[stack.key] = [
-            block_weights(files, stack.prefix.format(i), stack.linears, stack.norm_names)
+            block_weights(
+                files, stack.prefix.format(i), stack.diffusers_linears, stack.diffusers_norms
+            )
             for i in range(stack.depth(config))
         ]
     return weights

@@ -1,8 +1,8 @@
 """FLUX.2 klein's DiT as data, without MLX: its config (diffusers' `Flux2Transformer2DModel`
 keys), the diffusers names of its weights by the forward's tree keys with BFL's names of them,
-its block stacks (`STACKS`), and every tensor's shape (`tensor_shapes`). The network (dit.py), the weight checks of
-single files, the component files (components.py) and the embedded model's recipe (embedded.py,
-which the listing imports without MLX) read these one tables."""
+its block stacks (`STACKS`), and every tensor's shape (`tensor_shapes`). The network (dit.py),
+the weight checks of single files, the component files (components.py) and the embedded
+model's recipe (embedded.py, which the listing imports without MLX) read these one tables."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ BFL_SINGLE_BLOCK = "single_blocks.{}."
 # forward fuses each stream's q, k and v as one matrix, as BFL's files do (`qkv`); diffusers
 # holds them as three layers. BFL's names are those of its own checkpoints and ComfyUI's Flux2
 # model: a patch table may name them, a band picking a part.
-DOUBLE_LAYERS = {
+DOUBLE_LINEARS = {
     "img_qkv": (("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn.qkv"),
     "txt_qkv": (("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"), "txt_attn.qkv"),
     "img_out": (("attn.to_out.0",), "img_attn.proj"),
@@ -75,18 +75,18 @@ DOUBLE_LAYERS = {
     "txt_ff_in": (("ff_context.linear_in",), "txt_mlp.0"),
     "txt_ff_out": (("ff_context.linear_out",), "txt_mlp.2"),
 }
-SINGLE_LAYERS = {
+SINGLE_LINEARS = {
     "qkv_mlp": (("attn.to_qkv_mlp_proj",), "linear1"),
     "out": (("attn.to_out",), "linear2"),
 }
 # A block's norm scales: tree key -> (diffusers' name, BFL's, which BFL's files end in `.scale`).
-DOUBLE_NORM_LAYERS = {
+DOUBLE_NORMS = {
     "norm_q": ("attn.norm_q", "img_attn.norm.query_norm"),
     "norm_k": ("attn.norm_k", "img_attn.norm.key_norm"),
     "norm_added_q": ("attn.norm_added_q", "txt_attn.norm.query_norm"),
     "norm_added_k": ("attn.norm_added_k", "txt_attn.norm.key_norm"),
 }
-SINGLE_NORM_LAYERS = {
+SINGLE_NORMS = {
     "norm_q": ("attn.norm_q", "norm.query_norm"),
     "norm_k": ("attn.norm_k", "norm.key_norm"),
 }
@@ -101,7 +101,7 @@ class BlockStack:
     key: str
     prefix: str
     bfl_prefix: str
-    layers: dict[str, tuple[tuple[str, ...], str]]
+    linears: dict[str, tuple[tuple[str, ...], str]]
     norms: dict[str, tuple[str, str]]
     depth_field: str
 
@@ -109,26 +109,26 @@ class BlockStack:
         return getattr(config, self.depth_field)
 
     @property
-    def linears(self) -> dict[str, tuple[str, ...]]:
+    def diffusers_linears(self) -> dict[str, tuple[str, ...]]:
         """Tree key -> the diffusers names of the layers its weight is made of, in row order."""
-        return {key: names for key, (names, _) in self.layers.items()}
+        return {key: names for key, (names, _) in self.linears.items()}
 
     @property
-    def norm_names(self) -> dict[str, str]:
+    def diffusers_norms(self) -> dict[str, str]:
         """Tree key -> the diffusers name of the norm scale."""
         return {key: name for key, (name, _) in self.norms.items()}
 
 
 DOUBLE_STACK = BlockStack(
-    "double", DOUBLE, BFL_DOUBLE_BLOCK, DOUBLE_LAYERS, DOUBLE_NORM_LAYERS, "num_layers"
+    "double", DOUBLE, BFL_DOUBLE_BLOCK, DOUBLE_LINEARS, DOUBLE_NORMS, "num_layers"
 )
 SINGLE_STACK = BlockStack(
-    "single", SINGLE, BFL_SINGLE_BLOCK, SINGLE_LAYERS, SINGLE_NORM_LAYERS, "num_single_layers"
+    "single", SINGLE, BFL_SINGLE_BLOCK, SINGLE_LINEARS, SINGLE_NORMS, "num_single_layers"
 )
 STACKS = (DOUBLE_STACK, SINGLE_STACK)
 # Norm scales stay float32 (the norms run in float32); every other weight takes the compute dtype.
 F32_WEIGHTS = tuple(
-    dict.fromkeys(name + ".weight" for stack in STACKS for name in stack.norm_names.values())
+    dict.fromkeys(name + ".weight" for stack in STACKS for name in stack.diffusers_norms.values())
 )
 
 
@@ -173,9 +173,9 @@ def tensor_shapes(config: DiTConfig) -> dict[str, tuple[int, ...]]:
     for stack, linear_shapes in ((DOUBLE_STACK, double), (SINGLE_STACK, single)):
         for i in range(stack.depth(config)):
             prefix = stack.prefix.format(i)
-            for key, parts in stack.linears.items():
+            for key, parts in stack.diffusers_linears.items():
                 for name in parts:
                     shapes[prefix + name + ".weight"] = linear_shapes[key]
-            for name in stack.norm_names.values():
+            for name in stack.diffusers_norms.values():
                 shapes[prefix + name + ".weight"] = head
     return shapes
