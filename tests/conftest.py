@@ -13,7 +13,8 @@
   not to (`PYTHONDONTWRITEBYTECODE`): the run starts many processes (the workers, and the
   servers, ranks and commands the tests start) that import the same modules, and each compiled
   them all again (on two cores the suite took 4:19 from a clean checkout against 4:28, and
-  4:10 once the caches are there). Set before the workers start, and inherited.
+  4:10 once the caches are there). Set before the workers start, and inherited: the caches
+  land beside every module the run imports, a ComfyUI checkout's (COMFYUI_DIR) included.
 """
 
 from __future__ import annotations
