@@ -204,6 +204,39 @@ def test_the_readiness_parameter_is_described_as_read():
         assert bool(re.search(pattern, value)) == taken, value
 
 
+def test_every_json_body_takes_a_null_model_as_the_default():
+    """The server reads a JSON body's `model` null as absent, the default model
+    (routes/common.model_field, openai.model_field): each description says so, or the negative
+    runs would count an answer to `"model": null` as a refusal missed whenever they send one."""
+    doc = yaml.safe_load(OPENAPI.read_text())
+    shared = doc["components"]["requestBodies"]
+    described = []
+    for route, methods in doc["paths"].items():
+        for method, operation in methods.items():
+            body = operation.get("requestBody") if isinstance(operation, dict) else None
+            if body is None:
+                continue
+            body = shared[body["$ref"].rsplit("/", 1)[-1]] if "$ref" in body else body
+            schema = (body["content"].get("application/json") or {}).get("schema", {})
+            schema = _resolved(doc, schema)
+            model = schema.get("properties", {}).get("model")
+            if model is not None:
+                described.append(route)
+                assert "type" not in model or model.get("nullable"), (method, route, model)
+    assert "/internal/image-steps/v1/encode" in described and "/v1/images/generations" in described
+
+
+def _resolved(doc: dict, schema: dict) -> dict:
+    """`schema` with its $ref and allOf parts merged into one object's properties."""
+    if "$ref" in schema:
+        name = schema["$ref"].rsplit("/", 1)[-1]
+        return _resolved(doc, doc["components"]["schemas"][name])
+    properties = dict(schema.get("properties", {}))
+    for part in schema.get("allOf", []):
+        properties |= _resolved(doc, part).get("properties", {})
+    return {**schema, "properties": properties}
+
+
 @pytest.mark.parametrize("operation", OPERATIONS, ids=operation_id)
 def test_valid_requests_conform(server, operation):
     exercise(server, operation, GenerationMode.POSITIVE, QUICK_EXAMPLES, VERSION)
