@@ -15,6 +15,9 @@
   them all again (on two cores the suite took 4:19 from a clean checkout against 4:28, and
   4:10 once the caches are there). Set before the workers start, and inherited: the caches
   land beside every module the run imports, a ComfyUI checkout's (COMFYUI_DIR) included.
+- Hypothesis draws the same examples on every default run (`derandomize`), so a run that
+  passes here passes on any machine; `pytest -m heavy` draws new ones on each run, to find
+  what those miss (a failure prints the seed that repeats it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import sys
 
 import pytest
+from hypothesis import settings
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -40,6 +44,8 @@ SLOW_FIRST = (
 def pytest_configure(config):
     sys.dont_write_bytecode = False
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    settings.register_profile("gmlx", derandomize=not _heavy(config))
+    settings.load_profile("gmlx")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         for name in THREAD_VARIABLES:
             os.environ.setdefault(name, "1")
@@ -47,12 +53,17 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_slow_rank(config))  # a stable sort: order within a module is kept
-    if "heavy" in (config.getoption("markexpr") or ""):
+    if _heavy(config):
         return
     skip = pytest.mark.skip(reason="heavy run: select it with pytest -m heavy")
     for item in items:
         if "heavy" in item.keywords:
             item.add_marker(skip)
+
+
+def _heavy(config) -> bool:
+    """Whether the run selects the heavy tier (`-m heavy`)."""
+    return "heavy" in (config.getoption("markexpr") or "")
 
 
 def _slow_rank(config):

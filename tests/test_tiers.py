@@ -70,3 +70,11 @@ def test_ci_runs_the_readme_test_command():
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     ci_command = [line for line in ci_lines if line.strip() and not line.startswith("#")][-1]
     assert ci_command == readme_command
+
+
+def test_the_default_run_draws_the_same_hypothesis_examples():
+    """The default run's property tests draw the same examples on every machine
+    (tests/conftest.py); the heavy tier draws new ones."""
+    from hypothesis import settings
+
+    assert settings.default.derandomize
