@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gmlx comfyui install")
     parser.add_argument("--comfy", required=True, type=Path, help="the ComfyUI folder")
     parser.add_argument("--python", type=Path, default=None, help="ComfyUI's Python")
-    return _run(parser.parse_args(argv), _install)
+    return _run(parser.parse_args(argv), _install, parser.prog)
 
 
 def _install(args: argparse.Namespace) -> None:
@@ -347,7 +347,7 @@ def uninstall_main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pip", action="store_true", help=f"also pip-uninstall {DISTRIBUTION} from its Python"
     )
-    return _run(parser.parse_args(argv), _uninstall)
+    return _run(parser.parse_args(argv), _uninstall, parser.prog)
 
 
 def _uninstall(args: argparse.Namespace) -> None:
@@ -364,12 +364,13 @@ def _uninstall(args: argparse.Namespace) -> None:
     print("restart ComfyUI to drop the gmlx nodes")
 
 
-def _run(args: argparse.Namespace, command: Callable[[argparse.Namespace], None]) -> int:
-    """A command's exit status: 0, or 2 with the GmlxError it raised on stderr."""
+def _run(args: argparse.Namespace, command: Callable[[argparse.Namespace], None], prog: str) -> int:
+    """A command's exit status: 0, or 2 with the GmlxError it raised on stderr, told as the
+    command's (`prog`: `gmlx comfyui install: ...`, as the other gmlx commands tell theirs)."""
     try:
         command(args)
     except GmlxError as err:
-        print(err, file=sys.stderr)
+        print(f"{prog}: {str(err).removeprefix('gmlx: ')}", file=sys.stderr)
         return 2
     return 0
 

@@ -200,7 +200,9 @@ def test_the_gmlx_commands_uninstall_and_status(tmp_path, monkeypatch, capsys):
     assert f"removed {root / 'custom_nodes' / 'gmlx_steps'}" in out
     assert f"gmlx-steps stays installed in {tmp_path / 'py'}" in out and "--pip" in out
     assert cli.main(["comfyui", "uninstall", "--comfy", str(root)]) == 2
-    assert "no install into" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("gmlx comfyui uninstall: no install into")
+    assert cli.main(["comfyui", "install", "--comfy", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err.startswith("gmlx comfyui install: ")
 
 
 def test_install_records_the_gmlx_that_serves_unless_one_is_set(tmp_path):
