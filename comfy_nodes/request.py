@@ -99,11 +99,12 @@ def typed_where_it_belongs(conds: Mapping[str, Any]) -> Any:
     the FLUX.3 pipelines never rewrite those; else the encoded one. A conditioning ComfyUI
     zeroed (ConditioningZeroOut, which keeps the other keys) stays zero."""
     typed, encoded = conds.get("gmlx_cond_typed"), conds.get("cross_attn")
-    zeroed = encoded is not None and not np.any(as_f32(encoded))
-    if typed is not None and not zeroed:
-        if conds.get("prompt_type") == "negative" or conds.get("reference_latents"):
-            return typed
-    return encoded
+    if typed is None or not (
+        conds.get("prompt_type") == "negative" or conds.get("reference_latents")
+    ):
+        return encoded
+    zeroed = encoded is not None and not np.any(as_f32(encoded))  # read only where it decides
+    return encoded if zeroed else typed
 
 
 def row_of(batch: Any, i: int, length: int | None = None) -> Any:
