@@ -118,12 +118,14 @@ class Connection:
         at ComfyUI's interrupt (`on_cancel` then runs; interrupts.call_or_interrupt)."""
         return call_or_interrupt(work, COMFY_INTERRUPT, on_cancel, lock=self.lock)
 
-    def control_client(self, timeout: float) -> StepClient:
+    def control_client(self, timeout: float | None = None) -> StepClient:
         """A separate client (own session) for the calls of runs: interrupts and run ends must
         not wait for a step's connection, nor other calls for a run's begin (which may load a
-        model for minutes, and go on after its prompt was cancelled)."""
-        own = timeout == self.client.timeout  # a run's begin: the setting is its bound
-        return StepClient(self.url, self.api_key, timeout, self.client.timeout_hint if own else "")
+        model for minutes, and go on after its prompt was cancelled). `timeout`: the call's own
+        bound; None: the request timeout setting's, and its hint where it runs out."""
+        if timeout is None:
+            return StepClient(self.url, self.api_key, self.client.timeout, self.client.timeout_hint)
+        return StepClient(self.url, self.api_key, timeout)
 
     def ensure_adapters(self, adapters: Mapping[str, np.ndarray]) -> None:
         """Put each adapter matrix (by hash) on the server unless this connection already did:

@@ -682,7 +682,7 @@ class GmlxModelPatcher(comfy.model_patcher.ModelPatcher):
 
         def begin() -> str:  # loads the DiT where it is not resident: cancellable, and on a
             # client of its own, so an abandoned load holds up no other call
-            with conn.control_client(conn.client.timeout) as client:
+            with conn.control_client() as client:  # the setting's bound
                 run = client.begin_run(self.remote.model_id)
             with guard:
                 ended = abandoned[0]
