@@ -27,14 +27,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engine.processes import process_runs, this_host
+from .engine.processes import remove_left_by_gone, this_host
 
 log = logging.getLogger("gmlx.server")
 
 CONTENT_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 NAME_RE = re.compile(r"[0-9a-f]{32}\.(png|jpeg|webp)")
 # one server's images in image_url_dir: its host's name and its process id
-SERVER_FOLDER_RE = re.compile(r"server-(.+)-(\d+)")
+SERVER_FOLDER_RE = re.compile(r"server-(?P<host>.+)-(?P<pid>\d+)")
 MAX_SWEEP_S = 30.0
 
 
@@ -157,8 +157,4 @@ def _remove_gone_servers(root: Path) -> None:
     """The image folders in `root` of servers whose process no longer runs, and the loose image
     files an earlier layout kept there; another running server's folder is left alone."""
     _remove_images(root)
-    for path in root.iterdir():
-        held = SERVER_FOLDER_RE.fullmatch(path.name)
-        mine = held and held[1] == this_host()  # another host's processes are not seen here
-        if mine and path.is_dir() and not process_runs(int(held[2])):
-            shutil.rmtree(path, ignore_errors=True)
+    remove_left_by_gone(root, SERVER_FOLDER_RE)

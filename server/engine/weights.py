@@ -35,7 +35,7 @@ from .ggml_blocks import Blocks, hold_blocks, sanitize_blocks
 from .gguf import GROUP_SIZE as GGUF_GROUP_SIZE
 from .nn.dtypes import eval_leaf_by_leaf
 from .precision import Quantization
-from .processes import process_runs, this_host
+from .processes import remove_left_by_gone, this_host
 from .quantize import (
     BIASES,
     PACKED_BITS,
@@ -441,13 +441,10 @@ def quantized_already(source: Path, components: Iterable[str]) -> str | None:
 def _remove_abandoned_builds(destination: Path) -> None:
     """The hidden folders that builds of `destination` on this host killed outright (no
     cleanup ran) left beside it: those whose process no longer runs."""
-    own = re.compile(
-        rf"\.{re.escape(destination.name)}-{re.escape(this_host())}-(\d+)-[0-9a-f]{{8}}"
+    builds = re.compile(
+        rf"\.{re.escape(destination.name)}-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]{{8}}"
     )
-    for folder in destination.parent.iterdir():
-        held = own.fullmatch(folder.name)
-        if held and folder.is_dir() and not process_runs(int(held[1])):
-            shutil.rmtree(folder, ignore_errors=True)
+    remove_left_by_gone(destination.parent, builds)
 
 
 def quantize_folder(
