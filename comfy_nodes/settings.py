@@ -265,11 +265,13 @@ def load_settings(environ: dict[str, str] | None = None) -> Settings:
 def _seconds(value: Any) -> float | None:
     """A positive, finite number of seconds (a number or its text), else None: a mistyped
     setting falls back on the default rather than stop ComfyUI from loading the pack."""
+    if value is None or isinstance(value, bool):
+        return None
     try:
-        seconds = float(value) if not isinstance(value, bool) and value is not None else None
+        seconds = float(value)
     except (TypeError, ValueError):
         return None
-    return seconds if seconds is not None and 0 < seconds < float("inf") else None
+    return seconds if 0 < seconds < float("inf") else None
 
 
 def model_names_from_answer(doc: Any) -> list[str]:
